@@ -1,0 +1,108 @@
+// A small dense, row-major tensor: owned or borrowed storage, a dtype and a shape. Not a tensor
+// library: it carries data across the API and checks shapes; the math lives in the ops.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "switchyard/dtype.h"
+
+namespace switchyard {
+
+using Shape = std::vector<int64_t>;
+
+/// "[2, 3]" for error messages.
+std::string shape_str(const Shape& shape);
+
+/// Dense row-major tensor. Copying a Tensor shares its storage (like a handle); `clone()` copies the
+/// data. A borrowed tensor points at caller memory that must outlive it.
+class Tensor {
+ public:
+  /// An undefined tensor (`defined() == false`), used for optional arguments.
+  Tensor() = default;
+
+  /// Uninitialised owned storage, 64-byte aligned.
+  static Tensor empty(const Shape& shape, DType dtype);
+  /// Zero-filled owned storage.
+  static Tensor zeros(const Shape& shape, DType dtype);
+  /// Owned storage with every element equal to `value` (converted to `dtype`).
+  static Tensor full(const Shape& shape, DType dtype, double value);
+  /// Non-owning view of `data` (row-major, contiguous). The caller keeps `data` alive.
+  static Tensor borrow(void* data, const Shape& shape, DType dtype);
+  /// Owned copy of a vector's contents with the given shape (numel must match).
+  template <class T>
+  static Tensor from_vector(const std::vector<T>& values, const Shape& shape);
+
+  bool defined() const { return data_ != nullptr || (dtype_set_ && numel_ == 0); }
+  DType dtype() const { return dtype_; }
+  const Shape& shape() const { return shape_; }
+  int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
+  /// Size of dimension `d`; negative `d` counts from the end.
+  int64_t size(int64_t d) const;
+  int64_t numel() const { return numel_; }
+  size_t nbytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
+  bool owns_storage() const { return static_cast<bool>(storage_); }
+
+  void* raw() { return data_; }
+  const void* raw() const { return data_; }
+  /// Typed pointer; throws std::invalid_argument when T does not match dtype().
+  template <class T>
+  T* data();
+  template <class T>
+  const T* data() const;
+
+  /// Deep copy into owned storage.
+  Tensor clone() const;
+  /// Converted copy (bf16 rounding to nearest even; float -> int truncates toward zero).
+  Tensor to(DType dtype) const;
+  /// Same storage, new shape with the same numel.
+  Tensor reshape(const Shape& shape) const;
+  /// Copy of the values as doubles (tests, references, printing).
+  std::vector<double> to_double_vector() const;
+  /// Element i (flat index) as a double.
+  double item_as_double(int64_t i) const;
+
+ private:
+  void check_dtype(DType want) const;
+  std::shared_ptr<void> storage_;
+  void* data_ = nullptr;
+  Shape shape_;
+  int64_t numel_ = 0;
+  DType dtype_ = DType::fp32;
+  bool dtype_set_ = false;
+};
+
+template <class T>
+T* Tensor::data() {
+  check_dtype(dtype_of<T>());
+  return static_cast<T*>(data_);
+}
+
+template <class T>
+const T* Tensor::data() const {
+  check_dtype(dtype_of<T>());
+  return static_cast<const T*>(data_);
+}
+
+template <class T>
+Tensor Tensor::from_vector(const std::vector<T>& values, const Shape& shape) {
+  Tensor t = empty(shape, dtype_of<T>());
+  if (static_cast<int64_t>(values.size()) != t.numel()) {
+    throw std::invalid_argument("[tensor] from_vector: " + std::to_string(values.size()) +
+                                " values do not fill shape " + shape_str(shape));
+  }
+  T* d = t.data<T>();
+  for (size_t i = 0; i < values.size(); ++i) d[i] = values[i];
+  return t;
+}
+
+/// Number of threads the CPU kernels use (OpenMP). Results never depend on it.
+int num_threads();
+/// Set the number of CPU threads (>= 1).
+void set_num_threads(int n);
+
+}  // namespace switchyard

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs what switchyard needs from Debian 12's packages, only when something is missing.
+set -euo pipefail
+PKGS=(g++ cmake make pkg-config
+      libgtest-dev libgmock-dev libbenchmark-dev
+      libopenblas-dev libopenmpi-dev openmpi-bin
+      libzstd-dev libxxhash-dev nlohmann-json3-dev libcli11-dev
+      pybind11-dev python3-dev python3-numpy python3-torch python3-pytest python3-mpi4py
+      clang libomp-dev libclang-rt-14-dev)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "[deps] installing: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+  echo "[deps] all Debian packages present"
+fi

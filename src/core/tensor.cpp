@@ -1,0 +1,253 @@
+#include "switchyard/tensor.h"
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "check.h"
+
+namespace switchyard {
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::bf16: return 2;
+    case DType::fp32: return 4;
+    case DType::fp64: return 8;
+    case DType::int32: return 4;
+    case DType::int64: return 8;
+    case DType::uint8: return 1;
+    case DType::boolean: return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::bf16: return "bf16";
+    case DType::fp32: return "fp32";
+    case DType::fp64: return "fp64";
+    case DType::int32: return "int32";
+    case DType::int64: return "int64";
+    case DType::uint8: return "uint8";
+    case DType::boolean: return "bool";
+  }
+  return "?";
+}
+
+std::string shape_str(const Shape& shape) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << "]";
+  return os.str();
+}
+
+namespace {
+
+int64_t checked_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t s : shape) {
+    if (s < 0) detail::fail_arg("tensor", "shape ", shape_str(shape), " has a negative size");
+    n *= s;
+  }
+  return n;
+}
+
+template <class T>
+void fill_as(void* p, int64_t n, double v) {
+  T* d = static_cast<T*>(p);
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(v);
+}
+
+}  // namespace
+
+Tensor Tensor::empty(const Shape& shape, DType dtype) {
+  Tensor t;
+  t.shape_ = shape;
+  t.numel_ = checked_numel(shape);
+  t.dtype_ = dtype;
+  t.dtype_set_ = true;
+  size_t bytes = t.nbytes();
+  size_t alloc = ((bytes + 63) / 64) * 64;
+  if (alloc == 0) alloc = 64;
+  void* p = std::aligned_alloc(64, alloc);
+  if (!p) throw std::bad_alloc();
+  t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  t.data_ = p;
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  std::memset(t.data_, 0, t.nbytes());
+  return t;
+}
+
+Tensor Tensor::full(const Shape& shape, DType dtype, double value) {
+  Tensor t = empty(shape, dtype);
+  switch (dtype) {
+    case DType::bf16: {
+      bf16 b = float_to_bf16(static_cast<float>(value));
+      auto* d = static_cast<bf16*>(t.data_);
+      for (int64_t i = 0; i < t.numel_; ++i) d[i] = b;
+      break;
+    }
+    case DType::fp32: fill_as<float>(t.data_, t.numel_, value); break;
+    case DType::fp64: fill_as<double>(t.data_, t.numel_, value); break;
+    case DType::int32: fill_as<int32_t>(t.data_, t.numel_, value); break;
+    case DType::int64: fill_as<int64_t>(t.data_, t.numel_, value); break;
+    case DType::uint8: fill_as<uint8_t>(t.data_, t.numel_, value); break;
+    case DType::boolean: fill_as<bool>(t.data_, t.numel_, value != 0.0); break;
+  }
+  return t;
+}
+
+Tensor Tensor::borrow(void* data, const Shape& shape, DType dtype) {
+  Tensor t;
+  t.shape_ = shape;
+  t.numel_ = checked_numel(shape);
+  t.dtype_ = dtype;
+  t.dtype_set_ = true;
+  if (data == nullptr && t.numel_ > 0) {
+    detail::fail_arg("tensor", "borrow: null data for shape ", shape_str(shape));
+  }
+  t.data_ = data;
+  return t;
+}
+
+int64_t Tensor::size(int64_t d) const {
+  const int64_t n = dim();
+  const int64_t i = d < 0 ? d + n : d;
+  if (i < 0 || i >= n) {
+    detail::fail_arg("tensor", "size(", d, ") out of range for shape ", shape_str(shape_));
+  }
+  return shape_[static_cast<size_t>(i)];
+}
+
+void Tensor::check_dtype(DType want) const {
+  if (want != dtype_) {
+    detail::fail_arg("tensor", "data<", dtype_name(want), ">() on a tensor of dtype ",
+                     dtype_name(dtype_));
+  }
+}
+
+Tensor Tensor::clone() const {
+  if (!defined()) return Tensor();
+  Tensor t = empty(shape_, dtype_);
+  if (nbytes()) std::memcpy(t.data_, data_, nbytes());
+  return t;
+}
+
+double Tensor::item_as_double(int64_t i) const {
+  switch (dtype_) {
+    case DType::bf16: return bf16_to_float(static_cast<const bf16*>(data_)[i]);
+    case DType::fp32: return static_cast<const float*>(data_)[i];
+    case DType::fp64: return static_cast<const double*>(data_)[i];
+    case DType::int32: return static_cast<const int32_t*>(data_)[i];
+    case DType::int64: return static_cast<double>(static_cast<const int64_t*>(data_)[i]);
+    case DType::uint8: return static_cast<const uint8_t*>(data_)[i];
+    case DType::boolean: return static_cast<const bool*>(data_)[i] ? 1.0 : 0.0;
+  }
+  return 0.0;
+}
+
+std::vector<double> Tensor::to_double_vector() const {
+  std::vector<double> v(static_cast<size_t>(numel_));
+  for (int64_t i = 0; i < numel_; ++i) v[static_cast<size_t>(i)] = item_as_double(i);
+  return v;
+}
+
+Tensor Tensor::to(DType dtype) const {
+  if (!defined()) return Tensor();
+  if (dtype == dtype_) return clone();
+  Tensor t = empty(shape_, dtype);
+  const int64_t n = numel_;
+  if (dtype == DType::bf16 && dtype_ == DType::fp32) {
+    const float* s = static_cast<const float*>(data_);
+    bf16* d = static_cast<bf16*>(t.data_);
+    for (int64_t i = 0; i < n; ++i) d[i] = float_to_bf16(s[i]);
+    return t;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = item_as_double(i);
+    switch (dtype) {
+      case DType::bf16:
+        // Round via fp32 first would double-round; go fp64 -> fp32 only when exact enough is
+        // not guaranteed, so round fp64 -> fp32 (nearest) then fp32 -> bf16 (nearest even).
+        static_cast<bf16*>(t.data_)[i] = float_to_bf16(static_cast<float>(v));
+        break;
+      case DType::fp32: static_cast<float*>(t.data_)[i] = static_cast<float>(v); break;
+      case DType::fp64: static_cast<double*>(t.data_)[i] = v; break;
+      case DType::int32: static_cast<int32_t*>(t.data_)[i] = static_cast<int32_t>(v); break;
+      case DType::int64: static_cast<int64_t*>(t.data_)[i] = static_cast<int64_t>(v); break;
+      case DType::uint8: static_cast<uint8_t*>(t.data_)[i] = static_cast<uint8_t>(v); break;
+      case DType::boolean: static_cast<bool*>(t.data_)[i] = v != 0.0; break;
+    }
+  }
+  return t;
+}
+
+Tensor Tensor::reshape(const Shape& shape) const {
+  if (checked_numel(shape) != numel_) {
+    detail::fail_arg("tensor", "reshape: cannot view shape ", shape_str(shape_), " as ",
+                     shape_str(shape));
+  }
+  Tensor t = *this;
+  t.shape_ = shape;
+  return t;
+}
+
+int num_threads() { return omp_get_max_threads(); }
+
+void set_num_threads(int n) {
+  if (n < 1) detail::fail_arg("set_num_threads", "n must be >= 1, got n=", n);
+  omp_set_num_threads(n);
+}
+
+namespace detail {
+
+void check_defined(const Tensor& t, const char* op, const char* name) {
+  if (!t.defined()) fail_arg(op, name, " must be a defined tensor, got an undefined one");
+}
+
+void check_dtype(const Tensor& t, const char* op, const char* name,
+                 std::initializer_list<DType> allowed) {
+  check_defined(t, op, name);
+  std::string list;
+  for (DType d : allowed) {
+    if (d == t.dtype()) return;
+    list += (list.empty() ? "" : " or ");
+    list += dtype_name(d);
+  }
+  fail_arg(op, name, " must have dtype ", list, ", got ", dtype_name(t.dtype()));
+}
+
+void check_dim(const Tensor& t, const char* op, const char* name, int64_t ndim) {
+  check_defined(t, op, name);
+  if (t.dim() != ndim) {
+    fail_arg(op, name, " must have ", ndim, " dimensions, got shape ", shape_str(t.shape()));
+  }
+}
+
+void check_shape(const Tensor& t, const char* op, const char* name, const Shape& expected) {
+  check_defined(t, op, name);
+  bool ok = t.dim() == static_cast<int64_t>(expected.size());
+  for (size_t i = 0; ok && i < expected.size(); ++i) {
+    if (expected[i] >= 0 && expected[i] != t.shape()[i]) ok = false;
+  }
+  if (!ok) {
+    std::string exp = "[";
+    for (size_t i = 0; i < expected.size(); ++i) {
+      exp += (i ? ", " : "");
+      exp += expected[i] < 0 ? std::string("*") : std::to_string(expected[i]);
+    }
+    exp += "]";
+    fail_arg(op, name, " must have shape ", exp, ", got ", shape_str(t.shape()));
+  }
+}
+
+}  // namespace detail
+}  // namespace switchyard
