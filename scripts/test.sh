@@ -1,10 +1,60 @@
 #!/usr/bin/env bash
-# The test command: installs what is missing, builds everything and runs every test
-# (unit, MPI at 1-4 ranks, Python), then the sanitizer build and the bounded fuzz runs.
-set -euo pipefail
+# The test command: installs what is missing, builds everything and runs every test (unit, MPI at 1-4
+# ranks, Python), then the AddressSanitizer+UBSan build of the unit and MPI tests, then bounded fuzz
+# runs. Ends with one summary line: "summary: N passed, M failed".
+set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-bash scripts/deps.sh
-bash scripts/build.sh
-cd build
-ctest --output-on-failure -j2 --timeout 900
+jobs=${SY_JOBS:-2}
+passed=0; failed=0; stage_failed=()
+
+# Adds the counts of one ctest log ("X% tests passed, F tests failed out of N") to the totals.
+count_ctest() {
+  local line n f
+  line=$(grep -E "tests passed, [0-9]+ tests? failed out of [0-9]+" "$1" | tail -1)
+  if [ -z "$line" ]; then failed=$((failed + 1)); return; fi
+  f=$(sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\1/' <<<"$line")
+  n=$(sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\2/' <<<"$line")
+  passed=$((passed + n - f)); failed=$((failed + f))
+}
+
+stage() { echo; echo "==== $* ($(date +%T))"; }
+
+stage "dependencies"
+bash scripts/deps.sh || exit 1
+
+stage "release build (warnings as errors)"
+bash scripts/build.sh || exit 1
+
+stage "tests: unit, dist (MPI 1-4 ranks), python"
+(cd build && ctest --output-on-failure -j"$jobs" --timeout 900) 2>&1 | tee build/ctest-release.log
+[ "${PIPESTATUS[0]}" -eq 0 ] || stage_failed+=("release tests")
+count_ctest build/ctest-release.log
+
+if [ "${SY_SKIP_SANITIZE:-0}" != 1 ]; then
+  stage "sanitizer build (ASan + UBSan) of the unit and MPI tests"
+  if cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSWITCHYARD_SANITIZE=ON \
+       -DSWITCHYARD_WERROR=ON -DSWITCHYARD_BUILD_BENCHMARKS=OFF -DSWITCHYARD_BUILD_PYTHON=OFF \
+       -DSWITCHYARD_BUILD_TOOLS=ON >build-configure.log && cmake --build build-asan -j"$jobs"; then
+    export ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:strict_string_checks=1
+    export LSAN_OPTIONS=suppressions=$root/scripts/lsan.supp:print_suppressions=0
+    export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+    (cd build-asan && ctest --output-on-failure -j"$jobs" --timeout 900 -L "unit|dist") 2>&1 |
+      tee build-asan/ctest-asan.log
+    [ "${PIPESTATUS[0]}" -eq 0 ] || stage_failed+=("sanitizer tests")
+    count_ctest build-asan/ctest-asan.log
+  else
+    stage_failed+=("sanitizer build"); failed=$((failed + 1))
+  fi
+fi
+
+if [ "${SY_SKIP_FUZZ:-0}" != 1 ] && [ -f scripts/fuzz.sh ]; then
+  stage "bounded fuzz runs"
+  if bash scripts/fuzz.sh; then passed=$((passed + 1)); else
+    stage_failed+=("fuzz"); failed=$((failed + 1)); fi
+fi
+
+echo
+if ((${#stage_failed[@]})); then echo "failed stages: ${stage_failed[*]}"; fi
+echo "summary: $passed passed, $failed failed"
+[ "$failed" -eq 0 ] && ((${#stage_failed[@]} == 0))
