@@ -215,6 +215,9 @@ void micro(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, i
 // L2; an A tile, MR x KC, in L1); MB tokens per parallel work item.
 constexpr int64_t kKC = 256;
 constexpr int64_t kMB = 16 * kMR;
+// Below this many multiply-adds a call runs on one thread: a parallel region costs more than the
+// work, and much more when the other core is busy. (Results never depend on it.)
+constexpr int64_t kParallelMin = int64_t{1} << 18;
 
 template <class Acc, class XT, class WT, class BT>
 void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T, int64_t H,
@@ -233,7 +236,7 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
   // Pack W once: panel p holds experts [p*NR, p*NR+NR) as an H x NR row-major block (zero
   // columns past E), converted exactly to Acc.
   Scratch<Acc> wp(npanel * H * NR);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (E * H >= kParallelMin)
   for (int64_t p = 0; p < npanel; ++p) {
     Acc* dst = wp.p + p * H * NR;
     for (int64_t h0 = 0; h0 < H; h0 += 64) {
@@ -250,7 +253,7 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
     }
   }
   const int64_t nblk = (T + kMB - 1) / kMB;
-#pragma omp parallel
+#pragma omp parallel if (T * H * E >= kParallelMin)
   {
     constexpr bool kDirect = std::is_same_v<XT, Acc>;
     std::unique_ptr<Scratch<Acc>> xpack;
@@ -312,7 +315,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
       for (int64_t i = 0; i < T * H; ++i) grad_x[i] = from_acc<XT>(Acc(0));
     } else {
       Scratch<Acc> wq(npanel * E * NR);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (E * H >= kParallelMin)
       for (int64_t p = 0; p < npanel; ++p) {
         const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
         for (int64_t e = 0; e < E; ++e) {
@@ -323,7 +326,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
         }
       }
       const int64_t nblk = (T + kMB - 1) / kMB;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H * E >= kParallelMin)
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const int64_t t0 = blk * kMB, t1 = std::min(T, t0 + kMB);
         Acc tile[kMR * NR];
@@ -352,7 +355,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   // chain is kept in an Acc buffer across KC blocks of tokens and rounded once at the end.
   if (E == 0) return;
   Scratch<Acc> acc(E * h_pad);
-#pragma omp parallel
+#pragma omp parallel if (T * H * E >= kParallelMin)
   {
     Scratch<Acc> xp(kKC * NR);
 #pragma omp for schedule(static)
