@@ -351,40 +351,54 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
     }
   }
 
-  // grad_w = Gᵀ · X: parallel over H panels (never over t, so the chain over t is fixed); the
-  // chain is kept in an Acc buffer across KC blocks of tokens and rounded once at the end.
+  // grad_w = Gᵀ · X: parallel over groups of H panels (never over t, so the chain over t is
+  // fixed); the chain is kept in an Acc buffer across KC blocks of tokens and rounded once at the
+  // end. A group packs kGP panels of a token block at once, so each x row is read as one
+  // contiguous 128-column (or wider) segment: one panel at a time read 32 bytes per 4 KB-strided
+  // row, a TLB miss per row, and the loads took a quarter of the backward.
   if (E == 0) return;
+  constexpr int64_t kGP = 8;
+  const int64_t ngroup = (npanel + kGP - 1) / kGP;
   Scratch<Acc> acc(E * h_pad);
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
-    Scratch<Acc> xp(kKC * NR);
+    Scratch<Acc> xp(kGP * kKC * NR);
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < npanel; ++p) {
-      const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
-      Acc* c = acc.p + p * NR;
+    for (int64_t grp = 0; grp < ngroup; ++grp) {
+      const int64_t p0 = grp * kGP, p1 = std::min(npanel, p0 + kGP);
+      const int64_t h0 = p0 * NR, h1 = std::min(H, p1 * NR);  // valid columns of the group
       if (T == 0) {
         for (int64_t e = 0; e < E; ++e)
-          for (int j = 0; j < NR; ++j) c[e * h_pad + j] = Acc(0);
+          for (int64_t h = h0; h < p1 * NR; ++h) acc.p[e * h_pad + h] = Acc(0);
       }
       for (int64_t k0 = 0; k0 < T; k0 += kKC) {
         const int64_t kc = std::min(kKC, T - k0);
+        // Pack: xp[(p - p0)][k][j] = x[k0 + k, p*NR + j], zero past H.
         for (int64_t k = 0; k < kc; ++k) {
-          const XT* src = x + (k0 + k) * H + p * NR;
-          Acc* dst = xp.p + k * NR;
-          for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[j]);
-          for (int64_t j = nvalid; j < NR; ++j) dst[j] = Acc(0);
+          const XT* src = x + (k0 + k) * H;
+          for (int64_t p = p0; p < p1; ++p) {
+            Acc* dst = xp.p + ((p - p0) * kc + k) * NR;
+            const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
+            if (nvalid == NR) {
+              for (int j = 0; j < NR; ++j) dst[j] = to_acc<Acc>(src[p * NR + j]);
+            } else {
+              for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[p * NR + j]);
+              for (int64_t j = nvalid; j < NR; ++j) dst[j] = Acc(0);
+            }
+          }
         }
         const Chain chain = k0 == 0 ? Chain::start : Chain::resume;
-        for (int64_t e0 = 0; e0 < E; e0 += kMR) {
-          const int64_t mr = std::min<int64_t>(kMR, E - e0);
-          micro<Acc>(mr, NR, kc, g + k0 * E + e0, 1, E, xp.p, c + e0 * h_pad, h_pad, chain,
-                     nullptr);
+        for (int64_t p = p0; p < p1; ++p) {
+          const Acc* b = xp.p + (p - p0) * kc * NR;
+          for (int64_t e0 = 0; e0 < E; e0 += kMR) {
+            const int64_t mr = std::min<int64_t>(kMR, E - e0);
+            micro<Acc>(mr, NR, kc, g + k0 * E + e0, 1, E, b, acc.p + e0 * h_pad + p * NR, h_pad,
+                       chain, nullptr);
+          }
         }
       }
       for (int64_t e = 0; e < E; ++e) {
-        WT* dst = grad_w + e * H + p * NR;
-        const Acc* src = c + e * h_pad;
-        for (int64_t j = 0; j < nvalid; ++j) dst[j] = from_acc<WT>(src[j]);
+        for (int64_t h = h0; h < h1; ++h) grad_w[e * H + h] = from_acc<WT>(acc.p[e * h_pad + h]);
       }
     }
   }

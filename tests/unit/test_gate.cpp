@@ -236,6 +236,9 @@ TEST(Gate, BackwardShapesThatBreakKernels) {
         check_backward({T, H, E, DType::bf16, DType::bf16, DType::fp32, true}, s++);
       }
   check_backward({1031, 2048, 2, DType::bf16, DType::bf16, DType::fp32, true}, s++);
+  // Several groups of H panels with a partial last panel, and more than one block of tokens.
+  check_backward({600, 300, 19, DType::bf16, DType::bf16, DType::fp32, true}, s++);
+  check_backward({600, 300, 19, DType::fp32, DType::bf16, DType::fp64, true}, s++);
   check_backward({4096, 13, 64, DType::bf16, DType::fp32, DType::fp32, true}, s++);
   check_backward({5, 0, 3, DType::bf16, DType::bf16, DType::fp32, true}, s++);
   check_backward({5, 7, 0, DType::fp32, DType::bf16, DType::fp64, true}, s++);
