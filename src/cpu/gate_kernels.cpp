@@ -60,7 +60,8 @@ inline Out from_acc(Acc v) {
 template <class T>
 struct Scratch {
   explicit Scratch(int64_t n)
-      : p(static_cast<T*>(std::aligned_alloc(64, static_cast<size_t>(((n * sizeof(T) + 63) / 64) * 64 + 64)))) {
+      : p(static_cast<T*>(
+            std::aligned_alloc(64, static_cast<size_t>(((n * sizeof(T) + 63) / 64) * 64 + 64)))) {
     if (!p) throw std::bad_alloc();
   }
   ~Scratch() { std::free(p); }
@@ -118,15 +119,15 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   // (a store per FMA), which halved the throughput.
   V c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
 #define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define SY_INIT(i)                                  \
-  if constexpr (MR > i) {                           \
-    if (chain == Chain::resume) {                   \
-      c##i##0 = S::load(c + i * ldc);               \
-      c##i##1 = S::load(c + i * ldc + L);           \
-    } else {                                        \
-      c##i##0 = S::zero();                          \
-      c##i##1 = S::zero();                          \
-    }                                               \
+#define SY_INIT(i)                        \
+  if constexpr (MR > i) {                 \
+    if (chain == Chain::resume) {         \
+      c##i##0 = S::load(c + i * ldc);     \
+      c##i##1 = S::load(c + i * ldc + L); \
+    } else {                              \
+      c##i##0 = S::zero();                \
+      c##i##1 = S::zero();                \
+    }                                     \
   }
   SY_ROWS(SY_INIT)
 #undef SY_INIT
@@ -134,11 +135,11 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   for (int64_t k = 0; k < kc; ++k) {
     const V b0 = S::load(b + k * NR);
     const V b1 = S::load(b + k * NR + L);
-#define SY_FMA(i)                                   \
-  if constexpr (MR > i) {                           \
-    const V ai = S::bcast(ap + i * a_rs);           \
-    c##i##0 = S::fma(ai, b0, c##i##0);              \
-    c##i##1 = S::fma(ai, b1, c##i##1);              \
+#define SY_FMA(i)                         \
+  if constexpr (MR > i) {                 \
+    const V ai = S::bcast(ap + i * a_rs); \
+    c##i##0 = S::fma(ai, b0, c##i##0);    \
+    c##i##1 = S::fma(ai, b1, c##i##1);    \
   }
     SY_ROWS(SY_FMA)
 #undef SY_FMA
@@ -146,18 +147,18 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   }
   if (bias) {
     const V bb0 = S::load(bias), bb1 = S::load(bias + L);
-#define SY_BIAS(i)                                  \
-  if constexpr (MR > i) {                           \
-    c##i##0 = S::add(c##i##0, bb0);                 \
-    c##i##1 = S::add(c##i##1, bb1);                 \
+#define SY_BIAS(i)                  \
+  if constexpr (MR > i) {           \
+    c##i##0 = S::add(c##i##0, bb0); \
+    c##i##1 = S::add(c##i##1, bb1); \
   }
     SY_ROWS(SY_BIAS)
 #undef SY_BIAS
   }
-#define SY_STORE(i)                                 \
-  if constexpr (MR > i) {                           \
-    S::store(c + i * ldc, c##i##0);                 \
-    S::store(c + i * ldc + L, c##i##1);             \
+#define SY_STORE(i)                     \
+  if constexpr (MR > i) {               \
+    S::store(c + i * ldc, c##i##0);     \
+    S::store(c + i * ldc + L, c##i##1); \
   }
   SY_ROWS(SY_STORE)
 #undef SY_STORE
@@ -196,12 +197,24 @@ void micro(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, i
         tmp[i * NR + j] = (chain == Chain::resume && j < nvalid) ? c[i * ldc + j] : Acc(0);
   }
   switch (mr) {
-    case 1: micro_full<Acc, 1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
-    case 2: micro_full<Acc, 2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
-    case 3: micro_full<Acc, 3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
-    case 4: micro_full<Acc, 4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
-    case 5: micro_full<Acc, 5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
-    default: micro_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
+    case 1:
+      micro_full<Acc, 1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
+    case 2:
+      micro_full<Acc, 2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
+    case 3:
+      micro_full<Acc, 3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
+    case 4:
+      micro_full<Acc, 4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
+    case 5:
+      micro_full<Acc, 5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
+    default:
+      micro_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
   }
   if (nvalid < NR) {
     for (int64_t i = 0; i < mr; ++i)
@@ -409,17 +422,23 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
 template <class F>
 void with_float_type(DType d, F&& f) {
   switch (d) {
-    case DType::bf16: f(bf16{}); break;
-    case DType::fp32: f(float{}); break;
-    default: f(double{}); break;
+    case DType::bf16:
+      f(bf16{});
+      break;
+    case DType::fp32:
+      f(float{});
+      break;
+    default:
+      f(double{});
+      break;
   }
 }
 
 }  // namespace
 
-void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtype,
-                  const void* bias, DType bias_dtype, void* logits, DType acc_dtype,
-                  int64_t num_tokens, int64_t hidden, int64_t num_experts) {
+void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtype, const void* bias,
+                  DType bias_dtype, void* logits, DType acc_dtype, int64_t num_tokens,
+                  int64_t hidden, int64_t num_experts) {
   if (bias == nullptr) bias_dtype = acc_dtype;  // any instantiable type: the pointer is unused
   auto run = [&](auto acc_tag) {
     using Acc = decltype(acc_tag);
@@ -451,8 +470,8 @@ void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtyp
 }
 
 void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const void* weight,
-                   DType w_dtype, void* grad_x, void* grad_weight, void* grad_bias,
-                   DType acc_dtype, int64_t num_tokens, int64_t hidden, int64_t num_experts) {
+                   DType w_dtype, void* grad_x, void* grad_weight, void* grad_bias, DType acc_dtype,
+                   int64_t num_tokens, int64_t hidden, int64_t num_experts) {
   auto run = [&](auto acc_tag) {
     using Acc = decltype(acc_tag);
     with_float_type(x_dtype, [&](auto x_tag) {
@@ -466,8 +485,7 @@ void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const 
           backward_impl<Acc, XT, WT>(static_cast<const Acc*>(grad_logits),
                                      static_cast<const XT*>(x), static_cast<const WT*>(weight),
                                      static_cast<XT*>(grad_x), static_cast<WT*>(grad_weight),
-                                     static_cast<Acc*>(grad_bias), num_tokens, hidden,
-                                     num_experts);
+                                     static_cast<Acc*>(grad_bias), num_tokens, hidden, num_experts);
         }
       });
     });
