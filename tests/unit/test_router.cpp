@@ -468,3 +468,37 @@ TEST(Router, TensorErrors) {
   SY_EXPECT_THROW_MSG(sy::topk_route_backward(Tensor(), r, c, bo), std::invalid_argument,
                       "[route_backward] loss_grad_scale must be finite, got nan");
 }
+
+TEST(Router, ManyTiesAgainstReference) {
+  // Logits on a coarse grid (many exact ties, as bf16-rounded logits have): every selection path
+  // (8-wide block-threshold, generic insertion, group masks) must break ties by lower id.
+  std::mt19937_64 rng(sy::testing::test_seed(81));
+  std::normal_distribution<double> nd(0.0, 1.0);
+  for (int64_t E : {8, 16, 24, 64, 128, 256}) {
+    for (int64_t K : {1, 2, 3, 5, 8, 9}) {
+      if (K > E) continue;
+      for (int f = 0; f < 4; ++f) {
+        for (int groups = 0; groups < 2; ++groups) {
+          RouterConfig c = cfg(E, K, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
+          c.pre_softmax = f == 3;
+          if (groups) {
+            if (E % 8 != 0 || K < 2) continue;
+            c.num_groups = 8;
+            c.group_topk = 2;
+            if (K > c.group_topk * (E / 8)) continue;
+          }
+          SCOPED_TRACE("E=" + std::to_string(E) + " K=" + std::to_string(K) + " f=" +
+                       std::to_string(f) + " groups=" + std::to_string(groups));
+          const int64_t T = 33;
+          std::vector<float> z(static_cast<size_t>(T * E));
+          for (auto& v : z) v = static_cast<float>(std::round(nd(rng) * 2.0) / 2.0);
+          Tensor zt = Tensor::from_vector(z, {T, E});
+          const auto r = sy::topk_route(zt, {}, c);
+          const auto want = sy::ref::route(zt.to_double_vector(), T, c, {});
+          ASSERT_TRUE(all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
+          EXPECT_TRUE(all_close(r.topk_weights, want.w, 2e-6, 2e-6));
+        }
+      }
+    }
+  }
+}
