@@ -1,5 +1,5 @@
-// Routing after the gate: scores, top-k (or replayed ids), capacity, auxiliary losses, and the exact
-// backward of all of it into the gate logits. The gate GEMM itself lives in gate.h.
+// Routing after the gate: scores, top-k (or replayed ids), capacity, auxiliary losses, and the
+// exact backward of all of it into the gate logits. The gate GEMM itself lives in gate.h.
 //
 // Semantics follow Megatron-Core's TopKRouter (option names included); see DESIGN.md "Semantics".
 #pragma once
@@ -14,8 +14,8 @@ namespace switchyard {
 /// Score function applied to the gate logits (Megatron-Core `moe_router_score_function`).
 enum class ScoreFunction : uint8_t { softmax, sigmoid, sqrtsoftplus };
 
-/// Which tokens an over-full expert keeps (Megatron-Core `moe_token_drop_policy`): `probs` keeps the
-/// highest routing weights (ties: lower token index), `position` keeps the first tokens.
+/// Which tokens an over-full expert keeps (Megatron-Core `moe_token_drop_policy`): `probs` keeps
+/// the highest routing weights (ties: lower token index), `position` keeps the first tokens.
 enum class TokenDropPolicy : uint8_t { probs, position };
 
 /// Load-balancing loss (Megatron-Core `moe_router_load_balancing_type`).
@@ -113,13 +113,13 @@ struct RouteResult {
   int64_t num_invalid_replay_rows = 0;
 
   // ---- saved for topk_route_backward (not part of the stable API) ----
-  Tensor logits;        ///< [T, E] the forward's logits (shared storage: do not modify them)
-  Tensor selected_idx;  ///< [T, K] int32 ids before capacity drops (-1 on padded rows)
-  Tensor row_kind;      ///< [T] uint8: 0 native, 1 replayed, 2 padded
-  Tensor aux_grad;      ///< [G, E] fp64 dLoss/dP per (sequence group, expert), undefined if none
-  int64_t aux_groups = 1;      ///< G: 1, or num_sequences for seq_aux_loss
-  double z_grad_coeff = 0.0;   ///< 2 * z_loss_coeff / num_valid_tokens
-  RouterConfig config;         ///< the configuration of the forward
+  Tensor logits;           ///< [T, E] the forward's logits (shared storage: do not modify them)
+  Tensor selected_idx;     ///< [T, K] int32 ids before capacity drops (-1 on padded rows)
+  Tensor row_kind;         ///< [T] uint8: 0 native, 1 replayed, 2 padded
+  Tensor aux_grad;         ///< [G, E] fp64 dLoss/dP per (sequence group, expert), undefined if none
+  int64_t aux_groups = 1;  ///< G: 1, or num_sequences for seq_aux_loss
+  double z_grad_coeff = 0.0;  ///< 2 * z_loss_coeff / num_valid_tokens
+  RouterConfig config;        ///< the configuration of the forward
 };
 
 /// Routes T tokens to K of E experts from gate logits.

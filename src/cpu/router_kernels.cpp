@@ -1,7 +1,5 @@
 #include "cpu/router_kernels.h"
 
-#include "cpu/router_math.h"
-
 #include <omp.h>
 
 #include <algorithm>
@@ -10,6 +8,8 @@
 #include <numeric>
 #include <type_traits>
 #include <vector>
+
+#include "cpu/router_math.h"
 
 namespace switchyard::cpu {
 
@@ -24,8 +24,8 @@ constexpr double kNormEps = 1e-20;
 // Top-k of key[0..n) (optionally only where allowed[e]), written to out_id[0..k) in descending key
 // order; equal keys keep the lower id first. One pass in id order with a sorted insertion buffer.
 template <class S>
-void insert_topk(const S* key, int64_t begin, int64_t end, int64_t k, const uint8_t* allowed,
-                 S thr, S* top_val, int32_t* out_id, int64_t& cnt) {
+void insert_topk(const S* key, int64_t begin, int64_t end, int64_t k, const uint8_t* allowed, S thr,
+                 S* top_val, int32_t* out_id, int64_t& cnt) {
   for (int64_t e = begin; e < end; ++e) {
     if (allowed && !allowed[e]) continue;
     const S v = key[e];
@@ -66,7 +66,8 @@ constexpr CompressTable kCompress{};
 // (1) the k-th largest 8-wide block maximum is a lower bound `thr` of the k-th largest key;
 // (2) keys >= thr are compressed (in id order) into a short candidate list;
 // (3) each candidate enters a sorted 8-lane register (values + ids) by compare/permute/blend, with
-//     equal keys kept behind earlier (lower) ids. No data-dependent branches except the loop counts.
+//     equal keys kept behind earlier (lower) ids. No data-dependent branches except the loop
+//     counts.
 struct TopReg {
   __m256 v;
   __m256i id;
@@ -81,9 +82,8 @@ inline void reg_insert(TopReg& t, __m256 v, __m256i id) {
   const __m256 sv = _mm256_permutevar8x32_ps(t.v, shift);
   const __m256 sid = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(t.id, shift));
   t.v = _mm256_blendv_ps(_mm256_blendv_ps(sv, v, at), t.v, ge);
-  t.id = _mm256_castps_si256(
-      _mm256_blendv_ps(_mm256_blendv_ps(sid, _mm256_castsi256_ps(id), at),
-                       _mm256_castsi256_ps(t.id), ge));
+  t.id = _mm256_castps_si256(_mm256_blendv_ps(_mm256_blendv_ps(sid, _mm256_castsi256_ps(id), at),
+                                              _mm256_castsi256_ps(t.id), ge));
 }
 
 inline float hmax8(__m256 x) {
@@ -152,15 +152,15 @@ void select_topk(const S* key, int64_t n, int64_t k, const uint8_t* allowed, S* 
     insert_topk(key, 0, n, k, allowed, lowest, top_val, out_id, cnt);
     return;
   }
-  for (int64_t b = 0; b < nb; ++b) bm[b] = rmath::max_of(key + b * 8, std::min<int64_t>(8, n - b * 8));
+  for (int64_t b = 0; b < nb; ++b)
+    bm[b] = rmath::max_of(key + b * 8, std::min<int64_t>(8, n - b * 8));
   // k-th largest block maximum (ids are irrelevant here; reuse out_id as scratch).
   int64_t c2 = 0;
   insert_topk(bm, 0, nb, k, static_cast<const uint8_t*>(nullptr), lowest, top_val, out_id, c2);
   const S thr = top_val[k - 1];
   for (int64_t b = 0; b < nb; ++b) {
     if (bm[b] < thr) continue;
-    insert_topk(key, b * 8, std::min<int64_t>(n, b * 8 + 8), k, allowed, thr, top_val, out_id,
-                cnt);
+    insert_topk(key, b * 8, std::min<int64_t>(n, b * 8 + 8), k, allowed, thr, top_val, out_id, cnt);
   }
 }
 
@@ -190,19 +190,25 @@ struct RowScratch {
   std::vector<S> key;      // selection key
   std::vector<S> top_val;  // top-k buffer
   std::vector<S> gsc;      // group scores
-  std::vector<S> masked;  // key with -inf outside the chosen groups
+  std::vector<S> masked;   // key with -inf outside the chosen groups
   std::vector<int32_t> gid;
   std::vector<int32_t> aux_id;
-  std::vector<S> grow;  // gradient row
-  std::vector<S> bm;    // block maxima for select_topk
-  std::vector<S> cand_v;        // top-k candidates
+  std::vector<S> grow;    // gradient row
+  std::vector<S> bm;      // block maxima for select_topk
+  std::vector<S> cand_v;  // top-k candidates
   std::vector<int32_t> cand_i;
   explicit RowScratch(const RouteKernelParams& p)
-      : ex(p.num_experts), key(p.num_experts),
-        top_val(std::max<int64_t>(p.num_experts, 1)), gsc(std::max<int64_t>(p.num_groups, 1)),
-        masked(p.num_experts), gid(std::max<int64_t>(p.num_groups, 1)),
-        aux_id(std::max<int64_t>(p.top_k, 1)), grow(p.num_experts),
-        bm((p.num_experts + 7) / 8 + 1), cand_v(p.num_experts + 8), cand_i(p.num_experts + 8) {}
+      : ex(p.num_experts),
+        key(p.num_experts),
+        top_val(std::max<int64_t>(p.num_experts, 1)),
+        gsc(std::max<int64_t>(p.num_groups, 1)),
+        masked(p.num_experts),
+        gid(std::max<int64_t>(p.num_groups, 1)),
+        aux_id(std::max<int64_t>(p.top_k, 1)),
+        grow(p.num_experts),
+        bm((p.num_experts + 7) / 8 + 1),
+        cand_v(p.num_experts + 8),
+        cand_i(p.num_experts + 8) {}
 };
 
 // exp(z - max) into ex; returns the sum (fixed 8-lane order) and sets max.
@@ -243,7 +249,8 @@ void native_select(const S* key, const RouteKernelParams& p, RowScratch<S>& sc, 
     // remain (checked by the front-end), all finite, so no -inf is ever selected.
     S* masked = sc.masked.data();
     std::fill_n(masked, E, -std::numeric_limits<S>::infinity());
-    for (int64_t j = 0; j < p.group_topk; ++j) std::copy_n(key + sc.gid[j] * per, per, masked + sc.gid[j] * per);
+    for (int64_t j = 0; j < p.group_topk; ++j)
+      std::copy_n(key + sc.gid[j] * per, per, masked + sc.gid[j] * per);
     select_topk(static_cast<const S*>(masked), E, K, none, sc.top_val.data(), ids, sc.bm.data(),
                 sc.cand_v.data(), sc.cand_i.data());
   } else {
@@ -525,13 +532,13 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
   }
 }
 
-#define SY_INSTANTIATE(S)                                                                     \
-  template void route_forward<S>(const S*, const S*, const uint8_t*, const int32_t*,          \
-                                 const RouteKernelParams&, int32_t*, S*, double*, int64_t*,   \
-                                 double*);                                                    \
-  template int64_t apply_capacity<S>(const int32_t*, const S*, int64_t, int64_t, int64_t,     \
-                                     int64_t, bool, int32_t*, S*, int64_t*);                  \
-  template void route_backward<S>(const S*, const int32_t*, const int32_t*, const uint8_t*,   \
+#define SY_INSTANTIATE(S)                                                                          \
+  template void route_forward<S>(const S*, const S*, const uint8_t*, const int32_t*,               \
+                                 const RouteKernelParams&, int32_t*, S*, double*, int64_t*,        \
+                                 double*);                                                         \
+  template int64_t apply_capacity<S>(const int32_t*, const S*, int64_t, int64_t, int64_t, int64_t, \
+                                     bool, int32_t*, S*, int64_t*);                                \
+  template void route_backward<S>(const S*, const int32_t*, const int32_t*, const uint8_t*,        \
                                   const S*, const RouteKernelParams&, const double*, double, S*);
 SY_INSTANTIATE(float)
 SY_INSTANTIATE(double)

@@ -36,8 +36,8 @@ std::string describe(const Case& c, DType dt) {
   os << "T=" << c.T << " E=" << c.cfg.num_experts << " K=" << c.cfg.top_k << " "
      << sy::score_function_name(c.cfg.score_function) << (c.cfg.pre_softmax ? " pre" : "")
      << " groups=" << c.cfg.num_groups << "/" << c.cfg.group_topk
-     << " scale=" << c.cfg.topk_scaling_factor << " cap="
-     << (c.cfg.capacity_factor ? *c.cfg.capacity_factor : -1.0) << " "
+     << " scale=" << c.cfg.topk_scaling_factor
+     << " cap=" << (c.cfg.capacity_factor ? *c.cfg.capacity_factor : -1.0) << " "
      << sy::token_drop_policy_name(c.cfg.token_drop_policy) << (c.cfg.pad_to_capacity ? " pad" : "")
      << " aux=" << sy::aux_loss_type_name(c.cfg.aux_loss_type) << " z=" << c.cfg.z_loss_coeff
      << " bias=" << c.bias << " mask=" << c.mask << " dtype=" << sy::dtype_name(dt);
@@ -89,7 +89,8 @@ void check_case(const Case& c, DType dt, uint64_t seed) {
   EXPECT_EQ(r.num_native_rows, want.native);
   EXPECT_EQ(r.num_padded_rows, want.padded);
   EXPECT_NEAR(r.aux_loss, want.aux_loss, 1e-6 * std::fabs(want.aux_loss) + 1e-12);
-  EXPECT_NEAR(r.z_loss, want.z_loss, (dt == DType::fp64 ? 1e-11 : 1e-5) * std::fabs(want.z_loss) + 1e-12);
+  EXPECT_NEAR(r.z_loss, want.z_loss,
+              (dt == DType::fp64 ? 1e-11 : 1e-5) * std::fabs(want.z_loss) + 1e-12);
   // Counts sum to the valid pairs.
   int64_t valid = 0, cnt = 0;
   for (int64_t i = 0; i < T * K; ++i) valid += r.topk_idx.data<int32_t>()[i] >= 0;
@@ -404,8 +405,9 @@ TEST(Router, ConfigErrors) {
   expect(c, "[route] seq_aux_loss needs seq_length >= 1 dividing num_tokens=3, got seq_length=0");
   c.aux_loss_type = AuxLossType::global_aux_loss;
   expect(c, "[route] global_aux_loss needs inputs.global_aux_loss_state, got nullptr");
-  SY_EXPECT_THROW_MSG(sy::parse_score_function("relu"), std::invalid_argument,
-                      "[route] score_function must be softmax, sigmoid or sqrtsoftplus, got \"relu\"");
+  SY_EXPECT_THROW_MSG(
+      sy::parse_score_function("relu"), std::invalid_argument,
+      "[route] score_function must be softmax, sigmoid or sqrtsoftplus, got \"relu\"");
   SY_EXPECT_THROW_MSG(sy::parse_aux_loss_type("x"), std::invalid_argument, "aux_loss_type must be");
   SY_EXPECT_THROW_MSG(sy::parse_token_drop_policy("x"), std::invalid_argument,
                       "token_drop_policy must be probs or position");
@@ -419,7 +421,8 @@ TEST(Router, TensorErrors) {
   SY_EXPECT_THROW_MSG(sy::topk_route(Tensor::zeros({3, 5}, DType::fp32), {}, c),
                       std::invalid_argument, "[route] logits must have shape [*, 4], got [3, 5]");
   SY_EXPECT_THROW_MSG(sy::topk_route(Tensor::zeros({3, 4}, DType::bf16), {}, c),
-                      std::invalid_argument, "[route] logits must have dtype fp32 or fp64, got bf16");
+                      std::invalid_argument,
+                      "[route] logits must have dtype fp32 or fp64, got bf16");
   SY_EXPECT_THROW_MSG(sy::topk_route(Tensor(), {}, c), std::invalid_argument,
                       "[route] logits must be a defined tensor");
   Tensor z = Tensor::zeros({3, 4}, DType::fp32);
@@ -479,7 +482,8 @@ TEST(Router, ManyTiesAgainstReference) {
       if (K > E) continue;
       for (int f = 0; f < 4; ++f) {
         for (int groups = 0; groups < 2; ++groups) {
-          RouterConfig c = cfg(E, K, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
+          RouterConfig c =
+              cfg(E, K, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
           c.pre_softmax = f == 3;
           if (groups) {
             if (E % 8 != 0 || K < 2) continue;
@@ -487,15 +491,16 @@ TEST(Router, ManyTiesAgainstReference) {
             c.group_topk = 2;
             if (K > c.group_topk * (E / 8)) continue;
           }
-          SCOPED_TRACE("E=" + std::to_string(E) + " K=" + std::to_string(K) + " f=" +
-                       std::to_string(f) + " groups=" + std::to_string(groups));
+          SCOPED_TRACE("E=" + std::to_string(E) + " K=" + std::to_string(K) +
+                       " f=" + std::to_string(f) + " groups=" + std::to_string(groups));
           const int64_t T = 33;
           std::vector<float> z(static_cast<size_t>(T * E));
           for (auto& v : z) v = static_cast<float>(std::round(nd(rng) * 2.0) / 2.0);
           Tensor zt = Tensor::from_vector(z, {T, E});
           const auto r = sy::topk_route(zt, {}, c);
           const auto want = sy::ref::route(zt.to_double_vector(), T, c, {});
-          ASSERT_TRUE(all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
+          ASSERT_TRUE(
+              all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
           EXPECT_TRUE(all_close(r.topk_weights, want.w, 2e-6, 2e-6));
         }
       }
