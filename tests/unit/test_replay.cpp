@@ -312,3 +312,34 @@ TEST(Replay, EmptyBatch) {
   const auto g = sy::topk_route_backward(Tensor::zeros({0, 2}, DType::fp32), r, c);
   EXPECT_EQ(g.grad_logits.shape(), (sy::Shape{0, 4}));
 }
+
+TEST(Replay, ReadmeFlowWithDesignatedInitialisers) {
+  // The notes/routing.md example, compiled under -Wall -Wextra -Werror.
+  const int64_t T = 16;
+  std::mt19937_64 rng(sy::testing::test_seed(251));
+  Tensor logits = sy::testing::randn({T, 128}, DType::fp32, rng);
+  RouterConfig cfg;
+  cfg.num_experts = 128;
+  cfg.top_k = 8;
+  cfg.aux_loss_type = AuxLossType::aux_loss;
+  cfg.aux_loss_coeff = 1e-3;
+  cfg.z_loss_coeff = 1e-3;
+  sy::RouterReplay replay({.layer = 3, .top_k = 8});
+  Tensor rollout_ids =
+      sy::topk_route(sy::testing::randn({T, 128}, DType::fp32, rng), {}, cfg).topk_idx;
+  sy::RouteInputs in{.replay_idx = replay.replay_forward(rollout_ids)};
+  const sy::RouteResult r = sy::topk_route(logits, in, cfg, {.layer = 3});
+  EXPECT_EQ(r.num_replayed_rows, T);
+  EXPECT_TRUE(bitwise_equal(r.topk_idx, rollout_ids));
+  const sy::RouteResult again =
+      sy::topk_route(logits, {.replay_idx = replay.replay_backward(T)}, cfg, {.layer = 3});
+  EXPECT_TRUE(bitwise_equal(again.topk_weights, r.topk_weights));
+  const sy::RouteGrads g =
+      sy::topk_route_backward(Tensor::full({T, 8}, DType::fp32, 1.0), again, cfg);
+  EXPECT_EQ(g.grad_logits.shape(), (sy::Shape{T, 128}));
+  replay.record(sy::topk_route(logits, {}, cfg).topk_idx);
+  const sy::RouteResult upd =
+      sy::topk_route(logits, {.replay_idx = replay.replay_forward(replay.pop_recorded())}, cfg);
+  EXPECT_EQ(upd.num_replayed_rows, T);
+  EXPECT_TRUE(bitwise_equal(upd.topk_weights, sy::topk_route(logits, {}, cfg).topk_weights));
+}
