@@ -318,32 +318,59 @@ TEST(Router, PaddedRowsAreEmptyAndUncounted) {
 
 TEST(Router, ThreadCountAndBatchInvariance) {
   std::mt19937_64 rng(sy::testing::test_seed(71));
+  std::vector<RouterConfig> configs;
   RouterConfig c = cfg(128, 8);
   c.aux_loss_type = AuxLossType::aux_loss;
   c.aux_loss_coeff = 1e-2;
   c.z_loss_coeff = 1e-3;
-  Tensor z = sy::testing::randn({1031, 128}, DType::fp32, rng);
-  const int saved = sy::num_threads();
-  sy::set_num_threads(1);
-  const auto r1 = sy::topk_route(z, {}, c);
-  const auto g1 = sy::topk_route_backward(Tensor::full({1031, 8}, DType::fp32, 0.3), r1, c);
-  sy::set_num_threads(2);
-  const auto r2 = sy::topk_route(z, {}, c);
-  const auto g2 = sy::topk_route_backward(Tensor::full({1031, 8}, DType::fp32, 0.3), r2, c);
-  sy::set_num_threads(saved);
-  EXPECT_TRUE(bitwise_equal(r1.topk_idx, r2.topk_idx));
-  EXPECT_TRUE(bitwise_equal(r1.topk_weights, r2.topk_weights));
-  EXPECT_EQ(r1.aux_loss, r2.aux_loss);
-  EXPECT_EQ(r1.z_loss, r2.z_loss);
-  EXPECT_TRUE(bitwise_equal(g1.grad_logits, g2.grad_logits));
-  // A token routed alone gets bitwise the same ids and weights as inside the batch.
-  for (int64_t t : {0, 500, 1030}) {
-    Tensor one = Tensor::from_vector(
-        std::vector<float>(z.data<float>() + t * 128, z.data<float>() + (t + 1) * 128), {1, 128});
-    const auto r = sy::topk_route(one, {}, cfg(128, 8));
-    for (int64_t k = 0; k < 8; ++k) {
-      EXPECT_EQ(r.topk_idx.data<int32_t>()[k], r1.topk_idx.data<int32_t>()[t * 8 + k]);
-      EXPECT_EQ(r.topk_weights.data<float>()[k], r1.topk_weights.data<float>()[t * 8 + k]);
+  configs.push_back(c);
+  c = cfg(256, 8, ScoreFunction::sigmoid);  // DeepSeek-V3-like, with capacity and seq aux loss
+  c.num_groups = 8;
+  c.group_topk = 4;
+  c.topk_scaling_factor = 2.5;
+  c.capacity_factor = 1.0;
+  c.aux_loss_type = AuxLossType::seq_aux_loss;
+  c.aux_loss_coeff = 1e-2;
+  configs.push_back(c);
+  for (const RouterConfig& rc : configs) {
+    for (DType dt : {DType::fp32, DType::fp64}) {
+      const int64_t T = 1032, E = rc.num_experts, K = rc.top_k;
+      SCOPED_TRACE(std::string(sy::score_function_name(rc.score_function)) + " " +
+                   sy::dtype_name(dt));
+      Tensor z = sy::testing::randn({T, E}, dt, rng);
+      sy::RouteInputs in;
+      in.expert_bias = sy::testing::randn({E}, DType::fp32, rng, 0.1);
+      sy::RouteOptions opt;
+      opt.seq_length = 258;
+      const Tensor gw = Tensor::full({T, K}, dt, 0.3);
+      const int saved = sy::num_threads();
+      sy::set_num_threads(1);
+      const auto r1 = sy::topk_route(z, in, rc, opt);
+      const auto g1 = sy::topk_route_backward(gw, r1, rc);
+      sy::set_num_threads(2);
+      const auto r2 = sy::topk_route(z, in, rc, opt);
+      const auto g2 = sy::topk_route_backward(gw, r2, rc);
+      sy::set_num_threads(saved);
+      EXPECT_TRUE(bitwise_equal(r1.topk_idx, r2.topk_idx));
+      EXPECT_TRUE(bitwise_equal(r1.topk_weights, r2.topk_weights));
+      EXPECT_TRUE(bitwise_equal(r1.num_tokens_per_expert, r2.num_tokens_per_expert));
+      EXPECT_EQ(r1.aux_loss, r2.aux_loss);
+      EXPECT_EQ(r1.z_loss, r2.z_loss);
+      EXPECT_TRUE(bitwise_equal(g1.grad_logits, g2.grad_logits));
+      // A token routed alone (no capacity) gets bitwise the same ids and weights as in the batch.
+      RouterConfig alone = rc;
+      alone.capacity_factor.reset();
+      alone.aux_loss_type = AuxLossType::none;
+      const auto rb = sy::topk_route(z, in, alone);
+      for (int64_t t : {int64_t{0}, int64_t{500}, T - 1}) {
+        const Tensor one =
+            Tensor::borrow(static_cast<char*>(z.raw()) + t * E * sy::dtype_size(dt), {1, E}, dt);
+        const auto r = sy::topk_route(one, in, alone);
+        for (int64_t k = 0; k < K; ++k) {
+          EXPECT_EQ(r.topk_idx.data<int32_t>()[k], rb.topk_idx.data<int32_t>()[t * K + k]);
+          EXPECT_EQ(r.topk_weights.item_as_double(k), rb.topk_weights.item_as_double(t * K + k));
+        }
+      }
     }
   }
 }
