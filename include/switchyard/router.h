@@ -38,7 +38,7 @@ struct RouterConfig {
   int64_t group_topk = 0;
   /// Multiplies the routing weights (Megatron `moe_router_topk_scaling_factor`); 1 = none.
   double topk_scaling_factor = 1.0;
-  /// Expert capacity C = ceil(T*K/E * capacity_factor); nullopt = no capacity (no drops).
+  /// Expert capacity C = min(ceil(T*K/E * capacity_factor), T); nullopt = no capacity (no drops).
   std::optional<double> capacity_factor{};
   TokenDropPolicy token_drop_policy = TokenDropPolicy::probs;
   /// Pad every expert's input to C rows (RouteResult::expert_capacity); needs capacity_factor.

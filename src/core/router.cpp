@@ -337,8 +337,11 @@ RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const Ro
   r.pad_to_capacity = config.pad_to_capacity;
   int64_t capacity = -1;
   if (config.capacity_factor) {
-    capacity = static_cast<int64_t>(
-        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * *config.capacity_factor));
+    // No expert can receive more than T pairs, so larger capacities mean "no drops"; clamping
+    // also keeps a huge capacity_factor from overflowing the conversion.
+    const double c =
+        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * *config.capacity_factor);
+    capacity = c >= static_cast<double>(T) ? T : static_cast<int64_t>(c);
   }
   r.expert_capacity = capacity;
 

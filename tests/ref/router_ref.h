@@ -188,8 +188,9 @@ inline RefRoute route(const std::vector<double>& z, int64_t T, const RouterConfi
   r.idx = r.selected;
   r.counts.assign(static_cast<size_t>(E), 0);
   if (c.capacity_factor) {
-    r.capacity =
-        static_cast<int64_t>(std::ceil(static_cast<double>(T * K) / E * *c.capacity_factor));
+    // Megatron: C = ceil(T*K/E * factor); when C > T nothing is dropped and padding fills T rows.
+    r.capacity = std::min<int64_t>(
+        T, static_cast<int64_t>(std::ceil(static_cast<double>(T * K) / E * *c.capacity_factor)));
     for (int64_t e = 0; e < E; ++e) {
       std::vector<int64_t> slots;  // in token order
       for (int64_t i = 0; i < T * K; ++i) {

@@ -534,3 +534,13 @@ TEST(Router, ManyTiesAgainstReference) {
     }
   }
 }
+
+TEST(Router, CapacityIsClampedToTokens) {
+  RouterConfig c = cfg(4, 2);
+  c.capacity_factor = 1e300;  // would overflow int64; nothing can be dropped anyway
+  const auto r = sy::topk_route(Tensor::zeros({6, 4}, DType::fp32), {}, c);
+  EXPECT_EQ(r.expert_capacity, 6);
+  EXPECT_EQ(r.num_dropped, 0);
+  c.capacity_factor = 1.0;  // ceil(6*2/4) = 3
+  EXPECT_EQ(sy::topk_route(Tensor::zeros({6, 4}, DType::fp32), {}, c).expert_capacity, 3);
+}
