@@ -51,8 +51,9 @@ struct RouterConfig {
 
 /// Running state of `global_aux_loss` (Megatron's `global_tokens_per_expert` and `ga_steps`): the
 /// per-expert counts of every routed batch since the last `reset()`. One object per MoE layer,
-/// owned by the caller; every topk_route call with global_aux_loss adds its batch's counts, so an
-/// activation-checkpoint recompute should route with a copy (`clone()` the tensor) of the state.
+/// owned by the caller; every topk_route call with global_aux_loss adds its batch's counts. A
+/// recompute that must reproduce its forward exactly routes with a snapshot of the state taken
+/// before that forward (copy `steps`, `clone()` the tensor).
 struct GlobalAuxLossState {
   /// [E] fp64: sum of the counts over the accumulated steps (undefined = nothing accumulated).
   Tensor tokens_per_expert{};
