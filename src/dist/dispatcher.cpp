@@ -60,21 +60,36 @@ void a2a_counts(const DispatchHandle& h, std::vector<int64_t>& send, std::vector
     }
 }
 
-// Rows narrower than this travel packed (gather + plain alltoallv): a derived datatype with one
-// block per tiny row costs more than the copy.
-constexpr int64_t kIndexedMinRowBytes = 256;
-
 // Communicator workspace slots of the dispatchers (0-7 belong to the communicator itself).
 constexpr int kRowsSlot = 8;
 constexpr int kStagingSlot = 9;
 constexpr int kGradSlot = 10;
+constexpr int kPackSlot = 11;
 
-// Inverse of recv_gather_index (AlltoAll): all-to-all buffer row -> receive-layout row.
-std::vector<int64_t> staging_to_out(const DispatchHandle& h) {
-  const int64_t* gi = h.recv_gather_index.data<int64_t>();
-  std::vector<int64_t> inv(static_cast<size_t>(h.num_recv_tokens));
-  for (int64_t i = 0; i < h.num_recv_tokens; ++i) inv[static_cast<size_t>(gi[i])] = i;
-  return inv;
+// This rank's plan rows as blocks: for every peer r and its local expert el (ascending), the rows
+// of expert r*L+el, exchanged with r.
+void plan_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
+  const int64_t P = h.world_size, L = h.num_local_experts;
+  const int64_t* off = h.plan.expert_offsets.data<int64_t>();
+  out.clear();
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = r * L + el;
+      out.push_back({static_cast<int>(r), off[e], off[e + 1] - off[e]});
+    }
+}
+
+// This rank's receive layout as blocks: for every source s and local expert el (ascending), the
+// rows of (el, s), exchanged with s. Per peer, the same order as that peer's plan_blocks.
+void expert_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
+  const int64_t P = h.world_size, L = h.num_local_experts;
+  const auto boff = detail::block_offsets(h);
+  out.clear();
+  for (int64_t s = 0; s < P; ++s)
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = h.rank * L + el;
+      out.push_back({static_cast<int>(s), boff[static_cast<size_t>(e * P + s)], count_at(h, s, e)});
+    }
 }
 
 // Source side of the AllGather layout: for each row p of this rank's plan, its row in the buffer
@@ -101,18 +116,12 @@ void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h
                  Communicator& comm) {
   const int64_t R = h.num_recv_tokens;
   if (h.kind == DispatcherKind::all_to_all) {
-    // Rows for source s are the receive-layout rows of blocks (el, s), el ascending: exactly the
-    // order s sent them in, i.e. the inverse of recv_gather_index.
-    const auto inv = staging_to_out(h);
-    std::vector<int64_t> send, recv;
-    a2a_counts(h, send, recv);
-    if (rb < kIndexedMinRowBytes) {
-      void* staging = comm.workspace(kStagingSlot, R * rb);
-      cpu::gather_rows(src, inv.data(), R, rb, staging);
-      comm.alltoallv(staging, recv, dst, send, rb);
-    } else {
-      comm.alltoallv_rows(src, inv.data(), recv, dst, nullptr, send, rb);
-    }
+    // Each (local expert, source) block of the receive layout goes back as one message, straight
+    // into the source's plan rows: no packing on either side.
+    std::vector<Communicator::Block> send, recv;
+    expert_blocks(h, send);
+    plan_blocks(h, recv);
+    comm.exchange_blocks(src, send, dst, recv, rb);
   } else {
     const auto per_rank = detail::rows_per_rank(h);
     int64_t total = 0;
@@ -130,11 +139,14 @@ void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
                Communicator& comm) {
   const int64_t R = h.num_recv_tokens;
   if (h.kind == DispatcherKind::all_to_all) {
-    std::vector<int64_t> send, recv;
-    a2a_counts(h, send, recv);
-    // Token rows go straight from `src` (rows repeat: one per pair) to their receive-layout rows.
-    comm.alltoallv_rows(src, h.plan.row_token.data<int64_t>(), send, dst, staging_to_out(h).data(),
-                        recv, rb);
+    // Token rows are packed once in plan order (rows repeat: one per pair); each (expert, peer)
+    // block then lands directly at its place in the receive layout.
+    void* packed = comm.workspace(kPackSlot, h.plan.num_rows * rb);
+    cpu::gather_rows(src, h.plan.row_token.data<int64_t>(), h.plan.num_rows, rb, packed);
+    std::vector<Communicator::Block> send, recv;
+    plan_blocks(h, send);
+    expert_blocks(h, recv);
+    comm.exchange_blocks(packed, send, dst, recv, rb);
   } else {
     int64_t total = 0;
     for (int64_t n : h.rank_num_tokens) total += n;
