@@ -411,6 +411,40 @@ TEST(Communicator, CollectivesMoveTheRightBytes) {
       }
     }
   }
+  // exchange_blocks: to every peer r (self included) two blocks, of 1 and r+1 rows (plus an empty
+  // one in between, skipped on both sides); row value = 1000 * sender + 10 * row + r.
+  {
+    std::vector<int64_t> sendv, recvv;
+    std::vector<dist::Communicator::Block> sb, rbk;
+    for (int64_t r = 0; r < P; ++r) {
+      for (int64_t n : {int64_t{1}, int64_t{0}, r + 1}) {
+        sb.push_back({static_cast<int>(r), static_cast<int64_t>(sendv.size()), n});
+        for (int64_t j = 0; j < n; ++j)
+          sendv.push_back(1000 * me + 10 * static_cast<int64_t>(sendv.size()) + r);
+      }
+    }
+    // Receive from each peer s: blocks of 1, 0 and me+1 rows, stored in reverse peer order.
+    int64_t pos = 0;
+    for (int64_t s2 = P - 1; s2 >= 0; --s2) {
+      for (int64_t n : {int64_t{1}, int64_t{0}, me + 1}) {
+        rbk.push_back({static_cast<int>(s2), pos, n});
+        pos += n;
+      }
+    }
+    recvv.assign(static_cast<size_t>(pos), -1);
+    c.exchange_blocks(sendv.data(), sb, recvv.data(), rbk, sizeof(int64_t));
+    // Sender s2 laid out its rows for peer r at offset sum_{q<r}(1 + q + 1); check every value.
+    for (size_t bi = 0; bi < rbk.size(); ++bi) {
+      const auto& b = rbk[bi];
+      int64_t base = 0;
+      for (int64_t q = 0; q < me; ++q) base += 2 + q;
+      const int64_t first = bi % 3 == 0 ? base : base + 1;  // the 1-row block, then the me+1 block
+      for (int64_t j = 0; j < b.rows; ++j) {
+        EXPECT_EQ(recvv[static_cast<size_t>(b.offset + j)], 1000 * b.peer + 10 * (first + j) + me)
+            << "from " << b.peer << " block of " << b.rows;
+      }
+    }
+  }
   // Workspace: grows, keeps its pointer while big enough.
   void* w1 = c.workspace(20, 1000);
   EXPECT_EQ(c.workspace(20, 10), w1);
