@@ -314,6 +314,20 @@ TEST(Dispatch, WrongHiddenOrDtypeOnOneRankRaisesEverywhere) {
     SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, dt), idx, w, opt, c),
                         std::invalid_argument, "x must have the same dtype on every rank");
   }
+  if (P > 1) {
+    // Options that must agree: num_experts and the dispatcher kind differ on the last rank.
+    dist::DispatchOptions other = opt;
+    if (me == P - 1) other.num_experts = 24;
+    SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, w, other, c),
+                        std::invalid_argument,
+                        "[dispatch] num_experts must be the same on every rank, got 12 on rank 0 "
+                        "and 24 on rank " +
+                            std::to_string(P - 1));
+    dist::DispatchOptions kind = opt;
+    if (me == P - 1) kind.kind = DispatcherKind::all_gather;
+    SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, w, kind, c),
+                        std::invalid_argument, "options.kind must be the same on every rank");
+  }
   // A bad local shape on the last rank only (weights not matching topk_idx).
   auto bad_w = me == P - 1 ? Tensor::zeros({2, 3}, DType::fp32) : w;
   SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, bad_w, opt, c),
@@ -342,6 +356,17 @@ TEST(Dispatch, RejectsExpertsNotDivisibleByEpUpFront) {
       P == 1 ? std::string("num_experts must be >= 1")
              : "[dispatch] num_experts must be divisible by the expert-parallel size " +
                    std::to_string(P) + ", got num_experts=" + std::to_string(2 * P + 1));
+  if (P > 1) {
+    // Only the last rank has a bad num_experts: every rank raises, none waits forever.
+    dist::DispatchOptions one = opt;
+    one.num_experts = c.rank() == P - 1 ? 2 * P + 1 : 2 * P;
+    SY_EXPECT_THROW_MSG(
+        dist::dispatch(Tensor::zeros({1, 4}, DType::fp32), Tensor::zeros({1, 1}, DType::int32),
+                       Tensor::zeros({1, 1}, DType::fp32), one, c),
+        std::invalid_argument,
+        "[dispatch] on rank " + std::to_string(P - 1) +
+            ": [dispatch] num_experts must be divisible by the expert-parallel size");
+  }
   dist::DispatchOptions pad;
   pad.num_experts = 4 * P;
   pad.plan.expert_alignment = 8;
