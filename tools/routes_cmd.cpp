@@ -83,7 +83,7 @@ struct ImportArgs {
   int64_t top_k = 0;
   std::string zero_rows = "keep";
   std::string output;
-  int level = 3;
+  int level = 1;
   bool json_out = false;
   std::vector<std::string> inputs;
 };
