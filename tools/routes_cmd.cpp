@@ -162,7 +162,7 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
       << total.moe_layers.size() << " MoE layers " << list_str(total.moe_layers) << ", top_k "
       << total.top_k << ", " << a.num_experts << " experts)\n";
   out << "wrote " << a.output << ": " << bytes << " bytes (" << fixed(raw / double(bytes))
-      << "x smaller than int32)\n";
+      << "x compression vs raw int32)\n";
   if (total.num_zero_rows > 0) {
     out << "all-zero rows on MoE layers: " << total.num_zero_rows << " (first:";
     for (auto& z : total.first_zero_rows) out << " seq " << z[0] << " token " << z[1] << " layer " << z[2] << ";";
@@ -205,7 +205,7 @@ void run_inspect(const std::string& path, bool json_out, bool list, std::ostream
   out << ", ids stored in " << info.id_width << " byte" << (info.id_width > 1 ? "s" : "") << "\n";
   out << "  " << r.num_sequences() << " sequences, " << tokens << " tokens, " << r.file_size()
       << " bytes (" << fixed(r.file_size() > 0 ? raw / double(r.file_size()) : 0.0)
-      << "x smaller than int32)\n";
+      << "x compression vs raw int32)\n";
   if (list) {
     for (int64_t i = 0; i < r.num_sequences(); ++i) {
       out << "  sequence " << i << ": " << r.entry(i).num_tokens << " tokens, "

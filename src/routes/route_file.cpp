@@ -294,7 +294,7 @@ struct RouteFileReader::Impl {
     if (seq != static_cast<uint64_t>(expected_seq)) {
       return cat("block holds sequence ", seq, ", expected ", expected_seq);
     }
-    if ((flags & ~detail::kBlockHasNone) != 0) return cat("unknown block flags ", flags);
+    if ((flags & ~detail::kBlockKnownFlags) != 0) return cat("unknown block flags ", flags);
     const uint64_t row = static_cast<uint64_t>(info.num_moe_layers * info.top_k);
     if (tokens > static_cast<uint64_t>(detail::kMaxRawBlockBytes) / row ||
         raw_size > detail::kMaxRawBlockBytes ||

@@ -340,8 +340,9 @@ ImportResult import_sglang_text(std::string_view text, const std::string& source
     import_array(raw.data(), Elem::i4, rows, options.num_input_layers, options.top_k, name, options, part);
     if (meta.contains("prompt_tokens") && meta.contains("completion_tokens") &&
         meta["prompt_tokens"].is_number_integer() && meta["completion_tokens"].is_number_integer()) {
-      const int64_t len = meta["prompt_tokens"].get<int64_t>() + meta["completion_tokens"].get<int64_t>();
-      if (len != rows + 1) {
+      // Compared in double: the counts come from outside and may be absurd (no overflow).
+      const double len = meta["prompt_tokens"].get<double>() + meta["completion_tokens"].get<double>();
+      if (len != static_cast<double>(rows + 1)) {
         part.report.warnings.push_back(cat(name, ": prompt_tokens + completion_tokens = ", len,
                                            " but routed_experts covers ", rows + 1, " tokens"));
       }

@@ -2,6 +2,7 @@
 // raise DataError naming what is wrong, and a writer killed mid-way.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -90,6 +91,31 @@ TEST(RouteFile, RoundTripAllWidths) {
             << "E=" << E << " K=" << K << " seq " << i << " " << repro(seed);
       }
     }
+  }
+}
+
+TEST(RouteFile, RankedBlocksRoundTrip) {
+  // Long enough sequences take the rank transform (ids per layer >= 8 x num_experts), in 1 and 2
+  // byte widths, with -1 entries, skew (every token to the same experts) and a single expert.
+  const uint64_t seed = test_seed(13);
+  std::mt19937_64 rng(seed);
+  for (int64_t E : {1, 8, 256, 300}) {
+    const int64_t K = std::min<int64_t>(8, E), T = 8 * E / K + 5;
+    RouteFileInfo info{E, K, 2, {}, 0, 0, 0};
+    const std::string path = temp_path("ranked.syr");
+    std::vector<RouteTable> tables{random_table(rng, T, 2, K, E, 0.05), random_table(rng, T, 2, K, E)};
+    RouteTable skew = RouteTable::none(T, 2, K, E);
+    for (int64_t i = 0; i < skew.topk_idx.numel(); ++i) skew.topk_idx.data<int32_t>()[i] = int32_t(i % K);
+    tables.push_back(skew);
+    {
+      RouteFileWriter w(path, info);
+      for (const auto& t : tables) w.append(t);
+    }
+    auto r = RouteFileReader::open(path);
+    for (size_t i = 0; i < tables.size(); ++i) {
+      EXPECT_TRUE(route_tables_equal(r.read(int64_t(i)), tables[i])) << "E=" << E << " seq " << i << " " << repro(seed);
+    }
+    std::remove(path.c_str());
   }
 }
 
