@@ -1,8 +1,9 @@
 // Route file size and speed on skewed, realistic routes: E=128, K=8, 48 MoE layers (Qwen3-30B-A3B's
 // router shape), expert popularity Zipf-like with exponent s per layer (a different hot set per
-// layer), 32768 tokens cut into sequences of seq_len tokens (1024 unless said). Rates are MB/s of raw int32 routes ([tokens, layers, K] int32).
-// Peers measured in the same run: memcpy of the raw int32 (ceiling), and plain zstd over the ids
-// narrowed to uint8 without the rank transform (what "narrowest width + zstd" gives alone).
+// layer), 32768 tokens cut into sequences of seq_len tokens (1024 unless said). Rates are MB/s of
+// raw int32 routes ([tokens, layers, K] int32). Peers measured in the same run: memcpy of the raw
+// int32 (ceiling), and plain zstd over the ids narrowed to uint8 without the rank transform (what
+// "narrowest width + zstd" gives alone).
 #include <benchmark/benchmark.h>
 #include <unistd.h>
 #include <zstd.h>
@@ -54,7 +55,8 @@ const std::vector<int32_t>& zipf_stream(int64_t s100) {
         if (std::find(ranks, ranks + n, r) == ranks + n) ranks[n++] = r;
       }
       std::sort(ranks, ranks + kK);  // top-k order: most popular first
-      for (int64_t k = 0; k < kK; ++k) v[size_t((tok * kL + l) * kK + k)] = perm[l][size_t(ranks[k])];
+      for (int64_t k = 0; k < kK; ++k)
+        v[size_t((tok * kL + l) * kK + k)] = perm[l][size_t(ranks[k])];
     }
   }
   return cache.emplace(s100, std::move(v)).first->second;
@@ -69,7 +71,8 @@ const std::vector<RouteTable>& routes(int64_t s100, int64_t seq_len) {
   const int64_t row = kL * kK;
   for (int64_t start = 0; start + seq_len <= kTotalTokens; start += seq_len) {
     RouteTable t = RouteTable::none(seq_len, kL, kK, kE);
-    std::memcpy(t.topk_idx.raw(), v.data() + start * row, size_t((seq_len - 1) * row) * sizeof(int32_t));
+    std::memcpy(t.topk_idx.raw(), v.data() + start * row,
+                size_t((seq_len - 1) * row) * sizeof(int32_t));
     seqs.push_back(std::move(t));
   }
   return cache.emplace(std::make_pair(s100, seq_len), std::move(seqs)).first->second;
@@ -82,7 +85,9 @@ double raw_bytes(const std::vector<RouteTable>& seqs) {
 }
 
 std::string temp_file() {
-  return (std::filesystem::temp_directory_path() / ("sy_bench_routes_" + std::to_string(::getpid()) + ".syr")).string();
+  return (std::filesystem::temp_directory_path() /
+          ("sy_bench_routes_" + std::to_string(::getpid()) + ".syr"))
+      .string();
 }
 
 RouteFileInfo info() {
@@ -118,12 +123,14 @@ void BM_RouteFileDecode(benchmark::State& state) {
   }
   for (auto _ : state) {
     RouteFileReader r = RouteFileReader::open(path);
-    for (int64_t i = 0; i < r.num_sequences(); ++i) benchmark::DoNotOptimize(r.read(i).topk_idx.raw());
+    for (int64_t i = 0; i < r.num_sequences(); ++i)
+      benchmark::DoNotOptimize(r.read(i).topk_idx.raw());
   }
   // Correctness guard outside the timed loop: the bench must decode what it encoded.
   RouteFileReader r = RouteFileReader::open(path);
   for (int64_t i = 0; i < r.num_sequences(); ++i) {
-    if (!route_tables_equal(r.read(i), seqs[size_t(i)])) state.SkipWithError("decoded table differs");
+    if (!route_tables_equal(r.read(i), seqs[size_t(i)]))
+      state.SkipWithError("decoded table differs");
   }
   std::remove(path.c_str());
   state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(raw_bytes(seqs)));
@@ -153,7 +160,8 @@ void BM_PlainUint8Zstd(benchmark::State& state) {
     for (const auto& t : seqs) {
       const int32_t* p = t.topk_idx.data<int32_t>();
       for (size_t i = 0; i < narrow.size(); ++i) narrow[i] = static_cast<uint8_t>(p[i] + 1);
-      total += int64_t(ZSTD_compress(comp.data(), comp.size(), narrow.data(), narrow.size(), int(state.range(1))));
+      total += int64_t(ZSTD_compress(comp.data(), comp.size(), narrow.data(), narrow.size(),
+                                     int(state.range(1))));
     }
   }
   state.SetBytesProcessed(int64_t(state.iterations()) * int64_t(raw_bytes(seqs)));
@@ -172,7 +180,11 @@ void args(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_RouteFileEncode)->Apply(args);
 BENCHMARK(BM_RouteFileDecode)->Apply(args);
 BENCHMARK(BM_PlainUint8Zstd)->Apply(args);
-BENCHMARK(BM_Memcpy)->ArgNames({"zipf_s_x100", "zstd_level", "seq_len"})->Args({100, 0, 1024})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Memcpy)
+    ->ArgNames({"zipf_s_x100", "zstd_level", "seq_len"})
+    ->Args({100, 0, 1024})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 }  // namespace
 

@@ -4,7 +4,8 @@
 //
 // Both give a route for every token but the last sampled one, on every hidden layer (dense layers
 // hold 0) and possibly on MTP layers. Import keeps the MoE layers (LayerMap), drops the others, and
-// appends a `-1` row for the missing last token, giving a RouteTable `[seq_len, moe_layers, top_k]`.
+// appends a `-1` row for the missing last token, giving a RouteTable `[seq_len, moe_layers,
+// top_k]`.
 #pragma once
 
 #include <array>
@@ -40,7 +41,7 @@ struct ImportOptions {
 /// Counts and findings of an import.
 struct ImportReport {
   int64_t num_sequences = 0;
-  int64_t num_tokens = 0;         ///< tokens in the output tables (last token included)
+  int64_t num_tokens = 0;  ///< tokens in the output tables (last token included)
   int64_t num_input_layers = 0;
   int64_t top_k = 0;
   std::vector<int64_t> moe_layers;  ///< hidden-layer index of every kept layer

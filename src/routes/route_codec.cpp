@@ -2,13 +2,14 @@
 // (rank 0 = the layer's most used expert in this block) and laid out layer-major: every layer then
 // shows zstd the same skewed distribution, where raw ids mix 48 different permutations of it into a
 // near-uniform one. Measured on Zipf-like routes (bench_routes): 4.6x -> 5.3x smaller than int32.
+#include "route_codec.h"
+
 #include <xxhash.h>
 
 #include <algorithm>
 #include <functional>
 #include <numeric>
 
-#include "route_codec.h"
 #include "check.h"
 
 namespace switchyard::detail {
@@ -30,7 +31,8 @@ namespace {
 // branch (slot 0 counts the -1 entries and maps to stored value 0). Without `ranked`, ids are
 // stored as they are (rank = id).
 template <class W>
-bool encode_as(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, bool ranked, char* out) {
+bool encode_as(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, bool ranked,
+               char* out) {
   W* perm_out = reinterpret_cast<W*>(out);
   W* ids_out = ranked ? perm_out + L * E : perm_out;
   const int64_t E1 = E + 1;
@@ -92,7 +94,8 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
   if (ranked) {
     std::memcpy(perm.data(), raw, perm.size() * sizeof(W));
   } else {
-    for (int64_t l = 0; l < L; ++l) std::iota(perm.begin() + l * E, perm.begin() + (l + 1) * E, W{0});
+    for (int64_t l = 0; l < L; ++l)
+      std::iota(perm.begin() + l * E, perm.begin() + (l + 1) * E, W{0});
   }
   const int64_t numel = T * L * K;
   std::vector<W> ids(static_cast<size_t>(numel));  // aligned copy of the rank plane
@@ -112,8 +115,10 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
   W max_rank = 0;
   for (int64_t i = 0; i < numel; ++i) max_rank = std::max(max_rank, ids[size_t(i)]);
   if (numel > 0 && int64_t(max_rank) >= E) {
-    const int64_t i = std::find_if(ids.begin(), ids.end(), [E](W r) { return int64_t(r) >= E; }) - ids.begin();
-    return cat("token ", (i / K) % T, ", layer ", i / (T * K), ": rank ", int64_t(max_rank), " >= num_experts");
+    const int64_t i =
+        std::find_if(ids.begin(), ids.end(), [E](W r) { return int64_t(r) >= E; }) - ids.begin();
+    return cat("token ", (i / K) % T, ", layer ", i / (T * K), ": rank ", int64_t(max_rank),
+               " >= num_experts");
   }
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t l = 0; l < L; ++l) {
@@ -148,9 +153,15 @@ uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num
   bool any_none = false;
   const int64_t T = num_tokens, L = num_layers, K = top_k, E = num_experts;
   switch (id_width_for(num_experts)) {
-    case 1: any_none = encode_as<uint8_t>(topk_idx, T, L, K, E, ranked, p); break;
-    case 2: any_none = encode_as<uint16_t>(topk_idx, T, L, K, E, ranked, p); break;
-    default: any_none = encode_as<uint32_t>(topk_idx, T, L, K, E, ranked, p); break;
+    case 1:
+      any_none = encode_as<uint8_t>(topk_idx, T, L, K, E, ranked, p);
+      break;
+    case 2:
+      any_none = encode_as<uint16_t>(topk_idx, T, L, K, E, ranked, p);
+      break;
+    default:
+      any_none = encode_as<uint32_t>(topk_idx, T, L, K, E, ranked, p);
+      break;
   }
   const uint32_t flags = (any_none ? kBlockHasNone : 0u) | rank_flag;
   const int64_t n = payload_size(num_tokens, num_layers, top_k, num_experts, flags);
@@ -185,9 +196,12 @@ std::string decode_payload(const char* raw, int64_t raw_size, int64_t num_tokens
   const bool ranked = (flags & kBlockRanked) != 0;
   const int64_t T = num_tokens, L = num_layers, K = top_k, E = num_experts;
   switch (id_width_for(num_experts)) {
-    case 1: return decode_as<uint8_t>(raw, T, L, K, E, ranked, bits, topk_idx);
-    case 2: return decode_as<uint16_t>(raw, T, L, K, E, ranked, bits, topk_idx);
-    default: return decode_as<uint32_t>(raw, T, L, K, E, ranked, bits, topk_idx);
+    case 1:
+      return decode_as<uint8_t>(raw, T, L, K, E, ranked, bits, topk_idx);
+    case 2:
+      return decode_as<uint16_t>(raw, T, L, K, E, ranked, bits, topk_idx);
+    default:
+      return decode_as<uint32_t>(raw, T, L, K, E, ranked, bits, topk_idx);
   }
 }
 

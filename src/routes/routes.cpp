@@ -45,28 +45,32 @@ bool route_tables_equal(const RouteTable& a, const RouteTable& b) {
 
 std::vector<int64_t> moe_layer_indices(const LayerMap& map, int64_t num_input_layers) {
   const char* op = "layer_map";
-  if (map.num_mtp_layers < 0) detail::fail_arg(op, "num_mtp_layers must be >= 0, got ", map.num_mtp_layers);
-  if (map.first_k_dense < 0) detail::fail_arg(op, "first_k_dense must be >= 0, got ", map.first_k_dense);
+  if (map.num_mtp_layers < 0)
+    detail::fail_arg(op, "num_mtp_layers must be >= 0, got ", map.num_mtp_layers);
+  if (map.first_k_dense < 0)
+    detail::fail_arg(op, "first_k_dense must be >= 0, got ", map.first_k_dense);
   const int64_t hidden = num_input_layers - map.num_mtp_layers;
   if (hidden < 1) {
-    detail::fail_arg(op, "the input has ", num_input_layers, " layers, expected more than num_mtp_layers=",
-                     map.num_mtp_layers);
+    detail::fail_arg(op, "the input has ", num_input_layers,
+                     " layers, expected more than num_mtp_layers=", map.num_mtp_layers);
   }
   std::vector<int64_t> out;
   if (!map.moe_layer_freq.empty()) {
     if (static_cast<int64_t>(map.moe_layer_freq.size()) != hidden) {
-      detail::fail_arg(op, "moe_layer_freq must have one entry per hidden layer (", hidden,
-                       " = ", num_input_layers, " input layers - ", map.num_mtp_layers,
+      detail::fail_arg(op, "moe_layer_freq must have one entry per hidden layer (", hidden, " = ",
+                       num_input_layers, " input layers - ", map.num_mtp_layers,
                        " MTP layers), got ", map.moe_layer_freq.size(), " entries");
     }
     for (int64_t l = 0; l < hidden; ++l) {
       const int64_t v = map.moe_layer_freq[static_cast<size_t>(l)];
-      if (v != 0 && v != 1) detail::fail_arg(op, "moe_layer_freq entries must be 0 or 1, got ", v, " at layer ", l);
+      if (v != 0 && v != 1)
+        detail::fail_arg(op, "moe_layer_freq entries must be 0 or 1, got ", v, " at layer ", l);
       if (v == 1) out.push_back(l);
     }
   } else {
     if (map.first_k_dense >= hidden) {
-      detail::fail_arg(op, "first_k_dense must be < the ", hidden, " hidden layers, got ", map.first_k_dense);
+      detail::fail_arg(op, "first_k_dense must be < the ", hidden, " hidden layers, got ",
+                       map.first_k_dense);
     }
     for (int64_t l = map.first_k_dense; l < hidden; ++l) out.push_back(l);
   }
@@ -95,7 +99,8 @@ std::vector<int64_t> parse_moe_layer_freq(const std::string& text) {
       reps = std::stoll(r);
     }
     if (value != "0" && value != "1") {
-      detail::fail_arg(op, "moe_layer_freq item must be 0, 1 or NxV with V in {0,1}, got \"", item, "\"");
+      detail::fail_arg(op, "moe_layer_freq item must be 0, 1 or NxV with V in {0,1}, got \"", item,
+                       "\"");
     }
     for (int64_t i = 0; i < reps; ++i) out.push_back(value == "1" ? 1 : 0);
     pos = comma + 1;
