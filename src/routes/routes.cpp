@@ -1,6 +1,7 @@
 // Route tables and the hidden-layer -> MoE-layer map.
 #include "switchyard/routes.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "check.h"
@@ -25,6 +26,13 @@ void check_route_table(const RouteTable& t, const char* op, const char* name) {
   const int32_t* p = t.topk_idx.data<int32_t>();
   const int64_t n = t.topk_idx.numel();
   const int64_t L = t.topk_idx.size(1), K = t.topk_idx.size(2);
+  // A branch-free min/max pass (vectorised) first; the slow search only runs on bad input.
+  int32_t lo = -1, hi = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, p[i]);
+    hi = std::max(hi, p[i]);
+  }
+  if (lo >= -1 && hi < t.num_experts) return;
   for (int64_t i = 0; i < n; ++i) {
     if (p[i] < -1 || p[i] >= t.num_experts) {
       const int64_t token = i / (L * K), layer = (i / K) % L;
