@@ -18,8 +18,9 @@
 
 namespace switchyard {
 
-/// What to do with an all-zero row on a MoE layer (with top_k > 1 it repeats expert 0, which is how
-/// zero-filled padding shows up). Rows are always counted in the report.
+/// What to do with an all-zero row on a MoE layer: with top_k > 1 it repeats expert 0, which no
+/// top-k produces — it is how zero-filled padding shows up. Such rows are always counted in the
+/// report. With top_k == 1 a 0 is a real route to expert 0 and is never flagged.
 enum class ZeroRowPolicy : uint8_t {
   keep,     ///< keep the zeros (default: import never changes data silently)
   to_none,  ///< turn the row into -1 ("no route")

@@ -136,7 +136,7 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
         }
         zero = zero && v == 0;
       }
-      if (zero && top_k > 0) {
+      if (zero && top_k > 1) {  // K = 1: a 0 is a real route to expert 0
         if (opt.zero_rows == ZeroRowPolicy::error) {
           fail_arg(kOp, source, " (sequence ", seq, "): all-zero row at token ", r,
                    ", hidden layer ", l, " (zero-filled padding?)");

@@ -185,6 +185,10 @@ TEST(RouteImport, ZeroRowPolicies) {
   ImportResult none = import_vllm_npy_bytes(npy(v, {3, 1, 2}, "<i4"), "z.npy", opt);
   EXPECT_EQ(none.sequences[0].topk_idx.to_double_vector(),
             (std::vector<double>{-1, -1, 1, 2, -1, -1, -1, -1}));
+  // K = 1: zeros are routes to expert 0, never flagged or changed.
+  ImportResult k1 = import_vllm_npy_bytes(npy(v, {6, 1, 1}, "<i4"), "z.npy", opt);
+  EXPECT_EQ(k1.report.num_zero_rows, 0);
+  EXPECT_EQ(k1.sequences[0].topk_idx.data<int32_t>()[0], 0);
   opt.zero_rows = ZeroRowPolicy::error;
   SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {3, 1, 2}, "<i4"), "z.npy", opt),
                       std::invalid_argument,
