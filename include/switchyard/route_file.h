@@ -40,7 +40,7 @@ struct RouteFileInfo {
 /// Options of a RouteFileWriter.
 struct RouteFileWriterOptions {
   /// zstd level (1..19). Level 1 (default) encodes ~800 MB/s of raw int32 on this machine at 5.2x;
-  /// level 3 gains ~5% in size at half the speed (bench_routes).
+  /// level 3 gains ~5% in size at a third of the speed (bench_routes).
   int compression_level = 1;
 };
 
