@@ -1,5 +1,5 @@
-// Expert-parallel dispatch and combine (DeepEP's vocabulary). Rank r of an EP group of size EP holds
-// experts [r*L, (r+1)*L), L = num_experts / EP. Two dispatchers move the same rows:
+// Expert-parallel dispatch and combine (DeepEP's vocabulary). Rank r of an EP group of size EP
+// holds experts [r*L, (r+1)*L), L = num_experts / EP. Two dispatchers move the same rows:
 //  - all_to_all: each rank sends each (token, expert) pair to the expert's rank (MPI_Alltoallv);
 //  - all_gather: every rank gathers every rank's tokens and keeps the pairs of its own experts;
 //    combine gathers every expert output row back (more traffic, no all-to-all).
@@ -77,7 +77,7 @@ struct DispatchResult {
 /// `topk_weights` [T,K] fp32. Collective. Data errors on any rank (an id outside [-1,E), a hidden
 /// size or dtype that differs between ranks, a bad shape) throw the same std::invalid_argument on
 /// every rank, with the message of the lowest failing rank; no rank hangs. E not divisible by EP
-/// is rejected before any communication. Deterministic.
+/// (or any bad option) is rejected the same way, before any payload moves. Deterministic.
 DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                         const DispatchOptions& options, Communicator& comm);
 

@@ -12,7 +12,8 @@ namespace switchyard::dist {
 
 /// The collectives the dispatchers need, on raw buffers of `elem_bytes`-sized elements. Counts are
 /// in elements; variable-size buffers are packed in rank order (displacements are prefix sums).
-/// Every method is collective over all ranks of the communicator (except rank/size/name).
+/// Every method is collective over all ranks of the communicator (except rank, size, name and
+/// workspace); exchange_blocks involves the listed peers only.
 /// Environment failures throw switchyard::BackendError naming the call, its error string, the rank
 /// and file:line.
 class Communicator {
@@ -29,12 +30,42 @@ class Communicator {
   /// equal send_count.
   virtual void allgatherv(const void* send, int64_t send_count, void* recv,
                           const std::vector<int64_t>& recv_counts, int64_t elem_bytes) = 0;
-  /// send_counts[r] elements go to rank r, recv_counts[r] come from rank r; both packed in rank order.
+  /// send_counts[r] elements go to rank r, recv_counts[r] come from rank r; both packed in rank
+  /// order.
   virtual void alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                          const std::vector<int64_t>& recv_counts, int64_t elem_bytes) = 0;
+  /// Row-indexed all-to-all: rows are gathered into and scattered from the communicator's
+  /// workspace around one alltoallv (see exchange_blocks for moving whole blocks without a copy).
+  /// Rows are `row_bytes` bytes. To rank r go send_counts[r] rows, taken in order from
+  /// rows send_index[...] of `send` (the index list is packed in rank order; rows may repeat);
+  /// from rank s come recv_counts[s] rows, stored at rows recv_index[...] of `recv` (packed in rank
+  /// order; no row twice). A null index means rows are contiguous in rank order (plain alltoallv).
+  virtual void alltoallv_rows(const void* send, const int64_t* send_index,
+                              const std::vector<int64_t>& send_counts, void* recv,
+                              const int64_t* recv_index, const std::vector<int64_t>& recv_counts,
+                              int64_t row_bytes) = 0;
+  /// A run of `rows` consecutive rows starting at row `offset`, exchanged with rank `peer`.
+  struct Block {
+    int peer;
+    int64_t offset;
+    int64_t rows;
+  };
+  /// Block exchange: every send block goes to its peer, every receive block is filled from its
+  /// peer; the blocks between two ranks are matched in list order, so both sides must list the
+  /// same sizes in the same order (blocks of 0 rows are skipped). No packing: each block moves
+  /// straight from `send` to `recv` (point-to-point messages, single-copy where MPI can).
+  virtual void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
+                               const std::vector<Block>& recv_blocks, int64_t row_bytes) = 0;
   /// In place element-wise maximum of n small integers (flags, sizes) over all ranks.
   virtual void allreduce_max(int64_t* values, int64_t n) = 0;
   virtual void barrier() = 0;
+
+  /// Scratch memory owned by this communicator, at least `bytes` long, reused across calls (grows,
+  /// never shrinks, not zeroed). `slot` names independent buffers; a pointer stays valid until the
+  /// next workspace() call with the same slot. Slots below 16 belong to switchyard itself (the
+  /// communicators and dispatchers use them so steady-state steps do not page-fault fresh
+  /// multi-MiB buffers). Not collective; not thread-safe (nor is a communicator).
+  void* workspace(int slot, int64_t bytes);
 
   /// Typed convenience: everyone's `values` (same length on every rank), rank-major.
   template <class T>
@@ -44,6 +75,13 @@ class Communicator {
               static_cast<int64_t>(sizeof(T)));
     return out;
   }
+
+ private:
+  struct Scratch {
+    std::unique_ptr<unsigned char[]> data;
+    int64_t size = 0;
+  };
+  std::vector<Scratch> workspace_;
 };
 
 /// A size-1 communicator (rank 0 of 1): collectives are local copies. Always available.
@@ -52,8 +90,8 @@ std::shared_ptr<Communicator> local();
 /// True when the library was built with MPI.
 bool mpi_built();
 
-/// A duplicate of MPI_COMM_WORLD (MPI_ERRORS_RETURN set on it, freed by the destructor). MPI must be
-/// initialised by the caller (MPI_Init, or mpi4py). Throws BackendError when MPI is not
+/// A duplicate of MPI_COMM_WORLD (MPI_ERRORS_RETURN set on it, freed by the destructor). MPI must
+/// be initialised by the caller (MPI_Init, or mpi4py). Throws BackendError when MPI is not
 /// initialised or the library was built without MPI ("not built with MPI").
 std::shared_ptr<Communicator> world();
 

@@ -4,26 +4,32 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
+
+#include "cpu/router_math.h"
 
 namespace switchyard::cpu {
 
 namespace {
 
+// Below this many elements a loop runs on the calling thread.
+constexpr int64_t kParallelMinWork = 16384;
+
 // Megatron-Core adds this to the sigmoid-family normaliser.
 constexpr double kNormEps = 1e-20;
 
 // Top-k of key[0..n) (optionally only where allowed[e]), written to out_id[0..k) in descending key
-// order; equal keys keep the lower id first. One pass with a sorted insertion buffer: O(n) compares
-// plus O(k) per insertion, which for k << n is a handful of insertions per row.
+// order; equal keys keep the lower id first. One pass in id order with a sorted insertion buffer.
 template <class S>
-void select_topk(const S* key, int64_t n, int64_t k, const uint8_t* allowed, S* top_val,
-                 int32_t* out_id) {
-  int64_t cnt = 0;
-  for (int64_t e = 0; e < n; ++e) {
+void insert_topk(const S* key, int64_t begin, int64_t end, int64_t k, const uint8_t* allowed, S thr,
+                 S* top_val, int32_t* out_id, int64_t& cnt) {
+  for (int64_t e = begin; e < end; ++e) {
     if (allowed && !allowed[e]) continue;
     const S v = key[e];
+    if (v < thr) continue;
     if (cnt == k) {
       if (!(v > top_val[k - 1])) continue;  // ties keep the earlier (lower) id
       cnt = k - 1;
@@ -40,9 +46,153 @@ void select_topk(const S* key, int64_t n, int64_t k, const uint8_t* allowed, S* 
   }
 }
 
+#ifdef SY_ROUTER_AVX2
+// Compress table: for an 8-bit mask, the lanes of its set bits in order (then zeros).
+struct CompressTable {
+  alignas(32) int32_t idx[256][8];
+  constexpr CompressTable() : idx() {
+    for (int m = 0; m < 256; ++m) {
+      int c = 0;
+      for (int l = 0; l < 8; ++l) {
+        if (m & (1 << l)) idx[m][c++] = l;
+      }
+      for (; c < 8; ++c) idx[m][c] = 0;
+    }
+  }
+};
+constexpr CompressTable kCompress{};
+
+// Branch-free top-k (k <= 8) of an fp32 row with n % 8 == 0, same result as insert_topk:
+// (1) a lower bound `thr` of the k-th largest key: the k-th largest of 8 disjoint maxima (lanes,
+//     or 8-wide blocks for short rows);
+// (2) keys >= thr are compressed (in id order) into a short candidate list;
+// (3) each candidate enters a sorted 8-lane register (values + ids) by compare/permute/blend, with
+//     equal keys kept behind earlier (lower) ids. No data-dependent branches except the loop
+//     counts.
+struct TopReg {
+  __m256 v;
+  __m256i id;
+};
+
+inline void reg_insert(TopReg& t, __m256 v, __m256i id) {
+  const __m256i shift = _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6);
+  const __m256 lane0 = _mm256_castsi256_ps(_mm256_setr_epi32(-1, 0, 0, 0, 0, 0, 0, 0));
+  const __m256 ge = _mm256_cmp_ps(t.v, v, _CMP_GE_OQ);  // a prefix: top is sorted descending
+  const __m256 ge_prev = _mm256_or_ps(_mm256_permutevar8x32_ps(ge, shift), lane0);
+  const __m256 at = _mm256_andnot_ps(ge, ge_prev);  // the insertion lane
+  const __m256 sv = _mm256_permutevar8x32_ps(t.v, shift);
+  const __m256 sid = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(t.id, shift));
+  t.v = _mm256_blendv_ps(_mm256_blendv_ps(sv, v, at), t.v, ge);
+  t.id = _mm256_castps_si256(_mm256_blendv_ps(_mm256_blendv_ps(sid, _mm256_castsi256_ps(id), at),
+                                              _mm256_castsi256_ps(t.id), ge));
+}
+
+inline float hmin8(__m256 x) {
+  __m256 m = _mm256_min_ps(x, _mm256_permute2f128_ps(x, x, 1));
+  m = _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm256_cvtss_f32(m);
+}
+
+inline float hmax8(__m256 x) {
+  __m256 m = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm256_cvtss_f32(m);
+}
+
+void select_topk_f32x8(const float* key, int64_t n, int64_t k, int32_t* out_id, float* bm,
+                       float* cand_v, int32_t* cand_i) {
+  const int64_t nb = n / 8;
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  TopReg t{neg_inf, _mm256_setzero_si256()};
+  alignas(32) float tv[8];
+  float thr_s;
+  if (k == 8 || nb >= 8) {
+    // Lane maxima: lane l holds the max of the keys e with e % 8 == l, 8 disjoint sets, so their
+    // k-th largest is also a lower bound (for k == 8 simply the smallest lane maximum).
+    __m256 lm = _mm256_loadu_ps(key);
+    for (int64_t b = 1; b < nb; ++b) lm = _mm256_max_ps(lm, _mm256_loadu_ps(key + b * 8));
+    if (k == 8) {
+      thr_s = hmin8(lm);
+    } else {
+      alignas(32) float lv[8];
+      _mm256_store_ps(lv, lm);
+      for (int l = 0; l < 8; ++l) reg_insert(t, _mm256_set1_ps(lv[l]), _mm256_setzero_si256());
+      _mm256_store_ps(tv, t.v);
+      thr_s = tv[k - 1];
+    }
+  } else {
+    for (int64_t b = 0; b < nb; ++b) bm[b] = hmax8(_mm256_loadu_ps(key + b * 8));
+    for (int64_t b = 0; b < nb; ++b) {
+      reg_insert(t, _mm256_set1_ps(bm[b]), _mm256_set1_epi32(static_cast<int32_t>(b)));
+    }
+    _mm256_store_ps(tv, t.v);
+    thr_s = tv[k - 1];
+  }
+  const __m256 thr = _mm256_set1_ps(thr_s);
+  int64_t nc = 0;
+  const __m256i lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 x = _mm256_loadu_ps(key + b * 8);
+    const int m = _mm256_movemask_ps(_mm256_cmp_ps(x, thr, _CMP_GE_OQ));
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompress.idx[m]));
+    _mm256_storeu_ps(cand_v + nc, _mm256_permutevar8x32_ps(x, perm));
+    const __m256i ids = _mm256_add_epi32(lane_ids, _mm256_set1_epi32(static_cast<int32_t>(b * 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cand_i + nc),
+                        _mm256_permutevar8x32_epi32(ids, perm));
+    nc += __builtin_popcount(static_cast<unsigned>(m));
+  }
+  t = TopReg{neg_inf, _mm256_setzero_si256()};
+  for (int64_t c = 0; c < nc; ++c) {
+    reg_insert(t, _mm256_set1_ps(cand_v[c]), _mm256_set1_epi32(cand_i[c]));
+  }
+  alignas(32) int32_t ti[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ti), t.id);
+  for (int64_t j = 0; j < k; ++j) out_id[j] = ti[j];
+}
+#endif
+
+// Block-threshold top-k: the k-th largest of the 8-wide block maxima is a lower bound of the k-th
+// largest key (the k best blocks hold k distinct keys >= it), so only keys >= it are candidates:
+// about k + a few out of n, which removes most of the insertion work and its branch misses.
+// `bm` is scratch of ceil(n/8) entries.
+template <class S>
+void select_topk(const S* key, int64_t n, int64_t k, const uint8_t* allowed, S* top_val,
+                 int32_t* out_id, S* bm, S* cand_v, int32_t* cand_i) {
+#ifdef SY_ROUTER_AVX2
+  if constexpr (std::is_same_v<S, float>) {
+    if (!allowed && k <= 8 && n % 8 == 0 && n >= 16) {
+      select_topk_f32x8(key, n, k, out_id, bm, cand_v, cand_i);
+      return;
+    }
+  }
+#else
+  (void)cand_v;
+  (void)cand_i;
+#endif
+  int64_t cnt = 0;
+  const S lowest = -std::numeric_limits<S>::infinity();
+  const int64_t nb = (n + 7) / 8;
+  if (allowed || nb < 2 * k) {
+    insert_topk(key, 0, n, k, allowed, lowest, top_val, out_id, cnt);
+    return;
+  }
+  for (int64_t b = 0; b < nb; ++b)
+    bm[b] = rmath::max_of(key + b * 8, std::min<int64_t>(8, n - b * 8));
+  // k-th largest block maximum (ids are irrelevant here; reuse out_id as scratch).
+  int64_t c2 = 0;
+  insert_topk(bm, 0, nb, k, static_cast<const uint8_t*>(nullptr), lowest, top_val, out_id, c2);
+  const S thr = top_val[k - 1];
+  for (int64_t b = 0; b < nb; ++b) {
+    if (bm[b] < thr) continue;
+    insert_topk(key, b * 8, std::min<int64_t>(n, b * 8 + 8), k, allowed, thr, top_val, out_id, cnt);
+  }
+}
+
 template <class S>
 inline S sigmoid(S z) {
-  return S(1) / (S(1) + std::exp(-z));
+  return S(1) / (S(1) + rmath::exp_s(S(0) - z));
 }
 
 // sqrt(softplus(z)) with softplus(z) = max(z,0) + log1p(exp(-|z|)) (no overflow).
@@ -66,53 +216,72 @@ struct RowScratch {
   std::vector<S> key;      // selection key
   std::vector<S> top_val;  // top-k buffer
   std::vector<S> gsc;      // group scores
-  std::vector<uint8_t> allowed;
+  std::vector<S> masked;   // key with -inf outside the chosen groups
   std::vector<int32_t> gid;
   std::vector<int32_t> aux_id;
-  std::vector<S> grow;  // gradient row
+  std::vector<S> grow;    // gradient row
+  std::vector<S> bm;      // block maxima for select_topk
+  std::vector<S> cand_v;  // top-k candidates
+  std::vector<int32_t> cand_i;
   explicit RowScratch(const RouteKernelParams& p)
-      : ex(p.num_experts), key(p.num_experts),
-        top_val(std::max<int64_t>(p.num_experts, 1)), gsc(std::max<int64_t>(p.num_groups, 1)),
-        allowed(p.num_experts), gid(std::max<int64_t>(p.num_groups, 1)),
-        aux_id(std::max<int64_t>(p.top_k, 1)), grow(p.num_experts) {}
+      : ex(p.num_experts),
+        key(p.num_experts),
+        top_val(std::max<int64_t>(p.num_experts, 1)),
+        gsc(std::max<int64_t>(p.num_groups, 1)),
+        masked(p.num_experts),
+        gid(std::max<int64_t>(p.num_groups, 1)),
+        aux_id(std::max<int64_t>(p.top_k, 1)),
+        grow(p.num_experts),
+        bm((p.num_experts + 7) / 8 + 1),
+        cand_v(p.num_experts + 8),
+        cand_i(p.num_experts + 8) {}
 };
 
-// exp(z - max) into ex; returns the sum (in expert order) and sets max.
+// exp(z - max) into ex; returns the sum (fixed 8-lane order) and sets max.
 template <class S>
 inline S exp_shifted(const S* z, int64_t E, S* ex, S& zmax) {
-  S m = z[0];
-  for (int64_t e = 1; e < E; ++e) m = std::max(m, z[e]);
-  S sum = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    ex[e] = std::exp(z[e] - m);
-    sum += ex[e];
+  zmax = rmath::max_of(z, E);
+  return rmath::exp_shift_sum(z, zmax, E, ex);
+}
+
+// s = f(z) for the sigmoid family, over a row.
+template <class S>
+inline void scores_row(int score_function, const S* z, int64_t E, S* s) {
+  if (score_function == kScoreSigmoid) {
+    rmath::sigmoid_row(z, E, s);
+  } else {
+    for (int64_t e = 0; e < E; ++e) s[e] = sqrt_softplus(z[e]);
   }
-  zmax = m;
-  return sum;
 }
 
 // Native selection of one row into ids[0..K).
 template <class S>
 void native_select(const S* key, const RouteKernelParams& p, RowScratch<S>& sc, int32_t* ids) {
   const int64_t E = p.num_experts, K = p.top_k;
+  const uint8_t* none = nullptr;
   if (p.num_groups > 0) {
     const int64_t G = p.num_groups, per = E / G, m = K / p.group_topk;
+    // Group score: sum of the group's top m keys, added in descending order.
     for (int64_t g = 0; g < G; ++g) {
-      select_topk(key + g * per, per, m, static_cast<const uint8_t*>(nullptr), sc.top_val.data(),
-                  sc.aux_id.data());
+      select_topk(key + g * per, per, m, none, sc.top_val.data(), sc.aux_id.data(), sc.bm.data(),
+                  sc.cand_v.data(), sc.cand_i.data());
       S s = 0;
-      for (int64_t j = 0; j < m; ++j) s += sc.top_val[j];
+      for (int64_t j = 0; j < m; ++j) s += key[g * per + sc.aux_id[j]];
       sc.gsc[g] = s;
     }
-    select_topk(sc.gsc.data(), G, p.group_topk, static_cast<const uint8_t*>(nullptr),
-                sc.top_val.data(), sc.gid.data());
-    std::fill(sc.allowed.begin(), sc.allowed.end(), uint8_t{0});
-    for (int64_t j = 0; j < p.group_topk; ++j) {
-      std::fill_n(sc.allowed.begin() + sc.gid[j] * per, per, uint8_t{1});
-    }
-    select_topk(key, E, K, sc.allowed.data(), sc.top_val.data(), ids);
+    select_topk(sc.gsc.data(), G, p.group_topk, none, sc.top_val.data(), sc.gid.data(),
+                sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
+    // Experts outside the chosen groups get -inf (Megatron's masked_fill); at least K experts
+    // remain (checked by the front-end), all finite, so no -inf is ever selected.
+    S* masked = sc.masked.data();
+    std::fill_n(masked, E, -std::numeric_limits<S>::infinity());
+    for (int64_t j = 0; j < p.group_topk; ++j)
+      std::copy_n(key + sc.gid[j] * per, per, masked + sc.gid[j] * per);
+    select_topk(static_cast<const S*>(masked), E, K, none, sc.top_val.data(), ids, sc.bm.data(),
+                sc.cand_v.data(), sc.cand_i.data());
   } else {
-    select_topk(key, E, K, static_cast<const uint8_t*>(nullptr), sc.top_val.data(), ids);
+    select_topk(key, E, K, none, sc.top_val.data(), ids, sc.bm.data(), sc.cand_v.data(),
+                sc.cand_i.data());
   }
 }
 
@@ -126,12 +295,17 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
   const int64_t G = p.aux_groups;
   const int64_t num_chunks = (T + kLossChunk - 1) / kLossChunk;
   const bool softmax = p.score_function == kScoreSoftmax;
-  // Per-chunk partial sums, reduced in chunk order afterwards (thread-count independent).
-  std::vector<double> part_p(p.need_aux ? static_cast<size_t>(num_chunks * G * E) : 0, 0.0);
-  std::vector<int64_t> part_c(p.need_aux ? static_cast<size_t>(num_chunks * G * E) : 0, 0);
+  // Per-chunk partial sums, reduced in chunk order afterwards (thread-count independent). A chunk
+  // holds one slot per sequence group when G <= kLossChunk, else one slot per token (each token of
+  // a chunk is then in a different group), so the scratch never exceeds T x E.
+  const int64_t slots = std::min(G, kLossChunk);
+  const size_t part_size = p.need_aux ? static_cast<size_t>(num_chunks * slots * E) : 0;
+  std::vector<double> part_p(part_size, 0.0);
+  std::vector<int64_t> part_c(part_size, 0);
   std::vector<double> part_z(p.need_z ? static_cast<size_t>(num_chunks) : 0, 0.0);
 
-#pragma omp parallel
+  // Small batches run on the calling thread: a parallel region costs more than they do.
+#pragma omp parallel if (num_chunks > 1)
   {
     RowScratch<S> sc(p);
 #pragma omp for schedule(static)
@@ -151,11 +325,7 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
         const bool need_exp = softmax ? (p.pre_softmax || p.need_aux || p.need_z) : p.need_z;
         S zmax = 0, sumex = 1;
         if (need_exp) sumex = exp_shifted(z, E, sc.ex.data(), zmax);
-        if (!softmax) {
-          for (int64_t e = 0; e < E; ++e) {
-            sc.key[e] = p.score_function == kScoreSigmoid ? sigmoid(z[e]) : sqrt_softplus(z[e]);
-          }
-        }
+        if (!softmax) scores_row(p.score_function, z, E, sc.key.data());
         // Selection: replayed ids as given, else top-k of the key (+ bias) within the groups.
         if (row_kind[t] == kRowReplayed) {
           std::copy_n(replay_idx + t * K, K, ids);
@@ -185,7 +355,7 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
           for (int64_t k = 1; k < K; ++k) m = std::max(m, z[ids[k]]);
           S sum = 0;
           for (int64_t k = 0; k < K; ++k) {
-            w[k] = std::exp(z[ids[k]] - m);
+            w[k] = rmath::exp_s(z[ids[k]] - m);
             sum += w[k];
           }
           for (int64_t k = 0; k < K; ++k) w[k] = w[k] / sum * static_cast<S>(p.scaling);
@@ -208,16 +378,33 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
           if (softmax) {
             for (int64_t e = 0; e < E; ++e) P[e] = sc.ex[e] / sumex;
           } else {
-            S sum = 0;
-            for (int64_t e = 0; e < E; ++e) sum += sc.key[e];
-            const S den = sum + static_cast<S>(kNormEps);
+            const S den = rmath::sum_of(sc.key.data(), E) + static_cast<S>(kNormEps);
             for (int64_t e = 0; e < E; ++e) P[e] = sc.key[e] / den;
           }
-          select_topk(P, E, K, static_cast<const uint8_t*>(nullptr), sc.top_val.data(),
-                      sc.aux_id.data());
-          const int64_t g = t % G;
-          double* pp = part_p.data() + (c * G + g) * E;
-          int64_t* pc = part_c.data() + (c * G + g) * E;
+          // The aux counts need only the top-k SET of P. When every routed id's P strictly
+          // exceeds every other expert's P, that set is the row's ids (the usual case without
+          // bias, groups or replay); otherwise select on P. Exact either way, one pass cheaper.
+          bool same_set = K < E;
+          if (same_set) {
+            S min_sel = P[ids[0]];
+            for (int64_t k = 0; k < K; ++k) {
+              min_sel = std::min(min_sel, P[ids[k]]);
+              sc.top_val[k] = P[ids[k]];
+              P[ids[k]] = -std::numeric_limits<S>::infinity();
+            }
+            same_set = min_sel > rmath::max_of(static_cast<const S*>(P), E);
+            for (int64_t k = 0; k < K; ++k) P[ids[k]] = sc.top_val[k];
+          }
+          if (same_set || K == E) {
+            std::copy_n(ids, K, sc.aux_id.data());
+          } else {
+            select_topk(static_cast<const S*>(P), E, K, static_cast<const uint8_t*>(nullptr),
+                        sc.top_val.data(), sc.aux_id.data(), sc.bm.data(), sc.cand_v.data(),
+                        sc.cand_i.data());
+          }
+          const int64_t slot = G <= kLossChunk ? t % G : t - c * kLossChunk;
+          double* pp = part_p.data() + (c * slots + slot) * E;
+          int64_t* pc = part_c.data() + (c * slots + slot) * E;
           for (int64_t e = 0; e < E; ++e) pp[e] += static_cast<double>(P[e]);
           for (int64_t k = 0; k < K; ++k) ++pc[sc.aux_id[k]];
         }
@@ -233,9 +420,15 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
     std::fill_n(aux_prob_sum, G * E, 0.0);
     std::fill_n(aux_counts, G * E, int64_t{0});
     for (int64_t c = 0; c < num_chunks; ++c) {
-      for (int64_t i = 0; i < G * E; ++i) {
-        aux_prob_sum[i] += part_p[c * G * E + i];
-        aux_counts[i] += part_c[c * G * E + i];
+      const int64_t used = G <= kLossChunk ? G : std::min(kLossChunk, T - c * kLossChunk);
+      for (int64_t slot = 0; slot < used; ++slot) {
+        const int64_t g = G <= kLossChunk ? slot : (c * kLossChunk + slot) % G;
+        const double* pp = part_p.data() + (c * slots + slot) * E;
+        const int64_t* pc = part_c.data() + (c * slots + slot) * E;
+        for (int64_t e = 0; e < E; ++e) {
+          aux_prob_sum[g * E + e] += pp[e];
+          aux_counts[g * E + e] += pc[e];
+        }
       }
     }
   }
@@ -273,7 +466,7 @@ int64_t apply_capacity(const int32_t* selected_idx, const S* weights, int64_t T,
     }
   }
   int64_t dropped = 0;
-#pragma omp parallel for schedule(dynamic, 4) reduction(+ : dropped)
+#pragma omp parallel for schedule(dynamic, 4) reduction(+ : dropped) if (n > kParallelMinWork)
   for (int64_t e = 0; e < E; ++e) {
     if (counts[e] <= capacity) continue;
     int64_t* b = slots.data() + offs[e];
@@ -300,7 +493,9 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
   const int64_t G = p.aux_groups;
   const bool softmax = p.score_function == kScoreSoftmax;
   const S scaling = static_cast<S>(p.scaling);
-#pragma omp parallel
+  std::vector<S> aux_s(aux_grad ? static_cast<size_t>(G * E) : 0);
+  for (size_t i = 0; i < aux_s.size(); ++i) aux_s[i] = static_cast<S>(aux_grad[i]);
+#pragma omp parallel if (T * E > kParallelMinWork)
   {
     RowScratch<S> sc(p);
     std::vector<S> gw(static_cast<size_t>(std::max<int64_t>(K, 1)));
@@ -309,30 +504,52 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
     for (int64_t t = 0; t < T; ++t) {
       const S* z = logits + t * E;
       S* g = grad_logits + t * E;
-      std::fill_n(g, E, S(0));
-      if (row_kind[t] == kRowPadded) continue;
+      if (row_kind[t] == kRowPadded) {
+        std::fill_n(g, E, S(0));
+        continue;
+      }
       const int32_t* ids = selected_idx + t * K;
       const bool need_exp =
           softmax ? (p.pre_softmax || aux_grad != nullptr || z_coeff != 0.0) : z_coeff != 0.0;
       S zmax = 0, sumex = 1;
       if (need_exp) sumex = exp_shifted(z, E, sc.ex.data(), zmax);
       const bool need_s = !softmax && (grad_w != nullptr || aux_grad != nullptr);
-      if (need_s) {
-        for (int64_t e = 0; e < E; ++e) {
-          sc.key[e] = p.score_function == kScoreSigmoid ? sigmoid(z[e]) : sqrt_softplus(z[e]);
-        }
-      }
+      if (need_s) scores_row(p.score_function, z, E, sc.key.data());
       // Routing weights: only kept slots carry gradient (dropped weights are multiplied by 0).
       if (grad_w) {
         for (int64_t k = 0; k < K; ++k) {
           gw[k] = topk_idx[t * K + k] >= 0 ? grad_w[t * K + k] * scaling : S(0);
         }
-        if (softmax && !p.pre_softmax) {
+      }
+      const S* a = aux_grad ? aux_s.data() + (t % G) * E : nullptr;
+      const S f = z_coeff != 0.0 ? static_cast<S>(z_coeff) * (zmax + std::log(sumex)) : S(0);
+      if (softmax) {
+        // Every dense term is P_e * (something): the aux loss P_e (a_e - <P, a>), the z-loss
+        // 2 coeff lse P_e / N, and for pre-softmax weights -P_e <P[ids], gw>; one pass writes them.
+        if (need_exp) {
+          S c = f;
+          if (p.pre_softmax && grad_w) {
+            S dotw = 0;
+            for (int64_t k = 0; k < K; ++k) dotw += sc.ex[ids[k]] / sumex * gw[k];
+            c -= dotw;
+          }
+          if (a) {
+            S* P = sc.grow.data();
+            for (int64_t e = 0; e < E; ++e) P[e] = sc.ex[e] / sumex;
+            c -= rmath::dot_of(P, a, E);
+            for (int64_t e = 0; e < E; ++e) g[e] = P[e] * (a[e] + c);
+          } else {
+            for (int64_t e = 0; e < E; ++e) g[e] = sc.ex[e] / sumex * c;
+          }
+        } else {
+          std::fill_n(g, E, S(0));
+        }
+        if (grad_w && !p.pre_softmax) {
           S m = z[ids[0]];
           for (int64_t k = 1; k < K; ++k) m = std::max(m, z[ids[k]]);
           S sum = 0;
           for (int64_t k = 0; k < K; ++k) {
-            wk[k] = std::exp(z[ids[k]] - m);
+            wk[k] = rmath::exp_s(z[ids[k]] - m);
             sum += wk[k];
           }
           S dot = 0;
@@ -341,67 +558,59 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
             dot += wk[k] * gw[k];
           }
           for (int64_t k = 0; k < K; ++k) g[ids[k]] += wk[k] * (gw[k] - dot);
-        } else if (softmax) {
-          S dot = 0;
-          for (int64_t k = 0; k < K; ++k) dot += sc.ex[ids[k]] / sumex * gw[k];
-          for (int64_t e = 0; e < E; ++e) g[e] -= sc.ex[e] / sumex * dot;
+        } else if (grad_w) {
           for (int64_t k = 0; k < K; ++k) g[ids[k]] += sc.ex[ids[k]] / sumex * gw[k];
+        }
+        continue;
+      }
+      // Sigmoid family. z-loss first (it lives on softmax(z)), then the aux and weight terms on s.
+      if (z_coeff != 0.0) {
+        for (int64_t e = 0; e < E; ++e) g[e] = f * (sc.ex[e] / sumex);
+      } else {
+        std::fill_n(g, E, S(0));
+      }
+      if (a) {
+        // L = sum_e a_e P_e with P = s / (sum s + eps): dL/ds_e = a_e/den - <a, s>/den^2.
+        S* dls = sc.grow.data();
+        const S den = rmath::sum_of(sc.key.data(), E) + static_cast<S>(kNormEps);
+        const S c2 = rmath::dot_of(a, sc.key.data(), E) / (den * den);
+        for (int64_t e = 0; e < E; ++e) dls[e] = a[e] / den - c2;
+        if (p.score_function == kScoreSigmoid) {
+          for (int64_t e = 0; e < E; ++e) g[e] += dls[e] * (sc.key[e] * (S(1) - sc.key[e]));
         } else {
-          if (K > 1) {
-            S sum = 0;
-            for (int64_t k = 0; k < K; ++k) sum += sc.key[ids[k]];
-            const S den = sum + static_cast<S>(kNormEps);
-            S dot = 0;
-            for (int64_t k = 0; k < K; ++k) dot += gw[k] * sc.key[ids[k]];
-            for (int64_t k = 0; k < K; ++k) {
-              const int32_t e = ids[k];
-              const S ds = gw[k] / den - dot / (den * den);
-              g[e] += ds * score_derivative(p.score_function, z[e], sc.key[e]);
-            }
-          } else {
-            const int32_t e = ids[0];
-            g[e] += gw[0] * score_derivative(p.score_function, z[e], sc.key[e]);
+          for (int64_t e = 0; e < E; ++e) {
+            g[e] += dls[e] * score_derivative(p.score_function, z[e], sc.key[e]);
           }
         }
       }
-      // Aux loss: L = sum_e a_e * P_e with a_e = dLoss/dP (per sequence group for seq_aux_loss).
-      if (aux_grad) {
-        const double* a = aux_grad + (t % G) * E;
-        if (softmax) {
-          S dot = 0;
-          for (int64_t e = 0; e < E; ++e) dot += sc.ex[e] / sumex * static_cast<S>(a[e]);
-          for (int64_t e = 0; e < E; ++e) {
-            g[e] += sc.ex[e] / sumex * (static_cast<S>(a[e]) - dot);
-          }
-        } else {
+      if (grad_w) {
+        if (K > 1) {
           S sum = 0;
-          for (int64_t e = 0; e < E; ++e) sum += sc.key[e];
+          for (int64_t k = 0; k < K; ++k) sum += sc.key[ids[k]];
           const S den = sum + static_cast<S>(kNormEps);
           S dot = 0;
-          for (int64_t e = 0; e < E; ++e) dot += static_cast<S>(a[e]) * sc.key[e];
-          for (int64_t e = 0; e < E; ++e) {
-            const S ds = static_cast<S>(a[e]) / den - dot / (den * den);
+          for (int64_t k = 0; k < K; ++k) dot += gw[k] * sc.key[ids[k]];
+          for (int64_t k = 0; k < K; ++k) {
+            const int32_t e = ids[k];
+            const S ds = gw[k] / den - dot / (den * den);
             g[e] += ds * score_derivative(p.score_function, z[e], sc.key[e]);
           }
+        } else {
+          const int32_t e = ids[0];
+          g[e] += gw[0] * score_derivative(p.score_function, z[e], sc.key[e]);
         }
-      }
-      // z-loss: d(lse^2)/dz = 2 lse softmax(z); z_coeff already holds 2 * coeff / N * scale.
-      if (z_coeff != 0.0) {
-        const S lse = zmax + std::log(sumex);
-        const S f = static_cast<S>(z_coeff) * lse;
-        for (int64_t e = 0; e < E; ++e) g[e] += f * (sc.ex[e] / sumex);
       }
     }
   }
 }
 
-#define SY_INSTANTIATE(S)                                                                     \
-  template void route_forward<S>(const S*, const S*, const uint8_t*, const int32_t*,          \
-                                 const RouteKernelParams&, int32_t*, S*, double*, int64_t*,   \
-                                 double*);                                                    \
-  template int64_t apply_capacity<S>(const int32_t*, const S*, int64_t, int64_t, int64_t,     \
-                                     int64_t, bool, int32_t*, S*, int64_t*);                  \
-  template void route_backward<S>(const S*, const int32_t*, const int32_t*, const uint8_t*,   \
+#define SY_INSTANTIATE(S)                                                                          \
+  template void route_forward<S>(const S*, const S*, const uint8_t*, const int32_t*,               \
+                                 const RouteKernelParams&, int32_t*, S*, double*, int64_t*,        \
+                                 double*);                                                         \
+  template int64_t apply_capacity<S>(const int32_t*, const S*, int64_t, int64_t, int64_t, int64_t, \
+                                     bool, int32_t*, S*, int64_t*);                                \
+  template void route_backward<S>(const S*, const int32_t*, const int32_t*, const uint8_t*,        \
                                   const S*, const RouteKernelParams&, const double*, double, S*);
 SY_INSTANTIATE(float)
 SY_INSTANTIATE(double)

@@ -1,18 +1,20 @@
 // The AlltoAll and AllGather dispatchers. Shape of every exchange:
 //   1. local validation and the routing plan; errors are caught, not thrown yet;
-//   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, pairs per expert}:
+//   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, pairs per
+//   expert}:
 //      counts travel before payloads, and an error on any rank reaches every rank here;
 //   3. payloads, sized only from the count matrix.
 // Rows for a local expert are ordered by source rank then token, and combine always sums on the
 // token's own rank with the same kernel as unpermute, which is why results are bitwise identical
 // for any EP size and for both dispatchers.
+#include "switchyard/dispatcher.h"
+
 #include <cstring>
 #include <stdexcept>
 
 #include "check.h"
 #include "cpu/permute_kernels.h"
 #include "dispatcher_layout.h"
-#include "switchyard/dispatcher.h"
 
 namespace switchyard::dist {
 
@@ -24,7 +26,7 @@ using switchyard::detail::check_dtype;
 using switchyard::detail::check_shape;
 using switchyard::detail::fail_arg;
 
-constexpr int64_t kHeader = 6;  // error length, T, H, dtype, K, E; then E counts
+constexpr int64_t kHeader = 7;  // error length, T, H, dtype, K, E, dispatcher kind
 
 // Metadata travelling with each row in the AlltoAll dispatcher.
 struct RowMeta {
@@ -58,6 +60,38 @@ void a2a_counts(const DispatchHandle& h, std::vector<int64_t>& send, std::vector
     }
 }
 
+// Communicator workspace slots of the dispatchers (0-7 belong to the communicator itself).
+constexpr int kRowsSlot = 8;
+constexpr int kStagingSlot = 9;
+constexpr int kGradSlot = 10;
+constexpr int kPackSlot = 11;
+
+// This rank's plan rows as blocks: for every peer r and its local expert el (ascending), the rows
+// of expert r*L+el, exchanged with r.
+void plan_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
+  const int64_t P = h.world_size, L = h.num_local_experts;
+  const int64_t* off = h.plan.expert_offsets.data<int64_t>();
+  out.clear();
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = r * L + el;
+      out.push_back({static_cast<int>(r), off[e], off[e + 1] - off[e]});
+    }
+}
+
+// This rank's receive layout as blocks: for every source s and local expert el (ascending), the
+// rows of (el, s), exchanged with s. Per peer, the same order as that peer's plan_blocks.
+void expert_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
+  const int64_t P = h.world_size, L = h.num_local_experts;
+  const auto boff = detail::block_offsets(h);
+  out.clear();
+  for (int64_t s = 0; s < P; ++s)
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = h.rank * L + el;
+      out.push_back({static_cast<int>(s), boff[static_cast<size_t>(e * P + s)], count_at(h, s, e)});
+    }
+}
+
 // Source side of the AllGather layout: for each row p of this rank's plan, its row in the buffer
 // of every rank's expert outputs gathered in rank order.
 std::vector<int64_t> plan_rows_in_gathered(const DispatchHandle& h) {
@@ -69,7 +103,8 @@ std::vector<int64_t> plan_rows_in_gathered(const DispatchHandle& h) {
   const int64_t* off = h.plan.expert_offsets.data<int64_t>();
   std::vector<int64_t> map(static_cast<size_t>(h.plan.num_rows));
   for (int64_t e = 0; e < h.num_experts; ++e) {
-    const int64_t base = rank_off[static_cast<size_t>(e / L)] + boff[static_cast<size_t>(e * P + h.rank)];
+    const int64_t base =
+        rank_off[static_cast<size_t>(e / L)] + boff[static_cast<size_t>(e * P + h.rank)];
     for (int64_t p = off[e]; p < off[e + 1]; ++p) map[static_cast<size_t>(p)] = base + (p - off[e]);
   }
   return map;
@@ -81,52 +116,89 @@ void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h
                  Communicator& comm) {
   const int64_t R = h.num_recv_tokens;
   if (h.kind == DispatcherKind::all_to_all) {
-    // Receive layout -> all-to-all layout (inverse of recv_gather_index), then the reverse exchange.
-    const int64_t* gi = h.recv_gather_index.data<int64_t>();
-    std::vector<int64_t> inv(static_cast<size_t>(R));
-    for (int64_t i = 0; i < R; ++i) inv[static_cast<size_t>(gi[i])] = i;
-    std::vector<unsigned char> staging(static_cast<size_t>(R * rb));
-    cpu::gather_rows(src, inv.data(), R, rb, staging.data());
-    std::vector<int64_t> send, recv;
-    a2a_counts(h, send, recv);
-    comm.alltoallv(staging.data(), recv, dst, send, rb);
+    // Each (local expert, source) block of the receive layout goes back as one message, straight
+    // into the source's plan rows: no packing on either side.
+    std::vector<Communicator::Block> send, recv;
+    expert_blocks(h, send);
+    plan_blocks(h, recv);
+    comm.exchange_blocks(src, send, dst, recv, rb);
   } else {
     const auto per_rank = detail::rows_per_rank(h);
     int64_t total = 0;
     for (int64_t n : per_rank) total += n;
-    std::vector<unsigned char> all(static_cast<size_t>(total * rb));
-    comm.allgatherv(src, R, all.data(), per_rank, rb);
+    void* all = comm.workspace(kStagingSlot, total * rb);
+    comm.allgatherv(src, R, all, per_rank, rb);
     const auto map = plan_rows_in_gathered(h);
-    cpu::gather_rows(all.data(), map.data(), h.plan.num_rows, rb, dst);
+    cpu::gather_rows(all, map.data(), h.plan.num_rows, rb, dst);
   }
 }
 
 // Source side -> expert side: token rows [T, row_bytes] go to the receive layout [R, row_bytes],
 // one row per pair (what dispatch does to x). Collective.
-void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Communicator& comm) {
+void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
+               Communicator& comm) {
   const int64_t R = h.num_recv_tokens;
   if (h.kind == DispatcherKind::all_to_all) {
-    std::vector<unsigned char> send_buf(static_cast<size_t>(h.plan.num_rows * rb));
-    cpu::gather_rows(src, h.plan.row_token.data<int64_t>(), h.plan.num_rows, rb, send_buf.data());
-    std::vector<int64_t> send, recv;
-    a2a_counts(h, send, recv);
-    std::vector<unsigned char> staging(static_cast<size_t>(R * rb));
-    comm.alltoallv(send_buf.data(), send, staging.data(), recv, rb);
-    cpu::gather_rows(staging.data(), h.recv_gather_index.data<int64_t>(), R, rb, dst);
+    // Token rows are packed once in plan order (rows repeat: one per pair); each (expert, peer)
+    // block then lands directly at its place in the receive layout.
+    // Rows for this rank's own experts skip the pack: they are gathered from `src` straight into
+    // their receive-layout place (at EP=2 that is half of the rows, one copy instead of two).
+    const int64_t P = h.world_size, L = h.num_local_experts, me = h.rank;
+    const int64_t* off = h.plan.expert_offsets.data<int64_t>();
+    const int64_t* rt = h.plan.row_token.data<int64_t>();
+    const int64_t self_begin = off[me * L], self_end = off[(me + 1) * L];
+    void* packed = comm.workspace(kPackSlot, h.plan.num_rows * rb);
+    auto* pk = static_cast<unsigned char*>(packed);
+    cpu::gather_rows(src, rt, self_begin, rb, pk);
+    cpu::gather_rows(src, rt + self_end, h.plan.num_rows - self_end, rb, pk + self_end * rb);
+    const auto boff = detail::block_offsets(h);
+    auto* out = static_cast<unsigned char*>(dst);
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = me * L + el;
+      cpu::gather_rows(src, rt + off[e], off[e + 1] - off[e], rb,
+                       out + boff[static_cast<size_t>(e * P + me)] * rb);
+    }
+    std::vector<Communicator::Block> send, recv;
+    plan_blocks(h, send);
+    expert_blocks(h, recv);
+    for (auto& b : send) {
+      if (b.peer == me) b.rows = 0;  // already in place
+    }
+    for (auto& b : recv) {
+      if (b.peer == me) b.rows = 0;
+    }
+    comm.exchange_blocks(packed, send, dst, recv, rb);
   } else {
     int64_t total = 0;
     for (int64_t n : h.rank_num_tokens) total += n;
-    std::vector<unsigned char> all(static_cast<size_t>(total * rb));
-    comm.allgatherv(src, h.num_tokens, all.data(), h.rank_num_tokens, rb);
-    cpu::gather_rows(all.data(), h.recv_gather_index.data<int64_t>(), R, rb, dst);
+    void* all = comm.workspace(kStagingSlot, total * rb);
+    comm.allgatherv(src, h.num_tokens, all, h.rank_num_tokens, rb);
+    cpu::gather_rows(all, h.recv_gather_index.data<int64_t>(), R, rb, dst);
   }
 }
 
 std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
                                   const Tensor& topk_weights, const DispatchOptions& options,
-                                  RoutingPlan& plan) {
+                                  int64_t P, RoutingPlan& plan) {
   const char* op = "dispatch";
   try {
+    // Options are normally the same everywhere, but if one rank's differ, a local throw would
+    // leave the others waiting in the header exchange: so these go through it too (still before
+    // any payload moves).
+    const int64_t E = options.num_experts;
+    if (E < 1) fail_arg(op, "num_experts must be >= 1, got num_experts=", E);
+    if (E % P != 0) {
+      fail_arg(op, "num_experts must be divisible by the expert-parallel size ", P,
+               ", got num_experts=", E);
+    }
+    if (options.plan.expert_alignment != 1 || options.plan.pad_to_capacity) {
+      fail_arg(op,
+               "options.plan must not pad (padding rows are never sent): expected "
+               "expert_alignment=1 and pad_to_capacity=false, got expert_alignment=",
+               options.plan.expert_alignment,
+               " and pad_to_capacity=", options.plan.pad_to_capacity);
+    }
+
     check_defined(x, op, "x");
     check_dim(x, op, "x", 2);
     check_dtype(x, op, "x", {DType::fp32, DType::bf16});
@@ -145,6 +217,13 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
     return e.what();
   }
   return {};
+}
+
+// A fresh output tensor, huge-page advised before first touch.
+Tensor fresh(const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  cpu::advise_huge_pages(t.raw(), static_cast<int64_t>(t.nbytes()));
+  return t;
 }
 
 template <class F>
@@ -170,8 +249,11 @@ Tensor combine_impl(const char* op, const Tensor& expert_y, const DispatchHandle
   detail::agree(op, err, err.empty() ? expert_y.dtype() : DType::fp32, "expert_y", options.weights,
                 comm);
   const DType dt = expert_y.dtype();
-  Tensor rows = Tensor::empty({h.plan.num_rows, h.hidden}, dt);
-  return_rows(expert_y.raw(), row_bytes(h.hidden, dt), rows.raw(), h, comm);
+  // The returned rows live in the communicator's workspace (reused step after step).
+  const int64_t rb = row_bytes(h.hidden, dt);
+  Tensor rows = Tensor::borrow(comm.workspace(kRowsSlot, h.plan.num_rows * rb),
+                               {h.plan.num_rows, h.hidden}, dt);
+  return_rows(expert_y.raw(), rb, rows.raw(), h, comm);
   return unpermute(rows, h.plan, options);
 }
 
@@ -181,34 +263,22 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
                         const DispatchOptions& options, Communicator& comm) {
   const char* op = "dispatch";
   const int64_t P = comm.size(), me = comm.rank(), E = options.num_experts;
-  // Same on every rank (options), so thrown before any communication.
-  if (E < 1) fail_arg(op, "num_experts must be >= 1, got num_experts=", E);
-  if (E % P != 0) {
-    fail_arg(op, "num_experts must be divisible by the expert-parallel size ", P,
-             ", got num_experts=", E);
-  }
-  if (options.plan.expert_alignment != 1 || options.plan.pad_to_capacity) {
-    fail_arg(op, "options.plan must not pad (padding rows are never sent): expected "
-             "expert_alignment=1 and pad_to_capacity=false, got expert_alignment=",
-             options.plan.expert_alignment, " and pad_to_capacity=", options.plan.pad_to_capacity);
-  }
-
   RoutingPlan plan;
-  const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, plan);
-  std::vector<int64_t> header(static_cast<size_t>(kHeader + E), 0);
+  const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, P, plan);
+  // Phase 1, fixed size on every rank: error flag and the sizes that must agree. Phase 2 (once E
+  // is known to agree): the per-expert counts.
+  std::vector<int64_t> header(static_cast<size_t>(kHeader), 0);
   header[0] = static_cast<int64_t>(err.size());
+  header[5] = E;
+  header[6] = static_cast<int64_t>(options.kind);
   if (err.empty()) {
     header[1] = x.size(0);
     header[2] = x.size(1);
     header[3] = static_cast<int64_t>(x.dtype());
     header[4] = topk_idx.size(1);
-    header[5] = E;
-    const int64_t* c = plan.num_tokens_per_expert.data<int64_t>();
-    for (int64_t e = 0; e < E; ++e) header[static_cast<size_t>(kHeader + e)] = c[e];
   }
   const std::vector<int64_t> all = comm.allgather(header);
-  const int64_t W = kHeader + E;
-  auto at = [&](int64_t r, int64_t i) { return all[static_cast<size_t>(r * W + i)]; };
+  auto at = [&](int64_t r, int64_t i) { return all[static_cast<size_t>(r * kHeader + i)]; };
   std::vector<int64_t> lens(static_cast<size_t>(P));
   for (int64_t r = 0; r < P; ++r) lens[static_cast<size_t>(r)] = at(r, 0);
   detail::raise_if_any(op, err, lens, comm);
@@ -218,6 +288,11 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
     if (at(r, 5) != at(0, 5)) {
       fail_arg(op, "num_experts must be the same on every rank, got ", at(0, 5), " on rank 0 and ",
                at(r, 5), " on rank ", r);
+    }
+    if (at(r, 6) != at(0, 6)) {
+      fail_arg(op, "options.kind must be the same on every rank, got ",
+               at(0, 6) == 0 ? "all_to_all" : "all_gather", " on rank 0 and ",
+               at(r, 6) == 0 ? "all_to_all" : "all_gather", " on rank ", r);
     }
     if (at(r, 2) != at(0, 2)) {
       fail_arg(op, "x must have the same hidden size on every rank, got hidden=", at(0, 2),
@@ -233,6 +308,9 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
                " on rank 0 and top_k=", at(r, 4), " on rank ", r);
     }
   }
+  const int64_t* my_counts = plan.num_tokens_per_expert.data<int64_t>();
+  const std::vector<int64_t> counts =
+      comm.allgather(std::vector<int64_t>(my_counts, my_counts + E));
 
   DispatchHandle h;
   h.kind = options.kind;
@@ -247,7 +325,8 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   h.rank_num_tokens.resize(static_cast<size_t>(P));
   for (int64_t r = 0; r < P; ++r) {
     h.rank_num_tokens[static_cast<size_t>(r)] = at(r, 1);
-    for (int64_t e = 0; e < E; ++e) h.rank_expert_counts[static_cast<size_t>(r * E + e)] = at(r, kHeader + e);
+    for (int64_t e = 0; e < E; ++e)
+      h.rank_expert_counts[static_cast<size_t>(r * E + e)] = counts[static_cast<size_t>(r * E + e)];
   }
   const int64_t L = h.num_local_experts, H = h.hidden, K = topk_idx.size(1);
   const int64_t R = detail::rows_per_rank(h)[static_cast<size_t>(me)];
@@ -275,7 +354,7 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   const auto boff = detail::block_offsets(h);
   const int64_t rb = row_bytes(H, x.dtype());
   DispatchResult out;
-  out.recv_x = Tensor::empty({R, H}, x.dtype());
+  out.recv_x = fresh({R, H}, x.dtype());
 
   if (options.kind == DispatcherKind::all_to_all) {
     std::vector<int64_t> send, recv;
@@ -287,7 +366,8 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
     for (int64_t s = 0; s < P; ++s) {
       int64_t st = chunk[s];
       for (int64_t el = 0; el < L; ++el) {
-        const int64_t e = me * L + el, n = count_at(h, s, e), o = boff[static_cast<size_t>(e * P + s)];
+        const int64_t e = me * L + el, n = count_at(h, s, e),
+                      o = boff[static_cast<size_t>(e * P + s)];
         for (int64_t j = 0; j < n; ++j) {
           gi[o + j] = st + j;
           src_rank[o + j] = static_cast<int32_t>(s);
@@ -322,11 +402,12 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
     int64_t tok_off = 0;
     for (int64_t s = 0; s < P; ++s) {
       const int64_t Ts = h.rank_num_tokens[static_cast<size_t>(s)];
-      RoutingPlan ps = s == me ? h.plan
-                               : build_routing_plan(
-                                     Tensor::borrow(all_idx.data() + tok_off * K, {Ts, K}, DType::int32),
-                                     Tensor::borrow(all_w.data() + tok_off * K, {Ts, K}, DType::fp32),
-                                     E, options.plan);
+      RoutingPlan ps =
+          s == me ? h.plan
+                  : build_routing_plan(
+                        Tensor::borrow(all_idx.data() + tok_off * K, {Ts, K}, DType::int32),
+                        Tensor::borrow(all_w.data() + tok_off * K, {Ts, K}, DType::fp32), E,
+                        options.plan);
       const int64_t* rt = ps.row_token.data<int64_t>();
       const float* rw = ps.row_weight.data<float>();
       const int64_t* off = ps.expert_offsets.data<int64_t>();
@@ -359,9 +440,8 @@ Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle
                       comm);
 }
 
-CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
-                              const DispatchHandle& h, const UnpermuteOptions& options,
-                              Communicator& comm) {
+CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,
+                              const UnpermuteOptions& options, Communicator& comm) {
   const char* op = "combine_backward";
   check_handle(op, h, comm);
   const bool apply = options.weights == WeightMode::apply;
@@ -385,7 +465,10 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
                 comm);
   const DType dt = grad_y.dtype();
   const int64_t R = h.num_recv_tokens, H = h.hidden;
-  Tensor g_recv = Tensor::empty({R, H}, dt);
+  // With weights, the dispatched gradient is an intermediate: keep it in the workspace.
+  Tensor g_recv = apply
+                      ? Tensor::borrow(comm.workspace(kGradSlot, R * row_bytes(H, dt)), {R, H}, dt)
+                      : fresh({R, H}, dt);
   send_rows(grad_y.raw(), row_bytes(H, dt), g_recv.raw(), h, comm);
   CombineGrads out;
   out.grad_topk_weights = Tensor::zeros({h.num_tokens, h.plan.top_k}, DType::fp32);
@@ -393,7 +476,7 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
     out.grad_expert_y = g_recv;
     return out;
   }
-  out.grad_expert_y = Tensor::empty({R, H}, dt);
+  out.grad_expert_y = fresh({R, H}, dt);
   Tensor dots = Tensor::empty({R}, DType::fp32);
   by_dtype(dt, [&](auto tag) {
     using X = decltype(tag);
