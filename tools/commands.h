@@ -2,7 +2,16 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <functional>
 #include <iostream>
+
+/// Exit codes of the `switchyard` program.
+constexpr int kExitBad = 1;    ///< the data is not intact / a data problem / a failed check
+constexpr int kExitUsage = 2;  ///< bad arguments or unreadable input
+
+/// Runs a subcommand body: DataError -> "error: ..." on `err` and exit code kExitBad;
+/// std::invalid_argument, std::out_of_range and BackendError -> kExitUsage. CLI11's own errors pass.
+void run_guarded(std::ostream& err, const std::function<void()>& body);
 
 /// `switchyard routes import|inspect|validate|stats|diff|align`. Output goes to `out` (results)
 /// and `err` (progress, diagnostics). Failures end the program through CLI::RuntimeError with
@@ -10,4 +19,7 @@
 void register_routes_commands(CLI::App& app, std::ostream& out = std::cout,
                               std::ostream& err = std::cerr);
 
-// Other areas add theirs here, e.g. `void register_demo_command(CLI::App& app);`.
+/// `switchyard demo`: the main job on its embedded default (see tools/demo_cmd.cpp). Exit code 0
+/// when every check of the run passed, 1 otherwise, 2 for bad arguments.
+void register_demo_command(CLI::App& app, std::ostream& out = std::cout,
+                           std::ostream& err = std::cerr);

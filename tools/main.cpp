@@ -7,6 +7,7 @@ int main(int argc, char** argv) {
   CLI::App app{"switchyard: MoE routing toolkit for RL post-training"};
   app.require_subcommand(1);
   register_routes_commands(app);
+  register_demo_command(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

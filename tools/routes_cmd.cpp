@@ -21,8 +21,6 @@ namespace {
 using nlohmann::json;
 using namespace switchyard;
 
-constexpr int kExitBad = 1;    // the data is not intact / a data problem
-constexpr int kExitUsage = 2;  // bad arguments or unreadable input
 constexpr int64_t kProgressEvery = 1000;
 
 std::string percent(double share) {
@@ -41,27 +39,6 @@ std::string list_str(const std::vector<int64_t>& v) {
   std::string s = "[";
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
   return s + "]";
-}
-
-// Runs a command body, turning library errors into a message on `err` and an exit code.
-void guarded(std::ostream& err, const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const CLI::Error&) {
-    throw;
-  } catch (const DataError& e) {
-    err << "error: " << e.what() << "\n";
-    throw CLI::RuntimeError(kExitBad);
-  } catch (const std::invalid_argument& e) {
-    err << "error: " << e.what() << "\n";
-    throw CLI::RuntimeError(kExitUsage);
-  } catch (const std::out_of_range& e) {
-    err << "error: " << e.what() << "\n";
-    throw CLI::RuntimeError(kExitUsage);
-  } catch (const BackendError& e) {
-    err << "error: " << e.what() << "\n";
-    throw CLI::RuntimeError(kExitUsage);
-  }
 }
 
 json info_json(const RouteFileInfo& info) {
@@ -498,7 +475,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   imp->add_option("inputs", ia->inputs, "Input files (.npy per sequence, or JSON/JSONL)")
       ->required()
       ->check(CLI::ExistingFile);
-  imp->callback([ia, &out, &err] { guarded(err, [&] { run_import(*ia, out, err); }); });
+  imp->callback([ia, &out, &err] { run_guarded(err, [&] { run_import(*ia, out, err); }); });
 
   struct FileArgs {
     std::string path;
@@ -513,7 +490,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   ins->add_flag("--json", fa->json_out, "Machine-readable output");
   ins->add_flag("--list", fa->list, "List every sequence");
   ins->callback([fa, &out, &err] {
-    guarded(err, [&] { run_inspect(fa->path, fa->json_out, fa->list, out); });
+    run_guarded(err, [&] { run_inspect(fa->path, fa->json_out, fa->list, out); });
   });
 
   auto va = std::make_shared<FileArgs>();
@@ -522,7 +499,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   val->add_option("file", va->path)->required();
   val->add_flag("--json", va->json_out, "Machine-readable output");
   val->callback(
-      [va, &out, &err] { guarded(err, [&] { run_validate(va->path, va->json_out, out); }); });
+      [va, &out, &err] { run_guarded(err, [&] { run_validate(va->path, va->json_out, out); }); });
 
   auto sa = std::make_shared<FileArgs>();
   CLI::App* st = routes->add_subcommand("stats", "Expert load per layer and hot experts");
@@ -530,7 +507,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   st->add_option("--top", sa->top, "Hot experts to show per layer");
   st->add_flag("--json", sa->json_out, "Machine-readable output");
   st->callback([sa, &out, &err] {
-    guarded(err, [&] { run_stats(sa->path, sa->json_out, sa->top, out, err); });
+    run_guarded(err, [&] { run_stats(sa->path, sa->json_out, sa->top, out, err); });
   });
 
   struct DiffArgs {
@@ -543,7 +520,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   df->add_option("b", da->b)->required();
   df->add_flag("--json", da->json_out, "Machine-readable output");
   df->callback(
-      [da, &out, &err] { guarded(err, [&] { run_diff(da->a, da->b, da->json_out, out, err); }); });
+      [da, &out, &err] { run_guarded(err, [&] { run_diff(da->a, da->b, da->json_out, out, err); }); });
 
   auto aa = std::make_shared<AlignArgs>();
   CLI::App* al =
@@ -571,5 +548,5 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   al->add_option("--micro-batch-size", aa->micro_batch_size,
                  "Sequences per micro-batch (default: all)");
   al->add_flag("--json", aa->json_out, "Machine-readable output");
-  al->callback([aa, &out, &err] { guarded(err, [&] { run_align(*aa, out, err); }); });
+  al->callback([aa, &out, &err] { run_guarded(err, [&] { run_align(*aa, out, err); }); });
 }
