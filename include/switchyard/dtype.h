@@ -1,6 +1,7 @@
 // Element types and the bf16 <-> fp32 conversions.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -39,6 +40,19 @@ inline bf16 float_to_bf16(float f) {
   const uint32_t lsb = (u >> 16) & 1u;
   u += 0x7fffu + lsb;
   return bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+/// fp64 -> bf16 rounded once to nearest even (no double rounding through fp32): round to odd into
+/// fp32 (a sticky bit in the 16 spare bits), then fp32 -> bf16 to nearest even.
+inline bf16 double_to_bf16(double v) {
+  float f = static_cast<float>(v);
+  if (std::isnan(v) || static_cast<double>(f) == v) return float_to_bf16(f);
+  if (std::fabs(static_cast<double>(f)) > std::fabs(v)) f = std::nextafter(f, 0.0f);
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u |= 1u;
+  std::memcpy(&f, &u, sizeof f);
+  return float_to_bf16(f);
 }
 
 /// The DType of a C++ element type (bf16, float, double, int32_t, int64_t, uint8_t, bool).

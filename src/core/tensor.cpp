@@ -175,9 +175,7 @@ Tensor Tensor::to(DType dtype) const {
     const double v = item_as_double(i);
     switch (dtype) {
       case DType::bf16:
-        // Round via fp32 first would double-round; go fp64 -> fp32 only when exact enough is
-        // not guaranteed, so round fp64 -> fp32 (nearest) then fp32 -> bf16 (nearest even).
-        static_cast<bf16*>(t.data_)[i] = float_to_bf16(static_cast<float>(v));
+        static_cast<bf16*>(t.data_)[i] = double_to_bf16(v);  // one rounding, nearest even
         break;
       case DType::fp32: static_cast<float*>(t.data_)[i] = static_cast<float>(v); break;
       case DType::fp64: static_cast<double*>(t.data_)[i] = v; break;

@@ -17,19 +17,6 @@
 
 namespace switchyard::cpu {
 
-bf16 double_to_bf16(double v) {
-  // Round to odd into fp32 (keeps a sticky bit, 16 spare bits), then fp32 -> bf16 to nearest even:
-  // the pair rounds exactly like one fp64 -> bf16 rounding to nearest even.
-  float f = static_cast<float>(v);
-  if (std::isnan(v) || static_cast<double>(f) == v) return float_to_bf16(f);
-  if (std::fabs(static_cast<double>(f)) > std::fabs(v)) f = std::nextafter(f, 0.0f);
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u |= 1u;
-  std::memcpy(&f, &u, sizeof f);
-  return float_to_bf16(f);
-}
-
 namespace {
 
 // ---- element conversions ------------------------------------------------------------------

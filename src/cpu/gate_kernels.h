@@ -29,7 +29,4 @@ void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const 
                    DType w_dtype, void* grad_x, void* grad_weight, void* grad_bias, DType acc_dtype,
                    int64_t num_tokens, int64_t hidden, int64_t num_experts);
 
-/// fp64 -> bf16 rounded once to nearest even (no double rounding through fp32).
-bf16 double_to_bf16(double v);
-
 }  // namespace switchyard::cpu

@@ -71,6 +71,20 @@ TEST(Bf16, NaNStaysNaNAndInfStaysInf) {
   EXPECT_EQ(sy::bf16_to_float(sy::float_to_bf16(std::numeric_limits<float>::max())), inf);
 }
 
+TEST(Bf16, Fp64RoundsOnceNotThroughFp32) {
+  // 1 + 2^-8 + 2^-30 is just above the midpoint of bf16 1.0 and 1 + 2^-7: one rounding gives
+  // 1 + 2^-7; rounding through fp32 first would land on the midpoint and tie to 1.0.
+  const double v = 1.0 + std::ldexp(1.0, -8) + std::ldexp(1.0, -30);
+  EXPECT_EQ(sy::bf16_to_float(sy::double_to_bf16(v)), 1.0f + std::ldexp(1.0f, -7));
+  EXPECT_EQ(sy::bf16_to_float(sy::double_to_bf16(-v)), -(1.0f + std::ldexp(1.0f, -7)));
+  Tensor t = Tensor::from_vector<double>({v, 1.0 + std::ldexp(1.0, -8)}, {2});
+  Tensor b = t.to(DType::bf16);
+  EXPECT_EQ(sy::bf16_to_float(b.data<sy::bf16>()[0]), 1.0f + std::ldexp(1.0f, -7));
+  EXPECT_EQ(sy::bf16_to_float(b.data<sy::bf16>()[1]), 1.0f);  // an exact tie goes to even
+  EXPECT_TRUE(std::isnan(sy::bf16_to_float(sy::double_to_bf16(std::nan("")))));
+  EXPECT_TRUE(std::isinf(sy::bf16_to_float(sy::double_to_bf16(1e300))));
+}
+
 TEST(Bf16, RoundTripOfBf16ValuesIsExact) {
   for (uint32_t b = 0; b < 0x10000u; ++b) {
     if ((b & 0x7f80u) == 0x7f80u && (b & 0x7fu)) continue;  // NaN payloads
