@@ -100,6 +100,13 @@ Tensor Tensor::from_vector(const std::vector<T>& values, const Shape& shape) {
   return t;
 }
 
+/// Bytes of freed large tensor storage (>= 1 MiB blocks) kept for reuse. Steady-state training
+/// steps allocate the same large buffers every micro-batch; reusing them avoids first-touch page
+/// faults. The cache is bounded (4 GiB) and off in AddressSanitizer builds.
+int64_t cached_memory_bytes();
+/// Frees every cached block (e.g. between phases with different shapes).
+void release_cached_memory();
+
 /// Number of threads the CPU kernels use (OpenMP). Results never depend on it.
 int num_threads();
 /// Set the number of CPU threads (>= 1).

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "allocator.h"
 #include "check.h"
 
 namespace switchyard {
@@ -70,12 +71,9 @@ Tensor Tensor::empty(const Shape& shape, DType dtype) {
   t.numel_ = checked_numel(shape);
   t.dtype_ = dtype;
   t.dtype_set_ = true;
-  size_t bytes = t.nbytes();
-  size_t alloc = ((bytes + 63) / 64) * 64;
-  if (alloc == 0) alloc = 64;
-  void* p = std::aligned_alloc(64, alloc);
-  if (!p) throw std::bad_alloc();
-  t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  const size_t bytes = t.nbytes();
+  void* p = detail::allocate(bytes);
+  t.storage_ = std::shared_ptr<void>(p, [bytes](void* q) { detail::deallocate(q, bytes); });
   t.data_ = p;
   return t;
 }

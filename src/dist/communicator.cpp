@@ -5,6 +5,7 @@
 
 #include "check.h"
 #include "cpu/permute_kernels.h"
+#include "core/allocator.h"
 #include "switchyard/dist.h"
 
 namespace switchyard::dist {
@@ -22,7 +23,7 @@ void* Communicator::workspace(int slot, int64_t bytes) {
     s.data = std::make_unique_for_overwrite<unsigned char[]>(
         static_cast<size_t>(std::max<int64_t>(bytes, 64)));
     s.size = std::max<int64_t>(bytes, 64);
-    cpu::advise_huge_pages(s.data.get(), s.size);
+    detail::advise_huge_pages(s.data.get(), s.size);
   }
   return s.data.get();
 }

@@ -219,13 +219,6 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
   return {};
 }
 
-// A fresh output tensor, huge-page advised before first touch.
-Tensor fresh(const Shape& shape, DType dtype) {
-  Tensor t = Tensor::empty(shape, dtype);
-  cpu::advise_huge_pages(t.raw(), static_cast<int64_t>(t.nbytes()));
-  return t;
-}
-
 template <class F>
 void by_dtype(DType d, F&& f) {
   if (d == DType::fp32) {
@@ -354,7 +347,7 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   const auto boff = detail::block_offsets(h);
   const int64_t rb = row_bytes(H, x.dtype());
   DispatchResult out;
-  out.recv_x = fresh({R, H}, x.dtype());
+  out.recv_x = Tensor::empty({R, H}, x.dtype());
 
   if (options.kind == DispatcherKind::all_to_all) {
     std::vector<int64_t> send, recv;
@@ -468,7 +461,7 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, cons
   // With weights, the dispatched gradient is an intermediate: keep it in the workspace.
   Tensor g_recv = apply
                       ? Tensor::borrow(comm.workspace(kGradSlot, R * row_bytes(H, dt)), {R, H}, dt)
-                      : fresh({R, H}, dt);
+                      : Tensor::empty({R, H}, dt);
   send_rows(grad_y.raw(), row_bytes(H, dt), g_recv.raw(), h, comm);
   CombineGrads out;
   out.grad_topk_weights = Tensor::zeros({h.num_tokens, h.plan.top_k}, DType::fp32);
@@ -476,7 +469,7 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, cons
     out.grad_expert_y = g_recv;
     return out;
   }
-  out.grad_expert_y = fresh({R, H}, dt);
+  out.grad_expert_y = Tensor::empty({R, H}, dt);
   Tensor dots = Tensor::empty({R}, DType::fp32);
   by_dtype(dt, [&](auto tag) {
     using X = decltype(tag);

@@ -145,3 +145,33 @@ TEST(Tensor, ErrorsNameTheProblem) {
                       "null data");
   SY_EXPECT_THROW_MSG(sy::set_num_threads(0), std::invalid_argument, "n must be >= 1, got n=0");
 }
+
+TEST(Tensor, LargeStorageIsReusedAfterFree) {
+  sy::release_cached_memory();
+  EXPECT_EQ(sy::cached_memory_bytes(), 0);
+  const void* first = nullptr;
+  {
+    Tensor big = Tensor::empty({3 << 20}, DType::uint8);  // 3 MiB -> a 4 MiB block
+    first = big.raw();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(first) % 64, 0u);
+  }
+#if defined(__SANITIZE_ADDRESS__)
+  // The cache is off under AddressSanitizer so that every use after free is seen.
+  EXPECT_EQ(sy::cached_memory_bytes(), 0);
+#else
+  EXPECT_EQ(sy::cached_memory_bytes(), 4 << 20);
+  {
+    Tensor again = Tensor::empty({(3 << 20) + 5}, DType::uint8);  // same rounded size
+    EXPECT_EQ(again.raw(), first);
+    EXPECT_EQ(sy::cached_memory_bytes(), 0);
+    Tensor other = Tensor::empty({9 << 20}, DType::uint8);  // another size: a fresh block
+    EXPECT_NE(other.raw(), first);
+  }
+  EXPECT_EQ(sy::cached_memory_bytes(), (4 << 20) + (10 << 20));
+#endif
+  sy::release_cached_memory();
+  EXPECT_EQ(sy::cached_memory_bytes(), 0);
+  // Small tensors never enter the cache.
+  { Tensor small = Tensor::zeros({100}, DType::fp32); }
+  EXPECT_EQ(sy::cached_memory_bytes(), 0);
+}
