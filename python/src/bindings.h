@@ -8,5 +8,6 @@ namespace switchyard::py_bind {
 namespace py = pybind11;
 
 void bind_core(py::module_& m);
+void bind_gate(py::module_& m);
 
 }  // namespace switchyard::py_bind
