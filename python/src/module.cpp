@@ -15,4 +15,5 @@ PYBIND11_MODULE(_switchyard, m) {
   py::register_exception<switchyard::DataError>(m, "DataError", PyExc_RuntimeError);
   switchyard::py_bind::bind_core(m);
   switchyard::py_bind::bind_gate(m);
+  switchyard::py_bind::bind_dist(m);
 }
