@@ -18,6 +18,9 @@
 #include "switchyard/error.h"
 
 #ifdef SWITCHYARD_WITH_MPI
+// C bindings only (the MPI C++ bindings would add symbols libmpi_cxx must provide).
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 #endif
 

@@ -16,4 +16,5 @@ PYBIND11_MODULE(_switchyard, m) {
   switchyard::py_bind::bind_core(m);
   switchyard::py_bind::bind_gate(m);
   switchyard::py_bind::bind_dist(m);
+  switchyard::py_bind::bind_router(m);
 }

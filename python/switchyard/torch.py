@@ -114,7 +114,6 @@ class _Dispatch(torch.autograd.Function):
         ctx.h = h
         ctx.comm = disp.ep_comm
         ctx.num_tokens = x.shape[0]
-        ctx.mark_non_differentiable()
         return recv_x, recv_w
 
     @staticmethod
