@@ -114,38 +114,55 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   using S = Simd<Acc>;
   using V = typename S::V;
   constexpr int L = NR / 2;
-  V c0[MR], c1[MR];
-  for (int i = 0; i < MR; ++i) {
-    if (chain == Chain::resume) {
-      c0[i] = S::load(c + i * ldc);
-      c1[i] = S::load(c + i * ldc + L);
-    } else {
-      c0[i] = S::zero();
-      c1[i] = S::zero();
-    }
+  // Accumulators as named variables, not arrays: GCC keeps arrays of vectors on the stack
+  // (a store per FMA), which halved the throughput.
+  V c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+#define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define SY_INIT(i)                                  \
+  if constexpr (MR > i) {                           \
+    if (chain == Chain::resume) {                   \
+      c##i##0 = S::load(c + i * ldc);               \
+      c##i##1 = S::load(c + i * ldc + L);           \
+    } else {                                        \
+      c##i##0 = S::zero();                          \
+      c##i##1 = S::zero();                          \
+    }                                               \
   }
+  SY_ROWS(SY_INIT)
+#undef SY_INIT
   const Acc* ap = a;
   for (int64_t k = 0; k < kc; ++k) {
     const V b0 = S::load(b + k * NR);
     const V b1 = S::load(b + k * NR + L);
-    for (int i = 0; i < MR; ++i) {
-      const V ai = S::bcast(ap + i * a_rs);
-      c0[i] = S::fma(ai, b0, c0[i]);
-      c1[i] = S::fma(ai, b1, c1[i]);
-    }
+#define SY_FMA(i)                                   \
+  if constexpr (MR > i) {                           \
+    const V ai = S::bcast(ap + i * a_rs);           \
+    c##i##0 = S::fma(ai, b0, c##i##0);              \
+    c##i##1 = S::fma(ai, b1, c##i##1);              \
+  }
+    SY_ROWS(SY_FMA)
+#undef SY_FMA
     ap += a_cs;
   }
   if (bias) {
     const V bb0 = S::load(bias), bb1 = S::load(bias + L);
-    for (int i = 0; i < MR; ++i) {
-      c0[i] = S::add(c0[i], bb0);
-      c1[i] = S::add(c1[i], bb1);
-    }
+#define SY_BIAS(i)                                  \
+  if constexpr (MR > i) {                           \
+    c##i##0 = S::add(c##i##0, bb0);                 \
+    c##i##1 = S::add(c##i##1, bb1);                 \
   }
-  for (int i = 0; i < MR; ++i) {
-    S::store(c + i * ldc, c0[i]);
-    S::store(c + i * ldc + L, c1[i]);
+    SY_ROWS(SY_BIAS)
+#undef SY_BIAS
   }
+#define SY_STORE(i)                                 \
+  if constexpr (MR > i) {                           \
+    S::store(c + i * ldc, c##i##0);                 \
+    S::store(c + i * ldc + L, c##i##1);             \
+  }
+  SY_ROWS(SY_STORE)
+#undef SY_STORE
+#undef SY_ROWS
+  static_assert(MR <= 6, "the AVX2 microkernel has six rows of accumulators");
 #else
   Acc acc[MR][NR];
   for (int i = 0; i < MR; ++i)
@@ -198,6 +215,9 @@ void micro(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, i
 // L2; an A tile, MR x KC, in L1); MB tokens per parallel work item.
 constexpr int64_t kKC = 256;
 constexpr int64_t kMB = 16 * kMR;
+// Below this many multiply-adds a call runs on one thread: a parallel region costs more than the
+// work, and much more when the other core is busy. (Results never depend on it.)
+constexpr int64_t kParallelMin = int64_t{1} << 18;
 
 template <class Acc, class XT, class WT, class BT>
 void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T, int64_t H,
@@ -216,7 +236,7 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
   // Pack W once: panel p holds experts [p*NR, p*NR+NR) as an H x NR row-major block (zero
   // columns past E), converted exactly to Acc.
   Scratch<Acc> wp(npanel * H * NR);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (E * H >= kParallelMin)
   for (int64_t p = 0; p < npanel; ++p) {
     Acc* dst = wp.p + p * H * NR;
     for (int64_t h0 = 0; h0 < H; h0 += 64) {
@@ -233,7 +253,7 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
     }
   }
   const int64_t nblk = (T + kMB - 1) / kMB;
-#pragma omp parallel
+#pragma omp parallel if (T * H * E >= kParallelMin)
   {
     constexpr bool kDirect = std::is_same_v<XT, Acc>;
     std::unique_ptr<Scratch<Acc>> xpack;
@@ -295,7 +315,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
       for (int64_t i = 0; i < T * H; ++i) grad_x[i] = from_acc<XT>(Acc(0));
     } else {
       Scratch<Acc> wq(npanel * E * NR);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (E * H >= kParallelMin)
       for (int64_t p = 0; p < npanel; ++p) {
         const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
         for (int64_t e = 0; e < E; ++e) {
@@ -306,7 +326,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
         }
       }
       const int64_t nblk = (T + kMB - 1) / kMB;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * H * E >= kParallelMin)
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const int64_t t0 = blk * kMB, t1 = std::min(T, t0 + kMB);
         Acc tile[kMR * NR];
@@ -335,7 +355,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   // chain is kept in an Acc buffer across KC blocks of tokens and rounded once at the end.
   if (E == 0) return;
   Scratch<Acc> acc(E * h_pad);
-#pragma omp parallel
+#pragma omp parallel if (T * H * E >= kParallelMin)
   {
     Scratch<Acc> xp(kKC * NR);
 #pragma omp for schedule(static)
