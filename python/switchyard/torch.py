@@ -10,7 +10,8 @@ import torch
 
 from . import _switchyard as _C
 
-__all__ = ["router_gating_linear", "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
+__all__ = ["router_gating_linear", "topk_route", "RouteInfo", "TopKRouter", "update_expert_bias",
+           "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
 
 
 def _no_autocast():
@@ -214,3 +215,177 @@ class AllGatherDispatcher(_Dispatcher):
     """Expert-parallel dispatcher over all-gather: every rank gathers every token and keeps the
     pairs of its own experts. Bitwise the same results as AlltoAllDispatcher."""
     kind = "all_gather"
+
+
+# --------------------------------------------------------------------------------------------------
+# Top-k routing (scores, top-k or replay, capacity, auxiliary losses)
+# --------------------------------------------------------------------------------------------------
+class RouteInfo:
+    """Readable results of one routing call beside (probs, topk_idx): loss values (coefficients
+    included, 0 when off), per-expert counts, capacity, and the replayed / native / padded row
+    counts (replayed + native + padded == T), so replay can never silently do nothing."""
+
+    __slots__ = ("aux_loss", "z_loss", "tokens_per_expert", "expert_capacity", "num_dropped",
+                 "num_replayed_rows", "num_native_rows", "num_padded_rows",
+                 "num_invalid_replay_rows")
+
+    def __init__(self, res):
+        self.aux_loss = res.aux_loss
+        self.z_loss = res.z_loss
+        self.tokens_per_expert = res.tokens_per_expert
+        self.expert_capacity = None if res.expert_capacity < 0 else res.expert_capacity
+        self.num_dropped = res.num_dropped
+        self.num_replayed_rows = res.num_replayed_rows
+        self.num_native_rows = res.num_native_rows
+        self.num_padded_rows = res.num_padded_rows
+        self.num_invalid_replay_rows = res.num_invalid_replay_rows
+
+    def __repr__(self):
+        return "RouteInfo(" + ", ".join(
+            f"{k}={getattr(self, k)!r}" for k in self.__slots__ if k != "tokens_per_expert") + ")"
+
+
+class _TopKRoute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, config, expert_bias, replay_idx, padding_mask, global_state,
+                invalid_replay_rows, layer, seq_length, loss_grad_scale, info_box):
+        with _no_autocast():
+            res = _C.topk_route(logits.detach(), config,
+                                None if expert_bias is None else expert_bias.detach(),
+                                replay_idx, padding_mask, global_state, invalid_replay_rows,
+                                layer, seq_length)
+        ctx.res = res
+        ctx.loss_grad_scale = loss_grad_scale
+        ctx.save_for_backward(logits)  # version check: the engine reads these logits in backward
+        info_box.append(res)
+        topk_idx = res.topk_idx.to(torch.int64)
+        ctx.mark_non_differentiable(topk_idx)
+        return res.topk_weights, topk_idx
+
+    @staticmethod
+    def backward(ctx, grad_probs, _grad_idx):
+        ctx.saved_tensors  # raises if the logits were modified in place since the forward
+        with _no_autocast():
+            g = grad_probs.to(ctx.res.topk_weights.dtype).contiguous()
+            grad_logits = _C.topk_route_backward(g, ctx.res, ctx.loss_grad_scale)
+        return (grad_logits,) + (None,) * 10
+
+
+def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay_rows="error", *,
+               padding_mask=None, seq_length=None, global_aux_loss_state=None, layer=None,
+               aux_loss_grad_scale=1.0, return_info=False):
+    """Route T tokens to K of E experts from router logits (Megatron-Core's TopKRouter semantics).
+
+    logits [T, E] fp32 or fp64 (the router dtype); config a switchyard.RouterConfig.
+    expert_bias [E]: aux-loss-free balancing bias, selection only. replay_idx [T, K] int64/int32:
+    ids to use instead of the live top-k (weights from the live logits at those ids); an all -1 row
+    is routed natively; an invalid row (mixing -1 and ids, repeating an id, id outside [0, E)) is a
+    ValueError naming the token, or routed natively with invalid_replay_rows="native".
+    padding_mask [T] bool: True = padded token (row all -1, left out of counts and losses).
+    seq_length: tokens per sequence for seq_aux_loss ([s, b] layout, token t in sequence t % b).
+    global_aux_loss_state: a switchyard.GlobalAuxLossState, required by global_aux_loss.
+
+    Returns (probs [T, K] in the logits' dtype, differentiable to logits; topk_idx [T, K] int64,
+    -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added to
+    probs: as in Megatron-Core, their gradients (× aux_loss_grad_scale) are added to the logits'
+    gradient when probs' backward runs; their values are in RouteInfo."""
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"[topk_route] logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not isinstance(config, _C.RouterConfig):
+        raise ValueError("[topk_route] config must be a switchyard.RouterConfig, got "
+                         f"{type(config).__name__}")
+    if invalid_replay_rows not in ("error", "native"):
+        raise ValueError("[topk_route] invalid_replay_rows must be 'error' or 'native', got "
+                         f"{invalid_replay_rows!r}")
+    lead = logits.shape[:-1]
+    if logits.dim() != 2:
+        logits = logits.reshape(-1, logits.shape[-1])
+    box = []
+    probs, topk_idx = _TopKRoute.apply(
+        logits, config, expert_bias, replay_idx, padding_mask, global_aux_loss_state,
+        invalid_replay_rows, -1 if layer is None else int(layer),
+        0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale), box)
+    if len(lead) != 1:
+        probs = probs.view(*lead, probs.shape[-1])
+        topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
+    if return_info:
+        return probs, topk_idx, RouteInfo(box[0])
+    return probs, topk_idx
+
+
+def update_expert_bias(expert_bias, tokens_per_expert, rate):
+    """Aux-loss-free bias update (DeepSeek-V3): expert_bias + rate * sign(mean(c) - c), [E] fp32."""
+    return _C.update_expert_bias(expert_bias, tokens_per_expert, float(rate))
+
+
+class TopKRouter(torch.nn.Module):
+    """A drop-in MoE router: gate (syt.router_gating_linear in router_dtype) then topk_route.
+
+    Parameters: ``weight`` [E, hidden] (params_dtype, normal(0, init_std)), ``bias`` [E] when
+    ``bias=True``; buffer ``expert_bias`` [E] fp32 when ``enable_expert_bias=True`` (updated by
+    ``update_expert_bias(rate)`` from the counts accumulated since the last update).
+    ``forward(x, replay=None) -> (probs, topk_idx)``: ``replay`` is a switchyard.RouterReplay
+    (its ``action`` decides record / replay_forward / replay_backward) or a [T, K] id tensor;
+    ``self.replay`` is used when not given. ``last_info`` holds the RouteInfo of the last call."""
+
+    def __init__(self, hidden_size, config, router_dtype=torch.float32, *, bias=False,
+                 params_dtype=torch.float32, init_std=0.02, enable_expert_bias=False,
+                 layer_number=None, aux_loss_grad_scale=1.0):
+        super().__init__()
+        if not isinstance(config, _C.RouterConfig):
+            raise ValueError("[TopKRouter] config must be a switchyard.RouterConfig, got "
+                             f"{type(config).__name__}")
+        if router_dtype not in (torch.float32, torch.float64):
+            raise ValueError("[TopKRouter] router_dtype must be torch.float32 or torch.float64, "
+                             f"got {router_dtype}")
+        self.config = config
+        self.hidden_size = int(hidden_size)
+        self.router_dtype = router_dtype
+        self.layer_number = layer_number
+        self.aux_loss_grad_scale = aux_loss_grad_scale
+        E = config.num_experts
+        self.weight = torch.nn.Parameter(
+            torch.empty(E, self.hidden_size, dtype=params_dtype).normal_(0.0, init_std))
+        self.bias = torch.nn.Parameter(torch.zeros(E, dtype=params_dtype)) if bias else None
+        if enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float64))
+        else:
+            self.expert_bias = None
+            self.local_tokens_per_expert = None
+        self.global_aux_loss_state = (_C.GlobalAuxLossState()
+                                      if config.aux_loss_type == "global_aux_loss" else None)
+        self.replay = None
+        self.last_info = None
+
+    def forward(self, x, replay=None, *, padding_mask=None, seq_length=None):
+        logits = router_gating_linear(x, self.weight, self.bias, router_dtype=self.router_dtype)
+        replay = self.replay if replay is None else replay
+        T = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+        replay_idx = None
+        invalid = "error"
+        if isinstance(replay, torch.Tensor):
+            replay_idx = replay
+        elif replay is not None:
+            replay_idx = replay._ids_for_forward(T)
+            invalid = replay.invalid_replay_rows
+        probs, topk_idx, info = topk_route(
+            logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
+            seq_length=seq_length, global_aux_loss_state=self.global_aux_loss_state,
+            layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
+            return_info=True)
+        if replay is not None and not isinstance(replay, torch.Tensor):
+            replay._after_forward(topk_idx)
+        if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
+            self.local_tokens_per_expert += info.tokens_per_expert.to(torch.float64)
+        self.last_info = info
+        return probs, topk_idx
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate):
+        """expert_bias += rate * sign(mean(c) - c) with the counts since the last update."""
+        if self.expert_bias is None:
+            raise ValueError("[TopKRouter] update_expert_bias needs enable_expert_bias=True")
+        self.expert_bias.copy_(update_expert_bias(self.expert_bias, self.local_tokens_per_expert,
+                                                  rate))
+        self.local_tokens_per_expert.zero_()
