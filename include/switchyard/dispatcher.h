@@ -56,6 +56,11 @@ struct DispatchHandle {
   std::vector<int64_t> rank_expert_counts;
   /// [EP] int64: tokens per rank.
   std::vector<int64_t> rank_num_tokens;
+  /// [R] fp32: the received rows' routing weights (shares storage with DispatchResult's).
+  Tensor recv_topk_weights;
+  /// [R] int64, internal layout map: all_to_all: row of the (source-rank-major) all-to-all buffer
+  /// that received row i came in; all_gather: row of the gathered token buffer.
+  Tensor recv_gather_index;
 };
 
 /// Result of dispatch.

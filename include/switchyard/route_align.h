@@ -42,7 +42,7 @@ std::vector<RouteTable> unpack_thd(const PackedRoutes& packed);
 
 /// Context-parallel zigzag split of a packed table: every sequence (padded length divisible by
 /// 2*cp_size) is cut in 2*cp_size chunks and rank r keeps chunks r and 2*cp_size-1-r, sequence after
-/// sequence. `cu_seqlens_padded` as from pack_thd.
+/// sequence (cp_size 1: the table itself). `cu_seqlens_padded` as from pack_thd.
 RouteTable cp_zigzag_split(const RouteTable& packed, const std::vector<int64_t>& cu_seqlens_padded,
                            int64_t cp_size, int64_t cp_rank);
 /// Inverse: the packed table from every rank's piece (index = cp rank).

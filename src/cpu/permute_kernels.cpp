@@ -91,14 +91,18 @@ void combine_rows(const X* y, const float* weight, const int64_t* offsets, const
 template <class X>
 void gather_scale_rows(const X* g, const float* weight, const int64_t* index, int64_t num_rows,
                        int64_t H, X* out) {
-  if (!weight) {
+  if (!weight && index) {
     gather_rows(g, index, num_rows, H * static_cast<int64_t>(sizeof(X)), out);
+    return;
+  }
+  if (!weight) {
+    if (num_rows * H > 0) std::memcpy(static_cast<void*>(out), g, static_cast<size_t>(num_rows * H) * sizeof(X));
     return;
   }
 #pragma omp parallel for schedule(static) if (num_rows * H > (1 << 16))
   for (int64_t r = 0; r < num_rows; ++r) {
     X* o = out + r * H;
-    const int64_t i = index[r];
+    const int64_t i = index ? index[r] : r;
     if (i < 0) {
       std::memset(static_cast<void*>(o), 0, static_cast<size_t>(H) * sizeof(X));
       continue;

@@ -21,6 +21,7 @@ void combine_rows(const X* y, const float* weight, const int64_t* offsets, const
                   int64_t T, int64_t H, X* out);
 
 /// out[r] = weight[r] * g[index[r]] (weight == nullptr: a copy), zero when index[r] < 0.
+/// index == nullptr means g[r].
 template <class X>
 void gather_scale_rows(const X* g, const float* weight, const int64_t* index, int64_t num_rows,
                        int64_t H, X* out);
