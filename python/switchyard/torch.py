@@ -124,11 +124,9 @@ class _Dispatch(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _C.dispatch_backward(grad_recv_x.contiguous(), ctx.h, ctx.comm)
         if ctx.needs_input_grad[1]:
-            # d recv_w[row] / d probs[t,k] = 1 for the slots of that row: send the row gradients
-            # back with combine's weight-gradient path (<expert_y[row], grad_y[t]> with grad_y = 1).
-            ones = torch.ones(ctx.num_tokens, 1, dtype=torch.float32)
-            gw = grad_recv_w.to(torch.float32).reshape(-1, 1).contiguous()
-            _, grad_p = _C.combine_backward(ones, gw, ctx.h, True, ctx.comm)
+            # d recv_w[row] / d probs[t,k] = 1 for every slot of that row's (token, expert) pair.
+            gw = grad_recv_w.to(torch.float32).contiguous()
+            grad_p = _C.dispatch_weights_backward(gw, ctx.h, ctx.comm)
         return grad_x, grad_p, None, None, None
 
 

@@ -57,7 +57,8 @@ def test_combine_and_gradients(cls, dtype):
     pr = probs.detach().double().requires_grad_(True)
     yr = ref.moe_combine(xr, idx, pr, lambda e, v: v @ W[e].double())
     (yr * g.double()).sum().backward()
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    # bf16: expert outputs and y are rounded to bf16 (8 bits), and column 0 holds values up to ~30.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=0.25)
     torch.testing.assert_close(y.double(), yr.detach(), **tol)
     torch.testing.assert_close(x.grad.double(), xr.grad, **tol)
     torch.testing.assert_close(probs.grad.double(), pr.grad, **tol)
@@ -144,7 +145,7 @@ def test_errors():
     disp = syt.AlltoAllDispatcher(num_experts=4)
     bad = idx.clone()
     bad[5, 1] = 4
-    with pytest.raises(ValueError, match=r"token 5"):
+    with pytest.raises(ValueError, match=r"topk_idx\[5, 1\]=4"):
         disp.dispatch(x, probs, bad)
     with pytest.raises(ValueError, match=r"topk_idx"):
         disp.dispatch(x, probs, idx.float())
