@@ -6,12 +6,12 @@ import torch
 def rank_inputs(seed, rank, num_tokens, hidden, num_experts, top_k, dtype=torch.float32,
                 skew=False):
     """x [T,H], topk_idx [T,K] int64 (some -1 slots, some repeated ids, one all -1 row),
-    probs [T,K] fp32 for source rank `rank`. Values of x encode (rank, token) in column 0."""
+    probs [T,K] fp32 for source rank `rank`. Column 0 of an fp32 x encodes (rank, token)."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     T, H, E, K = num_tokens, hidden, num_experts, top_k
     x = torch.randn(T, H, generator=g)
-    if H:
-        x[:, 0] = rank * 1000 + torch.arange(T, dtype=torch.float32)  # exact in fp32 and bf16<256
+    if H and dtype != torch.bfloat16:
+        x[:, 0] = rank * 1000 + torch.arange(T, dtype=torch.float32)  # exact in fp32
     x = x.to(dtype)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
         torch.zeros(0, K, dtype=torch.int64)
