@@ -1,0 +1,111 @@
+// Expert-parallel dispatch and combine (DeepEP's vocabulary). Rank r of an EP group of size EP holds
+// experts [r*L, (r+1)*L), L = num_experts / EP. Two dispatchers move the same rows:
+//  - all_to_all: each rank sends each (token, expert) pair to the expert's rank (MPI_Alltoallv);
+//  - all_gather: every rank gathers every rank's tokens and keeps the pairs of its own experts;
+//    combine gathers every expert output row back (more traffic, no all-to-all).
+// Both give bitwise identical results, and the results are bitwise identical for any EP size: the
+// received rows of a local expert come ordered by source rank then token, and combine sums a
+// token's rows in fp32 in the fixed order of its slots (k ascending), on the token's own rank.
+// Every size comes from a RoutingPlan (distinct valid pairs), never from T*K.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "switchyard/dist.h"
+#include "switchyard/permute.h"
+#include "switchyard/routing_plan.h"
+#include "switchyard/tensor.h"
+
+namespace switchyard::dist {
+
+/// Which dispatcher moves the rows.
+enum class DispatcherKind : uint8_t { all_to_all, all_gather };
+
+/// Options of dispatch.
+struct DispatchOptions {
+  /// E, the global number of experts; must be divisible by the communicator's size.
+  int64_t num_experts = 0;
+  DispatcherKind kind = DispatcherKind::all_to_all;
+  /// Capacity options of the (per-rank) routing plan. expert_alignment must be 1 and
+  /// pad_to_capacity false: padding rows are never sent.
+  RoutingPlanOptions plan;
+};
+
+/// What combine and the backwards need; returned by dispatch. Integer members are not
+/// differentiable.
+struct DispatchHandle {
+  DispatcherKind kind = DispatcherKind::all_to_all;
+  int rank = 0;
+  int world_size = 1;
+  int64_t num_tokens = 0;         ///< T of this rank
+  int64_t hidden = 0;             ///< H (same on every rank)
+  int64_t num_experts = 0;        ///< E
+  int64_t num_local_experts = 0;  ///< L = E / EP
+  int64_t num_recv_tokens = 0;    ///< R: rows received by this rank
+  /// This rank's routing plan over all E experts (its send order: expert-major, so rank-major).
+  RoutingPlan plan;
+  /// [L] int64: received rows per local expert (sum = R).
+  Tensor num_tokens_per_expert;
+  /// [L+1] int64: exclusive prefix sum of num_tokens_per_expert.
+  Tensor expert_offsets;
+  /// [R] int32 / int64: source rank and source token of each received row.
+  Tensor recv_src_rank;
+  Tensor recv_src_token;
+  /// [EP * E] int64, rank-major: pairs per (source rank, expert), known on every rank.
+  std::vector<int64_t> rank_expert_counts;
+  /// [EP] int64: tokens per rank.
+  std::vector<int64_t> rank_num_tokens;
+  /// [R] fp32: the received rows' routing weights (shares storage with DispatchResult's).
+  Tensor recv_topk_weights;
+  /// [R] int64, internal layout map: all_to_all: row of the (source-rank-major) all-to-all buffer
+  /// that received row i came in; all_gather: row of the gathered token buffer.
+  Tensor recv_gather_index;
+};
+
+/// Result of dispatch.
+struct DispatchResult {
+  /// [R, H], x's dtype: rows grouped by local expert ascending, then source rank, then token.
+  Tensor recv_x;
+  /// [R] fp32: each row's routing weight (summed over repeated ids), for experts that apply it.
+  Tensor recv_topk_weights;
+  DispatchHandle handle;
+};
+
+/// Send each distinct valid (token, expert) pair of this rank to the expert's rank.
+/// `x` [T,H] fp32|bf16 (T may differ per rank, may be 0), `topk_idx` [T,K] int32 (-1 = none),
+/// `topk_weights` [T,K] fp32. Collective. Data errors on any rank (an id outside [-1,E), a hidden
+/// size or dtype that differs between ranks, a bad shape) throw the same std::invalid_argument on
+/// every rank, with the message of the lowest failing rank; no rank hangs. E not divisible by EP
+/// is rejected before any communication. Deterministic.
+DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                        const DispatchOptions& options, Communicator& comm);
+
+/// Return expert outputs to their tokens: y[t] = sum over t's pairs (slot order, k ascending) of
+/// w * expert_y[row], fp32 accumulation, written in expert_y's dtype. `expert_y` [R,H] fp32|bf16 in
+/// recv_x's layout -> [T,H]. With WeightMode::skip the weights are not applied. Collective;
+/// deterministic and bitwise independent of EP and of the dispatcher.
+Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
+               const UnpermuteOptions& options, Communicator& comm);
+
+/// Backward of dispatch (= combine without weights): grad_x[t] = sum of grad_recv_x over t's rows.
+/// `grad_recv_x` [R,H] fp32|bf16 -> [T,H]. Collective, deterministic.
+Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
+                         Communicator& comm);
+
+/// Gradients of combine.
+struct CombineGrads {
+  /// [R,H], grad_y's dtype: w_row * grad_y[token(row)] (grad_y[token(row)] with WeightMode::skip).
+  Tensor grad_expert_y;
+  /// [T,K] fp32: <expert_y[row(t,k)], grad_y[t]> for every slot with a row (repeated ids get it in
+  /// each slot); 0 for `-1` slots and with WeightMode::skip.
+  Tensor grad_topk_weights;
+};
+
+/// Backward of combine (= dispatch of grad_y reusing the handle, plus the weight gradients).
+/// `grad_y` [T,H]; `expert_y` the forward's [R,H] input. Collective, deterministic.
+CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
+                              const DispatchHandle& handle, const UnpermuteOptions& options,
+                              Communicator& comm);
+
+}  // namespace switchyard::dist

@@ -1,0 +1,67 @@
+// Communicators for expert parallelism. No MPI header here: an MPI communicator is made from an
+// opaque handle (a pointer to an MPI_Comm, or its Fortran integer from MPI_Comm_c2f, which is what
+// mpi4py's `comm.py2f()` gives), so the API never changes with the build.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace switchyard::dist {
+
+/// The collectives the dispatchers need, on raw buffers of `elem_bytes`-sized elements. Counts are
+/// in elements; variable-size buffers are packed in rank order (displacements are prefix sums).
+/// Every method is collective over all ranks of the communicator (except rank/size/name).
+/// Environment failures throw switchyard::BackendError naming the call, its error string, the rank
+/// and file:line.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// "local" or "mpi".
+  virtual std::string name() const = 0;
+
+  /// recv[size()*count]: rank r's `count` elements at r*count.
+  virtual void allgather(const void* send, void* recv, int64_t count, int64_t elem_bytes) = 0;
+  /// recv: recv_counts[r] elements from rank r, packed in rank order; recv_counts[rank()] must
+  /// equal send_count.
+  virtual void allgatherv(const void* send, int64_t send_count, void* recv,
+                          const std::vector<int64_t>& recv_counts, int64_t elem_bytes) = 0;
+  /// send_counts[r] elements go to rank r, recv_counts[r] come from rank r; both packed in rank order.
+  virtual void alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                         const std::vector<int64_t>& recv_counts, int64_t elem_bytes) = 0;
+  /// In place element-wise maximum of n small integers (flags, sizes) over all ranks.
+  virtual void allreduce_max(int64_t* values, int64_t n) = 0;
+  virtual void barrier() = 0;
+
+  /// Typed convenience: everyone's `values` (same length on every rank), rank-major.
+  template <class T>
+  std::vector<T> allgather(const std::vector<T>& values) {
+    std::vector<T> out(values.size() * static_cast<size_t>(size()));
+    allgather(values.data(), out.data(), static_cast<int64_t>(values.size()),
+              static_cast<int64_t>(sizeof(T)));
+    return out;
+  }
+};
+
+/// A size-1 communicator (rank 0 of 1): collectives are local copies. Always available.
+std::shared_ptr<Communicator> local();
+
+/// True when the library was built with MPI.
+bool mpi_built();
+
+/// A duplicate of MPI_COMM_WORLD (MPI_ERRORS_RETURN set on it, freed by the destructor). MPI must be
+/// initialised by the caller (MPI_Init, or mpi4py). Throws BackendError when MPI is not
+/// initialised or the library was built without MPI ("not built with MPI").
+std::shared_ptr<Communicator> world();
+
+/// A duplicate of the MPI communicator `*static_cast<MPI_Comm*>(mpi_comm)`.
+std::shared_ptr<Communicator> from_mpi(const void* mpi_comm);
+
+/// A duplicate of the communicator with Fortran handle `fortran_handle` (MPI_Comm_c2f; mpi4py's
+/// `comm.py2f()`).
+std::shared_ptr<Communicator> from_mpi_fortran(int64_t fortran_handle);
+
+}  // namespace switchyard::dist

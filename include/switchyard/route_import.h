@@ -1,0 +1,84 @@
+// Importers for the routes rollout engines return: vLLM's per-sequence int32
+// `[seq_len - 1, num_layers, top_k]` arrays saved as .npy, and SGLang's `meta_info.routed_experts`
+// (base64 of the same array as little-endian int32) in JSON or JSONL responses.
+//
+// Both give a route for every token but the last sampled one, on every hidden layer (dense layers
+// hold 0) and possibly on MTP layers. Import keeps the MoE layers (LayerMap), drops the others, and
+// appends a `-1` row for the missing last token, giving a RouteTable `[seq_len, moe_layers, top_k]`.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "switchyard/routes.h"
+
+namespace switchyard {
+
+/// What to do with an all-zero row on a MoE layer (with top_k > 1 it repeats expert 0, which is how
+/// zero-filled padding shows up). Rows are always counted in the report.
+enum class ZeroRowPolicy : uint8_t {
+  keep,     ///< keep the zeros (default: import never changes data silently)
+  to_none,  ///< turn the row into -1 ("no route")
+  error,    ///< throw std::invalid_argument naming the first one
+};
+
+/// Options of the importers.
+struct ImportOptions {
+  int64_t num_experts = 0;  ///< E; every id must be -1 or in [0, E)
+  LayerMap layer_map;
+  /// Layers per token in the input (hidden + MTP). vLLM: 0 = take it from the array (checked
+  /// when given). SGLang: required (the payload is flat).
+  int64_t num_input_layers = 0;
+  /// K. vLLM: 0 = from the array. SGLang: required.
+  int64_t top_k = 0;
+  ZeroRowPolicy zero_rows = ZeroRowPolicy::keep;
+};
+
+/// Counts and findings of an import.
+struct ImportReport {
+  int64_t num_sequences = 0;
+  int64_t num_tokens = 0;         ///< tokens in the output tables (last token included)
+  int64_t num_input_layers = 0;
+  int64_t top_k = 0;
+  std::vector<int64_t> moe_layers;  ///< hidden-layer index of every kept layer
+  int64_t num_zero_rows = 0;        ///< all-zero rows on MoE layers
+  /// The first few zero rows as {sequence, token, moe layer}.
+  std::vector<std::array<int64_t, 3>> first_zero_rows;
+  std::vector<std::string> warnings;
+};
+
+/// Sequences imported, in input order, and the report.
+struct ImportResult {
+  std::vector<RouteTable> sequences;
+  /// Name of each sequence's source ("file.npy", "file.jsonl:3").
+  std::vector<std::string> sources;
+  ImportReport report;
+};
+
+/// Imports one vLLM array from .npy bytes (dtype int32 or int64, little-endian, C order, 3-D).
+/// `source` names the input in error messages. Throws std::invalid_argument naming source, value
+/// and position on a malformed file, an id outside [-1, E), or a layer count the map does not fit.
+ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& source,
+                                   const ImportOptions& options);
+/// Imports one .npy file per sequence. BackendError when a file cannot be read.
+ImportResult import_vllm(const std::vector<std::string>& paths, const ImportOptions& options);
+
+/// Imports SGLang responses from text: one JSON object, a JSON array of objects, or JSONL (one
+/// object per line). Each object needs `meta_info.routed_experts` (a base64 string), whose length
+/// in int32 must be a multiple of num_input_layers * top_k. Throws std::invalid_argument naming the
+/// source, the record and what is wrong.
+ImportResult import_sglang_text(std::string_view text, const std::string& source,
+                                const ImportOptions& options);
+/// Imports SGLang JSON / JSONL files, in order.
+ImportResult import_sglang(const std::vector<std::string>& paths, const ImportOptions& options);
+
+/// Strict base64 (RFC 4648, with or without '=' padding; no whitespace or other characters).
+/// Throws std::invalid_argument ("[base64] ...") naming the first bad character and its position.
+std::string base64_decode(std::string_view text);
+/// Standard base64 with padding (tests, tools).
+std::string base64_encode(std::string_view bytes);
+
+}  // namespace switchyard

@@ -1,0 +1,69 @@
+// Statistics over route tables: expert load and hot experts per layer, and drift between two
+// routings of the same tokens (rollout vs trainer, R3 vs live). Integer counting: deterministic.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "switchyard/routes.h"
+
+namespace switchyard {
+
+/// Token-expert assignments per layer and expert.
+struct ExpertLoad {
+  int64_t num_experts = 0;
+  int64_t num_moe_layers = 0;
+  /// `[num_moe_layers * num_experts]` (row-major): valid (token, expert) pairs per layer and expert.
+  std::vector<int64_t> num_tokens_per_expert;
+  /// Valid ids per layer (sum of the row above).
+  std::vector<int64_t> num_assignments;
+  /// Rows that are entirely -1, per layer.
+  std::vector<int64_t> num_none_rows;
+  int64_t count(int64_t layer, int64_t expert) const {
+    return num_tokens_per_expert[static_cast<size_t>(layer * num_experts + expert)];
+  }
+};
+
+/// Accumulates `table` into `load` (initialise with the first table, or pass an empty ExpertLoad).
+void accumulate_expert_load(const RouteTable& table, ExpertLoad& load);
+/// Load of one table.
+ExpertLoad expert_load(const RouteTable& table);
+
+/// An expert and its share of a layer's assignments.
+struct HotExpert {
+  int64_t expert = 0;
+  int64_t count = 0;
+  double share = 0.0;
+};
+/// The `n` most loaded experts of a layer, count descending (ties: lower id first).
+std::vector<HotExpert> hot_experts(const ExpertLoad& load, int64_t layer, int64_t n);
+/// max / mean of a layer's per-expert counts (1 = perfectly balanced; 0 when no assignment).
+double load_imbalance(const ExpertLoad& load, int64_t layer);
+
+/// Drift between two routings of the same tokens. A row (token, layer) is compared when both sides
+/// have at least one valid id there; rows are compared as sets (the order inside a top-k row does
+/// not change which experts run). A decision is one of the K ids of a compared row in A; it
+/// differs when B's row does not contain it.
+struct RouteDrift {
+  int64_t num_tokens = 0;         ///< tokens with at least one compared row
+  int64_t num_rows = 0;           ///< compared rows
+  int64_t num_decisions = 0;      ///< valid ids in compared rows of A
+  int64_t num_differing_decisions = 0;
+  int64_t num_differing_rows = 0;
+  int64_t num_differing_tokens = 0;  ///< tokens with at least one differing layer
+  int64_t num_skipped_rows = 0;      ///< rows where one side or both are all -1
+  std::vector<int64_t> layer_decisions;            ///< per layer
+  std::vector<int64_t> layer_differing_decisions;  ///< per layer
+
+  double decision_mismatch() const;  ///< share of decisions that differ
+  double token_mismatch() const;     ///< share of tokens with any differing layer
+  double mean_differing_layers() const;  ///< differing rows per compared token
+  double layer_mismatch(int64_t layer) const;
+};
+
+/// Drift of `b` against `a`; both tables need the same shape and num_experts.
+RouteDrift route_drift(const RouteTable& a, const RouteTable& b);
+/// Adds the drift of another pair of tables into `drift` (same layer count).
+void accumulate_route_drift(const RouteTable& a, const RouteTable& b, RouteDrift& drift);
+
+}  // namespace switchyard

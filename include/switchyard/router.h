@@ -1,0 +1,167 @@
+// Routing after the gate: scores, top-k (or replayed ids), capacity, auxiliary losses, and the exact
+// backward of all of it into the gate logits. The gate GEMM itself lives in gate.h.
+//
+// Semantics follow Megatron-Core's TopKRouter (option names included); see DESIGN.md "Semantics".
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "switchyard/tensor.h"
+
+namespace switchyard {
+
+/// Score function applied to the gate logits (Megatron-Core `moe_router_score_function`).
+enum class ScoreFunction : uint8_t { softmax, sigmoid, sqrtsoftplus };
+
+/// Which tokens an over-full expert keeps (Megatron-Core `moe_token_drop_policy`): `probs` keeps the
+/// highest routing weights (ties: lower token index), `position` keeps the first tokens.
+enum class TokenDropPolicy : uint8_t { probs, position };
+
+/// Load-balancing loss (Megatron-Core `moe_router_load_balancing_type`).
+enum class AuxLossType : uint8_t { none, aux_loss, seq_aux_loss, global_aux_loss };
+
+/// What to do with a replay row that is neither all ids nor all -1 (mixes -1 and ids, repeats an
+/// id, or names an id outside [0, E)): throw (default), or route that row natively and count it.
+enum class InvalidReplayRows : uint8_t { error, native };
+
+/// Router configuration; names are Megatron-Core's (`moe_router_*`, `moe_*`).
+struct RouterConfig {
+  int64_t num_experts = 0;  ///< E >= 1
+  int64_t top_k = 1;        ///< K in [1, E]
+  ScoreFunction score_function = ScoreFunction::softmax;
+  /// softmax only: softmax over all E, then top-k, no renormalisation (else softmax over the K).
+  bool pre_softmax = false;
+  /// Group-limited top-k (DeepSeek-V3): 0 = off. E % num_groups == 0, group_topk in
+  /// [1, min(num_groups, K)], K <= group_topk * E / num_groups.
+  int64_t num_groups = 0;
+  int64_t group_topk = 0;
+  /// Multiplies the routing weights (Megatron `moe_router_topk_scaling_factor`); 1 = none.
+  double topk_scaling_factor = 1.0;
+  /// Expert capacity C = ceil(T*K/E * capacity_factor); nullopt = no capacity (no drops).
+  std::optional<double> capacity_factor;
+  TokenDropPolicy token_drop_policy = TokenDropPolicy::probs;
+  /// Pad every expert's input to C rows (RouteResult::expert_capacity); needs capacity_factor.
+  bool pad_to_capacity = false;
+  AuxLossType aux_loss_type = AuxLossType::none;
+  double aux_loss_coeff = 0.0;  ///< coefficient of the aux_loss_type loss (>= 0)
+  double z_loss_coeff = 0.0;    ///< z-loss coefficient (>= 0); 0 = off
+};
+
+/// Running state of `global_aux_loss` (Megatron's `global_tokens_per_expert` and `ga_steps`): the
+/// per-expert counts of every routed batch since the last `reset()`. One object per MoE layer,
+/// owned by the caller; topk_route adds the current batch's counts to it.
+struct GlobalAuxLossState {
+  Tensor tokens_per_expert;  ///< [E] fp64, sum of counts over accumulated steps (undefined = none)
+  int64_t steps = 0;         ///< number of accumulated batches
+  /// Start a new accumulation window (Megatron `reset_global_aux_loss_tracker`).
+  void reset() {
+    tokens_per_expert = Tensor();
+    steps = 0;
+  }
+};
+
+/// Optional tensors of topk_route. Undefined tensors are "not given".
+struct RouteInputs {
+  /// [E] fp32 (or fp64): aux-loss-free balancing bias, added to the selection scores only.
+  Tensor expert_bias;
+  /// [T] bool: true = padded token; its row is all -1 and it is left out of counts and losses.
+  Tensor padding_mask;
+  /// [T, K] int32: ids to use instead of the live top-k (router replay). A row of all -1 is
+  /// routed natively. See InvalidReplayRows for bad rows.
+  Tensor replay_idx;
+  /// Required when aux_loss_type == global_aux_loss; updated by the call (not by backward).
+  GlobalAuxLossState* global_aux_loss_state = nullptr;
+};
+
+/// Options of topk_route.
+struct RouteOptions {
+  InvalidReplayRows invalid_replay_rows = InvalidReplayRows::error;
+  /// MoE layer number, used only in error messages (-1 = unknown, left out of messages).
+  int64_t layer = -1;
+  /// seq_aux_loss only: tokens are laid out [seq_length, num_sequences] flattened (Megatron's
+  /// [s, b] order: token t belongs to sequence t % num_sequences); T % seq_length == 0.
+  int64_t seq_length = 0;
+};
+
+/// Result of topk_route, also the handle its backward needs. Integer outputs (ids, counts) are not
+/// differentiable. Every field is deterministic and independent of the thread count; each token's
+/// ids and weights depend only on that token's logits (batch invariant), except through capacity.
+struct RouteResult {
+  /// [T, K] int32: chosen expert per slot, -1 = none (padded token, dropped slot). Native rows are
+  /// ordered by descending selection score (ties: lower id); replayed rows keep the given order.
+  Tensor topk_idx;
+  /// [T, K] dtype of the logits (fp32 or fp64): routing weight per slot, 0 where topk_idx is -1.
+  Tensor topk_weights;
+  /// [E] int64: number of (token, expert) pairs kept per expert (after capacity, no padding).
+  Tensor num_tokens_per_expert;
+  /// Capacity C per expert, or -1 without capacity_factor. With pad_to_capacity the dispatcher
+  /// pads every expert's input to C rows (zero rows, weight 0).
+  int64_t expert_capacity = -1;
+  bool pad_to_capacity = false;
+  int64_t num_dropped = 0;  ///< (token, expert) pairs dropped by capacity
+
+  /// Loss values, coefficients included (0 when off). aux_loss is the aux_loss_type loss.
+  double aux_loss = 0.0;
+  double z_loss = 0.0;
+
+  /// Row counts: replayed + native + padded == T. Invalid replay rows routed natively (with
+  /// InvalidReplayRows::native) count as native and also in num_invalid_replay_rows.
+  int64_t num_replayed_rows = 0;
+  int64_t num_native_rows = 0;
+  int64_t num_padded_rows = 0;
+  int64_t num_invalid_replay_rows = 0;
+
+  // ---- saved for topk_route_backward (not part of the stable API) ----
+  Tensor logits;        ///< [T, E] the forward's logits (shared storage: do not modify them)
+  Tensor selected_idx;  ///< [T, K] int32 ids before capacity drops (-1 on padded rows)
+  Tensor row_kind;      ///< [T] uint8: 0 native, 1 replayed, 2 padded
+  Tensor aux_grad;      ///< [G, E] fp64 dLoss/dP per (sequence group, expert), undefined if none
+  int64_t aux_groups = 1;      ///< G: 1, or num_sequences for seq_aux_loss
+  double z_grad_coeff = 0.0;   ///< 2 * z_loss_coeff / num_valid_tokens
+  RouterConfig config;         ///< the configuration of the forward
+};
+
+/// Routes T tokens to K of E experts from gate logits.
+/// logits: [T, E] fp32 or fp64 (the router dtype); NaN/Inf is an error naming token and expert.
+/// Throws std::invalid_argument before any work for a bad config, shape, dtype or replay row.
+/// Deterministic; not collective (per-rank capacity and losses over the local tokens).
+RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const RouterConfig& config,
+                       const RouteOptions& options = {});
+
+/// Options of topk_route_backward.
+struct RouteBackwardOptions {
+  /// Multiplies the aux- and z-loss gradients (Megatron's MoEAuxLossAutoScaler main-loss scale).
+  double loss_grad_scale = 1.0;
+};
+
+/// Gradients of topk_route.
+struct RouteGrads {
+  Tensor grad_logits;  ///< [T, E] dtype of the logits
+};
+
+/// Backward of topk_route: grad_logits = d/dlogits of <grad_topk_weights, topk_weights> plus
+/// loss_grad_scale * d(aux_loss + z_loss)/dlogits. grad_topk_weights: [T, K] fp32/fp64, or
+/// undefined (losses only); entries at dropped/padded slots are ignored. Padded rows get 0.
+/// Replayed rows differentiate through the weights at the replayed ids. Deterministic.
+RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResult& handle,
+                               const RouterConfig& config,
+                               const RouteBackwardOptions& options = {});
+
+/// Aux-loss-free bias update (DeepSeek-V3): returns b + rate * sign(mean(c) - c).
+/// expert_bias: [E] fp32; tokens_per_expert: [E] int64 or fp32/fp64 counts (summed over the
+/// step, e.g. RouteResult::num_tokens_per_expert); result [E] fp32. Deterministic.
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& tokens_per_expert, double rate);
+
+/// Parse/print enum names ("softmax", "seq_aux_loss", ...); parse throws std::invalid_argument.
+const char* score_function_name(ScoreFunction f);
+ScoreFunction parse_score_function(const std::string& name);
+const char* aux_loss_type_name(AuxLossType t);
+AuxLossType parse_aux_loss_type(const std::string& name);
+const char* token_drop_policy_name(TokenDropPolicy p);
+TokenDropPolicy parse_token_drop_policy(const std::string& name);
+
+/// Checks a config alone (the checks topk_route runs first); throws std::invalid_argument.
+void validate_router_config(const RouterConfig& config);
+
+}  // namespace switchyard

@@ -1,0 +1,124 @@
+// Front-end of permute / unpermute: validate, allocate, pick the kernel by dtype. No math here.
+#include "switchyard/permute.h"
+
+#include "check.h"
+#include "cpu/permute_kernels.h"
+
+namespace switchyard {
+
+namespace {
+
+void check_plan(const RoutingPlan& plan, const char* op) {
+  if (!plan.row_token.defined() || !plan.token_offsets.defined() || !plan.slot_row.defined()) {
+    detail::fail_arg(op, "plan must come from build_routing_plan, got an empty plan");
+  }
+}
+
+void check_rows(const Tensor& t, const char* op, const char* name, int64_t rows) {
+  detail::check_defined(t, op, name);
+  detail::check_dim(t, op, name, 2);
+  detail::check_dtype(t, op, name, {DType::fp32, DType::bf16});
+  if (t.size(0) != rows) {
+    detail::fail_arg(op, name, " must have ", rows, " rows (from the routing plan), got shape ",
+                     shape_str(t.shape()));
+  }
+}
+
+template <class F>
+void by_dtype(DType d, F&& f) {
+  if (d == DType::fp32) {
+    f(float{});
+  } else {
+    f(bf16{});
+  }
+}
+
+void check_out(const Tensor& out, const char* op, const Shape& shape, DType dtype) {
+  detail::check_defined(out, op, "out");
+  detail::check_dtype(out, op, "out", {dtype});
+  detail::check_shape(out, op, "out", shape);
+}
+
+}  // namespace
+
+Tensor permute(const Tensor& x, const RoutingPlan& plan) {
+  check_plan(plan, "permute");
+  check_rows(x, "permute", "x", plan.num_tokens);
+  Tensor out = Tensor::empty({plan.num_rows, x.size(1)}, x.dtype());
+  permute_into(x, out, plan);
+  return out;
+}
+
+void permute_into(const Tensor& x, Tensor& out, const RoutingPlan& plan) {
+  check_plan(plan, "permute");
+  check_rows(x, "permute", "x", plan.num_tokens);
+  const int64_t H = x.size(1);
+  check_out(out, "permute", {plan.num_rows, H}, x.dtype());
+  cpu::gather_rows(x.raw(), plan.row_token.data<int64_t>(), plan.num_rows,
+                   H * static_cast<int64_t>(dtype_size(x.dtype())), out.raw());
+}
+
+Tensor permute_backward(const Tensor& grad_permuted, const RoutingPlan& plan) {
+  return unpermute(grad_permuted, plan, UnpermuteOptions{WeightMode::skip});
+}
+
+Tensor unpermute(const Tensor& permuted, const RoutingPlan& plan, const UnpermuteOptions& options) {
+  check_plan(plan, "unpermute");
+  check_rows(permuted, "unpermute", "permuted", plan.num_rows);
+  Tensor out = Tensor::empty({plan.num_tokens, permuted.size(1)}, permuted.dtype());
+  unpermute_into(permuted, out, plan, options);
+  return out;
+}
+
+void unpermute_into(const Tensor& permuted, Tensor& out, const RoutingPlan& plan,
+                    const UnpermuteOptions& options) {
+  check_plan(plan, "unpermute");
+  check_rows(permuted, "unpermute", "permuted", plan.num_rows);
+  const int64_t H = permuted.size(1);
+  check_out(out, "unpermute", {plan.num_tokens, H}, permuted.dtype());
+  const float* w = options.weights == WeightMode::apply ? plan.row_weight.data<float>() : nullptr;
+  by_dtype(permuted.dtype(), [&](auto tag) {
+    using X = decltype(tag);
+    cpu::combine_rows<X>(static_cast<const X*>(permuted.raw()), w,
+                         plan.token_offsets.data<int64_t>(), plan.token_rows.data<int64_t>(),
+                         plan.num_tokens, H, static_cast<X*>(out.raw()));
+  });
+}
+
+UnpermuteGrads unpermute_backward(const Tensor& grad_y, const Tensor& permuted,
+                                  const RoutingPlan& plan, const UnpermuteOptions& options) {
+  check_plan(plan, "unpermute_backward");
+  check_rows(grad_y, "unpermute_backward", "grad_y", plan.num_tokens);
+  const int64_t H = grad_y.size(1);
+  const bool apply = options.weights == WeightMode::apply;
+  if (apply) {
+    check_rows(permuted, "unpermute_backward", "permuted", plan.num_rows);
+    detail::check_shape(permuted, "unpermute_backward", "permuted", {plan.num_rows, H});
+    if (permuted.dtype() != grad_y.dtype()) {
+      detail::fail_arg("unpermute_backward", "permuted must have grad_y's dtype ",
+                       dtype_name(grad_y.dtype()), ", got ", dtype_name(permuted.dtype()));
+    }
+  }
+  UnpermuteGrads g;
+  g.grad_permuted = Tensor::empty({plan.num_rows, H}, grad_y.dtype());
+  g.grad_topk_weights = Tensor::zeros({plan.num_tokens, plan.top_k}, DType::fp32);
+  const int64_t* rt = plan.row_token.data<int64_t>();
+  by_dtype(grad_y.dtype(), [&](auto tag) {
+    using X = decltype(tag);
+    const X* gy = static_cast<const X*>(grad_y.raw());
+    cpu::gather_scale_rows<X>(gy, apply ? plan.row_weight.data<float>() : nullptr, rt,
+                              plan.num_rows, H, static_cast<X*>(g.grad_permuted.raw()));
+    if (apply) {
+      Tensor dots = Tensor::empty({plan.num_rows}, DType::fp32);
+      cpu::row_dots<X>(static_cast<const X*>(permuted.raw()), gy, rt, plan.num_rows, H,
+                       dots.data<float>());
+      const float* d = dots.data<float>();
+      const int64_t* sr = plan.slot_row.data<int64_t>();
+      float* gw = g.grad_topk_weights.data<float>();
+      for (int64_t s = 0; s < plan.num_tokens * plan.top_k; ++s) gw[s] = sr[s] >= 0 ? d[sr[s]] : 0.0f;
+    }
+  });
+  return g;
+}
+
+}  // namespace switchyard

@@ -1,0 +1,74 @@
+// RouterReplay: per-layer FIFO queues of id tables. The ids themselves are validated row by row
+// where they are used (topk_route), with the layer in the message; here only shapes and dtypes.
+#include "switchyard/replay.h"
+
+#include <stdexcept>
+
+#include "check.h"
+
+namespace switchyard {
+
+namespace {
+std::string where(int64_t layer) {
+  return layer >= 0 ? detail::cat("layer ", layer, ": ") : std::string();
+}
+}  // namespace
+
+RouterReplay::RouterReplay(const RouterReplayOptions& options) : options_(options) {
+  if (options.top_k < 1) {
+    detail::fail_arg("replay", where(options.layer), "top_k must be >= 1, got top_k=",
+                     options.top_k);
+  }
+}
+
+void RouterReplay::check_table(const Tensor& topk_idx, const char* op) const {
+  detail::check_dtype(topk_idx, op, "topk_idx", {DType::int32});
+  detail::check_shape(topk_idx, op, "topk_idx", {-1, options_.top_k});
+}
+
+void RouterReplay::record(const Tensor& topk_idx) {
+  check_table(topk_idx, "replay.record");
+  recorded_.push_back(topk_idx.clone());
+}
+
+Tensor RouterReplay::pop_recorded() {
+  if (recorded_.empty()) {
+    throw std::out_of_range(detail::cat("[replay.pop_recorded] ", where(options_.layer),
+                                        "no recorded table is queued (record() was called ",
+                                        "fewer times than pop_recorded())"));
+  }
+  Tensor t = std::move(recorded_.front());
+  recorded_.pop_front();
+  return t;
+}
+
+Tensor RouterReplay::replay_forward(const Tensor& topk_idx) {
+  check_table(topk_idx, "replay.replay_forward");
+  Tensor copy = topk_idx.clone();
+  pending_backward_.push_back(copy);
+  return copy;
+}
+
+Tensor RouterReplay::replay_backward(int64_t num_tokens) {
+  if (pending_backward_.empty()) {
+    throw std::out_of_range(detail::cat("[replay.replay_backward] ", where(options_.layer),
+                                        "no forward table is queued (replay_backward() called ",
+                                        "more often than replay_forward())"));
+  }
+  const Tensor& front = pending_backward_.front();
+  if (front.size(0) != num_tokens) {
+    detail::fail_arg("replay.replay_backward", where(options_.layer),
+                     "num_tokens must match the oldest queued forward table (", front.size(0),
+                     " rows), got num_tokens=", num_tokens);
+  }
+  Tensor t = std::move(pending_backward_.front());
+  pending_backward_.pop_front();
+  return t;
+}
+
+void RouterReplay::clear() {
+  recorded_.clear();
+  pending_backward_.clear();
+}
+
+}  // namespace switchyard

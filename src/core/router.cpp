@@ -1,0 +1,466 @@
+// Router front-end: validates every argument, shapes the outputs, runs the CPU kernels and turns
+// their partial sums into Megatron-Core's loss values and gradient coefficients.
+#include "switchyard/router.h"
+
+#include <omp.h>
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "cpu/router_kernels.h"
+
+namespace switchyard {
+
+namespace {
+
+constexpr const char* kOp = "route";
+
+std::string row_str(const int32_t* row, int64_t K) {
+  std::ostringstream os;
+  os << "[";
+  for (int64_t k = 0; k < K; ++k) os << (k ? ", " : "") << row[k];
+  os << "]";
+  return os.str();
+}
+
+std::string layer_prefix(int64_t layer) {
+  return layer >= 0 ? detail::cat("layer ", layer, ", ") : std::string();
+}
+
+// First non-finite element of a [rows, cols] array, or -1. Lowest flat index wins, so the message
+// is the same for every thread count.
+template <class S>
+int64_t first_non_finite(const S* x, int64_t n) {
+  int64_t first = std::numeric_limits<int64_t>::max();
+#pragma omp parallel for schedule(static) reduction(min : first)
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i]) && i < first) first = i;
+  }
+  return first == std::numeric_limits<int64_t>::max() ? -1 : first;
+}
+
+cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
+  cpu::RouteKernelParams p;
+  p.num_tokens = T;
+  p.num_experts = c.num_experts;
+  p.top_k = c.top_k;
+  p.score_function = static_cast<int>(c.score_function);
+  p.pre_softmax = c.pre_softmax;
+  p.num_groups = c.num_groups;
+  p.group_topk = c.group_topk;
+  p.scaling = c.topk_scaling_factor;
+  return p;
+}
+
+bool aux_enabled(const RouterConfig& c) {
+  return c.aux_loss_type != AuxLossType::none && c.aux_loss_coeff > 0.0;
+}
+
+template <class S>
+void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_idx,
+                 const cpu::RouteKernelParams& p, int64_t capacity, bool by_position,
+                 RouteResult& r, std::vector<double>& aux_psum, std::vector<int64_t>& aux_cnt,
+                 double& z_sum) {
+  const int64_t T = p.num_tokens, K = p.top_k, E = p.num_experts;
+  Tensor sel_w = Tensor::empty({T, K}, dtype_of<S>());
+  std::vector<S> bias_s;
+  if (bias.defined()) {
+    bias_s.resize(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) bias_s[e] = static_cast<S>(bias.item_as_double(e));
+  }
+  cpu::route_forward<S>(logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(),
+                        r.row_kind.data<uint8_t>(),
+                        replay_idx.defined() ? replay_idx.data<int32_t>() : nullptr, p,
+                        r.selected_idx.data<int32_t>(), sel_w.data<S>(), aux_psum.data(),
+                        aux_cnt.data(), &z_sum);
+  r.num_dropped = cpu::apply_capacity<S>(r.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E,
+                                         capacity, by_position, r.topk_idx.data<int32_t>(),
+                                         r.topk_weights.data<S>(),
+                                         r.num_tokens_per_expert.data<int64_t>());
+}
+
+}  // namespace
+
+const char* score_function_name(ScoreFunction f) {
+  switch (f) {
+    case ScoreFunction::softmax: return "softmax";
+    case ScoreFunction::sigmoid: return "sigmoid";
+    case ScoreFunction::sqrtsoftplus: return "sqrtsoftplus";
+  }
+  return "?";
+}
+
+ScoreFunction parse_score_function(const std::string& name) {
+  if (name == "softmax") return ScoreFunction::softmax;
+  if (name == "sigmoid") return ScoreFunction::sigmoid;
+  if (name == "sqrtsoftplus") return ScoreFunction::sqrtsoftplus;
+  detail::fail_arg(kOp, "score_function must be softmax, sigmoid or sqrtsoftplus, got \"", name,
+                   "\"");
+}
+
+const char* aux_loss_type_name(AuxLossType t) {
+  switch (t) {
+    case AuxLossType::none: return "none";
+    case AuxLossType::aux_loss: return "aux_loss";
+    case AuxLossType::seq_aux_loss: return "seq_aux_loss";
+    case AuxLossType::global_aux_loss: return "global_aux_loss";
+  }
+  return "?";
+}
+
+AuxLossType parse_aux_loss_type(const std::string& name) {
+  if (name == "none") return AuxLossType::none;
+  if (name == "aux_loss") return AuxLossType::aux_loss;
+  if (name == "seq_aux_loss") return AuxLossType::seq_aux_loss;
+  if (name == "global_aux_loss") return AuxLossType::global_aux_loss;
+  detail::fail_arg(kOp,
+                   "aux_loss_type must be none, aux_loss, seq_aux_loss or global_aux_loss, got \"",
+                   name, "\"");
+}
+
+const char* token_drop_policy_name(TokenDropPolicy p) {
+  return p == TokenDropPolicy::probs ? "probs" : "position";
+}
+
+TokenDropPolicy parse_token_drop_policy(const std::string& name) {
+  if (name == "probs") return TokenDropPolicy::probs;
+  if (name == "position") return TokenDropPolicy::position;
+  detail::fail_arg(kOp, "token_drop_policy must be probs or position, got \"", name, "\"");
+}
+
+void validate_router_config(const RouterConfig& c) {
+  const int64_t E = c.num_experts, K = c.top_k;
+  if (E < 1) detail::fail_arg(kOp, "num_experts must be >= 1, got num_experts=", E);
+  if (K < 1 || K > E) {
+    detail::fail_arg(kOp, "top_k must be in [1, num_experts=", E, "], got top_k=", K);
+  }
+  if (static_cast<int>(c.score_function) > 2) {
+    detail::fail_arg(kOp, "score_function must be softmax, sigmoid or sqrtsoftplus, got value ",
+                     static_cast<int>(c.score_function));
+  }
+  if (c.pre_softmax && c.score_function != ScoreFunction::softmax) {
+    detail::fail_arg(kOp, "pre_softmax needs score_function=softmax, got score_function=",
+                     score_function_name(c.score_function));
+  }
+  if (c.num_groups != 0 || c.group_topk != 0) {
+    const int64_t G = c.num_groups;
+    if (G < 1 || G > E || E % G != 0) {
+      detail::fail_arg(kOp, "num_groups must divide num_experts=", E, ", got num_groups=", G);
+    }
+    if (c.group_topk < 1 || c.group_topk > G || c.group_topk > K) {
+      detail::fail_arg(kOp, "group_topk must be in [1, min(num_groups=", G, ", top_k=", K,
+                       ")], got group_topk=", c.group_topk);
+    }
+    if (K > c.group_topk * (E / G)) {
+      detail::fail_arg(kOp, "top_k must be <= group_topk * num_experts / num_groups = ",
+                       c.group_topk * (E / G), ", got top_k=", K);
+    }
+  }
+  if (!std::isfinite(c.topk_scaling_factor) || c.topk_scaling_factor <= 0.0) {
+    detail::fail_arg(kOp, "topk_scaling_factor must be finite and > 0, got ",
+                     c.topk_scaling_factor);
+  }
+  if (c.capacity_factor && (!std::isfinite(*c.capacity_factor) || *c.capacity_factor <= 0.0)) {
+    detail::fail_arg(kOp, "capacity_factor must be finite and > 0 (or unset), got ",
+                     *c.capacity_factor);
+  }
+  if (static_cast<int>(c.token_drop_policy) > 1) {
+    detail::fail_arg(kOp, "token_drop_policy must be probs or position, got value ",
+                     static_cast<int>(c.token_drop_policy));
+  }
+  if (c.pad_to_capacity && !c.capacity_factor) {
+    detail::fail_arg(kOp, "pad_to_capacity needs capacity_factor, got no capacity_factor");
+  }
+  if (static_cast<int>(c.aux_loss_type) > 3) {
+    detail::fail_arg(kOp, "aux_loss_type must be none, aux_loss, seq_aux_loss or global_aux_loss, "
+                          "got value ", static_cast<int>(c.aux_loss_type));
+  }
+  if (!std::isfinite(c.aux_loss_coeff) || c.aux_loss_coeff < 0.0) {
+    detail::fail_arg(kOp, "aux_loss_coeff must be finite and >= 0, got ", c.aux_loss_coeff);
+  }
+  if (!std::isfinite(c.z_loss_coeff) || c.z_loss_coeff < 0.0) {
+    detail::fail_arg(kOp, "z_loss_coeff must be finite and >= 0, got ", c.z_loss_coeff);
+  }
+}
+
+RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const RouterConfig& config,
+                       const RouteOptions& options) {
+  // ---- validation (before any work) ----
+  validate_router_config(config);
+  detail::check_dtype(logits, kOp, "logits", {DType::fp32, DType::fp64});
+  detail::check_shape(logits, kOp, "logits", {-1, config.num_experts});
+  const int64_t T = logits.size(0), E = config.num_experts, K = config.top_k;
+  const bool is64 = logits.dtype() == DType::fp64;
+  {
+    const int64_t bad = is64 ? first_non_finite(logits.data<double>(), T * E)
+                             : first_non_finite(logits.data<float>(), T * E);
+    if (bad >= 0) {
+      detail::fail_arg(kOp, layer_prefix(options.layer), "logits must be finite, got ",
+                       logits.item_as_double(bad), " at token ", bad / E, ", expert ", bad % E);
+    }
+  }
+  const Tensor& bias = inputs.expert_bias;
+  if (bias.defined()) {
+    detail::check_dtype(bias, kOp, "expert_bias", {DType::fp32, DType::fp64});
+    detail::check_shape(bias, kOp, "expert_bias", {E});
+    for (int64_t e = 0; e < E; ++e) {
+      if (!std::isfinite(bias.item_as_double(e))) {
+        detail::fail_arg(kOp, "expert_bias must be finite, got ", bias.item_as_double(e),
+                         " at expert ", e);
+      }
+    }
+  }
+  const Tensor& mask = inputs.padding_mask;
+  if (mask.defined()) {
+    detail::check_dtype(mask, kOp, "padding_mask", {DType::boolean});
+    detail::check_shape(mask, kOp, "padding_mask", {T});
+  }
+  const Tensor& replay = inputs.replay_idx;
+  if (replay.defined()) {
+    detail::check_dtype(replay, "replay", "replay_idx", {DType::int32});
+    detail::check_shape(replay, "replay", "replay_idx", {T, K});
+  }
+  if (options.invalid_replay_rows != InvalidReplayRows::error &&
+      options.invalid_replay_rows != InvalidReplayRows::native) {
+    detail::fail_arg(kOp, "invalid_replay_rows must be error or native, got value ",
+                     static_cast<int>(options.invalid_replay_rows));
+  }
+  const bool need_aux = aux_enabled(config);
+  int64_t G = 1;
+  if (need_aux && config.aux_loss_type == AuxLossType::seq_aux_loss) {
+    if (options.seq_length < 1 || T % options.seq_length != 0) {
+      detail::fail_arg(kOp, "seq_aux_loss needs seq_length >= 1 dividing num_tokens=", T,
+                       ", got seq_length=", options.seq_length);
+    }
+    G = std::max<int64_t>(T / options.seq_length, 1);
+  }
+  GlobalAuxLossState* gstate = inputs.global_aux_loss_state;
+  if (need_aux && config.aux_loss_type == AuxLossType::global_aux_loss) {
+    if (!gstate) {
+      detail::fail_arg(kOp, "global_aux_loss needs inputs.global_aux_loss_state, got nullptr");
+    }
+    if (gstate->tokens_per_expert.defined()) {
+      detail::check_dtype(gstate->tokens_per_expert, kOp,
+                          "global_aux_loss_state.tokens_per_expert", {DType::fp64});
+      detail::check_shape(gstate->tokens_per_expert, kOp,
+                          "global_aux_loss_state.tokens_per_expert", {E});
+    }
+    if (gstate->steps < 0) {
+      detail::fail_arg(kOp, "global_aux_loss_state.steps must be >= 0, got ", gstate->steps);
+    }
+  }
+
+  RouteResult r;
+  r.config = config;
+  r.logits = logits;
+  r.row_kind = Tensor::empty({T}, DType::uint8);
+  uint8_t* kind = r.row_kind.data<uint8_t>();
+  const bool* pad = mask.defined() ? mask.data<bool>() : nullptr;
+  // Row kinds; replay rows are checked here so that a bad row throws before any routing.
+  {
+    const int32_t* rp = replay.defined() ? replay.data<int32_t>() : nullptr;
+    std::vector<int64_t> seen(rp ? static_cast<size_t>(E) : 0, -1);
+    for (int64_t t = 0; t < T; ++t) {
+      if (pad && pad[t]) {
+        kind[t] = cpu::kRowPadded;
+        ++r.num_padded_rows;
+        continue;
+      }
+      kind[t] = cpu::kRowNative;
+      if (!rp) {
+        ++r.num_native_rows;
+        continue;
+      }
+      const int32_t* row = rp + t * K;
+      int64_t num_none = 0;
+      for (int64_t k = 0; k < K; ++k) num_none += row[k] == -1;
+      if (num_none == K) {
+        ++r.num_native_rows;
+        continue;
+      }
+      std::string why;
+      if (num_none > 0) {
+        why = "mixes -1 and expert ids";
+      } else {
+        for (int64_t k = 0; k < K && why.empty(); ++k) {
+          if (row[k] < 0 || row[k] >= E) {
+            why = detail::cat("names expert ", row[k], " outside [0, ", E, ")");
+          } else if (seen[row[k]] == t) {
+            why = detail::cat("repeats expert ", row[k]);
+          } else {
+            seen[row[k]] = t;
+          }
+        }
+      }
+      if (why.empty()) {
+        kind[t] = cpu::kRowReplayed;
+        ++r.num_replayed_rows;
+      } else if (options.invalid_replay_rows == InvalidReplayRows::native) {
+        ++r.num_native_rows;
+        ++r.num_invalid_replay_rows;
+      } else {
+        detail::fail_arg("replay", layer_prefix(options.layer), "token ", t, ": topk_idx row ",
+                         row_str(row, K), " ", why);
+      }
+    }
+  }
+
+  // ---- outputs and kernels ----
+  const DType wdt = logits.dtype();
+  r.topk_idx = Tensor::empty({T, K}, DType::int32);
+  r.topk_weights = Tensor::empty({T, K}, wdt);
+  r.selected_idx = Tensor::empty({T, K}, DType::int32);
+  r.num_tokens_per_expert = Tensor::empty({E}, DType::int64);
+  r.pad_to_capacity = config.pad_to_capacity;
+  int64_t capacity = -1;
+  if (config.capacity_factor) {
+    capacity = static_cast<int64_t>(
+        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * *config.capacity_factor));
+  }
+  r.expert_capacity = capacity;
+
+  cpu::RouteKernelParams p = kernel_params(config, T);
+  p.need_aux = need_aux;
+  p.aux_groups = G;
+  p.need_z = config.z_loss_coeff > 0.0;
+  std::vector<double> aux_psum(need_aux ? static_cast<size_t>(G * E) : 0);
+  std::vector<int64_t> aux_cnt(need_aux ? static_cast<size_t>(G * E) : 0);
+  double z_sum = 0.0;
+  const bool by_position = config.token_drop_policy == TokenDropPolicy::position;
+  if (is64) {
+    run_forward<double>(logits, bias, replay, p, capacity, by_position, r, aux_psum, aux_cnt,
+                        z_sum);
+  } else {
+    run_forward<float>(logits, bias, replay, p, capacity, by_position, r, aux_psum, aux_cnt,
+                       z_sum);
+  }
+
+  // ---- losses (Megatron-Core moe_utils / router.py), sums in fixed order ----
+  const int64_t num_valid = T - r.num_padded_rows;
+  if (need_aux) {
+    r.aux_groups = G;
+    r.aux_grad = Tensor::zeros({G, E}, DType::fp64);
+    double* ag = r.aux_grad.data<double>();
+    // tokens_per_expert as used by the loss: this batch's counts, or the running mean (global).
+    std::vector<double> cnt(aux_cnt.begin(), aux_cnt.end());
+    double n_tokens = static_cast<double>(num_valid);
+    double extra_div = 1.0;
+    if (config.aux_loss_type == AuxLossType::seq_aux_loss) {
+      n_tokens = static_cast<double>(num_valid) / static_cast<double>(G);
+      extra_div = static_cast<double>(G);
+    } else if (config.aux_loss_type == AuxLossType::global_aux_loss) {
+      if (!gstate->tokens_per_expert.defined()) {
+        gstate->tokens_per_expert = Tensor::zeros({E}, DType::fp64);
+      }
+      double* acc = gstate->tokens_per_expert.data<double>();
+      for (int64_t e = 0; e < E; ++e) acc[e] += cnt[e];
+      gstate->steps += 1;
+      for (int64_t e = 0; e < E; ++e) cnt[e] = acc[e] / static_cast<double>(gstate->steps);
+    }
+    if (n_tokens > 0.0) {
+      const double f = config.aux_loss_coeff * static_cast<double>(E) /
+                       (static_cast<double>(K) * n_tokens * n_tokens) / extra_div;
+      double loss = 0.0;
+      for (int64_t i = 0; i < G * E; ++i) {
+        ag[i] = f * cnt[i];
+        loss += ag[i] * aux_psum[i];
+      }
+      r.aux_loss = loss;
+    }
+  }
+  if (p.need_z) {
+    const double n = static_cast<double>(std::max<int64_t>(num_valid, 1));
+    r.z_loss = config.z_loss_coeff * z_sum / n;
+    r.z_grad_coeff = 2.0 * config.z_loss_coeff / n;
+  }
+  return r;
+}
+
+RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResult& handle,
+                               const RouterConfig& config, const RouteBackwardOptions& options) {
+  constexpr const char* op = "route_backward";
+  if (!handle.logits.defined() || !handle.selected_idx.defined() || !handle.row_kind.defined()) {
+    detail::fail_arg(op, "handle must come from topk_route, got an empty RouteResult");
+  }
+  const RouterConfig& h = handle.config;
+  if (config.num_experts != h.num_experts || config.top_k != h.top_k ||
+      config.score_function != h.score_function || config.pre_softmax != h.pre_softmax ||
+      config.topk_scaling_factor != h.topk_scaling_factor) {
+    detail::fail_arg(op, "config must match the forward's (num_experts=", h.num_experts,
+                     ", top_k=", h.top_k, ", score_function=", score_function_name(h.score_function),
+                     ", pre_softmax=", h.pre_softmax, ", topk_scaling_factor=",
+                     h.topk_scaling_factor, "), got num_experts=", config.num_experts,
+                     ", top_k=", config.top_k,
+                     ", score_function=", score_function_name(config.score_function),
+                     ", pre_softmax=", config.pre_softmax,
+                     ", topk_scaling_factor=", config.topk_scaling_factor);
+  }
+  if (!std::isfinite(options.loss_grad_scale)) {
+    detail::fail_arg(op, "loss_grad_scale must be finite, got ", options.loss_grad_scale);
+  }
+  const Tensor& logits = handle.logits;
+  const int64_t T = logits.size(0), E = h.num_experts, K = h.top_k;
+  Tensor gw;
+  if (grad_topk_weights.defined()) {
+    detail::check_dtype(grad_topk_weights, op, "grad_topk_weights", {DType::fp32, DType::fp64});
+    detail::check_shape(grad_topk_weights, op, "grad_topk_weights", {T, K});
+    gw = grad_topk_weights.dtype() == logits.dtype() ? grad_topk_weights
+                                                     : grad_topk_weights.to(logits.dtype());
+  }
+  std::vector<double> aux;
+  if (handle.aux_grad.defined()) {
+    aux = handle.aux_grad.to_double_vector();
+    for (double& a : aux) a *= options.loss_grad_scale;
+  }
+  const double zc = handle.z_grad_coeff * options.loss_grad_scale;
+
+  cpu::RouteKernelParams p = kernel_params(h, T);
+  p.aux_groups = handle.aux_groups;
+  RouteGrads g;
+  g.grad_logits = Tensor::empty({T, E}, logits.dtype());
+  const double* aux_ptr = aux.empty() ? nullptr : aux.data();
+  if (logits.dtype() == DType::fp64) {
+    cpu::route_backward<double>(logits.data<double>(), handle.selected_idx.data<int32_t>(),
+                                handle.topk_idx.data<int32_t>(), handle.row_kind.data<uint8_t>(),
+                                gw.defined() ? gw.data<double>() : nullptr, p, aux_ptr, zc,
+                                g.grad_logits.data<double>());
+  } else {
+    cpu::route_backward<float>(logits.data<float>(), handle.selected_idx.data<int32_t>(),
+                               handle.topk_idx.data<int32_t>(), handle.row_kind.data<uint8_t>(),
+                               gw.defined() ? gw.data<float>() : nullptr, p, aux_ptr, zc,
+                               g.grad_logits.data<float>());
+  }
+  return g;
+}
+
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& tokens_per_expert,
+                          double rate) {
+  constexpr const char* op = "update_expert_bias";
+  detail::check_dtype(expert_bias, op, "expert_bias", {DType::fp32});
+  detail::check_dim(expert_bias, op, "expert_bias", 1);
+  const int64_t E = expert_bias.size(0);
+  detail::check_dtype(tokens_per_expert, op, "tokens_per_expert",
+                      {DType::int64, DType::int32, DType::fp32, DType::fp64});
+  detail::check_shape(tokens_per_expert, op, "tokens_per_expert", {E});
+  if (!std::isfinite(rate)) detail::fail_arg(op, "rate must be finite, got ", rate);
+  const std::vector<double> c = tokens_per_expert.to_double_vector();
+  double sum = 0.0;
+  for (double v : c) sum += v;
+  Tensor out = Tensor::empty({E}, DType::fp32);
+  const float* b = expert_bias.data<float>();
+  float* o = out.data<float>();
+  const float rate_f = static_cast<float>(rate);
+  for (int64_t e = 0; e < E; ++e) {
+    // sign(mean - c) compared as sum vs E*c, exact for integer counts below 2^53.
+    const double lhs = sum, rhs = static_cast<double>(E) * c[e];
+    const float sgn = lhs > rhs ? 1.0f : (lhs < rhs ? -1.0f : 0.0f);
+    o[e] = b[e] + sgn * rate_f;
+  }
+  return out;
+}
+
+}  // namespace switchyard

@@ -1,0 +1,195 @@
+// Front-end and builder of the routing plan. Building is a counting sort over distinct pairs:
+// O(T*K + E), single-threaded (it is tiny next to the row movement it sizes).
+#include "switchyard/routing_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "check.h"
+
+namespace switchyard {
+
+namespace {
+
+constexpr const char* kOp = "routing_plan";
+
+struct Pair {
+  int64_t token;
+  int32_t expert;
+  float weight;
+};
+
+}  // namespace
+
+RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weights,
+                               int64_t num_experts, const RoutingPlanOptions& options) {
+  detail::check_defined(topk_idx, kOp, "topk_idx");
+  detail::check_dim(topk_idx, kOp, "topk_idx", 2);
+  detail::check_dtype(topk_idx, kOp, "topk_idx", {DType::int32});
+  const int64_t T = topk_idx.size(0), K = topk_idx.size(1), E = num_experts;
+  if (E < 1) detail::fail_arg(kOp, "num_experts must be >= 1, got num_experts=", E);
+  const bool has_w = topk_weights.defined();
+  if (has_w) {
+    detail::check_dtype(topk_weights, kOp, "topk_weights", {DType::fp32});
+    detail::check_shape(topk_weights, kOp, "topk_weights", {T, K});
+  }
+  if (options.expert_alignment < 1) {
+    detail::fail_arg(kOp, "expert_alignment must be >= 1, got expert_alignment=",
+                     options.expert_alignment);
+  }
+  if (options.expert_capacity < -1) {
+    detail::fail_arg(kOp, "expert_capacity must be >= 0 or -1 (none), got expert_capacity=",
+                     options.expert_capacity);
+  }
+  if (!std::isfinite(options.capacity_factor)) {
+    detail::fail_arg(kOp, "capacity_factor must be finite, got capacity_factor=",
+                     options.capacity_factor);
+  }
+  const int32_t* idx = topk_idx.data<int32_t>();
+  const float* w = has_w ? topk_weights.data<float>() : nullptr;
+  for (int64_t i = 0; i < T * K; ++i) {
+    if (idx[i] < -1 || idx[i] >= E) {
+      detail::fail_arg(kOp, "topk_idx must hold ids in [0, num_experts=", E,
+                       ") or -1, got topk_idx[", i / K, ", ", i % K, "]=", idx[i]);
+    }
+  }
+
+  int64_t capacity = -1;
+  if (options.expert_capacity >= 0) {
+    capacity = options.expert_capacity;
+  } else if (options.capacity_factor > 0.0) {
+    capacity = static_cast<int64_t>(
+        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * options.capacity_factor));
+  }
+  if (options.pad_to_capacity && capacity < 0) {
+    detail::fail_arg(kOp, "pad_to_capacity needs a capacity (capacity_factor > 0 or ",
+                     "expert_capacity >= 0), got neither");
+  }
+
+  // Distinct pairs per token; a repeated id merges into the slot where it first appears, weights
+  // summed in k order. `seen[e]` remembers the last token that used expert e.
+  std::vector<int64_t> seen(static_cast<size_t>(E), -1), seen_pair(static_cast<size_t>(E), -1);
+  std::vector<Pair> pairs;
+  pairs.reserve(static_cast<size_t>(T * K));
+  std::vector<int64_t> slot_pair(static_cast<size_t>(T * K), -1);
+  std::vector<int64_t> count(static_cast<size_t>(E), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = idx[t * K + k];
+      if (e < 0) continue;
+      const float wk = w ? w[t * K + k] : 1.0f;
+      if (seen[static_cast<size_t>(e)] == t) {
+        const int64_t p = seen_pair[static_cast<size_t>(e)];
+        pairs[static_cast<size_t>(p)].weight += wk;
+        slot_pair[static_cast<size_t>(t * K + k)] = p;
+        continue;
+      }
+      seen[static_cast<size_t>(e)] = t;
+      seen_pair[static_cast<size_t>(e)] = static_cast<int64_t>(pairs.size());
+      slot_pair[static_cast<size_t>(t * K + k)] = static_cast<int64_t>(pairs.size());
+      pairs.push_back({t, e, wk});
+      ++count[static_cast<size_t>(e)];
+    }
+  }
+
+  // Bucket pairs by expert (stable: tokens stay ascending).
+  std::vector<int64_t> bucket_start(static_cast<size_t>(E + 1), 0);
+  for (int64_t e = 0; e < E; ++e) bucket_start[e + 1] = bucket_start[e] + count[e];
+  std::vector<int64_t> by_expert(pairs.size());
+  {
+    std::vector<int64_t> fill(bucket_start.begin(), bucket_start.end() - 1);
+    for (size_t p = 0; p < pairs.size(); ++p) by_expert[fill[pairs[p].expert]++] = static_cast<int64_t>(p);
+  }
+
+  // Capacity: decide which pairs survive, per expert.
+  std::vector<uint8_t> kept(pairs.size(), 1);
+  int64_t dropped = 0;
+  std::vector<int64_t> kept_count = count;
+  if (capacity >= 0) {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = count[e];
+      if (n <= capacity) continue;
+      int64_t* b = by_expert.data() + bucket_start[e];
+      if (options.token_drop_policy == PlanDropPolicy::position) {
+        for (int64_t i = capacity; i < n; ++i) kept[b[i]] = 0;
+      } else {
+        std::vector<int64_t> order(b, b + n);
+        // Highest weight first; ties keep the lower token (bucket order is token-ascending).
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
+          return pairs[a].weight > pairs[c].weight;
+        });
+        for (int64_t i = capacity; i < n; ++i) kept[order[i]] = 0;
+      }
+      dropped += n - capacity;
+      kept_count[e] = capacity;
+    }
+  }
+
+  RoutingPlan plan;
+  plan.num_tokens = T;
+  plan.num_experts = E;
+  plan.top_k = K;
+  plan.num_dropped = dropped;
+  plan.num_pairs = static_cast<int64_t>(pairs.size()) - dropped;
+  plan.num_tokens_per_expert = Tensor::empty({E}, DType::int64);
+  plan.expert_offsets = Tensor::empty({E + 1}, DType::int64);
+  int64_t* nte = plan.num_tokens_per_expert.data<int64_t>();
+  int64_t* off = plan.expert_offsets.data<int64_t>();
+  off[0] = 0;
+  const int64_t align = options.expert_alignment;
+  for (int64_t e = 0; e < E; ++e) {
+    nte[e] = kept_count[e];
+    int64_t rows = options.pad_to_capacity ? capacity : kept_count[e];
+    rows = (rows + align - 1) / align * align;
+    off[e + 1] = off[e] + rows;
+  }
+  const int64_t R = off[E];
+  plan.num_rows = R;
+  plan.row_token = Tensor::empty({R}, DType::int64);
+  plan.row_expert = Tensor::empty({R}, DType::int32);
+  plan.row_weight = Tensor::empty({R}, DType::fp32);
+  int64_t* rt = plan.row_token.data<int64_t>();
+  int32_t* re = plan.row_expert.data<int32_t>();
+  float* rw = plan.row_weight.data<float>();
+  std::vector<int64_t> pair_row(pairs.size(), -1);
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t r = off[e];
+    for (int64_t i = bucket_start[e]; i < bucket_start[e + 1]; ++i) {
+      const int64_t p = by_expert[i];
+      if (!kept[p]) continue;
+      pair_row[p] = r;
+      rt[r] = pairs[p].token;
+      re[r] = static_cast<int32_t>(e);
+      rw[r] = pairs[p].weight;
+      ++r;
+    }
+    for (; r < off[e + 1]; ++r) {
+      rt[r] = -1;
+      re[r] = static_cast<int32_t>(e);
+      rw[r] = 0.0f;
+    }
+  }
+
+  plan.slot_row = Tensor::empty({T, K}, DType::int64);
+  int64_t* sr = plan.slot_row.data<int64_t>();
+  for (int64_t s = 0; s < T * K; ++s) {
+    sr[s] = slot_pair[s] >= 0 ? pair_row[slot_pair[s]] : -1;
+  }
+  // CSR over tokens: pairs were appended in (token, first slot) order already.
+  plan.token_offsets = Tensor::zeros({T + 1}, DType::int64);
+  plan.token_rows = Tensor::empty({plan.num_pairs}, DType::int64);
+  int64_t* to = plan.token_offsets.data<int64_t>();
+  int64_t* tr = plan.token_rows.data<int64_t>();
+  int64_t n = 0;
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    if (!kept[p]) continue;
+    ++to[pairs[p].token + 1];
+    tr[n++] = pair_row[p];
+  }
+  for (int64_t t = 0; t < T; ++t) to[t + 1] += to[t];
+  return plan;
+}
+
+}  // namespace switchyard

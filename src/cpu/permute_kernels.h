@@ -1,0 +1,35 @@
+// Row-movement kernels of permute / unpermute / combine. Raw pointers, int64 sizes; they trust
+// their input (the front-ends validate). Every row is computed by one thread in a fixed order, so
+// results never depend on the thread count, and the same kernel serves permute at EP=1 and the
+// dispatchers at any EP (which is what makes them bitwise EP-invariant).
+#pragma once
+
+#include <cstdint>
+
+#include "switchyard/dtype.h"
+
+namespace switchyard::cpu {
+
+/// dst[r] = src[index[r]] (row_bytes bytes each), zero when index[r] < 0.
+void gather_rows(const void* src, const int64_t* index, int64_t num_rows, int64_t row_bytes,
+                 void* dst);
+
+/// out[t] = sum_{j in [offsets[t], offsets[t+1])} weight[rows[j]] * y[rows[j]], in j order, fp32
+/// fma accumulation starting from 0 (weight == nullptr: weight 1, plain adds). T rows of H.
+template <class X>
+void combine_rows(const X* y, const float* weight, const int64_t* offsets, const int64_t* rows,
+                  int64_t T, int64_t H, X* out);
+
+/// out[r] = weight[r] * g[index[r]] (weight == nullptr: a copy), zero when index[r] < 0.
+/// index == nullptr means g[r].
+template <class X>
+void gather_scale_rows(const X* g, const float* weight, const int64_t* index, int64_t num_rows,
+                       int64_t H, X* out);
+
+/// out[r] = <a[r], b[index[r]]> accumulated in fp32 in a fixed lane order; 0 when index[r] < 0.
+/// index == nullptr means b[r].
+template <class X>
+void row_dots(const X* a, const X* b, const int64_t* index, int64_t num_rows, int64_t H,
+              float* out);
+
+}  // namespace switchyard::cpu

@@ -1,0 +1,437 @@
+#include "cpu/router_kernels.h"
+
+#include "cpu/router_math.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace switchyard::cpu {
+
+namespace {
+
+// Megatron-Core adds this to the sigmoid-family normaliser.
+constexpr double kNormEps = 1e-20;
+
+// Top-k of key[0..n) (optionally only where allowed[e]), written to out_id[0..k) in descending key
+// order; equal keys keep the lower id first. One pass in id order with a sorted insertion buffer.
+template <class S>
+void insert_topk(const S* key, int64_t begin, int64_t end, int64_t k, const uint8_t* allowed,
+                 S thr, S* top_val, int32_t* out_id, int64_t& cnt) {
+  for (int64_t e = begin; e < end; ++e) {
+    if (allowed && !allowed[e]) continue;
+    const S v = key[e];
+    if (v < thr) continue;
+    if (cnt == k) {
+      if (!(v > top_val[k - 1])) continue;  // ties keep the earlier (lower) id
+      cnt = k - 1;
+    }
+    int64_t j = cnt;
+    while (j > 0 && top_val[j - 1] < v) {  // strictly less: equal keys stay in front
+      top_val[j] = top_val[j - 1];
+      out_id[j] = out_id[j - 1];
+      --j;
+    }
+    top_val[j] = v;
+    out_id[j] = static_cast<int32_t>(e);
+    ++cnt;
+  }
+}
+
+// Block-threshold top-k: the k-th largest of the 8-wide block maxima is a lower bound of the k-th
+// largest key (the k best blocks hold k distinct keys >= it), so only keys >= it are candidates:
+// about k + a few out of n, which removes most of the insertion work and its branch misses.
+// `bm` is scratch of ceil(n/8) entries.
+template <class S>
+void select_topk(const S* key, int64_t n, int64_t k, const uint8_t* allowed, S* top_val,
+                 int32_t* out_id, S* bm) {
+  int64_t cnt = 0;
+  const S lowest = -std::numeric_limits<S>::infinity();
+  const int64_t nb = (n + 7) / 8;
+  if (allowed || nb < 2 * k) {
+    insert_topk(key, 0, n, k, allowed, lowest, top_val, out_id, cnt);
+    return;
+  }
+  for (int64_t b = 0; b < nb; ++b) bm[b] = rmath::max_of(key + b * 8, std::min<int64_t>(8, n - b * 8));
+  // k-th largest block maximum (ids are irrelevant here; reuse out_id as scratch).
+  int64_t c2 = 0;
+  insert_topk(bm, 0, nb, k, static_cast<const uint8_t*>(nullptr), lowest, top_val, out_id, c2);
+  const S thr = top_val[k - 1];
+  for (int64_t b = 0; b < nb; ++b) {
+    if (bm[b] < thr) continue;
+    insert_topk(key, b * 8, std::min<int64_t>(n, b * 8 + 8), k, allowed, thr, top_val, out_id,
+                cnt);
+  }
+}
+
+template <class S>
+inline S sigmoid(S z) {
+  return S(1) / (S(1) + rmath::exp_s(S(0) - z));
+}
+
+// sqrt(softplus(z)) with softplus(z) = max(z,0) + log1p(exp(-|z|)) (no overflow).
+template <class S>
+inline S sqrt_softplus(S z) {
+  return std::sqrt(std::max(z, S(0)) + std::log1p(std::exp(-std::fabs(z))));
+}
+
+// d s / d z for the sigmoid family given z and s = f(z).
+template <class S>
+inline S score_derivative(int score_function, S z, S s) {
+  if (score_function == kScoreSigmoid) return s * (S(1) - s);
+  // sqrtsoftplus: s = sqrt(sp(z)), ds/dz = sigmoid(z) / (2 s); s == 0 only when sp underflows.
+  return s > S(0) ? sigmoid(z) / (S(2) * s) : S(0);
+}
+
+// Per-thread scratch for one row.
+template <class S>
+struct RowScratch {
+  std::vector<S> ex;       // exp(z - max) (softmax family), or s = f(z) (sigmoid family)
+  std::vector<S> key;      // selection key
+  std::vector<S> top_val;  // top-k buffer
+  std::vector<S> gsc;      // group scores
+  std::vector<uint8_t> allowed;
+  std::vector<int32_t> gid;
+  std::vector<int32_t> aux_id;
+  std::vector<S> grow;  // gradient row
+  std::vector<S> bm;    // block maxima for select_topk
+  explicit RowScratch(const RouteKernelParams& p)
+      : ex(p.num_experts), key(p.num_experts),
+        top_val(std::max<int64_t>(p.num_experts, 1)), gsc(std::max<int64_t>(p.num_groups, 1)),
+        allowed(p.num_experts), gid(std::max<int64_t>(p.num_groups, 1)),
+        aux_id(std::max<int64_t>(p.top_k, 1)), grow(p.num_experts),
+        bm((p.num_experts + 7) / 8 + 1) {}
+};
+
+// exp(z - max) into ex; returns the sum (fixed 8-lane order) and sets max.
+template <class S>
+inline S exp_shifted(const S* z, int64_t E, S* ex, S& zmax) {
+  zmax = rmath::max_of(z, E);
+  return rmath::exp_shift_sum(z, zmax, E, ex);
+}
+
+// s = f(z) for the sigmoid family, over a row.
+template <class S>
+inline void scores_row(int score_function, const S* z, int64_t E, S* s) {
+  if (score_function == kScoreSigmoid) {
+    rmath::sigmoid_row(z, E, s);
+  } else {
+    for (int64_t e = 0; e < E; ++e) s[e] = sqrt_softplus(z[e]);
+  }
+}
+
+// Native selection of one row into ids[0..K).
+template <class S>
+void native_select(const S* key, const RouteKernelParams& p, RowScratch<S>& sc, int32_t* ids) {
+  const int64_t E = p.num_experts, K = p.top_k;
+  if (p.num_groups > 0) {
+    const int64_t G = p.num_groups, per = E / G, m = K / p.group_topk;
+    for (int64_t g = 0; g < G; ++g) {
+      select_topk(key + g * per, per, m, static_cast<const uint8_t*>(nullptr), sc.top_val.data(),
+                  sc.aux_id.data(), sc.bm.data());
+      S s = 0;
+      for (int64_t j = 0; j < m; ++j) s += sc.top_val[j];
+      sc.gsc[g] = s;
+    }
+    select_topk(sc.gsc.data(), G, p.group_topk, static_cast<const uint8_t*>(nullptr),
+                sc.top_val.data(), sc.gid.data(), sc.bm.data());
+    std::fill(sc.allowed.begin(), sc.allowed.end(), uint8_t{0});
+    for (int64_t j = 0; j < p.group_topk; ++j) {
+      std::fill_n(sc.allowed.begin() + sc.gid[j] * per, per, uint8_t{1});
+    }
+    select_topk(key, E, K, sc.allowed.data(), sc.top_val.data(), ids, sc.bm.data());
+  } else {
+    select_topk(key, E, K, static_cast<const uint8_t*>(nullptr), sc.top_val.data(), ids,
+                sc.bm.data());
+  }
+}
+
+}  // namespace
+
+template <class S>
+void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
+                   const int32_t* replay_idx, const RouteKernelParams& p, int32_t* selected_idx,
+                   S* weights, double* aux_prob_sum, int64_t* aux_counts, double* z_sum) {
+  const int64_t T = p.num_tokens, E = p.num_experts, K = p.top_k;
+  const int64_t G = p.aux_groups;
+  const int64_t num_chunks = (T + kLossChunk - 1) / kLossChunk;
+  const bool softmax = p.score_function == kScoreSoftmax;
+  // Per-chunk partial sums, reduced in chunk order afterwards (thread-count independent).
+  std::vector<double> part_p(p.need_aux ? static_cast<size_t>(num_chunks * G * E) : 0, 0.0);
+  std::vector<int64_t> part_c(p.need_aux ? static_cast<size_t>(num_chunks * G * E) : 0, 0);
+  std::vector<double> part_z(p.need_z ? static_cast<size_t>(num_chunks) : 0, 0.0);
+
+#pragma omp parallel
+  {
+    RowScratch<S> sc(p);
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int64_t t_end = std::min(T, (c + 1) * kLossChunk);
+      double zacc = 0.0;
+      for (int64_t t = c * kLossChunk; t < t_end; ++t) {
+        const S* z = logits + t * E;
+        int32_t* ids = selected_idx + t * K;
+        S* w = weights + t * K;
+        if (row_kind[t] == kRowPadded) {
+          std::fill_n(ids, K, -1);
+          std::fill_n(w, K, S(0));
+          continue;
+        }
+        // Scores over all E when any consumer needs them.
+        const bool need_exp = softmax ? (p.pre_softmax || p.need_aux || p.need_z) : p.need_z;
+        S zmax = 0, sumex = 1;
+        if (need_exp) sumex = exp_shifted(z, E, sc.ex.data(), zmax);
+        if (!softmax) scores_row(p.score_function, z, E, sc.key.data());
+        // Selection: replayed ids as given, else top-k of the key (+ bias) within the groups.
+        if (row_kind[t] == kRowReplayed) {
+          std::copy_n(replay_idx + t * K, K, ids);
+        } else {
+          const S* key;
+          if (softmax && !p.pre_softmax) {
+            key = z;
+          } else if (softmax) {
+            for (int64_t e = 0; e < E; ++e) sc.top_val[e] = sc.ex[e] / sumex;
+            key = sc.top_val.data();
+          } else {
+            key = sc.key.data();
+          }
+          if (bias) {
+            S* kb = sc.grow.data();
+            for (int64_t e = 0; e < E; ++e) kb[e] = key[e] + bias[e];
+            key = kb;
+          } else if (key == sc.top_val.data()) {
+            std::copy_n(sc.top_val.data(), E, sc.grow.data());  // select_topk reuses top_val
+            key = sc.grow.data();
+          }
+          native_select(key, p, sc, ids);
+        }
+        // Weights at the ids, from the live logits.
+        if (softmax && !p.pre_softmax) {
+          S m = z[ids[0]];
+          for (int64_t k = 1; k < K; ++k) m = std::max(m, z[ids[k]]);
+          S sum = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            w[k] = rmath::exp_s(z[ids[k]] - m);
+            sum += w[k];
+          }
+          for (int64_t k = 0; k < K; ++k) w[k] = w[k] / sum * static_cast<S>(p.scaling);
+        } else if (softmax) {
+          for (int64_t k = 0; k < K; ++k) {
+            w[k] = sc.ex[ids[k]] / sumex * static_cast<S>(p.scaling);
+          }
+        } else {
+          S sum = 0;
+          for (int64_t k = 0; k < K; ++k) sum += sc.key[ids[k]];
+          const S den = sum + static_cast<S>(kNormEps);
+          for (int64_t k = 0; k < K; ++k) {
+            const S v = K > 1 ? sc.key[ids[k]] / den : sc.key[ids[k]];
+            w[k] = v * static_cast<S>(p.scaling);
+          }
+        }
+        // Aux-loss scores P over all E and their own plain top-k (no bias, groups or replay).
+        if (p.need_aux) {
+          S* P = sc.grow.data();  // the selection key is no longer needed
+          if (softmax) {
+            for (int64_t e = 0; e < E; ++e) P[e] = sc.ex[e] / sumex;
+          } else {
+            const S den = rmath::sum_of(sc.key.data(), E) + static_cast<S>(kNormEps);
+            for (int64_t e = 0; e < E; ++e) P[e] = sc.key[e] / den;
+          }
+          select_topk(P, E, K, static_cast<const uint8_t*>(nullptr), sc.top_val.data(),
+                      sc.aux_id.data(), sc.bm.data());
+          const int64_t g = t % G;
+          double* pp = part_p.data() + (c * G + g) * E;
+          int64_t* pc = part_c.data() + (c * G + g) * E;
+          for (int64_t e = 0; e < E; ++e) pp[e] += static_cast<double>(P[e]);
+          for (int64_t k = 0; k < K; ++k) ++pc[sc.aux_id[k]];
+        }
+        if (p.need_z) {
+          const double lse = static_cast<double>(zmax + std::log(sumex));
+          zacc += lse * lse;
+        }
+      }
+      if (p.need_z) part_z[c] = zacc;
+    }
+  }
+  if (p.need_aux) {
+    std::fill_n(aux_prob_sum, G * E, 0.0);
+    std::fill_n(aux_counts, G * E, int64_t{0});
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      for (int64_t i = 0; i < G * E; ++i) {
+        aux_prob_sum[i] += part_p[c * G * E + i];
+        aux_counts[i] += part_c[c * G * E + i];
+      }
+    }
+  }
+  if (p.need_z) {
+    double s = 0.0;
+    for (int64_t c = 0; c < num_chunks; ++c) s += part_z[c];
+    *z_sum = s;
+  }
+}
+
+template <class S>
+int64_t apply_capacity(const int32_t* selected_idx, const S* weights, int64_t T, int64_t K,
+                       int64_t E, int64_t capacity, bool drop_by_position, int32_t* topk_idx,
+                       S* out_weights, int64_t* counts) {
+  const int64_t n = T * K;
+  std::copy_n(selected_idx, n, topk_idx);
+  std::copy_n(weights, n, out_weights);
+  std::fill_n(counts, E, int64_t{0});
+  for (int64_t i = 0; i < n; ++i) {
+    if (selected_idx[i] >= 0) ++counts[selected_idx[i]];
+  }
+  if (capacity < 0) return 0;
+  bool any_over = false;
+  for (int64_t e = 0; e < E; ++e) any_over = any_over || counts[e] > capacity;
+  if (!any_over) return 0;
+  // Slots grouped by expert in token order (a counting sort), then each over-full expert keeps
+  // its best `capacity` slots.
+  std::vector<int64_t> offs(static_cast<size_t>(E) + 1, 0);
+  for (int64_t e = 0; e < E; ++e) offs[e + 1] = offs[e] + counts[e];
+  std::vector<int64_t> slots(static_cast<size_t>(offs[E]));
+  {
+    std::vector<int64_t> fill(offs.begin(), offs.end() - 1);
+    for (int64_t i = 0; i < n; ++i) {
+      if (selected_idx[i] >= 0) slots[fill[selected_idx[i]]++] = i;
+    }
+  }
+  int64_t dropped = 0;
+#pragma omp parallel for schedule(dynamic, 4) reduction(+ : dropped)
+  for (int64_t e = 0; e < E; ++e) {
+    if (counts[e] <= capacity) continue;
+    int64_t* b = slots.data() + offs[e];
+    int64_t* end = slots.data() + offs[e + 1];
+    if (!drop_by_position) {
+      // Highest weight first; ties keep the lower token (slots are already in token order).
+      std::stable_sort(b, end, [&](int64_t x, int64_t y) { return weights[x] > weights[y]; });
+    }
+    for (int64_t* s = b + capacity; s < end; ++s) {
+      topk_idx[*s] = -1;
+      out_weights[*s] = S(0);
+    }
+    dropped += counts[e] - capacity;
+    counts[e] = capacity;
+  }
+  return dropped;
+}
+
+template <class S>
+void route_backward(const S* logits, const int32_t* selected_idx, const int32_t* topk_idx,
+                    const uint8_t* row_kind, const S* grad_w, const RouteKernelParams& p,
+                    const double* aux_grad, double z_coeff, S* grad_logits) {
+  const int64_t T = p.num_tokens, E = p.num_experts, K = p.top_k;
+  const int64_t G = p.aux_groups;
+  const bool softmax = p.score_function == kScoreSoftmax;
+  const S scaling = static_cast<S>(p.scaling);
+  std::vector<S> aux_s(aux_grad ? static_cast<size_t>(G * E) : 0);
+  for (size_t i = 0; i < aux_s.size(); ++i) aux_s[i] = static_cast<S>(aux_grad[i]);
+#pragma omp parallel
+  {
+    RowScratch<S> sc(p);
+    std::vector<S> gw(static_cast<size_t>(std::max<int64_t>(K, 1)));
+    std::vector<S> wk(static_cast<size_t>(std::max<int64_t>(K, 1)));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      const S* z = logits + t * E;
+      S* g = grad_logits + t * E;
+      std::fill_n(g, E, S(0));
+      if (row_kind[t] == kRowPadded) continue;
+      const int32_t* ids = selected_idx + t * K;
+      const bool need_exp =
+          softmax ? (p.pre_softmax || aux_grad != nullptr || z_coeff != 0.0) : z_coeff != 0.0;
+      S zmax = 0, sumex = 1;
+      if (need_exp) sumex = exp_shifted(z, E, sc.ex.data(), zmax);
+      const bool need_s = !softmax && (grad_w != nullptr || aux_grad != nullptr);
+      if (need_s) scores_row(p.score_function, z, E, sc.key.data());
+      // Routing weights: only kept slots carry gradient (dropped weights are multiplied by 0).
+      if (grad_w) {
+        for (int64_t k = 0; k < K; ++k) {
+          gw[k] = topk_idx[t * K + k] >= 0 ? grad_w[t * K + k] * scaling : S(0);
+        }
+        if (softmax && !p.pre_softmax) {
+          S m = z[ids[0]];
+          for (int64_t k = 1; k < K; ++k) m = std::max(m, z[ids[k]]);
+          S sum = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            wk[k] = rmath::exp_s(z[ids[k]] - m);
+            sum += wk[k];
+          }
+          S dot = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            wk[k] = wk[k] / sum;
+            dot += wk[k] * gw[k];
+          }
+          for (int64_t k = 0; k < K; ++k) g[ids[k]] += wk[k] * (gw[k] - dot);
+        } else if (softmax) {
+          S dot = 0;
+          for (int64_t k = 0; k < K; ++k) dot += sc.ex[ids[k]] / sumex * gw[k];
+          for (int64_t e = 0; e < E; ++e) g[e] -= sc.ex[e] / sumex * dot;
+          for (int64_t k = 0; k < K; ++k) g[ids[k]] += sc.ex[ids[k]] / sumex * gw[k];
+        } else {
+          if (K > 1) {
+            S sum = 0;
+            for (int64_t k = 0; k < K; ++k) sum += sc.key[ids[k]];
+            const S den = sum + static_cast<S>(kNormEps);
+            S dot = 0;
+            for (int64_t k = 0; k < K; ++k) dot += gw[k] * sc.key[ids[k]];
+            for (int64_t k = 0; k < K; ++k) {
+              const int32_t e = ids[k];
+              const S ds = gw[k] / den - dot / (den * den);
+              g[e] += ds * score_derivative(p.score_function, z[e], sc.key[e]);
+            }
+          } else {
+            const int32_t e = ids[0];
+            g[e] += gw[0] * score_derivative(p.score_function, z[e], sc.key[e]);
+          }
+        }
+      }
+      // Aux loss: L = sum_e a_e * P_e with a_e = dLoss/dP (per sequence group for seq_aux_loss).
+      if (aux_grad) {
+        const S* a = aux_s.data() + (t % G) * E;
+        S* P = sc.grow.data();
+        if (softmax) {
+          for (int64_t e = 0; e < E; ++e) P[e] = sc.ex[e] / sumex;
+          const S dot = rmath::dot_of(P, a, E);
+          for (int64_t e = 0; e < E; ++e) g[e] += P[e] * (a[e] - dot);
+        } else {
+          const S den = rmath::sum_of(sc.key.data(), E) + static_cast<S>(kNormEps);
+          const S dot = rmath::dot_of(a, sc.key.data(), E);
+          const S c2 = dot / (den * den);
+          for (int64_t e = 0; e < E; ++e) P[e] = a[e] / den - c2;  // dL/ds_e
+          if (p.score_function == kScoreSigmoid) {
+            for (int64_t e = 0; e < E; ++e) g[e] += P[e] * (sc.key[e] * (S(1) - sc.key[e]));
+          } else {
+            for (int64_t e = 0; e < E; ++e) {
+              g[e] += P[e] * score_derivative(p.score_function, z[e], sc.key[e]);
+            }
+          }
+        }
+      }
+      // z-loss: d(lse^2)/dz = 2 lse softmax(z); z_coeff already holds 2 * coeff / N * scale.
+      if (z_coeff != 0.0) {
+        const S lse = zmax + std::log(sumex);
+        const S f = static_cast<S>(z_coeff) * lse;
+        for (int64_t e = 0; e < E; ++e) g[e] += f * (sc.ex[e] / sumex);
+      }
+    }
+  }
+}
+
+#define SY_INSTANTIATE(S)                                                                     \
+  template void route_forward<S>(const S*, const S*, const uint8_t*, const int32_t*,          \
+                                 const RouteKernelParams&, int32_t*, S*, double*, int64_t*,   \
+                                 double*);                                                    \
+  template int64_t apply_capacity<S>(const int32_t*, const S*, int64_t, int64_t, int64_t,     \
+                                     int64_t, bool, int32_t*, S*, int64_t*);                  \
+  template void route_backward<S>(const S*, const int32_t*, const int32_t*, const uint8_t*,   \
+                                  const S*, const RouteKernelParams&, const double*, double, S*);
+SY_INSTANTIATE(float)
+SY_INSTANTIATE(double)
+#undef SY_INSTANTIATE
+
+}  // namespace switchyard::cpu

@@ -1,0 +1,61 @@
+// CPU kernels of the router: per-token scores, top-k / replay, weights, loss partial sums, capacity
+// and backward. Raw pointers, trusted input (the front-end in src/core/router.cpp validates).
+#pragma once
+
+#include <cstdint>
+
+namespace switchyard::cpu {
+
+/// Row kinds (RouteResult::row_kind).
+inline constexpr uint8_t kRowNative = 0;
+inline constexpr uint8_t kRowReplayed = 1;
+inline constexpr uint8_t kRowPadded = 2;
+
+/// Score functions, same order as switchyard::ScoreFunction.
+inline constexpr int kScoreSoftmax = 0;
+inline constexpr int kScoreSigmoid = 1;
+inline constexpr int kScoreSqrtSoftplus = 2;
+
+/// Tokens per chunk of the deterministic loss reductions: partial sums are formed per fixed chunk
+/// and added in chunk order, so the result does not depend on the thread count.
+inline constexpr int64_t kLossChunk = 128;
+
+struct RouteKernelParams {
+  int64_t num_tokens = 0;   // T
+  int64_t num_experts = 0;  // E
+  int64_t top_k = 0;        // K
+  int score_function = kScoreSoftmax;
+  bool pre_softmax = false;
+  int64_t num_groups = 0;  // 0 = no group limit
+  int64_t group_topk = 0;
+  double scaling = 1.0;
+  bool need_aux = false;    // compute aux-loss scores/counts
+  int64_t aux_groups = 1;   // G: token t belongs to group t % G (seq_aux_loss), else G = 1
+  bool need_z = false;      // compute sum of logsumexp^2
+};
+
+/// Forward over all tokens. Writes selected_idx [T,K] (ids before capacity; -1 on padded rows) and
+/// weights [T,K] (0 on padded rows). When need_aux: aux_prob_sum [G,E] (sum over valid tokens of
+/// the aux scores) and aux_counts [G,E] (aux top-k counts). When need_z: *z_sum = sum of lse^2.
+/// bias and replay_idx may be null; replay_idx is read only on rows of kind kRowReplayed.
+template <class S>
+void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
+                   const int32_t* replay_idx, const RouteKernelParams& p, int32_t* selected_idx,
+                   S* weights, double* aux_prob_sum, int64_t* aux_counts, double* z_sum);
+
+/// Capacity: keeps at most `capacity` pairs per expert (probs: highest weight, ties lower token;
+/// position: lowest token). Writes topk_idx/weights with -1/0 at drops, counts [E]; returns the
+/// number of dropped pairs. capacity < 0: no limit.
+template <class S>
+int64_t apply_capacity(const int32_t* selected_idx, const S* weights, int64_t T, int64_t K,
+                       int64_t E, int64_t capacity, bool drop_by_position, int32_t* topk_idx,
+                       S* out_weights, int64_t* counts);
+
+/// Backward over all tokens into grad_logits [T,E]. grad_w may be null. aux_grad [G,E] (null =
+/// none) is dLoss/dP already multiplied by the loss-grad scale; z_coeff likewise.
+template <class S>
+void route_backward(const S* logits, const int32_t* selected_idx, const int32_t* topk_idx,
+                    const uint8_t* row_kind, const S* grad_w, const RouteKernelParams& p,
+                    const double* aux_grad, double z_coeff, S* grad_logits);
+
+}  // namespace switchyard::cpu

@@ -1,0 +1,415 @@
+// The AlltoAll and AllGather dispatchers. Shape of every exchange:
+//   1. local validation and the routing plan; errors are caught, not thrown yet;
+//   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, pairs per expert}:
+//      counts travel before payloads, and an error on any rank reaches every rank here;
+//   3. payloads, sized only from the count matrix.
+// Rows for a local expert are ordered by source rank then token, and combine always sums on the
+// token's own rank with the same kernel as unpermute, which is why results are bitwise identical
+// for any EP size and for both dispatchers.
+#include <cstring>
+#include <stdexcept>
+
+#include "check.h"
+#include "cpu/permute_kernels.h"
+#include "dispatcher_layout.h"
+#include "switchyard/dispatcher.h"
+
+namespace switchyard::dist {
+
+namespace {
+
+using switchyard::detail::check_defined;
+using switchyard::detail::check_dim;
+using switchyard::detail::check_dtype;
+using switchyard::detail::check_shape;
+using switchyard::detail::fail_arg;
+
+constexpr int64_t kHeader = 6;  // error length, T, H, dtype, K, E; then E counts
+
+// Metadata travelling with each row in the AlltoAll dispatcher.
+struct RowMeta {
+  int64_t token;
+  float weight;
+  int32_t pad;
+};
+
+int64_t row_bytes(int64_t H, DType d) { return H * static_cast<int64_t>(dtype_size(d)); }
+
+int64_t count_at(const DispatchHandle& h, int64_t s, int64_t e) {
+  return h.rank_expert_counts[static_cast<size_t>(s * h.num_experts + e)];
+}
+
+void check_handle(const char* op, const DispatchHandle& h, const Communicator& comm) {
+  if (h.world_size != comm.size() || h.rank != comm.rank() || !h.plan.row_token.defined()) {
+    fail_arg(op, "handle must come from dispatch on this communicator (rank ", comm.rank(), " of ",
+             comm.size(), "), got a handle for rank ", h.rank, " of ", h.world_size);
+  }
+}
+
+// All-to-all counts of rank `me`: rows it sends to each rank and receives from each rank.
+void a2a_counts(const DispatchHandle& h, std::vector<int64_t>& send, std::vector<int64_t>& recv) {
+  const int64_t P = h.world_size, L = h.num_local_experts, me = h.rank;
+  send.assign(static_cast<size_t>(P), 0);
+  recv.assign(static_cast<size_t>(P), 0);
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t el = 0; el < L; ++el) {
+      send[static_cast<size_t>(r)] += count_at(h, me, r * L + el);
+      recv[static_cast<size_t>(r)] += count_at(h, r, me * L + el);
+    }
+}
+
+// Source side of the AllGather layout: for each row p of this rank's plan, its row in the buffer
+// of every rank's expert outputs gathered in rank order.
+std::vector<int64_t> plan_rows_in_gathered(const DispatchHandle& h) {
+  const auto boff = detail::block_offsets(h);
+  const auto per_rank = detail::rows_per_rank(h);
+  std::vector<int64_t> rank_off(per_rank.size() + 1, 0);
+  for (size_t r = 0; r < per_rank.size(); ++r) rank_off[r + 1] = rank_off[r] + per_rank[r];
+  const int64_t P = h.world_size, L = h.num_local_experts;
+  const int64_t* off = h.plan.expert_offsets.data<int64_t>();
+  std::vector<int64_t> map(static_cast<size_t>(h.plan.num_rows));
+  for (int64_t e = 0; e < h.num_experts; ++e) {
+    const int64_t base = rank_off[static_cast<size_t>(e / L)] + boff[static_cast<size_t>(e * P + h.rank)];
+    for (int64_t p = off[e]; p < off[e + 1]; ++p) map[static_cast<size_t>(p)] = base + (p - off[e]);
+  }
+  return map;
+}
+
+// Expert side -> source side: rows [R, row_bytes] in the receive layout come back as this rank's
+// plan rows [num_pairs, row_bytes] (its send order). Collective.
+void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
+                 Communicator& comm) {
+  const int64_t R = h.num_recv_tokens;
+  if (h.kind == DispatcherKind::all_to_all) {
+    // Receive layout -> all-to-all layout (inverse of recv_gather_index), then the reverse exchange.
+    const int64_t* gi = h.recv_gather_index.data<int64_t>();
+    std::vector<int64_t> inv(static_cast<size_t>(R));
+    for (int64_t i = 0; i < R; ++i) inv[static_cast<size_t>(gi[i])] = i;
+    std::vector<unsigned char> staging(static_cast<size_t>(R * rb));
+    cpu::gather_rows(src, inv.data(), R, rb, staging.data());
+    std::vector<int64_t> send, recv;
+    a2a_counts(h, send, recv);
+    comm.alltoallv(staging.data(), recv, dst, send, rb);
+  } else {
+    const auto per_rank = detail::rows_per_rank(h);
+    int64_t total = 0;
+    for (int64_t n : per_rank) total += n;
+    std::vector<unsigned char> all(static_cast<size_t>(total * rb));
+    comm.allgatherv(src, R, all.data(), per_rank, rb);
+    const auto map = plan_rows_in_gathered(h);
+    cpu::gather_rows(all.data(), map.data(), h.plan.num_rows, rb, dst);
+  }
+}
+
+// Source side -> expert side: token rows [T, row_bytes] go to the receive layout [R, row_bytes],
+// one row per pair (what dispatch does to x). Collective.
+void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Communicator& comm) {
+  const int64_t R = h.num_recv_tokens;
+  if (h.kind == DispatcherKind::all_to_all) {
+    std::vector<unsigned char> send_buf(static_cast<size_t>(h.plan.num_rows * rb));
+    cpu::gather_rows(src, h.plan.row_token.data<int64_t>(), h.plan.num_rows, rb, send_buf.data());
+    std::vector<int64_t> send, recv;
+    a2a_counts(h, send, recv);
+    std::vector<unsigned char> staging(static_cast<size_t>(R * rb));
+    comm.alltoallv(send_buf.data(), send, staging.data(), recv, rb);
+    cpu::gather_rows(staging.data(), h.recv_gather_index.data<int64_t>(), R, rb, dst);
+  } else {
+    int64_t total = 0;
+    for (int64_t n : h.rank_num_tokens) total += n;
+    std::vector<unsigned char> all(static_cast<size_t>(total * rb));
+    comm.allgatherv(src, h.num_tokens, all.data(), h.rank_num_tokens, rb);
+    cpu::gather_rows(all.data(), h.recv_gather_index.data<int64_t>(), R, rb, dst);
+  }
+}
+
+std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
+                                  const Tensor& topk_weights, const DispatchOptions& options,
+                                  RoutingPlan& plan) {
+  const char* op = "dispatch";
+  try {
+    check_defined(x, op, "x");
+    check_dim(x, op, "x", 2);
+    check_dtype(x, op, "x", {DType::fp32, DType::bf16});
+    check_defined(topk_idx, op, "topk_idx");
+    check_dim(topk_idx, op, "topk_idx", 2);
+    check_dtype(topk_idx, op, "topk_idx", {DType::int32});
+    if (topk_idx.size(0) != x.size(0)) {
+      fail_arg(op, "topk_idx must have x's ", x.size(0), " rows, got shape ",
+               shape_str(topk_idx.shape()));
+    }
+    check_defined(topk_weights, op, "topk_weights");
+    check_dtype(topk_weights, op, "topk_weights", {DType::fp32});
+    check_shape(topk_weights, op, "topk_weights", topk_idx.shape());
+    plan = build_routing_plan(topk_idx, topk_weights, options.num_experts, options.plan);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return {};
+}
+
+template <class F>
+void by_dtype(DType d, F&& f) {
+  if (d == DType::fp32) {
+    f(float{});
+  } else {
+    f(bf16{});
+  }
+}
+
+Tensor combine_impl(const char* op, const Tensor& expert_y, const DispatchHandle& h,
+                    const UnpermuteOptions& options, Communicator& comm) {
+  check_handle(op, h, comm);
+  std::string err;
+  try {
+    check_defined(expert_y, op, "expert_y");
+    check_dtype(expert_y, op, "expert_y", {DType::fp32, DType::bf16});
+    check_shape(expert_y, op, "expert_y", {h.num_recv_tokens, h.hidden});
+  } catch (const std::invalid_argument& e) {
+    err = e.what();
+  }
+  detail::agree(op, err, err.empty() ? expert_y.dtype() : DType::fp32, "expert_y", options.weights,
+                comm);
+  const DType dt = expert_y.dtype();
+  Tensor rows = Tensor::empty({h.plan.num_rows, h.hidden}, dt);
+  return_rows(expert_y.raw(), row_bytes(h.hidden, dt), rows.raw(), h, comm);
+  return unpermute(rows, h.plan, options);
+}
+
+}  // namespace
+
+DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                        const DispatchOptions& options, Communicator& comm) {
+  const char* op = "dispatch";
+  const int64_t P = comm.size(), me = comm.rank(), E = options.num_experts;
+  // Same on every rank (options), so thrown before any communication.
+  if (E < 1) fail_arg(op, "num_experts must be >= 1, got num_experts=", E);
+  if (E % P != 0) {
+    fail_arg(op, "num_experts must be divisible by the expert-parallel size ", P,
+             ", got num_experts=", E);
+  }
+  if (options.plan.expert_alignment != 1 || options.plan.pad_to_capacity) {
+    fail_arg(op, "options.plan must not pad (padding rows are never sent): expected "
+             "expert_alignment=1 and pad_to_capacity=false, got expert_alignment=",
+             options.plan.expert_alignment, " and pad_to_capacity=", options.plan.pad_to_capacity);
+  }
+
+  RoutingPlan plan;
+  const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, plan);
+  std::vector<int64_t> header(static_cast<size_t>(kHeader + E), 0);
+  header[0] = static_cast<int64_t>(err.size());
+  if (err.empty()) {
+    header[1] = x.size(0);
+    header[2] = x.size(1);
+    header[3] = static_cast<int64_t>(x.dtype());
+    header[4] = topk_idx.size(1);
+    header[5] = E;
+    const int64_t* c = plan.num_tokens_per_expert.data<int64_t>();
+    for (int64_t e = 0; e < E; ++e) header[static_cast<size_t>(kHeader + e)] = c[e];
+  }
+  const std::vector<int64_t> all = comm.allgather(header);
+  const int64_t W = kHeader + E;
+  auto at = [&](int64_t r, int64_t i) { return all[static_cast<size_t>(r * W + i)]; };
+  std::vector<int64_t> lens(static_cast<size_t>(P));
+  for (int64_t r = 0; r < P; ++r) lens[static_cast<size_t>(r)] = at(r, 0);
+  detail::raise_if_any(op, err, lens, comm);
+  // Agreement between ranks: computed from the same gathered header everywhere, so every rank
+  // throws the same message.
+  for (int64_t r = 1; r < P; ++r) {
+    if (at(r, 5) != at(0, 5)) {
+      fail_arg(op, "num_experts must be the same on every rank, got ", at(0, 5), " on rank 0 and ",
+               at(r, 5), " on rank ", r);
+    }
+    if (at(r, 2) != at(0, 2)) {
+      fail_arg(op, "x must have the same hidden size on every rank, got hidden=", at(0, 2),
+               " on rank 0 and hidden=", at(r, 2), " on rank ", r);
+    }
+    if (at(r, 3) != at(0, 3)) {
+      fail_arg(op, "x must have the same dtype on every rank, got ",
+               dtype_name(static_cast<DType>(at(0, 3))), " on rank 0 and ",
+               dtype_name(static_cast<DType>(at(r, 3))), " on rank ", r);
+    }
+    if (at(r, 4) != at(0, 4)) {
+      fail_arg(op, "topk_idx must have the same top_k on every rank, got top_k=", at(0, 4),
+               " on rank 0 and top_k=", at(r, 4), " on rank ", r);
+    }
+  }
+
+  DispatchHandle h;
+  h.kind = options.kind;
+  h.rank = static_cast<int>(me);
+  h.world_size = static_cast<int>(P);
+  h.num_tokens = x.size(0);
+  h.hidden = x.size(1);
+  h.num_experts = E;
+  h.num_local_experts = E / P;
+  h.plan = std::move(plan);
+  h.rank_expert_counts.resize(static_cast<size_t>(P * E));
+  h.rank_num_tokens.resize(static_cast<size_t>(P));
+  for (int64_t r = 0; r < P; ++r) {
+    h.rank_num_tokens[static_cast<size_t>(r)] = at(r, 1);
+    for (int64_t e = 0; e < E; ++e) h.rank_expert_counts[static_cast<size_t>(r * E + e)] = at(r, kHeader + e);
+  }
+  const int64_t L = h.num_local_experts, H = h.hidden, K = topk_idx.size(1);
+  const int64_t R = detail::rows_per_rank(h)[static_cast<size_t>(me)];
+  h.num_recv_tokens = R;
+  h.num_tokens_per_expert = Tensor::empty({L}, DType::int64);
+  h.expert_offsets = Tensor::empty({L + 1}, DType::int64);
+  {
+    int64_t* n = h.num_tokens_per_expert.data<int64_t>();
+    int64_t* o = h.expert_offsets.data<int64_t>();
+    o[0] = 0;
+    for (int64_t el = 0; el < L; ++el) {
+      n[el] = 0;
+      for (int64_t s = 0; s < P; ++s) n[el] += count_at(h, s, me * L + el);
+      o[el + 1] = o[el] + n[el];
+    }
+  }
+  h.recv_src_rank = Tensor::empty({R}, DType::int32);
+  h.recv_src_token = Tensor::empty({R}, DType::int64);
+  h.recv_topk_weights = Tensor::empty({R}, DType::fp32);
+  h.recv_gather_index = Tensor::empty({R}, DType::int64);
+  int32_t* src_rank = h.recv_src_rank.data<int32_t>();
+  int64_t* src_token = h.recv_src_token.data<int64_t>();
+  float* recv_w = h.recv_topk_weights.data<float>();
+  int64_t* gi = h.recv_gather_index.data<int64_t>();
+  const auto boff = detail::block_offsets(h);
+  const int64_t rb = row_bytes(H, x.dtype());
+  DispatchResult out;
+  out.recv_x = Tensor::empty({R, H}, x.dtype());
+
+  if (options.kind == DispatcherKind::all_to_all) {
+    std::vector<int64_t> send, recv;
+    a2a_counts(h, send, recv);
+    // Receive layout: block (local expert el, source s) arrives inside s's chunk after s's rows
+    // for the lower local experts.
+    std::vector<int64_t> chunk(static_cast<size_t>(P + 1), 0);
+    for (int64_t s = 0; s < P; ++s) chunk[s + 1] = chunk[s] + recv[s];
+    for (int64_t s = 0; s < P; ++s) {
+      int64_t st = chunk[s];
+      for (int64_t el = 0; el < L; ++el) {
+        const int64_t e = me * L + el, n = count_at(h, s, e), o = boff[static_cast<size_t>(e * P + s)];
+        for (int64_t j = 0; j < n; ++j) {
+          gi[o + j] = st + j;
+          src_rank[o + j] = static_cast<int32_t>(s);
+        }
+        st += n;
+      }
+    }
+    // Row metadata (token, weight), then the payload rows.
+    const int64_t np = h.plan.num_rows;
+    std::vector<RowMeta> send_meta(static_cast<size_t>(np)), recv_meta(static_cast<size_t>(R));
+    const int64_t* rt = h.plan.row_token.data<int64_t>();
+    const float* rw = h.plan.row_weight.data<float>();
+    for (int64_t p = 0; p < np; ++p) send_meta[static_cast<size_t>(p)] = {rt[p], rw[p], 0};
+    comm.alltoallv(send_meta.data(), send, recv_meta.data(), recv, sizeof(RowMeta));
+    for (int64_t i = 0; i < R; ++i) {
+      const RowMeta& m = recv_meta[static_cast<size_t>(gi[i])];
+      src_token[i] = m.token;
+      recv_w[i] = m.weight;
+    }
+    send_rows(x.raw(), rb, out.recv_x.raw(), h, comm);
+  } else {
+    // Every rank gathers every rank's routes, rebuilds each source's plan (the same deterministic
+    // plan the source built), and keeps the pairs of its own experts.
+    int64_t total = 0;
+    for (int64_t n : h.rank_num_tokens) total += n;
+    std::vector<int32_t> all_idx(static_cast<size_t>(total * K));
+    std::vector<float> all_w(static_cast<size_t>(total * K));
+    comm.allgatherv(topk_idx.raw(), h.num_tokens, all_idx.data(), h.rank_num_tokens,
+                    K * static_cast<int64_t>(sizeof(int32_t)));
+    comm.allgatherv(topk_weights.raw(), h.num_tokens, all_w.data(), h.rank_num_tokens,
+                    K * static_cast<int64_t>(sizeof(float)));
+    int64_t tok_off = 0;
+    for (int64_t s = 0; s < P; ++s) {
+      const int64_t Ts = h.rank_num_tokens[static_cast<size_t>(s)];
+      RoutingPlan ps = s == me ? h.plan
+                               : build_routing_plan(
+                                     Tensor::borrow(all_idx.data() + tok_off * K, {Ts, K}, DType::int32),
+                                     Tensor::borrow(all_w.data() + tok_off * K, {Ts, K}, DType::fp32),
+                                     E, options.plan);
+      const int64_t* rt = ps.row_token.data<int64_t>();
+      const float* rw = ps.row_weight.data<float>();
+      const int64_t* off = ps.expert_offsets.data<int64_t>();
+      for (int64_t el = 0; el < L; ++el) {
+        const int64_t e = me * L + el, o = boff[static_cast<size_t>(e * P + s)];
+        for (int64_t j = 0; j < off[e + 1] - off[e]; ++j) {
+          gi[o + j] = tok_off + rt[off[e] + j];
+          src_rank[o + j] = static_cast<int32_t>(s);
+          src_token[o + j] = rt[off[e] + j];
+          recv_w[o + j] = rw[off[e] + j];
+        }
+      }
+      tok_off += Ts;
+    }
+    send_rows(x.raw(), rb, out.recv_x.raw(), h, comm);
+  }
+  out.recv_topk_weights = h.recv_topk_weights;
+  out.handle = std::move(h);
+  return out;
+}
+
+Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
+               const UnpermuteOptions& options, Communicator& comm) {
+  return combine_impl("combine", expert_y, handle, options, comm);
+}
+
+Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
+                         Communicator& comm) {
+  return combine_impl("dispatch_backward", grad_recv_x, handle, UnpermuteOptions{WeightMode::skip},
+                      comm);
+}
+
+CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
+                              const DispatchHandle& h, const UnpermuteOptions& options,
+                              Communicator& comm) {
+  const char* op = "combine_backward";
+  check_handle(op, h, comm);
+  const bool apply = options.weights == WeightMode::apply;
+  std::string err;
+  try {
+    check_defined(grad_y, op, "grad_y");
+    check_dtype(grad_y, op, "grad_y", {DType::fp32, DType::bf16});
+    check_shape(grad_y, op, "grad_y", {h.num_tokens, h.hidden});
+    if (apply) {
+      check_defined(expert_y, op, "expert_y");
+      check_shape(expert_y, op, "expert_y", {h.num_recv_tokens, h.hidden});
+      if (expert_y.dtype() != grad_y.dtype()) {
+        fail_arg(op, "expert_y must have grad_y's dtype ", dtype_name(grad_y.dtype()), ", got ",
+                 dtype_name(expert_y.dtype()));
+      }
+    }
+  } catch (const std::invalid_argument& e) {
+    err = e.what();
+  }
+  detail::agree(op, err, err.empty() ? grad_y.dtype() : DType::fp32, "grad_y", options.weights,
+                comm);
+  const DType dt = grad_y.dtype();
+  const int64_t R = h.num_recv_tokens, H = h.hidden;
+  Tensor g_recv = Tensor::empty({R, H}, dt);
+  send_rows(grad_y.raw(), row_bytes(H, dt), g_recv.raw(), h, comm);
+  CombineGrads out;
+  out.grad_topk_weights = Tensor::zeros({h.num_tokens, h.plan.top_k}, DType::fp32);
+  if (!apply) {
+    out.grad_expert_y = g_recv;
+    return out;
+  }
+  out.grad_expert_y = Tensor::empty({R, H}, dt);
+  Tensor dots = Tensor::empty({R}, DType::fp32);
+  by_dtype(dt, [&](auto tag) {
+    using X = decltype(tag);
+    const X* g = static_cast<const X*>(g_recv.raw());
+    cpu::gather_scale_rows<X>(g, h.recv_topk_weights.data<float>(), nullptr, R, H,
+                              static_cast<X*>(out.grad_expert_y.raw()));
+    cpu::row_dots<X>(static_cast<const X*>(expert_y.raw()), g, nullptr, R, H, dots.data<float>());
+  });
+  std::vector<float> plan_dots(static_cast<size_t>(h.plan.num_rows));
+  return_rows(dots.raw(), sizeof(float), plan_dots.data(), h, comm);
+  const int64_t* sr = h.plan.slot_row.data<int64_t>();
+  float* gw = out.grad_topk_weights.data<float>();
+  for (int64_t s = 0; s < h.num_tokens * h.plan.top_k; ++s) {
+    if (sr[s] >= 0) gw[s] = plan_dots[static_cast<size_t>(sr[s])];
+  }
+  return out;
+}
+
+}  // namespace switchyard::dist

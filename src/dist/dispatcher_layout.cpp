@@ -1,0 +1,79 @@
+#include "dispatcher_layout.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "check.h"
+
+namespace switchyard::dist::detail {
+
+void raise_if_any(const char* op, const std::string& local_error,
+                  const std::vector<int64_t>& err_lens, Communicator& comm) {
+  bool any = false;
+  for (int64_t n : err_lens) any = any || n > 0;
+  if (!any) return;
+  std::vector<int64_t> counts(err_lens.begin(), err_lens.end());
+  int64_t total = 0;
+  for (int64_t n : counts) total += n;
+  std::string all(static_cast<size_t>(total), '\0');
+  comm.allgatherv(local_error.data(), static_cast<int64_t>(local_error.size()), all.data(), counts,
+                  1);
+  int64_t off = 0;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    if (counts[r] > 0) {
+      throw std::invalid_argument(switchyard::detail::cat(
+          "[", op, "] on rank ", r, ": ", all.substr(static_cast<size_t>(off), static_cast<size_t>(counts[r]))));
+    }
+    off += counts[r];
+  }
+}
+
+void agree(const char* op, const std::string& local_error, DType dtype, const char* what,
+           WeightMode mode, Communicator& comm) {
+  const std::vector<int64_t> mine = {static_cast<int64_t>(local_error.size()),
+                                     static_cast<int64_t>(dtype), static_cast<int64_t>(mode)};
+  const std::vector<int64_t> all = comm.allgather(mine);
+  const size_t P = static_cast<size_t>(comm.size());
+  std::vector<int64_t> lens(P);
+  for (size_t r = 0; r < P; ++r) lens[r] = all[3 * r];
+  raise_if_any(op, local_error, lens, comm);
+  auto mode_name = [](int64_t m) { return m == 0 ? "apply" : "skip"; };
+  for (size_t r = 1; r < P; ++r) {
+    if (all[3 * r + 1] != all[1]) {
+      switchyard::detail::fail_arg(op, what, " must have the same dtype on every rank, got ",
+                                   dtype_name(static_cast<DType>(all[1])), " on rank 0 and ",
+                                   dtype_name(static_cast<DType>(all[3 * r + 1])), " on rank ", r);
+    }
+    if (all[3 * r + 2] != all[2]) {
+      switchyard::detail::fail_arg(op, "options.weights must be the same on every rank, got ",
+                                   mode_name(all[2]), " on rank 0 and ", mode_name(all[3 * r + 2]),
+                                   " on rank ", r);
+    }
+  }
+}
+
+std::vector<int64_t> block_offsets(const DispatchHandle& h) {
+  const int64_t P = h.world_size, E = h.num_experts, L = h.num_local_experts;
+  std::vector<int64_t> off(static_cast<size_t>(E * P));
+  for (int64_t r = 0; r < P; ++r) {
+    int64_t run = 0;
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = r * L + el;
+      for (int64_t s = 0; s < P; ++s) {
+        off[static_cast<size_t>(e * P + s)] = run;
+        run += h.rank_expert_counts[static_cast<size_t>(s * E + e)];
+      }
+    }
+  }
+  return off;
+}
+
+std::vector<int64_t> rows_per_rank(const DispatchHandle& h) {
+  const int64_t P = h.world_size, E = h.num_experts, L = h.num_local_experts;
+  std::vector<int64_t> rows(static_cast<size_t>(P), 0);
+  for (int64_t s = 0; s < P; ++s)
+    for (int64_t e = 0; e < E; ++e) rows[static_cast<size_t>(e / L)] += h.rank_expert_counts[static_cast<size_t>(s * E + e)];
+  return rows;
+}
+
+}  // namespace switchyard::dist::detail

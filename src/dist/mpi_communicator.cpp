@@ -1,0 +1,183 @@
+// The Open MPI communicator: a duplicate of the caller's communicator (so our traffic never mixes
+// with theirs), MPI_ERRORS_RETURN on it, every return code checked and turned into a BackendError
+// naming the call, MPI's error string, the rank and file:line. Freed by the destructor unless MPI
+// is already finalized.
+// C API only: the deprecated C++ bindings would need libmpi_cxx.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <climits>
+#include <cstring>
+
+#include "check.h"
+#include "switchyard/dist.h"
+#include "switchyard/error.h"
+
+namespace switchyard::dist {
+
+namespace {
+
+void check_mpi(int rc, const char* call, int rank, const char* file, int line) {
+  if (rc == MPI_SUCCESS) return;
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, buf, &len) != MPI_SUCCESS) len = 0;
+  throw BackendError(detail::cat(call, " failed: ", std::string(buf, static_cast<size_t>(len)),
+                                 " (error code ", rc, ", rank ", rank, ", ", file, ":", line, ")"));
+}
+
+#define SY_MPI_CHECK(call) check_mpi((call), #call, rank_, __FILE__, __LINE__)
+
+void require_initialized(const char* fn) {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (!init || fin) {
+    throw BackendError(detail::cat("[dist] ", fn, ": MPI is ", fin ? "finalized" : "not initialised",
+                                   "; call MPI_Init (or import mpi4py) first (", __FILE__, ":",
+                                   __LINE__, ")"));
+  }
+}
+
+// A committed contiguous datatype of `bytes` bytes, freed on scope exit.
+class RowType {
+ public:
+  RowType(int64_t bytes, int rank) : rank_(rank) {
+    if (bytes <= 0 || bytes > INT_MAX) {
+      throw BackendError(detail::cat("[dist] element size ", bytes, " bytes is outside (0, INT_MAX] (rank ",
+                                     rank, ", ", __FILE__, ":", __LINE__, ")"));
+    }
+    if (bytes == 1) {
+      type_ = MPI_BYTE;
+      return;
+    }
+    SY_MPI_CHECK(MPI_Type_contiguous(static_cast<int>(bytes), MPI_BYTE, &type_));
+    owned_ = true;
+    SY_MPI_CHECK(MPI_Type_commit(&type_));
+  }
+  ~RowType() {
+    if (owned_) MPI_Type_free(&type_);
+  }
+  RowType(const RowType&) = delete;
+  RowType& operator=(const RowType&) = delete;
+  MPI_Datatype get() const { return type_; }
+
+ private:
+  int rank_;
+  MPI_Datatype type_ = MPI_DATATYPE_NULL;
+  bool owned_ = false;
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  explicit MpiCommunicator(MPI_Comm parent) {
+    int prank = 0;
+    MPI_Comm_rank(parent, &prank);
+    rank_ = prank;
+    SY_MPI_CHECK(MPI_Comm_dup(parent, &comm_));
+    SY_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+    SY_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+    SY_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  }
+  ~MpiCommunicator() override {
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (!fin && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  }
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return "mpi"; }
+
+  void allgather(const void* send, void* recv, int64_t count, int64_t elem_bytes) override {
+    RowType t(elem_bytes, rank_);
+    SY_MPI_CHECK(MPI_Allgather(send, to_int(count), t.get(), recv, to_int(count), t.get(), comm_));
+  }
+
+  void allgatherv(const void* send, int64_t send_count, void* recv,
+                  const std::vector<int64_t>& recv_counts, int64_t elem_bytes) override {
+    check_size("allgatherv", recv_counts);
+    std::vector<int> counts, displs;
+    to_counts(recv_counts, counts, displs);
+    RowType t(elem_bytes, rank_);
+    SY_MPI_CHECK(MPI_Allgatherv(send, to_int(send_count), t.get(), recv, counts.data(),
+                                displs.data(), t.get(), comm_));
+  }
+
+  void alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                 const std::vector<int64_t>& recv_counts, int64_t elem_bytes) override {
+    check_size("alltoallv", send_counts);
+    check_size("alltoallv", recv_counts);
+    std::vector<int> sc, sd, rc, rd;
+    to_counts(send_counts, sc, sd);
+    to_counts(recv_counts, rc, rd);
+    RowType t(elem_bytes, rank_);
+    SY_MPI_CHECK(MPI_Alltoallv(send, sc.data(), sd.data(), t.get(), recv, rc.data(), rd.data(),
+                               t.get(), comm_));
+  }
+
+  void allreduce_max(int64_t* values, int64_t n) override {
+    SY_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, to_int(n), MPI_INT64_T, MPI_MAX, comm_));
+  }
+
+  void barrier() override { SY_MPI_CHECK(MPI_Barrier(comm_)); }
+
+ private:
+  int to_int(int64_t v) const {
+    if (v < 0 || v > INT_MAX) {
+      throw BackendError(detail::cat("[dist] count ", v, " is outside the int range of MPI (rank ",
+                                     rank_, ", ", __FILE__, ":", __LINE__, ")"));
+    }
+    return static_cast<int>(v);
+  }
+  void check_size(const char* op, const std::vector<int64_t>& counts) const {
+    if (static_cast<int64_t>(counts.size()) != size_) {
+      detail::fail_arg(op, "counts must have one entry per rank (", size_, "), got ", counts.size());
+    }
+  }
+  void to_counts(const std::vector<int64_t>& in, std::vector<int>& counts,
+                 std::vector<int>& displs) const {
+    counts.resize(in.size());
+    displs.resize(in.size());
+    int64_t off = 0;
+    for (size_t i = 0; i < in.size(); ++i) {
+      counts[i] = to_int(in[i]);
+      displs[i] = to_int(off);
+      off += in[i];
+    }
+    to_int(off);
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = -1;
+  int size_ = 0;
+};
+
+}  // namespace
+
+bool mpi_built() { return true; }
+
+std::shared_ptr<Communicator> world() {
+  require_initialized("world()");
+  return std::make_shared<MpiCommunicator>(MPI_COMM_WORLD);
+}
+
+std::shared_ptr<Communicator> from_mpi(const void* mpi_comm) {
+  require_initialized("from_mpi()");
+  if (mpi_comm == nullptr) detail::fail_arg("dist", "from_mpi: mpi_comm must point to an MPI_Comm, got null");
+  return std::make_shared<MpiCommunicator>(*static_cast<const MPI_Comm*>(mpi_comm));
+}
+
+std::shared_ptr<Communicator> from_mpi_fortran(int64_t fortran_handle) {
+  require_initialized("from_mpi_fortran()");
+  MPI_Comm c = MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle));
+  if (c == MPI_COMM_NULL) {
+    detail::fail_arg("dist", "from_mpi_fortran: handle ", fortran_handle, " is MPI_COMM_NULL");
+  }
+  return std::make_shared<MpiCommunicator>(c);
+}
+
+}  // namespace switchyard::dist

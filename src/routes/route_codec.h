@@ -1,0 +1,60 @@
+// Internal: the byte layout of route files (shared by the writer, the reader and the tests).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace switchyard::detail {
+
+inline constexpr char kFileMagic[8] = {'S', 'Y', 'R', 'O', 'U', 'T', 'E', 'S'};
+inline constexpr char kFooterMagic[8] = {'S', 'Y', 'R', 'T', 'E', 'N', 'D', '1'};
+inline constexpr uint32_t kBlockMagic = 0x4b425953u;  // "SYBK"
+inline constexpr uint32_t kIndexMagic = 0x58495953u;  // "SYIX"
+inline constexpr uint32_t kFormatVersion = 1;
+inline constexpr int64_t kBlockHeaderSize = 56;
+inline constexpr int64_t kFooterSize = 24;
+inline constexpr int64_t kIndexEntrySize = 24;
+inline constexpr uint32_t kBlockHasNone = 1u;  // payload carries a bitmap of -1 entries
+// Bounds that keep a corrupt header from asking for absurd allocations.
+inline constexpr int64_t kMaxExperts = 1 << 24;
+inline constexpr int64_t kMaxTopK = 1 << 16;
+inline constexpr int64_t kMaxLayers = 1 << 16;
+inline constexpr int64_t kMaxRawBlockBytes = int64_t{1} << 36;
+
+/// Bytes per stored id for num_experts experts.
+inline int64_t id_width_for(int64_t num_experts) {
+  return num_experts <= 256 ? 1 : (num_experts <= 65536 ? 2 : 4);
+}
+
+/// Little-endian append / read helpers (the machine is little-endian; the format says so).
+inline void put_u32(std::string& s, uint32_t v) { s.append(reinterpret_cast<const char*>(&v), 4); }
+inline void put_u64(std::string& s, uint64_t v) { s.append(reinterpret_cast<const char*>(&v), 8); }
+inline uint32_t get_u32(const char* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline uint64_t get_u64(const char* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+
+/// Checksum of the format (XXH3 64-bit).
+uint64_t checksum(const void* data, size_t n);
+
+/// Raw (uncompressed) payload of one block: per-layer rank permutation, ids as popularity ranks in
+/// [layers, tokens, K] order, then a bitmap of -1 entries when any. Returns the flags.
+uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num_layers,
+                        int64_t top_k, int64_t num_experts, std::string& out);
+/// Raw payload size for a block.
+int64_t payload_size(int64_t num_tokens, int64_t num_layers, int64_t top_k, int64_t num_experts,
+                     uint32_t flags);
+/// Inverse of encode_payload; returns an empty string on success, else what is wrong.
+std::string decode_payload(const char* raw, int64_t raw_size, int64_t num_tokens,
+                           int64_t num_layers, int64_t top_k, int64_t num_experts, uint32_t flags,
+                           int32_t* topk_idx);
+
+}  // namespace switchyard::detail

@@ -1,0 +1,523 @@
+// Route file writer and reader (layout in route_file.h and route_codec.h).
+#include "switchyard/route_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zstd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+
+#include "check.h"
+#include "route_codec.h"
+#include "switchyard/error.h"
+
+namespace switchyard {
+
+using detail::cat;
+using detail::get_u32;
+using detail::get_u64;
+using detail::put_u32;
+using detail::put_u64;
+
+namespace {
+
+std::string encode_header(const RouteFileInfo& info) {
+  std::string h(detail::kFileMagic, 8);
+  const auto n_layers = static_cast<uint32_t>(info.moe_layers.size());
+  put_u32(h, detail::kFormatVersion);
+  put_u32(h, static_cast<uint32_t>(8 + 8 * 4 + 4 * n_layers + 8));
+  put_u32(h, static_cast<uint32_t>(info.num_experts));
+  put_u32(h, static_cast<uint32_t>(info.top_k));
+  put_u32(h, static_cast<uint32_t>(info.num_moe_layers));
+  put_u32(h, static_cast<uint32_t>(detail::id_width_for(info.num_experts)));
+  put_u32(h, n_layers);
+  put_u32(h, static_cast<uint32_t>(info.num_hidden_layers));
+  for (int64_t l : info.moe_layers) put_u32(h, static_cast<uint32_t>(l));
+  put_u64(h, detail::checksum(h.data(), h.size()));
+  return h;
+}
+
+[[noreturn]] void io_fail(const std::string& call, const std::string& path) {
+  throw BackendError(cat(call, "(", path, "): ", std::strerror(errno), " (", __FILE__, ":",
+                         __LINE__, ")"));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Writer
+
+struct RouteFileWriter::Impl {
+  std::FILE* f = nullptr;
+  std::string path;
+  RouteFileInfo info;
+  RouteFileWriterOptions options;
+  std::vector<RouteFileEntry> entries;
+  int64_t offset = 0;
+  std::string raw, comp, block;
+  ZSTD_CCtx* cctx = nullptr;
+
+  void write(const std::string& bytes) {
+    if (std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) io_fail("fwrite", path);
+    // Flush every block so a writer killed later leaves this one complete on disk.
+    if (std::fflush(f) != 0) io_fail("fflush", path);
+    offset += static_cast<int64_t>(bytes.size());
+  }
+};
+
+RouteFileWriter::RouteFileWriter(const std::string& path, const RouteFileInfo& info,
+                                 const RouteFileWriterOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  const char* op = "route_file";
+  if (info.num_experts < 1 || info.num_experts > detail::kMaxExperts) {
+    detail::fail_arg(op, "num_experts must be in [1, ", detail::kMaxExperts, "], got ", info.num_experts);
+  }
+  if (info.top_k < 1 || info.top_k > detail::kMaxTopK) {
+    detail::fail_arg(op, "top_k must be in [1, ", detail::kMaxTopK, "], got ", info.top_k);
+  }
+  if (info.num_moe_layers < 1 || info.num_moe_layers > detail::kMaxLayers) {
+    detail::fail_arg(op, "num_moe_layers must be in [1, ", detail::kMaxLayers, "], got ", info.num_moe_layers);
+  }
+  if (!info.moe_layers.empty() && static_cast<int64_t>(info.moe_layers.size()) != info.num_moe_layers) {
+    detail::fail_arg(op, "moe_layers must be empty or have num_moe_layers=", info.num_moe_layers,
+                     " entries, got ", info.moe_layers.size());
+  }
+  if (info.num_hidden_layers < 0 || info.num_hidden_layers > detail::kMaxLayers) {
+    detail::fail_arg(op, "num_hidden_layers must be in [0, ", detail::kMaxLayers, "], got ", info.num_hidden_layers);
+  }
+  for (size_t i = 0; i < info.moe_layers.size(); ++i) {
+    const int64_t l = info.moe_layers[i];
+    if (l < 0 || (info.num_hidden_layers > 0 && l >= info.num_hidden_layers) ||
+        (i > 0 && l <= info.moe_layers[i - 1]) || l > detail::kMaxLayers) {
+      detail::fail_arg(op, "moe_layers must be ascending hidden-layer indices below num_hidden_layers=",
+                       info.num_hidden_layers, ", got ", l, " at ", i);
+    }
+  }
+  if (options.compression_level < 1 || options.compression_level > 19) {
+    detail::fail_arg(op, "compression_level must be in [1, 19], got ", options.compression_level);
+  }
+  impl_->path = path;
+  impl_->info = info;
+  impl_->info.id_width = detail::id_width_for(info.num_experts);
+  impl_->info.version = detail::kFormatVersion;
+  impl_->options = options;
+  impl_->cctx = ZSTD_createCCtx();
+  if (!impl_->cctx) throw BackendError("ZSTD_createCCtx failed");
+  impl_->f = std::fopen(path.c_str(), "wb");
+  if (!impl_->f) {
+    ZSTD_freeCCtx(impl_->cctx);
+    io_fail("fopen", path);
+  }
+  impl_->write(encode_header(impl_->info));
+}
+
+RouteFileWriter::~RouteFileWriter() {
+  if (!impl_) return;
+  try {
+    close();
+  } catch (...) {
+    // A destructor never throws; call close() to see the error.
+  }
+  if (impl_->f) std::fclose(impl_->f);
+  ZSTD_freeCCtx(impl_->cctx);
+}
+
+void RouteFileWriter::append(const RouteTable& table) {
+  const char* op = "route_file.append";
+  Impl& s = *impl_;
+  if (!s.f) detail::fail_arg(op, "the writer of ", s.path, " is closed");
+  check_route_table(table, op, "table");
+  if (table.num_experts != s.info.num_experts || table.num_moe_layers() != s.info.num_moe_layers ||
+      table.top_k() != s.info.top_k) {
+    detail::fail_arg(op, "table must have num_experts=", s.info.num_experts,
+                     ", num_moe_layers=", s.info.num_moe_layers, ", top_k=", s.info.top_k,
+                     " like the file, got num_experts=", table.num_experts, ", num_moe_layers=",
+                     table.num_moe_layers(), ", top_k=", table.top_k());
+  }
+  const int64_t T = table.num_tokens();
+  const uint32_t flags = detail::encode_payload(table.topk_idx.data<int32_t>(), T,
+                                                s.info.num_moe_layers, s.info.top_k,
+                                                s.info.num_experts, s.raw);
+  s.comp.resize(ZSTD_compressBound(s.raw.size()));
+  const size_t c = ZSTD_compressCCtx(s.cctx, s.comp.data(), s.comp.size(), s.raw.data(),
+                                     s.raw.size(), s.options.compression_level);
+  if (ZSTD_isError(c)) throw BackendError(cat("ZSTD_compressCCtx: ", ZSTD_getErrorName(c)));
+  s.comp.resize(c);
+  std::string& b = s.block;
+  b.clear();
+  put_u32(b, detail::kBlockMagic);
+  put_u32(b, flags);
+  put_u64(b, static_cast<uint64_t>(s.entries.size()));
+  put_u64(b, static_cast<uint64_t>(T));
+  put_u64(b, static_cast<uint64_t>(s.raw.size()));
+  put_u64(b, static_cast<uint64_t>(c));
+  put_u64(b, detail::checksum(s.comp.data(), c));
+  put_u64(b, detail::checksum(b.data(), b.size()));
+  b += s.comp;
+  RouteFileEntry e{s.offset, T, static_cast<int64_t>(b.size())};
+  s.write(b);
+  s.entries.push_back(e);
+}
+
+void RouteFileWriter::close() {
+  Impl& s = *impl_;
+  if (!s.f) return;
+  std::string ix;
+  put_u32(ix, detail::kIndexMagic);
+  put_u32(ix, 0);
+  put_u64(ix, static_cast<uint64_t>(s.entries.size()));
+  for (const auto& e : s.entries) {
+    put_u64(ix, static_cast<uint64_t>(e.offset));
+    put_u64(ix, static_cast<uint64_t>(e.num_tokens));
+    put_u64(ix, static_cast<uint64_t>(e.stored_bytes));
+  }
+  put_u64(ix, detail::checksum(ix.data(), ix.size()));
+  std::string footer;
+  put_u64(footer, static_cast<uint64_t>(s.offset));
+  put_u64(footer, detail::checksum(footer.data(), 8));
+  footer.append(detail::kFooterMagic, 8);
+  s.write(ix + footer);
+  std::FILE* f = s.f;
+  s.f = nullptr;
+  if (std::fclose(f) != 0) io_fail("fclose", s.path);
+}
+
+int64_t RouteFileWriter::num_sequences() const { return static_cast<int64_t>(impl_->entries.size()); }
+int64_t RouteFileWriter::bytes_written() const { return impl_->offset; }
+
+// ---------------------------------------------------------------------------------------------
+// Reader
+
+struct RouteFileReader::Impl {
+  std::string name;  // path or "<memory>", for messages
+  std::string mem;
+  int fd = -1;
+  int64_t size = 0;
+  RouteFileInfo info;
+  int64_t header_size = 0;
+  std::vector<RouteFileEntry> entries;
+  bool complete = false;
+  std::string status = "ok";
+
+  ~Impl() {
+    if (fd >= 0) ::close(fd);
+  }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw DataError(cat("[route_file] ", name, ": ", what));
+  }
+
+  // Reads exactly n bytes at offset, or returns false when the file is shorter.
+  bool read_at(int64_t offset, int64_t n, char* dst) const {
+    if (offset < 0 || n < 0 || offset > size || n > size - offset) return false;
+    if (fd < 0) {
+      std::memcpy(dst, mem.data() + offset, static_cast<size_t>(n));
+      return true;
+    }
+    int64_t done = 0;
+    while (done < n) {
+      const ssize_t r = ::pread(fd, dst + done, static_cast<size_t>(n - done), offset + done);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        io_fail("pread", name);
+      }
+      if (r == 0) return false;
+      done += r;
+    }
+    return true;
+  }
+
+  void parse_header() {
+    char fixed[40];
+    if (read_at(0, 8, fixed) && std::memcmp(fixed, detail::kFileMagic, 8) != 0) {
+      fail("not a route file (bad magic at byte offset 0)");
+    }
+    if (!read_at(0, 40, fixed)) {
+      fail(cat("truncated header: file has ", size, " bytes, a header needs at least 48"));
+    }
+    if (std::memcmp(fixed, detail::kFileMagic, 8) != 0) fail("not a route file (bad magic at byte offset 0)");
+    const uint32_t version = get_u32(fixed + 8);
+    if (version != detail::kFormatVersion) {
+      fail(cat("unsupported format version ", version, " (this build reads version ",
+               detail::kFormatVersion, ")"));
+    }
+    const int64_t hsize = get_u32(fixed + 12);
+    const int64_t n_layers = get_u32(fixed + 32);
+    if (n_layers > detail::kMaxLayers || hsize != 8 + 8 * 4 + 4 * n_layers + 8) {
+      fail(cat("corrupt header: header size ", hsize, " does not match its ", n_layers, " layer entries"));
+    }
+    std::string h(static_cast<size_t>(hsize), '\0');
+    if (!read_at(0, hsize, h.data())) {
+      fail(cat("truncated header: needs ", hsize, " bytes, file has ", size));
+    }
+    if (detail::checksum(h.data(), size_t(hsize - 8)) != get_u64(h.data() + hsize - 8)) {
+      fail("corrupt header: checksum mismatch (bytes 0.." + std::to_string(hsize) + ")");
+    }
+    info.version = version;
+    info.num_experts = get_u32(fixed + 16);
+    info.top_k = get_u32(fixed + 20);
+    info.num_moe_layers = get_u32(fixed + 24);
+    info.id_width = get_u32(fixed + 28);
+    info.num_hidden_layers = get_u32(fixed + 36);
+    if (info.num_experts < 1 || info.num_experts > detail::kMaxExperts || info.top_k < 1 ||
+        info.top_k > detail::kMaxTopK || info.num_moe_layers < 1 ||
+        info.num_moe_layers > detail::kMaxLayers ||
+        info.id_width != detail::id_width_for(info.num_experts) ||
+        (n_layers != 0 && n_layers != info.num_moe_layers) ||
+        info.num_hidden_layers > detail::kMaxLayers) {
+      fail(cat("corrupt header: inconsistent num_experts=", info.num_experts, ", top_k=",
+               info.top_k, ", num_moe_layers=", info.num_moe_layers, ", id_width=", info.id_width));
+    }
+    for (int64_t l = 0; l < n_layers; ++l) info.moe_layers.push_back(get_u32(h.data() + 40 + 4 * l));
+    header_size = hsize;
+  }
+
+  // Parses a block header at `offset`; returns "" or what is wrong. Fills entry and flags.
+  std::string parse_block_header(int64_t offset, int64_t expected_seq, RouteFileEntry& e,
+                                 uint32_t& flags, int64_t& raw_size, uint64_t& payload_sum) const {
+    char b[detail::kBlockHeaderSize];
+    if (!read_at(offset, detail::kBlockHeaderSize, b)) {
+      return cat("truncated block header (", size - offset, " of ", detail::kBlockHeaderSize,
+                 " bytes present)");
+    }
+    if (get_u32(b) != detail::kBlockMagic) return "bad block magic";
+    if (detail::checksum(b, 48) != get_u64(b + 48)) return "block header checksum mismatch";
+    flags = get_u32(b + 4);
+    const uint64_t seq = get_u64(b + 8);
+    const uint64_t tokens = get_u64(b + 16);
+    raw_size = static_cast<int64_t>(std::min<uint64_t>(get_u64(b + 24), uint64_t{1} << 62));
+    const uint64_t comp = get_u64(b + 32);
+    payload_sum = get_u64(b + 40);
+    if (seq != static_cast<uint64_t>(expected_seq)) {
+      return cat("block holds sequence ", seq, ", expected ", expected_seq);
+    }
+    if ((flags & ~detail::kBlockHasNone) != 0) return cat("unknown block flags ", flags);
+    const uint64_t row = static_cast<uint64_t>(info.num_moe_layers * info.top_k);
+    if (tokens > static_cast<uint64_t>(detail::kMaxRawBlockBytes) / row ||
+        raw_size > detail::kMaxRawBlockBytes ||
+        raw_size != detail::payload_size(static_cast<int64_t>(tokens), info.num_moe_layers,
+                                         info.top_k, info.num_experts, flags)) {
+      return cat("inconsistent sizes: ", tokens, " tokens, payload ", raw_size, " bytes");
+    }
+    if (comp > static_cast<uint64_t>(size)) {
+      return cat("truncated block: payload of ", comp, " bytes runs past the end of the file (",
+                 size, " bytes)");
+    }
+    e.offset = offset;
+    e.num_tokens = static_cast<int64_t>(tokens);
+    e.stored_bytes = detail::kBlockHeaderSize + static_cast<int64_t>(comp);
+    if (e.stored_bytes > size - offset) {
+      return cat("truncated block: needs ", e.stored_bytes, " bytes from offset ", offset,
+                 ", file has ", size - offset);
+    }
+    return {};
+  }
+
+  // Uses the trailing index; returns "" or why it cannot.
+  std::string load_index() {
+    if (size < header_size + 16 + 8 + detail::kFooterSize) return "no index (file too short)";
+    char f[detail::kFooterSize];
+    read_at(size - detail::kFooterSize, detail::kFooterSize, f);
+    if (std::memcmp(f + 16, detail::kFooterMagic, 8) != 0) return "no index footer (file was not closed, or is cut)";
+    if (detail::checksum(f, 8) != get_u64(f + 8)) return "index footer checksum mismatch";
+    const uint64_t ix_off = get_u64(f);
+    if (ix_off < static_cast<uint64_t>(header_size) ||
+        ix_off > static_cast<uint64_t>(size - detail::kFooterSize - 24)) {
+      return cat("index offset ", ix_off, " out of range");
+    }
+    const int64_t ix_len = size - detail::kFooterSize - static_cast<int64_t>(ix_off);
+    std::string ix(static_cast<size_t>(ix_len), '\0');
+    read_at(static_cast<int64_t>(ix_off), ix_len, ix.data());
+    if (get_u32(ix.data()) != detail::kIndexMagic) return cat("bad index magic at byte offset ", ix_off);
+    const uint64_t n = get_u64(ix.data() + 8);
+    if (n > static_cast<uint64_t>(ix_len) / detail::kIndexEntrySize ||
+        static_cast<int64_t>(16 + n * detail::kIndexEntrySize + 8) != ix_len) {
+      return cat("index size does not match its ", n, " entries");
+    }
+    if (detail::checksum(ix.data(), size_t(ix_len - 8)) != get_u64(ix.data() + ix_len - 8)) {
+      return cat("index checksum mismatch (index at byte offset ", ix_off, ")");
+    }
+    std::vector<RouteFileEntry> es(n);
+    int64_t expect = header_size;
+    for (uint64_t i = 0; i < n; ++i) {
+      const char* p = ix.data() + 16 + i * detail::kIndexEntrySize;
+      es[i].offset = static_cast<int64_t>(get_u64(p));
+      es[i].num_tokens = static_cast<int64_t>(get_u64(p + 8));
+      es[i].stored_bytes = static_cast<int64_t>(get_u64(p + 16));
+      if (es[i].offset != expect || es[i].stored_bytes < detail::kBlockHeaderSize ||
+          es[i].stored_bytes > static_cast<int64_t>(ix_off) - expect || es[i].num_tokens < 0) {
+        return cat("index entry ", i, " is inconsistent with the block layout");
+      }
+      expect += es[i].stored_bytes;
+    }
+    if (expect != static_cast<int64_t>(ix_off)) return "index does not cover the blocks up to the index";
+    entries = std::move(es);
+    return {};
+  }
+
+  // Scans the blocks from the header on; keeps every complete one.
+  std::string scan(const std::string& why) {
+    entries.clear();
+    int64_t off = header_size;
+    while (off < size) {
+      char magic[4];
+      if (read_at(off, 4, magic) && get_u32(magic) == detail::kIndexMagic) {
+        return cat(why, "; index at byte offset ", off, " unusable; ", entries.size(),
+                   " sequences recovered by scanning");
+      }
+      RouteFileEntry e;
+      uint32_t flags;
+      int64_t raw;
+      uint64_t sum;
+      const std::string err = parse_block_header(off, static_cast<int64_t>(entries.size()), e,
+                                                 flags, raw, sum);
+      if (!err.empty()) {
+        return cat(why, "; block ", entries.size(), " at byte offset ", off, ": ", err, "; ",
+                   entries.size(), " sequences recovered by scanning");
+      }
+      entries.push_back(e);
+      off += e.stored_bytes;
+    }
+    return cat(why, "; ", entries.size(), " complete sequences recovered by scanning");
+  }
+
+  void open() {
+    parse_header();
+    const std::string why = load_index();
+    if (why.empty()) {
+      complete = true;
+      status = "ok";
+    } else {
+      complete = false;
+      status = scan(why);
+    }
+  }
+};
+
+RouteFileReader::RouteFileReader(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RouteFileReader::RouteFileReader(RouteFileReader&&) noexcept = default;
+RouteFileReader& RouteFileReader::operator=(RouteFileReader&&) noexcept = default;
+RouteFileReader::~RouteFileReader() = default;
+
+RouteFileReader RouteFileReader::open(const std::string& path) {
+  auto impl = std::make_unique<Impl>();
+  impl->name = path;
+  impl->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (impl->fd < 0) io_fail("open", path);
+  const off_t end = ::lseek(impl->fd, 0, SEEK_END);
+  if (end < 0) io_fail("lseek", path);
+  impl->size = static_cast<int64_t>(end);
+  impl->open();
+  return RouteFileReader(std::move(impl));
+}
+
+RouteFileReader RouteFileReader::from_bytes(std::string_view bytes) {
+  auto impl = std::make_unique<Impl>();
+  impl->name = "<memory>";
+  impl->mem.assign(bytes.data(), bytes.size());
+  impl->size = static_cast<int64_t>(bytes.size());
+  impl->open();
+  return RouteFileReader(std::move(impl));
+}
+
+const RouteFileInfo& RouteFileReader::info() const { return impl_->info; }
+int64_t RouteFileReader::num_sequences() const { return static_cast<int64_t>(impl_->entries.size()); }
+const RouteFileEntry& RouteFileReader::entry(int64_t sequence) const {
+  if (sequence < 0 || sequence >= num_sequences()) {
+    throw std::out_of_range(cat("[route_file] sequence ", sequence, " out of range [0, ",
+                                num_sequences(), ")"));
+  }
+  return impl_->entries[static_cast<size_t>(sequence)];
+}
+bool RouteFileReader::complete() const { return impl_->complete; }
+const std::string& RouteFileReader::status() const { return impl_->status; }
+int64_t RouteFileReader::file_size() const { return impl_->size; }
+
+RouteTable RouteFileReader::read(int64_t sequence) const {
+  const RouteFileEntry& want = entry(sequence);
+  const Impl& s = *impl_;
+  const auto where = [&] {
+    return cat("block ", sequence, " (sequence ", sequence, ") at byte offset ", want.offset, ": ");
+  };
+  RouteFileEntry e;
+  uint32_t flags = 0;
+  int64_t raw_size = 0;
+  uint64_t payload_sum = 0;
+  std::string err = s.parse_block_header(want.offset, sequence, e, flags, raw_size, payload_sum);
+  if (!err.empty()) s.fail(where() + err);
+  if (e.num_tokens != want.num_tokens || e.stored_bytes != want.stored_bytes) {
+    s.fail(where() + "block header disagrees with the index");
+  }
+  const int64_t comp_size = e.stored_bytes - detail::kBlockHeaderSize;
+  std::string comp(static_cast<size_t>(comp_size), '\0');
+  if (!s.read_at(e.offset + detail::kBlockHeaderSize, comp_size, comp.data())) {
+    s.fail(where() + "truncated payload");
+  }
+  if (detail::checksum(comp.data(), comp.size()) != payload_sum) {
+    s.fail(where() + cat("payload checksum mismatch (bytes ", e.offset + detail::kBlockHeaderSize,
+                         "..", e.offset + e.stored_bytes, ")"));
+  }
+  const unsigned long long content = ZSTD_getFrameContentSize(comp.data(), comp.size());
+  if (content != static_cast<unsigned long long>(raw_size)) {
+    s.fail(where() + "compressed frame does not declare the block's payload size");
+  }
+  std::string raw(static_cast<size_t>(raw_size), '\0');
+  const size_t got = ZSTD_decompress(raw.data(), raw.size(), comp.data(), comp.size());
+  if (ZSTD_isError(got)) s.fail(where() + cat("zstd: ", ZSTD_getErrorName(got)));
+  if (static_cast<int64_t>(got) != raw_size) s.fail(where() + "payload decompressed to the wrong size");
+  RouteTable t;
+  t.num_experts = s.info.num_experts;
+  t.topk_idx = Tensor::empty({e.num_tokens, s.info.num_moe_layers, s.info.top_k}, DType::int32);
+  err = detail::decode_payload(raw.data(), raw_size, e.num_tokens, s.info.num_moe_layers,
+                               s.info.top_k, s.info.num_experts, flags, t.topk_idx.data<int32_t>());
+  if (!err.empty()) s.fail(where() + err);
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+RouteFileCheck verify_reader(const RouteFileReader& r) {
+  RouteFileCheck c;
+  c.num_sequences = r.num_sequences();
+  if (!r.complete()) c.problems.push_back(r.status());
+  for (int64_t i = 0; i < r.num_sequences(); ++i) {
+    try {
+      const RouteTable t = r.read(i);
+      ++c.num_readable;
+      c.num_tokens += t.num_tokens();
+    } catch (const DataError& e) {
+      c.problems.emplace_back(e.what());
+    }
+  }
+  c.ok = c.problems.empty();
+  return c;
+}
+
+}  // namespace
+
+RouteFileCheck verify_route_file(const std::string& path) {
+  try {
+    return verify_reader(RouteFileReader::open(path));
+  } catch (const DataError& e) {
+    RouteFileCheck c;
+    c.problems.emplace_back(e.what());
+    return c;
+  }
+}
+
+RouteFileCheck verify_route_bytes(std::string_view bytes) {
+  try {
+    return verify_reader(RouteFileReader::from_bytes(bytes));
+  } catch (const DataError& e) {
+    RouteFileCheck c;
+    c.problems.emplace_back(e.what());
+    return c;
+  }
+}
+
+}  // namespace switchyard

@@ -1,0 +1,431 @@
+// vLLM (.npy) and SGLang (JSON/JSONL + base64) route importers.
+#include "switchyard/route_import.h"
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "check.h"
+#include "switchyard/error.h"
+
+namespace switchyard {
+
+using detail::cat;
+using detail::fail_arg;
+
+namespace {
+
+constexpr const char* kOp = "import";
+constexpr size_t kMaxReportedZeroRows = 8;
+
+// One input element type (the .npy descr, or int32 for SGLang).
+enum class Elem { i1, u1, i2, u2, i4, u4, i8 };
+
+size_t elem_size(Elem e) {
+  switch (e) {
+    case Elem::i1: case Elem::u1: return 1;
+    case Elem::i2: case Elem::u2: return 2;
+    case Elem::i4: case Elem::u4: return 4;
+    case Elem::i8: return 8;
+  }
+  return 0;
+}
+
+int64_t load_elem(const char* p, Elem e) {
+  switch (e) {
+    case Elem::i1: return static_cast<int8_t>(*p);
+    case Elem::u1: return static_cast<uint8_t>(*p);
+    case Elem::i2: { int16_t v; std::memcpy(&v, p, 2); return v; }
+    case Elem::u2: { uint16_t v; std::memcpy(&v, p, 2); return v; }
+    case Elem::i4: { int32_t v; std::memcpy(&v, p, 4); return v; }
+    case Elem::u4: { uint32_t v; std::memcpy(&v, p, 4); return v; }
+    case Elem::i8: { int64_t v; std::memcpy(&v, p, 8); return v; }
+  }
+  return 0;
+}
+
+// Appends one sequence given as a [rows, num_input_layers, top_k] array to `result`.
+void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, int64_t top_k,
+                  const std::string& source, const ImportOptions& opt, ImportResult& result) {
+  ImportReport& rep = result.report;
+  const int64_t seq = static_cast<int64_t>(result.sequences.size());
+  if (opt.num_input_layers > 0 && layers_in != opt.num_input_layers) {
+    fail_arg(kOp, source, " (sequence ", seq, "): expected ", opt.num_input_layers,
+             " layers per token, got ", layers_in);
+  }
+  if (opt.top_k > 0 && top_k != opt.top_k) {
+    fail_arg(kOp, source, " (sequence ", seq, "): expected top_k=", opt.top_k, ", got ", top_k);
+  }
+  if (top_k < 1 || layers_in < 1 || layers_in > 65536 || top_k > 65536 ||
+      layers_in * top_k > (int64_t{1} << 20)) {
+    fail_arg(kOp, source, " (sequence ", seq, "): array shape [", rows, ", ", layers_in, ", ",
+             top_k, "] is not a route array (layers and top_k must be >= 1, their product <= 2^20)");
+  }
+  if (rep.num_sequences > 0 && (layers_in != rep.num_input_layers || top_k != rep.top_k)) {
+    fail_arg(kOp, source, " (sequence ", seq, "): [", layers_in, " layers, top_k ", top_k,
+             "] differs from the earlier sequences' [", rep.num_input_layers, ", ", rep.top_k, "]");
+  }
+  std::vector<int64_t> moe;
+  try {
+    moe = moe_layer_indices(opt.layer_map, layers_in);
+  } catch (const std::invalid_argument& e) {
+    fail_arg(kOp, source, " (sequence ", seq, ", ", layers_in, " layers): ", e.what());
+  }
+  const int64_t M = static_cast<int64_t>(moe.size());
+  const int64_t hidden = layers_in - opt.layer_map.num_mtp_layers;
+  std::vector<uint8_t> is_moe(static_cast<size_t>(layers_in), 0);
+  for (int64_t l : moe) is_moe[size_t(l)] = 1;
+  const size_t es = elem_size(elem);
+  const int64_t E = opt.num_experts;
+
+  RouteTable t = RouteTable::none(rows + 1, M, top_k, E);  // the last token has no route
+  int32_t* out = t.topk_idx.data<int32_t>();
+  int64_t dense_nonzero = 0, first_dense_layer = -1;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t l = 0; l < layers_in; ++l) {
+      const char* row = data + ((r * layers_in + l) * top_k) * int64_t(es);
+      if (!is_moe[size_t(l)]) {
+        if (l < hidden) {
+          for (int64_t k = 0; k < top_k; ++k) {
+            if (load_elem(row + k * int64_t(es), elem) != 0) {
+              if (dense_nonzero++ == 0) first_dense_layer = l;
+              break;
+            }
+          }
+        }
+        continue;
+      }
+      bool zero = true;
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int64_t v = load_elem(row + k * int64_t(es), elem);
+        if (v < -1 || v >= E) {
+          fail_arg(kOp, source, " (sequence ", seq, "): expert id ", v, " at token ", r,
+                   ", hidden layer ", l, ", slot ", k, " is outside [0, num_experts=", E, ")");
+        }
+        zero = zero && v == 0;
+      }
+      if (zero && top_k > 0) {
+        if (opt.zero_rows == ZeroRowPolicy::error) {
+          fail_arg(kOp, source, " (sequence ", seq, "): all-zero row at token ", r,
+                   ", hidden layer ", l, " (zero-filled padding?)");
+        }
+        const int64_t m = std::lower_bound(moe.begin(), moe.end(), l) - moe.begin();
+        if (rep.first_zero_rows.size() < kMaxReportedZeroRows) rep.first_zero_rows.push_back({seq, r, m});
+        ++rep.num_zero_rows;
+        if (opt.zero_rows == ZeroRowPolicy::to_none) continue;  // row stays -1
+      }
+      const int64_t m = std::lower_bound(moe.begin(), moe.end(), l) - moe.begin();
+      int32_t* dst = out + (r * M + m) * top_k;
+      for (int64_t k = 0; k < top_k; ++k) dst[k] = static_cast<int32_t>(load_elem(row + k * int64_t(es), elem));
+    }
+  }
+  if (dense_nonzero > 0) {
+    rep.warnings.push_back(cat(source, ": ", dense_nonzero, " rows on layers the map calls dense hold ",
+                               "nonzero ids (first on hidden layer ", first_dense_layer,
+                               "): is the layer map right?"));
+  }
+  rep.num_input_layers = layers_in;
+  rep.top_k = top_k;
+  rep.moe_layers = moe;
+  ++rep.num_sequences;
+  rep.num_tokens += rows + 1;
+  result.sequences.push_back(std::move(t));
+  result.sources.push_back(source);
+}
+
+void check_options(const ImportOptions& opt) {
+  if (opt.num_experts < 1) fail_arg(kOp, "num_experts must be >= 1, got ", opt.num_experts);
+  if (opt.num_input_layers < 0) fail_arg(kOp, "num_input_layers must be >= 0, got ", opt.num_input_layers);
+  if (opt.top_k < 0) fail_arg(kOp, "top_k must be >= 0, got ", opt.top_k);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw BackendError(cat("open(", path, "): ", std::strerror(errno)));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) throw BackendError(cat("read(", path, "): ", std::strerror(errno)));
+  return ss.str();
+}
+
+// Value of 'key' in a .npy header dict: the raw text up to the next top-level ',' or '}'.
+std::string npy_field(const std::string& header, const std::string& key, const std::string& source) {
+  const size_t k = header.find("'" + key + "'");
+  if (k == std::string::npos) fail_arg(kOp, source, ": .npy header has no '", key, "'");
+  size_t p = header.find(':', k);
+  if (p == std::string::npos) fail_arg(kOp, source, ": .npy header is malformed near '", key, "'");
+  ++p;
+  while (p < header.size() && header[p] == ' ') ++p;
+  size_t end = p;
+  if (p < header.size() && header[p] == '(') {
+    end = header.find(')', p);
+    if (end == std::string::npos) fail_arg(kOp, source, ": .npy header shape is not closed");
+    return header.substr(p, end - p + 1);
+  }
+  if (p < header.size() && header[p] == '\'') {
+    end = header.find('\'', p + 1);
+    if (end == std::string::npos) fail_arg(kOp, source, ": .npy header string is not closed");
+    return header.substr(p + 1, end - p - 1);
+  }
+  while (end < header.size() && header[end] != ',' && header[end] != '}') ++end;
+  return header.substr(p, end - p);
+}
+
+}  // namespace
+
+ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& source,
+                                   const ImportOptions& options) {
+  check_options(options);
+  if (bytes.size() < 10 || std::memcmp(bytes.data(), "\x93NUMPY", 6) != 0) {
+    fail_arg(kOp, source, ": not a .npy file (bad magic)");
+  }
+  const int major = static_cast<uint8_t>(bytes[6]);
+  size_t hlen = 0, hstart = 0;
+  if (major == 1) {
+    hlen = static_cast<uint8_t>(bytes[8]) | (size_t(static_cast<uint8_t>(bytes[9])) << 8);
+    hstart = 10;
+  } else if (major == 2 || major == 3) {
+    if (bytes.size() < 12) fail_arg(kOp, source, ": truncated .npy header");
+    uint32_t v;
+    std::memcpy(&v, bytes.data() + 8, 4);
+    hlen = v;
+    hstart = 12;
+  } else {
+    fail_arg(kOp, source, ": unsupported .npy version ", major);
+  }
+  if (hlen > bytes.size() - hstart) {
+    fail_arg(kOp, source, ": truncated .npy header (", hlen, " bytes declared, ",
+             bytes.size() - hstart, " present)");
+  }
+  const std::string header(bytes.substr(hstart, hlen));
+  const std::string descr = npy_field(header, "descr", source);
+  const std::string fortran = npy_field(header, "fortran_order", source);
+  const std::string shape_text = npy_field(header, "shape", source);
+  Elem elem;
+  if (descr == "<i4" || descr == "=i4") elem = Elem::i4;
+  else if (descr == "<i8" || descr == "=i8") elem = Elem::i8;
+  else if (descr == "<i2" || descr == "=i2") elem = Elem::i2;
+  else if (descr == "<u2" || descr == "=u2") elem = Elem::u2;
+  else if (descr == "<u4" || descr == "=u4") elem = Elem::u4;
+  else if (descr == "|i1" || descr == "<i1") elem = Elem::i1;
+  else if (descr == "|u1" || descr == "<u1") elem = Elem::u1;
+  else fail_arg(kOp, source, ": .npy dtype must be a little-endian integer (e.g. '<i4'), got '", descr, "'");
+  if (fortran != "False") fail_arg(kOp, source, ": .npy must be C-ordered, got fortran_order ", fortran);
+  std::vector<int64_t> shape;
+  if (shape_text.size() < 2 || shape_text.front() != '(' || shape_text.back() != ')') {
+    fail_arg(kOp, source, ": .npy shape must be a tuple, got ", shape_text);
+  }
+  {
+    std::string inner = shape_text.substr(1, shape_text.size() - 2);
+    size_t p = 0;
+    while (p < inner.size()) {
+      while (p < inner.size() && (inner[p] == ' ' || inner[p] == ',')) ++p;
+      if (p >= inner.size()) break;
+      size_t q = p;
+      while (q < inner.size() && inner[q] >= '0' && inner[q] <= '9') ++q;
+      if (q == p || q - p > 12) fail_arg(kOp, source, ": .npy shape ", shape_text, " is malformed");
+      shape.push_back(std::stoll(inner.substr(p, q - p)));
+      p = q;
+      while (p < inner.size() && inner[p] == ' ') ++p;
+      if (p < inner.size() && inner[p] != ',') fail_arg(kOp, source, ": .npy shape ", shape_text, " is malformed");
+    }
+  }
+  if (shape.size() != 3) {
+    fail_arg(kOp, source, ": expected a 3-D array [seq_len-1, num_layers, top_k], got shape ", shape_text);
+  }
+  const size_t data_off = hstart + hlen;
+  const size_t have = bytes.size() - data_off;
+  // Overflow-safe: each dim < 1e12, check the product step by step against the bytes present.
+  long double want = static_cast<long double>(shape[0]) * shape[1] * shape[2] * elem_size(elem);
+  if (want != static_cast<long double>(have)) {
+    fail_arg(kOp, source, ": .npy data is ", have, " bytes, shape ", shape_text, " needs ",
+             static_cast<double>(want));
+  }
+  ImportResult r;
+  import_array(bytes.data() + data_off, elem, shape[0], shape[1], shape[2], source, options, r);
+  return r;
+}
+
+namespace {
+
+void merge(ImportResult& into, ImportResult&& part, const std::string& source) {
+  ImportReport& a = into.report;
+  const ImportReport& b = part.report;
+  if (a.num_sequences > 0 && b.num_sequences > 0 &&
+      (a.num_input_layers != b.num_input_layers || a.top_k != b.top_k)) {
+    fail_arg(kOp, source, ": [", b.num_input_layers, " layers, top_k ", b.top_k,
+             "] differs from the earlier sequences' [", a.num_input_layers, ", ", a.top_k, "]");
+  }
+  for (auto z : b.first_zero_rows) {
+    if (a.first_zero_rows.size() >= kMaxReportedZeroRows) break;
+    z[0] += static_cast<int64_t>(into.sequences.size());
+    a.first_zero_rows.push_back(z);
+  }
+  a.num_zero_rows += b.num_zero_rows;
+  a.num_tokens += b.num_tokens;
+  a.num_sequences += b.num_sequences;
+  if (b.num_sequences > 0) {
+    a.num_input_layers = b.num_input_layers;
+    a.top_k = b.top_k;
+    a.moe_layers = b.moe_layers;
+  }
+  a.warnings.insert(a.warnings.end(), b.warnings.begin(), b.warnings.end());
+  for (auto& t : part.sequences) into.sequences.push_back(std::move(t));
+  for (auto& s : part.sources) into.sources.push_back(std::move(s));
+}
+
+}  // namespace
+
+ImportResult import_vllm(const std::vector<std::string>& paths, const ImportOptions& options) {
+  check_options(options);
+  ImportResult all;
+  for (const auto& p : paths) merge(all, import_vllm_npy_bytes(read_file(p), p, options), p);
+  return all;
+}
+
+ImportResult import_sglang_text(std::string_view text, const std::string& source,
+                                const ImportOptions& options) {
+  check_options(options);
+  if (options.num_input_layers < 1 || options.top_k < 1) {
+    fail_arg(kOp, "SGLang routes are flat: num_input_layers and top_k must be given, got ",
+             options.num_input_layers, " and ", options.top_k);
+  }
+  using nlohmann::json;
+  std::vector<std::pair<std::string, json>> records;
+  json whole = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (!whole.is_discarded()) {
+    if (whole.is_array()) {
+      for (size_t i = 0; i < whole.size(); ++i) records.emplace_back(cat(source, "[", i, "]"), std::move(whole[i]));
+    } else {
+      records.emplace_back(source, std::move(whole));
+    }
+  } else {  // JSONL: one object per non-empty line
+    size_t pos = 0, line = 0;
+    while (pos < text.size()) {
+      size_t end = text.find('\n', pos);
+      if (end == std::string_view::npos) end = text.size();
+      ++line;
+      std::string_view l = text.substr(pos, end - pos);
+      pos = end + 1;
+      if (l.find_first_not_of(" \t\r") == std::string_view::npos) continue;
+      json j = json::parse(l.begin(), l.end(), nullptr, false);
+      if (j.is_discarded()) fail_arg(kOp, source, ":", line, ": not valid JSON (nor is the whole file)");
+      records.emplace_back(cat(source, ":", line), std::move(j));
+    }
+  }
+  ImportResult all;
+  for (auto& [name, j] : records) {
+    if (!j.is_object() || !j.contains("meta_info") || !j["meta_info"].is_object()) {
+      fail_arg(kOp, name, ": record has no meta_info object");
+    }
+    const json& meta = j["meta_info"];
+    if (!meta.contains("routed_experts") || !meta["routed_experts"].is_string()) {
+      fail_arg(kOp, name, ": meta_info.routed_experts must be a base64 string");
+    }
+    std::string raw;
+    try {
+      raw = base64_decode(meta["routed_experts"].get_ref<const std::string&>());
+    } catch (const std::invalid_argument& e) {
+      fail_arg(kOp, name, ": meta_info.routed_experts: ", e.what());
+    }
+    const int64_t row = options.num_input_layers * options.top_k;
+    if (raw.size() % 4 != 0 || (raw.size() / 4) % size_t(row) != 0) {
+      fail_arg(kOp, name, ": routed_experts holds ", raw.size(), " bytes, not a whole number of ",
+               "int32 rows of num_input_layers*top_k=", row);
+    }
+    const int64_t rows = static_cast<int64_t>(raw.size() / 4) / row;
+    ImportResult part;
+    import_array(raw.data(), Elem::i4, rows, options.num_input_layers, options.top_k, name, options, part);
+    if (meta.contains("prompt_tokens") && meta.contains("completion_tokens") &&
+        meta["prompt_tokens"].is_number_integer() && meta["completion_tokens"].is_number_integer()) {
+      const int64_t len = meta["prompt_tokens"].get<int64_t>() + meta["completion_tokens"].get<int64_t>();
+      if (len != rows + 1) {
+        part.report.warnings.push_back(cat(name, ": prompt_tokens + completion_tokens = ", len,
+                                           " but routed_experts covers ", rows + 1, " tokens"));
+      }
+    }
+    merge(all, std::move(part), name);
+  }
+  return all;
+}
+
+ImportResult import_sglang(const std::vector<std::string>& paths, const ImportOptions& options) {
+  check_options(options);
+  ImportResult all;
+  for (const auto& p : paths) merge(all, import_sglang_text(read_file(p), p, options), p);
+  return all;
+}
+
+std::string base64_decode(std::string_view text) {
+  auto val = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+  };
+  size_t n = text.size();
+  size_t pad = 0;
+  while (pad < 2 && n > 0 && text[n - 1] == '=') {
+    --n;
+    ++pad;
+  }
+  if (pad > 0 && text.size() % 4 != 0) {
+    fail_arg("base64", "padded input must have a length divisible by 4, got ", text.size());
+  }
+  if (n % 4 == 1) fail_arg("base64", "length ", n, " (without padding) cannot be base64");
+  std::string out;
+  out.reserve(n / 4 * 3 + 2);
+  uint32_t acc = 0;
+  int bits = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int v = val(text[i]);
+    if (v < 0) {
+      fail_arg("base64", "invalid character ", (text[i] == '=' ? "'=' before the end" : "code " +
+               std::to_string(static_cast<unsigned char>(text[i]))), " at position ", i);
+    }
+    acc = (acc << 6) | uint32_t(v);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back(static_cast<char>((acc >> bits) & 0xff));
+    }
+  }
+  if (bits > 0 && (acc & ((1u << bits) - 1)) != 0) {
+    fail_arg("base64", "non-zero padding bits at the end (not canonical base64)");
+  }
+  return out;
+}
+
+std::string base64_encode(std::string_view bytes) {
+  static const char* kAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve((bytes.size() + 2) / 3 * 4);
+  size_t i = 0;
+  for (; i + 2 < bytes.size(); i += 3) {
+    const uint32_t v = (uint32_t(uint8_t(bytes[i])) << 16) | (uint32_t(uint8_t(bytes[i + 1])) << 8) |
+                       uint8_t(bytes[i + 2]);
+    out += kAlphabet[(v >> 18) & 63];
+    out += kAlphabet[(v >> 12) & 63];
+    out += kAlphabet[(v >> 6) & 63];
+    out += kAlphabet[v & 63];
+  }
+  if (i + 1 == bytes.size()) {
+    const uint32_t v = uint32_t(uint8_t(bytes[i])) << 16;
+    out += kAlphabet[(v >> 18) & 63];
+    out += kAlphabet[(v >> 12) & 63];
+    out += "==";
+  } else if (i + 2 == bytes.size()) {
+    const uint32_t v = (uint32_t(uint8_t(bytes[i])) << 16) | (uint32_t(uint8_t(bytes[i + 1])) << 8);
+    out += kAlphabet[(v >> 18) & 63];
+    out += kAlphabet[(v >> 12) & 63];
+    out += kAlphabet[(v >> 6) & 63];
+    out += '=';
+  }
+  return out;
+}
+
+}  // namespace switchyard

@@ -1,0 +1,158 @@
+// Expert load and route drift: integer counting over route tables.
+#include "switchyard/route_stats.h"
+
+#include <algorithm>
+
+#include "check.h"
+
+namespace switchyard {
+
+using detail::fail_arg;
+
+void accumulate_expert_load(const RouteTable& table, ExpertLoad& load) {
+  const char* op = "expert_load";
+  check_route_table(table, op, "table");
+  const int64_t T = table.num_tokens(), L = table.num_moe_layers(), K = table.top_k(), E = table.num_experts;
+  if (load.num_experts == 0 && load.num_moe_layers == 0) {
+    load.num_experts = E;
+    load.num_moe_layers = L;
+    load.num_tokens_per_expert.assign(size_t(L * E), 0);
+    load.num_assignments.assign(size_t(L), 0);
+    load.num_none_rows.assign(size_t(L), 0);
+  }
+  if (load.num_experts != E || load.num_moe_layers != L) {
+    fail_arg(op, "table must have num_experts=", load.num_experts, " and num_moe_layers=",
+             load.num_moe_layers, " like the load, got ", E, " and ", L);
+  }
+  const int32_t* p = table.topk_idx.data<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t l = 0; l < L; ++l) {
+      const int32_t* row = p + (t * L + l) * K;
+      int64_t valid = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        if (row[k] >= 0) {
+          ++load.num_tokens_per_expert[size_t(l * E + row[k])];
+          ++valid;
+        }
+      }
+      load.num_assignments[size_t(l)] += valid;
+      if (valid == 0) ++load.num_none_rows[size_t(l)];
+    }
+  }
+}
+
+ExpertLoad expert_load(const RouteTable& table) {
+  ExpertLoad load;
+  accumulate_expert_load(table, load);
+  return load;
+}
+
+std::vector<HotExpert> hot_experts(const ExpertLoad& load, int64_t layer, int64_t n) {
+  if (layer < 0 || layer >= load.num_moe_layers) {
+    fail_arg("hot_experts", "layer must be in [0, ", load.num_moe_layers, "), got ", layer);
+  }
+  if (n < 0) fail_arg("hot_experts", "n must be >= 0, got ", n);
+  std::vector<HotExpert> all(static_cast<size_t>(load.num_experts));
+  const int64_t total = load.num_assignments[size_t(layer)];
+  for (int64_t e = 0; e < load.num_experts; ++e) {
+    const int64_t c = load.count(layer, e);
+    all[size_t(e)] = {e, c, total > 0 ? double(c) / double(total) : 0.0};
+  }
+  std::stable_sort(all.begin(), all.end(), [](const HotExpert& a, const HotExpert& b) { return a.count > b.count; });
+  all.resize(static_cast<size_t>(std::min<int64_t>(n, load.num_experts)));
+  return all;
+}
+
+double load_imbalance(const ExpertLoad& load, int64_t layer) {
+  if (layer < 0 || layer >= load.num_moe_layers) {
+    fail_arg("load_imbalance", "layer must be in [0, ", load.num_moe_layers, "), got ", layer);
+  }
+  const int64_t total = load.num_assignments[size_t(layer)];
+  if (total == 0) return 0.0;
+  int64_t mx = 0;
+  for (int64_t e = 0; e < load.num_experts; ++e) mx = std::max(mx, load.count(layer, e));
+  return double(mx) * double(load.num_experts) / double(total);
+}
+
+double RouteDrift::decision_mismatch() const {
+  return num_decisions ? double(num_differing_decisions) / double(num_decisions) : 0.0;
+}
+double RouteDrift::token_mismatch() const {
+  return num_tokens ? double(num_differing_tokens) / double(num_tokens) : 0.0;
+}
+double RouteDrift::mean_differing_layers() const {
+  return num_tokens ? double(num_differing_rows) / double(num_tokens) : 0.0;
+}
+double RouteDrift::layer_mismatch(int64_t layer) const {
+  if (layer < 0 || layer >= static_cast<int64_t>(layer_decisions.size())) {
+    fail_arg("route_drift", "layer must be in [0, ", layer_decisions.size(), "), got ", layer);
+  }
+  const int64_t d = layer_decisions[size_t(layer)];
+  return d ? double(layer_differing_decisions[size_t(layer)]) / double(d) : 0.0;
+}
+
+void accumulate_route_drift(const RouteTable& a, const RouteTable& b, RouteDrift& drift) {
+  const char* op = "route_drift";
+  check_route_table(a, op, "a");
+  check_route_table(b, op, "b");
+  if (a.topk_idx.shape() != b.topk_idx.shape() || a.num_experts != b.num_experts) {
+    fail_arg(op, "a and b must have the same shape and num_experts, got ", shape_str(a.topk_idx.shape()),
+             " (E=", a.num_experts, ") and ", shape_str(b.topk_idx.shape()), " (E=", b.num_experts, ")");
+  }
+  const int64_t T = a.num_tokens(), L = a.num_moe_layers(), K = a.top_k();
+  if (drift.layer_decisions.empty()) {
+    drift.layer_decisions.assign(size_t(L), 0);
+    drift.layer_differing_decisions.assign(size_t(L), 0);
+  }
+  if (static_cast<int64_t>(drift.layer_decisions.size()) != L) {
+    fail_arg(op, "tables must have the drift's ", drift.layer_decisions.size(), " layers, got ", L);
+  }
+  const int32_t* pa = a.topk_idx.data<int32_t>();
+  const int32_t* pb = b.topk_idx.data<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t compared = 0, differing = 0;
+    for (int64_t l = 0; l < L; ++l) {
+      const int32_t* ra = pa + (t * L + l) * K;
+      const int32_t* rb = pb + (t * L + l) * K;
+      const bool va = std::any_of(ra, ra + K, [](int32_t v) { return v >= 0; });
+      const bool vb = std::any_of(rb, rb + K, [](int32_t v) { return v >= 0; });
+      if (!va || !vb) {
+        ++drift.num_skipped_rows;
+        continue;
+      }
+      ++compared;
+      int64_t decisions = 0, diff = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        if (ra[k] < 0) continue;
+        ++decisions;
+        diff += std::find(rb, rb + K, ra[k]) == rb + K;
+      }
+      drift.num_decisions += decisions;
+      drift.num_differing_decisions += diff;
+      drift.layer_decisions[size_t(l)] += decisions;
+      drift.layer_differing_decisions[size_t(l)] += diff;
+      // A row differs when the sets differ (B may hold an id A lacks even if A's ids are all in B).
+      bool row_differs = diff > 0;
+      if (!row_differs) {
+        for (int64_t k = 0; k < K && !row_differs; ++k) {
+          row_differs = rb[k] >= 0 && std::find(ra, ra + K, rb[k]) == ra + K;
+        }
+      }
+      differing += row_differs;
+    }
+    drift.num_rows += compared;
+    drift.num_differing_rows += differing;
+    if (compared > 0) {
+      ++drift.num_tokens;
+      drift.num_differing_tokens += differing > 0;
+    }
+  }
+}
+
+RouteDrift route_drift(const RouteTable& a, const RouteTable& b) {
+  RouteDrift d;
+  accumulate_route_drift(a, b, d);
+  return d;
+}
+
+}  // namespace switchyard

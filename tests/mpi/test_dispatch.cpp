@@ -1,0 +1,377 @@
+// Expert-parallel dispatch over MPI, registered for 1, 2, 3 and 4 ranks. Every rank builds the whole
+// global batch from a seed and computes the EP=1 result locally (routing plan + permute/unpermute on
+// the concatenated batch), so each registration proves bitwise EP-invariance. Payload rows encode
+// (source rank, token) so every received row's origin and destination is checked.
+#include <gtest/gtest.h>
+// C API only: the deprecated C++ bindings would need libmpi_cxx.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <random>
+
+#include "ref/dispatch_ref.h"
+#include "switchyard/dispatcher.h"
+#include "testing.h"
+
+namespace switchyard {
+namespace {
+
+using dist::DispatcherKind;
+using testing::bitwise_equal;
+using testing::repro;
+using testing::test_seed;
+
+enum class Routes { replay, one_expert, one_rank, zero_token_rank };
+
+const char* routes_name(Routes r) {
+  switch (r) {
+    case Routes::replay: return "replay";
+    case Routes::one_expert: return "one_expert";
+    case Routes::one_rank: return "one_rank";
+    case Routes::zero_token_rank: return "zero_token_rank";
+  }
+  return "?";
+}
+
+std::shared_ptr<dist::Communicator> comm() {
+  static std::shared_ptr<dist::Communicator> c = dist::world();
+  return c;
+}
+
+// The global batch of P ranks, identical on every rank.
+struct Global {
+  int64_t P, E, K, H;
+  DType dtype;
+  std::vector<int64_t> T, tok_off;
+  Tensor x, idx, w;  // concatenated over ranks: [sum T, H], [sum T, K], [sum T, K]
+};
+
+Global make_global(int64_t P, int64_t E, int64_t K, int64_t H, DType dtype, Routes routes,
+                   uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Global g{P, E, K, H, dtype, {}, {0}, {}, {}, {}};
+  std::uniform_int_distribution<int> tdist(0, 40);
+  for (int64_t r = 0; r < P; ++r) {
+    int64_t T = tdist(rng) + r * 3;  // T differs per rank
+    if (routes == Routes::zero_token_rank && r == P - 1) T = 0;
+    g.T.push_back(T);
+    g.tok_off.push_back(g.tok_off.back() + T);
+  }
+  const int64_t N = g.tok_off.back();
+  std::vector<double> xv(static_cast<size_t>(N * H));
+  std::normal_distribution<double> nd(0.0, 1.0);
+  for (int64_t r = 0; r < P; ++r) {
+    for (int64_t t = 0; t < g.T[r]; ++t) {
+      for (int64_t h = 0; h < H; ++h) {
+        // Columns 0 and 1 encode (source rank, token): small integers, exact in bf16.
+        xv[static_cast<size_t>((g.tok_off[r] + t) * H + h)] = h == 0 ? r : h == 1 ? t : nd(rng);
+      }
+    }
+  }
+  g.x = Tensor::from_vector(xv, {N, H}).to(DType::fp32).to(dtype);
+  std::vector<int32_t> idx(static_cast<size_t>(N * K));
+  std::vector<float> w(static_cast<size_t>(N * K));
+  std::uniform_int_distribution<int> ex(0, static_cast<int>(E - 1)), kind(0, 7), kk(0, 3);
+  std::uniform_real_distribution<float> wd(0.05f, 1.0f);
+  const int64_t L = E / P;
+  for (int64_t n = 0; n < N; ++n) {
+    const int c = kind(rng);
+    for (int64_t k = 0; k < K; ++k) {
+      int32_t v = ex(rng);
+      switch (routes) {
+        case Routes::one_expert: v = static_cast<int32_t>(E / 2); break;
+        case Routes::one_rank: v = static_cast<int32_t>((P - 1) * L + (ex(rng) % L)); break;
+        default:
+          if (c == 0) v = 0;                                   // zero-filled replay padding row
+          if (c == 1) v = -1;                                  // no route
+          if (c == 2 && kk(rng) == 0) v = -1;                  // dropped slot
+          if (c == 3 && k > 0 && kk(rng) < 2) v = idx[static_cast<size_t>(n * K + k - 1)];  // repeat
+      }
+      idx[static_cast<size_t>(n * K + k)] = v;
+      w[static_cast<size_t>(n * K + k)] = wd(rng);
+    }
+  }
+  g.idx = Tensor::from_vector(idx, {N, K});
+  g.w = Tensor::from_vector(w, {N, K});
+  return g;
+}
+
+// Rows [begin, end) of a 2-D tensor, copied.
+Tensor rows(const Tensor& t, int64_t begin, int64_t end) {
+  const int64_t cols = t.dim() == 2 ? t.size(1) : 1;
+  Shape s = t.shape();
+  s[0] = end - begin;
+  Tensor out = Tensor::empty(s, t.dtype());
+  const size_t rb = static_cast<size_t>(cols) * dtype_size(t.dtype());
+  if (end > begin) {
+    std::memcpy(out.raw(), static_cast<const unsigned char*>(t.raw()) + begin * rb,
+                static_cast<size_t>(end - begin) * rb);
+  }
+  return out;
+}
+
+// A deterministic row-wise "expert": Y[i] = x[i] * (1 + e/8) + e/4 in fp32, stored in x's dtype.
+Tensor expert_fn(const Tensor& x, const std::vector<int64_t>& expert_of_row) {
+  Tensor out = Tensor::empty(x.shape(), DType::fp32);
+  auto xv = x.to_double_vector();
+  float* o = out.data<float>();
+  const int64_t H = x.size(1);
+  for (int64_t i = 0; i < x.size(0); ++i) {
+    const float e = static_cast<float>(expert_of_row[static_cast<size_t>(i)]);
+    for (int64_t h = 0; h < H; ++h) {
+      o[i * H + h] = static_cast<float>(xv[static_cast<size_t>(i * H + h)]) * (1.0f + e / 8.0f) + e / 4.0f;
+    }
+  }
+  return out.to(x.dtype());
+}
+
+struct Checked {
+  Tensor recv_x, y, grad_x, grad_expert_y, grad_w;
+};
+
+// Dispatch rank `me`'s slice of `g` with `kind`, run the whole forward/backward and check every
+// output bitwise against the EP=1 computation on the global batch.
+Checked run_and_check(const Global& g, DispatcherKind kind, WeightMode mode, uint64_t seed) {
+  dist::Communicator& c = *comm();
+  const int64_t P = c.size(), me = c.rank(), E = g.E, L = E / P, H = g.H, K = g.K;
+  const std::string ctx = std::string(kind == DispatcherKind::all_to_all ? "all_to_all" : "all_gather") +
+                          " EP=" + std::to_string(P) + " rank=" + std::to_string(me) + " " +
+                          dtype_name(g.dtype) + " " + repro(seed);
+  // EP = 1, locally, on the global batch.
+  RoutingPlan gp = build_routing_plan(g.idx, g.w, E);
+  Tensor gperm = permute(g.x, gp);
+  const int32_t* gre = gp.row_expert.data<int32_t>();
+  std::vector<int64_t> gexp(gre, gre + gp.num_rows);
+  Tensor gY = expert_fn(gperm, gexp);
+  const UnpermuteOptions uo{mode};
+  Tensor gy = unpermute(gY, gp, uo);
+  std::mt19937_64 rng(seed + 1);
+  const int64_t N = g.tok_off.back();
+  Tensor ggrad = testing::randn({N, H}, g.dtype, rng);
+  UnpermuteGrads gg = unpermute_backward(ggrad, gY, gp, uo);
+  Tensor ggx = permute_backward(gg.grad_permuted, gp);
+
+  // This rank's slice, dispatched.
+  const int64_t b = g.tok_off[me], e_ = g.tok_off[me + 1];
+  dist::DispatchOptions opt;
+  opt.num_experts = E;
+  opt.kind = kind;
+  dist::DispatchResult d = dist::dispatch(rows(g.x, b, e_), rows(g.idx, b, e_), rows(g.w, b, e_), opt, c);
+  const dist::DispatchHandle& h = d.handle;
+  Checked out;
+  out.recv_x = d.recv_x;
+  const int64_t* goff = gp.expert_offsets.data<int64_t>();
+  const int64_t r0 = goff[me * L], r1 = goff[(me + 1) * L];
+  EXPECT_EQ(h.num_recv_tokens, r1 - r0) << ctx;
+  EXPECT_TRUE(bitwise_equal(d.recv_x, rows(gperm, r0, r1))) << ctx;
+  EXPECT_TRUE(bitwise_equal(d.recv_topk_weights, rows(gp.row_weight.reshape({gp.num_rows, 1}), r0, r1).reshape({r1 - r0}))) << ctx;
+  for (int64_t el = 0; el < L; ++el) {
+    EXPECT_EQ(h.num_tokens_per_expert.data<int64_t>()[el], gp.num_tokens_per_expert.data<int64_t>()[me * L + el]) << ctx;
+  }
+  // Every row came from the (rank, token) its payload says, and that token routes to this expert.
+  const int64_t* grt = gp.row_token.data<int64_t>();
+  const int32_t* gidx = g.idx.data<int32_t>();
+  std::vector<int64_t> expert_of_row(static_cast<size_t>(h.num_recv_tokens));
+  for (int64_t i = 0; i < h.num_recv_tokens; ++i) {
+    const int64_t s = h.recv_src_rank.data<int32_t>()[i], t = h.recv_src_token.data<int64_t>()[i];
+    EXPECT_EQ(d.recv_x.item_as_double(i * H + 0), s) << "row " << i << " " << ctx;
+    EXPECT_EQ(d.recv_x.item_as_double(i * H + 1), t) << "row " << i << " " << ctx;
+    EXPECT_EQ(g.tok_off[s] + t, grt[r0 + i]) << "row " << i << " " << ctx;
+    const int64_t e = gre[r0 + i];
+    EXPECT_EQ(e / L, me) << ctx;
+    bool routed = false;
+    for (int64_t k = 0; k < K; ++k) routed = routed || gidx[(g.tok_off[s] + t) * K + k] == e;
+    EXPECT_TRUE(routed) << "row " << i << " " << ctx;
+    expert_of_row[static_cast<size_t>(i)] = e;
+  }
+  // Experts run locally; combine back; compare bitwise with EP = 1.
+  Tensor Y = expert_fn(d.recv_x, expert_of_row);
+  out.y = dist::combine(Y, h, uo, c);
+  EXPECT_TRUE(bitwise_equal(out.y, rows(gy, b, e_))) << "combine " << ctx;
+  dist::CombineGrads cg = dist::combine_backward(rows(ggrad, b, e_), Y, h, uo, c);
+  out.grad_expert_y = cg.grad_expert_y;
+  out.grad_w = cg.grad_topk_weights;
+  EXPECT_TRUE(bitwise_equal(cg.grad_expert_y, rows(gg.grad_permuted, r0, r1))) << "combine_backward " << ctx;
+  EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, rows(gg.grad_topk_weights, b, e_))) << "grad_topk_weights " << ctx;
+  out.grad_x = dist::dispatch_backward(cg.grad_expert_y, h, c);
+  EXPECT_TRUE(bitwise_equal(out.grad_x, rows(ggx, b, e_))) << "dispatch_backward " << ctx;
+  return out;
+}
+
+void check_both_dispatchers(const Global& g, uint64_t seed) {
+  for (WeightMode mode : {WeightMode::apply, WeightMode::skip}) {
+    Checked a = run_and_check(g, DispatcherKind::all_to_all, mode, seed);
+    Checked b = run_and_check(g, DispatcherKind::all_gather, mode, seed);
+    EXPECT_TRUE(bitwise_equal(a.recv_x, b.recv_x));
+    EXPECT_TRUE(bitwise_equal(a.y, b.y));
+    EXPECT_TRUE(bitwise_equal(a.grad_x, b.grad_x));
+    EXPECT_TRUE(bitwise_equal(a.grad_w, b.grad_w));
+  }
+}
+
+TEST(Dispatch, ReplayRoutesMatchEpOneBitwise) {
+  // The regression: zero-filled padding rows [0,0,...,0], repeated ids and -1 rows.
+  const int64_t P = comm()->size();
+  for (DType dt : {DType::fp32, DType::bf16}) {
+    for (int64_t E : {12, 24}) {
+      const uint64_t seed = test_seed(1000 + E);
+      check_both_dispatchers(make_global(P, E, 4, 37, dt, Routes::replay, seed), seed);
+    }
+  }
+  const uint64_t seed = test_seed(2000);
+  check_both_dispatchers(make_global(P, 12, 12, 19, DType::fp32, Routes::replay, seed), seed);  // K = E
+}
+
+TEST(Dispatch, SkewedAndEmptyRanks) {
+  const int64_t P = comm()->size();
+  for (Routes r : {Routes::one_expert, Routes::one_rank, Routes::zero_token_rank}) {
+    SCOPED_TRACE(routes_name(r));
+    const uint64_t seed = test_seed(3000 + static_cast<int>(r));
+    check_both_dispatchers(make_global(P, 12, 3, 21, DType::bf16, r, seed), seed);
+  }
+}
+
+TEST(Dispatch, CombineMatchesDoubleReference) {
+  // Not only EP-invariant but right: combine against the definition in double.
+  const int64_t P = comm()->size();
+  const uint64_t seed = test_seed(4000);
+  Global g = make_global(P, 12, 4, 16, DType::fp32, Routes::replay, seed);
+  Checked a = run_and_check(g, DispatcherKind::all_to_all, WeightMode::apply, seed);
+  const int64_t me = comm()->rank(), b = g.tok_off[me], T = g.T[me];
+  auto idxv = rows(g.idx, b, b + T).data<int32_t>();
+  (void)idxv;
+  std::vector<int32_t> idx(g.idx.data<int32_t>() + b * g.K, g.idx.data<int32_t>() + (b + T) * g.K);
+  std::vector<float> w(g.w.data<float>() + b * g.K, g.w.data<float>() + (b + T) * g.K);
+  auto pairs = ref::token_pairs(idx, w, T, g.K);
+  // Expert output of (token, e) in double: x * (1 + e/8) + e/4.
+  auto xv = rows(g.x, b, b + T).to_double_vector();
+  std::vector<double> want(static_cast<size_t>(T * g.H), 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (const auto& p : pairs[static_cast<size_t>(t)])
+      for (int64_t h = 0; h < g.H; ++h)
+        want[t * g.H + h] += p.weight * (xv[t * g.H + h] * (1.0 + p.expert / 8.0) + p.expert / 4.0);
+  EXPECT_TRUE(testing::all_close(a.y, want, 1e-5, 1e-5)) << repro(seed);
+}
+
+TEST(Dispatch, IdOutOfRangeOnOneRankRaisesEverywhere) {
+  dist::Communicator& c = *comm();
+  const int64_t P = c.size(), me = c.rank();
+  const uint64_t seed = test_seed(5000);
+  Global g = make_global(P, 12, 4, 8, DType::fp32, Routes::replay, seed);
+  for (DispatcherKind kind : {DispatcherKind::all_to_all, DispatcherKind::all_gather}) {
+    const int64_t T = 3;
+    std::vector<int32_t> idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+    if (me == P - 1) idx[6] = 12;  // only the last rank is wrong
+    dist::DispatchOptions opt;
+    opt.num_experts = 12;
+    opt.kind = kind;
+    SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({T, 8}, DType::fp32), Tensor::from_vector(idx, {T, 4}),
+                                       Tensor::full({T, 4}, DType::fp32, 0.25), opt, c),
+                        std::invalid_argument,
+                        "[dispatch] on rank " + std::to_string(P - 1) +
+                            ": [routing_plan] topk_idx must hold ids in [0, num_experts=12) or -1, got "
+                            "topk_idx[1, 2]=12");
+  }
+  // The communicator is still in step: a good dispatch works afterwards.
+  check_both_dispatchers(g, seed);
+}
+
+TEST(Dispatch, WrongHiddenOrDtypeOnOneRankRaisesEverywhere) {
+  dist::Communicator& c = *comm();
+  const int64_t P = c.size(), me = c.rank();
+  dist::DispatchOptions opt;
+  opt.num_experts = 12;
+  const int64_t H = (P > 1 && me == 1) ? 9 : 8;
+  auto idx = Tensor::zeros({2, 2}, DType::int32);
+  auto w = Tensor::full({2, 2}, DType::fp32, 0.5);
+  if (P > 1) {
+    SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, H}, DType::fp32), idx, w, opt, c),
+                        std::invalid_argument,
+                        "[dispatch] x must have the same hidden size on every rank, got hidden=8 on "
+                        "rank 0 and hidden=9 on rank 1");
+    const DType dt = me == P - 1 ? DType::bf16 : DType::fp32;
+    SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, dt), idx, w, opt, c),
+                        std::invalid_argument, "x must have the same dtype on every rank");
+  }
+  // A bad local shape on the last rank only (weights not matching topk_idx).
+  auto bad_w = me == P - 1 ? Tensor::zeros({2, 3}, DType::fp32) : w;
+  SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, bad_w, opt, c),
+                      std::invalid_argument,
+                      "[dispatch] on rank " + std::to_string(P - 1) + ": [dispatch] topk_weights");
+  // combine with a wrong hidden size on the last rank only.
+  dist::DispatchResult d = dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, w, opt, c);
+  const int64_t HY = me == P - 1 ? 7 : 8;
+  SY_EXPECT_THROW_MSG(dist::combine(Tensor::zeros({d.handle.num_recv_tokens, HY}, DType::fp32),
+                                    d.handle, {}, c),
+                      std::invalid_argument,
+                      "[combine] on rank " + std::to_string(P - 1) + ": [combine] expert_y");
+  Tensor y = dist::combine(Tensor::zeros({d.handle.num_recv_tokens, 8}, DType::fp32), d.handle, {}, c);
+  EXPECT_EQ(y.shape(), (Shape{2, 8}));
+}
+
+TEST(Dispatch, RejectsExpertsNotDivisibleByEpUpFront) {
+  dist::Communicator& c = *comm();
+  const int64_t P = c.size();
+  dist::DispatchOptions opt;
+  opt.num_experts = P == 1 ? 0 : 2 * P + 1;
+  SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({1, 4}, DType::fp32), Tensor::zeros({1, 1}, DType::int32),
+                                     Tensor::zeros({1, 1}, DType::fp32), opt, c),
+                      std::invalid_argument,
+                      P == 1 ? std::string("num_experts must be >= 1")
+                             : "[dispatch] num_experts must be divisible by the expert-parallel size " +
+                                   std::to_string(P) + ", got num_experts=" + std::to_string(2 * P + 1));
+  dist::DispatchOptions pad;
+  pad.num_experts = 4 * P;
+  pad.plan.expert_alignment = 8;
+  SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({1, 4}, DType::fp32), Tensor::zeros({1, 1}, DType::int32),
+                                     Tensor::zeros({1, 1}, DType::fp32), pad, c),
+                      std::invalid_argument, "options.plan must not pad");
+}
+
+TEST(Communicator, CollectivesMoveTheRightBytes) {
+  dist::Communicator& c = *comm();
+  const int64_t P = c.size(), me = c.rank();
+  EXPECT_EQ(c.name(), "mpi");
+  int world = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  EXPECT_EQ(P, world);
+  // alltoallv: rank s sends (s + r) values "1000*s + r" to rank r.
+  std::vector<int64_t> send_counts(P), recv_counts(P);
+  std::vector<int32_t> send;
+  for (int64_t r = 0; r < P; ++r) {
+    send_counts[r] = me + r;
+    recv_counts[r] = r + me;
+    for (int64_t j = 0; j < me + r; ++j) send.push_back(static_cast<int32_t>(1000 * me + r));
+  }
+  std::vector<int32_t> recv(static_cast<size_t>(P * me + P * (P - 1) / 2) + 1);
+  c.alltoallv(send.data(), send_counts, recv.data(), recv_counts, sizeof(int32_t));
+  size_t i = 0;
+  for (int64_t s = 0; s < P; ++s)
+    for (int64_t j = 0; j < s + me; ++j) EXPECT_EQ(recv[i++], 1000 * s + me);
+  // allgatherv with a zero-length rank.
+  std::vector<int64_t> counts(P);
+  for (int64_t r = 0; r < P; ++r) counts[r] = r % 2 ? 0 : r + 1;
+  std::vector<double> mine(static_cast<size_t>(counts[me]), static_cast<double>(me));
+  std::vector<double> all(static_cast<size_t>(P * P + 1));
+  c.allgatherv(mine.data(), counts[me], all.data(), counts, sizeof(double));
+  i = 0;
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t j = 0; j < counts[r]; ++j) EXPECT_EQ(all[i++], r);
+  int64_t v[2] = {me, -me};
+  c.allreduce_max(v, 2);
+  EXPECT_EQ(v[0], P - 1);
+  EXPECT_EQ(v[1], 0);
+  c.barrier();
+  // The local communicator is size 1 and copies.
+  auto l = dist::local();
+  EXPECT_EQ(l->size(), 1);
+  std::vector<int64_t> one = {7, 8};
+  EXPECT_EQ(l->allgather(one), one);
+  // A second world communicator is an independent duplicate.
+  auto c2 = dist::world();
+  EXPECT_EQ(c2->rank(), me);
+}
+
+}  // namespace
+}  // namespace switchyard

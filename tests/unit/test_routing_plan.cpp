@@ -1,0 +1,201 @@
+// Routing plan: pairs, merges, order, counts, offsets, capacity and padding, against the reference.
+#include "switchyard/routing_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+
+#include "ref/dispatch_ref.h"
+#include "testing.h"
+
+namespace switchyard {
+namespace {
+
+using testing::repro;
+using testing::test_seed;
+
+std::vector<int64_t> i64(const Tensor& t) {
+  const int64_t* p = t.data<int64_t>();
+  return std::vector<int64_t>(p, p + t.numel());
+}
+
+// Random routes with -1 slots, -1 rows, all-zero (replay padding) rows and repeated ids.
+std::vector<int32_t> random_routes(int64_t T, int64_t K, int64_t E, std::mt19937_64& rng) {
+  std::vector<int32_t> idx(static_cast<size_t>(T * K));
+  std::uniform_int_distribution<int> kind(0, 9), ex(0, static_cast<int>(E - 1)), kk(0, 4);
+  for (int64_t t = 0; t < T; ++t) {
+    const int c = kind(rng);
+    for (int64_t k = 0; k < K; ++k) {
+      int32_t v = ex(rng);
+      if (c == 0) v = 0;                    // zero-filled padding row
+      if (c == 1) v = -1;                   // no route
+      if (c == 2 && kk(rng) == 0) v = -1;   // some dropped slots
+      if (c == 3 && k > 0 && kk(rng) < 2) v = idx[static_cast<size_t>(t * K + k - 1)];  // repeats
+      idx[static_cast<size_t>(t * K + k)] = v;
+    }
+  }
+  return idx;
+}
+
+std::vector<float> random_weights(int64_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> u(0.01f, 1.0f);
+  std::vector<float> w(static_cast<size_t>(n));
+  for (auto& v : w) v = u(rng);
+  return w;
+}
+
+TEST(RoutingPlan, ReplayPaddingRowsCollapseToOnePair) {
+  // The crash of real runs: zero-filled rows [0,0,0,0] are ONE pair, not K.
+  const std::vector<int32_t> idx = {0, 0, 0, 0,  3, 1, -1, 1,  -1, -1, -1, -1,  2, 0, 3, 1};
+  const std::vector<float> w = {0.25f, 0.25f, 0.25f, 0.25f, 0.5f, 0.2f, 0.1f, 0.2f,
+                                1, 1, 1, 1, 0.1f, 0.2f, 0.3f, 0.4f};
+  RoutingPlan p = build_routing_plan(Tensor::from_vector(idx, {4, 4}), Tensor::from_vector(w, {4, 4}), 4);
+  EXPECT_EQ(p.num_pairs, 1 + 2 + 0 + 4);
+  EXPECT_EQ(p.num_rows, 7);
+  EXPECT_EQ(i64(p.num_tokens_per_expert), (std::vector<int64_t>{2, 2, 1, 2}));
+  EXPECT_EQ(i64(p.expert_offsets), (std::vector<int64_t>{0, 2, 4, 5, 7}));
+  EXPECT_EQ(i64(p.row_token), (std::vector<int64_t>{0, 3, 1, 3, 3, 1, 3}));
+  EXPECT_EQ(i64(p.slot_row), (std::vector<int64_t>{0, 0, 0, 0, 5, 2, -1, 2, -1, -1, -1, -1, 4, 1, 6, 3}));
+  const float* rw = p.row_weight.data<float>();
+  EXPECT_EQ(rw[0], 1.0f);
+  EXPECT_EQ(rw[2], 0.2f + 0.2f);
+  EXPECT_EQ(rw[5], 0.5f);
+  EXPECT_EQ(i64(p.token_offsets), (std::vector<int64_t>{0, 1, 3, 3, 7}));
+  EXPECT_EQ(i64(p.token_rows), (std::vector<int64_t>{0, 5, 2, 4, 1, 6, 3}));
+}
+
+TEST(RoutingPlan, MatchesReferenceOnRandomRoutes) {
+  for (int64_t T : {0, 1, 7, 1031}) {
+    for (int64_t E : {1, 2, 8, 64, 256}) {
+      for (int64_t K : {int64_t{1}, int64_t{2}, int64_t{8}, E}) {
+        if (T * K > 300000) continue;
+        const uint64_t seed = test_seed(100 + T * 7 + E * 13 + K);
+        std::mt19937_64 rng(seed);
+        auto idx = random_routes(T, K, E, rng);
+        auto w = random_weights(T * K, rng);
+        RoutingPlan p = build_routing_plan(Tensor::from_vector(idx, {T, K}),
+                                           Tensor::from_vector(w, {T, K}), E);
+        auto pairs = ref::token_pairs(idx, w, T, K);
+        auto rows = ref::expert_major_rows(pairs, E);
+        const std::string ctx = "T=" + std::to_string(T) + " E=" + std::to_string(E) +
+                                " K=" + std::to_string(K) + " " + repro(seed);
+        ASSERT_EQ(p.num_pairs, static_cast<int64_t>(rows.size())) << ctx;
+        ASSERT_EQ(p.num_rows, p.num_pairs) << ctx;
+        EXPECT_EQ(p.num_dropped, 0);
+        const int64_t* rt = p.row_token.data<int64_t>();
+        const int32_t* re = p.row_expert.data<int32_t>();
+        std::map<std::pair<int64_t, int64_t>, int64_t> row_of;
+        for (size_t r = 0; r < rows.size(); ++r) {
+          ASSERT_EQ(rt[r], rows[r].first) << "row " << r << " " << ctx;
+          ASSERT_EQ(re[r], rows[r].second) << "row " << r << " " << ctx;
+          row_of[rows[r]] = static_cast<int64_t>(r);
+        }
+        // Counts sum to the pairs; offsets are their exclusive prefix sum.
+        const int64_t* c = p.num_tokens_per_expert.data<int64_t>();
+        const int64_t* o = p.expert_offsets.data<int64_t>();
+        int64_t sum = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          ASSERT_EQ(o[e], sum) << ctx;
+          sum += c[e];
+        }
+        ASSERT_EQ(o[E], p.num_pairs) << ctx;
+        // Merged weights: fp32 sum in k order equals the double reference within one rounding
+        // per merged slot.
+        const float* rw = p.row_weight.data<float>();
+        const int64_t* sr = p.slot_row.data<int64_t>();
+        for (const auto& ps : pairs) {
+          for (const auto& q : ps) {
+            const int64_t r = row_of.at({q.token, q.expert});
+            ASSERT_NEAR(rw[r], q.weight, 1e-6 * q.slots.size()) << ctx;
+            for (int64_t k : q.slots) ASSERT_EQ(sr[q.token * K + k], r) << ctx;
+          }
+        }
+        for (int64_t s = 0; s < T * K; ++s) {
+          if (idx[static_cast<size_t>(s)] < 0) {
+            ASSERT_EQ(sr[s], -1) << ctx;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(RoutingPlan, CapacityPositionKeepsFirstTokens) {
+  // Every token to expert 1 (skew), capacity 2.
+  std::vector<int32_t> idx = {1, 0, 1, 2, 1, -1, 1, 0, 1, 2};
+  std::vector<float> w = {0.1f, 0.9f, 0.2f, 0.8f, 0.9f, 0.f, 0.3f, 0.7f, 0.8f, 0.2f};
+  RoutingPlanOptions o;
+  o.expert_capacity = 2;
+  o.token_drop_policy = PlanDropPolicy::position;
+  RoutingPlan p = build_routing_plan(Tensor::from_vector(idx, {5, 2}), Tensor::from_vector(w, {5, 2}), 3, o);
+  EXPECT_EQ(i64(p.num_tokens_per_expert), (std::vector<int64_t>{2, 2, 2}));
+  EXPECT_EQ(p.num_dropped, 3);
+  EXPECT_EQ(i64(p.row_token), (std::vector<int64_t>{0, 3, 0, 1, 1, 4}));
+  EXPECT_EQ(p.slot_row.data<int64_t>()[4], -1);  // token 2's expert 1 dropped
+}
+
+TEST(RoutingPlan, CapacityProbsKeepsHighestWeightsTiesToLowerToken) {
+  std::vector<int32_t> idx = {1, 1, 1, 1, 1};
+  std::vector<float> w = {0.5f, 0.9f, 0.5f, 0.1f, 0.9f};
+  RoutingPlanOptions o;
+  o.expert_capacity = 3;
+  RoutingPlan p = build_routing_plan(Tensor::from_vector(idx, {5, 1}), Tensor::from_vector(w, {5, 1}), 2, o);
+  EXPECT_EQ(i64(p.row_token), (std::vector<int64_t>{0, 1, 4}));  // 0.9, 0.9, then the tie 0.5 -> token 0
+  EXPECT_EQ(p.num_dropped, 2);
+}
+
+TEST(RoutingPlan, CapacityFactorPadToCapacityAndAlignment) {
+  // T=6, K=2, E=4, capacity_factor 1 -> C = ceil(12/4) = 3; aligned to 4 -> 4 rows per expert.
+  std::vector<int32_t> idx = {0, 1, 0, 1, 0, 2, 0, 1, 0, -1, -1, -1};
+  RoutingPlanOptions o;
+  o.capacity_factor = 1.0;
+  o.pad_to_capacity = true;
+  o.expert_alignment = 4;
+  o.token_drop_policy = PlanDropPolicy::position;
+  RoutingPlan p = build_routing_plan(Tensor::from_vector(idx, {6, 2}), Tensor(), 4, o);
+  EXPECT_EQ(i64(p.num_tokens_per_expert), (std::vector<int64_t>{3, 3, 1, 0}));
+  EXPECT_EQ(i64(p.expert_offsets), (std::vector<int64_t>{0, 4, 8, 12, 16}));
+  EXPECT_EQ(p.num_dropped, 2);
+  EXPECT_EQ(i64(p.row_token),
+            (std::vector<int64_t>{0, 1, 2, -1, 0, 1, 3, -1, 2, -1, -1, -1, -1, -1, -1, -1}));
+  EXPECT_EQ(p.row_weight.data<float>()[0], 1.0f);
+  EXPECT_EQ(p.row_weight.data<float>()[3], 0.0f);
+}
+
+TEST(RoutingPlan, AlignmentWithoutCapacity) {
+  std::vector<int32_t> idx = {0, 2, 2, 0, 0, 1};
+  RoutingPlanOptions o;
+  o.expert_alignment = 8;
+  RoutingPlan p = build_routing_plan(Tensor::from_vector(idx, {3, 2}), Tensor(), 3, o);
+  EXPECT_EQ(i64(p.expert_offsets), (std::vector<int64_t>{0, 8, 16, 24}));
+  EXPECT_EQ(p.num_pairs, 6);
+  EXPECT_EQ(i64(p.num_tokens_per_expert), (std::vector<int64_t>{3, 1, 2}));
+}
+
+TEST(RoutingPlan, RejectsBadArguments) {
+  auto idx = Tensor::from_vector(std::vector<int32_t>{0, 5, 1, 2}, {2, 2});
+  SY_EXPECT_THROW_MSG(build_routing_plan(idx, Tensor(), 4), std::invalid_argument,
+                      "[routing_plan] topk_idx must hold ids in [0, num_experts=4) or -1, got "
+                      "topk_idx[0, 1]=5");
+  auto neg = Tensor::from_vector(std::vector<int32_t>{0, -2}, {1, 2});
+  SY_EXPECT_THROW_MSG(build_routing_plan(neg, Tensor(), 4), std::invalid_argument, "topk_idx[0, 1]=-2");
+  auto i64t = Tensor::zeros({2, 2}, DType::int64);
+  SY_EXPECT_THROW_MSG(build_routing_plan(i64t, Tensor(), 4), std::invalid_argument, "topk_idx");
+  auto ok = Tensor::zeros({2, 2}, DType::int32);
+  SY_EXPECT_THROW_MSG(build_routing_plan(ok, Tensor::zeros({2, 3}, DType::fp32), 4),
+                      std::invalid_argument, "topk_weights");
+  SY_EXPECT_THROW_MSG(build_routing_plan(ok, Tensor(), 0), std::invalid_argument,
+                      "num_experts must be >= 1");
+  RoutingPlanOptions o;
+  o.expert_alignment = 0;
+  SY_EXPECT_THROW_MSG(build_routing_plan(ok, Tensor(), 4, o), std::invalid_argument,
+                      "expert_alignment must be >= 1, got expert_alignment=0");
+  RoutingPlanOptions q;
+  q.pad_to_capacity = true;
+  SY_EXPECT_THROW_MSG(build_routing_plan(ok, Tensor(), 4, q), std::invalid_argument,
+                      "pad_to_capacity needs a capacity");
+}
+
+}  // namespace
+}  // namespace switchyard
