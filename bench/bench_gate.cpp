@@ -32,34 +32,51 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The machine's sgemm ceiling for `threads`: best of a few large square sgemm calls (N=1536),
-// measured once per thread count in this process.
-double sgemm_peak_gflops(int threads) {
-  static std::map<int, double> cache;
-  auto it = cache.find(threads);
-  if (it != cache.end()) return it->second;
+// The machine's sgemm ceiling for `threads`: best of a few large square sgemm calls (N=1536).
+// Re-measured after every benchmark and the best value seen in this process is kept, so that a
+// moment when another process holds a core can only make a ratio pessimistic, never flattering.
+double sgemm_peak_gflops(int threads, int reps = 3) {
+  static std::map<int, double> best_seen;
   set_threads(threads);
   const int n = 1536;
-  std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
-  double best = 0;
-  for (int rep = 0; rep < 5; ++rep) {
+  static std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
+  double best = best_seen[threads];
+  for (int rep = 0; rep < reps; ++rep) {
     const auto t0 = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(),
-                n, 0.0f, c.data(), n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
+                0.0f, c.data(), n);
     best = std::max(best, 2.0 * n * n * n / seconds_since(t0) / 1e9);
   }
-  cache[threads] = best;
+  best_seen[threads] = best;
   return best;
 }
 
-// Sets GFLOP/s (from our own clock, so the ratio can be formed here) and the ratio to the peak.
-void report(benchmark::State& state, double flops_per_iter, double seconds, int threads) {
-  const double gflops = flops_per_iter * static_cast<double>(state.iterations()) / seconds / 1e9;
-  state.counters["GFLOP/s"] = gflops;
-  state.counters["sgemm_peak"] = sgemm_peak_gflops(threads);
-  state.counters["vs_peak"] = gflops / sgemm_peak_gflops(threads);
+// Per-iteration clock: the mean rate and the best iteration. On a shared 2-core machine another
+// process can take a core for part of a run; the best iteration (like the best-of peak) is the
+// stable figure, so the ratio to the peak is formed from the two best values.
+struct IterTimer {
+  double best = 1e300, total = 0;
+  std::chrono::steady_clock::time_point t0;
+  void start() { t0 = std::chrono::steady_clock::now(); }
+  void stop() {
+    const double s = seconds_since(t0);
+    best = std::min(best, s);
+    total += s;
+  }
+};
+
+// Counters: GFLOP/s (mean over iterations), best GFLOP/s, the sgemm peak and best/peak.
+void report(benchmark::State& state, double flops_per_iter, const IterTimer& it, int threads,
+            int64_t tokens = kT) {
+  const double mean = flops_per_iter * static_cast<double>(state.iterations()) / it.total / 1e9;
+  const double best = flops_per_iter / it.best / 1e9;
+  const double peak = sgemm_peak_gflops(threads);
+  state.counters["GFLOP/s"] = mean;
+  state.counters["best_GFLOP/s"] = best;
+  state.counters["sgemm_peak"] = peak;
+  state.counters["vs_peak"] = best / peak;
   state.counters["tokens/s"] =
-      benchmark::Counter(static_cast<double>(kT) * static_cast<double>(state.iterations()),
+      benchmark::Counter(static_cast<double>(tokens) * static_cast<double>(state.iterations()),
                          benchmark::Counter::kIsRate);
 }
 
@@ -76,30 +93,34 @@ Inputs make_inputs(DType xw) {
 void BM_GateForward(benchmark::State& state, DType xw, DType router) {
   const int threads = static_cast<int>(state.range(0));
   const Inputs in = make_inputs(xw);
-  sgemm_peak_gflops(threads);
+  sgemm_peak_gflops(threads, 5);
   set_threads(threads);
   const sy::GateOptions opt{router};
   benchmark::DoNotOptimize(sy::router_gating_linear(in.x, in.w, Tensor(), opt));  // warm-up
-  const auto t0 = std::chrono::steady_clock::now();
+  IterTimer it;
   for (auto _ : state) {
+    it.start();
     Tensor z = sy::router_gating_linear(in.x, in.w, Tensor(), opt);
     benchmark::DoNotOptimize(z.raw());
+    it.stop();
   }
-  report(state, 2.0 * kT * kH * kE, seconds_since(t0), threads);
+  report(state, 2.0 * kT * kH * kE, it, threads);
 }
 
 void BM_GateBackward(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   const Inputs in = make_inputs(DType::bf16);
-  sgemm_peak_gflops(threads);
+  sgemm_peak_gflops(threads, 5);
   set_threads(threads);
   benchmark::DoNotOptimize(sy::router_gating_linear_backward(in.g, in.x, in.w, Tensor()));
-  const auto t0 = std::chrono::steady_clock::now();
+  IterTimer it;
   for (auto _ : state) {
+    it.start();
     sy::GateGrads gr = sy::router_gating_linear_backward(in.g, in.x, in.w, Tensor());
     benchmark::DoNotOptimize(gr.grad_x.raw());
+    it.stop();
   }
-  report(state, 4.0 * kT * kH * kE, seconds_since(t0), threads);  // grad_x and grad_weight
+  report(state, 4.0 * kT * kH * kE, it, threads);  // grad_x and grad_weight
 }
 
 // Peer: OpenBLAS sgemm on fp32 copies, logits[T,E] = x[T,H]·W[E,H]ᵀ (what the gate computes,
@@ -108,15 +129,17 @@ void BM_SgemmForwardShape(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   const Inputs in = make_inputs(DType::fp32);
   std::vector<float> c(kT * kE);
-  sgemm_peak_gflops(threads);
+  sgemm_peak_gflops(threads, 5);
   set_threads(threads);
-  const auto t0 = std::chrono::steady_clock::now();
+  IterTimer it;
   for (auto _ : state) {
+    it.start();
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, kT, kE, kH, 1.0f, in.x.data<float>(), kH,
                 in.w.data<float>(), kH, 0.0f, c.data(), kE);
     benchmark::DoNotOptimize(c.data());
+    it.stop();
   }
-  report(state, 2.0 * kT * kH * kE, seconds_since(t0), threads);
+  report(state, 2.0 * kT * kH * kE, it, threads);
 }
 
 // Peer: the backward's two sgemms, grad_x[T,H] = G[T,E]·W[E,H] and grad_w[E,H] = G[T,E]ᵀ·x[T,H].
@@ -124,18 +147,66 @@ void BM_SgemmBackwardShapes(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   const Inputs in = make_inputs(DType::fp32);
   std::vector<float> gx(kT * kH), gw(kE * kH);
-  sgemm_peak_gflops(threads);
+  sgemm_peak_gflops(threads, 5);
   set_threads(threads);
-  const auto t0 = std::chrono::steady_clock::now();
+  IterTimer it;
   for (auto _ : state) {
+    it.start();
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kT, kH, kE, 1.0f, in.g.data<float>(), kE,
                 in.w.data<float>(), kH, 0.0f, gx.data(), kH);
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kE, kH, kT, 1.0f, in.g.data<float>(), kE,
                 in.x.data<float>(), kH, 0.0f, gw.data(), kH);
     benchmark::DoNotOptimize(gx.data());
     benchmark::DoNotOptimize(gw.data());
+    it.stop();
   }
-  report(state, 4.0 * kT * kH * kE, seconds_since(t0), threads);
+  report(state, 4.0 * kT * kH * kE, it, threads);
+}
+
+// Fewer tokens (a rollout micro-batch, decode): the per-call W packing (E·H conversions) and the
+// argument scan weigh more. bf16 x/W, fp32 router, against sgemm on fp32 copies of the same shape.
+// Arguments: tokens, threads.
+void BM_GateForwardTokens(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  std::mt19937_64 rng(9);
+  const Tensor x = sy::testing::randn({T, kH}, DType::bf16, rng);
+  const Tensor w = sy::testing::randn({kE, kH}, DType::bf16, rng, 0.02);
+  sgemm_peak_gflops(threads, 5);
+  set_threads(threads);
+  IterTimer it;
+  for (auto _ : state) {
+    it.start();
+    Tensor z = sy::router_gating_linear(x, w, Tensor());
+    benchmark::DoNotOptimize(z.raw());
+    it.stop();
+  }
+  report(state, 2.0 * T * kH * kE, it, threads, T);
+}
+
+void BM_SgemmForwardTokens(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  std::mt19937_64 rng(9);
+  const Tensor x = sy::testing::randn({T, kH}, DType::fp32, rng);
+  const Tensor w = sy::testing::randn({kE, kH}, DType::fp32, rng, 0.02);
+  std::vector<float> c(T * kE);
+  sgemm_peak_gflops(threads, 5);
+  set_threads(threads);
+  IterTimer it;
+  for (auto _ : state) {
+    it.start();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(T), kE, kH, 1.0f,
+                x.data<float>(), kH, w.data<float>(), kH, 0.0f, c.data(), kE);
+    benchmark::DoNotOptimize(c.data());
+    it.stop();
+  }
+  report(state, 2.0 * T * kH * kE, it, threads, T);
+}
+
+void token_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"tokens", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
+  for (int64_t t : {1, 16, 64, 256, 1024}) b->Args({t, 1});
 }
 
 // The ceiling itself, as a row of the table.
@@ -143,15 +214,17 @@ void BM_SgemmPeakSquare(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   const int n = 1536;
   std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
-  sgemm_peak_gflops(threads);
+  sgemm_peak_gflops(threads, 5);
   set_threads(threads);
-  const auto t0 = std::chrono::steady_clock::now();
+  IterTimer it;
   for (auto _ : state) {
+    it.start();
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
                 0.0f, c.data(), n);
     benchmark::DoNotOptimize(c.data());
+    it.stop();
   }
-  report(state, 2.0 * n * n * n, seconds_since(t0), threads);
+  report(state, 2.0 * n * n * n, it, threads);
 }
 
 void thread_args(benchmark::internal::Benchmark* b) {
@@ -167,5 +240,7 @@ BENCHMARK_CAPTURE(BM_GateForward, bf16_fp64router, DType::bf16, DType::fp64)->Ap
 BENCHMARK(BM_SgemmForwardShape)->Apply(thread_args);
 BENCHMARK(BM_GateBackward)->Apply(thread_args);
 BENCHMARK(BM_SgemmBackwardShapes)->Apply(thread_args);
+BENCHMARK(BM_GateForwardTokens)->Apply(token_args);
+BENCHMARK(BM_SgemmForwardTokens)->Apply(token_args);
 
 BENCHMARK_MAIN();

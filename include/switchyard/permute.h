@@ -25,6 +25,10 @@ struct UnpermuteOptions {
 /// `x` [T,H] fp32 or bf16 -> [plan.num_rows, H] same dtype. Bit-exact copy; deterministic.
 Tensor permute(const Tensor& x, const RoutingPlan& plan);
 
+/// As permute, writing into caller-allocated `out` [plan.num_rows, H] of x's dtype (reuse it across
+/// steps: a fresh multi-MiB allocation costs more page faults than the copy itself).
+void permute_into(const Tensor& x, Tensor& out, const RoutingPlan& plan);
+
 /// Backward of permute, which is unpermute without weights: grad_x[t] = sum of grad_permuted over
 /// t's rows, fp32 accumulation in the plan's fixed order. `grad_permuted` [num_rows,H] fp32|bf16
 /// -> [T,H] same dtype (tokens without rows get zeros).
@@ -34,6 +38,10 @@ Tensor permute_backward(const Tensor& grad_permuted, const RoutingPlan& plan);
 /// accumulated in fp32 (fma), written in permuted's dtype. `permuted` [num_rows,H] fp32|bf16 ->
 /// [T,H]. Tokens with no rows get zeros. Deterministic.
 Tensor unpermute(const Tensor& permuted, const RoutingPlan& plan, const UnpermuteOptions& options = {});
+
+/// As unpermute, writing into caller-allocated `out` [plan.num_tokens, H] of permuted's dtype.
+void unpermute_into(const Tensor& permuted, Tensor& out, const RoutingPlan& plan,
+                    const UnpermuteOptions& options = {});
 
 /// Gradients of unpermute.
 struct UnpermuteGrads {

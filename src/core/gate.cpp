@@ -60,9 +60,12 @@ std::string value_str(double v) {
 
 int64_t first_non_finite(const Tensor& t) {
   switch (t.dtype()) {
-    case DType::bf16: return first_non_finite(t.data<bf16>(), t.numel());
-    case DType::fp32: return first_non_finite(t.data<float>(), t.numel());
-    default: return first_non_finite(t.data<double>(), t.numel());
+    case DType::bf16:
+      return first_non_finite(t.data<bf16>(), t.numel());
+    case DType::fp32:
+      return first_non_finite(t.data<float>(), t.numel());
+    default:
+      return first_non_finite(t.data<double>(), t.numel());
   }
 }
 
@@ -73,7 +76,8 @@ void check_finite(const Tensor& t, const char* op, const char* name, const char*
   const int64_t i = first_non_finite(t);
   if (i == t.numel()) return;
   const std::string v = value_str(t.item_as_double(i));
-  if (col_name == nullptr) detail::fail_arg(op, name, " has a non-finite value ", v, " at ", row_name, " ", i);
+  if (col_name == nullptr)
+    detail::fail_arg(op, name, " has a non-finite value ", v, " at ", row_name, " ", i);
   const int64_t cols = t.size(1);
   detail::fail_arg(op, name, " has a non-finite value ", v, " at ", row_name, " ", i / cols, ", ",
                    col_name, " ", i % cols);
@@ -82,7 +86,8 @@ void check_finite(const Tensor& t, const char* op, const char* name, const char*
 // An input in dtype `d` must convert exactly to the router dtype.
 void check_upcast(const Tensor& t, const char* op, const char* name, DType router_dtype) {
   if (t.dtype() == DType::fp64 && router_dtype == DType::fp32) {
-    detail::fail_arg(op, name, " in fp64 needs options.router_dtype fp64 (inputs are upcast "
+    detail::fail_arg(op, name,
+                     " in fp64 needs options.router_dtype fp64 (inputs are upcast "
                      "exactly, never rounded down), got router_dtype fp32");
   }
 }

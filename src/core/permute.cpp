@@ -33,16 +33,29 @@ void by_dtype(DType d, F&& f) {
   }
 }
 
+void check_out(const Tensor& out, const char* op, const Shape& shape, DType dtype) {
+  detail::check_defined(out, op, "out");
+  detail::check_dtype(out, op, "out", {dtype});
+  detail::check_shape(out, op, "out", shape);
+}
+
 }  // namespace
 
 Tensor permute(const Tensor& x, const RoutingPlan& plan) {
   check_plan(plan, "permute");
   check_rows(x, "permute", "x", plan.num_tokens);
+  Tensor out = Tensor::empty({plan.num_rows, x.size(1)}, x.dtype());
+  permute_into(x, out, plan);
+  return out;
+}
+
+void permute_into(const Tensor& x, Tensor& out, const RoutingPlan& plan) {
+  check_plan(plan, "permute");
+  check_rows(x, "permute", "x", plan.num_tokens);
   const int64_t H = x.size(1);
-  Tensor out = Tensor::empty({plan.num_rows, H}, x.dtype());
+  check_out(out, "permute", {plan.num_rows, H}, x.dtype());
   cpu::gather_rows(x.raw(), plan.row_token.data<int64_t>(), plan.num_rows,
                    H * static_cast<int64_t>(dtype_size(x.dtype())), out.raw());
-  return out;
 }
 
 Tensor permute_backward(const Tensor& grad_permuted, const RoutingPlan& plan) {
@@ -52,8 +65,17 @@ Tensor permute_backward(const Tensor& grad_permuted, const RoutingPlan& plan) {
 Tensor unpermute(const Tensor& permuted, const RoutingPlan& plan, const UnpermuteOptions& options) {
   check_plan(plan, "unpermute");
   check_rows(permuted, "unpermute", "permuted", plan.num_rows);
+  Tensor out = Tensor::empty({plan.num_tokens, permuted.size(1)}, permuted.dtype());
+  unpermute_into(permuted, out, plan, options);
+  return out;
+}
+
+void unpermute_into(const Tensor& permuted, Tensor& out, const RoutingPlan& plan,
+                    const UnpermuteOptions& options) {
+  check_plan(plan, "unpermute");
+  check_rows(permuted, "unpermute", "permuted", plan.num_rows);
   const int64_t H = permuted.size(1);
-  Tensor out = Tensor::empty({plan.num_tokens, H}, permuted.dtype());
+  check_out(out, "unpermute", {plan.num_tokens, H}, permuted.dtype());
   const float* w = options.weights == WeightMode::apply ? plan.row_weight.data<float>() : nullptr;
   by_dtype(permuted.dtype(), [&](auto tag) {
     using X = decltype(tag);
@@ -61,7 +83,6 @@ Tensor unpermute(const Tensor& permuted, const RoutingPlan& plan, const Unpermut
                          plan.token_offsets.data<int64_t>(), plan.token_rows.data<int64_t>(),
                          plan.num_tokens, H, static_cast<X*>(out.raw()));
   });
-  return out;
 }
 
 UnpermuteGrads unpermute_backward(const Tensor& grad_y, const Tensor& permuted,

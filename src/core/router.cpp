@@ -5,6 +5,8 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -31,16 +33,25 @@ std::string layer_prefix(int64_t layer) {
   return layer >= 0 ? detail::cat("layer ", layer, ", ") : std::string();
 }
 
-// First non-finite element of a [rows, cols] array, or -1. Lowest flat index wins, so the message
-// is the same for every thread count.
+// First non-finite element of x[0..n), or -1. A branch-free exponent test over the whole array
+// first (vectorises), then a search only when something is wrong; the lowest flat index wins, so
+// the message does not depend on the thread count.
 template <class S>
 int64_t first_non_finite(const S* x, int64_t n) {
-  int64_t first = std::numeric_limits<int64_t>::max();
-#pragma omp parallel for schedule(static) reduction(min : first)
+  using U = std::conditional_t<sizeof(S) == 4, uint32_t, uint64_t>;
+  constexpr U kExp = static_cast<U>(sizeof(S) == 4 ? 0x7f800000ull : 0x7ff0000000000000ull);
+  int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
   for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i]) && i < first) first = i;
+    U u;
+    std::memcpy(&u, x + i, sizeof u);
+    bad |= (u & kExp) == kExp;
   }
-  return first == std::numeric_limits<int64_t>::max() ? -1 : first;
+  if (!bad) return -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) return i;
+  }
+  return -1;
 }
 
 cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {

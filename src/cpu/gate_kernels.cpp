@@ -60,7 +60,8 @@ inline Out from_acc(Acc v) {
 template <class T>
 struct Scratch {
   explicit Scratch(int64_t n)
-      : p(static_cast<T*>(std::aligned_alloc(64, static_cast<size_t>(((n * sizeof(T) + 63) / 64) * 64 + 64)))) {
+      : p(static_cast<T*>(
+            std::aligned_alloc(64, static_cast<size_t>(((n * sizeof(T) + 63) / 64) * 64 + 64)))) {
     if (!p) throw std::bad_alloc();
   }
   ~Scratch() { std::free(p); }
@@ -118,15 +119,15 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   // (a store per FMA), which halved the throughput.
   V c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
 #define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define SY_INIT(i)                                  \
-  if constexpr (MR > i) {                           \
-    if (chain == Chain::resume) {                   \
-      c##i##0 = S::load(c + i * ldc);               \
-      c##i##1 = S::load(c + i * ldc + L);           \
-    } else {                                        \
-      c##i##0 = S::zero();                          \
-      c##i##1 = S::zero();                          \
-    }                                               \
+#define SY_INIT(i)                        \
+  if constexpr (MR > i) {                 \
+    if (chain == Chain::resume) {         \
+      c##i##0 = S::load(c + i * ldc);     \
+      c##i##1 = S::load(c + i * ldc + L); \
+    } else {                              \
+      c##i##0 = S::zero();                \
+      c##i##1 = S::zero();                \
+    }                                     \
   }
   SY_ROWS(SY_INIT)
 #undef SY_INIT
@@ -134,11 +135,11 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   for (int64_t k = 0; k < kc; ++k) {
     const V b0 = S::load(b + k * NR);
     const V b1 = S::load(b + k * NR + L);
-#define SY_FMA(i)                                   \
-  if constexpr (MR > i) {                           \
-    const V ai = S::bcast(ap + i * a_rs);           \
-    c##i##0 = S::fma(ai, b0, c##i##0);              \
-    c##i##1 = S::fma(ai, b1, c##i##1);              \
+#define SY_FMA(i)                         \
+  if constexpr (MR > i) {                 \
+    const V ai = S::bcast(ap + i * a_rs); \
+    c##i##0 = S::fma(ai, b0, c##i##0);    \
+    c##i##1 = S::fma(ai, b1, c##i##1);    \
   }
     SY_ROWS(SY_FMA)
 #undef SY_FMA
@@ -146,18 +147,18 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   }
   if (bias) {
     const V bb0 = S::load(bias), bb1 = S::load(bias + L);
-#define SY_BIAS(i)                                  \
-  if constexpr (MR > i) {                           \
-    c##i##0 = S::add(c##i##0, bb0);                 \
-    c##i##1 = S::add(c##i##1, bb1);                 \
+#define SY_BIAS(i)                  \
+  if constexpr (MR > i) {           \
+    c##i##0 = S::add(c##i##0, bb0); \
+    c##i##1 = S::add(c##i##1, bb1); \
   }
     SY_ROWS(SY_BIAS)
 #undef SY_BIAS
   }
-#define SY_STORE(i)                                 \
-  if constexpr (MR > i) {                           \
-    S::store(c + i * ldc, c##i##0);                 \
-    S::store(c + i * ldc + L, c##i##1);             \
+#define SY_STORE(i)                     \
+  if constexpr (MR > i) {               \
+    S::store(c + i * ldc, c##i##0);     \
+    S::store(c + i * ldc + L, c##i##1); \
   }
   SY_ROWS(SY_STORE)
 #undef SY_STORE
@@ -196,12 +197,24 @@ void micro(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, i
         tmp[i * NR + j] = (chain == Chain::resume && j < nvalid) ? c[i * ldc + j] : Acc(0);
   }
   switch (mr) {
-    case 1: micro_full<Acc, 1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
-    case 2: micro_full<Acc, 2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
-    case 3: micro_full<Acc, 3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
-    case 4: micro_full<Acc, 4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
-    case 5: micro_full<Acc, 5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
-    default: micro_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); break;
+    case 1:
+      micro_full<Acc, 1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
+    case 2:
+      micro_full<Acc, 2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
+    case 3:
+      micro_full<Acc, 3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
+    case 4:
+      micro_full<Acc, 4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
+    case 5:
+      micro_full<Acc, 5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
+    default:
+      micro_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      break;
   }
   if (nvalid < NR) {
     for (int64_t i = 0; i < mr; ++i)
@@ -218,6 +231,80 @@ constexpr int64_t kMB = 16 * kMR;
 // Below this many multiply-adds a call runs on one thread: a parallel region costs more than the
 // work, and much more when the other core is busy. (Results never depend on it.)
 constexpr int64_t kParallelMin = int64_t{1} << 18;
+
+// Panel of the transposed weight: dst[h*NR + j] = w[(e0 + j)*H + h] as Acc, zero for e0+j >= E.
+template <class Acc, class WT>
+void pack_w_panel_scalar(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H, int64_t h_begin) {
+  constexpr int NR = kNR<Acc>;
+  for (int64_t h0 = h_begin; h0 < H; h0 += 64) {
+    const int64_t h1 = std::min(H, h0 + 64);
+    for (int j = 0; j < NR; ++j) {
+      const int64_t e = e0 + j;
+      if (e < E) {
+        const WT* src = w + e * H;
+        for (int64_t h = h0; h < h1; ++h) dst[h * NR + j] = to_acc<Acc>(src[h]);
+      } else {
+        for (int64_t h = h0; h < h1; ++h) dst[h * NR + j] = Acc(0);
+      }
+    }
+  }
+}
+
+#ifdef SY_GATE_AVX2
+// Eight values of a weight row as fp32 (bf16 -> fp32 is a 16-bit shift).
+inline __m256 load8_f32(const bf16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+
+// In-register 8x8 transpose: r[k] becomes column k.
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+#endif
+
+// Packing is pure data movement (exact conversions), so the vector and scalar versions give the
+// same bytes. The scalar one cost ~0.5 ns per weight, which is most of a call at small T.
+template <class Acc, class WT>
+void pack_w_panel(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H) {
+#ifdef SY_GATE_AVX2
+  if constexpr (std::is_same_v<Acc, float>) {
+    static_assert(kNR<float> == 16);
+    const int64_t h8 = H / 8 * 8;
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t h = 0; h < h8; h += 8) {
+      for (int half = 0; half < 2; ++half) {
+        __m256 r[8];
+        for (int i = 0; i < 8; ++i) {
+          const int64_t e = e0 + half * 8 + i;
+          r[i] = e < E ? load8_f32(w + e * H + h) : zero;
+        }
+        transpose8(r);
+        for (int k = 0; k < 8; ++k) _mm256_storeu_ps(dst + (h + k) * 16 + half * 8, r[k]);
+      }
+    }
+    pack_w_panel_scalar<Acc, WT>(w, dst, e0, E, H, h8);
+    return;
+  }
+#endif
+  pack_w_panel_scalar<Acc, WT>(w, dst, e0, E, H, 0);
+}
 
 template <class Acc, class XT, class WT, class BT>
 void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T, int64_t H,
@@ -237,21 +324,7 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
   // columns past E), converted exactly to Acc.
   Scratch<Acc> wp(npanel * H * NR);
 #pragma omp parallel for schedule(static) if (E * H >= kParallelMin)
-  for (int64_t p = 0; p < npanel; ++p) {
-    Acc* dst = wp.p + p * H * NR;
-    for (int64_t h0 = 0; h0 < H; h0 += 64) {
-      const int64_t h1 = std::min(H, h0 + 64);
-      for (int j = 0; j < NR; ++j) {
-        const int64_t e = p * NR + j;
-        if (e < E) {
-          const WT* src = w + e * H;
-          for (int64_t h = h0; h < h1; ++h) dst[h * NR + j] = to_acc<Acc>(src[h]);
-        } else {
-          for (int64_t h = h0; h < h1; ++h) dst[h * NR + j] = Acc(0);
-        }
-      }
-    }
-  }
+  for (int64_t p = 0; p < npanel; ++p) pack_w_panel<Acc, WT>(w, wp.p + p * H * NR, p * NR, E, H);
   const int64_t nblk = (T + kMB - 1) / kMB;
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
@@ -351,40 +424,54 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
     }
   }
 
-  // grad_w = Gᵀ · X: parallel over H panels (never over t, so the chain over t is fixed); the
-  // chain is kept in an Acc buffer across KC blocks of tokens and rounded once at the end.
+  // grad_w = Gᵀ · X: parallel over groups of H panels (never over t, so the chain over t is
+  // fixed); the chain is kept in an Acc buffer across KC blocks of tokens and rounded once at the
+  // end. A group packs kGP panels of a token block at once, so each x row is read as one
+  // contiguous 128-column (or wider) segment: one panel at a time read 32 bytes per 4 KB-strided
+  // row, a TLB miss per row, and the loads took a quarter of the backward.
   if (E == 0) return;
+  constexpr int64_t kGP = 8;
+  const int64_t ngroup = (npanel + kGP - 1) / kGP;
   Scratch<Acc> acc(E * h_pad);
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
-    Scratch<Acc> xp(kKC * NR);
+    Scratch<Acc> xp(kGP * kKC * NR);
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < npanel; ++p) {
-      const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
-      Acc* c = acc.p + p * NR;
+    for (int64_t grp = 0; grp < ngroup; ++grp) {
+      const int64_t p0 = grp * kGP, p1 = std::min(npanel, p0 + kGP);
+      const int64_t h0 = p0 * NR, h1 = std::min(H, p1 * NR);  // valid columns of the group
       if (T == 0) {
         for (int64_t e = 0; e < E; ++e)
-          for (int j = 0; j < NR; ++j) c[e * h_pad + j] = Acc(0);
+          for (int64_t h = h0; h < p1 * NR; ++h) acc.p[e * h_pad + h] = Acc(0);
       }
       for (int64_t k0 = 0; k0 < T; k0 += kKC) {
         const int64_t kc = std::min(kKC, T - k0);
+        // Pack: xp[(p - p0)][k][j] = x[k0 + k, p*NR + j], zero past H.
         for (int64_t k = 0; k < kc; ++k) {
-          const XT* src = x + (k0 + k) * H + p * NR;
-          Acc* dst = xp.p + k * NR;
-          for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[j]);
-          for (int64_t j = nvalid; j < NR; ++j) dst[j] = Acc(0);
+          const XT* src = x + (k0 + k) * H;
+          for (int64_t p = p0; p < p1; ++p) {
+            Acc* dst = xp.p + ((p - p0) * kc + k) * NR;
+            const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
+            if (nvalid == NR) {
+              for (int j = 0; j < NR; ++j) dst[j] = to_acc<Acc>(src[p * NR + j]);
+            } else {
+              for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[p * NR + j]);
+              for (int64_t j = nvalid; j < NR; ++j) dst[j] = Acc(0);
+            }
+          }
         }
         const Chain chain = k0 == 0 ? Chain::start : Chain::resume;
-        for (int64_t e0 = 0; e0 < E; e0 += kMR) {
-          const int64_t mr = std::min<int64_t>(kMR, E - e0);
-          micro<Acc>(mr, NR, kc, g + k0 * E + e0, 1, E, xp.p, c + e0 * h_pad, h_pad, chain,
-                     nullptr);
+        for (int64_t p = p0; p < p1; ++p) {
+          const Acc* b = xp.p + (p - p0) * kc * NR;
+          for (int64_t e0 = 0; e0 < E; e0 += kMR) {
+            const int64_t mr = std::min<int64_t>(kMR, E - e0);
+            micro<Acc>(mr, NR, kc, g + k0 * E + e0, 1, E, b, acc.p + e0 * h_pad + p * NR, h_pad,
+                       chain, nullptr);
+          }
         }
       }
       for (int64_t e = 0; e < E; ++e) {
-        WT* dst = grad_w + e * H + p * NR;
-        const Acc* src = c + e * h_pad;
-        for (int64_t j = 0; j < nvalid; ++j) dst[j] = from_acc<WT>(src[j]);
+        for (int64_t h = h0; h < h1; ++h) grad_w[e * H + h] = from_acc<WT>(acc.p[e * h_pad + h]);
       }
     }
   }
@@ -395,17 +482,23 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
 template <class F>
 void with_float_type(DType d, F&& f) {
   switch (d) {
-    case DType::bf16: f(bf16{}); break;
-    case DType::fp32: f(float{}); break;
-    default: f(double{}); break;
+    case DType::bf16:
+      f(bf16{});
+      break;
+    case DType::fp32:
+      f(float{});
+      break;
+    default:
+      f(double{});
+      break;
   }
 }
 
 }  // namespace
 
-void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtype,
-                  const void* bias, DType bias_dtype, void* logits, DType acc_dtype,
-                  int64_t num_tokens, int64_t hidden, int64_t num_experts) {
+void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtype, const void* bias,
+                  DType bias_dtype, void* logits, DType acc_dtype, int64_t num_tokens,
+                  int64_t hidden, int64_t num_experts) {
   if (bias == nullptr) bias_dtype = acc_dtype;  // any instantiable type: the pointer is unused
   auto run = [&](auto acc_tag) {
     using Acc = decltype(acc_tag);
@@ -437,8 +530,8 @@ void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtyp
 }
 
 void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const void* weight,
-                   DType w_dtype, void* grad_x, void* grad_weight, void* grad_bias,
-                   DType acc_dtype, int64_t num_tokens, int64_t hidden, int64_t num_experts) {
+                   DType w_dtype, void* grad_x, void* grad_weight, void* grad_bias, DType acc_dtype,
+                   int64_t num_tokens, int64_t hidden, int64_t num_experts) {
   auto run = [&](auto acc_tag) {
     using Acc = decltype(acc_tag);
     with_float_type(x_dtype, [&](auto x_tag) {
@@ -452,8 +545,7 @@ void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const 
           backward_impl<Acc, XT, WT>(static_cast<const Acc*>(grad_logits),
                                      static_cast<const XT*>(x), static_cast<const WT*>(weight),
                                      static_cast<XT*>(grad_x), static_cast<WT*>(grad_weight),
-                                     static_cast<Acc*>(grad_bias), num_tokens, hidden,
-                                     num_experts);
+                                     static_cast<Acc*>(grad_bias), num_tokens, hidden, num_experts);
         }
       });
     });

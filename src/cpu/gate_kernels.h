@@ -19,15 +19,15 @@ namespace switchyard::cpu {
 
 /// logits [T,E] (acc_dtype) = x [T,H] (x_dtype) · weight [E,H]ᵀ (w_dtype) + bias [E] (bias_dtype;
 /// bias may be null). acc_dtype is fp32 or fp64; every input dtype converts exactly to it.
-void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtype,
-                  const void* bias, DType bias_dtype, void* logits, DType acc_dtype,
-                  int64_t num_tokens, int64_t hidden, int64_t num_experts);
+void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtype, const void* bias,
+                  DType bias_dtype, void* logits, DType acc_dtype, int64_t num_tokens,
+                  int64_t hidden, int64_t num_experts);
 
 /// grad_x [T,H] (x_dtype), grad_weight [E,H] (w_dtype) and, when grad_bias is not null,
 /// grad_bias [E] (acc_dtype) from grad_logits [T,E] (acc_dtype).
 void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const void* weight,
-                   DType w_dtype, void* grad_x, void* grad_weight, void* grad_bias,
-                   DType acc_dtype, int64_t num_tokens, int64_t hidden, int64_t num_experts);
+                   DType w_dtype, void* grad_x, void* grad_weight, void* grad_bias, DType acc_dtype,
+                   int64_t num_tokens, int64_t hidden, int64_t num_experts);
 
 /// fp64 -> bf16 rounded once to nearest even (no double rounding through fp32).
 bf16 double_to_bf16(double v);

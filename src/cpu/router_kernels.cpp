@@ -1,9 +1,12 @@
 #include "cpu/router_kernels.h"
 
+#include "cpu/router_math.h"
+
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -15,15 +18,14 @@ namespace {
 constexpr double kNormEps = 1e-20;
 
 // Top-k of key[0..n) (optionally only where allowed[e]), written to out_id[0..k) in descending key
-// order; equal keys keep the lower id first. One pass with a sorted insertion buffer: O(n) compares
-// plus O(k) per insertion, which for k << n is a handful of insertions per row.
+// order; equal keys keep the lower id first. One pass in id order with a sorted insertion buffer.
 template <class S>
-void select_topk(const S* key, int64_t n, int64_t k, const uint8_t* allowed, S* top_val,
-                 int32_t* out_id) {
-  int64_t cnt = 0;
-  for (int64_t e = 0; e < n; ++e) {
+void insert_topk(const S* key, int64_t begin, int64_t end, int64_t k, const uint8_t* allowed,
+                 S thr, S* top_val, int32_t* out_id, int64_t& cnt) {
+  for (int64_t e = begin; e < end; ++e) {
     if (allowed && !allowed[e]) continue;
     const S v = key[e];
+    if (v < thr) continue;
     if (cnt == k) {
       if (!(v > top_val[k - 1])) continue;  // ties keep the earlier (lower) id
       cnt = k - 1;
@@ -40,9 +42,35 @@ void select_topk(const S* key, int64_t n, int64_t k, const uint8_t* allowed, S* 
   }
 }
 
+// Block-threshold top-k: the k-th largest of the 8-wide block maxima is a lower bound of the k-th
+// largest key (the k best blocks hold k distinct keys >= it), so only keys >= it are candidates:
+// about k + a few out of n, which removes most of the insertion work and its branch misses.
+// `bm` is scratch of ceil(n/8) entries.
+template <class S>
+void select_topk(const S* key, int64_t n, int64_t k, const uint8_t* allowed, S* top_val,
+                 int32_t* out_id, S* bm) {
+  int64_t cnt = 0;
+  const S lowest = -std::numeric_limits<S>::infinity();
+  const int64_t nb = (n + 7) / 8;
+  if (allowed || nb < 2 * k) {
+    insert_topk(key, 0, n, k, allowed, lowest, top_val, out_id, cnt);
+    return;
+  }
+  for (int64_t b = 0; b < nb; ++b) bm[b] = rmath::max_of(key + b * 8, std::min<int64_t>(8, n - b * 8));
+  // k-th largest block maximum (ids are irrelevant here; reuse out_id as scratch).
+  int64_t c2 = 0;
+  insert_topk(bm, 0, nb, k, static_cast<const uint8_t*>(nullptr), lowest, top_val, out_id, c2);
+  const S thr = top_val[k - 1];
+  for (int64_t b = 0; b < nb; ++b) {
+    if (bm[b] < thr) continue;
+    insert_topk(key, b * 8, std::min<int64_t>(n, b * 8 + 8), k, allowed, thr, top_val, out_id,
+                cnt);
+  }
+}
+
 template <class S>
 inline S sigmoid(S z) {
-  return S(1) / (S(1) + std::exp(-z));
+  return S(1) / (S(1) + rmath::exp_s(S(0) - z));
 }
 
 // sqrt(softplus(z)) with softplus(z) = max(z,0) + log1p(exp(-|z|)) (no overflow).
@@ -70,25 +98,30 @@ struct RowScratch {
   std::vector<int32_t> gid;
   std::vector<int32_t> aux_id;
   std::vector<S> grow;  // gradient row
+  std::vector<S> bm;    // block maxima for select_topk
   explicit RowScratch(const RouteKernelParams& p)
       : ex(p.num_experts), key(p.num_experts),
         top_val(std::max<int64_t>(p.num_experts, 1)), gsc(std::max<int64_t>(p.num_groups, 1)),
         allowed(p.num_experts), gid(std::max<int64_t>(p.num_groups, 1)),
-        aux_id(std::max<int64_t>(p.top_k, 1)), grow(p.num_experts) {}
+        aux_id(std::max<int64_t>(p.top_k, 1)), grow(p.num_experts),
+        bm((p.num_experts + 7) / 8 + 1) {}
 };
 
-// exp(z - max) into ex; returns the sum (in expert order) and sets max.
+// exp(z - max) into ex; returns the sum (fixed 8-lane order) and sets max.
 template <class S>
 inline S exp_shifted(const S* z, int64_t E, S* ex, S& zmax) {
-  S m = z[0];
-  for (int64_t e = 1; e < E; ++e) m = std::max(m, z[e]);
-  S sum = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    ex[e] = std::exp(z[e] - m);
-    sum += ex[e];
+  zmax = rmath::max_of(z, E);
+  return rmath::exp_shift_sum(z, zmax, E, ex);
+}
+
+// s = f(z) for the sigmoid family, over a row.
+template <class S>
+inline void scores_row(int score_function, const S* z, int64_t E, S* s) {
+  if (score_function == kScoreSigmoid) {
+    rmath::sigmoid_row(z, E, s);
+  } else {
+    for (int64_t e = 0; e < E; ++e) s[e] = sqrt_softplus(z[e]);
   }
-  zmax = m;
-  return sum;
 }
 
 // Native selection of one row into ids[0..K).
@@ -99,20 +132,21 @@ void native_select(const S* key, const RouteKernelParams& p, RowScratch<S>& sc, 
     const int64_t G = p.num_groups, per = E / G, m = K / p.group_topk;
     for (int64_t g = 0; g < G; ++g) {
       select_topk(key + g * per, per, m, static_cast<const uint8_t*>(nullptr), sc.top_val.data(),
-                  sc.aux_id.data());
+                  sc.aux_id.data(), sc.bm.data());
       S s = 0;
       for (int64_t j = 0; j < m; ++j) s += sc.top_val[j];
       sc.gsc[g] = s;
     }
     select_topk(sc.gsc.data(), G, p.group_topk, static_cast<const uint8_t*>(nullptr),
-                sc.top_val.data(), sc.gid.data());
+                sc.top_val.data(), sc.gid.data(), sc.bm.data());
     std::fill(sc.allowed.begin(), sc.allowed.end(), uint8_t{0});
     for (int64_t j = 0; j < p.group_topk; ++j) {
       std::fill_n(sc.allowed.begin() + sc.gid[j] * per, per, uint8_t{1});
     }
-    select_topk(key, E, K, sc.allowed.data(), sc.top_val.data(), ids);
+    select_topk(key, E, K, sc.allowed.data(), sc.top_val.data(), ids, sc.bm.data());
   } else {
-    select_topk(key, E, K, static_cast<const uint8_t*>(nullptr), sc.top_val.data(), ids);
+    select_topk(key, E, K, static_cast<const uint8_t*>(nullptr), sc.top_val.data(), ids,
+                sc.bm.data());
   }
 }
 
@@ -151,11 +185,7 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
         const bool need_exp = softmax ? (p.pre_softmax || p.need_aux || p.need_z) : p.need_z;
         S zmax = 0, sumex = 1;
         if (need_exp) sumex = exp_shifted(z, E, sc.ex.data(), zmax);
-        if (!softmax) {
-          for (int64_t e = 0; e < E; ++e) {
-            sc.key[e] = p.score_function == kScoreSigmoid ? sigmoid(z[e]) : sqrt_softplus(z[e]);
-          }
-        }
+        if (!softmax) scores_row(p.score_function, z, E, sc.key.data());
         // Selection: replayed ids as given, else top-k of the key (+ bias) within the groups.
         if (row_kind[t] == kRowReplayed) {
           std::copy_n(replay_idx + t * K, K, ids);
@@ -185,7 +215,7 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
           for (int64_t k = 1; k < K; ++k) m = std::max(m, z[ids[k]]);
           S sum = 0;
           for (int64_t k = 0; k < K; ++k) {
-            w[k] = std::exp(z[ids[k]] - m);
+            w[k] = rmath::exp_s(z[ids[k]] - m);
             sum += w[k];
           }
           for (int64_t k = 0; k < K; ++k) w[k] = w[k] / sum * static_cast<S>(p.scaling);
@@ -208,13 +238,11 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
           if (softmax) {
             for (int64_t e = 0; e < E; ++e) P[e] = sc.ex[e] / sumex;
           } else {
-            S sum = 0;
-            for (int64_t e = 0; e < E; ++e) sum += sc.key[e];
-            const S den = sum + static_cast<S>(kNormEps);
+            const S den = rmath::sum_of(sc.key.data(), E) + static_cast<S>(kNormEps);
             for (int64_t e = 0; e < E; ++e) P[e] = sc.key[e] / den;
           }
           select_topk(P, E, K, static_cast<const uint8_t*>(nullptr), sc.top_val.data(),
-                      sc.aux_id.data());
+                      sc.aux_id.data(), sc.bm.data());
           const int64_t g = t % G;
           double* pp = part_p.data() + (c * G + g) * E;
           int64_t* pc = part_c.data() + (c * G + g) * E;
@@ -300,6 +328,8 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
   const int64_t G = p.aux_groups;
   const bool softmax = p.score_function == kScoreSoftmax;
   const S scaling = static_cast<S>(p.scaling);
+  std::vector<S> aux_s(aux_grad ? static_cast<size_t>(G * E) : 0);
+  for (size_t i = 0; i < aux_s.size(); ++i) aux_s[i] = static_cast<S>(aux_grad[i]);
 #pragma omp parallel
   {
     RowScratch<S> sc(p);
@@ -317,11 +347,7 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
       S zmax = 0, sumex = 1;
       if (need_exp) sumex = exp_shifted(z, E, sc.ex.data(), zmax);
       const bool need_s = !softmax && (grad_w != nullptr || aux_grad != nullptr);
-      if (need_s) {
-        for (int64_t e = 0; e < E; ++e) {
-          sc.key[e] = p.score_function == kScoreSigmoid ? sigmoid(z[e]) : sqrt_softplus(z[e]);
-        }
-      }
+      if (need_s) scores_row(p.score_function, z, E, sc.key.data());
       // Routing weights: only kept slots carry gradient (dropped weights are multiplied by 0).
       if (grad_w) {
         for (int64_t k = 0; k < K; ++k) {
@@ -332,7 +358,7 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
           for (int64_t k = 1; k < K; ++k) m = std::max(m, z[ids[k]]);
           S sum = 0;
           for (int64_t k = 0; k < K; ++k) {
-            wk[k] = std::exp(z[ids[k]] - m);
+            wk[k] = rmath::exp_s(z[ids[k]] - m);
             sum += wk[k];
           }
           S dot = 0;
@@ -366,22 +392,23 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
       }
       // Aux loss: L = sum_e a_e * P_e with a_e = dLoss/dP (per sequence group for seq_aux_loss).
       if (aux_grad) {
-        const double* a = aux_grad + (t % G) * E;
+        const S* a = aux_s.data() + (t % G) * E;
+        S* P = sc.grow.data();
         if (softmax) {
-          S dot = 0;
-          for (int64_t e = 0; e < E; ++e) dot += sc.ex[e] / sumex * static_cast<S>(a[e]);
-          for (int64_t e = 0; e < E; ++e) {
-            g[e] += sc.ex[e] / sumex * (static_cast<S>(a[e]) - dot);
-          }
+          for (int64_t e = 0; e < E; ++e) P[e] = sc.ex[e] / sumex;
+          const S dot = rmath::dot_of(P, a, E);
+          for (int64_t e = 0; e < E; ++e) g[e] += P[e] * (a[e] - dot);
         } else {
-          S sum = 0;
-          for (int64_t e = 0; e < E; ++e) sum += sc.key[e];
-          const S den = sum + static_cast<S>(kNormEps);
-          S dot = 0;
-          for (int64_t e = 0; e < E; ++e) dot += static_cast<S>(a[e]) * sc.key[e];
-          for (int64_t e = 0; e < E; ++e) {
-            const S ds = static_cast<S>(a[e]) / den - dot / (den * den);
-            g[e] += ds * score_derivative(p.score_function, z[e], sc.key[e]);
+          const S den = rmath::sum_of(sc.key.data(), E) + static_cast<S>(kNormEps);
+          const S dot = rmath::dot_of(a, sc.key.data(), E);
+          const S c2 = dot / (den * den);
+          for (int64_t e = 0; e < E; ++e) P[e] = a[e] / den - c2;  // dL/ds_e
+          if (p.score_function == kScoreSigmoid) {
+            for (int64_t e = 0; e < E; ++e) g[e] += P[e] * (sc.key[e] * (S(1) - sc.key[e]));
+          } else {
+            for (int64_t e = 0; e < E; ++e) {
+              g[e] += P[e] * score_derivative(p.score_function, z[e], sc.key[e]);
+            }
           }
         }
       }

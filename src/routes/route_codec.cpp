@@ -25,34 +25,46 @@ int64_t payload_size(int64_t num_tokens, int64_t num_layers, int64_t top_k, int6
 
 namespace {
 
+// Returns true when any entry is -1. Counts and ranks are indexed by id + 1 so that -1 needs no
+// branch (slot 0 counts the -1 entries and maps to stored value 0).
 template <class W>
-void encode_as(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, char* out) {
+bool encode_as(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, char* out) {
   W* perm_out = reinterpret_cast<W*>(out);
   W* ids_out = perm_out + L * E;
-  std::vector<int64_t> count(static_cast<size_t>(E));
-  std::vector<int32_t> order(static_cast<size_t>(E));
-  std::vector<W> rank(static_cast<size_t>(E));
-  for (int64_t l = 0; l < L; ++l) {
-    std::fill(count.begin(), count.end(), 0);
-    for (int64_t t = 0; t < T; ++t) {
+  const int64_t E1 = E + 1;
+  // Pass 1, token-major (the input's order): per-layer expert counts.
+  std::vector<int64_t> count(static_cast<size_t>(L * E1), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t l = 0; l < L; ++l) {
       const int32_t* row = idx + (t * L + l) * K;
-      for (int64_t k = 0; k < K; ++k) {
-        if (row[k] >= 0) ++count[static_cast<size_t>(row[k])];
-      }
-    }
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int32_t a, int32_t b) { return count[size_t(a)] > count[size_t(b)]; });
-    for (int64_t r = 0; r < E; ++r) {
-      perm_out[l * E + r] = static_cast<W>(order[size_t(r)]);
-      rank[size_t(order[size_t(r)])] = static_cast<W>(r);
-    }
-    W* dst = ids_out + l * T * K;
-    for (int64_t t = 0; t < T; ++t) {
-      const int32_t* row = idx + (t * L + l) * K;
-      for (int64_t k = 0; k < K; ++k) dst[t * K + k] = row[k] >= 0 ? rank[size_t(row[k])] : W{0};
+      int64_t* c = count.data() + l * E1 + 1;
+      for (int64_t k = 0; k < K; ++k) ++c[row[k]];
     }
   }
+  // Ranks: most used expert first, ties to the lower id (a stable, deterministic order).
+  std::vector<W> rank(static_cast<size_t>(L * E1), W{0});
+  std::vector<int32_t> order(static_cast<size_t>(E));
+  bool any_none = false;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t* c = count.data() + l * E1 + 1;
+    any_none = any_none || c[-1] > 0;
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [c](int32_t a, int32_t b) { return c[a] > c[b]; });
+    for (int64_t r = 0; r < E; ++r) {
+      perm_out[l * E + r] = static_cast<W>(order[size_t(r)]);
+      rank[size_t(l * E1 + 1 + order[size_t(r)])] = static_cast<W>(r);
+    }
+  }
+  // Pass 2, token-major reads, layer-major writes ([layers, tokens, K]).
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t l = 0; l < L; ++l) {
+      const int32_t* row = idx + (t * L + l) * K;
+      const W* rk = rank.data() + l * E1 + 1;
+      W* dst = ids_out + (l * T + t) * K;
+      for (int64_t k = 0; k < K; ++k) dst[k] = rk[row[k]];
+    }
+  }
+  return any_none;
 }
 
 template <class W>
@@ -60,9 +72,10 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
                       const uint8_t* none_bits, int32_t* idx) {
   std::vector<W> perm(static_cast<size_t>(L * E));
   std::memcpy(perm.data(), raw, perm.size() * sizeof(W));
-  const char* ids_raw = raw + perm.size() * sizeof(W);
+  const int64_t numel = T * L * K;
+  std::vector<W> ids(static_cast<size_t>(numel));  // aligned copy of the rank plane
+  std::memcpy(ids.data(), raw + perm.size() * sizeof(W), ids.size() * sizeof(W));
   std::vector<uint8_t> seen(static_cast<size_t>(E));
-  std::vector<W> row(static_cast<size_t>(K));
   for (int64_t l = 0; l < L; ++l) {
     const W* p = perm.data() + l * E;
     std::fill(seen.begin(), seen.end(), 0);
@@ -72,20 +85,28 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
       }
       seen[size_t(p[r])] = 1;
     }
-    for (int64_t t = 0; t < T; ++t) {
-      std::memcpy(row.data(), ids_raw + ((l * T + t) * K) * int64_t(sizeof(W)), size_t(K) * sizeof(W));
+  }
+  // Range check in one vectorisable pass, so the copy below needs no branch.
+  W max_rank = 0;
+  for (int64_t i = 0; i < numel; ++i) max_rank = std::max(max_rank, ids[size_t(i)]);
+  if (numel > 0 && int64_t(max_rank) >= E) {
+    const int64_t i = std::find_if(ids.begin(), ids.end(), [E](W r) { return int64_t(r) >= E; }) - ids.begin();
+    return cat("token ", (i / K) % T, ", layer ", i / (T * K), ": rank ", int64_t(max_rank), " >= num_experts");
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t l = 0; l < L; ++l) {
+      const W* src = ids.data() + (l * T + t) * K;
+      const W* p = perm.data() + l * E;
       int32_t* out = idx + (t * L + l) * K;
-      for (int64_t k = 0; k < K; ++k) {
-        const W r = row[size_t(k)];
-        if (int64_t(r) >= E) return cat("token ", t, ", layer ", l, ": rank ", int64_t(r), " >= num_experts");
-        out[k] = static_cast<int32_t>(p[r]);
-      }
+      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int32_t>(p[src[k]]);
     }
   }
   if (none_bits) {
-    const int64_t numel = T * L * K;
-    for (int64_t i = 0; i < numel; ++i) {
-      if ((none_bits[i >> 3] >> (i & 7)) & 1) idx[i] = -1;
+    for (int64_t b = 0; b < (numel + 7) / 8; ++b) {
+      if (none_bits[b] == 0) continue;
+      for (int64_t j = 0; j < 8 && b * 8 + j < numel; ++j) {
+        if ((none_bits[b] >> j) & 1) idx[b * 8 + j] = -1;
+      }
     }
   }
   return {};
@@ -96,25 +117,31 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
 uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num_layers,
                         int64_t top_k, int64_t num_experts, std::string& out) {
   const int64_t numel = num_tokens * num_layers * top_k;
-  uint32_t flags = 0;
-  for (int64_t i = 0; i < numel; ++i) {
-    if (topk_idx[i] < 0) {
-      flags |= kBlockHasNone;
-      break;
-    }
-  }
-  const int64_t n = payload_size(num_tokens, num_layers, top_k, num_experts, flags);
-  out.assign(static_cast<size_t>(n), '\0');
+  // Sized for the bitmap too; trimmed below when there is no -1.
+  out.resize(static_cast<size_t>(payload_size(num_tokens, num_layers, top_k, num_experts, kBlockHasNone)));
   char* p = out.data();
+  bool any_none = false;
   switch (id_width_for(num_experts)) {
-    case 1: encode_as<uint8_t>(topk_idx, num_tokens, num_layers, top_k, num_experts, p); break;
-    case 2: encode_as<uint16_t>(topk_idx, num_tokens, num_layers, top_k, num_experts, p); break;
-    default: encode_as<uint32_t>(topk_idx, num_tokens, num_layers, top_k, num_experts, p); break;
+    case 1: any_none = encode_as<uint8_t>(topk_idx, num_tokens, num_layers, top_k, num_experts, p); break;
+    case 2: any_none = encode_as<uint16_t>(topk_idx, num_tokens, num_layers, top_k, num_experts, p); break;
+    default: any_none = encode_as<uint32_t>(topk_idx, num_tokens, num_layers, top_k, num_experts, p); break;
   }
-  if (flags & kBlockHasNone) {
-    auto* bits = reinterpret_cast<uint8_t*>(p + n - (numel + 7) / 8);
-    for (int64_t i = 0; i < numel; ++i) {
-      if (topk_idx[i] < 0) bits[i >> 3] = static_cast<uint8_t>(bits[i >> 3] | (1u << (i & 7)));
+  const uint32_t flags = any_none ? kBlockHasNone : 0u;
+  const int64_t n = payload_size(num_tokens, num_layers, top_k, num_experts, flags);
+  out.resize(static_cast<size_t>(n));
+  if (any_none) {
+    auto* bits = reinterpret_cast<uint8_t*>(out.data() + n - (numel + 7) / 8);
+    const int64_t full = numel / 8;
+    for (int64_t b = 0; b < full; ++b) {
+      const int32_t* v = topk_idx + b * 8;
+      unsigned byte = 0;
+      for (int j = 0; j < 8; ++j) byte |= unsigned(v[j] < 0) << j;
+      bits[b] = static_cast<uint8_t>(byte);
+    }
+    if (numel % 8) {
+      unsigned byte = 0;
+      for (int64_t j = 0; j < numel % 8; ++j) byte |= unsigned(topk_idx[full * 8 + j] < 0) << j;
+      bits[full] = static_cast<uint8_t>(byte);
     }
   }
   return flags;

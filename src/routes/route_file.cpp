@@ -28,12 +28,13 @@ std::string encode_header(const RouteFileInfo& info) {
   std::string h(detail::kFileMagic, 8);
   const auto n_layers = static_cast<uint32_t>(info.moe_layers.size());
   put_u32(h, detail::kFormatVersion);
-  put_u32(h, static_cast<uint32_t>(8 + 7 * 4 + 4 * n_layers + 8));
+  put_u32(h, static_cast<uint32_t>(8 + 8 * 4 + 4 * n_layers + 8));
   put_u32(h, static_cast<uint32_t>(info.num_experts));
   put_u32(h, static_cast<uint32_t>(info.top_k));
   put_u32(h, static_cast<uint32_t>(info.num_moe_layers));
   put_u32(h, static_cast<uint32_t>(detail::id_width_for(info.num_experts)));
   put_u32(h, n_layers);
+  put_u32(h, static_cast<uint32_t>(info.num_hidden_layers));
   for (int64_t l : info.moe_layers) put_u32(h, static_cast<uint32_t>(l));
   put_u64(h, detail::checksum(h.data(), h.size()));
   return h;
@@ -84,8 +85,16 @@ RouteFileWriter::RouteFileWriter(const std::string& path, const RouteFileInfo& i
     detail::fail_arg(op, "moe_layers must be empty or have num_moe_layers=", info.num_moe_layers,
                      " entries, got ", info.moe_layers.size());
   }
-  for (int64_t l : info.moe_layers) {
-    if (l < 0 || l > 0xffffffffLL) detail::fail_arg(op, "moe_layers entries must be >= 0, got ", l);
+  if (info.num_hidden_layers < 0 || info.num_hidden_layers > detail::kMaxLayers) {
+    detail::fail_arg(op, "num_hidden_layers must be in [0, ", detail::kMaxLayers, "], got ", info.num_hidden_layers);
+  }
+  for (size_t i = 0; i < info.moe_layers.size(); ++i) {
+    const int64_t l = info.moe_layers[i];
+    if (l < 0 || (info.num_hidden_layers > 0 && l >= info.num_hidden_layers) ||
+        (i > 0 && l <= info.moe_layers[i - 1]) || l > detail::kMaxLayers) {
+      detail::fail_arg(op, "moe_layers must be ascending hidden-layer indices below num_hidden_layers=",
+                       info.num_hidden_layers, ", got ", l, " at ", i);
+    }
   }
   if (options.compression_level < 1 || options.compression_level > 19) {
     detail::fail_arg(op, "compression_level must be in [1, 19], got ", options.compression_level);
@@ -222,9 +231,12 @@ struct RouteFileReader::Impl {
   }
 
   void parse_header() {
-    char fixed[36];
-    if (!read_at(0, 36, fixed)) {
-      fail(cat("truncated header: file has ", size, " bytes, a header needs at least 44"));
+    char fixed[40];
+    if (read_at(0, 8, fixed) && std::memcmp(fixed, detail::kFileMagic, 8) != 0) {
+      fail("not a route file (bad magic at byte offset 0)");
+    }
+    if (!read_at(0, 40, fixed)) {
+      fail(cat("truncated header: file has ", size, " bytes, a header needs at least 48"));
     }
     if (std::memcmp(fixed, detail::kFileMagic, 8) != 0) fail("not a route file (bad magic at byte offset 0)");
     const uint32_t version = get_u32(fixed + 8);
@@ -234,7 +246,7 @@ struct RouteFileReader::Impl {
     }
     const int64_t hsize = get_u32(fixed + 12);
     const int64_t n_layers = get_u32(fixed + 32);
-    if (n_layers > detail::kMaxLayers || hsize != 8 + 7 * 4 + 4 * n_layers + 8) {
+    if (n_layers > detail::kMaxLayers || hsize != 8 + 8 * 4 + 4 * n_layers + 8) {
       fail(cat("corrupt header: header size ", hsize, " does not match its ", n_layers, " layer entries"));
     }
     std::string h(static_cast<size_t>(hsize), '\0');
@@ -249,15 +261,17 @@ struct RouteFileReader::Impl {
     info.top_k = get_u32(fixed + 20);
     info.num_moe_layers = get_u32(fixed + 24);
     info.id_width = get_u32(fixed + 28);
+    info.num_hidden_layers = get_u32(fixed + 36);
     if (info.num_experts < 1 || info.num_experts > detail::kMaxExperts || info.top_k < 1 ||
         info.top_k > detail::kMaxTopK || info.num_moe_layers < 1 ||
         info.num_moe_layers > detail::kMaxLayers ||
         info.id_width != detail::id_width_for(info.num_experts) ||
-        (n_layers != 0 && n_layers != info.num_moe_layers)) {
+        (n_layers != 0 && n_layers != info.num_moe_layers) ||
+        info.num_hidden_layers > detail::kMaxLayers) {
       fail(cat("corrupt header: inconsistent num_experts=", info.num_experts, ", top_k=",
                info.top_k, ", num_moe_layers=", info.num_moe_layers, ", id_width=", info.id_width));
     }
-    for (int64_t l = 0; l < n_layers; ++l) info.moe_layers.push_back(get_u32(h.data() + 36 + 4 * l));
+    for (int64_t l = 0; l < n_layers; ++l) info.moe_layers.push_back(get_u32(h.data() + 40 + 4 * l));
     header_size = hsize;
   }
 

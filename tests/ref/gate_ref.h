@@ -82,8 +82,8 @@ inline bf16 round_to_bf16(double v) {
     const bf16 n{static_cast<uint16_t>(c.bits + d)};
     const double nv = bf16_to_float(n);
     if (std::isnan(nv) || (nv == 0 && v != 0 && std::signbit(nv) != std::signbit(v))) continue;
-    const double err = std::isinf(nv) ? (std::fabs(v) >= 0x1.ffp127 ? 0 : INFINITY)
-                                      : std::fabs(nv - v);
+    const double err =
+        std::isinf(nv) ? (std::fabs(v) >= 0x1.ffp127 ? 0 : INFINITY) : std::fabs(nv - v);
     if (err < best_err || (err == best_err && (n.bits & 1) == 0 && (best.bits & 1) == 1)) {
       best = n;
       best_err = err;
@@ -95,9 +95,15 @@ inline bf16 round_to_bf16(double v) {
 /// Store double v into element i of tensor t (bf16/fp32/fp64), rounded once to nearest even.
 inline void store_rounded(Tensor& t, int64_t i, double v) {
   switch (t.dtype()) {
-    case DType::bf16: t.data<bf16>()[i] = round_to_bf16(v); break;
-    case DType::fp32: t.data<float>()[i] = static_cast<float>(v); break;
-    default: t.data<double>()[i] = v; break;
+    case DType::bf16:
+      t.data<bf16>()[i] = round_to_bf16(v);
+      break;
+    case DType::fp32:
+      t.data<float>()[i] = static_cast<float>(v);
+      break;
+    default:
+      t.data<double>()[i] = v;
+      break;
   }
 }
 

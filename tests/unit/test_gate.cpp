@@ -1,8 +1,6 @@
 // Router gate (router_gating_linear): values against double references, the promised reduction
 // order bit for bit, batch invariance, thread independence, gradients (reference, finite
 // differences, adjoint) and every argument error.
-#include "switchyard/gate.h"
-
 #include <cmath>
 #include <limits>
 #include <random>
@@ -10,6 +8,7 @@
 #include <vector>
 
 #include "ref/gate_ref.h"
+#include "switchyard/gate.h"
 #include "testing.h"
 
 namespace sy = switchyard;
@@ -27,9 +26,7 @@ constexpr double kU32 = 0x1p-24;  // unit roundoff of fp32
 constexpr double kU64 = 0x1p-53;
 constexpr double kUbf = 0x1p-8;
 
-double unit_roundoff(DType d) {
-  return d == DType::fp64 ? kU64 : d == DType::fp32 ? kU32 : kUbf;
-}
+double unit_roundoff(DType d) { return d == DType::fp64 ? kU64 : d == DType::fp32 ? kU32 : kUbf; }
 
 // Rigorous bound for an n-term chain in unit roundoff u, then one rounding (u_out) to the
 // output dtype: |got - ref| <= gamma_n·Σ|terms| + u_out·(|ref| + gamma_n·Σ|terms|).
@@ -74,7 +71,8 @@ struct Inputs {
 Inputs make_inputs(const Case& c, std::mt19937_64& rng) {
   Inputs in;
   in.x = randn({c.T, c.H}, c.x, rng);
-  in.w = randn({c.E, c.H}, c.w, rng, 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(c.H, 1))));
+  in.w =
+      randn({c.E, c.H}, c.w, rng, 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(c.H, 1))));
   if (c.has_bias) in.b = randn({c.E}, c.b, rng, 0.5);
   return in;
 }
@@ -101,7 +99,8 @@ void check_backward(const Case& c, uint64_t seed) {
   std::mt19937_64 rng(seed);
   const Inputs in = make_inputs(c, rng);
   const Tensor g = randn({c.T, c.E}, c.router, rng);
-  const sy::GateGrads gr = sy::router_gating_linear_backward(g, in.x, in.w, in.b, GateOptions{c.router});
+  const sy::GateGrads gr =
+      sy::router_gating_linear_backward(g, in.x, in.w, in.b, GateOptions{c.router});
   ASSERT_EQ(gr.grad_x.dtype(), c.x);
   ASSERT_EQ(gr.grad_x.shape(), in.x.shape());
   ASSERT_EQ(gr.grad_weight.dtype(), c.w);
@@ -117,10 +116,11 @@ void check_backward(const Case& c, uint64_t seed) {
   EXPECT_TRUE(bitwise_equal(gr.grad_weight, cw)) << "grad_weight";
   const auto ref = sy::ref::gate_backward_ref(g, in.x, in.w);
   const double u = unit_roundoff(c.router);
-  EXPECT_TRUE(within_bound(gr.grad_x, ref.grad_x, c.E, u,
-                           c.x == c.router ? 0 : unit_roundoff(c.x))) << "grad_x";
-  EXPECT_TRUE(within_bound(gr.grad_weight, ref.grad_w, c.T, u,
-                           c.w == c.router ? 0 : unit_roundoff(c.w))) << "grad_weight";
+  EXPECT_TRUE(within_bound(gr.grad_x, ref.grad_x, c.E, u, c.x == c.router ? 0 : unit_roundoff(c.x)))
+      << "grad_x";
+  EXPECT_TRUE(
+      within_bound(gr.grad_weight, ref.grad_w, c.T, u, c.w == c.router ? 0 : unit_roundoff(c.w)))
+      << "grad_weight";
   if (c.has_bias) {
     ASSERT_EQ(gr.grad_bias.dtype(), c.router);
     ASSERT_EQ(gr.grad_bias.shape(), (sy::Shape{c.E}));
@@ -185,8 +185,9 @@ TEST(Gate, ForwardBatchInvariantByConstruction) {
     int64_t H, E;
     DType xw, router;
   };
-  for (const Cfg cfg : {Cfg{300, 40, DType::bf16, DType::fp32}, Cfg{2048, 128, DType::bf16, DType::fp32},
-                        Cfg{300, 20, DType::fp32, DType::fp64}}) {
+  for (const Cfg cfg :
+       {Cfg{300, 40, DType::bf16, DType::fp32}, Cfg{2048, 128, DType::bf16, DType::fp32},
+        Cfg{300, 20, DType::fp32, DType::fp64}}) {
     SCOPED_TRACE("H=" + std::to_string(cfg.H) + " E=" + std::to_string(cfg.E) +
                  " router=" + sy::dtype_name(cfg.router));
     const GateOptions opt{cfg.router};
@@ -204,10 +205,11 @@ TEST(Gate, ForwardBatchInvariantByConstruction) {
         for (int threads : {1, 2}) {
           sy::set_num_threads(threads);
           const Tensor out = sy::router_gating_linear(x, w, b, opt);
-          const Tensor row = Tensor::borrow(static_cast<char*>(const_cast<void*>(out.raw())) + pos * cfg.E * ls,
-                                            {1, cfg.E}, cfg.router);
-          EXPECT_TRUE(bitwise_equal(row, alone)) << "T=" << T << " pos=" << pos
-                                                 << " threads=" << threads;
+          const Tensor row =
+              Tensor::borrow(static_cast<char*>(const_cast<void*>(out.raw())) + pos * cfg.E * ls,
+                             {1, cfg.E}, cfg.router);
+          EXPECT_TRUE(bitwise_equal(row, alone))
+              << "T=" << T << " pos=" << pos << " threads=" << threads;
         }
         // Put different neighbours around the probe for the next position.
         x = randn({T, cfg.H}, cfg.xw, rng);
@@ -236,6 +238,9 @@ TEST(Gate, BackwardShapesThatBreakKernels) {
         check_backward({T, H, E, DType::bf16, DType::bf16, DType::fp32, true}, s++);
       }
   check_backward({1031, 2048, 2, DType::bf16, DType::bf16, DType::fp32, true}, s++);
+  // Several groups of H panels with a partial last panel, and more than one block of tokens.
+  check_backward({600, 300, 19, DType::bf16, DType::bf16, DType::fp32, true}, s++);
+  check_backward({600, 300, 19, DType::fp32, DType::bf16, DType::fp64, true}, s++);
   check_backward({4096, 13, 64, DType::bf16, DType::fp32, DType::fp32, true}, s++);
   check_backward({5, 0, 3, DType::bf16, DType::bf16, DType::fp32, true}, s++);
   check_backward({5, 7, 0, DType::fp32, DType::bf16, DType::fp64, true}, s++);
@@ -351,10 +356,13 @@ TEST(Gate, BackwardDeterministicAndThreadIndependent) {
   EXPECT_TRUE(bitwise_equal(g1.grad_bias, g2.grad_bias));
   // Token 500's grad_x row alone equals its row in the batch.
   const int64_t t = 500;
-  const Tensor x1 = Tensor::borrow(static_cast<char*>(const_cast<void*>(x.raw())) + t * H * 2, {1, H}, DType::bf16);
-  const Tensor gt = Tensor::borrow(const_cast<float*>(g.data<float>()) + t * E, {1, E}, DType::fp32);
+  const Tensor x1 = Tensor::borrow(static_cast<char*>(const_cast<void*>(x.raw())) + t * H * 2,
+                                   {1, H}, DType::bf16);
+  const Tensor gt =
+      Tensor::borrow(const_cast<float*>(g.data<float>()) + t * E, {1, E}, DType::fp32);
   const sy::GateGrads one = sy::router_gating_linear_backward(gt, x1, w, b);
-  const Tensor row = Tensor::borrow(static_cast<char*>(const_cast<void*>(g2.grad_x.raw())) + t * H * 2, {1, H}, DType::bf16);
+  const Tensor row = Tensor::borrow(
+      static_cast<char*>(const_cast<void*>(g2.grad_x.raw())) + t * H * 2, {1, H}, DType::bf16);
   EXPECT_TRUE(bitwise_equal(one.grad_x, row));
 }
 
@@ -367,7 +375,8 @@ TEST(Gate, BackwardRoundsOnceToBf16) {
   const Tensor g = Tensor::from_vector(std::vector<double>{gv}, {1, 1});
   const Tensor x = Tensor::full({1, 1}, DType::bf16, 1.0);
   const Tensor w = Tensor::full({1, 1}, DType::bf16, 1.0);
-  const sy::GateGrads gr = sy::router_gating_linear_backward(g, x, w, Tensor(), GateOptions{DType::fp64});
+  const sy::GateGrads gr =
+      sy::router_gating_linear_backward(g, x, w, Tensor(), GateOptions{DType::fp64});
   EXPECT_EQ(gr.grad_x.item_as_double(0), 1.0 + 0x1p-7);
   EXPECT_EQ(gr.grad_weight.item_as_double(0), 1.0 + 0x1p-7);
 }
@@ -393,15 +402,18 @@ TEST(Gate, Errors) {
                       "bias in fp64 needs options.router_dtype fp64");
   // shapes
   SY_EXPECT_THROW_MSG(sy::router_gating_linear(Tensor(), w, b), E, "x must be a defined tensor");
-  SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, Tensor(), b), E, "weight must be a defined tensor");
+  SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, Tensor(), b), E,
+                      "weight must be a defined tensor");
   SY_EXPECT_THROW_MSG(sy::router_gating_linear(x.reshape({32}), w, b), E,
                       "x must have 2 dimensions, got shape [32]");
   SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, w.reshape({24}), b), E,
                       "weight must have 2 dimensions, got shape [24]");
-  SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, w.reshape({4, 6}), b), E,
-                      "weight must have shape [num_experts, hidden=8] (hidden from x [4, 8]), got [4, 6]");
-  SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, w, randn({4}, DType::fp32, rng)), E,
-                      "bias must have shape [num_experts=3] (num_experts from weight [3, 8]), got [4]");
+  SY_EXPECT_THROW_MSG(
+      sy::router_gating_linear(x, w.reshape({4, 6}), b), E,
+      "weight must have shape [num_experts, hidden=8] (hidden from x [4, 8]), got [4, 6]");
+  SY_EXPECT_THROW_MSG(
+      sy::router_gating_linear(x, w, randn({4}, DType::fp32, rng)), E,
+      "bias must have shape [num_experts=3] (num_experts from weight [3, 8]), got [4]");
   SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, w, b.reshape({1, 3})), E,
                       "bias must have shape [num_experts=3]");
   // non-finite values, naming token / expert, hidden and the value
@@ -409,8 +421,9 @@ TEST(Gate, Errors) {
     const std::string v = std::isnan(bad) ? "nan" : bad > 0 ? "inf" : "-inf";
     Tensor xb = x.clone();
     xb.data<sy::bf16>()[2 * 8 + 5] = sy::float_to_bf16(static_cast<float>(bad));
-    SY_EXPECT_THROW_MSG(sy::router_gating_linear(xb, w, b), E,
-                        std::string(op) + "x has a non-finite value " + v + " at token 2, hidden 5");
+    SY_EXPECT_THROW_MSG(
+        sy::router_gating_linear(xb, w, b), E,
+        std::string(op) + "x has a non-finite value " + v + " at token 2, hidden 5");
     Tensor xf = x.to(DType::fp32);
     xf.data<float>()[3 * 8 + 7] = static_cast<float>(bad);
     SY_EXPECT_THROW_MSG(sy::router_gating_linear(xf, w, b), E,
@@ -432,9 +445,9 @@ TEST(Gate, Errors) {
     SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(gb, x, w, b), E,
                         "[router_gating_linear_backward] grad_logits has a non-finite value " + v +
                             " at token 3, expert 1");
-    SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(g, xb, w, b), E,
-                        "[router_gating_linear_backward] x has a non-finite value " + v +
-                            " at token 2, hidden 5");
+    SY_EXPECT_THROW_MSG(
+        sy::router_gating_linear_backward(g, xb, w, b), E,
+        "[router_gating_linear_backward] x has a non-finite value " + v + " at token 2, hidden 5");
     SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(g, x, wb, b), E,
                         "weight has a non-finite value " + v + " at expert 1, hidden 2");
   }
@@ -450,9 +463,10 @@ TEST(Gate, Errors) {
                       std::string(bop) + "grad_logits must have dtype fp32, got bf16");
   SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(g, x, w, b, GateOptions{DType::fp64}), E,
                       "grad_logits must have dtype fp64, got fp32");
-  SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(g.reshape({3, 4}), x, w, b), E,
-                      "grad_logits must have shape [num_tokens=4, num_experts=3] (from x [4, 8] and "
-                      "weight [3, 8]), got [3, 4]");
+  SY_EXPECT_THROW_MSG(
+      sy::router_gating_linear_backward(g.reshape({3, 4}), x, w, b), E,
+      "grad_logits must have shape [num_tokens=4, num_experts=3] (from x [4, 8] and "
+      "weight [3, 8]), got [3, 4]");
   SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(Tensor(), x, w, b), E,
                       "grad_logits must be a defined tensor");
   SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(g, x, w.reshape({4, 6}), b), E,

@@ -247,6 +247,23 @@ TEST(Permute, ResultsIndependentOfThreadCount) {
   EXPECT_TRUE(bitwise_equal(g1.grad_topk_weights, g3.grad_topk_weights));
 }
 
+TEST(Permute, IntoVariantsWriteTheSameBits) {
+  const Case c{131, 24, 16, 4, DType::bf16};
+  std::mt19937_64 rng(test_seed(13));
+  Routed s = make_routed(c, rng);
+  Tensor x = randn({c.T, c.H}, c.dtype, rng);
+  Tensor p = Tensor::full({s.plan.num_rows, c.H}, c.dtype, 3.0);
+  permute_into(x, p, s.plan);
+  EXPECT_TRUE(bitwise_equal(p, permute(x, s.plan)));
+  Tensor y = Tensor::full({c.T, c.H}, c.dtype, 3.0);
+  unpermute_into(p, y, s.plan);
+  EXPECT_TRUE(bitwise_equal(y, unpermute(p, s.plan)));
+  Tensor wrong = Tensor::empty({c.T, c.H}, DType::fp32);
+  SY_EXPECT_THROW_MSG(unpermute_into(p, wrong, s.plan), std::invalid_argument, "[unpermute] out");
+  Tensor short_out = Tensor::empty({s.plan.num_rows - 1, c.H}, c.dtype);
+  SY_EXPECT_THROW_MSG(permute_into(x, short_out, s.plan), std::invalid_argument, "[permute] out");
+}
+
 TEST(Permute, RejectsBadArguments) {
   auto plan = build_routing_plan(Tensor::from_vector(std::vector<int32_t>{0, 1, 1, 1}, {2, 2}), Tensor(), 2);
   SY_EXPECT_THROW_MSG(permute(Tensor::zeros({3, 4}, DType::fp32), plan), std::invalid_argument,

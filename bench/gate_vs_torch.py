@@ -1,0 +1,75 @@
+#!/usr/bin/python3
+"""PyTorch eager doing the router gate the Megatron-Core way, timed on its own.
+
+Megatron-Core's RouterGatingLinearFunction (router_dtype fp32): the forward upcasts the bf16
+input and weight to fp32 and calls torch.mm(x, W.t()); the backward computes
+grad_x = torch.mm(grad_logits, W).to(x.dtype) and grad_W = torch.mm(grad_logits.t(), x).to(W.dtype)
+on the fp32 copies. This script times exactly that for Qwen3-30B-A3B's gate (T=4096, H=2048,
+E=128) at 1 and 2 threads, so its numbers can be set beside bench_gate's (same session, same
+machine):
+
+    /usr/bin/python3 bench/gate_vs_torch.py
+    ./build/bench/bench_gate --benchmark_filter='Gate(Forward/bf16_fp32|Backward)'
+
+Use /usr/bin/python3 (Debian's python3-torch), not a pyenv python.
+"""
+import argparse
+import time
+
+import torch
+
+
+def gate_forward(x, w):
+    # Megatron-Core: inp.to(router_dtype), weight.to(router_dtype), torch.mm(inp, weight.t())
+    xf, wf = x.to(torch.float32), w.to(torch.float32)
+    return torch.mm(xf, wf.t()), xf, wf
+
+
+def gate_backward(g, xf, wf, x_dtype, w_dtype):
+    grad_x = torch.mm(g, wf).to(x_dtype)
+    grad_w = torch.mm(g.t(), xf).to(w_dtype)
+    return grad_x, grad_w
+
+
+def best_ms(fn, reps):
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    a = ap.parse_args()
+    T, H, E = a.tokens, a.hidden, a.experts
+    torch.manual_seed(0)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    w = (torch.randn(E, H) * 0.02).to(torch.bfloat16)
+    g = torch.randn(T, E)
+    flops = 2.0 * T * H * E
+    print(f"torch {torch.__version__}, gate T={T} H={H} E={E}, x/W bf16, router fp32 (Megatron-Core way)")
+    print(f"{'threads':>7} {'fwd ms':>9} {'fwd GFLOP/s':>12} {'bwd ms':>9} {'bwd GFLOP/s':>12} {'fwd+bwd ms':>11}")
+    for n in a.threads:
+        torch.set_num_threads(n)
+        fwd = best_ms(lambda: gate_forward(x, w), a.reps)
+        _, xf, wf = gate_forward(x, w)
+        # The backward's own upcasts are part of the forward's saved state in Megatron-Core
+        # (it saves the bf16 inputs and upcasts again in backward); time that too.
+        def bwd():
+            xf2, wf2 = x.to(torch.float32), w.to(torch.float32)
+            gate_backward(g, xf2, wf2, x.dtype, w.dtype)
+        bwd_ms = best_ms(bwd, a.reps)
+        print(f"{n:>7} {fwd:>9.2f} {flops / fwd / 1e6:>12.1f} {bwd_ms:>9.2f} "
+              f"{2 * flops / bwd_ms / 1e6:>12.1f} {fwd + bwd_ms:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()
