@@ -1,6 +1,6 @@
 // Routing after the gate: forward and forward+backward at real MoE shapes, against two ceilings
-// measured in the same run: the gate GEMM that produces the logits (OpenBLAS sgemm, T x H x E) and a
-// memcpy of the logits. The routing should cost a small fraction of the gate GEMM.
+// measured in the same run: the gate GEMM that produces the logits (OpenBLAS sgemm, T x H x E) and
+// a memcpy of the logits. The routing should cost a small fraction of the gate GEMM.
 //
 //   ./build/bench/bench_router --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
@@ -116,17 +116,17 @@ void BM_route_replay_forward_backward(benchmark::State& state) {
 void BM_gate_sgemm_ceiling(benchmark::State& state) {
   const Shape& s = kShapes[state.range(0)];
   state.SetLabel(s.name);
-  std::vector<float> x(static_cast<size_t>(s.T * s.H), 0.01f), w(static_cast<size_t>(s.E * s.H), 0.02f),
-      y(static_cast<size_t>(s.T * s.E));
+  std::vector<float> x(static_cast<size_t>(s.T * s.H), 0.01f),
+      w(static_cast<size_t>(s.E * s.H), 0.02f), y(static_cast<size_t>(s.T * s.E));
   for (auto _ : state) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(s.T), static_cast<int>(s.E),
-                static_cast<int>(s.H), 1.0f, x.data(), static_cast<int>(s.H), w.data(),
-                static_cast<int>(s.H), 0.0f, y.data(), static_cast<int>(s.E));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(s.T),
+                static_cast<int>(s.E), static_cast<int>(s.H), 1.0f, x.data(), static_cast<int>(s.H),
+                w.data(), static_cast<int>(s.H), 0.0f, y.data(), static_cast<int>(s.E));
     benchmark::DoNotOptimize(y.data());
   }
   set_rate(state, s.T);
-  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * s.T * s.H * s.E,
-                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * s.T * s.H * s.E, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // Ceiling 2: copying the logits once (the least any pass over them costs).
@@ -151,14 +151,14 @@ void BM_route_over_gate_ratio(benchmark::State& state) {
   const sy::Tensor gw = sy::Tensor::full({s.T, s.K}, sy::DType::fp32, 0.25);
   const sy::RouterConfig c = config_of(s);
   const sy::RouteInputs in = inputs_of(s);
-  std::vector<float> x(static_cast<size_t>(s.T * s.H), 0.01f), w(static_cast<size_t>(s.E * s.H), 0.02f),
-      y(static_cast<size_t>(s.T * s.E));
+  std::vector<float> x(static_cast<size_t>(s.T * s.H), 0.01f),
+      w(static_cast<size_t>(s.E * s.H), 0.02f), y(static_cast<size_t>(s.T * s.E));
   double route_s = 0, gate_s = 0;
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(s.T), static_cast<int>(s.E),
-                static_cast<int>(s.H), 1.0f, x.data(), static_cast<int>(s.H), w.data(),
-                static_cast<int>(s.H), 0.0f, y.data(), static_cast<int>(s.E));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(s.T),
+                static_cast<int>(s.E), static_cast<int>(s.H), 1.0f, x.data(), static_cast<int>(s.H),
+                w.data(), static_cast<int>(s.H), 0.0f, y.data(), static_cast<int>(s.E));
     benchmark::DoNotOptimize(y.data());
     const auto t1 = std::chrono::steady_clock::now();
     auto r = sy::topk_route(z, in, c);
@@ -178,7 +178,10 @@ void BM_route_over_gate_ratio(benchmark::State& state) {
 
 BENCHMARK(BM_route_over_gate_ratio)->DenseRange(0, 1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_route_forward)->DenseRange(0, 1)->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK(BM_route_forward_backward)->DenseRange(0, 1)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_route_forward_backward)
+    ->DenseRange(0, 1)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 BENCHMARK(BM_route_replay_forward_backward)
     ->DenseRange(0, 1)
     ->Unit(benchmark::kMicrosecond)

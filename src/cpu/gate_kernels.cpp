@@ -326,11 +326,12 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
 #pragma omp parallel for schedule(static) if (E * H >= kParallelMin)
   for (int64_t p = 0; p < npanel; ++p) pack_w_panel<Acc, WT>(w, wp.p + p * H * NR, p * NR, E, H);
   const int64_t nblk = (T + kMB - 1) / kMB;
+  // Per-thread x tiles, allocated here: an exception must not leave a parallel region.
+  constexpr bool kDirect = std::is_same_v<XT, Acc>;
+  Scratch<Acc> xpack_all(kDirect ? 1 : omp_get_max_threads() * kMR * kKC);
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
-    constexpr bool kDirect = std::is_same_v<XT, Acc>;
-    std::unique_ptr<Scratch<Acc>> xpack;
-    if (!kDirect) xpack = std::make_unique<Scratch<Acc>>(kMR * kKC);
+    Acc* const xpack = xpack_all.p + (kDirect ? 0 : omp_get_thread_num() * kMR * kKC);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblk; ++blk) {
       const int64_t t0 = blk * kMB, t1 = std::min(T, t0 + kMB);
@@ -348,10 +349,10 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
           } else {
             for (int64_t i = 0; i < mr; ++i) {
               const XT* src = x + (tt + i) * H + k0;
-              Acc* dst = xpack->p + i * kc;
+              Acc* dst = xpack + i * kc;
               for (int64_t k = 0; k < kc; ++k) dst[k] = to_acc<Acc>(src[k]);
             }
-            a = xpack->p;
+            a = xpack;
             a_rs = kc;
           }
           for (int64_t p = 0; p < npanel; ++p) {
@@ -433,9 +434,10 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   constexpr int64_t kGP = 8;
   const int64_t ngroup = (npanel + kGP - 1) / kGP;
   Scratch<Acc> acc(E * h_pad);
+  Scratch<Acc> xp_all(omp_get_max_threads() * kGP * kKC * NR);  // per-thread packed x blocks
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
-    Scratch<Acc> xp(kGP * kKC * NR);
+    Acc* const xp = xp_all.p + omp_get_thread_num() * kGP * kKC * NR;
 #pragma omp for schedule(static)
     for (int64_t grp = 0; grp < ngroup; ++grp) {
       const int64_t p0 = grp * kGP, p1 = std::min(npanel, p0 + kGP);
@@ -450,7 +452,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
         for (int64_t k = 0; k < kc; ++k) {
           const XT* src = x + (k0 + k) * H;
           for (int64_t p = p0; p < p1; ++p) {
-            Acc* dst = xp.p + ((p - p0) * kc + k) * NR;
+            Acc* dst = xp + ((p - p0) * kc + k) * NR;
             const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
             if (nvalid == NR) {
               for (int j = 0; j < NR; ++j) dst[j] = to_acc<Acc>(src[p * NR + j]);
@@ -462,7 +464,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
         }
         const Chain chain = k0 == 0 ? Chain::start : Chain::resume;
         for (int64_t p = p0; p < p1; ++p) {
-          const Acc* b = xp.p + (p - p0) * kc * NR;
+          const Acc* b = xp + (p - p0) * kc * NR;
           for (int64_t e0 = 0; e0 < E; e0 += kMR) {
             const int64_t mr = std::min<int64_t>(kMR, E - e0);
             micro<Acc>(mr, NR, kc, g + k0 * E + e0, 1, E, b, acc.p + e0 * h_pad + p * NR, h_pad,

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Bounded libFuzzer runs of the route file reader and the importers (clang, ASan + UBSan).
+# Usage: scripts/fuzz.sh [seconds per target, default 10]. Exits nonzero when a target finds a
+# crash (the reproducer is left in build-fuzz/findings/<target>/).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+secs=${1:-10}
+mkdir -p build-fuzz
+CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DSWITCHYARD_BUILD_FUZZ=ON -DSWITCHYARD_BUILD_TESTS=OFF -DSWITCHYARD_BUILD_BENCHMARKS=OFF \
+  -DSWITCHYARD_BUILD_PYTHON=OFF -DSWITCHYARD_BUILD_TOOLS=OFF >build-fuzz/configure.log \
+  || { cat build-fuzz/configure.log; exit 1; }
+targets=(fuzz_route_file fuzz_import_vllm fuzz_import_sglang)
+cmake --build build-fuzz -j2 --target "${targets[@]}"
+status=0
+for t in "${targets[@]}"; do
+  work="build-fuzz/corpus/$t"       # new inputs go here; the committed seeds stay untouched
+  findings="build-fuzz/findings/$t"
+  mkdir -p "$work" "$findings"
+  echo "[fuzz] $t for ${secs}s"
+  if ! ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+       "build-fuzz/fuzz/$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
+       -artifact_prefix="$findings/" -print_final_stats=1 "$work" "fuzz/corpus/$t" \
+       >"build-fuzz/$t.log" 2>&1; then
+    echo "[fuzz] $t FOUND A PROBLEM (log: build-fuzz/$t.log, reproducer in $findings/)"
+    tail -40 "build-fuzz/$t.log"
+    status=1
+  else
+    grep -E "stat::number_of_executed_units|Done" "build-fuzz/$t.log" | tail -2 || true
+  fi
+done
+exit $status
