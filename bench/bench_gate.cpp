@@ -66,7 +66,8 @@ struct IterTimer {
 };
 
 // Counters: GFLOP/s (mean over iterations), best GFLOP/s, the sgemm peak and best/peak.
-void report(benchmark::State& state, double flops_per_iter, const IterTimer& it, int threads) {
+void report(benchmark::State& state, double flops_per_iter, const IterTimer& it, int threads,
+            int64_t tokens = kT) {
   const double mean = flops_per_iter * static_cast<double>(state.iterations()) / it.total / 1e9;
   const double best = flops_per_iter / it.best / 1e9;
   const double peak = sgemm_peak_gflops(threads);
@@ -75,7 +76,7 @@ void report(benchmark::State& state, double flops_per_iter, const IterTimer& it,
   state.counters["sgemm_peak"] = peak;
   state.counters["vs_peak"] = best / peak;
   state.counters["tokens/s"] =
-      benchmark::Counter(static_cast<double>(kT) * static_cast<double>(state.iterations()),
+      benchmark::Counter(static_cast<double>(tokens) * static_cast<double>(state.iterations()),
                          benchmark::Counter::kIsRate);
 }
 
@@ -162,6 +163,52 @@ void BM_SgemmBackwardShapes(benchmark::State& state) {
   report(state, 4.0 * kT * kH * kE, it, threads);
 }
 
+// Fewer tokens (a rollout micro-batch, decode): the per-call W packing (E·H conversions) and the
+// argument scan weigh more. bf16 x/W, fp32 router, against sgemm on fp32 copies of the same shape.
+// Arguments: tokens, threads.
+void BM_GateForwardTokens(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  std::mt19937_64 rng(9);
+  const Tensor x = sy::testing::randn({T, kH}, DType::bf16, rng);
+  const Tensor w = sy::testing::randn({kE, kH}, DType::bf16, rng, 0.02);
+  sgemm_peak_gflops(threads, 5);
+  set_threads(threads);
+  IterTimer it;
+  for (auto _ : state) {
+    it.start();
+    Tensor z = sy::router_gating_linear(x, w, Tensor());
+    benchmark::DoNotOptimize(z.raw());
+    it.stop();
+  }
+  report(state, 2.0 * T * kH * kE, it, threads, T);
+}
+
+void BM_SgemmForwardTokens(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  std::mt19937_64 rng(9);
+  const Tensor x = sy::testing::randn({T, kH}, DType::fp32, rng);
+  const Tensor w = sy::testing::randn({kE, kH}, DType::fp32, rng, 0.02);
+  std::vector<float> c(T * kE);
+  sgemm_peak_gflops(threads, 5);
+  set_threads(threads);
+  IterTimer it;
+  for (auto _ : state) {
+    it.start();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(T), kE, kH, 1.0f,
+                x.data<float>(), kH, w.data<float>(), kH, 0.0f, c.data(), kE);
+    benchmark::DoNotOptimize(c.data());
+    it.stop();
+  }
+  report(state, 2.0 * T * kH * kE, it, threads, T);
+}
+
+void token_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"tokens", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
+  for (int64_t t : {1, 16, 64, 256, 1024}) b->Args({t, 1});
+}
+
 // The ceiling itself, as a row of the table.
 void BM_SgemmPeakSquare(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
@@ -193,5 +240,7 @@ BENCHMARK_CAPTURE(BM_GateForward, bf16_fp64router, DType::bf16, DType::fp64)->Ap
 BENCHMARK(BM_SgemmForwardShape)->Apply(thread_args);
 BENCHMARK(BM_GateBackward)->Apply(thread_args);
 BENCHMARK(BM_SgemmBackwardShapes)->Apply(thread_args);
+BENCHMARK(BM_GateForwardTokens)->Apply(token_args);
+BENCHMARK(BM_SgemmForwardTokens)->Apply(token_args);
 
 BENCHMARK_MAIN();

@@ -1,11 +1,12 @@
 // Routing after the gate: forward and forward+backward at real MoE shapes, against two ceilings
-// measured in the same run: the gate GEMM that produces the logits (OpenBLAS sgemm, T x H x E) and a
-// memcpy of the logits. The routing should cost a small fraction of the gate GEMM.
+// measured in the same run: the gate GEMM that produces the logits (OpenBLAS sgemm, T x H x E) and
+// a memcpy of the logits. The routing should cost a small fraction of the gate GEMM.
 //
 //   ./build/bench/bench_router --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -115,17 +116,17 @@ void BM_route_replay_forward_backward(benchmark::State& state) {
 void BM_gate_sgemm_ceiling(benchmark::State& state) {
   const Shape& s = kShapes[state.range(0)];
   state.SetLabel(s.name);
-  std::vector<float> x(static_cast<size_t>(s.T * s.H), 0.01f), w(static_cast<size_t>(s.E * s.H), 0.02f),
-      y(static_cast<size_t>(s.T * s.E));
+  std::vector<float> x(static_cast<size_t>(s.T * s.H), 0.01f),
+      w(static_cast<size_t>(s.E * s.H), 0.02f), y(static_cast<size_t>(s.T * s.E));
   for (auto _ : state) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(s.T), static_cast<int>(s.E),
-                static_cast<int>(s.H), 1.0f, x.data(), static_cast<int>(s.H), w.data(),
-                static_cast<int>(s.H), 0.0f, y.data(), static_cast<int>(s.E));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(s.T),
+                static_cast<int>(s.E), static_cast<int>(s.H), 1.0f, x.data(), static_cast<int>(s.H),
+                w.data(), static_cast<int>(s.H), 0.0f, y.data(), static_cast<int>(s.E));
     benchmark::DoNotOptimize(y.data());
   }
   set_rate(state, s.T);
-  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * s.T * s.H * s.E,
-                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * s.T * s.H * s.E, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // Ceiling 2: copying the logits once (the least any pass over them costs).
@@ -141,10 +142,46 @@ void BM_logits_memcpy_ceiling(benchmark::State& state) {
   set_rate(state, s.T);
 }
 
+// The ratio itself, measured interleaved in one loop: routing forward+backward time over the gate
+// GEMM time for the same tokens (both on the same threads, same cache state).
+void BM_route_over_gate_ratio(benchmark::State& state) {
+  const Shape& s = kShapes[state.range(0)];
+  state.SetLabel(s.name);
+  const sy::Tensor z = random_logits(s.T, s.E, 5);
+  const sy::Tensor gw = sy::Tensor::full({s.T, s.K}, sy::DType::fp32, 0.25);
+  const sy::RouterConfig c = config_of(s);
+  const sy::RouteInputs in = inputs_of(s);
+  std::vector<float> x(static_cast<size_t>(s.T * s.H), 0.01f),
+      w(static_cast<size_t>(s.E * s.H), 0.02f), y(static_cast<size_t>(s.T * s.E));
+  double route_s = 0, gate_s = 0;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(s.T),
+                static_cast<int>(s.E), static_cast<int>(s.H), 1.0f, x.data(), static_cast<int>(s.H),
+                w.data(), static_cast<int>(s.H), 0.0f, y.data(), static_cast<int>(s.E));
+    benchmark::DoNotOptimize(y.data());
+    const auto t1 = std::chrono::steady_clock::now();
+    auto r = sy::topk_route(z, in, c);
+    auto g = sy::topk_route_backward(gw, r, c);
+    benchmark::DoNotOptimize(g.grad_logits.raw());
+    const auto t2 = std::chrono::steady_clock::now();
+    gate_s += std::chrono::duration<double>(t1 - t0).count();
+    route_s += std::chrono::duration<double>(t2 - t1).count();
+  }
+  const double n = static_cast<double>(state.iterations());
+  state.counters["gate_us"] = 1e6 * gate_s / n;
+  state.counters["route_fwd_bwd_us"] = 1e6 * route_s / n;
+  state.counters["route/gate"] = route_s / gate_s;
+}
+
 }  // namespace
 
+BENCHMARK(BM_route_over_gate_ratio)->DenseRange(0, 1)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_route_forward)->DenseRange(0, 1)->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK(BM_route_forward_backward)->DenseRange(0, 1)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_route_forward_backward)
+    ->DenseRange(0, 1)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 BENCHMARK(BM_route_replay_forward_backward)
     ->DenseRange(0, 1)
     ->Unit(benchmark::kMicrosecond)

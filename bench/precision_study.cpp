@@ -13,9 +13,9 @@
 //   ./build/bench/precision_study [num_tokens=4096] [seed=1] [num_layers=48]
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <random>
 #include <set>
 #include <vector>
@@ -111,8 +111,8 @@ int main(int argc, char** argv) {
         acc32 = std::fma(x[h], w[h], acc32);
         lanes[h & 7] = std::fma(x[h], w[h], lanes[h & 7]);
       }
-      const float blocked =
-          ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+      const float blocked = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) +
+                            ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
       z64[t * kE + e] = acc64;
       z32[t * kE + e] = acc32;
       z32b[t * kE + e] = blocked;
@@ -143,15 +143,18 @@ int main(int argc, char** argv) {
       {"(a) bf16 logits (fp32 acc, rounded) vs fp64", compare(id64, idb16, T)},
       {"(b) fp32 logits (this engine)      vs fp64", compare(id64, id32, T)},
       {"(c) bf16 logits vs fp32 logits (bf16 rollout, fp32 trainer)", compare(idb16, id32, T)},
-      {"(d) fp32 sequential vs fp32 8-lane accumulation (two fp32 kernels)", compare(id32, id32b, T)},
+      {"(d) fp32 sequential vs fp32 8-lane accumulation (two fp32 kernels)",
+       compare(id32, id32b, T)},
       {"(e) fp64 vs bf16 of the 8-lane kernel", compare(id64, idb16b, T)},
   };
   std::printf("precision study: T=%lld H=%lld E=%lld K=%lld seed=%llu, logits rms %.3f\n",
               static_cast<long long>(T), static_cast<long long>(kH), static_cast<long long>(kE),
               static_cast<long long>(kK), static_cast<unsigned long long>(seed),
               std::sqrt(zs / static_cast<double>(z64.size())));
-  std::printf("| comparison | tokens with a different top-k set | differing router decisions | tokens differing in >=1 of %d layers (1-(1-p)^L) |\n",
-              num_layers);
+  std::printf(
+      "| comparison | tokens with a different top-k set | differing router decisions | tokens "
+      "differing in >=1 of %d layers (1-(1-p)^L) |\n",
+      num_layers);
   std::printf("|---|---|---|---|\n");
   for (const Row& r : rows) {
     std::printf("| %s | %.3f%% | %.4f%% | %.1f%% |\n", r.what, 100 * r.m.token_share,

@@ -65,9 +65,9 @@ void guarded(std::ostream& err, const std::function<void()>& body) {
 }
 
 json info_json(const RouteFileInfo& info) {
-  return json{{"version", info.version},           {"num_experts", info.num_experts},
-              {"top_k", info.top_k},               {"num_moe_layers", info.num_moe_layers},
-              {"moe_layers", info.moe_layers},     {"num_hidden_layers", info.num_hidden_layers},
+  return json{{"version", info.version},       {"num_experts", info.num_experts},
+              {"top_k", info.top_k},           {"num_moe_layers", info.num_moe_layers},
+              {"moe_layers", info.moe_layers}, {"num_hidden_layers", info.num_hidden_layers},
               {"id_width", info.id_width}};
 }
 
@@ -83,7 +83,7 @@ struct ImportArgs {
   int64_t top_k = 0;
   std::string zero_rows = "keep";
   std::string output;
-  int level = 3;
+  int level = 1;
   bool json_out = false;
   std::vector<std::string> inputs;
 };
@@ -96,11 +96,13 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   if (!a.moe_layers.empty()) opt.layer_map.moe_layer_freq = parse_moe_layer_freq(a.moe_layers);
   opt.num_input_layers = a.num_layers;
   opt.top_k = a.top_k;
-  opt.zero_rows = a.zero_rows == "none" ? ZeroRowPolicy::to_none
-                  : a.zero_rows == "error" ? ZeroRowPolicy::error : ZeroRowPolicy::keep;
+  opt.zero_rows = a.zero_rows == "none"    ? ZeroRowPolicy::to_none
+                  : a.zero_rows == "error" ? ZeroRowPolicy::error
+                                           : ZeroRowPolicy::keep;
   if (a.format == "sglang" && (a.num_layers < 1 || a.top_k < 1)) {
-    throw std::invalid_argument("[routes import] --format sglang needs --num-layers and --top-k "
-                                "(SGLang's routed_experts is a flat array)");
+    throw std::invalid_argument(
+        "[routes import] --format sglang needs --num-layers and --top-k "
+        "(SGLang's routed_experts is a flat array)");
   }
   std::unique_ptr<RouteFileWriter> writer;
   ImportReport total;
@@ -142,16 +144,24 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   if (!writer) throw std::invalid_argument("[routes import] no sequences found in the inputs");
   writer->close();
   const int64_t bytes = writer->bytes_written();
-  const double raw = 4.0 * double(total.num_tokens) * double(total.moe_layers.size()) * double(total.top_k);
+  const double raw =
+      4.0 * double(total.num_tokens) * double(total.moe_layers.size()) * double(total.top_k);
   if (a.json_out) {
     json zr = json::array();
-    for (auto& z : total.first_zero_rows) zr.push_back({{"sequence", z[0]}, {"token", z[1]}, {"moe_layer", z[2]}});
-    out << json{{"output", a.output},          {"format", a.format},
-                {"num_sequences", total.num_sequences}, {"num_tokens", total.num_tokens},
-                {"num_input_layers", total.num_input_layers}, {"moe_layers", total.moe_layers},
-                {"top_k", total.top_k},        {"num_experts", a.num_experts},
-                {"num_zero_rows", total.num_zero_rows}, {"first_zero_rows", zr},
-                {"warnings", warnings},        {"bytes", bytes},
+    for (auto& z : total.first_zero_rows)
+      zr.push_back({{"sequence", z[0]}, {"token", z[1]}, {"moe_layer", z[2]}});
+    out << json{{"output", a.output},
+                {"format", a.format},
+                {"num_sequences", total.num_sequences},
+                {"num_tokens", total.num_tokens},
+                {"num_input_layers", total.num_input_layers},
+                {"moe_layers", total.moe_layers},
+                {"top_k", total.top_k},
+                {"num_experts", a.num_experts},
+                {"num_zero_rows", total.num_zero_rows},
+                {"first_zero_rows", zr},
+                {"warnings", warnings},
+                {"bytes", bytes},
                 {"ratio_vs_int32", bytes > 0 ? raw / double(bytes) : 0.0}}
                .dump(2)
         << "\n";
@@ -162,11 +172,15 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
       << total.moe_layers.size() << " MoE layers " << list_str(total.moe_layers) << ", top_k "
       << total.top_k << ", " << a.num_experts << " experts)\n";
   out << "wrote " << a.output << ": " << bytes << " bytes (" << fixed(raw / double(bytes))
-      << "x smaller than int32)\n";
+      << "x compression vs raw int32)\n";
   if (total.num_zero_rows > 0) {
     out << "all-zero rows on MoE layers: " << total.num_zero_rows << " (first:";
-    for (auto& z : total.first_zero_rows) out << " seq " << z[0] << " token " << z[1] << " layer " << z[2] << ";";
-    out << ")" << (opt.zero_rows == ZeroRowPolicy::to_none ? " -> stored as -1" : " (kept; --zero-rows none stores them as -1)") << "\n";
+    for (auto& z : total.first_zero_rows)
+      out << " seq " << z[0] << " token " << z[1] << " layer " << z[2] << ";";
+    out << ")"
+        << (opt.zero_rows == ZeroRowPolicy::to_none ? " -> stored as -1"
+                                                    : " (kept; --zero-rows none stores them as -1)")
+        << "\n";
   }
   for (const auto& w : warnings) out << "warning: " << w << "\n";
 }
@@ -180,14 +194,19 @@ void run_inspect(const std::string& path, bool json_out, bool list, std::ostream
   for (int64_t i = 0; i < r.num_sequences(); ++i) tokens += r.entry(i).num_tokens;
   const double raw = 4.0 * double(tokens) * double(info.num_moe_layers * info.top_k);
   if (json_out) {
-    json j{{"file", path},          {"info", info_json(info)}, {"complete", r.complete()},
-           {"status", r.status()},  {"num_sequences", r.num_sequences()},
-           {"num_tokens", tokens},  {"bytes", r.file_size()},
+    json j{{"file", path},
+           {"info", info_json(info)},
+           {"complete", r.complete()},
+           {"status", r.status()},
+           {"num_sequences", r.num_sequences()},
+           {"num_tokens", tokens},
+           {"bytes", r.file_size()},
            {"ratio_vs_int32", r.file_size() > 0 ? raw / double(r.file_size()) : 0.0}};
     if (list) {
       json seqs = json::array();
       for (int64_t i = 0; i < r.num_sequences(); ++i) {
-        seqs.push_back({{"offset", r.entry(i).offset}, {"num_tokens", r.entry(i).num_tokens},
+        seqs.push_back({{"offset", r.entry(i).offset},
+                        {"num_tokens", r.entry(i).num_tokens},
                         {"stored_bytes", r.entry(i).stored_bytes}});
       }
       j["sequences"] = seqs;
@@ -205,7 +224,7 @@ void run_inspect(const std::string& path, bool json_out, bool list, std::ostream
   out << ", ids stored in " << info.id_width << " byte" << (info.id_width > 1 ? "s" : "") << "\n";
   out << "  " << r.num_sequences() << " sequences, " << tokens << " tokens, " << r.file_size()
       << " bytes (" << fixed(r.file_size() > 0 ? raw / double(r.file_size()) : 0.0)
-      << "x smaller than int32)\n";
+      << "x compression vs raw int32)\n";
   if (list) {
     for (int64_t i = 0; i < r.num_sequences(); ++i) {
       out << "  sequence " << i << ": " << r.entry(i).num_tokens << " tokens, "
@@ -217,8 +236,11 @@ void run_inspect(const std::string& path, bool json_out, bool list, std::ostream
 void run_validate(const std::string& path, bool json_out, std::ostream& out) {
   const RouteFileCheck c = verify_route_file(path);
   if (json_out) {
-    out << json{{"file", path}, {"ok", c.ok}, {"num_sequences", c.num_sequences},
-                {"num_readable", c.num_readable}, {"num_tokens", c.num_tokens},
+    out << json{{"file", path},
+                {"ok", c.ok},
+                {"num_sequences", c.num_sequences},
+                {"num_readable", c.num_readable},
+                {"num_tokens", c.num_tokens},
                 {"problems", c.problems}}
                .dump(2)
         << "\n";
@@ -269,15 +291,20 @@ void run_stats(const std::string& path, bool json_out, int64_t top, std::ostream
     human << "\n";
     std::vector<int64_t> counts(load.num_tokens_per_expert.begin() + l * load.num_experts,
                                 load.num_tokens_per_expert.begin() + (l + 1) * load.num_experts);
-    layers.push_back({{"layer", l}, {"hidden_layer", hidden},
+    layers.push_back({{"layer", l},
+                      {"hidden_layer", hidden},
                       {"num_assignments", load.num_assignments[size_t(l)]},
                       {"num_none_rows", load.num_none_rows[size_t(l)]},
-                      {"imbalance", load_imbalance(load, l)}, {"hot_experts", h},
+                      {"imbalance", load_imbalance(load, l)},
+                      {"hot_experts", h},
                       {"num_tokens_per_expert", counts}});
   }
   if (json_out) {
-    out << json{{"file", path}, {"info", info_json(info)}, {"num_sequences", r.num_sequences()},
-                {"num_tokens", tokens}, {"layers", layers}}
+    out << json{{"file", path},
+                {"info", info_json(info)},
+                {"num_sequences", r.num_sequences()},
+                {"num_tokens", tokens},
+                {"layers", layers}}
                .dump(2)
         << "\n";
     return;
@@ -290,16 +317,19 @@ void run_stats(const std::string& path, bool json_out, int64_t top, std::ostream
 void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::ostream& out) {
   RouteFileReader a = RouteFileReader::open(pa), b = RouteFileReader::open(pb);
   const RouteFileInfo &ia = a.info(), &ib = b.info();
-  if (ia.num_experts != ib.num_experts || ia.top_k != ib.top_k || ia.num_moe_layers != ib.num_moe_layers) {
-    throw std::invalid_argument("[routes diff] files differ in layout: " + pa + " has num_experts=" +
-                                std::to_string(ia.num_experts) + ", top_k=" + std::to_string(ia.top_k) +
-                                ", " + std::to_string(ia.num_moe_layers) + " MoE layers; " + pb +
-                                " has " + std::to_string(ib.num_experts) + ", " + std::to_string(ib.top_k) +
+  if (ia.num_experts != ib.num_experts || ia.top_k != ib.top_k ||
+      ia.num_moe_layers != ib.num_moe_layers) {
+    throw std::invalid_argument("[routes diff] files differ in layout: " + pa +
+                                " has num_experts=" + std::to_string(ia.num_experts) +
+                                ", top_k=" + std::to_string(ia.top_k) + ", " +
+                                std::to_string(ia.num_moe_layers) + " MoE layers; " + pb + " has " +
+                                std::to_string(ib.num_experts) + ", " + std::to_string(ib.top_k) +
                                 ", " + std::to_string(ib.num_moe_layers));
   }
   if (a.num_sequences() != b.num_sequences()) {
-    throw std::invalid_argument("[routes diff] " + pa + " holds " + std::to_string(a.num_sequences()) +
-                                " sequences, " + pb + " holds " + std::to_string(b.num_sequences()));
+    throw std::invalid_argument("[routes diff] " + pa + " holds " +
+                                std::to_string(a.num_sequences()) + " sequences, " + pb +
+                                " holds " + std::to_string(b.num_sequences()));
   }
   RouteDrift d;
   for (int64_t i = 0; i < a.num_sequences(); ++i) {
@@ -318,9 +348,13 @@ void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::
   std::vector<double> per_layer;
   for (int64_t l = 0; l < ia.num_moe_layers; ++l) per_layer.push_back(d.layer_mismatch(l));
   if (json_out) {
-    out << json{{"a", pa}, {"b", pb}, {"num_sequences", a.num_sequences()},
-                {"num_tokens", d.num_tokens}, {"num_rows", d.num_rows},
-                {"num_skipped_rows", d.num_skipped_rows}, {"num_decisions", d.num_decisions},
+    out << json{{"a", pa},
+                {"b", pb},
+                {"num_sequences", a.num_sequences()},
+                {"num_tokens", d.num_tokens},
+                {"num_rows", d.num_rows},
+                {"num_skipped_rows", d.num_skipped_rows},
+                {"num_decisions", d.num_decisions},
                 {"num_differing_decisions", d.num_differing_decisions},
                 {"num_differing_rows", d.num_differing_rows},
                 {"num_differing_tokens", d.num_differing_tokens},
@@ -364,22 +398,25 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
   if (a.pp > 1 || a.vpp > 1) {
     const int64_t hidden = a.num_hidden_layers > 0 ? a.num_hidden_layers : info.num_hidden_layers;
     if (info.moe_layers.empty() || hidden < 1) {
-      throw std::invalid_argument("[routes align] pipeline slicing needs the layer map: " + a.input +
-                                  " does not record it; pass --num-hidden-layers (and import with a "
-                                  "layer map)");
+      throw std::invalid_argument(
+          "[routes align] pipeline slicing needs the layer map: " + a.input +
+          " does not record it; pass --num-hidden-layers (and import with a "
+          "layer map)");
     }
-    std::tie(begin, end) = pp_moe_layer_range(info.moe_layers, hidden,
-                                              {a.pp, a.pp_rank, a.vpp, a.vpp_rank,
-                                               a.first_stage_layers, a.last_stage_layers});
+    std::tie(begin, end) = pp_moe_layer_range(
+        info.moe_layers, hidden,
+        {a.pp, a.pp_rank, a.vpp, a.vpp_rank, a.first_stage_layers, a.last_stage_layers});
   }
   if (end == begin) {
-    throw std::invalid_argument("[routes align] pipeline chunk (pp_rank " + std::to_string(a.pp_rank) +
-                                ", vpp_rank " + std::to_string(a.vpp_rank) + ") owns no MoE layer");
+    throw std::invalid_argument("[routes align] pipeline chunk (pp_rank " +
+                                std::to_string(a.pp_rank) + ", vpp_rank " +
+                                std::to_string(a.vpp_rank) + ") owns no MoE layer");
   }
   std::vector<RouteTable> seqs;
   for (int64_t i = 0; i < r.num_sequences(); ++i) seqs.push_back(r.read(i));
   if (seqs.empty()) throw std::invalid_argument("[routes align] " + a.input + " holds no sequence");
-  const int64_t mbs = a.micro_batch_size > 0 ? a.micro_batch_size : static_cast<int64_t>(seqs.size());
+  const int64_t mbs =
+      a.micro_batch_size > 0 ? a.micro_batch_size : static_cast<int64_t>(seqs.size());
   RouteFileInfo oinfo = info;
   oinfo.num_moe_layers = end - begin;
   if (!info.moe_layers.empty()) {
@@ -395,8 +432,10 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
     if (a.sequence_parallel) local = sp_split(local, a.tp, a.tp_rank);
     local = slice_layers(local, begin, end);
     w.append(local);
-    batches.push_back({{"micro_batch", mb_index}, {"num_sequences", mb.size()},
-                       {"cu_seqlens", p.cu_seqlens}, {"cu_seqlens_padded", p.cu_seqlens_padded},
+    batches.push_back({{"micro_batch", mb_index},
+                       {"num_sequences", mb.size()},
+                       {"cu_seqlens", p.cu_seqlens},
+                       {"cu_seqlens_padded", p.cu_seqlens_padded},
                        {"num_local_tokens", local.num_tokens()}});
     human << "  micro-batch " << mb_index << ": " << mb.size() << " sequences, cu_seqlens_padded "
           << list_str(p.cu_seqlens_padded) << ", " << local.num_tokens() << " local tokens\n";
@@ -405,8 +444,11 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
   }
   w.close();
   if (a.json_out) {
-    out << json{{"input", a.input}, {"output", a.output}, {"pack_alignment", pack_alignment({a.tp, a.cp, a.fp8_align})},
-                {"moe_layer_range", {begin, end}}, {"micro_batches", batches}}
+    out << json{{"input", a.input},
+                {"output", a.output},
+                {"pack_alignment", pack_alignment({a.tp, a.cp, a.fp8_align})},
+                {"moe_layer_range", {begin, end}},
+                {"micro_batches", batches}}
                .dump(2)
         << "\n";
     return;
@@ -422,26 +464,36 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
 }  // namespace
 
 void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& err) {
-  CLI::App* routes = app.add_subcommand("routes", "Route data: import, inspect, validate, stats, diff, align");
+  CLI::App* routes =
+      app.add_subcommand("routes", "Route data: import, inspect, validate, stats, diff, align");
   routes->require_subcommand(1);
 
   auto ia = std::make_shared<ImportArgs>();
-  CLI::App* imp = routes->add_subcommand("import", "Import vLLM .npy or SGLang JSON/JSONL routes into a route file");
-  imp->add_option("--format", ia->format, "Input format")->required()->check(CLI::IsMember({"vllm", "sglang"}));
+  CLI::App* imp = routes->add_subcommand(
+      "import", "Import vLLM .npy or SGLang JSON/JSONL routes into a route file");
+  imp->add_option("--format", ia->format, "Input format")
+      ->required()
+      ->check(CLI::IsMember({"vllm", "sglang"}));
   imp->add_option("--num-experts", ia->num_experts, "Experts per MoE layer (E)")->required();
-  auto* fkd = imp->add_option("--first-k-dense", ia->first_k_dense, "The first N hidden layers are dense");
-  auto* ml = imp->add_option("--moe-layers", ia->moe_layers,
-                             "Per hidden layer 0 (dense) or 1 (MoE), comma-separated, NxV repeats (3x0,45x1)");
+  auto* fkd =
+      imp->add_option("--first-k-dense", ia->first_k_dense, "The first N hidden layers are dense");
+  auto* ml = imp->add_option(
+      "--moe-layers", ia->moe_layers,
+      "Per hidden layer 0 (dense) or 1 (MoE), comma-separated, NxV repeats (3x0,45x1)");
   fkd->excludes(ml);
   imp->add_option("--mtp-layers", ia->mtp_layers, "Trailing MTP layers in the input, left out");
-  imp->add_option("--num-layers", ia->num_layers, "Layers per token in the input (hidden + MTP); required for sglang");
+  imp->add_option("--num-layers", ia->num_layers,
+                  "Layers per token in the input (hidden + MTP); required for sglang");
   imp->add_option("--top-k", ia->top_k, "K; required for sglang");
-  imp->add_option("--zero-rows", ia->zero_rows, "All-zero rows on MoE layers: keep, none (store -1) or error")
+  imp->add_option("--zero-rows", ia->zero_rows,
+                  "All-zero rows on MoE layers: keep, none (store -1) or error")
       ->check(CLI::IsMember({"keep", "none", "error"}));
   imp->add_option("--level", ia->level, "zstd level (1-19)");
   imp->add_option("-o,--output", ia->output, "Route file to write")->required();
   imp->add_flag("--json", ia->json_out, "Machine-readable output");
-  imp->add_option("inputs", ia->inputs, "Input files (.npy per sequence, or JSON/JSONL)")->required()->check(CLI::ExistingFile);
+  imp->add_option("inputs", ia->inputs, "Input files (.npy per sequence, or JSON/JSONL)")
+      ->required()
+      ->check(CLI::ExistingFile);
   imp->callback([ia, &out, &err] { guarded(err, [&] { run_import(*ia, out, err); }); });
 
   struct FileArgs {
@@ -451,24 +503,30 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
     int64_t top = 5;
   };
   auto fa = std::make_shared<FileArgs>();
-  CLI::App* ins = routes->add_subcommand("inspect", "Header, sequence count and size of a route file");
+  CLI::App* ins =
+      routes->add_subcommand("inspect", "Header, sequence count and size of a route file");
   ins->add_option("file", fa->path)->required();
   ins->add_flag("--json", fa->json_out, "Machine-readable output");
   ins->add_flag("--list", fa->list, "List every sequence");
-  ins->callback([fa, &out, &err] { guarded(err, [&] { run_inspect(fa->path, fa->json_out, fa->list, out); }); });
+  ins->callback([fa, &out, &err] {
+    guarded(err, [&] { run_inspect(fa->path, fa->json_out, fa->list, out); });
+  });
 
   auto va = std::make_shared<FileArgs>();
-  CLI::App* val = routes->add_subcommand("validate", "Decode every block; exit 0 only for an intact file");
+  CLI::App* val =
+      routes->add_subcommand("validate", "Decode every block; exit 0 only for an intact file");
   val->add_option("file", va->path)->required();
   val->add_flag("--json", va->json_out, "Machine-readable output");
-  val->callback([va, &out, &err] { guarded(err, [&] { run_validate(va->path, va->json_out, out); }); });
+  val->callback(
+      [va, &out, &err] { guarded(err, [&] { run_validate(va->path, va->json_out, out); }); });
 
   auto sa = std::make_shared<FileArgs>();
   CLI::App* st = routes->add_subcommand("stats", "Expert load per layer and hot experts");
   st->add_option("file", sa->path)->required();
   st->add_option("--top", sa->top, "Hot experts to show per layer");
   st->add_flag("--json", sa->json_out, "Machine-readable output");
-  st->callback([sa, &out, &err] { guarded(err, [&] { run_stats(sa->path, sa->json_out, sa->top, out); }); });
+  st->callback(
+      [sa, &out, &err] { guarded(err, [&] { run_stats(sa->path, sa->json_out, sa->top, out); }); });
 
   struct DiffArgs {
     std::string a, b;
@@ -479,26 +537,34 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   df->add_option("a", da->a)->required();
   df->add_option("b", da->b)->required();
   df->add_flag("--json", da->json_out, "Machine-readable output");
-  df->callback([da, &out, &err] { guarded(err, [&] { run_diff(da->a, da->b, da->json_out, out); }); });
+  df->callback(
+      [da, &out, &err] { guarded(err, [&] { run_diff(da->a, da->b, da->json_out, out); }); });
 
   auto aa = std::make_shared<AlignArgs>();
-  CLI::App* al = routes->add_subcommand("align", "Pack, pad and split a route file for one trainer rank");
+  CLI::App* al =
+      routes->add_subcommand("align", "Pack, pad and split a route file for one trainer rank");
   al->add_option("file", aa->input)->required();
-  al->add_option("-o,--output", aa->output, "Route file to write (one record per micro-batch)")->required();
+  al->add_option("-o,--output", aa->output, "Route file to write (one record per micro-batch)")
+      ->required();
   al->add_option("--tp", aa->tp, "Tensor-parallel size");
   al->add_option("--cp", aa->cp, "Context-parallel size (zigzag split)");
   al->add_option("--cp-rank", aa->cp_rank, "Context-parallel rank to keep");
   al->add_flag("--sequence-parallel", aa->sequence_parallel, "Split tokens over TP ranks");
-  al->add_option("--tp-rank", aa->tp_rank, "Tensor-parallel rank to keep (with --sequence-parallel)");
+  al->add_option("--tp-rank", aa->tp_rank,
+                 "Tensor-parallel rank to keep (with --sequence-parallel)");
   al->add_option("--fp8-align", aa->fp8_align, "Extra padding multiple for FP8 (16 or 128)");
   al->add_option("--pp", aa->pp, "Pipeline-parallel size");
   al->add_option("--pp-rank", aa->pp_rank, "Pipeline rank");
   al->add_option("--vpp", aa->vpp, "Virtual pipeline stages per rank");
   al->add_option("--vpp-rank", aa->vpp_rank, "Virtual pipeline stage");
-  al->add_option("--first-stage-layers", aa->first_stage_layers, "Hidden layers of the first stage (uneven)");
-  al->add_option("--last-stage-layers", aa->last_stage_layers, "Hidden layers of the last stage (uneven)");
-  al->add_option("--num-hidden-layers", aa->num_hidden_layers, "Override the file's hidden layer count");
-  al->add_option("--micro-batch-size", aa->micro_batch_size, "Sequences per micro-batch (default: all)");
+  al->add_option("--first-stage-layers", aa->first_stage_layers,
+                 "Hidden layers of the first stage (uneven)");
+  al->add_option("--last-stage-layers", aa->last_stage_layers,
+                 "Hidden layers of the last stage (uneven)");
+  al->add_option("--num-hidden-layers", aa->num_hidden_layers,
+                 "Override the file's hidden layer count");
+  al->add_option("--micro-batch-size", aa->micro_batch_size,
+                 "Sequences per micro-batch (default: all)");
   al->add_flag("--json", aa->json_out, "Machine-readable output");
   al->callback([aa, &out, &err] { guarded(err, [&] { run_align(*aa, out, err); }); });
 }

@@ -32,9 +32,24 @@ class Communicator {
   /// send_counts[r] elements go to rank r, recv_counts[r] come from rank r; both packed in rank order.
   virtual void alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                          const std::vector<int64_t>& recv_counts, int64_t elem_bytes) = 0;
+  /// Row-indexed all-to-all (no packing copies where the transport can scatter/gather: MPI derived
+  /// datatypes). Rows are `row_bytes` bytes. To rank r go send_counts[r] rows, taken in order from
+  /// rows send_index[...] of `send` (the index list is packed in rank order; rows may repeat);
+  /// from rank s come recv_counts[s] rows, stored at rows recv_index[...] of `recv` (packed in rank
+  /// order; no row twice). A null index means rows are contiguous in rank order (plain alltoallv).
+  virtual void alltoallv_rows(const void* send, const int64_t* send_index,
+                              const std::vector<int64_t>& send_counts, void* recv,
+                              const int64_t* recv_index, const std::vector<int64_t>& recv_counts,
+                              int64_t row_bytes) = 0;
   /// In place element-wise maximum of n small integers (flags, sizes) over all ranks.
   virtual void allreduce_max(int64_t* values, int64_t n) = 0;
   virtual void barrier() = 0;
+
+  /// Scratch memory owned by this communicator, at least `bytes` long, reused across calls (grows,
+  /// never shrinks, not zeroed). `slot` names independent buffers; a pointer stays valid until the
+  /// next workspace() call with the same slot. Used by the dispatchers so steady-state steps do not
+  /// page-fault fresh multi-MiB buffers. Not collective; not thread-safe (nor is a communicator).
+  void* workspace(int slot, int64_t bytes);
 
   /// Typed convenience: everyone's `values` (same length on every rank), rank-major.
   template <class T>
@@ -44,6 +59,13 @@ class Communicator {
               static_cast<int64_t>(sizeof(T)));
     return out;
   }
+
+ private:
+  struct Scratch {
+    std::unique_ptr<unsigned char[]> data;
+    int64_t size = 0;
+  };
+  std::vector<Scratch> workspace_;
 };
 
 /// A size-1 communicator (rank 0 of 1): collectives are local copies. Always available.

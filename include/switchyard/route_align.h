@@ -30,7 +30,7 @@ int64_t pack_alignment(const PackOptions& options);
 
 /// Sequences packed into one THD table.
 struct PackedRoutes {
-  RouteTable table;                   ///< `[cu_seqlens_padded.back(), layers, K]`
+  RouteTable table;                        ///< `[cu_seqlens_padded.back(), layers, K]`
   std::vector<int64_t> cu_seqlens;         ///< exclusive prefix sum of real lengths (n+1)
   std::vector<int64_t> cu_seqlens_padded;  ///< exclusive prefix sum of padded lengths (n+1)
 };
@@ -42,8 +42,8 @@ PackedRoutes pack_thd(const std::vector<RouteTable>& sequences, const PackOption
 std::vector<RouteTable> unpack_thd(const PackedRoutes& packed);
 
 /// Context-parallel zigzag split of a packed table: every sequence (padded length divisible by
-/// 2*cp_size) is cut in 2*cp_size chunks and rank r keeps chunks r and 2*cp_size-1-r, sequence after
-/// sequence (cp_size 1: the table itself). `cu_seqlens_padded` as from pack_thd.
+/// 2*cp_size) is cut in 2*cp_size chunks and rank r keeps chunks r and 2*cp_size-1-r, sequence
+/// after sequence (cp_size 1: the table itself). `cu_seqlens_padded` as from pack_thd.
 RouteTable cp_zigzag_split(const RouteTable& packed, const std::vector<int64_t>& cu_seqlens_padded,
                            int64_t cp_size, int64_t cp_rank);
 /// Inverse: the packed table from every rank's piece (index = cp rank).

@@ -4,7 +4,8 @@
 //
 // Both give a route for every token but the last sampled one, on every hidden layer (dense layers
 // hold 0) and possibly on MTP layers. Import keeps the MoE layers (LayerMap), drops the others, and
-// appends a `-1` row for the missing last token, giving a RouteTable `[seq_len, moe_layers, top_k]`.
+// appends a `-1` row for the missing last token, giving a RouteTable `[seq_len, moe_layers,
+// top_k]`.
 #pragma once
 
 #include <array>
@@ -17,8 +18,9 @@
 
 namespace switchyard {
 
-/// What to do with an all-zero row on a MoE layer (with top_k > 1 it repeats expert 0, which is how
-/// zero-filled padding shows up). Rows are always counted in the report.
+/// What to do with an all-zero row on a MoE layer: with top_k > 1 it repeats expert 0, which no
+/// top-k produces — it is how zero-filled padding shows up. Such rows are always counted in the
+/// report. With top_k == 1 a 0 is a real route to expert 0 and is never flagged.
 enum class ZeroRowPolicy : uint8_t {
   keep,     ///< keep the zeros (default: import never changes data silently)
   to_none,  ///< turn the row into -1 ("no route")
@@ -40,7 +42,7 @@ struct ImportOptions {
 /// Counts and findings of an import.
 struct ImportReport {
   int64_t num_sequences = 0;
-  int64_t num_tokens = 0;         ///< tokens in the output tables (last token included)
+  int64_t num_tokens = 0;  ///< tokens in the output tables (last token included)
   int64_t num_input_layers = 0;
   int64_t top_k = 0;
   std::vector<int64_t> moe_layers;  ///< hidden-layer index of every kept layer

@@ -13,7 +13,8 @@ namespace switchyard {
 struct ExpertLoad {
   int64_t num_experts = 0;
   int64_t num_moe_layers = 0;
-  /// `[num_moe_layers * num_experts]` (row-major): valid (token, expert) pairs per layer and expert.
+  /// `[num_moe_layers * num_experts]` (row-major): valid (token, expert) pairs per layer and
+  /// expert.
   std::vector<int64_t> num_tokens_per_expert;
   /// Valid ids per layer (sum of the row above).
   std::vector<int64_t> num_assignments;
@@ -45,18 +46,18 @@ double load_imbalance(const ExpertLoad& load, int64_t layer);
 /// not change which experts run). A decision is one of the K ids of a compared row in A; it
 /// differs when B's row does not contain it.
 struct RouteDrift {
-  int64_t num_tokens = 0;         ///< tokens with at least one compared row
-  int64_t num_rows = 0;           ///< compared rows
-  int64_t num_decisions = 0;      ///< valid ids in compared rows of A
+  int64_t num_tokens = 0;     ///< tokens with at least one compared row
+  int64_t num_rows = 0;       ///< compared rows
+  int64_t num_decisions = 0;  ///< valid ids in compared rows of A
   int64_t num_differing_decisions = 0;
   int64_t num_differing_rows = 0;
-  int64_t num_differing_tokens = 0;  ///< tokens with at least one differing layer
-  int64_t num_skipped_rows = 0;      ///< rows where one side or both are all -1
+  int64_t num_differing_tokens = 0;                ///< tokens with at least one differing layer
+  int64_t num_skipped_rows = 0;                    ///< rows where one side or both are all -1
   std::vector<int64_t> layer_decisions;            ///< per layer
   std::vector<int64_t> layer_differing_decisions;  ///< per layer
 
-  double decision_mismatch() const;  ///< share of decisions that differ
-  double token_mismatch() const;     ///< share of tokens with any differing layer
+  double decision_mismatch() const;      ///< share of decisions that differ
+  double token_mismatch() const;         ///< share of tokens with any differing layer
   double mean_differing_layers() const;  ///< differing rows per compared token
   double layer_mismatch(int64_t layer) const;
 };

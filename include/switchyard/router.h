@@ -1,5 +1,5 @@
-// Routing after the gate: scores, top-k (or replayed ids), capacity, auxiliary losses, and the exact
-// backward of all of it into the gate logits. The gate GEMM itself lives in gate.h.
+// Routing after the gate: scores, top-k (or replayed ids), capacity, auxiliary losses, and the
+// exact backward of all of it into the gate logits. The gate GEMM itself lives in gate.h.
 //
 // Semantics follow Megatron-Core's TopKRouter (option names included); see DESIGN.md "Semantics".
 #pragma once
@@ -14,8 +14,8 @@ namespace switchyard {
 /// Score function applied to the gate logits (Megatron-Core `moe_router_score_function`).
 enum class ScoreFunction : uint8_t { softmax, sigmoid, sqrtsoftplus };
 
-/// Which tokens an over-full expert keeps (Megatron-Core `moe_token_drop_policy`): `probs` keeps the
-/// highest routing weights (ties: lower token index), `position` keeps the first tokens.
+/// Which tokens an over-full expert keeps (Megatron-Core `moe_token_drop_policy`): `probs` keeps
+/// the highest routing weights (ties: lower token index), `position` keeps the first tokens.
 enum class TokenDropPolicy : uint8_t { probs, position };
 
 /// Load-balancing loss (Megatron-Core `moe_router_load_balancing_type`).
@@ -25,7 +25,8 @@ enum class AuxLossType : uint8_t { none, aux_loss, seq_aux_loss, global_aux_loss
 /// id, or names an id outside [0, E)): throw (default), or route that row natively and count it.
 enum class InvalidReplayRows : uint8_t { error, native };
 
-/// Router configuration; names are Megatron-Core's (`moe_router_*`, `moe_*`).
+/// Router configuration; names are Megatron-Core's (`moe_router_*`, `moe_*`). The router dtype
+/// (`router_dtype`) is the dtype of the logits passed to topk_route: fp32 or fp64.
 struct RouterConfig {
   int64_t num_experts = 0;  ///< E >= 1
   int64_t top_k = 1;        ///< K in [1, E]
@@ -38,8 +39,8 @@ struct RouterConfig {
   int64_t group_topk = 0;
   /// Multiplies the routing weights (Megatron `moe_router_topk_scaling_factor`); 1 = none.
   double topk_scaling_factor = 1.0;
-  /// Expert capacity C = ceil(T*K/E * capacity_factor); nullopt = no capacity (no drops).
-  std::optional<double> capacity_factor;
+  /// Expert capacity C = min(ceil(T*K/E * capacity_factor), T); nullopt = no capacity (no drops).
+  std::optional<double> capacity_factor{};
   TokenDropPolicy token_drop_policy = TokenDropPolicy::probs;
   /// Pad every expert's input to C rows (RouteResult::expert_capacity); needs capacity_factor.
   bool pad_to_capacity = false;
@@ -50,10 +51,14 @@ struct RouterConfig {
 
 /// Running state of `global_aux_loss` (Megatron's `global_tokens_per_expert` and `ga_steps`): the
 /// per-expert counts of every routed batch since the last `reset()`. One object per MoE layer,
-/// owned by the caller; topk_route adds the current batch's counts to it.
+/// owned by the caller; every topk_route call with global_aux_loss adds its batch's counts. A
+/// recompute that must reproduce its forward exactly routes with a snapshot of the state taken
+/// before that forward (copy `steps`, `clone()` the tensor).
 struct GlobalAuxLossState {
-  Tensor tokens_per_expert;  ///< [E] fp64, sum of counts over accumulated steps (undefined = none)
-  int64_t steps = 0;         ///< number of accumulated batches
+  /// [E] fp64: sum of the counts over the accumulated steps (undefined = nothing accumulated).
+  Tensor tokens_per_expert{};
+  /// Number of accumulated batches.
+  int64_t steps = 0;
   /// Start a new accumulation window (Megatron `reset_global_aux_loss_tracker`).
   void reset() {
     tokens_per_expert = Tensor();
@@ -64,12 +69,12 @@ struct GlobalAuxLossState {
 /// Optional tensors of topk_route. Undefined tensors are "not given".
 struct RouteInputs {
   /// [E] fp32 (or fp64): aux-loss-free balancing bias, added to the selection scores only.
-  Tensor expert_bias;
+  Tensor expert_bias{};
   /// [T] bool: true = padded token; its row is all -1 and it is left out of counts and losses.
-  Tensor padding_mask;
+  Tensor padding_mask{};
   /// [T, K] int32: ids to use instead of the live top-k (router replay). A row of all -1 is
   /// routed natively. See InvalidReplayRows for bad rows.
-  Tensor replay_idx;
+  Tensor replay_idx{};
   /// Required when aux_loss_type == global_aux_loss; updated by the call (not by backward).
   GlobalAuxLossState* global_aux_loss_state = nullptr;
 };
@@ -90,11 +95,11 @@ struct RouteOptions {
 struct RouteResult {
   /// [T, K] int32: chosen expert per slot, -1 = none (padded token, dropped slot). Native rows are
   /// ordered by descending selection score (ties: lower id); replayed rows keep the given order.
-  Tensor topk_idx;
+  Tensor topk_idx{};
   /// [T, K] dtype of the logits (fp32 or fp64): routing weight per slot, 0 where topk_idx is -1.
-  Tensor topk_weights;
+  Tensor topk_weights{};
   /// [E] int64: number of (token, expert) pairs kept per expert (after capacity, no padding).
-  Tensor num_tokens_per_expert;
+  Tensor num_tokens_per_expert{};
   /// Capacity C per expert, or -1 without capacity_factor. With pad_to_capacity the dispatcher
   /// pads every expert's input to C rows (zero rows, weight 0).
   int64_t expert_capacity = -1;
@@ -113,13 +118,13 @@ struct RouteResult {
   int64_t num_invalid_replay_rows = 0;
 
   // ---- saved for topk_route_backward (not part of the stable API) ----
-  Tensor logits;        ///< [T, E] the forward's logits (shared storage: do not modify them)
-  Tensor selected_idx;  ///< [T, K] int32 ids before capacity drops (-1 on padded rows)
-  Tensor row_kind;      ///< [T] uint8: 0 native, 1 replayed, 2 padded
-  Tensor aux_grad;      ///< [G, E] fp64 dLoss/dP per (sequence group, expert), undefined if none
-  int64_t aux_groups = 1;      ///< G: 1, or num_sequences for seq_aux_loss
-  double z_grad_coeff = 0.0;   ///< 2 * z_loss_coeff / num_valid_tokens
-  RouterConfig config;         ///< the configuration of the forward
+  Tensor logits{};         ///< [T, E] the forward's logits (shared storage: do not modify them)
+  Tensor selected_idx{};   ///< [T, K] int32 ids before capacity drops (-1 on padded rows)
+  Tensor row_kind{};       ///< [T] uint8: 0 native, 1 replayed, 2 padded
+  Tensor aux_grad{};       ///< [G, E] fp64 dLoss/dP per (sequence group, expert), undefined if none
+  int64_t aux_groups = 1;  ///< G: 1, or num_sequences for seq_aux_loss
+  double z_grad_coeff = 0.0;  ///< 2 * z_loss_coeff / num_valid_tokens
+  RouterConfig config;        ///< the configuration of the forward
 };
 
 /// Routes T tokens to K of E experts from gate logits.
@@ -137,7 +142,7 @@ struct RouteBackwardOptions {
 
 /// Gradients of topk_route.
 struct RouteGrads {
-  Tensor grad_logits;  ///< [T, E] dtype of the logits
+  Tensor grad_logits{};  ///< [T, E] dtype of the logits
 };
 
 /// Backward of topk_route: grad_logits = d/dlogits of <grad_topk_weights, topk_weights> plus

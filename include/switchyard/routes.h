@@ -1,7 +1,7 @@
-// Route tables: the experts chosen for every token of a sequence in every MoE layer, as recorded by a
-// rollout engine (R3) or by the trainer's own pass (R2), and the map from a model's hidden layers to
-// its MoE layers. See route_file.h (storage), route_import.h (vLLM / SGLang), route_align.h (trainer
-// layout) and route_stats.h (load and drift).
+// Route tables: the experts chosen for every token of a sequence in every MoE layer, as recorded by
+// a rollout engine (R3) or by the trainer's own pass (R2), and the map from a model's hidden layers
+// to its MoE layers. See route_file.h (storage), route_import.h (vLLM / SGLang), route_align.h
+// (trainer layout) and route_stats.h (load and drift).
 #pragma once
 
 #include <cstdint>

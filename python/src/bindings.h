@@ -11,5 +11,6 @@ void bind_core(py::module_& m);
 void bind_gate(py::module_& m);
 void bind_dist(py::module_& m);
 void bind_router(py::module_& m);
+void bind_routes(py::module_& m);
 
 }  // namespace switchyard::py_bind

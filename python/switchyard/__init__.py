@@ -121,3 +121,4 @@ class RouterReplay:
 
 
 from . import dist  # noqa: E402
+from . import routes  # noqa: E402

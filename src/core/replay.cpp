@@ -16,8 +16,8 @@ std::string where(int64_t layer) {
 
 RouterReplay::RouterReplay(const RouterReplayOptions& options) : options_(options) {
   if (options.top_k < 1) {
-    detail::fail_arg("replay", where(options.layer), "top_k must be >= 1, got top_k=",
-                     options.top_k);
+    detail::fail_arg("replay", where(options.layer),
+                     "top_k must be >= 1, got top_k=", options.top_k);
   }
 }
 

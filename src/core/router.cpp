@@ -5,9 +5,11 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "check.h"
@@ -31,16 +33,25 @@ std::string layer_prefix(int64_t layer) {
   return layer >= 0 ? detail::cat("layer ", layer, ", ") : std::string();
 }
 
-// First non-finite element of a [rows, cols] array, or -1. Lowest flat index wins, so the message
-// is the same for every thread count.
+// First non-finite element of x[0..n), or -1. A branch-free exponent test over the whole array
+// first (vectorises), then a search only when something is wrong; the lowest flat index wins, so
+// the message does not depend on the thread count.
 template <class S>
 int64_t first_non_finite(const S* x, int64_t n) {
-  int64_t first = std::numeric_limits<int64_t>::max();
-#pragma omp parallel for schedule(static) reduction(min : first)
+  using U = std::conditional_t<sizeof(S) == 4, uint32_t, uint64_t>;
+  constexpr U kExp = static_cast<U>(sizeof(S) == 4 ? 0x7f800000ull : 0x7ff0000000000000ull);
+  int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i]) && i < first) first = i;
+    U u;
+    std::memcpy(&u, x + i, sizeof u);
+    bad |= (u & kExp) == kExp;
   }
-  return first == std::numeric_limits<int64_t>::max() ? -1 : first;
+  if (!bad) return -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) return i;
+  }
+  return -1;
 }
 
 cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
@@ -72,24 +83,26 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
     bias_s.resize(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) bias_s[e] = static_cast<S>(bias.item_as_double(e));
   }
-  cpu::route_forward<S>(logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(),
-                        r.row_kind.data<uint8_t>(),
-                        replay_idx.defined() ? replay_idx.data<int32_t>() : nullptr, p,
-                        r.selected_idx.data<int32_t>(), sel_w.data<S>(), aux_psum.data(),
-                        aux_cnt.data(), &z_sum);
-  r.num_dropped = cpu::apply_capacity<S>(r.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E,
-                                         capacity, by_position, r.topk_idx.data<int32_t>(),
-                                         r.topk_weights.data<S>(),
-                                         r.num_tokens_per_expert.data<int64_t>());
+  cpu::route_forward<S>(
+      logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(), r.row_kind.data<uint8_t>(),
+      replay_idx.defined() ? replay_idx.data<int32_t>() : nullptr, p,
+      r.selected_idx.data<int32_t>(), sel_w.data<S>(), aux_psum.data(), aux_cnt.data(), &z_sum);
+  r.num_dropped =
+      cpu::apply_capacity<S>(r.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E, capacity,
+                             by_position, r.topk_idx.data<int32_t>(), r.topk_weights.data<S>(),
+                             r.num_tokens_per_expert.data<int64_t>());
 }
 
 }  // namespace
 
 const char* score_function_name(ScoreFunction f) {
   switch (f) {
-    case ScoreFunction::softmax: return "softmax";
-    case ScoreFunction::sigmoid: return "sigmoid";
-    case ScoreFunction::sqrtsoftplus: return "sqrtsoftplus";
+    case ScoreFunction::softmax:
+      return "softmax";
+    case ScoreFunction::sigmoid:
+      return "sigmoid";
+    case ScoreFunction::sqrtsoftplus:
+      return "sqrtsoftplus";
   }
   return "?";
 }
@@ -104,10 +117,14 @@ ScoreFunction parse_score_function(const std::string& name) {
 
 const char* aux_loss_type_name(AuxLossType t) {
   switch (t) {
-    case AuxLossType::none: return "none";
-    case AuxLossType::aux_loss: return "aux_loss";
-    case AuxLossType::seq_aux_loss: return "seq_aux_loss";
-    case AuxLossType::global_aux_loss: return "global_aux_loss";
+    case AuxLossType::none:
+      return "none";
+    case AuxLossType::aux_loss:
+      return "aux_loss";
+    case AuxLossType::seq_aux_loss:
+      return "seq_aux_loss";
+    case AuxLossType::global_aux_loss:
+      return "global_aux_loss";
   }
   return "?";
 }
@@ -176,8 +193,10 @@ void validate_router_config(const RouterConfig& c) {
     detail::fail_arg(kOp, "pad_to_capacity needs capacity_factor, got no capacity_factor");
   }
   if (static_cast<int>(c.aux_loss_type) > 3) {
-    detail::fail_arg(kOp, "aux_loss_type must be none, aux_loss, seq_aux_loss or global_aux_loss, "
-                          "got value ", static_cast<int>(c.aux_loss_type));
+    detail::fail_arg(kOp,
+                     "aux_loss_type must be none, aux_loss, seq_aux_loss or global_aux_loss, "
+                     "got value ",
+                     static_cast<int>(c.aux_loss_type));
   }
   if (!std::isfinite(c.aux_loss_coeff) || c.aux_loss_coeff < 0.0) {
     detail::fail_arg(kOp, "aux_loss_coeff must be finite and >= 0, got ", c.aux_loss_coeff);
@@ -244,10 +263,10 @@ RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const Ro
       detail::fail_arg(kOp, "global_aux_loss needs inputs.global_aux_loss_state, got nullptr");
     }
     if (gstate->tokens_per_expert.defined()) {
-      detail::check_dtype(gstate->tokens_per_expert, kOp,
-                          "global_aux_loss_state.tokens_per_expert", {DType::fp64});
-      detail::check_shape(gstate->tokens_per_expert, kOp,
-                          "global_aux_loss_state.tokens_per_expert", {E});
+      detail::check_dtype(gstate->tokens_per_expert, kOp, "global_aux_loss_state.tokens_per_expert",
+                          {DType::fp64});
+      detail::check_shape(gstate->tokens_per_expert, kOp, "global_aux_loss_state.tokens_per_expert",
+                          {E});
     }
     if (gstate->steps < 0) {
       detail::fail_arg(kOp, "global_aux_loss_state.steps must be >= 0, got ", gstate->steps);
@@ -318,8 +337,11 @@ RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const Ro
   r.pad_to_capacity = config.pad_to_capacity;
   int64_t capacity = -1;
   if (config.capacity_factor) {
-    capacity = static_cast<int64_t>(
-        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * *config.capacity_factor));
+    // No expert can receive more than T pairs, so larger capacities mean "no drops"; clamping
+    // also keeps a huge capacity_factor from overflowing the conversion.
+    const double c =
+        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * *config.capacity_factor);
+    capacity = c >= static_cast<double>(T) ? T : static_cast<int64_t>(c);
   }
   r.expert_capacity = capacity;
 
@@ -335,8 +357,7 @@ RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const Ro
     run_forward<double>(logits, bias, replay, p, capacity, by_position, r, aux_psum, aux_cnt,
                         z_sum);
   } else {
-    run_forward<float>(logits, bias, replay, p, capacity, by_position, r, aux_psum, aux_cnt,
-                       z_sum);
+    run_forward<float>(logits, bias, replay, p, capacity, by_position, r, aux_psum, aux_cnt, z_sum);
   }
 
   // ---- losses (Megatron-Core moe_utils / router.py), sums in fixed order ----
@@ -390,14 +411,12 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
   if (config.num_experts != h.num_experts || config.top_k != h.top_k ||
       config.score_function != h.score_function || config.pre_softmax != h.pre_softmax ||
       config.topk_scaling_factor != h.topk_scaling_factor) {
-    detail::fail_arg(op, "config must match the forward's (num_experts=", h.num_experts,
-                     ", top_k=", h.top_k, ", score_function=", score_function_name(h.score_function),
-                     ", pre_softmax=", h.pre_softmax, ", topk_scaling_factor=",
-                     h.topk_scaling_factor, "), got num_experts=", config.num_experts,
-                     ", top_k=", config.top_k,
-                     ", score_function=", score_function_name(config.score_function),
-                     ", pre_softmax=", config.pre_softmax,
-                     ", topk_scaling_factor=", config.topk_scaling_factor);
+    detail::fail_arg(
+        op, "config must match the forward's (num_experts=", h.num_experts, ", top_k=", h.top_k,
+        ", score_function=", score_function_name(h.score_function), ", pre_softmax=", h.pre_softmax,
+        ", topk_scaling_factor=", h.topk_scaling_factor, "), got num_experts=", config.num_experts,
+        ", top_k=", config.top_k, ", score_function=", score_function_name(config.score_function),
+        ", pre_softmax=", config.pre_softmax, ", topk_scaling_factor=", config.topk_scaling_factor);
   }
   if (!std::isfinite(options.loss_grad_scale)) {
     detail::fail_arg(op, "loss_grad_scale must be finite, got ", options.loss_grad_scale);
@@ -437,8 +456,7 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
   return g;
 }
 
-Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& tokens_per_expert,
-                          double rate) {
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& tokens_per_expert, double rate) {
   constexpr const char* op = "update_expert_bias";
   detail::check_dtype(expert_bias, op, "expert_bias", {DType::fp32});
   detail::check_dim(expert_bias, op, "expert_bias", 1);

@@ -232,6 +232,80 @@ constexpr int64_t kMB = 16 * kMR;
 // work, and much more when the other core is busy. (Results never depend on it.)
 constexpr int64_t kParallelMin = int64_t{1} << 18;
 
+// Panel of the transposed weight: dst[h*NR + j] = w[(e0 + j)*H + h] as Acc, zero for e0+j >= E.
+template <class Acc, class WT>
+void pack_w_panel_scalar(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H, int64_t h_begin) {
+  constexpr int NR = kNR<Acc>;
+  for (int64_t h0 = h_begin; h0 < H; h0 += 64) {
+    const int64_t h1 = std::min(H, h0 + 64);
+    for (int j = 0; j < NR; ++j) {
+      const int64_t e = e0 + j;
+      if (e < E) {
+        const WT* src = w + e * H;
+        for (int64_t h = h0; h < h1; ++h) dst[h * NR + j] = to_acc<Acc>(src[h]);
+      } else {
+        for (int64_t h = h0; h < h1; ++h) dst[h * NR + j] = Acc(0);
+      }
+    }
+  }
+}
+
+#ifdef SY_GATE_AVX2
+// Eight values of a weight row as fp32 (bf16 -> fp32 is a 16-bit shift).
+inline __m256 load8_f32(const bf16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+
+// In-register 8x8 transpose: r[k] becomes column k.
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+#endif
+
+// Packing is pure data movement (exact conversions), so the vector and scalar versions give the
+// same bytes. The scalar one cost ~0.5 ns per weight, which is most of a call at small T.
+template <class Acc, class WT>
+void pack_w_panel(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H) {
+#ifdef SY_GATE_AVX2
+  if constexpr (std::is_same_v<Acc, float>) {
+    static_assert(kNR<float> == 16);
+    const int64_t h8 = H / 8 * 8;
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t h = 0; h < h8; h += 8) {
+      for (int half = 0; half < 2; ++half) {
+        __m256 r[8];
+        for (int i = 0; i < 8; ++i) {
+          const int64_t e = e0 + half * 8 + i;
+          r[i] = e < E ? load8_f32(w + e * H + h) : zero;
+        }
+        transpose8(r);
+        for (int k = 0; k < 8; ++k) _mm256_storeu_ps(dst + (h + k) * 16 + half * 8, r[k]);
+      }
+    }
+    pack_w_panel_scalar<Acc, WT>(w, dst, e0, E, H, h8);
+    return;
+  }
+#endif
+  pack_w_panel_scalar<Acc, WT>(w, dst, e0, E, H, 0);
+}
+
 template <class Acc, class XT, class WT, class BT>
 void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T, int64_t H,
                   int64_t E) {
@@ -250,27 +324,14 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
   // columns past E), converted exactly to Acc.
   Scratch<Acc> wp(npanel * H * NR);
 #pragma omp parallel for schedule(static) if (E * H >= kParallelMin)
-  for (int64_t p = 0; p < npanel; ++p) {
-    Acc* dst = wp.p + p * H * NR;
-    for (int64_t h0 = 0; h0 < H; h0 += 64) {
-      const int64_t h1 = std::min(H, h0 + 64);
-      for (int j = 0; j < NR; ++j) {
-        const int64_t e = p * NR + j;
-        if (e < E) {
-          const WT* src = w + e * H;
-          for (int64_t h = h0; h < h1; ++h) dst[h * NR + j] = to_acc<Acc>(src[h]);
-        } else {
-          for (int64_t h = h0; h < h1; ++h) dst[h * NR + j] = Acc(0);
-        }
-      }
-    }
-  }
+  for (int64_t p = 0; p < npanel; ++p) pack_w_panel<Acc, WT>(w, wp.p + p * H * NR, p * NR, E, H);
   const int64_t nblk = (T + kMB - 1) / kMB;
+  // Per-thread x tiles, allocated here: an exception must not leave a parallel region.
+  constexpr bool kDirect = std::is_same_v<XT, Acc>;
+  Scratch<Acc> xpack_all(kDirect ? 1 : omp_get_max_threads() * kMR * kKC);
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
-    constexpr bool kDirect = std::is_same_v<XT, Acc>;
-    std::unique_ptr<Scratch<Acc>> xpack;
-    if (!kDirect) xpack = std::make_unique<Scratch<Acc>>(kMR * kKC);
+    Acc* const xpack = xpack_all.p + (kDirect ? 0 : omp_get_thread_num() * kMR * kKC);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblk; ++blk) {
       const int64_t t0 = blk * kMB, t1 = std::min(T, t0 + kMB);
@@ -288,10 +349,10 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
           } else {
             for (int64_t i = 0; i < mr; ++i) {
               const XT* src = x + (tt + i) * H + k0;
-              Acc* dst = xpack->p + i * kc;
+              Acc* dst = xpack + i * kc;
               for (int64_t k = 0; k < kc; ++k) dst[k] = to_acc<Acc>(src[k]);
             }
-            a = xpack->p;
+            a = xpack;
             a_rs = kc;
           }
           for (int64_t p = 0; p < npanel; ++p) {
@@ -373,9 +434,10 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   constexpr int64_t kGP = 8;
   const int64_t ngroup = (npanel + kGP - 1) / kGP;
   Scratch<Acc> acc(E * h_pad);
+  Scratch<Acc> xp_all(omp_get_max_threads() * kGP * kKC * NR);  // per-thread packed x blocks
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
-    Scratch<Acc> xp(kGP * kKC * NR);
+    Acc* const xp = xp_all.p + omp_get_thread_num() * kGP * kKC * NR;
 #pragma omp for schedule(static)
     for (int64_t grp = 0; grp < ngroup; ++grp) {
       const int64_t p0 = grp * kGP, p1 = std::min(npanel, p0 + kGP);
@@ -390,7 +452,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
         for (int64_t k = 0; k < kc; ++k) {
           const XT* src = x + (k0 + k) * H;
           for (int64_t p = p0; p < p1; ++p) {
-            Acc* dst = xp.p + ((p - p0) * kc + k) * NR;
+            Acc* dst = xp + ((p - p0) * kc + k) * NR;
             const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
             if (nvalid == NR) {
               for (int j = 0; j < NR; ++j) dst[j] = to_acc<Acc>(src[p * NR + j]);
@@ -402,7 +464,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
         }
         const Chain chain = k0 == 0 ? Chain::start : Chain::resume;
         for (int64_t p = p0; p < p1; ++p) {
-          const Acc* b = xp.p + (p - p0) * kc * NR;
+          const Acc* b = xp + (p - p0) * kc * NR;
           for (int64_t e0 = 0; e0 < E; e0 += kMR) {
             const int64_t mr = std::min<int64_t>(kMR, E - e0);
             micro<Acc>(mr, NR, kc, g + k0 * E + e0, 1, E, b, acc.p + e0 * h_pad + p * NR, h_pad,

@@ -1,18 +1,22 @@
 #include "cpu/router_kernels.h"
 
-#include "cpu/router_math.h"
-
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
+
+#include "cpu/router_math.h"
 
 namespace switchyard::cpu {
 
 namespace {
+
+// Below this many elements a loop runs on the calling thread.
+constexpr int64_t kParallelMinWork = 16384;
 
 // Megatron-Core adds this to the sigmoid-family normaliser.
 constexpr double kNormEps = 1e-20;
@@ -20,8 +24,8 @@ constexpr double kNormEps = 1e-20;
 // Top-k of key[0..n) (optionally only where allowed[e]), written to out_id[0..k) in descending key
 // order; equal keys keep the lower id first. One pass in id order with a sorted insertion buffer.
 template <class S>
-void insert_topk(const S* key, int64_t begin, int64_t end, int64_t k, const uint8_t* allowed,
-                 S thr, S* top_val, int32_t* out_id, int64_t& cnt) {
+void insert_topk(const S* key, int64_t begin, int64_t end, int64_t k, const uint8_t* allowed, S thr,
+                 S* top_val, int32_t* out_id, int64_t& cnt) {
   for (int64_t e = begin; e < end; ++e) {
     if (allowed && !allowed[e]) continue;
     const S v = key[e];
@@ -42,13 +46,105 @@ void insert_topk(const S* key, int64_t begin, int64_t end, int64_t k, const uint
   }
 }
 
+#ifdef SY_ROUTER_AVX2
+// Compress table: for an 8-bit mask, the lanes of its set bits in order (then zeros).
+struct CompressTable {
+  alignas(32) int32_t idx[256][8];
+  constexpr CompressTable() : idx() {
+    for (int m = 0; m < 256; ++m) {
+      int c = 0;
+      for (int l = 0; l < 8; ++l) {
+        if (m & (1 << l)) idx[m][c++] = l;
+      }
+      for (; c < 8; ++c) idx[m][c] = 0;
+    }
+  }
+};
+constexpr CompressTable kCompress{};
+
+// Branch-free top-k (k <= 8) of an fp32 row with n % 8 == 0, same result as insert_topk:
+// (1) the k-th largest 8-wide block maximum is a lower bound `thr` of the k-th largest key;
+// (2) keys >= thr are compressed (in id order) into a short candidate list;
+// (3) each candidate enters a sorted 8-lane register (values + ids) by compare/permute/blend, with
+//     equal keys kept behind earlier (lower) ids. No data-dependent branches except the loop
+//     counts.
+struct TopReg {
+  __m256 v;
+  __m256i id;
+};
+
+inline void reg_insert(TopReg& t, __m256 v, __m256i id) {
+  const __m256i shift = _mm256_setr_epi32(0, 0, 1, 2, 3, 4, 5, 6);
+  const __m256 lane0 = _mm256_castsi256_ps(_mm256_setr_epi32(-1, 0, 0, 0, 0, 0, 0, 0));
+  const __m256 ge = _mm256_cmp_ps(t.v, v, _CMP_GE_OQ);  // a prefix: top is sorted descending
+  const __m256 ge_prev = _mm256_or_ps(_mm256_permutevar8x32_ps(ge, shift), lane0);
+  const __m256 at = _mm256_andnot_ps(ge, ge_prev);  // the insertion lane
+  const __m256 sv = _mm256_permutevar8x32_ps(t.v, shift);
+  const __m256 sid = _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(t.id, shift));
+  t.v = _mm256_blendv_ps(_mm256_blendv_ps(sv, v, at), t.v, ge);
+  t.id = _mm256_castps_si256(_mm256_blendv_ps(_mm256_blendv_ps(sid, _mm256_castsi256_ps(id), at),
+                                              _mm256_castsi256_ps(t.id), ge));
+}
+
+inline float hmax8(__m256 x) {
+  __m256 m = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm256_cvtss_f32(m);
+}
+
+void select_topk_f32x8(const float* key, int64_t n, int64_t k, int32_t* out_id, float* bm,
+                       float* cand_v, int32_t* cand_i) {
+  const int64_t nb = n / 8;
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t b = 0; b < nb; ++b) bm[b] = hmax8(_mm256_loadu_ps(key + b * 8));
+  TopReg t{neg_inf, _mm256_setzero_si256()};
+  for (int64_t b = 0; b < nb; ++b) {
+    reg_insert(t, _mm256_set1_ps(bm[b]), _mm256_set1_epi32(static_cast<int32_t>(b)));
+  }
+  alignas(32) float tv[8];
+  _mm256_store_ps(tv, t.v);
+  const __m256 thr = _mm256_set1_ps(tv[k - 1]);
+  int64_t nc = 0;
+  const __m256i lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 x = _mm256_loadu_ps(key + b * 8);
+    const int m = _mm256_movemask_ps(_mm256_cmp_ps(x, thr, _CMP_GE_OQ));
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompress.idx[m]));
+    _mm256_storeu_ps(cand_v + nc, _mm256_permutevar8x32_ps(x, perm));
+    const __m256i ids = _mm256_add_epi32(lane_ids, _mm256_set1_epi32(static_cast<int32_t>(b * 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(cand_i + nc),
+                        _mm256_permutevar8x32_epi32(ids, perm));
+    nc += __builtin_popcount(static_cast<unsigned>(m));
+  }
+  t = TopReg{neg_inf, _mm256_setzero_si256()};
+  for (int64_t c = 0; c < nc; ++c) {
+    reg_insert(t, _mm256_set1_ps(cand_v[c]), _mm256_set1_epi32(cand_i[c]));
+  }
+  alignas(32) int32_t ti[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ti), t.id);
+  for (int64_t j = 0; j < k; ++j) out_id[j] = ti[j];
+}
+#endif
+
 // Block-threshold top-k: the k-th largest of the 8-wide block maxima is a lower bound of the k-th
 // largest key (the k best blocks hold k distinct keys >= it), so only keys >= it are candidates:
 // about k + a few out of n, which removes most of the insertion work and its branch misses.
 // `bm` is scratch of ceil(n/8) entries.
 template <class S>
 void select_topk(const S* key, int64_t n, int64_t k, const uint8_t* allowed, S* top_val,
-                 int32_t* out_id, S* bm) {
+                 int32_t* out_id, S* bm, S* cand_v, int32_t* cand_i) {
+#ifdef SY_ROUTER_AVX2
+  if constexpr (std::is_same_v<S, float>) {
+    if (!allowed && k <= 8 && n % 8 == 0 && n >= 16) {
+      select_topk_f32x8(key, n, k, out_id, bm, cand_v, cand_i);
+      return;
+    }
+  }
+#else
+  (void)cand_v;
+  (void)cand_i;
+#endif
   int64_t cnt = 0;
   const S lowest = -std::numeric_limits<S>::infinity();
   const int64_t nb = (n + 7) / 8;
@@ -56,15 +152,15 @@ void select_topk(const S* key, int64_t n, int64_t k, const uint8_t* allowed, S* 
     insert_topk(key, 0, n, k, allowed, lowest, top_val, out_id, cnt);
     return;
   }
-  for (int64_t b = 0; b < nb; ++b) bm[b] = rmath::max_of(key + b * 8, std::min<int64_t>(8, n - b * 8));
+  for (int64_t b = 0; b < nb; ++b)
+    bm[b] = rmath::max_of(key + b * 8, std::min<int64_t>(8, n - b * 8));
   // k-th largest block maximum (ids are irrelevant here; reuse out_id as scratch).
   int64_t c2 = 0;
   insert_topk(bm, 0, nb, k, static_cast<const uint8_t*>(nullptr), lowest, top_val, out_id, c2);
   const S thr = top_val[k - 1];
   for (int64_t b = 0; b < nb; ++b) {
     if (bm[b] < thr) continue;
-    insert_topk(key, b * 8, std::min<int64_t>(n, b * 8 + 8), k, allowed, thr, top_val, out_id,
-                cnt);
+    insert_topk(key, b * 8, std::min<int64_t>(n, b * 8 + 8), k, allowed, thr, top_val, out_id, cnt);
   }
 }
 
@@ -94,17 +190,25 @@ struct RowScratch {
   std::vector<S> key;      // selection key
   std::vector<S> top_val;  // top-k buffer
   std::vector<S> gsc;      // group scores
-  std::vector<uint8_t> allowed;
+  std::vector<S> masked;   // key with -inf outside the chosen groups
   std::vector<int32_t> gid;
   std::vector<int32_t> aux_id;
-  std::vector<S> grow;  // gradient row
-  std::vector<S> bm;    // block maxima for select_topk
+  std::vector<S> grow;    // gradient row
+  std::vector<S> bm;      // block maxima for select_topk
+  std::vector<S> cand_v;  // top-k candidates
+  std::vector<int32_t> cand_i;
   explicit RowScratch(const RouteKernelParams& p)
-      : ex(p.num_experts), key(p.num_experts),
-        top_val(std::max<int64_t>(p.num_experts, 1)), gsc(std::max<int64_t>(p.num_groups, 1)),
-        allowed(p.num_experts), gid(std::max<int64_t>(p.num_groups, 1)),
-        aux_id(std::max<int64_t>(p.top_k, 1)), grow(p.num_experts),
-        bm((p.num_experts + 7) / 8 + 1) {}
+      : ex(p.num_experts),
+        key(p.num_experts),
+        top_val(std::max<int64_t>(p.num_experts, 1)),
+        gsc(std::max<int64_t>(p.num_groups, 1)),
+        masked(p.num_experts),
+        gid(std::max<int64_t>(p.num_groups, 1)),
+        aux_id(std::max<int64_t>(p.top_k, 1)),
+        grow(p.num_experts),
+        bm((p.num_experts + 7) / 8 + 1),
+        cand_v(p.num_experts + 8),
+        cand_i(p.num_experts + 8) {}
 };
 
 // exp(z - max) into ex; returns the sum (fixed 8-lane order) and sets max.
@@ -128,25 +232,30 @@ inline void scores_row(int score_function, const S* z, int64_t E, S* s) {
 template <class S>
 void native_select(const S* key, const RouteKernelParams& p, RowScratch<S>& sc, int32_t* ids) {
   const int64_t E = p.num_experts, K = p.top_k;
+  const uint8_t* none = nullptr;
   if (p.num_groups > 0) {
     const int64_t G = p.num_groups, per = E / G, m = K / p.group_topk;
+    // Group score: sum of the group's top m keys, added in descending order.
     for (int64_t g = 0; g < G; ++g) {
-      select_topk(key + g * per, per, m, static_cast<const uint8_t*>(nullptr), sc.top_val.data(),
-                  sc.aux_id.data(), sc.bm.data());
+      select_topk(key + g * per, per, m, none, sc.top_val.data(), sc.aux_id.data(), sc.bm.data(),
+                  sc.cand_v.data(), sc.cand_i.data());
       S s = 0;
-      for (int64_t j = 0; j < m; ++j) s += sc.top_val[j];
+      for (int64_t j = 0; j < m; ++j) s += key[g * per + sc.aux_id[j]];
       sc.gsc[g] = s;
     }
-    select_topk(sc.gsc.data(), G, p.group_topk, static_cast<const uint8_t*>(nullptr),
-                sc.top_val.data(), sc.gid.data(), sc.bm.data());
-    std::fill(sc.allowed.begin(), sc.allowed.end(), uint8_t{0});
-    for (int64_t j = 0; j < p.group_topk; ++j) {
-      std::fill_n(sc.allowed.begin() + sc.gid[j] * per, per, uint8_t{1});
-    }
-    select_topk(key, E, K, sc.allowed.data(), sc.top_val.data(), ids, sc.bm.data());
+    select_topk(sc.gsc.data(), G, p.group_topk, none, sc.top_val.data(), sc.gid.data(),
+                sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
+    // Experts outside the chosen groups get -inf (Megatron's masked_fill); at least K experts
+    // remain (checked by the front-end), all finite, so no -inf is ever selected.
+    S* masked = sc.masked.data();
+    std::fill_n(masked, E, -std::numeric_limits<S>::infinity());
+    for (int64_t j = 0; j < p.group_topk; ++j)
+      std::copy_n(key + sc.gid[j] * per, per, masked + sc.gid[j] * per);
+    select_topk(static_cast<const S*>(masked), E, K, none, sc.top_val.data(), ids, sc.bm.data(),
+                sc.cand_v.data(), sc.cand_i.data());
   } else {
-    select_topk(key, E, K, static_cast<const uint8_t*>(nullptr), sc.top_val.data(), ids,
-                sc.bm.data());
+    select_topk(key, E, K, none, sc.top_val.data(), ids, sc.bm.data(), sc.cand_v.data(),
+                sc.cand_i.data());
   }
 }
 
@@ -165,7 +274,8 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
   std::vector<int64_t> part_c(p.need_aux ? static_cast<size_t>(num_chunks * G * E) : 0, 0);
   std::vector<double> part_z(p.need_z ? static_cast<size_t>(num_chunks) : 0, 0.0);
 
-#pragma omp parallel
+  // Small batches run on the calling thread: a parallel region costs more than they do.
+#pragma omp parallel if (num_chunks > 1)
   {
     RowScratch<S> sc(p);
 #pragma omp for schedule(static)
@@ -242,7 +352,7 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
             for (int64_t e = 0; e < E; ++e) P[e] = sc.key[e] / den;
           }
           select_topk(P, E, K, static_cast<const uint8_t*>(nullptr), sc.top_val.data(),
-                      sc.aux_id.data(), sc.bm.data());
+                      sc.aux_id.data(), sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
           const int64_t g = t % G;
           double* pp = part_p.data() + (c * G + g) * E;
           int64_t* pc = part_c.data() + (c * G + g) * E;
@@ -301,7 +411,7 @@ int64_t apply_capacity(const int32_t* selected_idx, const S* weights, int64_t T,
     }
   }
   int64_t dropped = 0;
-#pragma omp parallel for schedule(dynamic, 4) reduction(+ : dropped)
+#pragma omp parallel for schedule(dynamic, 4) reduction(+ : dropped) if (n > kParallelMinWork)
   for (int64_t e = 0; e < E; ++e) {
     if (counts[e] <= capacity) continue;
     int64_t* b = slots.data() + offs[e];
@@ -330,7 +440,7 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
   const S scaling = static_cast<S>(p.scaling);
   std::vector<S> aux_s(aux_grad ? static_cast<size_t>(G * E) : 0);
   for (size_t i = 0; i < aux_s.size(); ++i) aux_s[i] = static_cast<S>(aux_grad[i]);
-#pragma omp parallel
+#pragma omp parallel if (T * E > kParallelMinWork)
   {
     RowScratch<S> sc(p);
     std::vector<S> gw(static_cast<size_t>(std::max<int64_t>(K, 1)));
@@ -422,13 +532,13 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
   }
 }
 
-#define SY_INSTANTIATE(S)                                                                     \
-  template void route_forward<S>(const S*, const S*, const uint8_t*, const int32_t*,          \
-                                 const RouteKernelParams&, int32_t*, S*, double*, int64_t*,   \
-                                 double*);                                                    \
-  template int64_t apply_capacity<S>(const int32_t*, const S*, int64_t, int64_t, int64_t,     \
-                                     int64_t, bool, int32_t*, S*, int64_t*);                  \
-  template void route_backward<S>(const S*, const int32_t*, const int32_t*, const uint8_t*,   \
+#define SY_INSTANTIATE(S)                                                                          \
+  template void route_forward<S>(const S*, const S*, const uint8_t*, const int32_t*,               \
+                                 const RouteKernelParams&, int32_t*, S*, double*, int64_t*,        \
+                                 double*);                                                         \
+  template int64_t apply_capacity<S>(const int32_t*, const S*, int64_t, int64_t, int64_t, int64_t, \
+                                     bool, int32_t*, S*, int64_t*);                                \
+  template void route_backward<S>(const S*, const int32_t*, const int32_t*, const uint8_t*,        \
                                   const S*, const RouteKernelParams&, const double*, double, S*);
 SY_INSTANTIATE(float)
 SY_INSTANTIATE(double)

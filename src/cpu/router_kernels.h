@@ -29,9 +29,9 @@ struct RouteKernelParams {
   int64_t num_groups = 0;  // 0 = no group limit
   int64_t group_topk = 0;
   double scaling = 1.0;
-  bool need_aux = false;    // compute aux-loss scores/counts
-  int64_t aux_groups = 1;   // G: token t belongs to group t % G (seq_aux_loss), else G = 1
-  bool need_z = false;      // compute sum of logsumexp^2
+  bool need_aux = false;   // compute aux-loss scores/counts
+  int64_t aux_groups = 1;  // G: token t belongs to group t % G (seq_aux_loss), else G = 1
+  bool need_z = false;     // compute sum of logsumexp^2
 };
 
 /// Forward over all tokens. Writes selected_idx [T,K] (ids before capacity; -1 on padded rows) and

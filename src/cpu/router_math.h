@@ -106,8 +106,8 @@ inline __m256 exp_f32x8(__m256 x) {
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP4));
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kP5));
   y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
 }
 #endif

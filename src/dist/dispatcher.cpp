@@ -58,6 +58,23 @@ void a2a_counts(const DispatchHandle& h, std::vector<int64_t>& send, std::vector
     }
 }
 
+// Rows narrower than this travel packed (gather + plain alltoallv): a derived datatype with one
+// block per tiny row costs more than the copy.
+constexpr int64_t kIndexedMinRowBytes = 256;
+
+// Communicator workspace slots of the dispatchers (0-7 belong to the communicator itself).
+constexpr int kRowsSlot = 8;
+constexpr int kStagingSlot = 9;
+constexpr int kGradSlot = 10;
+
+// Inverse of recv_gather_index (AlltoAll): all-to-all buffer row -> receive-layout row.
+std::vector<int64_t> staging_to_out(const DispatchHandle& h) {
+  const int64_t* gi = h.recv_gather_index.data<int64_t>();
+  std::vector<int64_t> inv(static_cast<size_t>(h.num_recv_tokens));
+  for (int64_t i = 0; i < h.num_recv_tokens; ++i) inv[static_cast<size_t>(gi[i])] = i;
+  return inv;
+}
+
 // Source side of the AllGather layout: for each row p of this rank's plan, its row in the buffer
 // of every rank's expert outputs gathered in rank order.
 std::vector<int64_t> plan_rows_in_gathered(const DispatchHandle& h) {
@@ -81,23 +98,26 @@ void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h
                  Communicator& comm) {
   const int64_t R = h.num_recv_tokens;
   if (h.kind == DispatcherKind::all_to_all) {
-    // Receive layout -> all-to-all layout (inverse of recv_gather_index), then the reverse exchange.
-    const int64_t* gi = h.recv_gather_index.data<int64_t>();
-    std::vector<int64_t> inv(static_cast<size_t>(R));
-    for (int64_t i = 0; i < R; ++i) inv[static_cast<size_t>(gi[i])] = i;
-    std::vector<unsigned char> staging(static_cast<size_t>(R * rb));
-    cpu::gather_rows(src, inv.data(), R, rb, staging.data());
+    // Rows for source s are the receive-layout rows of blocks (el, s), el ascending: exactly the
+    // order s sent them in, i.e. the inverse of recv_gather_index.
+    const auto inv = staging_to_out(h);
     std::vector<int64_t> send, recv;
     a2a_counts(h, send, recv);
-    comm.alltoallv(staging.data(), recv, dst, send, rb);
+    if (rb < kIndexedMinRowBytes) {
+      void* staging = comm.workspace(kStagingSlot, R * rb);
+      cpu::gather_rows(src, inv.data(), R, rb, staging);
+      comm.alltoallv(staging, recv, dst, send, rb);
+    } else {
+      comm.alltoallv_rows(src, inv.data(), recv, dst, nullptr, send, rb);
+    }
   } else {
     const auto per_rank = detail::rows_per_rank(h);
     int64_t total = 0;
     for (int64_t n : per_rank) total += n;
-    std::vector<unsigned char> all(static_cast<size_t>(total * rb));
-    comm.allgatherv(src, R, all.data(), per_rank, rb);
+    void* all = comm.workspace(kStagingSlot, total * rb);
+    comm.allgatherv(src, R, all, per_rank, rb);
     const auto map = plan_rows_in_gathered(h);
-    cpu::gather_rows(all.data(), map.data(), h.plan.num_rows, rb, dst);
+    cpu::gather_rows(all, map.data(), h.plan.num_rows, rb, dst);
   }
 }
 
@@ -106,19 +126,17 @@ void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h
 void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Communicator& comm) {
   const int64_t R = h.num_recv_tokens;
   if (h.kind == DispatcherKind::all_to_all) {
-    std::vector<unsigned char> send_buf(static_cast<size_t>(h.plan.num_rows * rb));
-    cpu::gather_rows(src, h.plan.row_token.data<int64_t>(), h.plan.num_rows, rb, send_buf.data());
     std::vector<int64_t> send, recv;
     a2a_counts(h, send, recv);
-    std::vector<unsigned char> staging(static_cast<size_t>(R * rb));
-    comm.alltoallv(send_buf.data(), send, staging.data(), recv, rb);
-    cpu::gather_rows(staging.data(), h.recv_gather_index.data<int64_t>(), R, rb, dst);
+    // Token rows go straight from `src` (rows repeat: one per pair) to their receive-layout rows.
+    comm.alltoallv_rows(src, h.plan.row_token.data<int64_t>(), send, dst, staging_to_out(h).data(),
+                        recv, rb);
   } else {
     int64_t total = 0;
     for (int64_t n : h.rank_num_tokens) total += n;
-    std::vector<unsigned char> all(static_cast<size_t>(total * rb));
-    comm.allgatherv(src, h.num_tokens, all.data(), h.rank_num_tokens, rb);
-    cpu::gather_rows(all.data(), h.recv_gather_index.data<int64_t>(), R, rb, dst);
+    void* all = comm.workspace(kStagingSlot, total * rb);
+    comm.allgatherv(src, h.num_tokens, all, h.rank_num_tokens, rb);
+    cpu::gather_rows(all, h.recv_gather_index.data<int64_t>(), R, rb, dst);
   }
 }
 
@@ -170,8 +188,11 @@ Tensor combine_impl(const char* op, const Tensor& expert_y, const DispatchHandle
   detail::agree(op, err, err.empty() ? expert_y.dtype() : DType::fp32, "expert_y", options.weights,
                 comm);
   const DType dt = expert_y.dtype();
-  Tensor rows = Tensor::empty({h.plan.num_rows, h.hidden}, dt);
-  return_rows(expert_y.raw(), row_bytes(h.hidden, dt), rows.raw(), h, comm);
+  // The returned rows live in the communicator's workspace (reused step after step).
+  const int64_t rb = row_bytes(h.hidden, dt);
+  Tensor rows = Tensor::borrow(comm.workspace(kRowsSlot, h.plan.num_rows * rb),
+                               {h.plan.num_rows, h.hidden}, dt);
+  return_rows(expert_y.raw(), rb, rows.raw(), h, comm);
   return unpermute(rows, h.plan, options);
 }
 
@@ -385,7 +406,9 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
                 comm);
   const DType dt = grad_y.dtype();
   const int64_t R = h.num_recv_tokens, H = h.hidden;
-  Tensor g_recv = Tensor::empty({R, H}, dt);
+  // With weights, the dispatched gradient is an intermediate: keep it in the workspace.
+  Tensor g_recv = apply ? Tensor::borrow(comm.workspace(kGradSlot, R * row_bytes(H, dt)), {R, H}, dt)
+                        : Tensor::empty({R, H}, dt);
   send_rows(grad_y.raw(), row_bytes(H, dt), g_recv.raw(), h, comm);
   CombineGrads out;
   out.grad_topk_weights = Tensor::zeros({h.num_tokens, h.plan.top_k}, DType::fp32);

@@ -32,10 +32,11 @@ void check_same_layout(const std::vector<RouteTable>& tables, const char* op, co
     detail::check_dim(tables[i].topk_idx, op, name, 3);
     if (tables[i].num_moe_layers() != tables[0].num_moe_layers() ||
         tables[i].top_k() != tables[0].top_k() || tables[i].num_experts != tables[0].num_experts) {
-      fail_arg(op, name, "[", i, "] must match ", name, "[0] (num_moe_layers=",
-               tables[0].num_moe_layers(), ", top_k=", tables[0].top_k(), ", num_experts=",
-               tables[0].num_experts, "), got num_moe_layers=", tables[i].num_moe_layers(),
-               ", top_k=", tables[i].top_k(), ", num_experts=", tables[i].num_experts);
+      fail_arg(op, name, "[", i, "] must match ", name,
+               "[0] (num_moe_layers=", tables[0].num_moe_layers(), ", top_k=", tables[0].top_k(),
+               ", num_experts=", tables[0].num_experts,
+               "), got num_moe_layers=", tables[i].num_moe_layers(), ", top_k=", tables[i].top_k(),
+               ", num_experts=", tables[i].num_experts);
     }
   }
 }
@@ -49,7 +50,9 @@ void check_table(const RouteTable& t, const char* op, const char* name) {
 void check_cu(const std::vector<int64_t>& cu, const char* op, int64_t total) {
   if (cu.empty() || cu.front() != 0) fail_arg(op, "cu_seqlens_padded must start with 0");
   for (size_t i = 1; i < cu.size(); ++i) {
-    if (cu[i] < cu[i - 1]) fail_arg(op, "cu_seqlens_padded must be non-decreasing, got ", cu[i - 1], " then ", cu[i], " at ", i);
+    if (cu[i] < cu[i - 1])
+      fail_arg(op, "cu_seqlens_padded must be non-decreasing, got ", cu[i - 1], " then ", cu[i],
+               " at ", i);
   }
   if (total >= 0 && cu.back() != total) {
     fail_arg(op, "cu_seqlens_padded must end at the table's ", total, " tokens, got ", cu.back());
@@ -71,7 +74,8 @@ std::vector<RouteTable> drop_padding(const Tensor& topk_idx, const Tensor& atten
                       {DType::boolean, DType::uint8, DType::int32, DType::int64});
   detail::check_shape(attention_mask, op, "attention_mask", {topk_idx.size(0), topk_idx.size(1)});
   if (num_experts < 1) fail_arg(op, "num_experts must be >= 1, got ", num_experts);
-  const int64_t B = topk_idx.size(0), S = topk_idx.size(1), L = topk_idx.size(2), K = topk_idx.size(3);
+  const int64_t B = topk_idx.size(0), S = topk_idx.size(1), L = topk_idx.size(2),
+                K = topk_idx.size(3);
   std::vector<RouteTable> out;
   out.reserve(static_cast<size_t>(B));
   const auto* src = topk_idx.data<int32_t>();
@@ -127,7 +131,8 @@ PackedRoutes pack_thd(const std::vector<RouteTable>& sequences, const PackOption
     p.cu_seqlens_padded.push_back(p.cu_seqlens_padded.back() + (n + m - 1) / m * m);
   }
   const RouteTable& s0 = sequences[0];
-  p.table = RouteTable::none(p.cu_seqlens_padded.back(), s0.num_moe_layers(), s0.top_k(), s0.num_experts);
+  p.table =
+      RouteTable::none(p.cu_seqlens_padded.back(), s0.num_moe_layers(), s0.top_k(), s0.num_experts);
   auto* dst = static_cast<char*>(p.table.topk_idx.raw());
   const size_t tb = token_bytes(s0);
   for (size_t i = 0; i < sequences.size(); ++i) {
@@ -141,7 +146,8 @@ std::vector<RouteTable> unpack_thd(const PackedRoutes& packed) {
   const char* op = "unpack_thd";
   check_table(packed.table, op, "packed.table");
   check_cu(packed.cu_seqlens_padded, op, packed.table.num_tokens());
-  if (packed.cu_seqlens.size() != packed.cu_seqlens_padded.size() || packed.cu_seqlens.front() != 0) {
+  if (packed.cu_seqlens.size() != packed.cu_seqlens_padded.size() ||
+      packed.cu_seqlens.front() != 0) {
     fail_arg(op, "cu_seqlens must start with 0 and have ", packed.cu_seqlens_padded.size(),
              " entries like cu_seqlens_padded, got ", packed.cu_seqlens.size());
   }
@@ -160,7 +166,8 @@ std::vector<RouteTable> unpack_thd(const PackedRoutes& packed) {
     const int64_t len = packed.cu_seqlens[i + 1] - packed.cu_seqlens[i];
     RouteTable t;
     t.num_experts = packed.table.num_experts;
-    t.topk_idx = Tensor::empty({len, packed.table.num_moe_layers(), packed.table.top_k()}, DType::int32);
+    t.topk_idx =
+        Tensor::empty({len, packed.table.num_moe_layers(), packed.table.top_k()}, DType::int32);
     std::memcpy(t.topk_idx.raw(), src + size_t(packed.cu_seqlens_padded[i]) * tb, size_t(len) * tb);
     out.push_back(std::move(t));
   }
@@ -171,21 +178,23 @@ RouteTable cp_zigzag_split(const RouteTable& packed, const std::vector<int64_t>&
                            int64_t cp_size, int64_t cp_rank) {
   const char* op = "cp_zigzag_split";
   check_table(packed, op, "packed");
-  if (cp_size < 1 || cp_size > kMaxPackMultiple) {
+  if (cp_size < 1 || cp_size > kMaxPackMultiple)
     fail_arg(op, "cp_size must be in [1, ", kMaxPackMultiple, "], got ", cp_size);
-  }
-  if (cp_rank < 0 || cp_rank >= cp_size) fail_arg(op, "cp_rank must be in [0, ", cp_size, "), got ", cp_rank);
+  if (cp_rank < 0 || cp_rank >= cp_size)
+    fail_arg(op, "cp_rank must be in [0, ", cp_size, "), got ", cp_rank);
   check_cu(cu_seqlens_padded, op, packed.num_tokens());
   if (cp_size == 1) return RouteTable{packed.topk_idx.clone(), packed.num_experts};  // no split
   for (size_t i = 0; i + 1 < cu_seqlens_padded.size(); ++i) {
     const int64_t len = cu_seqlens_padded[i + 1] - cu_seqlens_padded[i];
     if (len % (2 * cp_size) != 0) {
-      fail_arg(op, "sequence ", i, " has padded length ", len, ", not a multiple of 2*cp_size=", 2 * cp_size);
+      fail_arg(op, "sequence ", i, " has padded length ", len,
+               ", not a multiple of 2*cp_size=", 2 * cp_size);
     }
   }
   RouteTable out;
   out.num_experts = packed.num_experts;
-  out.topk_idx = Tensor::empty({packed.num_tokens() / cp_size, packed.num_moe_layers(), packed.top_k()}, DType::int32);
+  out.topk_idx = Tensor::empty(
+      {packed.num_tokens() / cp_size, packed.num_moe_layers(), packed.top_k()}, DType::int32);
   const size_t tb = token_bytes(packed);
   const auto* src = static_cast<const char*>(packed.topk_idx.raw());
   auto* dst = static_cast<char*>(out.topk_idx.raw());
@@ -211,13 +220,16 @@ RouteTable cp_zigzag_gather(const std::vector<RouteTable>& pieces,
   const int64_t total = cu_seqlens_padded.back();
   for (int64_t r = 0; r < cp; ++r) {
     if (pieces[size_t(r)].num_tokens() * cp != total) {
-      fail_arg(op, "pieces[", r, "] must hold ", total, "/", cp, " tokens, got ", pieces[size_t(r)].num_tokens());
+      fail_arg(op, "pieces[", r, "] must hold ", total, "/", cp, " tokens, got ",
+               pieces[size_t(r)].num_tokens());
     }
   }
   if (cp == 1) return RouteTable{pieces[0].topk_idx.clone(), pieces[0].num_experts};
   for (size_t i = 0; i + 1 < cu_seqlens_padded.size(); ++i) {
     const int64_t len = cu_seqlens_padded[i + 1] - cu_seqlens_padded[i];
-    if (len % (2 * cp) != 0) fail_arg(op, "sequence ", i, " has padded length ", len, ", not a multiple of 2*cp_size=", 2 * cp);
+    if (len % (2 * cp) != 0)
+      fail_arg(op, "sequence ", i, " has padded length ", len,
+               ", not a multiple of 2*cp_size=", 2 * cp);
   }
   const RouteTable& p0 = pieces[0];
   RouteTable out;
@@ -232,7 +244,8 @@ RouteTable cp_zigzag_gather(const std::vector<RouteTable>& pieces,
     for (int64_t r = 0; r < cp; ++r) {
       const auto* src = static_cast<const char*>(pieces[size_t(r)].topk_idx.raw());
       for (int64_t c : {r, 2 * cp - 1 - r}) {
-        std::memcpy(dst + size_t(start + c * chunk) * tb, src + size_t(cursor[size_t(r)]) * tb, size_t(chunk) * tb);
+        std::memcpy(dst + size_t(start + c * chunk) * tb, src + size_t(cursor[size_t(r)]) * tb,
+                    size_t(chunk) * tb);
         cursor[size_t(r)] += chunk;
       }
     }
@@ -244,16 +257,19 @@ RouteTable sp_split(const RouteTable& table, int64_t tp_size, int64_t tp_rank) {
   const char* op = "sp_split";
   check_table(table, op, "table");
   if (tp_size < 1) fail_arg(op, "tp_size must be >= 1, got ", tp_size);
-  if (tp_rank < 0 || tp_rank >= tp_size) fail_arg(op, "tp_rank must be in [0, ", tp_size, "), got ", tp_rank);
+  if (tp_rank < 0 || tp_rank >= tp_size)
+    fail_arg(op, "tp_rank must be in [0, ", tp_size, "), got ", tp_rank);
   if (table.num_tokens() % tp_size != 0) {
-    fail_arg(op, "num_tokens must be a multiple of tp_size=", tp_size, ", got ", table.num_tokens());
+    fail_arg(op, "num_tokens must be a multiple of tp_size=", tp_size, ", got ",
+             table.num_tokens());
   }
   const int64_t n = table.num_tokens() / tp_size;
   RouteTable out;
   out.num_experts = table.num_experts;
   out.topk_idx = Tensor::empty({n, table.num_moe_layers(), table.top_k()}, DType::int32);
   const size_t tb = token_bytes(table);
-  std::memcpy(out.topk_idx.raw(), static_cast<const char*>(table.topk_idx.raw()) + size_t(tp_rank * n) * tb,
+  std::memcpy(out.topk_idx.raw(),
+              static_cast<const char*>(table.topk_idx.raw()) + size_t(tp_rank * n) * tb,
               size_t(n) * tb);
   return out;
 }
@@ -292,18 +308,19 @@ std::pair<int64_t, int64_t> pp_moe_layer_range(const std::vector<int64_t>& moe_l
   const char* op = "pp_moe_layer_range";
   if (o.pp_size < 1) fail_arg(op, "pp_size must be >= 1, got ", o.pp_size);
   if (o.vpp_size < 1) fail_arg(op, "vpp_size must be >= 1, got ", o.vpp_size);
-  if (o.pp_rank < 0 || o.pp_rank >= o.pp_size) fail_arg(op, "pp_rank must be in [0, ", o.pp_size, "), got ", o.pp_rank);
-  if (o.vpp_rank < 0 || o.vpp_rank >= o.vpp_size) fail_arg(op, "vpp_rank must be in [0, ", o.vpp_size, "), got ", o.vpp_rank);
-  if (num_hidden_layers < 1 || num_hidden_layers > detail::kMaxLayers) {
+  if (o.pp_rank < 0 || o.pp_rank >= o.pp_size)
+    fail_arg(op, "pp_rank must be in [0, ", o.pp_size, "), got ", o.pp_rank);
+  if (o.vpp_rank < 0 || o.vpp_rank >= o.vpp_size)
+    fail_arg(op, "vpp_rank must be in [0, ", o.vpp_size, "), got ", o.vpp_rank);
+  if (num_hidden_layers < 1 || num_hidden_layers > detail::kMaxLayers)
     fail_arg(op, "num_hidden_layers must be in [1, ", detail::kMaxLayers, "], got ", num_hidden_layers);
-  }
   // More pipeline chunks than layers cannot be a layout (and would overflow pp_size*vpp_size).
-  if (o.pp_size > num_hidden_layers || o.vpp_size > num_hidden_layers) {
-    fail_arg(op, "pp_size and vpp_size must be <= num_hidden_layers=", num_hidden_layers, ", got pp_size=",
-             o.pp_size, ", vpp_size=", o.vpp_size);
-  }
+  if (o.pp_size > num_hidden_layers || o.vpp_size > num_hidden_layers)
+    fail_arg(op, "pp_size and vpp_size must be <= num_hidden_layers=", num_hidden_layers,
+             ", got pp_size=", o.pp_size, ", vpp_size=", o.vpp_size);
   for (size_t i = 0; i < moe_layers.size(); ++i) {
-    if (moe_layers[i] < 0 || moe_layers[i] >= num_hidden_layers || (i > 0 && moe_layers[i] <= moe_layers[i - 1])) {
+    if (moe_layers[i] < 0 || moe_layers[i] >= num_hidden_layers ||
+        (i > 0 && moe_layers[i] <= moe_layers[i - 1])) {
       fail_arg(op, "moe_layers must be ascending hidden-layer indices in [0, ", num_hidden_layers,
                "), got ", moe_layers[i], " at ", i);
     }
@@ -312,19 +329,33 @@ std::pair<int64_t, int64_t> pp_moe_layer_range(const std::vector<int64_t>& moe_l
   int64_t lo = 0, hi = 0;
   const bool uneven = o.first_stage_layers > 0 || o.last_stage_layers > 0;
   if (uneven) {
-    if (o.vpp_size != 1) fail_arg(op, "first/last_stage_layers need vpp_size == 1, got vpp_size=", o.vpp_size);
-    if (o.first_stage_layers < 0 || o.last_stage_layers < 0) fail_arg(op, "first/last_stage_layers must be >= 0");
+    if (o.vpp_size != 1)
+      fail_arg(op, "first/last_stage_layers need vpp_size == 1, got vpp_size=", o.vpp_size);
+    if (o.first_stage_layers < 0 || o.last_stage_layers < 0)
+      fail_arg(op, "first/last_stage_layers must be >= 0");
     std::vector<int64_t> per(size_t(o.pp_size), 0);
     int64_t rest = num_hidden_layers;
     int64_t middle_stages = o.pp_size;
-    if (o.first_stage_layers > 0) { per[0] = o.first_stage_layers; rest -= per[0]; --middle_stages; }
-    if (o.last_stage_layers > 0 && o.pp_size > 1) { per.back() = o.last_stage_layers; rest -= per.back(); --middle_stages; }
-    if (rest < 0 || (middle_stages == 0 && rest != 0) || (middle_stages > 0 && rest % middle_stages != 0)) {
-      fail_arg(op, "num_hidden_layers=", num_hidden_layers, " does not split over pp_size=", o.pp_size,
-               " with first_stage_layers=", o.first_stage_layers, " and last_stage_layers=", o.last_stage_layers);
+    if (o.first_stage_layers > 0) {
+      per[0] = o.first_stage_layers;
+      rest -= per[0];
+      --middle_stages;
+    }
+    if (o.last_stage_layers > 0 && o.pp_size > 1) {
+      per.back() = o.last_stage_layers;
+      rest -= per.back();
+      --middle_stages;
+    }
+    if (rest < 0 || (middle_stages == 0 && rest != 0) ||
+        (middle_stages > 0 && rest % middle_stages != 0)) {
+      fail_arg(op, "num_hidden_layers=", num_hidden_layers,
+               " does not split over pp_size=", o.pp_size,
+               " with first_stage_layers=", o.first_stage_layers,
+               " and last_stage_layers=", o.last_stage_layers);
     }
     for (int64_t s = 0; s < o.pp_size; ++s) {
-      const bool fixed = (s == 0 && o.first_stage_layers > 0) || (s == o.pp_size - 1 && o.last_stage_layers > 0 && o.pp_size > 1);
+      const bool fixed = (s == 0 && o.first_stage_layers > 0) ||
+                         (s == o.pp_size - 1 && o.last_stage_layers > 0 && o.pp_size > 1);
       if (!fixed) per[size_t(s)] = rest / middle_stages;
     }
     for (int64_t s = 0; s < o.pp_rank; ++s) lo += per[size_t(s)];
@@ -332,15 +363,18 @@ std::pair<int64_t, int64_t> pp_moe_layer_range(const std::vector<int64_t>& moe_l
   } else {
     const int64_t chunks = o.pp_size * o.vpp_size;
     if (num_hidden_layers % chunks != 0) {
-      fail_arg(op, "num_hidden_layers=", num_hidden_layers, " must be divisible by pp_size*vpp_size=", chunks);
+      fail_arg(op, "num_hidden_layers=", num_hidden_layers,
+               " must be divisible by pp_size*vpp_size=", chunks);
     }
     const int64_t per = num_hidden_layers / chunks;
     const int64_t chunk = o.vpp_rank * o.pp_size + o.pp_rank;
     lo = chunk * per;
     hi = lo + per;
   }
-  const int64_t begin = std::lower_bound(moe_layers.begin(), moe_layers.end(), lo) - moe_layers.begin();
-  const int64_t end = std::lower_bound(moe_layers.begin(), moe_layers.end(), hi) - moe_layers.begin();
+  const int64_t begin =
+      std::lower_bound(moe_layers.begin(), moe_layers.end(), lo) - moe_layers.begin();
+  const int64_t end =
+      std::lower_bound(moe_layers.begin(), moe_layers.end(), hi) - moe_layers.begin();
   return {begin, end};
 }
 
@@ -348,14 +382,16 @@ RouteTable slice_layers(const RouteTable& table, int64_t begin, int64_t end) {
   const char* op = "slice_layers";
   check_table(table, op, "table");
   const int64_t L = table.num_moe_layers(), K = table.top_k(), T = table.num_tokens();
-  if (begin < 0 || end < begin || end > L) fail_arg(op, "range [", begin, ", ", end, ") must lie in [0, ", L, "]");
+  if (begin < 0 || end < begin || end > L)
+    fail_arg(op, "range [", begin, ", ", end, ") must lie in [0, ", L, "]");
   RouteTable out;
   out.num_experts = table.num_experts;
   out.topk_idx = Tensor::empty({T, end - begin, K}, DType::int32);
   const int32_t* src = table.topk_idx.data<int32_t>();
   int32_t* dst = out.topk_idx.data<int32_t>();
   for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(dst + t * (end - begin) * K, src + (t * L + begin) * K, size_t((end - begin) * K) * sizeof(int32_t));
+    std::memcpy(dst + t * (end - begin) * K, src + (t * L + begin) * K,
+                size_t((end - begin) * K) * sizeof(int32_t));
   }
   return out;
 }
@@ -366,8 +402,8 @@ RouteTable concat_layers(const std::vector<RouteTable>& pieces) {
   int64_t L = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {
     check_table(pieces[i], op, "pieces");
-    if (pieces[i].num_tokens() != pieces[0].num_tokens() || pieces[i].top_k() != pieces[0].top_k() ||
-        pieces[i].num_experts != pieces[0].num_experts) {
+    if (pieces[i].num_tokens() != pieces[0].num_tokens() ||
+        pieces[i].top_k() != pieces[0].top_k() || pieces[i].num_experts != pieces[0].num_experts) {
       fail_arg(op, "pieces[", i, "] must match pieces[0] in num_tokens, top_k and num_experts");
     }
     L += pieces[i].num_moe_layers();
@@ -389,7 +425,8 @@ RouteTable concat_layers(const std::vector<RouteTable>& pieces) {
 
 std::vector<std::vector<RouteTable>> split_micro_batches(const std::vector<RouteTable>& sequences,
                                                          int64_t micro_batch_size) {
-  if (micro_batch_size < 1) fail_arg("split_micro_batches", "micro_batch_size must be >= 1, got ", micro_batch_size);
+  if (micro_batch_size < 1)
+    fail_arg("split_micro_batches", "micro_batch_size must be >= 1, got ", micro_batch_size);
   std::vector<std::vector<RouteTable>> out;
   for (size_t i = 0; i < sequences.size(); i += size_t(micro_batch_size)) {
     const size_t end = std::min(sequences.size(), i + size_t(micro_batch_size));

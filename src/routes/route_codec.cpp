@@ -2,12 +2,14 @@
 // (rank 0 = the layer's most used expert in this block) and laid out layer-major: every layer then
 // shows zstd the same skewed distribution, where raw ids mix 48 different permutations of it into a
 // near-uniform one. Measured on Zipf-like routes (bench_routes): 4.6x -> 5.3x smaller than int32.
+#include "route_codec.h"
+
 #include <xxhash.h>
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 
-#include "route_codec.h"
 #include "check.h"
 
 namespace switchyard::detail {
@@ -18,52 +20,88 @@ int64_t payload_size(int64_t num_tokens, int64_t num_layers, int64_t top_k, int6
                      uint32_t flags) {
   const int64_t w = id_width_for(num_experts);
   const int64_t numel = num_tokens * num_layers * top_k;
-  int64_t n = num_layers * num_experts * w + numel * w;
+  int64_t n = ((flags & kBlockRanked) ? num_layers * num_experts * w : 0) + numel * w;
   if (flags & kBlockHasNone) n += (numel + 7) / 8;
   return n;
 }
 
 namespace {
 
+// Returns true when any entry is -1. Counts and ranks are indexed by id + 1 so that -1 needs no
+// branch (slot 0 counts the -1 entries and maps to stored value 0). Without `ranked`, ids are
+// stored as they are (rank = id).
 template <class W>
-void encode_as(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, char* out) {
+bool encode_as(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, bool ranked,
+               char* out) {
   W* perm_out = reinterpret_cast<W*>(out);
-  W* ids_out = perm_out + L * E;
-  std::vector<int64_t> count(static_cast<size_t>(E));
-  std::vector<int32_t> order(static_cast<size_t>(E));
-  std::vector<W> rank(static_cast<size_t>(E));
-  for (int64_t l = 0; l < L; ++l) {
-    std::fill(count.begin(), count.end(), 0);
+  W* ids_out = ranked ? perm_out + L * E : perm_out;
+  const int64_t E1 = E + 1;
+  std::vector<W> rank(static_cast<size_t>(L * E1), W{0});
+  bool any_none = false;
+  if (ranked) {
+    // Pass 1, token-major (the input's order): per-layer expert counts.
+    // uint32: a block holds < 2^32 ids per layer (kMaxRawBlockBytes), and 48 x 129 counters then
+    // stay in L1.
+    std::vector<uint32_t> count(static_cast<size_t>(L * E1), 0);
     for (int64_t t = 0; t < T; ++t) {
-      const int32_t* row = idx + (t * L + l) * K;
-      for (int64_t k = 0; k < K; ++k) {
-        if (row[k] >= 0) ++count[static_cast<size_t>(row[k])];
+      for (int64_t l = 0; l < L; ++l) {
+        const int32_t* row = idx + (t * L + l) * K;
+        uint32_t* c = count.data() + l * E1 + 1;
+        for (int64_t k = 0; k < K; ++k) ++c[row[k]];
       }
     }
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int32_t a, int32_t b) { return count[size_t(a)] > count[size_t(b)]; });
-    for (int64_t r = 0; r < E; ++r) {
-      perm_out[l * E + r] = static_cast<W>(order[size_t(r)]);
-      rank[size_t(order[size_t(r)])] = static_cast<W>(r);
+    // Ranks: most used expert first, ties to the lower id (a total, deterministic order). One
+    // 64-bit key per expert (count high, inverted id low) sorts without a merge buffer.
+    std::vector<uint64_t> key(static_cast<size_t>(E));
+    for (int64_t l = 0; l < L; ++l) {
+      const uint32_t* c = count.data() + l * E1 + 1;
+      any_none = any_none || c[-1] > 0;
+      for (int64_t e = 0; e < E; ++e) {
+        key[size_t(e)] = (uint64_t(c[e]) << 32) | uint64_t(0xffffffffu - uint32_t(e));
+      }
+      std::sort(key.begin(), key.end(), std::greater<uint64_t>());
+      for (int64_t r = 0; r < E; ++r) {
+        const int64_t e = int64_t(0xffffffffu - uint32_t(key[size_t(r)] & 0xffffffffu));
+        perm_out[l * E + r] = static_cast<W>(e);
+        rank[size_t(l * E1 + 1 + e)] = static_cast<W>(r);
+      }
     }
-    W* dst = ids_out + l * T * K;
-    for (int64_t t = 0; t < T; ++t) {
+  } else {
+    for (int64_t l = 0; l < L; ++l) {
+      for (int64_t e = 0; e < E; ++e) rank[size_t(l * E1 + 1 + e)] = static_cast<W>(e);
+    }
+    const int64_t numel = T * L * K;
+    int32_t mn = 0;
+    for (int64_t i = 0; i < numel; ++i) mn = std::min(mn, idx[i]);
+    any_none = mn < 0;
+  }
+  // Pass 2, token-major reads, layer-major writes ([layers, tokens, K]).
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t l = 0; l < L; ++l) {
       const int32_t* row = idx + (t * L + l) * K;
-      for (int64_t k = 0; k < K; ++k) dst[t * K + k] = row[k] >= 0 ? rank[size_t(row[k])] : W{0};
+      const W* rk = rank.data() + l * E1 + 1;
+      W* dst = ids_out + (l * T + t) * K;
+      for (int64_t k = 0; k < K; ++k) dst[k] = rk[row[k]];
     }
   }
+  return any_none;
 }
 
 template <class W>
-std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t E,
+std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t E, bool ranked,
                       const uint8_t* none_bits, int32_t* idx) {
   std::vector<W> perm(static_cast<size_t>(L * E));
-  std::memcpy(perm.data(), raw, perm.size() * sizeof(W));
-  const char* ids_raw = raw + perm.size() * sizeof(W);
+  if (ranked) {
+    std::memcpy(perm.data(), raw, perm.size() * sizeof(W));
+  } else {
+    for (int64_t l = 0; l < L; ++l)
+      std::iota(perm.begin() + l * E, perm.begin() + (l + 1) * E, W{0});
+  }
+  const int64_t numel = T * L * K;
+  std::vector<W> ids(static_cast<size_t>(numel));  // aligned copy of the rank plane
+  std::memcpy(ids.data(), raw + (ranked ? perm.size() * sizeof(W) : 0), ids.size() * sizeof(W));
   std::vector<uint8_t> seen(static_cast<size_t>(E));
-  std::vector<W> row(static_cast<size_t>(K));
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = 0; l < L && ranked; ++l) {
     const W* p = perm.data() + l * E;
     std::fill(seen.begin(), seen.end(), 0);
     for (int64_t r = 0; r < E; ++r) {
@@ -72,20 +110,30 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
       }
       seen[size_t(p[r])] = 1;
     }
-    for (int64_t t = 0; t < T; ++t) {
-      std::memcpy(row.data(), ids_raw + ((l * T + t) * K) * int64_t(sizeof(W)), size_t(K) * sizeof(W));
+  }
+  // Range check in one vectorisable pass, so the copy below needs no branch.
+  W max_rank = 0;
+  for (int64_t i = 0; i < numel; ++i) max_rank = std::max(max_rank, ids[size_t(i)]);
+  if (numel > 0 && int64_t(max_rank) >= E) {
+    const int64_t i =
+        std::find_if(ids.begin(), ids.end(), [E](W r) { return int64_t(r) >= E; }) - ids.begin();
+    return cat("token ", (i / K) % T, ", layer ", i / (T * K), ": rank ", int64_t(max_rank),
+               " >= num_experts");
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t l = 0; l < L; ++l) {
+      const W* src = ids.data() + (l * T + t) * K;
+      const W* p = perm.data() + l * E;
       int32_t* out = idx + (t * L + l) * K;
-      for (int64_t k = 0; k < K; ++k) {
-        const W r = row[size_t(k)];
-        if (int64_t(r) >= E) return cat("token ", t, ", layer ", l, ": rank ", int64_t(r), " >= num_experts");
-        out[k] = static_cast<int32_t>(p[r]);
-      }
+      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int32_t>(p[src[k]]);
     }
   }
   if (none_bits) {
-    const int64_t numel = T * L * K;
-    for (int64_t i = 0; i < numel; ++i) {
-      if ((none_bits[i >> 3] >> (i & 7)) & 1) idx[i] = -1;
+    for (int64_t b = 0; b < (numel + 7) / 8; ++b) {
+      if (none_bits[b] == 0) continue;
+      for (int64_t j = 0; j < 8 && b * 8 + j < numel; ++j) {
+        if ((none_bits[b] >> j) & 1) idx[b * 8 + j] = -1;
+      }
     }
   }
   return {};
@@ -96,25 +144,41 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
 uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num_layers,
                         int64_t top_k, int64_t num_experts, std::string& out) {
   const int64_t numel = num_tokens * num_layers * top_k;
-  uint32_t flags = 0;
-  for (int64_t i = 0; i < numel; ++i) {
-    if (topk_idx[i] < 0) {
-      flags |= kBlockHasNone;
-      break;
-    }
-  }
-  const int64_t n = payload_size(num_tokens, num_layers, top_k, num_experts, flags);
-  out.assign(static_cast<size_t>(n), '\0');
+  const bool ranked = num_tokens * top_k >= kRankMinIdsPerExpert * num_experts;
+  const uint32_t rank_flag = ranked ? kBlockRanked : 0u;
+  // Sized for the bitmap too; trimmed below when there is no -1.
+  out.resize(static_cast<size_t>(
+      payload_size(num_tokens, num_layers, top_k, num_experts, kBlockHasNone | rank_flag)));
   char* p = out.data();
+  bool any_none = false;
+  const int64_t T = num_tokens, L = num_layers, K = top_k, E = num_experts;
   switch (id_width_for(num_experts)) {
-    case 1: encode_as<uint8_t>(topk_idx, num_tokens, num_layers, top_k, num_experts, p); break;
-    case 2: encode_as<uint16_t>(topk_idx, num_tokens, num_layers, top_k, num_experts, p); break;
-    default: encode_as<uint32_t>(topk_idx, num_tokens, num_layers, top_k, num_experts, p); break;
+    case 1:
+      any_none = encode_as<uint8_t>(topk_idx, T, L, K, E, ranked, p);
+      break;
+    case 2:
+      any_none = encode_as<uint16_t>(topk_idx, T, L, K, E, ranked, p);
+      break;
+    default:
+      any_none = encode_as<uint32_t>(topk_idx, T, L, K, E, ranked, p);
+      break;
   }
-  if (flags & kBlockHasNone) {
-    auto* bits = reinterpret_cast<uint8_t*>(p + n - (numel + 7) / 8);
-    for (int64_t i = 0; i < numel; ++i) {
-      if (topk_idx[i] < 0) bits[i >> 3] = static_cast<uint8_t>(bits[i >> 3] | (1u << (i & 7)));
+  const uint32_t flags = (any_none ? kBlockHasNone : 0u) | rank_flag;
+  const int64_t n = payload_size(num_tokens, num_layers, top_k, num_experts, flags);
+  out.resize(static_cast<size_t>(n));
+  if (any_none) {
+    auto* bits = reinterpret_cast<uint8_t*>(out.data() + n - (numel + 7) / 8);
+    const int64_t full = numel / 8;
+    for (int64_t b = 0; b < full; ++b) {
+      const int32_t* v = topk_idx + b * 8;
+      unsigned byte = 0;
+      for (int j = 0; j < 8; ++j) byte |= unsigned(v[j] < 0) << j;
+      bits[b] = static_cast<uint8_t>(byte);
+    }
+    if (numel % 8) {
+      unsigned byte = 0;
+      for (int64_t j = 0; j < numel % 8; ++j) byte |= unsigned(topk_idx[full * 8 + j] < 0) << j;
+      bits[full] = static_cast<uint8_t>(byte);
     }
   }
   return flags;
@@ -129,10 +193,15 @@ std::string decode_payload(const char* raw, int64_t raw_size, int64_t num_tokens
   const uint8_t* bits = (flags & kBlockHasNone)
                             ? reinterpret_cast<const uint8_t*>(raw + raw_size - (numel + 7) / 8)
                             : nullptr;
+  const bool ranked = (flags & kBlockRanked) != 0;
+  const int64_t T = num_tokens, L = num_layers, K = top_k, E = num_experts;
   switch (id_width_for(num_experts)) {
-    case 1: return decode_as<uint8_t>(raw, num_tokens, num_layers, top_k, num_experts, bits, topk_idx);
-    case 2: return decode_as<uint16_t>(raw, num_tokens, num_layers, top_k, num_experts, bits, topk_idx);
-    default: return decode_as<uint32_t>(raw, num_tokens, num_layers, top_k, num_experts, bits, topk_idx);
+    case 1:
+      return decode_as<uint8_t>(raw, T, L, K, E, ranked, bits, topk_idx);
+    case 2:
+      return decode_as<uint16_t>(raw, T, L, K, E, ranked, bits, topk_idx);
+    default:
+      return decode_as<uint32_t>(raw, T, L, K, E, ranked, bits, topk_idx);
   }
 }
 

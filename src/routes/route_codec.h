@@ -17,11 +17,16 @@ inline constexpr int64_t kBlockHeaderSize = 56;
 inline constexpr int64_t kFooterSize = 24;
 inline constexpr int64_t kIndexEntrySize = 24;
 inline constexpr uint32_t kBlockHasNone = 1u;  // payload carries a bitmap of -1 entries
+inline constexpr uint32_t kBlockRanked = 2u;   // ids stored as per-layer popularity ranks + perm
+inline constexpr uint32_t kBlockKnownFlags = kBlockHasNone | kBlockRanked;
+// The rank transform pays for its permutation (num_experts ids per layer) once a layer holds about
+// this many ids per expert (bench_routes, short sequences); below it ids are stored as they are.
+inline constexpr int64_t kRankMinIdsPerExpert = 8;
 // Bounds that keep a corrupt header from asking for absurd allocations.
 inline constexpr int64_t kMaxExperts = 1 << 24;
 inline constexpr int64_t kMaxTopK = 1 << 16;
 inline constexpr int64_t kMaxLayers = 1 << 16;
-inline constexpr int64_t kMaxRawBlockBytes = int64_t{1} << 36;
+inline constexpr int64_t kMaxRawBlockBytes = int64_t{1} << 32;
 
 /// Bytes per stored id for num_experts experts.
 inline int64_t id_width_for(int64_t num_experts) {
@@ -45,8 +50,9 @@ inline uint64_t get_u64(const char* p) {
 /// Checksum of the format (XXH3 64-bit).
 uint64_t checksum(const void* data, size_t n);
 
-/// Raw (uncompressed) payload of one block: per-layer rank permutation, ids as popularity ranks in
-/// [layers, tokens, K] order, then a bitmap of -1 entries when any. Returns the flags.
+/// Raw (uncompressed) payload of one block: [ranked: per-layer rank permutation], ids (as per-layer
+/// popularity ranks when ranked) in [layers, tokens, K] order, then a bitmap of -1 entries when
+/// any. Returns the flags.
 uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num_layers,
                         int64_t top_k, int64_t num_experts, std::string& out);
 /// Raw payload size for a block.

@@ -41,8 +41,8 @@ std::string encode_header(const RouteFileInfo& info) {
 }
 
 [[noreturn]] void io_fail(const std::string& call, const std::string& path) {
-  throw BackendError(cat(call, "(", path, "): ", std::strerror(errno), " (", __FILE__, ":",
-                         __LINE__, ")"));
+  throw BackendError(
+      cat(call, "(", path, "): ", std::strerror(errno), " (", __FILE__, ":", __LINE__, ")"));
 }
 
 }  // namespace
@@ -73,26 +73,31 @@ RouteFileWriter::RouteFileWriter(const std::string& path, const RouteFileInfo& i
     : impl_(std::make_unique<Impl>()) {
   const char* op = "route_file";
   if (info.num_experts < 1 || info.num_experts > detail::kMaxExperts) {
-    detail::fail_arg(op, "num_experts must be in [1, ", detail::kMaxExperts, "], got ", info.num_experts);
+    detail::fail_arg(op, "num_experts must be in [1, ", detail::kMaxExperts, "], got ",
+                     info.num_experts);
   }
   if (info.top_k < 1 || info.top_k > detail::kMaxTopK) {
     detail::fail_arg(op, "top_k must be in [1, ", detail::kMaxTopK, "], got ", info.top_k);
   }
   if (info.num_moe_layers < 1 || info.num_moe_layers > detail::kMaxLayers) {
-    detail::fail_arg(op, "num_moe_layers must be in [1, ", detail::kMaxLayers, "], got ", info.num_moe_layers);
+    detail::fail_arg(op, "num_moe_layers must be in [1, ", detail::kMaxLayers, "], got ",
+                     info.num_moe_layers);
   }
-  if (!info.moe_layers.empty() && static_cast<int64_t>(info.moe_layers.size()) != info.num_moe_layers) {
+  if (!info.moe_layers.empty() &&
+      static_cast<int64_t>(info.moe_layers.size()) != info.num_moe_layers) {
     detail::fail_arg(op, "moe_layers must be empty or have num_moe_layers=", info.num_moe_layers,
                      " entries, got ", info.moe_layers.size());
   }
   if (info.num_hidden_layers < 0 || info.num_hidden_layers > detail::kMaxLayers) {
-    detail::fail_arg(op, "num_hidden_layers must be in [0, ", detail::kMaxLayers, "], got ", info.num_hidden_layers);
+    detail::fail_arg(op, "num_hidden_layers must be in [0, ", detail::kMaxLayers, "], got ",
+                     info.num_hidden_layers);
   }
   for (size_t i = 0; i < info.moe_layers.size(); ++i) {
     const int64_t l = info.moe_layers[i];
     if (l < 0 || (info.num_hidden_layers > 0 && l >= info.num_hidden_layers) ||
         (i > 0 && l <= info.moe_layers[i - 1]) || l > detail::kMaxLayers) {
-      detail::fail_arg(op, "moe_layers must be ascending hidden-layer indices below num_hidden_layers=",
+      detail::fail_arg(op,
+                       "moe_layers must be ascending hidden-layer indices below num_hidden_layers=",
                        info.num_hidden_layers, ", got ", l, " at ", i);
     }
   }
@@ -134,13 +139,13 @@ void RouteFileWriter::append(const RouteTable& table) {
       table.top_k() != s.info.top_k) {
     detail::fail_arg(op, "table must have num_experts=", s.info.num_experts,
                      ", num_moe_layers=", s.info.num_moe_layers, ", top_k=", s.info.top_k,
-                     " like the file, got num_experts=", table.num_experts, ", num_moe_layers=",
-                     table.num_moe_layers(), ", top_k=", table.top_k());
+                     " like the file, got num_experts=", table.num_experts,
+                     ", num_moe_layers=", table.num_moe_layers(), ", top_k=", table.top_k());
   }
   const int64_t T = table.num_tokens();
-  const uint32_t flags = detail::encode_payload(table.topk_idx.data<int32_t>(), T,
-                                                s.info.num_moe_layers, s.info.top_k,
-                                                s.info.num_experts, s.raw);
+  const uint32_t flags =
+      detail::encode_payload(table.topk_idx.data<int32_t>(), T, s.info.num_moe_layers, s.info.top_k,
+                             s.info.num_experts, s.raw);
   s.comp.resize(ZSTD_compressBound(s.raw.size()));
   const size_t c = ZSTD_compressCCtx(s.cctx, s.comp.data(), s.comp.size(), s.raw.data(),
                                      s.raw.size(), s.options.compression_level);
@@ -185,7 +190,9 @@ void RouteFileWriter::close() {
   if (std::fclose(f) != 0) io_fail("fclose", s.path);
 }
 
-int64_t RouteFileWriter::num_sequences() const { return static_cast<int64_t>(impl_->entries.size()); }
+int64_t RouteFileWriter::num_sequences() const {
+  return static_cast<int64_t>(impl_->entries.size());
+}
 int64_t RouteFileWriter::bytes_written() const { return impl_->offset; }
 
 // ---------------------------------------------------------------------------------------------
@@ -238,7 +245,8 @@ struct RouteFileReader::Impl {
     if (!read_at(0, 40, fixed)) {
       fail(cat("truncated header: file has ", size, " bytes, a header needs at least 48"));
     }
-    if (std::memcmp(fixed, detail::kFileMagic, 8) != 0) fail("not a route file (bad magic at byte offset 0)");
+    if (std::memcmp(fixed, detail::kFileMagic, 8) != 0)
+      fail("not a route file (bad magic at byte offset 0)");
     const uint32_t version = get_u32(fixed + 8);
     if (version != detail::kFormatVersion) {
       fail(cat("unsupported format version ", version, " (this build reads version ",
@@ -247,7 +255,8 @@ struct RouteFileReader::Impl {
     const int64_t hsize = get_u32(fixed + 12);
     const int64_t n_layers = get_u32(fixed + 32);
     if (n_layers > detail::kMaxLayers || hsize != 8 + 8 * 4 + 4 * n_layers + 8) {
-      fail(cat("corrupt header: header size ", hsize, " does not match its ", n_layers, " layer entries"));
+      fail(cat("corrupt header: header size ", hsize, " does not match its ", n_layers,
+               " layer entries"));
     }
     std::string h(static_cast<size_t>(hsize), '\0');
     if (!read_at(0, hsize, h.data())) {
@@ -271,7 +280,8 @@ struct RouteFileReader::Impl {
       fail(cat("corrupt header: inconsistent num_experts=", info.num_experts, ", top_k=",
                info.top_k, ", num_moe_layers=", info.num_moe_layers, ", id_width=", info.id_width));
     }
-    for (int64_t l = 0; l < n_layers; ++l) info.moe_layers.push_back(get_u32(h.data() + 40 + 4 * l));
+    for (int64_t l = 0; l < n_layers; ++l)
+      info.moe_layers.push_back(get_u32(h.data() + 40 + 4 * l));
     header_size = hsize;
   }
 
@@ -294,7 +304,7 @@ struct RouteFileReader::Impl {
     if (seq != static_cast<uint64_t>(expected_seq)) {
       return cat("block holds sequence ", seq, ", expected ", expected_seq);
     }
-    if ((flags & ~detail::kBlockHasNone) != 0) return cat("unknown block flags ", flags);
+    if ((flags & ~detail::kBlockKnownFlags) != 0) return cat("unknown block flags ", flags);
     const uint64_t row = static_cast<uint64_t>(info.num_moe_layers * info.top_k);
     if (tokens > static_cast<uint64_t>(detail::kMaxRawBlockBytes) / row ||
         raw_size > detail::kMaxRawBlockBytes ||
@@ -321,7 +331,8 @@ struct RouteFileReader::Impl {
     if (size < header_size + 16 + 8 + detail::kFooterSize) return "no index (file too short)";
     char f[detail::kFooterSize];
     read_at(size - detail::kFooterSize, detail::kFooterSize, f);
-    if (std::memcmp(f + 16, detail::kFooterMagic, 8) != 0) return "no index footer (file was not closed, or is cut)";
+    if (std::memcmp(f + 16, detail::kFooterMagic, 8) != 0)
+      return "no index footer (file was not closed, or is cut)";
     if (detail::checksum(f, 8) != get_u64(f + 8)) return "index footer checksum mismatch";
     const uint64_t ix_off = get_u64(f);
     if (ix_off < static_cast<uint64_t>(header_size) ||
@@ -331,7 +342,8 @@ struct RouteFileReader::Impl {
     const int64_t ix_len = size - detail::kFooterSize - static_cast<int64_t>(ix_off);
     std::string ix(static_cast<size_t>(ix_len), '\0');
     read_at(static_cast<int64_t>(ix_off), ix_len, ix.data());
-    if (get_u32(ix.data()) != detail::kIndexMagic) return cat("bad index magic at byte offset ", ix_off);
+    if (get_u32(ix.data()) != detail::kIndexMagic)
+      return cat("bad index magic at byte offset ", ix_off);
     const uint64_t n = get_u64(ix.data() + 8);
     if (n > static_cast<uint64_t>(ix_len) / detail::kIndexEntrySize ||
         static_cast<int64_t>(16 + n * detail::kIndexEntrySize + 8) != ix_len) {
@@ -353,7 +365,8 @@ struct RouteFileReader::Impl {
       }
       expect += es[i].stored_bytes;
     }
-    if (expect != static_cast<int64_t>(ix_off)) return "index does not cover the blocks up to the index";
+    if (expect != static_cast<int64_t>(ix_off))
+      return "index does not cover the blocks up to the index";
     entries = std::move(es);
     return {};
   }
@@ -372,8 +385,8 @@ struct RouteFileReader::Impl {
       uint32_t flags;
       int64_t raw;
       uint64_t sum;
-      const std::string err = parse_block_header(off, static_cast<int64_t>(entries.size()), e,
-                                                 flags, raw, sum);
+      const std::string err =
+          parse_block_header(off, static_cast<int64_t>(entries.size()), e, flags, raw, sum);
       if (!err.empty()) {
         return cat(why, "; block ", entries.size(), " at byte offset ", off, ": ", err, "; ",
                    entries.size(), " sequences recovered by scanning");
@@ -424,11 +437,13 @@ RouteFileReader RouteFileReader::from_bytes(std::string_view bytes) {
 }
 
 const RouteFileInfo& RouteFileReader::info() const { return impl_->info; }
-int64_t RouteFileReader::num_sequences() const { return static_cast<int64_t>(impl_->entries.size()); }
+int64_t RouteFileReader::num_sequences() const {
+  return static_cast<int64_t>(impl_->entries.size());
+}
 const RouteFileEntry& RouteFileReader::entry(int64_t sequence) const {
   if (sequence < 0 || sequence >= num_sequences()) {
-    throw std::out_of_range(cat("[route_file] sequence ", sequence, " out of range [0, ",
-                                num_sequences(), ")"));
+    throw std::out_of_range(
+        cat("[route_file] sequence ", sequence, " out of range [0, ", num_sequences(), ")"));
   }
   return impl_->entries[static_cast<size_t>(sequence)];
 }
@@ -467,7 +482,8 @@ RouteTable RouteFileReader::read(int64_t sequence) const {
   std::string raw(static_cast<size_t>(raw_size), '\0');
   const size_t got = ZSTD_decompress(raw.data(), raw.size(), comp.data(), comp.size());
   if (ZSTD_isError(got)) s.fail(where() + cat("zstd: ", ZSTD_getErrorName(got)));
-  if (static_cast<int64_t>(got) != raw_size) s.fail(where() + "payload decompressed to the wrong size");
+  if (static_cast<int64_t>(got) != raw_size)
+    s.fail(where() + "payload decompressed to the wrong size");
   RouteTable t;
   t.num_experts = s.info.num_experts;
   t.topk_idx = Tensor::empty({e.num_tokens, s.info.num_moe_layers, s.info.top_k}, DType::int32);

@@ -25,23 +25,52 @@ enum class Elem { i1, u1, i2, u2, i4, u4, i8 };
 
 size_t elem_size(Elem e) {
   switch (e) {
-    case Elem::i1: case Elem::u1: return 1;
-    case Elem::i2: case Elem::u2: return 2;
-    case Elem::i4: case Elem::u4: return 4;
-    case Elem::i8: return 8;
+    case Elem::i1:
+    case Elem::u1:
+      return 1;
+    case Elem::i2:
+    case Elem::u2:
+      return 2;
+    case Elem::i4:
+    case Elem::u4:
+      return 4;
+    case Elem::i8:
+      return 8;
   }
   return 0;
 }
 
 int64_t load_elem(const char* p, Elem e) {
   switch (e) {
-    case Elem::i1: return static_cast<int8_t>(*p);
-    case Elem::u1: return static_cast<uint8_t>(*p);
-    case Elem::i2: { int16_t v; std::memcpy(&v, p, 2); return v; }
-    case Elem::u2: { uint16_t v; std::memcpy(&v, p, 2); return v; }
-    case Elem::i4: { int32_t v; std::memcpy(&v, p, 4); return v; }
-    case Elem::u4: { uint32_t v; std::memcpy(&v, p, 4); return v; }
-    case Elem::i8: { int64_t v; std::memcpy(&v, p, 8); return v; }
+    case Elem::i1:
+      return static_cast<int8_t>(*p);
+    case Elem::u1:
+      return static_cast<uint8_t>(*p);
+    case Elem::i2: {
+      int16_t v;
+      std::memcpy(&v, p, 2);
+      return v;
+    }
+    case Elem::u2: {
+      uint16_t v;
+      std::memcpy(&v, p, 2);
+      return v;
+    }
+    case Elem::i4: {
+      int32_t v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    case Elem::u4: {
+      uint32_t v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    case Elem::i8: {
+      int64_t v;
+      std::memcpy(&v, p, 8);
+      return v;
+    }
   }
   return 0;
 }
@@ -61,7 +90,8 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
   if (top_k < 1 || layers_in < 1 || layers_in > 65536 || top_k > 65536 ||
       layers_in * top_k > (int64_t{1} << 20)) {
     fail_arg(kOp, source, " (sequence ", seq, "): array shape [", rows, ", ", layers_in, ", ",
-             top_k, "] is not a route array (layers and top_k must be >= 1, their product <= 2^20)");
+             top_k,
+             "] is not a route array (layers and top_k must be >= 1, their product <= 2^20)");
   }
   if (rep.num_sequences > 0 && (layers_in != rep.num_input_layers || top_k != rep.top_k)) {
     fail_arg(kOp, source, " (sequence ", seq, "): [", layers_in, " layers, top_k ", top_k,
@@ -106,25 +136,27 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
         }
         zero = zero && v == 0;
       }
-      if (zero && top_k > 0) {
+      if (zero && top_k > 1) {  // K = 1: a 0 is a real route to expert 0
         if (opt.zero_rows == ZeroRowPolicy::error) {
           fail_arg(kOp, source, " (sequence ", seq, "): all-zero row at token ", r,
                    ", hidden layer ", l, " (zero-filled padding?)");
         }
         const int64_t m = std::lower_bound(moe.begin(), moe.end(), l) - moe.begin();
-        if (rep.first_zero_rows.size() < kMaxReportedZeroRows) rep.first_zero_rows.push_back({seq, r, m});
+        if (rep.first_zero_rows.size() < kMaxReportedZeroRows)
+          rep.first_zero_rows.push_back({seq, r, m});
         ++rep.num_zero_rows;
         if (opt.zero_rows == ZeroRowPolicy::to_none) continue;  // row stays -1
       }
       const int64_t m = std::lower_bound(moe.begin(), moe.end(), l) - moe.begin();
       int32_t* dst = out + (r * M + m) * top_k;
-      for (int64_t k = 0; k < top_k; ++k) dst[k] = static_cast<int32_t>(load_elem(row + k * int64_t(es), elem));
+      for (int64_t k = 0; k < top_k; ++k)
+        dst[k] = static_cast<int32_t>(load_elem(row + k * int64_t(es), elem));
     }
   }
   if (dense_nonzero > 0) {
-    rep.warnings.push_back(cat(source, ": ", dense_nonzero, " rows on layers the map calls dense hold ",
-                               "nonzero ids (first on hidden layer ", first_dense_layer,
-                               "): is the layer map right?"));
+    rep.warnings.push_back(cat(
+        source, ": ", dense_nonzero, " rows on layers the map calls dense hold ",
+        "nonzero ids (first on hidden layer ", first_dense_layer, "): is the layer map right?"));
   }
   rep.num_input_layers = layers_in;
   rep.top_k = top_k;
@@ -137,7 +169,8 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
 
 void check_options(const ImportOptions& opt) {
   if (opt.num_experts < 1) fail_arg(kOp, "num_experts must be >= 1, got ", opt.num_experts);
-  if (opt.num_input_layers < 0) fail_arg(kOp, "num_input_layers must be >= 0, got ", opt.num_input_layers);
+  if (opt.num_input_layers < 0)
+    fail_arg(kOp, "num_input_layers must be >= 0, got ", opt.num_input_layers);
   if (opt.top_k < 0) fail_arg(kOp, "top_k must be >= 0, got ", opt.top_k);
 }
 
@@ -151,7 +184,8 @@ std::string read_file(const std::string& path) {
 }
 
 // Value of 'key' in a .npy header dict: the raw text up to the next top-level ',' or '}'.
-std::string npy_field(const std::string& header, const std::string& key, const std::string& source) {
+std::string npy_field(const std::string& header, const std::string& key,
+                      const std::string& source) {
   const size_t k = header.find("'" + key + "'");
   if (k == std::string::npos) fail_arg(kOp, source, ": .npy header has no '", key, "'");
   size_t p = header.find(':', k);
@@ -204,15 +238,25 @@ ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& so
   const std::string fortran = npy_field(header, "fortran_order", source);
   const std::string shape_text = npy_field(header, "shape", source);
   Elem elem;
-  if (descr == "<i4" || descr == "=i4") elem = Elem::i4;
-  else if (descr == "<i8" || descr == "=i8") elem = Elem::i8;
-  else if (descr == "<i2" || descr == "=i2") elem = Elem::i2;
-  else if (descr == "<u2" || descr == "=u2") elem = Elem::u2;
-  else if (descr == "<u4" || descr == "=u4") elem = Elem::u4;
-  else if (descr == "|i1" || descr == "<i1") elem = Elem::i1;
-  else if (descr == "|u1" || descr == "<u1") elem = Elem::u1;
-  else fail_arg(kOp, source, ": .npy dtype must be a little-endian integer (e.g. '<i4'), got '", descr, "'");
-  if (fortran != "False") fail_arg(kOp, source, ": .npy must be C-ordered, got fortran_order ", fortran);
+  if (descr == "<i4" || descr == "=i4")
+    elem = Elem::i4;
+  else if (descr == "<i8" || descr == "=i8")
+    elem = Elem::i8;
+  else if (descr == "<i2" || descr == "=i2")
+    elem = Elem::i2;
+  else if (descr == "<u2" || descr == "=u2")
+    elem = Elem::u2;
+  else if (descr == "<u4" || descr == "=u4")
+    elem = Elem::u4;
+  else if (descr == "|i1" || descr == "<i1")
+    elem = Elem::i1;
+  else if (descr == "|u1" || descr == "<u1")
+    elem = Elem::u1;
+  else
+    fail_arg(kOp, source, ": .npy dtype must be a little-endian integer (e.g. '<i4'), got '", descr,
+             "'");
+  if (fortran != "False")
+    fail_arg(kOp, source, ": .npy must be C-ordered, got fortran_order ", fortran);
   std::vector<int64_t> shape;
   if (shape_text.size() < 2 || shape_text.front() != '(' || shape_text.back() != ')') {
     fail_arg(kOp, source, ": .npy shape must be a tuple, got ", shape_text);
@@ -229,11 +273,13 @@ ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& so
       shape.push_back(std::stoll(inner.substr(p, q - p)));
       p = q;
       while (p < inner.size() && inner[p] == ' ') ++p;
-      if (p < inner.size() && inner[p] != ',') fail_arg(kOp, source, ": .npy shape ", shape_text, " is malformed");
+      if (p < inner.size() && inner[p] != ',')
+        fail_arg(kOp, source, ": .npy shape ", shape_text, " is malformed");
     }
   }
   if (shape.size() != 3) {
-    fail_arg(kOp, source, ": expected a 3-D array [seq_len-1, num_layers, top_k], got shape ", shape_text);
+    fail_arg(kOp, source, ": expected a 3-D array [seq_len-1, num_layers, top_k], got shape ",
+             shape_text);
   }
   const size_t data_off = hstart + hlen;
   const size_t have = bytes.size() - data_off;
@@ -297,7 +343,8 @@ ImportResult import_sglang_text(std::string_view text, const std::string& source
   json whole = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (!whole.is_discarded()) {
     if (whole.is_array()) {
-      for (size_t i = 0; i < whole.size(); ++i) records.emplace_back(cat(source, "[", i, "]"), std::move(whole[i]));
+      for (size_t i = 0; i < whole.size(); ++i)
+        records.emplace_back(cat(source, "[", i, "]"), std::move(whole[i]));
     } else {
       records.emplace_back(source, std::move(whole));
     }
@@ -311,7 +358,8 @@ ImportResult import_sglang_text(std::string_view text, const std::string& source
       pos = end + 1;
       if (l.find_first_not_of(" \t\r") == std::string_view::npos) continue;
       json j = json::parse(l.begin(), l.end(), nullptr, false);
-      if (j.is_discarded()) fail_arg(kOp, source, ":", line, ": not valid JSON (nor is the whole file)");
+      if (j.is_discarded())
+        fail_arg(kOp, source, ":", line, ": not valid JSON (nor is the whole file)");
       records.emplace_back(cat(source, ":", line), std::move(j));
     }
   }
@@ -337,11 +385,15 @@ ImportResult import_sglang_text(std::string_view text, const std::string& source
     }
     const int64_t rows = static_cast<int64_t>(raw.size() / 4) / row;
     ImportResult part;
-    import_array(raw.data(), Elem::i4, rows, options.num_input_layers, options.top_k, name, options, part);
+    import_array(raw.data(), Elem::i4, rows, options.num_input_layers, options.top_k, name, options,
+                 part);
     if (meta.contains("prompt_tokens") && meta.contains("completion_tokens") &&
-        meta["prompt_tokens"].is_number_integer() && meta["completion_tokens"].is_number_integer()) {
-      const int64_t len = meta["prompt_tokens"].get<int64_t>() + meta["completion_tokens"].get<int64_t>();
-      if (len != rows + 1) {
+        meta["prompt_tokens"].is_number_integer() &&
+        meta["completion_tokens"].is_number_integer()) {
+      // Compared in double: the counts come from outside and may be absurd (no overflow).
+      const double len =
+          meta["prompt_tokens"].get<double>() + meta["completion_tokens"].get<double>();
+      if (len != static_cast<double>(rows + 1)) {
         part.report.warnings.push_back(cat(name, ": prompt_tokens + completion_tokens = ", len,
                                            " but routed_experts covers ", rows + 1, " tokens"));
       }
@@ -384,8 +436,10 @@ std::string base64_decode(std::string_view text) {
   for (size_t i = 0; i < n; ++i) {
     const int v = val(text[i]);
     if (v < 0) {
-      fail_arg("base64", "invalid character ", (text[i] == '=' ? "'=' before the end" : "code " +
-               std::to_string(static_cast<unsigned char>(text[i]))), " at position ", i);
+      fail_arg("base64", "invalid character ",
+               (text[i] == '=' ? "'=' before the end"
+                               : "code " + std::to_string(static_cast<unsigned char>(text[i]))),
+               " at position ", i);
     }
     acc = (acc << 6) | uint32_t(v);
     bits += 6;
@@ -406,8 +460,8 @@ std::string base64_encode(std::string_view bytes) {
   out.reserve((bytes.size() + 2) / 3 * 4);
   size_t i = 0;
   for (; i + 2 < bytes.size(); i += 3) {
-    const uint32_t v = (uint32_t(uint8_t(bytes[i])) << 16) | (uint32_t(uint8_t(bytes[i + 1])) << 8) |
-                       uint8_t(bytes[i + 2]);
+    const uint32_t v = (uint32_t(uint8_t(bytes[i])) << 16) |
+                       (uint32_t(uint8_t(bytes[i + 1])) << 8) | uint8_t(bytes[i + 2]);
     out += kAlphabet[(v >> 18) & 63];
     out += kAlphabet[(v >> 12) & 63];
     out += kAlphabet[(v >> 6) & 63];

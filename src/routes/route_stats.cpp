@@ -12,7 +12,8 @@ using detail::fail_arg;
 void accumulate_expert_load(const RouteTable& table, ExpertLoad& load) {
   const char* op = "expert_load";
   check_route_table(table, op, "table");
-  const int64_t T = table.num_tokens(), L = table.num_moe_layers(), K = table.top_k(), E = table.num_experts;
+  const int64_t T = table.num_tokens(), L = table.num_moe_layers(), K = table.top_k(),
+                E = table.num_experts;
   if (load.num_experts == 0 && load.num_moe_layers == 0) {
     load.num_experts = E;
     load.num_moe_layers = L;
@@ -21,8 +22,8 @@ void accumulate_expert_load(const RouteTable& table, ExpertLoad& load) {
     load.num_none_rows.assign(size_t(L), 0);
   }
   if (load.num_experts != E || load.num_moe_layers != L) {
-    fail_arg(op, "table must have num_experts=", load.num_experts, " and num_moe_layers=",
-             load.num_moe_layers, " like the load, got ", E, " and ", L);
+    fail_arg(op, "table must have num_experts=", load.num_experts,
+             " and num_moe_layers=", load.num_moe_layers, " like the load, got ", E, " and ", L);
   }
   const int32_t* p = table.topk_idx.data<int32_t>();
   for (int64_t t = 0; t < T; ++t) {
@@ -58,7 +59,8 @@ std::vector<HotExpert> hot_experts(const ExpertLoad& load, int64_t layer, int64_
     const int64_t c = load.count(layer, e);
     all[size_t(e)] = {e, c, total > 0 ? double(c) / double(total) : 0.0};
   }
-  std::stable_sort(all.begin(), all.end(), [](const HotExpert& a, const HotExpert& b) { return a.count > b.count; });
+  std::stable_sort(all.begin(), all.end(),
+                   [](const HotExpert& a, const HotExpert& b) { return a.count > b.count; });
   all.resize(static_cast<size_t>(std::min<int64_t>(n, load.num_experts)));
   return all;
 }
@@ -96,8 +98,9 @@ void accumulate_route_drift(const RouteTable& a, const RouteTable& b, RouteDrift
   check_route_table(a, op, "a");
   check_route_table(b, op, "b");
   if (a.topk_idx.shape() != b.topk_idx.shape() || a.num_experts != b.num_experts) {
-    fail_arg(op, "a and b must have the same shape and num_experts, got ", shape_str(a.topk_idx.shape()),
-             " (E=", a.num_experts, ") and ", shape_str(b.topk_idx.shape()), " (E=", b.num_experts, ")");
+    fail_arg(op, "a and b must have the same shape and num_experts, got ",
+             shape_str(a.topk_idx.shape()), " (E=", a.num_experts, ") and ",
+             shape_str(b.topk_idx.shape()), " (E=", b.num_experts, ")");
   }
   const int64_t T = a.num_tokens(), L = a.num_moe_layers(), K = a.top_k();
   if (drift.layer_decisions.empty()) {

@@ -15,10 +15,10 @@
 namespace switchyard::ref {
 
 struct RefRouteInputs {
-  std::vector<double> bias;      // [E] or empty
-  std::vector<uint8_t> padded;   // [T] or empty (1 = padded)
-  std::vector<int32_t> replay;   // [T,K] or empty; only fully valid rows are replayed
-  int64_t seq_length = 0;        // seq_aux_loss
+  std::vector<double> bias;        // [E] or empty
+  std::vector<uint8_t> padded;     // [T] or empty (1 = padded)
+  std::vector<int32_t> replay;     // [T,K] or empty; only fully valid rows are replayed
+  int64_t seq_length = 0;          // seq_aux_loss
   std::vector<double> global_acc;  // global_aux_loss: accumulated counts before this call
   int64_t global_steps = 0;
 };
@@ -42,15 +42,16 @@ inline std::vector<int32_t> topk_ids(const std::vector<double>& key, int64_t k,
   for (size_t e = 0; e < key.size(); ++e) {
     if (!allowed || (*allowed)[e]) ids.push_back(static_cast<int32_t>(e));
   }
-  std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
-    return key[a] != key[b] ? key[a] > key[b] : a < b;
-  });
+  std::sort(ids.begin(), ids.end(),
+            [&](int32_t a, int32_t b) { return key[a] != key[b] ? key[a] > key[b] : a < b; });
   ids.resize(static_cast<size_t>(k));
   return ids;
 }
 
 inline double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
-inline double softplus(double z) { return z > 0 ? z + std::log1p(std::exp(-z)) : std::log1p(std::exp(z)); }
+inline double softplus(double z) {
+  return z > 0 ? z + std::log1p(std::exp(-z)) : std::log1p(std::exp(z));
+}
 
 /// Scores s = f(z) for the sigmoid family.
 inline double score_of(ScoreFunction f, double z) {
@@ -187,7 +188,9 @@ inline RefRoute route(const std::vector<double>& z, int64_t T, const RouterConfi
   r.idx = r.selected;
   r.counts.assign(static_cast<size_t>(E), 0);
   if (c.capacity_factor) {
-    r.capacity = static_cast<int64_t>(std::ceil(static_cast<double>(T * K) / E * *c.capacity_factor));
+    // Megatron: C = ceil(T*K/E * factor); when C > T nothing is dropped and padding fills T rows.
+    r.capacity = std::min<int64_t>(
+        T, static_cast<int64_t>(std::ceil(static_cast<double>(T * K) / E * *c.capacity_factor)));
     for (int64_t e = 0; e < E; ++e) {
       std::vector<int64_t> slots;  // in token order
       for (int64_t i = 0; i < T * K; ++i) {
@@ -196,9 +199,8 @@ inline RefRoute route(const std::vector<double>& z, int64_t T, const RouterConfi
       if (static_cast<int64_t>(slots.size()) <= r.capacity) continue;
       std::vector<int64_t> order = slots;
       if (c.token_drop_policy == TokenDropPolicy::probs) {
-        std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-          return r.w[a] != r.w[b] ? r.w[a] > r.w[b] : a < b;
-        });
+        std::sort(order.begin(), order.end(),
+                  [&](int64_t a, int64_t b) { return r.w[a] != r.w[b] ? r.w[a] > r.w[b] : a < b; });
       }
       for (size_t j = static_cast<size_t>(r.capacity); j < order.size(); ++j) {
         r.idx[order[j]] = -1;

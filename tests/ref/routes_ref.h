@@ -18,8 +18,8 @@ inline int32_t at(const RouteTable& t, int64_t token, int64_t layer, int64_t k) 
 }
 
 /// Token rows of `src` picked by `rows` (-1 = a row of -1).
-inline RouteTable gather_rows(const RouteTable& src, const std::vector<int64_t>& rows, int64_t L, int64_t K,
-                              int64_t E) {
+inline RouteTable gather_rows(const RouteTable& src, const std::vector<int64_t>& rows, int64_t L,
+                              int64_t K, int64_t E) {
   RouteTable out = RouteTable::none(static_cast<int64_t>(rows.size()), L, K, E);
   int32_t* d = out.topk_idx.data<int32_t>();
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -39,7 +39,8 @@ inline int64_t padded_len(int64_t n, int64_t m) {
 
 /// For a packed layout, the global packed row of token j of sequence s: start(s) + j.
 /// Zigzag: the position-th token that cp rank r holds, as a packed row index.
-inline std::vector<int64_t> zigzag_rows(const std::vector<int64_t>& padded_lens, int64_t cp, int64_t r) {
+inline std::vector<int64_t> zigzag_rows(const std::vector<int64_t>& padded_lens, int64_t cp,
+                                        int64_t r) {
   std::vector<int64_t> rows;
   int64_t start = 0;
   if (cp == 1) {  // no split
@@ -64,7 +65,8 @@ inline std::vector<int64_t> zigzag_rows(const std::vector<int64_t>& padded_lens,
 
 /// Drift counted from sets: differing decisions = |A_row \ B_row| over compared rows.
 struct DriftRef {
-  int64_t decisions = 0, differing_decisions = 0, tokens = 0, differing_tokens = 0, differing_rows = 0;
+  int64_t decisions = 0, differing_decisions = 0, tokens = 0, differing_tokens = 0,
+          differing_rows = 0;
 };
 inline DriftRef drift(const RouteTable& a, const RouteTable& b) {
   DriftRef d;

@@ -54,8 +54,9 @@ std::string npy_i32(const std::vector<int32_t>& v, int64_t a, int64_t b, int64_t
 class CliRoutes : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("sy_cli_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("sy_cli_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::create_directories(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -68,7 +69,8 @@ class CliRoutes : public ::testing::Test {
       std::vector<int32_t> v;
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t l = 0; l < 4; ++l)
-          for (int64_t k = 0; k < 2; ++k) v.push_back(l == 0 ? 0 : int32_t((r + l + 3 * k + (r == 1 && l == 2 ? shift : 0)) % 8));
+          for (int64_t k = 0; k < 2; ++k)
+            v.push_back(l == 0 ? 0 : int32_t((r + l + 3 * k + (r == 1 && l == 2 ? shift : 0)) % 8));
       files.push_back(p("s" + std::to_string(i) + "_" + std::to_string(shift) + ".npy"));
       std::ofstream(files.back(), std::ios::binary) << npy_i32(v, rows, 4, 2);
     }
@@ -79,13 +81,15 @@ class CliRoutes : public ::testing::Test {
 
 TEST_F(CliRoutes, ImportInspectValidateStats) {
   auto files = write_vllm();
-  std::vector<std::string> args{"routes", "import", "--format", "vllm", "--num-experts", "8",
-                                "--first-k-dense", "1", "-o", p("a.syr")};
+  std::vector<std::string> args{"routes", "import",          "--format", "vllm", "--num-experts",
+                                "8",      "--first-k-dense", "1",        "-o",   p("a.syr")};
   args.insert(args.end(), files.begin(), files.end());
   CliRun r = run(args);
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.out.find("imported 3 sequences, 15 tokens (vllm, 4 input layers -> 3 MoE layers [1, 2, 3], top_k 2, 8 experts)"),
-            std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("imported 3 sequences, 15 tokens (vllm, 4 input layers -> 3 MoE layers [1, "
+                       "2, 3], top_k 2, 8 experts)"),
+            std::string::npos)
+      << r.out;
   args.push_back("--json");
   args[9] = p("a2.syr");
   r = run(args);
@@ -113,7 +117,9 @@ TEST_F(CliRoutes, ImportInspectValidateStats) {
 
   r = run({"routes", "stats", p("a.syr"), "--top", "2"});
   EXPECT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.out.find("layer 0 (hidden 1): 24 assignments, 3 rows without route"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("layer 0 (hidden 1): 24 assignments, 3 rows without route"),
+            std::string::npos)
+      << r.out;
   r = run({"routes", "stats", p("a.syr"), "--json"});
   j = json::parse(r.out);
   ASSERT_EQ(j["layers"].size(), 3u);
@@ -124,7 +130,8 @@ TEST_F(CliRoutes, ImportInspectValidateStats) {
 
 TEST_F(CliRoutes, ValidateFailsOnDamage) {
   auto files = write_vllm();
-  std::vector<std::string> args{"routes", "import", "--format", "vllm", "--num-experts", "8", "-o", p("a.syr")};
+  std::vector<std::string> args{"routes",        "import", "--format", "vllm",
+                                "--num-experts", "8",      "-o",       p("a.syr")};
   args.insert(args.end(), files.begin(), files.end());
   ASSERT_EQ(run(args).code, 0);
   std::string bytes;
@@ -162,8 +169,10 @@ TEST_F(CliRoutes, ValidateFailsOnDamage) {
 }
 
 TEST_F(CliRoutes, DiffHumanAndJson) {
-  auto a = write_vllm(0), b = write_vllm(5);  // b differs at token 1, hidden layer 2 of every sequence
-  std::vector<std::string> ia{"routes", "import", "--format", "vllm", "--num-experts", "8", "--moe-layers", "0,1,1,1", "-o", p("a.syr")};
+  auto a = write_vllm(0),
+       b = write_vllm(5);  // b differs at token 1, hidden layer 2 of every sequence
+  std::vector<std::string> ia{"routes", "import",       "--format", "vllm", "--num-experts",
+                              "8",      "--moe-layers", "0,1,1,1",  "-o",   p("a.syr")};
   std::vector<std::string> ib = ia;
   ib[9] = p("b.syr");
   ia.insert(ia.end(), a.begin(), a.end());
@@ -181,7 +190,8 @@ TEST_F(CliRoutes, DiffHumanAndJson) {
   EXPECT_DOUBLE_EQ(j["layer_mismatch"][0].get<double>(), 0.0);
   EXPECT_GT(j["layer_mismatch"][1].get<double>(), 0.0);
   r = run({"routes", "diff", p("a.syr"), p("b.syr")});
-  EXPECT_NE(r.out.find("tokens with a differing layer:  25.00% (3 of 12)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("tokens with a differing layer:  25.00% (3 of 12)"), std::string::npos)
+      << r.out;
   r = run({"routes", "diff", p("a.syr"), p("a.syr")});
   EXPECT_NE(r.out.find("router decisions that differ:   0.00%"), std::string::npos) << r.out;
 }
@@ -189,14 +199,16 @@ TEST_F(CliRoutes, DiffHumanAndJson) {
 TEST_F(CliRoutes, SglangImportAndErrors) {
   std::vector<int32_t> v;
   for (int i = 0; i < 2 * 3 * 2; ++i) v.push_back(i % 8);
-  const std::string b64 = switchyard::base64_encode(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+  const std::string b64 =
+      switchyard::base64_encode(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
   std::ofstream(p("r.jsonl")) << "{\"meta_info\": {\"routed_experts\": \"" << b64 << "\"}}\n"
                               << "{\"meta_info\": {\"routed_experts\": \"" << b64 << "\"}}\n";
-  CliRun r = run({"routes", "import", "--format", "sglang", "--num-experts", "8", "--num-layers", "3",
-               "--top-k", "2", "-o", p("s.syr"), p("r.jsonl")});
+  CliRun r = run({"routes", "import", "--format", "sglang", "--num-experts", "8", "--num-layers",
+                  "3", "--top-k", "2", "-o", p("s.syr"), p("r.jsonl")});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("imported 2 sequences, 6 tokens"), std::string::npos) << r.out;
-  r = run({"routes", "import", "--format", "sglang", "--num-experts", "8", "-o", p("s2.syr"), p("r.jsonl")});
+  r = run({"routes", "import", "--format", "sglang", "--num-experts", "8", "-o", p("s2.syr"),
+           p("r.jsonl")});
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("needs --num-layers and --top-k"), std::string::npos) << r.err;
   r = run({"routes", "import", "--format", "sglang", "--num-experts", "4", "--num-layers", "3",
@@ -204,18 +216,26 @@ TEST_F(CliRoutes, SglangImportAndErrors) {
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("expert id 4"), std::string::npos) << r.err;
   // Usage errors come from CLI11.
-  EXPECT_NE(run({"routes", "import", "--format", "tgi", "--num-experts", "8", "-o", p("x"), p("r.jsonl")}).code, 0);
-  EXPECT_NE(run({"routes", "import", "--format", "vllm", "--num-experts", "8", "--first-k-dense", "1",
-                 "--moe-layers", "0,1,1", "-o", p("x"), p("r.jsonl")}).code, 0);
+  EXPECT_NE(
+      run({"routes", "import", "--format", "tgi", "--num-experts", "8", "-o", p("x"), p("r.jsonl")})
+          .code,
+      0);
+  EXPECT_NE(run({"routes", "import", "--format", "vllm", "--num-experts", "8", "--first-k-dense",
+                 "1", "--moe-layers", "0,1,1", "-o", p("x"), p("r.jsonl")})
+                .code,
+            0);
 }
 
 TEST_F(CliRoutes, AlignWritesOneRecordPerMicroBatch) {
   auto files = write_vllm();  // lengths 4, 5, 6; 3 MoE layers at hidden 1..3 of 4
-  std::vector<std::string> args{"routes", "import", "--format", "vllm", "--num-experts", "8", "--first-k-dense", "1", "-o", p("a.syr")};
+  std::vector<std::string> args{"routes", "import",          "--format", "vllm", "--num-experts",
+                                "8",      "--first-k-dense", "1",        "-o",   p("a.syr")};
   args.insert(args.end(), files.begin(), files.end());
   ASSERT_EQ(run(args).code, 0);
-  CliRun r = run({"routes", "align", p("a.syr"), "-o", p("al.syr"), "--tp", "2", "--cp", "2", "--cp-rank", "1",
-               "--sequence-parallel", "--tp-rank", "0", "--pp", "2", "--pp-rank", "1", "--micro-batch-size", "2", "--json"});
+  CliRun r =
+      run({"routes", "align", p("a.syr"),  "-o", p("al.syr"),           "--tp",      "2",
+           "--cp",   "2",     "--cp-rank", "1",  "--sequence-parallel", "--tp-rank", "0",
+           "--pp",   "2",     "--pp-rank", "1",  "--micro-batch-size",  "2",         "--json"});
   ASSERT_EQ(r.code, 0) << r.err;
   json j = json::parse(r.out);
   EXPECT_EQ(j["pack_alignment"], 8);
@@ -231,7 +251,9 @@ TEST_F(CliRoutes, AlignWritesOneRecordPerMicroBatch) {
   auto src = switchyard::RouteFileReader::open(p("a.syr"));
   auto packed = switchyard::pack_thd({src.read(0), src.read(1)}, {2, 2, 0});
   auto want = switchyard::slice_layers(
-      switchyard::sp_split(switchyard::cp_zigzag_split(packed.table, packed.cu_seqlens_padded, 2, 1), 2, 0), 1, 3);
+      switchyard::sp_split(
+          switchyard::cp_zigzag_split(packed.table, packed.cu_seqlens_padded, 2, 1), 2, 0),
+      1, 3);
   EXPECT_TRUE(switchyard::route_tables_equal(rd.read(0), want));
   r = run({"routes", "align", p("a.syr"), "-o", p("al2.syr"), "--pp", "3"});
   EXPECT_EQ(r.code, 2);

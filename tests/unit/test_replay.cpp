@@ -47,7 +47,6 @@ std::vector<RouterConfig> configs() {
   return v;
 }
 
-
 }  // namespace
 
 TEST(Replay, RecordedRoutesReplayBitwise) {
@@ -94,7 +93,8 @@ TEST(Replay, DifferentRoutesChangeExactlyThoseRows) {
     const std::vector<int64_t> changed = {3, 17, 49};
     for (int64_t t : changed) {
       // Experts outside the native choice (and outside the best groups): the last K ids.
-      for (int64_t k = 0; k < K; ++k) ids.data<int32_t>()[t * K + k] = static_cast<int32_t>(E - 1 - 2 * k);
+      for (int64_t k = 0; k < K; ++k)
+        ids.data<int32_t>()[t * K + k] = static_cast<int32_t>(E - 1 - 2 * k);
     }
     sy::RouteInputs in;
     in.replay_idx = ids;
@@ -179,14 +179,17 @@ TEST(Replay, InvalidRowsAreErrorsByDefault) {
   SY_EXPECT_THROW_MSG(sy::topk_route(z, in, c, o), std::invalid_argument,
                       "[replay] layer 3, token 17: topk_idx row [5, 5, 9, 2] repeats expert 5");
   in.replay_idx = with_row({5, -1, 9, 2});
-  SY_EXPECT_THROW_MSG(sy::topk_route(z, in, c, o), std::invalid_argument,
-                      "[replay] layer 3, token 17: topk_idx row [5, -1, 9, 2] mixes -1 and expert ids");
+  SY_EXPECT_THROW_MSG(
+      sy::topk_route(z, in, c, o), std::invalid_argument,
+      "[replay] layer 3, token 17: topk_idx row [5, -1, 9, 2] mixes -1 and expert ids");
   in.replay_idx = with_row({5, 16, 9, 2});
-  SY_EXPECT_THROW_MSG(sy::topk_route(z, in, c, o), std::invalid_argument,
-                      "[replay] layer 3, token 17: topk_idx row [5, 16, 9, 2] names expert 16 outside [0, 16)");
+  SY_EXPECT_THROW_MSG(
+      sy::topk_route(z, in, c, o), std::invalid_argument,
+      "[replay] layer 3, token 17: topk_idx row [5, 16, 9, 2] names expert 16 outside [0, 16)");
   in.replay_idx = with_row({5, -2, 9, 2});
-  SY_EXPECT_THROW_MSG(sy::topk_route(z, in, c, o), std::invalid_argument,
-                      "[replay] layer 3, token 17: topk_idx row [5, -2, 9, 2] names expert -2 outside [0, 16)");
+  SY_EXPECT_THROW_MSG(
+      sy::topk_route(z, in, c, o), std::invalid_argument,
+      "[replay] layer 3, token 17: topk_idx row [5, -2, 9, 2] names expert -2 outside [0, 16)");
   in.replay_idx = with_row({0, 0, 0, 0});  // a zero-filled pad row that reached the router
   SY_EXPECT_THROW_MSG(sy::topk_route(z, in, c), std::invalid_argument,
                       "[replay] token 17: topk_idx row [0, 0, 0, 0] repeats expert 0");
@@ -203,15 +206,15 @@ TEST(Replay, InvalidRowsRouteNativelyOnRequestAndAreCounted) {
   std::mt19937_64 rng(sy::testing::test_seed(231));
   Tensor z = sy::testing::randn({T, E}, DType::fp64, rng);
   RouterConfig c = cfg(E, K, ScoreFunction::sigmoid);
-  Tensor ids = Tensor::from_vector<int32_t>({1, 2,  3, 3,  -1, 4,  -1, -1,  9, 0,  7, 6}, {T, K});
+  Tensor ids = Tensor::from_vector<int32_t>({1, 2, 3, 3, -1, 4, -1, -1, 9, 0, 7, 6}, {T, K});
   sy::RouteInputs in;
   in.replay_idx = ids;
   sy::RouteOptions o;
   o.invalid_replay_rows = sy::InvalidReplayRows::native;
   const auto r = sy::topk_route(z, in, c, o);
   const auto native = sy::topk_route(z, {}, c);
-  EXPECT_EQ(r.num_replayed_rows, 2);        // rows 0 and 5
-  EXPECT_EQ(r.num_native_rows, 4);          // rows 1, 2, 4 (invalid) and 3 (all -1)
+  EXPECT_EQ(r.num_replayed_rows, 2);  // rows 0 and 5
+  EXPECT_EQ(r.num_native_rows, 4);    // rows 1, 2, 4 (invalid) and 3 (all -1)
   EXPECT_EQ(r.num_invalid_replay_rows, 3);
   for (int64_t t : {1, 2, 3, 4}) {
     for (int64_t k = 0; k < K; ++k) {
@@ -308,4 +311,35 @@ TEST(Replay, EmptyBatch) {
   EXPECT_EQ(r.topk_idx.numel(), 0);
   const auto g = sy::topk_route_backward(Tensor::zeros({0, 2}, DType::fp32), r, c);
   EXPECT_EQ(g.grad_logits.shape(), (sy::Shape{0, 4}));
+}
+
+TEST(Replay, ReadmeFlowWithDesignatedInitialisers) {
+  // The notes/routing.md example, compiled under -Wall -Wextra -Werror.
+  const int64_t T = 16;
+  std::mt19937_64 rng(sy::testing::test_seed(251));
+  Tensor logits = sy::testing::randn({T, 128}, DType::fp32, rng);
+  RouterConfig cfg;
+  cfg.num_experts = 128;
+  cfg.top_k = 8;
+  cfg.aux_loss_type = AuxLossType::aux_loss;
+  cfg.aux_loss_coeff = 1e-3;
+  cfg.z_loss_coeff = 1e-3;
+  sy::RouterReplay replay({.layer = 3, .top_k = 8});
+  Tensor rollout_ids =
+      sy::topk_route(sy::testing::randn({T, 128}, DType::fp32, rng), {}, cfg).topk_idx;
+  sy::RouteInputs in{.replay_idx = replay.replay_forward(rollout_ids)};
+  const sy::RouteResult r = sy::topk_route(logits, in, cfg, {.layer = 3});
+  EXPECT_EQ(r.num_replayed_rows, T);
+  EXPECT_TRUE(bitwise_equal(r.topk_idx, rollout_ids));
+  const sy::RouteResult again =
+      sy::topk_route(logits, {.replay_idx = replay.replay_backward(T)}, cfg, {.layer = 3});
+  EXPECT_TRUE(bitwise_equal(again.topk_weights, r.topk_weights));
+  const sy::RouteGrads g =
+      sy::topk_route_backward(Tensor::full({T, 8}, DType::fp32, 1.0), again, cfg);
+  EXPECT_EQ(g.grad_logits.shape(), (sy::Shape{T, 128}));
+  replay.record(sy::topk_route(logits, {}, cfg).topk_idx);
+  const sy::RouteResult upd =
+      sy::topk_route(logits, {.replay_idx = replay.replay_forward(replay.pop_recorded())}, cfg);
+  EXPECT_EQ(upd.num_replayed_rows, T);
+  EXPECT_TRUE(bitwise_equal(upd.topk_weights, sy::topk_route(logits, {}, cfg).topk_weights));
 }

@@ -36,8 +36,8 @@ std::string describe(const Case& c, DType dt) {
   os << "T=" << c.T << " E=" << c.cfg.num_experts << " K=" << c.cfg.top_k << " "
      << sy::score_function_name(c.cfg.score_function) << (c.cfg.pre_softmax ? " pre" : "")
      << " groups=" << c.cfg.num_groups << "/" << c.cfg.group_topk
-     << " scale=" << c.cfg.topk_scaling_factor << " cap="
-     << (c.cfg.capacity_factor ? *c.cfg.capacity_factor : -1.0) << " "
+     << " scale=" << c.cfg.topk_scaling_factor
+     << " cap=" << (c.cfg.capacity_factor ? *c.cfg.capacity_factor : -1.0) << " "
      << sy::token_drop_policy_name(c.cfg.token_drop_policy) << (c.cfg.pad_to_capacity ? " pad" : "")
      << " aux=" << sy::aux_loss_type_name(c.cfg.aux_loss_type) << " z=" << c.cfg.z_loss_coeff
      << " bias=" << c.bias << " mask=" << c.mask << " dtype=" << sy::dtype_name(dt);
@@ -89,7 +89,8 @@ void check_case(const Case& c, DType dt, uint64_t seed) {
   EXPECT_EQ(r.num_native_rows, want.native);
   EXPECT_EQ(r.num_padded_rows, want.padded);
   EXPECT_NEAR(r.aux_loss, want.aux_loss, 1e-6 * std::fabs(want.aux_loss) + 1e-12);
-  EXPECT_NEAR(r.z_loss, want.z_loss, (dt == DType::fp64 ? 1e-11 : 1e-5) * std::fabs(want.z_loss) + 1e-12);
+  EXPECT_NEAR(r.z_loss, want.z_loss,
+              (dt == DType::fp64 ? 1e-11 : 1e-5) * std::fabs(want.z_loss) + 1e-12);
   // Counts sum to the valid pairs.
   int64_t valid = 0, cnt = 0;
   for (int64_t i = 0; i < T * K; ++i) valid += r.topk_idx.data<int32_t>()[i] >= 0;
@@ -317,32 +318,59 @@ TEST(Router, PaddedRowsAreEmptyAndUncounted) {
 
 TEST(Router, ThreadCountAndBatchInvariance) {
   std::mt19937_64 rng(sy::testing::test_seed(71));
+  std::vector<RouterConfig> configs;
   RouterConfig c = cfg(128, 8);
   c.aux_loss_type = AuxLossType::aux_loss;
   c.aux_loss_coeff = 1e-2;
   c.z_loss_coeff = 1e-3;
-  Tensor z = sy::testing::randn({1031, 128}, DType::fp32, rng);
-  const int saved = sy::num_threads();
-  sy::set_num_threads(1);
-  const auto r1 = sy::topk_route(z, {}, c);
-  const auto g1 = sy::topk_route_backward(Tensor::full({1031, 8}, DType::fp32, 0.3), r1, c);
-  sy::set_num_threads(2);
-  const auto r2 = sy::topk_route(z, {}, c);
-  const auto g2 = sy::topk_route_backward(Tensor::full({1031, 8}, DType::fp32, 0.3), r2, c);
-  sy::set_num_threads(saved);
-  EXPECT_TRUE(bitwise_equal(r1.topk_idx, r2.topk_idx));
-  EXPECT_TRUE(bitwise_equal(r1.topk_weights, r2.topk_weights));
-  EXPECT_EQ(r1.aux_loss, r2.aux_loss);
-  EXPECT_EQ(r1.z_loss, r2.z_loss);
-  EXPECT_TRUE(bitwise_equal(g1.grad_logits, g2.grad_logits));
-  // A token routed alone gets bitwise the same ids and weights as inside the batch.
-  for (int64_t t : {0, 500, 1030}) {
-    Tensor one = Tensor::from_vector(
-        std::vector<float>(z.data<float>() + t * 128, z.data<float>() + (t + 1) * 128), {1, 128});
-    const auto r = sy::topk_route(one, {}, cfg(128, 8));
-    for (int64_t k = 0; k < 8; ++k) {
-      EXPECT_EQ(r.topk_idx.data<int32_t>()[k], r1.topk_idx.data<int32_t>()[t * 8 + k]);
-      EXPECT_EQ(r.topk_weights.data<float>()[k], r1.topk_weights.data<float>()[t * 8 + k]);
+  configs.push_back(c);
+  c = cfg(256, 8, ScoreFunction::sigmoid);  // DeepSeek-V3-like, with capacity and seq aux loss
+  c.num_groups = 8;
+  c.group_topk = 4;
+  c.topk_scaling_factor = 2.5;
+  c.capacity_factor = 1.0;
+  c.aux_loss_type = AuxLossType::seq_aux_loss;
+  c.aux_loss_coeff = 1e-2;
+  configs.push_back(c);
+  for (const RouterConfig& rc : configs) {
+    for (DType dt : {DType::fp32, DType::fp64}) {
+      const int64_t T = 1032, E = rc.num_experts, K = rc.top_k;
+      SCOPED_TRACE(std::string(sy::score_function_name(rc.score_function)) + " " +
+                   sy::dtype_name(dt));
+      Tensor z = sy::testing::randn({T, E}, dt, rng);
+      sy::RouteInputs in;
+      in.expert_bias = sy::testing::randn({E}, DType::fp32, rng, 0.1);
+      sy::RouteOptions opt;
+      opt.seq_length = 258;
+      const Tensor gw = Tensor::full({T, K}, dt, 0.3);
+      const int saved = sy::num_threads();
+      sy::set_num_threads(1);
+      const auto r1 = sy::topk_route(z, in, rc, opt);
+      const auto g1 = sy::topk_route_backward(gw, r1, rc);
+      sy::set_num_threads(2);
+      const auto r2 = sy::topk_route(z, in, rc, opt);
+      const auto g2 = sy::topk_route_backward(gw, r2, rc);
+      sy::set_num_threads(saved);
+      EXPECT_TRUE(bitwise_equal(r1.topk_idx, r2.topk_idx));
+      EXPECT_TRUE(bitwise_equal(r1.topk_weights, r2.topk_weights));
+      EXPECT_TRUE(bitwise_equal(r1.num_tokens_per_expert, r2.num_tokens_per_expert));
+      EXPECT_EQ(r1.aux_loss, r2.aux_loss);
+      EXPECT_EQ(r1.z_loss, r2.z_loss);
+      EXPECT_TRUE(bitwise_equal(g1.grad_logits, g2.grad_logits));
+      // A token routed alone (no capacity) gets bitwise the same ids and weights as in the batch.
+      RouterConfig alone = rc;
+      alone.capacity_factor.reset();
+      alone.aux_loss_type = AuxLossType::none;
+      const auto rb = sy::topk_route(z, in, alone);
+      for (int64_t t : {int64_t{0}, int64_t{500}, T - 1}) {
+        const Tensor one =
+            Tensor::borrow(static_cast<char*>(z.raw()) + t * E * sy::dtype_size(dt), {1, E}, dt);
+        const auto r = sy::topk_route(one, in, alone);
+        for (int64_t k = 0; k < K; ++k) {
+          EXPECT_EQ(r.topk_idx.data<int32_t>()[k], rb.topk_idx.data<int32_t>()[t * K + k]);
+          EXPECT_EQ(r.topk_weights.item_as_double(k), rb.topk_weights.item_as_double(t * K + k));
+        }
+      }
     }
   }
 }
@@ -404,8 +432,9 @@ TEST(Router, ConfigErrors) {
   expect(c, "[route] seq_aux_loss needs seq_length >= 1 dividing num_tokens=3, got seq_length=0");
   c.aux_loss_type = AuxLossType::global_aux_loss;
   expect(c, "[route] global_aux_loss needs inputs.global_aux_loss_state, got nullptr");
-  SY_EXPECT_THROW_MSG(sy::parse_score_function("relu"), std::invalid_argument,
-                      "[route] score_function must be softmax, sigmoid or sqrtsoftplus, got \"relu\"");
+  SY_EXPECT_THROW_MSG(
+      sy::parse_score_function("relu"), std::invalid_argument,
+      "[route] score_function must be softmax, sigmoid or sqrtsoftplus, got \"relu\"");
   SY_EXPECT_THROW_MSG(sy::parse_aux_loss_type("x"), std::invalid_argument, "aux_loss_type must be");
   SY_EXPECT_THROW_MSG(sy::parse_token_drop_policy("x"), std::invalid_argument,
                       "token_drop_policy must be probs or position");
@@ -419,7 +448,8 @@ TEST(Router, TensorErrors) {
   SY_EXPECT_THROW_MSG(sy::topk_route(Tensor::zeros({3, 5}, DType::fp32), {}, c),
                       std::invalid_argument, "[route] logits must have shape [*, 4], got [3, 5]");
   SY_EXPECT_THROW_MSG(sy::topk_route(Tensor::zeros({3, 4}, DType::bf16), {}, c),
-                      std::invalid_argument, "[route] logits must have dtype fp32 or fp64, got bf16");
+                      std::invalid_argument,
+                      "[route] logits must have dtype fp32 or fp64, got bf16");
   SY_EXPECT_THROW_MSG(sy::topk_route(Tensor(), {}, c), std::invalid_argument,
                       "[route] logits must be a defined tensor");
   Tensor z = Tensor::zeros({3, 4}, DType::fp32);
@@ -467,4 +497,50 @@ TEST(Router, TensorErrors) {
   bo.loss_grad_scale = NAN;
   SY_EXPECT_THROW_MSG(sy::topk_route_backward(Tensor(), r, c, bo), std::invalid_argument,
                       "[route_backward] loss_grad_scale must be finite, got nan");
+}
+
+TEST(Router, ManyTiesAgainstReference) {
+  // Logits on a coarse grid (many exact ties, as bf16-rounded logits have): every selection path
+  // (8-wide block-threshold, generic insertion, group masks) must break ties by lower id.
+  std::mt19937_64 rng(sy::testing::test_seed(81));
+  std::normal_distribution<double> nd(0.0, 1.0);
+  for (int64_t E : {8, 16, 24, 64, 128, 256}) {
+    for (int64_t K : {1, 2, 3, 5, 8, 9}) {
+      if (K > E) continue;
+      for (int f = 0; f < 4; ++f) {
+        for (int groups = 0; groups < 2; ++groups) {
+          RouterConfig c =
+              cfg(E, K, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
+          c.pre_softmax = f == 3;
+          if (groups) {
+            if (E % 8 != 0 || K < 2) continue;
+            c.num_groups = 8;
+            c.group_topk = 2;
+            if (K > c.group_topk * (E / 8)) continue;
+          }
+          SCOPED_TRACE("E=" + std::to_string(E) + " K=" + std::to_string(K) +
+                       " f=" + std::to_string(f) + " groups=" + std::to_string(groups));
+          const int64_t T = 33;
+          std::vector<float> z(static_cast<size_t>(T * E));
+          for (auto& v : z) v = static_cast<float>(std::round(nd(rng) * 2.0) / 2.0);
+          Tensor zt = Tensor::from_vector(z, {T, E});
+          const auto r = sy::topk_route(zt, {}, c);
+          const auto want = sy::ref::route(zt.to_double_vector(), T, c, {});
+          ASSERT_TRUE(
+              all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
+          EXPECT_TRUE(all_close(r.topk_weights, want.w, 2e-6, 2e-6));
+        }
+      }
+    }
+  }
+}
+
+TEST(Router, CapacityIsClampedToTokens) {
+  RouterConfig c = cfg(4, 2);
+  c.capacity_factor = 1e300;  // would overflow int64; nothing can be dropped anyway
+  const auto r = sy::topk_route(Tensor::zeros({6, 4}, DType::fp32), {}, c);
+  EXPECT_EQ(r.expert_capacity, 6);
+  EXPECT_EQ(r.num_dropped, 0);
+  c.capacity_factor = 1.0;  // ceil(6*2/4) = 3
+  EXPECT_EQ(sy::topk_route(Tensor::zeros({6, 4}, DType::fp32), {}, c).expert_capacity, 3);
 }

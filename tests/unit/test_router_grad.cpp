@@ -50,7 +50,8 @@ void check_grad(const GradCase& c, uint64_t seed) {
     in.replay_idx = Tensor::full({T, K}, DType::int32, -1);
     for (int64_t t = 1; t < T; t += 3) {
       for (int64_t k = 0; k < K; ++k) {
-        in.replay_idx.data<int32_t>()[t * K + k] = static_cast<int32_t>((E - 1 - k - t) % E + E) % E;
+        in.replay_idx.data<int32_t>()[t * K + k] =
+            static_cast<int32_t>((E - 1 - k - t) % E + E) % E;
       }
     }
   }
@@ -69,7 +70,8 @@ void check_grad(const GradCase& c, uint64_t seed) {
   };
   auto objective = [&](const sy::RouteResult& r) {
     double L = 0;
-    for (int64_t i = 0; i < T * K; ++i) L += gw.data<double>()[i] * r.topk_weights.data<double>()[i];
+    for (int64_t i = 0; i < T * K; ++i)
+      L += gw.data<double>()[i] * r.topk_weights.data<double>()[i];
     return L + c.loss_scale * (r.aux_loss + r.z_loss);
   };
   const sy::RouteResult r0 = forward(z);
@@ -151,7 +153,8 @@ std::vector<GradCase> all_cases() {
       rp.replay = true;
       rp.name += " replay";
       v.push_back(rp);
-      for (auto t : {AuxLossType::aux_loss, AuxLossType::seq_aux_loss, AuxLossType::global_aux_loss}) {
+      for (auto t :
+           {AuxLossType::aux_loss, AuxLossType::seq_aux_loss, AuxLossType::global_aux_loss}) {
         for (bool mask : {false, true}) {
           GradCase a = g;
           a.cfg.aux_loss_type = t;
@@ -161,7 +164,8 @@ std::vector<GradCase> all_cases() {
           a.loss_scale = 1.7;
           a.mask = mask;
           a.replay = mask;
-          a.name += std::string(" ") + sy::aux_loss_type_name(t) + " + z" + (mask ? " + mask/replay" : "");
+          a.name += std::string(" ") + sy::aux_loss_type_name(t) + " + z" +
+                    (mask ? " + mask/replay" : "");
           v.push_back(a);
         }
       }

@@ -23,7 +23,8 @@ RouteTable random_table(std::mt19937_64& rng, int64_t T, int64_t L, int64_t K, i
   return t;
 }
 
-std::vector<RouteTable> random_seqs(std::mt19937_64& rng, int64_t n, int64_t L, int64_t K, int64_t E) {
+std::vector<RouteTable> random_seqs(std::mt19937_64& rng, int64_t n, int64_t L, int64_t K,
+                                    int64_t E) {
   std::uniform_int_distribution<int64_t> len(0, 37);
   std::vector<RouteTable> s;
   for (int64_t i = 0; i < n; ++i) s.push_back(random_table(rng, i == 0 ? 1 : len(rng), L, K, E));
@@ -42,10 +43,10 @@ TEST(RouteAlign, DropPaddingLeftAndRight) {
     EXPECT_EQ(seqs[1].topk_idx.to_double_vector(), (std::vector<double>{4, 5}));
     EXPECT_EQ(seqs[1].topk_idx.shape(), (Shape{2, 1, 1}));
   }
-  SY_EXPECT_THROW_MSG(drop_padding(idx, Tensor::zeros({2, 3}, DType::uint8), 8), std::invalid_argument,
-                      "[drop_padding] attention_mask");
-  SY_EXPECT_THROW_MSG(drop_padding(idx, Tensor::zeros({2, 4}, DType::fp32), 8), std::invalid_argument,
-                      "[drop_padding] attention_mask");
+  SY_EXPECT_THROW_MSG(drop_padding(idx, Tensor::zeros({2, 3}, DType::uint8), 8),
+                      std::invalid_argument, "[drop_padding] attention_mask");
+  SY_EXPECT_THROW_MSG(drop_padding(idx, Tensor::zeros({2, 4}, DType::fp32), 8),
+                      std::invalid_argument, "[drop_padding] attention_mask");
 }
 
 TEST(RouteAlign, PackAlignmentRules) {
@@ -54,14 +55,16 @@ TEST(RouteAlign, PackAlignmentRules) {
   EXPECT_EQ(pack_alignment({2, 2, 0}), 8);
   EXPECT_EQ(pack_alignment({2, 3, 16}), 48);
   EXPECT_EQ(pack_alignment({3, 1, 128}), 384);
-  SY_EXPECT_THROW_MSG(pack_alignment({0, 1, 0}), std::invalid_argument, "[pack_thd] tp_size must be >= 1, got 0");
+  SY_EXPECT_THROW_MSG(pack_alignment({0, 1, 0}), std::invalid_argument,
+                      "[pack_thd] tp_size must be >= 1, got 0");
 }
 
 TEST(RouteAlign, PackUnpackAgainstReference) {
   const uint64_t seed = test_seed(101);
   std::mt19937_64 rng(seed);
   const int64_t L = 3, K = 2, E = 16;
-  for (PackOptions o : {PackOptions{1, 1, 0}, PackOptions{2, 1, 0}, PackOptions{2, 2, 0}, PackOptions{1, 3, 16}}) {
+  for (PackOptions o :
+       {PackOptions{1, 1, 0}, PackOptions{2, 1, 0}, PackOptions{2, 2, 0}, PackOptions{1, 3, 16}}) {
     auto seqs = random_seqs(rng, 5, L, K, E);
     PackedRoutes p = pack_thd(seqs, o);
     const int64_t m = pack_alignment(o);
@@ -92,18 +95,21 @@ TEST(RouteAlign, ZigzagAndSequenceParallelAgainstReference) {
       auto seqs = random_seqs(rng, 4, L, K, E);
       PackedRoutes p = pack_thd(seqs, {tp, cp, 0});
       std::vector<int64_t> lens;
-      for (size_t i = 0; i + 1 < p.cu_seqlens_padded.size(); ++i) lens.push_back(p.cu_seqlens_padded[i + 1] - p.cu_seqlens_padded[i]);
+      for (size_t i = 0; i + 1 < p.cu_seqlens_padded.size(); ++i)
+        lens.push_back(p.cu_seqlens_padded[i + 1] - p.cu_seqlens_padded[i]);
       std::vector<RouteTable> pieces;
       for (int64_t r = 0; r < cp; ++r) {
         RouteTable mine = cp_zigzag_split(p.table, p.cu_seqlens_padded, cp, r);
-        EXPECT_TRUE(route_tables_equal(mine, ref::gather_rows(p.table, ref::zigzag_rows(lens, cp, r), L, K, E)))
+        EXPECT_TRUE(route_tables_equal(
+            mine, ref::gather_rows(p.table, ref::zigzag_rows(lens, cp, r), L, K, E)))
             << "cp " << cp << " rank " << r << " " << repro(seed);
         // Sequence parallel on top: each TP rank holds a contiguous 1/tp of the CP piece.
         std::vector<RouteTable> sp;
         for (int64_t t = 0; t < tp; ++t) {
           sp.push_back(sp_split(mine, tp, t));
           std::vector<int64_t> rows;
-          for (int64_t j = 0; j < mine.num_tokens() / tp; ++j) rows.push_back(t * (mine.num_tokens() / tp) + j);
+          for (int64_t j = 0; j < mine.num_tokens() / tp; ++j)
+            rows.push_back(t * (mine.num_tokens() / tp) + j);
           EXPECT_TRUE(route_tables_equal(sp.back(), ref::gather_rows(mine, rows, L, K, E)));
         }
         EXPECT_TRUE(route_tables_equal(sp_gather(sp), mine));
@@ -113,10 +119,13 @@ TEST(RouteAlign, ZigzagAndSequenceParallelAgainstReference) {
     }
   }
   RouteTable t = RouteTable::none(6, 1, 1, 4);
-  SY_EXPECT_THROW_MSG(cp_zigzag_split(t, {0, 6}, 2, 0), std::invalid_argument,
-                      "[cp_zigzag_split] sequence 0 has padded length 6, not a multiple of 2*cp_size=4");
-  SY_EXPECT_THROW_MSG(sp_split(t, 4, 0), std::invalid_argument, "[sp_split] num_tokens must be a multiple of tp_size=4, got 6");
-  SY_EXPECT_THROW_MSG(cp_zigzag_split(t, {0, 4}, 1, 0), std::invalid_argument, "must end at the table's 6 tokens");
+  SY_EXPECT_THROW_MSG(
+      cp_zigzag_split(t, {0, 6}, 2, 0), std::invalid_argument,
+      "[cp_zigzag_split] sequence 0 has padded length 6, not a multiple of 2*cp_size=4");
+  SY_EXPECT_THROW_MSG(sp_split(t, 4, 0), std::invalid_argument,
+                      "[sp_split] num_tokens must be a multiple of tp_size=4, got 6");
+  SY_EXPECT_THROW_MSG(cp_zigzag_split(t, {0, 4}, 1, 0), std::invalid_argument,
+                      "must end at the table's 6 tokens");
 }
 
 TEST(RouteAlign, PipelineLayerRangesCountMoeLayersOnly) {
@@ -145,7 +154,8 @@ TEST(RouteAlign, PipelineLayerRangesCountMoeLayersOnly) {
     parts.push_back(slice_layers(t, b, e));
     for (int64_t tok = 0; tok < 7; ++tok)
       for (int64_t l = b; l < e; ++l)
-        for (int64_t k = 0; k < 2; ++k) ASSERT_EQ(ref::at(parts.back(), tok, l - b, k), ref::at(t, tok, l, k));
+        for (int64_t k = 0; k < 2; ++k)
+          ASSERT_EQ(ref::at(parts.back(), tok, l - b, k), ref::at(t, tok, l, k));
   }
   EXPECT_TRUE(route_tables_equal(concat_layers(parts), t));
 }
@@ -179,11 +189,13 @@ TEST(RouteAlign, RecordedR2PassGathersBack) {
       }
       cp_pieces.push_back(sp_gather(tp_pieces));
     }
-    PackedRoutes back{cp_zigzag_gather(cp_pieces, p.cu_seqlens_padded), p.cu_seqlens, p.cu_seqlens_padded};
+    PackedRoutes back{cp_zigzag_gather(cp_pieces, p.cu_seqlens_padded), p.cu_seqlens,
+                      p.cu_seqlens_padded};
     for (auto& s : unpack_thd(back)) gathered.push_back(std::move(s));
   }
   ASSERT_EQ(gathered.size(), seqs.size());
-  for (size_t i = 0; i < seqs.size(); ++i) EXPECT_TRUE(route_tables_equal(gathered[i], seqs[i])) << repro(seed);
+  for (size_t i = 0; i < seqs.size(); ++i)
+    EXPECT_TRUE(route_tables_equal(gathered[i], seqs[i])) << repro(seed);
 }
 
 TEST(RouteStats, DriftHandComputed) {
@@ -216,11 +228,13 @@ TEST(RouteStats, DriftAgainstSetReference) {
   const uint64_t seed = test_seed(505);
   std::mt19937_64 rng(seed);
   for (int64_t E : {2, 8, 64}) {
-    RouteTable a = random_table(rng, 50, 3, 2, E), b = a.topk_idx.defined() ? RouteTable{a.topk_idx.clone(), E} : a;
+    RouteTable a = random_table(rng, 50, 3, 2, E),
+               b = a.topk_idx.defined() ? RouteTable{a.topk_idx.clone(), E} : a;
     std::uniform_real_distribution<double> u(0, 1);
     std::uniform_int_distribution<int64_t> ex(-1, E - 1);
     int32_t* pb = b.topk_idx.data<int32_t>();
-    for (int64_t i = 0; i < b.topk_idx.numel(); ++i) if (u(rng) < 0.2) pb[i] = int32_t(ex(rng));
+    for (int64_t i = 0; i < b.topk_idx.numel(); ++i)
+      if (u(rng) < 0.2) pb[i] = int32_t(ex(rng));
     const RouteDrift d = route_drift(a, b);
     const ref::DriftRef r = ref::drift(a, b);
     EXPECT_EQ(d.num_decisions, r.decisions) << repro(seed);
@@ -254,7 +268,8 @@ TEST(RouteStats, ExpertLoadAndHotExperts) {
   EXPECT_DOUBLE_EQ(load_imbalance(load, 1), 2.0 * 4 / 4);
   accumulate_expert_load(t, load);
   EXPECT_EQ(load.count(0, 0), 6);
-  SY_EXPECT_THROW_MSG(accumulate_expert_load(RouteTable::none(1, 3, 2, 4), load), std::invalid_argument,
+  SY_EXPECT_THROW_MSG(accumulate_expert_load(RouteTable::none(1, 3, 2, 4), load),
+                      std::invalid_argument,
                       "[expert_load] table must have num_experts=4 and num_moe_layers=2");
 }
 

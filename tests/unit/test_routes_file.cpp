@@ -2,6 +2,7 @@
 // raise DataError naming what is wrong, and a writer killed mid-way.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -23,7 +24,8 @@ RouteTable random_table(std::mt19937_64& rng, int64_t T, int64_t L, int64_t K, i
   int32_t* p = t.topk_idx.data<int32_t>();
   std::uniform_int_distribution<int64_t> ex(0, E - 1);
   std::uniform_real_distribution<double> u(0, 1);
-  for (int64_t i = 0; i < T * L * K; ++i) p[i] = u(rng) < none_share ? -1 : static_cast<int32_t>(ex(rng));
+  for (int64_t i = 0; i < T * L * K; ++i)
+    p[i] = u(rng) < none_share ? -1 : static_cast<int32_t>(ex(rng));
   return t;
 }
 
@@ -93,6 +95,34 @@ TEST(RouteFile, RoundTripAllWidths) {
   }
 }
 
+TEST(RouteFile, RankedBlocksRoundTrip) {
+  // Long enough sequences take the rank transform (ids per layer >= 8 x num_experts), in 1 and 2
+  // byte widths, with -1 entries, skew (every token to the same experts) and a single expert.
+  const uint64_t seed = test_seed(13);
+  std::mt19937_64 rng(seed);
+  for (int64_t E : {1, 8, 256, 300}) {
+    const int64_t K = std::min<int64_t>(8, E), T = 8 * E / K + 5;
+    RouteFileInfo info{E, K, 2, {}, 0, 0, 0};
+    const std::string path = temp_path("ranked.syr");
+    std::vector<RouteTable> tables{random_table(rng, T, 2, K, E, 0.05),
+                                   random_table(rng, T, 2, K, E)};
+    RouteTable skew = RouteTable::none(T, 2, K, E);
+    for (int64_t i = 0; i < skew.topk_idx.numel(); ++i)
+      skew.topk_idx.data<int32_t>()[i] = int32_t(i % K);
+    tables.push_back(skew);
+    {
+      RouteFileWriter w(path, info);
+      for (const auto& t : tables) w.append(t);
+    }
+    auto r = RouteFileReader::open(path);
+    for (size_t i = 0; i < tables.size(); ++i) {
+      EXPECT_TRUE(route_tables_equal(r.read(int64_t(i)), tables[i]))
+          << "E=" << E << " seq " << i << " " << repro(seed);
+    }
+    std::remove(path.c_str());
+  }
+}
+
 TEST(RouteFile, OnDiskAndEmptyFile) {
   const std::string path = temp_path("disk.syr");
   RouteFileInfo info;
@@ -123,13 +153,14 @@ TEST(RouteFile, OnDiskAndEmptyFile) {
 TEST(RouteFile, WriterRejectsBadInput) {
   const std::string path = temp_path("bad.syr");
   RouteFileInfo info{8, 2, 3, {}, 0, 0, 0};
-  SY_EXPECT_THROW_MSG(RouteFileWriter(path, RouteFileInfo{0, 2, 3, {}, 0, 0, 0}), std::invalid_argument,
-                      "[route_file] num_experts must be in [1, ");
+  SY_EXPECT_THROW_MSG(RouteFileWriter(path, RouteFileInfo{0, 2, 3, {}, 0, 0, 0}),
+                      std::invalid_argument, "[route_file] num_experts must be in [1, ");
   SY_EXPECT_THROW_MSG(RouteFileWriter(path, RouteFileInfo{8, 2, 3, {1, 2}, 0, 0, 0}),
                       std::invalid_argument, "moe_layers must be empty or have num_moe_layers=3");
   RouteFileWriter w(path, info);
-  SY_EXPECT_THROW_MSG(w.append(RouteTable::none(2, 4, 2, 8)), std::invalid_argument,
-                      "num_moe_layers=3, top_k=2 like the file, got num_experts=8, num_moe_layers=4");
+  SY_EXPECT_THROW_MSG(
+      w.append(RouteTable::none(2, 4, 2, 8)), std::invalid_argument,
+      "num_moe_layers=3, top_k=2 like the file, got num_experts=8, num_moe_layers=4");
   RouteTable t = RouteTable::none(2, 3, 2, 8);
   t.topk_idx.data<int32_t>()[7] = 8;
   SY_EXPECT_THROW_MSG(w.append(t), std::invalid_argument,
@@ -142,22 +173,25 @@ TEST(RouteFile, TruncationAtEveryBlockBoundaryKeepsEarlierSequences) {
   Written w = write_file(test_seed(21), 6, 2, 4, 32);
   ASSERT_EQ(w.entries.size(), 6u);
   for (size_t cut = 0; cut <= w.entries.size(); ++cut) {
-    const int64_t end = cut < w.entries.size() ? w.entries[cut].offset
-                                               : w.entries.back().offset + w.entries.back().stored_bytes;
+    const int64_t end = cut < w.entries.size()
+                            ? w.entries[cut].offset
+                            : w.entries.back().offset + w.entries.back().stored_bytes;
     for (int64_t extra : {int64_t{0}, int64_t{1}, int64_t{30}}) {
       const std::string bytes = w.bytes.substr(0, size_t(end + extra));
       auto r = RouteFileReader::from_bytes(bytes);
       EXPECT_FALSE(r.complete());
       EXPECT_NE(r.status().find("recovered by scanning"), std::string::npos) << r.status();
       ASSERT_EQ(r.num_sequences(), int64_t(cut)) << "cut " << cut << " extra " << extra;
-      for (size_t i = 0; i < cut; ++i) EXPECT_TRUE(route_tables_equal(r.read(int64_t(i)), w.tables[i]));
+      for (size_t i = 0; i < cut; ++i)
+        EXPECT_TRUE(route_tables_equal(r.read(int64_t(i)), w.tables[i]));
       const RouteFileCheck c = verify_route_bytes(bytes);
       EXPECT_FALSE(c.ok);
       EXPECT_EQ(c.num_readable, int64_t(cut));
     }
   }
   // Truncated inside the header.
-  SY_EXPECT_THROW_MSG(RouteFileReader::from_bytes(w.bytes.substr(0, 20)), DataError, "truncated header");
+  SY_EXPECT_THROW_MSG(RouteFileReader::from_bytes(w.bytes.substr(0, 20)), DataError,
+                      "truncated header");
   SY_EXPECT_THROW_MSG(RouteFileReader::from_bytes(""), DataError, "truncated header");
   // Every prefix: never a crash, never a wrong table.
   for (size_t n = 0; n < w.bytes.size(); n += 7) {

@@ -16,9 +16,11 @@ namespace {
 
 // A .npy (version 1.0) of a C-ordered int array.
 template <class T>
-std::string npy(const std::vector<T>& v, const std::vector<int64_t>& shape, const std::string& descr) {
+std::string npy(const std::vector<T>& v, const std::vector<int64_t>& shape,
+                const std::string& descr) {
   std::string h = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': (";
-  for (size_t i = 0; i < shape.size(); ++i) h += std::to_string(shape[i]) + (shape.size() == 1 || i + 1 < shape.size() ? ", " : "");
+  for (size_t i = 0; i < shape.size(); ++i)
+    h += std::to_string(shape[i]) + (shape.size() == 1 || i + 1 < shape.size() ? ", " : "");
   h += "), }";
   while ((10 + h.size() + 1) % 64 != 0) h += ' ';
   h += '\n';
@@ -42,14 +44,15 @@ std::vector<int32_t> engine_routes(int64_t rows, int64_t layers, int64_t K, int6
 }
 
 // Reference: expected table from the engine array and the MoE layer list.
-RouteTable expected(const std::vector<int32_t>& v, int64_t rows, int64_t layers, int64_t K, int64_t E,
-                    const std::vector<int64_t>& moe_layers) {
+RouteTable expected(const std::vector<int32_t>& v, int64_t rows, int64_t layers, int64_t K,
+                    int64_t E, const std::vector<int64_t>& moe_layers) {
   RouteTable t = RouteTable::none(rows + 1, int64_t(moe_layers.size()), K, E);
   int32_t* p = t.topk_idx.data<int32_t>();
   for (int64_t r = 0; r < rows; ++r)
     for (size_t m = 0; m < moe_layers.size(); ++m)
       for (int64_t k = 0; k < K; ++k)
-        p[(r * int64_t(moe_layers.size()) + int64_t(m)) * K + k] = v[size_t((r * layers + moe_layers[m]) * K + k)];
+        p[(r * int64_t(moe_layers.size()) + int64_t(m)) * K + k] =
+            v[size_t((r * layers + moe_layers[m]) * K + k)];
   return t;
 }
 
@@ -59,13 +62,16 @@ TEST(RouteImport, LayerMaps) {
   EXPECT_EQ(moe_layer_indices(LayerMap{1, {}, 1}, 5), (std::vector<int64_t>{1, 2, 3}));
   EXPECT_EQ(moe_layer_indices(LayerMap{0, {0, 1, 0, 1}, 1}, 5), (std::vector<int64_t>{1, 3}));
   EXPECT_EQ(parse_moe_layer_freq("3x0,2x1,0,1"), (std::vector<int64_t>{0, 0, 0, 1, 1, 0, 1}));
-  SY_EXPECT_THROW_MSG(parse_moe_layer_freq("1,2"), std::invalid_argument, "[layer_map] moe_layer_freq item must be");
+  SY_EXPECT_THROW_MSG(parse_moe_layer_freq("1,2"), std::invalid_argument,
+                      "[layer_map] moe_layer_freq item must be");
   SY_EXPECT_THROW_MSG(parse_moe_layer_freq("ax1"), std::invalid_argument, "got \"ax1\"");
   SY_EXPECT_THROW_MSG(moe_layer_indices(LayerMap{0, {1, 1}, 0}, 3), std::invalid_argument,
-                      "moe_layer_freq must have one entry per hidden layer (3 = 3 input layers - 0 MTP layers), got 2");
+                      "moe_layer_freq must have one entry per hidden layer (3 = 3 input layers - 0 "
+                      "MTP layers), got 2");
   SY_EXPECT_THROW_MSG(moe_layer_indices(LayerMap{3, {}, 0}, 3), std::invalid_argument,
                       "first_k_dense must be < the 3 hidden layers, got 3");
-  SY_EXPECT_THROW_MSG(moe_layer_indices(LayerMap{0, {0, 0}, 0}, 2), std::invalid_argument, "marks no MoE layer");
+  SY_EXPECT_THROW_MSG(moe_layer_indices(LayerMap{0, {0, 0}, 0}, 2), std::invalid_argument,
+                      "marks no MoE layer");
 }
 
 TEST(RouteImport, VllmFirstKDenseWithMtp) {
@@ -112,7 +118,8 @@ TEST(RouteImport, VllmFrequencyListAndFiles) {
   std::vector<std::string> paths;
   for (int i = 0; i < 3; ++i) {
     paths.push_back((std::filesystem::temp_directory_path() /
-                     ("sy_imp_" + std::to_string(::getpid()) + "_" + std::to_string(i) + ".npy")).string());
+                     ("sy_imp_" + std::to_string(::getpid()) + "_" + std::to_string(i) + ".npy"))
+                        .string());
     // Sequence i holds the first rows - i rows.
     std::vector<int32_t> vi(v.begin(), v.begin() + (rows - i) * layers * K);
     std::ofstream(paths.back(), std::ios::binary) << npy(vi, {rows - i, layers, K}, "<i4");
@@ -121,7 +128,8 @@ TEST(RouteImport, VllmFrequencyListAndFiles) {
   ASSERT_EQ(r.sequences.size(), 3u);
   for (int i = 0; i < 3; ++i) {
     std::vector<int32_t> vi(v.begin(), v.begin() + (rows - i) * layers * K);
-    EXPECT_TRUE(route_tables_equal(r.sequences[size_t(i)], expected(vi, rows - i, layers, K, E, {0, 2})));
+    EXPECT_TRUE(
+        route_tables_equal(r.sequences[size_t(i)], expected(vi, rows - i, layers, K, E, {0, 2})));
     EXPECT_EQ(r.sources[size_t(i)], paths[size_t(i)]);
   }
   EXPECT_EQ(r.report.num_sequences, 3);
@@ -134,29 +142,35 @@ TEST(RouteImport, VllmErrorsNameFileSequenceAndValue) {
   ImportOptions opt;
   opt.num_experts = 8;
   std::vector<int32_t> v{1, 2, 3, 9};
-  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, "<i4"), "a.npy", opt), std::invalid_argument,
-                      "[import] a.npy (sequence 0): expert id 9 at token 1, hidden layer 0, slot 1 is outside [0, num_experts=8)");
+  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, "<i4"), "a.npy", opt),
+                      std::invalid_argument,
+                      "[import] a.npy (sequence 0): expert id 9 at token 1, hidden layer 0, slot 1 "
+                      "is outside [0, num_experts=8)");
   v[3] = -2;
-  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, "<i4"), "a.npy", opt), std::invalid_argument, "expert id -2");
+  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, "<i4"), "a.npy", opt),
+                      std::invalid_argument, "expert id -2");
   v[3] = 4;
-  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {4}, "<i4"), "a.npy", opt), std::invalid_argument,
-                      "expected a 3-D array");
-  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, ">i4"), "a.npy", opt), std::invalid_argument,
-                      "dtype must be a little-endian integer");
-  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 2, 2}, "<i4"), "a.npy", opt), std::invalid_argument,
-                      ".npy data is 16 bytes, shape (2, 2, 2) needs 32");
-  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes("hello", "a.npy", opt), std::invalid_argument, "not a .npy file");
+  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {4}, "<i4"), "a.npy", opt),
+                      std::invalid_argument, "expected a 3-D array");
+  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, ">i4"), "a.npy", opt),
+                      std::invalid_argument, "dtype must be a little-endian integer");
+  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 2, 2}, "<i4"), "a.npy", opt),
+                      std::invalid_argument, ".npy data is 16 bytes, shape (2, 2, 2) needs 32");
+  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes("hello", "a.npy", opt), std::invalid_argument,
+                      "not a .npy file");
   opt.num_input_layers = 3;
-  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, "<i4"), "a.npy", opt), std::invalid_argument,
-                      "expected 3 layers per token, got 1");
+  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, "<i4"), "a.npy", opt),
+                      std::invalid_argument, "expected 3 layers per token, got 1");
   opt.num_input_layers = 0;
   opt.layer_map.moe_layer_freq = {1, 1};
-  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, "<i4"), "a.npy", opt), std::invalid_argument,
-                      "a.npy (sequence 0, 1 layers): [layer_map] moe_layer_freq must have one entry per hidden layer");
+  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, "<i4"), "a.npy", opt),
+                      std::invalid_argument,
+                      "a.npy (sequence 0, 1 layers): [layer_map] moe_layer_freq must have one "
+                      "entry per hidden layer");
   opt.layer_map = {};
   opt.num_experts = 0;
-  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, "<i4"), "a.npy", opt), std::invalid_argument,
-                      "num_experts must be >= 1, got 0");
+  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {2, 1, 2}, "<i4"), "a.npy", opt),
+                      std::invalid_argument, "num_experts must be >= 1, got 0");
 }
 
 TEST(RouteImport, ZeroRowPolicies) {
@@ -169,9 +183,15 @@ TEST(RouteImport, ZeroRowPolicies) {
   EXPECT_EQ(keep.sequences[0].topk_idx.data<int32_t>()[0], 0);
   opt.zero_rows = ZeroRowPolicy::to_none;
   ImportResult none = import_vllm_npy_bytes(npy(v, {3, 1, 2}, "<i4"), "z.npy", opt);
-  EXPECT_EQ(none.sequences[0].topk_idx.to_double_vector(), (std::vector<double>{-1, -1, 1, 2, -1, -1, -1, -1}));
+  EXPECT_EQ(none.sequences[0].topk_idx.to_double_vector(),
+            (std::vector<double>{-1, -1, 1, 2, -1, -1, -1, -1}));
+  // K = 1: zeros are routes to expert 0, never flagged or changed.
+  ImportResult k1 = import_vllm_npy_bytes(npy(v, {6, 1, 1}, "<i4"), "z.npy", opt);
+  EXPECT_EQ(k1.report.num_zero_rows, 0);
+  EXPECT_EQ(k1.sequences[0].topk_idx.data<int32_t>()[0], 0);
   opt.zero_rows = ZeroRowPolicy::error;
-  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {3, 1, 2}, "<i4"), "z.npy", opt), std::invalid_argument,
+  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy(v, {3, 1, 2}, "<i4"), "z.npy", opt),
+                      std::invalid_argument,
                       "z.npy (sequence 0): all-zero row at token 0, hidden layer 0");
 }
 
@@ -185,16 +205,21 @@ TEST(RouteImport, Base64) {
   EXPECT_EQ(base64_encode("Man"), "TWFu");
   EXPECT_EQ(base64_decode("TWE="), "Ma");
   EXPECT_EQ(base64_decode("TWE"), "Ma");
-  SY_EXPECT_THROW_MSG(base64_decode("TW!u"), std::invalid_argument, "[base64] invalid character code 33 at position 2");
+  SY_EXPECT_THROW_MSG(base64_decode("TW!u"), std::invalid_argument,
+                      "[base64] invalid character code 33 at position 2");
   SY_EXPECT_THROW_MSG(base64_decode("T"), std::invalid_argument, "cannot be base64");
   SY_EXPECT_THROW_MSG(base64_decode("TWF="), std::invalid_argument, "non-zero padding bits");
   SY_EXPECT_THROW_MSG(base64_decode("TW=u"), std::invalid_argument, "'=' before the end");
 }
 
-std::string sglang_record(const std::vector<int32_t>& v, int64_t prompt = -1, int64_t completion = -1) {
-  std::string b64 = base64_encode(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+std::string sglang_record(const std::vector<int32_t>& v, int64_t prompt = -1,
+                          int64_t completion = -1) {
+  std::string b64 =
+      base64_encode(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
   std::string meta = "\"routed_experts\": \"" + b64 + "\"";
-  if (prompt >= 0) meta += ", \"prompt_tokens\": " + std::to_string(prompt) + ", \"completion_tokens\": " + std::to_string(completion);
+  if (prompt >= 0)
+    meta += ", \"prompt_tokens\": " + std::to_string(prompt) +
+            ", \"completion_tokens\": " + std::to_string(completion);
   return "{\"text\": \"hi\", \"meta_info\": {" + meta + "}}";
 }
 
@@ -207,19 +232,23 @@ TEST(RouteImport, SglangJsonJsonlAndArray) {
   opt.num_input_layers = layers;
   opt.top_k = K;
   opt.layer_map.first_k_dense = 1;
-  const RouteTable ea = expected(a, 3, layers, K, E, {1, 2, 3}), eb = expected(b, 6, layers, K, E, {1, 2, 3});
+  const RouteTable ea = expected(a, 3, layers, K, E, {1, 2, 3}),
+                   eb = expected(b, 6, layers, K, E, {1, 2, 3});
   ImportResult one = import_sglang_text(sglang_record(a, 2, 2), "r.json", opt);
   ASSERT_EQ(one.sequences.size(), 1u);
   EXPECT_TRUE(route_tables_equal(one.sequences[0], ea));
   EXPECT_TRUE(one.report.warnings.empty());
-  ImportResult lines = import_sglang_text(sglang_record(a) + "\n\n" + sglang_record(b, 5, 5) + "\n", "r.jsonl", opt);
+  ImportResult lines =
+      import_sglang_text(sglang_record(a) + "\n\n" + sglang_record(b, 5, 5) + "\n", "r.jsonl", opt);
   ASSERT_EQ(lines.sequences.size(), 2u);
   EXPECT_TRUE(route_tables_equal(lines.sequences[0], ea));
   EXPECT_TRUE(route_tables_equal(lines.sequences[1], eb));
   EXPECT_EQ(lines.sources[1], "r.jsonl:3");
   ASSERT_EQ(lines.report.warnings.size(), 1u);  // 5 + 5 tokens but routes for 7
-  EXPECT_NE(lines.report.warnings[0].find("= 10 but routed_experts covers 7 tokens"), std::string::npos);
-  ImportResult arr = import_sglang_text("[" + sglang_record(b) + ", " + sglang_record(a) + "]", "r.json", opt);
+  EXPECT_NE(lines.report.warnings[0].find("= 10 but routed_experts covers 7 tokens"),
+            std::string::npos);
+  ImportResult arr =
+      import_sglang_text("[" + sglang_record(b) + ", " + sglang_record(a) + "]", "r.json", opt);
   ASSERT_EQ(arr.sequences.size(), 2u);
   EXPECT_TRUE(route_tables_equal(arr.sequences[1], ea));
   EXPECT_EQ(arr.sources[1], "r.json[1]");
@@ -231,15 +260,18 @@ TEST(RouteImport, SglangErrors) {
   opt.num_input_layers = 2;
   opt.top_k = 2;
   const std::vector<int32_t> v{1, 2, 3, 4, 5, 6, 7, 0};
-  SY_EXPECT_THROW_MSG(import_sglang_text("{\"meta_info\": {}}", "r.json", opt), std::invalid_argument,
+  SY_EXPECT_THROW_MSG(import_sglang_text("{\"meta_info\": {}}", "r.json", opt),
+                      std::invalid_argument,
                       "[import] r.json: meta_info.routed_experts must be a base64 string");
-  SY_EXPECT_THROW_MSG(import_sglang_text(sglang_record(v) + "\n{oops\n", "r.jsonl", opt), std::invalid_argument,
-                      "r.jsonl:2: not valid JSON");
-  SY_EXPECT_THROW_MSG(import_sglang_text("{\"meta_info\": {\"routed_experts\": \"AA$A\"}}", "r.json", opt),
-                      std::invalid_argument, "r.json: meta_info.routed_experts: [base64] invalid character");
+  SY_EXPECT_THROW_MSG(import_sglang_text(sglang_record(v) + "\n{oops\n", "r.jsonl", opt),
+                      std::invalid_argument, "r.jsonl:2: not valid JSON");
+  SY_EXPECT_THROW_MSG(
+      import_sglang_text("{\"meta_info\": {\"routed_experts\": \"AA$A\"}}", "r.json", opt),
+      std::invalid_argument, "r.json: meta_info.routed_experts: [base64] invalid character");
   std::vector<int32_t> short_v(v.begin(), v.begin() + 6);
-  SY_EXPECT_THROW_MSG(import_sglang_text(sglang_record(short_v), "r.json", opt), std::invalid_argument,
-                      "holds 24 bytes, not a whole number of int32 rows of num_input_layers*top_k=4");
+  SY_EXPECT_THROW_MSG(
+      import_sglang_text(sglang_record(short_v), "r.json", opt), std::invalid_argument,
+      "holds 24 bytes, not a whole number of int32 rows of num_input_layers*top_k=4");
   std::vector<int32_t> bad = v;
   bad[5] = 8;
   SY_EXPECT_THROW_MSG(import_sglang_text(sglang_record(bad), "r.json", opt), std::invalid_argument,
