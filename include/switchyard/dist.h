@@ -29,7 +29,8 @@ class Communicator {
   /// equal send_count.
   virtual void allgatherv(const void* send, int64_t send_count, void* recv,
                           const std::vector<int64_t>& recv_counts, int64_t elem_bytes) = 0;
-  /// send_counts[r] elements go to rank r, recv_counts[r] come from rank r; both packed in rank order.
+  /// send_counts[r] elements go to rank r, recv_counts[r] come from rank r; both packed in rank
+  /// order.
   virtual void alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                          const std::vector<int64_t>& recv_counts, int64_t elem_bytes) = 0;
   /// Row-indexed all-to-all (no packing copies where the transport can scatter/gather: MPI derived
@@ -74,8 +75,8 @@ std::shared_ptr<Communicator> local();
 /// True when the library was built with MPI.
 bool mpi_built();
 
-/// A duplicate of MPI_COMM_WORLD (MPI_ERRORS_RETURN set on it, freed by the destructor). MPI must be
-/// initialised by the caller (MPI_Init, or mpi4py). Throws BackendError when MPI is not
+/// A duplicate of MPI_COMM_WORLD (MPI_ERRORS_RETURN set on it, freed by the destructor). MPI must
+/// be initialised by the caller (MPI_Init, or mpi4py). Throws BackendError when MPI is not
 /// initialised or the library was built without MPI ("not built with MPI").
 std::shared_ptr<Communicator> world();
 

@@ -115,7 +115,8 @@ UnpermuteGrads unpermute_backward(const Tensor& grad_y, const Tensor& permuted,
       const float* d = dots.data<float>();
       const int64_t* sr = plan.slot_row.data<int64_t>();
       float* gw = g.grad_topk_weights.data<float>();
-      for (int64_t s = 0; s < plan.num_tokens * plan.top_k; ++s) gw[s] = sr[s] >= 0 ? d[sr[s]] : 0.0f;
+      for (int64_t s = 0; s < plan.num_tokens * plan.top_k; ++s)
+        gw[s] = sr[s] >= 0 ? d[sr[s]] : 0.0f;
     }
   });
   return g;

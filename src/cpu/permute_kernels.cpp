@@ -42,14 +42,16 @@ inline void accumulate_row(const float* w, const X* y, const X* next, float* acc
     for (; h + kLine <= H; h += kLine) {
       if (next) _mm_prefetch(reinterpret_cast<const char*>(next + h), _MM_HINT_T1);
       for (int64_t i = 0; i < kLine; i += 8) {
-        _mm256_storeu_ps(acc + h + i, _mm256_fmadd_ps(wv, load8(y + h + i), _mm256_loadu_ps(acc + h + i)));
+        _mm256_storeu_ps(acc + h + i,
+                         _mm256_fmadd_ps(wv, load8(y + h + i), _mm256_loadu_ps(acc + h + i)));
       }
     }
   } else {
     for (; h + kLine <= H; h += kLine) {
       if (next) _mm_prefetch(reinterpret_cast<const char*>(next + h), _MM_HINT_T1);
       for (int64_t i = 0; i < kLine; i += 8) {
-        _mm256_storeu_ps(acc + h + i, _mm256_add_ps(_mm256_loadu_ps(acc + h + i), load8(y + h + i)));
+        _mm256_storeu_ps(acc + h + i,
+                         _mm256_add_ps(_mm256_loadu_ps(acc + h + i), load8(y + h + i)));
       }
     }
   }
@@ -117,7 +119,8 @@ void gather_scale_rows(const X* g, const float* weight, const int64_t* index, in
     return;
   }
   if (!weight) {
-    if (num_rows * H > 0) std::memcpy(static_cast<void*>(out), g, static_cast<size_t>(num_rows * H) * sizeof(X));
+    if (num_rows * H > 0)
+      std::memcpy(static_cast<void*>(out), g, static_cast<size_t>(num_rows * H) * sizeof(X));
     return;
   }
 #pragma omp parallel for schedule(static) if (num_rows * H > (1 << 16))

@@ -13,11 +13,13 @@ void* Communicator::workspace(int slot, int64_t bytes) {
     detail::fail_arg("dist", "workspace: slot and bytes must be >= 0, got slot=", slot,
                      " and bytes=", bytes);
   }
-  if (workspace_.size() <= static_cast<size_t>(slot)) workspace_.resize(static_cast<size_t>(slot) + 1);
+  if (workspace_.size() <= static_cast<size_t>(slot))
+    workspace_.resize(static_cast<size_t>(slot) + 1);
   Scratch& s = workspace_[static_cast<size_t>(slot)];
   if (bytes > s.size || !s.data) {
     s.data.reset();
-    s.data = std::make_unique_for_overwrite<unsigned char[]>(static_cast<size_t>(std::max<int64_t>(bytes, 64)));
+    s.data = std::make_unique_for_overwrite<unsigned char[]>(
+        static_cast<size_t>(std::max<int64_t>(bytes, 64)));
     s.size = std::max<int64_t>(bytes, 64);
   }
   return s.data.get();
@@ -42,7 +44,8 @@ class LocalCommunicator final : public Communicator {
   void alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                  const std::vector<int64_t>& recv_counts, int64_t elem_bytes) override {
     if (send_counts.size() != 1) {
-      detail::fail_arg("local.alltoallv", "send_counts must have 1 entry, got ", send_counts.size());
+      detail::fail_arg("local.alltoallv", "send_counts must have 1 entry, got ",
+                       send_counts.size());
     }
     check_counts("alltoallv", "recv_counts", recv_counts, send_counts[0]);
     copy(send, recv, send_counts[0] * elem_bytes);
@@ -52,7 +55,8 @@ class LocalCommunicator final : public Communicator {
                       const int64_t* recv_index, const std::vector<int64_t>& recv_counts,
                       int64_t row_bytes) override {
     if (send_counts.size() != 1) {
-      detail::fail_arg("local.alltoallv_rows", "send_counts must have 1 entry, got ", send_counts.size());
+      detail::fail_arg("local.alltoallv_rows", "send_counts must have 1 entry, got ",
+                       send_counts.size());
     }
     check_counts("alltoallv_rows", "recv_counts", recv_counts, send_counts[0]);
     const auto* s = static_cast<const unsigned char*>(send);

@@ -1,18 +1,20 @@
 // The AlltoAll and AllGather dispatchers. Shape of every exchange:
 //   1. local validation and the routing plan; errors are caught, not thrown yet;
-//   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, pairs per expert}:
+//   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, pairs per
+//   expert}:
 //      counts travel before payloads, and an error on any rank reaches every rank here;
 //   3. payloads, sized only from the count matrix.
 // Rows for a local expert are ordered by source rank then token, and combine always sums on the
 // token's own rank with the same kernel as unpermute, which is why results are bitwise identical
 // for any EP size and for both dispatchers.
+#include "switchyard/dispatcher.h"
+
 #include <cstring>
 #include <stdexcept>
 
 #include "check.h"
 #include "cpu/permute_kernels.h"
 #include "dispatcher_layout.h"
-#include "switchyard/dispatcher.h"
 
 namespace switchyard::dist {
 
@@ -86,7 +88,8 @@ std::vector<int64_t> plan_rows_in_gathered(const DispatchHandle& h) {
   const int64_t* off = h.plan.expert_offsets.data<int64_t>();
   std::vector<int64_t> map(static_cast<size_t>(h.plan.num_rows));
   for (int64_t e = 0; e < h.num_experts; ++e) {
-    const int64_t base = rank_off[static_cast<size_t>(e / L)] + boff[static_cast<size_t>(e * P + h.rank)];
+    const int64_t base =
+        rank_off[static_cast<size_t>(e / L)] + boff[static_cast<size_t>(e * P + h.rank)];
     for (int64_t p = off[e]; p < off[e + 1]; ++p) map[static_cast<size_t>(p)] = base + (p - off[e]);
   }
   return map;
@@ -123,7 +126,8 @@ void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h
 
 // Source side -> expert side: token rows [T, row_bytes] go to the receive layout [R, row_bytes],
 // one row per pair (what dispatch does to x). Collective.
-void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Communicator& comm) {
+void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
+               Communicator& comm) {
   const int64_t R = h.num_recv_tokens;
   if (h.kind == DispatcherKind::all_to_all) {
     std::vector<int64_t> send, recv;
@@ -209,7 +213,8 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
              ", got num_experts=", E);
   }
   if (options.plan.expert_alignment != 1 || options.plan.pad_to_capacity) {
-    fail_arg(op, "options.plan must not pad (padding rows are never sent): expected "
+    fail_arg(op,
+             "options.plan must not pad (padding rows are never sent): expected "
              "expert_alignment=1 and pad_to_capacity=false, got expert_alignment=",
              options.plan.expert_alignment, " and pad_to_capacity=", options.plan.pad_to_capacity);
   }
@@ -268,7 +273,8 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   h.rank_num_tokens.resize(static_cast<size_t>(P));
   for (int64_t r = 0; r < P; ++r) {
     h.rank_num_tokens[static_cast<size_t>(r)] = at(r, 1);
-    for (int64_t e = 0; e < E; ++e) h.rank_expert_counts[static_cast<size_t>(r * E + e)] = at(r, kHeader + e);
+    for (int64_t e = 0; e < E; ++e)
+      h.rank_expert_counts[static_cast<size_t>(r * E + e)] = at(r, kHeader + e);
   }
   const int64_t L = h.num_local_experts, H = h.hidden, K = topk_idx.size(1);
   const int64_t R = detail::rows_per_rank(h)[static_cast<size_t>(me)];
@@ -308,7 +314,8 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
     for (int64_t s = 0; s < P; ++s) {
       int64_t st = chunk[s];
       for (int64_t el = 0; el < L; ++el) {
-        const int64_t e = me * L + el, n = count_at(h, s, e), o = boff[static_cast<size_t>(e * P + s)];
+        const int64_t e = me * L + el, n = count_at(h, s, e),
+                      o = boff[static_cast<size_t>(e * P + s)];
         for (int64_t j = 0; j < n; ++j) {
           gi[o + j] = st + j;
           src_rank[o + j] = static_cast<int32_t>(s);
@@ -343,11 +350,12 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
     int64_t tok_off = 0;
     for (int64_t s = 0; s < P; ++s) {
       const int64_t Ts = h.rank_num_tokens[static_cast<size_t>(s)];
-      RoutingPlan ps = s == me ? h.plan
-                               : build_routing_plan(
-                                     Tensor::borrow(all_idx.data() + tok_off * K, {Ts, K}, DType::int32),
-                                     Tensor::borrow(all_w.data() + tok_off * K, {Ts, K}, DType::fp32),
-                                     E, options.plan);
+      RoutingPlan ps =
+          s == me ? h.plan
+                  : build_routing_plan(
+                        Tensor::borrow(all_idx.data() + tok_off * K, {Ts, K}, DType::int32),
+                        Tensor::borrow(all_w.data() + tok_off * K, {Ts, K}, DType::fp32), E,
+                        options.plan);
       const int64_t* rt = ps.row_token.data<int64_t>();
       const float* rw = ps.row_weight.data<float>();
       const int64_t* off = ps.expert_offsets.data<int64_t>();
@@ -380,9 +388,8 @@ Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle
                       comm);
 }
 
-CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
-                              const DispatchHandle& h, const UnpermuteOptions& options,
-                              Communicator& comm) {
+CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,
+                              const UnpermuteOptions& options, Communicator& comm) {
   const char* op = "combine_backward";
   check_handle(op, h, comm);
   const bool apply = options.weights == WeightMode::apply;
@@ -407,8 +414,9 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
   const DType dt = grad_y.dtype();
   const int64_t R = h.num_recv_tokens, H = h.hidden;
   // With weights, the dispatched gradient is an intermediate: keep it in the workspace.
-  Tensor g_recv = apply ? Tensor::borrow(comm.workspace(kGradSlot, R * row_bytes(H, dt)), {R, H}, dt)
-                        : Tensor::empty({R, H}, dt);
+  Tensor g_recv = apply
+                      ? Tensor::borrow(comm.workspace(kGradSlot, R * row_bytes(H, dt)), {R, H}, dt)
+                      : Tensor::empty({R, H}, dt);
   send_rows(grad_y.raw(), row_bytes(H, dt), g_recv.raw(), h, comm);
   CombineGrads out;
   out.grad_topk_weights = Tensor::zeros({h.num_tokens, h.plan.top_k}, DType::fp32);

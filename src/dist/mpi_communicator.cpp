@@ -35,9 +35,9 @@ void require_initialized(const char* fn) {
   MPI_Initialized(&init);
   MPI_Finalized(&fin);
   if (!init || fin) {
-    throw BackendError(detail::cat("[dist] ", fn, ": MPI is ", fin ? "finalized" : "not initialised",
-                                   "; call MPI_Init (or import mpi4py) first (", __FILE__, ":",
-                                   __LINE__, ")"));
+    throw BackendError(
+        detail::cat("[dist] ", fn, ": MPI is ", fin ? "finalized" : "not initialised",
+                    "; call MPI_Init (or import mpi4py) first (", __FILE__, ":", __LINE__, ")"));
   }
 }
 
@@ -46,8 +46,9 @@ class RowType {
  public:
   RowType(int64_t bytes, int rank) : rank_(rank) {
     if (bytes <= 0 || bytes > INT_MAX) {
-      throw BackendError(detail::cat("[dist] element size ", bytes, " bytes is outside (0, INT_MAX] (rank ",
-                                     rank, ", ", __FILE__, ":", __LINE__, ")"));
+      throw BackendError(detail::cat("[dist] element size ", bytes,
+                                     " bytes is outside (0, INT_MAX] (rank ", rank, ", ", __FILE__,
+                                     ":", __LINE__, ")"));
     }
     if (bytes == 1) {
       type_ = MPI_BYTE;
@@ -179,7 +180,8 @@ class MpiCommunicator final : public Communicator {
   }
   void check_size(const char* op, const std::vector<int64_t>& counts) const {
     if (static_cast<int64_t>(counts.size()) != size_) {
-      detail::fail_arg(op, "counts must have one entry per rank (", size_, "), got ", counts.size());
+      detail::fail_arg(op, "counts must have one entry per rank (", size_, "), got ",
+                       counts.size());
     }
   }
   void to_counts(const std::vector<int64_t>& in, std::vector<int>& counts,
@@ -211,7 +213,8 @@ std::shared_ptr<Communicator> world() {
 
 std::shared_ptr<Communicator> from_mpi(const void* mpi_comm) {
   require_initialized("from_mpi()");
-  if (mpi_comm == nullptr) detail::fail_arg("dist", "from_mpi: mpi_comm must point to an MPI_Comm, got null");
+  if (mpi_comm == nullptr)
+    detail::fail_arg("dist", "from_mpi: mpi_comm must point to an MPI_Comm, got null");
   return std::make_shared<MpiCommunicator>(*static_cast<const MPI_Comm*>(mpi_comm));
 }
 
