@@ -95,6 +95,8 @@ class DispatchHandle:
         self._comm = comm
 
     def __getattr__(self, name):
+        if name.startswith("_"):  # not set yet (copy, unpickling): no recursion through _c
+            raise AttributeError(name)
         return getattr(self._c, name)
 
     def __repr__(self):
