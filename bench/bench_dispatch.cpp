@@ -33,12 +33,15 @@ double max_over_ranks(double v) {
   return v;
 }
 
-double since(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
+double since(Clock::time_point a) {
+  return std::chrono::duration<double>(Clock::now() - a).count();
+}
 
 void BM_DispatchCombine(benchmark::State& state) {
   dist::Communicator& c = *comm();
   const int64_t T = state.range(0), H = state.range(1), E = state.range(2), K = state.range(3);
-  const auto kind = state.range(4) ? dist::DispatcherKind::all_gather : dist::DispatcherKind::all_to_all;
+  const auto kind =
+      state.range(4) ? dist::DispatcherKind::all_gather : dist::DispatcherKind::all_to_all;
   const DType dt = state.range(5) ? DType::bf16 : DType::fp32;
   const int P = c.size(), me = c.rank();
   std::mt19937_64 rng(1234 + static_cast<uint64_t>(me));
@@ -98,9 +101,11 @@ void BM_DispatchCombine(benchmark::State& state) {
     const double ours = max_over_ranks(since(t0));
     MPI_Barrier(MPI_COMM_WORLD);
     auto t1 = Clock::now();
-    MPI_Alltoallv(a.data(), sc.data(), sd.data(), row, b.data(), rc.data(), rd.data(), row, MPI_COMM_WORLD);
+    MPI_Alltoallv(a.data(), sc.data(), sd.data(), row, b.data(), rc.data(), rd.data(), row,
+                  MPI_COMM_WORLD);
     std::memcpy(out.data(), b.data(), static_cast<size_t>(n_recv * rb));
-    MPI_Alltoallv(out.data(), rc.data(), rd.data(), row, a.data(), sc.data(), sd.data(), row, MPI_COMM_WORLD);
+    MPI_Alltoallv(out.data(), rc.data(), rd.data(), row, a.data(), sc.data(), sd.data(), row,
+                  MPI_COMM_WORLD);
     std::memcpy(b.data(), a.data(), static_cast<size_t>(n_send * rb));
     benchmark::ClobberMemory();
     const double raw = max_over_ranks(since(t1));
@@ -114,8 +119,9 @@ void BM_DispatchCombine(benchmark::State& state) {
   state.counters["raw_a2av+copy_ms"] = t_raw / n * 1e3;
   state.counters["ratio"] = t_ours / t_raw;
   state.counters["payload_GB/s"] = static_cast<double>((n_send + n_recv) * rb) * n / t_ours / 1e9;
-  state.SetLabel(std::string(kind == dist::DispatcherKind::all_to_all ? "all_to_all " : "all_gather ") +
-                 dtype_name(dt) + " EP=" + std::to_string(P));
+  state.SetLabel(
+      std::string(kind == dist::DispatcherKind::all_to_all ? "all_to_all " : "all_gather ") +
+      dtype_name(dt) + " EP=" + std::to_string(P));
 }
 
 BENCHMARK(BM_DispatchCombine)

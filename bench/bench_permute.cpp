@@ -66,7 +66,9 @@ void BM_Permute(benchmark::State& state) {
   // rows; unpermute reads R rows and writes T rows.
   const size_t perm_bytes = 2 * static_cast<size_t>(plan.num_rows) * row;
   const size_t unperm_bytes = (static_cast<size_t>(plan.num_rows) + static_cast<size_t>(T)) * row;
-  const size_t bytes = which == 0 ? perm_bytes : which == 1 ? unperm_bytes : perm_bytes + unperm_bytes;
+  const size_t bytes = which == 0   ? perm_bytes
+                       : which == 1 ? unperm_bytes
+                                    : perm_bytes + unperm_bytes;
   std::vector<unsigned char> src(bytes / 2 + 64), dst(bytes / 2 + 64);
   std::memset(src.data(), 1, src.size());
   std::memset(dst.data(), 2, dst.size());
@@ -89,7 +91,9 @@ void BM_Permute(benchmark::State& state) {
   state.counters["memcpy_GB/s"] = static_cast<double>(bytes) * n / t_copy / 1e9;
   state.counters["share_of_memcpy"] = t_copy / t_ours;
   state.counters["tokens/s"] = static_cast<double>(T) * n / t_ours;
-  state.SetLabel(std::string(which == 0 ? "permute" : which == 1 ? "unpermute" : "permute+unpermute") +
+  state.SetLabel(std::string(which == 0   ? "permute"
+                             : which == 1 ? "unpermute"
+                                          : "permute+unpermute") +
                  " " + dtype_name(dt));
 }
 

@@ -1,5 +1,5 @@
-// Expert-parallel dispatch and combine (DeepEP's vocabulary). Rank r of an EP group of size EP holds
-// experts [r*L, (r+1)*L), L = num_experts / EP. Two dispatchers move the same rows:
+// Expert-parallel dispatch and combine (DeepEP's vocabulary). Rank r of an EP group of size EP
+// holds experts [r*L, (r+1)*L), L = num_experts / EP. Two dispatchers move the same rows:
 //  - all_to_all: each rank sends each (token, expert) pair to the expert's rank (MPI_Alltoallv);
 //  - all_gather: every rank gathers every rank's tokens and keeps the pairs of its own experts;
 //    combine gathers every expert output row back (more traffic, no all-to-all).

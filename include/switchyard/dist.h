@@ -29,7 +29,8 @@ class Communicator {
   /// equal send_count.
   virtual void allgatherv(const void* send, int64_t send_count, void* recv,
                           const std::vector<int64_t>& recv_counts, int64_t elem_bytes) = 0;
-  /// send_counts[r] elements go to rank r, recv_counts[r] come from rank r; both packed in rank order.
+  /// send_counts[r] elements go to rank r, recv_counts[r] come from rank r; both packed in rank
+  /// order.
   virtual void alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                          const std::vector<int64_t>& recv_counts, int64_t elem_bytes) = 0;
   /// Row-indexed all-to-all (no packing copies where the transport can scatter/gather: MPI derived
@@ -41,6 +42,18 @@ class Communicator {
                               const std::vector<int64_t>& send_counts, void* recv,
                               const int64_t* recv_index, const std::vector<int64_t>& recv_counts,
                               int64_t row_bytes) = 0;
+  /// A run of `rows` consecutive rows starting at row `offset`, exchanged with rank `peer`.
+  struct Block {
+    int peer;
+    int64_t offset;
+    int64_t rows;
+  };
+  /// Block exchange: every send block goes to its peer, every receive block is filled from its
+  /// peer; the blocks between two ranks are matched in list order, so both sides must list the
+  /// same sizes in the same order (blocks of 0 rows are skipped). No packing: each block moves
+  /// straight from `send` to `recv` (point-to-point messages, single-copy where MPI can).
+  virtual void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
+                               const std::vector<Block>& recv_blocks, int64_t row_bytes) = 0;
   /// In place element-wise maximum of n small integers (flags, sizes) over all ranks.
   virtual void allreduce_max(int64_t* values, int64_t n) = 0;
   virtual void barrier() = 0;
@@ -74,8 +87,8 @@ std::shared_ptr<Communicator> local();
 /// True when the library was built with MPI.
 bool mpi_built();
 
-/// A duplicate of MPI_COMM_WORLD (MPI_ERRORS_RETURN set on it, freed by the destructor). MPI must be
-/// initialised by the caller (MPI_Init, or mpi4py). Throws BackendError when MPI is not
+/// A duplicate of MPI_COMM_WORLD (MPI_ERRORS_RETURN set on it, freed by the destructor). MPI must
+/// be initialised by the caller (MPI_Init, or mpi4py). Throws BackendError when MPI is not
 /// initialised or the library was built without MPI ("not built with MPI").
 std::shared_ptr<Communicator> world();
 

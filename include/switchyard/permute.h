@@ -37,7 +37,8 @@ Tensor permute_backward(const Tensor& grad_permuted, const RoutingPlan& plan);
 /// y[t] = sum over t's distinct rows (order of first slot, k ascending) of w_row * permuted[row],
 /// accumulated in fp32 (fma), written in permuted's dtype. `permuted` [num_rows,H] fp32|bf16 ->
 /// [T,H]. Tokens with no rows get zeros. Deterministic.
-Tensor unpermute(const Tensor& permuted, const RoutingPlan& plan, const UnpermuteOptions& options = {});
+Tensor unpermute(const Tensor& permuted, const RoutingPlan& plan,
+                 const UnpermuteOptions& options = {});
 
 /// As unpermute, writing into caller-allocated `out` [plan.num_tokens, H] of permuted's dtype.
 void unpermute_into(const Tensor& permuted, Tensor& out, const RoutingPlan& plan,

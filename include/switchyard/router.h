@@ -25,7 +25,8 @@ enum class AuxLossType : uint8_t { none, aux_loss, seq_aux_loss, global_aux_loss
 /// id, or names an id outside [0, E)): throw (default), or route that row natively and count it.
 enum class InvalidReplayRows : uint8_t { error, native };
 
-/// Router configuration; names are Megatron-Core's (`moe_router_*`, `moe_*`).
+/// Router configuration; names are Megatron-Core's (`moe_router_*`, `moe_*`). The router dtype
+/// (`router_dtype`) is the dtype of the logits passed to topk_route: fp32 or fp64.
 struct RouterConfig {
   int64_t num_experts = 0;  ///< E >= 1
   int64_t top_k = 1;        ///< K in [1, E]
@@ -50,11 +51,14 @@ struct RouterConfig {
 
 /// Running state of `global_aux_loss` (Megatron's `global_tokens_per_expert` and `ga_steps`): the
 /// per-expert counts of every routed batch since the last `reset()`. One object per MoE layer,
-/// owned by the caller; topk_route adds the current batch's counts to it.
+/// owned by the caller; every topk_route call with global_aux_loss adds its batch's counts. A
+/// recompute that must reproduce its forward exactly routes with a snapshot of the state taken
+/// before that forward (copy `steps`, `clone()` the tensor).
 struct GlobalAuxLossState {
-  Tensor
-      tokens_per_expert{};  ///< [E] fp64, sum of counts over accumulated steps (undefined = none)
-  int64_t steps = 0;        ///< number of accumulated batches
+  /// [E] fp64: sum of the counts over the accumulated steps (undefined = nothing accumulated).
+  Tensor tokens_per_expert{};
+  /// Number of accumulated batches.
+  int64_t steps = 0;
   /// Start a new accumulation window (Megatron `reset_global_aux_loss_tracker`).
   void reset() {
     tokens_per_expert = Tensor();

@@ -32,10 +32,10 @@ struct RoutingPlanOptions {
 
 /// A routing plan. All integer members are indices/counts (never differentiable).
 ///
-/// Pairs are the distinct valid (token, expert) pairs of `topk_idx`: slots holding `-1` are skipped,
-/// and an expert repeated within a row is ONE pair whose weight is the sum of the repeated slots'
-/// weights (summed in fp32 in k order). Rows of the permuted buffer are expert-major (expert 0's
-/// block first), tokens ascending within an expert, then the expert's padding rows.
+/// Pairs are the distinct valid (token, expert) pairs of `topk_idx`: slots holding `-1` are
+/// skipped, and an expert repeated within a row is ONE pair whose weight is the sum of the repeated
+/// slots' weights (summed in fp32 in k order). Rows of the permuted buffer are expert-major (expert
+/// 0's block first), tokens ascending within an expert, then the expert's padding rows.
 struct RoutingPlan {
   int64_t num_tokens = 0;   ///< T
   int64_t num_experts = 0;  ///< E
@@ -52,9 +52,11 @@ struct RoutingPlan {
   Tensor row_token;
   /// [num_rows] int32: expert of each row (padding rows too).
   Tensor row_expert;
-  /// [num_rows] fp32: the row's (merged) routing weight; 0 for padding, 1 when no weights were given.
+  /// [num_rows] fp32: the row's (merged) routing weight; 0 for padding, 1 when no weights were
+  /// given.
   Tensor row_weight;
-  /// [T,K] int64: row of slot (t,k); repeated ids share their row; -1 for a `-1` slot or a dropped pair.
+  /// [T,K] int64: row of slot (t,k); repeated ids share their row; -1 for a `-1` slot or a dropped
+  /// pair.
   Tensor slot_row;
   /// [T+1] int64 and [num_pairs] int64: CSR of each token's distinct rows, in the order of the
   /// slot where the expert first appears (k ascending). Combine sums in exactly this order.

@@ -36,16 +36,16 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
     detail::check_shape(topk_weights, kOp, "topk_weights", {T, K});
   }
   if (options.expert_alignment < 1) {
-    detail::fail_arg(kOp, "expert_alignment must be >= 1, got expert_alignment=",
-                     options.expert_alignment);
+    detail::fail_arg(
+        kOp, "expert_alignment must be >= 1, got expert_alignment=", options.expert_alignment);
   }
   if (options.expert_capacity < -1) {
     detail::fail_arg(kOp, "expert_capacity must be >= 0 or -1 (none), got expert_capacity=",
                      options.expert_capacity);
   }
   if (!std::isfinite(options.capacity_factor)) {
-    detail::fail_arg(kOp, "capacity_factor must be finite, got capacity_factor=",
-                     options.capacity_factor);
+    detail::fail_arg(
+        kOp, "capacity_factor must be finite, got capacity_factor=", options.capacity_factor);
   }
   const int32_t* idx = topk_idx.data<int32_t>();
   const float* w = has_w ? topk_weights.data<float>() : nullptr;
@@ -100,7 +100,8 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
   std::vector<int64_t> by_expert(pairs.size());
   {
     std::vector<int64_t> fill(bucket_start.begin(), bucket_start.end() - 1);
-    for (size_t p = 0; p < pairs.size(); ++p) by_expert[fill[pairs[p].expert]++] = static_cast<int64_t>(p);
+    for (size_t p = 0; p < pairs.size(); ++p)
+      by_expert[fill[pairs[p].expert]++] = static_cast<int64_t>(p);
   }
 
   // Capacity: decide which pairs survive, per expert.
@@ -117,9 +118,8 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
       } else {
         std::vector<int64_t> order(b, b + n);
         // Highest weight first; ties keep the lower token (bucket order is token-ascending).
-        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
-          return pairs[a].weight > pairs[c].weight;
-        });
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int64_t a, int64_t c) { return pairs[a].weight > pairs[c].weight; });
         for (int64_t i = capacity; i < n; ++i) kept[order[i]] = 0;
       }
       dropped += n - capacity;

@@ -7,6 +7,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace switchyard::cpu {
 
 namespace {
@@ -42,14 +46,16 @@ inline void accumulate_row(const float* w, const X* y, const X* next, float* acc
     for (; h + kLine <= H; h += kLine) {
       if (next) _mm_prefetch(reinterpret_cast<const char*>(next + h), _MM_HINT_T1);
       for (int64_t i = 0; i < kLine; i += 8) {
-        _mm256_storeu_ps(acc + h + i, _mm256_fmadd_ps(wv, load8(y + h + i), _mm256_loadu_ps(acc + h + i)));
+        _mm256_storeu_ps(acc + h + i,
+                         _mm256_fmadd_ps(wv, load8(y + h + i), _mm256_loadu_ps(acc + h + i)));
       }
     }
   } else {
     for (; h + kLine <= H; h += kLine) {
       if (next) _mm_prefetch(reinterpret_cast<const char*>(next + h), _MM_HINT_T1);
       for (int64_t i = 0; i < kLine; i += 8) {
-        _mm256_storeu_ps(acc + h + i, _mm256_add_ps(_mm256_loadu_ps(acc + h + i), load8(y + h + i)));
+        _mm256_storeu_ps(acc + h + i,
+                         _mm256_add_ps(_mm256_loadu_ps(acc + h + i), load8(y + h + i)));
       }
     }
   }
@@ -58,6 +64,20 @@ inline void accumulate_row(const float* w, const X* y, const X* next, float* acc
 }
 
 }  // namespace
+
+void advise_huge_pages(void* p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end =
+      (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  // Advice only: failure (no THP, unaligned mapping) just leaves normal pages.
+  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
 
 void gather_rows(const void* src, const int64_t* index, int64_t num_rows, int64_t row_bytes,
                  void* dst) {
@@ -117,7 +137,8 @@ void gather_scale_rows(const X* g, const float* weight, const int64_t* index, in
     return;
   }
   if (!weight) {
-    if (num_rows * H > 0) std::memcpy(static_cast<void*>(out), g, static_cast<size_t>(num_rows * H) * sizeof(X));
+    if (num_rows * H > 0)
+      std::memcpy(static_cast<void*>(out), g, static_cast<size_t>(num_rows * H) * sizeof(X));
     return;
   }
 #pragma omp parallel for schedule(static) if (num_rows * H > (1 << 16))

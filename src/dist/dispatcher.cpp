@@ -1,18 +1,20 @@
 // The AlltoAll and AllGather dispatchers. Shape of every exchange:
 //   1. local validation and the routing plan; errors are caught, not thrown yet;
-//   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, pairs per expert}:
+//   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, pairs per
+//   expert}:
 //      counts travel before payloads, and an error on any rank reaches every rank here;
 //   3. payloads, sized only from the count matrix.
 // Rows for a local expert are ordered by source rank then token, and combine always sums on the
 // token's own rank with the same kernel as unpermute, which is why results are bitwise identical
 // for any EP size and for both dispatchers.
+#include "switchyard/dispatcher.h"
+
 #include <cstring>
 #include <stdexcept>
 
 #include "check.h"
 #include "cpu/permute_kernels.h"
 #include "dispatcher_layout.h"
-#include "switchyard/dispatcher.h"
 
 namespace switchyard::dist {
 
@@ -58,21 +60,36 @@ void a2a_counts(const DispatchHandle& h, std::vector<int64_t>& send, std::vector
     }
 }
 
-// Rows narrower than this travel packed (gather + plain alltoallv): a derived datatype with one
-// block per tiny row costs more than the copy.
-constexpr int64_t kIndexedMinRowBytes = 256;
-
 // Communicator workspace slots of the dispatchers (0-7 belong to the communicator itself).
 constexpr int kRowsSlot = 8;
 constexpr int kStagingSlot = 9;
 constexpr int kGradSlot = 10;
+constexpr int kPackSlot = 11;
 
-// Inverse of recv_gather_index (AlltoAll): all-to-all buffer row -> receive-layout row.
-std::vector<int64_t> staging_to_out(const DispatchHandle& h) {
-  const int64_t* gi = h.recv_gather_index.data<int64_t>();
-  std::vector<int64_t> inv(static_cast<size_t>(h.num_recv_tokens));
-  for (int64_t i = 0; i < h.num_recv_tokens; ++i) inv[static_cast<size_t>(gi[i])] = i;
-  return inv;
+// This rank's plan rows as blocks: for every peer r and its local expert el (ascending), the rows
+// of expert r*L+el, exchanged with r.
+void plan_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
+  const int64_t P = h.world_size, L = h.num_local_experts;
+  const int64_t* off = h.plan.expert_offsets.data<int64_t>();
+  out.clear();
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = r * L + el;
+      out.push_back({static_cast<int>(r), off[e], off[e + 1] - off[e]});
+    }
+}
+
+// This rank's receive layout as blocks: for every source s and local expert el (ascending), the
+// rows of (el, s), exchanged with s. Per peer, the same order as that peer's plan_blocks.
+void expert_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
+  const int64_t P = h.world_size, L = h.num_local_experts;
+  const auto boff = detail::block_offsets(h);
+  out.clear();
+  for (int64_t s = 0; s < P; ++s)
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = h.rank * L + el;
+      out.push_back({static_cast<int>(s), boff[static_cast<size_t>(e * P + s)], count_at(h, s, e)});
+    }
 }
 
 // Source side of the AllGather layout: for each row p of this rank's plan, its row in the buffer
@@ -86,7 +103,8 @@ std::vector<int64_t> plan_rows_in_gathered(const DispatchHandle& h) {
   const int64_t* off = h.plan.expert_offsets.data<int64_t>();
   std::vector<int64_t> map(static_cast<size_t>(h.plan.num_rows));
   for (int64_t e = 0; e < h.num_experts; ++e) {
-    const int64_t base = rank_off[static_cast<size_t>(e / L)] + boff[static_cast<size_t>(e * P + h.rank)];
+    const int64_t base =
+        rank_off[static_cast<size_t>(e / L)] + boff[static_cast<size_t>(e * P + h.rank)];
     for (int64_t p = off[e]; p < off[e + 1]; ++p) map[static_cast<size_t>(p)] = base + (p - off[e]);
   }
   return map;
@@ -98,18 +116,12 @@ void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h
                  Communicator& comm) {
   const int64_t R = h.num_recv_tokens;
   if (h.kind == DispatcherKind::all_to_all) {
-    // Rows for source s are the receive-layout rows of blocks (el, s), el ascending: exactly the
-    // order s sent them in, i.e. the inverse of recv_gather_index.
-    const auto inv = staging_to_out(h);
-    std::vector<int64_t> send, recv;
-    a2a_counts(h, send, recv);
-    if (rb < kIndexedMinRowBytes) {
-      void* staging = comm.workspace(kStagingSlot, R * rb);
-      cpu::gather_rows(src, inv.data(), R, rb, staging);
-      comm.alltoallv(staging, recv, dst, send, rb);
-    } else {
-      comm.alltoallv_rows(src, inv.data(), recv, dst, nullptr, send, rb);
-    }
+    // Each (local expert, source) block of the receive layout goes back as one message, straight
+    // into the source's plan rows: no packing on either side.
+    std::vector<Communicator::Block> send, recv;
+    expert_blocks(h, send);
+    plan_blocks(h, recv);
+    comm.exchange_blocks(src, send, dst, recv, rb);
   } else {
     const auto per_rank = detail::rows_per_rank(h);
     int64_t total = 0;
@@ -123,14 +135,18 @@ void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h
 
 // Source side -> expert side: token rows [T, row_bytes] go to the receive layout [R, row_bytes],
 // one row per pair (what dispatch does to x). Collective.
-void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Communicator& comm) {
+void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
+               Communicator& comm) {
   const int64_t R = h.num_recv_tokens;
   if (h.kind == DispatcherKind::all_to_all) {
-    std::vector<int64_t> send, recv;
-    a2a_counts(h, send, recv);
-    // Token rows go straight from `src` (rows repeat: one per pair) to their receive-layout rows.
-    comm.alltoallv_rows(src, h.plan.row_token.data<int64_t>(), send, dst, staging_to_out(h).data(),
-                        recv, rb);
+    // Token rows are packed once in plan order (rows repeat: one per pair); each (expert, peer)
+    // block then lands directly at its place in the receive layout.
+    void* packed = comm.workspace(kPackSlot, h.plan.num_rows * rb);
+    cpu::gather_rows(src, h.plan.row_token.data<int64_t>(), h.plan.num_rows, rb, packed);
+    std::vector<Communicator::Block> send, recv;
+    plan_blocks(h, send);
+    expert_blocks(h, recv);
+    comm.exchange_blocks(packed, send, dst, recv, rb);
   } else {
     int64_t total = 0;
     for (int64_t n : h.rank_num_tokens) total += n;
@@ -163,6 +179,13 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
     return e.what();
   }
   return {};
+}
+
+// A fresh output tensor, huge-page advised before first touch.
+Tensor fresh(const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  cpu::advise_huge_pages(t.raw(), static_cast<int64_t>(t.nbytes()));
+  return t;
 }
 
 template <class F>
@@ -209,7 +232,8 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
              ", got num_experts=", E);
   }
   if (options.plan.expert_alignment != 1 || options.plan.pad_to_capacity) {
-    fail_arg(op, "options.plan must not pad (padding rows are never sent): expected "
+    fail_arg(op,
+             "options.plan must not pad (padding rows are never sent): expected "
              "expert_alignment=1 and pad_to_capacity=false, got expert_alignment=",
              options.plan.expert_alignment, " and pad_to_capacity=", options.plan.pad_to_capacity);
   }
@@ -268,7 +292,8 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   h.rank_num_tokens.resize(static_cast<size_t>(P));
   for (int64_t r = 0; r < P; ++r) {
     h.rank_num_tokens[static_cast<size_t>(r)] = at(r, 1);
-    for (int64_t e = 0; e < E; ++e) h.rank_expert_counts[static_cast<size_t>(r * E + e)] = at(r, kHeader + e);
+    for (int64_t e = 0; e < E; ++e)
+      h.rank_expert_counts[static_cast<size_t>(r * E + e)] = at(r, kHeader + e);
   }
   const int64_t L = h.num_local_experts, H = h.hidden, K = topk_idx.size(1);
   const int64_t R = detail::rows_per_rank(h)[static_cast<size_t>(me)];
@@ -296,7 +321,7 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   const auto boff = detail::block_offsets(h);
   const int64_t rb = row_bytes(H, x.dtype());
   DispatchResult out;
-  out.recv_x = Tensor::empty({R, H}, x.dtype());
+  out.recv_x = fresh({R, H}, x.dtype());
 
   if (options.kind == DispatcherKind::all_to_all) {
     std::vector<int64_t> send, recv;
@@ -308,7 +333,8 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
     for (int64_t s = 0; s < P; ++s) {
       int64_t st = chunk[s];
       for (int64_t el = 0; el < L; ++el) {
-        const int64_t e = me * L + el, n = count_at(h, s, e), o = boff[static_cast<size_t>(e * P + s)];
+        const int64_t e = me * L + el, n = count_at(h, s, e),
+                      o = boff[static_cast<size_t>(e * P + s)];
         for (int64_t j = 0; j < n; ++j) {
           gi[o + j] = st + j;
           src_rank[o + j] = static_cast<int32_t>(s);
@@ -343,11 +369,12 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
     int64_t tok_off = 0;
     for (int64_t s = 0; s < P; ++s) {
       const int64_t Ts = h.rank_num_tokens[static_cast<size_t>(s)];
-      RoutingPlan ps = s == me ? h.plan
-                               : build_routing_plan(
-                                     Tensor::borrow(all_idx.data() + tok_off * K, {Ts, K}, DType::int32),
-                                     Tensor::borrow(all_w.data() + tok_off * K, {Ts, K}, DType::fp32),
-                                     E, options.plan);
+      RoutingPlan ps =
+          s == me ? h.plan
+                  : build_routing_plan(
+                        Tensor::borrow(all_idx.data() + tok_off * K, {Ts, K}, DType::int32),
+                        Tensor::borrow(all_w.data() + tok_off * K, {Ts, K}, DType::fp32), E,
+                        options.plan);
       const int64_t* rt = ps.row_token.data<int64_t>();
       const float* rw = ps.row_weight.data<float>();
       const int64_t* off = ps.expert_offsets.data<int64_t>();
@@ -380,9 +407,8 @@ Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle
                       comm);
 }
 
-CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
-                              const DispatchHandle& h, const UnpermuteOptions& options,
-                              Communicator& comm) {
+CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,
+                              const UnpermuteOptions& options, Communicator& comm) {
   const char* op = "combine_backward";
   check_handle(op, h, comm);
   const bool apply = options.weights == WeightMode::apply;
@@ -407,8 +433,9 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
   const DType dt = grad_y.dtype();
   const int64_t R = h.num_recv_tokens, H = h.hidden;
   // With weights, the dispatched gradient is an intermediate: keep it in the workspace.
-  Tensor g_recv = apply ? Tensor::borrow(comm.workspace(kGradSlot, R * row_bytes(H, dt)), {R, H}, dt)
-                        : Tensor::empty({R, H}, dt);
+  Tensor g_recv = apply
+                      ? Tensor::borrow(comm.workspace(kGradSlot, R * row_bytes(H, dt)), {R, H}, dt)
+                      : fresh({R, H}, dt);
   send_rows(grad_y.raw(), row_bytes(H, dt), g_recv.raw(), h, comm);
   CombineGrads out;
   out.grad_topk_weights = Tensor::zeros({h.num_tokens, h.plan.top_k}, DType::fp32);
@@ -416,7 +443,7 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
     out.grad_expert_y = g_recv;
     return out;
   }
-  out.grad_expert_y = Tensor::empty({R, H}, dt);
+  out.grad_expert_y = fresh({R, H}, dt);
   Tensor dots = Tensor::empty({R}, DType::fp32);
   by_dtype(dt, [&](auto tag) {
     using X = decltype(tag);

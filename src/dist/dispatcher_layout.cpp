@@ -22,7 +22,8 @@ void raise_if_any(const char* op, const std::string& local_error,
   for (size_t r = 0; r < counts.size(); ++r) {
     if (counts[r] > 0) {
       throw std::invalid_argument(switchyard::detail::cat(
-          "[", op, "] on rank ", r, ": ", all.substr(static_cast<size_t>(off), static_cast<size_t>(counts[r]))));
+          "[", op, "] on rank ", r, ": ",
+          all.substr(static_cast<size_t>(off), static_cast<size_t>(counts[r]))));
     }
     off += counts[r];
   }
@@ -72,7 +73,8 @@ std::vector<int64_t> rows_per_rank(const DispatchHandle& h) {
   const int64_t P = h.world_size, E = h.num_experts, L = h.num_local_experts;
   std::vector<int64_t> rows(static_cast<size_t>(P), 0);
   for (int64_t s = 0; s < P; ++s)
-    for (int64_t e = 0; e < E; ++e) rows[static_cast<size_t>(e / L)] += h.rank_expert_counts[static_cast<size_t>(s * E + e)];
+    for (int64_t e = 0; e < E; ++e)
+      rows[static_cast<size_t>(e / L)] += h.rank_expert_counts[static_cast<size_t>(s * E + e)];
   return rows;
 }
 

@@ -35,9 +35,9 @@ void require_initialized(const char* fn) {
   MPI_Initialized(&init);
   MPI_Finalized(&fin);
   if (!init || fin) {
-    throw BackendError(detail::cat("[dist] ", fn, ": MPI is ", fin ? "finalized" : "not initialised",
-                                   "; call MPI_Init (or import mpi4py) first (", __FILE__, ":",
-                                   __LINE__, ")"));
+    throw BackendError(
+        detail::cat("[dist] ", fn, ": MPI is ", fin ? "finalized" : "not initialised",
+                    "; call MPI_Init (or import mpi4py) first (", __FILE__, ":", __LINE__, ")"));
   }
 }
 
@@ -46,8 +46,9 @@ class RowType {
  public:
   RowType(int64_t bytes, int rank) : rank_(rank) {
     if (bytes <= 0 || bytes > INT_MAX) {
-      throw BackendError(detail::cat("[dist] element size ", bytes, " bytes is outside (0, INT_MAX] (rank ",
-                                     rank, ", ", __FILE__, ":", __LINE__, ")"));
+      throw BackendError(detail::cat("[dist] element size ", bytes,
+                                     " bytes is outside (0, INT_MAX] (rank ", rank, ", ", __FILE__,
+                                     ":", __LINE__, ")"));
     }
     if (bytes == 1) {
       type_ = MPI_BYTE;
@@ -69,6 +70,23 @@ class RowType {
   MPI_Datatype type_ = MPI_DATATYPE_NULL;
   bool owned_ = false;
 };
+
+// On an early exit (a failed MPI call) pending requests are cancelled and freed, so no
+// nonblocking operation outlives the buffers it points into.
+struct RequestGuard {
+  std::vector<MPI_Request>& reqs;
+  ~RequestGuard() {
+    for (MPI_Request& r : reqs) {
+      if (r != MPI_REQUEST_NULL) {
+        MPI_Cancel(&r);
+        MPI_Request_free(&r);
+      }
+    }
+  }
+};
+
+// Tag of exchange_blocks messages (collectives do not use tags; our own communicator is a dup).
+constexpr int kBlockTag = 7301;
 
 // Workspace slots used by alltoallv_rows (the dispatchers use slots from 8 up).
 constexpr int kSendSlot = 0;
@@ -152,6 +170,51 @@ class MpiCommunicator final : public Communicator {
     if (recv_index) copy_rows(rbuf, nullptr, nr, row_bytes, recv, recv_index);
   }
 
+  void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
+                       const std::vector<Block>& recv_blocks, int64_t row_bytes) override {
+    // Nonblocking point-to-point, one message per non-empty block; messages between two ranks with
+    // the same tag arrive in order (MPI's non-overtaking rule), which is what matches blocks.
+    // Blocks to or from this rank are plain copies.
+    RowType row(row_bytes, rank_);
+    const auto* s = static_cast<const unsigned char*>(send);
+    auto* d = static_cast<unsigned char*>(recv);
+    std::vector<MPI_Request> reqs;
+    reqs.reserve(send_blocks.size() + recv_blocks.size());
+    std::vector<const Block*> self_send, self_recv;
+    RequestGuard guard{reqs};
+    for (const Block& b : recv_blocks) {
+      if (b.rows == 0) continue;
+      if (b.peer == rank_) {
+        self_recv.push_back(&b);
+        continue;
+      }
+      reqs.push_back(MPI_REQUEST_NULL);
+      SY_MPI_CHECK(MPI_Irecv(d + b.offset * row_bytes, to_int(b.rows), row.get(), b.peer, kBlockTag,
+                             comm_, &reqs.back()));
+    }
+    for (const Block& b : send_blocks) {
+      if (b.rows == 0) continue;
+      if (b.peer == rank_) {
+        self_send.push_back(&b);
+        continue;
+      }
+      reqs.push_back(MPI_REQUEST_NULL);
+      SY_MPI_CHECK(MPI_Isend(s + b.offset * row_bytes, to_int(b.rows), row.get(), b.peer, kBlockTag,
+                             comm_, &reqs.back()));
+    }
+    if (self_send.size() != self_recv.size()) {
+      throw BackendError(detail::cat("[dist] exchange_blocks: ", self_send.size(),
+                                     " blocks to self but ", self_recv.size(), " from self (rank ",
+                                     rank_, ", ", __FILE__, ":", __LINE__, ")"));
+    }
+    for (size_t i = 0; i < self_send.size(); ++i) {
+      std::memcpy(d + self_recv[i]->offset * row_bytes, s + self_send[i]->offset * row_bytes,
+                  static_cast<size_t>(self_send[i]->rows * row_bytes));
+    }
+    SY_MPI_CHECK(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE));
+    reqs.clear();
+  }
+
   void allreduce_max(int64_t* values, int64_t n) override {
     SY_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, to_int(n), MPI_INT64_T, MPI_MAX, comm_));
   }
@@ -179,7 +242,8 @@ class MpiCommunicator final : public Communicator {
   }
   void check_size(const char* op, const std::vector<int64_t>& counts) const {
     if (static_cast<int64_t>(counts.size()) != size_) {
-      detail::fail_arg(op, "counts must have one entry per rank (", size_, "), got ", counts.size());
+      detail::fail_arg(op, "counts must have one entry per rank (", size_, "), got ",
+                       counts.size());
     }
   }
   void to_counts(const std::vector<int64_t>& in, std::vector<int>& counts,
@@ -211,7 +275,8 @@ std::shared_ptr<Communicator> world() {
 
 std::shared_ptr<Communicator> from_mpi(const void* mpi_comm) {
   require_initialized("from_mpi()");
-  if (mpi_comm == nullptr) detail::fail_arg("dist", "from_mpi: mpi_comm must point to an MPI_Comm, got null");
+  if (mpi_comm == nullptr)
+    detail::fail_arg("dist", "from_mpi: mpi_comm must point to an MPI_Comm, got null");
   return std::make_shared<MpiCommunicator>(*static_cast<const MPI_Comm*>(mpi_comm));
 }
 

@@ -99,7 +99,9 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
   }
   const int64_t numel = T * L * K;
   std::vector<W> ids(static_cast<size_t>(numel));  // aligned copy of the rank plane
-  std::memcpy(ids.data(), raw + (ranked ? perm.size() * sizeof(W) : 0), ids.size() * sizeof(W));
+  if (numel > 0) {  // memcpy must not see the null data() of an empty vector
+    std::memcpy(ids.data(), raw + (ranked ? perm.size() * sizeof(W) : 0), ids.size() * sizeof(W));
+  }
   std::vector<uint8_t> seen(static_cast<size_t>(E));
   for (int64_t l = 0; l < L && ranked; ++l) {
     const W* p = perm.data() + l * E;

@@ -1,7 +1,8 @@
-// Expert-parallel dispatch over MPI, registered for 1, 2, 3 and 4 ranks. Every rank builds the whole
-// global batch from a seed and computes the EP=1 result locally (routing plan + permute/unpermute on
-// the concatenated batch), so each registration proves bitwise EP-invariance. Payload rows encode
-// (source rank, token) so every received row's origin and destination is checked.
+// Expert-parallel dispatch over MPI, registered for 1, 2, 3 and 4 ranks. Every rank builds the
+// whole global batch from a seed and computes the EP=1 result locally (routing plan +
+// permute/unpermute on the concatenated batch), so each registration proves bitwise EP-invariance.
+// Payload rows encode (source rank, token) so every received row's origin and destination is
+// checked.
 #include <gtest/gtest.h>
 // C API only: the deprecated C++ bindings would need libmpi_cxx.
 #define OMPI_SKIP_MPICXX 1
@@ -26,10 +27,14 @@ enum class Routes { replay, one_expert, one_rank, zero_token_rank };
 
 const char* routes_name(Routes r) {
   switch (r) {
-    case Routes::replay: return "replay";
-    case Routes::one_expert: return "one_expert";
-    case Routes::one_rank: return "one_rank";
-    case Routes::zero_token_rank: return "zero_token_rank";
+    case Routes::replay:
+      return "replay";
+    case Routes::one_expert:
+      return "one_expert";
+    case Routes::one_rank:
+      return "one_rank";
+    case Routes::zero_token_rank:
+      return "zero_token_rank";
   }
   return "?";
 }
@@ -80,13 +85,18 @@ Global make_global(int64_t P, int64_t E, int64_t K, int64_t H, DType dtype, Rout
     for (int64_t k = 0; k < K; ++k) {
       int32_t v = ex(rng);
       switch (routes) {
-        case Routes::one_expert: v = static_cast<int32_t>(E / 2); break;
-        case Routes::one_rank: v = static_cast<int32_t>((P - 1) * L + (ex(rng) % L)); break;
+        case Routes::one_expert:
+          v = static_cast<int32_t>(E / 2);
+          break;
+        case Routes::one_rank:
+          v = static_cast<int32_t>((P - 1) * L + (ex(rng) % L));
+          break;
         default:
-          if (c == 0) v = 0;                                   // zero-filled replay padding row
-          if (c == 1) v = -1;                                  // no route
-          if (c == 2 && kk(rng) == 0) v = -1;                  // dropped slot
-          if (c == 3 && k > 0 && kk(rng) < 2) v = idx[static_cast<size_t>(n * K + k - 1)];  // repeat
+          if (c == 0) v = 0;                   // zero-filled replay padding row
+          if (c == 1) v = -1;                  // no route
+          if (c == 2 && kk(rng) == 0) v = -1;  // dropped slot
+          if (c == 3 && k > 0 && kk(rng) < 2)
+            v = idx[static_cast<size_t>(n * K + k - 1)];  // repeat
       }
       idx[static_cast<size_t>(n * K + k)] = v;
       w[static_cast<size_t>(n * K + k)] = wd(rng);
@@ -120,7 +130,8 @@ Tensor expert_fn(const Tensor& x, const std::vector<int64_t>& expert_of_row) {
   for (int64_t i = 0; i < x.size(0); ++i) {
     const float e = static_cast<float>(expert_of_row[static_cast<size_t>(i)]);
     for (int64_t h = 0; h < H; ++h) {
-      o[i * H + h] = static_cast<float>(xv[static_cast<size_t>(i * H + h)]) * (1.0f + e / 8.0f) + e / 4.0f;
+      o[i * H + h] =
+          static_cast<float>(xv[static_cast<size_t>(i * H + h)]) * (1.0f + e / 8.0f) + e / 4.0f;
     }
   }
   return out.to(x.dtype());
@@ -135,9 +146,10 @@ struct Checked {
 Checked run_and_check(const Global& g, DispatcherKind kind, WeightMode mode, uint64_t seed) {
   dist::Communicator& c = *comm();
   const int64_t P = c.size(), me = c.rank(), E = g.E, L = E / P, H = g.H, K = g.K;
-  const std::string ctx = std::string(kind == DispatcherKind::all_to_all ? "all_to_all" : "all_gather") +
-                          " EP=" + std::to_string(P) + " rank=" + std::to_string(me) + " " +
-                          dtype_name(g.dtype) + " " + repro(seed);
+  const std::string ctx =
+      std::string(kind == DispatcherKind::all_to_all ? "all_to_all" : "all_gather") +
+      " EP=" + std::to_string(P) + " rank=" + std::to_string(me) + " " + dtype_name(g.dtype) + " " +
+      repro(seed);
   // EP = 1, locally, on the global batch.
   RoutingPlan gp = build_routing_plan(g.idx, g.w, E);
   Tensor gperm = permute(g.x, gp);
@@ -157,7 +169,8 @@ Checked run_and_check(const Global& g, DispatcherKind kind, WeightMode mode, uin
   dist::DispatchOptions opt;
   opt.num_experts = E;
   opt.kind = kind;
-  dist::DispatchResult d = dist::dispatch(rows(g.x, b, e_), rows(g.idx, b, e_), rows(g.w, b, e_), opt, c);
+  dist::DispatchResult d =
+      dist::dispatch(rows(g.x, b, e_), rows(g.idx, b, e_), rows(g.w, b, e_), opt, c);
   const dist::DispatchHandle& h = d.handle;
   Checked out;
   out.recv_x = d.recv_x;
@@ -165,9 +178,14 @@ Checked run_and_check(const Global& g, DispatcherKind kind, WeightMode mode, uin
   const int64_t r0 = goff[me * L], r1 = goff[(me + 1) * L];
   EXPECT_EQ(h.num_recv_tokens, r1 - r0) << ctx;
   EXPECT_TRUE(bitwise_equal(d.recv_x, rows(gperm, r0, r1))) << ctx;
-  EXPECT_TRUE(bitwise_equal(d.recv_topk_weights, rows(gp.row_weight.reshape({gp.num_rows, 1}), r0, r1).reshape({r1 - r0}))) << ctx;
+  EXPECT_TRUE(
+      bitwise_equal(d.recv_topk_weights,
+                    rows(gp.row_weight.reshape({gp.num_rows, 1}), r0, r1).reshape({r1 - r0})))
+      << ctx;
   for (int64_t el = 0; el < L; ++el) {
-    EXPECT_EQ(h.num_tokens_per_expert.data<int64_t>()[el], gp.num_tokens_per_expert.data<int64_t>()[me * L + el]) << ctx;
+    EXPECT_EQ(h.num_tokens_per_expert.data<int64_t>()[el],
+              gp.num_tokens_per_expert.data<int64_t>()[me * L + el])
+        << ctx;
   }
   // Every row came from the (rank, token) its payload says, and that token routes to this expert.
   const int64_t* grt = gp.row_token.data<int64_t>();
@@ -192,8 +210,10 @@ Checked run_and_check(const Global& g, DispatcherKind kind, WeightMode mode, uin
   dist::CombineGrads cg = dist::combine_backward(rows(ggrad, b, e_), Y, h, uo, c);
   out.grad_expert_y = cg.grad_expert_y;
   out.grad_w = cg.grad_topk_weights;
-  EXPECT_TRUE(bitwise_equal(cg.grad_expert_y, rows(gg.grad_permuted, r0, r1))) << "combine_backward " << ctx;
-  EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, rows(gg.grad_topk_weights, b, e_))) << "grad_topk_weights " << ctx;
+  EXPECT_TRUE(bitwise_equal(cg.grad_expert_y, rows(gg.grad_permuted, r0, r1)))
+      << "combine_backward " << ctx;
+  EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, rows(gg.grad_topk_weights, b, e_)))
+      << "grad_topk_weights " << ctx;
   out.grad_x = dist::dispatch_backward(cg.grad_expert_y, h, c);
   EXPECT_TRUE(bitwise_equal(out.grad_x, rows(ggx, b, e_))) << "dispatch_backward " << ctx;
   return out;
@@ -220,7 +240,8 @@ TEST(Dispatch, ReplayRoutesMatchEpOneBitwise) {
     }
   }
   const uint64_t seed = test_seed(2000);
-  check_both_dispatchers(make_global(P, 12, 12, 19, DType::fp32, Routes::replay, seed), seed);  // K = E
+  check_both_dispatchers(make_global(P, 12, 12, 19, DType::fp32, Routes::replay, seed),
+                         seed);  // K = E
 }
 
 TEST(Dispatch, SkewedAndEmptyRanks) {
@@ -239,8 +260,6 @@ TEST(Dispatch, CombineMatchesDoubleReference) {
   Global g = make_global(P, 12, 4, 16, DType::fp32, Routes::replay, seed);
   Checked a = run_and_check(g, DispatcherKind::all_to_all, WeightMode::apply, seed);
   const int64_t me = comm()->rank(), b = g.tok_off[me], T = g.T[me];
-  auto idxv = rows(g.idx, b, b + T).data<int32_t>();
-  (void)idxv;
   std::vector<int32_t> idx(g.idx.data<int32_t>() + b * g.K, g.idx.data<int32_t>() + (b + T) * g.K);
   std::vector<float> w(g.w.data<float>() + b * g.K, g.w.data<float>() + (b + T) * g.K);
   auto pairs = ref::token_pairs(idx, w, T, g.K);
@@ -266,12 +285,13 @@ TEST(Dispatch, IdOutOfRangeOnOneRankRaisesEverywhere) {
     dist::DispatchOptions opt;
     opt.num_experts = 12;
     opt.kind = kind;
-    SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({T, 8}, DType::fp32), Tensor::from_vector(idx, {T, 4}),
-                                       Tensor::full({T, 4}, DType::fp32, 0.25), opt, c),
-                        std::invalid_argument,
-                        "[dispatch] on rank " + std::to_string(P - 1) +
-                            ": [routing_plan] topk_idx must hold ids in [0, num_experts=12) or -1, got "
-                            "topk_idx[1, 2]=12");
+    SY_EXPECT_THROW_MSG(
+        dist::dispatch(Tensor::zeros({T, 8}, DType::fp32), Tensor::from_vector(idx, {T, 4}),
+                       Tensor::full({T, 4}, DType::fp32, 0.25), opt, c),
+        std::invalid_argument,
+        "[dispatch] on rank " + std::to_string(P - 1) +
+            ": [routing_plan] topk_idx must hold ids in [0, num_experts=12) or -1, got "
+            "topk_idx[1, 2]=12");
   }
   // The communicator is still in step: a good dispatch works afterwards.
   check_both_dispatchers(g, seed);
@@ -286,10 +306,10 @@ TEST(Dispatch, WrongHiddenOrDtypeOnOneRankRaisesEverywhere) {
   auto idx = Tensor::zeros({2, 2}, DType::int32);
   auto w = Tensor::full({2, 2}, DType::fp32, 0.5);
   if (P > 1) {
-    SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, H}, DType::fp32), idx, w, opt, c),
-                        std::invalid_argument,
-                        "[dispatch] x must have the same hidden size on every rank, got hidden=8 on "
-                        "rank 0 and hidden=9 on rank 1");
+    SY_EXPECT_THROW_MSG(
+        dist::dispatch(Tensor::zeros({2, H}, DType::fp32), idx, w, opt, c), std::invalid_argument,
+        "[dispatch] x must have the same hidden size on every rank, got hidden=8 on "
+        "rank 0 and hidden=9 on rank 1");
     const DType dt = me == P - 1 ? DType::bf16 : DType::fp32;
     SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, dt), idx, w, opt, c),
                         std::invalid_argument, "x must have the same dtype on every rank");
@@ -302,11 +322,11 @@ TEST(Dispatch, WrongHiddenOrDtypeOnOneRankRaisesEverywhere) {
   // combine with a wrong hidden size on the last rank only.
   dist::DispatchResult d = dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, w, opt, c);
   const int64_t HY = me == P - 1 ? 7 : 8;
-  SY_EXPECT_THROW_MSG(dist::combine(Tensor::zeros({d.handle.num_recv_tokens, HY}, DType::fp32),
-                                    d.handle, {}, c),
-                      std::invalid_argument,
-                      "[combine] on rank " + std::to_string(P - 1) + ": [combine] expert_y");
-  Tensor y = dist::combine(Tensor::zeros({d.handle.num_recv_tokens, 8}, DType::fp32), d.handle, {}, c);
+  SY_EXPECT_THROW_MSG(
+      dist::combine(Tensor::zeros({d.handle.num_recv_tokens, HY}, DType::fp32), d.handle, {}, c),
+      std::invalid_argument, "[combine] on rank " + std::to_string(P - 1) + ": [combine] expert_y");
+  Tensor y =
+      dist::combine(Tensor::zeros({d.handle.num_recv_tokens, 8}, DType::fp32), d.handle, {}, c);
   EXPECT_EQ(y.shape(), (Shape{2, 8}));
 }
 
@@ -315,18 +335,20 @@ TEST(Dispatch, RejectsExpertsNotDivisibleByEpUpFront) {
   const int64_t P = c.size();
   dist::DispatchOptions opt;
   opt.num_experts = P == 1 ? 0 : 2 * P + 1;
-  SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({1, 4}, DType::fp32), Tensor::zeros({1, 1}, DType::int32),
-                                     Tensor::zeros({1, 1}, DType::fp32), opt, c),
-                      std::invalid_argument,
-                      P == 1 ? std::string("num_experts must be >= 1")
-                             : "[dispatch] num_experts must be divisible by the expert-parallel size " +
-                                   std::to_string(P) + ", got num_experts=" + std::to_string(2 * P + 1));
+  SY_EXPECT_THROW_MSG(
+      dist::dispatch(Tensor::zeros({1, 4}, DType::fp32), Tensor::zeros({1, 1}, DType::int32),
+                     Tensor::zeros({1, 1}, DType::fp32), opt, c),
+      std::invalid_argument,
+      P == 1 ? std::string("num_experts must be >= 1")
+             : "[dispatch] num_experts must be divisible by the expert-parallel size " +
+                   std::to_string(P) + ", got num_experts=" + std::to_string(2 * P + 1));
   dist::DispatchOptions pad;
   pad.num_experts = 4 * P;
   pad.plan.expert_alignment = 8;
-  SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({1, 4}, DType::fp32), Tensor::zeros({1, 1}, DType::int32),
-                                     Tensor::zeros({1, 1}, DType::fp32), pad, c),
-                      std::invalid_argument, "options.plan must not pad");
+  SY_EXPECT_THROW_MSG(
+      dist::dispatch(Tensor::zeros({1, 4}, DType::fp32), Tensor::zeros({1, 1}, DType::int32),
+                     Tensor::zeros({1, 1}, DType::fp32), pad, c),
+      std::invalid_argument, "options.plan must not pad");
 }
 
 TEST(Communicator, CollectivesMoveTheRightBytes) {
@@ -363,6 +385,70 @@ TEST(Communicator, CollectivesMoveTheRightBytes) {
   EXPECT_EQ(v[0], P - 1);
   EXPECT_EQ(v[1], 0);
   c.barrier();
+  // alltoallv_rows: each rank sends its rows 2r+1 then 2r (swapped) to rank r; receivers store
+  // the incoming rows at reversed positions.
+  {
+    const int64_t rb = 3 * sizeof(int32_t);
+    std::vector<int32_t> rows_src(static_cast<size_t>(2 * P * 3));
+    for (int64_t i = 0; i < 2 * P; ++i)
+      for (int64_t q = 0; q < 3; ++q)
+        rows_src[static_cast<size_t>(i * 3 + q)] = static_cast<int32_t>(100 * me + 10 * i + q);
+    std::vector<int64_t> sidx, ridx, cnt(P, 2);
+    for (int64_t r = 0; r < P; ++r) {
+      sidx.push_back(2 * r + 1);  // swapped pair
+      sidx.push_back(2 * r);
+    }
+    for (int64_t i = 0; i < 2 * P; ++i) ridx.push_back(2 * P - 1 - i);
+    std::vector<int32_t> got(static_cast<size_t>(2 * P * 3), -1);
+    c.alltoallv_rows(rows_src.data(), sidx.data(), cnt, got.data(), ridx.data(), cnt, rb);
+    for (int64_t s2 = 0; s2 < P; ++s2) {
+      for (int64_t j = 0; j < 2; ++j) {
+        const int64_t pos = 2 * P - 1 - (2 * s2 + j);       // where the j-th row from s2 landed
+        const int64_t src_row = 2 * me + (j == 0 ? 1 : 0);  // which of s2's rows it was
+        for (int64_t q = 0; q < 3; ++q) {
+          EXPECT_EQ(got[static_cast<size_t>(pos * 3 + q)], 100 * s2 + 10 * src_row + q);
+        }
+      }
+    }
+  }
+  // exchange_blocks: to every peer r (self included) two blocks, of 1 and r+1 rows (plus an empty
+  // one in between, skipped on both sides); row value = 1000 * sender + 10 * row + r.
+  {
+    std::vector<int64_t> sendv, recvv;
+    std::vector<dist::Communicator::Block> sb, rbk;
+    for (int64_t r = 0; r < P; ++r) {
+      for (int64_t n : {int64_t{1}, int64_t{0}, r + 1}) {
+        sb.push_back({static_cast<int>(r), static_cast<int64_t>(sendv.size()), n});
+        for (int64_t j = 0; j < n; ++j)
+          sendv.push_back(1000 * me + 10 * static_cast<int64_t>(sendv.size()) + r);
+      }
+    }
+    // Receive from each peer s: blocks of 1, 0 and me+1 rows, stored in reverse peer order.
+    int64_t pos = 0;
+    for (int64_t s2 = P - 1; s2 >= 0; --s2) {
+      for (int64_t n : {int64_t{1}, int64_t{0}, me + 1}) {
+        rbk.push_back({static_cast<int>(s2), pos, n});
+        pos += n;
+      }
+    }
+    recvv.assign(static_cast<size_t>(pos), -1);
+    c.exchange_blocks(sendv.data(), sb, recvv.data(), rbk, sizeof(int64_t));
+    // Sender s2 laid out its rows for peer r at offset sum_{q<r}(1 + q + 1); check every value.
+    for (size_t bi = 0; bi < rbk.size(); ++bi) {
+      const auto& b = rbk[bi];
+      int64_t base = 0;
+      for (int64_t q = 0; q < me; ++q) base += 2 + q;
+      const int64_t first = bi % 3 == 0 ? base : base + 1;  // the 1-row block, then the me+1 block
+      for (int64_t j = 0; j < b.rows; ++j) {
+        EXPECT_EQ(recvv[static_cast<size_t>(b.offset + j)], 1000 * b.peer + 10 * (first + j) + me)
+            << "from " << b.peer << " block of " << b.rows;
+      }
+    }
+  }
+  // Workspace: grows, keeps its pointer while big enough.
+  void* w1 = c.workspace(20, 1000);
+  EXPECT_EQ(c.workspace(20, 10), w1);
+  EXPECT_NE(c.workspace(21, 10), w1);
   // The local communicator is size 1 and copies.
   auto l = dist::local();
   EXPECT_EQ(l->size(), 1);

@@ -1,13 +1,13 @@
 // permute / unpermute and their backwards: values against the double reference, bit-exact
 // movement, adjoint identities, finite differences for the weight gradient, thread invariance.
-#include "switchyard/permute.h"
-
 #include <gtest/gtest.h>
 
 #include <map>
 #include <random>
 
 #include "ref/dispatch_ref.h"
+#include "switchyard/dispatcher.h"
+#include "switchyard/permute.h"
 #include "testing.h"
 
 namespace switchyard {
@@ -87,7 +87,9 @@ std::string name(const Case& c) {
 
 // fp32: one rounding per accumulated row (K rows at most) plus the merged weight's; bf16: the
 // output rounding dominates.
-double tol(const Case& c) { return c.dtype == DType::bf16 ? 8e-3 : 1e-6 * static_cast<double>(2 + c.K); }
+double tol(const Case& c) {
+  return c.dtype == DType::bf16 ? 8e-3 : 1e-6 * static_cast<double>(2 + c.K);
+}
 
 TEST(Permute, MovesRowsBitExactlyAndZeroesPadding) {
   for (const Case& c : cases()) {
@@ -106,7 +108,8 @@ TEST(Permute, MovesRowsBitExactlyAndZeroesPadding) {
       const auto* got = static_cast<const unsigned char*>(p.raw()) + r * rb;
       const void* want = rt[r] >= 0 ? static_cast<const unsigned char*>(x.raw()) + rt[r] * rb
                                     : static_cast<const void*>(zero.data());
-      ASSERT_EQ(std::memcmp(got, want, rb), 0) << "row " << r << " " << name(c) << " " << repro(seed);
+      ASSERT_EQ(std::memcmp(got, want, rb), 0)
+          << "row " << r << " " << name(c) << " " << repro(seed);
     }
   }
 }
@@ -120,7 +123,9 @@ TEST(Unpermute, MatchesDoubleReference) {
       Tensor Y = randn({s.plan.num_rows, c.H}, c.dtype, rng);
       Tensor y = unpermute(Y, s.plan, {mode});
       auto want = ref::combine(s.pairs, Y.to_double_vector(), c.H, mode == WeightMode::apply,
-                               [&](int64_t t, int64_t e) { return s.row_of.at({t, e}); });
+                               [&](int64_t t, int64_t e) {
+                                 return s.row_of.at({t, e});
+                               });
       EXPECT_TRUE(all_close(y, want, tol(c), tol(c))) << name(c) << " " << repro(seed);
     }
   }
@@ -134,7 +139,8 @@ TEST(Unpermute, RoundTripWithNormalisedWeights) {
   std::vector<float> w(T * K, 0.25f);
   std::uniform_int_distribution<int> ex(0, E - 1);
   for (auto& v : idx) v = ex(rng);
-  RoutingPlan plan = build_routing_plan(Tensor::from_vector(idx, {T, K}), Tensor::from_vector(w, {T, K}), E);
+  RoutingPlan plan =
+      build_routing_plan(Tensor::from_vector(idx, {T, K}), Tensor::from_vector(w, {T, K}), E);
   Tensor x = randn({T, H}, DType::fp32, rng);
   EXPECT_TRUE(all_close(unpermute(permute(x, plan), plan), x, 1e-6, 1e-6));
 }
@@ -175,8 +181,11 @@ TEST(Unpermute, BackwardMatchesReferenceAndFiniteDifferences) {
     Tensor g = randn({c.T, c.H}, c.dtype, rng);
     UnpermuteGrads gr = unpermute_backward(g, Y, s.plan);
     auto want_w = ref::grad_weights(s.pairs, Y.to_double_vector(), g.to_double_vector(), c.K, c.H,
-                                    [&](int64_t t, int64_t e) { return s.row_of.at({t, e}); });
-    EXPECT_TRUE(all_close(gr.grad_topk_weights, want_w, 1e-5 * c.H, 1e-5)) << name(c) << " " << repro(seed);
+                                    [&](int64_t t, int64_t e) {
+                                      return s.row_of.at({t, e});
+                                    });
+    EXPECT_TRUE(all_close(gr.grad_topk_weights, want_w, 1e-5 * c.H, 1e-5))
+        << name(c) << " " << repro(seed);
     // grad_permuted[r] = w_r * g[token(r)]
     std::vector<double> want_p(static_cast<size_t>(s.plan.num_rows * c.H));
     auto gv = g.to_double_vector();
@@ -194,7 +203,8 @@ TEST(Unpermute, BackwardMatchesReferenceAndFiniteDifferences) {
   std::vector<int32_t> idx = {2, 2, 0, -1, 1, 3, 0, 0, 0};
   std::vector<float> w = {0.5f, 0.25f, 0.125f, 0.3f, 0.6f, 0.1f, 0.2f, 0.3f, 0.5f};
   std::mt19937_64 rng(test_seed(77));
-  RoutingPlan plan = build_routing_plan(Tensor::from_vector(idx, {T, K}), Tensor::from_vector(w, {T, K}), E);
+  RoutingPlan plan =
+      build_routing_plan(Tensor::from_vector(idx, {T, K}), Tensor::from_vector(w, {T, K}), E);
   Tensor Y = randn({plan.num_rows, H}, DType::fp32, rng);
   Tensor g = randn({T, H}, DType::fp32, rng);
   auto gw = unpermute_backward(g, Y, plan).grad_topk_weights.to_double_vector();
@@ -264,19 +274,50 @@ TEST(Permute, IntoVariantsWriteTheSameBits) {
   SY_EXPECT_THROW_MSG(permute_into(x, short_out, s.plan), std::invalid_argument, "[permute] out");
 }
 
+TEST(Permute, LocalCommunicatorDispatchIsPermute) {
+  // EP = 1 through the dispatchers on the size-1 communicator (works without MPI): dispatch is
+  // permute, combine is unpermute, bit for bit, for both dispatchers.
+  const Case c{211, 40, 16, 4, DType::bf16};
+  for (auto kind : {dist::DispatcherKind::all_to_all, dist::DispatcherKind::all_gather}) {
+    std::mt19937_64 rng(test_seed(17));
+    Routed s = make_routed(c, rng);
+    Tensor x = randn({c.T, c.H}, c.dtype, rng);
+    auto comm = dist::local();
+    dist::DispatchOptions opt;
+    opt.num_experts = c.E;
+    opt.kind = kind;
+    dist::DispatchResult d = dist::dispatch(x, Tensor::from_vector(s.idx, {c.T, c.K}),
+                                            Tensor::from_vector(s.w, {c.T, c.K}), opt, *comm);
+    EXPECT_TRUE(bitwise_equal(d.recv_x, permute(x, s.plan)));
+    EXPECT_TRUE(bitwise_equal(d.recv_topk_weights, s.plan.row_weight));
+    EXPECT_TRUE(bitwise_equal(d.handle.num_tokens_per_expert, s.plan.num_tokens_per_expert));
+    EXPECT_TRUE(
+        bitwise_equal(dist::combine(d.recv_x, d.handle, {}, *comm), unpermute(d.recv_x, s.plan)));
+    Tensor g = randn({c.T, c.H}, c.dtype, rng);
+    dist::CombineGrads cg = dist::combine_backward(g, d.recv_x, d.handle, {}, *comm);
+    UnpermuteGrads ug = unpermute_backward(g, d.recv_x, s.plan);
+    EXPECT_TRUE(bitwise_equal(cg.grad_expert_y, ug.grad_permuted));
+    EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, ug.grad_topk_weights));
+    EXPECT_TRUE(bitwise_equal(dist::dispatch_backward(ug.grad_permuted, d.handle, *comm),
+                              permute_backward(ug.grad_permuted, s.plan)));
+  }
+}
+
 TEST(Permute, RejectsBadArguments) {
-  auto plan = build_routing_plan(Tensor::from_vector(std::vector<int32_t>{0, 1, 1, 1}, {2, 2}), Tensor(), 2);
+  auto plan = build_routing_plan(Tensor::from_vector(std::vector<int32_t>{0, 1, 1, 1}, {2, 2}),
+                                 Tensor(), 2);
   SY_EXPECT_THROW_MSG(permute(Tensor::zeros({3, 4}, DType::fp32), plan), std::invalid_argument,
                       "[permute] x must have 2 rows (from the routing plan), got shape [3, 4]");
   SY_EXPECT_THROW_MSG(permute(Tensor::zeros({2, 4}, DType::int32), plan), std::invalid_argument,
                       "[permute] x");
-  SY_EXPECT_THROW_MSG(permute(Tensor::zeros({2, 4}, DType::fp32), RoutingPlan{}), std::invalid_argument,
-                      "plan must come from build_routing_plan");
+  SY_EXPECT_THROW_MSG(permute(Tensor::zeros({2, 4}, DType::fp32), RoutingPlan{}),
+                      std::invalid_argument, "plan must come from build_routing_plan");
   SY_EXPECT_THROW_MSG(unpermute(Tensor::zeros({4, 4}, DType::fp32), plan), std::invalid_argument,
                       "[unpermute] permuted must have 3 rows");
   SY_EXPECT_THROW_MSG(unpermute_backward(Tensor::zeros({2, 4}, DType::fp32),
                                          Tensor::zeros({3, 4}, DType::bf16), plan),
-                      std::invalid_argument, "[unpermute_backward] permuted must have grad_y's dtype fp32");
+                      std::invalid_argument,
+                      "[unpermute_backward] permuted must have grad_y's dtype fp32");
 }
 
 }  // namespace

@@ -1,12 +1,11 @@
 // Routing plan: pairs, merges, order, counts, offsets, capacity and padding, against the reference.
-#include "switchyard/routing_plan.h"
-
 #include <gtest/gtest.h>
 
 #include <map>
 #include <random>
 
 #include "ref/dispatch_ref.h"
+#include "switchyard/routing_plan.h"
 #include "testing.h"
 
 namespace switchyard {
@@ -28,9 +27,9 @@ std::vector<int32_t> random_routes(int64_t T, int64_t K, int64_t E, std::mt19937
     const int c = kind(rng);
     for (int64_t k = 0; k < K; ++k) {
       int32_t v = ex(rng);
-      if (c == 0) v = 0;                    // zero-filled padding row
-      if (c == 1) v = -1;                   // no route
-      if (c == 2 && kk(rng) == 0) v = -1;   // some dropped slots
+      if (c == 0) v = 0;                   // zero-filled padding row
+      if (c == 1) v = -1;                  // no route
+      if (c == 2 && kk(rng) == 0) v = -1;  // some dropped slots
       if (c == 3 && k > 0 && kk(rng) < 2) v = idx[static_cast<size_t>(t * K + k - 1)];  // repeats
       idx[static_cast<size_t>(t * K + k)] = v;
     }
@@ -47,16 +46,18 @@ std::vector<float> random_weights(int64_t n, std::mt19937_64& rng) {
 
 TEST(RoutingPlan, ReplayPaddingRowsCollapseToOnePair) {
   // The crash of real runs: zero-filled rows [0,0,0,0] are ONE pair, not K.
-  const std::vector<int32_t> idx = {0, 0, 0, 0,  3, 1, -1, 1,  -1, -1, -1, -1,  2, 0, 3, 1};
+  const std::vector<int32_t> idx = {0, 0, 0, 0, 3, 1, -1, 1, -1, -1, -1, -1, 2, 0, 3, 1};
   const std::vector<float> w = {0.25f, 0.25f, 0.25f, 0.25f, 0.5f, 0.2f, 0.1f, 0.2f,
-                                1, 1, 1, 1, 0.1f, 0.2f, 0.3f, 0.4f};
-  RoutingPlan p = build_routing_plan(Tensor::from_vector(idx, {4, 4}), Tensor::from_vector(w, {4, 4}), 4);
+                                1,     1,     1,     1,     0.1f, 0.2f, 0.3f, 0.4f};
+  RoutingPlan p =
+      build_routing_plan(Tensor::from_vector(idx, {4, 4}), Tensor::from_vector(w, {4, 4}), 4);
   EXPECT_EQ(p.num_pairs, 1 + 2 + 0 + 4);
   EXPECT_EQ(p.num_rows, 7);
   EXPECT_EQ(i64(p.num_tokens_per_expert), (std::vector<int64_t>{2, 2, 1, 2}));
   EXPECT_EQ(i64(p.expert_offsets), (std::vector<int64_t>{0, 2, 4, 5, 7}));
   EXPECT_EQ(i64(p.row_token), (std::vector<int64_t>{0, 3, 1, 3, 3, 1, 3}));
-  EXPECT_EQ(i64(p.slot_row), (std::vector<int64_t>{0, 0, 0, 0, 5, 2, -1, 2, -1, -1, -1, -1, 4, 1, 6, 3}));
+  EXPECT_EQ(i64(p.slot_row),
+            (std::vector<int64_t>{0, 0, 0, 0, 5, 2, -1, 2, -1, -1, -1, -1, 4, 1, 6, 3}));
   const float* rw = p.row_weight.data<float>();
   EXPECT_EQ(rw[0], 1.0f);
   EXPECT_EQ(rw[2], 0.2f + 0.2f);
@@ -74,8 +75,8 @@ TEST(RoutingPlan, MatchesReferenceOnRandomRoutes) {
         std::mt19937_64 rng(seed);
         auto idx = random_routes(T, K, E, rng);
         auto w = random_weights(T * K, rng);
-        RoutingPlan p = build_routing_plan(Tensor::from_vector(idx, {T, K}),
-                                           Tensor::from_vector(w, {T, K}), E);
+        RoutingPlan p =
+            build_routing_plan(Tensor::from_vector(idx, {T, K}), Tensor::from_vector(w, {T, K}), E);
         auto pairs = ref::token_pairs(idx, w, T, K);
         auto rows = ref::expert_major_rows(pairs, E);
         const std::string ctx = "T=" + std::to_string(T) + " E=" + std::to_string(E) +
@@ -128,7 +129,8 @@ TEST(RoutingPlan, CapacityPositionKeepsFirstTokens) {
   RoutingPlanOptions o;
   o.expert_capacity = 2;
   o.token_drop_policy = PlanDropPolicy::position;
-  RoutingPlan p = build_routing_plan(Tensor::from_vector(idx, {5, 2}), Tensor::from_vector(w, {5, 2}), 3, o);
+  RoutingPlan p =
+      build_routing_plan(Tensor::from_vector(idx, {5, 2}), Tensor::from_vector(w, {5, 2}), 3, o);
   EXPECT_EQ(i64(p.num_tokens_per_expert), (std::vector<int64_t>{2, 2, 2}));
   EXPECT_EQ(p.num_dropped, 3);
   EXPECT_EQ(i64(p.row_token), (std::vector<int64_t>{0, 3, 0, 1, 1, 4}));
@@ -140,8 +142,10 @@ TEST(RoutingPlan, CapacityProbsKeepsHighestWeightsTiesToLowerToken) {
   std::vector<float> w = {0.5f, 0.9f, 0.5f, 0.1f, 0.9f};
   RoutingPlanOptions o;
   o.expert_capacity = 3;
-  RoutingPlan p = build_routing_plan(Tensor::from_vector(idx, {5, 1}), Tensor::from_vector(w, {5, 1}), 2, o);
-  EXPECT_EQ(i64(p.row_token), (std::vector<int64_t>{0, 1, 4}));  // 0.9, 0.9, then the tie 0.5 -> token 0
+  RoutingPlan p =
+      build_routing_plan(Tensor::from_vector(idx, {5, 1}), Tensor::from_vector(w, {5, 1}), 2, o);
+  EXPECT_EQ(i64(p.row_token),
+            (std::vector<int64_t>{0, 1, 4}));  // 0.9, 0.9, then the tie 0.5 -> token 0
   EXPECT_EQ(p.num_dropped, 2);
 }
 
@@ -179,7 +183,8 @@ TEST(RoutingPlan, RejectsBadArguments) {
                       "[routing_plan] topk_idx must hold ids in [0, num_experts=4) or -1, got "
                       "topk_idx[0, 1]=5");
   auto neg = Tensor::from_vector(std::vector<int32_t>{0, -2}, {1, 2});
-  SY_EXPECT_THROW_MSG(build_routing_plan(neg, Tensor(), 4), std::invalid_argument, "topk_idx[0, 1]=-2");
+  SY_EXPECT_THROW_MSG(build_routing_plan(neg, Tensor(), 4), std::invalid_argument,
+                      "topk_idx[0, 1]=-2");
   auto i64t = Tensor::zeros({2, 2}, DType::int64);
   SY_EXPECT_THROW_MSG(build_routing_plan(i64t, Tensor(), 4), std::invalid_argument, "topk_idx");
   auto ok = Tensor::zeros({2, 2}, DType::int32);
