@@ -128,6 +128,15 @@ void bind_router(py::module_& m) {
       m, "GlobalAuxLossState", "Running per-expert counts of global_aux_loss (one per MoE layer).")
       .def(py::init<>())
       .def("reset", &GlobalAuxLossState::reset)
+      .def(
+          "copy",
+          [](const GlobalAuxLossState& s) {
+            GlobalAuxLossState c;
+            c.steps = s.steps;
+            if (s.tokens_per_expert.defined()) c.tokens_per_expert = s.tokens_per_expert.clone();
+            return c;
+          },
+          "An independent snapshot (for a recompute that must reproduce its forward).")
       .def_readonly("steps", &GlobalAuxLossState::steps)
       .def_property_readonly("tokens_per_expert", [](const GlobalAuxLossState& s) {
         return py_bridge::to_torch(s.tokens_per_expert.defined() ? s.tokens_per_expert.clone()
