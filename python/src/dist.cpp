@@ -196,6 +196,8 @@ void bind_dist(py::module_& m) {
       py::arg("handle"));
   m.def("dist_shutdown", &shutdown);
 
+  // The handle's integer tensors are what combine and the backwards read: Python gets copies (a
+  // few ints per expert / row), so an in-place edit of them cannot corrupt a later backward.
   py::class_<dist::DispatchHandle>(m, "DispatchHandle",
                                    "What combine and the backwards need (returned by dispatch).")
       .def_property_readonly("kind",
@@ -212,17 +214,20 @@ void bind_dist(py::module_& m) {
       .def_readonly("num_recv_tokens", &dist::DispatchHandle::num_recv_tokens)
       .def_property_readonly("tokens_per_expert",
                              [](const dist::DispatchHandle& h) {
-                               return py_bridge::to_torch(h.num_tokens_per_expert);
+                               return py_bridge::to_torch(h.num_tokens_per_expert.clone());
                              })
-      .def_property_readonly(
-          "expert_offsets",
-          [](const dist::DispatchHandle& h) { return py_bridge::to_torch(h.expert_offsets); })
-      .def_property_readonly(
-          "recv_src_rank",
-          [](const dist::DispatchHandle& h) { return py_bridge::to_torch(h.recv_src_rank); })
-      .def_property_readonly(
-          "recv_src_token",
-          [](const dist::DispatchHandle& h) { return py_bridge::to_torch(h.recv_src_token); })
+      .def_property_readonly("expert_offsets",
+                             [](const dist::DispatchHandle& h) {
+                               return py_bridge::to_torch(h.expert_offsets.clone());
+                             })
+      .def_property_readonly("recv_src_rank",
+                             [](const dist::DispatchHandle& h) {
+                               return py_bridge::to_torch(h.recv_src_rank.clone());
+                             })
+      .def_property_readonly("recv_src_token",
+                             [](const dist::DispatchHandle& h) {
+                               return py_bridge::to_torch(h.recv_src_token.clone());
+                             })
       .def_readonly("rank_expert_counts", &dist::DispatchHandle::rank_expert_counts)
       .def_readonly("rank_num_tokens", &dist::DispatchHandle::rank_num_tokens)
       .def_property_readonly("num_pairs",
