@@ -141,11 +141,32 @@ void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
   if (h.kind == DispatcherKind::all_to_all) {
     // Token rows are packed once in plan order (rows repeat: one per pair); each (expert, peer)
     // block then lands directly at its place in the receive layout.
+    // Rows for this rank's own experts skip the pack: they are gathered from `src` straight into
+    // their receive-layout place (at EP=2 that is half of the rows, one copy instead of two).
+    const int64_t P = h.world_size, L = h.num_local_experts, me = h.rank;
+    const int64_t* off = h.plan.expert_offsets.data<int64_t>();
+    const int64_t* rt = h.plan.row_token.data<int64_t>();
+    const int64_t self_begin = off[me * L], self_end = off[(me + 1) * L];
     void* packed = comm.workspace(kPackSlot, h.plan.num_rows * rb);
-    cpu::gather_rows(src, h.plan.row_token.data<int64_t>(), h.plan.num_rows, rb, packed);
+    auto* pk = static_cast<unsigned char*>(packed);
+    cpu::gather_rows(src, rt, self_begin, rb, pk);
+    cpu::gather_rows(src, rt + self_end, h.plan.num_rows - self_end, rb, pk + self_end * rb);
+    const auto boff = detail::block_offsets(h);
+    auto* out = static_cast<unsigned char*>(dst);
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = me * L + el;
+      cpu::gather_rows(src, rt + off[e], off[e + 1] - off[e], rb,
+                       out + boff[static_cast<size_t>(e * P + me)] * rb);
+    }
     std::vector<Communicator::Block> send, recv;
     plan_blocks(h, send);
     expert_blocks(h, recv);
+    for (auto& b : send) {
+      if (b.peer == me) b.rows = 0;  // already in place
+    }
+    for (auto& b : recv) {
+      if (b.peer == me) b.rows = 0;
+    }
     comm.exchange_blocks(packed, send, dst, recv, rb);
   } else {
     int64_t total = 0;

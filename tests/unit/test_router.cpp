@@ -520,6 +520,8 @@ TEST(Router, ManyTiesAgainstReference) {
           }
           SCOPED_TRACE("E=" + std::to_string(E) + " K=" + std::to_string(K) +
                        " f=" + std::to_string(f) + " groups=" + std::to_string(groups));
+          c.aux_loss_type = AuxLossType::aux_loss;  // its own top-k on P, ties included
+          c.aux_loss_coeff = 0.1;
           const int64_t T = 33;
           std::vector<float> z(static_cast<size_t>(T * E));
           for (auto& v : z) v = static_cast<float>(std::round(nd(rng) * 2.0) / 2.0);
@@ -528,6 +530,7 @@ TEST(Router, ManyTiesAgainstReference) {
           const auto want = sy::ref::route(zt.to_double_vector(), T, c, {});
           ASSERT_TRUE(
               all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
+          EXPECT_NEAR(r.aux_loss, want.aux_loss, 1e-6 * want.aux_loss);
           EXPECT_TRUE(all_close(r.topk_weights, want.w, 2e-6, 2e-6));
         }
       }

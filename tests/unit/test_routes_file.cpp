@@ -170,6 +170,14 @@ TEST(RouteFile, WriterRejectsBadInput) {
                       std::invalid_argument, "[route_file] num_experts must be in [1, ");
   SY_EXPECT_THROW_MSG(RouteFileWriter(path, RouteFileInfo{8, 2, 3, {1, 2}, 0, 0, 0}),
                       std::invalid_argument, "moe_layers must be empty or have num_moe_layers=3");
+  SY_EXPECT_THROW_MSG(RouteFileWriter(path, RouteFileInfo{8, 2, 3, {1, 1, 2}, 0, 0, 0}),
+                      std::invalid_argument, "moe_layers must be ascending hidden-layer indices");
+  // A device that is full: the header write fails with BackendError naming the call and path.
+  if (std::filesystem::exists("/dev/full")) {
+    SY_EXPECT_THROW_MSG(RouteFileWriter("/dev/full", info), BackendError, "fwrite(/dev/full)");
+  }
+  SY_EXPECT_THROW_MSG(RouteFileWriter("/nonexistent-dir/x.syr", info), BackendError,
+                      "fopen(/nonexistent-dir/x.syr)");
   RouteFileWriter w(path, info);
   SY_EXPECT_THROW_MSG(
       w.append(RouteTable::none(2, 4, 2, 8)), std::invalid_argument,
