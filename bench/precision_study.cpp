@@ -10,7 +10,7 @@
 // lives in another worktree); the fp64 reference accumulates the same bf16 inputs in double.
 // Selection uses switchyard::topk_route (ties to the lower expert id).
 //
-//   ./build/bench/precision_study [num_tokens=4096] [seed=1] [num_layers=48]
+//   ./build/bench/precision_study [num_tokens=4096] [seed=1] [num_layers=48] [w_std=0.02]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -74,12 +74,13 @@ int main(int argc, char** argv) {
   const int64_t T = argc > 1 ? std::atoll(argv[1]) : 4096;
   const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
   const int num_layers = argc > 3 ? std::atoi(argv[3]) : 48;
+  const double w_std = argc > 4 ? std::atof(argv[4]) : 0.02;
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> nd(0.0, 1.0);
 
   // Gate weights and the RMSNorm gain, bf16.
   std::vector<float> W(static_cast<size_t>(kE * kH)), g(static_cast<size_t>(kH));
-  for (auto& w : W) w = bf(static_cast<float>(0.02 * nd(rng)));
+  for (auto& w : W) w = bf(static_cast<float>(w_std * nd(rng)));
   for (auto& v : g) v = bf(static_cast<float>(1.0 + 0.05 * nd(rng)));
   std::vector<int64_t> outlier_channels = {7, 300, 1111, 1900};
   // Hidden states.
@@ -147,9 +148,9 @@ int main(int argc, char** argv) {
        compare(id32, id32b, T)},
       {"(e) fp64 vs bf16 of the 8-lane kernel", compare(id64, idb16b, T)},
   };
-  std::printf("precision study: T=%lld H=%lld E=%lld K=%lld seed=%llu, logits rms %.3f\n",
+  std::printf("precision study: T=%lld H=%lld E=%lld K=%lld seed=%llu w_std=%g, logits rms %.3f\n",
               static_cast<long long>(T), static_cast<long long>(kH), static_cast<long long>(kE),
-              static_cast<long long>(kK), static_cast<unsigned long long>(seed),
+              static_cast<long long>(kK), static_cast<unsigned long long>(seed), w_std,
               std::sqrt(zs / static_cast<double>(z64.size())));
   std::printf(
       "| comparison | tokens with a different top-k set | differing router decisions | tokens "

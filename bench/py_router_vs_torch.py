@@ -113,7 +113,40 @@ def main():
             # Same ids (the fp32 gate is deterministic in both; ties are measure-zero here).
             with torch.no_grad():
                 same = torch.equal(ours()[1], peer()[1])
-            for label, run in (("fwd", lambda f: fwd(f)), ("fwd+bwd", lambda f: fwd_bwd(f))):
+            # Routing alone on ready fp32 logits (no gate GEMM), forward + backward.
+            lg0 = torch.mm(x.float(), w.float().t())
+
+            def route_only(impl):
+                lg = lg0.detach().requires_grad_(True)
+                p, _ = impl(lg)
+                (p * gp).sum().backward()
+
+            if extra:
+                def peer_route(lg):
+                    s = torch.sigmoid(lg)
+                    gs = s.view(T, 8, -1).topk(2, dim=-1).values.sum(-1)
+                    gi = gs.topk(4, dim=-1).indices
+                    mask = torch.zeros(T, 8, dtype=torch.bool).scatter_(1, gi, True)
+                    masked = s.masked_fill(~mask.repeat_interleave(E // 8, dim=1), float("-inf"))
+                    idx = masked.topk(K, dim=-1).indices
+                    p = s.gather(1, idx)
+                    return p / (p.sum(-1, keepdim=True) + 1e-20), idx
+            else:
+                def peer_route(lg):
+                    top, idx = torch.topk(lg, K, dim=-1)
+                    return torch.softmax(top, dim=-1), idx
+
+            runs = (("fwd", lambda f: fwd(f)), ("fwd+bwd", lambda f: fwd_bwd(f)),
+                    ("route only fwd+bwd", None))
+            for label, run in runs:
+                if run is None:
+                    if dtype != torch.float32:
+                        continue
+                    t_sy, t_pt = timeit_pair(lambda: route_only(lambda lg: syt.topk_route(lg, cfg)),
+                                             lambda: route_only(peer_route), reps)
+                    print(f"| {name} | fp32 logits | {T} | {H} | {E} | {K} | {label} | "
+                          f"{t_sy * 1e3:.2f} | {t_pt * 1e3:.2f} | {t_pt / t_sy:.2f} |", flush=True)
+                    continue
                 t_sy, t_pt = timeit_pair(lambda: run(ours), lambda: run(peer), reps)
                 dn = "bf16" if dtype == torch.bfloat16 else "fp32"
                 print(f"| {name} | {dn} | {T} | {H} | {E} | {K} | {label} | {t_sy * 1e3:.2f} | "

@@ -256,7 +256,8 @@ void run_validate(const std::string& path, bool json_out, std::ostream& out) {
 
 // --------------------------------------------------------------------------------- stats / diff
 
-void run_stats(const std::string& path, bool json_out, int64_t top, std::ostream& out) {
+void run_stats(const std::string& path, bool json_out, int64_t top, std::ostream& out,
+               std::ostream& err) {
   RouteFileReader r = RouteFileReader::open(path);
   ExpertLoad load;
   int64_t tokens = 0;
@@ -264,6 +265,7 @@ void run_stats(const std::string& path, bool json_out, int64_t top, std::ostream
     const RouteTable t = r.read(i);
     tokens += t.num_tokens();
     accumulate_expert_load(t, load);
+    if ((i + 1) % kProgressEvery == 0) err << "[routes stats] " << i + 1 << " sequences\n";
   }
   const RouteFileInfo& info = r.info();
   if (load.num_moe_layers == 0) {  // empty file
@@ -314,7 +316,8 @@ void run_stats(const std::string& path, bool json_out, int64_t top, std::ostream
       << human.str();
 }
 
-void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::ostream& out) {
+void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::ostream& out,
+              std::ostream& err) {
   RouteFileReader a = RouteFileReader::open(pa), b = RouteFileReader::open(pb);
   const RouteFileInfo &ia = a.info(), &ib = b.info();
   if (ia.num_experts != ib.num_experts || ia.top_k != ib.top_k ||
@@ -340,6 +343,7 @@ void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::
                                   std::to_string(tb.num_tokens()) + " in " + pb);
     }
     accumulate_route_drift(ta, tb, d);
+    if ((i + 1) % kProgressEvery == 0) err << "[routes diff] " << i + 1 << " sequences\n";
   }
   if (d.layer_decisions.empty()) {
     d.layer_decisions.assign(size_t(ia.num_moe_layers), 0);
@@ -530,8 +534,9 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   st->add_option("file", sa->path)->required();
   st->add_option("--top", sa->top, "Hot experts to show per layer");
   st->add_flag("--json", sa->json_out, "Machine-readable output");
-  st->callback(
-      [sa, &out, &err] { guarded(err, [&] { run_stats(sa->path, sa->json_out, sa->top, out); }); });
+  st->callback([sa, &out, &err] {
+    guarded(err, [&] { run_stats(sa->path, sa->json_out, sa->top, out, err); });
+  });
 
   struct DiffArgs {
     std::string a, b;
@@ -543,7 +548,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   df->add_option("b", da->b)->required();
   df->add_flag("--json", da->json_out, "Machine-readable output");
   df->callback(
-      [da, &out, &err] { guarded(err, [&] { run_diff(da->a, da->b, da->json_out, out); }); });
+      [da, &out, &err] { guarded(err, [&] { run_diff(da->a, da->b, da->json_out, out, err); }); });
 
   auto aa = std::make_shared<AlignArgs>();
   CLI::App* al =

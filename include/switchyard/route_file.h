@@ -40,13 +40,15 @@ struct RouteFileInfo {
 /// Options of a RouteFileWriter.
 struct RouteFileWriterOptions {
   /// zstd level (1..19). Level 1 (default) encodes ~800 MB/s of raw int32 on this machine at 5.2x;
-  /// level 3 gains ~5% in size at half the speed (bench_routes).
+  /// level 3 gains ~5% in size at a third of the speed (bench_routes).
   int compression_level = 1;
 };
 
-/// Appends sequences to a new route file. Each `append` writes one complete block (header, payload,
-/// checksums) before returning, so a crash loses at most the sequence being written. `close()`
-/// writes the index and footer; the destructor closes too (without throwing).
+/// Appends sequences to a new route file. Each `append` writes and flushes one complete block
+/// (header, payload, checksums) before returning, so a killed process loses at most the sequence
+/// being written (the data is handed to the OS; no fsync, so a machine crash may lose more).
+/// `close()` writes the index and footer; the destructor closes too (without throwing). After a
+/// failed write the writer refuses further appends and closes without an index. Not thread-safe.
 class RouteFileWriter {
  public:
   /// Creates (truncates) `path`. Throws std::invalid_argument for bad info (num_experts < 1,
@@ -80,7 +82,8 @@ struct RouteFileEntry {
   int64_t stored_bytes = 0;  ///< block size on disk (header + payload)
 };
 
-/// Reads a route file: random access by sequence index.
+/// Reads a route file: random access by sequence index. `read` is const and safe to call from
+/// several threads at once (positional reads, no shared cursor). Decoding is deterministic.
 class RouteFileReader {
  public:
   /// Opens a file on disk. Throws BackendError when it cannot be opened and DataError when the

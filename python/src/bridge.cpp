@@ -46,13 +46,20 @@ DType dtype_from_torch(py::handle torch_dtype, const char* op, const char* name)
 py::object torch_dtype(DType dtype) {
   py::module_& torch = torch_module();
   switch (dtype) {
-    case DType::bf16: return torch.attr("bfloat16");
-    case DType::fp32: return torch.attr("float32");
-    case DType::fp64: return torch.attr("float64");
-    case DType::int32: return torch.attr("int32");
-    case DType::int64: return torch.attr("int64");
-    case DType::uint8: return torch.attr("uint8");
-    case DType::boolean: return torch.attr("bool");
+    case DType::bf16:
+      return torch.attr("bfloat16");
+    case DType::fp32:
+      return torch.attr("float32");
+    case DType::fp64:
+      return torch.attr("float64");
+    case DType::int32:
+      return torch.attr("int32");
+    case DType::int64:
+      return torch.attr("int64");
+    case DType::uint8:
+      return torch.attr("uint8");
+    case DType::boolean:
+      return torch.attr("bool");
   }
   throw std::logic_error("unknown dtype");
 }
@@ -73,7 +80,8 @@ Arg borrow(py::handle obj, const char* op, const char* name, std::initializer_li
     bool ok = false;
     for (DType d : allowed) ok = ok || d == dtype;
     if (!ok) {
-      value_error(where + " must have dtype " + allowed_str(allowed) + ", got " + dtype_name(dtype));
+      value_error(where + " must have dtype " + allowed_str(allowed) + ", got " +
+                  dtype_name(dtype));
     }
   }
   Arg arg;
@@ -97,13 +105,27 @@ py::object to_torch(Tensor t) {
   if (!t.owns_storage()) t = t.clone();
   py::dtype np_dtype;
   switch (t.dtype()) {
-    case DType::bf16: np_dtype = py::dtype::of<int16_t>(); break;
-    case DType::fp32: np_dtype = py::dtype::of<float>(); break;
-    case DType::fp64: np_dtype = py::dtype::of<double>(); break;
-    case DType::int32: np_dtype = py::dtype::of<int32_t>(); break;
-    case DType::int64: np_dtype = py::dtype::of<int64_t>(); break;
-    case DType::uint8: np_dtype = py::dtype::of<uint8_t>(); break;
-    case DType::boolean: np_dtype = py::dtype::of<bool>(); break;
+    case DType::bf16:
+      np_dtype = py::dtype::of<int16_t>();
+      break;
+    case DType::fp32:
+      np_dtype = py::dtype::of<float>();
+      break;
+    case DType::fp64:
+      np_dtype = py::dtype::of<double>();
+      break;
+    case DType::int32:
+      np_dtype = py::dtype::of<int32_t>();
+      break;
+    case DType::int64:
+      np_dtype = py::dtype::of<int64_t>();
+      break;
+    case DType::uint8:
+      np_dtype = py::dtype::of<uint8_t>();
+      break;
+    case DType::boolean:
+      np_dtype = py::dtype::of<bool>();
+      break;
   }
   std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end());
   std::vector<py::ssize_t> strides(shape.size());

@@ -1,7 +1,7 @@
 // Crossing between torch tensors and switchyard::Tensor without copies.
 //
-// In: a contiguous CPU torch tensor is borrowed (`Tensor::borrow` on `data_ptr()`); any other layout
-// is made contiguous once and the copy is kept alive by the returned `Arg`. A CUDA tensor, a
+// In: a contiguous CPU torch tensor is borrowed (`Tensor::borrow` on `data_ptr()`); any other
+// layout is made contiguous once and the copy is kept alive by the returned `Arg`. A CUDA tensor, a
 // non-tensor or a wrong dtype raises ValueError naming the op and the argument.
 // Out: a result Tensor becomes a numpy array whose base is a capsule owning the C++ storage, then
 // `torch.from_numpy` (zero copy); bf16 goes through an int16 array viewed as torch.bfloat16.

@@ -22,10 +22,13 @@ void bind_core(py::module_& m) {
       py::arg("t"), "(address, shape, dtype) of the engine's view of `t` (tests).");
   m.def(
       "_clone",
-      [](py::handle t) { return py_bridge::to_torch(py_bridge::borrow(t, "clone", "t").t.clone()); },
+      [](py::handle t) {
+        return py_bridge::to_torch(py_bridge::borrow(t, "clone", "t").t.clone());
+      },
       py::arg("t"), "An engine-owned copy of `t`, returned through the zero-copy path (tests).");
   m.def(
-      "_full", [](const Shape& shape, py::handle dtype, double value) {
+      "_full",
+      [](const Shape& shape, py::handle dtype, double value) {
         return py_bridge::to_torch(
             Tensor::full(shape, py_bridge::dtype_from_torch(dtype, "full", "dtype"), value));
       },

@@ -1,10 +1,12 @@
 // Bindings of the communicators and the expert-parallel dispatchers (include/switchyard/dist.h,
 // dispatcher.h).
 //
-// MPI lifetime: `world()` initialises MPI when nobody has (MPI_Init_thread) and then finalises it at
-// interpreter exit; when mpi4py (or the host program) initialised MPI, they keep ownership. Python
-// holds communicators through a box, so that at exit every communicator made here is freed before
-// MPI is finalised, whatever Python objects still point at it.
+// MPI lifetime: `world()` initialises MPI when nobody has (MPI_Init_thread) and then finalises it
+// at interpreter exit; when mpi4py (or the host program) initialised MPI, they keep ownership.
+// Python holds communicators through a box, so that at exit every communicator made here is freed
+// before MPI is finalised, whatever Python objects still point at it.
+#include "switchyard/dist.h"
+
 #include <pybind11/stl.h>
 
 #include <memory>
@@ -13,10 +15,9 @@
 
 #include "bindings.h"
 #include "bridge.h"
-#include "switchyard/dispatcher.h"
-#include "switchyard/dist.h"
-#include "switchyard/error.h"
 #include "core/check.h"
+#include "switchyard/dispatcher.h"
+#include "switchyard/error.h"
 
 #ifdef SWITCHYARD_WITH_MPI
 // C bindings only (the MPI C++ bindings would add symbols libmpi_cxx must provide).
@@ -143,8 +144,8 @@ Tensor dispatch_weights_backward(const Tensor& grad_recv_w, const dist::Dispatch
   int64_t total = 0;
   for (int64_t c : recv_counts) total += c;
   if (total != plan.num_rows) {
-    throw std::logic_error(detail::cat("[", op, "] plan rows ", plan.num_rows,
-                                       " differ from the pairs sent ", total));
+    throw std::logic_error(
+        detail::cat("[", op, "] plan rows ", plan.num_rows, " differ from the pairs sent ", total));
   }
   comm.alltoallv(send.data(), send_counts, recv.data(), recv_counts, sizeof(float));
   const int64_t T = plan.num_tokens, K = plan.top_k;
@@ -190,10 +191,13 @@ void bind_dist(py::module_& m) {
 #endif
     return box(dist::world());
   });
-  m.def("dist_from_mpi_fortran",
-        [](int64_t handle) { return box(dist::from_mpi_fortran(handle)); }, py::arg("handle"));
+  m.def(
+      "dist_from_mpi_fortran", [](int64_t handle) { return box(dist::from_mpi_fortran(handle)); },
+      py::arg("handle"));
   m.def("dist_shutdown", &shutdown);
 
+  // The handle's integer tensors are what combine and the backwards read: Python gets copies (a
+  // few ints per expert / row), so an in-place edit of them cannot corrupt a later backward.
   py::class_<dist::DispatchHandle>(m, "DispatchHandle",
                                    "What combine and the backwards need (returned by dispatch).")
       .def_property_readonly("kind",
@@ -210,18 +214,20 @@ void bind_dist(py::module_& m) {
       .def_readonly("num_recv_tokens", &dist::DispatchHandle::num_recv_tokens)
       .def_property_readonly("tokens_per_expert",
                              [](const dist::DispatchHandle& h) {
-                               return py_bridge::to_torch(h.num_tokens_per_expert);
+                               return py_bridge::to_torch(h.num_tokens_per_expert.clone());
                              })
       .def_property_readonly("expert_offsets",
                              [](const dist::DispatchHandle& h) {
-                               return py_bridge::to_torch(h.expert_offsets);
+                               return py_bridge::to_torch(h.expert_offsets.clone());
                              })
-      .def_property_readonly(
-          "recv_src_rank",
-          [](const dist::DispatchHandle& h) { return py_bridge::to_torch(h.recv_src_rank); })
-      .def_property_readonly(
-          "recv_src_token",
-          [](const dist::DispatchHandle& h) { return py_bridge::to_torch(h.recv_src_token); })
+      .def_property_readonly("recv_src_rank",
+                             [](const dist::DispatchHandle& h) {
+                               return py_bridge::to_torch(h.recv_src_rank.clone());
+                             })
+      .def_property_readonly("recv_src_token",
+                             [](const dist::DispatchHandle& h) {
+                               return py_bridge::to_torch(h.recv_src_token.clone());
+                             })
       .def_readonly("rank_expert_counts", &dist::DispatchHandle::rank_expert_counts)
       .def_readonly("rank_num_tokens", &dist::DispatchHandle::rank_num_tokens)
       .def_property_readonly("num_pairs",

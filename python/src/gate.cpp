@@ -1,9 +1,10 @@
 // Bindings of the router gate (include/switchyard/gate.h).
+#include "switchyard/gate.h"
+
 #include <pybind11/stl.h>
 
 #include "bindings.h"
 #include "bridge.h"
-#include "switchyard/gate.h"
 
 namespace switchyard::py_bind {
 
@@ -11,10 +12,13 @@ namespace {
 
 GateOptions gate_options(py::handle router_dtype) {
   GateOptions opt;
-  opt.router_dtype = py_bridge::dtype_from_torch(router_dtype, "router_gating_linear", "router_dtype");
+  opt.router_dtype =
+      py_bridge::dtype_from_torch(router_dtype, "router_gating_linear", "router_dtype");
   if (opt.router_dtype != DType::fp32 && opt.router_dtype != DType::fp64) {
-    throw py::value_error(std::string("[router_gating_linear] router_dtype must be torch.float32 or "
-                                      "torch.float64, got ") + dtype_name(opt.router_dtype));
+    throw py::value_error(
+        std::string("[router_gating_linear] router_dtype must be torch.float32 or "
+                    "torch.float64, got ") +
+        dtype_name(opt.router_dtype));
   }
   return opt;
 }

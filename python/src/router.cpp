@@ -1,4 +1,6 @@
 // Bindings of the router (include/switchyard/router.h) and router replay (replay.h).
+#include "switchyard/router.h"
+
 #include <pybind11/stl.h>
 
 #include <optional>
@@ -7,7 +9,6 @@
 #include "bindings.h"
 #include "bridge.h"
 #include "switchyard/replay.h"
-#include "switchyard/router.h"
 
 namespace switchyard::py_bind {
 
@@ -37,14 +38,14 @@ Tensor ids_int32(py::handle obj, const char* op, const char* name, py_bridge::Ar
 std::string config_repr(const RouterConfig& c) {
   std::string s = "RouterConfig(num_experts=" + std::to_string(c.num_experts) +
                   ", topk=" + std::to_string(c.top_k) + ", score_function='" +
-                  score_function_name(c.score_function) + "', pre_softmax=" +
-                  (c.pre_softmax ? "True" : "False");
+                  score_function_name(c.score_function) +
+                  "', pre_softmax=" + (c.pre_softmax ? "True" : "False");
   s += ", num_groups=" + (c.num_groups ? std::to_string(c.num_groups) : std::string("None"));
   s += ", group_topk=" + (c.group_topk ? std::to_string(c.group_topk) : std::string("None"));
   s += ", topk_scaling_factor=" + py::repr(py::float_(c.topk_scaling_factor)).cast<std::string>();
-  s += ", capacity_factor=" + (c.capacity_factor ? py::repr(py::float_(*c.capacity_factor))
-                                                       .cast<std::string>()
-                                                 : std::string("None"));
+  s += ", capacity_factor=" + (c.capacity_factor
+                                   ? py::repr(py::float_(*c.capacity_factor)).cast<std::string>()
+                                   : std::string("None"));
   s += std::string(", token_drop_policy='") + token_drop_policy_name(c.token_drop_policy) + "'";
   s += std::string(", pad_to_capacity=") + (c.pad_to_capacity ? "True" : "False");
   s += std::string(", aux_loss_type=") +
@@ -78,7 +79,8 @@ void bind_router(py::module_& m) {
              c.capacity_factor = capacity_factor;
              c.token_drop_policy = parse_token_drop_policy(token_drop_policy);
              c.pad_to_capacity = pad_to_capacity;
-             c.aux_loss_type = aux_loss_type ? parse_aux_loss_type(*aux_loss_type) : AuxLossType::none;
+             c.aux_loss_type =
+                 aux_loss_type ? parse_aux_loss_type(*aux_loss_type) : AuxLossType::none;
              c.aux_loss_coeff = aux_loss_coeff;
              c.z_loss_coeff = z_loss_coeff;
              validate_router_config(c);
@@ -93,8 +95,9 @@ void bind_router(py::module_& m) {
            py::arg("z_loss_coeff") = 0.0)
       .def_readonly("num_experts", &RouterConfig::num_experts)
       .def_readonly("topk", &RouterConfig::top_k)
-      .def_property_readonly("score_function",
-                             [](const RouterConfig& c) { return score_function_name(c.score_function); })
+      .def_property_readonly(
+          "score_function",
+          [](const RouterConfig& c) { return score_function_name(c.score_function); })
       .def_readonly("pre_softmax", &RouterConfig::pre_softmax)
       .def_property_readonly("num_groups",
                              [](const RouterConfig& c) -> std::optional<int64_t> {
@@ -121,10 +124,19 @@ void bind_router(py::module_& m) {
       .def_readonly("z_loss_coeff", &RouterConfig::z_loss_coeff)
       .def("__repr__", &config_repr);
 
-  py::class_<GlobalAuxLossState>(m, "GlobalAuxLossState",
-                                 "Running per-expert counts of global_aux_loss (one per MoE layer).")
+  py::class_<GlobalAuxLossState>(
+      m, "GlobalAuxLossState", "Running per-expert counts of global_aux_loss (one per MoE layer).")
       .def(py::init<>())
       .def("reset", &GlobalAuxLossState::reset)
+      .def(
+          "copy",
+          [](const GlobalAuxLossState& s) {
+            GlobalAuxLossState c;
+            c.steps = s.steps;
+            if (s.tokens_per_expert.defined()) c.tokens_per_expert = s.tokens_per_expert.clone();
+            return c;
+          },
+          "An independent snapshot (for a recompute that must reproduce its forward).")
       .def_readonly("steps", &GlobalAuxLossState::steps)
       .def_property_readonly("tokens_per_expert", [](const GlobalAuxLossState& s) {
         return py_bridge::to_torch(s.tokens_per_expert.defined() ? s.tokens_per_expert.clone()
@@ -139,14 +151,17 @@ void bind_router(py::module_& m) {
       .def_property_readonly(
           "tokens_per_expert",
           [](const PyRoute& p) { return py_bridge::to_torch(p.r.num_tokens_per_expert); })
-      .def_property_readonly("expert_capacity", [](const PyRoute& p) { return p.r.expert_capacity; })
+      .def_property_readonly("expert_capacity",
+                             [](const PyRoute& p) { return p.r.expert_capacity; })
       .def_property_readonly("num_dropped", [](const PyRoute& p) { return p.r.num_dropped; })
       .def_property_readonly("aux_loss", [](const PyRoute& p) { return p.r.aux_loss; })
       .def_property_readonly("z_loss", [](const PyRoute& p) { return p.r.z_loss; })
       .def_property_readonly("num_replayed_rows",
                              [](const PyRoute& p) { return p.r.num_replayed_rows; })
-      .def_property_readonly("num_native_rows", [](const PyRoute& p) { return p.r.num_native_rows; })
-      .def_property_readonly("num_padded_rows", [](const PyRoute& p) { return p.r.num_padded_rows; })
+      .def_property_readonly("num_native_rows",
+                             [](const PyRoute& p) { return p.r.num_native_rows; })
+      .def_property_readonly("num_padded_rows",
+                             [](const PyRoute& p) { return p.r.num_padded_rows; })
       .def_property_readonly("num_invalid_replay_rows",
                              [](const PyRoute& p) { return p.r.num_invalid_replay_rows; });
 
@@ -162,8 +177,9 @@ void bind_router(py::module_& m) {
         } else if (invalid_replay_rows == "native") {
           opt.invalid_replay_rows = InvalidReplayRows::native;
         } else {
-          throw py::value_error("[topk_route] invalid_replay_rows must be 'error' or 'native', got '" +
-                                invalid_replay_rows + "'");
+          throw py::value_error(
+              "[topk_route] invalid_replay_rows must be 'error' or 'native', got '" +
+              invalid_replay_rows + "'");
         }
         opt.layer = layer;
         opt.seq_length = seq_length;
@@ -190,8 +206,8 @@ void bind_router(py::module_& m) {
   m.def(
       "topk_route_backward",
       [](py::handle grad_topk_weights, const PyRoute& route, double loss_grad_scale) {
-        py_bridge::Arg ag =
-            py_bridge::borrow_optional(grad_topk_weights, "topk_route_backward", "grad_topk_weights");
+        py_bridge::Arg ag = py_bridge::borrow_optional(grad_topk_weights, "topk_route_backward",
+                                                       "grad_topk_weights");
         RouteBackwardOptions opt;
         opt.loss_grad_scale = loss_grad_scale;
         RouteGrads g;

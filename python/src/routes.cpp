@@ -1,5 +1,7 @@
 // Bindings of the route toolkit (include/switchyard/routes*.h, route_file.h): tables cross as
 // int32 torch tensors [tokens, moe_layers, K] (-1 = no route) with a num_experts beside them.
+#include "switchyard/routes.h"
+
 #include <pybind11/stl.h>
 
 #include <string>
@@ -11,7 +13,6 @@
 #include "switchyard/route_file.h"
 #include "switchyard/route_import.h"
 #include "switchyard/route_stats.h"
-#include "switchyard/routes.h"
 
 namespace switchyard::py_bind {
 
@@ -66,7 +67,8 @@ ZeroRowPolicy zero_policy(const std::string& s) {
 
 ImportOptions import_options(int64_t num_experts, int64_t first_k_dense,
                              const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-                             int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+                             int64_t num_input_layers, int64_t top_k,
+                             const std::string& zero_rows) {
   ImportOptions o;
   o.num_experts = num_experts;
   o.layer_map.first_k_dense = first_k_dense;
@@ -183,43 +185,39 @@ void bind_routes(py::module_& m) {
   });
 
   // ---- import ----
-  m.def(
-      "routes_import_vllm",
-      [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
-         const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-         int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
-        return import_result(import_vllm(paths, import_options(num_experts, first_k_dense,
-                                                               moe_layer_freq, num_mtp_layers,
-                                                               num_input_layers, top_k, zero_rows)));
-      });
-  m.def(
-      "routes_import_sglang",
-      [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
-         const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-         int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
-        return import_result(import_sglang(paths, import_options(num_experts, first_k_dense,
-                                                                 moe_layer_freq, num_mtp_layers,
-                                                                 num_input_layers, top_k,
-                                                                 zero_rows)));
-      });
-  m.def(
-      "routes_import_sglang_text",
-      [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
-         const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-         int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
-        return import_result(import_sglang_text(
-            text, "<text>", import_options(num_experts, first_k_dense, moe_layer_freq,
-                                           num_mtp_layers, num_input_layers, top_k, zero_rows)));
-      });
-  m.def("routes_moe_layer_indices",
-        [](int64_t first_k_dense, const std::vector<int64_t>& freq, int64_t num_mtp_layers,
-           int64_t num_input_layers) {
-          LayerMap lm;
-          lm.first_k_dense = first_k_dense;
-          lm.moe_layer_freq = freq;
-          lm.num_mtp_layers = num_mtp_layers;
-          return moe_layer_indices(lm, num_input_layers);
+  m.def("routes_import_vllm",
+        [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
+           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+          return import_result(import_vllm(
+              paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
+                                    num_input_layers, top_k, zero_rows)));
         });
+  m.def("routes_import_sglang",
+        [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
+           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+          return import_result(import_sglang(
+              paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
+                                    num_input_layers, top_k, zero_rows)));
+        });
+  m.def("routes_import_sglang_text",
+        [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
+           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+          return import_result(import_sglang_text(
+              text, "<text>",
+              import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
+                             num_input_layers, top_k, zero_rows)));
+        });
+  m.def("routes_moe_layer_indices", [](int64_t first_k_dense, const std::vector<int64_t>& freq,
+                                       int64_t num_mtp_layers, int64_t num_input_layers) {
+    LayerMap lm;
+    lm.first_k_dense = first_k_dense;
+    lm.moe_layer_freq = freq;
+    lm.num_mtp_layers = num_mtp_layers;
+    return moe_layer_indices(lm, num_input_layers);
+  });
   m.def("routes_parse_moe_layer_freq", &parse_moe_layer_freq);
 
   // ---- align ----
@@ -235,33 +233,29 @@ void bind_routes(py::module_& m) {
     o.cp_size = cp_size;
     o.fp8_align = fp8_align;
     PackedRoutes p = pack_thd(to_tables(tables, num_experts, "pack_thd"), o);
-    return py::make_tuple(py_bridge::to_torch(p.table.topk_idx), p.cu_seqlens,
-                          p.cu_seqlens_padded);
+    return py::make_tuple(py_bridge::to_torch(p.table.topk_idx), p.cu_seqlens, p.cu_seqlens_padded);
   });
-  m.def("routes_unpack_thd", [](py::handle packed, const std::vector<int64_t>& cu_seqlens,
-                                const std::vector<int64_t>& cu_seqlens_padded,
-                                int64_t num_experts) {
-    PackedRoutes p;
-    p.table = to_table(packed, num_experts, "unpack_thd", "packed");
-    p.cu_seqlens = cu_seqlens;
-    p.cu_seqlens_padded = cu_seqlens_padded;
-    return from_tables(unpack_thd(p));
+  m.def("routes_unpack_thd",
+        [](py::handle packed, const std::vector<int64_t>& cu_seqlens,
+           const std::vector<int64_t>& cu_seqlens_padded, int64_t num_experts) {
+          PackedRoutes p;
+          p.table = to_table(packed, num_experts, "unpack_thd", "packed");
+          p.cu_seqlens = cu_seqlens;
+          p.cu_seqlens_padded = cu_seqlens_padded;
+          return from_tables(unpack_thd(p));
+        });
+  m.def("routes_cp_zigzag_split", [](py::handle packed, const std::vector<int64_t>& cu_padded,
+                                     int64_t cp_size, int64_t cp_rank, int64_t num_experts) {
+    return py_bridge::to_torch(
+        cp_zigzag_split(to_table(packed, num_experts, "cp_zigzag_split", "packed"), cu_padded,
+                        cp_size, cp_rank)
+            .topk_idx);
   });
-  m.def("routes_cp_zigzag_split",
-        [](py::handle packed, const std::vector<int64_t>& cu_padded, int64_t cp_size,
-           int64_t cp_rank, int64_t num_experts) {
-          return py_bridge::to_torch(
-              cp_zigzag_split(to_table(packed, num_experts, "cp_zigzag_split", "packed"),
-                              cu_padded, cp_size, cp_rank)
-                  .topk_idx);
-        });
-  m.def("routes_cp_zigzag_gather",
-        [](const py::sequence& pieces, const std::vector<int64_t>& cu_padded,
-           int64_t num_experts) {
-          return py_bridge::to_torch(
-              cp_zigzag_gather(to_tables(pieces, num_experts, "cp_zigzag_gather"), cu_padded)
-                  .topk_idx);
-        });
+  m.def("routes_cp_zigzag_gather", [](const py::sequence& pieces,
+                                      const std::vector<int64_t>& cu_padded, int64_t num_experts) {
+    return py_bridge::to_torch(
+        cp_zigzag_gather(to_tables(pieces, num_experts, "cp_zigzag_gather"), cu_padded).topk_idx);
+  });
   m.def("routes_sp_split", [](py::handle table, int64_t tp_size, int64_t tp_rank,
                               int64_t num_experts) {
     return py_bridge::to_torch(
@@ -302,8 +296,7 @@ void bind_routes(py::module_& m) {
     return drift_dict(route_drift(to_table(a, num_experts, "drift", "a"),
                                   to_table(b, num_experts, "drift", "b")));
   });
-  m.def("routes_drift_many", [](const py::sequence& a, const py::sequence& b,
-                                int64_t num_experts) {
+  m.def("routes_drift_many", [](const py::sequence& a, const py::sequence& b, int64_t num_experts) {
     if (a.size() != b.size()) {
       throw py::value_error("[drift] a and b must hold the same number of tables, got " +
                             std::to_string(a.size()) + " and " + std::to_string(b.size()));
@@ -319,8 +312,8 @@ void bind_routes(py::module_& m) {
     for (const RouteTable& t : to_tables(tables, num_experts, "expert_load")) {
       accumulate_expert_load(t, load);
     }
-    Tensor counts = Tensor::from_vector(load.num_tokens_per_expert,
-                                        {load.num_moe_layers, load.num_experts});
+    Tensor counts =
+        Tensor::from_vector(load.num_tokens_per_expert, {load.num_moe_layers, load.num_experts});
     std::vector<double> imbalance;
     for (int64_t l = 0; l < load.num_moe_layers; ++l) imbalance.push_back(load_imbalance(load, l));
     return py::make_tuple(py_bridge::to_torch(counts), load.num_none_rows, imbalance);

@@ -6,6 +6,8 @@
 Tensors cross into the engine without copies when they are contiguous CPU tensors; other layouts are
 made contiguous once. A CUDA tensor or a wrong dtype raises ValueError naming the argument.
 """
+import collections
+
 import torch
 
 from . import _switchyard as _C
@@ -95,6 +97,8 @@ class DispatchHandle:
         self._comm = comm
 
     def __getattr__(self, name):
+        if name.startswith("_"):  # not set yet (copy, unpickling): no recursion through _c
+            raise AttributeError(name)
         return getattr(self._c, name)
 
     def __repr__(self):
@@ -353,6 +357,7 @@ class TopKRouter(torch.nn.Module):
             self.local_tokens_per_expert = None
         self.global_aux_loss_state = (_C.GlobalAuxLossState()
                                       if config.aux_loss_type == "global_aux_loss" else None)
+        self._gstate_snapshots = collections.deque()
         self.replay = None
         self.last_info = None
 
@@ -367,9 +372,22 @@ class TopKRouter(torch.nn.Module):
         elif replay is not None:
             replay_idx = replay._ids_for_forward(T)
             invalid = replay.invalid_replay_rows
+        gstate = self.global_aux_loss_state
+        if gstate is not None and replay is not None and not isinstance(replay, torch.Tensor):
+            # A checkpoint recompute must see the global aux-loss state its forward saw: snapshot
+            # it at replay_forward, route the matching replay_backward on the snapshot (FIFO, like
+            # the replay queue), so the live state advances once per micro-batch.
+            if replay.action == "replay_forward":
+                # One snapshot per table still queued for recompute (the replay may have been
+                # cleared, or earlier forwards never recomputed).
+                while len(self._gstate_snapshots) > max(replay.num_pending_backward - 1, 0):
+                    self._gstate_snapshots.popleft()
+                self._gstate_snapshots.append(gstate.copy())
+            elif replay.action == "replay_backward" and self._gstate_snapshots:
+                gstate = self._gstate_snapshots.popleft()
         probs, topk_idx, info = topk_route(
             logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
-            seq_length=seq_length, global_aux_loss_state=self.global_aux_loss_state,
+            seq_length=seq_length, global_aux_loss_state=gstate,
             layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
             return_info=True)
         if replay is not None and not isinstance(replay, torch.Tensor):

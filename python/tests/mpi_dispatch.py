@@ -75,6 +75,16 @@ def check_case(comm, cls, seed, H, E, K, tokens, dtype=torch.float32, skew=False
     # (bf16: W's gradient is a bf16 matmul over rows whose column 0 is ~1000*rank; not compared.)
     for e in (disp.local_expert_ids if dtype == torch.float32 else ()):
         torch.testing.assert_close(Wl.grad[e].double(), Wr.grad[e], **tol, msg=where)
+    # Experts that apply the routing weights themselves (apply_probs=False): the probs' gradient
+    # then flows through recv_probs, back to each row's source rank.
+    p2 = ps[rank].clone().requires_grad_(True)
+    recv_x2, recv_p2, h2 = disp.dispatch(xs[rank], p2, idxs[rank])
+    y2 = disp.combine(expert_block(disp, recv_x2, h2, W) * recv_p2[:, None].to(recv_x2.dtype), h2,
+                      apply_probs=False)
+    (y2.float() * G[lo:lo + tokens[rank]]).sum().backward()
+    torch.testing.assert_close(y2.double(), y.detach().double(), **tol, msg=where)
+    if tokens[rank]:
+        torch.testing.assert_close(p2.grad.double(), pr[rank].grad, **tol, msg=where)
     return h
 
 

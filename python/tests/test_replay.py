@@ -177,3 +177,37 @@ def test_r3_replay_rollout_routes_with_checkpoint(gen, tmp_path):
     assert all(r.num_pending_backward == 0 for r in replays)
     for l in range(L):
         assert routers[l].weight.grad is not None and float(routers[l].weight.grad.abs().sum()) > 0
+
+
+def test_global_aux_loss_recompute_sees_its_forward_state(gen):
+    # With global_aux_loss the running counts advance per call; the checkpoint recompute must
+    # route on the state its forward saw, so the gradient equals the one without checkpointing.
+    E, K, H, T = 8, 2, 6, 10
+    cfg = sy.RouterConfig(num_experts=E, topk=K, aux_loss_type="global_aux_loss",
+                          aux_loss_coeff=0.5)
+    xs = [torch.randn(T, H, generator=gen) for _ in range(2)]
+    grads = []
+    for use_ckpt in (False, True):
+        torch.manual_seed(0)
+        router = syt.TopKRouter(hidden_size=H, config=cfg)
+        replay = sy.RouterReplay(top_k=K)
+        router.replay = replay
+        ids = [torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(i + 50 * j))[:K]
+                            for j in range(T)]) for i in range(2)]
+        for i in ids:
+            replay.set_target(i)
+        replay.action = "replay_forward"
+        xg = [x.clone().requires_grad_(True) for x in xs]
+        outs = [ckpt.checkpoint(_layer, router, x) if use_ckpt else _layer(router, x) for x in xg]
+        replay.action = "replay_backward"
+        g = []
+        for out in outs:
+            router.weight.grad = None
+            out.sum().backward()
+            g.append(router.weight.grad.clone())
+        assert router.global_aux_loss_state.steps == 2
+        if not use_ckpt:
+            replay.clear()
+        grads.append(g)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -24,6 +24,13 @@ void check_rows(const Tensor& t, const char* op, const char* name, int64_t rows)
   }
 }
 
+// A fresh output tensor, huge-page advised before first touch.
+Tensor fresh(const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  cpu::advise_huge_pages(t.raw(), static_cast<int64_t>(t.nbytes()));
+  return t;
+}
+
 template <class F>
 void by_dtype(DType d, F&& f) {
   if (d == DType::fp32) {
@@ -44,7 +51,7 @@ void check_out(const Tensor& out, const char* op, const Shape& shape, DType dtyp
 Tensor permute(const Tensor& x, const RoutingPlan& plan) {
   check_plan(plan, "permute");
   check_rows(x, "permute", "x", plan.num_tokens);
-  Tensor out = Tensor::empty({plan.num_rows, x.size(1)}, x.dtype());
+  Tensor out = fresh({plan.num_rows, x.size(1)}, x.dtype());
   permute_into(x, out, plan);
   return out;
 }
@@ -65,7 +72,7 @@ Tensor permute_backward(const Tensor& grad_permuted, const RoutingPlan& plan) {
 Tensor unpermute(const Tensor& permuted, const RoutingPlan& plan, const UnpermuteOptions& options) {
   check_plan(plan, "unpermute");
   check_rows(permuted, "unpermute", "permuted", plan.num_rows);
-  Tensor out = Tensor::empty({plan.num_tokens, permuted.size(1)}, permuted.dtype());
+  Tensor out = fresh({plan.num_tokens, permuted.size(1)}, permuted.dtype());
   unpermute_into(permuted, out, plan, options);
   return out;
 }
@@ -100,7 +107,7 @@ UnpermuteGrads unpermute_backward(const Tensor& grad_y, const Tensor& permuted,
     }
   }
   UnpermuteGrads g;
-  g.grad_permuted = Tensor::empty({plan.num_rows, H}, grad_y.dtype());
+  g.grad_permuted = fresh({plan.num_rows, H}, grad_y.dtype());
   g.grad_topk_weights = Tensor::zeros({plan.num_tokens, plan.top_k}, DType::fp32);
   const int64_t* rt = plan.row_token.data<int64_t>();
   by_dtype(grad_y.dtype(), [&](auto tag) {

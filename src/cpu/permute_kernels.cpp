@@ -7,6 +7,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace switchyard::cpu {
 
 namespace {
@@ -60,6 +64,20 @@ inline void accumulate_row(const float* w, const X* y, const X* next, float* acc
 }
 
 }  // namespace
+
+void advise_huge_pages(void* p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end =
+      (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  // Advice only: failure (no THP, unaligned mapping) just leaves normal pages.
+  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
 
 void gather_rows(const void* src, const int64_t* index, int64_t num_rows, int64_t row_bytes,
                  void* dst) {

@@ -63,7 +63,8 @@ struct CompressTable {
 constexpr CompressTable kCompress{};
 
 // Branch-free top-k (k <= 8) of an fp32 row with n % 8 == 0, same result as insert_topk:
-// (1) the k-th largest 8-wide block maximum is a lower bound `thr` of the k-th largest key;
+// (1) a lower bound `thr` of the k-th largest key: the k-th largest of 8 disjoint maxima (lanes,
+//     or 8-wide blocks for short rows);
 // (2) keys >= thr are compressed (in id order) into a short candidate list;
 // (3) each candidate enters a sorted 8-lane register (values + ids) by compare/permute/blend, with
 //     equal keys kept behind earlier (lower) ids. No data-dependent branches except the loop
@@ -86,6 +87,13 @@ inline void reg_insert(TopReg& t, __m256 v, __m256i id) {
                                               _mm256_castsi256_ps(t.id), ge));
 }
 
+inline float hmin8(__m256 x) {
+  __m256 m = _mm256_min_ps(x, _mm256_permute2f128_ps(x, x, 1));
+  m = _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+  m = _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm256_cvtss_f32(m);
+}
+
 inline float hmax8(__m256 x) {
   __m256 m = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
   m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -97,14 +105,32 @@ void select_topk_f32x8(const float* key, int64_t n, int64_t k, int32_t* out_id, 
                        float* cand_v, int32_t* cand_i) {
   const int64_t nb = n / 8;
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t b = 0; b < nb; ++b) bm[b] = hmax8(_mm256_loadu_ps(key + b * 8));
   TopReg t{neg_inf, _mm256_setzero_si256()};
-  for (int64_t b = 0; b < nb; ++b) {
-    reg_insert(t, _mm256_set1_ps(bm[b]), _mm256_set1_epi32(static_cast<int32_t>(b)));
-  }
   alignas(32) float tv[8];
-  _mm256_store_ps(tv, t.v);
-  const __m256 thr = _mm256_set1_ps(tv[k - 1]);
+  float thr_s;
+  if (k == 8 || nb >= 8) {
+    // Lane maxima: lane l holds the max of the keys e with e % 8 == l, 8 disjoint sets, so their
+    // k-th largest is also a lower bound (for k == 8 simply the smallest lane maximum).
+    __m256 lm = _mm256_loadu_ps(key);
+    for (int64_t b = 1; b < nb; ++b) lm = _mm256_max_ps(lm, _mm256_loadu_ps(key + b * 8));
+    if (k == 8) {
+      thr_s = hmin8(lm);
+    } else {
+      alignas(32) float lv[8];
+      _mm256_store_ps(lv, lm);
+      for (int l = 0; l < 8; ++l) reg_insert(t, _mm256_set1_ps(lv[l]), _mm256_setzero_si256());
+      _mm256_store_ps(tv, t.v);
+      thr_s = tv[k - 1];
+    }
+  } else {
+    for (int64_t b = 0; b < nb; ++b) bm[b] = hmax8(_mm256_loadu_ps(key + b * 8));
+    for (int64_t b = 0; b < nb; ++b) {
+      reg_insert(t, _mm256_set1_ps(bm[b]), _mm256_set1_epi32(static_cast<int32_t>(b)));
+    }
+    _mm256_store_ps(tv, t.v);
+    thr_s = tv[k - 1];
+  }
+  const __m256 thr = _mm256_set1_ps(thr_s);
   int64_t nc = 0;
   const __m256i lane_ids = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t b = 0; b < nb; ++b) {
@@ -269,9 +295,13 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
   const int64_t G = p.aux_groups;
   const int64_t num_chunks = (T + kLossChunk - 1) / kLossChunk;
   const bool softmax = p.score_function == kScoreSoftmax;
-  // Per-chunk partial sums, reduced in chunk order afterwards (thread-count independent).
-  std::vector<double> part_p(p.need_aux ? static_cast<size_t>(num_chunks * G * E) : 0, 0.0);
-  std::vector<int64_t> part_c(p.need_aux ? static_cast<size_t>(num_chunks * G * E) : 0, 0);
+  // Per-chunk partial sums, reduced in chunk order afterwards (thread-count independent). A chunk
+  // holds one slot per sequence group when G <= kLossChunk, else one slot per token (each token of
+  // a chunk is then in a different group), so the scratch never exceeds T x E.
+  const int64_t slots = std::min(G, kLossChunk);
+  const size_t part_size = p.need_aux ? static_cast<size_t>(num_chunks * slots * E) : 0;
+  std::vector<double> part_p(part_size, 0.0);
+  std::vector<int64_t> part_c(part_size, 0);
   std::vector<double> part_z(p.need_z ? static_cast<size_t>(num_chunks) : 0, 0.0);
 
   // Small batches run on the calling thread: a parallel region costs more than they do.
@@ -351,11 +381,30 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
             const S den = rmath::sum_of(sc.key.data(), E) + static_cast<S>(kNormEps);
             for (int64_t e = 0; e < E; ++e) P[e] = sc.key[e] / den;
           }
-          select_topk(P, E, K, static_cast<const uint8_t*>(nullptr), sc.top_val.data(),
-                      sc.aux_id.data(), sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
-          const int64_t g = t % G;
-          double* pp = part_p.data() + (c * G + g) * E;
-          int64_t* pc = part_c.data() + (c * G + g) * E;
+          // The aux counts need only the top-k SET of P. When every routed id's P strictly
+          // exceeds every other expert's P, that set is the row's ids (the usual case without
+          // bias, groups or replay); otherwise select on P. Exact either way, one pass cheaper.
+          bool same_set = K < E;
+          if (same_set) {
+            S min_sel = P[ids[0]];
+            for (int64_t k = 0; k < K; ++k) {
+              min_sel = std::min(min_sel, P[ids[k]]);
+              sc.top_val[k] = P[ids[k]];
+              P[ids[k]] = -std::numeric_limits<S>::infinity();
+            }
+            same_set = min_sel > rmath::max_of(static_cast<const S*>(P), E);
+            for (int64_t k = 0; k < K; ++k) P[ids[k]] = sc.top_val[k];
+          }
+          if (same_set || K == E) {
+            std::copy_n(ids, K, sc.aux_id.data());
+          } else {
+            select_topk(static_cast<const S*>(P), E, K, static_cast<const uint8_t*>(nullptr),
+                        sc.top_val.data(), sc.aux_id.data(), sc.bm.data(), sc.cand_v.data(),
+                        sc.cand_i.data());
+          }
+          const int64_t slot = G <= kLossChunk ? t % G : t - c * kLossChunk;
+          double* pp = part_p.data() + (c * slots + slot) * E;
+          int64_t* pc = part_c.data() + (c * slots + slot) * E;
           for (int64_t e = 0; e < E; ++e) pp[e] += static_cast<double>(P[e]);
           for (int64_t k = 0; k < K; ++k) ++pc[sc.aux_id[k]];
         }
@@ -371,9 +420,15 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
     std::fill_n(aux_prob_sum, G * E, 0.0);
     std::fill_n(aux_counts, G * E, int64_t{0});
     for (int64_t c = 0; c < num_chunks; ++c) {
-      for (int64_t i = 0; i < G * E; ++i) {
-        aux_prob_sum[i] += part_p[c * G * E + i];
-        aux_counts[i] += part_c[c * G * E + i];
+      const int64_t used = G <= kLossChunk ? G : std::min(kLossChunk, T - c * kLossChunk);
+      for (int64_t slot = 0; slot < used; ++slot) {
+        const int64_t g = G <= kLossChunk ? slot : (c * kLossChunk + slot) % G;
+        const double* pp = part_p.data() + (c * slots + slot) * E;
+        const int64_t* pc = part_c.data() + (c * slots + slot) * E;
+        for (int64_t e = 0; e < E; ++e) {
+          aux_prob_sum[g * E + e] += pp[e];
+          aux_counts[g * E + e] += pc[e];
+        }
       }
     }
   }
@@ -449,8 +504,10 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
     for (int64_t t = 0; t < T; ++t) {
       const S* z = logits + t * E;
       S* g = grad_logits + t * E;
-      std::fill_n(g, E, S(0));
-      if (row_kind[t] == kRowPadded) continue;
+      if (row_kind[t] == kRowPadded) {
+        std::fill_n(g, E, S(0));
+        continue;
+      }
       const int32_t* ids = selected_idx + t * K;
       const bool need_exp =
           softmax ? (p.pre_softmax || aux_grad != nullptr || z_coeff != 0.0) : z_coeff != 0.0;
@@ -463,7 +520,31 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
         for (int64_t k = 0; k < K; ++k) {
           gw[k] = topk_idx[t * K + k] >= 0 ? grad_w[t * K + k] * scaling : S(0);
         }
-        if (softmax && !p.pre_softmax) {
+      }
+      const S* a = aux_grad ? aux_s.data() + (t % G) * E : nullptr;
+      const S f = z_coeff != 0.0 ? static_cast<S>(z_coeff) * (zmax + std::log(sumex)) : S(0);
+      if (softmax) {
+        // Every dense term is P_e * (something): the aux loss P_e (a_e - <P, a>), the z-loss
+        // 2 coeff lse P_e / N, and for pre-softmax weights -P_e <P[ids], gw>; one pass writes them.
+        if (need_exp) {
+          S c = f;
+          if (p.pre_softmax && grad_w) {
+            S dotw = 0;
+            for (int64_t k = 0; k < K; ++k) dotw += sc.ex[ids[k]] / sumex * gw[k];
+            c -= dotw;
+          }
+          if (a) {
+            S* P = sc.grow.data();
+            for (int64_t e = 0; e < E; ++e) P[e] = sc.ex[e] / sumex;
+            c -= rmath::dot_of(P, a, E);
+            for (int64_t e = 0; e < E; ++e) g[e] = P[e] * (a[e] + c);
+          } else {
+            for (int64_t e = 0; e < E; ++e) g[e] = sc.ex[e] / sumex * c;
+          }
+        } else {
+          std::fill_n(g, E, S(0));
+        }
+        if (grad_w && !p.pre_softmax) {
           S m = z[ids[0]];
           for (int64_t k = 1; k < K; ++k) m = std::max(m, z[ids[k]]);
           S sum = 0;
@@ -477,56 +558,47 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
             dot += wk[k] * gw[k];
           }
           for (int64_t k = 0; k < K; ++k) g[ids[k]] += wk[k] * (gw[k] - dot);
-        } else if (softmax) {
-          S dot = 0;
-          for (int64_t k = 0; k < K; ++k) dot += sc.ex[ids[k]] / sumex * gw[k];
-          for (int64_t e = 0; e < E; ++e) g[e] -= sc.ex[e] / sumex * dot;
+        } else if (grad_w) {
           for (int64_t k = 0; k < K; ++k) g[ids[k]] += sc.ex[ids[k]] / sumex * gw[k];
-        } else {
-          if (K > 1) {
-            S sum = 0;
-            for (int64_t k = 0; k < K; ++k) sum += sc.key[ids[k]];
-            const S den = sum + static_cast<S>(kNormEps);
-            S dot = 0;
-            for (int64_t k = 0; k < K; ++k) dot += gw[k] * sc.key[ids[k]];
-            for (int64_t k = 0; k < K; ++k) {
-              const int32_t e = ids[k];
-              const S ds = gw[k] / den - dot / (den * den);
-              g[e] += ds * score_derivative(p.score_function, z[e], sc.key[e]);
-            }
-          } else {
-            const int32_t e = ids[0];
-            g[e] += gw[0] * score_derivative(p.score_function, z[e], sc.key[e]);
-          }
         }
+        continue;
       }
-      // Aux loss: L = sum_e a_e * P_e with a_e = dLoss/dP (per sequence group for seq_aux_loss).
-      if (aux_grad) {
-        const S* a = aux_s.data() + (t % G) * E;
-        S* P = sc.grow.data();
-        if (softmax) {
-          for (int64_t e = 0; e < E; ++e) P[e] = sc.ex[e] / sumex;
-          const S dot = rmath::dot_of(P, a, E);
-          for (int64_t e = 0; e < E; ++e) g[e] += P[e] * (a[e] - dot);
-        } else {
-          const S den = rmath::sum_of(sc.key.data(), E) + static_cast<S>(kNormEps);
-          const S dot = rmath::dot_of(a, sc.key.data(), E);
-          const S c2 = dot / (den * den);
-          for (int64_t e = 0; e < E; ++e) P[e] = a[e] / den - c2;  // dL/ds_e
-          if (p.score_function == kScoreSigmoid) {
-            for (int64_t e = 0; e < E; ++e) g[e] += P[e] * (sc.key[e] * (S(1) - sc.key[e]));
-          } else {
-            for (int64_t e = 0; e < E; ++e) {
-              g[e] += P[e] * score_derivative(p.score_function, z[e], sc.key[e]);
-            }
-          }
-        }
-      }
-      // z-loss: d(lse^2)/dz = 2 lse softmax(z); z_coeff already holds 2 * coeff / N * scale.
+      // Sigmoid family. z-loss first (it lives on softmax(z)), then the aux and weight terms on s.
       if (z_coeff != 0.0) {
-        const S lse = zmax + std::log(sumex);
-        const S f = static_cast<S>(z_coeff) * lse;
-        for (int64_t e = 0; e < E; ++e) g[e] += f * (sc.ex[e] / sumex);
+        for (int64_t e = 0; e < E; ++e) g[e] = f * (sc.ex[e] / sumex);
+      } else {
+        std::fill_n(g, E, S(0));
+      }
+      if (a) {
+        // L = sum_e a_e P_e with P = s / (sum s + eps): dL/ds_e = a_e/den - <a, s>/den^2.
+        S* dls = sc.grow.data();
+        const S den = rmath::sum_of(sc.key.data(), E) + static_cast<S>(kNormEps);
+        const S c2 = rmath::dot_of(a, sc.key.data(), E) / (den * den);
+        for (int64_t e = 0; e < E; ++e) dls[e] = a[e] / den - c2;
+        if (p.score_function == kScoreSigmoid) {
+          for (int64_t e = 0; e < E; ++e) g[e] += dls[e] * (sc.key[e] * (S(1) - sc.key[e]));
+        } else {
+          for (int64_t e = 0; e < E; ++e) {
+            g[e] += dls[e] * score_derivative(p.score_function, z[e], sc.key[e]);
+          }
+        }
+      }
+      if (grad_w) {
+        if (K > 1) {
+          S sum = 0;
+          for (int64_t k = 0; k < K; ++k) sum += sc.key[ids[k]];
+          const S den = sum + static_cast<S>(kNormEps);
+          S dot = 0;
+          for (int64_t k = 0; k < K; ++k) dot += gw[k] * sc.key[ids[k]];
+          for (int64_t k = 0; k < K; ++k) {
+            const int32_t e = ids[k];
+            const S ds = gw[k] / den - dot / (den * den);
+            g[e] += ds * score_derivative(p.score_function, z[e], sc.key[e]);
+          }
+        } else {
+          const int32_t e = ids[0];
+          g[e] += gw[0] * score_derivative(p.score_function, z[e], sc.key[e]);
+        }
       }
     }
   }

@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "check.h"
+#include "cpu/permute_kernels.h"
 #include "switchyard/dist.h"
 
 namespace switchyard::dist {
@@ -21,6 +22,7 @@ void* Communicator::workspace(int slot, int64_t bytes) {
     s.data = std::make_unique_for_overwrite<unsigned char[]>(
         static_cast<size_t>(std::max<int64_t>(bytes, 64)));
     s.size = std::max<int64_t>(bytes, 64);
+    cpu::advise_huge_pages(s.data.get(), s.size);
   }
   return s.data.get();
 }
@@ -67,6 +69,36 @@ class LocalCommunicator final : public Communicator {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t from = send_index ? send_index[i] : i, to = recv_index ? recv_index[i] : i;
       std::memcpy(d + to * row_bytes, s + from * row_bytes, rb);
+    }
+  }
+  void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
+                       const std::vector<Block>& recv_blocks, int64_t row_bytes) override {
+    std::vector<Block> sb, rb;
+    for (const Block& b : send_blocks) {
+      if (b.rows > 0) sb.push_back(b);
+    }
+    for (const Block& b : recv_blocks) {
+      if (b.rows > 0) rb.push_back(b);
+    }
+    if (sb.size() != rb.size()) {
+      detail::fail_arg("local.exchange_blocks", "send and receive blocks must match, got ",
+                       sb.size(), " non-empty send blocks and ", rb.size(), " receive blocks");
+    }
+    for (size_t i = 0; i < sb.size(); ++i) {
+      if (sb[i].peer != 0 || rb[i].peer != 0 || sb[i].rows != rb[i].rows) {
+        detail::fail_arg("local.exchange_blocks", "block ", i, " does not match: send ", sb[i].rows,
+                         " rows to peer ", sb[i].peer, ", receive ", rb[i].rows, " rows from peer ",
+                         rb[i].peer);
+      }
+    }
+    const auto* s = static_cast<const unsigned char*>(send);
+    auto* d = static_cast<unsigned char*>(recv);
+    const int64_t n = static_cast<int64_t>(sb.size());
+#pragma omp parallel for schedule(dynamic) if (n > 1)
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(d + rb[static_cast<size_t>(i)].offset * row_bytes,
+                  s + sb[static_cast<size_t>(i)].offset * row_bytes,
+                  static_cast<size_t>(sb[static_cast<size_t>(i)].rows * row_bytes));
     }
   }
   void allreduce_max(int64_t*, int64_t) override {}

@@ -26,7 +26,7 @@ using switchyard::detail::check_dtype;
 using switchyard::detail::check_shape;
 using switchyard::detail::fail_arg;
 
-constexpr int64_t kHeader = 6;  // error length, T, H, dtype, K, E; then E counts
+constexpr int64_t kHeader = 7;  // error length, T, H, dtype, K, E, dispatcher kind
 
 // Metadata travelling with each row in the AlltoAll dispatcher.
 struct RowMeta {
@@ -60,21 +60,36 @@ void a2a_counts(const DispatchHandle& h, std::vector<int64_t>& send, std::vector
     }
 }
 
-// Rows narrower than this travel packed (gather + plain alltoallv): a derived datatype with one
-// block per tiny row costs more than the copy.
-constexpr int64_t kIndexedMinRowBytes = 256;
-
 // Communicator workspace slots of the dispatchers (0-7 belong to the communicator itself).
 constexpr int kRowsSlot = 8;
 constexpr int kStagingSlot = 9;
 constexpr int kGradSlot = 10;
+constexpr int kPackSlot = 11;
 
-// Inverse of recv_gather_index (AlltoAll): all-to-all buffer row -> receive-layout row.
-std::vector<int64_t> staging_to_out(const DispatchHandle& h) {
-  const int64_t* gi = h.recv_gather_index.data<int64_t>();
-  std::vector<int64_t> inv(static_cast<size_t>(h.num_recv_tokens));
-  for (int64_t i = 0; i < h.num_recv_tokens; ++i) inv[static_cast<size_t>(gi[i])] = i;
-  return inv;
+// This rank's plan rows as blocks: for every peer r and its local expert el (ascending), the rows
+// of expert r*L+el, exchanged with r.
+void plan_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
+  const int64_t P = h.world_size, L = h.num_local_experts;
+  const int64_t* off = h.plan.expert_offsets.data<int64_t>();
+  out.clear();
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = r * L + el;
+      out.push_back({static_cast<int>(r), off[e], off[e + 1] - off[e]});
+    }
+}
+
+// This rank's receive layout as blocks: for every source s and local expert el (ascending), the
+// rows of (el, s), exchanged with s. Per peer, the same order as that peer's plan_blocks.
+void expert_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
+  const int64_t P = h.world_size, L = h.num_local_experts;
+  const auto boff = detail::block_offsets(h);
+  out.clear();
+  for (int64_t s = 0; s < P; ++s)
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = h.rank * L + el;
+      out.push_back({static_cast<int>(s), boff[static_cast<size_t>(e * P + s)], count_at(h, s, e)});
+    }
 }
 
 // Source side of the AllGather layout: for each row p of this rank's plan, its row in the buffer
@@ -101,18 +116,12 @@ void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h
                  Communicator& comm) {
   const int64_t R = h.num_recv_tokens;
   if (h.kind == DispatcherKind::all_to_all) {
-    // Rows for source s are the receive-layout rows of blocks (el, s), el ascending: exactly the
-    // order s sent them in, i.e. the inverse of recv_gather_index.
-    const auto inv = staging_to_out(h);
-    std::vector<int64_t> send, recv;
-    a2a_counts(h, send, recv);
-    if (rb < kIndexedMinRowBytes) {
-      void* staging = comm.workspace(kStagingSlot, R * rb);
-      cpu::gather_rows(src, inv.data(), R, rb, staging);
-      comm.alltoallv(staging, recv, dst, send, rb);
-    } else {
-      comm.alltoallv_rows(src, inv.data(), recv, dst, nullptr, send, rb);
-    }
+    // Each (local expert, source) block of the receive layout goes back as one message, straight
+    // into the source's plan rows: no packing on either side.
+    std::vector<Communicator::Block> send, recv;
+    expert_blocks(h, send);
+    plan_blocks(h, recv);
+    comm.exchange_blocks(src, send, dst, recv, rb);
   } else {
     const auto per_rank = detail::rows_per_rank(h);
     int64_t total = 0;
@@ -130,11 +139,35 @@ void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
                Communicator& comm) {
   const int64_t R = h.num_recv_tokens;
   if (h.kind == DispatcherKind::all_to_all) {
-    std::vector<int64_t> send, recv;
-    a2a_counts(h, send, recv);
-    // Token rows go straight from `src` (rows repeat: one per pair) to their receive-layout rows.
-    comm.alltoallv_rows(src, h.plan.row_token.data<int64_t>(), send, dst, staging_to_out(h).data(),
-                        recv, rb);
+    // Token rows are packed once in plan order (rows repeat: one per pair); each (expert, peer)
+    // block then lands directly at its place in the receive layout.
+    // Rows for this rank's own experts skip the pack: they are gathered from `src` straight into
+    // their receive-layout place (at EP=2 that is half of the rows, one copy instead of two).
+    const int64_t P = h.world_size, L = h.num_local_experts, me = h.rank;
+    const int64_t* off = h.plan.expert_offsets.data<int64_t>();
+    const int64_t* rt = h.plan.row_token.data<int64_t>();
+    const int64_t self_begin = off[me * L], self_end = off[(me + 1) * L];
+    void* packed = comm.workspace(kPackSlot, h.plan.num_rows * rb);
+    auto* pk = static_cast<unsigned char*>(packed);
+    cpu::gather_rows(src, rt, self_begin, rb, pk);
+    cpu::gather_rows(src, rt + self_end, h.plan.num_rows - self_end, rb, pk + self_end * rb);
+    const auto boff = detail::block_offsets(h);
+    auto* out = static_cast<unsigned char*>(dst);
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = me * L + el;
+      cpu::gather_rows(src, rt + off[e], off[e + 1] - off[e], rb,
+                       out + boff[static_cast<size_t>(e * P + me)] * rb);
+    }
+    std::vector<Communicator::Block> send, recv;
+    plan_blocks(h, send);
+    expert_blocks(h, recv);
+    for (auto& b : send) {
+      if (b.peer == me) b.rows = 0;  // already in place
+    }
+    for (auto& b : recv) {
+      if (b.peer == me) b.rows = 0;
+    }
+    comm.exchange_blocks(packed, send, dst, recv, rb);
   } else {
     int64_t total = 0;
     for (int64_t n : h.rank_num_tokens) total += n;
@@ -146,9 +179,26 @@ void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
 
 std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
                                   const Tensor& topk_weights, const DispatchOptions& options,
-                                  RoutingPlan& plan) {
+                                  int64_t P, RoutingPlan& plan) {
   const char* op = "dispatch";
   try {
+    // Options are normally the same everywhere, but if one rank's differ, a local throw would
+    // leave the others waiting in the header exchange: so these go through it too (still before
+    // any payload moves).
+    const int64_t E = options.num_experts;
+    if (E < 1) fail_arg(op, "num_experts must be >= 1, got num_experts=", E);
+    if (E % P != 0) {
+      fail_arg(op, "num_experts must be divisible by the expert-parallel size ", P,
+               ", got num_experts=", E);
+    }
+    if (options.plan.expert_alignment != 1 || options.plan.pad_to_capacity) {
+      fail_arg(op,
+               "options.plan must not pad (padding rows are never sent): expected "
+               "expert_alignment=1 and pad_to_capacity=false, got expert_alignment=",
+               options.plan.expert_alignment,
+               " and pad_to_capacity=", options.plan.pad_to_capacity);
+    }
+
     check_defined(x, op, "x");
     check_dim(x, op, "x", 2);
     check_dtype(x, op, "x", {DType::fp32, DType::bf16});
@@ -167,6 +217,13 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
     return e.what();
   }
   return {};
+}
+
+// A fresh output tensor, huge-page advised before first touch.
+Tensor fresh(const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  cpu::advise_huge_pages(t.raw(), static_cast<int64_t>(t.nbytes()));
+  return t;
 }
 
 template <class F>
@@ -207,35 +264,22 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
                         const DispatchOptions& options, Communicator& comm) {
   const char* op = "dispatch";
   const int64_t P = comm.size(), me = comm.rank(), E = options.num_experts;
-  // Same on every rank (options), so thrown before any communication.
-  if (E < 1) fail_arg(op, "num_experts must be >= 1, got num_experts=", E);
-  if (E % P != 0) {
-    fail_arg(op, "num_experts must be divisible by the expert-parallel size ", P,
-             ", got num_experts=", E);
-  }
-  if (options.plan.expert_alignment != 1 || options.plan.pad_to_capacity) {
-    fail_arg(op,
-             "options.plan must not pad (padding rows are never sent): expected "
-             "expert_alignment=1 and pad_to_capacity=false, got expert_alignment=",
-             options.plan.expert_alignment, " and pad_to_capacity=", options.plan.pad_to_capacity);
-  }
-
   RoutingPlan plan;
-  const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, plan);
-  std::vector<int64_t> header(static_cast<size_t>(kHeader + E), 0);
+  const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, P, plan);
+  // Phase 1, fixed size on every rank: error flag and the sizes that must agree. Phase 2 (once E
+  // is known to agree): the per-expert counts.
+  std::vector<int64_t> header(static_cast<size_t>(kHeader), 0);
   header[0] = static_cast<int64_t>(err.size());
+  header[5] = E;
+  header[6] = static_cast<int64_t>(options.kind);
   if (err.empty()) {
     header[1] = x.size(0);
     header[2] = x.size(1);
     header[3] = static_cast<int64_t>(x.dtype());
     header[4] = topk_idx.size(1);
-    header[5] = E;
-    const int64_t* c = plan.num_tokens_per_expert.data<int64_t>();
-    for (int64_t e = 0; e < E; ++e) header[static_cast<size_t>(kHeader + e)] = c[e];
   }
   const std::vector<int64_t> all = comm.allgather(header);
-  const int64_t W = kHeader + E;
-  auto at = [&](int64_t r, int64_t i) { return all[static_cast<size_t>(r * W + i)]; };
+  auto at = [&](int64_t r, int64_t i) { return all[static_cast<size_t>(r * kHeader + i)]; };
   std::vector<int64_t> lens(static_cast<size_t>(P));
   for (int64_t r = 0; r < P; ++r) lens[static_cast<size_t>(r)] = at(r, 0);
   detail::raise_if_any(op, err, lens, comm);
@@ -245,6 +289,11 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
     if (at(r, 5) != at(0, 5)) {
       fail_arg(op, "num_experts must be the same on every rank, got ", at(0, 5), " on rank 0 and ",
                at(r, 5), " on rank ", r);
+    }
+    if (at(r, 6) != at(0, 6)) {
+      fail_arg(op, "options.kind must be the same on every rank, got ",
+               at(0, 6) == 0 ? "all_to_all" : "all_gather", " on rank 0 and ",
+               at(r, 6) == 0 ? "all_to_all" : "all_gather", " on rank ", r);
     }
     if (at(r, 2) != at(0, 2)) {
       fail_arg(op, "x must have the same hidden size on every rank, got hidden=", at(0, 2),
@@ -260,6 +309,9 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
                " on rank 0 and top_k=", at(r, 4), " on rank ", r);
     }
   }
+  const int64_t* my_counts = plan.num_tokens_per_expert.data<int64_t>();
+  const std::vector<int64_t> counts =
+      comm.allgather(std::vector<int64_t>(my_counts, my_counts + E));
 
   DispatchHandle h;
   h.kind = options.kind;
@@ -275,7 +327,7 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   for (int64_t r = 0; r < P; ++r) {
     h.rank_num_tokens[static_cast<size_t>(r)] = at(r, 1);
     for (int64_t e = 0; e < E; ++e)
-      h.rank_expert_counts[static_cast<size_t>(r * E + e)] = at(r, kHeader + e);
+      h.rank_expert_counts[static_cast<size_t>(r * E + e)] = counts[static_cast<size_t>(r * E + e)];
   }
   const int64_t L = h.num_local_experts, H = h.hidden, K = topk_idx.size(1);
   const int64_t R = detail::rows_per_rank(h)[static_cast<size_t>(me)];
@@ -303,7 +355,7 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   const auto boff = detail::block_offsets(h);
   const int64_t rb = row_bytes(H, x.dtype());
   DispatchResult out;
-  out.recv_x = Tensor::empty({R, H}, x.dtype());
+  out.recv_x = fresh({R, H}, x.dtype());
 
   if (options.kind == DispatcherKind::all_to_all) {
     std::vector<int64_t> send, recv;
@@ -385,8 +437,8 @@ Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
 
 Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
                          Communicator& comm) {
-  return combine_impl("dispatch_backward", "grad_recv_x", grad_recv_x, handle, UnpermuteOptions{WeightMode::skip},
-                      comm);
+  return combine_impl("dispatch_backward", "grad_recv_x", grad_recv_x, handle,
+                      UnpermuteOptions{WeightMode::skip}, comm);
 }
 
 CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,
@@ -417,7 +469,7 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, cons
   // With weights, the dispatched gradient is an intermediate: keep it in the workspace.
   Tensor g_recv = apply
                       ? Tensor::borrow(comm.workspace(kGradSlot, R * row_bytes(H, dt)), {R, H}, dt)
-                      : Tensor::empty({R, H}, dt);
+                      : fresh({R, H}, dt);
   send_rows(grad_y.raw(), row_bytes(H, dt), g_recv.raw(), h, comm);
   CombineGrads out;
   out.grad_topk_weights = Tensor::zeros({h.num_tokens, h.plan.top_k}, DType::fp32);
@@ -425,7 +477,7 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, cons
     out.grad_expert_y = g_recv;
     return out;
   }
-  out.grad_expert_y = Tensor::empty({R, H}, dt);
+  out.grad_expert_y = fresh({R, H}, dt);
   Tensor dots = Tensor::empty({R}, DType::fp32);
   by_dtype(dt, [&](auto tag) {
     using X = decltype(tag);

@@ -71,6 +71,23 @@ class RowType {
   bool owned_ = false;
 };
 
+// On an early exit (a failed MPI call) pending requests are cancelled and freed, so no
+// nonblocking operation outlives the buffers it points into.
+struct RequestGuard {
+  std::vector<MPI_Request>& reqs;
+  ~RequestGuard() {
+    for (MPI_Request& r : reqs) {
+      if (r != MPI_REQUEST_NULL) {
+        MPI_Cancel(&r);
+        MPI_Request_free(&r);
+      }
+    }
+  }
+};
+
+// Tag of exchange_blocks messages (collectives do not use tags; our own communicator is a dup).
+constexpr int kBlockTag = 7301;
+
 // Workspace slots used by alltoallv_rows (the dispatchers use slots from 8 up).
 constexpr int kSendSlot = 0;
 constexpr int kRecvSlot = 1;
@@ -82,9 +99,14 @@ class MpiCommunicator final : public Communicator {
     MPI_Comm_rank(parent, &prank);
     rank_ = prank;
     SY_MPI_CHECK(MPI_Comm_dup(parent, &comm_));
-    SY_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
-    SY_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
-    SY_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    try {
+      SY_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+      SY_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+      SY_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    } catch (...) {
+      MPI_Comm_free(&comm_);  // the destructor will not run for a half-built object
+      throw;
+    }
   }
   ~MpiCommunicator() override {
     int fin = 0;
@@ -151,6 +173,51 @@ class MpiCommunicator final : public Communicator {
     void* rbuf = recv_index ? workspace(kRecvSlot, nr * row_bytes) : recv;
     alltoallv(sbuf, send_counts, rbuf, recv_counts, row_bytes);
     if (recv_index) copy_rows(rbuf, nullptr, nr, row_bytes, recv, recv_index);
+  }
+
+  void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
+                       const std::vector<Block>& recv_blocks, int64_t row_bytes) override {
+    // Nonblocking point-to-point, one message per non-empty block; messages between two ranks with
+    // the same tag arrive in order (MPI's non-overtaking rule), which is what matches blocks.
+    // Blocks to or from this rank are plain copies.
+    RowType row(row_bytes, rank_);
+    const auto* s = static_cast<const unsigned char*>(send);
+    auto* d = static_cast<unsigned char*>(recv);
+    std::vector<MPI_Request> reqs;
+    reqs.reserve(send_blocks.size() + recv_blocks.size());
+    std::vector<const Block*> self_send, self_recv;
+    RequestGuard guard{reqs};
+    for (const Block& b : recv_blocks) {
+      if (b.rows == 0) continue;
+      if (b.peer == rank_) {
+        self_recv.push_back(&b);
+        continue;
+      }
+      reqs.push_back(MPI_REQUEST_NULL);
+      SY_MPI_CHECK(MPI_Irecv(d + b.offset * row_bytes, to_int(b.rows), row.get(), b.peer, kBlockTag,
+                             comm_, &reqs.back()));
+    }
+    for (const Block& b : send_blocks) {
+      if (b.rows == 0) continue;
+      if (b.peer == rank_) {
+        self_send.push_back(&b);
+        continue;
+      }
+      reqs.push_back(MPI_REQUEST_NULL);
+      SY_MPI_CHECK(MPI_Isend(s + b.offset * row_bytes, to_int(b.rows), row.get(), b.peer, kBlockTag,
+                             comm_, &reqs.back()));
+    }
+    if (self_send.size() != self_recv.size()) {
+      throw BackendError(detail::cat("[dist] exchange_blocks: ", self_send.size(),
+                                     " blocks to self but ", self_recv.size(), " from self (rank ",
+                                     rank_, ", ", __FILE__, ":", __LINE__, ")"));
+    }
+    for (size_t i = 0; i < self_send.size(); ++i) {
+      std::memcpy(d + self_recv[i]->offset * row_bytes, s + self_send[i]->offset * row_bytes,
+                  static_cast<size_t>(self_send[i]->rows * row_bytes));
+    }
+    SY_MPI_CHECK(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE));
+    reqs.clear();
   }
 
   void allreduce_max(int64_t* values, int64_t n) override {

@@ -99,8 +99,7 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
   }
   const int64_t numel = T * L * K;
   std::vector<W> ids(static_cast<size_t>(numel));  // aligned copy of the rank plane
-  // A 0-token sequence has no ids: ids.data() is null then, and memcpy(null, ..., 0) is UB.
-  if (numel > 0) {
+  if (numel > 0) {  // memcpy must not see the null data() of an empty vector
     std::memcpy(ids.data(), raw + (ranked ? perm.size() * sizeof(W) : 0), ids.size() * sizeof(W));
   }
   std::vector<uint8_t> seen(static_cast<size_t>(E));

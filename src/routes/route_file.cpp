@@ -60,10 +60,21 @@ struct RouteFileWriter::Impl {
   std::string raw, comp, block;
   ZSTD_CCtx* cctx = nullptr;
 
+  bool failed = false;  // a write failed: the file may end in a partial block
+
+  ~Impl() {
+    if (f) std::fclose(f);
+    ZSTD_freeCCtx(cctx);  // accepts nullptr
+  }
+
   void write(const std::string& bytes) {
-    if (std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size()) io_fail("fwrite", path);
-    // Flush every block so a writer killed later leaves this one complete on disk.
-    if (std::fflush(f) != 0) io_fail("fflush", path);
+    // Flush every block so a writer killed later leaves this one complete in the file.
+    if (std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size() || std::fflush(f) != 0) {
+      // Stop here: later blocks or an index after a partial block would be misplaced. The blocks
+      // written so far stay recoverable by the reader's scan.
+      failed = true;
+      io_fail("fwrite", path);
+    }
     offset += static_cast<int64_t>(bytes.size());
   }
 };
@@ -112,10 +123,7 @@ RouteFileWriter::RouteFileWriter(const std::string& path, const RouteFileInfo& i
   impl_->cctx = ZSTD_createCCtx();
   if (!impl_->cctx) throw BackendError("ZSTD_createCCtx failed");
   impl_->f = std::fopen(path.c_str(), "wb");
-  if (!impl_->f) {
-    ZSTD_freeCCtx(impl_->cctx);
-    io_fail("fopen", path);
-  }
+  if (!impl_->f) io_fail("fopen", path);
   impl_->write(encode_header(impl_->info));
 }
 
@@ -124,16 +132,15 @@ RouteFileWriter::~RouteFileWriter() {
   try {
     close();
   } catch (...) {
-    // A destructor never throws; call close() to see the error.
+    // A destructor never throws; call close() to see the error. ~Impl releases the rest.
   }
-  if (impl_->f) std::fclose(impl_->f);
-  ZSTD_freeCCtx(impl_->cctx);
 }
 
 void RouteFileWriter::append(const RouteTable& table) {
   const char* op = "route_file.append";
   Impl& s = *impl_;
   if (!s.f) detail::fail_arg(op, "the writer of ", s.path, " is closed");
+  if (s.failed) throw BackendError(cat("[route_file] an earlier write to ", s.path, " failed"));
   check_route_table(table, op, "table");
   if (table.num_experts != s.info.num_experts || table.num_moe_layers() != s.info.num_moe_layers ||
       table.top_k() != s.info.top_k) {
@@ -170,6 +177,12 @@ void RouteFileWriter::append(const RouteTable& table) {
 void RouteFileWriter::close() {
   Impl& s = *impl_;
   if (!s.f) return;
+  if (s.failed) {  // no index after a partial block: the file stays in scan-recovery form
+    std::FILE* f = s.f;
+    s.f = nullptr;
+    std::fclose(f);
+    return;
+  }
   std::string ix;
   put_u32(ix, detail::kIndexMagic);
   put_u32(ix, 0);

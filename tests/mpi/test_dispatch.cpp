@@ -273,6 +273,47 @@ TEST(Dispatch, CombineMatchesDoubleReference) {
   EXPECT_TRUE(testing::all_close(a.y, want, 1e-5, 1e-5)) << repro(seed);
 }
 
+// Sum over ranks of a local double.
+double global_sum(double v) {
+  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  return v;
+}
+
+double local_dot(const Tensor& a, const Tensor& b) {
+  auto va = a.to_double_vector(), vb = b.to_double_vector();
+  double s = 0;
+  for (size_t i = 0; i < va.size(); ++i) s += va[i] * vb[i];
+  return s;
+}
+
+TEST(Dispatch, AdjointIdentitiesAcrossRanks) {
+  // <dispatch(x), Y> = <x, dispatch_backward(Y)> and <combine(Y), g> = <Y, combine_backward(g)>,
+  // each side summed over all ranks, for both dispatchers.
+  dist::Communicator& c = *comm();
+  const int64_t P = c.size(), me = c.rank();
+  const uint64_t seed = test_seed(6000);
+  Global g = make_global(P, 12, 4, 23, DType::fp32, Routes::replay, seed);
+  const int64_t b = g.tok_off[me], e_ = g.tok_off[me + 1];
+  for (auto kind : {DispatcherKind::all_to_all, DispatcherKind::all_gather}) {
+    dist::DispatchOptions opt;
+    opt.num_experts = 12;
+    opt.kind = kind;
+    dist::DispatchResult d =
+        dist::dispatch(rows(g.x, b, e_), rows(g.idx, b, e_), rows(g.w, b, e_), opt, c);
+    std::mt19937_64 rng(seed + 100 + static_cast<uint64_t>(me));
+    Tensor Y = testing::randn({d.handle.num_recv_tokens, g.H}, DType::fp32, rng);
+    Tensor gy = testing::randn({e_ - b, g.H}, DType::fp32, rng);
+    const double l1 = global_sum(local_dot(d.recv_x, Y));
+    const double r1 =
+        global_sum(local_dot(rows(g.x, b, e_), dist::dispatch_backward(Y, d.handle, c)));
+    EXPECT_NEAR(l1, r1, 1e-4 * (1 + std::fabs(l1))) << repro(seed);
+    const double l2 = global_sum(local_dot(dist::combine(Y, d.handle, {}, c), gy));
+    const double r2 =
+        global_sum(local_dot(Y, dist::combine_backward(gy, Y, d.handle, {}, c).grad_expert_y));
+    EXPECT_NEAR(l2, r2, 1e-4 * (1 + std::fabs(l2))) << repro(seed);
+  }
+}
+
 TEST(Dispatch, IdOutOfRangeOnOneRankRaisesEverywhere) {
   dist::Communicator& c = *comm();
   const int64_t P = c.size(), me = c.rank();
@@ -314,6 +355,20 @@ TEST(Dispatch, WrongHiddenOrDtypeOnOneRankRaisesEverywhere) {
     SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, dt), idx, w, opt, c),
                         std::invalid_argument, "x must have the same dtype on every rank");
   }
+  if (P > 1) {
+    // Options that must agree: num_experts and the dispatcher kind differ on the last rank.
+    dist::DispatchOptions other = opt;
+    if (me == P - 1) other.num_experts = 24;
+    SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, w, other, c),
+                        std::invalid_argument,
+                        "[dispatch] num_experts must be the same on every rank, got 12 on rank 0 "
+                        "and 24 on rank " +
+                            std::to_string(P - 1));
+    dist::DispatchOptions kind = opt;
+    if (me == P - 1) kind.kind = DispatcherKind::all_gather;
+    SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, w, kind, c),
+                        std::invalid_argument, "options.kind must be the same on every rank");
+  }
   // A bad local shape on the last rank only (weights not matching topk_idx).
   auto bad_w = me == P - 1 ? Tensor::zeros({2, 3}, DType::fp32) : w;
   SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, bad_w, opt, c),
@@ -342,6 +397,17 @@ TEST(Dispatch, RejectsExpertsNotDivisibleByEpUpFront) {
       P == 1 ? std::string("num_experts must be >= 1")
              : "[dispatch] num_experts must be divisible by the expert-parallel size " +
                    std::to_string(P) + ", got num_experts=" + std::to_string(2 * P + 1));
+  if (P > 1) {
+    // Only the last rank has a bad num_experts: every rank raises, none waits forever.
+    dist::DispatchOptions one = opt;
+    one.num_experts = c.rank() == P - 1 ? 2 * P + 1 : 2 * P;
+    SY_EXPECT_THROW_MSG(
+        dist::dispatch(Tensor::zeros({1, 4}, DType::fp32), Tensor::zeros({1, 1}, DType::int32),
+                       Tensor::zeros({1, 1}, DType::fp32), one, c),
+        std::invalid_argument,
+        "[dispatch] on rank " + std::to_string(P - 1) +
+            ": [dispatch] num_experts must be divisible by the expert-parallel size");
+  }
   dist::DispatchOptions pad;
   pad.num_experts = 4 * P;
   pad.plan.expert_alignment = 8;
@@ -408,6 +474,40 @@ TEST(Communicator, CollectivesMoveTheRightBytes) {
         for (int64_t q = 0; q < 3; ++q) {
           EXPECT_EQ(got[static_cast<size_t>(pos * 3 + q)], 100 * s2 + 10 * src_row + q);
         }
+      }
+    }
+  }
+  // exchange_blocks: to every peer r (self included) two blocks, of 1 and r+1 rows (plus an empty
+  // one in between, skipped on both sides); row value = 1000 * sender + 10 * row + r.
+  {
+    std::vector<int64_t> sendv, recvv;
+    std::vector<dist::Communicator::Block> sb, rbk;
+    for (int64_t r = 0; r < P; ++r) {
+      for (int64_t n : {int64_t{1}, int64_t{0}, r + 1}) {
+        sb.push_back({static_cast<int>(r), static_cast<int64_t>(sendv.size()), n});
+        for (int64_t j = 0; j < n; ++j)
+          sendv.push_back(1000 * me + 10 * static_cast<int64_t>(sendv.size()) + r);
+      }
+    }
+    // Receive from each peer s: blocks of 1, 0 and me+1 rows, stored in reverse peer order.
+    int64_t pos = 0;
+    for (int64_t s2 = P - 1; s2 >= 0; --s2) {
+      for (int64_t n : {int64_t{1}, int64_t{0}, me + 1}) {
+        rbk.push_back({static_cast<int>(s2), pos, n});
+        pos += n;
+      }
+    }
+    recvv.assign(static_cast<size_t>(pos), -1);
+    c.exchange_blocks(sendv.data(), sb, recvv.data(), rbk, sizeof(int64_t));
+    // Sender s2 laid out its rows for peer r at offset sum_{q<r}(1 + q + 1); check every value.
+    for (size_t bi = 0; bi < rbk.size(); ++bi) {
+      const auto& b = rbk[bi];
+      int64_t base = 0;
+      for (int64_t q = 0; q < me; ++q) base += 2 + q;
+      const int64_t first = bi % 3 == 0 ? base : base + 1;  // the 1-row block, then the me+1 block
+      for (int64_t j = 0; j < b.rows; ++j) {
+        EXPECT_EQ(recvv[static_cast<size_t>(b.offset + j)], 1000 * b.peer + 10 * (first + j) + me)
+            << "from " << b.peer << " block of " << b.rows;
       }
     }
   }

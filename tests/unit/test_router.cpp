@@ -192,6 +192,24 @@ TEST(Router, SeqAndGlobalAuxLossAgainstReference) {
   }
 }
 
+TEST(Router, SeqAuxLossWithManySequences) {
+  // More sequences than tokens per loss chunk (one token per sequence, 300 sequences) and a count
+  // just above and below the chunk size: the partial sums stay O(T x E) and exact.
+  uint64_t s = sy::testing::test_seed(45);
+  for (int64_t seq_length : {1, 2, 3, 7}) {
+    Case c;
+    c.T = 301 - 301 % seq_length;
+    c.seq_length = seq_length;
+    c.cfg = cfg(8, 2);
+    c.cfg.aux_loss_type = AuxLossType::seq_aux_loss;
+    c.cfg.aux_loss_coeff = 0.1;
+    for (bool mask : {false, true}) {
+      c.mask = mask;
+      for (DType dt : {DType::fp32, DType::fp64}) check_case(c, dt, ++s);
+    }
+  }
+}
+
 TEST(Router, GlobalAuxLossAccumulatesAndResets) {
   std::mt19937_64 rng(sy::testing::test_seed(51));
   RouterConfig c = cfg(8, 2);
@@ -520,6 +538,8 @@ TEST(Router, ManyTiesAgainstReference) {
           }
           SCOPED_TRACE("E=" + std::to_string(E) + " K=" + std::to_string(K) +
                        " f=" + std::to_string(f) + " groups=" + std::to_string(groups));
+          c.aux_loss_type = AuxLossType::aux_loss;  // its own top-k on P, ties included
+          c.aux_loss_coeff = 0.1;
           const int64_t T = 33;
           std::vector<float> z(static_cast<size_t>(T * E));
           for (auto& v : z) v = static_cast<float>(std::round(nd(rng) * 2.0) / 2.0);
@@ -528,6 +548,7 @@ TEST(Router, ManyTiesAgainstReference) {
           const auto want = sy::ref::route(zt.to_double_vector(), T, c, {});
           ASSERT_TRUE(
               all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
+          EXPECT_NEAR(r.aux_loss, want.aux_loss, 1e-6 * want.aux_loss);
           EXPECT_TRUE(all_close(r.topk_weights, want.w, 2e-6, 2e-6));
         }
       }
@@ -543,4 +564,53 @@ TEST(Router, CapacityIsClampedToTokens) {
   EXPECT_EQ(r.num_dropped, 0);
   c.capacity_factor = 1.0;  // ceil(6*2/4) = 3
   EXPECT_EQ(sy::topk_route(Tensor::zeros({6, 4}, DType::fp32), {}, c).expert_capacity, 3);
+}
+
+TEST(Router, EnumAndStateErrors) {
+  Tensor z = Tensor::zeros({4, 8}, DType::fp32);
+  RouterConfig c = cfg(8, 2);
+  c.score_function = static_cast<ScoreFunction>(7);
+  SY_EXPECT_THROW_MSG(
+      sy::topk_route(z, {}, c), std::invalid_argument,
+      "[route] score_function must be softmax, sigmoid or sqrtsoftplus, got value 7");
+  c = cfg(8, 2);
+  c.token_drop_policy = static_cast<TokenDropPolicy>(9);
+  SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, c), std::invalid_argument,
+                      "[route] token_drop_policy must be probs or position, got value 9");
+  c = cfg(8, 2);
+  c.aux_loss_type = static_cast<AuxLossType>(5);
+  SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, c), std::invalid_argument,
+                      "[route] aux_loss_type must be none, aux_loss, seq_aux_loss or "
+                      "global_aux_loss, got value 5");
+  sy::RouteOptions o;
+  o.invalid_replay_rows = static_cast<sy::InvalidReplayRows>(3);
+  SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, cfg(8, 2), o), std::invalid_argument,
+                      "[route] invalid_replay_rows must be error or native, got value 3");
+  c = cfg(8, 2);
+  c.aux_loss_type = AuxLossType::global_aux_loss;
+  c.aux_loss_coeff = 0.1;
+  sy::GlobalAuxLossState st;
+  sy::RouteInputs in;
+  in.global_aux_loss_state = &st;
+  st.tokens_per_expert = Tensor::zeros({7}, DType::fp64);
+  SY_EXPECT_THROW_MSG(
+      sy::topk_route(z, in, c), std::invalid_argument,
+      "[route] global_aux_loss_state.tokens_per_expert must have shape [8], got [7]");
+  st.tokens_per_expert = Tensor::zeros({8}, DType::fp32);
+  SY_EXPECT_THROW_MSG(
+      sy::topk_route(z, in, c), std::invalid_argument,
+      "[route] global_aux_loss_state.tokens_per_expert must have dtype fp64, got fp32");
+  st.tokens_per_expert = Tensor();
+  st.steps = -1;
+  SY_EXPECT_THROW_MSG(sy::topk_route(z, in, c), std::invalid_argument,
+                      "[route] global_aux_loss_state.steps must be >= 0, got -1");
+  // seq_length not dividing T.
+  c.aux_loss_type = AuxLossType::seq_aux_loss;
+  o = {};
+  o.seq_length = 3;
+  SY_EXPECT_THROW_MSG(
+      sy::topk_route(z, {}, c, o), std::invalid_argument,
+      "[route] seq_aux_loss needs seq_length >= 1 dividing num_tokens=4, got seq_length=3");
+  // A bad call leaves the state untouched (validation happens before any work).
+  EXPECT_EQ(st.steps, -1);
 }

@@ -1,8 +1,11 @@
 // Route file: round trips in every id width, random access, corruption and truncation that must
 // raise DataError naming what is wrong, and a writer killed mid-way.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -46,27 +49,34 @@ struct Written {
   std::vector<RouteFileEntry> entries;
 };
 
+// Writes n random sequences. With close == false the writer runs in a child process that is
+// killed (SIGKILL) right after its last append: no close(), no destructor, no flush at exit.
 Written write_file(uint64_t seed, int64_t n, int64_t L, int64_t K, int64_t E, bool close = true) {
   std::mt19937_64 rng(seed);
   const std::string path = temp_path("w.syr");
   Written w;
-  {
-    RouteFileInfo info{E, K, L, {}, 3 + 2 * L, 0, 0};
-    for (int64_t l = 0; l < L; ++l) info.moe_layers.push_back(3 + 2 * l);
-    auto wr = std::make_unique<RouteFileWriter>(path, info);
-    std::uniform_int_distribution<int64_t> len(0, 40);
-    for (int64_t i = 0; i < n; ++i) {
-      w.tables.push_back(random_table(rng, len(rng), L, K, E, i % 2 ? 0.1 : 0.0));
-      wr->append(w.tables.back());
+  std::uniform_int_distribution<int64_t> len(0, 40);
+  for (int64_t i = 0; i < n; ++i) {
+    w.tables.push_back(random_table(rng, len(rng), L, K, E, i % 2 ? 0.1 : 0.0));
+  }
+  RouteFileInfo info{E, K, L, {}, 3 + 2 * L, 0, 0};
+  for (int64_t l = 0; l < L; ++l) info.moe_layers.push_back(3 + 2 * l);
+  const auto write_all = [&] {
+    RouteFileWriter wr(path, info);
+    for (const auto& t : w.tables) wr.append(t);
+    if (!close) std::raise(SIGKILL);
+  };
+  if (close) {
+    write_all();
+  } else {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      write_all();
+      ::_exit(1);  // not reached
     }
-    if (close) {
-      wr->close();
-    } else {
-      // Simulate a killed writer: no close, no destructor. The writer stays reachable from a
-      // static list so LeakSanitizer (scripts/test.sh's sanitizer stage) does not report it.
-      static auto* never_closed = new std::vector<RouteFileWriter*>;  // never destroyed either
-      never_closed->push_back(wr.release());
-    }
+    int status = 0;
+    EXPECT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "writer was not killed";
   }
   w.bytes = slurp(path);
   std::remove(path.c_str());
@@ -160,6 +170,14 @@ TEST(RouteFile, WriterRejectsBadInput) {
                       std::invalid_argument, "[route_file] num_experts must be in [1, ");
   SY_EXPECT_THROW_MSG(RouteFileWriter(path, RouteFileInfo{8, 2, 3, {1, 2}, 0, 0, 0}),
                       std::invalid_argument, "moe_layers must be empty or have num_moe_layers=3");
+  SY_EXPECT_THROW_MSG(RouteFileWriter(path, RouteFileInfo{8, 2, 3, {1, 1, 2}, 0, 0, 0}),
+                      std::invalid_argument, "moe_layers must be ascending hidden-layer indices");
+  // A device that is full: the header write fails with BackendError naming the call and path.
+  if (std::filesystem::exists("/dev/full")) {
+    SY_EXPECT_THROW_MSG(RouteFileWriter("/dev/full", info), BackendError, "fwrite(/dev/full)");
+  }
+  SY_EXPECT_THROW_MSG(RouteFileWriter("/nonexistent-dir/x.syr", info), BackendError,
+                      "fopen(/nonexistent-dir/x.syr)");
   RouteFileWriter w(path, info);
   SY_EXPECT_THROW_MSG(
       w.append(RouteTable::none(2, 4, 2, 8)), std::invalid_argument,
