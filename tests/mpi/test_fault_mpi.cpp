@@ -50,14 +50,9 @@ void expect_still_in_step(dist::Communicator& c) {
   }
 }
 
-// DISABLED: a known bug in the dispatch area (reported in notes/reliability.md). dispatch()
-// allgathers a header of kHeader + num_experts integers, so a rank with another num_experts makes
-// MPI_Allgather fail with MPI_ERR_TRUNCATE (a BackendError, not the same invalid_argument on every
-// rank; at 3+ ranks some ranks do not even see it and the communicator is left out of step). Its
-// "num_experts must be the same on every rank" check can therefore never fire. Fix: agree on a
-// fixed-size header (with E) before exchanging the E per-expert counts. Run it with
-// --gtest_also_run_disabled_tests to see the failure.
-TEST(FaultMpi, DISABLED_NumExpertsDifferingOnOneRankRaisesEverywhere) {
+// Found by this test (MPI_ERR_TRUNCATE: the header had kHeader + num_experts entries per rank);
+// fixed by the dispatch engineer's two-phase header exchange.
+TEST(FaultMpi, NumExpertsDifferingOnOneRankRaisesEverywhere) {
   Watchdog wd;
   dist::Communicator& c = *world();
   const int64_t P = c.size();
@@ -69,6 +64,17 @@ TEST(FaultMpi, DISABLED_NumExpertsDifferingOnOneRankRaisesEverywhere) {
                         "[dispatch] num_experts must be the same on every rank, got 12 on rank 0 and 24 on rank " +
                             std::to_string(P - 1));
   }
+  expect_still_in_step(c);
+}
+
+TEST(FaultMpi, DispatcherKindDifferingOnOneRankRaisesEverywhere) {
+  Watchdog wd;
+  dist::Communicator& c = *world();
+  const int64_t P = c.size();
+  if (P == 1) GTEST_SKIP() << "needs 2+ ranks";
+  const DispatcherKind kind = c.rank() == P - 1 ? DispatcherKind::all_gather : DispatcherKind::all_to_all;
+  SY_EXPECT_THROW_MSG(good_dispatch(4, 12, kind, c), std::invalid_argument,
+                      "[dispatch] options.kind must be the same on every rank");
   expect_still_in_step(c);
 }
 
