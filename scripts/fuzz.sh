@@ -9,13 +9,19 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 secs=${1:-${SY_FUZZ_SECONDS:-10}}
 mkdir -p build-fuzz
-CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DSWITCHYARD_BUILD_FUZZ=ON -DSWITCHYARD_BUILD_TESTS=OFF -DSWITCHYARD_BUILD_BENCHMARKS=OFF \
-  -DSWITCHYARD_BUILD_PYTHON=OFF -DSWITCHYARD_BUILD_TOOLS=OFF >build-fuzz/configure.log \
-  || { cat build-fuzz/configure.log; exit 1; }
 targets=()
 for f in fuzz/fuzz_*.cpp; do targets+=("$(basename "$f" .cpp)"); done
-cmake --build build-fuzz -j2 --target "${targets[@]}"
+# SY_FUZZ_BUILD_DIR: a clang build configured with -DSWITCHYARD_BUILD_FUZZ=ON elsewhere (test.sh's
+# sanitizer build) whose targets are used; otherwise build-fuzz/ is configured and built here.
+bdir=${SY_FUZZ_BUILD_DIR:-build-fuzz}
+if [ "$bdir" = build-fuzz ]; then
+  CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DSWITCHYARD_BUILD_FUZZ=ON -DSWITCHYARD_BUILD_TESTS=OFF -DSWITCHYARD_BUILD_BENCHMARKS=OFF \
+    -DSWITCHYARD_BUILD_PYTHON=OFF -DSWITCHYARD_BUILD_TOOLS=OFF >build-fuzz/configure.log \
+    || { cat build-fuzz/configure.log; exit 1; }
+fi
+cmake --build "$bdir" -j2 --target "${targets[@]}"
+bdir=$(cd "$bdir" && pwd)
 status=0
 for t in "${targets[@]}"; do
   work="$root/build-fuzz/corpus/$t"       # new inputs go here; the committed seeds stay untouched
@@ -24,7 +30,7 @@ for t in "${targets[@]}"; do
   mkdir -p "$work" "$findings"
   echo "[fuzz] $t for ${secs}s"
   if ! ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-       "$root/build-fuzz/fuzz/$t" "${dict[@]}" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
+       "$bdir/fuzz/$t" "${dict[@]}" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
        -artifact_prefix="$findings/" -print_final_stats=1 "$work" "$root/fuzz/corpus/$t" \
        >"build-fuzz/$t.log" 2>&1; then
     echo "[fuzz] $t FOUND A PROBLEM (log: build-fuzz/$t.log, reproducer in $findings/)"
