@@ -5,6 +5,14 @@
 //     mpirun -np 2 --oversubscribe build/bench/bench_dispatch --benchmark_counters_tabular=true
 // Every rank runs the same fixed number of iterations (collectives must match); rank 0 reports
 // the slowest rank's time.
+#include <cstdio>
+
+#ifndef SWITCHYARD_WITH_MPI
+int main() {
+  std::puts("bench_dispatch needs a build with SWITCHYARD_MPI=ON");
+  return 0;
+}
+#else
 #include <benchmark/benchmark.h>
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
@@ -160,3 +168,4 @@ int main(int argc, char** argv) {
   MPI_Finalize();
   return 0;
 }
+#endif  // SWITCHYARD_WITH_MPI

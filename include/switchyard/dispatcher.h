@@ -77,7 +77,7 @@ struct DispatchResult {
 /// `topk_weights` [T,K] fp32. Collective. Data errors on any rank (an id outside [-1,E), a hidden
 /// size or dtype that differs between ranks, a bad shape) throw the same std::invalid_argument on
 /// every rank, with the message of the lowest failing rank; no rank hangs. E not divisible by EP
-/// is rejected before any communication. Deterministic.
+/// (or any bad option) is rejected the same way, before any payload moves. Deterministic.
 DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                         const DispatchOptions& options, Communicator& comm);
 

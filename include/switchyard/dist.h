@@ -12,7 +12,8 @@ namespace switchyard::dist {
 
 /// The collectives the dispatchers need, on raw buffers of `elem_bytes`-sized elements. Counts are
 /// in elements; variable-size buffers are packed in rank order (displacements are prefix sums).
-/// Every method is collective over all ranks of the communicator (except rank/size/name).
+/// Every method is collective over all ranks of the communicator (except rank, size, name and
+/// workspace); exchange_blocks involves the listed peers only.
 /// Environment failures throw switchyard::BackendError naming the call, its error string, the rank
 /// and file:line.
 class Communicator {
@@ -33,8 +34,9 @@ class Communicator {
   /// order.
   virtual void alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                          const std::vector<int64_t>& recv_counts, int64_t elem_bytes) = 0;
-  /// Row-indexed all-to-all (no packing copies where the transport can scatter/gather: MPI derived
-  /// datatypes). Rows are `row_bytes` bytes. To rank r go send_counts[r] rows, taken in order from
+  /// Row-indexed all-to-all: rows are gathered into and scattered from the communicator's
+  /// workspace around one alltoallv (see exchange_blocks for moving whole blocks without a copy).
+  /// Rows are `row_bytes` bytes. To rank r go send_counts[r] rows, taken in order from
   /// rows send_index[...] of `send` (the index list is packed in rank order; rows may repeat);
   /// from rank s come recv_counts[s] rows, stored at rows recv_index[...] of `recv` (packed in rank
   /// order; no row twice). A null index means rows are contiguous in rank order (plain alltoallv).
@@ -60,8 +62,9 @@ class Communicator {
 
   /// Scratch memory owned by this communicator, at least `bytes` long, reused across calls (grows,
   /// never shrinks, not zeroed). `slot` names independent buffers; a pointer stays valid until the
-  /// next workspace() call with the same slot. Used by the dispatchers so steady-state steps do not
-  /// page-fault fresh multi-MiB buffers. Not collective; not thread-safe (nor is a communicator).
+  /// next workspace() call with the same slot. Slots below 16 belong to switchyard itself (the
+  /// communicators and dispatchers use them so steady-state steps do not page-fault fresh
+  /// multi-MiB buffers). Not collective; not thread-safe (nor is a communicator).
   void* workspace(int slot, int64_t bytes);
 
   /// Typed convenience: everyone's `values` (same length on every rank), rank-major.

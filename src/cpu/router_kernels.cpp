@@ -295,9 +295,13 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
   const int64_t G = p.aux_groups;
   const int64_t num_chunks = (T + kLossChunk - 1) / kLossChunk;
   const bool softmax = p.score_function == kScoreSoftmax;
-  // Per-chunk partial sums, reduced in chunk order afterwards (thread-count independent).
-  std::vector<double> part_p(p.need_aux ? static_cast<size_t>(num_chunks * G * E) : 0, 0.0);
-  std::vector<int64_t> part_c(p.need_aux ? static_cast<size_t>(num_chunks * G * E) : 0, 0);
+  // Per-chunk partial sums, reduced in chunk order afterwards (thread-count independent). A chunk
+  // holds one slot per sequence group when G <= kLossChunk, else one slot per token (each token of
+  // a chunk is then in a different group), so the scratch never exceeds T x E.
+  const int64_t slots = std::min(G, kLossChunk);
+  const size_t part_size = p.need_aux ? static_cast<size_t>(num_chunks * slots * E) : 0;
+  std::vector<double> part_p(part_size, 0.0);
+  std::vector<int64_t> part_c(part_size, 0);
   std::vector<double> part_z(p.need_z ? static_cast<size_t>(num_chunks) : 0, 0.0);
 
   // Small batches run on the calling thread: a parallel region costs more than they do.
@@ -398,9 +402,9 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
                         sc.top_val.data(), sc.aux_id.data(), sc.bm.data(), sc.cand_v.data(),
                         sc.cand_i.data());
           }
-          const int64_t g = t % G;
-          double* pp = part_p.data() + (c * G + g) * E;
-          int64_t* pc = part_c.data() + (c * G + g) * E;
+          const int64_t slot = G <= kLossChunk ? t % G : t - c * kLossChunk;
+          double* pp = part_p.data() + (c * slots + slot) * E;
+          int64_t* pc = part_c.data() + (c * slots + slot) * E;
           for (int64_t e = 0; e < E; ++e) pp[e] += static_cast<double>(P[e]);
           for (int64_t k = 0; k < K; ++k) ++pc[sc.aux_id[k]];
         }
@@ -416,9 +420,15 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
     std::fill_n(aux_prob_sum, G * E, 0.0);
     std::fill_n(aux_counts, G * E, int64_t{0});
     for (int64_t c = 0; c < num_chunks; ++c) {
-      for (int64_t i = 0; i < G * E; ++i) {
-        aux_prob_sum[i] += part_p[c * G * E + i];
-        aux_counts[i] += part_c[c * G * E + i];
+      const int64_t used = G <= kLossChunk ? G : std::min(kLossChunk, T - c * kLossChunk);
+      for (int64_t slot = 0; slot < used; ++slot) {
+        const int64_t g = G <= kLossChunk ? slot : (c * kLossChunk + slot) % G;
+        const double* pp = part_p.data() + (c * slots + slot) * E;
+        const int64_t* pc = part_c.data() + (c * slots + slot) * E;
+        for (int64_t e = 0; e < E; ++e) {
+          aux_prob_sum[g * E + e] += pp[e];
+          aux_counts[g * E + e] += pc[e];
+        }
       }
     }
   }

@@ -26,7 +26,7 @@ using switchyard::detail::check_dtype;
 using switchyard::detail::check_shape;
 using switchyard::detail::fail_arg;
 
-constexpr int64_t kHeader = 6;  // error length, T, H, dtype, K, E; then E counts
+constexpr int64_t kHeader = 7;  // error length, T, H, dtype, K, E, dispatcher kind
 
 // Metadata travelling with each row in the AlltoAll dispatcher.
 struct RowMeta {
@@ -179,9 +179,26 @@ void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
 
 std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
                                   const Tensor& topk_weights, const DispatchOptions& options,
-                                  RoutingPlan& plan) {
+                                  int64_t P, RoutingPlan& plan) {
   const char* op = "dispatch";
   try {
+    // Options are normally the same everywhere, but if one rank's differ, a local throw would
+    // leave the others waiting in the header exchange: so these go through it too (still before
+    // any payload moves).
+    const int64_t E = options.num_experts;
+    if (E < 1) fail_arg(op, "num_experts must be >= 1, got num_experts=", E);
+    if (E % P != 0) {
+      fail_arg(op, "num_experts must be divisible by the expert-parallel size ", P,
+               ", got num_experts=", E);
+    }
+    if (options.plan.expert_alignment != 1 || options.plan.pad_to_capacity) {
+      fail_arg(op,
+               "options.plan must not pad (padding rows are never sent): expected "
+               "expert_alignment=1 and pad_to_capacity=false, got expert_alignment=",
+               options.plan.expert_alignment,
+               " and pad_to_capacity=", options.plan.pad_to_capacity);
+    }
+
     check_defined(x, op, "x");
     check_dim(x, op, "x", 2);
     check_dtype(x, op, "x", {DType::fp32, DType::bf16});
@@ -246,35 +263,22 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
                         const DispatchOptions& options, Communicator& comm) {
   const char* op = "dispatch";
   const int64_t P = comm.size(), me = comm.rank(), E = options.num_experts;
-  // Same on every rank (options), so thrown before any communication.
-  if (E < 1) fail_arg(op, "num_experts must be >= 1, got num_experts=", E);
-  if (E % P != 0) {
-    fail_arg(op, "num_experts must be divisible by the expert-parallel size ", P,
-             ", got num_experts=", E);
-  }
-  if (options.plan.expert_alignment != 1 || options.plan.pad_to_capacity) {
-    fail_arg(op,
-             "options.plan must not pad (padding rows are never sent): expected "
-             "expert_alignment=1 and pad_to_capacity=false, got expert_alignment=",
-             options.plan.expert_alignment, " and pad_to_capacity=", options.plan.pad_to_capacity);
-  }
-
   RoutingPlan plan;
-  const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, plan);
-  std::vector<int64_t> header(static_cast<size_t>(kHeader + E), 0);
+  const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, P, plan);
+  // Phase 1, fixed size on every rank: error flag and the sizes that must agree. Phase 2 (once E
+  // is known to agree): the per-expert counts.
+  std::vector<int64_t> header(static_cast<size_t>(kHeader), 0);
   header[0] = static_cast<int64_t>(err.size());
+  header[5] = E;
+  header[6] = static_cast<int64_t>(options.kind);
   if (err.empty()) {
     header[1] = x.size(0);
     header[2] = x.size(1);
     header[3] = static_cast<int64_t>(x.dtype());
     header[4] = topk_idx.size(1);
-    header[5] = E;
-    const int64_t* c = plan.num_tokens_per_expert.data<int64_t>();
-    for (int64_t e = 0; e < E; ++e) header[static_cast<size_t>(kHeader + e)] = c[e];
   }
   const std::vector<int64_t> all = comm.allgather(header);
-  const int64_t W = kHeader + E;
-  auto at = [&](int64_t r, int64_t i) { return all[static_cast<size_t>(r * W + i)]; };
+  auto at = [&](int64_t r, int64_t i) { return all[static_cast<size_t>(r * kHeader + i)]; };
   std::vector<int64_t> lens(static_cast<size_t>(P));
   for (int64_t r = 0; r < P; ++r) lens[static_cast<size_t>(r)] = at(r, 0);
   detail::raise_if_any(op, err, lens, comm);
@@ -284,6 +288,11 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
     if (at(r, 5) != at(0, 5)) {
       fail_arg(op, "num_experts must be the same on every rank, got ", at(0, 5), " on rank 0 and ",
                at(r, 5), " on rank ", r);
+    }
+    if (at(r, 6) != at(0, 6)) {
+      fail_arg(op, "options.kind must be the same on every rank, got ",
+               at(0, 6) == 0 ? "all_to_all" : "all_gather", " on rank 0 and ",
+               at(r, 6) == 0 ? "all_to_all" : "all_gather", " on rank ", r);
     }
     if (at(r, 2) != at(0, 2)) {
       fail_arg(op, "x must have the same hidden size on every rank, got hidden=", at(0, 2),
@@ -299,6 +308,9 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
                " on rank 0 and top_k=", at(r, 4), " on rank ", r);
     }
   }
+  const int64_t* my_counts = plan.num_tokens_per_expert.data<int64_t>();
+  const std::vector<int64_t> counts =
+      comm.allgather(std::vector<int64_t>(my_counts, my_counts + E));
 
   DispatchHandle h;
   h.kind = options.kind;
@@ -314,7 +326,7 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   for (int64_t r = 0; r < P; ++r) {
     h.rank_num_tokens[static_cast<size_t>(r)] = at(r, 1);
     for (int64_t e = 0; e < E; ++e)
-      h.rank_expert_counts[static_cast<size_t>(r * E + e)] = at(r, kHeader + e);
+      h.rank_expert_counts[static_cast<size_t>(r * E + e)] = counts[static_cast<size_t>(r * E + e)];
   }
   const int64_t L = h.num_local_experts, H = h.hidden, K = topk_idx.size(1);
   const int64_t R = detail::rows_per_rank(h)[static_cast<size_t>(me)];

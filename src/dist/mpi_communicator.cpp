@@ -99,9 +99,14 @@ class MpiCommunicator final : public Communicator {
     MPI_Comm_rank(parent, &prank);
     rank_ = prank;
     SY_MPI_CHECK(MPI_Comm_dup(parent, &comm_));
-    SY_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
-    SY_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
-    SY_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    try {
+      SY_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+      SY_MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+      SY_MPI_CHECK(MPI_Comm_size(comm_, &size_));
+    } catch (...) {
+      MPI_Comm_free(&comm_);  // the destructor will not run for a half-built object
+      throw;
+    }
   }
   ~MpiCommunicator() override {
     int fin = 0;

@@ -273,6 +273,47 @@ TEST(Dispatch, CombineMatchesDoubleReference) {
   EXPECT_TRUE(testing::all_close(a.y, want, 1e-5, 1e-5)) << repro(seed);
 }
 
+// Sum over ranks of a local double.
+double global_sum(double v) {
+  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  return v;
+}
+
+double local_dot(const Tensor& a, const Tensor& b) {
+  auto va = a.to_double_vector(), vb = b.to_double_vector();
+  double s = 0;
+  for (size_t i = 0; i < va.size(); ++i) s += va[i] * vb[i];
+  return s;
+}
+
+TEST(Dispatch, AdjointIdentitiesAcrossRanks) {
+  // <dispatch(x), Y> = <x, dispatch_backward(Y)> and <combine(Y), g> = <Y, combine_backward(g)>,
+  // each side summed over all ranks, for both dispatchers.
+  dist::Communicator& c = *comm();
+  const int64_t P = c.size(), me = c.rank();
+  const uint64_t seed = test_seed(6000);
+  Global g = make_global(P, 12, 4, 23, DType::fp32, Routes::replay, seed);
+  const int64_t b = g.tok_off[me], e_ = g.tok_off[me + 1];
+  for (auto kind : {DispatcherKind::all_to_all, DispatcherKind::all_gather}) {
+    dist::DispatchOptions opt;
+    opt.num_experts = 12;
+    opt.kind = kind;
+    dist::DispatchResult d =
+        dist::dispatch(rows(g.x, b, e_), rows(g.idx, b, e_), rows(g.w, b, e_), opt, c);
+    std::mt19937_64 rng(seed + 100 + static_cast<uint64_t>(me));
+    Tensor Y = testing::randn({d.handle.num_recv_tokens, g.H}, DType::fp32, rng);
+    Tensor gy = testing::randn({e_ - b, g.H}, DType::fp32, rng);
+    const double l1 = global_sum(local_dot(d.recv_x, Y));
+    const double r1 =
+        global_sum(local_dot(rows(g.x, b, e_), dist::dispatch_backward(Y, d.handle, c)));
+    EXPECT_NEAR(l1, r1, 1e-4 * (1 + std::fabs(l1))) << repro(seed);
+    const double l2 = global_sum(local_dot(dist::combine(Y, d.handle, {}, c), gy));
+    const double r2 =
+        global_sum(local_dot(Y, dist::combine_backward(gy, Y, d.handle, {}, c).grad_expert_y));
+    EXPECT_NEAR(l2, r2, 1e-4 * (1 + std::fabs(l2))) << repro(seed);
+  }
+}
+
 TEST(Dispatch, IdOutOfRangeOnOneRankRaisesEverywhere) {
   dist::Communicator& c = *comm();
   const int64_t P = c.size(), me = c.rank();
@@ -314,6 +355,20 @@ TEST(Dispatch, WrongHiddenOrDtypeOnOneRankRaisesEverywhere) {
     SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, dt), idx, w, opt, c),
                         std::invalid_argument, "x must have the same dtype on every rank");
   }
+  if (P > 1) {
+    // Options that must agree: num_experts and the dispatcher kind differ on the last rank.
+    dist::DispatchOptions other = opt;
+    if (me == P - 1) other.num_experts = 24;
+    SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, w, other, c),
+                        std::invalid_argument,
+                        "[dispatch] num_experts must be the same on every rank, got 12 on rank 0 "
+                        "and 24 on rank " +
+                            std::to_string(P - 1));
+    dist::DispatchOptions kind = opt;
+    if (me == P - 1) kind.kind = DispatcherKind::all_gather;
+    SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, w, kind, c),
+                        std::invalid_argument, "options.kind must be the same on every rank");
+  }
   // A bad local shape on the last rank only (weights not matching topk_idx).
   auto bad_w = me == P - 1 ? Tensor::zeros({2, 3}, DType::fp32) : w;
   SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), idx, bad_w, opt, c),
@@ -342,6 +397,17 @@ TEST(Dispatch, RejectsExpertsNotDivisibleByEpUpFront) {
       P == 1 ? std::string("num_experts must be >= 1")
              : "[dispatch] num_experts must be divisible by the expert-parallel size " +
                    std::to_string(P) + ", got num_experts=" + std::to_string(2 * P + 1));
+  if (P > 1) {
+    // Only the last rank has a bad num_experts: every rank raises, none waits forever.
+    dist::DispatchOptions one = opt;
+    one.num_experts = c.rank() == P - 1 ? 2 * P + 1 : 2 * P;
+    SY_EXPECT_THROW_MSG(
+        dist::dispatch(Tensor::zeros({1, 4}, DType::fp32), Tensor::zeros({1, 1}, DType::int32),
+                       Tensor::zeros({1, 1}, DType::fp32), one, c),
+        std::invalid_argument,
+        "[dispatch] on rank " + std::to_string(P - 1) +
+            ": [dispatch] num_experts must be divisible by the expert-parallel size");
+  }
   dist::DispatchOptions pad;
   pad.num_experts = 4 * P;
   pad.plan.expert_alignment = 8;

@@ -7,6 +7,7 @@
 
 #include "ref/dispatch_ref.h"
 #include "switchyard/dispatcher.h"
+#include "switchyard/error.h"
 #include "switchyard/permute.h"
 #include "testing.h"
 
@@ -301,6 +302,16 @@ TEST(Permute, LocalCommunicatorDispatchIsPermute) {
     EXPECT_TRUE(bitwise_equal(dist::dispatch_backward(ug.grad_permuted, d.handle, *comm),
                               permute_backward(ug.grad_permuted, s.plan)));
   }
+}
+
+TEST(Communicator, WorldNeedsMpi) {
+  if (dist::mpi_built()) {
+    // MPI is not initialised in a unit test: world() must say so, not crash.
+    SY_EXPECT_THROW_MSG(dist::world(), BackendError, "MPI is not initialised");
+  } else {
+    SY_EXPECT_THROW_MSG(dist::world(), BackendError, "not built with MPI");
+  }
+  EXPECT_EQ(dist::local()->name(), "local");
 }
 
 TEST(Permute, RejectsBadArguments) {

@@ -192,6 +192,24 @@ TEST(Router, SeqAndGlobalAuxLossAgainstReference) {
   }
 }
 
+TEST(Router, SeqAuxLossWithManySequences) {
+  // More sequences than tokens per loss chunk (one token per sequence, 300 sequences) and a count
+  // just above and below the chunk size: the partial sums stay O(T x E) and exact.
+  uint64_t s = sy::testing::test_seed(45);
+  for (int64_t seq_length : {1, 2, 3, 7}) {
+    Case c;
+    c.T = 301 - 301 % seq_length;
+    c.seq_length = seq_length;
+    c.cfg = cfg(8, 2);
+    c.cfg.aux_loss_type = AuxLossType::seq_aux_loss;
+    c.cfg.aux_loss_coeff = 0.1;
+    for (bool mask : {false, true}) {
+      c.mask = mask;
+      for (DType dt : {DType::fp32, DType::fp64}) check_case(c, dt, ++s);
+    }
+  }
+}
+
 TEST(Router, GlobalAuxLossAccumulatesAndResets) {
   std::mt19937_64 rng(sy::testing::test_seed(51));
   RouterConfig c = cfg(8, 2);
