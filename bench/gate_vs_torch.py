@@ -14,6 +14,9 @@ machine):
 Use /usr/bin/python3 (Debian's python3-torch), not a pyenv python.
 """
 import argparse
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -44,6 +47,26 @@ def best_ms(fn, reps, threads):
     return best * 1e3, best_cpu * 1e3
 
 
+def run(T, H, E, n, reps):
+    torch.set_num_threads(n)
+    torch.manual_seed(0)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    w = (torch.randn(E, H) * 0.02).to(torch.bfloat16)
+    g = torch.randn(T, E)
+    flops = 2.0 * T * H * E
+    fwd, fwd_cpu = best_ms(lambda: gate_forward(x, w), reps, n)
+
+    # Megatron-Core saves the bf16 inputs and upcasts again in backward; time that too.
+    def bwd():
+        xf2, wf2 = x.to(torch.float32), w.to(torch.float32)
+        gate_backward(g, xf2, wf2, x.dtype, w.dtype)
+
+    bwd_ms, bwd_cpu = best_ms(bwd, reps, n)
+    print(f"{n:>7} {fwd:>9.2f} {flops / fwd / 1e6:>12.1f} {bwd_ms:>9.2f} "
+          f"{2 * flops / bwd_ms / 1e6:>12.1f} {fwd + bwd_ms:>11.2f} {fwd_cpu:>11.2f} "
+          f"{bwd_cpu:>11.2f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -51,29 +74,24 @@ def main():
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
     T, H, E = a.tokens, a.hidden, a.experts
-    torch.manual_seed(0)
-    x = torch.randn(T, H).to(torch.bfloat16)
-    w = (torch.randn(E, H) * 0.02).to(torch.bfloat16)
-    g = torch.randn(T, E)
-    flops = 2.0 * T * H * E
-    print(f"torch {torch.__version__}, gate T={T} H={H} E={E}, x/W bf16, router fp32 (Megatron-Core way)")
+    if a.child is not None:
+        run(T, H, E, a.child, a.reps)
+        return
+    print(f"torch {torch.__version__}, gate T={T} H={H} E={E}, x/W bf16, router fp32 "
+          f"(Megatron-Core way)")
     print(f"{'threads':>7} {'fwd ms':>9} {'fwd GFLOP/s':>12} {'bwd ms':>9} {'bwd GFLOP/s':>12} "
-          f"{'fwd+bwd ms':>11} {'cpu fwd ms':>11} {'cpu bwd ms':>11}")
+          f"{'fwd+bwd ms':>11} {'cpu fwd ms':>11} {'cpu bwd ms':>11}", flush=True)
     for n in a.threads:
-        torch.set_num_threads(n)
-        fwd, fwd_cpu = best_ms(lambda: gate_forward(x, w), a.reps, n)
-        _, xf, wf = gate_forward(x, w)
-        # The backward's own upcasts are part of the forward's saved state in Megatron-Core
-        # (it saves the bf16 inputs and upcasts again in backward); time that too.
-        def bwd():
-            xf2, wf2 = x.to(torch.float32), w.to(torch.float32)
-            gate_backward(g, xf2, wf2, x.dtype, w.dtype)
-        bwd_ms, bwd_cpu = best_ms(bwd, a.reps, n)
-        print(f"{n:>7} {fwd:>9.2f} {flops / fwd / 1e6:>12.1f} {bwd_ms:>9.2f} "
-              f"{2 * flops / bwd_ms / 1e6:>12.1f} {fwd + bwd_ms:>11.2f} {fwd_cpu:>11.2f} "
-              f"{bwd_cpu:>11.2f}")
+        # torch.set_num_threads does not reach the OpenBLAS thread pool behind torch.mm on Debian's
+        # build (a "1-thread" run used both cores), so each thread count runs in a fresh process
+        # with the pools sized by the environment.
+        env = dict(os.environ, OMP_NUM_THREADS=str(n), OPENBLAS_NUM_THREADS=str(n))
+        subprocess.run([sys.executable, __file__, "--child", str(n), "--tokens", str(T),
+                        "--hidden", str(H), "--experts", str(E), "--reps", str(a.reps)],
+                       env=env, check=True)
 
 
 if __name__ == "__main__":
