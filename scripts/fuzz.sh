@@ -1,27 +1,37 @@
 #!/usr/bin/env bash
 # Bounded libFuzzer runs of the route file reader and the importers (clang, ASan + UBSan).
-# Usage: scripts/fuzz.sh [seconds per target, default 10]. Exits nonzero when a target finds a
-# crash (the reproducer is left in build-fuzz/findings/<target>/).
+# Usage: scripts/fuzz.sh [seconds per target, default $SY_FUZZ_SECONDS or 10]. Runs every
+# fuzz/fuzz_*.cpp target (with fuzz/<target>.dict when there is one). Exits nonzero when a target
+# finds a crash (the reproducer is left in build-fuzz/findings/<target>/). Paths are absolute: a
+# target may chdir (fuzz_cli_args works in its own temporary directory).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-secs=${1:-10}
+secs=${1:-${SY_FUZZ_SECONDS:-10}}
 mkdir -p build-fuzz
-CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DSWITCHYARD_BUILD_FUZZ=ON -DSWITCHYARD_BUILD_TESTS=OFF -DSWITCHYARD_BUILD_BENCHMARKS=OFF \
-  -DSWITCHYARD_BUILD_PYTHON=OFF -DSWITCHYARD_BUILD_TOOLS=OFF >build-fuzz/configure.log \
-  || { cat build-fuzz/configure.log; exit 1; }
-targets=(fuzz_route_file fuzz_import_vllm fuzz_import_sglang)
-cmake --build build-fuzz -j2 --target "${targets[@]}"
+targets=()
+for f in fuzz/fuzz_*.cpp; do targets+=("$(basename "$f" .cpp)"); done
+# SY_FUZZ_BUILD_DIR: a clang build configured with -DSWITCHYARD_BUILD_FUZZ=ON elsewhere (test.sh's
+# sanitizer build) whose targets are used; otherwise build-fuzz/ is configured and built here.
+bdir=${SY_FUZZ_BUILD_DIR:-build-fuzz}
+if [ "$bdir" = build-fuzz ]; then
+  CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DSWITCHYARD_BUILD_FUZZ=ON -DSWITCHYARD_BUILD_TESTS=OFF -DSWITCHYARD_BUILD_BENCHMARKS=OFF \
+    -DSWITCHYARD_BUILD_PYTHON=OFF -DSWITCHYARD_BUILD_TOOLS=OFF >build-fuzz/configure.log \
+    || { cat build-fuzz/configure.log; exit 1; }
+fi
+cmake --build "$bdir" -j2 --target "${targets[@]}"
+bdir=$(cd "$bdir" && pwd)
 status=0
 for t in "${targets[@]}"; do
-  work="build-fuzz/corpus/$t"       # new inputs go here; the committed seeds stay untouched
-  findings="build-fuzz/findings/$t"
+  work="$root/build-fuzz/corpus/$t"       # new inputs go here; the committed seeds stay untouched
+  findings="$root/build-fuzz/findings/$t"
+  dict=(); [ -f "fuzz/$t.dict" ] && dict=(-dict="$root/fuzz/$t.dict")
   mkdir -p "$work" "$findings"
   echo "[fuzz] $t for ${secs}s"
   if ! ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-       "build-fuzz/fuzz/$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
-       -artifact_prefix="$findings/" -print_final_stats=1 "$work" "fuzz/corpus/$t" \
+       "$bdir/fuzz/$t" "${dict[@]}" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
+       -artifact_prefix="$findings/" -print_final_stats=1 "$work" "$root/fuzz/corpus/$t" \
        >"build-fuzz/$t.log" 2>&1; then
     echo "[fuzz] $t FOUND A PROBLEM (log: build-fuzz/$t.log, reproducer in $findings/)"
     tail -40 "build-fuzz/$t.log"

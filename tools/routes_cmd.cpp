@@ -372,6 +372,11 @@ struct AlignArgs {
 };
 
 void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
+  if (a.micro_batch_size < 0) {
+    throw std::invalid_argument(
+        "[routes align] --micro-batch-size must be >= 0 (0 = all sequences), got " +
+        std::to_string(a.micro_batch_size));
+  }
   RouteFileReader r = RouteFileReader::open(a.input);
   const RouteFileInfo& info = r.info();
   // Pipeline slice over MoE layers.

@@ -25,6 +25,7 @@ struct PackOptions {
 };
 
 /// Multiple each sequence is padded to: tp (cp == 1) or 2*tp*cp, then lcm with fp8_align.
+/// Throws std::invalid_argument when a size is < 1 (fp8_align < 0) or the multiple exceeds 2^20.
 int64_t pack_alignment(const PackOptions& options);
 
 /// Sequences packed into one THD table.

@@ -228,18 +228,19 @@ void by_dtype(DType d, F&& f) {
   }
 }
 
-Tensor combine_impl(const char* op, const Tensor& expert_y, const DispatchHandle& h,
-                    const UnpermuteOptions& options, Communicator& comm) {
+// `name`: the caller's name of expert_y, for messages ("expert_y", "grad_recv_x").
+Tensor combine_impl(const char* op, const char* name, const Tensor& expert_y,
+                    const DispatchHandle& h, const UnpermuteOptions& options, Communicator& comm) {
   check_handle(op, h, comm);
   std::string err;
   try {
-    check_defined(expert_y, op, "expert_y");
-    check_dtype(expert_y, op, "expert_y", {DType::fp32, DType::bf16});
-    check_shape(expert_y, op, "expert_y", {h.num_recv_tokens, h.hidden});
+    check_defined(expert_y, op, name);
+    check_dtype(expert_y, op, name, {DType::fp32, DType::bf16});
+    check_shape(expert_y, op, name, {h.num_recv_tokens, h.hidden});
   } catch (const std::invalid_argument& e) {
     err = e.what();
   }
-  detail::agree(op, err, err.empty() ? expert_y.dtype() : DType::fp32, "expert_y", options.weights,
+  detail::agree(op, err, err.empty() ? expert_y.dtype() : DType::fp32, name, options.weights,
                 comm);
   const DType dt = expert_y.dtype();
   // The returned rows live in the communicator's workspace (reused step after step).
@@ -424,13 +425,13 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
 
 Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
                const UnpermuteOptions& options, Communicator& comm) {
-  return combine_impl("combine", expert_y, handle, options, comm);
+  return combine_impl("combine", "expert_y", expert_y, handle, options, comm);
 }
 
 Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
                          Communicator& comm) {
-  return combine_impl("dispatch_backward", grad_recv_x, handle, UnpermuteOptions{WeightMode::skip},
-                      comm);
+  return combine_impl("dispatch_backward", "grad_recv_x", grad_recv_x, handle,
+                      UnpermuteOptions{WeightMode::skip}, comm);
 }
 
 CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,

@@ -8,12 +8,17 @@
 #include <numeric>
 
 #include "check.h"
+#include "route_codec.h"
 
 namespace switchyard {
 
 using detail::fail_arg;
 
 namespace {
+
+// Largest padding multiple (and tp/cp/fp8 size) pack_thd accepts: 2*tp*cp of any real layout is far
+// below it (tp 1024, cp 512); beyond it sizes overflow or a pack needs gigabytes of -1 rows.
+constexpr int64_t kMaxPackMultiple = int64_t{1} << 20;
 
 // Bytes of one token's routes.
 size_t token_bytes(const RouteTable& t) {
@@ -97,8 +102,18 @@ int64_t pack_alignment(const PackOptions& o) {
   if (o.tp_size < 1) fail_arg(op, "tp_size must be >= 1, got ", o.tp_size);
   if (o.cp_size < 1) fail_arg(op, "cp_size must be >= 1, got ", o.cp_size);
   if (o.fp8_align < 0) fail_arg(op, "fp8_align must be >= 0, got ", o.fp8_align);
+  // Bounded before multiplying (no int64 overflow) and after (a multiple this large pads every
+  // sequence to millions of rows: an argument error, not a pack).
+  if (o.tp_size > kMaxPackMultiple || o.cp_size > kMaxPackMultiple || o.fp8_align > kMaxPackMultiple) {
+    fail_arg(op, "tp_size, cp_size and fp8_align must be <= ", kMaxPackMultiple, ", got tp_size=",
+             o.tp_size, ", cp_size=", o.cp_size, ", fp8_align=", o.fp8_align);
+  }
   int64_t m = o.cp_size > 1 ? 2 * o.tp_size * o.cp_size : o.tp_size;
   if (o.fp8_align > 0) m = m / gcd64(m, o.fp8_align) * o.fp8_align;
+  if (m > kMaxPackMultiple) {
+    fail_arg(op, "padding multiple ", m, " (tp_size=", o.tp_size, ", cp_size=", o.cp_size,
+             ", fp8_align=", o.fp8_align, ") must be <= ", kMaxPackMultiple);
+  }
   return m;
 }
 
@@ -163,7 +178,8 @@ RouteTable cp_zigzag_split(const RouteTable& packed, const std::vector<int64_t>&
                            int64_t cp_size, int64_t cp_rank) {
   const char* op = "cp_zigzag_split";
   check_table(packed, op, "packed");
-  if (cp_size < 1) fail_arg(op, "cp_size must be >= 1, got ", cp_size);
+  if (cp_size < 1 || cp_size > kMaxPackMultiple)
+    fail_arg(op, "cp_size must be in [1, ", kMaxPackMultiple, "], got ", cp_size);
   if (cp_rank < 0 || cp_rank >= cp_size)
     fail_arg(op, "cp_rank must be in [0, ", cp_size, "), got ", cp_rank);
   check_cu(cu_seqlens_padded, op, packed.num_tokens());
@@ -296,8 +312,12 @@ std::pair<int64_t, int64_t> pp_moe_layer_range(const std::vector<int64_t>& moe_l
     fail_arg(op, "pp_rank must be in [0, ", o.pp_size, "), got ", o.pp_rank);
   if (o.vpp_rank < 0 || o.vpp_rank >= o.vpp_size)
     fail_arg(op, "vpp_rank must be in [0, ", o.vpp_size, "), got ", o.vpp_rank);
-  if (num_hidden_layers < 1)
-    fail_arg(op, "num_hidden_layers must be >= 1, got ", num_hidden_layers);
+  if (num_hidden_layers < 1 || num_hidden_layers > detail::kMaxLayers)
+    fail_arg(op, "num_hidden_layers must be in [1, ", detail::kMaxLayers, "], got ", num_hidden_layers);
+  // More pipeline chunks than layers cannot be a layout (and would overflow pp_size*vpp_size).
+  if (o.pp_size > num_hidden_layers || o.vpp_size > num_hidden_layers)
+    fail_arg(op, "pp_size and vpp_size must be <= num_hidden_layers=", num_hidden_layers,
+             ", got pp_size=", o.pp_size, ", vpp_size=", o.vpp_size);
   for (size_t i = 0; i < moe_layers.size(); ++i) {
     if (moe_layers[i] < 0 || moe_layers[i] >= num_hidden_layers ||
         (i > 0 && moe_layers[i] <= moe_layers[i - 1])) {

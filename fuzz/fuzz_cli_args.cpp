@@ -1,0 +1,106 @@
+// libFuzzer target: the `switchyard` command line's handling of numbers, shapes and lists. The input
+// is a list of arguments separated by '\n' (the first byte picks the subcommand they are appended
+// to: `routes align FILE -o OUT`, `routes import --format vllm|sglang ...`, `routes stats FILE`);
+// the whole text also goes to parse_moe_layer_freq. The program must end with a CLI11 parse error
+// or a clean RuntimeError (exit codes 1/2) or succeed; any other exception, crash or sanitizer
+// report is a bug.
+//
+// Safety: the target works in its own temporary directory (chdir) and drops every argument that
+// contains '/', so fuzzed paths (outputs, inputs) can only name files inside it.
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../tools/routes_cmd.cpp"  // NOLINT: the command code under test (as tests/unit/test_cli_routes.cpp)
+
+namespace {
+
+namespace fs = std::filesystem;
+fs::path g_dir;
+
+std::string npy_i32(const std::vector<int32_t>& v, int64_t a, int64_t b, int64_t c) {
+  std::string h = "{'descr': '<i4', 'fortran_order': False, 'shape': (" + std::to_string(a) + ", " +
+                  std::to_string(b) + ", " + std::to_string(c) + "), }";
+  while ((10 + h.size() + 1) % 64 != 0) h += ' ';
+  h += '\n';
+  std::string out("\x93NUMPY\x01\x00", 8);
+  out += static_cast<char>(h.size() & 0xff);
+  out += static_cast<char>(h.size() >> 8);
+  return out + h + std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+}
+
+void cleanup() {
+  std::error_code ec;
+  fs::remove_all(g_dir, ec);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  using namespace switchyard;
+  g_dir = fs::temp_directory_path() / ("sy_fuzz_cli_" + std::to_string(::getpid()));
+  fs::create_directories(g_dir);
+  fs::current_path(g_dir);
+  std::atexit(cleanup);
+  // A route file with a layer map: 6 hidden layers (first dense), 5 MoE layers, K 2, E 8.
+  RouteFileInfo info{8, 2, 5, {1, 2, 3, 4, 5}, 6, 0, 0};
+  RouteFileWriter w("in.syr", info);
+  for (int64_t s = 0; s < 5; ++s) {
+    RouteTable t = RouteTable::none(3 + 2 * s, 5, 2, 8);
+    int32_t* p = t.topk_idx.data<int32_t>();
+    for (int64_t i = 0; i < t.topk_idx.numel(); ++i) p[i] = (i % 7 == 6) ? -1 : int32_t((i * 5 + s) % 8);
+    w.append(t);
+  }
+  w.close();
+  // One vLLM sequence: 4 rows, 4 input layers, K 2; and the same as one SGLang JSONL record.
+  std::vector<int32_t> v;
+  for (int32_t i = 0; i < 4 * 4 * 2; ++i) v.push_back(i % 8);
+  std::ofstream("in.npy", std::ios::binary) << npy_i32(v, 4, 4, 2);
+  std::ofstream("in.jsonl", std::ios::binary)
+      << "{\"meta_info\": {\"routed_experts\": \""
+      << switchyard::base64_encode(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4))
+      << "\"}}\n";
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  const std::string text(reinterpret_cast<const char*>(data + 1), size - 1);
+  try {
+    (void)switchyard::parse_moe_layer_freq(text);
+  } catch (const std::invalid_argument&) {
+  }
+
+  std::vector<std::string> args;
+  switch (data[0] % 4) {
+    case 0: args = {"routes", "align", "in.syr", "-o", "out.syr"}; break;
+    case 1: args = {"routes", "import", "--format", "vllm", "--num-experts", "8", "-o", "out.syr", "in.npy"}; break;
+    case 2: args = {"routes", "import", "--format", "sglang", "--num-experts", "8", "-o", "out.syr", "in.jsonl"}; break;
+    default: args = {"routes", "stats", "in.syr"}; break;
+  }
+  std::stringstream ss(text);
+  std::string a;
+  int n = 0;
+  while (std::getline(ss, a, '\n') && n++ < 24) {
+    if (a.find('/') != std::string::npos) continue;
+    args.push_back(a);
+  }
+  std::ostringstream out, err;
+  CLI::App app{"switchyard"};
+  app.require_subcommand(1);
+  register_routes_commands(app, out, err);
+  std::vector<std::string> rev(args.rbegin(), args.rend());
+  try {
+    app.parse(rev);
+  } catch (const CLI::ParseError& e) {
+    (void)app.exit(e, out, err);
+  }
+  return 0;
+}

@@ -1,0 +1,48 @@
+// Crossing between torch tensors and switchyard::Tensor without copies.
+//
+// In: a contiguous CPU torch tensor is borrowed (`Tensor::borrow` on `data_ptr()`); any other
+// layout is made contiguous once and the copy is kept alive by the returned `Arg`. A CUDA tensor, a
+// non-tensor or a wrong dtype raises ValueError naming the op and the argument.
+// Out: a result Tensor becomes a numpy array whose base is a capsule owning the C++ storage, then
+// `torch.from_numpy` (zero copy); bf16 goes through an int16 array viewed as torch.bfloat16.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <initializer_list>
+#include <optional>
+#include <string>
+
+#include "switchyard/tensor.h"
+
+namespace switchyard::py_bridge {
+
+namespace py = pybind11;
+
+/// A borrowed torch tensor: `t` points into `keep`'s storage, which stays alive with this object.
+struct Arg {
+  Tensor t;
+  py::object keep;
+};
+
+/// The torch module (imported once).
+py::module_& torch_module();
+
+/// switchyard dtype of a torch dtype object; throws ValueError naming op/name when unsupported.
+DType dtype_from_torch(py::handle torch_dtype, const char* op, const char* name);
+/// torch dtype object of a switchyard dtype.
+py::object torch_dtype(DType dtype);
+
+/// Borrow `obj` (a torch tensor). `allowed` empty = any supported dtype.
+Arg borrow(py::handle obj, const char* op, const char* name,
+           std::initializer_list<DType> allowed = {});
+/// Same for an optional argument: None -> undefined Tensor.
+Arg borrow_optional(py::handle obj, const char* op, const char* name,
+                    std::initializer_list<DType> allowed = {});
+
+/// A torch tensor sharing `t`'s storage (borrowed results are copied once, since their owner is
+/// unknown). An undefined tensor becomes None.
+py::object to_torch(Tensor t);
+
+}  // namespace switchyard::py_bridge

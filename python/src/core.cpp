@@ -1,0 +1,38 @@
+// Core bindings: thread count and the tensor bridge's own probes (used by the tests to show that
+// tensors cross without copies).
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "bridge.h"
+#include "switchyard/tensor.h"
+
+namespace switchyard::py_bind {
+
+void bind_core(py::module_& m) {
+  m.def("num_threads", &switchyard::num_threads, "Number of CPU threads the kernels use.");
+  m.def("set_num_threads", &switchyard::set_num_threads, py::arg("n"),
+        "Set the number of CPU threads (>= 1); results never depend on it.");
+  m.def(
+      "_borrow_info",
+      [](py::handle t) {
+        py_bridge::Arg a = py_bridge::borrow(t, "borrow", "t");
+        return py::make_tuple(reinterpret_cast<uintptr_t>(a.t.raw()), a.t.shape(),
+                              std::string(dtype_name(a.t.dtype())));
+      },
+      py::arg("t"), "(address, shape, dtype) of the engine's view of `t` (tests).");
+  m.def(
+      "_clone",
+      [](py::handle t) {
+        return py_bridge::to_torch(py_bridge::borrow(t, "clone", "t").t.clone());
+      },
+      py::arg("t"), "An engine-owned copy of `t`, returned through the zero-copy path (tests).");
+  m.def(
+      "_full",
+      [](const Shape& shape, py::handle dtype, double value) {
+        return py_bridge::to_torch(
+            Tensor::full(shape, py_bridge::dtype_from_torch(dtype, "full", "dtype"), value));
+      },
+      py::arg("shape"), py::arg("dtype"), py::arg("value"));
+}
+
+}  // namespace switchyard::py_bind

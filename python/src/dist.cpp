@@ -1,0 +1,325 @@
+// Bindings of the communicators and the expert-parallel dispatchers (include/switchyard/dist.h,
+// dispatcher.h).
+//
+// MPI lifetime: `world()` initialises MPI when nobody has (MPI_Init_thread) and then finalises it
+// at interpreter exit; when mpi4py (or the host program) initialised MPI, they keep ownership.
+// Python holds communicators through a box, so that at exit every communicator made here is freed
+// before MPI is finalised, whatever Python objects still point at it.
+#include "switchyard/dist.h"
+
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "bridge.h"
+#include "core/check.h"
+#include "switchyard/dispatcher.h"
+#include "switchyard/error.h"
+
+#ifdef SWITCHYARD_WITH_MPI
+// C bindings only (the MPI C++ bindings would add symbols libmpi_cxx must provide).
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
+
+namespace switchyard::py_bind {
+
+namespace {
+
+using dist::Communicator;
+using CommPtr = std::shared_ptr<Communicator>;
+using dist::DispatcherKind;
+
+/// A communicator as Python holds it; emptied at interpreter exit.
+struct CommBox {
+  CommPtr comm;
+  Communicator& get() const {
+    if (!comm) throw std::runtime_error("[dist] communicator was released at interpreter exit");
+    return *comm;
+  }
+};
+
+std::vector<std::weak_ptr<CommBox>>& registry() {
+  static auto* boxes = new std::vector<std::weak_ptr<CommBox>>();
+  return *boxes;
+}
+
+std::shared_ptr<CommBox> box(CommPtr comm) {
+  auto b = std::make_shared<CommBox>(CommBox{std::move(comm)});
+  registry().push_back(b);
+  return b;
+}
+
+#ifdef SWITCHYARD_WITH_MPI
+bool g_we_initialised_mpi = false;
+
+void ensure_mpi() {
+  int inited = 0;
+  MPI_Initialized(&inited);
+  if (inited) return;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) throw BackendError("[dist.world] MPI was already finalised in this process");
+  int provided = 0;
+  const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+  if (rc != MPI_SUCCESS) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    throw BackendError("[dist.world] MPI_Init_thread failed: " + std::string(msg, len) + " (" +
+                       __FILE__ + ":" + std::to_string(__LINE__) + ")");
+  }
+  g_we_initialised_mpi = true;
+}
+#endif
+
+/// At interpreter exit: free every communicator, then finalise MPI if we initialised it.
+void shutdown() {
+  for (auto& w : registry()) {
+    if (auto b = w.lock()) b->comm.reset();
+  }
+  registry().clear();
+#ifdef SWITCHYARD_WITH_MPI
+  if (g_we_initialised_mpi) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+    g_we_initialised_mpi = false;
+  }
+#endif
+}
+
+DispatcherKind kind_from_str(const std::string& s) {
+  if (s == "all_to_all") return DispatcherKind::all_to_all;
+  if (s == "all_gather") return DispatcherKind::all_gather;
+  throw py::value_error("[dispatch] kind must be 'all_to_all' or 'all_gather', got '" + s + "'");
+}
+
+PlanDropPolicy drop_policy_from_str(const std::string& s) {
+  if (s == "probs") return PlanDropPolicy::probs;
+  if (s == "position") return PlanDropPolicy::position;
+  throw py::value_error("[dispatch] token_drop_policy must be 'probs' or 'position', got '" + s +
+                        "'");
+}
+
+UnpermuteOptions weights_opt(bool apply_probs) {
+  UnpermuteOptions o;
+  o.weights = apply_probs ? WeightMode::apply : WeightMode::skip;
+  return o;
+}
+
+/// Gradient of dispatch's recv_topk_weights back to this rank's topk_weights [T, K] fp32: each
+/// received row's gradient goes back to its source rank (alltoallv of one float per row) and then
+/// to every slot of that (token, expert) pair (a repeated id's weight is the sum of its slots, so
+/// each slot gets the row's gradient). Collective.
+Tensor dispatch_weights_backward(const Tensor& grad_recv_w, const dist::DispatchHandle& h,
+                                 Communicator& comm) {
+  const char* op = "dispatch_weights_backward";
+  detail::check_dtype(grad_recv_w, op, "grad_recv_topk_weights", {DType::fp32});
+  detail::check_shape(grad_recv_w, op, "grad_recv_topk_weights", {h.num_recv_tokens});
+  const int ep = h.world_size;
+  const int64_t R = h.num_recv_tokens;
+  const int32_t* src = h.recv_src_rank.data<int32_t>();
+  std::vector<int64_t> send_counts(static_cast<size_t>(ep), 0), recv_counts(ep, 0);
+  for (int64_t i = 0; i < R; ++i) ++send_counts[src[i]];
+  // Received rows are ordered (local expert, source rank, token): a stable bucket by source rank
+  // gives each source its rows in (expert, token) order, which is its own send (plan row) order.
+  std::vector<int64_t> off(static_cast<size_t>(ep) + 1, 0);
+  for (int s = 0; s < ep; ++s) off[s + 1] = off[s] + send_counts[s];
+  std::vector<float> send(static_cast<size_t>(R));
+  const float* g = grad_recv_w.data<float>();
+  for (int64_t i = 0; i < R; ++i) send[off[src[i]]++] = g[i];
+  const int64_t E = h.num_experts, L = h.num_local_experts;
+  for (int r = 0; r < ep; ++r) {
+    for (int64_t e = r * L; e < (r + 1) * L; ++e) {
+      recv_counts[r] += h.rank_expert_counts[static_cast<size_t>(h.rank * E + e)];
+    }
+  }
+  const RoutingPlan& plan = h.plan;
+  std::vector<float> recv(static_cast<size_t>(plan.num_rows));
+  int64_t total = 0;
+  for (int64_t c : recv_counts) total += c;
+  if (total != plan.num_rows) {
+    throw std::logic_error(
+        detail::cat("[", op, "] plan rows ", plan.num_rows, " differ from the pairs sent ", total));
+  }
+  comm.alltoallv(send.data(), send_counts, recv.data(), recv_counts, sizeof(float));
+  const int64_t T = plan.num_tokens, K = plan.top_k;
+  Tensor out = Tensor::empty({T, K}, DType::fp32);
+  const int64_t* slot_row = plan.slot_row.data<int64_t>();
+  float* o = out.data<float>();
+  for (int64_t i = 0; i < T * K; ++i) o[i] = slot_row[i] >= 0 ? recv[slot_row[i]] : 0.0f;
+  return out;
+}
+
+}  // namespace
+
+void bind_dist(py::module_& m) {
+  py::class_<CommBox, std::shared_ptr<CommBox>>(m, "Communicator",
+                                                "An expert-parallel communicator (MPI or local).")
+      .def_property_readonly("rank", [](const CommBox& b) { return b.get().rank(); })
+      .def_property_readonly("size", [](const CommBox& b) { return b.get().size(); })
+      .def_property_readonly("name", [](const CommBox& b) { return b.get().name(); })
+      .def("barrier",
+           [](const CommBox& b) {
+             py::gil_scoped_release nogil;
+             b.get().barrier();
+           })
+      .def("allreduce_max",
+           [](const CommBox& b, std::vector<int64_t> v) {
+             {
+               py::gil_scoped_release nogil;
+               b.get().allreduce_max(v.data(), static_cast<int64_t>(v.size()));
+             }
+             return v;
+           })
+      .def("__repr__", [](const CommBox& b) {
+        if (!b.comm) return std::string("<switchyard.dist.Communicator released>");
+        return "<switchyard.dist.Communicator " + b.comm->name() + " rank " +
+               std::to_string(b.comm->rank()) + " of " + std::to_string(b.comm->size()) + ">";
+      });
+
+  m.def("dist_mpi_built", &dist::mpi_built);
+  m.def("dist_local", [] { return box(dist::local()); });
+  m.def("dist_world", [] {
+#ifdef SWITCHYARD_WITH_MPI
+    ensure_mpi();
+#endif
+    return box(dist::world());
+  });
+  m.def(
+      "dist_from_mpi_fortran", [](int64_t handle) { return box(dist::from_mpi_fortran(handle)); },
+      py::arg("handle"));
+  m.def("dist_shutdown", &shutdown);
+
+  // The handle's integer tensors are what combine and the backwards read: Python gets copies (a
+  // few ints per expert / row), so an in-place edit of them cannot corrupt a later backward.
+  py::class_<dist::DispatchHandle>(m, "DispatchHandle",
+                                   "What combine and the backwards need (returned by dispatch).")
+      .def_property_readonly("kind",
+                             [](const dist::DispatchHandle& h) {
+                               return h.kind == DispatcherKind::all_to_all ? "all_to_all"
+                                                                           : "all_gather";
+                             })
+      .def_readonly("rank", &dist::DispatchHandle::rank)
+      .def_readonly("world_size", &dist::DispatchHandle::world_size)
+      .def_readonly("num_tokens", &dist::DispatchHandle::num_tokens)
+      .def_readonly("hidden", &dist::DispatchHandle::hidden)
+      .def_readonly("num_experts", &dist::DispatchHandle::num_experts)
+      .def_readonly("num_local_experts", &dist::DispatchHandle::num_local_experts)
+      .def_readonly("num_recv_tokens", &dist::DispatchHandle::num_recv_tokens)
+      .def_property_readonly("tokens_per_expert",
+                             [](const dist::DispatchHandle& h) {
+                               return py_bridge::to_torch(h.num_tokens_per_expert.clone());
+                             })
+      .def_property_readonly("expert_offsets",
+                             [](const dist::DispatchHandle& h) {
+                               return py_bridge::to_torch(h.expert_offsets.clone());
+                             })
+      .def_property_readonly("recv_src_rank",
+                             [](const dist::DispatchHandle& h) {
+                               return py_bridge::to_torch(h.recv_src_rank.clone());
+                             })
+      .def_property_readonly("recv_src_token",
+                             [](const dist::DispatchHandle& h) {
+                               return py_bridge::to_torch(h.recv_src_token.clone());
+                             })
+      .def_readonly("rank_expert_counts", &dist::DispatchHandle::rank_expert_counts)
+      .def_readonly("rank_num_tokens", &dist::DispatchHandle::rank_num_tokens)
+      .def_property_readonly("num_pairs",
+                             [](const dist::DispatchHandle& h) { return h.plan.num_pairs; })
+      .def_property_readonly("num_dropped",
+                             [](const dist::DispatchHandle& h) { return h.plan.num_dropped; });
+
+  m.def(
+      "dispatch",
+      [](py::handle x, py::handle topk_idx, py::handle topk_weights, int64_t num_experts,
+         const std::string& kind, double capacity_factor, const std::string& token_drop_policy,
+         const CommBox& comm) {
+        const char* op = "dispatch";
+        dist::DispatchOptions opt;
+        opt.num_experts = num_experts;
+        opt.kind = kind_from_str(kind);
+        opt.plan.capacity_factor = capacity_factor;
+        opt.plan.token_drop_policy = drop_policy_from_str(token_drop_policy);
+        py_bridge::Arg ax = py_bridge::borrow(x, op, "x");
+        py_bridge::Arg ai = py_bridge::borrow(topk_idx, op, "topk_idx");
+        py_bridge::Arg aw = py_bridge::borrow(topk_weights, op, "topk_weights");
+        Communicator& c = comm.get();
+        dist::DispatchResult r;
+        {
+          py::gil_scoped_release nogil;
+          r = dist::dispatch(ax.t, ai.t, aw.t, opt, c);
+        }
+        py::object rx = py_bridge::to_torch(std::move(r.recv_x));
+        py::object rw = py_bridge::to_torch(std::move(r.recv_topk_weights));
+        return py::make_tuple(rx, rw, std::move(r.handle));
+      },
+      py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
+      py::arg("kind"), py::arg("capacity_factor"), py::arg("token_drop_policy"), py::arg("comm"));
+  m.def(
+      "combine",
+      [](py::handle expert_y, const dist::DispatchHandle& handle, bool apply_probs,
+         const CommBox& comm) {
+        py_bridge::Arg ay = py_bridge::borrow(expert_y, "combine", "expert_y");
+        Communicator& c = comm.get();
+        Tensor y;
+        {
+          py::gil_scoped_release nogil;
+          y = dist::combine(ay.t, handle, weights_opt(apply_probs), c);
+        }
+        return py_bridge::to_torch(std::move(y));
+      },
+      py::arg("expert_y"), py::arg("handle"), py::arg("apply_probs"), py::arg("comm"));
+  m.def(
+      "dispatch_backward",
+      [](py::handle grad_recv_x, const dist::DispatchHandle& handle, const CommBox& comm) {
+        py_bridge::Arg ag = py_bridge::borrow(grad_recv_x, "dispatch_backward", "grad_recv_x");
+        Communicator& c = comm.get();
+        Tensor g;
+        {
+          py::gil_scoped_release nogil;
+          g = dist::dispatch_backward(ag.t, handle, c);
+        }
+        return py_bridge::to_torch(std::move(g));
+      },
+      py::arg("grad_recv_x"), py::arg("handle"), py::arg("comm"));
+  m.def(
+      "dispatch_weights_backward",
+      [](py::handle grad_recv_w, const dist::DispatchHandle& handle, const CommBox& comm) {
+        py_bridge::Arg ag =
+            py_bridge::borrow(grad_recv_w, "dispatch_weights_backward", "grad_recv_topk_weights");
+        Communicator& c = comm.get();
+        Tensor g;
+        {
+          py::gil_scoped_release nogil;
+          g = dispatch_weights_backward(ag.t, handle, c);
+        }
+        return py_bridge::to_torch(std::move(g));
+      },
+      py::arg("grad_recv_topk_weights"), py::arg("handle"), py::arg("comm"));
+  m.def(
+      "combine_backward",
+      [](py::handle grad_y, py::handle expert_y, const dist::DispatchHandle& handle,
+         bool apply_probs, const CommBox& comm) {
+        const char* op = "combine_backward";
+        py_bridge::Arg ag = py_bridge::borrow(grad_y, op, "grad_y");
+        py_bridge::Arg ay = py_bridge::borrow(expert_y, op, "expert_y");
+        Communicator& c = comm.get();
+        dist::CombineGrads g;
+        {
+          py::gil_scoped_release nogil;
+          g = dist::combine_backward(ag.t, ay.t, handle, weights_opt(apply_probs), c);
+        }
+        return py::make_tuple(py_bridge::to_torch(std::move(g.grad_expert_y)),
+                              py_bridge::to_torch(std::move(g.grad_topk_weights)));
+      },
+      py::arg("grad_y"), py::arg("expert_y"), py::arg("handle"), py::arg("apply_probs"),
+      py::arg("comm"));
+}
+
+}  // namespace switchyard::py_bind

@@ -1,0 +1,261 @@
+// Bindings of the router (include/switchyard/router.h) and router replay (replay.h).
+#include "switchyard/router.h"
+
+#include <pybind11/stl.h>
+
+#include <optional>
+#include <string>
+
+#include "bindings.h"
+#include "bridge.h"
+#include "switchyard/replay.h"
+
+namespace switchyard::py_bind {
+
+namespace {
+
+/// A RouteResult plus the Python objects whose storage it borrows (the logits): backward reads
+/// them, so they live as long as the result.
+struct PyRoute {
+  RouteResult r;
+  py::object keep_logits;
+};
+
+/// [T, K] ids as int32: int32 borrowed as is, int64 converted once (range-checked).
+Tensor ids_int32(py::handle obj, const char* op, const char* name, py_bridge::Arg& arg) {
+  arg = py_bridge::borrow(obj, op, name, {DType::int32, DType::int64});
+  if (arg.t.dtype() == DType::int32) return arg.t;
+  const int64_t* p = arg.t.data<int64_t>();
+  for (int64_t i = 0; i < arg.t.numel(); ++i) {
+    if (p[i] < INT32_MIN || p[i] > INT32_MAX) {
+      throw py::value_error(std::string("[") + op + "] " + name + " holds " + std::to_string(p[i]) +
+                            " at flat index " + std::to_string(i) + ", outside the int32 range");
+    }
+  }
+  return arg.t.to(DType::int32);
+}
+
+std::string config_repr(const RouterConfig& c) {
+  std::string s = "RouterConfig(num_experts=" + std::to_string(c.num_experts) +
+                  ", topk=" + std::to_string(c.top_k) + ", score_function='" +
+                  score_function_name(c.score_function) +
+                  "', pre_softmax=" + (c.pre_softmax ? "True" : "False");
+  s += ", num_groups=" + (c.num_groups ? std::to_string(c.num_groups) : std::string("None"));
+  s += ", group_topk=" + (c.group_topk ? std::to_string(c.group_topk) : std::string("None"));
+  s += ", topk_scaling_factor=" + py::repr(py::float_(c.topk_scaling_factor)).cast<std::string>();
+  s += ", capacity_factor=" + (c.capacity_factor
+                                   ? py::repr(py::float_(*c.capacity_factor)).cast<std::string>()
+                                   : std::string("None"));
+  s += std::string(", token_drop_policy='") + token_drop_policy_name(c.token_drop_policy) + "'";
+  s += std::string(", pad_to_capacity=") + (c.pad_to_capacity ? "True" : "False");
+  s += std::string(", aux_loss_type=") +
+       (c.aux_loss_type == AuxLossType::none
+            ? std::string("None")
+            : "'" + std::string(aux_loss_type_name(c.aux_loss_type)) + "'");
+  s += ", aux_loss_coeff=" + py::repr(py::float_(c.aux_loss_coeff)).cast<std::string>();
+  s += ", z_loss_coeff=" + py::repr(py::float_(c.z_loss_coeff)).cast<std::string>() + ")";
+  return s;
+}
+
+}  // namespace
+
+void bind_router(py::module_& m) {
+  py::class_<RouterConfig>(m, "RouterConfig",
+                           "Router configuration; names and defaults follow Megatron-Core.")
+      .def(py::init([](int64_t num_experts, int64_t topk, const std::string& score_function,
+                       bool pre_softmax, std::optional<int64_t> num_groups,
+                       std::optional<int64_t> group_topk, std::optional<double> topk_scaling_factor,
+                       std::optional<double> capacity_factor, const std::string& token_drop_policy,
+                       bool pad_to_capacity, std::optional<std::string> aux_loss_type,
+                       double aux_loss_coeff, double z_loss_coeff) {
+             RouterConfig c;
+             c.num_experts = num_experts;
+             c.top_k = topk;
+             c.score_function = parse_score_function(score_function);
+             c.pre_softmax = pre_softmax;
+             c.num_groups = num_groups.value_or(0);
+             c.group_topk = group_topk.value_or(0);
+             c.topk_scaling_factor = topk_scaling_factor.value_or(1.0);
+             c.capacity_factor = capacity_factor;
+             c.token_drop_policy = parse_token_drop_policy(token_drop_policy);
+             c.pad_to_capacity = pad_to_capacity;
+             c.aux_loss_type =
+                 aux_loss_type ? parse_aux_loss_type(*aux_loss_type) : AuxLossType::none;
+             c.aux_loss_coeff = aux_loss_coeff;
+             c.z_loss_coeff = z_loss_coeff;
+             validate_router_config(c);
+             return c;
+           }),
+           py::kw_only(), py::arg("num_experts"), py::arg("topk"),
+           py::arg("score_function") = "softmax", py::arg("pre_softmax") = false,
+           py::arg("num_groups") = py::none(), py::arg("group_topk") = py::none(),
+           py::arg("topk_scaling_factor") = py::none(), py::arg("capacity_factor") = py::none(),
+           py::arg("token_drop_policy") = "probs", py::arg("pad_to_capacity") = false,
+           py::arg("aux_loss_type") = py::none(), py::arg("aux_loss_coeff") = 0.0,
+           py::arg("z_loss_coeff") = 0.0)
+      .def_readonly("num_experts", &RouterConfig::num_experts)
+      .def_readonly("topk", &RouterConfig::top_k)
+      .def_property_readonly(
+          "score_function",
+          [](const RouterConfig& c) { return score_function_name(c.score_function); })
+      .def_readonly("pre_softmax", &RouterConfig::pre_softmax)
+      .def_property_readonly("num_groups",
+                             [](const RouterConfig& c) -> std::optional<int64_t> {
+                               if (c.num_groups) return c.num_groups;
+                               return std::nullopt;
+                             })
+      .def_property_readonly("group_topk",
+                             [](const RouterConfig& c) -> std::optional<int64_t> {
+                               if (c.group_topk) return c.group_topk;
+                               return std::nullopt;
+                             })
+      .def_readonly("topk_scaling_factor", &RouterConfig::topk_scaling_factor)
+      .def_readonly("capacity_factor", &RouterConfig::capacity_factor)
+      .def_property_readonly(
+          "token_drop_policy",
+          [](const RouterConfig& c) { return token_drop_policy_name(c.token_drop_policy); })
+      .def_readonly("pad_to_capacity", &RouterConfig::pad_to_capacity)
+      .def_property_readonly("aux_loss_type",
+                             [](const RouterConfig& c) -> std::optional<std::string> {
+                               if (c.aux_loss_type == AuxLossType::none) return std::nullopt;
+                               return std::string(aux_loss_type_name(c.aux_loss_type));
+                             })
+      .def_readonly("aux_loss_coeff", &RouterConfig::aux_loss_coeff)
+      .def_readonly("z_loss_coeff", &RouterConfig::z_loss_coeff)
+      .def("__repr__", &config_repr);
+
+  py::class_<GlobalAuxLossState>(
+      m, "GlobalAuxLossState", "Running per-expert counts of global_aux_loss (one per MoE layer).")
+      .def(py::init<>())
+      .def("reset", &GlobalAuxLossState::reset)
+      .def(
+          "copy",
+          [](const GlobalAuxLossState& s) {
+            GlobalAuxLossState c;
+            c.steps = s.steps;
+            if (s.tokens_per_expert.defined()) c.tokens_per_expert = s.tokens_per_expert.clone();
+            return c;
+          },
+          "An independent snapshot (for a recompute that must reproduce its forward).")
+      .def_readonly("steps", &GlobalAuxLossState::steps)
+      .def_property_readonly("tokens_per_expert", [](const GlobalAuxLossState& s) {
+        return py_bridge::to_torch(s.tokens_per_expert.defined() ? s.tokens_per_expert.clone()
+                                                                 : Tensor());
+      });
+
+  py::class_<PyRoute>(m, "RouteResult", "Result of topk_route and the handle of its backward.")
+      .def_property_readonly("topk_weights",
+                             [](const PyRoute& p) { return py_bridge::to_torch(p.r.topk_weights); })
+      .def_property_readonly("topk_idx",
+                             [](const PyRoute& p) { return py_bridge::to_torch(p.r.topk_idx); })
+      .def_property_readonly(
+          "tokens_per_expert",
+          [](const PyRoute& p) { return py_bridge::to_torch(p.r.num_tokens_per_expert); })
+      .def_property_readonly("expert_capacity",
+                             [](const PyRoute& p) { return p.r.expert_capacity; })
+      .def_property_readonly("num_dropped", [](const PyRoute& p) { return p.r.num_dropped; })
+      .def_property_readonly("aux_loss", [](const PyRoute& p) { return p.r.aux_loss; })
+      .def_property_readonly("z_loss", [](const PyRoute& p) { return p.r.z_loss; })
+      .def_property_readonly("num_replayed_rows",
+                             [](const PyRoute& p) { return p.r.num_replayed_rows; })
+      .def_property_readonly("num_native_rows",
+                             [](const PyRoute& p) { return p.r.num_native_rows; })
+      .def_property_readonly("num_padded_rows",
+                             [](const PyRoute& p) { return p.r.num_padded_rows; })
+      .def_property_readonly("num_invalid_replay_rows",
+                             [](const PyRoute& p) { return p.r.num_invalid_replay_rows; });
+
+  m.def(
+      "topk_route",
+      [](py::handle logits, const RouterConfig& config, py::handle expert_bias,
+         py::handle replay_idx, py::handle padding_mask, GlobalAuxLossState* global_state,
+         const std::string& invalid_replay_rows, int64_t layer, int64_t seq_length) {
+        const char* op = "topk_route";
+        RouteOptions opt;
+        if (invalid_replay_rows == "error") {
+          opt.invalid_replay_rows = InvalidReplayRows::error;
+        } else if (invalid_replay_rows == "native") {
+          opt.invalid_replay_rows = InvalidReplayRows::native;
+        } else {
+          throw py::value_error(
+              "[topk_route] invalid_replay_rows must be 'error' or 'native', got '" +
+              invalid_replay_rows + "'");
+        }
+        opt.layer = layer;
+        opt.seq_length = seq_length;
+        py_bridge::Arg al = py_bridge::borrow(logits, op, "logits");
+        py_bridge::Arg ab = py_bridge::borrow_optional(expert_bias, op, "expert_bias");
+        py_bridge::Arg am = py_bridge::borrow_optional(padding_mask, op, "padding_mask");
+        py_bridge::Arg ar;
+        RouteInputs in;
+        in.expert_bias = ab.t;
+        in.padding_mask = am.t;
+        if (!replay_idx.is_none()) in.replay_idx = ids_int32(replay_idx, op, "replay_idx", ar);
+        in.global_aux_loss_state = global_state;
+        auto out = std::make_unique<PyRoute>();
+        {
+          py::gil_scoped_release nogil;
+          out->r = topk_route(al.t, in, config, opt);
+        }
+        out->keep_logits = al.keep;
+        return out;
+      },
+      py::arg("logits"), py::arg("config"), py::arg("expert_bias"), py::arg("replay_idx"),
+      py::arg("padding_mask"), py::arg("global_aux_loss_state"), py::arg("invalid_replay_rows"),
+      py::arg("layer"), py::arg("seq_length"));
+  m.def(
+      "topk_route_backward",
+      [](py::handle grad_topk_weights, const PyRoute& route, double loss_grad_scale) {
+        py_bridge::Arg ag = py_bridge::borrow_optional(grad_topk_weights, "topk_route_backward",
+                                                       "grad_topk_weights");
+        RouteBackwardOptions opt;
+        opt.loss_grad_scale = loss_grad_scale;
+        RouteGrads g;
+        {
+          py::gil_scoped_release nogil;
+          g = topk_route_backward(ag.t, route.r, route.r.config, opt);
+        }
+        return py_bridge::to_torch(std::move(g.grad_logits));
+      },
+      py::arg("grad_topk_weights"), py::arg("route"), py::arg("loss_grad_scale"));
+  m.def(
+      "update_expert_bias",
+      [](py::handle expert_bias, py::handle tokens_per_expert, double rate) {
+        const char* op = "update_expert_bias";
+        py_bridge::Arg ab = py_bridge::borrow(expert_bias, op, "expert_bias");
+        py_bridge::Arg ac = py_bridge::borrow(tokens_per_expert, op, "tokens_per_expert");
+        return py_bridge::to_torch(update_expert_bias(ab.t, ac.t, rate));
+      },
+      py::arg("expert_bias"), py::arg("tokens_per_expert"), py::arg("rate"));
+
+  py::class_<RouterReplay>(m, "RouterReplayCore", "Replay queues of one MoE layer (engine object).")
+      .def(py::init([](int64_t top_k, int64_t layer) {
+             RouterReplayOptions o;
+             o.top_k = top_k;
+             o.layer = layer;
+             return RouterReplay(o);
+           }),
+           py::arg("top_k"), py::arg("layer") = -1)
+      .def("record",
+           [](RouterReplay& r, py::handle ids) {
+             py_bridge::Arg a;
+             r.record(ids_int32(ids, "replay.record", "topk_idx", a));
+           })
+      .def("pop_recorded", [](RouterReplay& r) { return py_bridge::to_torch(r.pop_recorded()); })
+      .def("replay_forward",
+           [](RouterReplay& r, py::handle ids) {
+             py_bridge::Arg a;
+             return py_bridge::to_torch(
+                 r.replay_forward(ids_int32(ids, "replay.replay_forward", "topk_idx", a)));
+           })
+      .def("replay_backward",
+           [](RouterReplay& r, int64_t num_tokens) {
+             return py_bridge::to_torch(r.replay_backward(num_tokens));
+           })
+      .def_property_readonly("num_recorded", &RouterReplay::num_recorded)
+      .def_property_readonly("num_pending_backward", &RouterReplay::num_pending_backward)
+      .def_property_readonly("layer", &RouterReplay::layer)
+      .def("clear", &RouterReplay::clear);
+}
+
+}  // namespace switchyard::py_bind

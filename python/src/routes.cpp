@@ -1,0 +1,323 @@
+// Bindings of the route toolkit (include/switchyard/routes*.h, route_file.h): tables cross as
+// int32 torch tensors [tokens, moe_layers, K] (-1 = no route) with a num_experts beside them.
+#include "switchyard/routes.h"
+
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "bridge.h"
+#include "switchyard/route_align.h"
+#include "switchyard/route_file.h"
+#include "switchyard/route_import.h"
+#include "switchyard/route_stats.h"
+
+namespace switchyard::py_bind {
+
+namespace {
+
+/// A torch id tensor (int32 borrowed, int64 converted after a range check) as a RouteTable, valid
+/// during the call (results that are views of it are copied by to_torch).
+RouteTable to_table(py::handle obj, int64_t num_experts, const char* op, const char* name) {
+  py_bridge::Arg a = py_bridge::borrow(obj, op, name, {DType::int32, DType::int64});
+  RouteTable t;
+  t.num_experts = num_experts;
+  if (a.t.dtype() == DType::int64) {
+    const int64_t* p = a.t.data<int64_t>();
+    for (int64_t i = 0; i < a.t.numel(); ++i) {
+      if (p[i] < -1 || p[i] > INT32_MAX) {
+        throw py::value_error(std::string("[") + op + "] " + name + " holds " +
+                              std::to_string(p[i]) + " at flat index " + std::to_string(i) +
+                              ", expected -1 or an expert id");
+      }
+    }
+    t.topk_idx = a.t.to(DType::int32);
+  } else {
+    t.topk_idx = a.t;
+  }
+  check_route_table(t, op, name);
+  return t;
+}
+
+std::vector<RouteTable> to_tables(const py::sequence& seq, int64_t num_experts, const char* op) {
+  std::vector<RouteTable> out;
+  out.reserve(seq.size());
+  for (size_t i = 0; i < seq.size(); ++i) {
+    const std::string name = "tables[" + std::to_string(i) + "]";
+    out.push_back(to_table(seq[i], num_experts, op, name.c_str()));
+  }
+  return out;
+}
+
+py::list from_tables(const std::vector<RouteTable>& tables) {
+  py::list out;
+  for (const RouteTable& t : tables) out.append(py_bridge::to_torch(t.topk_idx));
+  return out;
+}
+
+ZeroRowPolicy zero_policy(const std::string& s) {
+  if (s == "keep") return ZeroRowPolicy::keep;
+  if (s == "to_none") return ZeroRowPolicy::to_none;
+  if (s == "error") return ZeroRowPolicy::error;
+  throw py::value_error("[routes.import] zero_rows must be 'keep', 'to_none' or 'error', got '" +
+                        s + "'");
+}
+
+ImportOptions import_options(int64_t num_experts, int64_t first_k_dense,
+                             const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+                             int64_t num_input_layers, int64_t top_k,
+                             const std::string& zero_rows) {
+  ImportOptions o;
+  o.num_experts = num_experts;
+  o.layer_map.first_k_dense = first_k_dense;
+  o.layer_map.moe_layer_freq = moe_layer_freq;
+  o.layer_map.num_mtp_layers = num_mtp_layers;
+  o.num_input_layers = num_input_layers;
+  o.top_k = top_k;
+  o.zero_rows = zero_policy(zero_rows);
+  return o;
+}
+
+py::tuple import_result(const ImportResult& r) {
+  py::dict rep;
+  rep["num_sequences"] = r.report.num_sequences;
+  rep["num_tokens"] = r.report.num_tokens;
+  rep["num_input_layers"] = r.report.num_input_layers;
+  rep["top_k"] = r.report.top_k;
+  rep["moe_layers"] = r.report.moe_layers;
+  rep["num_zero_rows"] = r.report.num_zero_rows;
+  rep["first_zero_rows"] = r.report.first_zero_rows;
+  rep["warnings"] = r.report.warnings;
+  rep["sources"] = r.sources;
+  return py::make_tuple(from_tables(r.sequences), rep);
+}
+
+py::dict file_info(const RouteFileInfo& i) {
+  py::dict d;
+  d["num_experts"] = i.num_experts;
+  d["top_k"] = i.top_k;
+  d["num_moe_layers"] = i.num_moe_layers;
+  d["moe_layers"] = i.moe_layers;
+  d["id_width"] = i.id_width;
+  d["version"] = i.version;
+  return d;
+}
+
+py::dict drift_dict(const RouteDrift& d) {
+  py::dict o;
+  o["num_tokens"] = d.num_tokens;
+  o["num_rows"] = d.num_rows;
+  o["num_decisions"] = d.num_decisions;
+  o["num_differing_decisions"] = d.num_differing_decisions;
+  o["num_differing_rows"] = d.num_differing_rows;
+  o["num_differing_tokens"] = d.num_differing_tokens;
+  o["num_skipped_rows"] = d.num_skipped_rows;
+  o["decision_mismatch"] = d.decision_mismatch();
+  o["token_mismatch"] = d.token_mismatch();
+  o["mean_differing_layers"] = d.mean_differing_layers();
+  std::vector<double> per_layer;
+  for (size_t l = 0; l < d.layer_decisions.size(); ++l) {
+    per_layer.push_back(d.layer_mismatch(static_cast<int64_t>(l)));
+  }
+  o["layer_mismatch"] = per_layer;
+  return o;
+}
+
+}  // namespace
+
+void bind_routes(py::module_& m) {
+  // ---- file ----
+  py::class_<RouteFileWriter>(m, "RouteFileWriter")
+      .def(py::init([](const std::string& path, int64_t num_experts, int64_t top_k,
+                       int64_t num_moe_layers, const std::vector<int64_t>& moe_layers,
+                       int compression_level) {
+             RouteFileInfo info;
+             info.num_experts = num_experts;
+             info.top_k = top_k;
+             info.num_moe_layers = num_moe_layers;
+             info.moe_layers = moe_layers;
+             RouteFileWriterOptions o;
+             o.compression_level = compression_level;
+             return std::make_unique<RouteFileWriter>(path, info, o);
+           }),
+           py::arg("path"), py::arg("num_experts"), py::arg("top_k"), py::arg("num_moe_layers"),
+           py::arg("moe_layers"), py::arg("compression_level"))
+      .def("append",
+           [](RouteFileWriter& w, py::handle table, int64_t num_experts) {
+             RouteTable t = to_table(table, num_experts, "routes.write", "table");
+             py::gil_scoped_release nogil;
+             w.append(t);
+           })
+      .def("close", &RouteFileWriter::close)
+      .def_property_readonly("num_sequences", &RouteFileWriter::num_sequences)
+      .def_property_readonly("bytes_written", &RouteFileWriter::bytes_written);
+
+  py::class_<RouteFileReader>(m, "RouteFileReader")
+      .def(py::init([](const std::string& path) { return RouteFileReader::open(path); }),
+           py::arg("path"))
+      .def_static("from_bytes",
+                  [](const py::bytes& b) { return RouteFileReader::from_bytes(std::string(b)); })
+      .def_property_readonly("info", [](const RouteFileReader& r) { return file_info(r.info()); })
+      .def("__len__", &RouteFileReader::num_sequences)
+      .def_property_readonly("complete", &RouteFileReader::complete)
+      .def_property_readonly("status", &RouteFileReader::status)
+      .def_property_readonly("file_size", &RouteFileReader::file_size)
+      .def("read", [](const RouteFileReader& r, int64_t i) {
+        RouteTable t;
+        {
+          py::gil_scoped_release nogil;
+          t = r.read(i);
+        }
+        return py_bridge::to_torch(t.topk_idx);
+      });
+
+  m.def("routes_verify", [](const std::string& path) {
+    RouteFileCheck c = verify_route_file(path);
+    py::dict d;
+    d["ok"] = c.ok;
+    d["num_sequences"] = c.num_sequences;
+    d["num_readable"] = c.num_readable;
+    d["num_tokens"] = c.num_tokens;
+    d["problems"] = c.problems;
+    return d;
+  });
+
+  // ---- import ----
+  m.def("routes_import_vllm",
+        [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
+           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+          return import_result(import_vllm(
+              paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
+                                    num_input_layers, top_k, zero_rows)));
+        });
+  m.def("routes_import_sglang",
+        [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
+           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+          return import_result(import_sglang(
+              paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
+                                    num_input_layers, top_k, zero_rows)));
+        });
+  m.def("routes_import_sglang_text",
+        [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
+           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+          return import_result(import_sglang_text(
+              text, "<text>",
+              import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
+                             num_input_layers, top_k, zero_rows)));
+        });
+  m.def("routes_moe_layer_indices", [](int64_t first_k_dense, const std::vector<int64_t>& freq,
+                                       int64_t num_mtp_layers, int64_t num_input_layers) {
+    LayerMap lm;
+    lm.first_k_dense = first_k_dense;
+    lm.moe_layer_freq = freq;
+    lm.num_mtp_layers = num_mtp_layers;
+    return moe_layer_indices(lm, num_input_layers);
+  });
+  m.def("routes_parse_moe_layer_freq", &parse_moe_layer_freq);
+
+  // ---- align ----
+  m.def("routes_drop_padding", [](py::handle topk_idx, py::handle mask, int64_t num_experts) {
+    py_bridge::Arg ai = py_bridge::borrow(topk_idx, "drop_padding", "topk_idx", {DType::int32});
+    py_bridge::Arg am = py_bridge::borrow(mask, "drop_padding", "attention_mask");
+    return from_tables(drop_padding(ai.t, am.t, num_experts));
+  });
+  m.def("routes_pack_thd", [](const py::sequence& tables, int64_t num_experts, int64_t tp_size,
+                              int64_t cp_size, int64_t fp8_align) {
+    PackOptions o;
+    o.tp_size = tp_size;
+    o.cp_size = cp_size;
+    o.fp8_align = fp8_align;
+    PackedRoutes p = pack_thd(to_tables(tables, num_experts, "pack_thd"), o);
+    return py::make_tuple(py_bridge::to_torch(p.table.topk_idx), p.cu_seqlens, p.cu_seqlens_padded);
+  });
+  m.def("routes_unpack_thd",
+        [](py::handle packed, const std::vector<int64_t>& cu_seqlens,
+           const std::vector<int64_t>& cu_seqlens_padded, int64_t num_experts) {
+          PackedRoutes p;
+          p.table = to_table(packed, num_experts, "unpack_thd", "packed");
+          p.cu_seqlens = cu_seqlens;
+          p.cu_seqlens_padded = cu_seqlens_padded;
+          return from_tables(unpack_thd(p));
+        });
+  m.def("routes_cp_zigzag_split", [](py::handle packed, const std::vector<int64_t>& cu_padded,
+                                     int64_t cp_size, int64_t cp_rank, int64_t num_experts) {
+    return py_bridge::to_torch(
+        cp_zigzag_split(to_table(packed, num_experts, "cp_zigzag_split", "packed"), cu_padded,
+                        cp_size, cp_rank)
+            .topk_idx);
+  });
+  m.def("routes_cp_zigzag_gather", [](const py::sequence& pieces,
+                                      const std::vector<int64_t>& cu_padded, int64_t num_experts) {
+    return py_bridge::to_torch(
+        cp_zigzag_gather(to_tables(pieces, num_experts, "cp_zigzag_gather"), cu_padded).topk_idx);
+  });
+  m.def("routes_sp_split", [](py::handle table, int64_t tp_size, int64_t tp_rank,
+                              int64_t num_experts) {
+    return py_bridge::to_torch(
+        sp_split(to_table(table, num_experts, "sp_split", "table"), tp_size, tp_rank).topk_idx);
+  });
+  m.def("routes_sp_gather", [](const py::sequence& pieces, int64_t num_experts) {
+    return py_bridge::to_torch(sp_gather(to_tables(pieces, num_experts, "sp_gather")).topk_idx);
+  });
+  m.def("routes_slice_layers", [](py::handle table, int64_t begin, int64_t end,
+                                  int64_t num_experts) {
+    return py_bridge::to_torch(
+        slice_layers(to_table(table, num_experts, "slice_layers", "table"), begin, end).topk_idx);
+  });
+  m.def("routes_concat_layers", [](const py::sequence& pieces, int64_t num_experts) {
+    return py_bridge::to_torch(
+        concat_layers(to_tables(pieces, num_experts, "concat_layers")).topk_idx);
+  });
+  m.def("routes_concat_tokens", [](const py::sequence& pieces, int64_t num_experts) {
+    return py_bridge::to_torch(
+        concat_tokens(to_tables(pieces, num_experts, "concat_tokens")).topk_idx);
+  });
+  m.def("routes_pp_moe_layer_range",
+        [](const std::vector<int64_t>& moe_layers, int64_t num_hidden_layers, int64_t pp_size,
+           int64_t pp_rank, int64_t vpp_size, int64_t vpp_rank, int64_t first_stage_layers,
+           int64_t last_stage_layers) {
+          PipelineOptions o;
+          o.pp_size = pp_size;
+          o.pp_rank = pp_rank;
+          o.vpp_size = vpp_size;
+          o.vpp_rank = vpp_rank;
+          o.first_stage_layers = first_stage_layers;
+          o.last_stage_layers = last_stage_layers;
+          return pp_moe_layer_range(moe_layers, num_hidden_layers, o);
+        });
+
+  // ---- statistics ----
+  m.def("routes_drift", [](py::handle a, py::handle b, int64_t num_experts) {
+    return drift_dict(route_drift(to_table(a, num_experts, "drift", "a"),
+                                  to_table(b, num_experts, "drift", "b")));
+  });
+  m.def("routes_drift_many", [](const py::sequence& a, const py::sequence& b, int64_t num_experts) {
+    if (a.size() != b.size()) {
+      throw py::value_error("[drift] a and b must hold the same number of tables, got " +
+                            std::to_string(a.size()) + " and " + std::to_string(b.size()));
+    }
+    RouteDrift d;
+    std::vector<RouteTable> ta = to_tables(a, num_experts, "drift");
+    std::vector<RouteTable> tb = to_tables(b, num_experts, "drift");
+    for (size_t i = 0; i < ta.size(); ++i) accumulate_route_drift(ta[i], tb[i], d);
+    return drift_dict(d);
+  });
+  m.def("routes_expert_load", [](const py::sequence& tables, int64_t num_experts) {
+    ExpertLoad load;
+    for (const RouteTable& t : to_tables(tables, num_experts, "expert_load")) {
+      accumulate_expert_load(t, load);
+    }
+    Tensor counts =
+        Tensor::from_vector(load.num_tokens_per_expert, {load.num_moe_layers, load.num_experts});
+    std::vector<double> imbalance;
+    for (int64_t l = 0; l < load.num_moe_layers; ++l) imbalance.push_back(load_imbalance(load, l));
+    return py::make_tuple(py_bridge::to_torch(counts), load.num_none_rows, imbalance);
+  });
+}
+
+}  // namespace switchyard::py_bind

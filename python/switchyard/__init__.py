@@ -1,0 +1,124 @@
+"""switchyard: MoE routing for RL post-training (FP32 router, router replay, expert-parallel dispatch).
+
+    import switchyard as sy            # engine objects: RouterConfig, RouterReplay, dist, routes
+    import switchyard.torch as syt     # autograd pieces for PyTorch training stacks
+
+Engine errors map to ValueError (bad arguments), IndexError (missing key / empty queue) and
+RuntimeError (switchyard.BackendError, switchyard.DataError and other failures), with the engine's
+messages.
+"""
+import collections as _collections
+
+import torch as _torch  # noqa: F401  (libtorch is loaded before the extension hands tensors to it)
+
+from . import _switchyard as _C
+from ._switchyard import (BackendError, DataError, GlobalAuxLossState, RouterConfig, num_threads,
+                          set_num_threads)
+
+__all__ = ["BackendError", "DataError", "GlobalAuxLossState", "RouterConfig", "RouterReplay",
+           "num_threads", "set_num_threads", "dist", "routes"]
+
+
+class RouterReplay:
+    """Router replay of one MoE layer (R2 and R3), first in first out, as in the engine.
+
+    Direct use (engine calls): ``record(topk_idx)``, ``pop_recorded()``,
+    ``replay_forward(topk_idx) -> ids`` (queues a copy for the backward recompute) and
+    ``replay_backward(num_tokens) -> ids``.
+
+    Driven by a router (``syt.TopKRouter(...).forward(x, replay=this)``), ``action`` decides:
+      None              route natively;
+      "record"          route natively and record the ids (R2, old-log-prob pass);
+      "replay_forward"  replay the next target (``set_target``, e.g. a route-table slice for R3) or,
+                        when none is set, the oldest recorded table (R2), and queue it for
+                        recompute;
+      "replay_backward" replay the oldest table queued by replay_forward (activation-checkpoint
+                        recompute inside backward: set it before calling backward).
+    ``invalid_replay_rows``: "error" (default) or "native" for rows that mix -1 and ids, repeat an
+    id or name an id outside [0, E). Tables come back as int32 [T, K] tensors."""
+
+    ACTIONS = (None, "record", "replay_forward", "replay_backward")
+
+    def __init__(self, top_k, layer=None, invalid_replay_rows="error"):
+        if invalid_replay_rows not in ("error", "native"):
+            raise ValueError("[replay] invalid_replay_rows must be 'error' or 'native', got "
+                             f"{invalid_replay_rows!r}")
+        self._c = _C.RouterReplayCore(int(top_k), -1 if layer is None else int(layer))
+        self.top_k = int(top_k)
+        self.invalid_replay_rows = invalid_replay_rows
+        self._action = None
+        self._targets = _collections.deque()
+
+    @property
+    def action(self):
+        return self._action
+
+    @action.setter
+    def action(self, value):
+        if value not in self.ACTIONS:
+            raise ValueError(f"[replay] action must be one of {self.ACTIONS}, got {value!r}")
+        self._action = value
+
+    # Engine operations.
+    def record(self, topk_idx):
+        self._c.record(topk_idx)
+
+    def pop_recorded(self):
+        return self._c.pop_recorded()
+
+    def replay_forward(self, topk_idx):
+        return self._c.replay_forward(topk_idx)
+
+    def replay_backward(self, num_tokens):
+        return self._c.replay_backward(int(num_tokens))
+
+    def set_target(self, topk_idx):
+        """Queue ids [T, K] for the next forward with action "replay_forward" (R3)."""
+        if not isinstance(topk_idx, _torch.Tensor) or topk_idx.dim() != 2 or \
+                topk_idx.shape[1] != self.top_k:
+            raise ValueError(f"[replay] set_target: topk_idx must be a [T, {self.top_k}] tensor, "
+                             f"got {getattr(topk_idx, 'shape', type(topk_idx).__name__)}")
+        self._targets.append(topk_idx)
+
+    @property
+    def num_recorded(self):
+        return self._c.num_recorded
+
+    @property
+    def num_pending_backward(self):
+        return self._c.num_pending_backward
+
+    @property
+    def num_targets(self):
+        return len(self._targets)
+
+    @property
+    def layer(self):
+        return None if self._c.layer < 0 else self._c.layer
+
+    def clear(self):
+        """Drop every queued table (recorded, pending backward and targets)."""
+        self._c.clear()
+        self._targets.clear()
+
+    # Router hooks.
+    def _ids_for_forward(self, num_tokens):
+        if self._action in (None, "record"):
+            return None
+        if self._action == "replay_forward":
+            target = self._targets.popleft() if self._targets else self._c.pop_recorded()
+            return self._c.replay_forward(target)
+        return self._c.replay_backward(num_tokens)
+
+    def _after_forward(self, topk_idx):
+        if self._action == "record":
+            self._c.record(topk_idx)
+
+    def __repr__(self):
+        return (f"RouterReplay(top_k={self.top_k}, layer={self.layer}, action={self._action!r}, "
+                f"recorded={self.num_recorded}, pending_backward={self.num_pending_backward}, "
+                f"targets={self.num_targets})")
+
+
+from . import dist  # noqa: E402
+from . import routes  # noqa: E402

@@ -1,0 +1,62 @@
+"""switchyard.dist: communicators for expert parallelism.
+
+    comm = sy.dist.world()   # MPI world (initialises MPI if nobody has); comm.rank, comm.size
+    comm = sy.dist.local()   # a size-1 communicator, always available
+    comm = sy.dist.from_mpi4py(mpi4py_comm)
+
+Every communicator here is a duplicate, freed at interpreter exit before MPI is finalised; MPI is
+finalised by switchyard only when switchyard initialised it.
+"""
+import atexit
+
+from . import _switchyard as _C
+
+Communicator = _C.Communicator
+
+__all__ = ["Communicator", "world", "local", "from_mpi4py", "as_communicator", "mpi_built"]
+
+_world = None
+
+
+def mpi_built():
+    """True when the engine was built with MPI."""
+    return _C.dist_mpi_built()
+
+
+def world():
+    """The MPI world communicator (one duplicate of MPI_COMM_WORLD per process, cached).
+    Initialises MPI (MPI_Init_thread, MPI_THREAD_MULTIPLE) if nobody has. Raises
+    switchyard.BackendError when the engine was built without MPI."""
+    global _world
+    if _world is None:
+        _world = _C.dist_world()
+    return _world
+
+
+def local():
+    """A size-1 communicator (rank 0 of 1): collectives are local copies."""
+    return _C.dist_local()
+
+
+def from_mpi4py(comm):
+    """A duplicate of an mpi4py communicator (through its Fortran handle, comm.py2f())."""
+    return _C.dist_from_mpi_fortran(int(comm.py2f()))
+
+
+def as_communicator(obj, what="ep_comm"):
+    """None -> local(); a switchyard Communicator as is; an mpi4py communicator -> from_mpi4py."""
+    if obj is None:
+        return local()
+    if isinstance(obj, Communicator):
+        return obj
+    if hasattr(obj, "py2f") and hasattr(obj, "Get_size"):
+        return from_mpi4py(obj)
+    raise ValueError(f"[dist] {what} must be a switchyard.dist.Communicator, an mpi4py communicator "
+                     f"or None, got {type(obj).__name__}")
+
+
+@atexit.register
+def _shutdown():
+    global _world
+    _world = None
+    _C.dist_shutdown()

@@ -1,0 +1,257 @@
+"""switchyard.routes: route tables from Python (import, read, write, align, diff), as torch tensors.
+
+A route table is an int32 tensor [tokens, moe_layers, K]: an expert id, or -1 for "no route"
+(padding, the last sampled token, a dropped slot), never 0. Functions accept int32 or int64 tables;
+``num_experts`` defaults to (largest id + 1) where a function needs it for validation.
+
+    tables = sy.routes.read("routes.syr")                       # list of [T_i, L, K] int32
+    sy.routes.write("routes.syr", tables, num_experts=128)
+    tables, report = sy.routes.import_vllm(["seq0.npy"], num_experts=128, first_k_dense=1)
+    packed, cu, cu_padded = sy.routes.pack_thd(tables, tp_size=2, cp_size=2)
+    stats = sy.routes.drift(rollout_table, trainer_table)       # decision / token mismatch
+"""
+from . import _switchyard as _C
+
+__all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "import_vllm", "import_sglang",
+           "import_sglang_text", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
+           "pack_thd", "unpack_thd", "cp_zigzag_split", "cp_zigzag_gather", "sp_split",
+           "sp_gather", "slice_layers", "concat_layers", "concat_tokens", "pp_moe_layer_range",
+           "drift", "expert_load"]
+
+
+def _num_experts(tables, num_experts):
+    if num_experts is not None:
+        return int(num_experts)
+    m = 0
+    for t in tables:
+        if t.numel():
+            m = max(m, int(t.max()) + 1)
+    return max(m, 1)
+
+
+# ---- files ----------------------------------------------------------------------------------------
+class RouteFile:
+    """Random access to a route file: ``len(f)``, ``f[i]`` ([T_i, L, K] int32), ``f.info``
+    (num_experts, top_k, num_moe_layers, moe_layers, id_width, version), ``f.complete`` and
+    ``f.status`` (a file whose writer died opens in recovery with every complete sequence)."""
+
+    def __init__(self, path):
+        self._r = _C.RouteFileReader(str(path))
+
+    @classmethod
+    def from_bytes(cls, data):
+        self = cls.__new__(cls)
+        self._r = _C.RouteFileReader.from_bytes(bytes(data))
+        return self
+
+    def __len__(self):
+        return len(self._r)
+
+    def __getitem__(self, i):
+        n = len(self._r)
+        if i < 0:
+            i += n
+        return self._r.read(i)  # IndexError beyond the end
+
+    def __iter__(self):
+        for i in range(len(self._r)):
+            yield self._r.read(i)
+
+    @property
+    def info(self):
+        return self._r.info
+
+    @property
+    def complete(self):
+        return self._r.complete
+
+    @property
+    def status(self):
+        return self._r.status
+
+    @property
+    def file_size(self):
+        return self._r.file_size
+
+
+def read(path):
+    """Every sequence of a route file, as a list of int32 tensors [T_i, moe_layers, K]."""
+    return list(RouteFile(path))
+
+
+class RouteWriter:
+    """Appends sequences to a new route file; use as a context manager (close writes the index).
+    ``moe_layers``: hidden-layer index of every MoE layer (optional)."""
+
+    def __init__(self, path, num_experts, top_k, num_moe_layers, moe_layers=None,
+                 compression_level=3):
+        self.num_experts = int(num_experts)
+        self._w = _C.RouteFileWriter(str(path), self.num_experts, int(top_k), int(num_moe_layers),
+                                     list(moe_layers or []), int(compression_level))
+
+    def append(self, table):
+        self._w.append(table, self.num_experts)
+
+    def close(self):
+        self._w.close()
+
+    @property
+    def num_sequences(self):
+        return self._w.num_sequences
+
+    @property
+    def bytes_written(self):
+        return self._w.bytes_written
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def write(path, tables, num_experts, moe_layers=None, compression_level=3):
+    """Writes tables ([T_i, L, K] int32/int64, same L and K) to a new route file; returns the
+    number of bytes written."""
+    tables = list(tables)
+    if not tables:
+        raise ValueError("[routes.write] tables must hold at least one table")
+    L, K = tables[0].shape[1], tables[0].shape[2]
+    with RouteWriter(path, num_experts, K, L, moe_layers, compression_level) as w:
+        for t in tables:
+            w.append(t)
+    return w.bytes_written
+
+
+def verify(path):
+    """Decodes every block; returns {ok, num_sequences, num_readable, num_tokens, problems}."""
+    return _C.routes_verify(str(path))
+
+
+# ---- import -----------------------------------------------------------------------------------------
+def _freq(moe_layer_freq):
+    if moe_layer_freq is None:
+        return []
+    if isinstance(moe_layer_freq, str):
+        return _C.routes_parse_moe_layer_freq(moe_layer_freq)
+    return [int(v) for v in moe_layer_freq]
+
+
+def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
+                num_input_layers=0, top_k=0, zero_rows="keep"):
+    """vLLM ``routed_experts`` arrays (.npy, [seq_len-1, layers, K]) -> (tables, report). Keeps the
+    MoE layers of the layer map, appends a -1 row for the last token. zero_rows: "keep",
+    "to_none" or "error" for all-zero rows on MoE layers (counted in the report either way)."""
+    return _C.routes_import_vllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
+                                 _freq(moe_layer_freq), int(num_mtp_layers),
+                                 int(num_input_layers), int(top_k), zero_rows)
+
+
+def import_sglang(paths, num_experts, num_input_layers, top_k, first_k_dense=0,
+                  moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep"):
+    """SGLang responses (JSON / JSONL with meta_info.routed_experts, base64) -> (tables, report)."""
+    return _C.routes_import_sglang([str(p) for p in paths], int(num_experts), int(first_k_dense),
+                                   _freq(moe_layer_freq), int(num_mtp_layers),
+                                   int(num_input_layers), int(top_k), zero_rows)
+
+
+def import_sglang_text(text, num_experts, num_input_layers, top_k, first_k_dense=0,
+                       moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep"):
+    """The same as import_sglang over a string."""
+    return _C.routes_import_sglang_text(text, int(num_experts), int(first_k_dense),
+                                        _freq(moe_layer_freq), int(num_mtp_layers),
+                                        int(num_input_layers), int(top_k), zero_rows)
+
+
+def moe_layer_indices(num_input_layers, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0):
+    """Hidden-layer indices of the MoE layers (Megatron-Core's layer map)."""
+    return _C.routes_moe_layer_indices(int(first_k_dense), _freq(moe_layer_freq),
+                                       int(num_mtp_layers), int(num_input_layers))
+
+
+def parse_moe_layer_freq(text):
+    """"3x0,45x1" -> [0, 0, 0, 1, ...]."""
+    return _C.routes_parse_moe_layer_freq(text)
+
+
+# ---- align ------------------------------------------------------------------------------------------
+def drop_padding(topk_idx, attention_mask, num_experts=None):
+    """[batch, seq, L, K] ids and a [batch, seq] mask (nonzero = real) -> one table per row."""
+    import torch
+    ids = topk_idx.to(torch.int32) if topk_idx.dtype != torch.int32 else topk_idx
+    return _C.routes_drop_padding(ids, attention_mask, _num_experts([ids], num_experts))
+
+
+def pack_thd(tables, tp_size=1, cp_size=1, fp8_align=0, num_experts=None):
+    """Packs tables end to end (THD), each padded with -1 rows to Megatron-Core's alignment.
+    Returns (packed [sum padded, L, K], cu_seqlens, cu_seqlens_padded)."""
+    tables = list(tables)
+    return _C.routes_pack_thd(tables, _num_experts(tables, num_experts), int(tp_size),
+                              int(cp_size), int(fp8_align))
+
+
+def unpack_thd(packed, cu_seqlens, cu_seqlens_padded, num_experts=None):
+    """Inverse of pack_thd: the real rows of each sequence."""
+    return _C.routes_unpack_thd(packed, list(cu_seqlens), list(cu_seqlens_padded),
+                                _num_experts([packed], num_experts))
+
+
+def cp_zigzag_split(packed, cu_seqlens_padded, cp_size, cp_rank, num_experts=None):
+    """Context-parallel zigzag piece of a packed table for cp_rank."""
+    return _C.routes_cp_zigzag_split(packed, list(cu_seqlens_padded), int(cp_size), int(cp_rank),
+                                     _num_experts([packed], num_experts))
+
+
+def cp_zigzag_gather(pieces, cu_seqlens_padded, num_experts=None):
+    """Inverse of cp_zigzag_split (pieces indexed by cp rank)."""
+    pieces = list(pieces)
+    return _C.routes_cp_zigzag_gather(pieces, list(cu_seqlens_padded),
+                                      _num_experts(pieces, num_experts))
+
+
+def sp_split(table, tp_size, tp_rank, num_experts=None):
+    """Sequence-parallel piece: the tp_rank-th contiguous block of tokens."""
+    return _C.routes_sp_split(table, int(tp_size), int(tp_rank), _num_experts([table], num_experts))
+
+
+def sp_gather(pieces, num_experts=None):
+    pieces = list(pieces)
+    return _C.routes_sp_gather(pieces, _num_experts(pieces, num_experts))
+
+
+def slice_layers(table, begin, end, num_experts=None):
+    return _C.routes_slice_layers(table, int(begin), int(end), _num_experts([table], num_experts))
+
+
+def concat_layers(pieces, num_experts=None):
+    pieces = list(pieces)
+    return _C.routes_concat_layers(pieces, _num_experts(pieces, num_experts))
+
+
+def concat_tokens(pieces, num_experts=None):
+    pieces = list(pieces)
+    return _C.routes_concat_tokens(pieces, _num_experts(pieces, num_experts))
+
+
+def pp_moe_layer_range(moe_layers, num_hidden_layers, pp_size=1, pp_rank=0, vpp_size=1,
+                       vpp_rank=0, first_stage_layers=0, last_stage_layers=0):
+    """MoE-layer range [begin, end) a (virtual) pipeline chunk owns."""
+    return _C.routes_pp_moe_layer_range(list(moe_layers), int(num_hidden_layers), int(pp_size),
+                                        int(pp_rank), int(vpp_size), int(vpp_rank),
+                                        int(first_stage_layers), int(last_stage_layers))
+
+
+# ---- statistics -------------------------------------------------------------------------------------
+def drift(a, b, num_experts=None):
+    """Mismatch between two routings of the same tokens (tables, or lists of tables): shares of
+    decisions and tokens that differ, mean differing layers per token, per-layer mismatch."""
+    if isinstance(a, (list, tuple)):
+        return _C.routes_drift_many(list(a), list(b), _num_experts(list(a) + list(b), num_experts))
+    return _C.routes_drift(a, b, _num_experts([a, b], num_experts))
+
+
+def expert_load(tables, num_experts=None):
+    """Per-layer expert load: (counts [L, E] int64, all -1 rows per layer, max/mean per layer)."""
+    if not isinstance(tables, (list, tuple)):
+        tables = [tables]
+    return _C.routes_expert_load(list(tables), _num_experts(tables, num_experts))

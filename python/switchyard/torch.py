@@ -1,0 +1,407 @@
+"""switchyard.torch: drop-in autograd pieces for PyTorch training stacks.
+
+    import switchyard.torch as syt
+    logits = syt.router_gating_linear(x, weight, bias=None, router_dtype=torch.float32)
+
+Tensors cross into the engine without copies when they are contiguous CPU tensors; other layouts are
+made contiguous once. A CUDA tensor or a wrong dtype raises ValueError naming the argument.
+"""
+import collections
+
+import torch
+
+from . import _switchyard as _C
+
+__all__ = ["router_gating_linear", "topk_route", "RouteInfo", "TopKRouter", "update_expert_bias",
+           "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
+
+
+def _no_autocast():
+    # The engine computes in the dtypes it is given; autocast must not re-cast anything around it.
+    return torch.autocast(device_type="cpu", enabled=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Router gate
+# --------------------------------------------------------------------------------------------------
+class _RouterGatingLinear(torch.autograd.Function):
+    """logits = x·Wᵀ (+ b) accumulated and returned in router_dtype (fp32 or fp64), whatever the
+    dtypes of x and W; gradients come back in the inputs' dtypes (Megatron-Core's
+    RouterGatingLinearFunction contract)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, router_dtype):
+        with _no_autocast():
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+            logits = _C.router_gating_linear(x2, weight, bias, router_dtype)
+        ctx.save_for_backward(x2, weight, bias)
+        ctx.router_dtype = router_dtype
+        ctx.lead = lead
+        return logits.view(*lead, logits.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_logits):
+        x2, weight, bias = ctx.saved_tensors
+        with _no_autocast():
+            g = grad_logits.reshape(-1, grad_logits.shape[-1]).to(ctx.router_dtype)
+            grad_x, grad_w, grad_b = _C.router_gating_linear_backward(
+                g, x2, weight, bias, ctx.router_dtype)
+        grad_x = grad_x.view(*ctx.lead, x2.shape[-1]) if ctx.needs_input_grad[0] else None
+        grad_w = grad_w if ctx.needs_input_grad[1] else None
+        grad_b = grad_b.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None
+
+
+def router_gating_linear(x, weight, bias=None, router_dtype=torch.float32):
+    """The router gate: ``logits = x @ weight.T (+ bias)`` in ``router_dtype``.
+
+    x [..., H] bf16/fp32 (fp64 with router_dtype fp64); weight [E, H] bf16/fp32; bias [E] or None,
+    applied in the forward. Returns [..., E] in router_dtype (torch.float32 or torch.float64), also
+    under torch.autocast. Backward: grad_x in x's dtype, grad_weight in weight's dtype, grad_bias in
+    bias's dtype, all accumulated in router_dtype in a fixed order (deterministic, batch invariant).
+    """
+    if router_dtype not in (torch.float32, torch.float64):
+        raise ValueError("[router_gating_linear] router_dtype must be torch.float32 or "
+                         f"torch.float64, got {router_dtype}")
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"[router_gating_linear] x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("[router_gating_linear] x must be [..., hidden], got a 0-d tensor")
+    return _RouterGatingLinear.apply(x, weight, bias, router_dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Expert-parallel dispatchers
+# --------------------------------------------------------------------------------------------------
+def _idx32(topk_idx, op):
+    if not isinstance(topk_idx, torch.Tensor):
+        raise ValueError(f"[{op}] topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
+    if topk_idx.dtype == torch.int32:
+        return topk_idx
+    if topk_idx.dtype != torch.int64:
+        raise ValueError(f"[{op}] topk_idx must have dtype int64 or int32, got {topk_idx.dtype}")
+    if topk_idx.numel() and (int(topk_idx.max()) > 2**31 - 1 or int(topk_idx.min()) < -2**31):
+        raise ValueError(f"[{op}] topk_idx holds ids outside the int32 range")
+    return topk_idx.to(torch.int32)
+
+
+class DispatchHandle:
+    """What combine and the backwards need, returned by ``dispatch``. ``tokens_per_expert`` [L]
+    int64 (rows per local expert, ascending), ``expert_offsets`` [L+1], ``recv_src_rank`` /
+    ``recv_src_token`` [R]: the source of every received row. Integers, never differentiable."""
+
+    def __init__(self, c_handle, probs, comm):
+        self._c = c_handle
+        self._probs = probs
+        self._comm = comm
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # not set yet (copy, unpickling): no recursion through _c
+            raise AttributeError(name)
+        return getattr(self._c, name)
+
+    def __repr__(self):
+        h = self._c
+        return (f"<DispatchHandle {h.kind} rank {h.rank}/{h.world_size}: {h.num_tokens} tokens, "
+                f"{h.num_recv_tokens} received rows, {h.num_local_experts} local experts>")
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, probs, topk_idx32, disp, box):
+        with _no_autocast():
+            w = probs.detach().to(torch.float32)
+            recv_x, recv_w, h = _C.dispatch(x.detach(), topk_idx32, w, disp.num_experts, disp.kind,
+                                            disp._capacity_factor, disp.token_drop_policy,
+                                            disp.ep_comm)
+        box.append(h)
+        ctx.h = h
+        ctx.comm = disp.ep_comm
+        ctx.num_tokens = x.shape[0]
+        return recv_x, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_w):
+        grad_x = grad_p = None
+        # Collectives: every rank takes the same branches (needs_input_grad is the same everywhere).
+        if ctx.needs_input_grad[0]:
+            grad_x = _C.dispatch_backward(grad_recv_x.contiguous(), ctx.h, ctx.comm)
+        if ctx.needs_input_grad[1]:
+            # d recv_w[row] / d probs[t,k] = 1 for every slot of that row's (token, expert) pair.
+            gw = grad_recv_w.to(torch.float32).contiguous()
+            grad_p = _C.dispatch_weights_backward(gw, ctx.h, ctx.comm)
+        return grad_x, grad_p, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, probs, handle, apply_probs):
+        with _no_autocast():
+            y = _C.combine(expert_out.detach(), handle._c, apply_probs, handle._comm)
+        ctx.save_for_backward(expert_out)
+        ctx.handle = handle
+        ctx.apply_probs = apply_probs
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (expert_out,) = ctx.saved_tensors
+        h = ctx.handle
+        grad_y = grad_y.to(expert_out.dtype).contiguous()
+        grad_e, grad_w = _C.combine_backward(grad_y, expert_out.detach(), h._c, ctx.apply_probs,
+                                             h._comm)
+        grad_p = grad_w if (ctx.apply_probs and ctx.needs_input_grad[1]) else None
+        return (grad_e if ctx.needs_input_grad[0] else None), grad_p, None, None
+
+
+class _Dispatcher:
+    kind = None
+
+    def __init__(self, num_experts, ep_comm=None, capacity_factor=None, token_drop_policy="probs"):
+        from . import dist
+        self.ep_comm = dist.as_communicator(ep_comm)
+        ep = self.ep_comm.size
+        if not isinstance(num_experts, int) or num_experts < 1 or num_experts % ep != 0:
+            raise ValueError(f"[{type(self).__name__}] num_experts must be a positive multiple of "
+                             f"the ep size {ep}, got num_experts={num_experts}")
+        if token_drop_policy not in ("probs", "position"):
+            raise ValueError(f"[{type(self).__name__}] token_drop_policy must be 'probs' or "
+                             f"'position', got {token_drop_policy!r}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep
+        self.capacity_factor = capacity_factor
+        self._capacity_factor = 0.0 if capacity_factor is None else float(capacity_factor)
+        self.token_drop_policy = token_drop_policy
+
+    @property
+    def local_expert_ids(self):
+        """Global ids of this rank's experts: [rank*L, (rank+1)*L)."""
+        r = self.ep_comm.rank
+        return range(r * self.num_local_experts, (r + 1) * self.num_local_experts)
+
+    def dispatch(self, x, probs, topk_idx):
+        """Send every distinct valid (token, expert) pair to the expert's rank. Collective.
+
+        x [T, H] fp32/bf16; probs [T, K] (routing weights, sent in fp32); topk_idx [T, K] int64
+        or int32 (-1 = none). Returns (recv_x [R, H] in x's dtype, recv_probs [R] fp32, handle):
+        rows grouped by local expert ascending (handle.tokens_per_expert[i] rows for local expert
+        i), then by source rank and token. Differentiable in x and probs."""
+        op = f"{type(self).__name__}.dispatch"
+        if not isinstance(probs, torch.Tensor):
+            raise ValueError(f"[{op}] probs must be a torch.Tensor, got {type(probs).__name__}")
+        if probs.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"[{op}] probs must have dtype float32 or float64, got {probs.dtype}")
+        box = []
+        recv_x, recv_p = _Dispatch.apply(x, probs, _idx32(topk_idx, op), self, box)
+        return recv_x, recv_p, DispatchHandle(box[0], probs, self.ep_comm)
+
+    def combine(self, expert_out, handle, apply_probs=True):
+        """y [T, H] = Σ_k probs[t,k]·expert_out[row(t,k)], summed in fp32 in k order on the token's
+        own rank (deterministic, identical for any ep size). ``apply_probs=False`` when the experts
+        already applied recv_probs. Collective; differentiable in expert_out and (with apply_probs)
+        the probs given to dispatch."""
+        if not isinstance(handle, DispatchHandle):
+            raise ValueError(f"[{type(self).__name__}.combine] handle must be the DispatchHandle "
+                             f"returned by dispatch, got {type(handle).__name__}")
+        return _Combine.apply(expert_out, handle._probs, handle, bool(apply_probs))
+
+
+class AlltoAllDispatcher(_Dispatcher):
+    """Expert-parallel dispatcher over MPI all-to-all: each pair goes to its expert's rank only.
+    Rank r holds experts [r*L, (r+1)*L), L = num_experts / ep size."""
+    kind = "all_to_all"
+
+
+class AllGatherDispatcher(_Dispatcher):
+    """Expert-parallel dispatcher over all-gather: every rank gathers every token and keeps the
+    pairs of its own experts. Bitwise the same results as AlltoAllDispatcher."""
+    kind = "all_gather"
+
+
+# --------------------------------------------------------------------------------------------------
+# Top-k routing (scores, top-k or replay, capacity, auxiliary losses)
+# --------------------------------------------------------------------------------------------------
+class RouteInfo:
+    """Readable results of one routing call beside (probs, topk_idx): loss values (coefficients
+    included, 0 when off), per-expert counts, capacity, and the replayed / native / padded row
+    counts (replayed + native + padded == T), so replay can never silently do nothing."""
+
+    __slots__ = ("aux_loss", "z_loss", "tokens_per_expert", "expert_capacity", "num_dropped",
+                 "num_replayed_rows", "num_native_rows", "num_padded_rows",
+                 "num_invalid_replay_rows")
+
+    def __init__(self, res):
+        self.aux_loss = res.aux_loss
+        self.z_loss = res.z_loss
+        self.tokens_per_expert = res.tokens_per_expert
+        self.expert_capacity = None if res.expert_capacity < 0 else res.expert_capacity
+        self.num_dropped = res.num_dropped
+        self.num_replayed_rows = res.num_replayed_rows
+        self.num_native_rows = res.num_native_rows
+        self.num_padded_rows = res.num_padded_rows
+        self.num_invalid_replay_rows = res.num_invalid_replay_rows
+
+    def __repr__(self):
+        return "RouteInfo(" + ", ".join(
+            f"{k}={getattr(self, k)!r}" for k in self.__slots__ if k != "tokens_per_expert") + ")"
+
+
+class _TopKRoute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, config, expert_bias, replay_idx, padding_mask, global_state,
+                invalid_replay_rows, layer, seq_length, loss_grad_scale, info_box):
+        with _no_autocast():
+            res = _C.topk_route(logits.detach(), config,
+                                None if expert_bias is None else expert_bias.detach(),
+                                replay_idx, padding_mask, global_state, invalid_replay_rows,
+                                layer, seq_length)
+        ctx.res = res
+        ctx.loss_grad_scale = loss_grad_scale
+        ctx.save_for_backward(logits)  # version check: the engine reads these logits in backward
+        info_box.append(res)
+        topk_idx = res.topk_idx.to(torch.int64)
+        ctx.mark_non_differentiable(topk_idx)
+        return res.topk_weights, topk_idx
+
+    @staticmethod
+    def backward(ctx, grad_probs, _grad_idx):
+        ctx.saved_tensors  # raises if the logits were modified in place since the forward
+        with _no_autocast():
+            g = grad_probs.to(ctx.res.topk_weights.dtype).contiguous()
+            grad_logits = _C.topk_route_backward(g, ctx.res, ctx.loss_grad_scale)
+        return (grad_logits,) + (None,) * 10
+
+
+def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay_rows="error", *,
+               padding_mask=None, seq_length=None, global_aux_loss_state=None, layer=None,
+               aux_loss_grad_scale=1.0, return_info=False):
+    """Route T tokens to K of E experts from router logits (Megatron-Core's TopKRouter semantics).
+
+    logits [T, E] fp32 or fp64 (the router dtype); config a switchyard.RouterConfig.
+    expert_bias [E]: aux-loss-free balancing bias, selection only. replay_idx [T, K] int64/int32:
+    ids to use instead of the live top-k (weights from the live logits at those ids); an all -1 row
+    is routed natively; an invalid row (mixing -1 and ids, repeating an id, id outside [0, E)) is a
+    ValueError naming the token, or routed natively with invalid_replay_rows="native".
+    padding_mask [T] bool: True = padded token (row all -1, left out of counts and losses).
+    seq_length: tokens per sequence for seq_aux_loss ([s, b] layout, token t in sequence t % b).
+    global_aux_loss_state: a switchyard.GlobalAuxLossState, required by global_aux_loss.
+
+    Returns (probs [T, K] in the logits' dtype, differentiable to logits; topk_idx [T, K] int64,
+    -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added to
+    probs: as in Megatron-Core, their gradients (× aux_loss_grad_scale) are added to the logits'
+    gradient when probs' backward runs; their values are in RouteInfo."""
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"[topk_route] logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not isinstance(config, _C.RouterConfig):
+        raise ValueError("[topk_route] config must be a switchyard.RouterConfig, got "
+                         f"{type(config).__name__}")
+    if invalid_replay_rows not in ("error", "native"):
+        raise ValueError("[topk_route] invalid_replay_rows must be 'error' or 'native', got "
+                         f"{invalid_replay_rows!r}")
+    lead = logits.shape[:-1]
+    if logits.dim() != 2:
+        logits = logits.reshape(-1, logits.shape[-1])
+    box = []
+    probs, topk_idx = _TopKRoute.apply(
+        logits, config, expert_bias, replay_idx, padding_mask, global_aux_loss_state,
+        invalid_replay_rows, -1 if layer is None else int(layer),
+        0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale), box)
+    if len(lead) != 1:
+        probs = probs.view(*lead, probs.shape[-1])
+        topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
+    if return_info:
+        return probs, topk_idx, RouteInfo(box[0])
+    return probs, topk_idx
+
+
+def update_expert_bias(expert_bias, tokens_per_expert, rate):
+    """Aux-loss-free bias update (DeepSeek-V3): expert_bias + rate * sign(mean(c) - c), [E] fp32."""
+    return _C.update_expert_bias(expert_bias, tokens_per_expert, float(rate))
+
+
+class TopKRouter(torch.nn.Module):
+    """A drop-in MoE router: gate (syt.router_gating_linear in router_dtype) then topk_route.
+
+    Parameters: ``weight`` [E, hidden] (params_dtype, normal(0, init_std)), ``bias`` [E] when
+    ``bias=True``; buffer ``expert_bias`` [E] fp32 when ``enable_expert_bias=True`` (updated by
+    ``update_expert_bias(rate)`` from the counts accumulated since the last update).
+    ``forward(x, replay=None) -> (probs, topk_idx)``: ``replay`` is a switchyard.RouterReplay
+    (its ``action`` decides record / replay_forward / replay_backward) or a [T, K] id tensor;
+    ``self.replay`` is used when not given. ``last_info`` holds the RouteInfo of the last call."""
+
+    def __init__(self, hidden_size, config, router_dtype=torch.float32, *, bias=False,
+                 params_dtype=torch.float32, init_std=0.02, enable_expert_bias=False,
+                 layer_number=None, aux_loss_grad_scale=1.0):
+        super().__init__()
+        if not isinstance(config, _C.RouterConfig):
+            raise ValueError("[TopKRouter] config must be a switchyard.RouterConfig, got "
+                             f"{type(config).__name__}")
+        if router_dtype not in (torch.float32, torch.float64):
+            raise ValueError("[TopKRouter] router_dtype must be torch.float32 or torch.float64, "
+                             f"got {router_dtype}")
+        self.config = config
+        self.hidden_size = int(hidden_size)
+        self.router_dtype = router_dtype
+        self.layer_number = layer_number
+        self.aux_loss_grad_scale = aux_loss_grad_scale
+        E = config.num_experts
+        self.weight = torch.nn.Parameter(
+            torch.empty(E, self.hidden_size, dtype=params_dtype).normal_(0.0, init_std))
+        self.bias = torch.nn.Parameter(torch.zeros(E, dtype=params_dtype)) if bias else None
+        if enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(E, dtype=torch.float64))
+        else:
+            self.expert_bias = None
+            self.local_tokens_per_expert = None
+        self.global_aux_loss_state = (_C.GlobalAuxLossState()
+                                      if config.aux_loss_type == "global_aux_loss" else None)
+        self._gstate_snapshots = collections.deque()
+        self.replay = None
+        self.last_info = None
+
+    def forward(self, x, replay=None, *, padding_mask=None, seq_length=None):
+        logits = router_gating_linear(x, self.weight, self.bias, router_dtype=self.router_dtype)
+        replay = self.replay if replay is None else replay
+        T = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
+        replay_idx = None
+        invalid = "error"
+        if isinstance(replay, torch.Tensor):
+            replay_idx = replay
+        elif replay is not None:
+            replay_idx = replay._ids_for_forward(T)
+            invalid = replay.invalid_replay_rows
+        gstate = self.global_aux_loss_state
+        if gstate is not None and replay is not None and not isinstance(replay, torch.Tensor):
+            # A checkpoint recompute must see the global aux-loss state its forward saw: snapshot
+            # it at replay_forward, route the matching replay_backward on the snapshot (FIFO, like
+            # the replay queue), so the live state advances once per micro-batch.
+            if replay.action == "replay_forward":
+                # One snapshot per table still queued for recompute (the replay may have been
+                # cleared, or earlier forwards never recomputed).
+                while len(self._gstate_snapshots) > max(replay.num_pending_backward - 1, 0):
+                    self._gstate_snapshots.popleft()
+                self._gstate_snapshots.append(gstate.copy())
+            elif replay.action == "replay_backward" and self._gstate_snapshots:
+                gstate = self._gstate_snapshots.popleft()
+        probs, topk_idx, info = topk_route(
+            logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
+            seq_length=seq_length, global_aux_loss_state=gstate,
+            layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
+            return_info=True)
+        if replay is not None and not isinstance(replay, torch.Tensor):
+            replay._after_forward(topk_idx)
+        if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
+            self.local_tokens_per_expert += info.tokens_per_expert.to(torch.float64)
+        self.last_info = info
+        return probs, topk_idx
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate):
+        """expert_bias += rate * sign(mean(c) - c) with the counts since the last update."""
+        if self.expert_bias is None:
+            raise ValueError("[TopKRouter] update_expert_bias needs enable_expert_bias=True")
+        self.expert_bias.copy_(update_expert_bias(self.expert_bias, self.local_tokens_per_expert,
+                                                  rate))
+        self.local_tokens_per_expert.zero_()

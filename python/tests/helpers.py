@@ -1,0 +1,31 @@
+"""Test data shared by the single-process and the mpirun tests: every rank can rebuild every rank's
+inputs from the seed, so each rank checks its own results against a global reference."""
+import torch
+
+
+def rank_inputs(seed, rank, num_tokens, hidden, num_experts, top_k, dtype=torch.float32,
+                skew=False):
+    """x [T,H], topk_idx [T,K] int64 (some -1 slots, some repeated ids, one all -1 row),
+    probs [T,K] fp32 for source rank `rank`. Column 0 of an fp32 x encodes (rank, token)."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    T, H, E, K = num_tokens, hidden, num_experts, top_k
+    x = torch.randn(T, H, generator=g)
+    if H and dtype != torch.bfloat16:
+        x[:, 0] = rank * 1000 + torch.arange(T, dtype=torch.float32)  # exact in fp32
+    x = x.to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
+        torch.zeros(0, K, dtype=torch.int64)
+    if skew and T:
+        idx[:, 0] = 0  # every token to expert 0: one hot rank
+    if T > 3 and K > 1:
+        idx[1, 1] = -1        # a dropped slot
+        idx[2, :] = -1        # a masked row
+        idx[3, 1] = idx[3, 0]  # a repeated id: one pair, weights summed
+    probs = torch.rand(T, K, generator=g) + 0.1
+    return x, idx.to(torch.int64), probs
+
+
+def expert_weights(seed, num_experts, hidden):
+    """One [H,H] matrix per expert (the 'expert' of the tests is a linear map)."""
+    g = torch.Generator().manual_seed(seed + 77)
+    return torch.randn(num_experts, hidden, hidden, generator=g) / hidden**0.5

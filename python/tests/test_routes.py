@@ -1,0 +1,170 @@
+"""sy.routes from Python: file round trip and corruption, vLLM / SGLang import, alignment (THD
+packing, context- and sequence-parallel splits, layer slices) and statistics, each against a
+pure-PyTorch reading of the same rules."""
+import base64
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import switchyard as sy
+
+
+def _table(gen, T, L, K, E, none_rows=()):
+    if T == 0:
+        return torch.zeros(0, L, K, dtype=torch.int64)
+    t = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T * L)]).view(T, L, K)
+    for r in none_rows:
+        t[r] = -1
+    return t
+
+
+def test_file_round_trip(gen, tmp_path):
+    E, K, L = 64, 4, 3
+    tables = [_table(gen, T, L, K, E, none_rows=[T - 1] if T else []) for T in (5, 1, 0, 33)]
+    path = tmp_path / "r.syr"
+    n = sy.routes.write(path, tables, num_experts=E, moe_layers=[1, 2, 3])
+    assert n == path.stat().st_size
+    back = sy.routes.read(path)
+    assert len(back) == 4 and all(b.dtype == torch.int32 for b in back)
+    for a, b in zip(tables, back):
+        assert torch.equal(a, b.long())
+    f = sy.routes.RouteFile(path)
+    assert f.complete and f.status == "ok"
+    assert f.info["num_experts"] == E and f.info["moe_layers"] == [1, 2, 3]
+    assert torch.equal(f[-1].long(), tables[-1])
+    with pytest.raises(IndexError):
+        f[4]
+    assert sy.routes.verify(path)["ok"]
+
+
+def test_file_corruption_and_recovery(gen, tmp_path):
+    E, K, L = 16, 2, 2
+    tables = [_table(gen, 20, L, K, E) for _ in range(3)]
+    path = tmp_path / "r.syr"
+    sy.routes.write(path, tables, num_experts=E)
+    data = bytearray(path.read_bytes())
+    # A flipped bit inside the last block's payload: that sequence is a DataError naming it.
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0x10
+    f = sy.routes.RouteFile.from_bytes(bytes(bad))
+    with pytest.raises(sy.DataError):
+        [f[i] for i in range(len(f))]
+    assert issubclass(sy.DataError, RuntimeError)
+    # A file cut mid-way (writer killed) opens in recovery with its complete sequences.
+    cut = sy.routes.RouteFile.from_bytes(bytes(data[:len(data) - 40]))
+    assert not cut.complete and cut.status != "ok"
+    for i in range(len(cut)):
+        assert torch.equal(cut[i].long(), tables[i])
+    with pytest.raises(RuntimeError):
+        sy.routes.RouteFile(tmp_path / "missing.syr")
+
+
+def _vllm_ref(arr, moe_layers):
+    """Reference import: keep MoE layers, append a -1 row for the last token."""
+    t = torch.from_numpy(arr.astype(np.int64))[:, moe_layers, :]
+    return torch.cat([t, torch.full((1, t.shape[1], t.shape[2]), -1, dtype=torch.int64)])
+
+
+def test_import_vllm_and_sglang(gen, tmp_path):
+    E, K, layers = 32, 4, 6  # first 2 dense (zeros there), 4 MoE
+    seqs = []
+    for i, T in enumerate((7, 12)):
+        arr = torch.randint(0, E, (T - 1, layers, K), generator=gen).numpy().astype(np.int32)
+        arr[:, :2, :] = 0
+        np.save(tmp_path / f"s{i}.npy", arr)
+        seqs.append(arr)
+    tables, rep = sy.routes.import_vllm([tmp_path / "s0.npy", tmp_path / "s1.npy"], num_experts=E,
+                                        first_k_dense=2)
+    assert rep["moe_layers"] == [2, 3, 4, 5] and rep["num_sequences"] == 2
+    for t, arr in zip(tables, seqs):
+        assert torch.equal(t.long(), _vllm_ref(arr, [2, 3, 4, 5]))
+    # SGLang: the same arrays as base64 of little-endian int32, in JSONL.
+    lines = [json.dumps({"meta_info": {"routed_experts": base64.b64encode(
+        a.astype("<i4").tobytes()).decode()}}) for a in seqs]
+    tables2, _ = sy.routes.import_sglang_text("\n".join(lines), num_experts=E,
+                                              num_input_layers=layers, top_k=K,
+                                              moe_layer_freq="2x0,4x1")
+    for a, b in zip(tables, tables2):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="routed_experts"):
+        sy.routes.import_sglang_text('{"meta_info": {}}', num_experts=E, num_input_layers=layers,
+                                     top_k=K)
+    assert sy.routes.moe_layer_indices(6, first_k_dense=2) == [2, 3, 4, 5]
+
+
+def test_pack_and_context_parallel(gen):
+    E, K, L = 8, 2, 2
+    tables = [_table(gen, T, L, K, E) for T in (5, 9, 1)]
+    tp, cp = 2, 2
+    packed, cu, cu_pad = sy.routes.pack_thd(tables, tp_size=tp, cp_size=cp, num_experts=E)
+    align = 2 * tp * cp
+    # Reference: each sequence padded with -1 rows to a multiple of 2*tp*cp.
+    ref_parts, ref_cu, ref_pad = [], [0], [0]
+    for t in tables:
+        p = math.ceil(t.shape[0] / align) * align
+        ref_parts.append(torch.cat([t, torch.full((p - t.shape[0], L, K), -1, dtype=torch.int64)]))
+        ref_cu.append(ref_cu[-1] + t.shape[0])
+        ref_pad.append(ref_pad[-1] + p)
+    assert torch.equal(packed.long(), torch.cat(ref_parts)) and cu == ref_cu and cu_pad == ref_pad
+    for a, b in zip(sy.routes.unpack_thd(packed, cu, cu_pad, num_experts=E), tables):
+        assert torch.equal(a.long(), b)
+    # Zigzag: each sequence cut in 2*cp chunks, rank r keeps chunks r and 2*cp-1-r.
+    pieces = []
+    for r in range(cp):
+        piece = sy.routes.cp_zigzag_split(packed, cu_pad, cp, r, num_experts=E)
+        want = []
+        for s in range(len(tables)):
+            chunks = ref_parts[s].chunk(2 * cp)
+            want += [chunks[r], chunks[2 * cp - 1 - r]]
+        assert torch.equal(piece.long(), torch.cat(want))
+        pieces.append(piece)
+    assert torch.equal(sy.routes.cp_zigzag_gather(pieces, cu_pad, num_experts=E), packed)
+    sp = [sy.routes.sp_split(packed, tp, r, num_experts=E) for r in range(tp)]
+    assert torch.equal(sp[1].long(), packed.long()[packed.shape[0] // 2:])
+    assert torch.equal(sy.routes.sp_gather(sp), packed)
+
+
+def test_layers_padding_and_stats(gen):
+    E, K, L, T = 8, 2, 4, 10
+    t = _table(gen, T, L, K, E, none_rows=[9])
+    assert torch.equal(sy.routes.slice_layers(t, 1, 3).long(), t[:, 1:3])
+    assert torch.equal(sy.routes.concat_layers([t[:, :1], t[:, 1:]]).long(), t)
+    ids = torch.stack([t, t])  # [batch 2, seq, L, K]
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[1, :3] = False  # left padded
+    rows = sy.routes.drop_padding(ids, mask, num_experts=E)
+    assert torch.equal(rows[0].long(), t) and torch.equal(rows[1].long(), t[3:])
+    # Drift against a copy with some decisions changed, compared as sets per row.
+    b = t.clone()
+    b[0, 0] = torch.tensor([(int(t[0, 0, 0]) + 1) % E, int(t[0, 0, 1])]).roll(1)
+    b[4, 2] = b[4, 2].flip(0)  # same set: not a difference
+    d = sy.routes.drift(t, b, num_experts=E)
+    ref_dec = ref_rows = 0
+    ref_tok = set()
+    for tok in range(T):
+        for l in range(L):
+            A, B = set(t[tok, l].tolist()) - {-1}, set(b[tok, l].tolist()) - {-1}
+            if A and B:
+                diff = len(A - B)
+                ref_dec += diff
+                ref_rows += diff > 0
+                if diff:
+                    ref_tok.add(tok)
+    assert d["num_differing_decisions"] == ref_dec and d["num_differing_rows"] == ref_rows
+    assert d["num_differing_tokens"] == len(ref_tok) and d["num_skipped_rows"] == L
+    assert math.isclose(d["token_mismatch"], len(ref_tok) / (T - 1))
+    counts, none_rows, imbalance = sy.routes.expert_load(t, num_experts=E)
+    for l in range(L):
+        v = t[:, l][t[:, l] >= 0]
+        assert torch.equal(counts[l], torch.bincount(v, minlength=E))
+    assert none_rows == [1] * L
+
+
+def test_route_errors():
+    with pytest.raises(ValueError, match="tables"):
+        sy.routes.pack_thd([torch.zeros(3, 2, 2, dtype=torch.float32)])
+    with pytest.raises(ValueError):
+        sy.routes.write("/tmp/never.syr", [torch.full((2, 1, 2), 9)], num_experts=4)
