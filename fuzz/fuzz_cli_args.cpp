@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "../tools/routes_cmd.cpp"  // NOLINT: the command code under test (as tests/unit/test_cli_routes.cpp)
+#include "commands.h"
 
 namespace {
 
@@ -93,14 +93,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     args.push_back(a);
   }
   std::ostringstream out, err;
-  CLI::App app{"switchyard"};
-  app.require_subcommand(1);
-  register_routes_commands(app, out, err);
-  std::vector<std::string> rev(args.rbegin(), args.rend());
-  try {
-    app.parse(rev);
-  } catch (const CLI::ParseError& e) {
-    (void)app.exit(e, out, err);
-  }
+  (void)run_cli(args, out, err);
   return 0;
 }

@@ -29,3 +29,18 @@ void run_guarded(std::ostream& err, const std::function<void()>& body) {
   }
 }
 
+
+int run_cli(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
+  CLI::App app{"switchyard: MoE routing engine for RL post-training (route data, replay, demo)",
+               "switchyard"};
+  app.require_subcommand(1);
+  register_routes_commands(app, out, err);
+  register_demo_command(app, out, err);
+  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 parses from the back
+  try {
+    app.parse(reversed);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e, out, err);
+  }
+  return 0;
+}

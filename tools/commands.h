@@ -4,6 +4,8 @@
 #include <CLI/CLI.hpp>
 #include <functional>
 #include <iostream>
+#include <string>
+#include <vector>
 
 /// Exit codes of the `switchyard` program.
 constexpr int kExitBad = 1;    ///< the data is not intact / a data problem / a failed check
@@ -23,3 +25,9 @@ void register_routes_commands(CLI::App& app, std::ostream& out = std::cout,
 /// when every check of the run passed, 1 otherwise, 2 for bad arguments.
 void register_demo_command(CLI::App& app, std::ostream& out = std::cout,
                            std::ostream& err = std::cerr);
+
+/// The whole `switchyard` program on `args` (without the program name): builds the app with every
+/// subcommand, parses, runs, and returns the exit code; usage errors print CLI11's message on `err`.
+/// main() is this on argv; tests and the CLI fuzz target call it in-process.
+int run_cli(const std::vector<std::string>& args, std::ostream& out = std::cout,
+            std::ostream& err = std::cerr);

@@ -1,13 +1,10 @@
-// The `switchyard` command-line program: one CLI11 app, each area registers its subcommands.
-#include <CLI/CLI.hpp>
+// The `switchyard` command-line program: one CLI11 app, each area registers its subcommands
+// (see commands.h).
+#include <string>
+#include <vector>
 
 #include "commands.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"switchyard: MoE routing toolkit for RL post-training"};
-  app.require_subcommand(1);
-  register_routes_commands(app);
-  register_demo_command(app);
-  CLI11_PARSE(app, argc, argv);
-  return 0;
+  return run_cli(std::vector<std::string>(argv + 1, argv + argc));
 }

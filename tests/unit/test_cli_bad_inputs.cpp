@@ -10,8 +10,10 @@
 #include <fstream>
 #include <sstream>
 
-#include "../../tools/routes_cmd.cpp"  // NOLINT: the command code under test
+#include "commands.h"
+#include "switchyard/route_align.h"
 #include "switchyard/route_file.h"
+#include "switchyard/route_import.h"
 #include "testing.h"
 
 namespace {
@@ -23,18 +25,11 @@ struct CliRun {
   std::string out, err;
 };
 
+// The real program in-process, with captured streams.
 CliRun run(const std::vector<std::string>& args) {
   std::ostringstream out, err;
-  CLI::App app{"switchyard"};
-  app.require_subcommand(1);
-  register_routes_commands(app, out, err);
-  std::vector<std::string> rev(args.rbegin(), args.rend());
   CliRun r;
-  try {
-    app.parse(rev);
-  } catch (const CLI::ParseError& e) {
-    r.code = app.exit(e, out, err);
-  }
+  r.code = run_cli(args, out, err);
   r.out = out.str();
   r.err = err.str();
   return r;

@@ -1,5 +1,5 @@
 // The `switchyard routes` commands, run in-process through the same CLI11 app as the program
-// (tools/routes_cmd.cpp is compiled into this test): exit codes and human / --json output.
+// (run_cli from tools/, the code main() runs): exit codes and human / --json output.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -7,8 +7,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "../../tools/routes_cmd.cpp"  // NOLINT: the command code under test
+#include "commands.h"
+#include "switchyard/route_align.h"
 #include "switchyard/route_file.h"
+#include "switchyard/route_import.h"
 #include "testing.h"
 
 namespace {
@@ -21,20 +23,11 @@ struct CliRun {
   std::string out, err;
 };
 
-// What main() does, with captured streams.
-CliRun run(std::vector<std::string> args) {
+// The real program in-process, with captured streams.
+CliRun run(const std::vector<std::string>& args) {
   std::ostringstream out, err;
-  CLI::App app{"switchyard"};
-  app.require_subcommand(1);
-  register_routes_commands(app, out, err);
-  std::vector<std::string> rev(args.rbegin(), args.rend());
   CliRun r;
-  try {
-    app.parse(rev);
-    r.code = 0;
-  } catch (const CLI::ParseError& e) {
-    r.code = app.exit(e, out, err);
-  }
+  r.code = run_cli(args, out, err);
   r.out = out.str();
   r.err = err.str();
   return r;
