@@ -19,22 +19,14 @@
 #include <vector>
 
 #include "commands.h"
+#include "switchyard/route_file.h"
+#include "switchyard/route_import.h"
+#include "switchyard/routes.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 fs::path g_dir;
-
-std::string npy_i32(const std::vector<int32_t>& v, int64_t a, int64_t b, int64_t c) {
-  std::string h = "{'descr': '<i4', 'fortran_order': False, 'shape': (" + std::to_string(a) + ", " +
-                  std::to_string(b) + ", " + std::to_string(c) + "), }";
-  while ((10 + h.size() + 1) % 64 != 0) h += ' ';
-  h += '\n';
-  std::string out("\x93NUMPY\x01\x00", 8);
-  out += static_cast<char>(h.size() & 0xff);
-  out += static_cast<char>(h.size() >> 8);
-  return out + h + std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-}
 
 void cleanup() {
   std::error_code ec;
@@ -62,7 +54,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   // One vLLM sequence: 4 rows, 4 input layers, K 2; and the same as one SGLang JSONL record.
   std::vector<int32_t> v;
   for (int32_t i = 0; i < 4 * 4 * 2; ++i) v.push_back(i % 8);
-  std::ofstream("in.npy", std::ios::binary) << npy_i32(v, 4, 4, 2);
+  std::ofstream("in.npy", std::ios::binary) << encode_npy_int32(Tensor::from_vector(v, {4, 4, 2}));
   std::ofstream("in.jsonl", std::ios::binary)
       << "{\"meta_info\": {\"routed_experts\": \""
       << switchyard::base64_encode(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4))

@@ -15,9 +15,10 @@ for f in fuzz/fuzz_*.cpp; do targets+=("$(basename "$f" .cpp)"); done
 # sanitizer build) whose targets are used; otherwise build-fuzz/ is configured and built here.
 bdir=${SY_FUZZ_BUILD_DIR:-build-fuzz}
 if [ "$bdir" = build-fuzz ]; then
+  mkdir -p build-fuzz
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DSWITCHYARD_BUILD_FUZZ=ON -DSWITCHYARD_BUILD_TESTS=OFF -DSWITCHYARD_BUILD_BENCHMARKS=OFF \
-    -DSWITCHYARD_BUILD_PYTHON=OFF -DSWITCHYARD_BUILD_TOOLS=OFF >build-fuzz/configure.log \
+    -DSWITCHYARD_BUILD_PYTHON=OFF -DSWITCHYARD_BUILD_TOOLS=ON >build-fuzz/configure.log \
     || { cat build-fuzz/configure.log; exit 1; }
 fi
 cmake --build "$bdir" -j2 --target "${targets[@]}"

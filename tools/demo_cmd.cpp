@@ -120,30 +120,19 @@ Tensor layer_ids(const sy::RouteTable& table, int64_t layer) {
 }
 
 // What vLLM returns for one sequence: int32 [seq_len-1, hidden_layers, K]; dense layers hold 0 and
-// the last sampled token has no row. Written as a .npy (version 1.0).
-std::string vllm_npy(const sy::RouteTable& routes, int64_t begin, int64_t seq_len,
-                     int64_t first_k_dense) {
+// the last sampled token has no row.
+Tensor vllm_routed_experts(const sy::RouteTable& routes, int64_t begin, int64_t seq_len,
+                           int64_t first_k_dense) {
   const int64_t rows = seq_len - 1, L = routes.num_moe_layers(), K = routes.top_k();
   const int64_t layers = L + first_k_dense;
-  std::ostringstream hdr;
-  hdr << "{'descr': '<i4', 'fortran_order': False, 'shape': (" << rows << ", " << layers << ", "
-      << K << "), }";
-  std::string h = hdr.str();
-  while ((10 + h.size() + 1) % 64) h += ' ';
-  h += '\n';
-  std::string out = std::string("\x93NUMPY\x01\x00", 8);
-  out += static_cast<char>(h.size() & 0xff);
-  out += static_cast<char>(h.size() >> 8);
-  out += h;
-  std::vector<int32_t> body(static_cast<size_t>(rows * layers * K), 0);
+  Tensor out = Tensor::zeros({rows, layers, K}, DType::int32);
   const int32_t* src = routes.topk_idx.data<int32_t>();
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t l = 0; l < L; ++l) {
-      std::memcpy(&body[static_cast<size_t>((r * layers + first_k_dense + l) * K)],
+      std::memcpy(out.data<int32_t>() + (r * layers + first_k_dense + l) * K,
                   src + ((begin + r) * L + l) * K, sizeof(int32_t) * static_cast<size_t>(K));
     }
   }
-  out.append(reinterpret_cast<const char*>(body.data()), body.size() * sizeof(int32_t));
   return out;
 }
 
@@ -265,7 +254,8 @@ void Demo::route_data() {
   int64_t raw_bytes = 0;
   for (int64_t s = 0; s < c.num_sequences; ++s) {
     const fs::path p = dir / ("seq" + std::to_string(s) + ".npy");
-    const std::string bytes = vllm_npy(rollout, s * c.seq_len, c.seq_len, c.first_k_dense);
+    const std::string bytes = sy::encode_npy_int32(
+        vllm_routed_experts(rollout, s * c.seq_len, c.seq_len, c.first_k_dense));
     std::ofstream f(p, std::ios::binary);
     f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     if (!f) throw sy::BackendError("[demo] cannot write " + p.string());

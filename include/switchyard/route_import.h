@@ -83,4 +83,9 @@ std::string base64_decode(std::string_view text);
 /// Standard base64 with padding (tests, tools).
 std::string base64_encode(std::string_view bytes);
 
+/// The bytes of a .npy file (version 1.0, little-endian, C order) holding `array`, an int32 tensor
+/// of any shape — e.g. one sequence's vLLM `routed_experts` `[seq_len-1, num_hidden_layers, K]`.
+/// For exporting routes to tools that read vLLM's format (and for tests and the demo).
+std::string encode_npy_int32(const Tensor& array);
+
 }  // namespace switchyard

@@ -482,4 +482,21 @@ std::string base64_encode(std::string_view bytes) {
   return out;
 }
 
+std::string encode_npy_int32(const Tensor& array) {
+  detail::check_dtype(array, "encode_npy", "array", {DType::int32});
+  std::string header = "{'descr': '<i4', 'fortran_order': False, 'shape': (";
+  for (int64_t d = 0; d < array.dim(); ++d) {
+    header += std::to_string(array.size(d)) + (array.dim() == 1 || d + 1 < array.dim() ? ", " : "");
+  }
+  header += "), }";
+  while ((10 + header.size() + 1) % 64 != 0) header += ' ';  // data starts 64-byte aligned
+  header += '\n';
+  std::string out("\x93NUMPY\x01\x00", 8);
+  out += static_cast<char>(header.size() & 0xff);
+  out += static_cast<char>(header.size() >> 8);
+  out += header;
+  out.append(static_cast<const char*>(array.raw()), array.nbytes());  // x86: already little-endian
+  return out;
+}
+
 }  // namespace switchyard

@@ -281,5 +281,21 @@ TEST(RouteImport, SglangErrors) {
                       "num_input_layers and top_k must be given");
 }
 
+TEST(RouteImport, EncodeNpyMatchesAnIndependentWriterAndImports) {
+  std::vector<int32_t> v(5 * 3 * 2);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int32_t>(i % 8);
+  const std::string bytes = encode_npy_int32(Tensor::from_vector(v, {5, 3, 2}));
+  EXPECT_EQ(bytes, npy(v, {5, 3, 2}, "<i4"));
+  ImportOptions opt;
+  opt.num_experts = 8;
+  ImportResult r = import_vllm_npy_bytes(bytes, "enc.npy", opt);
+  ASSERT_EQ(r.sequences.size(), 1u);
+  EXPECT_EQ(r.sequences[0].num_tokens(), 6);  // 5 rows + the last token's -1 row
+  EXPECT_EQ(encode_npy_int32(Tensor::from_vector<int32_t>({7}, {1})),
+            npy(std::vector<int32_t>{7}, {1}, "<i4"));
+  SY_EXPECT_THROW_MSG(encode_npy_int32(Tensor::zeros({2}, DType::fp32)), std::invalid_argument,
+                      "array must have dtype int32, got fp32");
+}
+
 }  // namespace
 }  // namespace switchyard
