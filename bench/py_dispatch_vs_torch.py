@@ -13,8 +13,17 @@ expert; combine: Alltoallv back, weighted index_add), forward only.
 Ratio = torch / switchyard (> 1: switchyard faster).
 """
 import argparse
+import os
 import statistics
+import sys
 import time
+
+# torch.set_num_threads does not bound the BLAS pool of Debian's torch build: size every thread pool
+# from --threads before torch is imported, so both sides really get the same number of cores.
+_threads = next((a.split("=", 1)[1] if "=" in a else sys.argv[i + 2]
+                 for i, a in enumerate(sys.argv[1:]) if a.startswith("--threads")), "1")
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = _threads
 
 import torch
 
