@@ -24,15 +24,6 @@ void check_rows(const Tensor& t, const char* op, const char* name, int64_t rows)
   }
 }
 
-template <class F>
-void by_dtype(DType d, F&& f) {
-  if (d == DType::fp32) {
-    f(float{});
-  } else {
-    f(bf16{});
-  }
-}
-
 void check_out(const Tensor& out, const char* op, const Shape& shape, DType dtype) {
   detail::check_defined(out, op, "out");
   detail::check_dtype(out, op, "out", {dtype});
@@ -77,7 +68,7 @@ void unpermute_into(const Tensor& permuted, Tensor& out, const RoutingPlan& plan
   const int64_t H = permuted.size(1);
   check_out(out, "unpermute", {plan.num_tokens, H}, permuted.dtype());
   const float* w = options.weights == WeightMode::apply ? plan.row_weight.data<float>() : nullptr;
-  by_dtype(permuted.dtype(), [&](auto tag) {
+  cpu::by_row_dtype(permuted.dtype(), [&](auto tag) {
     using X = decltype(tag);
     cpu::combine_rows<X>(static_cast<const X*>(permuted.raw()), w,
                          plan.token_offsets.data<int64_t>(), plan.token_rows.data<int64_t>(),
@@ -103,7 +94,7 @@ UnpermuteGrads unpermute_backward(const Tensor& grad_y, const Tensor& permuted,
   g.grad_permuted = Tensor::empty({plan.num_rows, H}, grad_y.dtype());
   g.grad_topk_weights = Tensor::zeros({plan.num_tokens, plan.top_k}, DType::fp32);
   const int64_t* rt = plan.row_token.data<int64_t>();
-  by_dtype(grad_y.dtype(), [&](auto tag) {
+  cpu::by_row_dtype(grad_y.dtype(), [&](auto tag) {
     using X = decltype(tag);
     const X* gy = static_cast<const X*>(grad_y.raw());
     cpu::gather_scale_rows<X>(gy, apply ? plan.row_weight.data<float>() : nullptr, rt,

@@ -10,6 +10,16 @@
 
 namespace switchyard::cpu {
 
+/// Calls f(float{}) for fp32 rows and f(bf16{}) otherwise (the two row dtypes the movers take).
+template <class F>
+void by_row_dtype(DType d, F&& f) {
+  if (d == DType::fp32) {
+    f(float{});
+  } else {
+    f(bf16{});
+  }
+}
+
 /// dst[r] = src[index[r]] (row_bytes bytes each), zero when index[r] < 0.
 void gather_rows(const void* src, const int64_t* index, int64_t num_rows, int64_t row_bytes,
                  void* dst);

@@ -219,15 +219,6 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
   return {};
 }
 
-template <class F>
-void by_dtype(DType d, F&& f) {
-  if (d == DType::fp32) {
-    f(float{});
-  } else {
-    f(bf16{});
-  }
-}
-
 // `name`: the caller's name of expert_y, for messages ("expert_y", "grad_recv_x").
 Tensor combine_impl(const char* op, const char* name, const Tensor& expert_y,
                     const DispatchHandle& h, const UnpermuteOptions& options, Communicator& comm) {
@@ -472,7 +463,7 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, cons
   }
   out.grad_expert_y = Tensor::empty({R, H}, dt);
   Tensor dots = Tensor::empty({R}, DType::fp32);
-  by_dtype(dt, [&](auto tag) {
+  cpu::by_row_dtype(dt, [&](auto tag) {
     using X = decltype(tag);
     const X* g = static_cast<const X*>(g_recv.raw());
     cpu::gather_scale_rows<X>(g, h.recv_topk_weights.data<float>(), nullptr, R, H,

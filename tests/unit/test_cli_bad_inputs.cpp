@@ -10,7 +10,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "commands.h"
+#include "cli_testing.h"
 #include "switchyard/route_align.h"
 #include "switchyard/route_file.h"
 #include "switchyard/route_import.h"
@@ -20,20 +20,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct CliRun {
-  int code = 0;
-  std::string out, err;
-};
-
-// The real program in-process, with captured streams.
-CliRun run(const std::vector<std::string>& args) {
-  std::ostringstream out, err;
-  CliRun r;
-  r.code = run_cli(args, out, err);
-  r.out = out.str();
-  r.err = err.str();
-  return r;
-}
+using switchyard::testing::CliRun;
+using switchyard::testing::run;
 
 class CliBadInputs : public ::testing::Test {
  protected:

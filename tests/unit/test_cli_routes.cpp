@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "commands.h"
+#include "cli_testing.h"
 #include "switchyard/route_align.h"
 #include "switchyard/route_file.h"
 #include "switchyard/route_import.h"
@@ -18,31 +18,8 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-struct CliRun {
-  int code = 0;
-  std::string out, err;
-};
-
-// The real program in-process, with captured streams.
-CliRun run(const std::vector<std::string>& args) {
-  std::ostringstream out, err;
-  CliRun r;
-  r.code = run_cli(args, out, err);
-  r.out = out.str();
-  r.err = err.str();
-  return r;
-}
-
-std::string npy_i32(const std::vector<int32_t>& v, int64_t a, int64_t b, int64_t c) {
-  std::string h = "{'descr': '<i4', 'fortran_order': False, 'shape': (" + std::to_string(a) + ", " +
-                  std::to_string(b) + ", " + std::to_string(c) + "), }";
-  while ((10 + h.size() + 1) % 64 != 0) h += ' ';
-  h += '\n';
-  std::string out("\x93NUMPY\x01\x00", 8);
-  out += static_cast<char>(h.size() & 0xff);
-  out += static_cast<char>(h.size() >> 8);
-  return out + h + std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-}
+using switchyard::testing::CliRun;
+using switchyard::testing::run;
 
 class CliRoutes : public ::testing::Test {
  protected:
@@ -65,7 +42,7 @@ class CliRoutes : public ::testing::Test {
           for (int64_t k = 0; k < 2; ++k)
             v.push_back(l == 0 ? 0 : int32_t((r + l + 3 * k + (r == 1 && l == 2 ? shift : 0)) % 8));
       files.push_back(p("s" + std::to_string(i) + "_" + std::to_string(shift) + ".npy"));
-      std::ofstream(files.back(), std::ios::binary) << npy_i32(v, rows, 4, 2);
+      std::ofstream(files.back(), std::ios::binary) << switchyard::encode_npy_int32(switchyard::Tensor::from_vector(v, {rows, 4, 2}));
     }
     return files;
   }
