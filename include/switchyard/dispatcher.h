@@ -93,6 +93,15 @@ Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
 Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
                          Communicator& comm);
 
+/// Backward of dispatch's `recv_topk_weights` output (for experts that apply the weights
+/// themselves): each received row's weight gradient goes back to its source rank and to every slot
+/// of that pair (a merged repeated id gives the row's gradient to each of its slots, since the row's
+/// weight is their sum). `grad_recv_topk_weights` [R] fp32 -> grad_topk_weights [T,K] fp32, 0 for
+/// `-1` and dropped slots. Collective (a bad argument on one rank raises on every rank);
+/// deterministic.
+Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const DispatchHandle& handle,
+                                 Communicator& comm);
+
 /// Gradients of combine.
 struct CombineGrads {
   /// [R,H], grad_y's dtype: w_row * grad_y[token(row)] (grad_y[token(row)] with WeightMode::skip).

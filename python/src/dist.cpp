@@ -15,7 +15,6 @@
 
 #include "bindings.h"
 #include "bridge.h"
-#include "core/check.h"
 #include "switchyard/dispatcher.h"
 #include "switchyard/error.h"
 
@@ -110,50 +109,6 @@ UnpermuteOptions weights_opt(bool apply_probs) {
   UnpermuteOptions o;
   o.weights = apply_probs ? WeightMode::apply : WeightMode::skip;
   return o;
-}
-
-/// Gradient of dispatch's recv_topk_weights back to this rank's topk_weights [T, K] fp32: each
-/// received row's gradient goes back to its source rank (alltoallv of one float per row) and then
-/// to every slot of that (token, expert) pair (a repeated id's weight is the sum of its slots, so
-/// each slot gets the row's gradient). Collective.
-Tensor dispatch_weights_backward(const Tensor& grad_recv_w, const dist::DispatchHandle& h,
-                                 Communicator& comm) {
-  const char* op = "dispatch_weights_backward";
-  detail::check_dtype(grad_recv_w, op, "grad_recv_topk_weights", {DType::fp32});
-  detail::check_shape(grad_recv_w, op, "grad_recv_topk_weights", {h.num_recv_tokens});
-  const int ep = h.world_size;
-  const int64_t R = h.num_recv_tokens;
-  const int32_t* src = h.recv_src_rank.data<int32_t>();
-  std::vector<int64_t> send_counts(static_cast<size_t>(ep), 0), recv_counts(ep, 0);
-  for (int64_t i = 0; i < R; ++i) ++send_counts[src[i]];
-  // Received rows are ordered (local expert, source rank, token): a stable bucket by source rank
-  // gives each source its rows in (expert, token) order, which is its own send (plan row) order.
-  std::vector<int64_t> off(static_cast<size_t>(ep) + 1, 0);
-  for (int s = 0; s < ep; ++s) off[s + 1] = off[s] + send_counts[s];
-  std::vector<float> send(static_cast<size_t>(R));
-  const float* g = grad_recv_w.data<float>();
-  for (int64_t i = 0; i < R; ++i) send[off[src[i]]++] = g[i];
-  const int64_t E = h.num_experts, L = h.num_local_experts;
-  for (int r = 0; r < ep; ++r) {
-    for (int64_t e = r * L; e < (r + 1) * L; ++e) {
-      recv_counts[r] += h.rank_expert_counts[static_cast<size_t>(h.rank * E + e)];
-    }
-  }
-  const RoutingPlan& plan = h.plan;
-  std::vector<float> recv(static_cast<size_t>(plan.num_rows));
-  int64_t total = 0;
-  for (int64_t c : recv_counts) total += c;
-  if (total != plan.num_rows) {
-    throw std::logic_error(
-        detail::cat("[", op, "] plan rows ", plan.num_rows, " differ from the pairs sent ", total));
-  }
-  comm.alltoallv(send.data(), send_counts, recv.data(), recv_counts, sizeof(float));
-  const int64_t T = plan.num_tokens, K = plan.top_k;
-  Tensor out = Tensor::empty({T, K}, DType::fp32);
-  const int64_t* slot_row = plan.slot_row.data<int64_t>();
-  float* o = out.data<float>();
-  for (int64_t i = 0; i < T * K; ++i) o[i] = slot_row[i] >= 0 ? recv[slot_row[i]] : 0.0f;
-  return out;
 }
 
 }  // namespace
@@ -297,7 +252,7 @@ void bind_dist(py::module_& m) {
         Tensor g;
         {
           py::gil_scoped_release nogil;
-          g = dispatch_weights_backward(ag.t, handle, c);
+          g = dist::dispatch_weights_backward(ag.t, handle, c);
         }
         return py_bridge::to_torch(std::move(g));
       },

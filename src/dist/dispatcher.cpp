@@ -425,6 +425,46 @@ Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle
                       UnpermuteOptions{WeightMode::skip}, comm);
 }
 
+Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const DispatchHandle& h,
+                                 Communicator& comm) {
+  const char* op = "dispatch_weights_backward";
+  const char* name = "grad_recv_topk_weights";
+  std::string err;
+  try {
+    check_handle(op, h, comm);
+    check_dtype(grad_recv_topk_weights, op, name, {DType::fp32});
+    check_shape(grad_recv_topk_weights, op, name, {h.num_recv_tokens});
+  } catch (const std::invalid_argument& e) {
+    err = e.what();
+  }
+  detail::agree(op, err, DType::fp32, name, WeightMode::apply, comm);
+  const int P = h.world_size;
+  const int64_t R = h.num_recv_tokens, E = h.num_experts, L = h.num_local_experts;
+  // Received rows are ordered (local expert, source rank, token): a stable bucket by source rank
+  // gives each source its rows in (expert, token) order, which is its plan's row order.
+  const int32_t* src = h.recv_src_rank.data<int32_t>();
+  std::vector<int64_t> send_counts(static_cast<size_t>(P), 0), recv_counts(static_cast<size_t>(P), 0);
+  for (int64_t i = 0; i < R; ++i) ++send_counts[static_cast<size_t>(src[i])];
+  std::vector<int64_t> next(static_cast<size_t>(P), 0);
+  for (int r = 1; r < P; ++r) next[r] = next[r - 1] + send_counts[static_cast<size_t>(r - 1)];
+  std::vector<float> send(static_cast<size_t>(R));
+  const float* g = grad_recv_topk_weights.data<float>();
+  for (int64_t i = 0; i < R; ++i) send[static_cast<size_t>(next[src[i]]++)] = g[i];
+  for (int r = 0; r < P; ++r) {
+    for (int64_t e = r * L; e < (r + 1) * L; ++e) {
+      recv_counts[static_cast<size_t>(r)] += h.rank_expert_counts[static_cast<size_t>(h.rank * E + e)];
+    }
+  }
+  std::vector<float> recv(static_cast<size_t>(h.plan.num_rows));
+  comm.alltoallv(send.data(), send_counts, recv.data(), recv_counts, sizeof(float));
+  const int64_t TK = h.plan.num_tokens * h.plan.top_k;
+  Tensor out = Tensor::empty({h.plan.num_tokens, h.plan.top_k}, DType::fp32);
+  const int64_t* slot_row = h.plan.slot_row.data<int64_t>();
+  float* o = out.data<float>();
+  for (int64_t i = 0; i < TK; ++i) o[i] = slot_row[i] >= 0 ? recv[static_cast<size_t>(slot_row[i])] : 0.0f;
+  return out;
+}
+
 CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,
                               const UnpermuteOptions& options, Communicator& comm) {
   const char* op = "combine_backward";

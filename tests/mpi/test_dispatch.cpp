@@ -314,6 +314,47 @@ TEST(Dispatch, AdjointIdentitiesAcrossRanks) {
   }
 }
 
+TEST(Dispatch, WeightsBackwardIsTheAdjointOfTheReceivedWeights) {
+  // recv_topk_weights[row] is the sum of its slots' weights, so for any g:
+  // sum_rows g[row] * recv_w[row] = sum_{t,k} dispatch_weights_backward(g)[t,k] * w[t,k],
+  // each side summed over all ranks; merged repeated ids get the row's gradient in every slot.
+  dist::Communicator& c = *comm();
+  const int64_t P = c.size(), me = c.rank();
+  const uint64_t seed = test_seed(6100);
+  Global g = make_global(P, 12, 4, 5, DType::fp32, Routes::replay, seed);
+  const int64_t b = g.tok_off[me], e_ = g.tok_off[me + 1];
+  for (auto kind : {DispatcherKind::all_to_all, DispatcherKind::all_gather}) {
+    dist::DispatchOptions opt;
+    opt.num_experts = 12;
+    opt.kind = kind;
+    const Tensor w = rows(g.w, b, e_);
+    dist::DispatchResult d = dist::dispatch(rows(g.x, b, e_), rows(g.idx, b, e_), w, opt, c);
+    std::mt19937_64 rng(seed + 200 + static_cast<uint64_t>(me));
+    Tensor gr = testing::randn({d.handle.num_recv_tokens}, DType::fp32, rng);
+    const Tensor gw = dist::dispatch_weights_backward(gr, d.handle, c);
+    ASSERT_EQ(gw.shape(), (Shape{e_ - b, g.K}));
+    const double lhs = global_sum(local_dot(d.recv_topk_weights, gr));
+    const double rhs = global_sum(local_dot(w, gw));
+    EXPECT_NEAR(lhs, rhs, 1e-4 * (1 + std::fabs(lhs))) << repro(seed);
+    const Tensor my_idx = rows(g.idx, b, e_);
+    const int32_t* idx = my_idx.data<int32_t>();
+    for (int64_t i = 0; i < gw.numel(); ++i) {
+      if (idx[i] < 0) {
+        EXPECT_EQ(gw.data<float>()[i], 0.0f) << "slot " << i << " " << repro(seed);
+      }
+    }
+  }
+  // A wrong length on one rank raises the same error on every rank.
+  dist::DispatchOptions opt;
+  opt.num_experts = 12;
+  dist::DispatchResult d =
+      dist::dispatch(rows(g.x, b, e_), rows(g.idx, b, e_), rows(g.w, b, e_), opt, c);
+  Tensor bad = Tensor::zeros({d.handle.num_recv_tokens + (me == P - 1 ? 1 : 0)}, DType::fp32);
+  SY_EXPECT_THROW_MSG(dist::dispatch_weights_backward(bad, d.handle, c), std::invalid_argument,
+                      "[dispatch_weights_backward] on rank " + std::to_string(P - 1) +
+                          ": [dispatch_weights_backward] grad_recv_topk_weights must have shape");
+}
+
 TEST(Dispatch, IdOutOfRangeOnOneRankRaisesEverywhere) {
   dist::Communicator& c = *comm();
   const int64_t P = c.size(), me = c.rank();
