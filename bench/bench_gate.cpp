@@ -116,81 +116,65 @@ Inputs make_inputs(DType xw) {
           sy::testing::randn({kT, kE}, DType::fp32, rng)};
 }
 
-void BM_GateForward(benchmark::State& state, DType xw, DType router) {
-  const int threads = static_cast<int>(state.range(0));
-  const Inputs in = make_inputs(xw);
+// Runs `body` once untimed, then times it per iteration on `threads` threads (the sgemm peak is
+// refreshed first) and reports its rate: every benchmark below is this loop around one call.
+template <class F>
+void timed(benchmark::State& state, int threads, double flops_per_iter, F&& body,
+           int64_t tokens = kT) {
   sgemm_peak_gflops(threads, 5);
   set_threads(threads);
-  const sy::GateOptions opt{router};
-  benchmark::DoNotOptimize(sy::router_gating_linear(in.x, in.w, Tensor(), opt));  // warm-up
+  body();  // warm-up
   IterTimer it;
   it.threads = threads;
   for (auto _ : state) {
     it.start();
-    Tensor z = sy::router_gating_linear(in.x, in.w, Tensor(), opt);
-    benchmark::DoNotOptimize(z.raw());
+    body();
     it.stop();
   }
-  report(state, 2.0 * kT * kH * kE, it, threads);
+  report(state, flops_per_iter, it, threads, tokens);
+}
+
+void BM_GateForward(benchmark::State& state, DType xw, DType router) {
+  const Inputs in = make_inputs(xw);
+  const sy::GateOptions opt{router};
+  timed(state, static_cast<int>(state.range(0)), 2.0 * kT * kH * kE, [&] {
+    benchmark::DoNotOptimize(sy::router_gating_linear(in.x, in.w, Tensor(), opt).raw());
+  });
 }
 
 void BM_GateBackward(benchmark::State& state) {
-  const int threads = static_cast<int>(state.range(0));
   const Inputs in = make_inputs(DType::bf16);
-  sgemm_peak_gflops(threads, 5);
-  set_threads(threads);
-  benchmark::DoNotOptimize(sy::router_gating_linear_backward(in.g, in.x, in.w, Tensor()));
-  IterTimer it;
-  it.threads = threads;
-  for (auto _ : state) {
-    it.start();
-    sy::GateGrads gr = sy::router_gating_linear_backward(in.g, in.x, in.w, Tensor());
-    benchmark::DoNotOptimize(gr.grad_x.raw());
-    it.stop();
-  }
-  report(state, 4.0 * kT * kH * kE, it, threads);  // grad_x and grad_weight
+  // grad_x and grad_weight
+  timed(state, static_cast<int>(state.range(0)), 4.0 * kT * kH * kE, [&] {
+    benchmark::DoNotOptimize(
+        sy::router_gating_linear_backward(in.g, in.x, in.w, Tensor()).grad_x.raw());
+  });
 }
 
 // Peer: OpenBLAS sgemm on fp32 copies, logits[T,E] = x[T,H]·W[E,H]ᵀ (what the gate computes,
 // without the bf16 conversion or the fixed order).
 void BM_SgemmForwardShape(benchmark::State& state) {
-  const int threads = static_cast<int>(state.range(0));
   const Inputs in = make_inputs(DType::fp32);
   std::vector<float> c(kT * kE);
-  sgemm_peak_gflops(threads, 5);
-  set_threads(threads);
-  IterTimer it;
-  it.threads = threads;
-  for (auto _ : state) {
-    it.start();
+  timed(state, static_cast<int>(state.range(0)), 2.0 * kT * kH * kE, [&] {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, kT, kE, kH, 1.0f, in.x.data<float>(), kH,
                 in.w.data<float>(), kH, 0.0f, c.data(), kE);
     benchmark::DoNotOptimize(c.data());
-    it.stop();
-  }
-  report(state, 2.0 * kT * kH * kE, it, threads);
+  });
 }
 
 // Peer: the backward's two sgemms, grad_x[T,H] = G[T,E]·W[E,H] and grad_w[E,H] = G[T,E]ᵀ·x[T,H].
 void BM_SgemmBackwardShapes(benchmark::State& state) {
-  const int threads = static_cast<int>(state.range(0));
   const Inputs in = make_inputs(DType::fp32);
   std::vector<float> gx(kT * kH), gw(kE * kH);
-  sgemm_peak_gflops(threads, 5);
-  set_threads(threads);
-  IterTimer it;
-  it.threads = threads;
-  for (auto _ : state) {
-    it.start();
+  timed(state, static_cast<int>(state.range(0)), 4.0 * kT * kH * kE, [&] {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kT, kH, kE, 1.0f, in.g.data<float>(), kE,
                 in.w.data<float>(), kH, 0.0f, gx.data(), kH);
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kE, kH, kT, 1.0f, in.g.data<float>(), kE,
                 in.x.data<float>(), kH, 0.0f, gw.data(), kH);
     benchmark::DoNotOptimize(gx.data());
     benchmark::DoNotOptimize(gw.data());
-    it.stop();
-  }
-  report(state, 4.0 * kT * kH * kE, it, threads);
+  });
 }
 
 // Fewer tokens (a rollout micro-batch, decode): the per-call W packing (E·H conversions) and the
@@ -198,42 +182,28 @@ void BM_SgemmBackwardShapes(benchmark::State& state) {
 // Arguments: tokens, threads.
 void BM_GateForwardTokens(benchmark::State& state) {
   const int64_t T = state.range(0);
-  const int threads = static_cast<int>(state.range(1));
   std::mt19937_64 rng(9);
   const Tensor x = sy::testing::randn({T, kH}, DType::bf16, rng);
   const Tensor w = sy::testing::randn({kE, kH}, DType::bf16, rng, 0.02);
-  sgemm_peak_gflops(threads, 5);
-  set_threads(threads);
-  IterTimer it;
-  it.threads = threads;
-  for (auto _ : state) {
-    it.start();
-    Tensor z = sy::router_gating_linear(x, w, Tensor());
-    benchmark::DoNotOptimize(z.raw());
-    it.stop();
-  }
-  report(state, 2.0 * T * kH * kE, it, threads, T);
+  timed(
+      state, static_cast<int>(state.range(1)), 2.0 * T * kH * kE,
+      [&] { benchmark::DoNotOptimize(sy::router_gating_linear(x, w, Tensor()).raw()); }, T);
 }
 
 void BM_SgemmForwardTokens(benchmark::State& state) {
   const int64_t T = state.range(0);
-  const int threads = static_cast<int>(state.range(1));
   std::mt19937_64 rng(9);
   const Tensor x = sy::testing::randn({T, kH}, DType::fp32, rng);
   const Tensor w = sy::testing::randn({kE, kH}, DType::fp32, rng, 0.02);
   std::vector<float> c(T * kE);
-  sgemm_peak_gflops(threads, 5);
-  set_threads(threads);
-  IterTimer it;
-  it.threads = threads;
-  for (auto _ : state) {
-    it.start();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(T), kE, kH, 1.0f,
-                x.data<float>(), kH, w.data<float>(), kH, 0.0f, c.data(), kE);
-    benchmark::DoNotOptimize(c.data());
-    it.stop();
-  }
-  report(state, 2.0 * T * kH * kE, it, threads, T);
+  timed(
+      state, static_cast<int>(state.range(1)), 2.0 * T * kH * kE,
+      [&] {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(T), kE, kH, 1.0f,
+                    x.data<float>(), kH, w.data<float>(), kH, 0.0f, c.data(), kE);
+        benchmark::DoNotOptimize(c.data());
+      },
+      T);
 }
 
 void token_args(benchmark::internal::Benchmark* b) {
@@ -243,21 +213,13 @@ void token_args(benchmark::internal::Benchmark* b) {
 
 // The ceiling itself, as a row of the table.
 void BM_SgemmPeakSquare(benchmark::State& state) {
-  const int threads = static_cast<int>(state.range(0));
   const int n = 1536;
   std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
-  sgemm_peak_gflops(threads, 5);
-  set_threads(threads);
-  IterTimer it;
-  it.threads = threads;
-  for (auto _ : state) {
-    it.start();
+  timed(state, static_cast<int>(state.range(0)), 2.0 * n * n * n, [&] {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n,
                 0.0f, c.data(), n);
     benchmark::DoNotOptimize(c.data());
-    it.stop();
-  }
-  report(state, 2.0 * n * n * n, it, threads);
+  });
 }
 
 void thread_args(benchmark::internal::Benchmark* b) {
