@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Installs what switchyard needs from Debian 12's packages, only when something is missing.
+# Python packages come from PyPI into the project's venv (scripts/env.sh), not from Debian.
 set -euo pipefail
 PKGS=(g++ cmake make pkg-config
       libgtest-dev libgmock-dev libbenchmark-dev
       libopenblas-dev libopenmpi-dev openmpi-bin
       libzstd-dev libxxhash-dev nlohmann-json3-dev libcli11-dev
-      pybind11-dev python3-dev python3-numpy python3-torch python3-pytest python3-mpi4py
       clang libomp-dev libclang-rt-14-dev)
 missing=()
 for p in "${PKGS[@]}"; do
