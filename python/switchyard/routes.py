@@ -12,7 +12,8 @@ A route table is an int32 tensor [tokens, moe_layers, K]: an expert id, or -1 fo
 """
 from . import _switchyard as _C
 
-__all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "import_vllm", "import_sglang",
+__all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "import_vllm",
+           "import_vllm_arrays", "import_sglang",
            "import_sglang_text", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
            "pack_thd", "unpack_thd", "cp_zigzag_split", "cp_zigzag_gather", "sp_split",
            "sp_gather", "slice_layers", "concat_layers", "concat_tokens", "pp_moe_layer_range",
@@ -145,6 +146,22 @@ def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mt
     return _C.routes_import_vllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                  _freq(moe_layer_freq), int(num_mtp_layers),
                                  int(num_input_layers), int(top_k), zero_rows)
+
+
+def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None,
+                       num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep"):
+    """The same as import_vllm over arrays in memory: one [seq_len-1, layers, K] tensor (int32,
+    int64 or uint8; numpy arrays are taken too) per sequence."""
+    import torch
+    ts = []
+    for a in arrays:
+        t = a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
+        if t.dtype in (torch.int16, torch.uint16, torch.int8):
+            t = t.to(torch.int32)  # verl's int16, vLLM's uint16: the engine reads them widened
+        ts.append(t.contiguous())
+    return _C.routes_import_vllm_arrays(ts, int(num_experts), int(first_k_dense),
+                                        _freq(moe_layer_freq), int(num_mtp_layers),
+                                        int(num_input_layers), int(top_k), zero_rows)
 
 
 def import_sglang(paths, num_experts, num_input_layers, top_k, first_k_dense=0,
