@@ -300,12 +300,17 @@ def _family_of(module):
 # --------------------------------------------------------------------------------------------------
 # The gate
 # --------------------------------------------------------------------------------------------------
+_ENGINE_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def _gate(x, weight, bias, router_dtype, gate):
-    if x.device.type == "cpu" and gate == "auto":
+    # The engine takes bf16/fp32 weights (an fp64 model's gate, a reference, goes through torch).
+    if x.device.type == "cpu" and gate == "auto" and weight.dtype in _ENGINE_DTYPES:
         if router_dtype == torch.float64:
-            x, weight = x.double(), weight.double()
-            bias = None if bias is None else bias.double()
-        elif bias is not None and bias.dtype != weight.dtype:
+            x = x.double()
+        elif x.dtype not in _ENGINE_DTYPES:
+            x = x.to(weight.dtype)
+        if bias is not None and bias.dtype != weight.dtype:
             bias = bias.to(weight.dtype)
         return syt.router_gating_linear(x, weight, bias, router_dtype=router_dtype)
     return F.linear(x.to(router_dtype), weight.to(router_dtype),
@@ -740,13 +745,18 @@ class Patch:
         self.unpatch()
 
 
-def _check_version():
+def _transformers_version():
     import transformers
+    return transformers.__version__
+
+
+def _check_version():
     from packaging.version import Version
-    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS_VERSION):
+    found = _transformers_version()
+    if Version(found) < Version(MIN_TRANSFORMERS_VERSION):
         raise RuntimeError(f"[hf.patch] needs transformers >= {MIN_TRANSFORMERS_VERSION}, found "
-                           f"{transformers.__version__} (the router modules and their routing "
-                           "math were checked against that release)")
+                           f"{found} (the router modules and their routing math were checked "
+                           "against that release)")
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
