@@ -69,14 +69,23 @@ def _sdt(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _replayed(ids, replay_ids, replay_mask):
-    return torch.where(replay_mask[:, None], replay_ids, ids)
+def _ids(select, replay_ids, replay_mask):
+    """The final ids: the family's live selection (run without autograd: ids are never
+    differentiable, and the recompute of a replayed forward must save the same tensors as the
+    forward did) for the rows not replayed, replay_ids for the replayed rows."""
+    if replay_ids is not None and bool(replay_mask.all()):
+        return replay_ids
+    with torch.no_grad():
+        ids = select()
+    return ids if replay_ids is None else torch.where(replay_mask[:, None], replay_ids, ids)
 
 
 # --------------------------------------------------------------------------------------------------
 # Families: where the router is, its gate parameters, and its routing math (written from the
-# semantics of each family's router in transformers 5.24; every op and its order is the family's,
-# so that router_dtype=None reproduces the unpatched outputs bitwise).
+# semantics of each family's router in transformers 5.24; the ops and their order are the family's,
+# so that router_dtype=None reproduces the unpatched outputs bitwise). The weights are always the
+# scores gathered at the final ids, which for live rows is bitwise the family's top-k values (and
+# the gradient of a gather is the gradient of a top-k), so live and replayed rows share one graph.
 # --------------------------------------------------------------------------------------------------
 class _Family:
     name = ""            # model_type
@@ -122,10 +131,9 @@ class _SoftmaxTopK(_Family):
 
     def route(self, r, logits, replay_ids, replay_mask):
         probs = F.softmax(logits, dtype=_sdt(logits), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k(r), dim=-1)
-        if replay_ids is not None:
-            ids = _replayed(ids, replay_ids, replay_mask)
-            weights = probs.gather(1, ids)
+        ids = _ids(lambda: torch.topk(probs.detach(), self.top_k(r), dim=-1)[1], replay_ids,
+                   replay_mask)
+        weights = probs.gather(1, ids)
         if self._normalize(r):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.cast_to_logits_dtype:
@@ -181,21 +189,20 @@ class _SigmoidGroupLimited(_Family):
     def native_logits(self, r, x):
         return F.linear(x.type(torch.float32), r.weight.type(torch.float32))
 
+    def _select(self, r, scores):
+        E, G = self.num_experts(r), int(r.num_group)
+        choice = scores + r.e_score_correction_bias
+        group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=int(r.topk_group), dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        return torch.topk(choice, k=self.top_k(r), dim=-1, sorted=False)[1]
+
     def route(self, r, logits, replay_ids, replay_mask):
         scores = logits.sigmoid()
-        ids = None
-        if replay_ids is None or not bool(replay_mask.all()):
-            E, G = self.num_experts(r), int(r.num_group)
-            choice = scores + r.e_score_correction_bias
-            group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
-            group_idx = torch.topk(group_scores, k=int(r.topk_group), dim=-1, sorted=False)[1]
-            group_mask = torch.zeros_like(group_scores)
-            group_mask.scatter_(1, group_idx, 1)
-            score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
-            choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-            ids = torch.topk(choice, k=self.top_k(r), dim=-1, sorted=False)[1]
-        if replay_ids is not None:
-            ids = replay_ids if ids is None else _replayed(ids, replay_ids, replay_mask)
+        ids = _ids(lambda: self._select(r, scores.detach()), replay_ids, replay_mask)
         weights = scores.gather(1, ids)
         if r.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -222,10 +229,9 @@ class _GptOss(_Family):
         return F.linear(x, r.weight, r.bias)
 
     def route(self, r, logits, replay_ids, replay_mask):
-        top, ids = torch.topk(logits, self.top_k(r), dim=-1)
-        if replay_ids is not None:
-            ids = _replayed(ids, replay_ids, replay_mask)
-            top = logits.gather(1, ids)
+        ids = _ids(lambda: torch.topk(logits.detach(), self.top_k(r), dim=-1)[1], replay_ids,
+                   replay_mask)
+        top = logits.gather(1, ids)
         return F.softmax(top, dim=1, dtype=top.dtype), ids
 
 
@@ -242,11 +248,9 @@ class _Llama4(_Family):
         return F.linear(x, r.weight, r.bias)
 
     def route(self, r, logits, replay_ids, replay_mask):
-        top, ids = torch.topk(logits, self.top_k(r), dim=1)
-        if replay_ids is not None:
-            ids = _replayed(ids, replay_ids, replay_mask)
-            top = logits.gather(1, ids)
-        return top, ids
+        ids = _ids(lambda: torch.topk(logits.detach(), self.top_k(r), dim=1)[1], replay_ids,
+                   replay_mask)
+        return logits.gather(1, ids), ids
 
     def outputs(self, r, logits, weights, ids, x, native):
         scores = torch.full_like(logits, float("-inf")).scatter_(1, ids, weights)
@@ -271,9 +275,8 @@ class _Ernie45(_Family):
 
     def route(self, r, logits, replay_ids, replay_mask):
         probs = F.softmax(logits, dim=1, dtype=_sdt(logits))
-        _, ids = torch.topk(r.moe_statics(probs), self.top_k(r), dim=-1)
-        if replay_ids is not None:
-            ids = _replayed(ids, replay_ids, replay_mask)
+        ids = _ids(lambda: torch.topk(r.moe_statics(probs.detach()), self.top_k(r), dim=-1)[1],
+                   replay_ids, replay_mask)
         weights = torch.gather(probs, dim=-1, index=ids)
         weights = weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=r.norm_min)
         return weights, ids
