@@ -247,7 +247,7 @@ def test_all_none_rows_route_natively_and_invalid_rows_are_errors_or_counted():
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "llama4_text"])
 def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
-    """Under gradient_checkpointing_enable() the recompute inside backward routes with the ids its
+    """Under activation (gradient) checkpointing the recompute inside backward routes with the ids its
     forward used (replayed targets, native rows included), records and captures nothing, and the
     gradients are bitwise those of the same step without checkpointing."""
     model = build(family)
@@ -272,8 +272,9 @@ def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
         return {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}, cap
 
     ref, _ = step()
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    # transformers 5.x's name for gradient_checkpointing_enable (deprecated, the same switch).
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": reentrant})
     got, cap = step()
     assert cap.num_forwards == 1  # the recompute is not captured
     for layer, c in p.counts().items():
@@ -284,7 +285,7 @@ def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
     assert ref.keys() == got.keys()
     for n in ref:
         assert torch.equal(got[n], ref[n]), n
-    model.gradient_checkpointing_disable()
+    model.activation_checkpointing_disable()
     p.unpatch()
 
 
