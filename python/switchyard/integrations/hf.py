@@ -320,13 +320,6 @@ def _gate(x, weight, bias, router_dtype, gate):
                     None if bias is None else bias.to(router_dtype))
 
 
-def _router_config(num_experts, top_k):
-    try:
-        return sy.RouterConfig(num_experts=num_experts, top_k=top_k)
-    except TypeError:  # before the top_k rename landed (issue 9)
-        return sy.RouterConfig(num_experts=num_experts, topk=top_k)
-
-
 # --------------------------------------------------------------------------------------------------
 # One patched MoE layer
 # --------------------------------------------------------------------------------------------------
@@ -379,21 +372,21 @@ class _Layer:
         self.batch_shape = tuple(h.shape[:-1]) if isinstance(h, torch.Tensor) else None
 
     # ---- replay ----
-    def _classify(self, ids32):
-        """Engine check of replay rows: which rows are replayed (the engine keeps a valid row as
-        given and routes all -1 and, with "native", invalid rows natively; a natively routed row
-        never equals its invalid or all -1 replay row). Raises the engine's ValueError on an
-        invalid row by default."""
+    def _classify(self, target, T):
+        """Engine check of replay rows ([T, K] int32/int64 on the CPU): which rows are replayed.
+        The engine keeps a valid row as given and routes all -1 rows (and, with "native", invalid
+        rows) natively; a natively routed row never equals its invalid or all -1 replay row. It
+        raises its ValueError (naming layer, token and row) on an invalid row by default, and on a
+        table whose shape is not [T, K]. The logits are zeros: only the row kinds are used."""
         if self._config is None:
-            self._config = _router_config(self.num_experts, self.top_k)
-        T = ids32.shape[0]
+            self._config = sy.RouterConfig(num_experts=self.num_experts, top_k=self.top_k)
         with torch.no_grad():
             _, idx, info = syt.topk_route(
                 torch.zeros(T, self.num_experts, dtype=torch.float32), self._config,
-                replay_idx=ids32, invalid_replay_rows=self.owner.invalid_replay_rows,
+                replay_idx=target, invalid_replay_rows=self.owner.invalid_replay_rows,
                 layer=self.layer, return_info=True)
-        mask = (idx.to(torch.int32) == ids32).all(dim=1)
-        return mask, info
+        ids32 = target.to(torch.int32)  # in range: the engine checked
+        return ids32, (idx.to(torch.int32) == ids32).all(dim=1), info
 
     def _target(self, T):
         r = self.replay
@@ -440,8 +433,7 @@ class _Layer:
                 else:
                     target = self._target(T)
                     if target is not None:
-                        ids32 = target.to(device="cpu", dtype=torch.int32).contiguous()
-                        mask, info = self._classify(ids32)
+                        ids32, mask, info = self._classify(target.to("cpu").contiguous(), T)
                         replay_ids = ids32.to(device=logits.device, dtype=torch.int64)
                         replay_mask = mask.to(logits.device)
                         self.counts["replayed"] += info.num_replayed_rows
@@ -456,17 +448,19 @@ class _Layer:
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
 
     def _after_forward(self, ids, T):
-        need_cpu = (self.replay.action == "record" or self.will_recompute or
-                    self.owner._capture is not None)
-        if not need_cpu:
+        # The decoder layer's pre-hook state belongs to this one router call.
+        will_recompute, batch_shape = self.will_recompute, self.batch_shape
+        self.will_recompute, self.batch_shape = False, None
+        if not (self.replay.action == "record" or will_recompute or
+                self.owner._capture is not None):
             return
         ids32 = ids.detach().to(device="cpu", dtype=torch.int32).contiguous()
         if self.replay.action == "record":
             self.replay.record(ids32)
-        if self.will_recompute:
+        if will_recompute:
             self.replay.replay_forward(ids32)  # queued for the recompute inside backward
         if self.owner._capture is not None:
-            self.owner._capture._add(self.layer, ids32, self.batch_shape, T)
+            self.owner._capture._add(self.layer, ids32, batch_shape, T)
 
 
 # --------------------------------------------------------------------------------------------------
