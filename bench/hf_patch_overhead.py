@@ -14,7 +14,6 @@ on real model sizes.
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -45,7 +44,8 @@ def cpu_model():
 
 
 def timed(fns, reps):
-    """Median time of each function, run round-robin (machine load hits all alike)."""
+    """Best time of each function over reps, run round-robin (machine load hits all alike; on a
+    shared machine the minimum is the least disturbed measurement)."""
     for f in fns:
         f()
     ts = [[] for _ in fns]
@@ -54,7 +54,7 @@ def timed(fns, reps):
             t0 = time.perf_counter()
             f()
             ts[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in ts]
+    return [min(t) for t in ts]
 
 
 def main():
@@ -69,14 +69,17 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sy.set_num_threads(args.threads)
-    reps = 3 if args.quick else 11
+    reps = 3 if args.quick else 15
     print(f"CPU: {cpu_model()}; threads {args.threads}; torch {torch.__version__}; "
           f"transformers {__import__('transformers').__version__}")
     print(f"tiny models: hidden {args.hidden}, batch {args.batch} x seq {args.seq} for fwd+bwd, "
-          f"generate {args.new_tokens} new tokens from batch 2 x 16; fp32 parameters; "
-          f"median of {reps}")
+          f"generate {args.new_tokens} new tokens from batch 2 x 16; one router fwd+bwd on "
+          f"{args.batch * args.seq} tokens; fp32 parameters; best of {reps}")
+    print("unp = unpatched, fp32 = patched router_dtype=torch.float32 (engine gate), own = "
+          "patched router_dtype=None")
     print(f"{'family':<16} {'fwd+bwd ms':>10} {'fp32/unp':>9} {'own/unp':>8} "
-          f"{'generate ms':>11} {'fp32/unp':>9} {'own/unp':>8}")
+          f"{'generate ms':>11} {'fp32/unp':>9} {'own/unp':>8} {'router us':>10} "
+          f"{'fp32':>7} {'own':>7}")
     for fam in args.families.split(","):
         over = {} if args.hidden == 32 else dict(hidden_size=args.hidden,
                                                  intermediate_size=2 * args.hidden)
@@ -104,11 +107,28 @@ def main():
                                    pad_token_id=0)
             return run
 
+        # The router alone: first MoE layer's router, forward + backward on the step's tokens.
+        x = torch.randn(args.batch * args.seq, models[0].config.hidden_size,
+                        generator=torch.Generator().manual_seed(3)).requires_grad_()
+        moe = syhf.patch(models[0], router_dtype=None)
+        name = moe.modules[moe.layers[0]]
+        moe.unpatch()
+
+        def router(model):
+            r = model.get_submodule(name)
+
+            def run():
+                out = r(x)
+                (out[0].float().sum() + out[1].float().sum()).backward()
+            return run
+
         t_step = timed([step(m) for m in models], reps)
         t_gen = timed([gen(m) for m in models], max(3, reps // 2))
+        t_r = timed([router(m) for m in models], 20 * reps)
         print(f"{fam:<16} {1e3 * t_step[0]:>10.2f} {t_step[1] / t_step[0]:>9.2f} "
               f"{t_step[2] / t_step[0]:>8.2f} {1e3 * t_gen[0]:>11.2f} "
-              f"{t_gen[1] / t_gen[0]:>9.2f} {t_gen[2] / t_gen[0]:>8.2f}", flush=True)
+              f"{t_gen[1] / t_gen[0]:>9.2f} {t_gen[2] / t_gen[0]:>8.2f} {1e6 * t_r[0]:>10.0f} "
+              f"{1e6 * t_r[1]:>7.0f} {1e6 * t_r[2]:>7.0f}", flush=True)
 
 
 if __name__ == "__main__":

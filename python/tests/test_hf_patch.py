@@ -115,23 +115,28 @@ def test_fp32_router_under_bf16_autocast(family):
     for h in hs:
         h.remove()
 
-    p = syhf.patch(model, router_dtype=torch.float32)
-    seen, hs = _hook_routers(model, p)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(ids)
-    for layer in p.layers:
-        x, out = seen[layer]
-        logits, weights, _ = unpack(family, out)
-        r = router_of(model, p, layer)
-        w, b = syhf.FAMILIES[_family_key(family)].params(r)
-        expect = syt.router_gating_linear(x.reshape(-1, x.shape[-1]), w, b)
-        assert logits.dtype == torch.float32
-        assert torch.equal(logits, expect)
-        want = x.dtype if family in HIDDEN_DTYPE_WEIGHTS else torch.float32
-        assert weights.dtype == want, layer
-    for h in hs:
-        h.remove()
-    p.unpatch()
+    # gate="torch" is the code path CUDA tensors take (a torch GEMM in fp32 with autocast off).
+    for gate in ("auto", "torch"):
+        p = syhf.patch(model, router_dtype=torch.float32, gate=gate)
+        seen, hs = _hook_routers(model, p)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ids)
+        for layer in p.layers:
+            x, out = seen[layer]
+            logits, weights, _ = unpack(family, out)
+            r = router_of(model, p, layer)
+            w, b = syhf.FAMILIES[_family_key(family)].params(r)
+            x2 = x.reshape(-1, x.shape[-1])
+            expect = (syt.router_gating_linear(x2, w, b) if gate == "auto" else
+                      torch.nn.functional.linear(x2.float(), w.float(),
+                                                 None if b is None else b.float()))
+            assert logits.dtype == torch.float32
+            assert torch.equal(logits, expect), (gate, layer)
+            want = x.dtype if family in HIDDEN_DTYPE_WEIGHTS else torch.float32
+            assert weights.dtype == want, layer
+        for h in hs:
+            h.remove()
+        p.unpatch()
 
 
 def _family_key(family):
