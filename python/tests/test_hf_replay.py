@@ -292,6 +292,16 @@ def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
 def test_set_targets_checks_the_layout():
     model = build("olmoe")
     p = syhf.patch(model)
+    p.set_targets(torch.zeros(5, 2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\[hf\] layer 0 \(model.layers.0.mlp.gate\): "
+                                         r"\[replay\] replay_idx must have shape \[6, 2\], got "
+                                         r"\[5, 2\]"):
+        model(tokens(1, 6))
+    p.clear()
+    p.set_action("replay_forward")  # nothing recorded, no targets
+    with pytest.raises(IndexError, match=r"layer 0: no recorded table is queued"):
+        model(tokens(1, 6))
+    p.set_action(None)
     with pytest.raises(ValueError, match=r"routes must hold 2 MoE layers and K=2, got shape "
                                          r"\[5, 3, 2\]"):
         p.set_targets(torch.zeros(5, 3, 2, dtype=torch.int32))
@@ -299,3 +309,10 @@ def test_set_targets_checks_the_layout():
         p.targets_from_tables([torch.zeros(4, 2, 2, dtype=torch.int32)],
                               torch.tensor([[0, 1, 1, 1]]))
     p.unpatch()
+
+
+def test_the_readme_example_runs():
+    import os
+    import runpy
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    runpy.run_path(os.path.join(root, "examples", "hf_quickstart.py"), run_name="__main__")

@@ -380,11 +380,16 @@ class _Layer:
         table whose shape is not [T, K]. The logits are zeros: only the row kinds are used."""
         if self._config is None:
             self._config = sy.RouterConfig(num_experts=self.num_experts, top_k=self.top_k)
-        with torch.no_grad():
-            _, idx, info = syt.topk_route(
-                torch.zeros(T, self.num_experts, dtype=torch.float32), self._config,
-                replay_idx=target, invalid_replay_rows=self.owner.invalid_replay_rows,
-                layer=self.layer, return_info=True)
+        try:
+            with torch.no_grad():
+                _, idx, info = syt.topk_route(
+                    torch.zeros(T, self.num_experts, dtype=torch.float32), self._config,
+                    replay_idx=target, invalid_replay_rows=self.owner.invalid_replay_rows,
+                    layer=self.layer, return_info=True)
+        except ValueError as e:  # the engine's message, with the layer where it does not say it
+            if f"layer {self.layer}" in str(e):
+                raise
+            raise ValueError(f"[hf] layer {self.layer} ({self.name}): {e}") from e
         ids32 = target.to(torch.int32)  # in range: the engine checked
         return ids32, (idx.to(torch.int32) == ids32).all(dim=1), info
 
