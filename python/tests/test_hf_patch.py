@@ -251,3 +251,49 @@ def test_patch_refuses_an_old_transformers(monkeypatch):
     monkeypatch.setattr(syhf, "_transformers_version", lambda: "5.12.0")
     with pytest.raises(RuntimeError, match=r"needs transformers >= 5\.24\.0, found 5\.12\.0"):
         syhf.patch(build("olmoe"))
+
+
+def test_patch_under_fsdp2_keeps_outputs_and_gradients(tmp_path):
+    """FSDP2 (fully_shard on every decoder layer and on the routers themselves, one gloo rank on
+    the CPU): the router class becomes an FSDP subclass, its parameters DTensors outside forward.
+    Patched with the family's dtypes: loss and router gradients bitwise the unpatched FSDP model's;
+    patched fp32: the engine gate runs on the unsharded parameters inside the forward."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        models = [build("qwen3_moe") for _ in range(2)]
+        for m in models:
+            for layer in m.model.layers:
+                fully_shard(layer.mlp.gate)
+                fully_shard(layer)
+            fully_shard(m)
+            m.train()
+        assert type(models[1].model.layers[0].mlp.gate).__name__.startswith("FSDP")
+        ids = tokens(2, 8, seed=12)
+        p = syhf.patch(models[1], router_dtype=None)
+        assert p.layers == [0, 1]
+        outs = []
+        for m in models:
+            out = m(ids, labels=ids)
+            out.loss.backward()
+            outs.append(out.loss.detach())
+        assert torch.equal(outs[0], outs[1])
+        for a, b in zip(models[0].model.layers, models[1].model.layers):
+            assert torch.equal(a.mlp.gate.weight.grad.full_tensor(),
+                               b.mlp.gate.weight.grad.full_tensor())
+        p.unpatch()
+        p = syhf.patch(models[1], router_dtype=torch.float32)
+        models[1].zero_grad(set_to_none=True)
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            models[1](ids, labels=ids).loss.backward()
+        assert not [w for w in caught if "view tensor" in str(w.message)]
+        assert p.counts()[0]["calls"] == 1
+        assert bool(models[1].model.layers[0].mlp.gate.weight.grad.full_tensor().abs().sum() > 0)
+        p.unpatch()
+    finally:
+        dist.destroy_process_group()
