@@ -110,10 +110,8 @@ def test_capture_during_generate_is_vllm_routed_experts(family, tmp_path):
         moe = a[:, p.layers]
         assert bool(((moe >= 0) & (moe < E)).all())
         assert bool((moe.sort(dim=-1).values.diff(dim=-1) != 0).all())  # distinct ids per row
-    paths = []
-    for b, a in enumerate(arrays):
-        paths.append(tmp_path / f"seq{b}.npy")
-        np.save(paths[-1], a.numpy())
+    paths = cap.save_npy(tmp_path, full_mask)
+    assert all(torch.equal(torch.from_numpy(np.load(f)), a) for f, a in zip(paths, arrays))
     freq = [1 if l in p.layers else 0 for l in range(L)]
     from_files, report = syr.import_vllm(paths, E, moe_layer_freq=freq)
     tables, _ = cap.tables(full_mask)

@@ -544,6 +544,19 @@ class Capture:
             out.append(rows.contiguous())
         return out
 
+    def save_npy(self, directory, attention_mask=None, prefix="seq"):
+        """Writes one .npy per sequence (vLLM's routed_experts, int32), the files the vLLM
+        importer and ``switchyard routes import-vllm`` read; returns their paths."""
+        import os
+
+        import numpy as np
+        os.makedirs(directory, exist_ok=True)
+        paths = []
+        for i, a in enumerate(self.routed_experts(attention_mask)):
+            paths.append(os.path.join(str(directory), f"{prefix}{i}.npy"))
+            np.save(paths[-1], a.numpy())
+        return paths
+
     def tables(self, attention_mask=None):
         """switchyard route tables ([num_tokens, moe_layers, K], last token -1), through the vLLM
         importer with the model's layer map. Returns (tables, report)."""
