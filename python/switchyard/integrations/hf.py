@@ -616,6 +616,9 @@ class Patch:
 
     @property
     def combine_dtype(self):
+        """Dtype of the combine weights the patched routers return (COMBINE_DTYPE)."""
+        if self.router_dtype is None:
+            return "the family's own (unchanged)"
         return self._layers[0].family.combine_dtype
 
     def gate_description(self):
