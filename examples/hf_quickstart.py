@@ -1,6 +1,6 @@
-"""switchyard with a Hugging Face transformers MoE model: FP32 router, R2, capture during generate(),
-R3 from the captured routes, checkpointing. The README's transformers example is this file; the test
-suite runs it (python/tests/test_hf_replay.py). A tiny Qwen3-MoE built from a config: no download."""
+"""switchyard with a Hugging Face transformers MoE model: FP32 router, R2, capture during
+generate(), R3 from the captured routes, checkpointing. The README's transformers example is this
+file; the test suite runs it (test_hf_replay.py). A tiny Qwen3-MoE from a config: no download."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

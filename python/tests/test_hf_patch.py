@@ -100,9 +100,9 @@ def _hook_routers(model, p):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_router_under_bf16_autocast(family):
-    """fp32 parameters under torch.autocast(bf16), as FSDP mixed precision trains: the unpatched gate
-    runs in bf16 (ERNIE-4.5 alone turns autocast off); patched, the logits are the engine's fp32
-    gate of the router input, and the combine weights have the family's documented dtype."""
+    """fp32 parameters under torch.autocast(bf16), as FSDP mixed precision trains: the unpatched
+    gate runs in bf16 (ERNIE-4.5 alone turns autocast off); patched, the logits are the engine's
+    fp32 gate of the router input, and the combine weights have the family's documented dtype."""
     model = build(family, torch.float32)
     ids = tokens(2, 8, seed=3)
     p = syhf.patch(model, router_dtype=None)

@@ -245,8 +245,8 @@ def test_all_none_rows_route_natively_and_invalid_rows_are_errors_or_counted():
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "llama4_text"])
 def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
-    """Under activation (gradient) checkpointing the recompute inside backward routes with the ids its
-    forward used (replayed targets, native rows included), records and captures nothing, and the
+    """Under activation (gradient) checkpointing the recompute inside backward routes with the ids
+    its forward used (replayed targets, native rows included), records and captures nothing, and the
     gradients are bitwise those of the same step without checkpointing."""
     model = build(family)
     model.train()
