@@ -188,6 +188,7 @@ def test_r3_targets_from_vllm_verl_and_route_files_replay_the_rollout(family, tm
     for b, a in enumerate(arrays):
         pos = full_mask[b].nonzero().flatten()
         verl[b, pos[:-1]] = a.to(torch.int16)
+    assert torch.equal(cap.to_verl(full_mask), verl)
     from_verl, vrep = p.targets_from_verl(verl, full_mask)
     assert torch.equal(from_verl, targets)
     assert vrep["num_zero_rows"] == 0

@@ -545,6 +545,23 @@ class Capture:
             out.append(rows.contiguous())
         return out
 
+    def to_verl(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """verl's ``routed_experts`` batch layout: int16 [B, S_out, num_hidden_layers, K] over the
+        generated sequences' positions (``attention_mask`` [B, S_out]), zero filled at padding, on
+        dense layers and at each sequence's last token (which has no route), vLLM's routes at the
+        other real tokens. ``Patch.targets_from_verl`` reads it back."""
+        m = torch.as_tensor(attention_mask).to("cpu").bool()
+        arrays = self.routed_experts(m)
+        if self._owner.num_experts > 32767:
+            raise ValueError(f"[hf.Capture] to_verl: int16 ids need num_experts <= 32767, got "
+                             f"{self._owner.num_experts}")
+        L, K = self._owner.num_hidden_layers, self._owner.top_k
+        out = torch.zeros(m.shape[0], m.shape[1], L, K, dtype=torch.int16)
+        for b, a in enumerate(arrays):
+            pos = m[b].nonzero().flatten()[:a.shape[0]]
+            out[b, pos] = a.to(torch.int16)
+        return out
+
     def save_npy(self, directory: str | os.PathLike, attention_mask: torch.Tensor | None = None,
                  prefix: str = "seq") -> list[str]:
         """Writes one .npy per sequence (vLLM's routed_experts, int32), the files the vLLM
