@@ -315,3 +315,24 @@ def test_the_readme_example_runs():
     import runpy
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     runpy.run_path(os.path.join(root, "examples", "hf_quickstart.py"), run_name="__main__")
+
+
+def test_capture_of_a_plain_forward_drops_each_last_real_token():
+    """A capture of one forward over padded sequences (mask as wide as the fed tokens): each
+    sequence gives its real tokens but the last, in order, as vLLM would have returned them."""
+    model = build("olmoe")
+    p = syhf.patch(model)
+    ids = tokens(2, 7, seed=13)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[1, 5:] = 0  # right padding
+    with torch.no_grad(), p.capture() as cap:
+        model(ids, attention_mask=mask)
+    fed = cap.ids()
+    arrays = cap.routed_experts(mask)
+    assert [a.shape[0] for a in arrays] == [3, 4]
+    assert torch.equal(arrays[0], fed[0, 3:6]) and torch.equal(arrays[1], fed[1, :4])
+    with pytest.raises(ValueError, match=r"attention_mask must be \[2, 8\] \(generated sequences\) "
+                                         r"or \[2, 7\] \(fed tokens\), got \[2, 5\]"):
+        cap.routed_experts(mask[:, :5])
+    p.unpatch()
