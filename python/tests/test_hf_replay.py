@@ -18,6 +18,12 @@ from hf_models import FAMILIES, build, tokens  # noqa: E402
 E2E = ["qwen3_moe", "deepseek_v3", "gpt_oss", "llama4_text", "qwen3_next"]
 
 
+def _counts(replayed, native, invalid=0, recomputed=0, calls=1):
+    return {"num_replayed_rows": replayed, "num_native_rows": native,
+            "num_invalid_replay_rows": invalid, "num_recomputed_rows": recomputed,
+            "num_calls": calls}
+
+
 def _perturb_routers(model, p, scale=0.05, seed=9):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -68,7 +74,7 @@ def test_r2_record_then_replay_reproduces_ids_and_outputs(family):
     out.loss.backward()
     assert torch.equal(replay_ids, rec_ids)
     for layer, c in p.counts().items():
-        assert c == {"replayed": T, "native": 0, "invalid": 0, "recomputed": 0, "calls": 1}
+        assert c == _counts(replayed=T, native=0)
         w, _ = syhf.FAMILIES[p._layers[0].family.name].params(model.get_submodule(p.modules[layer]))
         assert w.grad is not None and bool(w.grad.abs().sum() > 0)
     p.unpatch()
@@ -205,7 +211,8 @@ def test_r3_targets_from_vllm_verl_and_route_files_replay_the_rollout(family, tm
     out.loss.backward()
     for m, layer in enumerate(p.layers):
         c = p.counts()[layer]
-        assert c["replayed"] == real - B and c["native"] == B * S - (real - B), c
+        assert c["num_replayed_rows"] == real - B, c
+        assert c["num_native_rows"] == B * S - (real - B), c
         keep = targets[:, :, m, 0] >= 0
         assert torch.equal(got[:, :, layer][keep], targets[:, :, m][keep])
     p.unpatch()
@@ -236,9 +243,8 @@ def test_all_none_rows_route_natively_and_invalid_rows_are_errors_or_counted():
     with torch.no_grad():
         model(ids)
     c = p.counts()
-    assert c[p.layers[0]] == {"replayed": 5, "native": 1, "invalid": 1, "recomputed": 0,
-                              "calls": 1}
-    assert c[layer] == {"replayed": 4, "native": 2, "invalid": 1, "recomputed": 0, "calls": 1}
+    assert c[p.layers[0]] == _counts(replayed=5, native=1, invalid=1)
+    assert c[layer] == _counts(replayed=4, native=2, invalid=1)
     p.unpatch()
 
 
@@ -278,8 +284,7 @@ def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
     assert cap.num_forwards == 1  # the recompute is not captured
     for layer, c in p.counts().items():
         want = (T - 1, 1) if replay else (0, T)
-        assert c == {"replayed": want[0], "native": want[1], "invalid": 0, "recomputed": T,
-                     "calls": 1}
+        assert c == _counts(replayed=want[0], native=want[1], recomputed=T)
         assert p.replays[layer].num_pending_backward == 0
     assert ref.keys() == got.keys()
     for n in ref:

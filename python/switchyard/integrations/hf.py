@@ -34,8 +34,9 @@ What the patch does, per MoE decoder layer (keyed by its absolute layer number):
   recomputed from the live logits at those ids with the family's formula, so gradients reach the
   router. A row of all -1 is routed natively and counted; an invalid row (mixing -1 and ids,
   repeating an id, an id outside [0, E)) is a ValueError naming the layer and token, or routed
-  natively and counted with ``invalid_replay_rows="native"``. ``p.counts()`` gives the replayed /
-  native / invalid / recomputed rows per layer.
+  natively and counted with ``invalid_replay_rows="native"``. ``p.counts()`` gives per layer
+  ``num_replayed_rows``, ``num_native_rows``, ``num_invalid_replay_rows``, ``num_recomputed_rows``
+  and ``num_calls``.
 * Activation checkpointing (``model.gradient_checkpointing_enable()``): a forward that will be
   recomputed queues its final ids; the recompute inside backward (detected as running inside the
   autograd engine) routes with exactly those ids, first in first out per layer, and neither records
@@ -428,26 +429,26 @@ class _Layer:
                         ids32 = self.replay.replay_backward(T)
                         replay_ids = ids32.to(device=logits.device, dtype=torch.int64)
                         replay_mask = torch.ones(T, dtype=torch.bool, device=logits.device)
-                        self.counts["recomputed"] += T
+                        self.counts["num_recomputed_rows"] += T
                     elif self.replay.action == "replay_forward":
                         raise RuntimeError(
                             f"[hf] layer {self.layer}: a checkpoint recompute found no queued ids "
                             "(the layer was checkpointed by something other than transformers' "
                             "gradient_checkpointing_enable, so its forward did not queue them)")
                     else:
-                        self.counts["recomputed_native"] += T
+                        self.counts["num_recomputed_native_rows"] += T
                 else:
                     target = self._target(T)
                     if target is not None:
                         ids32, mask, info = self._classify(target.to("cpu").contiguous(), T)
                         replay_ids = ids32.to(device=logits.device, dtype=torch.int64)
                         replay_mask = mask.to(logits.device)
-                        self.counts["replayed"] += info.num_replayed_rows
-                        self.counts["native"] += info.num_native_rows
-                        self.counts["invalid"] += info.num_invalid_replay_rows
+                        self.counts["num_replayed_rows"] += info.num_replayed_rows
+                        self.counts["num_native_rows"] += info.num_native_rows
+                        self.counts["num_invalid_replay_rows"] += info.num_invalid_replay_rows
                     else:
-                        self.counts["native"] += T
-                    self.counts["calls"] += 1
+                        self.counts["num_native_rows"] += T
+                    self.counts["num_calls"] += 1
                 weights, ids = fam.route(r, logits, replay_ids, replay_mask)
             if not recompute:
                 self._after_forward(ids, T)
@@ -680,7 +681,8 @@ class Patch:
     def counts(self) -> dict[int, dict[str, int]]:
         """Per layer: rows replayed / routed natively / invalid (routed natively) in forwards, rows
         recomputed with queued ids inside backward, and forward calls, since reset_counts()."""
-        keys = ("replayed", "native", "invalid", "recomputed", "calls")
+        keys = ("num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
+                "num_recomputed_rows", "num_calls")
         return {l.layer: {k: int(l.counts[k]) for k in keys} for l in self._layers}
 
     def reset_counts(self) -> None:
