@@ -315,11 +315,17 @@ def test_set_targets_checks_the_layout():
     p.unpatch()
 
 
-def test_the_readme_example_runs():
+def test_the_readme_example_is_the_example_file_and_runs():
     import os
     import runpy
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    runpy.run_path(os.path.join(root, "examples", "hf_quickstart.py"), run_name="__main__")
+    path = os.path.join(root, "examples", "hf_quickstart.py")
+    with open(path) as f:
+        example = f.read()
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    assert "```python\n" + example + "```" in readme
+    runpy.run_path(path, run_name="__main__")
 
 
 def test_capture_of_a_plain_forward_drops_each_last_real_token():
