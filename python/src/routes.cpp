@@ -193,6 +193,18 @@ void bind_routes(py::module_& m) {
               paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
                                     num_input_layers, top_k, zero_rows)));
         });
+  // One vLLM array from .npy bytes (in-memory arrays: switchyard.routes.import_vllm_arrays).
+  m.def("routes_import_vllm_npy_bytes",
+        [](const py::bytes& data, const std::string& source, int64_t num_experts,
+           int64_t first_k_dense, const std::vector<int64_t>& moe_layer_freq,
+           int64_t num_mtp_layers, int64_t num_input_layers, int64_t top_k,
+           const std::string& zero_rows) {
+          const std::string_view bytes(data);
+          return import_result(import_vllm_npy_bytes(
+              bytes, source,
+              import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
+                             num_input_layers, top_k, zero_rows)));
+        });
   m.def("routes_import_sglang",
         [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,

@@ -1,0 +1,311 @@
+"""Worker processes for test_megatron.py: real Megatron-Core MoE layers on CPU over gloo.
+
+Each case runs on every rank of a torch.multiprocessing.spawn'd group and writes its findings
+(tensors, error messages) to ``out_dir/rank{r}.pt``; the pytest side asserts on them. Small real
+shapes (E 8, K 2, H 16), seeded; the EP=1 reference layer lives in the same process on a
+singleton group with the same weights.
+"""
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+E, K, H, F = 8, 2, 16, 24
+
+
+def _groups(rank, world):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    w = dist.new_group(list(range(world)))
+    me = singles[rank]
+
+    def pgc(ep):
+        pg = ProcessGroupCollection()
+        pg.tp = pg.cp = pg.tp_cp = pg.expt_tp = me
+        pg.tp_dp_cp = pg.ep = pg.tp_ep = ep
+        pg.expt_dp = me
+        return pg
+    return pgc(w), pgc(me), w
+
+
+def _config(world, **kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    base = dict(num_layers=2, hidden_size=H, num_attention_heads=1, ffn_hidden_size=F,
+                moe_ffn_hidden_size=F, num_moe_experts=E, moe_router_topk=K,
+                moe_token_dispatcher_type="alltoall", add_bias_linear=False,
+                use_cpu_initialization=True, moe_permute_fusion=False,
+                params_dtype=torch.float32, expert_model_parallel_size=world,
+                moe_router_dtype="fp32", moe_aux_loss_coeff=0.0)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _layer(cfg, pg, layer_number=1, is_mtp_layer=False):
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+    layer = spec(config=cfg, layer_number=layer_number, pg_collection=pg,
+                 is_mtp_layer=is_mtp_layer)
+    layer.set_layer_number(layer_number)
+    # Deterministic weights by global expert id, so EP=1 and EP=n layers hold the same model.
+    g = torch.Generator().manual_seed(1000 + layer_number)
+    router_w = torch.randn(E, H, generator=g) * 0.5
+    expert_w = [(torch.randn(F, H, generator=g) * 0.2, torch.randn(H, F, generator=g) * 0.2)
+                for _ in range(E)]
+    with torch.no_grad():
+        layer.router.weight.copy_(router_w)
+        for i, ex in enumerate(layer.experts.local_experts):
+            w1, w2 = expert_w[layer.local_expert_indices[i]]
+            ex.linear_fc1.weight.copy_(w1)
+            ex.linear_fc2.weight.copy_(w2)
+    return layer
+
+
+def _tokens(rank, T=12):
+    g = torch.Generator().manual_seed(7 + rank)
+    return torch.randn(T, 1, H, generator=g)
+
+
+def _replay_ids(rank, T=12, zero_rows=(2, 5, 9)):
+    g = torch.Generator().manual_seed(50 + rank)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    for t in zero_rows:
+        ids[t] = 0  # zero-filled padding rows from a rollout: repeated id 0
+    return ids
+
+
+def _err(fn):
+    try:
+        fn()
+        return None
+    except Exception as e:  # noqa: BLE001 (the message is the finding)
+        return f"{type(e).__name__}: {e}"
+
+
+def _megatron_replay(layers, ids_list):
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    RouterReplay.set_replay_data(ids_list)
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def _fwd_bwd(layer, x):
+    x = x.clone().requires_grad_(True)
+    out, _ = layer(x)
+    out.sum().backward()
+    return out.detach(), x.grad.detach()
+
+
+# ---------------------------------------------------------------------------------------------
+def case_seed(rank, world, res):
+    """The seed bug: Megatron's own replay with zero-filled rows, unpatched then patched."""
+    import switchyard.integrations.megatron as sym
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    pg_ep, pg_one, w = _groups(rank, world)
+    for fusion_label in ("unfused",):
+        res["fusion"] = fusion_label
+    cfg = _config(world, moe_enable_routing_replay=True)
+    cfg1 = _config(1, moe_enable_routing_replay=True)
+    RouterReplay.global_router_replay_instances.clear()
+    layer = _layer(cfg, pg_ep)
+    ref = _layer(cfg1, pg_one)
+    x, ids = _tokens(rank), _replay_ids(rank)
+    _megatron_replay([layer, ref], [ids, ids])
+    res["unpatched_error"] = _err(lambda: layer(x))
+    dist.barrier(w)
+    res["report"] = str(sym.apply())
+    try:
+        _megatron_replay([layer, ref], [ids, ids])
+        res["patched_out"], res["patched_grad"] = _fwd_bwd(layer, x)
+        _megatron_replay([layer, ref], [ids, ids])
+        res["ref_out"], res["ref_grad"] = _fwd_bwd(ref, x)
+        # switchyard's replay on the same layers: merged zero rows, host-known pair count.
+        RouterReplay.global_router_replay_instances.clear()
+        layer.router.router_replay = ref.router.router_replay = None
+        for m in (layer, ref):
+            sym.attach_replay(m, repeated_ids="merge")
+            sym.set_replay_targets(m, {1: ids}, num_tokens=ids.shape[0])
+            sym.set_replay_action(m, "replay_forward")
+        res["sy_out"], res["sy_grad"] = _fwd_bwd(layer, x)
+        res["sy_ref_out"], res["sy_ref_grad"] = _fwd_bwd(ref, x)
+        res["sy_counts"] = vars(sym.replay_counts(layer)[1])
+        res["sy_num_out_tokens"] = int(layer.token_dispatcher.num_out_tokens)
+        sym.set_replay_targets(layer, {1: ids})
+        probs, routing_map = layer.router(x)
+        res["sy_probs"], res["sy_map"] = probs.detach(), routing_map
+        res["ids"] = ids
+    finally:
+        sym.remove()
+
+
+def case_fused(rank, world, res):
+    """Replay on the unfused and fused (moe_router_fusion) router paths, record -> replay."""
+    import megatron_shims
+    import switchyard.integrations.megatron as sym
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    megatron_shims.install_fused_router_stand_in()
+    pg_ep, _, _ = _groups(rank, world)
+    ids = _replay_ids(rank, zero_rows=())
+    x = _tokens(rank)
+    for fused in (False, True):
+        tag = "fused" if fused else "unfused"
+        RouterReplay.global_router_replay_instances.clear()
+        cfg = _config(world, moe_router_fusion=fused, moe_enable_routing_replay=True)
+        layer = _layer(cfg, pg_ep)
+        _megatron_replay([layer], [ids])
+        _, rm = layer.router(x)
+        res[f"megatron_{tag}_map"] = rm
+        with sym.patched():
+            layer.router.router_replay = None
+            sym.attach_replay(layer)
+            sym.set_replay_targets(layer, {1: ids})
+            sym.set_replay_action(layer, "replay_forward")
+            probs, rm = layer.router(x)
+            res[f"sy_{tag}_map"], res[f"sy_{tag}_probs"] = rm, probs.detach()
+            res[f"sy_{tag}_counts"] = vars(sym.replay_counts(layer)[1])
+            # R2: record in a no-grad pass, replay the recorded ids in the next one.
+            sym.set_replay_action(layer, "record")
+            with torch.no_grad():
+                _, rm_rec = layer.router(x * 1.5)
+            sym.set_replay_action(layer, "replay_forward")
+            _, rm_rep = layer.router(x)
+            res[f"r2_{tag}_recorded"], res[f"r2_{tag}_replayed"] = rm_rec, rm_rep
+    res["ids"] = ids
+
+
+def case_mtp(rank, world, res):
+    """Routers keyed by layer number: an MTP router built between two decoder layers does not
+    shift replay (Megatron's positional list does)."""
+    import switchyard.integrations.megatron as sym
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    pg_ep, _, _ = _groups(rank, world)
+    RouterReplay.global_router_replay_instances.clear()
+    cfg = _config(world, moe_enable_routing_replay=True, mtp_num_layers=1)
+    l1 = _layer(cfg, pg_ep, layer_number=1)
+    mtp = _layer(cfg, pg_ep, layer_number=1, is_mtp_layer=True)
+    l2 = _layer(cfg, pg_ep, layer_number=2)
+    model = torch.nn.ModuleList([l1, l2, mtp])
+    x = _tokens(rank)
+    a, b = _replay_ids(rank, zero_rows=()), _replay_ids(rank + 10, zero_rows=())
+    # Megatron: the list is in construction order, so the second table lands on the MTP router.
+    RouterReplay.set_replay_data([a, b, a])
+    RouterReplay.set_global_router_replay_action(
+        __import__("megatron.core.transformer.moe.router_replay",
+                   fromlist=["RouterReplayAction"]).RouterReplayAction.REPLAY_FORWARD)
+    res["megatron_l2_map"] = l2.router(x)[1]
+    with sym.patched():
+        for m in (l1, l2, mtp):
+            m.router.router_replay = None
+        res["keys"] = sorted(map(str, sym.attach_replay(model)))
+        sym.set_replay_targets(model, {1: a, 2: b})
+        sym.set_replay_action(model, "replay_forward", keys=[1, 2])  # the MTP layer: native
+        res["sy_l1_map"] = l1.router(x)[1]
+        res["sy_l2_map"] = l2.router(x)[1]
+        res["sy_mtp_map"] = mtp.router(x)[1]
+        res["sy_counts"] = {str(k): vars(v) for k, v in sym.replay_counts(model).items()}
+        res["bad_key"] = _err(lambda: sym.set_replay_targets(model, {3: a}))
+    res["a"], res["b"] = a, b
+
+
+def case_recompute(rank, world, res):
+    """Activation recompute (recompute_granularity='selective', modules ['moe']) reuses the
+    forward's ids; forward-only passes queue nothing; gradients equal the non-recomputed layer."""
+    import switchyard.integrations.megatron as sym
+    pg_ep, _, _ = _groups(rank, world)
+    cfg_rc = _config(world, recompute_granularity="selective", recompute_modules=["moe"])
+    cfg = _config(world)
+    rc, plain = _layer(cfg_rc, pg_ep), _layer(cfg, pg_ep)
+    res["moe_layer_recompute"] = bool(rc.moe_layer_recompute)
+    x = _tokens(rank)
+    ids = _replay_ids(rank, zero_rows=(4,))
+    seen = []
+    rc.router.register_forward_hook(lambda m, i, o: seen.append(o[1].clone()))
+    with sym.patched():
+        sym.attach_replay(rc, repeated_ids="merge")
+        sym.attach_replay(plain, repeated_ids="merge")
+        for m in (rc, plain):
+            sym.set_replay_action(m, "replay_forward")
+        # A forward-only pass first (old-log-prob style): it must not grow the queue.
+        sym.set_replay_targets(rc, {1: ids})
+        with torch.no_grad():
+            rc(x)
+        res["pending_after_forward_only"] = sym.replays(rc)[1].num_pending_backward
+        sym.set_replay_targets(rc, {1: ids})
+        sym.set_replay_targets(plain, {1: ids})
+        rc.train()
+        res["rc_out"], res["rc_grad"] = _fwd_bwd(rc, x)
+        res["plain_out"], res["plain_grad"] = _fwd_bwd(plain, x)
+        res["pending_after_backward"] = sym.replays(rc)[1].num_pending_backward
+        res["router_calls"] = len(seen)
+        res["maps"] = seen[1:]  # [training forward under checkpoint, recompute in backward]
+        res["rc_total"] = vars(sym.replay_counts(rc, total=True)[1])
+    res["ids"] = ids
+
+
+def case_bad(rank, world, res):
+    """Bad replay tensors on one rank: every rank raises the same error, nobody hangs."""
+    import switchyard.integrations.megatron as sym
+    pg_ep, _, w = _groups(rank, world)
+    layer = _layer(_config(world), pg_ep)
+    x = _tokens(rank)
+    good = _replay_ids(rank, zero_rows=())
+    bad = {
+        "repeat": _replay_ids(rank, zero_rows=(3,)),
+        "range": good.clone().index_put_((torch.tensor([6]), torch.tensor([1])),
+                                         torch.tensor(E + 3)),
+        "mixed": good.clone().index_put_((torch.tensor([1]), torch.tensor([0])),
+                                         torch.tensor(-1)),
+        "shape": good[:, :1],
+        "dtype": good.float(),
+        "tokens": good[:-1],
+    }
+    with sym.patched():
+        sym.attach_replay(layer)
+        for name, t in bad.items():
+            mine = t if rank == world - 1 else good
+            res[f"err_{name}"] = _err(lambda: sym.set_replay_targets(
+                layer, {1: mine}, num_tokens=x.shape[0], group=w))
+        # An all -1 row is routed natively and counted; no target queued by the failures above.
+        res["queued_after_errors"] = sym.replays(layer)[1].num_targets + \
+            len(layer.router._sy.targets)
+        nat = good.clone()
+        nat[0] = -1
+        sym.set_replay_targets(layer, {1: nat}, group=w)
+        sym.set_replay_action(layer, "replay_forward")
+        layer(x)
+        res["native_counts"] = vars(sym.replay_counts(layer)[1])
+        # A replay tensor whose token count differs from the router's (no num_tokens given).
+        sym.set_replay_targets(layer, {1: good[:5]})
+        res["err_forward_tokens"] = _err(lambda: layer.router(x))
+
+
+CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
+
+
+def _worker(rank, world, port, cases, out_dir):
+    sys.path.insert(0, HERE)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import megatron_shims
+    megatron_shims.install()
+    out = {}
+    for case in cases:  # one process start (Megatron's import takes seconds) serves every case
+        res = out[case] = {}
+        try:
+            CASES[case](rank, world, res)
+        except Exception:  # noqa: BLE001 (reported to the test)
+            res["worker_error"] = traceback.format_exc()
+        dist.barrier()
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def spawn(cases, world, out_dir, port):
+    """Runs ``cases`` (names of case_* functions) on ``world`` gloo ranks; returns, per rank,
+    {case: findings}."""
+    import torch.multiprocessing as mp
+    mp.spawn(_worker, args=(world, port, list(cases), out_dir), nprocs=world, join=True)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world)]
