@@ -28,8 +28,8 @@ def megatron_like_route(logits, topk, aux_coeff, z_coeff):
     scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     _, aux_idx = torch.topk(scores, k=topk, dim=1)
     routing_map = torch.zeros_like(logits).int().scatter(1, aux_idx, 1).bool()
-    tokens_per_expert = routing_map.sum(dim=0)
-    aux_loss = torch.sum(scores.sum(dim=0) * tokens_per_expert) * (
+    num_tokens_per_expert = routing_map.sum(dim=0)
+    aux_loss = torch.sum(scores.sum(dim=0) * num_tokens_per_expert) * (
         num_experts * aux_coeff / (topk * num_tokens * num_tokens))
     return probs, top_idx, aux_loss, z_loss
 

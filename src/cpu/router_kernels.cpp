@@ -11,7 +11,8 @@
 
 #include "cpu/router_math.h"
 
-namespace switchyard::cpu {
+// SY_ISA_NS: this file is compiled once per kernel variant (src/cpu/isa.h).
+namespace switchyard::cpu::SY_ISA_NS {
 
 namespace {
 
@@ -616,4 +617,4 @@ SY_INSTANTIATE(float)
 SY_INSTANTIATE(double)
 #undef SY_INSTANTIATE
 
-}  // namespace switchyard::cpu
+}  // namespace switchyard::cpu::SY_ISA_NS

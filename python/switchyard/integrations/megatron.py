@@ -314,7 +314,7 @@ def _validate(st, ids):
         if bool(merged.any()):
             checked = ids.masked_fill(merged[:, None], -1)  # the engine checks every other row
     invalid = "native" if st.repeated_ids == "native" else "error"
-    cfg = _router_config(E, K)
+    cfg = _sy.RouterConfig(num_experts=E, top_k=K)
     try:
         _, used, info = _syt.topk_route(torch.zeros(T, E), cfg, replay_idx=checked,
                                         invalid_replay_rows=invalid, layer=layer,
@@ -337,13 +337,6 @@ def _validate(st, ids):
         missing = int((s[:, 1:] == s[:, :-1]).sum())
     ids = torch.where(native_rows[:, None], torch.full_like(ids, -1), ids)
     return _Target(ids, native_rows, counts, T * K - missing)
-
-
-def _router_config(num_experts, top_k):
-    try:
-        return _sy.RouterConfig(num_experts=num_experts, top_k=top_k)
-    except TypeError:  # before the engine's rename of topk -> top_k
-        return _sy.RouterConfig(num_experts=num_experts, topk=top_k)
 
 
 def _in_backward():
