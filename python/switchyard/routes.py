@@ -221,13 +221,23 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     return tables, report
 
 
-def layer_targets(table, moe_layers, keys):
+def layer_targets(table, moe_layers, keys, batch_size=None):
     """Per-layer replay targets from a route table [T, moe_layers, K] in the router's token order
     (e.g. after pack_thd / sp_split / cp_zigzag_split): {key: [T, K]} for the keys of this
     pipeline stage's routers (switchyard.integrations.megatron.attach_replay keys: Megatron's
     1-based ``layer_number``; hidden layer = layer_number - 1). ``moe_layers``: hidden-layer
     index of every column of the table (the importer's report["moe_layers"]). Keys that are not
-    ints (MTP layers) get no target."""
+    ints (MTP layers) get no target. ``batch_size``: for a BSHD micro-batch given batch-first
+    ([B*S] rows, sequence b's tokens contiguous), the rows are put in the router's
+    sequence-first order (Megatron flattens [S, B] hidden states: token s*B + b)."""
+    if batch_size is not None:
+        B = int(batch_size)
+        if B < 1 or table.shape[0] % B:
+            raise ValueError(f"[routes.layer_targets] batch_size must divide the {table.shape[0]} "
+                             f"rows, got batch_size={batch_size}")
+        S = table.shape[0] // B
+        table = table.reshape(B, S, *table.shape[1:]).transpose(0, 1).reshape(S * B,
+                                                                             *table.shape[1:])
     col = {int(h): i for i, h in enumerate(moe_layers)}
     out = {}
     for k in keys:

@@ -148,10 +148,11 @@ def case_fused(rank, world, res):
     pg_ep, _, _ = _groups(rank, world)
     ids = _replay_ids(rank, zero_rows=())
     x = _tokens(rank)
-    for fused in (False, True):
-        tag = "fused" if fused else "unfused"
+    for tag in ("unfused", "fused", "sinkhorn"):
         RouterReplay.global_router_replay_instances.clear()
-        cfg = _config(world, moe_router_fusion=fused, moe_enable_routing_replay=True)
+        kw = {"moe_router_fusion": True} if tag == "fused" else \
+            {"moe_router_load_balancing_type": "sinkhorn"} if tag == "sinkhorn" else {}
+        cfg = _config(world, moe_enable_routing_replay=True, **kw)
         layer = _layer(cfg, pg_ep)
         _megatron_replay([layer], [ids])
         _, rm = layer.router(x)
@@ -164,6 +165,8 @@ def case_fused(rank, world, res):
             probs, rm = layer.router(x)
             res[f"sy_{tag}_map"], res[f"sy_{tag}_probs"] = rm, probs.detach()
             res[f"sy_{tag}_counts"] = vars(sym.replay_counts(layer)[1])
+            if tag == "sinkhorn":
+                res["sinkhorn_logits"] = layer.router.gating(x).view(-1, E).detach()
             # R2: record in a no-grad pass, replay the recorded ids in the next one.
             sym.set_replay_action(layer, "record")
             with torch.no_grad():
@@ -278,6 +281,39 @@ def case_bad(rank, world, res):
         # A replay tensor whose token count differs from the router's (no num_tokens given).
         sym.set_replay_targets(layer, {1: good[:5]})
         res["err_forward_tokens"] = _err(lambda: layer.router(x))
+
+
+def case_engine(rank, world, res):
+    """apply(engine="cpu"): switchyard's FP32 gate + topk_route on CPU tensors, against
+    Megatron's own router math; batch invariance; the layer step against Megatron's math."""
+    import switchyard.integrations.megatron as sym
+    pg_ep, _, _ = _groups(rank, world)
+    cfg = _config(world)
+    layer = _layer(cfg, pg_ep)
+    x = _tokens(rank, T=20)
+    ids = _replay_ids(rank, T=20, zero_rows=(4, 11))
+    with torch.no_grad():
+        res["megatron_probs"], res["megatron_map"] = layer.router(x)
+    with sym.patched():
+        sym.attach_replay(layer, repeated_ids="merge")
+        sym.set_replay_targets(layer, {1: ids})
+        sym.set_replay_action(layer, "replay_forward")
+        res["megatron_out"], res["megatron_grad"] = _fwd_bwd(layer, x)
+    sym.detach_replay(layer)
+    with sym.patched(engine="cpu") as report:
+        res["report"] = str(report)
+        sym.attach_replay(layer, repeated_ids="merge")
+        with torch.no_grad():
+            res["engine_probs"], res["engine_map"] = layer.router(x)
+            res["engine_probs_first5"], _ = layer.router(x[:5])
+        sym.set_replay_targets(layer, {1: ids})
+        sym.set_replay_action(layer, "replay_forward")
+        res["engine_out"], res["engine_grad"] = _fwd_bwd(layer, x)
+        res["engine_counts"] = vars(sym.replay_counts(layer)[1])
+        sym.set_replay_targets(layer, {1: ids})
+        with torch.no_grad():
+            res["engine_replay_probs"], res["engine_replay_map"] = layer.router(x)
+    res["ids"] = ids
 
 
 CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}

@@ -45,7 +45,7 @@ def _run(cases, world, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ep2(tmp_path_factory):
-    return _run(["seed", "fused", "mtp", "recompute", "bad"], 2, tmp_path_factory)
+    return _run(["seed", "fused", "mtp", "recompute", "bad", "engine"], 2, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -166,17 +166,21 @@ def test_ep_metadata_sends_no_token_to_a_zero_weight_expert(manager):
 
 
 # ---- replay ------------------------------------------------------------------------------------
-def test_replay_on_fused_and_unfused_router_paths(ep2):
+def test_replay_on_fused_unfused_and_sinkhorn_router_paths(ep2):
     for rank in ep2:
         r = rank["fused"]
         want = _map(r["ids"])
         assert torch.equal(r["megatron_unfused_map"], want)
         assert not torch.equal(r["megatron_fused_map"], want)  # Megatron skips replay when fused
-        for tag in ("unfused", "fused"):
+        assert not torch.equal(r["megatron_sinkhorn_map"], want)  # and with sinkhorn
+        for tag in ("unfused", "fused", "sinkhorn"):
             assert torch.equal(r[f"sy_{tag}_map"], want)
             assert r[f"sy_{tag}_counts"]["replayed"] == 12
             assert torch.equal(r[f"r2_{tag}_replayed"], r[f"r2_{tag}_recorded"])
         assert torch.equal(r["sy_fused_probs"], r["sy_unfused_probs"])
+        # Sinkhorn's weights at the replayed ids: Megatron's activation (softmax over E for K>1).
+        sm = torch.softmax(r["sinkhorn_logits"], dim=-1)
+        torch.testing.assert_close(r["sy_sinkhorn_probs"], sm * want, atol=0, rtol=0)
 
 
 def test_mtp_layers_do_not_shift_replay(ep2):
@@ -232,3 +236,20 @@ def test_bad_replay_queues_nothing_and_native_rows_are_counted(ep2):
         assert r["native_counts"] == {"calls": 1, "tokens": 12, "replayed": 11, "merged": 0,
                                       "native": 1, "invalid": 0}
         assert "the replay tensor has 5 tokens, the router got 12" in r["err_forward_tokens"]
+
+
+# ---- engine="cpu" --------------------------------------------------------------------------
+def test_engine_cpu_router_matches_megatron_and_is_batch_invariant(ep2):
+    for rank in ep2:
+        r = rank["engine"]
+        assert "Router.gating" in r["report"]
+        assert torch.equal(r["engine_map"], r["megatron_map"])
+        torch.testing.assert_close(r["engine_probs"], r["megatron_probs"], atol=ATOL, rtol=RTOL)
+        # The FP32 gate's fixed reduction order: a token's weights do not depend on the batch.
+        assert torch.equal(r["engine_probs_first5"], r["engine_probs"][:5])
+        assert torch.equal(r["engine_replay_map"], _map(r["ids"]))
+        for t in (4, 11):
+            assert r["engine_replay_probs"][t, 0].item() == 1.0
+        assert r["engine_counts"]["merged"] == 2 and r["engine_counts"]["replayed"] == 20
+        torch.testing.assert_close(r["engine_out"], r["megatron_out"], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(r["engine_grad"], r["megatron_grad"], atol=ATOL, rtol=RTOL)

@@ -120,3 +120,14 @@ def test_layer_targets_for_a_pipeline_stage():
     piece = routes.slice_layers(tables[1], begin, end, num_experts=E)
     targets = routes.layer_targets(tables[1], moe, keys=[3, 4])
     assert torch.equal(torch.stack([targets[3], targets[4]], dim=1), piece)
+
+
+def test_layer_targets_bshd_batch_first_rows_go_to_sequence_first_order():
+    # Two sequences of 3 tokens, batch-first: row b*3 + s. The router sees token s*2 + b.
+    table = torch.arange(6 * 1 * K, dtype=torch.int32).reshape(6, 1, K) % E
+    targets = routes.layer_targets(table, [0], keys=[1], batch_size=2)
+    for b in range(2):
+        for s in range(3):
+            assert torch.equal(targets[1][s * 2 + b], table[b * 3 + s, 0])
+    with pytest.raises(ValueError, match="batch_size must divide the 6 rows"):
+        routes.layer_targets(table, [0], keys=[1], batch_size=4)

@@ -265,10 +265,11 @@ class ReplayCounts:
 
 class _Target:
     """Validated replay ids of one forward: int32 CPU [T, K] plus what the host knows."""
-    __slots__ = ("ids", "native_rows", "counts", "num_pairs")
+    __slots__ = ("ids", "native_rows", "merged_rows", "counts", "num_pairs")
 
-    def __init__(self, ids, native_rows, counts, num_pairs):
-        self.ids, self.native_rows, self.counts, self.num_pairs = ids, native_rows, counts, num_pairs
+    def __init__(self, ids, native_rows, merged_rows, counts, num_pairs):
+        self.ids, self.native_rows, self.merged_rows = ids, native_rows, merged_rows
+        self.counts, self.num_pairs = counts, num_pairs
 
 
 class _RouterState:
@@ -336,7 +337,7 @@ def _validate(st, ids):
         s = ids[merged].sort(dim=1).values
         missing = int((s[:, 1:] == s[:, :-1]).sum())
     ids = torch.where(native_rows[:, None], torch.full_like(ids, -1), ids)
-    return _Target(ids, native_rows, counts, T * K - missing)
+    return _Target(ids, native_rows, merged, counts, T * K - missing)
 
 
 def _in_backward():
@@ -418,22 +419,43 @@ def _native(self, logits):
         expert_bias=self.expert_bias, fused=cfg.moe_router_fusion, router_replay=None)
 
 
-def _replayed_probs(self, logits, ids):
-    """[T, K] weights at given ids with Megatron's score function (unfused math: the fused
-    kernel cannot take given ids)."""
+class _GivenIds:
+    """Megatron's replay hook (``router_replay.get_replay_topk``, the same call its own
+    RouterReplay answers in REPLAY_FORWARD) handing over ids switchyard validated: Megatron's
+    score function then computes the weights at those ids, on every version from 0.16."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
+                        default_compute_topk=None):
+        return scores.gather(1, self.ids), self.ids
+
+
+def _replayed(self, logits, ids):
+    """(probs [T, E], routing_map [T, E]) at given ids [T, K] with Megatron's score function
+    (unfused math: the fused kernel cannot take given ids). A repeated id is one pair whose
+    weight is the sum over its slots."""
     cfg = self.config
+    T, E = logits.shape
+    mult = torch.zeros(T, E, dtype=torch.int32, device=logits.device).scatter_add(
+        1, ids, torch.ones_like(ids, dtype=torch.int32))
+    routing_map = mult > 0
     if self.routing_type == "sinkhorn":
         # Megatron's sinkhorn weights: sigmoid for K = 1, softmax over all experts otherwise
-        # (its _sinkhorn_activation), taken at the ids.
+        # (its _sinkhorn_activation), at the ids.
         act = torch.sigmoid(logits) if self.topk == 1 else \
             torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-        return act.gather(1, ids)
+        return act * mult.to(act.dtype), routing_map
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
     probs, _ = topk_routing_with_score_function(
         logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax,
         scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=self.score_function,
-        expert_bias=self.expert_bias, fused=False, dense_output=True, precomputed_indices=ids)
-    return probs
+        expert_bias=self.expert_bias, fused=False, router_replay=_GivenIds(ids))
+    # Megatron scatters the K slot weights into [T, E], so a repeated id keeps one slot; its
+    # slots gather the same score and so carry the same weight: multiplying by the multiplicity
+    # gives the sum (y = sum_k p_k * Expert_{e_k}(x) stays exact).
+    return probs * mult.to(probs.dtype), routing_map
 
 
 def _make_router_routing(orig):
@@ -442,14 +464,15 @@ def _make_router_routing(orig):
         st = getattr(self, "_sy", None)
         if st is None:
             return orig(self, logits, padding_mask)
-        from megatron.core.transformer.moe.moe_utils import (
-            apply_router_token_dropping, compute_routing_scores_for_aux_loss)
         cfg = self.config
         E, K = cfg.num_moe_experts, self.topk
         seq_length, bsz = logits.shape[:2]
         T = logits.numel() // E
         tgt = _ids_for_forward(st, T)
         action = st.replay.action
+        if _STATE["engine"] == "cpu" and not logits.is_cuda and \
+                self.routing_type not in ("sinkhorn", "quantile_balancing"):
+            return _engine_routing(self, st, tgt, logits, padding_mask)
         if tgt is None and action is None:  # native: Megatron's routing, unchanged
             st.last = ReplayCounts(calls=1, tokens=T, native=T)
             st.total.add(st.last)
@@ -474,45 +497,93 @@ def _make_router_routing(orig):
             native_rows = tgt.native_rows.to(logits.device, non_blocking=True)
             if map_n is not None:  # native rows take the native ids, so weights are defined
                 dev_ids = torch.where(native_rows[:, None], _ids_from_map(map_n, K), dev_ids)
-            w = _replayed_probs(self, logits, dev_ids)
-            # A repeated id (merged row) sums its weights: y = sum_k p_k * Expert_{e_k}(x) stays
-            # exact; Megatron's scatter kept one of them.
-            probs = torch.zeros_like(logits).scatter_add(1, dev_ids, w.type_as(logits))
-            routing_map = torch.zeros(T, E, dtype=torch.int32, device=logits.device).scatter_add(
-                1, dev_ids, torch.ones_like(dev_ids, dtype=torch.int32)) > 0
+            probs, routing_map = _replayed(self, logits, dev_ids)
             if map_n is not None:
                 probs = torch.where(native_rows[:, None], probs_n, probs)
                 routing_map = torch.where(native_rows[:, None], map_n, routing_map)
             counts = tgt.counts
             st.last_num_pairs = tgt.num_pairs
-        st.last = dataclasses.replace(counts, calls=1)
-        st.total.add(st.last)
-
-        if cfg.moe_expert_capacity_factor is not None:
-            probs, routing_map = apply_router_token_dropping(
-                probs, routing_map, router_topk=K, capacity_factor=cfg.moe_expert_capacity_factor,
-                drop_policy=cfg.moe_token_drop_policy,
-                pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
-            st.last_num_pairs = None
-
-        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
-            map_aux, scores_aux = compute_routing_scores_for_aux_loss(
-                logits, K, self.score_function, fused=cfg.moe_router_fusion,
-                padding_mask=padding_mask)
-            if tgt is not None and st.aux_loss_routes == "used":
-                # The load-balancing loss counts the experts the tokens were sent to: replayed
-                # rows count their replayed ids, native rows Megatron's own aux-loss map.
-                rep = (~tgt.native_rows).to(logits.device)[:, None]
-                used = routing_map if padding_mask is None else routing_map & ~padding_mask[:, None]
-                map_aux = torch.where(rep, used, map_aux)
-            wpm = padding_mask is not None
-            probs = self._apply_aux_loss(probs, scores_aux, map_aux, with_padding_mask=wpm)
-            probs = self._apply_seq_aux_loss(probs, scores_aux, map_aux, seq_length, bsz,
-                                             with_padding_mask=wpm)
-            probs = self._apply_global_aux_loss(probs, scores_aux, map_aux, with_padding_mask=wpm)
-        self._apply_expert_bias(routing_map, padding_mask=padding_mask)
-        return probs, routing_map
+        return _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask,
+                       seq_length, bsz)
     return routing
+
+
+def _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask, seq_length, bsz):
+    """Megatron's steps after top-k, on the routes used: capacity, aux losses, expert bias."""
+    from megatron.core.transformer.moe.moe_utils import (
+        apply_router_token_dropping, compute_routing_scores_for_aux_loss)
+    cfg = self.config
+    K = self.topk
+    st.last = dataclasses.replace(counts, calls=1)
+    st.total.add(st.last)
+
+    if cfg.moe_expert_capacity_factor is not None:
+        probs, routing_map = apply_router_token_dropping(
+            probs, routing_map, router_topk=K, capacity_factor=cfg.moe_expert_capacity_factor,
+            drop_policy=cfg.moe_token_drop_policy,
+            pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
+        st.last_num_pairs = None
+
+    if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+        map_aux, scores_aux = compute_routing_scores_for_aux_loss(
+            logits, K, self.score_function, fused=cfg.moe_router_fusion,
+            padding_mask=padding_mask)
+        if tgt is not None and st.aux_loss_routes == "used":
+            # The load-balancing loss counts the experts the tokens were sent to: replayed
+            # rows count their replayed ids, native rows Megatron's own aux-loss map.
+            rep = (~tgt.native_rows).to(logits.device)[:, None]
+            used = routing_map if padding_mask is None else routing_map & ~padding_mask[:, None]
+            map_aux = torch.where(rep, used, map_aux)
+        wpm = padding_mask is not None
+        probs = self._apply_aux_loss(probs, scores_aux, map_aux, with_padding_mask=wpm)
+        probs = self._apply_seq_aux_loss(probs, scores_aux, map_aux, seq_length, bsz,
+                                         with_padding_mask=wpm)
+        probs = self._apply_global_aux_loss(probs, scores_aux, map_aux, with_padding_mask=wpm)
+    self._apply_expert_bias(routing_map, padding_mask=padding_mask)
+    return probs, routing_map
+
+
+def _engine_routing(self, st, tgt, logits, padding_mask):
+    """CPU tensors with apply(engine="cpu"): switchyard's topk_route (Megatron's score functions
+    and option names mapped; weights differentiable to the logits) for native and replayed rows;
+    rows that repeat an id (merged) take Megatron's math at their ids, as on CUDA."""
+    cfg = self.config
+    E, K = cfg.num_moe_experts, self.topk
+    seq_length, bsz = logits.shape[:2]
+    logits = logits.view(-1, E)
+    T = logits.shape[0]
+    if padding_mask is not None:
+        padding_mask = padding_mask.reshape(-1)
+    logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+    rc = _sy.RouterConfig(num_experts=E, top_k=K, score_function=self.score_function,
+                          pre_softmax=bool(cfg.moe_router_pre_softmax),
+                          num_groups=cfg.moe_router_num_groups,
+                          group_topk=cfg.moe_router_group_topk,
+                          topk_scaling_factor=cfg.moe_router_topk_scaling_factor)
+    lg = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    replay_idx = None
+    if tgt is not None:
+        replay_idx = tgt.ids.masked_fill(tgt.merged_rows[:, None], -1)
+    w, idx, info = _syt.topk_route(lg, rc, expert_bias=self.expert_bias, replay_idx=replay_idx,
+                                   layer=st.key if isinstance(st.key, int) else None,
+                                   return_info=True)
+    if st.replay.action == "record" and not _in_backward():
+        st.replay.record(idx.to(torch.int32))
+    probs = torch.zeros_like(lg).scatter_add(1, idx, w).type_as(logits)
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True)
+    if tgt is not None and bool(tgt.merged_rows.any()):
+        ids = torch.where(tgt.merged_rows[:, None], tgt.ids.to(torch.int64), idx)
+        p_m, map_m = _replayed(self, logits, ids)
+        probs = torch.where(tgt.merged_rows[:, None], p_m, probs)
+        routing_map = torch.where(tgt.merged_rows[:, None], map_m, routing_map)
+    if tgt is None:
+        counts = ReplayCounts(calls=1, tokens=T, native=T)
+        st.last_num_pairs = T * K
+    else:
+        counts = tgt.counts
+        st.last_num_pairs = tgt.num_pairs
+    return _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask, seq_length,
+                   bsz)
 
 
 def _make_engine_gating(orig):
