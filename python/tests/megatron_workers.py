@@ -103,8 +103,6 @@ def case_seed(rank, world, res):
     import switchyard.integrations.megatron as sym
     from megatron.core.transformer.moe.router_replay import RouterReplay
     pg_ep, pg_one, w = _groups(rank, world)
-    for fusion_label in ("unfused",):
-        res["fusion"] = fusion_label
     cfg = _config(world, moe_enable_routing_replay=True)
     cfg1 = _config(1, moe_enable_routing_replay=True)
     RouterReplay.global_router_replay_instances.clear()
@@ -192,10 +190,7 @@ def case_mtp(rank, world, res):
     x = _tokens(rank)
     a, b = _replay_ids(rank, zero_rows=()), _replay_ids(rank + 10, zero_rows=())
     # Megatron: the list is in construction order, so the second table lands on the MTP router.
-    RouterReplay.set_replay_data([a, b, a])
-    RouterReplay.set_global_router_replay_action(
-        __import__("megatron.core.transformer.moe.router_replay",
-                   fromlist=["RouterReplayAction"]).RouterReplayAction.REPLAY_FORWARD)
+    _megatron_replay([l1, mtp, l2], [a, b, a])
     res["megatron_l2_map"] = l2.router(x)[1]
     with sym.patched():
         for m in (l1, l2, mtp):

@@ -38,8 +38,10 @@ by ``remove()``):
 * ``MoELayer.route``: hands the router's host-known pair count to the dispatcher.
 
 On CUDA tensors everything above is Megatron's math plus these fixes. ``apply(engine="cpu")``
-additionally runs switchyard's FP32 batch-invariant gate (``switchyard.torch.router_gating_linear``)
-on CPU tensors in place of Megatron's gate GEMM.
+additionally runs, for attached routers on CPU tensors, switchyard's FP32 batch-invariant gate
+(``switchyard.torch.router_gating_linear``, also patching ``Router.gating``) and
+``switchyard.torch.topk_route`` with Megatron's option names mapped; token dropping, aux losses
+and expert-bias counting stay Megatron's functions. See notes/megatron.md for versions.
 """
 import collections
 import contextlib
