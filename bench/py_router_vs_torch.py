@@ -4,7 +4,7 @@ upcast to fp32, torch.mm, torch.topk, softmax over the selected logits, aux loss
 softmax), with the same thread count. Prints times and ratios (torch / switchyard: > 1 means
 switchyard is faster).
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/py_router_vs_torch.py [--quick] [--threads N]
+    PYTHONPATH=build/python python bench/py_router_vs_torch.py [--quick] [--threads N]
 """
 import argparse
 import os

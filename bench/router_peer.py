@@ -1,10 +1,10 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch peer for bench_router: the same routing work done the Megatron-Core way in eager torch
 (CPU, fp32): softmax top-k routing weights, the switch load-balancing aux loss, the z-loss, forward
 and backward. It then runs bench_router's forward+backward benchmark in the same session and prints
 the ratio.
 
-    /usr/bin/python3 bench/router_peer.py [--bench build/bench/bench_router] [--threads 2]
+    python bench/router_peer.py [--bench build/bench/bench_router] [--threads 2]
 
 Written from the published formulas (moe_utils.py: switch_load_balancing_loss_func, z_loss_func,
 topk_routing_with_score_function); no Megatron code is imported or copied.
