@@ -311,6 +311,40 @@ def case_engine(rank, world, res):
     res["ids"] = ids
 
 
+def case_datapath(rank, world, res):
+    """verl routed_experts -> from_verl -> pack_thd -> layer_targets -> the model's routers:
+    zero rows (tokens the rollout never routed) and alignment padding are routed natively and
+    counted, every other token replays its rollout ids, layer by layer number."""
+    import switchyard.integrations.megatron as sym
+    import switchyard.routes as routes
+    pg_ep, _, _ = _groups(rank, world)
+    cfg = _config(world, num_layers=3)
+    model = torch.nn.ModuleList([_layer(cfg, pg_ep, layer_number=n) for n in (2, 3)])
+    g = torch.Generator().manual_seed(90 + rank)
+    B, S, L = 2, 6, 3  # hidden layer 0 dense
+    routed = torch.zeros(B, S, L, K, dtype=torch.int16)
+    mask = torch.zeros(B, S, dtype=torch.int64)
+    for b, n in enumerate((4, 6)):
+        mask[b, S - n:] = 1
+        for s_ in range(S - n, S - 1):
+            for h in (1, 2):
+                routed[b, s_, h] = torch.randperm(E, generator=g)[:K].to(torch.int16)
+    tables, rep = routes.from_verl(routed, mask, num_experts=E, first_k_dense=1)
+    packed, cu, cu_padded = routes.pack_thd(tables, tp_size=4, num_experts=E)
+    T = packed.shape[0]
+    x = torch.randn(T, 1, H, generator=g)
+    with sym.patched():
+        keys = sym.attach_replay(model)
+        sym.set_replay_targets(model, routes.layer_targets(packed, rep["moe_layers"], keys),
+                               num_tokens=T)
+        sym.set_replay_action(model, "replay_forward")
+        with torch.no_grad():
+            res["maps"] = {n: model[i].router(x)[1] for i, n in enumerate((2, 3))}
+        res["counts"] = {k: vars(v) for k, v in sym.replay_counts(model).items()}
+    res["packed"], res["moe_layers"] = packed, list(rep["moe_layers"])
+    res["cu"], res["cu_padded"] = list(cu), list(cu_padded)
+
+
 CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
 
 

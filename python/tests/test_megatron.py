@@ -45,7 +45,8 @@ def _run(cases, world, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ep2(tmp_path_factory):
-    return _run(["seed", "fused", "mtp", "recompute", "bad", "engine"], 2, tmp_path_factory)
+    return _run(["seed", "fused", "mtp", "recompute", "bad", "engine", "datapath"], 2,
+                tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -236,6 +237,25 @@ def test_bad_replay_queues_nothing_and_native_rows_are_counted(ep2):
         assert r["native_counts"] == {"calls": 1, "tokens": 12, "replayed": 11, "merged": 0,
                                       "native": 1, "invalid": 0}
         assert "the replay tensor has 5 tokens, the router got 12" in r["err_forward_tokens"]
+
+
+# ---- the rollout data path into the model ------------------------------------------------------
+def test_verl_routes_replay_into_the_layers_they_belong_to(ep2):
+    for rank in ep2:
+        r = rank["datapath"]
+        packed = r["packed"]
+        assert r["moe_layers"] == [1, 2]
+        assert r["cu"] == [0, 4, 10]  # sequences of 4 and 6 real tokens
+        T = r["cu_padded"][-1]  # padded to Megatron's THD alignment for tp_size 4
+        num_none = (T - 10) + 2  # alignment padding, and each sequence's unrouted last token
+        for col, key in enumerate((2, 3)):
+            ids = packed[:, col, :]
+            none = (ids < 0).all(dim=1)
+            assert int(none.sum()) == num_none and ids.shape[0] == T
+            assert r["counts"][key] == {"calls": 1, "tokens": T, "replayed": T - num_none,
+                                        "merged": 0, "native": num_none, "invalid": 0}
+            assert torch.equal(r["maps"][key][~none], _map(ids[~none]))
+            assert bool((r["maps"][key][none].sum(dim=1) == K).all())
 
 
 # ---- engine="cpu" --------------------------------------------------------------------------
