@@ -238,6 +238,18 @@ def case_recompute(rank, world, res):
         res["router_calls"] = len(seen)
         res["maps"] = seen[1:]  # [training forward under checkpoint, recompute in backward]
         res["rc_total"] = vars(sym.replay_counts(rc, total=True)[1])
+        # Checkpointed forwards whose backward never comes hit the bound, with a clear error.
+        sym.detach_replay(rc)
+        sym.attach_replay(rc, repeated_ids="merge", max_pending_backward=2)
+        sym.set_replay_action(rc, "replay_forward")
+        errs = []
+        for _ in range(3):
+            sym.set_replay_targets(rc, {1: ids})
+            errs.append(_err(lambda: rc(x.clone().requires_grad_(True))))
+        res["bound_errors"] = errs
+        res["pending_at_bound"] = sym.replays(rc)[1].num_pending_backward
+        sym.clear_replay(rc)
+        res["pending_after_clear"] = sym.replays(rc)[1].num_pending_backward
     res["ids"] = ids
 
 
@@ -276,6 +288,14 @@ def case_bad(rank, world, res):
         # A replay tensor whose token count differs from the router's (no num_tokens given).
         sym.set_replay_targets(layer, {1: good[:5]})
         res["err_forward_tokens"] = _err(lambda: layer.router(x))
+        # repeated_ids="native": invalid rows are routed natively and counted as invalid.
+        sym.clear_replay(layer)
+        sym.attach_replay(layer, repeated_ids="native")
+        sym.set_replay_action(layer, "replay_forward")
+        sym.set_replay_targets(layer, {1: bad["repeat"]}, group=w)
+        _, rm = layer.router(x)
+        res["invalid_native_counts"] = vars(sym.replay_counts(layer)[1])
+        res["invalid_native_map"], res["repeat_ids"] = rm, bad["repeat"]
 
 
 def case_engine(rank, world, res):

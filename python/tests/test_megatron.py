@@ -114,6 +114,7 @@ def test_apply_reports_and_remove_restores():
     with sym.patched() as report:
         assert sym.is_applied()
         assert report.version.startswith("0.")
+        assert report.tested == any(report.version.startswith(v) for v in sym.TESTED_VERSIONS)
         names = [t for t, _ in report.patched]
         for want in ("MoEAlltoAllTokenDispatcher.preprocess", "TopKRouter.routing",
                      "TopKRouter.forward", "_DeepepManager.setup_metadata",
@@ -126,6 +127,12 @@ def test_apply_reports_and_remove_restores():
     after = (td.MoEAlltoAllTokenDispatcher.preprocess, router.TopKRouter.routing,
              td._DeepepManager.setup_metadata, moe_layer.MoELayer.route)
     assert after == before
+
+
+def test_apply_twice_with_another_engine_is_an_error():
+    with sym.patched():
+        with pytest.raises(ValueError, match=r"already applied with engine=None"):
+            sym.apply(engine="cpu")
 
 
 def test_attach_replay_needs_apply():
@@ -212,6 +219,15 @@ def test_replay_recompute_reuses_ids(ep2):
         torch.testing.assert_close(r["rc_grad"], r["plain_grad"], atol=0, rtol=0)
 
 
+def test_replay_backward_queue_is_bounded(ep2):
+    for rank in ep2:
+        r = rank["recompute"]
+        assert r["bound_errors"][:2] == [None, None]
+        assert "2 checkpointed forwards are waiting for their backward (max_pending_backward=2)" \
+            in r["bound_errors"][2]
+        assert r["pending_at_bound"] == 2 and r["pending_after_clear"] == 0
+
+
 @pytest.mark.parametrize("by_world", [2, 4], indirect=True)
 @pytest.mark.parametrize("name,message", [
     ("repeat", "token 3: topk_idx row [0, 0] repeats expert 0"),
@@ -237,6 +253,14 @@ def test_bad_replay_queues_nothing_and_native_rows_are_counted(ep2):
         assert r["native_counts"] == {"calls": 1, "tokens": 12, "replayed": 11, "merged": 0,
                                       "native": 1, "invalid": 0}
         assert "the replay tensor has 5 tokens, the router got 12" in r["err_forward_tokens"]
+        # repeated_ids="native": row 3 ([0, 0]) routed natively and counted as invalid.
+        assert r["invalid_native_counts"] == {"calls": 1, "tokens": 12, "replayed": 11,
+                                              "merged": 0, "native": 1, "invalid": 1}
+        ids = r["repeat_ids"]
+        keep = torch.ones(12, dtype=torch.bool)
+        keep[3] = False
+        assert torch.equal(r["invalid_native_map"][keep], _map(ids[keep]))
+        assert int(r["invalid_native_map"][3].sum()) == K  # routed natively: K experts
 
 
 # ---- the rollout data path into the model ------------------------------------------------------

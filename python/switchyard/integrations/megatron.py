@@ -78,16 +78,19 @@ def _megatron_version():
 
 @dataclasses.dataclass
 class PatchReport:
-    """What ``apply()`` patched: ``version`` of megatron-core, ``patched`` as a list of
-    (``"module.Class.method"``, why) and ``skipped`` (targets this version lacks, with why)."""
+    """What ``apply()`` patched: ``version`` of megatron-core (``tested``: one of
+    TESTED_VERSIONS), ``patched`` as a list of (``"module.Class.method"``, why) and ``skipped``
+    (targets this version lacks, with why)."""
     version: str
     patched: list
     skipped: list
     engine: str
+    tested: bool = False
 
     def __str__(self):
         lines = [f"switchyard.integrations.megatron on megatron-core {self.version} "
-                 f"(engine={self.engine!r}):"]
+                 f"({'tested' if self.tested else 'supported, not tested'}; "
+                 f"engine={self.engine!r}):"]
         lines += [f"  patched {t}: {w}" for t, w in self.patched]
         lines += [f"  skipped {t}: {w}" for t, w in self.skipped]
         return "\n".join(lines)
@@ -126,7 +129,8 @@ def apply(*, engine=None):
         raise RuntimeError(f"[megatron.apply] megatron-core must be >= 0.16, got {ver_str}")
     from megatron.core.transformer.moe import moe_layer, router, token_dispatcher as td
 
-    report = PatchReport(version=ver_str, patched=[], skipped=[], engine=engine)
+    report = PatchReport(version=ver_str, patched=[], skipped=[], engine=engine,
+                         tested=".".join(map(str, ver)) in TESTED_VERSIONS)
     try:
         _patch(td.MoEAlltoAllTokenDispatcher, "preprocess", _make_a2a_preprocess, report,
                "dropless output size from the routing map's pair count (was T*topk)")
