@@ -112,15 +112,22 @@ def case_seed(rank, world, res):
     _megatron_replay([layer, ref], [ids, ids])
     res["unpatched_error"] = _err(lambda: layer(x))
     dist.barrier(w)
+    # Fresh layers for switchyard's replay (Megatron's replay off), same weights. Megatron's
+    # dispatcher keeps the earliest sync point it ever needed, so a native forward first fixes
+    # the point this layout needs; the patched replay must not move it.
+    layer_sy, ref_sy = _layer(_config(world), pg_ep), _layer(_config(1), pg_one)
+    with torch.no_grad():
+        layer_sy(x)
+    res["native_sync_point"] = layer_sy.token_dispatcher.cuda_sync_point
     res["report"] = str(sym.apply())
     try:
         _megatron_replay([layer, ref], [ids, ids])
         res["patched_out"], res["patched_grad"] = _fwd_bwd(layer, x)
+        res["patched_sync_point"] = layer.token_dispatcher.cuda_sync_point
         _megatron_replay([layer, ref], [ids, ids])
         res["ref_out"], res["ref_grad"] = _fwd_bwd(ref, x)
-        # switchyard's replay on the same layers: merged zero rows, host-known pair count.
-        RouterReplay.global_router_replay_instances.clear()
-        layer.router.router_replay = ref.router.router_replay = None
+        # switchyard's replay: merged zero rows, host-known pair count.
+        layer, ref = layer_sy, ref_sy
         for m in (layer, ref):
             sym.attach_replay(m, repeated_ids="merge")
             sym.set_replay_targets(m, {1: ids}, num_tokens=ids.shape[0])
@@ -129,6 +136,7 @@ def case_seed(rank, world, res):
         res["sy_ref_out"], res["sy_ref_grad"] = _fwd_bwd(ref, x)
         res["sy_counts"] = vars(sym.replay_counts(layer)[1])
         res["sy_num_out_tokens"] = int(layer.token_dispatcher.num_out_tokens)
+        res["sy_sync_point"] = layer.token_dispatcher.cuda_sync_point
         sym.set_replay_targets(layer, {1: ids})
         probs, routing_map = layer.router(x)
         res["sy_probs"], res["sy_map"] = probs.detach(), routing_map
@@ -203,6 +211,16 @@ def case_mtp(rank, world, res):
         res["sy_mtp_map"] = mtp.router(x)[1]
         res["sy_counts"] = {str(k): vars(v) for k, v in sym.replay_counts(model).items()}
         res["bad_key"] = _err(lambda: sym.set_replay_targets(model, {3: a}))
+        # Virtual pipeline chunks (a list of modules) keep the same keys.
+        sym.detach_replay(model)
+        chunks = [torch.nn.ModuleList([l1]), torch.nn.ModuleList([l2, mtp])]
+        res["vpp_keys"] = sorted(map(str, sym.attach_replay(chunks)))
+        sym.set_replay_targets(chunks, {2: b})
+        sym.set_replay_action(chunks, "replay_forward", keys=[2])
+        res["vpp_l2_map"] = l2.router(x)[1]
+        # Two routers claiming one key (a model built twice into one container) is an error.
+        dup = torch.nn.ModuleList([l1, _layer(cfg, pg_ep, layer_number=1)])
+        res["dup_key"] = _err(lambda: sym.attach_replay(dup))
     res["a"], res["b"] = a, b
 
 

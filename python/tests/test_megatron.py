@@ -87,6 +87,8 @@ def test_seed_patched_step_runs_and_equals_ep1(by_world):
         r = rank["seed"]
         torch.testing.assert_close(r["patched_out"], r["ref_out"], atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(r["patched_grad"], r["ref_grad"], atol=ATOL, rtol=RTOL)
+        # Megatron's own replay: the size rides the split-size copy, synced before permute 1.
+        assert r["patched_sync_point"] == "before_permutation_1"
 
 
 @pytest.mark.parametrize("by_world", [1, 2, 4], indirect=True)
@@ -96,6 +98,7 @@ def test_switchyard_replay_merges_repeated_ids_with_summed_weight(by_world):
         assert r["sy_counts"] == {"calls": 1, "tokens": 12, "replayed": 12, "merged": 3,
                                   "native": 0, "invalid": 0}
         assert r["sy_num_out_tokens"] == 12 * K - 3  # host-known pair count reached the dispatcher
+        assert r["sy_sync_point"] == r["native_sync_point"]  # and no sync point moved
         torch.testing.assert_close(r["sy_out"], r["sy_ref_out"], atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(r["sy_grad"], r["sy_ref_grad"], atol=ATOL, rtol=RTOL)
         ids = r["ids"]
@@ -202,6 +205,9 @@ def test_mtp_layers_do_not_shift_replay(ep2):
         assert r["sy_counts"]["('mtp', 1)"]["native"] == 12
         assert r["sy_counts"]["2"]["replayed"] == 12
         assert "no attached router has the key 3" in r["bad_key"]
+        assert r["vpp_keys"] == r["keys"]
+        assert torch.equal(r["vpp_l2_map"], _map(r["b"]))
+        assert "two routers have the key 1" in r["dup_key"]
 
 
 def test_replay_recompute_reuses_ids(ep2):

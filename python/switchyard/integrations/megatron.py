@@ -20,10 +20,12 @@ by ``remove()``):
   that repeats an id, e.g. a zero-filled padding row): the all-to-all then fails with "Split sizes
   doesn't match total dim 0 size" (and since core 0.17 the unfused permute truncates to that
   size). Patched, the size is the routing map's pair count: a host integer when the patched
-  router knows it (its replay ids were validated on the host: no synchronisation at all), else
-  the sum of the per-expert counts Megatron already copies to the host for the split sizes, in
-  the same device-to-host batch (Megatron's own path for capacity / quantisation padding; the
-  one synchronisation then happens before permutation 1 instead of before the all-to-all).
+  router knows it (its replay ids were validated on the host: no synchronisation at all), else,
+  with Megatron's own replay enabled (``moe_enable_routing_replay``), the sum of the per-expert
+  counts Megatron already copies to the host for the split sizes, in the same device-to-host
+  batch (Megatron's own path for capacity / quantisation padding; the one synchronisation then
+  happens before permutation 1 instead of before the all-to-all). Native routing keeps
+  Megatron's static size (exact there).
   Capacity and drop-and-pad keep Megatron's code unchanged.
 * ``_DeepepManager.setup_metadata`` / ``_NCCLEPManager.setup_metadata``: the (index, weight)
   metadata is rebuilt from the routing map instead of ``topk(probs)``, so a row with fewer than
@@ -203,6 +205,8 @@ def _make_a2a_preprocess(orig):
             # Host integer from the patched router: no device-to-host copy, no sync point moved.
             self.num_out_tokens = int(num_pairs)
             return out
+        if not getattr(cfg, "moe_enable_routing_replay", False):
+            return out  # native top-k: K distinct experts per row, T*topk is exact
         if self.cuda_dtoh_point != "before_permutation_1":
             raise RuntimeError(
                 "[megatron.dispatch] the dropless all-to-all needs the routing map's pair count "
