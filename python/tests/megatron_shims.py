@@ -59,6 +59,11 @@ def install():
     # (the CPU RNG state is still saved and restored by Megatron's own code).
     tp_random._get_cuda_rng_state = lambda *a, **k: None
     tp_random._set_cuda_rng_state = lambda *a, **k: None
+    # The CUDA RNG tracker's add() reads the CUDA RNG state to store it: on CPU a CPU state tensor
+    # stands in as the stored value (these tests run with dropout 0, so nothing draws from it).
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    # parallel_state.initialize_model_parallel synchronises the device after building groups.
+    torch.cuda.synchronize = lambda device=None: None
 
 
 def install_fused_router_stand_in():

@@ -383,6 +383,68 @@ def case_datapath(rank, world, res):
     res["cu"], res["cu_padded"] = list(cu), list(cu_padded)
 
 
+def case_block(rank, world, res):
+    """A real TransformerBlock (attention, a dense first layer, two MoE layers) with
+    recompute_granularity='full': verl routes via from_verl/layer_targets replay in the layers
+    they belong to (keys from TransformerLayer's own layer numbers), the recompute inside
+    backward reuses the same ids, and output and gradients equal the block without recompute."""
+    import switchyard.integrations.megatron as sym
+    import switchyard.routes as routes
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    tensor_parallel.get_cuda_rng_tracker().add("model-parallel-rng", 1234)
+    try:
+        pg = ProcessGroupCollection.use_mpu_process_groups()
+        common = dict(num_layers=3, moe_layer_freq=[0, 1, 1], attention_dropout=0.0,
+                      hidden_dropout=0.0)
+        blocks = {}
+        for name, kw in (("plain", {}), ("full", dict(recompute_granularity="full",
+                                                      recompute_method="uniform",
+                                                      recompute_num_layers=1))):
+            cfg = _config(world, **common, **kw)
+            torch.manual_seed(5)
+            blocks[name] = TransformerBlock(cfg, get_gpt_decoder_block_spec(
+                cfg, use_transformer_engine=False), pg_collection=pg)
+        blocks["full"].load_state_dict(blocks["plain"].state_dict())
+        S, L = 12, 3
+        g = torch.Generator().manual_seed(70 + rank)
+        routed = torch.zeros(1, S, L, K, dtype=torch.int16)
+        for s_ in range(S - 1):  # the last token was never routed: zeros
+            for h in (1, 2):
+                routed[0, s_, h] = torch.randperm(E, generator=g)[:K].to(torch.int16)
+        tables, rep = routes.from_verl(routed, torch.ones(1, S, dtype=torch.bool), num_experts=E, first_k_dense=1)
+        x = torch.randn(S, 1, H, generator=g)
+        am = torch.triu(torch.ones(1, 1, S, S), diagonal=1).bool()
+        with sym.patched():
+            for name, blk in blocks.items():
+                keys = sym.attach_replay(blk)
+                res[f"{name}_keys"] = sorted(keys)
+                seen = res[f"{name}_maps"] = {k: [] for k in keys}
+                for layer in blk.layers:
+                    if hasattr(layer.mlp, "router"):
+                        n = layer.mlp.router.layer_number
+                        layer.mlp.router.register_forward_hook(
+                            lambda m, i, o, n=n, seen=seen: seen[n].append(o[1].clone()))
+                sym.set_replay_targets(blk, routes.layer_targets(tables[0], rep["moe_layers"],
+                                                                 keys), num_tokens=S)
+                sym.set_replay_action(blk, "replay_forward")
+                blk.train()
+                xi = x.clone().requires_grad_(True)
+                out = blk(xi, attention_mask=am)
+                out.sum().backward()
+                res[f"{name}_out"], res[f"{name}_grad"] = out.detach(), xi.grad
+                res[f"{name}_pending"] = {k: r.num_pending_backward
+                                          for k, r in sym.replays(blk).items()}
+                res[f"{name}_counts"] = {k: vars(c) for k, c in
+                                         sym.replay_counts(blk, total=True).items()}
+        res["table"], res["moe_layers"] = tables[0], list(rep["moe_layers"])
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
 
 

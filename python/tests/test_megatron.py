@@ -45,7 +45,7 @@ def _run(cases, world, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ep2(tmp_path_factory):
-    return _run(["seed", "fused", "mtp", "recompute", "bad", "engine", "datapath"], 2,
+    return _run(["seed", "fused", "mtp", "recompute", "bad", "engine", "datapath", "block"], 2,
                 tmp_path_factory)
 
 
@@ -111,9 +111,10 @@ def test_switchyard_replay_merges_repeated_ids_with_summed_weight(by_world):
 
 
 def test_apply_reports_and_remove_restores():
+    import megatron.core.tensor_parallel as tp
     from megatron.core.transformer.moe import moe_layer, router, token_dispatcher as td
     before = (td.MoEAlltoAllTokenDispatcher.preprocess, router.TopKRouter.routing,
-              td._DeepepManager.setup_metadata, moe_layer.MoELayer.route)
+              td._DeepepManager.setup_metadata, moe_layer.MoELayer.route, tp.checkpoint)
     with sym.patched() as report:
         assert sym.is_applied()
         assert report.version.startswith("0.")
@@ -121,14 +122,15 @@ def test_apply_reports_and_remove_restores():
         names = [t for t, _ in report.patched]
         for want in ("MoEAlltoAllTokenDispatcher.preprocess", "TopKRouter.routing",
                      "TopKRouter.forward", "_DeepepManager.setup_metadata",
-                     "_NCCLEPManager.setup_metadata", "MoELayer.route"):
+                     "_NCCLEPManager.setup_metadata", "MoELayer.route",
+                     "megatron.core.tensor_parallel.checkpoint"):
             assert any(n.endswith(want) for n in names), (want, names)
         assert sym.apply() is report  # idempotent
         assert td.MoEAlltoAllTokenDispatcher.preprocess is not before[0]
         assert "MoEAlltoAllTokenDispatcher.preprocess" in str(report)
     assert not sym.is_applied()
     after = (td.MoEAlltoAllTokenDispatcher.preprocess, router.TopKRouter.routing,
-             td._DeepepManager.setup_metadata, moe_layer.MoELayer.route)
+             td._DeepepManager.setup_metadata, moe_layer.MoELayer.route, tp.checkpoint)
     assert after == before
 
 
@@ -286,6 +288,28 @@ def test_verl_routes_replay_into_the_layers_they_belong_to(ep2):
                                         "merged": 0, "native": num_none, "invalid": 0}
             assert torch.equal(r["maps"][key][~none], _map(ids[~none]))
             assert bool((r["maps"][key][none].sum(dim=1) == K).all())
+
+
+def test_transformer_block_full_recompute_replays_verl_routes_by_layer_number(ep2):
+    for rank in ep2:
+        r = rank["block"]
+        assert r["moe_layers"] == [1, 2]
+        for name in ("plain", "full"):
+            assert r[f"{name}_keys"] == [2, 3]  # TransformerLayer numbers; layer 1 is dense
+            assert r[f"{name}_pending"] == {2: 0, 3: 0}
+        for col, key in enumerate((2, 3)):
+            ids = r["table"][:, col, :]
+            routed = ~(ids < 0).all(dim=1)
+            assert int(routed.sum()) == 11  # the last token had no route: native, counted
+            plain, full = r["plain_maps"][key], r["full_maps"][key]
+            assert len(plain) == 1 and len(full) == 2  # checkpointed forward + recompute
+            assert torch.equal(full[0], full[1])
+            assert torch.equal(full[0], plain[0])
+            assert torch.equal(plain[0][routed], _map(ids[routed]))
+            assert r["full_counts"][key] == {"calls": 2, "tokens": 24, "replayed": 22,
+                                             "merged": 0, "native": 2, "invalid": 0}
+        torch.testing.assert_close(r["full_out"], r["plain_out"], atol=0, rtol=0)
+        torch.testing.assert_close(r["full_grad"], r["plain_grad"], atol=0, rtol=0)
 
 
 # ---- engine="cpu" --------------------------------------------------------------------------

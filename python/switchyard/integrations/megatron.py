@@ -38,6 +38,7 @@ by ``remove()``):
   replayed ids, activation-checkpoint recompute inside backward reusing the forward's ids
   (bounded queue; forward-only passes queue nothing), aux loss on the routes used.
 * ``MoELayer.route``: hands the router's host-known pair count to the dispatcher.
+* ``tensor_parallel.checkpoint``: notes whether a backward (so a recompute) will follow the call.
 
 On CUDA tensors everything above is Megatron's math plus these fixes. ``apply(engine="cpu")``
 additionally runs, for attached routers on CPU tensors, switchyard's FP32 batch-invariant gate
@@ -109,7 +110,9 @@ def _patch(owner, name, make, report, why):
     orig = owner.__dict__[name]
     setattr(owner, name, make(orig))
     _STATE["originals"].append((owner, name, orig))
-    report.patched.append((f"{owner.__module__}.{owner.__qualname__}.{name}", why))
+    where = owner.__name__ if isinstance(owner, type(contextlib)) else \
+        f"{owner.__module__}.{owner.__qualname__}"
+    report.patched.append((f"{where}.{name}", why))
 
 
 def apply(*, engine=None):
@@ -150,6 +153,9 @@ def apply(*, engine=None):
                "validated, keyed replay and record on every router path (attached routers only)")
         _patch(moe_layer.MoELayer, "route", _make_layer_route, report,
                "hands the router's host-known pair count to the dispatcher")
+        import megatron.core.tensor_parallel as tensor_parallel
+        _patch(tensor_parallel, "checkpoint", _make_checkpoint, report,
+               "notes whether a recompute will follow, so replay queues ids only then")
         if engine == "cpu":
             _patch(router.Router, "gating", _make_engine_gating, report,
                    "CPU tensors: switchyard's FP32 batch-invariant gate (attached routers only)")
@@ -356,6 +362,36 @@ def _in_backward():
     return torch._C._current_graph_task_id() != -1
 
 
+# One entry per active call of Megatron's tensor_parallel.checkpoint: whether a backward (and so
+# a recompute) will follow it (grad enabled at the call, an input that requires grad, no CUDA-graph
+# capture, where Megatron runs the function without checkpointing).
+_CKPT_STACK = []
+
+
+def _will_recompute():
+    return any(_CKPT_STACK)
+
+
+def _make_checkpoint(orig):
+    @functools.wraps(orig)
+    def checkpoint(function, distribute_saved_activations, *args):
+        will = torch.is_grad_enabled() and any(torch.is_tensor(a) and a.requires_grad
+                                               for a in args)
+        if will:
+            try:
+                from megatron.core.transformer.cuda_graphs import (is_graph_capturing,
+                                                                   is_graph_warmup)
+                will = not (is_graph_warmup() or is_graph_capturing())
+            except ImportError:
+                pass
+        _CKPT_STACK.append(will)
+        try:
+            return orig(function, distribute_saved_activations, *args)
+        finally:
+            _CKPT_STACK.pop()
+    return checkpoint
+
+
 def _ids_for_forward(st, T):
     """The _Target this forward replays (None: route natively) and whether to queue it."""
     action = st.replay.action
@@ -369,6 +405,9 @@ def _ids_for_forward(st, T):
                              "checkpointing is not supported)")
         tgt = st.pending.popleft()
         st.replay.replay_backward(T)  # the engine's FIFO: checks T against the queued table
+        if _will_recompute():  # a checkpoint nested in the one being recomputed: queue again
+            st.replay.replay_forward(tgt.ids)
+            st.pending.append(tgt)
         return tgt
     if st.targets:
         tgt = st.targets.popleft()
@@ -380,10 +419,13 @@ def _ids_for_forward(st, T):
     if tgt.ids.shape[0] != T:
         raise ValueError(f"[megatron.replay] {st.label()}: the replay tensor has "
                          f"{tgt.ids.shape[0]} tokens, the router got {T}")
-    # Queue for the backward recompute only when one will come: Megatron's checkpoint runs the
-    # first forward under no_grad with inputs that require grad. Forward-only passes (no_grad,
-    # inputs without grad) and forwards that keep their graph queue nothing.
-    if st.input_requires_grad and not torch.is_grad_enabled():
+    # Queue for the backward recompute only when one will come: inside a call of Megatron's
+    # tensor_parallel.checkpoint (full and selective recompute) that a backward will follow, or,
+    # outside it, a forward under no_grad whose inputs require grad (another reentrant
+    # checkpoint, e.g. Transformer Engine's). Forward-only passes, also through a checkpoint under
+    # no_grad, and forwards that keep their graph queue nothing.
+    if _will_recompute() if _CKPT_STACK else \
+            (st.input_requires_grad and not torch.is_grad_enabled()):
         if len(st.pending) >= st.max_pending_backward:
             raise ValueError(f"[megatron.replay] {st.label()}: {len(st.pending)} checkpointed "
                              f"forwards are waiting for their backward (max_pending_backward="
