@@ -393,7 +393,8 @@ def _make_checkpoint(orig):
 
 
 def _ids_for_forward(st, T):
-    """The _Target this forward replays (None: route natively) and whether to queue it."""
+    """The _Target this forward replays (None: route natively); queues it for the backward
+    recompute when one will follow, pops it when this forward is that recompute."""
     action = st.replay.action
     if action in (None, "record"):
         return None
@@ -403,8 +404,8 @@ def _ids_for_forward(st, T):
             raise ValueError(f"[megatron.replay] {st.label()}: a recompute inside backward found "
                              "no ids queued by a checkpointed replay_forward (non-reentrant "
                              "checkpointing is not supported)")
-        tgt = st.pending.popleft()
         st.replay.replay_backward(T)  # the engine's FIFO: checks T against the queued table
+        tgt = st.pending.popleft()
         if _will_recompute():  # a checkpoint nested in the one being recomputed: queue again
             st.replay.replay_forward(tgt.ids)
             st.pending.append(tgt)
@@ -424,8 +425,11 @@ def _ids_for_forward(st, T):
     # outside it, a forward under no_grad whose inputs require grad (another reentrant
     # checkpoint, e.g. Transformer Engine's). Forward-only passes, also through a checkpoint under
     # no_grad, and forwards that keep their graph queue nothing.
-    if _will_recompute() if _CKPT_STACK else \
-            (st.input_requires_grad and not torch.is_grad_enabled()):
+    if _CKPT_STACK:
+        will = _will_recompute()
+    else:
+        will = st.input_requires_grad and not torch.is_grad_enabled()
+    if will:
         if len(st.pending) >= st.max_pending_backward:
             raise ValueError(f"[megatron.replay] {st.label()}: {len(st.pending)} checkpointed "
                              f"forwards are waiting for their backward (max_pending_backward="
