@@ -1,6 +1,9 @@
 // Router gate benchmark: Qwen3-30B-A3B's gate (T=4096 tokens, H=2048, E=128), bf16 x and W, fp32
 // router, forward and backward, against OpenBLAS sgemm of the same shapes and a large square sgemm
-// (the machine's sgemm peak) measured in the same run. Arguments: threads (1, 2).
+// (the machine's sgemm peak) measured in the same run. Arguments: threads (1, 2); the backward
+// rows also run a DeepSeek-V3-like gate (H=7168, E=256) at T=1024 tokens, scaled to fit the
+// machine. The context lines name the CPU model, the kernel ISA and OpenBLAS's kernel core (its
+// sgemm is the ceiling: `OPENBLAS_CORETYPE=Haswell` measures the AVX2 ceiling on an AVX-512 CPU).
 //
 //   ./build/bench/bench_gate --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
@@ -9,10 +12,13 @@
 #include <algorithm>
 #include <chrono>
 #include <ctime>
+#include <fstream>
 #include <map>
+#include <string>
 #include <random>
 #include <vector>
 
+#include "switchyard/cpu.h"
 #include "switchyard/gate.h"
 #include "testing.h"
 
@@ -23,6 +29,21 @@ using sy::Tensor;
 namespace {
 
 constexpr int64_t kT = 4096, kH = 2048, kE = 128;  // Qwen3-30B-A3B gate
+
+extern "C" char* openblas_get_corename(void);
+
+// "model name" from /proc/cpuinfo (what lscpu prints), or "unknown".
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
+    }
+  }
+  return "unknown";
+}
 
 void set_threads(int n) {
   sy::set_num_threads(n);
@@ -110,10 +131,10 @@ struct Inputs {
   Tensor x, w, g;
 };
 
-Inputs make_inputs(DType xw) {
+Inputs make_inputs(DType xw, int64_t T = kT, int64_t H = kH, int64_t E = kE) {
   std::mt19937_64 rng(7);
-  return {sy::testing::randn({kT, kH}, xw, rng), sy::testing::randn({kE, kH}, xw, rng, 0.02),
-          sy::testing::randn({kT, kE}, DType::fp32, rng)};
+  return {sy::testing::randn({T, H}, xw, rng), sy::testing::randn({E, H}, xw, rng, 0.02),
+          sy::testing::randn({T, E}, DType::fp32, rng)};
 }
 
 // Runs `body` once untimed, then times it per iteration on `threads` threads (the sgemm peak is
@@ -142,13 +163,18 @@ void BM_GateForward(benchmark::State& state, DType xw, DType router) {
   });
 }
 
+// Arguments of the backward rows: tokens, hidden, experts, threads.
 void BM_GateBackward(benchmark::State& state) {
-  const Inputs in = make_inputs(DType::bf16);
+  const int64_t T = state.range(0), H = state.range(1), E = state.range(2);
+  const Inputs in = make_inputs(DType::bf16, T, H, E);
   // grad_x and grad_weight
-  timed(state, static_cast<int>(state.range(0)), 4.0 * kT * kH * kE, [&] {
-    benchmark::DoNotOptimize(
-        sy::router_gating_linear_backward(in.g, in.x, in.w, Tensor()).grad_x.raw());
-  });
+  timed(
+      state, static_cast<int>(state.range(3)), 4.0 * T * H * E,
+      [&] {
+        benchmark::DoNotOptimize(
+            sy::router_gating_linear_backward(in.g, in.x, in.w, Tensor()).grad_x.raw());
+      },
+      T);
 }
 
 // Peer: OpenBLAS sgemm on fp32 copies, logits[T,E] = x[T,H]·W[E,H]ᵀ (what the gate computes,
@@ -165,16 +191,21 @@ void BM_SgemmForwardShape(benchmark::State& state) {
 
 // Peer: the backward's two sgemms, grad_x[T,H] = G[T,E]·W[E,H] and grad_w[E,H] = G[T,E]ᵀ·x[T,H].
 void BM_SgemmBackwardShapes(benchmark::State& state) {
-  const Inputs in = make_inputs(DType::fp32);
-  std::vector<float> gx(kT * kH), gw(kE * kH);
-  timed(state, static_cast<int>(state.range(0)), 4.0 * kT * kH * kE, [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, kT, kH, kE, 1.0f, in.g.data<float>(), kE,
-                in.w.data<float>(), kH, 0.0f, gx.data(), kH);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kE, kH, kT, 1.0f, in.g.data<float>(), kE,
-                in.x.data<float>(), kH, 0.0f, gw.data(), kH);
-    benchmark::DoNotOptimize(gx.data());
-    benchmark::DoNotOptimize(gw.data());
-  });
+  const int T = static_cast<int>(state.range(0)), H = static_cast<int>(state.range(1)),
+            E = static_cast<int>(state.range(2));
+  const Inputs in = make_inputs(DType::fp32, T, H, E);
+  std::vector<float> gx(static_cast<size_t>(T) * H), gw(static_cast<size_t>(E) * H);
+  timed(
+      state, static_cast<int>(state.range(3)), 4.0 * T * H * E,
+      [&] {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, H, E, 1.0f, in.g.data<float>(),
+                    E, in.w.data<float>(), H, 0.0f, gx.data(), H);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, E, H, T, 1.0f, in.g.data<float>(), E,
+                    in.x.data<float>(), H, 0.0f, gw.data(), H);
+        benchmark::DoNotOptimize(gx.data());
+        benchmark::DoNotOptimize(gw.data());
+      },
+      T);
 }
 
 // Fewer tokens (a rollout micro-batch, decode): the per-call W packing (E·H conversions) and the
@@ -226,6 +257,15 @@ void thread_args(benchmark::internal::Benchmark* b) {
   b->ArgName("threads")->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 
+// Qwen3-30B-A3B (T 4096, H 2048, E 128) and DeepSeek-V3-like (H 7168, E 256, T 1024 to fit).
+void backward_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"T", "H", "E", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
+  for (int threads : {1, 2}) {
+    b->Args({kT, kH, kE, threads});
+    b->Args({1024, 7168, 256, threads});
+  }
+}
+
 }  // namespace
 
 BENCHMARK(BM_SgemmPeakSquare)->Apply(thread_args);
@@ -233,9 +273,18 @@ BENCHMARK_CAPTURE(BM_GateForward, bf16_fp32router, DType::bf16, DType::fp32)->Ap
 BENCHMARK_CAPTURE(BM_GateForward, fp32_fp32router, DType::fp32, DType::fp32)->Apply(thread_args);
 BENCHMARK_CAPTURE(BM_GateForward, bf16_fp64router, DType::bf16, DType::fp64)->Apply(thread_args);
 BENCHMARK(BM_SgemmForwardShape)->Apply(thread_args);
-BENCHMARK(BM_GateBackward)->Apply(thread_args);
-BENCHMARK(BM_SgemmBackwardShapes)->Apply(thread_args);
+BENCHMARK(BM_GateBackward)->Apply(backward_args);
+BENCHMARK(BM_SgemmBackwardShapes)->Apply(backward_args);
 BENCHMARK(BM_GateForwardTokens)->Apply(token_args);
 BENCHMARK(BM_SgemmForwardTokens)->Apply(token_args);
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("cpu_model", cpu_model());
+  benchmark::AddCustomContext("kernel_isa", sy::cpu_isa_name(sy::cpu_isa()));
+  benchmark::AddCustomContext("openblas_core", openblas_get_corename());
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
