@@ -356,6 +356,51 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
 
 // ---- backward -----------------------------------------------------------------------------
 
+// dst[0:n] = from_acc(src[0:n]). The AVX2 fp32 -> bf16 rounding is float_to_bf16 lane by lane
+// (round to nearest even on the bits, NaN kept quiet with its sign), so both variants store the
+// same bytes; the scalar conversion was a third of grad_x's time at bf16.
+template <class Out, class Acc>
+inline void store_row(Out* dst, const Acc* src, int64_t n) {
+  int64_t j = 0;
+#ifdef SY_GATE_AVX2
+  if constexpr (std::is_same_v<Out, bf16> && std::is_same_v<Acc, float>) {
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    const __m256i quiet = _mm256_set1_epi32(0x0040);
+    auto round8 = [&](const float* p) {
+      const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(p));
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), lsb), 16);
+      const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+      const __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
+      return _mm256_blendv_epi8(r, q, nan);
+    };
+    for (; j + 16 <= n; j += 16) {
+      const __m256i packed = _mm256_packus_epi32(round8(src + j), round8(src + j + 8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                          _mm256_permute4x64_epi64(packed, 0xD8));
+    }
+  }
+#endif
+  for (; j < n; ++j) dst[j] = from_acc<Out>(src[j]);
+}
+
+// dst[0:NR] = src[0:NR] as Acc (exact), for a full panel row.
+template <class Acc, class XT>
+inline void load_row(Acc* dst, const XT* src) {
+  constexpr int NR = kNR<Acc>;
+#ifdef SY_GATE_AVX2
+  if constexpr (std::is_same_v<Acc, float> && (std::is_same_v<XT, bf16> ||
+                                               std::is_same_v<XT, float>)) {
+    static_assert(NR == 16);
+    _mm256_storeu_ps(dst, load8_f32(src));
+    _mm256_storeu_ps(dst + 8, load8_f32(src + 8));
+    return;
+  }
+#endif
+  for (int j = 0; j < NR; ++j) dst[j] = to_acc<Acc>(src[j]);
+}
+
 template <class Acc, class XT, class WT>
 void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_w, Acc* grad_b,
                    int64_t T, int64_t H, int64_t E) {
@@ -371,7 +416,11 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   }
   if (H == 0) return;
 
-  // grad_x = G · W: W packed as H/NR panels of E x NR (zero columns past H).
+  // grad_x = G · W: W packed as H/NR panels of E x NR (zero columns past H). Each output is one
+  // chain over all E (kc = E), so no partial sum ever leaves the registers. Per block of kMB
+  // tokens the panel loop is outside the strip loop: the panel (E x NR) stays in L1 across the
+  // block's strips and the block's G rows in L2; with the strips outside, every strip streamed the
+  // whole packed W (E·H values: 7 MB at H 7168, E 256) from L3.
   if (T > 0) {
     if (E == 0) {
       for (int64_t i = 0; i < T * H; ++i) grad_x[i] = from_acc<XT>(Acc(0));
@@ -383,8 +432,12 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
         for (int64_t e = 0; e < E; ++e) {
           Acc* dst = wq.p + (p * E + e) * NR;
           const WT* src = w + e * H + p * NR;
-          for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[j]);
-          for (int64_t j = nvalid; j < NR; ++j) dst[j] = Acc(0);
+          if (nvalid == NR) {
+            load_row<Acc, WT>(dst, src);
+          } else {
+            for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[j]);
+            for (int64_t j = nvalid; j < NR; ++j) dst[j] = Acc(0);
+          }
         }
       }
       const int64_t nblk = (T + kMB - 1) / kMB;
@@ -392,20 +445,18 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const int64_t t0 = blk * kMB, t1 = std::min(T, t0 + kMB);
         Acc tile[kMR * NR];
-        for (int64_t tt = t0; tt < t1; tt += kMR) {
-          const int64_t mr = std::min<int64_t>(kMR, t1 - tt);
-          for (int64_t p = 0; p < npanel; ++p) {
-            const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
-            const Acc* b = wq.p + p * E * NR;
+        for (int64_t p = 0; p < npanel; ++p) {
+          const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
+          const Acc* b = wq.p + p * E * NR;
+          for (int64_t tt = t0; tt < t1; tt += kMR) {
+            const int64_t mr = std::min<int64_t>(kMR, t1 - tt);
             if constexpr (std::is_same_v<XT, Acc>) {
               micro<Acc>(mr, nvalid, E, g + tt * E, E, 1, b, grad_x + tt * H + p * NR, H,
                          Chain::start, nullptr);
             } else {
               micro<Acc>(mr, NR, E, g + tt * E, E, 1, b, tile, NR, Chain::start, nullptr);
-              for (int64_t i = 0; i < mr; ++i) {
-                XT* dst = grad_x + (tt + i) * H + p * NR;
-                for (int64_t j = 0; j < nvalid; ++j) dst[j] = from_acc<XT>(tile[i * NR + j]);
-              }
+              for (int64_t i = 0; i < mr; ++i)
+                store_row<XT, Acc>(grad_x + (tt + i) * H + p * NR, tile + i * NR, nvalid);
             }
           }
         }
@@ -418,13 +469,34 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   // end. A group packs kGP panels of a token block at once, so each x row is read as one
   // contiguous 128-column (or wider) segment: one panel at a time read 32 bytes per 4 KB-strided
   // row, a TLB miss per row, and the loads took a quarter of the backward.
+  // G is packed once, before the groups, into MR-expert tiles per KC block of tokens
+  // (gp[blk][tile][k][i] = g[t0 + k, tile*MR + i], zero past E): read in place, the microkernel's
+  // broadcasts walked G's rows E·4 bytes apart, a stride that maps a block's 256 rows onto a few
+  // L1 sets.
   if (E == 0) return;
   constexpr int64_t kGP = 8;
   const int64_t ngroup = (npanel + kGP - 1) / kGP;
+  const int64_t ntile = (E + kMR - 1) / kMR;
+  const int64_t nkb = (T + kKC - 1) / kKC;
   Scratch<Acc> acc(E * h_pad);
+  Scratch<Acc> gp(std::max<int64_t>(1, T * ntile * kMR));
   Scratch<Acc> xp_all(omp_get_max_threads() * kGP * kKC * NR);  // per-thread packed x blocks
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
+#pragma omp for schedule(static)
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      const int64_t k0 = kb * kKC, kc = std::min(kKC, T - k0);
+      Acc* const dst = gp.p + k0 * ntile * kMR;
+      for (int64_t ti = 0; ti < ntile; ++ti) {
+        const int64_t e0 = ti * kMR, nv = std::min<int64_t>(kMR, E - e0);
+        Acc* const d = dst + ti * kc * kMR;
+        for (int64_t k = 0; k < kc; ++k) {
+          const Acc* src = g + (k0 + k) * E + e0;
+          for (int64_t i = 0; i < nv; ++i) d[k * kMR + i] = src[i];
+          for (int64_t i = nv; i < kMR; ++i) d[k * kMR + i] = Acc(0);
+        }
+      }
+    }  // implicit barrier: every thread reads all of gp below
     Acc* const xp = xp_all.p + omp_get_thread_num() * kGP * kKC * NR;
 #pragma omp for schedule(static)
     for (int64_t grp = 0; grp < ngroup; ++grp) {
@@ -443,7 +515,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
             Acc* dst = xp + ((p - p0) * kc + k) * NR;
             const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
             if (nvalid == NR) {
-              for (int j = 0; j < NR; ++j) dst[j] = to_acc<Acc>(src[p * NR + j]);
+              load_row<Acc, XT>(dst, src + p * NR);
             } else {
               for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[p * NR + j]);
               for (int64_t j = nvalid; j < NR; ++j) dst[j] = Acc(0);
@@ -451,18 +523,18 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
           }
         }
         const Chain chain = k0 == 0 ? Chain::start : Chain::resume;
+        const Acc* const gblk = gp.p + k0 * ntile * kMR;
         for (int64_t p = p0; p < p1; ++p) {
           const Acc* b = xp + (p - p0) * kc * NR;
-          for (int64_t e0 = 0; e0 < E; e0 += kMR) {
-            const int64_t mr = std::min<int64_t>(kMR, E - e0);
-            micro<Acc>(mr, NR, kc, g + k0 * E + e0, 1, E, b, acc.p + e0 * h_pad + p * NR, h_pad,
-                       chain, nullptr);
+          for (int64_t ti = 0; ti < ntile; ++ti) {
+            const int64_t e0 = ti * kMR, mr = std::min<int64_t>(kMR, E - e0);
+            micro<Acc>(mr, NR, kc, gblk + ti * kc * kMR, 1, kMR, b, acc.p + e0 * h_pad + p * NR,
+                       h_pad, chain, nullptr);
           }
         }
       }
-      for (int64_t e = 0; e < E; ++e) {
-        for (int64_t h = h0; h < h1; ++h) grad_w[e * H + h] = from_acc<WT>(acc.p[e * h_pad + h]);
-      }
+      for (int64_t e = 0; e < E; ++e)
+        store_row<WT, Acc>(grad_w + e * H + h0, acc.p + e * h_pad + h0, h1 - h0);
     }
   }
 }
