@@ -93,11 +93,11 @@ struct Simd<double> {
 #endif
 
 // C[i, 0:NR] (i < MR) = chain over k of fma(A(i,k), B[k, 0:NR], C[i, :]) with A(i,k) =
-// a[i*a_rs + k*a_cs] and B a packed kc x NR panel; C starts at 0 (Chain::start) or continues
+// a[i*a_rs + k*a_cs] and B[k, j] = b[k*ldb + j] (a packed panel, NR or 2·NR wide); C starts at 0 (Chain::start) or continues
 // from the values in c (Chain::resume); `bias` (NR values, or null) is added after the chain.
 template <class Acc, int MR>
-void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, Acc* c,
-                int64_t ldc, Chain chain, const Acc* bias) {
+void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, int64_t ldb,
+                Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
   constexpr int NR = kNR<Acc>;
 #ifdef SY_GATE_AVX2
   using S = Simd<Acc>;
@@ -121,8 +121,8 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
 #undef SY_INIT
   const Acc* ap = a;
   for (int64_t k = 0; k < kc; ++k) {
-    const V b0 = S::load(b + k * NR);
-    const V b1 = S::load(b + k * NR + L);
+    const V b0 = S::load(b + k * ldb);
+    const V b1 = S::load(b + k * ldb + L);
 #define SY_FMA(i)                         \
   if constexpr (MR > i) {                 \
     const V ai = S::bcast(ap + i * a_rs); \
@@ -159,7 +159,7 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   for (int64_t k = 0; k < kc; ++k) {
     for (int i = 0; i < MR; ++i) {
       const Acc ai = a[i * a_rs + k * a_cs];
-      for (int j = 0; j < NR; ++j) acc[i][j] = std::fma(ai, b[k * NR + j], acc[i][j]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = std::fma(ai, b[k * ldb + j], acc[i][j]);
     }
   }
   for (int i = 0; i < MR; ++i)
@@ -172,7 +172,7 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
 // dropped. Each stored value is the same per-lane chain as in a full tile.
 template <class Acc>
 void micro(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
-           const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
+           const Acc* b, int64_t ldb, Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
   constexpr int NR = kNR<Acc>;
   Acc tmp[kMR * NR];
   Acc* cc = c;
@@ -186,27 +186,152 @@ void micro(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, i
   }
   switch (mr) {
     case 1:
-      micro_full<Acc, 1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro_full<Acc, 1>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
       break;
     case 2:
-      micro_full<Acc, 2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro_full<Acc, 2>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
       break;
     case 3:
-      micro_full<Acc, 3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro_full<Acc, 3>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
       break;
     case 4:
-      micro_full<Acc, 4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro_full<Acc, 4>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
       break;
     case 5:
-      micro_full<Acc, 5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro_full<Acc, 5>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
       break;
     default:
-      micro_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro_full<Acc, kMR>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
       break;
   }
   if (nvalid < NR) {
     for (int64_t i = 0; i < mr; ++i)
       for (int64_t j = 0; j < nvalid; ++j) c[i * ldc + j] = tmp[i * NR + j];
+  }
+}
+
+// ---- AVX-512 and the backward's panels ------------------------------------------------------
+
+// The backward packs its H panels kBW = 2·NR columns wide. The AVX2 and scalar microkernels run a
+// panel as two NR-column halves (ldb = kBW); on a CPU with AVX-512F the AVX2 variant runs it as
+// one 6 x 32 fp32 tile of zmm registers instead: the same per-lane chains (a 512-bit FMA lane is
+// std::fma too), twice the width per instruction, which the sgemm ceiling of such a CPU assumes.
+template <class Acc>
+constexpr int kBW = 2 * kNR<Acc>;
+
+#ifdef SY_GATE_AVX2
+// Whether the AVX2 variant runs the backward's fp32 panels on AVX-512 (CPUID and the OS's XSAVE
+// state, via libgcc). A plain int read atomically: std::atomic would be an inline template the
+// linker could share with the portable objects (scripts/check_kernel_symbols.sh).
+int& avx512_flag() {
+  static int flag = __builtin_cpu_supports("avx512f") ? 1 : 0;
+  return flag;
+}
+bool use_avx512() { return __atomic_load_n(&avx512_flag(), __ATOMIC_RELAXED) != 0; }
+
+template <int MR>
+__attribute__((target("avx512f"))) void micro512_full(int64_t kc, const float* a, int64_t a_rs,
+                                                      int64_t a_cs, const float* b, float* c,
+                                                      int64_t ldc, Chain chain) {
+  __m512 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+#define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define SY_INIT(i)                                   \
+  if constexpr (MR > i) {                            \
+    if (chain == Chain::resume) {                    \
+      c##i##0 = _mm512_loadu_ps(c + i * ldc);        \
+      c##i##1 = _mm512_loadu_ps(c + i * ldc + 16);   \
+    } else {                                         \
+      c##i##0 = _mm512_setzero_ps();                 \
+      c##i##1 = _mm512_setzero_ps();                 \
+    }                                                \
+  }
+  SY_ROWS(SY_INIT)
+#undef SY_INIT
+  const float* ap = a;
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(b + k * 32);
+    const __m512 b1 = _mm512_loadu_ps(b + k * 32 + 16);
+#define SY_FMA(i)                                    \
+  if constexpr (MR > i) {                            \
+    const __m512 ai = _mm512_set1_ps(ap[i * a_rs]);  \
+    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);      \
+    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);      \
+  }
+    SY_ROWS(SY_FMA)
+#undef SY_FMA
+    ap += a_cs;
+  }
+#define SY_STORE(i)                                  \
+  if constexpr (MR > i) {                            \
+    _mm512_storeu_ps(c + i * ldc, c##i##0);          \
+    _mm512_storeu_ps(c + i * ldc + 16, c##i##1);     \
+  }
+  SY_ROWS(SY_STORE)
+#undef SY_STORE
+#undef SY_ROWS
+  static_assert(MR <= 6, "the AVX-512 microkernel has six rows of accumulators");
+}
+
+// As micro() for a 32-column panel (ldb = 32), on AVX-512.
+__attribute__((target("avx512f"))) void micro512(int64_t mr, int64_t nvalid, int64_t kc,
+                                                 const float* a, int64_t a_rs, int64_t a_cs,
+                                                 const float* b, float* c, int64_t ldc,
+                                                 Chain chain) {
+  float tmp[kMR * 32];
+  float* cc = c;
+  int64_t ldcc = ldc;
+  if (nvalid < 32) {
+    cc = tmp;
+    ldcc = 32;
+    for (int64_t i = 0; i < mr; ++i)
+      for (int j = 0; j < 32; ++j)
+        tmp[i * 32 + j] = (chain == Chain::resume && j < nvalid) ? c[i * ldc + j] : 0.0f;
+  }
+  switch (mr) {
+    case 1:
+      micro512_full<1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      break;
+    case 2:
+      micro512_full<2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      break;
+    case 3:
+      micro512_full<3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      break;
+    case 4:
+      micro512_full<4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      break;
+    case 5:
+      micro512_full<5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      break;
+    default:
+      micro512_full<kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      break;
+  }
+  if (nvalid < 32) {
+    for (int64_t i = 0; i < mr; ++i)
+      for (int64_t j = 0; j < nvalid; ++j) c[i * ldc + j] = tmp[i * 32 + j];
+  }
+}
+#endif
+
+// micro() for a backward panel: `nvalid` (1..kBW) columns of a kBW-wide packed panel.
+template <class Acc>
+void micro_panel(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
+                 const Acc* b, Acc* c, int64_t ldc, Chain chain) {
+  constexpr int NR = kNR<Acc>;
+#ifdef SY_GATE_AVX2
+  if constexpr (std::is_same_v<Acc, float>) {
+    static_assert(kBW<float> == 32);
+    if (use_avx512()) {
+      micro512(mr, nvalid, kc, a, a_rs, a_cs, b, c, ldc, chain);
+      return;
+    }
+  }
+#endif
+  micro<Acc>(mr, std::min<int64_t>(nvalid, NR), kc, a, a_rs, a_cs, b, kBW<Acc>, c, ldc, chain,
+             nullptr);
+  if (nvalid > NR) {
+    micro<Acc>(mr, nvalid - NR, kc, a, a_rs, a_cs, b + NR, kBW<Acc>, c + NR, ldc, chain, nullptr);
   }
 }
 
@@ -345,8 +470,8 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
           }
           for (int64_t p = 0; p < npanel; ++p) {
             const int64_t nvalid = std::min<int64_t>(NR, E - p * NR);
-            micro<Acc>(mr, nvalid, kc, a, a_rs, 1, wp.p + (p * H + k0) * NR, out + tt * E + p * NR,
-                       E, chain, (last && bias) ? bpad.p + p * NR : nullptr);
+            micro<Acc>(mr, nvalid, kc, a, a_rs, 1, wp.p + (p * H + k0) * NR, NR,
+                       out + tt * E + p * NR, E, chain, (last && bias) ? bpad.p + p * NR : nullptr);
           }
         }
       }
@@ -405,8 +530,9 @@ template <class Acc, class XT, class WT>
 void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_w, Acc* grad_b,
                    int64_t T, int64_t H, int64_t E) {
   constexpr int NR = kNR<Acc>;
-  const int64_t npanel = (H + NR - 1) / NR;
-  const int64_t h_pad = npanel * NR;
+  constexpr int BW = kBW<Acc>;  // panel width over H
+  const int64_t npanel = (H + BW - 1) / BW;
+  const int64_t h_pad = npanel * BW;
 
   // grad_b: one sum per expert over t ascending (vectorised across experts, never across t).
   if (grad_b) {
@@ -416,27 +542,28 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   }
   if (H == 0) return;
 
-  // grad_x = G · W: W packed as H/NR panels of E x NR (zero columns past H). Each output is one
+  // grad_x = G · W: W packed as H/BW panels of E x BW (zero columns past H). Each output is one
   // chain over all E (kc = E), so no partial sum ever leaves the registers. Per block of kMB
-  // tokens the panel loop is outside the strip loop: the panel (E x NR) stays in L1 across the
+  // tokens the panel loop is outside the strip loop: the panel (E x BW) stays in L1 across the
   // block's strips and the block's G rows in L2; with the strips outside, every strip streamed the
   // whole packed W (E·H values: 7 MB at H 7168, E 256) from L3.
   if (T > 0) {
     if (E == 0) {
       for (int64_t i = 0; i < T * H; ++i) grad_x[i] = from_acc<XT>(Acc(0));
     } else {
-      Scratch<Acc> wq(npanel * E * NR);
+      Scratch<Acc> wq(npanel * E * BW);
 #pragma omp parallel for schedule(static) if (E * H >= kParallelMin)
       for (int64_t p = 0; p < npanel; ++p) {
-        const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
+        const int64_t nvalid = std::min<int64_t>(BW, H - p * BW);
         for (int64_t e = 0; e < E; ++e) {
-          Acc* dst = wq.p + (p * E + e) * NR;
-          const WT* src = w + e * H + p * NR;
-          if (nvalid == NR) {
+          Acc* dst = wq.p + (p * E + e) * BW;
+          const WT* src = w + e * H + p * BW;
+          if (nvalid == BW) {
             load_row<Acc, WT>(dst, src);
+            load_row<Acc, WT>(dst + NR, src + NR);
           } else {
             for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[j]);
-            for (int64_t j = nvalid; j < NR; ++j) dst[j] = Acc(0);
+            for (int64_t j = nvalid; j < BW; ++j) dst[j] = Acc(0);
           }
         }
       }
@@ -444,19 +571,19 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
 #pragma omp parallel for schedule(static) if (T * H * E >= kParallelMin)
       for (int64_t blk = 0; blk < nblk; ++blk) {
         const int64_t t0 = blk * kMB, t1 = std::min(T, t0 + kMB);
-        Acc tile[kMR * NR];
+        Acc tile[kMR * BW];
         for (int64_t p = 0; p < npanel; ++p) {
-          const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
-          const Acc* b = wq.p + p * E * NR;
+          const int64_t nvalid = std::min<int64_t>(BW, H - p * BW);
+          const Acc* b = wq.p + p * E * BW;
           for (int64_t tt = t0; tt < t1; tt += kMR) {
             const int64_t mr = std::min<int64_t>(kMR, t1 - tt);
             if constexpr (std::is_same_v<XT, Acc>) {
-              micro<Acc>(mr, nvalid, E, g + tt * E, E, 1, b, grad_x + tt * H + p * NR, H,
-                         Chain::start, nullptr);
+              micro_panel<Acc>(mr, nvalid, E, g + tt * E, E, 1, b, grad_x + tt * H + p * BW, H,
+                               Chain::start);
             } else {
-              micro<Acc>(mr, NR, E, g + tt * E, E, 1, b, tile, NR, Chain::start, nullptr);
+              micro_panel<Acc>(mr, BW, E, g + tt * E, E, 1, b, tile, BW, Chain::start);
               for (int64_t i = 0; i < mr; ++i)
-                store_row<XT, Acc>(grad_x + (tt + i) * H + p * NR, tile + i * NR, nvalid);
+                store_row<XT, Acc>(grad_x + (tt + i) * H + p * BW, tile + i * BW, nvalid);
             }
           }
         }
@@ -474,13 +601,13 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   // broadcasts walked G's rows E·4 bytes apart, a stride that maps a block's 256 rows onto a few
   // L1 sets.
   if (E == 0) return;
-  constexpr int64_t kGP = 8;
+  constexpr int64_t kGP = 4;  // panels per group: 4 x 32 fp32 columns
   const int64_t ngroup = (npanel + kGP - 1) / kGP;
   const int64_t ntile = (E + kMR - 1) / kMR;
   const int64_t nkb = (T + kKC - 1) / kKC;
   Scratch<Acc> acc(E * h_pad);
   Scratch<Acc> gp(std::max<int64_t>(1, T * ntile * kMR));
-  Scratch<Acc> xp_all(omp_get_max_threads() * kGP * kKC * NR);  // per-thread packed x blocks
+  Scratch<Acc> xp_all(omp_get_max_threads() * kGP * kKC * BW);  // per-thread packed x blocks
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
 #pragma omp for schedule(static)
@@ -497,39 +624,40 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
         }
       }
     }  // implicit barrier: every thread reads all of gp below
-    Acc* const xp = xp_all.p + omp_get_thread_num() * kGP * kKC * NR;
+    Acc* const xp = xp_all.p + omp_get_thread_num() * kGP * kKC * BW;
 #pragma omp for schedule(static)
     for (int64_t grp = 0; grp < ngroup; ++grp) {
       const int64_t p0 = grp * kGP, p1 = std::min(npanel, p0 + kGP);
-      const int64_t h0 = p0 * NR, h1 = std::min(H, p1 * NR);  // valid columns of the group
+      const int64_t h0 = p0 * BW, h1 = std::min(H, p1 * BW);  // valid columns of the group
       if (T == 0) {
         for (int64_t e = 0; e < E; ++e)
-          for (int64_t h = h0; h < p1 * NR; ++h) acc.p[e * h_pad + h] = Acc(0);
+          for (int64_t h = h0; h < p1 * BW; ++h) acc.p[e * h_pad + h] = Acc(0);
       }
       for (int64_t k0 = 0; k0 < T; k0 += kKC) {
         const int64_t kc = std::min(kKC, T - k0);
-        // Pack: xp[(p - p0)][k][j] = x[k0 + k, p*NR + j], zero past H.
+        // Pack: xp[(p - p0)][k][j] = x[k0 + k, p*BW + j], zero past H.
         for (int64_t k = 0; k < kc; ++k) {
           const XT* src = x + (k0 + k) * H;
           for (int64_t p = p0; p < p1; ++p) {
-            Acc* dst = xp + ((p - p0) * kc + k) * NR;
-            const int64_t nvalid = std::min<int64_t>(NR, H - p * NR);
-            if (nvalid == NR) {
-              load_row<Acc, XT>(dst, src + p * NR);
+            Acc* dst = xp + ((p - p0) * kc + k) * BW;
+            const int64_t nvalid = std::min<int64_t>(BW, H - p * BW);
+            if (nvalid == BW) {
+              load_row<Acc, XT>(dst, src + p * BW);
+              load_row<Acc, XT>(dst + NR, src + p * BW + NR);
             } else {
-              for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[p * NR + j]);
-              for (int64_t j = nvalid; j < NR; ++j) dst[j] = Acc(0);
+              for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[p * BW + j]);
+              for (int64_t j = nvalid; j < BW; ++j) dst[j] = Acc(0);
             }
           }
         }
         const Chain chain = k0 == 0 ? Chain::start : Chain::resume;
         const Acc* const gblk = gp.p + k0 * ntile * kMR;
         for (int64_t p = p0; p < p1; ++p) {
-          const Acc* b = xp + (p - p0) * kc * NR;
+          const Acc* b = xp + (p - p0) * kc * BW;
           for (int64_t ti = 0; ti < ntile; ++ti) {
             const int64_t e0 = ti * kMR, mr = std::min<int64_t>(kMR, E - e0);
-            micro<Acc>(mr, NR, kc, gblk + ti * kc * kMR, 1, kMR, b, acc.p + e0 * h_pad + p * NR,
-                       h_pad, chain, nullptr);
+            micro_panel<Acc>(mr, BW, kc, gblk + ti * kc * kMR, 1, kMR, b,
+                             acc.p + e0 * h_pad + p * BW, h_pad, chain);
           }
         }
       }
@@ -617,6 +745,19 @@ void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const 
   } else {
     run(float{});
   }
+}
+
+bool gate_avx512(int request) {
+#ifdef SY_GATE_AVX2
+  if (request >= 0) {
+    const int on = request > 0 && __builtin_cpu_supports("avx512f") ? 1 : 0;
+    __atomic_store_n(&avx512_flag(), on, __ATOMIC_RELAXED);
+  }
+  return use_avx512();
+#else
+  (void)request;
+  return false;
+#endif
 }
 
 }  // namespace switchyard::cpu::SY_ISA_NS
