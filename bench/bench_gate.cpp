@@ -180,6 +180,22 @@ void BM_GateBackward(benchmark::State& state) {
       T);
 }
 
+// The backward kernel alone (src/cpu), into outputs allocated once: without the front-end's
+// argument scan and the page faults of fresh output tensors, which the row above includes.
+void BM_GateBackwardKernel(benchmark::State& state) {
+  const int64_t T = state.range(0), H = state.range(1), E = state.range(2);
+  const Inputs in = make_inputs(DType::bf16, T, H, E);
+  Tensor gx = Tensor::empty({T, H}, DType::bf16), gw = Tensor::empty({E, H}, DType::bf16);
+  timed(
+      state, static_cast<int>(state.range(3)), 4.0 * T * H * E,
+      [&] {
+        sy::cpu::gate_backward(in.g.raw(), in.x.raw(), DType::bf16, in.w.raw(), DType::bf16,
+                               gx.raw(), gw.raw(), nullptr, DType::fp32, T, H, E);
+        benchmark::DoNotOptimize(gx.raw());
+      },
+      T);
+}
+
 // Peer: OpenBLAS sgemm on fp32 copies, logits[T,E] = x[T,H]·W[E,H]ᵀ (what the gate computes,
 // without the bf16 conversion or the fixed order).
 void BM_SgemmForwardShape(benchmark::State& state) {
@@ -277,6 +293,7 @@ BENCHMARK_CAPTURE(BM_GateForward, fp32_fp32router, DType::fp32, DType::fp32)->Ap
 BENCHMARK_CAPTURE(BM_GateForward, bf16_fp64router, DType::bf16, DType::fp64)->Apply(thread_args);
 BENCHMARK(BM_SgemmForwardShape)->Apply(thread_args);
 BENCHMARK(BM_GateBackward)->Apply(backward_args);
+BENCHMARK(BM_GateBackwardKernel)->Apply(backward_args);
 BENCHMARK(BM_SgemmBackwardShapes)->Apply(backward_args);
 BENCHMARK(BM_GateForwardTokens)->Apply(token_args);
 BENCHMARK(BM_SgemmForwardTokens)->Apply(token_args);
