@@ -541,75 +541,56 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
       for (int64_t e = 0; e < E; ++e) grad_b[e] = grad_b[e] + g[t * E + e];
   }
   if (H == 0) return;
+  if (E == 0) {  // empty chains; grad_w has no elements
+    for (int64_t i = 0; i < T * H; ++i) grad_x[i] = from_acc<XT>(Acc(0));
+    return;
+  }
 
   // grad_x = G · W: W packed as H/BW panels of E x BW (zero columns past H). Each output is one
   // chain over all E (kc = E), so no partial sum ever leaves the registers. Per block of kMB
   // tokens the panel loop is outside the strip loop: the panel (E x BW) stays in L1 across the
   // block's strips and the block's G rows in L2; with the strips outside, every strip streamed the
   // whole packed W (E·H values: 7 MB at H 7168, E 256) from L3.
-  if (T > 0) {
-    if (E == 0) {
-      for (int64_t i = 0; i < T * H; ++i) grad_x[i] = from_acc<XT>(Acc(0));
-    } else {
-      Scratch<Acc> wq(npanel * E * BW);
-#pragma omp parallel for schedule(static) if (E * H >= kParallelMin)
-      for (int64_t p = 0; p < npanel; ++p) {
-        const int64_t nvalid = std::min<int64_t>(BW, H - p * BW);
-        for (int64_t e = 0; e < E; ++e) {
-          Acc* dst = wq.p + (p * E + e) * BW;
-          const WT* src = w + e * H + p * BW;
-          if (nvalid == BW) {
-            load_row<Acc, WT>(dst, src);
-            load_row<Acc, WT>(dst + NR, src + NR);
-          } else {
-            for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[j]);
-            for (int64_t j = nvalid; j < BW; ++j) dst[j] = Acc(0);
-          }
-        }
-      }
-      const int64_t nblk = (T + kMB - 1) / kMB;
-#pragma omp parallel for schedule(static) if (T * H * E >= kParallelMin)
-      for (int64_t blk = 0; blk < nblk; ++blk) {
-        const int64_t t0 = blk * kMB, t1 = std::min(T, t0 + kMB);
-        Acc tile[kMR * BW];
-        for (int64_t p = 0; p < npanel; ++p) {
-          const int64_t nvalid = std::min<int64_t>(BW, H - p * BW);
-          const Acc* b = wq.p + p * E * BW;
-          for (int64_t tt = t0; tt < t1; tt += kMR) {
-            const int64_t mr = std::min<int64_t>(kMR, t1 - tt);
-            if constexpr (std::is_same_v<XT, Acc>) {
-              micro_panel<Acc>(mr, nvalid, E, g + tt * E, E, 1, b, grad_x + tt * H + p * BW, H,
-                               Chain::start);
-            } else {
-              micro_panel<Acc>(mr, BW, E, g + tt * E, E, 1, b, tile, BW, Chain::start);
-              for (int64_t i = 0; i < mr; ++i)
-                store_row<XT, Acc>(grad_x + (tt + i) * H + p * BW, tile + i * BW, nvalid);
-            }
-          }
-        }
-      }
-    }
-  }
-
+  //
   // grad_w = Gᵀ · X: parallel over groups of H panels (never over t, so the chain over t is
   // fixed); the chain is kept in an Acc buffer across KC blocks of tokens and rounded once at the
   // end. A group packs kGP panels of a token block at once, so each x row is read as one
-  // contiguous 128-column (or wider) segment: one panel at a time read 32 bytes per 4 KB-strided
-  // row, a TLB miss per row, and the loads took a quarter of the backward.
-  // G is packed once, before the groups, into MR-expert tiles per KC block of tokens
-  // (gp[blk][tile][k][i] = g[t0 + k, tile*MR + i], zero past E): read in place, the microkernel's
-  // broadcasts walked G's rows E·4 bytes apart, a stride that maps a block's 256 rows onto a few
-  // L1 sets.
-  if (E == 0) return;
+  // contiguous 128-column segment: one narrow panel at a time read 32 bytes per 4 KB-strided row,
+  // a TLB miss per row. G is packed once, before the groups, into MR-expert tiles per KC block of
+  // tokens (gp[blk][tile][k][i] = g[t0 + k, tile*MR + i], zero past E): read in place, the
+  // microkernel's broadcasts walked G's rows E·4 bytes apart, a stride that maps a block's 256
+  // rows onto a few L1 sets.
+  //
+  // One parallel region, one barrier (after the packing): grad_x's token blocks and grad_w's
+  // groups are independent work items taken dynamically, so a thread that loses its core for a
+  // while (a shared machine) delays its items, not a barrier. No item's result depends on which
+  // thread runs it or when.
   constexpr int64_t kGP = 4;  // panels per group: 4 x 32 fp32 columns
   const int64_t ngroup = (npanel + kGP - 1) / kGP;
   const int64_t ntile = (E + kMR - 1) / kMR;
   const int64_t nkb = (T + kKC - 1) / kKC;
+  const int64_t nblk = (T + kMB - 1) / kMB;
+  Scratch<Acc> wq(T > 0 ? npanel * E * BW : 1);
   Scratch<Acc> acc(E * h_pad);
   Scratch<Acc> gp(std::max<int64_t>(1, T * ntile * kMR));
   Scratch<Acc> xp_all(omp_get_max_threads() * kGP * kKC * BW);  // per-thread packed x blocks
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
+#pragma omp for schedule(static) nowait
+    for (int64_t p = 0; p < (T > 0 ? npanel : 0); ++p) {
+      const int64_t nvalid = std::min<int64_t>(BW, H - p * BW);
+      for (int64_t e = 0; e < E; ++e) {
+        Acc* dst = wq.p + (p * E + e) * BW;
+        const WT* src = w + e * H + p * BW;
+        if (nvalid == BW) {
+          load_row<Acc, WT>(dst, src);
+          load_row<Acc, WT>(dst + NR, src + NR);
+        } else {
+          for (int64_t j = 0; j < nvalid; ++j) dst[j] = to_acc<Acc>(src[j]);
+          for (int64_t j = nvalid; j < BW; ++j) dst[j] = Acc(0);
+        }
+      }
+    }
 #pragma omp for schedule(static)
     for (int64_t kb = 0; kb < nkb; ++kb) {
       const int64_t k0 = kb * kKC, kc = std::min(kKC, T - k0);
@@ -623,9 +604,33 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
           for (int64_t i = nv; i < kMR; ++i) d[k * kMR + i] = Acc(0);
         }
       }
-    }  // implicit barrier: every thread reads all of gp below
+    }  // implicit barrier: wq and gp are complete below
+
+    // grad_x, one block of kMB tokens per item.
+#pragma omp for schedule(dynamic) nowait
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      const int64_t t0 = blk * kMB, t1 = std::min(T, t0 + kMB);
+      Acc tile[kMR * BW];
+      for (int64_t p = 0; p < npanel; ++p) {
+        const int64_t nvalid = std::min<int64_t>(BW, H - p * BW);
+        const Acc* b = wq.p + p * E * BW;
+        for (int64_t tt = t0; tt < t1; tt += kMR) {
+          const int64_t mr = std::min<int64_t>(kMR, t1 - tt);
+          if constexpr (std::is_same_v<XT, Acc>) {
+            micro_panel<Acc>(mr, nvalid, E, g + tt * E, E, 1, b, grad_x + tt * H + p * BW, H,
+                             Chain::start);
+          } else {
+            micro_panel<Acc>(mr, BW, E, g + tt * E, E, 1, b, tile, BW, Chain::start);
+            for (int64_t i = 0; i < mr; ++i)
+              store_row<XT, Acc>(grad_x + (tt + i) * H + p * BW, tile + i * BW, nvalid);
+          }
+        }
+      }
+    }
+
+    // grad_w, one group of kGP panels per item.
     Acc* const xp = xp_all.p + omp_get_thread_num() * kGP * kKC * BW;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic)
     for (int64_t grp = 0; grp < ngroup; ++grp) {
       const int64_t p0 = grp * kGP, p1 = std::min(npanel, p0 + kGP);
       const int64_t h0 = p0 * BW, h1 = std::min(H, p1 * BW);  // valid columns of the group
