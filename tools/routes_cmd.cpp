@@ -2,6 +2,7 @@
 // and drift statistics, and align files to a trainer's parallel layout.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <functional>
 #include <iomanip>
@@ -22,6 +23,18 @@ using nlohmann::json;
 using namespace switchyard;
 
 constexpr int64_t kProgressEvery = 1000;
+
+// Discards the writer's uncommitted output when the command leaves by an exception (after a
+// successful close() there is nothing left to discard).
+struct DiscardOnFailure {
+  std::function<RouteFileWriter*()> writer;
+  int uncaught = std::uncaught_exceptions();
+  ~DiscardOnFailure() {
+    if (std::uncaught_exceptions() > uncaught) {
+      if (RouteFileWriter* w = writer()) w->discard();
+    }
+  }
+};
 
 std::string percent(double share) {
   std::ostringstream os;
@@ -82,6 +95,9 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
         "(SGLang's routed_experts is a flat array)");
   }
   std::unique_ptr<RouteFileWriter> writer;
+  // A failed import publishes nothing: the partial output is removed and an existing file at
+  // --output stays as it was (the writer only renames over it on close()).
+  DiscardOnFailure guard{[&] { return writer.get(); }};
   ImportReport total;
   std::vector<std::string> warnings;
   int64_t next_progress = kProgressEvery;
@@ -306,6 +322,19 @@ void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::
                                 std::to_string(ib.num_experts) + ", " + std::to_string(ib.top_k) +
                                 ", " + std::to_string(ib.num_moe_layers));
   }
+  if (!ia.moe_layers.empty() && !ib.moe_layers.empty() && ia.moe_layers != ib.moe_layers) {
+    // Same sizes but different hidden layers: layer l of one file is not layer l of the other.
+    throw std::invalid_argument("[routes diff] files have different MoE layer maps: " + pa +
+                                " holds hidden layers " + list_str(ia.moe_layers) + ", " + pb +
+                                " holds " + list_str(ib.moe_layers));
+  }
+  if (ia.num_hidden_layers > 0 && ib.num_hidden_layers > 0 &&
+      ia.num_hidden_layers != ib.num_hidden_layers) {
+    throw std::invalid_argument("[routes diff] files come from models with different layer "
+                                "counts: " + pa + " has " + std::to_string(ia.num_hidden_layers) +
+                                " hidden layers, " + pb + " has " +
+                                std::to_string(ib.num_hidden_layers));
+  }
   if (a.num_sequences() != b.num_sequences()) {
     throw std::invalid_argument("[routes diff] " + pa + " holds " +
                                 std::to_string(a.num_sequences()) + " sequences, " + pb +
@@ -372,6 +401,10 @@ struct AlignArgs {
 };
 
 void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
+  if (a.pp < 1 || a.vpp < 1) {
+    throw std::invalid_argument("[routes align] --pp and --vpp must be >= 1, got --pp " +
+                                std::to_string(a.pp) + " and --vpp " + std::to_string(a.vpp));
+  }
   if (a.micro_batch_size < 0) {
     throw std::invalid_argument(
         "[routes align] --micro-batch-size must be >= 0 (0 = all sequences), got " +
@@ -409,6 +442,7 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
     oinfo.moe_layers.assign(info.moe_layers.begin() + begin, info.moe_layers.begin() + end);
   }
   RouteFileWriter w(a.output, oinfo);
+  DiscardOnFailure guard{[&] { return &w; }};
   json batches = json::array();
   std::ostringstream human;
   int64_t mb_index = 0;

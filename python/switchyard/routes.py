@@ -80,8 +80,15 @@ def read(path):
 
 
 class RouteWriter:
-    """Appends sequences to a new route file; use as a context manager (close writes the index).
-    ``moe_layers``: hidden-layer index of every MoE layer (optional)."""
+    """Appends sequences to a route file; use as a context manager.
+
+    The file is committed atomically: sequences go to ``<path>.partial`` (same directory, locked
+    against a second writer of the same path, which raises ``switchyard.BackendError``), and
+    ``close()`` writes the index, fsyncs and renames it over ``path``. Until then an existing file
+    at ``path`` is untouched. Leaving the ``with`` block by an exception (KeyboardInterrupt
+    included) calls ``abort()``: ``path`` stays as it was and ``<path>.partial`` keeps the sequences
+    appended so far, readable in recovery (``RouteFile(...).complete`` is False) until the next
+    writer of ``path``. ``moe_layers``: hidden-layer index of every MoE layer (optional)."""
 
     def __init__(self, path, num_experts, top_k, num_moe_layers, moe_layers=None,
                  compression_level=3):
@@ -89,11 +96,25 @@ class RouteWriter:
         self._w = _C.RouteFileWriter(str(path), self.num_experts, int(top_k), int(num_moe_layers),
                                      list(moe_layers or []), int(compression_level))
 
+    @staticmethod
+    def partial_path(path):
+        """Where a writer of ``path`` writes until it commits (``path + ".partial"``)."""
+        return _C.RouteFileWriter.partial_path(str(path))
+
     def append(self, table):
         self._w.append(table, self.num_experts)
 
     def close(self):
+        """Commits the file (index, fsync, atomic rename over the path)."""
         self._w.close()
+
+    def abort(self):
+        """Stops without committing; the partial file stays for recovery."""
+        self._w.abort()
+
+    def discard(self):
+        """Stops without committing and removes the partial file."""
+        self._w.discard()
 
     @property
     def num_sequences(self):
@@ -106,20 +127,30 @@ class RouteWriter:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
 
 
 def write(path, tables, num_experts, moe_layers=None, compression_level=3):
-    """Writes tables ([T_i, L, K] int32/int64, same L and K) to a new route file; returns the
-    number of bytes written."""
+    """Writes tables ([T_i, L, K] int32/int64, same L and K) to a route file, committed
+    atomically (see RouteWriter); returns the number of bytes written. On any error the file at
+    ``path`` is untouched and no partial file is left behind."""
     tables = list(tables)
     if not tables:
         raise ValueError("[routes.write] tables must hold at least one table")
     L, K = tables[0].shape[1], tables[0].shape[2]
-    with RouteWriter(path, num_experts, K, L, moe_layers, compression_level) as w:
+    w = RouteWriter(path, num_experts, K, L, moe_layers, compression_level)
+    try:
         for t in tables:
             w.append(t)
+    except BaseException:
+        w.discard()
+        raise
+    w.close()
     return w.bytes_written
 
 

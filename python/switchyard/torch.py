@@ -373,25 +373,33 @@ class TopKRouter(torch.nn.Module):
             replay_idx = replay._ids_for_forward(T)
             invalid = replay.invalid_replay_rows
         gstate = self.global_aux_loss_state
-        if gstate is not None and replay is not None and not isinstance(replay, torch.Tensor):
+        snapshot = None
+        driven = replay is not None and not isinstance(replay, torch.Tensor)
+        if gstate is not None and driven:
             # A checkpoint recompute must see the global aux-loss state its forward saw: snapshot
             # it at replay_forward, route the matching replay_backward on the snapshot (FIFO, like
-            # the replay queue), so the live state advances once per micro-batch.
+            # the replay queue), so the live state advances once per micro-batch. The snapshot
+            # queue, like the replay queues, changes only after routing succeeded.
             if replay.action == "replay_forward":
-                # One snapshot per table still queued for recompute (the replay may have been
-                # cleared, or earlier forwards never recomputed).
-                while len(self._gstate_snapshots) > max(replay.num_pending_backward - 1, 0):
-                    self._gstate_snapshots.popleft()
-                self._gstate_snapshots.append(gstate.copy())
+                snapshot = gstate.copy()
             elif replay.action == "replay_backward" and self._gstate_snapshots:
-                gstate = self._gstate_snapshots.popleft()
+                gstate = self._gstate_snapshots[0]
         probs, topk_idx, info = topk_route(
             logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
             seq_length=seq_length, global_aux_loss_state=gstate,
             layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
             return_info=True)
-        if replay is not None and not isinstance(replay, torch.Tensor):
-            replay._after_forward(topk_idx)
+        if driven:
+            replay._after_forward(topk_idx, T)
+            if snapshot is not None:
+                # One snapshot per table still queued for recompute (the replay may have been
+                # cleared, or earlier forwards never recomputed).
+                while len(self._gstate_snapshots) > max(replay.num_pending_backward - 1, 0):
+                    self._gstate_snapshots.popleft()
+                self._gstate_snapshots.append(snapshot)
+            elif gstate is not None and replay.action == "replay_backward" and \
+                    self._gstate_snapshots:
+                self._gstate_snapshots.popleft()
         if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
             self.local_tokens_per_expert += info.tokens_per_expert.to(torch.float64)
         self.last_info = info
