@@ -72,6 +72,7 @@ struct ImportArgs {
   int64_t num_layers = 0;
   int64_t top_k = 0;
   std::string zero_rows = "keep";
+  std::string invalid_rows = "error";
   std::string output;
   int level = 1;
   bool json_out = false;
@@ -86,6 +87,8 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   if (!a.moe_layers.empty()) opt.layer_map.moe_layer_freq = parse_moe_layer_freq(a.moe_layers);
   opt.num_input_layers = a.num_layers;
   opt.top_k = a.top_k;
+  opt.invalid_rows =
+      a.invalid_rows == "none" ? InvalidRowPolicy::to_none : InvalidRowPolicy::error;
   opt.zero_rows = a.zero_rows == "none"    ? ZeroRowPolicy::to_none
                   : a.zero_rows == "error" ? ZeroRowPolicy::error
                                            : ZeroRowPolicy::keep;
@@ -127,6 +130,7 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
     total.num_sequences += r.report.num_sequences;
     total.num_tokens += r.report.num_tokens;
     total.num_zero_rows += r.report.num_zero_rows;
+    total.num_invalid_rows += r.report.num_invalid_rows;
     warnings.insert(warnings.end(), r.report.warnings.begin(), r.report.warnings.end());
     if (total.num_sequences >= next_progress) {
       err << "[routes import] " << total.num_sequences << " sequences, " << total.num_tokens
@@ -153,6 +157,7 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
                 {"num_experts", a.num_experts},
                 {"num_zero_rows", total.num_zero_rows},
                 {"first_zero_rows", zr},
+                {"num_invalid_rows", total.num_invalid_rows},
                 {"warnings", warnings},
                 {"bytes", bytes},
                 {"ratio_vs_int32", bytes > 0 ? raw / double(bytes) : 0.0}}
@@ -174,6 +179,10 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
         << (opt.zero_rows == ZeroRowPolicy::to_none ? " -> stored as -1"
                                                     : " (kept; --zero-rows none stores them as -1)")
         << "\n";
+  }
+  if (total.num_invalid_rows > 0) {
+    out << "invalid rows (repeated id, or -1 mixed with ids): " << total.num_invalid_rows
+        << " -> stored as -1\n";
   }
   for (const auto& w : warnings) out << "warning: " << w << "\n";
 }
@@ -508,6 +517,9 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   imp->add_option("--zero-rows", ia->zero_rows,
                   "All-zero rows on MoE layers: keep, none (store -1) or error")
       ->check(CLI::IsMember({"keep", "none", "error"}));
+  imp->add_option("--invalid-rows", ia->invalid_rows,
+                  "Rows that repeat an id or mix -1 with ids: error, or none (store -1)")
+      ->check(CLI::IsMember({"error", "none"}));
   imp->add_option("--level", ia->level, "zstd level (1-19)");
   imp->add_option("-o,--output", ia->output, "Route file to write")->required();
   imp->add_flag("--json", ia->json_out, "Machine-readable output");

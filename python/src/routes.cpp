@@ -86,10 +86,17 @@ ZeroRowPolicy zero_policy(const std::string& s) {
                         s + "'");
 }
 
+InvalidRowPolicy invalid_policy(const std::string& s) {
+  if (s == "error") return InvalidRowPolicy::error;
+  if (s == "to_none") return InvalidRowPolicy::to_none;
+  throw py::value_error("[routes.import] invalid_rows must be 'error' or 'to_none', got '" + s +
+                        "'");
+}
+
 ImportOptions import_options(int64_t num_experts, int64_t first_k_dense,
                              const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
                              int64_t num_input_layers, int64_t top_k,
-                             const std::string& zero_rows) {
+                             const std::string& zero_rows, const std::string& invalid_rows) {
   ImportOptions o;
   o.num_experts = num_experts;
   o.layer_map.first_k_dense = first_k_dense;
@@ -98,6 +105,7 @@ ImportOptions import_options(int64_t num_experts, int64_t first_k_dense,
   o.num_input_layers = num_input_layers;
   o.top_k = top_k;
   o.zero_rows = zero_policy(zero_rows);
+  o.invalid_rows = invalid_policy(invalid_rows);
   return o;
 }
 
@@ -109,6 +117,7 @@ py::tuple import_result(const ImportResult& r) {
   rep["top_k"] = r.report.top_k;
   rep["moe_layers"] = r.report.moe_layers;
   rep["num_zero_rows"] = r.report.num_zero_rows;
+  rep["num_invalid_rows"] = r.report.num_invalid_rows;
   rep["first_zero_rows"] = r.report.first_zero_rows;
   rep["warnings"] = r.report.warnings;
   rep["sources"] = r.sources;
@@ -212,27 +221,30 @@ void bind_routes(py::module_& m) {
   m.def("routes_import_vllm",
         [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
+           const std::string& invalid_rows) {
           return import_result(import_vllm(
               paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                    num_input_layers, top_k, zero_rows)));
+                                    num_input_layers, top_k, zero_rows, invalid_rows)));
         });
   m.def("routes_import_sglang",
         [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
+           const std::string& invalid_rows) {
           return import_result(import_sglang(
               paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                    num_input_layers, top_k, zero_rows)));
+                                    num_input_layers, top_k, zero_rows, invalid_rows)));
         });
   m.def("routes_import_sglang_text",
         [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
+           const std::string& invalid_rows) {
           return import_result(import_sglang_text(
               text, "<text>",
               import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                             num_input_layers, top_k, zero_rows)));
+                             num_input_layers, top_k, zero_rows, invalid_rows)));
         });
   m.def("routes_moe_layer_indices", [](int64_t first_k_dense, const std::vector<int64_t>& freq,
                                        int64_t num_mtp_layers, int64_t num_input_layers) {

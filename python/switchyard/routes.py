@@ -169,29 +169,36 @@ def _freq(moe_layer_freq):
 
 
 def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
-                num_input_layers=0, top_k=0, zero_rows="keep"):
+                num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error"):
     """vLLM ``routed_experts`` arrays (.npy, [seq_len-1, layers, K]) -> (tables, report). Keeps the
     MoE layers of the layer map, appends a -1 row for the last token. zero_rows: "keep",
-    "to_none" or "error" for all-zero rows on MoE layers (counted in the report either way)."""
+    "to_none" or "error" for all-zero rows on MoE layers (counted in the report either way).
+    invalid_rows: "error" (default) or "to_none" for rows that repeat an id or mix -1 with ids
+    (stored as -1 and counted in report["num_invalid_rows"]), never stored as if valid."""
     return _C.routes_import_vllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                  _freq(moe_layer_freq), int(num_mtp_layers),
-                                 int(num_input_layers), int(top_k), zero_rows)
+                                 int(num_input_layers), int(top_k), zero_rows,
+                                 invalid_rows)
 
 
 def import_sglang(paths, num_experts, num_input_layers, top_k, first_k_dense=0,
-                  moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep"):
+                  moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep",
+                  invalid_rows="error"):
     """SGLang responses (JSON / JSONL with meta_info.routed_experts, base64) -> (tables, report)."""
     return _C.routes_import_sglang([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                    _freq(moe_layer_freq), int(num_mtp_layers),
-                                   int(num_input_layers), int(top_k), zero_rows)
+                                   int(num_input_layers), int(top_k), zero_rows,
+                                 invalid_rows)
 
 
 def import_sglang_text(text, num_experts, num_input_layers, top_k, first_k_dense=0,
-                       moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep"):
+                       moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep",
+                  invalid_rows="error"):
     """The same as import_sglang over a string."""
     return _C.routes_import_sglang_text(text, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
-                                        int(num_input_layers), int(top_k), zero_rows)
+                                        int(num_input_layers), int(top_k), zero_rows,
+                                 invalid_rows)
 
 
 def moe_layer_indices(num_input_layers, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0):

@@ -7,6 +7,7 @@ Tensors cross into the engine without copies when they are contiguous CPU tensor
 made contiguous once. A CUDA tensor or a wrong dtype raises ValueError naming the argument.
 """
 import collections
+import math
 
 import torch
 
@@ -86,6 +87,28 @@ def _idx32(topk_idx, op):
     return topk_idx.to(torch.int32)
 
 
+def _fail_collective(op, error, comm):
+    """Raises `error` on every rank: a check that failed here, before the collective, joins the
+    collective's error agreement so the other ranks raise too instead of waiting (size 1: as is)."""
+    if comm.size == 1:
+        raise error
+    _C.dist_fail_collective(op, str(error), comm)
+
+
+def _agree_requires_grad(op, comm, flags):
+    """Backward runs one collective per input that needs a gradient, so the flags must agree on
+    every rank; checked in the forward, after the dispatch (one small allreduce)."""
+    if comm.size == 1:
+        return
+    mx = comm.allreduce_max([int(f) for f in flags] + [1 - int(f) for f in flags])
+    names = ("x", "probs")
+    for i, name in enumerate(names):
+        if mx[i] and mx[len(flags) + i]:
+            raise ValueError(f"[{op}] {name}.requires_grad must be the same on every rank (the "
+                             f"backward runs a collective for it), got True on some ranks and "
+                             f"False on others (rank {comm.rank}: {bool(flags[i])})")
+
+
 class DispatchHandle:
     """What combine and the backwards need, returned by ``dispatch``. ``tokens_per_expert`` [L]
     int64 (rows per local expert, ascending), ``expert_offsets`` [L+1], ``recv_src_rank`` /
@@ -115,6 +138,10 @@ class _Dispatch(torch.autograd.Function):
             recv_x, recv_w, h = _C.dispatch(x.detach(), topk_idx32, w, disp.num_experts, disp.kind,
                                             disp._capacity_factor, disp.token_drop_policy,
                                             disp.ep_comm)
+        # After dispatch's own agreement (a rank that failed its checks has raised everywhere by
+        # now), before any backward can mismatch.
+        _agree_requires_grad(f"{type(disp).__name__}.dispatch", disp.ep_comm,
+                             ctx.needs_input_grad[:2])
         box.append(h)
         ctx.h = h
         ctx.comm = disp.ep_comm
@@ -168,6 +195,12 @@ class _Dispatcher:
         if token_drop_policy not in ("probs", "position"):
             raise ValueError(f"[{type(self).__name__}] token_drop_policy must be 'probs' or "
                              f"'position', got {token_drop_policy!r}")
+        if capacity_factor is not None and not (
+                isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor)
+                and capacity_factor > 0):
+            # None is "no capacity"; the engine's 0.0 sentinel must not be reachable by mistake.
+            raise ValueError(f"[{type(self).__name__}] capacity_factor must be None (no capacity) "
+                             f"or a finite number > 0, got capacity_factor={capacity_factor!r}")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
         self.capacity_factor = capacity_factor
@@ -188,12 +221,17 @@ class _Dispatcher:
         rows grouped by local expert ascending (handle.tokens_per_expert[i] rows for local expert
         i), then by source rank and token. Differentiable in x and probs."""
         op = f"{type(self).__name__}.dispatch"
-        if not isinstance(probs, torch.Tensor):
-            raise ValueError(f"[{op}] probs must be a torch.Tensor, got {type(probs).__name__}")
-        if probs.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"[{op}] probs must have dtype float32 or float64, got {probs.dtype}")
+        try:
+            if not isinstance(probs, torch.Tensor):
+                raise ValueError(f"[{op}] probs must be a torch.Tensor, got {type(probs).__name__}")
+            if probs.dtype not in (torch.float32, torch.float64):
+                raise ValueError(f"[{op}] probs must have dtype float32 or float64, got "
+                                 f"{probs.dtype}")
+            idx32 = _idx32(topk_idx, op)
+        except ValueError as e:
+            _fail_collective("dispatch", e, self.ep_comm)
         box = []
-        recv_x, recv_p = _Dispatch.apply(x, probs, _idx32(topk_idx, op), self, box)
+        recv_x, recv_p = _Dispatch.apply(x, probs, idx32, self, box)
         return recv_x, recv_p, DispatchHandle(box[0], probs, self.ep_comm)
 
     def combine(self, expert_out, handle, apply_probs=True):
@@ -202,8 +240,9 @@ class _Dispatcher:
         already applied recv_probs. Collective; differentiable in expert_out and (with apply_probs)
         the probs given to dispatch."""
         if not isinstance(handle, DispatchHandle):
-            raise ValueError(f"[{type(self).__name__}.combine] handle must be the DispatchHandle "
-                             f"returned by dispatch, got {type(handle).__name__}")
+            _fail_collective("combine", ValueError(
+                f"[{type(self).__name__}.combine] handle must be the DispatchHandle returned by "
+                f"dispatch, got {type(handle).__name__}"), self.ep_comm)
         return _Combine.apply(expert_out, handle._probs, handle, bool(apply_probs))
 
 

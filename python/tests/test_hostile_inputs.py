@@ -136,3 +136,47 @@ def test_failed_replay_forward_keeps_the_queue(gen):
     with pytest.raises(ValueError, match="outside"):
         router(torch.randn(2, H, generator=gen), replay=replay)
     assert (replay.num_targets, replay.num_pending_backward) == (1, 0)
+
+
+# ---- silent wrong results and crashes ------------------------------------------------------------
+@pytest.mark.parametrize("cf", [0, 0.0, -1.0, float("nan"), float("inf")])
+def test_dispatcher_rejects_capacity_factor_that_is_not_positive(cf):
+    with pytest.raises(ValueError, match="capacity_factor must be None"):
+        syt.AlltoAllDispatcher(num_experts=4, capacity_factor=cf)
+
+
+def test_dispatch_and_combine_reject_non_finite_values(gen):
+    d = syt.AlltoAllDispatcher(num_experts=4)
+    idx = torch.tensor([[0, 1], [2, 3]])
+    p = torch.rand(2, 2, generator=gen)
+    x = torch.randn(2, 8, generator=gen)
+    bad_x = x.clone()
+    bad_x[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="x has a non-finite value nan at token 1, hidden 3"):
+        d.dispatch(bad_x, p, idx)
+    bad_p = p.clone()
+    bad_p[0, 1] = float("inf")
+    with pytest.raises(ValueError, match="topk_weights has a non-finite value inf at token 0"):
+        d.dispatch(x, bad_p, idx)
+    rx, _, h = d.dispatch(x, p, idx)
+    rx = rx.clone()
+    rx[2, 0] = float("-inf")
+    with pytest.raises(ValueError, match="expert_y has a non-finite value -inf at row 2"):
+        d.combine(rx, h)
+
+
+def test_set_num_threads_is_bounded():
+    before = sy.num_threads()
+    with pytest.raises(ValueError, match="n must be <= "):
+        sy.set_num_threads(100000)
+    assert sy.num_threads() == before
+
+
+def test_import_never_stores_a_row_that_repeats_an_id(tmp_path):
+    np = pytest.importorskip("numpy")
+    np.save(tmp_path / "d.npy", np.array([[[1, 2]], [[3, 3]]], dtype=np.int32))
+    with pytest.raises(ValueError, match=r"row \[3, 3\] at token 1, hidden layer 0 repeats"):
+        syr.import_vllm([tmp_path / "d.npy"], num_experts=8)
+    tables, rep = syr.import_vllm([tmp_path / "d.npy"], num_experts=8, invalid_rows="to_none")
+    assert rep["num_invalid_rows"] == 1
+    assert tables[0][1].tolist() == [[-1, -1]]

@@ -43,9 +43,9 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
     detail::fail_arg(kOp, "expert_capacity must be >= 0 or -1 (none), got expert_capacity=",
                      options.expert_capacity);
   }
-  if (!std::isfinite(options.capacity_factor)) {
-    detail::fail_arg(
-        kOp, "capacity_factor must be finite, got capacity_factor=", options.capacity_factor);
+  if (!std::isfinite(options.capacity_factor) || options.capacity_factor < 0.0) {
+    detail::fail_arg(kOp, "capacity_factor must be finite and >= 0 (0 = no capacity), got ",
+                     "capacity_factor=", options.capacity_factor);
   }
   const int32_t* idx = topk_idx.data<int32_t>();
   const float* w = has_w ? topk_weights.data<float>() : nullptr;
@@ -60,8 +60,10 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
   if (options.expert_capacity >= 0) {
     capacity = options.expert_capacity;
   } else if (options.capacity_factor > 0.0) {
-    capacity = static_cast<int64_t>(
-        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * options.capacity_factor));
+    // Clamped to T*K (no expert can receive more pairs), so a huge factor cannot overflow.
+    const double c =
+        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * options.capacity_factor);
+    capacity = c >= static_cast<double>(T * K) ? T * K : static_cast<int64_t>(c);
   }
   if (options.pad_to_capacity && capacity < 0) {
     detail::fail_arg(kOp, "pad_to_capacity needs a capacity (capacity_factor > 0 or ",

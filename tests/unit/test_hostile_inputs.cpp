@@ -15,13 +15,18 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <new>
 #include <random>
 #include <stdexcept>
 
 #include "cli_testing.h"
+#include "switchyard/dispatcher.h"
+#include "switchyard/dist.h"
 #include "switchyard/error.h"
 #include "switchyard/replay.h"
+#include "switchyard/route_import.h"
+#include "switchyard/routing_plan.h"
 #include "switchyard/route_file.h"
 #include "switchyard/router.h"
 #include "testing.h"
@@ -318,6 +323,83 @@ TEST(HostileReplay, FailedReplayForwardConsumesNothing) {
   const Tensor bad = Tensor::from_vector(std::vector<int32_t>{0, 9, 1, 2, 2, 3}, {3, 2});
   EXPECT_THROW(replay.route_forward(good, bad, {}, cfg), std::invalid_argument);
   EXPECT_EQ(replay.num_pending_backward(), 0);
+}
+
+
+// ---------------------------------------------------------------- silent wrong results
+
+TEST(HostileDispatch, NonFiniteValuesAreRejectedBeforeAnyExchange) {
+  auto comm = dist::local();
+  dist::DispatchOptions o;
+  o.num_experts = 4;
+  const Tensor idx = Tensor::from_vector(std::vector<int32_t>{0, 1, 2, 3, 1, -1}, {3, 2});
+  Tensor w = Tensor::from_vector(std::vector<float>{0.5f, 0.5f, 0.7f, 0.3f, 1.0f, 0.0f}, {3, 2});
+  Tensor x = Tensor::zeros({3, 4}, DType::fp32);
+  x.data<float>()[6] = std::numeric_limits<float>::quiet_NaN();
+  SY_EXPECT_THROW_MSG(dist::dispatch(x, idx, w, o, *comm), std::invalid_argument,
+                      "x has a non-finite value nan at token 1, hidden 2");
+  x.data<float>()[6] = 0.0f;
+  w.data<float>()[3] = std::numeric_limits<float>::infinity();
+  SY_EXPECT_THROW_MSG(dist::dispatch(x, idx, w, o, *comm), std::invalid_argument,
+                      "topk_weights has a non-finite value inf at token 1, slot 1");
+  w.data<float>()[3] = 0.3f;
+  dist::DispatchResult r = dist::dispatch(x, idx, w, o, *comm);
+  Tensor y = r.recv_x.clone();
+  y.data<float>()[1] = -std::numeric_limits<float>::infinity();
+  SY_EXPECT_THROW_MSG(dist::combine(y, r.handle, {}, *comm), std::invalid_argument,
+                      "expert_y has a non-finite value -inf at row 0, hidden 1");
+}
+
+TEST(HostileDispatch, NegativeCapacityFactorIsAnError) {
+  const Tensor idx = Tensor::from_vector(std::vector<int32_t>{0, 1}, {1, 2});
+  RoutingPlanOptions o;
+  o.capacity_factor = -1.0;
+  SY_EXPECT_THROW_MSG(build_routing_plan(idx, Tensor(), 4, o), std::invalid_argument,
+                      "capacity_factor must be finite and >= 0");
+  o.capacity_factor = 1e300;  // clamped to T*K: keeps every pair, no overflow
+  EXPECT_EQ(build_routing_plan(idx, Tensor(), 4, o).num_dropped, 0);
+}
+
+TEST(HostileDispatch, ConcurrentUseOfOneCommunicatorIsAClearError) {
+  auto comm = dist::local();
+  dist::DispatchOptions o;
+  o.num_experts = 2;
+  const Tensor idx = Tensor::from_vector(std::vector<int32_t>{0, 1}, {1, 2});
+  const Tensor w = Tensor::from_vector(std::vector<float>{0.5f, 0.5f}, {1, 2});
+  const Tensor x = Tensor::zeros({1, 4}, DType::fp32);
+  dist::DispatchResult r = dist::dispatch(x, idx, w, o, *comm);
+  {
+    // What another thread inside combine looks like to this one.
+    const dist::Communicator::Exclusive other(*comm, "combine");
+    SY_EXPECT_THROW_MSG(dist::dispatch(x, idx, w, o, *comm), std::logic_error,
+                        "is in use by another thread (combine)");
+    SY_EXPECT_THROW_MSG(dist::combine(r.recv_x, r.handle, {}, *comm), std::logic_error,
+                        "[combine] the local communicator (rank 0 of 1) is in use");
+  }
+  EXPECT_NO_THROW(dist::combine(r.recv_x, r.handle, {}, *comm));  // released again
+}
+
+TEST(HostileThreads, SetNumThreadsIsBounded) {
+  const int before = num_threads();
+  SY_EXPECT_THROW_MSG(set_num_threads(100000), std::invalid_argument,
+                      "[set_num_threads] n must be <= ");
+  EXPECT_EQ(num_threads(), before);
+}
+
+TEST(HostileImport, RowsThatRepeatAnIdAreNeverStoredAsValid) {
+  // [2 tokens, 1 layer, K 2]: token 1 repeats expert 3 (not all-zero: a real invalid row).
+  const Tensor a = Tensor::from_vector(std::vector<int32_t>{1, 2, 3, 3}, {2, 1, 2});
+  const std::string npy = encode_npy_int32(a);
+  ImportOptions o;
+  o.num_experts = 8;
+  SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy, "x.npy", o), std::invalid_argument,
+                      "[import] x.npy (sequence 0): row [3, 3] at token 1, hidden layer 0 repeats "
+                      "expert 3");
+  o.invalid_rows = InvalidRowPolicy::to_none;
+  const ImportResult r = import_vllm_npy_bytes(npy, "x.npy", o);
+  EXPECT_EQ(r.report.num_invalid_rows, 1);
+  const int32_t* t = r.sequences.at(0).topk_idx.data<int32_t>();
+  EXPECT_EQ(std::vector<int32_t>(t, t + 4), (std::vector<int32_t>{1, 2, -1, -1}));
 }
 
 }  // namespace
