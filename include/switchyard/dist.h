@@ -108,6 +108,14 @@ std::shared_ptr<Communicator> local();
 /// True when the library was built with MPI.
 bool mpi_built();
 
+/// Watchdog: with the environment variable SWITCHYARD_COLLECTIVE_TIMEOUT=<seconds> (> 0) set when
+/// an MPI communicator is made, its collectives run as nonblocking MPI calls polled against that
+/// deadline; one that does not complete in time (another rank in a different call, or failed
+/// outside the error agreement) throws BackendError naming the call and the rank, on every rank
+/// that waits, and the communicator refuses further use (MPI cannot cancel a collective: end the
+/// job). Unset or 0: blocking MPI calls, no timeout. A value that is not a number is a
+/// BackendError when the communicator is made.
+///
 /// A duplicate of MPI_COMM_WORLD (MPI_ERRORS_RETURN set on it, freed by the destructor). MPI must
 /// be initialised by the caller (MPI_Init, or mpi4py). Throws BackendError when MPI is not
 /// initialised or the library was built without MPI ("not built with MPI").
