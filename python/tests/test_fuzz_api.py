@@ -107,7 +107,7 @@ def test_topk_route_any_logits_and_replay(data, T, E, K, score, replay):
                                                        max_size=K), min_size=T, max_size=T)),
                            dtype=torch.int64).reshape(T, K)
     cfg = expect_ok_or_documented_error(
-        lambda: sy.RouterConfig(num_experts=E, topk=K, score_function=score))
+        lambda: sy.RouterConfig(num_experts=E, top_k=K, score_function=score))
     if not cfg[0]:
         return
     ok, out = expect_ok_or_documented_error(

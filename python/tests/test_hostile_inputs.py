@@ -110,7 +110,7 @@ def test_second_route_writer_on_one_path_is_a_clear_error(tmp_path):
 # ---- replay: a forward that fails validation consumes nothing -----------------------------------
 def test_failed_replay_forward_keeps_the_queue(gen):
     E, K, H = 8, 2, 16
-    router = syt.TopKRouter(H, sy.RouterConfig(num_experts=E, topk=K))
+    router = syt.TopKRouter(H, sy.RouterConfig(num_experts=E, top_k=K))
     replay = sy.RouterReplay(top_k=K, layer=0)
     mb0 = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
     mb1 = torch.tensor([[7, 6], [5, 4]], dtype=torch.int32)

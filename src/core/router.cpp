@@ -263,10 +263,10 @@ RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const Ro
     if (!gstate) {
       detail::fail_arg(kOp, "global_aux_loss needs inputs.global_aux_loss_state, got nullptr");
     }
-    if (gstate->tokens_per_expert.defined()) {
-      detail::check_dtype(gstate->tokens_per_expert, kOp, "global_aux_loss_state.tokens_per_expert",
+    if (gstate->num_tokens_per_expert.defined()) {
+      detail::check_dtype(gstate->num_tokens_per_expert, kOp, "global_aux_loss_state.num_tokens_per_expert",
                           {DType::fp64});
-      detail::check_shape(gstate->tokens_per_expert, kOp, "global_aux_loss_state.tokens_per_expert",
+      detail::check_shape(gstate->num_tokens_per_expert, kOp, "global_aux_loss_state.num_tokens_per_expert",
                           {E});
     }
     if (gstate->steps < 0) {
@@ -367,7 +367,7 @@ RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const Ro
     r.aux_groups = G;
     r.aux_grad = Tensor::zeros({G, E}, DType::fp64);
     double* ag = r.aux_grad.data<double>();
-    // tokens_per_expert as used by the loss: this batch's counts, or the running mean (global).
+    // num_tokens_per_expert as used by the loss: this batch's counts, or the running mean (global).
     std::vector<double> cnt(aux_cnt.begin(), aux_cnt.end());
     double n_tokens = static_cast<double>(num_valid);
     double extra_div = 1.0;
@@ -375,10 +375,10 @@ RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const Ro
       n_tokens = static_cast<double>(num_valid) / static_cast<double>(G);
       extra_div = static_cast<double>(G);
     } else if (config.aux_loss_type == AuxLossType::global_aux_loss) {
-      if (!gstate->tokens_per_expert.defined()) {
-        gstate->tokens_per_expert = Tensor::zeros({E}, DType::fp64);
+      if (!gstate->num_tokens_per_expert.defined()) {
+        gstate->num_tokens_per_expert = Tensor::zeros({E}, DType::fp64);
       }
-      double* acc = gstate->tokens_per_expert.data<double>();
+      double* acc = gstate->num_tokens_per_expert.data<double>();
       for (int64_t e = 0; e < E; ++e) acc[e] += cnt[e];
       gstate->steps += 1;
       for (int64_t e = 0; e < E; ++e) cnt[e] = acc[e] / static_cast<double>(gstate->steps);
@@ -457,16 +457,16 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
   return g;
 }
 
-Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& tokens_per_expert, double rate) {
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert, double rate) {
   constexpr const char* op = "update_expert_bias";
   detail::check_dtype(expert_bias, op, "expert_bias", {DType::fp32});
   detail::check_dim(expert_bias, op, "expert_bias", 1);
   const int64_t E = expert_bias.size(0);
-  detail::check_dtype(tokens_per_expert, op, "tokens_per_expert",
+  detail::check_dtype(num_tokens_per_expert, op, "num_tokens_per_expert",
                       {DType::int64, DType::int32, DType::fp32, DType::fp64});
-  detail::check_shape(tokens_per_expert, op, "tokens_per_expert", {E});
+  detail::check_shape(num_tokens_per_expert, op, "num_tokens_per_expert", {E});
   if (!std::isfinite(rate)) detail::fail_arg(op, "rate must be finite, got ", rate);
-  const std::vector<double> c = tokens_per_expert.to_double_vector();
+  const std::vector<double> c = num_tokens_per_expert.to_double_vector();
   double sum = 0.0;
   for (double v : c) sum += v;
   Tensor out = Tensor::empty({E}, DType::fp32);
