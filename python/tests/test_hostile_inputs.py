@@ -180,3 +180,34 @@ def test_import_never_stores_a_row_that_repeats_an_id(tmp_path):
     tables, rep = syr.import_vllm([tmp_path / "d.npy"], num_experts=8, invalid_rows="to_none")
     assert rep["num_invalid_rows"] == 1
     assert tables[0][1].tolist() == [[-1, -1]]
+
+
+def test_threads_sharing_one_dispatcher_get_right_answers_or_a_clear_error(gen):
+    # Two threads hammer one dispatcher (one communicator, one workspace). Every call either
+    # returns the right combine output or raises the documented RuntimeError; never a wrong y.
+    import threading
+    d = syt.AlltoAllDispatcher(num_experts=8)
+    xs = [torch.randn(256, 512, generator=gen) for _ in range(2)]
+    idx = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(256)])
+    w = torch.rand(256, 2, generator=gen)
+    want = [x * w.sum(1, keepdim=True) for x in xs]
+    wrong, errors = [], []
+
+    def work(i):
+        for _ in range(60):
+            try:
+                rx, _, h = d.dispatch(xs[i], w, idx)
+                y = d.combine(rx, h)
+            except RuntimeError as e:
+                assert "is in use by another thread" in str(e), e
+                errors.append(e)
+                continue
+            if not torch.allclose(y, want[i], rtol=1e-5, atol=1e-5):
+                wrong.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong, f"{len(wrong)} wrong combine outputs ({len(errors)} clear errors)"
