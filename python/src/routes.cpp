@@ -230,7 +230,8 @@ void bind_routes(py::module_& m) {
   m.def("routes_import_vllm_arrays",
         [](const py::sequence& arrays, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
+           const std::string& invalid_rows) {
           std::vector<py_bridge::Arg> args;
           std::vector<Tensor> ts;
           args.reserve(arrays.size());
@@ -242,7 +243,7 @@ void bind_routes(py::module_& m) {
           }
           return import_result(import_vllm_arrays(
               ts, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                 num_input_layers, top_k, zero_rows)));
+                                 num_input_layers, top_k, zero_rows, invalid_rows)));
         });
   m.def("routes_import_sglang",
         [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,

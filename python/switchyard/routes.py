@@ -183,7 +183,8 @@ def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mt
 
 
 def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None,
-                       num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep"):
+                       num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep",
+                       invalid_rows="error"):
     """The same as import_vllm over arrays in memory: one [seq_len-1, layers, K] tensor (int32,
     int64 or uint8; numpy arrays are taken too) per sequence."""
     import torch
@@ -195,11 +196,12 @@ def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None
         ts.append(t.contiguous())
     return _C.routes_import_vllm_arrays(ts, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
-                                        int(num_input_layers), int(top_k), zero_rows)
+                                        int(num_input_layers), int(top_k), zero_rows,
+                                        invalid_rows)
 
 
 def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_layer_freq=None,
-              num_mtp_layers=0, zero_rows="to_none"):
+              num_mtp_layers=0, zero_rows="to_none", invalid_rows="error"):
     """verl's ``routed_experts`` batch tensor -> one route table per sequence, -1 for "no route".
 
     routed_experts: [batch, seq, num_hidden_layers, K] integers (verl stores int16), padded
@@ -208,7 +210,8 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     the layer map are kept (``moe_layer_indices``: first_k_dense, moe_layer_freq, MTP layers
     excluded); all-zero rows on MoE layers (tokens the rollout never routed, e.g. the last
     sampled one) become -1 with zero_rows="to_none" (default; "keep" or "error" as in
-    import_vllm; with K = 1 a 0 is a real route and is kept). Returns (tables [T_i, moe_layers,
+    import_vllm; with K = 1 a 0 is a real route and is kept); rows that repeat an id or mix -1
+    with ids: invalid_rows as in import_vllm. Returns (tables [T_i, moe_layers,
     K] int32, report) with the importer's report (moe_layers, num_zero_rows, ...)."""
     import torch
     ids = routed_experts.to(torch.int32) if routed_experts.dtype != torch.int32 else routed_experts
@@ -220,7 +223,8 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     # and appends a -1 row for the last token, so its appended row is dropped again here.
     tables, report = import_vllm_arrays(per_seq, num_experts, first_k_dense, moe_layer_freq,
                                         num_mtp_layers, num_input_layers=ids.shape[2],
-                                        top_k=ids.shape[3], zero_rows=zero_rows)
+                                        top_k=ids.shape[3], zero_rows=zero_rows,
+                                        invalid_rows=invalid_rows)
     tables = [t[:-1] for t in tables]
     report["num_tokens"] -= len(tables)
     return tables, report
