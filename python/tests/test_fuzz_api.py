@@ -241,3 +241,50 @@ def test_set_num_threads_any_int(n):
     sy.set_num_threads(before)
     assert ok == (1 <= n <= 1024)
 
+
+
+@FUZZ
+@given(st.integers(1, 9), st.lists(st.tuples(st.sampled_from(["record", "pop", "fwd", "bwd"]),
+                                             st.integers(0, 4)), max_size=12))
+def test_router_replay_queues_match_a_fifo_model(K, ops):
+    # The engine queues against two Python deques: same tables out, same errors, nothing consumed
+    # by a call that fails.
+    import collections
+    r = sy.RouterReplay(top_k=K, layer=2)
+    recorded, pending = collections.deque(), collections.deque()
+    for n, (op, T) in enumerate(ops):
+        t = torch.arange(T * K, dtype=torch.int32).reshape(T, K) + n
+        if op == "record":
+            r.record(t)
+            recorded.append(t)
+        elif op == "pop":
+            ok, got = expect_ok_or_documented_error(r.pop_recorded)
+            assert ok == bool(recorded)
+            if ok:
+                assert torch.equal(got, recorded.popleft())
+        elif op == "fwd":
+            got = r.replay_forward(t)
+            assert torch.equal(got, t)
+            pending.append(t)
+        else:
+            ok, got = expect_ok_or_documented_error(lambda: r.replay_backward(T))
+            assert ok == (bool(pending) and pending[0].shape[0] == T)
+            if ok:
+                assert torch.equal(got, pending.popleft())
+        assert (r.num_recorded, r.num_pending_backward) == (len(recorded), len(pending))
+
+
+@FUZZ
+@given(st.data(), st.integers(1, 16), st.sampled_from([torch.float32, torch.float64, torch.int64]))
+def test_update_expert_bias_any_values(data, E, cdtype):
+    bias = torch.tensor(data.draw(st.lists(floats, min_size=E, max_size=E)), dtype=torch.float32)
+    counts = torch.tensor(data.draw(st.lists(st.integers(0, 1000), min_size=E, max_size=E)),
+                          dtype=cdtype)
+    rate = data.draw(st.sampled_from([0.0, 1e-3, float("nan")]))
+    ok, out = expect_ok_or_documented_error(lambda: syt.update_expert_bias(bias, counts, rate))
+    if ok:
+        assert out.shape == (E,)
+        mean = counts.to(torch.float64).mean()
+        ref = bias.to(torch.float64) + rate * torch.sign(mean - counts.to(torch.float64))
+        finite = torch.isfinite(ref)
+        assert torch.allclose(out.to(torch.float64)[finite], ref[finite], rtol=1e-6, atol=1e-6)
