@@ -210,9 +210,10 @@ void micro(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, i
   }
 }
 
-// ---- AVX-512 and the backward's panels ------------------------------------------------------
+// ---- AVX-512 and the 32-column panels -------------------------------------------------------
 
-// The backward packs its H panels kBW = 2·NR columns wide. The AVX2 and scalar microkernels run a
+// The forward packs W in panels of kBW = 2·NR experts, the backward H in panels of kBW columns
+// (32 fp32 or 16 fp64). The AVX2 and scalar microkernels run a
 // panel as two NR-column halves (ldb = kBW); on a CPU with AVX-512F the AVX2 variant runs it as
 // one 6 x 32 fp32 tile of zmm registers instead: the same per-lane chains (a 512-bit FMA lane is
 // std::fma too), twice the width per instruction, which the sgemm ceiling of such a CPU assumes.
@@ -220,7 +221,7 @@ template <class Acc>
 constexpr int kBW = 2 * kNR<Acc>;
 
 #ifdef SY_GATE_AVX2
-// Whether the AVX2 variant runs the backward's fp32 panels on AVX-512 (CPUID and the OS's XSAVE
+// Whether the AVX2 variant runs the fp32 panels on AVX-512 (CPUID and the OS's XSAVE
 // state, via libgcc). A plain int read atomically: std::atomic would be an inline template the
 // linker could share with the portable objects (scripts/check_kernel_symbols.sh).
 int& avx512_flag() {
@@ -232,7 +233,8 @@ bool use_avx512() { return __atomic_load_n(&avx512_flag(), __ATOMIC_RELAXED) != 
 template <int MR>
 __attribute__((target("avx512f"))) void micro512_full(int64_t kc, const float* a, int64_t a_rs,
                                                       int64_t a_cs, const float* b, float* c,
-                                                      int64_t ldc, Chain chain) {
+                                                      int64_t ldc, Chain chain,
+                                                      const float* bias) {
   __m512 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
 #define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #define SY_INIT(i)                                   \
@@ -261,6 +263,16 @@ __attribute__((target("avx512f"))) void micro512_full(int64_t kc, const float* a
 #undef SY_FMA
     ap += a_cs;
   }
+  if (bias) {
+    const __m512 bb0 = _mm512_loadu_ps(bias), bb1 = _mm512_loadu_ps(bias + 16);
+#define SY_BIAS(i)                                   \
+  if constexpr (MR > i) {                            \
+    c##i##0 = _mm512_add_ps(c##i##0, bb0);           \
+    c##i##1 = _mm512_add_ps(c##i##1, bb1);           \
+  }
+    SY_ROWS(SY_BIAS)
+#undef SY_BIAS
+  }
 #define SY_STORE(i)                                  \
   if constexpr (MR > i) {                            \
     _mm512_storeu_ps(c + i * ldc, c##i##0);          \
@@ -276,7 +288,7 @@ __attribute__((target("avx512f"))) void micro512_full(int64_t kc, const float* a
 __attribute__((target("avx512f"))) void micro512(int64_t mr, int64_t nvalid, int64_t kc,
                                                  const float* a, int64_t a_rs, int64_t a_cs,
                                                  const float* b, float* c, int64_t ldc,
-                                                 Chain chain) {
+                                                 Chain chain, const float* bias) {
   float tmp[kMR * 32];
   float* cc = c;
   int64_t ldcc = ldc;
@@ -289,22 +301,22 @@ __attribute__((target("avx512f"))) void micro512(int64_t mr, int64_t nvalid, int
   }
   switch (mr) {
     case 1:
-      micro512_full<1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      micro512_full<1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
     case 2:
-      micro512_full<2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      micro512_full<2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
     case 3:
-      micro512_full<3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      micro512_full<3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
     case 4:
-      micro512_full<4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      micro512_full<4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
     case 5:
-      micro512_full<5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      micro512_full<5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
     default:
-      micro512_full<kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain);
+      micro512_full<kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
   }
   if (nvalid < 32) {
@@ -314,24 +326,26 @@ __attribute__((target("avx512f"))) void micro512(int64_t mr, int64_t nvalid, int
 }
 #endif
 
-// micro() for a backward panel: `nvalid` (1..kBW) columns of a kBW-wide packed panel.
+// micro() for a kBW-wide packed panel: its first `nvalid` (1..kBW) columns; `bias` (kBW values,
+// or null) is added after the chain.
 template <class Acc>
 void micro_panel(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
-                 const Acc* b, Acc* c, int64_t ldc, Chain chain) {
+                 const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias = nullptr) {
   constexpr int NR = kNR<Acc>;
 #ifdef SY_GATE_AVX2
   if constexpr (std::is_same_v<Acc, float>) {
     static_assert(kBW<float> == 32);
     if (use_avx512()) {
-      micro512(mr, nvalid, kc, a, a_rs, a_cs, b, c, ldc, chain);
+      micro512(mr, nvalid, kc, a, a_rs, a_cs, b, c, ldc, chain, bias);
       return;
     }
   }
 #endif
   micro<Acc>(mr, std::min<int64_t>(nvalid, NR), kc, a, a_rs, a_cs, b, kBW<Acc>, c, ldc, chain,
-             nullptr);
+             bias);
   if (nvalid > NR) {
-    micro<Acc>(mr, nvalid - NR, kc, a, a_rs, a_cs, b + NR, kBW<Acc>, c + NR, ldc, chain, nullptr);
+    micro<Acc>(mr, nvalid - NR, kc, a, a_rs, a_cs, b + NR, kBW<Acc>, c + NR, ldc, chain,
+               bias ? bias + NR : nullptr);
   }
 }
 
@@ -345,10 +359,11 @@ constexpr int64_t kMB = 16 * kMR;
 // work, and much more when the other core is busy. (Results never depend on it.)
 constexpr int64_t kParallelMin = int64_t{1} << 18;
 
-// Panel of the transposed weight: dst[h*NR + j] = w[(e0 + j)*H + h] as Acc, zero for e0+j >= E.
+// Panel of the transposed weight: dst[h*NR + j] = w[(e0 + j)*H + h] as Acc, zero for e0+j >= E,
+// NR = kBW (the panel width: 32 fp32 or 16 fp64 experts).
 template <class Acc, class WT>
 void pack_w_panel_scalar(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H, int64_t h_begin) {
-  constexpr int NR = kNR<Acc>;
+  constexpr int NR = kBW<Acc>;
   for (int64_t h0 = h_begin; h0 < H; h0 += 64) {
     const int64_t h1 = std::min(H, h0 + 64);
     for (int j = 0; j < NR; ++j) {
@@ -398,18 +413,18 @@ template <class Acc, class WT>
 void pack_w_panel(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H) {
 #ifdef SY_GATE_AVX2
   if constexpr (std::is_same_v<Acc, float>) {
-    static_assert(kNR<float> == 16);
+    static_assert(kBW<float> == 32);
     const int64_t h8 = H / 8 * 8;
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t h = 0; h < h8; h += 8) {
-      for (int half = 0; half < 2; ++half) {
+      for (int half = 0; half < 4; ++half) {
         __m256 r[8];
         for (int i = 0; i < 8; ++i) {
           const int64_t e = e0 + half * 8 + i;
           r[i] = e < E ? load8_f32(w + e * H + h) : zero;
         }
         transpose8(r);
-        for (int k = 0; k < 8; ++k) _mm256_storeu_ps(dst + (h + k) * 16 + half * 8, r[k]);
+        for (int k = 0; k < 8; ++k) _mm256_storeu_ps(dst + (h + k) * 32 + half * 8, r[k]);
       }
     }
     pack_w_panel_scalar<Acc, WT>(w, dst, e0, E, H, h8);
@@ -422,7 +437,7 @@ void pack_w_panel(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H) {
 template <class Acc, class XT, class WT, class BT>
 void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T, int64_t H,
                   int64_t E) {
-  constexpr int NR = kNR<Acc>;
+  constexpr int NR = kBW<Acc>;  // panel width over E (run as two register halves, or one AVX-512 tile)
   if (T == 0 || E == 0) return;
   const int64_t npanel = (E + NR - 1) / NR;
   const int64_t e_pad = npanel * NR;
@@ -470,8 +485,9 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
           }
           for (int64_t p = 0; p < npanel; ++p) {
             const int64_t nvalid = std::min<int64_t>(NR, E - p * NR);
-            micro<Acc>(mr, nvalid, kc, a, a_rs, 1, wp.p + (p * H + k0) * NR, NR,
-                       out + tt * E + p * NR, E, chain, (last && bias) ? bpad.p + p * NR : nullptr);
+            micro_panel<Acc>(mr, nvalid, kc, a, a_rs, 1, wp.p + (p * H + k0) * NR,
+                             out + tt * E + p * NR, E, chain,
+                             (last && bias) ? bpad.p + p * NR : nullptr);
           }
         }
       }

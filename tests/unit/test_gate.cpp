@@ -253,10 +253,11 @@ namespace switchyard::cpu::avx2 {
 bool gate_avx512(int request);
 }
 
-// On an AVX-512 CPU the AVX2 variant runs the backward's 32-column panels on zmm registers; the
-// 256-bit path (what a CPU without AVX-512 runs) must give the same chains: checked here with the
-// AVX-512 panels turned off, against the chain reference and bitwise against the AVX-512 run.
-TEST(Gate, BackwardAvx2PanelsWithoutAvx512MatchChain) {
+// On an AVX-512 CPU the AVX2 variant runs the 32-column panels (forward: experts, backward: hidden)
+// on zmm registers; the 256-bit path (what a CPU without AVX-512 runs) must give the same chains:
+// checked here with the AVX-512 panels turned off, against the chain reference and bitwise
+// against the AVX-512 run.
+TEST(Gate, Avx2PanelsWithoutAvx512MatchChain) {
   if (sy::cpu_isa() != sy::CpuIsa::avx2) GTEST_SKIP() << "the avx2 variant is not active";
   struct Avx512Guard {
     bool saved = sy::cpu::avx2::gate_avx512(-1);
@@ -269,13 +270,21 @@ TEST(Gate, BackwardAvx2PanelsWithoutAvx512MatchChain) {
                         {300, 2048, 64, DType::bf16, DType::bf16, DType::fp32, false},
                         {37, 45, 19, DType::bf16, DType::fp32, DType::fp64, true}};
   for (const Case& c : cases) check_backward(c, s++);
+  const Case fwd_cases[] = {{1031, 45, 19, DType::bf16, DType::bf16, DType::fp32, true},
+                            {300, 2048, 128, DType::bf16, DType::bf16, DType::fp32, false},
+                            {97, 300, 65, DType::fp32, DType::fp32, DType::fp32, true},
+                            {37, 45, 19, DType::bf16, DType::fp32, DType::fp64, true}};
+  for (const Case& c : fwd_cases) check_forward(c, s++);
   // Same bits as the AVX-512 panels, where the CPU has them.
   std::mt19937_64 rng(test_seed(516));
   const Tensor x = randn({777, 2050}, DType::bf16, rng), w = randn({70, 2050}, DType::bf16, rng);
   const Tensor g = randn({777, 70}, DType::fp32, rng);
+  const Tensor b = randn({70}, DType::fp32, rng);
   const sy::GateGrads narrow = sy::router_gating_linear_backward(g, x, w, Tensor());
+  const Tensor narrow_logits = sy::router_gating_linear(x, w, b);
   if (!sy::cpu::avx2::gate_avx512(1)) GTEST_SKIP() << "no AVX-512F on this CPU";
   const sy::GateGrads wide = sy::router_gating_linear_backward(g, x, w, Tensor());
+  EXPECT_TRUE(bitwise_equal(narrow_logits, sy::router_gating_linear(x, w, b)));
   EXPECT_TRUE(bitwise_equal(narrow.grad_x, wide.grad_x));
   EXPECT_TRUE(bitwise_equal(narrow.grad_weight, wide.grad_weight));
 }
