@@ -25,6 +25,18 @@ import switchyard as sy
 import switchyard.torch as syt
 
 
+def cpu_model():
+    """The "model name" line of /proc/cpuinfo (what lscpu prints)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def torch_router(x, w, K, aux_coeff):
     """Pure PyTorch: fp32 gate, softmax over the top-k logits, Megatron's switch aux loss."""
     logits = torch.mm(x.to(torch.float32), w.to(torch.float32).t())
@@ -79,6 +91,7 @@ def main():
     cases = [("qwen3-30b-a3b", 2048, 128, 8, {}, 4096 if not args.quick else 512),
              ("deepseek-v3", 7168, 256, 8, dict(score_function="sigmoid", num_groups=8,
                                                 group_topk=4), 1024 if not args.quick else 128)]
+    print(f"CPU: {cpu_model()}; kernel ISA {sy.cpu_isa()}; torch {torch.__version__}")
     print(f"threads={args.threads}  (median of {reps}; ratio = torch / switchyard)")
     print(f"| model | dtype x/W | T | H | E | K | pass | switchyard ms | torch ms | ratio |")
     print(f"|---|---|---|---|---|---|---|---|---|---|")
