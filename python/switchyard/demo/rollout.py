@@ -50,28 +50,46 @@ def make_prompts(corpus, rcfg):
     return prompts
 
 
-def run_rollout(model, corpus, rcfg, moe_layers, route_path, progress=True):
-    """Generates group_size samples per prompt in engine batches of batch_size sequences
-    (left padded), captures the routes of each generate() (prefill + every decode step) with
-    switchyard.integrations.hf and writes them, through switchyard.routes.import_vllm_arrays, to
-    ``route_path``. ``model`` is the bf16 model, run with sdpa attention and grouped_mm experts.
-    Returns (samples, info)."""
+class _ForceTokens:
+    """A logits processor that makes generate() emit given tokens (teacher forcing): the engine's
+    own computation (same batches, padding, KV cache, decode steps) over tokens already sampled."""
+
+    def __init__(self, prompt_width, forced):
+        self.S = prompt_width
+        self.forced = forced  # [B, max_new] long
+
+    def __call__(self, input_ids, scores):
+        step = input_ids.shape[1] - self.S
+        out = torch.full_like(scores, float("-inf"))
+        out[torch.arange(scores.shape[0]), self.forced[:, step]] = 0.0
+        return out
+
+
+def engine_pass(model, corpus, rcfg, router_dtype=None, forced=None, progress=True, desc=""):
+    """The inference engine: group_size samples per prompt in engine batches of batch_size
+    sequences (left padded), generate() with the KV cache, the routes of every generate() (prefill
+    and each decode step) captured by switchyard.integrations.hf in vLLM's routed_experts shape.
+    ``model`` is the bf16 model, run with sdpa attention and grouped_mm experts.
+    ``router_dtype``: None = transformers' bf16 router; torch.float32 = switchyard's FP32 router.
+    ``forced``: samples of an earlier pass whose responses are replayed token for token
+    (teacher forcing, greedy over a forced distribution) instead of sampled: the same engine run
+    with another router, scored on the same tokens. Returns (samples, vllm arrays, info)."""
     from tqdm.auto import tqdm
 
     import switchyard.integrations.hf as syhf
-    from switchyard import routes as syr
+
+    from .engine import engine_kernels
 
     model.set_attn_implementation("sdpa")
     model.set_experts_implementation("grouped_mm")
     prompts = make_prompts(corpus, rcfg)
     todo = [(p, j) for p in range(len(prompts)) for j in range(rcfg.group_size)]
     samples, vllm_arrays = [], []
-    patch = syhf.patch(model, router_dtype=None)  # capture only: bitwise the unpatched router
+    patch = syhf.patch(model, router_dtype=router_dtype)
     g = torch.Generator().manual_seed(rcfg.seed + 13)
     t0 = time.perf_counter()
     fed = 0
-    bar = tqdm(total=len(todo), desc="rollout (generate, KV cache)", disable=not progress,
-               unit="seq", leave=False)
+    bar = tqdm(total=len(todo), desc=desc, disable=not progress, unit="seq", leave=False)
     try:
         for start in range(0, len(todo), rcfg.batch_size):
             chunk = todo[start:start + rcfg.batch_size]
@@ -82,13 +100,25 @@ def run_rollout(model, corpus, rcfg, moe_layers, route_path, progress=True):
             for b, t in enumerate(plist):  # left padding, as generate() expects
                 ids[b, S - len(t):] = torch.tensor(t)
                 mask[b, S - len(t):] = 1
-            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=g)))
-            with torch.no_grad(), patch.capture() as cap:
+            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=g))
+            kw = dict(do_sample=True, temperature=rcfg.temperature, top_k=0, top_p=1.0)
+            if forced is not None:
+                fz = torch.full((len(chunk), rcfg.max_new_tokens), EOS, dtype=torch.long)
+                for b in range(len(chunk)):
+                    f = forced[start + b]
+                    resp = f.tokens[f.prompt_len:]
+                    fz[b, :len(resp)] = torch.tensor(resp)
+                steps = max(len(forced[start + b].tokens) - forced[start + b].prompt_len
+                            for b in range(len(chunk)))
+                kw = dict(do_sample=False, logits_processor=[_ForceTokens(S, fz)],
+                          temperature=None, top_k=None, top_p=None)
+            torch.manual_seed(seed)
+            with torch.no_grad(), engine_kernels(model), patch.capture() as cap:
                 out = model.generate(
-                    input_ids=ids, attention_mask=mask, do_sample=True,
-                    temperature=rcfg.temperature, top_k=0, top_p=1.0,
-                    max_new_tokens=rcfg.max_new_tokens, eos_token_id=EOS, pad_token_id=PAD,
-                    output_logits=True, return_dict_in_generate=True)
+                    input_ids=ids, attention_mask=mask,
+                    max_new_tokens=rcfg.max_new_tokens if forced is None else steps,
+                    eos_token_id=EOS, pad_token_id=PAD, output_logits=True,
+                    return_dict_in_generate=True, **kw)
             seqs = out.sequences
             new = seqs[:, S:]
             # Real tokens of the response: up to and including the first EOS.
@@ -113,6 +143,9 @@ def run_rollout(model, corpus, rcfg, moe_layers, route_path, progress=True):
                 if arrays[b].shape[0] != len(s.tokens) - 1:
                     raise RuntimeError(f"[demo] rollout sequence {s.index}: captured "
                                        f"{arrays[b].shape[0]} routes for {len(s.tokens)} tokens")
+                if forced is not None and s.tokens != forced[s.index].tokens:
+                    raise RuntimeError(f"[demo] teacher-forced sequence {s.index} came out "
+                                       "different from the one it replays")
                 samples.append(s)
                 vllm_arrays.append(arrays[b])
             bar.update(len(chunk))
@@ -120,16 +153,34 @@ def run_rollout(model, corpus, rcfg, moe_layers, route_path, progress=True):
         bar.close()
         patch.unpatch()
     seconds = time.perf_counter() - t0
-    cfg = model.config
-    tables, report = syr.import_vllm_arrays(
-        vllm_arrays, cfg.num_experts, moe_layer_freq=[0 if i not in moe_layers else 1
-                                                      for i in range(cfg.num_hidden_layers)],
-        num_input_layers=cfg.num_hidden_layers, top_k=cfg.num_experts_per_tok)
-    nbytes = syr.write(route_path, tables, cfg.num_experts, moe_layers=list(moe_layers))
     info = {"seconds": seconds, "num_sequences": len(samples), "fed_tokens": fed,
-            "tokens_per_s": fed / seconds, "route_file": str(route_path),
-            "route_file_bytes": int(nbytes), "vllm_array_shape_0": list(vllm_arrays[0].shape),
-            "vllm_int32_bytes": int(sum(a.numel() * 4 for a in vllm_arrays)),
+            "tokens_per_s": fed / seconds,
             "response_tokens": int(sum(s.response_len for s in samples)),
-            "mean_reward": float(sum(s.reward for s in samples) / len(samples))}
+            "mean_reward": float(sum(s.reward for s in samples) / len(samples)),
+            "vllm_array_shape_0": list(vllm_arrays[0].shape),
+            "vllm_int32_bytes": int(sum(a.numel() * 4 for a in vllm_arrays))}
+    return samples, vllm_arrays, info
+
+
+def import_routes(model, vllm_arrays, moe_layers):
+    """vLLM routed_experts arrays -> switchyard route tables (switchyard.routes.import_vllm_arrays
+    with the model's layer map: dense layer 0 dropped, a -1 row for each last token)."""
+    from switchyard import routes as syr
+    cfg = model.config
+    freq = [1 if i in moe_layers else 0 for i in range(cfg.num_hidden_layers)]
+    tables, _ = syr.import_vllm_arrays(vllm_arrays, cfg.num_experts, moe_layer_freq=freq,
+                                       num_input_layers=cfg.num_hidden_layers,
+                                       top_k=cfg.num_experts_per_tok)
+    return tables
+
+
+def run_rollout(model, corpus, rcfg, moe_layers, route_path, progress=True):
+    """The rollout with transformers' bf16 router; its routes imported and written to
+    ``route_path`` (switchyard.routes.write). Returns (samples, info)."""
+    from switchyard import routes as syr
+    samples, arrays, info = engine_pass(model, corpus, rcfg, None, progress=progress,
+                                        desc="rollout (generate, KV cache)")
+    tables = import_routes(model, arrays, moe_layers)
+    nbytes = syr.write(route_path, tables, model.config.num_experts, moe_layers=list(moe_layers))
+    info.update(route_file=str(route_path), route_file_bytes=int(nbytes))
     return samples, info
