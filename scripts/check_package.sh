@@ -11,9 +11,11 @@ venv=${SWITCHYARD_VENV:-$(bash "$root/scripts/env.sh")}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$root"
+source scripts/toolchain.sh
 echo "[package] building the wheel (scikit-build-core, build-pip/)"
 CMAKE_BUILD_PARALLEL_LEVEL=${SY_JOBS:-2} "$venv/bin/python" -m pip wheel -q --no-deps \
-  --no-build-isolation -w "$work/wheel" . >"$work/wheel.log" 2>&1 || { tail -40 "$work/wheel.log"; exit 1; }
+  --no-build-isolation --config-settings=cmake.define.SWITCHYARD_WERROR=ON -w "$work/wheel" . \
+  >"$work/wheel.log" 2>&1 || { tail -40 "$work/wheel.log"; exit 1; }
 "$venv/bin/python" -m venv "$work/venv"
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 fresh_site=$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

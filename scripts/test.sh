@@ -8,6 +8,7 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 jobs=${SY_JOBS:-2}
+source scripts/toolchain.sh
 passed=0; failed=0; stage_failed=()
 
 # Adds the counts of one ctest log ("X% tests passed, F tests failed out of N") to the totals.

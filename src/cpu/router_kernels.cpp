@@ -473,8 +473,13 @@ int64_t apply_capacity(const int32_t* selected_idx, const S* weights, int64_t T,
     int64_t* b = slots.data() + offs[e];
     int64_t* end = slots.data() + offs[e + 1];
     if (!drop_by_position) {
-      // Highest weight first; ties keep the lower token (slots are already in token order).
-      std::stable_sort(b, end, [&](int64_t x, int64_t y) { return weights[x] > weights[y]; });
+      // Highest weight first; ties keep the lower token. (std::sort with the index as tie-break,
+      // not std::stable_sort: the latter's helpers do not depend on the comparator, so the AVX2
+      // and scalar compilations of this file would emit the same weak symbol, and the linker
+      // could hand AVX2 code to the scalar path; scripts/check_kernel_symbols.sh guards this.)
+      std::sort(b, end, [&](int64_t x, int64_t y) {
+        return weights[x] > weights[y] || (weights[x] == weights[y] && x < y);
+      });
     }
     for (int64_t* s = b + capacity; s < end; ++s) {
       topk_idx[*s] = -1;
