@@ -1,6 +1,6 @@
-"""switchyard with a Hugging Face transformers MoE model: FP32 router, R2, capture during generate(),
-R3 from the captured routes, checkpointing. The README's transformers example is this file; the test
-suite runs it (python/tests/test_hf_replay.py). A tiny Qwen3-MoE built from a config: no download."""
+"""switchyard with a Hugging Face transformers MoE model: FP32 router, R2, capture during
+generate(), R3 from the captured routes, checkpointing. The README's transformers example is this
+file; the test suite runs it (test_hf_replay.py). A tiny Qwen3-MoE from a config: no download."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,8 +31,8 @@ with torch.no_grad():
 patch.set_action("replay_forward")
 model.train()
 model(input_ids, attention_mask=attention_mask, labels=input_ids).loss.backward()
-print(patch.counts())                                  # {layer: {replayed, native, ...}}
-assert all(c["replayed"] == input_ids.numel() for c in patch.counts().values())
+print(patch.counts())                   # {layer: {num_replayed_rows, num_native_rows, ...}}
+assert all(c["num_replayed_rows"] == input_ids.numel() for c in patch.counts().values())
 
 # Capture during generate(): the prefill and every decode step with the KV cache.
 model.eval()
@@ -52,7 +52,7 @@ patch.reset_counts()
 patch.set_targets(targets)
 model(seq, attention_mask=full_mask, labels=seq).loss.backward()
 for layer, c in patch.counts().items():                # padding and last tokens route natively
-    assert c["replayed"] == 17 + 14 and c["recomputed"] == seq.numel(), c
+    assert c["num_replayed_rows"] == 17 + 14 and c["num_recomputed_rows"] == seq.numel(), c
 model.activation_checkpointing_disable()
 
 patch.unpatch()

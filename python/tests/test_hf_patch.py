@@ -76,7 +76,7 @@ def test_patch_in_the_family_dtypes_is_bitwise_unpatched(family, dtype):
     for kw in variants:
         with syhf.patch(model, **kw) as p:
             got = _run(model, ids, gen_ids)
-        assert p.counts()[p.layers[0]]["calls"] == 1 + 4
+        assert p.counts()[p.layers[0]]["num_calls"] == 1 + 4
         assert torch.equal(got[0], ref[0]), kw
         assert torch.equal(got[1], ref[1]), kw
         if ref[2] is not None:
@@ -100,9 +100,9 @@ def _hook_routers(model, p):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_router_under_bf16_autocast(family):
-    """fp32 parameters under torch.autocast(bf16), as FSDP mixed precision trains: the unpatched gate
-    runs in bf16 (ERNIE-4.5 alone turns autocast off); patched, the logits are the engine's fp32
-    gate of the router input, and the combine weights have the family's documented dtype."""
+    """fp32 parameters under torch.autocast(bf16), as FSDP mixed precision trains: the unpatched
+    gate runs in bf16 (ERNIE-4.5 alone turns autocast off); patched, the logits are the engine's
+    fp32 gate of the router input, and the combine weights have the family's documented dtype."""
     model = build(family, torch.float32)
     ids = tokens(2, 8, seed=3)
     p = syhf.patch(model, router_dtype=None)
@@ -171,7 +171,7 @@ def test_fp32_router_gradients_match_float64(family, param_dtype, gen):
     p64.replays[layer].action = "replay_forward"
     logits64, weights64, _ = unpack(family, r64(x64))
     ((weights64 * g_w).sum() + 0.1 * (logits64 * g_l).sum()).backward()
-    assert p64.counts()[layer]["replayed"] == 37
+    assert p64.counts()[layer]["num_replayed_rows"] == 37
 
     tol = dict(rtol=1e-5, atol=1e-6) if param_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
     fam = syhf.FAMILIES[_family_key(family)]
@@ -292,7 +292,7 @@ def test_patch_under_fsdp2_keeps_outputs_and_gradients(tmp_path):
             warnings.simplefilter("always")
             models[1](ids, labels=ids).loss.backward()
         assert not [w for w in caught if "view tensor" in str(w.message)]
-        assert p.counts()[0]["calls"] == 1
+        assert p.counts()[0]["num_calls"] == 1
         assert bool(models[1].model.layers[0].mlp.gate.weight.grad.full_tensor().abs().sum() > 0)
         p.unpatch()
     finally:

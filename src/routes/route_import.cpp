@@ -338,8 +338,8 @@ ImportResult import_vllm_arrays(const std::vector<Tensor>& arrays, const ImportO
     const Tensor& a = arrays[i];
     const std::string source = cat("arrays[", i, "]");
     if (a.dim() != 3) {
-      fail_arg(kOp, source, ": expected a 3-D array [seq_len-1, num_layers, top_k], got ",
-               a.dim(), " dimensions");
+      fail_arg(kOp, source, ": expected a 3-D array [seq_len-1, num_layers, top_k], got ", a.dim(),
+               " dimensions");
     }
     Elem elem = Elem::i4;
     switch (a.dtype()) {

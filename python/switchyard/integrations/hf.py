@@ -1,5 +1,5 @@
 """switchyard.integrations.hf: FP32 routers, router replay and route capture for Hugging Face MoE
-models (transformers >= 5.24; transformers is an optional dependency, imported by the model you pass).
+models (transformers >= 5.24, an optional dependency: it comes with the model you pass).
 
     import switchyard.integrations.hf as syhf
     p = syhf.patch(model, router_dtype=torch.float32)   # every MoE router of the model, in place
@@ -14,39 +14,41 @@ What the patch does, per MoE decoder layer (keyed by its absolute layer number):
   FSDP wrapping, forward hooks (``output_router_logits``) and the router's return contract stay as
   they are; ``unpatch()`` restores the original forward.
 * ``router_dtype=torch.float32`` (or ``torch.float64``): the gate GEMM runs in that dtype even under
-  ``torch.autocast``, and the family's routing math (softmax or sigmoid, correction bias, group-limited
-  top-k, renormalisation, scaling) runs on those logits. On CPU tensors the gate is switchyard's
-  engine (``switchyard.torch.router_gating_linear``: bf16/fp32 inputs, fp32 accumulation in a fixed
-  order, batch invariant, exact backward). On CUDA tensors it is a torch GEMM in router_dtype with
-  autocast off: the same routing semantics, but NOT batch invariant (cuBLAS picks its reduction order
-  by shape). ``gate="torch"`` asks for the torch GEMM on CPU too.
+  ``torch.autocast``, and the family's routing math (softmax or sigmoid, correction bias,
+  group-limited top-k, renormalisation, scaling) runs on those logits. On CPU tensors the gate is
+  switchyard's engine (``switchyard.torch.router_gating_linear``: bf16/fp32 inputs, fp32
+  accumulation in a fixed order, batch invariant, exact backward). On CUDA tensors it is a torch
+  GEMM in router_dtype with autocast off: the same routing semantics, but NOT batch invariant
+  (cuBLAS picks its reduction order by shape). ``gate="torch"`` asks for the torch GEMM on CPU too.
 * ``router_dtype=None``: the family's own dtypes and GEMM, bitwise the same outputs as unpatched;
   use it for replay and capture without a precision change.
 * Combine weights (what the router hands to the experts), per family, with router_dtype set:
   router_dtype for Qwen3-MoE, Qwen2-MoE, Qwen3-Next, OLMoE, HunYuan (their code casts the weights to
-  the logits' dtype), Mixtral, DeepSeek-V3, GLM4-MoE (their code keeps them fp32) and GPT-OSS (softmax
-  in the logits' dtype); the hidden-states dtype for ERNIE-4.5 (its code casts to it) and Llama-4
-  (its scores scale the experts' input, whose GEMM needs the experts' dtype). ``COMBINE_DTYPE`` says
-  the same in code.
+  the logits' dtype), Mixtral, DeepSeek-V3, GLM4-MoE (their code keeps them fp32) and GPT-OSS
+  (softmax in the logits' dtype); the hidden-states dtype for ERNIE-4.5 (its code casts to it) and
+  Llama-4 (its scores scale the experts' input, whose GEMM needs the experts' dtype).
+  ``COMBINE_DTYPE`` says the same in code.
 * Replay (R2 / R3): ``p.replays[layer]`` is a ``switchyard.RouterReplay``. Action ``"record"``
   records the ids of every forward; ``"replay_forward"`` replays the next target
   (``p.set_targets``) or else the oldest recorded table. Only ids are replayed: the weights are
   recomputed from the live logits at those ids with the family's formula, so gradients reach the
   router. A row of all -1 is routed natively and counted; an invalid row (mixing -1 and ids,
   repeating an id, an id outside [0, E)) is a ValueError naming the layer and token, or routed
-  natively and counted with ``invalid_replay_rows="native"``. ``p.counts()`` gives the replayed /
-  native / invalid / recomputed rows per layer.
+  natively and counted with ``invalid_replay_rows="native"``. ``p.counts()`` gives per layer
+  ``num_replayed_rows``, ``num_native_rows``, ``num_invalid_replay_rows``, ``num_recomputed_rows``
+  and ``num_calls``.
 * Activation checkpointing (``model.gradient_checkpointing_enable()``): a forward that will be
   recomputed queues its final ids; the recompute inside backward (detected as running inside the
   autograd engine) routes with exactly those ids, first in first out per layer, and neither records
   nor captures.
 * Capture: ``with p.capture() as cap: model.generate(...)`` records the ids of the prefill and of
   every decode step (KV cache included); ``cap.routed_experts(attention_mask)`` gives vLLM's
-  ``routed_experts`` per sequence (int32 ``[num_tokens - 1, num_hidden_layers, K]``, dense layers 0),
-  ``cap.tables(...)`` switchyard route tables, ``cap.write(path, ...)`` a route file.
+  ``routed_experts`` per sequence (int32 ``[num_tokens - 1, num_hidden_layers, K]``, dense layers
+  0), ``cap.tables(...)`` switchyard route tables, ``cap.write(path, ...)`` a route file.
 """
 import collections
 import contextlib
+import os
 import re
 
 import torch
@@ -427,26 +429,26 @@ class _Layer:
                         ids32 = self.replay.replay_backward(T)
                         replay_ids = ids32.to(device=logits.device, dtype=torch.int64)
                         replay_mask = torch.ones(T, dtype=torch.bool, device=logits.device)
-                        self.counts["recomputed"] += T
+                        self.counts["num_recomputed_rows"] += T
                     elif self.replay.action == "replay_forward":
                         raise RuntimeError(
                             f"[hf] layer {self.layer}: a checkpoint recompute found no queued ids "
                             "(the layer was checkpointed by something other than transformers' "
                             "gradient_checkpointing_enable, so its forward did not queue them)")
                     else:
-                        self.counts["recomputed_native"] += T
+                        self.counts["num_recomputed_native_rows"] += T
                 else:
                     target = self._target(T)
                     if target is not None:
                         ids32, mask, info = self._classify(target.to("cpu").contiguous(), T)
                         replay_ids = ids32.to(device=logits.device, dtype=torch.int64)
                         replay_mask = mask.to(logits.device)
-                        self.counts["replayed"] += info.num_replayed_rows
-                        self.counts["native"] += info.num_native_rows
-                        self.counts["invalid"] += info.num_invalid_replay_rows
+                        self.counts["num_replayed_rows"] += info.num_replayed_rows
+                        self.counts["num_native_rows"] += info.num_native_rows
+                        self.counts["num_invalid_replay_rows"] += info.num_invalid_replay_rows
                     else:
-                        self.counts["native"] += T
-                    self.counts["calls"] += 1
+                        self.counts["num_native_rows"] += T
+                    self.counts["num_calls"] += 1
                 weights, ids = fam.route(r, logits, replay_ids, replay_mask)
             if not recompute:
                 self._after_forward(ids, T)
@@ -494,10 +496,10 @@ class Capture:
         self._owner._stop_capture(self)
 
     @property
-    def num_forwards(self):
+    def num_forwards(self) -> int:
         return max((len(v) for v in self._steps.values()), default=0)
 
-    def ids(self):
+    def ids(self) -> torch.Tensor:
         """[B, S_fed, num_hidden_layers, K] int32: every fed token's ids, dense layers 0."""
         o = self._owner
         per = {}
@@ -517,7 +519,7 @@ class Capture:
             out[:, :, layer, :] = t
         return out
 
-    def routed_experts(self, attention_mask=None):
+    def routed_experts(self, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """vLLM's ``routed_experts`` per sequence: a list of int32 tensors
         [num_tokens - 1, num_hidden_layers, K] (dense layers 0; the last token, never fed, has no
         route). ``attention_mask`` [B, S_out] (nonzero = real token) of the generated sequences
@@ -544,12 +546,42 @@ class Capture:
             out.append(rows.contiguous())
         return out
 
-    def tables(self, attention_mask=None):
+    def to_verl(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """verl's ``routed_experts`` batch layout: int16 [B, S_out, num_hidden_layers, K] over the
+        generated sequences' positions (``attention_mask`` [B, S_out]), zero filled at padding, on
+        dense layers and at each sequence's last token (which has no route), vLLM's routes at the
+        other real tokens. ``Patch.targets_from_verl`` reads it back."""
+        m = torch.as_tensor(attention_mask).to("cpu").bool()
+        arrays = self.routed_experts(m)
+        if self._owner.num_experts > 32767:
+            raise ValueError(f"[hf.Capture] to_verl: int16 ids need num_experts <= 32767, got "
+                             f"{self._owner.num_experts}")
+        L, K = self._owner.num_hidden_layers, self._owner.top_k
+        out = torch.zeros(m.shape[0], m.shape[1], L, K, dtype=torch.int16)
+        for b, a in enumerate(arrays):
+            pos = m[b].nonzero().flatten()[:a.shape[0]]
+            out[b, pos] = a.to(torch.int16)
+        return out
+
+    def save_npy(self, directory: str | os.PathLike, attention_mask: torch.Tensor | None = None,
+                 prefix: str = "seq") -> list[str]:
+        """Writes one .npy per sequence (vLLM's routed_experts, int32), the files the vLLM
+        importer and ``switchyard routes import-vllm`` read; returns their paths."""
+        import numpy as np
+        os.makedirs(directory, exist_ok=True)
+        paths = []
+        for i, a in enumerate(self.routed_experts(attention_mask)):
+            paths.append(os.path.join(str(directory), f"{prefix}{i}.npy"))
+            np.save(paths[-1], a.numpy())
+        return paths
+
+    def tables(self, attention_mask: torch.Tensor | None = None) -> tuple[list[torch.Tensor], dict]:
         """switchyard route tables ([num_tokens, moe_layers, K], last token -1), through the vLLM
         importer with the model's layer map. Returns (tables, report)."""
         return self._owner._import_vllm(self.routed_experts(attention_mask), zero_rows="keep")
 
-    def write(self, path, attention_mask=None, compression_level=3):
+    def write(self, path: str | os.PathLike, attention_mask: torch.Tensor | None = None,
+              compression_level: int = 3) -> int:
         """Writes the captured sequences to a route file; returns the bytes written."""
         tables, _ = self.tables(attention_mask)
         return syr.write(path, tables, self._owner.num_experts, moe_layers=self._owner.layers,
@@ -578,34 +610,37 @@ class Patch:
 
     # ---- what was patched ----
     @property
-    def family(self):
+    def family(self) -> str:
         return self._layers[0].family.title
 
     @property
-    def layers(self):
+    def layers(self) -> list[int]:
         return [l.layer for l in self._layers]
 
     @property
-    def modules(self):
+    def modules(self) -> dict[int, str]:
         return {l.layer: l.name for l in self._layers}
 
     @property
-    def replays(self):
+    def replays(self) -> dict[int, sy.RouterReplay]:
         return {l.layer: l.replay for l in self._layers}
 
     @property
-    def num_experts(self):
+    def num_experts(self) -> int:
         return max(l.num_experts for l in self._layers)
 
     @property
-    def top_k(self):
+    def top_k(self) -> int:
         return self._layers[0].top_k
 
     @property
-    def combine_dtype(self):
+    def combine_dtype(self) -> str:
+        """Dtype of the combine weights the patched routers return (COMBINE_DTYPE)."""
+        if self.router_dtype is None:
+            return "the family's own (unchanged)"
         return self._layers[0].family.combine_dtype
 
-    def gate_description(self):
+    def gate_description(self) -> str:
         if self.router_dtype is None:
             return "the family's own (unchanged)"
         if self.gate == "torch":
@@ -620,12 +655,12 @@ class Patch:
                 f"{'' if self.active else ' (unpatched)'}>")
 
     # ---- replay ----
-    def set_action(self, action):
+    def set_action(self, action: str | None) -> None:
         """Sets every layer's RouterReplay action: None, "record" or "replay_forward"."""
         for l in self._layers:
             l.replay.action = action
 
-    def set_targets(self, routes):
+    def set_targets(self, routes: torch.Tensor) -> None:
         """Queues replay targets for the next forward of every MoE layer and sets the action to
         "replay_forward". ``routes``: [T, moe_layers, K] or [B, S, moe_layers, K] ids (-1 = route
         natively), tokens in the order the forward sees them (row-major over [B, S]); moe_layers
@@ -643,17 +678,18 @@ class Patch:
             l.replay.set_target(t[:, m, :])
             l.replay.action = "replay_forward"
 
-    def counts(self):
+    def counts(self) -> dict[int, dict[str, int]]:
         """Per layer: rows replayed / routed natively / invalid (routed natively) in forwards, rows
         recomputed with queued ids inside backward, and forward calls, since reset_counts()."""
-        keys = ("replayed", "native", "invalid", "recomputed", "calls")
+        keys = ("num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
+                "num_recomputed_rows", "num_calls")
         return {l.layer: {k: int(l.counts[k]) for k in keys} for l in self._layers}
 
-    def reset_counts(self):
+    def reset_counts(self) -> None:
         for l in self._layers:
             l.counts.clear()
 
-    def clear(self):
+    def clear(self) -> None:
         """Drops every queued table (recorded, targets, pending recompute) and the counts."""
         for l in self._layers:
             l.replay.clear()
@@ -689,19 +725,22 @@ class Patch:
             out[b][m[b]] = t
         return out
 
-    def targets_from_tables(self, tables, attention_mask=None):
+    def targets_from_tables(self, tables, attention_mask: torch.Tensor | None = None
+                            ) -> torch.Tensor:
         """switchyard route tables (one [n_b, moe_layers, K] per sequence, e.g. from
         switchyard.routes.read) -> [B, S, moe_layers, K] targets, -1 at padding."""
         return self._pad([torch.as_tensor(t).to(torch.int32) for t in tables], attention_mask)
 
-    def targets_from_vllm(self, arrays, attention_mask=None, zero_rows="keep"):
+    def targets_from_vllm(self, arrays, attention_mask: torch.Tensor | None = None,
+                          zero_rows: str = "keep") -> tuple[torch.Tensor, dict]:
         """vLLM / SGLang routed_experts arrays (one [n_b - 1, num_hidden_layers, K] per sequence,
         dense layers 0) -> ([B, S, moe_layers, K] targets with -1 at padding and last tokens,
         import report), through switchyard's vLLM importer and this model's layer map."""
         tables, report = self._import_vllm(list(arrays), zero_rows)
         return self._pad(tables, attention_mask), report
 
-    def targets_from_verl(self, routed_experts, attention_mask, zero_rows="to_none"):
+    def targets_from_verl(self, routed_experts: torch.Tensor, attention_mask: torch.Tensor,
+                          zero_rows: str = "to_none") -> tuple[torch.Tensor, dict]:
         """verl's ``routed_experts`` ([B, S, num_hidden_layers, K], int16, padded, zero filled;
         each row holds vLLM's routes of its real tokens, the last real token having none) and its
         attention mask [B, S] -> ([B, S, moe_layers, K] targets, import report). Padding is dropped
@@ -714,7 +753,7 @@ class Patch:
         return self._pad(tables, m), report
 
     # ---- capture ----
-    def capture(self):
+    def capture(self) -> "Capture":
         """Starts capturing the ids of every forward (until the returned Capture's context exits
         or stop_capture()); recomputes inside backward are not captured."""
         if self._capture is not None:
@@ -723,7 +762,7 @@ class Patch:
         self._capture.active = True
         return self._capture
 
-    def stop_capture(self):
+    def stop_capture(self) -> None:
         if self._capture is not None:
             self._stop_capture(self._capture)
 
@@ -733,7 +772,7 @@ class Patch:
             self._capture = None
 
     # ---- lifetime ----
-    def unpatch(self):
+    def unpatch(self) -> None:
         """Restores every router's original forward and removes the hooks (idempotent)."""
         for l in self._layers:
             l.uninstall()
@@ -764,7 +803,8 @@ def _check_version():
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
-def patch(model, router_dtype=torch.float32, *, gate="auto", invalid_replay_rows="error"):
+def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float32, *,
+          gate: str = "auto", invalid_replay_rows: str = "error") -> Patch:
     """Patches every MoE router of a transformers model in place; returns a Patch.
 
     router_dtype: torch.float32 (default) or torch.float64: gate GEMM and routing math in that dtype
