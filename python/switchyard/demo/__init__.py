@@ -47,7 +47,9 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the initialisation, corpus, prompts, sampling and packing")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: OMP_NUM_THREADS if set, else up to 2)")
+                   help="torch CPU threads (default: OMP_NUM_THREADS if set, else 1: the "
+                        "model's ops are small, and two OpenMP threads on a shared 2-core machine "
+                        "ran the training more than 5x slower than one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     g = p.add_argument_group("model (transformers' Qwen3MoeForCausalLM; layer 0 dense)")
     g.add_argument("--hidden-size", type=int, help="hidden size (4 attention heads)")
@@ -120,8 +122,7 @@ def run(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     import torch
-    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or \
-        min(2, os.cpu_count() or 1)
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or 1
     torch.set_num_threads(threads)
     import transformers
     transformers.logging.set_verbosity_error()
@@ -340,6 +341,10 @@ def run(argv=None):
     log("")
     log(rep.terminal_table(summary))
     log("")
+    only = results["fp32"]["trainer_only"]
+    log(f"fp32 router in the trainer only (the engine keeps bf16): router mismatch "
+        f"{100 * only['router_mismatch']:.2f}%, token mismatch {100 * only['token_mismatch']:.2f}%,"
+        f" k3 KL {only['k3_kl']:.2e}")
     log(f"R3 GRPO update step: loss {loss:.4f}, router grad norm {router_norm:.3e} (all "
         f"{all_norm:.3e})")
     log(f"R2: the step would change {100 * results['r2']['step_drift_native']:.2f}% of the "

@@ -153,6 +153,16 @@ def write_markdown(summary, chart_names, out_dir):
         "range are over the response tokens, ratio = pi_trainer / pi_rollout. Replayed / native "
         "rows: router rows (token x MoE layer) replayed or routed live in the measured pass.",
         "",
+        f"fp32: the FP32 router is a remedy for both engines, so the fp32 row compares the "
+        f"trainer's fp32 router with the engine's own computation (same batches, KV cache and "
+        f"decode steps) over the same tokens with the fp32 router (teacher forced). With the fp32 "
+        f"router in the trainer only, against the bf16 rollout: router mismatch "
+        f"{_pct(s['modes']['fp32']['trainer_only']['router_mismatch'])}, token mismatch "
+        f"{_pct(s['modes']['fp32']['trainer_only']['token_mismatch'])}, k3 KL "
+        f"{s['modes']['fp32']['trainer_only']['k3_kl']:.2e}: the engine's bf16 rounding of the "
+        f"logits is then itself a source of mismatch, so a trainer-side FP32 router alone does "
+        f"not bring the trainer closer to a bf16 engine.",
+        "",
         f"R2: the old-log-prob pass routes like bf16; after one optimizer step (AdamW, lr "
         f"{s['config']['trainer']['update_lr']}) the update pass without replay would route "
         f"{_pct(r2['step_drift_native'])} of decisions differently from the recorded ones; with "
