@@ -109,8 +109,9 @@ RESIDUAL = (
     "of one query over cached bf16 keys and values, GEMMs with as many rows as sequences in the "
     "batch, left-padded batches), while the trainer recomputes every token in one forward over a "
     "packed row (block-diagonal causal attention over the whole sequence, GEMMs with as many rows "
-    "as the micro-batch has tokens) and runs the experts with transformers' per-expert loop "
-    "instead of the engine's grouped GEMM. In bf16 these give different roundings of the same "
+    "as the micro-batch has tokens), runs the experts with transformers' per-expert loop instead "
+    "of the engine's grouped GEMM, and rounds to bf16 inside RMSNorm and SiLU-and-mul where the "
+    "engine's fused kernels keep fp32 and round once. In bf16 these give different roundings of the same "
     "hidden states, hence slightly different logits and log-probs even with identical experts. "
     "The KL left under R3 is that attention/GEMM/reduction-order mismatch; the part the router "
     "adds on top (bf16, fp32, R2) comes from tokens whose experts flip.")

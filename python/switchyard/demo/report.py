@@ -36,7 +36,8 @@ def terminal_table(summary):
 
 def markdown_table(summary):
     rows = table_rows(summary)
-    out = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    out = ["| " + " | ".join(h.replace("|", "\\|") for h in HEADER) + " |",
+           "|" + "---|" * len(HEADER)]
     for r in rows:
         out.append("| " + " | ".join(r) + " |")
     return "\n".join(out)
@@ -132,7 +133,8 @@ def write_markdown(summary, chart_names, out_dir):
         f"x {s['config']['rollout']['group_size']}) in engine batches of "
         f"{s['config']['rollout']['batch_size']}, left padded, `generate` with the KV cache, "
         f"sampling at temperature {s['config']['rollout']['temperature']}, bf16 weights, sdpa "
-        f"attention, grouped_mm experts, transformers' bf16 router. Routes captured in vLLM's "
+        f"attention, grouped_mm experts, the engine's fused-kernel numerics (RMSNorm and SiLU-and-mul in "
+        f"fp32 with one rounding), transformers' bf16 router. Routes captured in vLLM's "
         f"`routed_experts` shape ({r['vllm_array_shape_0']} for the first sequence), imported "
         f"into `{os.path.basename(r['route_file'])}`: {r['route_file_bytes']} bytes "
         f"(int32 arrays: {r['vllm_int32_bytes']} bytes).",
