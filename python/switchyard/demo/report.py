@@ -181,6 +181,14 @@ def write_markdown(summary, chart_names, out_dir):
         "",
         s["residual_explanation"],
         "",
+        f"Of the bf16 router's KL ({s['modes']['bf16']['k3_kl']:.2e}), R3 removes "
+        f"{_pct(1 - s['modes']['r3']['k3_kl'] / s['modes']['bf16']['k3_kl'])}: the part that "
+        f"flipped experts cause. The fp32 row comes close to R3 ({s['modes']['fp32']['k3_kl']:.2e} "
+        f"against {s['modes']['r3']['k3_kl']:.2e}) because an FP32 router in both engines also "
+        f"removes the bf16 rounding of the routing weights, which R3 with transformers' bf16 "
+        f"routing math keeps; in a model this small, flipped experts are a small share of the KL, "
+        f"and the two can swap places with another sample (see notes/demo.md).",
+        "",
         "## Expected outcome",
         "",
     ]
