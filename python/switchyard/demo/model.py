@@ -193,7 +193,8 @@ def train_or_load(cfg, tcfg, out_dir, progress=True, log=print):
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / tcfg.steps)))
+            opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 *
+            (1 + math.cos(math.pi * s / max(tcfg.steps, 1))))
         g = torch.Generator().manual_seed(tcfg.seed + 2)
         losses = []
         bar = tqdm(range(tcfg.steps), desc="train  (synthetic corpus)", disable=not progress,
@@ -220,8 +221,10 @@ def train_or_load(cfg, tcfg, out_dir, progress=True, log=print):
                     "config": dataclasses.asdict(cfg), "train": dataclasses.asdict(tcfg)}, tmp)
         os.replace(tmp, path)
         info.update(cached=False, train_losses=losses, train_seconds=seconds)
-        log(f"[demo] model: trained {tcfg.steps} steps in {seconds:.1f} s, loss "
-            f"{losses[0]:.3f} -> {losses[-1]:.3f}; saved {path}")
+        trained = (f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else
+                   "no training (random routers)")
+        log(f"[demo] model: trained {tcfg.steps} steps in {seconds:.1f} s, {trained}; saved "
+            f"{path}")
     model.eval()
     info["entropy"] = routing_entropy(model, eval_ids, eval_mask)
     info["entropy_uniform"] = math.log(cfg.num_experts)
