@@ -3,8 +3,8 @@
     python -m switchyard.demo [--out DIR] [--preset small] ...
 
 A small Qwen3-MoE (transformers' own class, embedded config, no download) is trained briefly on
-synthetic token grammars (routers peaked; checkpoint cached in the output folder), rolled out like an
-inference server (bf16, KV cache, sampling, routes captured in vLLM's shape into a route file), and
+synthetic token grammars (routers peaked; checkpoint cached in the output folder), rolled out like
+an inference server (bf16, KV cache, sampling, routes captured in vLLM's shape into a route file), and
 re-scored like verl's trainer (packed micro-batches) with four router modes: bf16, fp32, R2, R3.
 It prints a table, writes report.md, summary.json and charts, and exits 0 only when the expected
 outcome holds: R3 has exactly zero router mismatch against the rollout and the lowest KL of the four
@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import math
 import os
-import sys
 import time
 
 __all__ = ["main", "run", "build_parser", "PRESETS"]
@@ -32,11 +31,10 @@ PRESETS = {
 }
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m switchyard.demo",
-        description=__doc__.split("\n\n", 1)[1].replace("    python -m switchyard.demo "
-                                                         "[--out DIR] [--preset small] ...\n\n", ""),
+        description=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="switchyard-demo",
                    help="output folder: report.md, summary.json, charts, the route file and the "
@@ -46,7 +44,7 @@ def build_parser():
                    help="named sizes; the options below override single values of it")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the initialisation, corpus, prompts, sampling and packing")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=int, default=argparse.SUPPRESS,
                    help="torch CPU threads (default: OMP_NUM_THREADS if set, else 1: the "
                         "model's ops are small, and two OpenMP threads on a shared 2-core machine "
                         "ran the training more than 5x slower than one)")
@@ -76,6 +74,11 @@ def build_parser():
                    help="pad each packed sequence to a multiple of this (pack_thd's tp_size)")
     g.add_argument("--update-lr", type=float, default=1e-4,
                    help="AdamW learning rate of the R2 and R3 update steps")
+    for action in p._actions:  # the preset-sized options: say both presets' values
+        if action.dest in PRESETS["default"]:
+            action.default = argparse.SUPPRESS
+            action.help += (f" (preset default: {PRESETS['default'][action.dest]}, small: "
+                            f"{PRESETS['small'][action.dest]})")
     return p
 
 
@@ -111,19 +114,19 @@ RESIDUAL = (
     "packed row (block-diagonal causal attention over the whole sequence, GEMMs with as many rows "
     "as the micro-batch has tokens), runs the experts with transformers' per-expert loop instead "
     "of the engine's grouped GEMM, and rounds to bf16 inside RMSNorm and SiLU-and-mul where the "
-    "engine's fused kernels keep fp32 and round once. In bf16 these give different roundings of the same "
-    "hidden states, hence slightly different logits and log-probs even with identical experts. "
+    "engine's fused kernels keep fp32 and round once. In bf16 these give different roundings of the "
+    "same hidden states, hence slightly different logits and log-probs even with identical experts. "
     "The KL left under R3 is that attention/GEMM/reduction-order mismatch; the part the router "
     "adds on top (bf16, fp32, R2) comes from tokens whose experts flip.")
 
 
-def run(argv=None):
+def run(argv: "list[str] | None" = None) -> "tuple[int, dict]":
     """Runs the demo; returns (exit code, summary dict)."""
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     import torch
-    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or 1
+    threads = getattr(args, "threads", None) or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or 1
     torch.set_num_threads(threads)
     import transformers
     transformers.logging.set_verbosity_error()
@@ -358,6 +361,6 @@ def run(argv=None):
     return (0 if summary["ok"] else 1), summary
 
 
-def main(argv=None):
+def main(argv: "list[str] | None" = None) -> int:
     code, _ = run(argv)
     return code

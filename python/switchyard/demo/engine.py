@@ -39,7 +39,7 @@ def _apply_gate(gate_up_out):
 
 
 @contextlib.contextmanager
-def engine_kernels(model):
+def engine_kernels(model: torch.nn.Module):
     """Within the context, the model's RMSNorms, dense MLPs and experts' gating compute as the
     engine's fused kernels do (fp32 inside, one rounding). Yields the number of modules changed."""
     installed = []

@@ -19,7 +19,8 @@ GRAMMARS = ("count", "motif", "markov", "mirror")
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Sizes of the embedded Qwen3-MoE. Layer 0 is dense (``mlp_only_layers=[0]``), layers
-    1..num_layers-1 are MoE (``decoder_sparse_step=1``), as in models whose first layers are dense."""
+    1..num_layers-1 are MoE (``decoder_sparse_step=1``), as in models whose first layers are
+    dense."""
     vocab_size: int = 1024
     hidden_size: int = 256
     num_layers: int = 6
@@ -58,7 +59,8 @@ class TrainConfig:
     seed: int = 0
 
 
-def build_model(cfg, experts_implementation="grouped_mm", attn_implementation="sdpa"):
+def build_model(cfg: ModelConfig, experts_implementation: str = "grouped_mm",
+                attn_implementation: str = "sdpa") -> torch.nn.Module:
     """A freshly initialised Qwen3MoeForCausalLM (fp32) from the embedded config."""
     from transformers import Qwen3MoeForCausalLM
     return Qwen3MoeForCausalLM._from_config(cfg.hf_config(),
@@ -66,7 +68,7 @@ def build_model(cfg, experts_implementation="grouped_mm", attn_implementation="s
                                             attn_implementation=attn_implementation)
 
 
-# ---- corpus ---------------------------------------------------------------------------------------
+# ---- corpus --------------------------------------------------------------------------------------
 class Corpus:
     """Four structured token grammars, each over its own slice of the vocabulary and opened by its
     own tag token, so the experts can specialise (what makes trained routers peaked):
@@ -133,14 +135,15 @@ class Corpus:
         return sum(1 for t in tokens if lo <= t < hi or t == EOS) / len(tokens)
 
 
-# ---- training and the cached checkpoint ------------------------------------------------------------
-def cache_key(cfg, tcfg):
+# ---- training and the cached checkpoint -----------------------------------------------------------
+def cache_key(cfg: ModelConfig, tcfg: TrainConfig) -> str:
     blob = json.dumps({"model": dataclasses.asdict(cfg), "train": dataclasses.asdict(tcfg),
                        "corpus": list(GRAMMARS), "v": 1}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def routing_entropy(model, input_ids, attention_mask=None):
+def routing_entropy(model: torch.nn.Module, input_ids: torch.Tensor,
+                    attention_mask: "torch.Tensor | None" = None) -> "dict[int, float]":
     """Mean entropy (nats) of the router's softmax over the experts, per MoE layer, over the real
     tokens of a batch (the uniform router has log E)."""
     ent = {}
@@ -168,7 +171,8 @@ def routing_entropy(model, input_ids, attention_mask=None):
     return ent
 
 
-def train_or_load(cfg, tcfg, out_dir, progress=True, log=print):
+def train_or_load(cfg: ModelConfig, tcfg: TrainConfig, out_dir: str, progress: bool = True,
+                  log=print) -> "tuple[torch.nn.Module, Corpus, dict]":
     """The trained fp32 model: loaded from ``out_dir/model-<key>.pt`` when it exists for this
     config and seed, else trained (AdamW, next-token loss plus transformers' load-balancing loss,
     grouped_mm experts) and saved. Returns (model, info dict)."""

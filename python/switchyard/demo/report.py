@@ -24,7 +24,7 @@ HEADER = ["mode", "router mismatch", "token mismatch", "k3 KL", "max |log ratio|
           "ratio outside [0.8,1.2]", "replayed rows", "native rows", "tokens/s"]
 
 
-def terminal_table(summary):
+def terminal_table(summary: dict) -> str:
     rows = table_rows(summary)
     w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADER)]
     line = "  ".join(h.rjust(w[i]) if i else h.ljust(w[i]) for i, h in enumerate(HEADER))
@@ -34,7 +34,7 @@ def terminal_table(summary):
     return "\n".join(out)
 
 
-def markdown_table(summary):
+def markdown_table(summary: dict) -> str:
     rows = table_rows(summary)
     out = ["| " + " | ".join(h.replace("|", "\\|") for h in HEADER) + " |",
            "|" + "---|" * len(HEADER)]
@@ -43,7 +43,7 @@ def markdown_table(summary):
     return "\n".join(out)
 
 
-def charts(summary, load_counts, out_dir):
+def charts(summary: dict, load_counts, out_dir: str) -> "list[str]":
     """mismatch_per_layer.png, kl_per_mode.png, expert_load.png; returns their file names."""
     import matplotlib
     matplotlib.use("Agg")
@@ -102,14 +102,14 @@ def charts(summary, load_counts, out_dir):
     return names
 
 
-def write_summary(summary, out_dir):
+def write_summary(summary: dict, out_dir: str) -> str:
     path = os.path.join(out_dir, "summary.json")
     with open(path, "w") as f:
         json.dump(summary, f, indent=2, sort_keys=False)
     return path
 
 
-def write_markdown(summary, chart_names, out_dir):
+def write_markdown(summary: dict, chart_names: "list[str]", out_dir: str) -> str:
     s = summary
     m = s["model"]
     ent = s["routing_entropy"]
@@ -133,14 +133,15 @@ def write_markdown(summary, chart_names, out_dir):
         f"x {s['config']['rollout']['group_size']}) in engine batches of "
         f"{s['config']['rollout']['batch_size']}, left padded, `generate` with the KV cache, "
         f"sampling at temperature {s['config']['rollout']['temperature']}, bf16 weights, sdpa "
-        f"attention, grouped_mm experts, the engine's fused-kernel numerics (RMSNorm and SiLU-and-mul in "
-        f"fp32 with one rounding), transformers' bf16 router. Routes captured in vLLM's "
+        f"attention, grouped_mm experts, the engine's fused-kernel numerics (RMSNorm and "
+        f"SiLU-and-mul in fp32 with one rounding), transformers' bf16 router. Routes captured in vLLM's "
         f"`routed_experts` shape ({r['vllm_array_shape_0']} for the first sequence), imported "
         f"into `{os.path.basename(r['route_file'])}`: {r['route_file_bytes']} bytes "
         f"(int32 arrays: {r['vllm_int32_bytes']} bytes).",
         "",
         f"Trainer: the same bf16 weights, the sequences shuffled and packed (THD, each padded to a "
-        f"multiple of {s['config']['trainer']['pack_align']}) into {s['trainer']['num_micro_batches']}"
+        f"multiple of {s['config']['trainer']['pack_align']}) into "
+        f"{s['trainer']['num_micro_batches']}"
         f" micro-batches of at most {s['config']['trainer']['micro_batch_tokens']} tokens, one "
         f"forward over each packed row (block-diagonal causal attention from the position ids), "
         f"transformers' per-expert (eager) experts, no KV cache.",

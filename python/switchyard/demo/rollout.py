@@ -39,7 +39,7 @@ class RolloutConfig:
     seed: int = 0
 
 
-def make_prompts(corpus, rcfg):
+def make_prompts(corpus, rcfg: RolloutConfig) -> "list[tuple[int, list[int]]]":
     """num_prompts prompts (grammar, tokens), lengths varied so the engine's batches are padded."""
     g = torch.Generator().manual_seed(rcfg.seed + 11)
     prompts = []
@@ -65,7 +65,9 @@ class _ForceTokens:
         return out
 
 
-def engine_pass(model, corpus, rcfg, router_dtype=None, forced=None, progress=True, desc=""):
+def engine_pass(model: torch.nn.Module, corpus, rcfg: RolloutConfig,
+                router_dtype: "torch.dtype | None" = None, forced: "list[Sample] | None" = None,
+                progress: bool = True, desc: str = "") -> "tuple[list[Sample], list, dict]":
     """The inference engine: group_size samples per prompt in engine batches of batch_size
     sequences (left padded), generate() with the KV cache, the routes of every generate() (prefill
     and each decode step) captured by switchyard.integrations.hf in vLLM's routed_experts shape.
@@ -162,7 +164,8 @@ def engine_pass(model, corpus, rcfg, router_dtype=None, forced=None, progress=Tr
     return samples, vllm_arrays, info
 
 
-def import_routes(model, vllm_arrays, moe_layers):
+def import_routes(model: torch.nn.Module, vllm_arrays: list,
+                  moe_layers: "list[int]") -> "list[torch.Tensor]":
     """vLLM routed_experts arrays -> switchyard route tables (switchyard.routes.import_vllm_arrays
     with the model's layer map: dense layer 0 dropped, a -1 row for each last token)."""
     from switchyard import routes as syr
@@ -174,7 +177,8 @@ def import_routes(model, vllm_arrays, moe_layers):
     return tables
 
 
-def run_rollout(model, corpus, rcfg, moe_layers, route_path, progress=True):
+def run_rollout(model: torch.nn.Module, corpus, rcfg: RolloutConfig, moe_layers: "list[int]",
+                route_path: str, progress: bool = True) -> "tuple[list[Sample], dict]":
     """The rollout with transformers' bf16 router; its routes imported and written to
     ``route_path`` (switchyard.routes.write). Returns (samples, info)."""
     from switchyard import routes as syr

@@ -1,10 +1,11 @@
-"""The trainer, as verl's FSDP actor runs it: the rollout's tokens re-scored by the same bf16 weights
-on packed (THD) micro-batches that differ from the rollout's batches, with transformers' per-expert
+"""The trainer, as verl's FSDP actor runs it: the rollout's tokens re-scored by the same bf16
+weights on packed (THD) micro-batches that differ from the rollout's batches, with transformers' per-expert
 ("eager") experts and the packed block-diagonal attention, in four router modes:
 
 bf16  transformers' default router (bf16 gate GEMM, bf16 logits);
 fp32  switchyard.integrations.hf's FP32 router (gate GEMM and routing math in fp32);
-r2    R2: the old-log-prob pass records its routes, one optimizer step, the update pass replays them;
+r2    R2: the old-log-prob pass records its routes, one optimizer step, the update pass replays
+      them;
 r3    R3: the rollout's routes, read back from the route file, replayed in the trainer."""
 import dataclasses
 import time
@@ -41,7 +42,8 @@ class TrainerConfig:
     seed: int = 0
 
 
-def make_micro_batches(samples, tables, num_experts, tcfg):
+def make_micro_batches(samples: list, tables: list, num_experts: int,
+                       tcfg: TrainerConfig) -> "list[MicroBatch]":
     """Shuffles the sequences (a trainer sees them in another order than the engine produced them)
     and packs them greedily into micro-batches of at most micro_batch_tokens padded tokens, with
     switchyard.routes.pack_thd's alignment; the packed rollout routes ride along as R3 targets."""
@@ -101,8 +103,9 @@ def _unpack_routes(ids, mb, moe_layers):
     return out
 
 
-def trainer_pass(model, patch, mbs, moe_layers, targets=None, progress=True, desc="",
-                 grad=False):
+def trainer_pass(model: torch.nn.Module, patch, mbs: "list[MicroBatch]", moe_layers: "list[int]",
+                 targets: "list[torch.Tensor] | None" = None, progress: bool = True,
+                 desc: str = "", grad: bool = False) -> tuple:
     """One pass over the micro-batches: per sequence the response log-probs and the routes the
     router used (captured by the patch). ``targets``: one [T_padded, moe_layers, K] table per
     micro-batch to replay (R2 / R3), or None. Returns (logprobs, routes, seconds, tokens)."""
@@ -126,7 +129,8 @@ def trainer_pass(model, patch, mbs, moe_layers, targets=None, progress=True, des
     return logprobs, routes, seconds, tokens
 
 
-def record_pass(model, patch, mbs, progress=True):
+def record_pass(model: torch.nn.Module, patch, mbs: "list[MicroBatch]",
+                progress: bool = True) -> tuple:
     """R2's old-log-prob pass: every MoE layer's RouterReplay records the ids of each micro-batch
     (action "record"); the recorded tables are then taken off the replay queues and kept with the
     micro-batches, as verl keeps them in the batch for the update. Returns (logprobs, routes,
@@ -164,7 +168,7 @@ class MasterAdam:
                 p.grad = None
 
 
-def advantages(samples):
+def advantages(samples: list) -> "dict[int, float]":
     """GRPO: each reward normalised within its prompt's group."""
     by = {}
     for s in samples:
@@ -177,7 +181,9 @@ def advantages(samples):
     return out
 
 
-def grpo_step(model, patch, mbs, old_logprobs, targets, lr, clip=0.2, progress=True, desc=""):
+def grpo_step(model: torch.nn.Module, patch, mbs: "list[MicroBatch]", old_logprobs: list,
+              targets: "list[torch.Tensor]", lr: float, clip: float = 0.2, progress: bool = True,
+              desc: str = "") -> tuple:
     """One GRPO-style update: the clipped policy-gradient loss (token mean over the batch) with
     the given replay targets, backward per micro-batch, one AdamW step on fp32 masters. Returns
     (loss, grad norms: router, all, per MoE layer router)."""
