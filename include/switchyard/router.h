@@ -49,11 +49,19 @@ struct RouterConfig {
   double z_loss_coeff = 0.0;    ///< z-loss coefficient (>= 0); 0 = off
 };
 
+/// Whether a topk_route call with global_aux_loss adds its batch to the GlobalAuxLossState.
+/// Megatron-Core accumulates only on training forwards with grad enabled: a no_grad, eval or
+/// checkpoint-recompute forward must pass `read_only`. Either way the loss is computed from the
+/// state plus this batch (mean over steps + 1), so a read-only call returns the value an
+/// accumulating call on the same state would.
+enum class GlobalAuxLossUpdate : uint8_t { accumulate, read_only };
+
 /// Running state of `global_aux_loss` (Megatron's `global_tokens_per_expert` and `ga_steps`): the
-/// per-expert counts of every routed batch since the last `reset()`. One object per MoE layer,
-/// owned by the caller; every topk_route call with global_aux_loss adds its batch's counts. A
-/// recompute that must reproduce its forward exactly routes with a snapshot of the state taken
-/// before that forward (copy `steps`, `clone()` the tensor).
+/// per-expert counts of every accumulating batch since the last `reset()`. One object per MoE
+/// layer, owned by the caller; a topk_route call with global_aux_loss and
+/// RouteOptions::global_aux_loss_update == accumulate adds its batch's counts. A recompute that
+/// must reproduce its forward exactly routes with a snapshot of the state taken before that
+/// forward (copy `steps`, `clone()` the tensor), or read-only on an unchanged state.
 struct GlobalAuxLossState {
   /// [E] fp64: sum of the counts over the accumulated steps (undefined = nothing accumulated).
   Tensor tokens_per_expert{};
@@ -75,7 +83,8 @@ struct RouteInputs {
   /// [T, K] int32: ids to use instead of the live top-k (router replay). A row of all -1 is
   /// routed natively. See InvalidReplayRows for bad rows.
   Tensor replay_idx{};
-  /// Required when aux_loss_type == global_aux_loss; updated by the call (not by backward).
+  /// Required when aux_loss_type == global_aux_loss; updated by the call (not by backward) when
+  /// RouteOptions::global_aux_loss_update is accumulate.
   GlobalAuxLossState* global_aux_loss_state = nullptr;
 };
 
@@ -87,6 +96,8 @@ struct RouteOptions {
   /// seq_aux_loss only: tokens are laid out [seq_length, num_sequences] flattened (Megatron's
   /// [s, b] order: token t belongs to sequence t % num_sequences); T % seq_length == 0.
   int64_t seq_length = 0;
+  /// global_aux_loss only: add this batch to the state (training forward with grad) or not.
+  GlobalAuxLossUpdate global_aux_loss_update = GlobalAuxLossUpdate::accumulate;
 };
 
 /// Result of topk_route, also the handle its backward needs. Integer outputs (ids, counts) are not

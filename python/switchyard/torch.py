@@ -250,12 +250,12 @@ class RouteInfo:
 class _TopKRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, config, expert_bias, replay_idx, padding_mask, global_state,
-                invalid_replay_rows, layer, seq_length, loss_grad_scale, info_box):
+                invalid_replay_rows, layer, seq_length, loss_grad_scale, accumulate, info_box):
         with _no_autocast():
             res = _C.topk_route(logits.detach(), config,
                                 None if expert_bias is None else expert_bias.detach(),
                                 replay_idx, padding_mask, global_state, invalid_replay_rows,
-                                layer, seq_length)
+                                layer, seq_length, accumulate)
         ctx.res = res
         ctx.loss_grad_scale = loss_grad_scale
         ctx.save_for_backward(logits)  # version check: the engine reads these logits in backward
@@ -270,12 +270,12 @@ class _TopKRoute(torch.autograd.Function):
         with _no_autocast():
             g = grad_probs.to(ctx.res.topk_weights.dtype).contiguous()
             grad_logits = _C.topk_route_backward(g, ctx.res, ctx.loss_grad_scale)
-        return (grad_logits,) + (None,) * 10
+        return (grad_logits,) + (None,) * 11
 
 
 def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay_rows="error", *,
                padding_mask=None, seq_length=None, global_aux_loss_state=None, layer=None,
-               aux_loss_grad_scale=1.0, return_info=False):
+               aux_loss_grad_scale=1.0, accumulate_global_aux_loss=True, return_info=False):
     """Route T tokens to K of E experts from router logits (Megatron-Core's TopKRouter semantics).
 
     logits [T, E] fp32 or fp64 (the router dtype); config a switchyard.RouterConfig.
@@ -286,6 +286,9 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     padding_mask [T] bool: True = padded token (row all -1, left out of counts and losses).
     seq_length: tokens per sequence for seq_aux_loss ([s, b] layout, token t in sequence t % b).
     global_aux_loss_state: a switchyard.GlobalAuxLossState, required by global_aux_loss.
+    accumulate_global_aux_loss: add this batch to that state (True), or only read it (False: the
+    loss is still computed from the state plus this batch). Megatron-Core accumulates only on
+    training forwards with grad enabled; TopKRouter decides this itself.
 
     Returns (probs [T, K] in the logits' dtype, differentiable to logits; topk_idx [T, K] int64,
     -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added to
@@ -306,7 +309,8 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     probs, topk_idx = _TopKRoute.apply(
         logits, config, expert_bias, replay_idx, padding_mask, global_aux_loss_state,
         invalid_replay_rows, -1 if layer is None else int(layer),
-        0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale), box)
+        0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale),
+        bool(accumulate_global_aux_loss), box)
     if len(lead) != 1:
         probs = probs.view(*lead, probs.shape[-1])
         topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
@@ -318,6 +322,17 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
 def update_expert_bias(expert_bias, tokens_per_expert, rate):
     """Aux-loss-free bias update (DeepSeek-V3): expert_bias + rate * sign(mean(c) - c), [E] fp32."""
     return _C.update_expert_bias(expert_bias, tokens_per_expert, float(rate))
+
+
+def _in_non_reentrant_recompute():
+    """True while torch.utils.checkpoint (use_reentrant=False) recomputes a forward during
+    backward: inside an autograd graph task, under checkpoint's own saved-tensor hooks. The
+    reentrant variant pushes no hooks (and its forward ran under no_grad), so it reads False.
+    Private torch API (the one torch.utils.checkpoint itself uses); the tests pin the behaviour."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
 
 
 class TopKRouter(torch.nn.Module):
@@ -373,23 +388,33 @@ class TopKRouter(torch.nn.Module):
             replay_idx = replay._ids_for_forward(T)
             invalid = replay.invalid_replay_rows
         gstate = self.global_aux_loss_state
+        # Megatron-Core advances the global aux-loss state once per trained micro-batch: on
+        # training forwards with grad enabled. A reentrant checkpoint runs its forward under
+        # no_grad (not counted) and its recompute with grad (counted: its graph carries the loss
+        # gradient); a non-reentrant checkpoint counts its forward, so its recompute must not.
+        accumulate = (self.training and torch.is_grad_enabled()
+                      and not _in_non_reentrant_recompute())
         if gstate is not None and replay is not None and not isinstance(replay, torch.Tensor):
-            # A checkpoint recompute must see the global aux-loss state its forward saw: snapshot
-            # it at replay_forward, route the matching replay_backward on the snapshot (FIFO, like
-            # the replay queue), so the live state advances once per micro-batch.
+            # With a RouterReplay the recompute is known exactly: replay_backward pairs with a
+            # replay_forward (FIFO, like the replay queue). If that forward counted, the recompute
+            # routes on a snapshot taken before it, so it reproduces the forward's loss and the
+            # live state advances once per micro-batch.
             if replay.action == "replay_forward":
                 # One snapshot per table still queued for recompute (the replay may have been
                 # cleared, or earlier forwards never recomputed).
                 while len(self._gstate_snapshots) > max(replay.num_pending_backward - 1, 0):
                     self._gstate_snapshots.popleft()
-                self._gstate_snapshots.append(gstate.copy())
+                self._gstate_snapshots.append((gstate.copy(), accumulate))
             elif replay.action == "replay_backward" and self._gstate_snapshots:
-                gstate = self._gstate_snapshots.popleft()
+                snapshot, counted = self._gstate_snapshots.popleft()
+                if counted:
+                    gstate = snapshot
+                    accumulate = True  # on the private copy
         probs, topk_idx, info = topk_route(
             logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
             seq_length=seq_length, global_aux_loss_state=gstate,
             layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
-            return_info=True)
+            accumulate_global_aux_loss=accumulate, return_info=True)
         if replay is not None and not isinstance(replay, torch.Tensor):
             replay._after_forward(topk_idx)
         if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():

@@ -4,6 +4,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -249,6 +250,11 @@ RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const Ro
     detail::fail_arg(kOp, "invalid_replay_rows must be error or native, got value ",
                      static_cast<int>(options.invalid_replay_rows));
   }
+  if (options.global_aux_loss_update != GlobalAuxLossUpdate::accumulate &&
+      options.global_aux_loss_update != GlobalAuxLossUpdate::read_only) {
+    detail::fail_arg(kOp, "global_aux_loss_update must be accumulate or read_only, got value ",
+                     static_cast<int>(options.global_aux_loss_update));
+  }
   const bool need_aux = aux_enabled(config);
   int64_t G = 1;
   if (need_aux && config.aux_loss_type == AuxLossType::seq_aux_loss) {
@@ -375,13 +381,19 @@ RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const Ro
       n_tokens = static_cast<double>(num_valid) / static_cast<double>(G);
       extra_div = static_cast<double>(G);
     } else if (config.aux_loss_type == AuxLossType::global_aux_loss) {
-      if (!gstate->tokens_per_expert.defined()) {
-        gstate->tokens_per_expert = Tensor::zeros({E}, DType::fp64);
-      }
-      double* acc = gstate->tokens_per_expert.data<double>();
+      // The loss always sees the state plus this batch; only an accumulating call keeps it.
+      std::vector<double> acc(static_cast<size_t>(E), 0.0);
+      if (gstate->tokens_per_expert.defined()) acc = gstate->tokens_per_expert.to_double_vector();
       for (int64_t e = 0; e < E; ++e) acc[e] += cnt[e];
-      gstate->steps += 1;
-      for (int64_t e = 0; e < E; ++e) cnt[e] = acc[e] / static_cast<double>(gstate->steps);
+      const int64_t steps = gstate->steps + 1;
+      if (options.global_aux_loss_update == GlobalAuxLossUpdate::accumulate) {
+        if (!gstate->tokens_per_expert.defined()) {
+          gstate->tokens_per_expert = Tensor::zeros({E}, DType::fp64);
+        }
+        std::copy(acc.begin(), acc.end(), gstate->tokens_per_expert.data<double>());
+        gstate->steps = steps;
+      }
+      for (int64_t e = 0; e < E; ++e) cnt[e] = acc[e] / static_cast<double>(steps);
     }
     if (n_tokens > 0.0) {
       const double f = config.aux_loss_coeff * static_cast<double>(E) /

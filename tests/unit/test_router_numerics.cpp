@@ -211,3 +211,39 @@ TEST(RouterNumerics, SqrtSoftplusGradientFarBelowMinus88MatchesFloat64) {
     }
   }
 }
+
+// read_only: the state is left as it was and the loss equals what an accumulating call on the
+// same state returns (so a no_grad, eval or recompute forward reports the training value).
+TEST(RouterNumerics, ReadOnlyGlobalAuxLossLeavesTheState) {
+  std::mt19937_64 rng(sy::testing::test_seed(1406));
+  RouterConfig c = cfg(8, 2, ScoreFunction::sigmoid);
+  c.aux_loss_type = AuxLossType::global_aux_loss;
+  c.aux_loss_coeff = 0.3;
+  sy::GlobalAuxLossState acc, ro;
+  const Tensor z0 = sy::testing::randn({21, 8}, DType::fp32, rng);
+  sy::RouteInputs in;
+  in.global_aux_loss_state = &acc;
+  sy::topk_route(z0, in, c);
+  in.global_aux_loss_state = &ro;
+  sy::topk_route(z0, in, c);
+  const Tensor z = sy::testing::randn({21, 8}, DType::fp32, rng);
+  sy::RouteOptions opt;
+  opt.global_aux_loss_update = sy::GlobalAuxLossUpdate::read_only;
+  const Tensor before = ro.tokens_per_expert.clone();
+  const auto r_ro = sy::topk_route(z, in, c, opt);
+  EXPECT_EQ(ro.steps, 1);
+  EXPECT_TRUE(bitwise_equal(ro.tokens_per_expert, before));
+  in.global_aux_loss_state = &acc;
+  const auto r_acc = sy::topk_route(z, in, c);
+  EXPECT_EQ(acc.steps, 2);
+  EXPECT_EQ(r_ro.aux_loss, r_acc.aux_loss);
+  EXPECT_TRUE(bitwise_equal(sy::topk_route_backward(Tensor(), r_ro, c).grad_logits,
+                            sy::topk_route_backward(Tensor(), r_acc, c).grad_logits));
+  // A read-only call on an empty state is the first step's loss, and the state stays empty.
+  sy::GlobalAuxLossState empty;
+  in.global_aux_loss_state = &empty;
+  const auto r_e = sy::topk_route(z, in, c, opt);
+  EXPECT_EQ(empty.steps, 0);
+  EXPECT_FALSE(empty.tokens_per_expert.defined());
+  EXPECT_GT(r_e.aux_loss, 0.0);
+}

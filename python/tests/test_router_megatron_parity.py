@@ -1,0 +1,195 @@
+"""switchyard's router against the real Megatron-Core router (megatron-core from PyPI, run on the
+CPU): the global aux-loss state over training / no_grad / eval / checkpointed steps, and the
+TopKRouter options, each compared with Megatron's own code on the same logits.
+
+Megatron's TopKRouter allocates its buffers on torch.cuda.current_device(); the fixture below
+points that at the CPU (a test-only shim, there is no GPU here) and builds a one-rank gloo group
+for its process-group collection. No Megatron code is copied: it is imported and called."""
+import math
+import os
+
+import pytest
+import torch
+import torch.utils.checkpoint as tcp
+
+import switchyard as sy
+import switchyard.torch as syt
+
+megatron = pytest.importorskip("megatron.core")
+
+
+def _cfg(E, K, **kw):
+    return sy.RouterConfig(num_experts=E, topk=K, **kw)
+
+
+@pytest.fixture(scope="module")
+def mcore(request):
+    """Megatron-Core's TopKRouter factory on the CPU (one-rank gloo group)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    # Megatron puts its router buffers on the current CUDA device; on this CPU-only machine that
+    # device is the CPU (the shim is restored when the module's tests end).
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    request.addfinalizer(lambda: setattr(torch.cuda, "current_device", saved))
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    W = dist.group.WORLD
+    pg = ProcessGroupCollection(tp=W, cp=W, tp_cp=W, tp_dp_cp=W, dp=W, ep=W)
+
+    def make(hidden, **kw):
+        kw.setdefault("moe_router_dtype", "fp32")
+        kw.setdefault("add_bias_linear", False)
+        cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
+                                params_dtype=torch.float32, **kw)
+        r = TopKRouter(cfg, pg_collection=pg)
+        r.set_layer_number(1)
+        return r
+    return make
+
+
+def _routers(mcore, H, E, K, **sy_kw):
+    """A Megatron router with global aux loss and a switchyard TopKRouter with the same weight."""
+    m = mcore(H, num_moe_experts=E, moe_router_topk=K,
+              moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.1)
+    s = syt.TopKRouter(H, _cfg(E, K, aux_loss_type="global_aux_loss", aux_loss_coeff=0.1),
+                       **sy_kw)
+    with torch.no_grad():
+        s.weight.copy_(m.weight)
+    return m, s
+
+
+def _dense(router, x):
+    """[T, E] routing weights of either library's router (Megatron returns them dense)."""
+    out = router(x)
+    if isinstance(router, syt.TopKRouter):
+        probs, idx = out
+        E = router.config.num_experts
+        return torch.zeros(probs.numel() // probs.shape[-1], E, dtype=probs.dtype).scatter(
+            1, idx.reshape(-1, idx.shape[-1]), probs.reshape(-1, probs.shape[-1]))
+    return out[0]
+
+
+def _step(router, x, kind):
+    """One forward (+ backward where there is a graph) of `kind` on a router of either library."""
+    xx = x.clone().requires_grad_(True)
+    if kind == "train":
+        router.train()
+        probs = _dense(router, xx)
+    elif kind == "no_grad":
+        router.train()
+        with torch.no_grad():
+            router(xx)
+        return
+    elif kind == "eval":
+        router.eval()
+        router(xx)
+        router.train()
+        return
+    else:  # checkpoint_reentrant / checkpoint_non_reentrant
+        router.train()
+        probs = tcp.checkpoint(lambda a: _dense(router, a), xx,
+                               use_reentrant=kind == "checkpoint_reentrant")
+    (probs.float() * torch.linspace(-1, 1, probs.numel()).view_as(probs)).sum().backward()
+
+
+STEPS = ["train", "no_grad", "eval", "checkpoint_reentrant", "train"]
+
+
+def test_global_aux_loss_state_advances_like_megatron(mcore, gen):
+    """The issue's sequence: before the fix switchyard counted every forward (and both passes of a
+    checkpoint: 5 steps where Megatron has 2 before the last training step). Megatron counts
+    training forwards with grad: the reentrant checkpoint's recompute (its forward ran under
+    no_grad), not the no_grad or eval forwards."""
+    H, E, K = 16, 8, 2
+    m, s = _routers(mcore, H, E, K)
+    for kind in STEPS:
+        x = torch.randn(6, 2, H, generator=gen)
+        m.weight.grad = None
+        s.weight.grad = None
+        _step(m, x, kind)
+        _step(s, x, kind)
+        st = s.global_aux_loss_state
+        assert st.steps == int(m.ga_steps), kind
+        torch.testing.assert_close(st.tokens_per_expert.float(), m.global_tokens_per_expert,
+                                   rtol=0, atol=0, msg=kind)
+        if m.weight.grad is not None:
+            # The aux-loss gradient (with the weights' gradient) reaches the gate the same way.
+            torch.testing.assert_close(s.weight.grad, m.weight.grad, rtol=2e-5, atol=1e-7,
+                                       msg=kind)
+    assert s.global_aux_loss_state.steps == 3  # train, reentrant recompute, train
+
+
+def test_non_reentrant_checkpoint_counts_once(mcore, gen):
+    """A deliberate difference: under torch.utils.checkpoint(use_reentrant=False) both the forward
+    and the recompute run with grad, and Megatron counts both; switchyard counts the forward only
+    (its graph carries the gradient) and the gradient equals the plain training step's."""
+    H, E, K = 16, 8, 2
+    m, s = _routers(mcore, H, E, K)
+    _, s2 = _routers(mcore, H, E, K)
+    with torch.no_grad():
+        s2.weight.copy_(s.weight)
+    x = torch.randn(6, 2, H, generator=gen)
+    _step(m, x, "checkpoint_non_reentrant")
+    _step(s, x, "checkpoint_non_reentrant")
+    _step(s2, x, "train")
+    assert int(m.ga_steps) == 2 and s.global_aux_loss_state.steps == 1
+    torch.testing.assert_close(s.global_aux_loss_state.tokens_per_expert,
+                               s2.global_aux_loss_state.tokens_per_expert, rtol=0, atol=0)
+    torch.testing.assert_close(s.weight.grad, s2.weight.grad, rtol=0, atol=0)
+
+
+def test_global_aux_loss_state_with_router_replay(gen):
+    """RouterReplay pairs each recompute (replay_backward) with its forward: a forward that counted
+    makes the recompute route on a snapshot (same loss, live state unchanged); a forward under
+    no_grad (reentrant checkpointing, Megatron's own recompute) leaves the count to the
+    recompute."""
+    H, E, K = 12, 8, 2
+    cfg = _cfg(E, K, aux_loss_type="global_aux_loss", aux_loss_coeff=0.1)
+    r = syt.TopKRouter(H, cfg)
+    rep = sy.RouterReplay(K)
+    x = torch.randn(10, H, generator=gen)
+    rep.action = "record"
+    with torch.no_grad():
+        r(x, replay=rep)  # an old-log-prob pass in training mode: not counted
+    assert r.global_aux_loss_state.steps == 0
+    rep.set_target(rep.pop_recorded())
+    # grad-enabled forward counts, its recompute does not (and sees the same loss)
+    rep.action = "replay_forward"
+    r(x, replay=rep)
+    loss_fwd = r.last_info.aux_loss
+    assert r.global_aux_loss_state.steps == 1
+    rep.action = "replay_backward"
+    r(x, replay=rep)
+    assert r.global_aux_loss_state.steps == 1
+    assert r.last_info.aux_loss == loss_fwd
+    # forward under no_grad, recompute with grad: counted once, at the recompute
+    rep.set_target(r(x)[1].detach())
+    assert r.global_aux_loss_state.steps == 2
+    rep.action = "replay_forward"
+    with torch.no_grad():
+        r(x, replay=rep)
+    assert r.global_aux_loss_state.steps == 2
+    rep.action = "replay_backward"
+    r(x, replay=rep)
+    assert r.global_aux_loss_state.steps == 3
+
+
+def test_read_only_global_aux_loss_matches_accumulating_loss(gen):
+    T, E, K = 20, 8, 2
+    cfg = _cfg(E, K, aux_loss_type="global_aux_loss", aux_loss_coeff=0.1)
+    acc, ro = sy.GlobalAuxLossState(), sy.GlobalAuxLossState()
+    z0 = torch.randn(T, E, generator=gen, dtype=torch.float64)
+    syt.topk_route(z0, cfg, global_aux_loss_state=acc)
+    syt.topk_route(z0, cfg, global_aux_loss_state=ro)
+    z = torch.randn(T, E, generator=gen, dtype=torch.float64, requires_grad=True)
+    _, _, info_ro = syt.topk_route(z, cfg, global_aux_loss_state=ro,
+                                   accumulate_global_aux_loss=False, return_info=True)
+    assert ro.steps == 1
+    _, _, info_acc = syt.topk_route(z, cfg, global_aux_loss_state=acc, return_info=True)
+    assert acc.steps == 2
+    assert math.isclose(info_ro.aux_loss, info_acc.aux_loss, rel_tol=0, abs_tol=0)
