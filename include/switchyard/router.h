@@ -107,7 +107,8 @@ struct RouteResult {
   /// [T, K] int32: chosen expert per slot, -1 = none (padded token, dropped slot). Native rows are
   /// ordered by descending selection score (ties: lower id); replayed rows keep the given order.
   Tensor topk_idx{};
-  /// [T, K] dtype of the logits (fp32 or fp64): routing weight per slot, 0 where topk_idx is -1.
+  /// [T, K] dtype of the logits (bf16, fp32 or fp64): routing weight per slot, 0 where topk_idx
+  /// is -1.
   Tensor topk_weights{};
   /// [E] int64: number of (token, expert) pairs kept per expert (after capacity, no padding).
   Tensor num_tokens_per_expert{};
@@ -129,17 +130,21 @@ struct RouteResult {
   int64_t num_invalid_replay_rows = 0;
 
   // ---- saved for topk_route_backward (not part of the stable API) ----
-  Tensor logits{};         ///< [T, E] the forward's logits (shared storage: do not modify them)
+  Tensor logits{};  ///< [T, E] the forward's logits, fp32 copy of bf16 ones (shared: do not modify)
   Tensor selected_idx{};   ///< [T, K] int32 ids before capacity drops (-1 on padded rows)
   Tensor row_kind{};       ///< [T] uint8: 0 native, 1 replayed, 2 padded
   Tensor aux_grad{};       ///< [G, E] fp64 dLoss/dP per (sequence group, expert), undefined if none
   int64_t aux_groups = 1;  ///< G: 1, or num_sequences for seq_aux_loss
   double z_grad_coeff = 0.0;  ///< 2 * z_loss_coeff / num_valid_tokens
   RouterConfig config;        ///< the configuration of the forward
+  DType logits_dtype = DType::fp32;  ///< dtype of the logits given (bf16 ones are kept in fp32)
 };
 
 /// Routes T tokens to K of E experts from gate logits.
-/// logits: [T, E] fp32 or fp64 (the router dtype); NaN/Inf is an error naming token and expert.
+/// logits: [T, E] fp32 or fp64 (the router dtype), or bf16 (Megatron-Core's default
+/// moe_router_dtype=None: scores, weights and losses computed in fp32 from the bf16 logits, the
+/// weights rounded to bf16 before capacity, returned in bf16); NaN/Inf is an error naming token
+/// and expert.
 /// Throws std::invalid_argument before any work for a bad config, shape, dtype or replay row.
 /// Deterministic; not collective (per-rank capacity and losses over the local tokens).
 RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const RouterConfig& config,
@@ -153,7 +158,7 @@ struct RouteBackwardOptions {
 
 /// Gradients of topk_route.
 struct RouteGrads {
-  Tensor grad_logits{};  ///< [T, E] dtype of the logits
+  Tensor grad_logits{};  ///< [T, E] dtype of the logits (bf16 ones: computed in fp32, rounded)
 };
 
 /// Backward of topk_route: grad_logits = d/dlogits of <grad_topk_weights, topk_weights> plus

@@ -278,7 +278,9 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
                aux_loss_grad_scale=1.0, accumulate_global_aux_loss=True, return_info=False):
     """Route T tokens to K of E experts from router logits (Megatron-Core's TopKRouter semantics).
 
-    logits [T, E] fp32 or fp64 (the router dtype); config a switchyard.RouterConfig.
+    logits [T, E] fp32 or fp64 (the router dtype), or bf16 (Megatron's moe_router_dtype=None:
+    scores and weights in fp32 from the bf16 logits, weights returned in bf16, gradient in bf16);
+    config a switchyard.RouterConfig.
     expert_bias [E]: aux-loss-free balancing bias, selection only. replay_idx [T, K] int64/int32:
     ids to use instead of the live top-k (weights from the live logits at those ids); an all -1 row
     is routed natively; an invalid row (mixing -1 and ids, repeating an id, id outside [0, E)) is a
@@ -352,9 +354,10 @@ class TopKRouter(torch.nn.Module):
         if not isinstance(config, _C.RouterConfig):
             raise ValueError("[TopKRouter] config must be a switchyard.RouterConfig, got "
                              f"{type(config).__name__}")
-        if router_dtype not in (torch.float32, torch.float64):
-            raise ValueError("[TopKRouter] router_dtype must be torch.float32 or torch.float64, "
-                             f"got {router_dtype}")
+        if router_dtype not in (None, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError("[TopKRouter] router_dtype must be None (the input's dtype, "
+                             "Megatron's default), torch.bfloat16, torch.float32 or "
+                             f"torch.float64, got {router_dtype}")
         self.config = config
         self.hidden_size = int(hidden_size)
         self.router_dtype = router_dtype
@@ -377,7 +380,14 @@ class TopKRouter(torch.nn.Module):
         self.last_info = None
 
     def forward(self, x, replay=None, *, padding_mask=None, seq_length=None):
-        logits = router_gating_linear(x, self.weight, self.bias, router_dtype=self.router_dtype)
+        rd = x.dtype if self.router_dtype is None else self.router_dtype
+        if rd == torch.bfloat16:
+            # Routing on bf16 logits (Megatron's moe_router_dtype=None with bf16 activations, and
+            # what an inference engine does): the gate accumulates in fp32 and rounds once.
+            logits = router_gating_linear(x, self.weight, self.bias,
+                                          router_dtype=torch.float32).to(torch.bfloat16)
+        else:
+            logits = router_gating_linear(x, self.weight, self.bias, router_dtype=rd)
         replay = self.replay if replay is None else replay
         T = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
         replay_idx = None

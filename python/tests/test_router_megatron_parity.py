@@ -193,3 +193,54 @@ def test_read_only_global_aux_loss_matches_accumulating_loss(gen):
     _, _, info_acc = syt.topk_route(z, cfg, global_aux_loss_state=acc, return_info=True)
     assert acc.steps == 2
     assert math.isclose(info_ro.aux_loss, info_acc.aux_loss, rel_tol=0, abs_tol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Options, each against Megatron's own routing function on the same logits
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mu(mcore):
+    from megatron.core.transformer.moe import moe_utils
+    return moe_utils
+
+
+def _dense_of(probs, idx, E):
+    T = probs.shape[0]
+    keep = idx >= 0
+    out = torch.zeros(T, E, dtype=probs.dtype)
+    rows = torch.arange(T).unsqueeze(1).expand_as(idx)
+    out[rows[keep], idx[keep]] = probs[keep]
+    return out
+
+
+SCORE_CONFIGS = [
+    dict(score_function="softmax"),
+    dict(score_function="softmax", pre_softmax=True),
+    dict(score_function="sigmoid", num_groups=4, group_topk=2),
+    dict(score_function="sqrtsoftplus", topk_scaling_factor=2.5),
+]
+
+
+@pytest.mark.parametrize("kw", SCORE_CONFIGS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_bf16_logits_like_megatron_router_dtype_none(mu, gen, kw):
+    """moe_router_dtype=None with bf16 activations: Megatron routes on the bf16 logits (scores in
+    fp32, probs cast to bf16). Same ids, bitwise the same bf16 probs, gradients within a bf16 ulp
+    (Megatron sums the per-path bf16 gradients in bf16, switchyard rounds the fp32 sum once)."""
+    T, E, K = 96, 16, 4
+    z = (torch.randn(T, E, generator=gen) * 2).to(torch.bfloat16)
+    bias = (torch.randn(E, generator=gen) * 0.1) if kw["score_function"] != "softmax" else None
+    zm = z.clone().requires_grad_(True)
+    pm, mm = mu.topk_routing_with_score_function(
+        zm, K, use_pre_softmax=kw.get("pre_softmax", False), num_groups=kw.get("num_groups"),
+        group_topk=kw.get("group_topk"), scaling_factor=kw.get("topk_scaling_factor"),
+        score_function=kw["score_function"], expert_bias=bias)
+    zs = z.clone().requires_grad_(True)
+    ps, idx = syt.topk_route(zs, _cfg(E, K, **kw), expert_bias=bias)
+    assert ps.dtype == torch.bfloat16 and pm.dtype == torch.bfloat16
+    assert torch.equal(torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True), mm)
+    torch.testing.assert_close(_dense_of(ps, idx, E), pm, rtol=0, atol=0)
+    g = torch.randn(T, E, generator=gen).to(torch.bfloat16)
+    (pm.float() * g.float()).sum().backward()
+    (_dense_of(ps, idx, E).float() * g.float()).sum().backward()
+    assert zs.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(zs.grad.float(), zm.grad.float(), rtol=8e-3, atol=1e-5)

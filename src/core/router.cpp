@@ -76,8 +76,8 @@ bool aux_enabled(const RouterConfig& c) {
 template <class S>
 void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_idx,
                  const cpu::RouteKernelParams& p, int64_t capacity, bool by_position,
-                 RouteResult& r, std::vector<double>& aux_psum, std::vector<int64_t>& aux_cnt,
-                 double& z_sum) {
+                 bool round_weights_to_bf16, RouteResult& r, std::vector<double>& aux_psum,
+                 std::vector<int64_t>& aux_cnt, double& z_sum) {
   const int64_t T = p.num_tokens, K = p.top_k, E = p.num_experts;
   Tensor sel_w = Tensor::empty({T, K}, dtype_of<S>());
   std::vector<S> bias_s;
@@ -89,6 +89,14 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
       logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(), r.row_kind.data<uint8_t>(),
       replay_idx.defined() ? replay_idx.data<int32_t>() : nullptr, p,
       r.selected_idx.data<int32_t>(), sel_w.data<S>(), aux_psum.data(), aux_cnt.data(), &z_sum);
+  if constexpr (std::is_same_v<S, float>) {
+    // bf16 logits (Megatron's moe_router_dtype=None): the weights are computed in fp32 and
+    // rounded to bf16 once, before capacity, so the probs drop policy sorts the bf16 values.
+    if (round_weights_to_bf16) {
+      float* w = sel_w.data<float>();
+      for (int64_t i = 0; i < T * K; ++i) w[i] = bf16_to_float(float_to_bf16(w[i]));
+    }
+  }
   r.num_dropped =
       cpu::apply_capacity<S>(r.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E, capacity,
                              by_position, r.topk_idx.data<int32_t>(), r.topk_weights.data<S>(),
@@ -208,12 +216,17 @@ void validate_router_config(const RouterConfig& c) {
   }
 }
 
-RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const RouterConfig& config,
-                       const RouteOptions& options) {
+RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
+                       const RouterConfig& config, const RouteOptions& options) {
   // ---- validation (before any work) ----
   validate_router_config(config);
-  detail::check_dtype(logits, kOp, "logits", {DType::fp32, DType::fp64});
-  detail::check_shape(logits, kOp, "logits", {-1, config.num_experts});
+  detail::check_dtype(logits_in, kOp, "logits", {DType::bf16, DType::fp32, DType::fp64});
+  detail::check_shape(logits_in, kOp, "logits", {-1, config.num_experts});
+  // bf16 logits (Megatron's default moe_router_dtype=None): bf16 -> fp32 is exact, and Megatron
+  // computes every score in fp32 from them, so the fp32 path runs on the upcast logits and the
+  // weights are rounded to bf16 at the end.
+  const bool is_bf16 = logits_in.dtype() == DType::bf16;
+  const Tensor logits = is_bf16 ? logits_in.to(DType::fp32) : logits_in;
   const int64_t T = logits.size(0), E = config.num_experts, K = config.top_k;
   const bool is64 = logits.dtype() == DType::fp64;
   {
@@ -361,11 +374,14 @@ RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const Ro
   double z_sum = 0.0;
   const bool by_position = config.token_drop_policy == TokenDropPolicy::position;
   if (is64) {
-    run_forward<double>(logits, bias, replay, p, capacity, by_position, r, aux_psum, aux_cnt,
-                        z_sum);
+    run_forward<double>(logits, bias, replay, p, capacity, by_position, false, r, aux_psum,
+                        aux_cnt, z_sum);
   } else {
-    run_forward<float>(logits, bias, replay, p, capacity, by_position, r, aux_psum, aux_cnt, z_sum);
+    run_forward<float>(logits, bias, replay, p, capacity, by_position, is_bf16, r, aux_psum,
+                       aux_cnt, z_sum);
   }
+  if (is_bf16) r.topk_weights = r.topk_weights.to(DType::bf16);  // exact: already bf16 values
+  r.logits_dtype = logits_in.dtype();
 
   // ---- losses (Megatron-Core moe_utils / router.py), sums in fixed order ----
   const int64_t num_valid = T - r.num_padded_rows;
@@ -438,7 +454,8 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
   const int64_t T = logits.size(0), E = h.num_experts, K = h.top_k;
   Tensor gw;
   if (grad_topk_weights.defined()) {
-    detail::check_dtype(grad_topk_weights, op, "grad_topk_weights", {DType::fp32, DType::fp64});
+    detail::check_dtype(grad_topk_weights, op, "grad_topk_weights",
+                        {DType::bf16, DType::fp32, DType::fp64});
     detail::check_shape(grad_topk_weights, op, "grad_topk_weights", {T, K});
     gw = grad_topk_weights.dtype() == logits.dtype() ? grad_topk_weights
                                                      : grad_topk_weights.to(logits.dtype());
@@ -466,6 +483,8 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
                                gw.defined() ? gw.data<float>() : nullptr, p, aux_ptr, zc,
                                g.grad_logits.data<float>());
   }
+  // bf16 logits get their gradient in bf16 (computed in fp32, rounded once).
+  if (handle.logits_dtype == DType::bf16) g.grad_logits = g.grad_logits.to(DType::bf16);
   return g;
 }
 
