@@ -174,6 +174,17 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
 /// step, e.g. RouteResult::num_tokens_per_expert); result [E] fp32. Deterministic.
 Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& tokens_per_expert, double rate);
 
+/// Input jitter (Megatron-Core `moe_input_jitter_eps`, Switch Transformer): returns x * u with
+/// u ~ Uniform(1 - eps, 1 + eps) drawn per element from a counter-based generator keyed by
+/// (seed, flat index), computed in fp32 (fp64 for fp64 x) and rounded once to x's dtype.
+/// x: [T, H] bf16, fp32 or fp64; eps in [0, 1). Deterministic and thread-count invariant; not
+/// batch invariant (a token's noise depends on its row). Replay is unaffected: replayed ids are
+/// used as given, only the weights see the jittered logits.
+Tensor input_jitter(const Tensor& x, double eps, uint64_t seed);
+
+/// Backward of input_jitter: grad_x = grad * u (same eps and seed), in grad's dtype.
+Tensor input_jitter_backward(const Tensor& grad, double eps, uint64_t seed);
+
 /// Parse/print enum names ("softmax", "seq_aux_loss", ...); parse throws std::invalid_argument.
 const char* score_function_name(ScoreFunction f);
 ScoreFunction parse_score_function(const std::string& name);

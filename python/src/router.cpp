@@ -222,6 +222,19 @@ void bind_router(py::module_& m) {
       },
       py::arg("grad_topk_weights"), py::arg("route"), py::arg("loss_grad_scale"));
   m.def(
+      "input_jitter",
+      [](py::handle x, double eps, uint64_t seed, bool backward) {
+        const char* op = backward ? "input_jitter_backward" : "input_jitter";
+        py_bridge::Arg ax = py_bridge::borrow(x, op, backward ? "grad" : "x");
+        Tensor out;
+        {
+          py::gil_scoped_release nogil;
+          out = backward ? input_jitter_backward(ax.t, eps, seed) : input_jitter(ax.t, eps, seed);
+        }
+        return py_bridge::to_torch(std::move(out));
+      },
+      py::arg("x"), py::arg("eps"), py::arg("seed"), py::arg("backward") = false);
+  m.def(
       "update_expert_bias",
       [](py::handle expert_bias, py::handle tokens_per_expert, double rate) {
         const char* op = "update_expert_bias";

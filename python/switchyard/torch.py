@@ -12,7 +12,7 @@ import torch
 
 from . import _switchyard as _C
 
-__all__ = ["router_gating_linear", "topk_route", "RouteInfo", "TopKRouter", "update_expert_bias",
+__all__ = ["router_gating_linear", "input_jitter", "topk_route", "RouteInfo", "TopKRouter", "update_expert_bias",
            "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
 
 
@@ -69,6 +69,27 @@ def router_gating_linear(x, weight, bias=None, router_dtype=torch.float32):
     if x.dim() < 1:
         raise ValueError("[router_gating_linear] x must be [..., hidden], got a 0-d tensor")
     return _RouterGatingLinear.apply(x, weight, bias, router_dtype)
+
+
+class _InputJitter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps, seed):
+        ctx.eps, ctx.seed = eps, seed
+        return _C.input_jitter(x.detach().contiguous(), eps, seed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _C.input_jitter(grad.contiguous(), ctx.eps, ctx.seed, backward=True), None, None
+
+
+def input_jitter(x, eps, seed=None):
+    """Input jitter (Megatron-Core ``moe_input_jitter_eps``): ``x * u``, u ~ U(1-eps, 1+eps) per
+    element, in x's dtype (bf16/fp32/fp64), differentiable (grad * u). ``seed`` None draws one from
+    torch's default generator, so ``torch.manual_seed`` fixes it and torch.utils.checkpoint's
+    restored RNG state makes a recompute draw the same noise."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    return _InputJitter.apply(x, float(eps), int(seed))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,11 +366,16 @@ class TopKRouter(torch.nn.Module):
     ``update_expert_bias(rate)`` from the counts accumulated since the last update).
     ``forward(x, replay=None) -> (probs, topk_idx)``: ``replay`` is a switchyard.RouterReplay
     (its ``action`` decides record / replay_forward / replay_backward) or a [T, K] id tensor;
-    ``self.replay`` is used when not given. ``last_info`` holds the RouteInfo of the last call."""
+    ``self.replay`` is used when not given. ``last_info`` holds the RouteInfo of the last call.
+    ``router_dtype``: None (the input's dtype: Megatron's default moe_router_dtype=None),
+    torch.bfloat16, float32 or float64. ``input_jitter_eps`` (Megatron moe_input_jitter_eps):
+    jitter the gate input on every forward (syt.input_jitter; replayed ids are unaffected).
+    The global aux-loss state advances only on training forwards with grad enabled (Megatron's
+    rule; a non-reentrant checkpoint's recompute does not count, see notes/router-parity.md)."""
 
     def __init__(self, hidden_size, config, router_dtype=torch.float32, *, bias=False,
                  params_dtype=torch.float32, init_std=0.02, enable_expert_bias=False,
-                 layer_number=None, aux_loss_grad_scale=1.0):
+                 layer_number=None, aux_loss_grad_scale=1.0, input_jitter_eps=None):
         super().__init__()
         if not isinstance(config, _C.RouterConfig):
             raise ValueError("[TopKRouter] config must be a switchyard.RouterConfig, got "
@@ -363,6 +389,7 @@ class TopKRouter(torch.nn.Module):
         self.router_dtype = router_dtype
         self.layer_number = layer_number
         self.aux_loss_grad_scale = aux_loss_grad_scale
+        self.input_jitter_eps = input_jitter_eps
         E = config.num_experts
         self.weight = torch.nn.Parameter(
             torch.empty(E, self.hidden_size, dtype=params_dtype).normal_(0.0, init_std))
@@ -380,6 +407,9 @@ class TopKRouter(torch.nn.Module):
         self.last_info = None
 
     def forward(self, x, replay=None, *, padding_mask=None, seq_length=None):
+        if self.input_jitter_eps is not None:
+            # Megatron applies it on every forward (training or not), before the gate.
+            x = input_jitter(x, self.input_jitter_eps)
         rd = x.dtype if self.router_dtype is None else self.router_dtype
         if rd == torch.bfloat16:
             # Routing on bf16 logits (Megatron's moe_router_dtype=None with bf16 activations, and

@@ -244,3 +244,36 @@ def test_bf16_logits_like_megatron_router_dtype_none(mu, gen, kw):
     (_dense_of(ps, idx, E).float() * g.float()).sum().backward()
     assert zs.grad.dtype == torch.bfloat16
     torch.testing.assert_close(zs.grad.float(), zm.grad.float(), rtol=8e-3, atol=1e-5)
+
+
+def test_input_jitter_like_megatron(mcore, gen):
+    """moe_input_jitter_eps: Megatron multiplies the gate input by U(1-eps, 1+eps) noise on every
+    forward (its own RNG stream, so values are compared as distributions: the same support and
+    mean); switchyard's noise is seeded from torch's generator (torch.manual_seed reproduces it),
+    differentiable as grad * u, and never changes replayed ids."""
+    H, E, K, eps = 32, 8, 2, 0.1
+    m = mcore(H, num_moe_experts=E, moe_router_topk=K, moe_input_jitter_eps=eps)
+    x = torch.randn(64, H, generator=gen) + 3.0  # away from 0: the ratio is the noise
+    um = m.apply_input_jitter(x) / x
+    torch.manual_seed(5)
+    xs = x.clone().requires_grad_(True)
+    us = syt.input_jitter(xs, eps)
+    us.sum().backward()
+    torch.manual_seed(5)
+    assert torch.equal(syt.input_jitter(x, eps), us.detach())  # seeded
+    ratio = us.detach() / x
+    torch.testing.assert_close(xs.grad, ratio, rtol=1e-6, atol=0)  # d(x*u)/dx = u
+    for u in (um, ratio):
+        assert float(u.min()) >= 1 - eps - 1e-6 and float(u.max()) <= 1 + eps + 1e-6
+        assert abs(float(u.mean()) - 1.0) < 4 * eps / math.sqrt(3 * u.numel())
+    assert abs(float(ratio.std()) - float(um.std())) < 0.15 * float(um.std())
+    # Router: jittered logits, but a replayed table is used as given.
+    r = syt.TopKRouter(H, _cfg(E, K), input_jitter_eps=eps)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(64)])
+    probs, got = r(x, replay=ids)
+    assert torch.equal(got, ids) and r.last_info.num_replayed_rows == 64
+    torch.manual_seed(9)
+    p1, _ = r(x)
+    torch.manual_seed(9)
+    p2, _ = r(x)
+    assert torch.equal(p1, p2)

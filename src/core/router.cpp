@@ -488,6 +488,59 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
   return g;
 }
 
+namespace {
+
+// u in [1 - eps, 1 + eps) for element i: splitmix64 of (seed, i), its top 24 bits as a uniform.
+inline double jitter_unit(uint64_t seed, uint64_t i) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return (static_cast<double>(z >> 40) + 0.5) * (1.0 / 16777216.0);
+}
+
+Tensor jitter_apply(const Tensor& x, double eps, uint64_t seed, const char* op, const char* name) {
+  detail::check_dtype(x, op, name, {DType::bf16, DType::fp32, DType::fp64});
+  if (!std::isfinite(eps) || eps < 0.0 || eps >= 1.0) {
+    detail::fail_arg(op, "eps must be in [0, 1), got ", eps);
+  }
+  Tensor out = Tensor::empty(x.shape(), x.dtype());
+  const int64_t n = x.numel();
+  if (x.dtype() == DType::fp64) {
+    const double* a = x.data<double>();
+    double* o = out.data<double>();
+    for (int64_t i = 0; i < n; ++i) {
+      o[i] = a[i] * (1.0 - eps + 2.0 * eps * jitter_unit(seed, static_cast<uint64_t>(i)));
+    }
+  } else if (x.dtype() == DType::fp32) {
+    const float* a = x.data<float>();
+    float* o = out.data<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      const float u = static_cast<float>(1.0 - eps + 2.0 * eps * jitter_unit(seed, i));
+      o[i] = a[i] * u;
+    }
+  } else {
+    const bf16* a = x.data<bf16>();
+    bf16* o = out.data<bf16>();
+    for (int64_t i = 0; i < n; ++i) {
+      const float u = static_cast<float>(1.0 - eps + 2.0 * eps * jitter_unit(seed, i));
+      o[i] = float_to_bf16(bf16_to_float(a[i]) * u);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor input_jitter(const Tensor& x, double eps, uint64_t seed) {
+  return jitter_apply(x, eps, seed, "input_jitter", "x");
+}
+
+Tensor input_jitter_backward(const Tensor& grad, double eps, uint64_t seed) {
+  // d(x * u)/dx = u: the same multiplication.
+  return jitter_apply(grad, eps, seed, "input_jitter_backward", "grad");
+}
+
 Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& tokens_per_expert, double rate) {
   constexpr const char* op = "update_expert_bias";
   detail::check_dtype(expert_bias, op, "expert_bias", {DType::fp32});

@@ -1,5 +1,6 @@
 // Megatron-Core TopKRouter options beyond the basic ones (issue 14): routing on bf16 logits and the
 // options that follow, each against the double reference or its definition, with invariances.
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
@@ -82,4 +83,46 @@ TEST(RouterOptions, Bf16LogitsRouteLikeTheirFp32Upcast) {
     const Tensor g32 = sy::topk_route_backward(gw.to(DType::fp32), r32, nocap).grad_logits;
     EXPECT_TRUE(bitwise_equal(g16, g32.to(DType::bf16)));
   }
+}
+
+// Input jitter: x * u with u in [1-eps, 1+eps), a function of (seed, index) only; backward is the
+// same multiplication; eps = 0 is the identity.
+TEST(RouterOptions, InputJitterIsSeededAndItsBackwardIsExact) {
+  std::mt19937_64 rng(sy::testing::test_seed(1422));
+  const Tensor x = sy::testing::randn({33, 40}, DType::fp64, rng);
+  const double eps = 0.05;
+  const Tensor a = sy::input_jitter(x, eps, 7), b = sy::input_jitter(x, eps, 7);
+  const Tensor c = sy::input_jitter(x, eps, 8);
+  EXPECT_TRUE(bitwise_equal(a, b));
+  EXPECT_FALSE(bitwise_equal(a, c));
+  double mean = 0, lo = 2, hi = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    const double u = a.data<double>()[i] / x.data<double>()[i];
+    mean += u / static_cast<double>(x.numel());
+    lo = std::min(lo, u);
+    hi = std::max(hi, u);
+  }
+  EXPECT_GE(lo, 1 - eps);
+  EXPECT_LT(hi, 1 + eps);
+  EXPECT_NEAR(mean, 1.0, 3 * eps / std::sqrt(3.0 * static_cast<double>(x.numel())));
+  EXPECT_GT(hi - lo, eps);  // the noise spans most of the interval
+  // Backward is grad * u: <jitter(x), g> == <x, jitter_backward(g)> (adjoint, exact in fp64 up
+  // to summation order).
+  const Tensor g = sy::testing::randn({33, 40}, DType::fp64, rng);
+  const Tensor gb = sy::input_jitter_backward(g, eps, 7);
+  double l = 0, r = 0;
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    l += a.data<double>()[i] * g.data<double>()[i];
+    r += x.data<double>()[i] * gb.data<double>()[i];
+  }
+  EXPECT_NEAR(l, r, 1e-12 * std::fabs(l));
+  EXPECT_TRUE(bitwise_equal(sy::input_jitter(x, 0.0, 7), x));
+  // fp32 and bf16: the same u, rounded once.
+  const Tensor x32 = x.to(DType::fp32);
+  const Tensor j32 = sy::input_jitter(x32, eps, 7);
+  EXPECT_TRUE(all_close(j32, a.to_double_vector(), 1e-6, 1e-6));
+  const Tensor j16 = sy::input_jitter(x32.to(DType::bf16), eps, 7);
+  EXPECT_EQ(j16.dtype(), DType::bf16);
+  SY_EXPECT_THROW_MSG(sy::input_jitter(x, 1.5, 7), std::invalid_argument,
+                      "[input_jitter] eps must be in [0, 1), got 1.5");
 }
