@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "switchyard/tensor.h"
 
@@ -46,7 +48,22 @@ struct RouterConfig {
   bool pad_to_capacity = false;
   AuxLossType aux_loss_type = AuxLossType::none;
   double aux_loss_coeff = 0.0;  ///< coefficient of the aux_loss_type loss (>= 0)
-  double z_loss_coeff = 0.0;    ///< z-loss coefficient (>= 0); 0 = off
+  /// Several load-balancing losses at once (Megatron's moe_router_load_balancing_type given as a
+  /// list, moe_aux_loss_coeff a list of the same length): each of aux_loss, seq_aux_loss and
+  /// global_aux_loss at most once, each with its coefficient; aux_loss_type must then be none.
+  /// Empty = the single aux_loss_type / aux_loss_coeff.
+  std::vector<AuxLossType> aux_loss_types{};
+  std::vector<double> aux_loss_coeffs{};
+  double z_loss_coeff = 0.0;  ///< z-loss coefficient (>= 0); 0 = off
+  /// Megatron calculate_per_token_loss: the aux- and z-loss gradients are those of the loss times
+  /// the number of valid (unpadded) tokens (the reported values stay the losses themselves).
+  bool calculate_per_token_loss = false;
+  /// Megatron MTP layers: with is_mtp_layer and mtp_use_repeated_layer, the one MTP layer runs
+  /// mtp_num_layers times, so its load-balancing losses (value and gradient) are divided by
+  /// mtp_num_layers. The z-loss is not (Megatron divides only its logged value).
+  bool is_mtp_layer = false;
+  bool mtp_use_repeated_layer = false;
+  int64_t mtp_num_layers = 0;
 };
 
 /// Whether a topk_route call with global_aux_loss adds its batch to the GlobalAuxLossState.
@@ -118,8 +135,12 @@ struct RouteResult {
   bool pad_to_capacity = false;
   int64_t num_dropped = 0;  ///< (token, expert) pairs dropped by capacity
 
-  /// Loss values, coefficients included (0 when off). aux_loss is the aux_loss_type loss.
+  /// Loss values, coefficients included (0 when off). aux_loss is the sum of the load-balancing
+  /// losses, aux_loss_parts each of them (Megatron logs them apart).
   double aux_loss = 0.0;
+  struct AuxLossParts {
+    double aux_loss = 0.0, seq_aux_loss = 0.0, global_aux_loss = 0.0;
+  } aux_loss_parts;
   double z_loss = 0.0;
 
   /// Row counts: replayed + native + padded == T. Invalid replay rows routed natively (with

@@ -248,12 +248,13 @@ class RouteInfo:
     included, 0 when off), per-expert counts, capacity, and the replayed / native / padded row
     counts (replayed + native + padded == T), so replay can never silently do nothing."""
 
-    __slots__ = ("aux_loss", "z_loss", "tokens_per_expert", "expert_capacity", "num_dropped",
+    __slots__ = ("aux_loss", "aux_loss_parts", "z_loss", "tokens_per_expert", "expert_capacity", "num_dropped",
                  "num_replayed_rows", "num_native_rows", "num_padded_rows",
                  "num_invalid_replay_rows")
 
     def __init__(self, res):
         self.aux_loss = res.aux_loss
+        self.aux_loss_parts = res.aux_loss_parts  # {"aux_loss": .., "seq_aux_loss": .., ...}
         self.z_loss = res.z_loss
         self.tokens_per_expert = res.tokens_per_expert
         self.expert_capacity = None if res.expert_capacity < 0 else res.expert_capacity
@@ -400,8 +401,10 @@ class TopKRouter(torch.nn.Module):
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
+        types = config.aux_loss_type if isinstance(config.aux_loss_type, list) else [
+            config.aux_loss_type]
         self.global_aux_loss_state = (_C.GlobalAuxLossState()
-                                      if config.aux_loss_type == "global_aux_loss" else None)
+                                      if "global_aux_loss" in types else None)
         self._gstate_snapshots = collections.deque()
         self.replay = None
         self.last_info = None

@@ -41,7 +41,12 @@ def mcore(request):
     W = dist.group.WORLD
     pg = ProcessGroupCollection(tp=W, cp=W, tp_cp=W, tp_dp_cp=W, dp=W, ep=W)
 
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
     def make(hidden, **kw):
+        # Megatron's loss logger is a process-wide object sized by the first router's layer
+        # count; a fresh one per router keeps the cases independent.
+        destroy_moe_metrics_tracker()
         kw.setdefault("moe_router_dtype", "fp32")
         kw.setdefault("add_bias_linear", False)
         cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
@@ -277,3 +282,55 @@ def test_input_jitter_like_megatron(mcore, gen):
     torch.manual_seed(9)
     p2, _ = r(x)
     assert torch.equal(p1, p2)
+
+
+LOSS_CASES = {
+    "aux+seq+global": dict(types=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+                           coeffs=[0.01, 0.02, 0.03]),
+    "seq+global sigmoid": dict(types=["seq_aux_loss", "global_aux_loss"], coeffs=[0.05, 0.01],
+                               score="sigmoid"),
+    "per-token aux+z": dict(types=["aux_loss"], coeffs=[0.02], z=0.01, per_token=True),
+    "mtp repeated x3": dict(types=["aux_loss", "global_aux_loss"], coeffs=[0.02, 0.01], z=0.01,
+                            mtp=3),
+}
+
+
+@pytest.mark.parametrize("case", LOSS_CASES, ids=list(LOSS_CASES))
+def test_losses_like_megatron_topk_router(mcore, gen, case):
+    """Several load-balancing types with their coefficients (Megatron's list form),
+    calculate_per_token_loss and MTP-layer scaling: the real TopKRouter and syt.TopKRouter with
+    the same weight give the same ids, loss state and gate gradient over two training steps."""
+    c = LOSS_CASES[case]
+    H, E, K, s, b = 16, 8, 2, 6, 3
+    score = c.get("score", "softmax")
+    mkw = dict(num_moe_experts=E, moe_router_topk=K, moe_router_load_balancing_type=c["types"],
+               moe_aux_loss_coeff=c["coeffs"], moe_router_score_function=score,
+               moe_z_loss_coeff=c.get("z"), calculate_per_token_loss=c.get("per_token", False))
+    skw = dict(aux_loss_type=c["types"], aux_loss_coeff=c["coeffs"], score_function=score,
+               z_loss_coeff=c.get("z") or 0.0,
+               calculate_per_token_loss=c.get("per_token", False))
+    if c.get("mtp"):
+        mkw.update(mtp_num_layers=c["mtp"], mtp_use_repeated_layer=True)
+        skw.update(is_mtp_layer=True, mtp_use_repeated_layer=True, mtp_num_layers=c["mtp"])
+    m = mcore(H, **mkw)
+    if c.get("mtp"):
+        m.is_mtp_layer = True  # the constructor argument of an MTP layer's router
+    srt = syt.TopKRouter(H, _cfg(E, K, **skw))
+    with torch.no_grad():
+        srt.weight.copy_(m.weight)
+    for step in range(2):
+        x = torch.randn(s, b, H, generator=gen)
+        xm, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        m.weight.grad = srt.weight.grad = None
+        pm, mm = m(xm)
+        ps, idx = srt(xs, seq_length=s)
+        assert torch.equal(torch.zeros(s * b, E, dtype=torch.bool).scatter(1, idx.view(-1, K),
+                                                                          True), mm)
+        g = torch.linspace(-1, 1, s * b * E).view(s * b, E)
+        (pm * g).sum().backward()
+        (_dense_of(ps.view(-1, K), idx.view(-1, K), E) * g).sum().backward()
+        torch.testing.assert_close(srt.weight.grad, m.weight.grad, rtol=1e-5, atol=1e-6,
+                                   msg=f"step {step}")
+        torch.testing.assert_close(xs.grad, xm.grad, rtol=1e-5, atol=1e-6)
+        if "global_aux_loss" in c["types"]:
+            assert srt.global_aux_loss_state.steps == int(m.ga_steps)

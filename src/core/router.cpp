@@ -69,8 +69,25 @@ cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
   return p;
 }
 
-bool aux_enabled(const RouterConfig& c) {
-  return c.aux_loss_type != AuxLossType::none && c.aux_loss_coeff > 0.0;
+// Coefficient of each load-balancing loss (Megatron's get_aux_loss_coeff): from the lists when
+// given, else from aux_loss_type / aux_loss_coeff.
+struct LbCoeffs {
+  double aux = 0.0, seq = 0.0, global = 0.0;
+};
+
+LbCoeffs lb_coeffs(const RouterConfig& c) {
+  LbCoeffs r;
+  auto put = [&](AuxLossType t, double coeff) {
+    if (t == AuxLossType::aux_loss) r.aux = coeff;
+    if (t == AuxLossType::seq_aux_loss) r.seq = coeff;
+    if (t == AuxLossType::global_aux_loss) r.global = coeff;
+  };
+  if (!c.aux_loss_types.empty()) {
+    for (size_t i = 0; i < c.aux_loss_types.size(); ++i) put(c.aux_loss_types[i], c.aux_loss_coeffs[i]);
+  } else {
+    put(c.aux_loss_type, c.aux_loss_coeff);
+  }
+  return r;
 }
 
 template <class S>
@@ -211,6 +228,36 @@ void validate_router_config(const RouterConfig& c) {
   if (!std::isfinite(c.aux_loss_coeff) || c.aux_loss_coeff < 0.0) {
     detail::fail_arg(kOp, "aux_loss_coeff must be finite and >= 0, got ", c.aux_loss_coeff);
   }
+  if (!c.aux_loss_types.empty() || !c.aux_loss_coeffs.empty()) {
+    if (c.aux_loss_type != AuxLossType::none) {
+      detail::fail_arg(kOp, "aux_loss_types (several losses) needs aux_loss_type none, got "
+                       "aux_loss_type=", aux_loss_type_name(c.aux_loss_type));
+    }
+    if (c.aux_loss_types.size() != c.aux_loss_coeffs.size()) {
+      detail::fail_arg(kOp, "aux_loss_coeffs must have one coefficient per aux_loss_types entry (",
+                       c.aux_loss_types.size(), "), got ", c.aux_loss_coeffs.size());
+    }
+    bool seen[4] = {false, false, false, false};
+    for (size_t i = 0; i < c.aux_loss_types.size(); ++i) {
+      const int t = static_cast<int>(c.aux_loss_types[i]);
+      if (t < 1 || t > 3) {
+        detail::fail_arg(kOp, "aux_loss_types entries must be aux_loss, seq_aux_loss or "
+                         "global_aux_loss, got value ", t, " at index ", i);
+      }
+      if (seen[t]) {
+        detail::fail_arg(kOp, "aux_loss_types lists ", aux_loss_type_name(c.aux_loss_types[i]),
+                         " twice");
+      }
+      seen[t] = true;
+      const double v = c.aux_loss_coeffs[i];
+      if (!std::isfinite(v) || v < 0.0) {
+        detail::fail_arg(kOp, "aux_loss_coeffs must be finite and >= 0, got ", v, " at index ", i);
+      }
+    }
+  }
+  if (c.mtp_num_layers < 0) {
+    detail::fail_arg(kOp, "mtp_num_layers must be >= 0, got ", c.mtp_num_layers);
+  }
   if (!std::isfinite(c.z_loss_coeff) || c.z_loss_coeff < 0.0) {
     detail::fail_arg(kOp, "z_loss_coeff must be finite and >= 0, got ", c.z_loss_coeff);
   }
@@ -268,9 +315,10 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     detail::fail_arg(kOp, "global_aux_loss_update must be accumulate or read_only, got value ",
                      static_cast<int>(options.global_aux_loss_update));
   }
-  const bool need_aux = aux_enabled(config);
+  const LbCoeffs lb = lb_coeffs(config);
+  const bool need_aux = lb.aux > 0.0 || lb.seq > 0.0 || lb.global > 0.0;
   int64_t G = 1;
-  if (need_aux && config.aux_loss_type == AuxLossType::seq_aux_loss) {
+  if (lb.seq > 0.0) {
     if (options.seq_length < 1 || T % options.seq_length != 0) {
       detail::fail_arg(kOp, "seq_aux_loss needs seq_length >= 1 dividing num_tokens=", T,
                        ", got seq_length=", options.seq_length);
@@ -278,7 +326,7 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     G = std::max<int64_t>(T / options.seq_length, 1);
   }
   GlobalAuxLossState* gstate = inputs.global_aux_loss_state;
-  if (need_aux && config.aux_loss_type == AuxLossType::global_aux_loss) {
+  if (lb.global > 0.0) {
     if (!gstate) {
       detail::fail_arg(kOp, "global_aux_loss needs inputs.global_aux_loss_state, got nullptr");
     }
@@ -385,22 +433,58 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
 
   // ---- losses (Megatron-Core moe_utils / router.py), sums in fixed order ----
   const int64_t num_valid = T - r.num_padded_rows;
+  // Megatron's calculate_per_token_loss attaches loss * num_local_tokens (valid tokens) to the
+  // gradient and logs the loss itself; an MTP layer run mtp_num_layers times divides its
+  // load-balancing losses by that count (value and gradient; the z-loss only in Megatron's log).
+  const double per_token = config.calculate_per_token_loss ? static_cast<double>(num_valid) : 1.0;
+  const double mtp = (config.is_mtp_layer && config.mtp_use_repeated_layer &&
+                      config.mtp_num_layers > 0)
+                         ? 1.0 / static_cast<double>(config.mtp_num_layers)
+                         : 1.0;
   if (need_aux) {
     r.aux_groups = G;
     r.aux_grad = Tensor::zeros({G, E}, DType::fp64);
     double* ag = r.aux_grad.data<double>();
-    // tokens_per_expert as used by the loss: this batch's counts, or the running mean (global).
-    std::vector<double> cnt(aux_cnt.begin(), aux_cnt.end());
-    double n_tokens = static_cast<double>(num_valid);
-    double extra_div = 1.0;
-    if (config.aux_loss_type == AuxLossType::seq_aux_loss) {
-      n_tokens = static_cast<double>(num_valid) / static_cast<double>(G);
-      extra_div = static_cast<double>(G);
-    } else if (config.aux_loss_type == AuxLossType::global_aux_loss) {
-      // The loss always sees the state plus this batch; only an accumulating call keeps it.
+    // Batch counts and score sums over all sequence groups (aux_loss, global_aux_loss), added in
+    // group order (a single group when there is no seq_aux_loss: the values themselves).
+    std::vector<double> cnt1(static_cast<size_t>(E), 0.0), psum1(static_cast<size_t>(E), 0.0);
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t e = 0; e < E; ++e) {
+        cnt1[e] += static_cast<double>(aux_cnt[g * E + e]);
+        psum1[e] += aux_psum[g * E + e];
+      }
+    }
+    const double n = static_cast<double>(num_valid);
+    auto coeff_f = [&](double coeff, double n_tokens, double div) {
+      return coeff * static_cast<double>(E) / (static_cast<double>(K) * n_tokens * n_tokens) /
+             div * mtp;
+    };
+    // aux_loss: switch_load_balancing_loss_func on this batch's counts.
+    if (lb.aux > 0.0 && n > 0.0) {
+      const double f = coeff_f(lb.aux, n, 1.0);
+      double loss = 0.0;
+      for (int64_t e = 0; e < E; ++e) loss += f * cnt1[e] * psum1[e];
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t e = 0; e < E; ++e) ag[g * E + e] += f * cnt1[e];
+      }
+      r.aux_loss_parts.aux_loss = loss;
+    }
+    // seq_aux_loss: per sequence group, N = tokens per sequence, divided by the sequence count.
+    if (lb.seq > 0.0 && n > 0.0) {
+      const double f = coeff_f(lb.seq, n / static_cast<double>(G), static_cast<double>(G));
+      double loss = 0.0;
+      for (int64_t i = 0; i < G * E; ++i) {
+        loss += f * static_cast<double>(aux_cnt[i]) * aux_psum[i];
+        ag[i] += f * static_cast<double>(aux_cnt[i]);
+      }
+      r.aux_loss_parts.seq_aux_loss = loss;
+    }
+    // global_aux_loss: the running mean of the counts. The loss always sees the state plus this
+    // batch; only an accumulating call keeps it.
+    if (lb.global > 0.0) {
       std::vector<double> acc(static_cast<size_t>(E), 0.0);
       if (gstate->tokens_per_expert.defined()) acc = gstate->tokens_per_expert.to_double_vector();
-      for (int64_t e = 0; e < E; ++e) acc[e] += cnt[e];
+      for (int64_t e = 0; e < E; ++e) acc[e] += cnt1[e];
       const int64_t steps = gstate->steps + 1;
       if (options.global_aux_loss_update == GlobalAuxLossUpdate::accumulate) {
         if (!gstate->tokens_per_expert.defined()) {
@@ -409,23 +493,27 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
         std::copy(acc.begin(), acc.end(), gstate->tokens_per_expert.data<double>());
         gstate->steps = steps;
       }
-      for (int64_t e = 0; e < E; ++e) cnt[e] = acc[e] / static_cast<double>(steps);
-    }
-    if (n_tokens > 0.0) {
-      const double f = config.aux_loss_coeff * static_cast<double>(E) /
-                       (static_cast<double>(K) * n_tokens * n_tokens) / extra_div;
-      double loss = 0.0;
-      for (int64_t i = 0; i < G * E; ++i) {
-        ag[i] = f * cnt[i];
-        loss += ag[i] * aux_psum[i];
+      if (n > 0.0) {
+        const double f = coeff_f(lb.global, n, 1.0);
+        double loss = 0.0;
+        for (int64_t e = 0; e < E; ++e) {
+          const double c = acc[e] / static_cast<double>(steps);
+          loss += f * c * psum1[e];
+          for (int64_t g = 0; g < G; ++g) ag[g * E + e] += f * c;
+        }
+        r.aux_loss_parts.global_aux_loss = loss;
       }
-      r.aux_loss = loss;
+    }
+    r.aux_loss = r.aux_loss_parts.aux_loss + r.aux_loss_parts.seq_aux_loss +
+                 r.aux_loss_parts.global_aux_loss;
+    if (per_token != 1.0) {
+      for (int64_t i = 0; i < G * E; ++i) ag[i] *= per_token;
     }
   }
   if (p.need_z) {
-    const double n = static_cast<double>(std::max<int64_t>(num_valid, 1));
-    r.z_loss = config.z_loss_coeff * z_sum / n;
-    r.z_grad_coeff = 2.0 * config.z_loss_coeff / n;
+    const double nz = static_cast<double>(std::max<int64_t>(num_valid, 1));
+    r.z_loss = config.z_loss_coeff * z_sum / nz;
+    r.z_grad_coeff = 2.0 * config.z_loss_coeff / nz * per_token;
   }
   return r;
 }

@@ -126,3 +126,143 @@ TEST(RouterOptions, InputJitterIsSeededAndItsBackwardIsExact) {
   SY_EXPECT_THROW_MSG(sy::input_jitter(x, 1.5, 7), std::invalid_argument,
                       "[input_jitter] eps must be in [0, 1), got 1.5");
 }
+
+namespace {
+
+// Routes z with cfg (fresh global state with 2 accumulated steps of 3 tokens per expert), returns
+// the result and grad_logits of <gw, weights> + losses.
+struct Routed {
+  sy::RouteResult r;
+  Tensor grad;
+};
+
+Routed route_with_grad(const Tensor& z, const Tensor& gw, const RouterConfig& c,
+                       const Tensor& mask, int64_t seq_length) {
+  sy::GlobalAuxLossState g;
+  g.tokens_per_expert = Tensor::full({c.num_experts}, DType::fp64, 3.0);
+  g.steps = 2;
+  sy::RouteInputs in;
+  in.global_aux_loss_state = &g;
+  in.padding_mask = mask;
+  sy::RouteOptions opt;
+  opt.seq_length = seq_length;
+  Routed out{sy::topk_route(z, in, c, opt), Tensor()};
+  out.grad = sy::topk_route_backward(gw, out.r, c).grad_logits;
+  return out;
+}
+
+}  // namespace
+
+// Several load-balancing types at once (Megatron's list form): the sum of each type alone, in
+// value and gradient, and central finite differences of the whole objective.
+TEST(RouterOptions, SeveralLoadBalancingLossesAddUp) {
+  std::mt19937_64 rng(sy::testing::test_seed(1423));
+  const int64_t T = 12, E = 8, K = 2;
+  for (ScoreFunction f : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
+    SCOPED_TRACE(sy::score_function_name(f));
+    RouterConfig all = cfg(E, K, f);
+    all.aux_loss_types = {AuxLossType::seq_aux_loss, AuxLossType::aux_loss,
+                          AuxLossType::global_aux_loss};
+    all.aux_loss_coeffs = {0.3, 0.5, 0.7};
+    all.z_loss_coeff = 0.1;
+    const Tensor z = sy::testing::randn({T, E}, DType::fp64, rng, 1.5);
+    const Tensor gw = sy::testing::randn({T, K}, DType::fp64, rng);
+    Tensor mask = Tensor::zeros({T}, DType::boolean);
+    mask.data<bool>()[5] = true;
+    const Routed a = route_with_grad(z, gw, all, mask, 4);
+    double sum = 0;
+    std::vector<double> gsum(static_cast<size_t>(T * E), 0.0);
+    const double coeffs[] = {0.5, 0.3, 0.7};
+    const AuxLossType types[] = {AuxLossType::aux_loss, AuxLossType::seq_aux_loss,
+                                 AuxLossType::global_aux_loss};
+    const double* parts[] = {&a.r.aux_loss_parts.aux_loss, &a.r.aux_loss_parts.seq_aux_loss,
+                             &a.r.aux_loss_parts.global_aux_loss};
+    const Tensor zero_gw = Tensor::zeros({T, K}, DType::fp64);
+    for (int i = 0; i < 3; ++i) {
+      RouterConfig one = cfg(E, K, f);
+      one.aux_loss_type = types[i];
+      one.aux_loss_coeff = coeffs[i];
+      const Routed o = route_with_grad(z, zero_gw, one, mask, 4);
+      EXPECT_NEAR(*parts[i], o.r.aux_loss, 1e-14 * std::fabs(o.r.aux_loss)) << i;
+      EXPECT_GT(o.r.aux_loss, 0.0);
+      sum += o.r.aux_loss;
+      for (int64_t j = 0; j < T * E; ++j) gsum[j] += o.grad.data<double>()[j];
+    }
+    RouterConfig rest = cfg(E, K, f);
+    rest.z_loss_coeff = 0.1;
+    const Routed w = route_with_grad(z, gw, rest, mask, 4);
+    for (int64_t j = 0; j < T * E; ++j) gsum[j] += w.grad.data<double>()[j];
+    EXPECT_NEAR(a.r.aux_loss, sum, 1e-14 * sum);
+    EXPECT_TRUE(all_close(a.grad, gsum, 1e-14, 1e-12));
+    // Finite differences of <gw, w> + aux + z.
+    const double h = 1e-6;
+    std::vector<double> fd(static_cast<size_t>(T * E));
+    auto obj = [&](const sy::RouteResult& r) {
+      double L = r.aux_loss + r.z_loss;
+      for (int64_t j = 0; j < T * K; ++j) L += gw.data<double>()[j] * r.topk_weights.data<double>()[j];
+      return L;
+    };
+    for (int64_t j = 0; j < T * E; ++j) {
+      Tensor zp = z.clone(), zm = z.clone();
+      zp.data<double>()[j] += h;
+      zm.data<double>()[j] -= h;
+      const Routed p = route_with_grad(zp, gw, all, mask, 4), m = route_with_grad(zm, gw, all, mask, 4);
+      ASSERT_TRUE(bitwise_equal(p.r.topk_idx, a.r.topk_idx));
+      ASSERT_TRUE(bitwise_equal(m.r.topk_idx, a.r.topk_idx));
+      fd[j] = (obj(p.r) - obj(m.r)) / (2 * h);
+    }
+    EXPECT_TRUE(all_close(a.grad, fd, 1e-7, 1e-6));
+  }
+  RouterConfig bad = cfg(E, K, ScoreFunction::softmax);
+  bad.aux_loss_types = {AuxLossType::aux_loss, AuxLossType::aux_loss};
+  bad.aux_loss_coeffs = {0.1, 0.2};
+  SY_EXPECT_THROW_MSG(sy::validate_router_config(bad), std::invalid_argument,
+                      "[route] aux_loss_types lists aux_loss twice");
+  bad.aux_loss_types = {AuxLossType::aux_loss};
+  SY_EXPECT_THROW_MSG(sy::validate_router_config(bad), std::invalid_argument,
+                      "[route] aux_loss_coeffs must have one coefficient per aux_loss_types "
+                      "entry (1), got 2");
+}
+
+// calculate_per_token_loss multiplies the loss gradients by the valid-token count (values stay);
+// an MTP layer run mtp_num_layers times divides its load-balancing losses, not its z-loss.
+TEST(RouterOptions, PerTokenLossAndMtpScaling) {
+  std::mt19937_64 rng(sy::testing::test_seed(1424));
+  const int64_t T = 16, E = 8, K = 2;
+  RouterConfig base = cfg(E, K, ScoreFunction::sigmoid);
+  base.aux_loss_types = {AuxLossType::aux_loss, AuxLossType::global_aux_loss};
+  base.aux_loss_coeffs = {0.3, 0.2};
+  const Tensor z = sy::testing::randn({T, E}, DType::fp64, rng);
+  Tensor mask = Tensor::zeros({T}, DType::boolean);
+  mask.data<bool>()[3] = mask.data<bool>()[9] = true;  // 14 valid tokens
+  const Tensor none;
+  RouterConfig zonly = cfg(E, K, ScoreFunction::sigmoid);
+  zonly.z_loss_coeff = 0.05;
+  for (const RouterConfig* c0 : {&base, &zonly}) {
+    RouterConfig pt = *c0;
+    pt.calculate_per_token_loss = true;
+    const Routed a = route_with_grad(z, none, *c0, mask, 0);
+    const Routed b = route_with_grad(z, none, pt, mask, 0);
+    EXPECT_EQ(a.r.aux_loss, b.r.aux_loss);
+    EXPECT_EQ(a.r.z_loss, b.r.z_loss);
+    std::vector<double> want = a.grad.to_double_vector();
+    for (double& v : want) v *= 14.0;
+    EXPECT_TRUE(all_close(b.grad, want, 1e-15, 1e-13));
+    RouterConfig mtp = *c0;
+    mtp.is_mtp_layer = true;
+    mtp.mtp_use_repeated_layer = true;
+    mtp.mtp_num_layers = 4;
+    const Routed m = route_with_grad(z, none, mtp, mask, 0);
+    EXPECT_NEAR(m.r.aux_loss, a.r.aux_loss / 4, 1e-15);
+    EXPECT_EQ(m.r.z_loss, a.r.z_loss);
+    if (c0 == &base) {
+      want = a.grad.to_double_vector();
+      for (double& v : want) v /= 4.0;
+      EXPECT_TRUE(all_close(m.grad, want, 1e-16, 1e-13));
+    } else {
+      EXPECT_TRUE(bitwise_equal(m.grad, a.grad));
+    }
+    mtp.mtp_use_repeated_layer = false;  // Megatron scales only the repeated layer
+    EXPECT_EQ(route_with_grad(z, none, mtp, mask, 0).r.aux_loss, a.r.aux_loss);
+  }
+}
