@@ -64,6 +64,14 @@ struct RouterConfig {
   bool is_mtp_layer = false;
   bool mtp_use_repeated_layer = false;
   int64_t mtp_num_layers = 0;
+  /// Benchmarking (Megatron moe_router_force_load_balancing): route on N(0, 1) logits drawn from
+  /// RouteOptions::force_seed instead of the given ones; the gradient passes straight through to
+  /// the given logits (Megatron's RandomSTE). Replayed rows keep their ids.
+  bool force_load_balancing = false;
+  /// Benchmarking (Megatron moe_router_force_biased): random N(0, 1) logits plus a per-expert
+  /// bias N(0, |force_biased|) drawn from RouteOptions::force_bias_seed (Megatron shares it across
+  /// ranks, and reuses it per layer when force_biased < 0: pass the same seed). 0 = off.
+  double force_biased = 0.0;
 };
 
 /// Whether a topk_route call with global_aux_loss adds its batch to the GlobalAuxLossState.
@@ -113,6 +121,10 @@ struct RouteOptions {
   /// seq_aux_loss only: tokens are laid out [seq_length, num_sequences] flattened (Megatron's
   /// [s, b] order: token t belongs to sequence t % num_sequences); T % seq_length == 0.
   int64_t seq_length = 0;
+  /// Seeds of force_load_balancing / force_biased (counter-based: a value depends only on its
+  /// seed and position, so the draws are thread-count invariant).
+  uint64_t force_seed = 0;
+  uint64_t force_bias_seed = 0;
   /// global_aux_loss only: add this batch to the state (training forward with grad) or not.
   GlobalAuxLossUpdate global_aux_loss_update = GlobalAuxLossUpdate::accumulate;
 };

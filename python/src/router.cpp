@@ -84,7 +84,8 @@ void bind_router(py::module_& m) {
                        std::optional<double> capacity_factor, const std::string& token_drop_policy,
                        bool pad_to_capacity, py::object aux_loss_type, py::object aux_loss_coeff,
                        double z_loss_coeff, bool calculate_per_token_loss, bool is_mtp_layer,
-                       bool mtp_use_repeated_layer, std::optional<int64_t> mtp_num_layers) {
+                       bool mtp_use_repeated_layer, std::optional<int64_t> mtp_num_layers,
+                       bool force_load_balancing, std::optional<double> force_biased) {
              RouterConfig c;
              c.num_experts = num_experts;
              c.top_k = topk;
@@ -130,6 +131,8 @@ void bind_router(py::module_& m) {
              c.is_mtp_layer = is_mtp_layer;
              c.mtp_use_repeated_layer = mtp_use_repeated_layer;
              c.mtp_num_layers = mtp_num_layers.value_or(0);
+             c.force_load_balancing = force_load_balancing;
+             c.force_biased = force_biased.value_or(0.0);
              validate_router_config(c);
              return c;
            }),
@@ -141,7 +144,8 @@ void bind_router(py::module_& m) {
            py::arg("aux_loss_type") = py::none(), py::arg("aux_loss_coeff") = 0.0,
            py::arg("z_loss_coeff") = 0.0, py::arg("calculate_per_token_loss") = false,
            py::arg("is_mtp_layer") = false, py::arg("mtp_use_repeated_layer") = false,
-           py::arg("mtp_num_layers") = py::none())
+           py::arg("mtp_num_layers") = py::none(), py::arg("force_load_balancing") = false,
+           py::arg("force_biased") = py::none())
       .def_readonly("num_experts", &RouterConfig::num_experts)
       .def_readonly("topk", &RouterConfig::top_k)
       .def_property_readonly(
@@ -181,6 +185,12 @@ void bind_router(py::module_& m) {
                              })
       .def_readonly("calculate_per_token_loss", &RouterConfig::calculate_per_token_loss)
       .def_readonly("is_mtp_layer", &RouterConfig::is_mtp_layer)
+      .def_readonly("force_load_balancing", &RouterConfig::force_load_balancing)
+      .def_property_readonly("force_biased",
+                             [](const RouterConfig& c) -> std::optional<double> {
+                               if (c.force_biased != 0.0) return c.force_biased;
+                               return std::nullopt;
+                             })
       .def_readonly("mtp_use_repeated_layer", &RouterConfig::mtp_use_repeated_layer)
       .def_property_readonly("mtp_num_layers",
                              [](const RouterConfig& c) -> std::optional<int64_t> {
@@ -244,7 +254,7 @@ void bind_router(py::module_& m) {
       [](py::handle logits, const RouterConfig& config, py::handle expert_bias,
          py::handle replay_idx, py::handle padding_mask, GlobalAuxLossState* global_state,
          const std::string& invalid_replay_rows, int64_t layer, int64_t seq_length,
-         bool accumulate_global_aux_loss) {
+         bool accumulate_global_aux_loss, uint64_t force_seed, uint64_t force_bias_seed) {
         const char* op = "topk_route";
         RouteOptions opt;
         if (invalid_replay_rows == "error") {
@@ -260,6 +270,8 @@ void bind_router(py::module_& m) {
         opt.seq_length = seq_length;
         opt.global_aux_loss_update = accumulate_global_aux_loss ? GlobalAuxLossUpdate::accumulate
                                                                 : GlobalAuxLossUpdate::read_only;
+        opt.force_seed = force_seed;
+        opt.force_bias_seed = force_bias_seed;
         py_bridge::Arg al = py_bridge::borrow(logits, op, "logits");
         py_bridge::Arg ab = py_bridge::borrow_optional(expert_bias, op, "expert_bias");
         py_bridge::Arg am = py_bridge::borrow_optional(padding_mask, op, "padding_mask");
@@ -279,7 +291,8 @@ void bind_router(py::module_& m) {
       },
       py::arg("logits"), py::arg("config"), py::arg("expert_bias"), py::arg("replay_idx"),
       py::arg("padding_mask"), py::arg("global_aux_loss_state"), py::arg("invalid_replay_rows"),
-      py::arg("layer"), py::arg("seq_length"), py::arg("accumulate_global_aux_loss") = true);
+      py::arg("layer"), py::arg("seq_length"), py::arg("accumulate_global_aux_loss") = true,
+      py::arg("force_seed") = 0, py::arg("force_bias_seed") = 0);
   m.def(
       "topk_route_backward",
       [](py::handle grad_topk_weights, const PyRoute& route, double loss_grad_scale) {

@@ -272,12 +272,13 @@ class RouteInfo:
 class _TopKRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, config, expert_bias, replay_idx, padding_mask, global_state,
-                invalid_replay_rows, layer, seq_length, loss_grad_scale, accumulate, info_box):
+                invalid_replay_rows, layer, seq_length, loss_grad_scale, accumulate, seeds,
+                info_box):
         with _no_autocast():
             res = _C.topk_route(logits.detach(), config,
                                 None if expert_bias is None else expert_bias.detach(),
                                 replay_idx, padding_mask, global_state, invalid_replay_rows,
-                                layer, seq_length, accumulate)
+                                layer, seq_length, accumulate, seeds[0], seeds[1])
         ctx.res = res
         ctx.loss_grad_scale = loss_grad_scale
         ctx.save_for_backward(logits)  # version check: the engine reads these logits in backward
@@ -292,12 +293,21 @@ class _TopKRoute(torch.autograd.Function):
         with _no_autocast():
             g = grad_probs.to(ctx.res.topk_weights.dtype).contiguous()
             grad_logits = _C.topk_route_backward(g, ctx.res, ctx.loss_grad_scale)
-        return (grad_logits,) + (None,) * 11
+        return (grad_logits,) + (None,) * 12
+
+
+def _force_seeds(config, force_seed, force_bias_seed):
+    if not (config.force_load_balancing or config.force_biased):
+        return (0, 0)
+    draw = lambda: int(torch.randint(0, 2**62, (1,)).item())  # noqa: E731
+    return (draw() if force_seed is None else int(force_seed),
+            draw() if force_bias_seed is None else int(force_bias_seed))
 
 
 def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay_rows="error", *,
                padding_mask=None, seq_length=None, global_aux_loss_state=None, layer=None,
-               aux_loss_grad_scale=1.0, accumulate_global_aux_loss=True, return_info=False):
+               aux_loss_grad_scale=1.0, accumulate_global_aux_loss=True, force_seed=None,
+               force_bias_seed=None, return_info=False):
     """Route T tokens to K of E experts from router logits (Megatron-Core's TopKRouter semantics).
 
     logits [T, E] fp32 or fp64 (the router dtype), or bf16 (Megatron's moe_router_dtype=None:
@@ -313,6 +323,8 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     accumulate_global_aux_loss: add this batch to that state (True), or only read it (False: the
     loss is still computed from the state plus this batch). Megatron-Core accumulates only on
     training forwards with grad enabled; TopKRouter decides this itself.
+    force_seed / force_bias_seed: seeds of config.force_load_balancing / force_biased (None: drawn
+    from torch's default generator).
 
     Returns (probs [T, K] in the logits' dtype, differentiable to logits; topk_idx [T, K] int64,
     -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added to
@@ -334,7 +346,7 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
         logits, config, expert_bias, replay_idx, padding_mask, global_aux_loss_state,
         invalid_replay_rows, -1 if layer is None else int(layer),
         0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale),
-        bool(accumulate_global_aux_loss), box)
+        bool(accumulate_global_aux_loss), _force_seeds(config, force_seed, force_bias_seed), box)
     if len(lead) != 1:
         probs = probs.view(*lead, probs.shape[-1])
         topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
@@ -457,7 +469,11 @@ class TopKRouter(torch.nn.Module):
             logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
             seq_length=seq_length, global_aux_loss_state=gstate,
             layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
-            accumulate_global_aux_loss=accumulate, return_info=True)
+            accumulate_global_aux_loss=accumulate,
+            # force_biased < 0: Megatron draws the bias once per layer and reuses it.
+            force_bias_seed=((0x5EED0000 + (self.layer_number or 0)) & (2**62 - 1)
+                             if (self.config.force_biased or 0) < 0 else None),
+            return_info=True)
         if replay is not None and not isinstance(replay, torch.Tensor):
             replay._after_forward(topk_idx)
         if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():

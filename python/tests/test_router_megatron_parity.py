@@ -334,3 +334,26 @@ def test_losses_like_megatron_topk_router(mcore, gen, case):
         torch.testing.assert_close(xs.grad, xm.grad, rtol=1e-5, atol=1e-6)
         if "global_aux_loss" in c["types"]:
             assert srt.global_aux_loss_state.steps == int(m.ga_steps)
+
+
+def test_force_load_balancing_and_forced_bias(gen):
+    """moe_router_force_load_balancing / moe_router_force_biased (benchmarking). Megatron draws
+    them from its CUDA RNG tracker (apply_random_logits raises without CUDA), so this checks the
+    definition: random N(0,1) logits (balanced loads), straight-through gradient, and a per-layer
+    bias reused across calls when force_biased < 0."""
+    H, E, K = 16, 8, 2
+    r = syt.TopKRouter(H, _cfg(E, K, force_load_balancing=True), layer_number=3)
+    x = torch.randn(2048, H, generator=gen).requires_grad_(True)
+    torch.manual_seed(1)
+    p, idx = r(x)
+    counts = r.last_info.tokens_per_expert.double()
+    assert float((counts - counts.mean()).abs().max()) < 5 * math.sqrt(float(counts.mean()))
+    p.sum().backward()  # post-softmax weights sum to 1 per row: zero gradient, but it flows
+    assert x.grad is not None
+    torch.manual_seed(1)
+    assert torch.equal(r(x)[1], idx)  # seeded from torch's generator
+    rb = syt.TopKRouter(H, _cfg(E, K, force_biased=-4.0), layer_number=3)
+    loads = [rb(x)[1].flatten().bincount(minlength=E) for _ in range(2)]
+    assert torch.equal(loads[0].argsort(), loads[1].argsort()) or \
+        (loads[0] - loads[1]).abs().max() < 0.2 * loads[0].max()  # same bias, fresh noise
+    assert loads[0].max() > 3 * loads[0].float().mean()  # clearly biased

@@ -120,6 +120,40 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
                              r.num_tokens_per_expert.data<int64_t>());
 }
 
+// A uniform in (0, 1) for counter i of a seed: splitmix64 of (seed, i), top 24 bits.
+inline double unit_uniform(uint64_t seed, uint64_t i) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return (static_cast<double>(z >> 40) + 0.5) * (1.0 / 16777216.0);
+}
+
+// N(0, 1) for counter i (Box-Muller on two independent uniforms of the same seed).
+inline double unit_normal(uint64_t seed, uint64_t i) {
+  const double u1 = unit_uniform(seed, 2 * i), u2 = unit_uniform(seed, 2 * i + 1);
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+}
+
+// force_load_balancing / force_biased: the logits routed instead of the given ones.
+Tensor forced_logits(const Tensor& logits, const RouterConfig& c, const RouteOptions& o) {
+  const int64_t T = logits.size(0), E = c.num_experts;
+  std::vector<double> bias(static_cast<size_t>(E), 0.0);
+  if (c.force_biased != 0.0) {
+    for (int64_t e = 0; e < E; ++e) bias[e] = std::fabs(c.force_biased) * unit_normal(o.force_bias_seed, e);
+  }
+  Tensor out = Tensor::empty({T, E}, logits.dtype());
+  for (int64_t i = 0; i < T * E; ++i) {
+    const double v = unit_normal(o.force_seed, static_cast<uint64_t>(i)) + bias[i % E];
+    if (logits.dtype() == DType::fp64) {
+      out.data<double>()[i] = v;
+    } else {
+      out.data<float>()[i] = static_cast<float>(v);
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 const char* score_function_name(ScoreFunction f) {
@@ -255,6 +289,9 @@ void validate_router_config(const RouterConfig& c) {
       }
     }
   }
+  if (!std::isfinite(c.force_biased)) {
+    detail::fail_arg(kOp, "force_biased must be finite, got ", c.force_biased);
+  }
   if (c.mtp_num_layers < 0) {
     detail::fail_arg(kOp, "mtp_num_layers must be >= 0, got ", c.mtp_num_layers);
   }
@@ -273,7 +310,12 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
   // computes every score in fp32 from them, so the fp32 path runs on the upcast logits and the
   // weights are rounded to bf16 at the end.
   const bool is_bf16 = logits_in.dtype() == DType::bf16;
-  const Tensor logits = is_bf16 ? logits_in.to(DType::fp32) : logits_in;
+  Tensor logits = is_bf16 ? logits_in.to(DType::fp32) : logits_in;
+  if (config.force_load_balancing || config.force_biased != 0.0) {
+    // Benchmarking: route on random logits; the backward differentiates at them and its
+    // gradient goes to the given logits unchanged (straight through, Megatron's RandomSTE).
+    logits = forced_logits(logits, config, options);
+  }
   const int64_t T = logits.size(0), E = config.num_experts, K = config.top_k;
   const bool is64 = logits.dtype() == DType::fp64;
   {
@@ -578,14 +620,8 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
 
 namespace {
 
-// u in [1 - eps, 1 + eps) for element i: splitmix64 of (seed, i), its top 24 bits as a uniform.
-inline double jitter_unit(uint64_t seed, uint64_t i) {
-  uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return (static_cast<double>(z >> 40) + 0.5) * (1.0 / 16777216.0);
-}
+// u in [1 - eps, 1 + eps) for element i.
+inline double jitter_unit(uint64_t seed, uint64_t i) { return unit_uniform(seed, i); }
 
 Tensor jitter_apply(const Tensor& x, double eps, uint64_t seed, const char* op, const char* name) {
   detail::check_dtype(x, op, name, {DType::bf16, DType::fp32, DType::fp64});

@@ -266,3 +266,72 @@ TEST(RouterOptions, PerTokenLossAndMtpScaling) {
     EXPECT_EQ(route_with_grad(z, none, mtp, mask, 0).r.aux_loss, a.r.aux_loss);
   }
 }
+
+// force_load_balancing / force_biased (benchmarking): routing ignores the given logits' values
+// (N(0,1) logits from the seed, plus a per-expert N(0,|std|) bias), the gradient passes straight
+// through, loads come out balanced (or biased), replay keeps its ids.
+TEST(RouterOptions, ForceLoadBalancingAndForcedBias) {
+  std::mt19937_64 rng(sy::testing::test_seed(1425));
+  const int64_t T = 4096, E = 16, K = 2;
+  RouterConfig c = cfg(E, K, ScoreFunction::softmax);
+  c.force_load_balancing = true;
+  sy::RouteOptions opt;
+  opt.force_seed = 11;
+  const Tensor za = sy::testing::randn({T, E}, DType::fp32, rng, 5.0);
+  Tensor zb = Tensor::zeros({T, E}, DType::fp32);
+  for (int64_t t = 0; t < T; ++t) zb.data<float>()[t * E] = 100.0f;  // all to expert 0 if used
+  const auto a = sy::topk_route(za, {}, c, opt), b = sy::topk_route(zb, {}, c, opt);
+  EXPECT_TRUE(bitwise_equal(a.topk_idx, b.topk_idx));
+  EXPECT_TRUE(bitwise_equal(a.topk_weights, b.topk_weights));
+  double mean = 0, sq = 0;
+  for (int64_t i = 0; i < T * E; ++i) {
+    const double v = a.logits.item_as_double(i);
+    mean += v / (T * E);
+    sq += v * v / (T * E);
+  }
+  EXPECT_NEAR(mean, 0.0, 0.02);
+  EXPECT_NEAR(std::sqrt(sq - mean * mean), 1.0, 0.02);
+  for (int64_t e = 0; e < E; ++e) {  // T*K/E = 512 per expert; 5 sigma of a multinomial
+    EXPECT_NEAR(a.num_tokens_per_expert.data<int64_t>()[e], 512, 5 * std::sqrt(512.0)) << e;
+  }
+  sy::RouteOptions opt2 = opt;
+  opt2.force_seed = 12;
+  EXPECT_FALSE(bitwise_equal(a.topk_idx, sy::topk_route(za, {}, c, opt2).topk_idx));
+  // Straight-through: the gradient is the routing's gradient at the random logits.
+  const Tensor gw = sy::testing::randn({T, K}, DType::fp32, rng);
+  RouterConfig plain = cfg(E, K, ScoreFunction::softmax);
+  const auto at = sy::topk_route(a.logits.clone(), {}, plain);
+  EXPECT_TRUE(bitwise_equal(at.topk_idx, a.topk_idx));
+  EXPECT_TRUE(bitwise_equal(sy::topk_route_backward(gw, a, c).grad_logits,
+                            sy::topk_route_backward(gw, at, plain).grad_logits));
+  // Forced bias: per-expert shift with std |force_biased|, the same for the same bias seed.
+  RouterConfig fb = c;
+  fb.force_load_balancing = false;
+  fb.force_biased = -3.0;
+  opt.force_bias_seed = 99;
+  const auto f1 = sy::topk_route(za, {}, fb, opt);
+  opt.force_seed = 13;
+  const auto f2 = sy::topk_route(za, {}, fb, opt);
+  std::vector<double> m1(E, 0.0), m2(E, 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) {
+      m1[e] += f1.logits.item_as_double(t * E + e) / T;
+      m2[e] += f2.logits.item_as_double(t * E + e) / T;
+    }
+  }
+  double spread = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    EXPECT_NEAR(m1[e], m2[e], 0.1) << e;  // same bias, fresh noise
+    spread += m1[e] * m1[e] / E;
+  }
+  EXPECT_GT(std::sqrt(spread), 1.0);  // |std| = 3: clearly biased
+  // Replay keeps its ids under forced routing.
+  sy::RouteInputs in;
+  in.replay_idx = Tensor::full({T, K}, DType::int32, -1);
+  in.replay_idx.data<int32_t>()[0] = 5;
+  in.replay_idx.data<int32_t>()[1] = 3;
+  const auto rr = sy::topk_route(za, in, c, opt);
+  EXPECT_EQ(rr.topk_idx.data<int32_t>()[0], 5);
+  EXPECT_EQ(rr.topk_idx.data<int32_t>()[1], 3);
+  EXPECT_EQ(rr.num_replayed_rows, 1);
+}
