@@ -20,8 +20,11 @@ enum class ScoreFunction : uint8_t { softmax, sigmoid, sqrtsoftplus };
 /// the highest routing weights (ties: lower token index), `position` keeps the first tokens.
 enum class TokenDropPolicy : uint8_t { probs, position };
 
-/// Load-balancing loss (Megatron-Core `moe_router_load_balancing_type`).
-enum class AuxLossType : uint8_t { none, aux_loss, seq_aux_loss, global_aux_loss };
+/// Load-balancing type (Megatron-Core `moe_router_load_balancing_type`): a loss, or `sinkhorn`
+/// routing (selection on the Sinkhorn-normalised batch while training; weights sigmoid(z) for
+/// K = 1, softmax over all E for K > 1, as Megatron's; no loss; needs score_function softmax, no
+/// groups, no bias, scaling 1).
+enum class AuxLossType : uint8_t { none, aux_loss, seq_aux_loss, global_aux_loss, sinkhorn };
 
 /// What to do with a replay row that is neither all ids nor all -1 (mixes -1 and ids, repeats an
 /// id, or names an id outside [0, E)): throw (default), or route that row natively and count it.
@@ -121,6 +124,10 @@ struct RouteOptions {
   /// seq_aux_loss only: tokens are laid out [seq_length, num_sequences] flattened (Megatron's
   /// [s, b] order: token t belongs to sequence t % num_sequences); T % seq_length == 0.
   int64_t seq_length = 0;
+  /// sinkhorn only: training (select on the Sinkhorn-normalised scores, Megatron's training
+  /// path) or not (select on the logits: Megatron's eval path). Sinkhorn normalises over the
+  /// batch, so it is not batch invariant.
+  bool training = true;
   /// Seeds of force_load_balancing / force_biased (counter-based: a value depends only on its
   /// seed and position, so the draws are thread-count invariant).
   uint64_t force_seed = 0;

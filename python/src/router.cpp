@@ -254,7 +254,8 @@ void bind_router(py::module_& m) {
       [](py::handle logits, const RouterConfig& config, py::handle expert_bias,
          py::handle replay_idx, py::handle padding_mask, GlobalAuxLossState* global_state,
          const std::string& invalid_replay_rows, int64_t layer, int64_t seq_length,
-         bool accumulate_global_aux_loss, uint64_t force_seed, uint64_t force_bias_seed) {
+         bool accumulate_global_aux_loss, uint64_t force_seed, uint64_t force_bias_seed,
+         bool training) {
         const char* op = "topk_route";
         RouteOptions opt;
         if (invalid_replay_rows == "error") {
@@ -271,6 +272,7 @@ void bind_router(py::module_& m) {
         opt.global_aux_loss_update = accumulate_global_aux_loss ? GlobalAuxLossUpdate::accumulate
                                                                 : GlobalAuxLossUpdate::read_only;
         opt.force_seed = force_seed;
+        opt.training = training;
         opt.force_bias_seed = force_bias_seed;
         py_bridge::Arg al = py_bridge::borrow(logits, op, "logits");
         py_bridge::Arg ab = py_bridge::borrow_optional(expert_bias, op, "expert_bias");
@@ -292,7 +294,7 @@ void bind_router(py::module_& m) {
       py::arg("logits"), py::arg("config"), py::arg("expert_bias"), py::arg("replay_idx"),
       py::arg("padding_mask"), py::arg("global_aux_loss_state"), py::arg("invalid_replay_rows"),
       py::arg("layer"), py::arg("seq_length"), py::arg("accumulate_global_aux_loss") = true,
-      py::arg("force_seed") = 0, py::arg("force_bias_seed") = 0);
+      py::arg("force_seed") = 0, py::arg("force_bias_seed") = 0, py::arg("training") = true);
   m.def(
       "topk_route_backward",
       [](py::handle grad_topk_weights, const PyRoute& route, double loss_grad_scale) {

@@ -278,7 +278,7 @@ class _TopKRoute(torch.autograd.Function):
             res = _C.topk_route(logits.detach(), config,
                                 None if expert_bias is None else expert_bias.detach(),
                                 replay_idx, padding_mask, global_state, invalid_replay_rows,
-                                layer, seq_length, accumulate, seeds[0], seeds[1])
+                                layer, seq_length, accumulate, seeds[0], seeds[1], seeds[2])
         ctx.res = res
         ctx.loss_grad_scale = loss_grad_scale
         ctx.save_for_backward(logits)  # version check: the engine reads these logits in backward
@@ -307,7 +307,7 @@ def _force_seeds(config, force_seed, force_bias_seed):
 def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay_rows="error", *,
                padding_mask=None, seq_length=None, global_aux_loss_state=None, layer=None,
                aux_loss_grad_scale=1.0, accumulate_global_aux_loss=True, force_seed=None,
-               force_bias_seed=None, return_info=False):
+               force_bias_seed=None, training=True, return_info=False):
     """Route T tokens to K of E experts from router logits (Megatron-Core's TopKRouter semantics).
 
     logits [T, E] fp32 or fp64 (the router dtype), or bf16 (Megatron's moe_router_dtype=None:
@@ -324,7 +324,8 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     loss is still computed from the state plus this batch). Megatron-Core accumulates only on
     training forwards with grad enabled; TopKRouter decides this itself.
     force_seed / force_bias_seed: seeds of config.force_load_balancing / force_biased (None: drawn
-    from torch's default generator).
+    from torch's default generator). training: sinkhorn routing selects on the Sinkhorn-
+    normalised batch when True (Megatron's training path), on the logits when False (its eval).
 
     Returns (probs [T, K] in the logits' dtype, differentiable to logits; topk_idx [T, K] int64,
     -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added to
@@ -346,7 +347,8 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
         logits, config, expert_bias, replay_idx, padding_mask, global_aux_loss_state,
         invalid_replay_rows, -1 if layer is None else int(layer),
         0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale),
-        bool(accumulate_global_aux_loss), _force_seeds(config, force_seed, force_bias_seed), box)
+        bool(accumulate_global_aux_loss),
+        _force_seeds(config, force_seed, force_bias_seed) + (bool(training),), box)
     if len(lead) != 1:
         probs = probs.view(*lead, probs.shape[-1])
         topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
@@ -469,7 +471,7 @@ class TopKRouter(torch.nn.Module):
             logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
             seq_length=seq_length, global_aux_loss_state=gstate,
             layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
-            accumulate_global_aux_loss=accumulate,
+            accumulate_global_aux_loss=accumulate, training=self.training,
             # force_biased < 0: Megatron draws the bias once per layer and reuses it.
             force_bias_seed=((0x5EED0000 + (self.layer_number or 0)) & (2**62 - 1)
                              if (self.config.force_biased or 0) < 0 else None),

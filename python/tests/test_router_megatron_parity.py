@@ -357,3 +357,34 @@ def test_force_load_balancing_and_forced_bias(gen):
     assert torch.equal(loads[0].argsort(), loads[1].argsort()) or \
         (loads[0] - loads[1]).abs().max() < 0.2 * loads[0].max()  # same bias, fresh noise
     assert loads[0].max() > 3 * loads[0].float().mean()  # clearly biased
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_sinkhorn_like_megatron(mcore, gen, K):
+    """moe_router_load_balancing_type="sinkhorn": Megatron selects on sinkhorn(logits) while
+    training (fp32; switchyard runs the same iteration in double) and on the activation in eval;
+    the weights are sigmoid (K = 1) or softmax over all experts (K > 1) at the ids."""
+    H, E = 16, 8
+    m = mcore(H, num_moe_experts=E, moe_router_topk=K, moe_router_load_balancing_type="sinkhorn",
+              moe_aux_loss_coeff=0.0)
+    srt = syt.TopKRouter(H, _cfg(E, K, aux_loss_type="sinkhorn"))
+    with torch.no_grad():
+        srt.weight.copy_(m.weight)
+        srt.weight[:, :2] += 0.05  # a skew that balancing has to undo
+        m.weight.copy_(srt.weight)
+    for training in (True, False):
+        m.train(training)
+        srt.train(training)
+        x = torch.randn(48, H, generator=gen) * 4
+        xm, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        pm, mm = m(xm)
+        ps, idx = srt(xs)
+        assert torch.equal(torch.zeros(48, E, dtype=torch.bool).scatter(1, idx, True), mm)
+        plain = (x @ srt.weight.detach().t()).topk(K, dim=1).indices
+        # Balancing changes choices while training, never in eval.
+        assert (plain.sort(1).values != idx.sort(1).values).any() == training
+        torch.testing.assert_close(_dense_of(ps, idx, E), pm, rtol=1e-6, atol=1e-7)
+        g = torch.linspace(-1, 1, 48 * E).view(48, E)
+        (pm * g).sum().backward()
+        (_dense_of(ps, idx, E) * g).sum().backward()
+        torch.testing.assert_close(xs.grad, xm.grad, rtol=1e-5, atol=1e-6)

@@ -63,6 +63,12 @@ cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
   p.top_k = c.top_k;
   p.score_function = static_cast<int>(c.score_function);
   p.pre_softmax = c.pre_softmax;
+  if (c.aux_loss_type == AuxLossType::sinkhorn) {
+    // Megatron's _sinkhorn_activation: sigmoid for K = 1, softmax over all E for K > 1, the
+    // weights taken at the selected ids without renormalisation.
+    p.score_function = c.top_k == 1 ? cpu::kScoreSigmoid : cpu::kScoreSoftmax;
+    p.pre_softmax = c.top_k > 1;
+  }
   p.num_groups = c.num_groups;
   p.group_topk = c.group_topk;
   p.scaling = c.topk_scaling_factor;
@@ -92,7 +98,7 @@ LbCoeffs lb_coeffs(const RouterConfig& c) {
 
 template <class S>
 void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_idx,
-                 const cpu::RouteKernelParams& p, int64_t capacity, bool by_position,
+                 const Tensor& row_kind, const cpu::RouteKernelParams& p, int64_t capacity, bool by_position,
                  bool round_weights_to_bf16, RouteResult& r, std::vector<double>& aux_psum,
                  std::vector<int64_t>& aux_cnt, double& z_sum) {
   const int64_t T = p.num_tokens, K = p.top_k, E = p.num_experts;
@@ -103,7 +109,7 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
     for (int64_t e = 0; e < E; ++e) bias_s[e] = static_cast<S>(bias.item_as_double(e));
   }
   cpu::route_forward<S>(
-      logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(), r.row_kind.data<uint8_t>(),
+      logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(), row_kind.data<uint8_t>(),
       replay_idx.defined() ? replay_idx.data<int32_t>() : nullptr, p,
       r.selected_idx.data<int32_t>(), sel_w.data<S>(), aux_psum.data(), aux_cnt.data(), &z_sum);
   if constexpr (std::is_same_v<S, float>) {
@@ -186,6 +192,8 @@ const char* aux_loss_type_name(AuxLossType t) {
       return "seq_aux_loss";
     case AuxLossType::global_aux_loss:
       return "global_aux_loss";
+    case AuxLossType::sinkhorn:
+      return "sinkhorn";
   }
   return "?";
 }
@@ -195,8 +203,10 @@ AuxLossType parse_aux_loss_type(const std::string& name) {
   if (name == "aux_loss") return AuxLossType::aux_loss;
   if (name == "seq_aux_loss") return AuxLossType::seq_aux_loss;
   if (name == "global_aux_loss") return AuxLossType::global_aux_loss;
+  if (name == "sinkhorn") return AuxLossType::sinkhorn;
   detail::fail_arg(kOp,
-                   "aux_loss_type must be none, aux_loss, seq_aux_loss or global_aux_loss, got \"",
+                   "aux_loss_type must be none, aux_loss, seq_aux_loss, global_aux_loss or "
+                   "sinkhorn, got \"",
                    name, "\"");
 }
 
@@ -253,11 +263,27 @@ void validate_router_config(const RouterConfig& c) {
   if (c.pad_to_capacity && !c.capacity_factor) {
     detail::fail_arg(kOp, "pad_to_capacity needs capacity_factor, got no capacity_factor");
   }
-  if (static_cast<int>(c.aux_loss_type) > 3) {
+  if (static_cast<int>(c.aux_loss_type) > 4) {
     detail::fail_arg(kOp,
-                     "aux_loss_type must be none, aux_loss, seq_aux_loss or global_aux_loss, "
-                     "got value ",
+                     "aux_loss_type must be none, aux_loss, seq_aux_loss, global_aux_loss or "
+                     "sinkhorn, got value ",
                      static_cast<int>(c.aux_loss_type));
+  }
+  if (c.aux_loss_type == AuxLossType::sinkhorn) {
+    // Megatron's sinkhorn path ignores these; rejecting them keeps a config from meaning
+    // something it does not do.
+    if (c.score_function != ScoreFunction::softmax || c.pre_softmax) {
+      detail::fail_arg(kOp, "sinkhorn routing needs score_function=softmax without pre_softmax "
+                       "(its weights are sigmoid for top_k 1, softmax over all experts else), "
+                       "got score_function=", score_function_name(c.score_function),
+                       ", pre_softmax=", c.pre_softmax);
+    }
+    if (c.num_groups != 0 || c.topk_scaling_factor != 1.0 || c.aux_loss_coeff != 0.0) {
+      detail::fail_arg(kOp, "sinkhorn routing takes no groups, topk_scaling_factor 1 and "
+                       "aux_loss_coeff 0, got num_groups=", c.num_groups,
+                       ", topk_scaling_factor=", c.topk_scaling_factor,
+                       ", aux_loss_coeff=", c.aux_loss_coeff);
+    }
   }
   if (!std::isfinite(c.aux_loss_coeff) || c.aux_loss_coeff < 0.0) {
     detail::fail_arg(kOp, "aux_loss_coeff must be finite and >= 0, got ", c.aux_loss_coeff);
@@ -327,6 +353,9 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     }
   }
   const Tensor& bias = inputs.expert_bias;
+  if (bias.defined() && config.aux_loss_type == AuxLossType::sinkhorn) {
+    detail::fail_arg(kOp, "sinkhorn routing takes no expert_bias, got one");
+  }
   if (bias.defined()) {
     detail::check_dtype(bias, kOp, "expert_bias", {DType::fp32, DType::fp64});
     detail::check_shape(bias, kOp, "expert_bias", {E});
@@ -463,12 +492,38 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
   std::vector<int64_t> aux_cnt(need_aux ? static_cast<size_t>(G * E) : 0);
   double z_sum = 0.0;
   const bool by_position = config.token_drop_policy == TokenDropPolicy::position;
+  // Sinkhorn (training): the native rows take ids from the Sinkhorn-normalised batch of every
+  // unpadded row, then route like replayed rows (weights from the live logits at those ids);
+  // rows replayed by the caller keep their ids. row_kind keeps saying native for them.
+  Tensor kernel_replay = replay;
+  Tensor kernel_kind = r.row_kind;
+  if (config.aux_loss_type == AuxLossType::sinkhorn && options.training) {
+    std::vector<uint8_t> use(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) use[t] = kind[t] != cpu::kRowPadded;
+    Tensor sink = Tensor::full({T, K}, DType::int32, -1);
+    if (is64) {
+      cpu::sinkhorn_select(logits.data<double>(), use.data(), T, E, K, 1e-4, sink.data<int32_t>());
+    } else {
+      cpu::sinkhorn_select(logits.data<float>(), use.data(), T, E, K, 1e-4, sink.data<int32_t>());
+    }
+    kernel_kind = r.row_kind.clone();
+    uint8_t* kk = kernel_kind.data<uint8_t>();
+    int32_t* sp = sink.data<int32_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      if (kind[t] == cpu::kRowReplayed) {
+        std::copy_n(replay.data<int32_t>() + t * K, K, sp + t * K);
+      } else if (kind[t] == cpu::kRowNative) {
+        kk[t] = cpu::kRowReplayed;
+      }
+    }
+    kernel_replay = sink;
+  }
   if (is64) {
-    run_forward<double>(logits, bias, replay, p, capacity, by_position, false, r, aux_psum,
-                        aux_cnt, z_sum);
+    run_forward<double>(logits, bias, kernel_replay, kernel_kind, p, capacity, by_position, false,
+                        r, aux_psum, aux_cnt, z_sum);
   } else {
-    run_forward<float>(logits, bias, replay, p, capacity, by_position, is_bf16, r, aux_psum,
-                       aux_cnt, z_sum);
+    run_forward<float>(logits, bias, kernel_replay, kernel_kind, p, capacity, by_position,
+                       is_bf16, r, aux_psum, aux_cnt, z_sum);
   }
   if (is_bf16) r.topk_weights = r.topk_weights.to(DType::bf16);  // exact: already bf16 values
   r.logits_dtype = logits_in.dtype();

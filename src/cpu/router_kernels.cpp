@@ -696,6 +696,62 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
   }
 }
 
+template <class S>
+void sinkhorn_select(const S* logits, const uint8_t* use_row, int64_t T, int64_t E, int64_t K,
+                     double tol, int32_t* ids) {
+  std::vector<int64_t> rows;
+  for (int64_t t = 0; t < T; ++t) {
+    if (use_row[t]) rows.push_back(t);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  if (n == 0) return;
+  double zmax = -std::numeric_limits<double>::infinity();
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t e = 0; e < E; ++e) zmax = std::max(zmax, static_cast<double>(logits[rows[r] * E + e]));
+  }
+  // Megatron's cost is exp(z); a common factor exp(-zmax) is absorbed by d0 (and d1) exactly in
+  // exact arithmetic, except against the 1e-8 guards, which it makes relatively larger. Megatron
+  // overflows to inf above z = 88 in fp32; we shift only when that would happen in double.
+  const double shift = zmax > 700.0 ? zmax : 0.0;
+  std::vector<double> cost(static_cast<size_t>(n * E));
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t e = 0; e < E; ++e) {
+      cost[r * E + e] = std::exp(static_cast<double>(logits[rows[r] * E + e]) - shift);
+    }
+  }
+  constexpr double eps = 1e-8;
+  std::vector<double> d0(static_cast<size_t>(n), 1.0), d1(static_cast<size_t>(E), 1.0),
+      d1_old(static_cast<size_t>(E), 1.0), colsum(static_cast<size_t>(E));
+  double error = 1e9;
+  while (error > tol) {
+    for (int64_t r = 0; r < n; ++r) {
+      double acc = 0.0;
+      for (int64_t e = 0; e < E; ++e) acc += d1[e] * cost[r * E + e];
+      d0[r] = (1.0 / static_cast<double>(n)) * 1.0 / (acc + eps);
+    }
+    std::fill(colsum.begin(), colsum.end(), 0.0);
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t e = 0; e < E; ++e) colsum[e] += d0[r] * cost[r * E + e];
+    }
+    error = 0.0;
+    for (int64_t e = 0; e < E; ++e) {
+      d1[e] = (1.0 / static_cast<double>(E)) * 1.0 / (colsum[e] + eps);
+      error += std::fabs(d1_old[e] - d1[e]);
+    }
+    error /= static_cast<double>(E);
+    d1_old = d1;
+  }
+  std::vector<double> norm(static_cast<size_t>(E)), top(static_cast<size_t>(E));
+  std::vector<int32_t> out(static_cast<size_t>(K));
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t e = 0; e < E; ++e) norm[e] = d1[e] * cost[r * E + e] * d0[r];
+    int64_t cnt = 0;
+    insert_topk(norm.data(), 0, E, K, static_cast<const uint8_t*>(nullptr),
+                -std::numeric_limits<double>::infinity(), top.data(), out.data(), cnt);
+    std::copy_n(out.data(), K, ids + rows[r] * K);
+  }
+}
+
 #define SY_INSTANTIATE(S)                                                                          \
   template void route_forward<S>(const S*, const S*, const uint8_t*, const int32_t*,               \
                                  const RouteKernelParams&, int32_t*, S*, double*, int64_t*,        \
@@ -703,7 +759,9 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
   template int64_t apply_capacity<S>(const int32_t*, const S*, int64_t, int64_t, int64_t, int64_t, \
                                      bool, int32_t*, S*, int64_t*);                                \
   template void route_backward<S>(const S*, const int32_t*, const int32_t*, const uint8_t*,        \
-                                  const S*, const RouteKernelParams&, const double*, double, S*);
+                                  const S*, const RouteKernelParams&, const double*, double, S*); \
+  template void sinkhorn_select<S>(const S*, const uint8_t*, int64_t, int64_t, int64_t, double,   \
+                                   int32_t*);
 SY_INSTANTIATE(float)
 SY_INSTANTIATE(double)
 #undef SY_INSTANTIATE

@@ -51,6 +51,15 @@ int64_t apply_capacity(const int32_t* selected_idx, const S* weights, int64_t T,
                        int64_t E, int64_t capacity, bool drop_by_position, int32_t* topk_idx,
                        S* out_weights, int64_t* counts);
 
+/// Sinkhorn routing selection (Megatron-Core moe_utils.sinkhorn, in double): over the rows with
+/// use_row[t] != 0, cost = exp(z - max z), alternate d0 = 1/(n (cost d1 + 1e-8)) and
+/// d1 = 1/(E (d0 cost + 1e-8)) until mean|d1_old - d1| <= tol, then each used row's top-k of
+/// d1 * cost * d0 (ties: lower id) into ids [T,K]. (The global max shift cancels in the
+/// normalisation and keeps exp finite.) Deterministic: fixed summation order, one thread.
+template <class S>
+void sinkhorn_select(const S* logits, const uint8_t* use_row, int64_t T, int64_t E, int64_t K,
+                     double tol, int32_t* ids);
+
 /// Backward over all tokens into grad_logits [T,E]. grad_w may be null. aux_grad [G,E] (null =
 /// none) is dLoss/dP already multiplied by the loss-grad scale; z_coeff likewise.
 template <class S>

@@ -580,8 +580,8 @@ TEST(Router, EnumAndStateErrors) {
   c = cfg(8, 2);
   c.aux_loss_type = static_cast<AuxLossType>(5);
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, c), std::invalid_argument,
-                      "[route] aux_loss_type must be none, aux_loss, seq_aux_loss or "
-                      "global_aux_loss, got value 5");
+                      "[route] aux_loss_type must be none, aux_loss, seq_aux_loss, "
+                      "global_aux_loss or sinkhorn, got value 5");
   sy::RouteOptions o;
   o.invalid_replay_rows = static_cast<sy::InvalidReplayRows>(3);
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, cfg(8, 2), o), std::invalid_argument,

@@ -335,3 +335,108 @@ TEST(RouterOptions, ForceLoadBalancingAndForcedBias) {
   EXPECT_EQ(rr.topk_idx.data<int32_t>()[1], 3);
   EXPECT_EQ(rr.num_replayed_rows, 1);
 }
+
+namespace {
+
+// Sinkhorn in double from its definition (Megatron's loop), top-k of each row (ties: lower id).
+std::vector<double> ref_sinkhorn_ids(const std::vector<double>& z, int64_t T, int64_t E,
+                                     int64_t K) {
+  std::vector<double> c(z.size());
+  for (size_t i = 0; i < z.size(); ++i) c[i] = std::exp(z[i]);
+  std::vector<double> d0(T, 1.0), d1(E, 1.0), d1o(E, 1.0);
+  double err = 1e9;
+  while (err > 1e-4) {
+    for (int64_t t = 0; t < T; ++t) {
+      double s = 0;
+      for (int64_t e = 0; e < E; ++e) s += d1[e] * c[t * E + e];
+      d0[t] = 1.0 / T / (s + 1e-8);
+    }
+    err = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      double s = 0;
+      for (int64_t t = 0; t < T; ++t) s += d0[t] * c[t * E + e];
+      d1[e] = 1.0 / E / (s + 1e-8);
+      err += std::fabs(d1o[e] - d1[e]) / E;
+    }
+    d1o = d1;
+  }
+  std::vector<double> ids;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> row(E);
+    for (int64_t e = 0; e < E; ++e) row[e] = d1[e] * c[t * E + e] * d0[t];
+    for (int32_t e : sy::ref::topk_ids(row, K)) ids.push_back(e);
+  }
+  return ids;
+}
+
+}  // namespace
+
+// Sinkhorn routing: training selects on the normalised batch, eval on the logits; weights are
+// sigmoid (K = 1) or softmax over all E (K > 1) at the ids; gradients by finite differences;
+// replayed rows keep their ids.
+TEST(RouterOptions, SinkhornRouting) {
+  std::mt19937_64 rng(sy::testing::test_seed(1426));
+  for (int64_t K : {1, 2}) {
+    SCOPED_TRACE("K=" + std::to_string(K));
+    const int64_t T = 24, E = 8;
+    RouterConfig c = cfg(E, K, ScoreFunction::softmax);
+    c.aux_loss_type = AuxLossType::sinkhorn;
+    // Skewed logits, so balancing changes choices: expert 0 is everyone's favourite.
+    Tensor z = sy::testing::randn({T, E}, DType::fp64, rng);
+    for (int64_t t = 0; t < T; ++t) z.data<double>()[t * E] += 2.0;
+    const auto r = sy::topk_route(z, {}, c);
+    const std::vector<double> want = ref_sinkhorn_ids(z.to_double_vector(), T, E, K);
+    EXPECT_TRUE(all_close(r.topk_idx, want, 0, 0));
+    EXPECT_LT(r.num_tokens_per_expert.data<int64_t>()[0], T);  // balancing took some away
+    EXPECT_EQ(r.num_native_rows, T);
+    // Weights: the activation at the ids.
+    std::vector<double> w;
+    const std::vector<double> zd = z.to_double_vector();
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> row(zd.begin() + t * E, zd.begin() + (t + 1) * E);
+      const std::vector<double> p = sy::ref::softmax(row);
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = r.topk_idx.data<int32_t>()[t * K + k];
+        w.push_back(K == 1 ? sy::ref::sigmoid(row[e]) : p[e]);
+      }
+    }
+    EXPECT_TRUE(all_close(r.topk_weights, w, 1e-14, 1e-12));
+    // Eval: the plain top-k of the logits.
+    sy::RouteOptions ev;
+    ev.training = false;
+    const auto re = sy::topk_route(z, {}, c, ev);
+    std::vector<double> plain;
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> row(zd.begin() + t * E, zd.begin() + (t + 1) * E);
+      for (int32_t e : sy::ref::topk_ids(row, K)) plain.push_back(e);
+    }
+    EXPECT_TRUE(all_close(re.topk_idx, plain, 0, 0));
+    // Gradient of <gw, w> against central differences (ids frozen by the step size).
+    const Tensor gw = sy::testing::randn({T, K}, DType::fp64, rng);
+    const Tensor g = sy::topk_route_backward(gw, r, c).grad_logits;
+    for (int64_t i = 0; i < T * E; i += 7) {
+      Tensor zp = z.clone(), zm = z.clone();
+      zp.data<double>()[i] += 1e-6;
+      zm.data<double>()[i] -= 1e-6;
+      const auto rp = sy::topk_route(zp, {}, c), rm = sy::topk_route(zm, {}, c);
+      ASSERT_TRUE(bitwise_equal(rp.topk_idx, r.topk_idx));
+      double lp = 0, lm = 0;
+      for (int64_t j = 0; j < T * K; ++j) {
+        lp += gw.data<double>()[j] * rp.topk_weights.data<double>()[j];
+        lm += gw.data<double>()[j] * rm.topk_weights.data<double>()[j];
+      }
+      EXPECT_NEAR(g.data<double>()[i], (lp - lm) / 2e-6, 1e-6) << i;
+    }
+    // Replay under sinkhorn: replayed rows keep the given ids.
+    sy::RouteInputs in;
+    in.replay_idx = Tensor::full({T, K}, DType::int32, -1);
+    for (int64_t k = 0; k < K; ++k) in.replay_idx.data<int32_t>()[3 * K + k] = static_cast<int32_t>(7 - k);
+    const auto rr = sy::topk_route(z, in, c);
+    for (int64_t k = 0; k < K; ++k) EXPECT_EQ(rr.topk_idx.data<int32_t>()[3 * K + k], 7 - k);
+    EXPECT_EQ(rr.num_replayed_rows, 1);
+  }
+  RouterConfig bad = cfg(8, 2, ScoreFunction::sigmoid);
+  bad.aux_loss_type = AuxLossType::sinkhorn;
+  SY_EXPECT_THROW_MSG(sy::validate_router_config(bad), std::invalid_argument,
+                      "[route] sinkhorn routing needs score_function=softmax");
+}
