@@ -440,3 +440,83 @@ TEST(RouterOptions, SinkhornRouting) {
   SY_EXPECT_THROW_MSG(sy::validate_router_config(bad), std::invalid_argument,
                       "[route] sinkhorn routing needs score_function=softmax");
 }
+
+// Thread-count invariance of every new option (bitwise), and batch invariance where it holds:
+// bf16 logits and the flat-score tie rules are per-token; sinkhorn and the forced logits depend on
+// the batch by definition (see notes/router-parity.md).
+TEST(RouterOptions, ThreadCountAndBatchInvarianceOfTheNewOptions) {
+  std::mt19937_64 rng(sy::testing::test_seed(1427));
+  const int64_t T = 1032, E = 64, K = 4;
+  std::vector<std::pair<std::string, RouterConfig>> cases;
+  RouterConfig c = cfg(E, K, ScoreFunction::sigmoid);
+  c.num_groups = 8;
+  c.group_topk = 2;
+  c.aux_loss_types = {AuxLossType::aux_loss, AuxLossType::seq_aux_loss,
+                      AuxLossType::global_aux_loss};
+  c.aux_loss_coeffs = {1e-2, 2e-2, 3e-2};
+  c.z_loss_coeff = 1e-3;
+  c.calculate_per_token_loss = true;
+  c.is_mtp_layer = c.mtp_use_repeated_layer = true;
+  c.mtp_num_layers = 2;
+  cases.emplace_back("losses", c);
+  c = cfg(E, K, ScoreFunction::softmax);
+  c.aux_loss_type = AuxLossType::sinkhorn;
+  cases.emplace_back("sinkhorn", c);
+  c = cfg(E, K, ScoreFunction::softmax);
+  c.force_biased = 0.5;
+  cases.emplace_back("forced", c);
+  for (const auto& [name, rc] : cases) {
+    for (DType dt : {DType::bf16, DType::fp32}) {
+      SCOPED_TRACE(name + " " + sy::dtype_name(dt));
+      const Tensor z = sy::testing::randn({T, E}, dt, rng, 3.0);
+      sy::RouteOptions opt;
+      opt.seq_length = 258;
+      opt.force_seed = 3;
+      opt.force_bias_seed = 4;
+      const Tensor gw = Tensor::full({T, K}, dt, 0.3);
+      auto run = [&](int threads) {
+        sy::GlobalAuxLossState g;
+        sy::RouteInputs in;
+        in.global_aux_loss_state = &g;
+        const int saved = sy::num_threads();
+        sy::set_num_threads(threads);
+        auto r = sy::topk_route(z, in, rc, opt);
+        auto gr = sy::topk_route_backward(gw, r, rc).grad_logits;
+        sy::set_num_threads(saved);
+        return std::make_pair(std::move(r), std::move(gr));
+      };
+      const auto [r1, g1] = run(1);
+      const auto [r2, g2] = run(2);
+      EXPECT_TRUE(bitwise_equal(r1.topk_idx, r2.topk_idx));
+      EXPECT_TRUE(bitwise_equal(r1.topk_weights, r2.topk_weights));
+      EXPECT_EQ(r1.aux_loss, r2.aux_loss);
+      EXPECT_EQ(r1.z_loss, r2.z_loss);
+      EXPECT_TRUE(bitwise_equal(g1, g2));
+    }
+  }
+  // Batch invariance on bf16 logits and on flat fp32 scores: a token alone gets bitwise the
+  // same ids and weights as inside the batch.
+  for (ScoreFunction f : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
+    RouterConfig rc = cfg(E, K, f, f == ScoreFunction::softmax);
+    rc.num_groups = 8;
+    rc.group_topk = 2;
+    for (DType dt : {DType::bf16, DType::fp32}) {
+      Tensor z = sy::testing::randn({T, E}, dt, rng, 3.0);
+      if (dt == DType::fp32) {  // flat regions: fp32 exp underflow and sigmoid saturation
+        for (int64_t i = 0; i < T * E; i += 3) z.data<float>()[i] = f == ScoreFunction::softmax ? -120.0f : 40.0f + static_cast<float>(i % 7);
+      }
+      sy::RouteInputs in;
+      in.expert_bias = sy::testing::randn({E}, DType::fp32, rng, 0.1);
+      const auto rb = sy::topk_route(z, in, rc);
+      for (int64_t t : {int64_t{0}, int64_t{517}, T - 1}) {
+        const Tensor one =
+            Tensor::borrow(static_cast<char*>(z.raw()) + t * E * sy::dtype_size(dt), {1, E}, dt);
+        const auto r = sy::topk_route(one, in, rc);
+        for (int64_t k = 0; k < K; ++k) {
+          EXPECT_EQ(r.topk_idx.data<int32_t>()[k], rb.topk_idx.data<int32_t>()[t * K + k]);
+          EXPECT_EQ(r.topk_weights.item_as_double(k), rb.topk_weights.item_as_double(t * K + k));
+        }
+      }
+    }
+  }
+}
