@@ -24,7 +24,20 @@ enum class TokenDropPolicy : uint8_t { probs, position };
 /// routing (selection on the Sinkhorn-normalised batch while training; weights sigmoid(z) for
 /// K = 1, softmax over all E for K > 1, as Megatron's; no loss; needs score_function softmax, no
 /// groups, no bias, scaling 1).
-enum class AuxLossType : uint8_t { none, aux_loss, seq_aux_loss, global_aux_loss, sinkhorn };
+///
+/// `quantile_balancing` (Megatron's dual coordinate-descent QB): native rows select the top-k of
+/// z - qb_beta (RouteInputs::qb_beta), weights from the score function at those ids as for
+/// replayed rows; while training the result carries this batch's per-expert quantile
+/// (RouteResult::qb_beta_local) from which the caller updates qb_beta once per global batch. No
+/// loss, no groups, no padding mask, top_k < num_experts.
+enum class AuxLossType : uint8_t {
+  none,
+  aux_loss,
+  seq_aux_loss,
+  global_aux_loss,
+  sinkhorn,
+  quantile_balancing
+};
 
 /// What to do with a replay row that is neither all ids nor all -1 (mixes -1 and ids, repeats an
 /// id, or names an id outside [0, E)): throw (default), or route that row natively and count it.
@@ -111,6 +124,9 @@ struct RouteInputs {
   /// [T, K] int32: ids to use instead of the live top-k (router replay). A row of all -1 is
   /// routed natively. See InvalidReplayRows for bad rows.
   Tensor replay_idx{};
+  /// [E] fp32: quantile_balancing's per-expert bias (subtracted for selection only); undefined =
+  /// zeros.
+  Tensor qb_beta{};
   /// Required when aux_loss_type == global_aux_loss; updated by the call (not by backward) when
   /// RouteOptions::global_aux_loss_update is accumulate.
   GlobalAuxLossState* global_aux_loss_state = nullptr;
@@ -124,9 +140,10 @@ struct RouteOptions {
   /// seq_aux_loss only: tokens are laid out [seq_length, num_sequences] flattened (Megatron's
   /// [s, b] order: token t belongs to sequence t % num_sequences); T % seq_length == 0.
   int64_t seq_length = 0;
-  /// sinkhorn only: training (select on the Sinkhorn-normalised scores, Megatron's training
-  /// path) or not (select on the logits: Megatron's eval path). Sinkhorn normalises over the
-  /// batch, so it is not batch invariant.
+  /// sinkhorn: training selects on the Sinkhorn-normalised scores (Megatron's training path),
+  /// else on the logits (its eval path). Sinkhorn normalises over the batch, so it is not batch
+  /// invariant. quantile_balancing: training also computes RouteResult::qb_beta_local (needs
+  /// num_tokens * top_k divisible by num_experts).
   bool training = true;
   /// Seeds of force_load_balancing / force_biased (counter-based: a value depends only on its
   /// seed and position, so the draws are thread-count invariant).
@@ -153,6 +170,10 @@ struct RouteResult {
   int64_t expert_capacity = -1;
   bool pad_to_capacity = false;
   int64_t num_dropped = 0;  ///< (token, expert) pairs dropped by capacity
+  /// quantile_balancing while training: [E] fp32, Megatron's qb_dual_update quantile: per
+  /// expert the (T*K/E + 1)-th largest of z - alpha over tokens, alpha the (K+1)-th largest of
+  /// z - qb_beta per token. Undefined otherwise. Not differentiable.
+  Tensor qb_beta_local{};
 
   /// Loss values, coefficients included (0 when off). aux_loss is the sum of the load-balancing
   /// losses, aux_loss_parts each of them (Megatron logs them apart).

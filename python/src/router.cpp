@@ -230,6 +230,8 @@ void bind_router(py::module_& m) {
       .def_property_readonly("expert_capacity",
                              [](const PyRoute& p) { return p.r.expert_capacity; })
       .def_property_readonly("num_dropped", [](const PyRoute& p) { return p.r.num_dropped; })
+      .def_property_readonly(
+          "qb_beta_local", [](const PyRoute& p) { return py_bridge::to_torch(p.r.qb_beta_local); })
       .def_property_readonly("aux_loss", [](const PyRoute& p) { return p.r.aux_loss; })
       .def_property_readonly("z_loss", [](const PyRoute& p) { return p.r.z_loss; })
       .def_property_readonly("aux_loss_parts",
@@ -255,7 +257,7 @@ void bind_router(py::module_& m) {
          py::handle replay_idx, py::handle padding_mask, GlobalAuxLossState* global_state,
          const std::string& invalid_replay_rows, int64_t layer, int64_t seq_length,
          bool accumulate_global_aux_loss, uint64_t force_seed, uint64_t force_bias_seed,
-         bool training) {
+         bool training, py::handle qb_beta) {
         const char* op = "topk_route";
         RouteOptions opt;
         if (invalid_replay_rows == "error") {
@@ -278,7 +280,9 @@ void bind_router(py::module_& m) {
         py_bridge::Arg ab = py_bridge::borrow_optional(expert_bias, op, "expert_bias");
         py_bridge::Arg am = py_bridge::borrow_optional(padding_mask, op, "padding_mask");
         py_bridge::Arg ar;
+        py_bridge::Arg aq = py_bridge::borrow_optional(qb_beta, op, "qb_beta");
         RouteInputs in;
+        in.qb_beta = aq.t;
         in.expert_bias = ab.t;
         in.padding_mask = am.t;
         if (!replay_idx.is_none()) in.replay_idx = ids_int32(replay_idx, op, "replay_idx", ar);
@@ -294,7 +298,8 @@ void bind_router(py::module_& m) {
       py::arg("logits"), py::arg("config"), py::arg("expert_bias"), py::arg("replay_idx"),
       py::arg("padding_mask"), py::arg("global_aux_loss_state"), py::arg("invalid_replay_rows"),
       py::arg("layer"), py::arg("seq_length"), py::arg("accumulate_global_aux_loss") = true,
-      py::arg("force_seed") = 0, py::arg("force_bias_seed") = 0, py::arg("training") = true);
+      py::arg("force_seed") = 0, py::arg("force_bias_seed") = 0, py::arg("training") = true,
+      py::arg("qb_beta") = py::none());
   m.def(
       "topk_route_backward",
       [](py::handle grad_topk_weights, const PyRoute& route, double loss_grad_scale) {

@@ -248,13 +248,14 @@ class RouteInfo:
     included, 0 when off), per-expert counts, capacity, and the replayed / native / padded row
     counts (replayed + native + padded == T), so replay can never silently do nothing."""
 
-    __slots__ = ("aux_loss", "aux_loss_parts", "z_loss", "tokens_per_expert", "expert_capacity", "num_dropped",
+    __slots__ = ("aux_loss", "aux_loss_parts", "z_loss", "tokens_per_expert", "qb_beta_local", "expert_capacity", "num_dropped",
                  "num_replayed_rows", "num_native_rows", "num_padded_rows",
                  "num_invalid_replay_rows")
 
     def __init__(self, res):
         self.aux_loss = res.aux_loss
         self.aux_loss_parts = res.aux_loss_parts  # {"aux_loss": .., "seq_aux_loss": .., ...}
+        self.qb_beta_local = res.qb_beta_local  # [E] fp32 (quantile_balancing, training) or None
         self.z_loss = res.z_loss
         self.tokens_per_expert = res.tokens_per_expert
         self.expert_capacity = None if res.expert_capacity < 0 else res.expert_capacity
@@ -273,12 +274,13 @@ class _TopKRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, config, expert_bias, replay_idx, padding_mask, global_state,
                 invalid_replay_rows, layer, seq_length, loss_grad_scale, accumulate, seeds,
-                info_box):
+                qb_beta, info_box):
         with _no_autocast():
             res = _C.topk_route(logits.detach(), config,
                                 None if expert_bias is None else expert_bias.detach(),
                                 replay_idx, padding_mask, global_state, invalid_replay_rows,
-                                layer, seq_length, accumulate, seeds[0], seeds[1], seeds[2])
+                                layer, seq_length, accumulate, seeds[0], seeds[1], seeds[2],
+                                None if qb_beta is None else qb_beta.detach())
         ctx.res = res
         ctx.loss_grad_scale = loss_grad_scale
         ctx.save_for_backward(logits)  # version check: the engine reads these logits in backward
@@ -293,7 +295,7 @@ class _TopKRoute(torch.autograd.Function):
         with _no_autocast():
             g = grad_probs.to(ctx.res.topk_weights.dtype).contiguous()
             grad_logits = _C.topk_route_backward(g, ctx.res, ctx.loss_grad_scale)
-        return (grad_logits,) + (None,) * 12
+        return (grad_logits,) + (None,) * 13
 
 
 def _force_seeds(config, force_seed, force_bias_seed):
@@ -307,7 +309,7 @@ def _force_seeds(config, force_seed, force_bias_seed):
 def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay_rows="error", *,
                padding_mask=None, seq_length=None, global_aux_loss_state=None, layer=None,
                aux_loss_grad_scale=1.0, accumulate_global_aux_loss=True, force_seed=None,
-               force_bias_seed=None, training=True, return_info=False):
+               force_bias_seed=None, training=True, qb_beta=None, return_info=False):
     """Route T tokens to K of E experts from router logits (Megatron-Core's TopKRouter semantics).
 
     logits [T, E] fp32 or fp64 (the router dtype), or bf16 (Megatron's moe_router_dtype=None:
@@ -325,7 +327,9 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     training forwards with grad enabled; TopKRouter decides this itself.
     force_seed / force_bias_seed: seeds of config.force_load_balancing / force_biased (None: drawn
     from torch's default generator). training: sinkhorn routing selects on the Sinkhorn-
-    normalised batch when True (Megatron's training path), on the logits when False (its eval).
+    normalised batch when True (Megatron's training path), on the logits when False (its eval);
+    quantile_balancing computes RouteInfo.qb_beta_local when True. qb_beta [E] fp32: the
+    quantile-balancing bias (None = zeros).
 
     Returns (probs [T, K] in the logits' dtype, differentiable to logits; topk_idx [T, K] int64,
     -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added to
@@ -348,7 +352,7 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
         invalid_replay_rows, -1 if layer is None else int(layer),
         0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale),
         bool(accumulate_global_aux_loss),
-        _force_seeds(config, force_seed, force_bias_seed) + (bool(training),), box)
+        _force_seeds(config, force_seed, force_bias_seed) + (bool(training),), qb_beta, box)
     if len(lead) != 1:
         probs = probs.view(*lead, probs.shape[-1])
         topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
@@ -420,6 +424,15 @@ class TopKRouter(torch.nn.Module):
         self.global_aux_loss_state = (_C.GlobalAuxLossState()
                                       if "global_aux_loss" in types else None)
         self._gstate_snapshots = collections.deque()
+        if config.aux_loss_type == "quantile_balancing":
+            # Megatron's qb_beta (persistent) and its per-global-batch accumulators.
+            self.register_buffer("qb_beta", torch.zeros(E, dtype=torch.float32))
+            self.register_buffer("qb_beta_accum", torch.zeros(E, dtype=torch.float32),
+                                 persistent=False)
+            self.register_buffer("qb_beta_count", torch.zeros((), dtype=torch.long),
+                                 persistent=False)
+        else:
+            self.qb_beta = self.qb_beta_accum = self.qb_beta_count = None
         self.replay = None
         self.last_info = None
 
@@ -471,7 +484,7 @@ class TopKRouter(torch.nn.Module):
             logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
             seq_length=seq_length, global_aux_loss_state=gstate,
             layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
-            accumulate_global_aux_loss=accumulate, training=self.training,
+            accumulate_global_aux_loss=accumulate, training=self.training, qb_beta=self.qb_beta,
             # force_biased < 0: Megatron draws the bias once per layer and reuses it.
             force_bias_seed=((0x5EED0000 + (self.layer_number or 0)) & (2**62 - 1)
                              if (self.config.force_biased or 0) < 0 else None),
@@ -480,8 +493,25 @@ class TopKRouter(torch.nn.Module):
             replay._after_forward(topk_idx)
         if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
             self.local_tokens_per_expert += info.tokens_per_expert.to(torch.float64)
+        if (self.qb_beta is not None and self.training and torch.is_grad_enabled()
+                and not _in_non_reentrant_recompute()):
+            self.qb_beta_accum += info.qb_beta_local
+            self.qb_beta_count += 1
         self.last_info = info
         return probs, topk_idx
+
+    @torch.no_grad()
+    def update_qb_beta(self, ema=0.0):
+        """Quantile balancing, once per global batch (Megatron's _update_router_qb_beta on this
+        rank: no data-parallel average): qb_beta = ema*qb_beta + (1-ema)*mean of the accumulated
+        quantiles, re-centred to mean 0; the accumulators restart."""
+        if self.qb_beta is None:
+            raise ValueError("[TopKRouter] update_qb_beta needs aux_loss_type='quantile_balancing'")
+        avg = self.qb_beta_accum / self.qb_beta_count.clamp(min=1).to(self.qb_beta_accum.dtype)
+        new = ema * self.qb_beta + (1.0 - ema) * avg
+        self.qb_beta.copy_(new - new.mean())
+        self.qb_beta_accum.zero_()
+        self.qb_beta_count.zero_()
 
     @torch.no_grad()
     def update_expert_bias(self, rate):

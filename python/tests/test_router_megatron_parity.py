@@ -388,3 +388,41 @@ def test_sinkhorn_like_megatron(mcore, gen, K):
         (pm * g).sum().backward()
         (_dense_of(ps, idx, E) * g).sum().backward()
         torch.testing.assert_close(xs.grad, xm.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_quantile_balancing_like_megatron(mcore, gen, score):
+    """moe_router_load_balancing_type="quantile_balancing": ids from the top-k of logits - qb_beta,
+    weights from the score function at them, the per-microbatch quantile accumulated only on
+    training forwards with grad, and the global-batch update (Megatron's formula on one rank)."""
+    H, E, K, T = 16, 8, 2, 64
+    m = mcore(H, num_moe_experts=E, moe_router_topk=K, moe_aux_loss_coeff=0.0,
+              moe_router_load_balancing_type="quantile_balancing", moe_router_score_function=score)
+    srt = syt.TopKRouter(H, _cfg(E, K, aux_loss_type="quantile_balancing", score_function=score))
+    with torch.no_grad():
+        srt.weight.copy_(m.weight)
+        srt.weight[:, :3] += 0.05
+        m.weight.copy_(srt.weight)
+        beta = torch.randn(E, generator=gen) * 0.02
+        m.qb_beta.copy_(beta)
+        srt.qb_beta.copy_(beta)
+    for step in range(3):
+        x = torch.randn(T, H, generator=gen) * 3
+        xm, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        pm, mm = m(xm)
+        ps, idx = srt(xs)
+        assert torch.equal(torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True), mm)
+        torch.testing.assert_close(_dense_of(ps, idx, E), pm, rtol=1e-6, atol=1e-7)
+        g = torch.linspace(-1, 1, T * E).view(T, E)
+        (pm * g).sum().backward()
+        (_dense_of(ps, idx, E) * g).sum().backward()
+        torch.testing.assert_close(xs.grad, xm.grad, rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            m(x)
+            srt(x)  # not accumulated (no grad)
+        torch.testing.assert_close(srt.qb_beta_accum, m.qb_beta_accum, rtol=0, atol=0)
+        assert int(srt.qb_beta_count) == int(m.qb_beta_count) == step + 1
+    want = 0.3 * m.qb_beta + 0.7 * m.qb_beta_accum / m.qb_beta_count
+    srt.update_qb_beta(ema=0.3)
+    torch.testing.assert_close(srt.qb_beta, want - want.mean(), rtol=1e-6, atol=1e-7)
+    assert int(srt.qb_beta_count) == 0

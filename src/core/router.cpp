@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -194,6 +196,8 @@ const char* aux_loss_type_name(AuxLossType t) {
       return "global_aux_loss";
     case AuxLossType::sinkhorn:
       return "sinkhorn";
+    case AuxLossType::quantile_balancing:
+      return "quantile_balancing";
   }
   return "?";
 }
@@ -204,9 +208,10 @@ AuxLossType parse_aux_loss_type(const std::string& name) {
   if (name == "seq_aux_loss") return AuxLossType::seq_aux_loss;
   if (name == "global_aux_loss") return AuxLossType::global_aux_loss;
   if (name == "sinkhorn") return AuxLossType::sinkhorn;
+  if (name == "quantile_balancing") return AuxLossType::quantile_balancing;
   detail::fail_arg(kOp,
-                   "aux_loss_type must be none, aux_loss, seq_aux_loss, global_aux_loss or "
-                   "sinkhorn, got \"",
+                   "aux_loss_type must be none, aux_loss, seq_aux_loss, global_aux_loss, "
+                   "sinkhorn or quantile_balancing, got \"",
                    name, "\"");
 }
 
@@ -263,11 +268,18 @@ void validate_router_config(const RouterConfig& c) {
   if (c.pad_to_capacity && !c.capacity_factor) {
     detail::fail_arg(kOp, "pad_to_capacity needs capacity_factor, got no capacity_factor");
   }
-  if (static_cast<int>(c.aux_loss_type) > 4) {
+  if (static_cast<int>(c.aux_loss_type) > 5) {
     detail::fail_arg(kOp,
-                     "aux_loss_type must be none, aux_loss, seq_aux_loss, global_aux_loss or "
-                     "sinkhorn, got value ",
+                     "aux_loss_type must be none, aux_loss, seq_aux_loss, global_aux_loss, "
+                     "sinkhorn or quantile_balancing, got value ",
                      static_cast<int>(c.aux_loss_type));
+  }
+  if (c.aux_loss_type == AuxLossType::quantile_balancing) {
+    if (c.num_groups != 0 || c.aux_loss_coeff != 0.0 || K >= E) {
+      detail::fail_arg(kOp, "quantile_balancing takes no groups, aux_loss_coeff 0 and top_k < "
+                       "num_experts, got num_groups=", c.num_groups, ", aux_loss_coeff=",
+                       c.aux_loss_coeff, ", top_k=", K, ", num_experts=", E);
+    }
   }
   if (c.aux_loss_type == AuxLossType::sinkhorn) {
     // Megatron's sinkhorn path ignores these; rejecting them keeps a config from meaning
@@ -353,8 +365,10 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     }
   }
   const Tensor& bias = inputs.expert_bias;
-  if (bias.defined() && config.aux_loss_type == AuxLossType::sinkhorn) {
-    detail::fail_arg(kOp, "sinkhorn routing takes no expert_bias, got one");
+  if (bias.defined() && (config.aux_loss_type == AuxLossType::sinkhorn ||
+                         config.aux_loss_type == AuxLossType::quantile_balancing)) {
+    detail::fail_arg(kOp, aux_loss_type_name(config.aux_loss_type),
+                     " routing takes no expert_bias, got one");
   }
   if (bias.defined()) {
     detail::check_dtype(bias, kOp, "expert_bias", {DType::fp32, DType::fp64});
@@ -365,6 +379,18 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
                          " at expert ", e);
       }
     }
+  }
+  const bool qb = config.aux_loss_type == AuxLossType::quantile_balancing;
+  if (inputs.qb_beta.defined()) {
+    detail::check_dtype(inputs.qb_beta, kOp, "qb_beta", {DType::fp32});
+    detail::check_shape(inputs.qb_beta, kOp, "qb_beta", {E});
+  }
+  if (qb && inputs.padding_mask.defined()) {
+    detail::fail_arg(kOp, "quantile_balancing takes no padding_mask (as in Megatron), got one");
+  }
+  if (qb && options.training && (T * K) % E != 0) {
+    detail::fail_arg(kOp, "quantile_balancing while training needs num_tokens * top_k divisible "
+                     "by num_experts=", E, ", got ", T, " * ", K);
   }
   const Tensor& mask = inputs.padding_mask;
   if (mask.defined()) {
@@ -517,6 +543,48 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
       }
     }
     kernel_replay = sink;
+  }
+  if (qb) {
+    // Megatron's qb_dual_update on the fp32 logits: the native rows take the top-k of z - beta
+    // (ties: the larger logit, then the lower id) and route like replayed rows.
+    std::vector<float> beta(static_cast<size_t>(E), 0.0f);
+    if (inputs.qb_beta.defined()) std::copy_n(inputs.qb_beta.data<float>(), E, beta.data());
+    const Tensor z32 = is64 ? logits.to(DType::fp32) : logits;
+    const float* zp = z32.data<float>();
+    Tensor sel = Tensor::full({T, K}, DType::int32, -1);
+    std::vector<float> key(static_cast<size_t>(E)), alpha(static_cast<size_t>(T));
+    std::vector<int32_t> order(static_cast<size_t>(E));
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t e = 0; e < E; ++e) key[e] = zp[t * E + e] - beta[e];
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + K + 1, order.end(), [&](int32_t a, int32_t b) {
+        if (key[a] != key[b]) return key[a] > key[b];
+        if (zp[t * E + a] != zp[t * E + b]) return zp[t * E + a] > zp[t * E + b];
+        return a < b;
+      });
+      alpha[t] = key[order[K]];
+      if (kind[t] == cpu::kRowReplayed) {
+        std::copy_n(replay.data<int32_t>() + t * K, K, sel.data<int32_t>() + t * K);
+      } else {
+        std::copy_n(order.data(), K, sel.data<int32_t>() + t * K);
+      }
+    }
+    if (options.training && T > 0) {
+      const int64_t m = T * K / E;  // column target; its (m+1)-th largest is the quantile
+      r.qb_beta_local = Tensor::empty({E}, DType::fp32);
+      std::vector<float> col(static_cast<size_t>(T));
+      for (int64_t e = 0; e < E; ++e) {
+        for (int64_t t = 0; t < T; ++t) col[t] = zp[t * E + e] - alpha[t];
+        std::nth_element(col.begin(), col.begin() + m, col.end(), std::greater<float>());
+        r.qb_beta_local.data<float>()[e] = col[m];
+      }
+    }
+    kernel_kind = r.row_kind.clone();
+    uint8_t* kk = kernel_kind.data<uint8_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      if (kind[t] == cpu::kRowNative) kk[t] = cpu::kRowReplayed;
+    }
+    kernel_replay = sel;
   }
   if (is64) {
     run_forward<double>(logits, bias, kernel_replay, kernel_kind, p, capacity, by_position, false,

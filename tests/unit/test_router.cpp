@@ -578,10 +578,10 @@ TEST(Router, EnumAndStateErrors) {
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, c), std::invalid_argument,
                       "[route] token_drop_policy must be probs or position, got value 9");
   c = cfg(8, 2);
-  c.aux_loss_type = static_cast<AuxLossType>(5);
+  c.aux_loss_type = static_cast<AuxLossType>(6);
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, c), std::invalid_argument,
                       "[route] aux_loss_type must be none, aux_loss, seq_aux_loss, "
-                      "global_aux_loss or sinkhorn, got value 5");
+                      "global_aux_loss, sinkhorn or quantile_balancing, got value 6");
   sy::RouteOptions o;
   o.invalid_replay_rows = static_cast<sy::InvalidReplayRows>(3);
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, cfg(8, 2), o), std::invalid_argument,

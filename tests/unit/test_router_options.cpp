@@ -520,3 +520,50 @@ TEST(RouterOptions, ThreadCountAndBatchInvarianceOfTheNewOptions) {
     }
   }
 }
+
+// Quantile balancing: ids = top-k of z - beta; weights from the score function at the ids (as a
+// replay of those ids); the quantile from its definition; replay keeps ids; errors.
+TEST(RouterOptions, QuantileBalancing) {
+  std::mt19937_64 rng(sy::testing::test_seed(1428));
+  const int64_t T = 40, E = 8, K = 2;
+  RouterConfig c = cfg(E, K, ScoreFunction::sigmoid);
+  c.aux_loss_type = AuxLossType::quantile_balancing;
+  const Tensor z = sy::testing::randn({T, E}, DType::fp32, rng);
+  sy::RouteInputs in;
+  in.qb_beta = sy::testing::randn({E}, DType::fp32, rng, 0.3);
+  const auto r = sy::topk_route(z, in, c);
+  const std::vector<double> zd = z.to_double_vector(), b = in.qb_beta.to_double_vector();
+  std::vector<double> want_ids, alpha(T);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> key(E);
+    for (int64_t e = 0; e < E; ++e) key[e] = static_cast<float>(zd[t * E + e] - b[e]);
+    const auto top = sy::ref::topk_ids(key, K + 1);
+    for (int64_t k = 0; k < K; ++k) want_ids.push_back(top[k]);
+    alpha[t] = key[top[K]];
+  }
+  EXPECT_TRUE(all_close(r.topk_idx, want_ids, 0, 0));
+  RouterConfig plain = cfg(E, K, ScoreFunction::sigmoid);
+  sy::RouteInputs rep;
+  rep.replay_idx = r.topk_idx;
+  const auto rr = sy::topk_route(z, rep, plain);
+  EXPECT_TRUE(bitwise_equal(r.topk_weights, rr.topk_weights));
+  const Tensor gw = sy::testing::randn({T, K}, DType::fp32, rng);
+  EXPECT_TRUE(bitwise_equal(sy::topk_route_backward(gw, r, c).grad_logits,
+                            sy::topk_route_backward(gw, rr, plain).grad_logits));
+  // qb_beta_local[e]: the (T*K/E + 1)-th largest of z - alpha over tokens.
+  ASSERT_TRUE(r.qb_beta_local.defined());
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<double> col(T);
+    for (int64_t t = 0; t < T; ++t) col[t] = static_cast<float>(zd[t * E + e] - alpha[t]);
+    std::sort(col.begin(), col.end(), std::greater<double>());
+    EXPECT_EQ(r.qb_beta_local.item_as_double(e), col[T * K / E]) << e;
+  }
+  sy::RouteOptions ev;
+  ev.training = false;
+  EXPECT_FALSE(sy::topk_route(z, in, c, ev).qb_beta_local.defined());
+  const Tensor z7 = sy::testing::randn({7, E}, DType::fp32, rng);
+  SY_EXPECT_THROW_MSG(sy::topk_route(z7, in, c), std::invalid_argument,
+                      "[route] quantile_balancing while training needs num_tokens * top_k "
+                      "divisible by num_experts=8, got 7 * 2");
+  EXPECT_NO_THROW(sy::topk_route(z7, in, c, ev));
+}
