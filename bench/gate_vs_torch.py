@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch eager doing the router gate the Megatron-Core way, timed on its own.
 
 Megatron-Core's RouterGatingLinearFunction (router_dtype fp32): the forward upcasts the bf16
@@ -8,10 +8,10 @@ on the fp32 copies. This script times exactly that for Qwen3-30B-A3B's gate (T=4
 E=128) at 1 and 2 threads, so its numbers can be set beside bench_gate's (same session, same
 machine):
 
-    /usr/bin/python3 bench/gate_vs_torch.py
+    python bench/gate_vs_torch.py
     ./build/bench/bench_gate --benchmark_filter='Gate(Forward/bf16_fp32|Backward)'
 
-Use /usr/bin/python3 (Debian's python3-torch), not a pyenv python.
+Run with the project venv: PYTHONPATH=build/python $(bash scripts/env.sh)/bin/python.
 """
 import argparse
 import os

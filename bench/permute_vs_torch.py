@@ -6,7 +6,7 @@ PyTorch's version: permute = x.index_select(0, row_token) (rows in expert-major 
 routing-plan order); unpermute = zeros.index_add_(0, row_token, Y * w[:, None]) (weights applied,
 summed per token). Routes: K distinct uniformly random experts per token, as in bench_permute.
 
-  /usr/bin/python3 bench/permute_vs_torch.py [--bench build/bench/bench_permute] [--threads 2]
+  python bench/permute_vs_torch.py [--bench build/bench/bench_permute] [--threads 2]
 """
 import argparse
 import json

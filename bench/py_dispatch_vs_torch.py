@@ -7,7 +7,7 @@ Under mpirun (ep size > 1): switchyard's AlltoAll / AllGather dispatchers vs tor
 Alltoallv doing the same exchange (sort by expert, Alltoallv rows and weights, regroup by local
 expert; combine: Alltoallv back, weighted index_add), forward only.
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/py_dispatch_vs_torch.py [--quick]
+    PYTHONPATH=build/python python bench/py_dispatch_vs_torch.py [--quick]
     mpirun -np 2 --oversubscribe env PYTHONPATH=build/python /usr/bin/python3 \
         bench/py_dispatch_vs_torch.py [--quick]
 Ratio = torch / switchyard (> 1: switchyard faster).

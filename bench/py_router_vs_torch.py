@@ -4,7 +4,7 @@ upcast to fp32, torch.mm, torch.topk, softmax over the selected logits, aux loss
 softmax), with the same thread count. Prints times and ratios (torch / switchyard: > 1 means
 switchyard is faster).
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/py_router_vs_torch.py [--quick] [--threads N]
+    PYTHONPATH=build/python python bench/py_router_vs_torch.py [--quick] [--threads N]
 """
 import argparse
 import os
@@ -36,8 +36,8 @@ def torch_router(x, w, K, aux_coeff):
         scores = torch.softmax(logits, dim=-1)
         routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, torch.topk(scores, K).indices,
                                                                    True)
-        tokens_per_expert = routing_map.sum(0)
-        aux = (scores.sum(0) * tokens_per_expert).sum() * (E * aux_coeff / (K * T * T))
+        num_tokens_per_expert = routing_map.sum(0)
+        aux = (scores.sum(0) * num_tokens_per_expert).sum() * (E * aux_coeff / (K * T * T))
     return probs, idx, aux
 
 
@@ -87,7 +87,7 @@ def main():
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(T, H, generator=g).to(dtype)
             w = (torch.randn(E, H, generator=g) * 0.02).to(dtype)
-            cfg = sy.RouterConfig(num_experts=E, topk=K, **extra)
+            cfg = sy.RouterConfig(num_experts=E, top_k=K, **extra)
             gp = torch.randn(T, K, generator=g)
 
             def fwd(impl):

@@ -1,10 +1,10 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch peer for bench_router: the same routing work done the Megatron-Core way in eager torch
 (CPU, fp32): softmax top-k routing weights, the switch load-balancing aux loss, the z-loss, forward
 and backward. It then runs bench_router's forward+backward benchmark in the same session and prints
 the ratio.
 
-    /usr/bin/python3 bench/router_peer.py [--bench build/bench/bench_router] [--threads 2]
+    python bench/router_peer.py [--bench build/bench/bench_router] [--threads 2]
 
 Written from the published formulas (moe_utils.py: switch_load_balancing_loss_func, z_loss_func,
 topk_routing_with_score_function); no Megatron code is imported or copied.
@@ -28,8 +28,8 @@ def megatron_like_route(logits, topk, aux_coeff, z_coeff):
     scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
     _, aux_idx = torch.topk(scores, k=topk, dim=1)
     routing_map = torch.zeros_like(logits).int().scatter(1, aux_idx, 1).bool()
-    tokens_per_expert = routing_map.sum(dim=0)
-    aux_loss = torch.sum(scores.sum(dim=0) * tokens_per_expert) * (
+    num_tokens_per_expert = routing_map.sum(dim=0)
+    aux_loss = torch.sum(scores.sum(dim=0) * num_tokens_per_expert) * (
         num_experts * aux_coeff / (topk * num_tokens * num_tokens))
     return probs, top_idx, aux_loss, z_loss
 

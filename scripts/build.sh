@@ -5,6 +5,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+source scripts/toolchain.sh
 venv=${SWITCHYARD_VENV:-$(bash scripts/env.sh)}
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DSWITCHYARD_WERROR=ON \
       -DPython3_EXECUTABLE="$venv/bin/python" \

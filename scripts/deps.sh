@@ -6,7 +6,7 @@ PKGS=(g++ cmake make pkg-config
       libgtest-dev libgmock-dev libbenchmark-dev
       libopenblas-dev libopenmpi-dev openmpi-bin
       libzstd-dev libxxhash-dev nlohmann-json3-dev libcli11-dev
-      clang libomp-dev libclang-rt-14-dev)
+      clang libomp-dev libclang-rt-14-dev ccache)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

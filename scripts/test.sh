@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The test command: installs what is missing, builds everything and runs every test (unit, MPI at 1-4
-# ranks, Python), then the AddressSanitizer+UBSan build of the unit and MPI tests, then bounded fuzz
-# runs. Ends with one summary line: "summary: N passed, M failed".
+# The test command: installs what is missing (Debian packages, the Python venv), builds everything
+# and runs every test (unit, MPI at 1-4 ranks, Python) on the auto-chosen kernels and again on the
+# portable ones, checks the pip package and the CMake package, then the AddressSanitizer+UBSan
+# build of the unit and MPI tests, then bounded fuzz runs. Ends with one summary line:
+# "summary: N passed, M failed".
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 jobs=${SY_JOBS:-2}
+source scripts/toolchain.sh
 passed=0; failed=0; stage_failed=()
 
 # Adds the counts of one ctest log ("X% tests passed, F tests failed out of N") to the totals.
@@ -20,16 +23,39 @@ count_ctest() {
 
 stage() { echo; echo "==== $* ($(date +%T))"; }
 
-stage "dependencies"
+# Runs a check script as one test: counted passed or failed, its name kept for the closing line.
+check() {
+  local name=$1; shift
+  if "$@"; then passed=$((passed + 1)); else stage_failed+=("$name"); failed=$((failed + 1)); fi
+}
+
+stage "dependencies (Debian packages)"
 bash scripts/deps.sh || exit 1
 
-stage "release build (warnings as errors)"
+stage "python environment (venv keyed by requirements/lock.txt, reused when present)"
+SWITCHYARD_VENV=$(bash scripts/env.sh) || exit 1
+export SWITCHYARD_VENV
+echo "venv: $SWITCHYARD_VENV"
+
+stage "release build (warnings as errors, portable: scalar + AVX2 kernels chosen at run time)"
 bash scripts/build.sh || exit 1
 
-stage "tests: unit, dist (MPI 1-4 ranks), python"
+stage "tests: unit, dist (MPI 1-4 ranks), python — kernels: auto ($(SWITCHYARD_CPU_ISA= "$SWITCHYARD_VENV/bin/python" -c 'import sys; sys.path.insert(0, "build/python"); import switchyard as s; print(s.cpu_isa())' 2>/dev/null))"
 (cd build && ctest --output-on-failure -j"$jobs" --timeout 900) 2>&1 | tee build/ctest-release.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || stage_failed+=("release tests")
 count_ctest build/ctest-release.log
+
+stage "tests on the portable kernels: unit and python with SWITCHYARD_CPU_ISA=scalar"
+(cd build && SWITCHYARD_CPU_ISA=scalar ctest --output-on-failure -j"$jobs" --timeout 900 -L 'unit|python') \
+  2>&1 | tee build/ctest-scalar.log
+[ "${PIPESTATUS[0]}" -eq 0 ] || stage_failed+=("scalar-kernel tests")
+count_ctest build/ctest-scalar.log
+
+stage "python package: wheel -> fresh venv -> import, README example, CLI on PATH"
+check "python package" bash scripts/check_package.sh
+
+stage "C++ package: cmake --install, find_package(switchyard) consumer"
+check "cmake package" bash scripts/check_cmake_package.sh
 
 if [ "${SY_SKIP_SANITIZE:-0}" != 1 ]; then
   stage "sanitizer build (ASan + UBSan, clang) of the unit and MPI tests and the fuzz targets"
@@ -67,11 +93,11 @@ fi
 
 if [ "${SY_SKIP_FUZZ:-0}" != 1 ] && [ -f scripts/fuzz.sh ]; then
   stage "bounded fuzz runs"
-  if SY_FUZZ_BUILD_DIR=${fuzz_build:-build-fuzz} bash scripts/fuzz.sh; then passed=$((passed + 1)); else
-    stage_failed+=("fuzz"); failed=$((failed + 1)); fi
+  check "fuzz" env SY_FUZZ_BUILD_DIR="${fuzz_build:-build-fuzz}" bash scripts/fuzz.sh
 fi
 
 echo
 if ((${#stage_failed[@]})); then echo "failed stages: ${stage_failed[*]}"; fi
+echo "test command took $((SECONDS / 60)) min $((SECONDS % 60)) s"
 echo "summary: $passed passed, $failed failed"
 [ "$failed" -eq 0 ] && ((${#stage_failed[@]} == 0))

@@ -105,12 +105,12 @@ enum class GlobalAuxLossUpdate : uint8_t { accumulate, read_only };
 /// forward (copy `steps`, `clone()` the tensor), or read-only on an unchanged state.
 struct GlobalAuxLossState {
   /// [E] fp64: sum of the counts over the accumulated steps (undefined = nothing accumulated).
-  Tensor tokens_per_expert{};
+  Tensor num_tokens_per_expert{};
   /// Number of accumulated batches.
   int64_t steps = 0;
   /// Start a new accumulation window (Megatron `reset_global_aux_loss_tracker`).
   void reset() {
-    tokens_per_expert = Tensor();
+    num_tokens_per_expert = Tensor();
     steps = 0;
   }
 };
@@ -231,9 +231,9 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
                                const RouteBackwardOptions& options = {});
 
 /// Aux-loss-free bias update (DeepSeek-V3): returns b + rate * sign(mean(c) - c).
-/// expert_bias: [E] fp32; tokens_per_expert: [E] int64 or fp32/fp64 counts (summed over the
+/// expert_bias: [E] fp32; num_tokens_per_expert: [E] int64 or fp32/fp64 counts (summed over the
 /// step, e.g. RouteResult::num_tokens_per_expert); result [E] fp32. Deterministic.
-Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& tokens_per_expert, double rate);
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert, double rate);
 
 /// Input jitter (Megatron-Core `moe_input_jitter_eps`, Switch Transformer): returns x * u with
 /// u ~ Uniform(1 - eps, 1 + eps) drawn per element from a counter-based generator keyed by

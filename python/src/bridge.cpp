@@ -1,6 +1,7 @@
 #include "bridge.h"
 
-#include <sstream>
+#include <algorithm>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,13 @@ DType dtype_from_torch(py::handle torch_dtype, const char* op, const char* name)
   if (torch_dtype.is(torch.attr("int64"))) return DType::int64;
   if (torch_dtype.is(torch.attr("uint8"))) return DType::uint8;
   if (torch_dtype.is(torch.attr("bool"))) return DType::boolean;
+  if (torch_dtype.is(torch.attr("float16"))) {
+    // Decided: no fp16 kernels. Its range differs from bf16's, so it cannot be reinterpreted, and
+    // a silent conversion would hide a copy; the caller casts (fp16 -> fp32 is exact).
+    value_error("[" + std::string(op) + "] " + name +
+                ": float16 is not supported; cast to torch.bfloat16 or torch.float32 first "
+                "(x.float() is exact for float16)");
+  }
   value_error("[" + std::string(op) + "] " + name +
               ": dtype must be one of bfloat16, float32, float64, int32, int64, uint8, bool, got " +
               py::str(torch_dtype).cast<std::string>());
@@ -100,47 +108,103 @@ Arg borrow_optional(py::handle obj, const char* op, const char* name,
   return borrow(obj, op, name, allowed);
 }
 
+namespace {
+
+// DLPack (the array-exchange ABI torch.from_dlpack consumes), the few types it needs, as its
+// stable C ABI defines them (dlpack.h v0.8+: DLManagedTensor, codes kDLInt 0, kDLUInt 1,
+// kDLFloat 2, kDLBfloat 4, kDLBool 6; device kDLCPU 1).
+struct DLDevice {
+  int32_t device_type;
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+
+// Owns the engine storage (a Tensor handle shares it) and the shape/stride arrays DLPack points at.
+struct Exported {
+  DLManagedTensor managed{};
+  Tensor tensor;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+};
+
+DLDataType dl_dtype(DType d) {
+  switch (d) {
+    case DType::bf16:
+      return {4, 16, 1};
+    case DType::fp32:
+      return {2, 32, 1};
+    case DType::fp64:
+      return {2, 64, 1};
+    case DType::int32:
+      return {0, 32, 1};
+    case DType::int64:
+      return {0, 64, 1};
+    case DType::uint8:
+      return {1, 8, 1};
+    case DType::boolean:
+      return {6, 8, 1};
+  }
+  throw std::logic_error("unknown dtype");
+}
+
+void delete_exported(DLManagedTensor* m) { delete static_cast<Exported*>(m->manager_ctx); }
+
+}  // namespace
+
 py::object to_torch(Tensor t) {
   if (!t.defined()) return py::none();
   if (!t.owns_storage()) t = t.clone();
-  py::dtype np_dtype;
-  switch (t.dtype()) {
-    case DType::bf16:
-      np_dtype = py::dtype::of<int16_t>();
-      break;
-    case DType::fp32:
-      np_dtype = py::dtype::of<float>();
-      break;
-    case DType::fp64:
-      np_dtype = py::dtype::of<double>();
-      break;
-    case DType::int32:
-      np_dtype = py::dtype::of<int32_t>();
-      break;
-    case DType::int64:
-      np_dtype = py::dtype::of<int64_t>();
-      break;
-    case DType::uint8:
-      np_dtype = py::dtype::of<uint8_t>();
-      break;
-    case DType::boolean:
-      np_dtype = py::dtype::of<bool>();
-      break;
-  }
-  std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end());
-  std::vector<py::ssize_t> strides(shape.size());
-  py::ssize_t stride = static_cast<py::ssize_t>(dtype_size(t.dtype()));
+  auto owner = std::make_unique<Exported>();
+  owner->tensor = std::move(t);
+  const Shape& shape = owner->tensor.shape();
+  owner->shape.assign(shape.begin(), shape.end());
+  owner->strides.resize(shape.size());
+  int64_t stride = 1;
   for (size_t d = shape.size(); d-- > 0;) {
-    strides[d] = stride;
-    stride *= std::max<py::ssize_t>(shape[d], 1);
+    owner->strides[d] = stride;
+    stride *= std::max<int64_t>(shape[d], 1);
   }
-  // The capsule holds a Tensor handle (shared storage): numpy, then torch, keep it alive.
-  auto* holder = new Tensor(t);
-  py::capsule owner(holder, [](void* p) { delete static_cast<Tensor*>(p); });
-  py::array arr(np_dtype, shape, strides, holder->raw(), owner);
-  py::object out = torch_module().attr("from_numpy")(arr);
-  if (t.dtype() == DType::bf16) out = out.attr("view")(torch_module().attr("bfloat16"));
-  return out;
+  DLTensor& dl = owner->managed.dl_tensor;
+  dl.data = owner->tensor.raw();
+  dl.device = {1, 0};  // kDLCPU
+  dl.ndim = static_cast<int32_t>(shape.size());
+  dl.dtype = dl_dtype(owner->tensor.dtype());
+  dl.shape = owner->shape.data();
+  dl.strides = owner->strides.data();
+  dl.byte_offset = 0;
+  owner->managed.manager_ctx = owner.get();
+  owner->managed.deleter = &delete_exported;
+  // The capsule protocol: the consumer renames it "used_dltensor" and calls the deleter when its
+  // tensor dies; a capsule never consumed still named "dltensor" frees the storage itself.
+  PyObject* cap = PyCapsule_New(&owner->managed, "dltensor", [](PyObject* c) {
+    if (PyCapsule_IsValid(c, "dltensor")) {
+      auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(c, "dltensor"));
+      m->deleter(m);
+    }
+  });
+  if (!cap) throw py::error_already_set();
+  owner.release();
+  static py::object* from_dlpack =
+      new py::object(torch_module().attr("from_dlpack"));
+  return (*from_dlpack)(py::reinterpret_steal<py::object>(cap));
 }
 
 }  // namespace switchyard::py_bridge

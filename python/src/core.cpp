@@ -4,6 +4,7 @@
 
 #include "bindings.h"
 #include "bridge.h"
+#include "switchyard/cpu.h"
 #include "switchyard/tensor.h"
 
 namespace switchyard::py_bind {
@@ -12,6 +13,19 @@ void bind_core(py::module_& m) {
   m.def("num_threads", &switchyard::num_threads, "Number of CPU threads the kernels use.");
   m.def("set_num_threads", &switchyard::set_num_threads, py::arg("n"),
         "Set the number of CPU threads (>= 1); results never depend on it.");
+  m.def(
+      "cpu_isa", [] { return std::string(cpu_isa_name(cpu_isa())); },
+      "The CPU kernel variant in use: 'avx2' or 'scalar' (SWITCHYARD_CPU_ISA=auto|scalar|avx2 "
+      "forces it; both give bitwise the same results).");
+  m.def(
+      "set_cpu_isa",
+      [](const std::string& isa) {
+        if (isa != "scalar" && isa != "avx2") {
+          throw py::value_error("[set_cpu_isa] isa must be 'scalar' or 'avx2', got '" + isa + "'");
+        }
+        set_cpu_isa(isa == "avx2" ? CpuIsa::avx2 : CpuIsa::scalar);
+      },
+      py::arg("isa"), "Use the 'scalar' or 'avx2' CPU kernels from now on (process-wide).");
   m.def(
       "_borrow_info",
       [](py::handle t) {

@@ -167,7 +167,7 @@ void bind_dist(py::module_& m) {
       .def_readonly("num_experts", &dist::DispatchHandle::num_experts)
       .def_readonly("num_local_experts", &dist::DispatchHandle::num_local_experts)
       .def_readonly("num_recv_tokens", &dist::DispatchHandle::num_recv_tokens)
-      .def_property_readonly("tokens_per_expert",
+      .def_property_readonly("num_tokens_per_expert",
                              [](const dist::DispatchHandle& h) {
                                return py_bridge::to_torch(h.num_tokens_per_expert.clone());
                              })

@@ -37,7 +37,7 @@ Tensor ids_int32(py::handle obj, const char* op, const char* name, py_bridge::Ar
 
 std::string config_repr(const RouterConfig& c) {
   std::string s = "RouterConfig(num_experts=" + std::to_string(c.num_experts) +
-                  ", topk=" + std::to_string(c.top_k) + ", score_function='" +
+                  ", top_k=" + std::to_string(c.top_k) + ", score_function='" +
                   score_function_name(c.score_function) +
                   "', pre_softmax=" + (c.pre_softmax ? "True" : "False");
   s += ", num_groups=" + (c.num_groups ? std::to_string(c.num_groups) : std::string("None"));
@@ -78,7 +78,7 @@ std::string config_repr(const RouterConfig& c) {
 void bind_router(py::module_& m) {
   py::class_<RouterConfig>(m, "RouterConfig",
                            "Router configuration; names and defaults follow Megatron-Core.")
-      .def(py::init([](int64_t num_experts, int64_t topk, const std::string& score_function,
+      .def(py::init([](int64_t num_experts, int64_t top_k, const std::string& score_function,
                        bool pre_softmax, std::optional<int64_t> num_groups,
                        std::optional<int64_t> group_topk, std::optional<double> topk_scaling_factor,
                        std::optional<double> capacity_factor, const std::string& token_drop_policy,
@@ -88,7 +88,7 @@ void bind_router(py::module_& m) {
                        bool force_load_balancing, std::optional<double> force_biased) {
              RouterConfig c;
              c.num_experts = num_experts;
-             c.top_k = topk;
+             c.top_k = top_k;
              c.score_function = parse_score_function(score_function);
              c.pre_softmax = pre_softmax;
              c.num_groups = num_groups.value_or(0);
@@ -136,7 +136,7 @@ void bind_router(py::module_& m) {
              validate_router_config(c);
              return c;
            }),
-           py::kw_only(), py::arg("num_experts"), py::arg("topk"),
+           py::kw_only(), py::arg("num_experts"), py::arg("top_k"),
            py::arg("score_function") = "softmax", py::arg("pre_softmax") = false,
            py::arg("num_groups") = py::none(), py::arg("group_topk") = py::none(),
            py::arg("topk_scaling_factor") = py::none(), py::arg("capacity_factor") = py::none(),
@@ -147,7 +147,7 @@ void bind_router(py::module_& m) {
            py::arg("mtp_num_layers") = py::none(), py::arg("force_load_balancing") = false,
            py::arg("force_biased") = py::none())
       .def_readonly("num_experts", &RouterConfig::num_experts)
-      .def_readonly("topk", &RouterConfig::top_k)
+      .def_readonly("top_k", &RouterConfig::top_k)
       .def_property_readonly(
           "score_function",
           [](const RouterConfig& c) { return score_function_name(c.score_function); })
@@ -209,13 +209,13 @@ void bind_router(py::module_& m) {
           [](const GlobalAuxLossState& s) {
             GlobalAuxLossState c;
             c.steps = s.steps;
-            if (s.tokens_per_expert.defined()) c.tokens_per_expert = s.tokens_per_expert.clone();
+            if (s.num_tokens_per_expert.defined()) c.num_tokens_per_expert = s.num_tokens_per_expert.clone();
             return c;
           },
           "An independent snapshot (for a recompute that must reproduce its forward).")
       .def_readonly("steps", &GlobalAuxLossState::steps)
-      .def_property_readonly("tokens_per_expert", [](const GlobalAuxLossState& s) {
-        return py_bridge::to_torch(s.tokens_per_expert.defined() ? s.tokens_per_expert.clone()
+      .def_property_readonly("num_tokens_per_expert", [](const GlobalAuxLossState& s) {
+        return py_bridge::to_torch(s.num_tokens_per_expert.defined() ? s.num_tokens_per_expert.clone()
                                                                  : Tensor());
       });
 
@@ -225,7 +225,7 @@ void bind_router(py::module_& m) {
       .def_property_readonly("topk_idx",
                              [](const PyRoute& p) { return py_bridge::to_torch(p.r.topk_idx); })
       .def_property_readonly(
-          "tokens_per_expert",
+          "num_tokens_per_expert",
           [](const PyRoute& p) { return py_bridge::to_torch(p.r.num_tokens_per_expert); })
       .def_property_readonly("expert_capacity",
                              [](const PyRoute& p) { return p.r.expert_capacity; })
@@ -330,13 +330,13 @@ void bind_router(py::module_& m) {
       py::arg("x"), py::arg("eps"), py::arg("seed"), py::arg("backward") = false);
   m.def(
       "update_expert_bias",
-      [](py::handle expert_bias, py::handle tokens_per_expert, double rate) {
+      [](py::handle expert_bias, py::handle num_tokens_per_expert, double rate) {
         const char* op = "update_expert_bias";
         py_bridge::Arg ab = py_bridge::borrow(expert_bias, op, "expert_bias");
-        py_bridge::Arg ac = py_bridge::borrow(tokens_per_expert, op, "tokens_per_expert");
+        py_bridge::Arg ac = py_bridge::borrow(num_tokens_per_expert, op, "num_tokens_per_expert");
         return py_bridge::to_torch(update_expert_bias(ab.t, ac.t, rate));
       },
-      py::arg("expert_bias"), py::arg("tokens_per_expert"), py::arg("rate"));
+      py::arg("expert_bias"), py::arg("num_tokens_per_expert"), py::arg("rate"));
 
   py::class_<RouterReplay>(m, "RouterReplayCore", "Replay queues of one MoE layer (engine object).")
       .def(py::init([](int64_t top_k, int64_t layer) {

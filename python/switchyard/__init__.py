@@ -12,11 +12,34 @@ import collections as _collections
 import torch as _torch  # noqa: F401  (libtorch is loaded before the extension hands tensors to it)
 
 from . import _switchyard as _C
-from ._switchyard import (BackendError, DataError, GlobalAuxLossState, RouterConfig, num_threads,
-                          set_num_threads)
+from . import _names
+from ._switchyard import (BackendError, DataError, GlobalAuxLossState, cpu_isa, num_threads,
+                          set_cpu_isa, set_num_threads)
+
+
+class RouterConfig(_C.RouterConfig):
+    """Router configuration; names and defaults follow Megatron-Core (keyword arguments only):
+    ``RouterConfig(num_experts=E, top_k=K, score_function="softmax", pre_softmax=False,
+    num_groups=None, group_topk=None, topk_scaling_factor=None, capacity_factor=None,
+    token_drop_policy="probs", pad_to_capacity=False, aux_loss_type=None, aux_loss_coeff=0.0,
+    z_loss_coeff=0.0)``. The engine validates every field (ValueError naming it)."""
+
+    def __init__(self, **kwargs):
+        _names.check_kwargs("RouterConfig", kwargs)
+        super().__init__(**kwargs)
+
+    def __getattr__(self, name):
+        raise _names.old_attribute(self, name)
+
+
+def _state_getattr(self, name):
+    raise _names.old_attribute(self, name)
+
+
+GlobalAuxLossState.__getattr__ = _state_getattr
 
 __all__ = ["BackendError", "DataError", "GlobalAuxLossState", "RouterConfig", "RouterReplay",
-           "num_threads", "set_num_threads", "dist", "routes"]
+           "cpu_isa", "num_threads", "set_cpu_isa", "set_num_threads", "dist", "routes"]
 
 
 class RouterReplay:

@@ -10,6 +10,7 @@ import collections
 
 import torch
 
+from . import _names
 from . import _switchyard as _C
 
 __all__ = ["router_gating_linear", "input_jitter", "topk_route", "RouteInfo", "TopKRouter", "update_expert_bias",
@@ -108,18 +109,20 @@ def _idx32(topk_idx, op):
 
 
 class DispatchHandle:
-    """What combine and the backwards need, returned by ``dispatch``. ``tokens_per_expert`` [L]
+    """What combine and the backwards need, returned by ``dispatch``. ``num_tokens_per_expert`` [L]
     int64 (rows per local expert, ascending), ``expert_offsets`` [L+1], ``recv_src_rank`` /
     ``recv_src_token`` [R]: the source of every received row. Integers, never differentiable."""
 
-    def __init__(self, c_handle, probs, comm):
+    def __init__(self, c_handle, topk_weights, comm):
         self._c = c_handle
-        self._probs = probs
+        self._topk_weights = topk_weights
         self._comm = comm
 
     def __getattr__(self, name):
         if name.startswith("_"):  # not set yet (copy, unpickling): no recursion through _c
             raise AttributeError(name)
+        if name in _names.RENAMED:
+            raise _names.old_attribute(self, name)
         return getattr(self._c, name)
 
     def __repr__(self):
@@ -130,9 +133,9 @@ class DispatchHandle:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, probs, topk_idx32, disp, box):
+    def forward(ctx, x, topk_weights, topk_idx32, disp, box):
         with _no_autocast():
-            w = probs.detach().to(torch.float32)
+            w = topk_weights.detach().to(torch.float32)
             recv_x, recv_w, h = _C.dispatch(x.detach(), topk_idx32, w, disp.num_experts, disp.kind,
                                             disp._capacity_factor, disp.token_drop_policy,
                                             disp.ep_comm)
@@ -144,25 +147,26 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_w):
-        grad_x = grad_p = None
+        grad_x = grad_w = None
         # Collectives: every rank takes the same branches (needs_input_grad is the same everywhere).
         if ctx.needs_input_grad[0]:
             grad_x = _C.dispatch_backward(grad_recv_x.contiguous(), ctx.h, ctx.comm)
         if ctx.needs_input_grad[1]:
-            # d recv_w[row] / d probs[t,k] = 1 for every slot of that row's (token, expert) pair.
+            # d recv_w[row] / d topk_weights[t,k] = 1 for every slot of that row's (token, expert)
+            # pair.
             gw = grad_recv_w.to(torch.float32).contiguous()
-            grad_p = _C.dispatch_weights_backward(gw, ctx.h, ctx.comm)
-        return grad_x, grad_p, None, None, None
+            grad_w = _C.dispatch_weights_backward(gw, ctx.h, ctx.comm)
+        return grad_x, grad_w, None, None, None
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, expert_out, probs, handle, apply_probs):
+    def forward(ctx, expert_out, topk_weights, handle, apply_weights):
         with _no_autocast():
-            y = _C.combine(expert_out.detach(), handle._c, apply_probs, handle._comm)
+            y = _C.combine(expert_out.detach(), handle._c, apply_weights, handle._comm)
         ctx.save_for_backward(expert_out)
         ctx.handle = handle
-        ctx.apply_probs = apply_probs
+        ctx.apply_weights = apply_weights
         return y
 
     @staticmethod
@@ -170,10 +174,10 @@ class _Combine(torch.autograd.Function):
         (expert_out,) = ctx.saved_tensors
         h = ctx.handle
         grad_y = grad_y.to(expert_out.dtype).contiguous()
-        grad_e, grad_w = _C.combine_backward(grad_y, expert_out.detach(), h._c, ctx.apply_probs,
+        grad_e, grad_w = _C.combine_backward(grad_y, expert_out.detach(), h._c, ctx.apply_weights,
                                              h._comm)
-        grad_p = grad_w if (ctx.apply_probs and ctx.needs_input_grad[1]) else None
-        return (grad_e if ctx.needs_input_grad[0] else None), grad_p, None, None
+        grad_w = grad_w if (ctx.apply_weights and ctx.needs_input_grad[1]) else None
+        return (grad_e if ctx.needs_input_grad[0] else None), grad_w, None, None
 
 
 class _Dispatcher:
@@ -201,31 +205,43 @@ class _Dispatcher:
         r = self.ep_comm.rank
         return range(r * self.num_local_experts, (r + 1) * self.num_local_experts)
 
-    def dispatch(self, x, probs, topk_idx):
+    def dispatch(self, x, topk_weights=None, topk_idx=None, **renamed):
         """Send every distinct valid (token, expert) pair to the expert's rank. Collective.
 
-        x [T, H] fp32/bf16; probs [T, K] (routing weights, sent in fp32); topk_idx [T, K] int64
-        or int32 (-1 = none). Returns (recv_x [R, H] in x's dtype, recv_probs [R] fp32, handle):
-        rows grouped by local expert ascending (handle.tokens_per_expert[i] rows for local expert
-        i), then by source rank and token. Differentiable in x and probs."""
+        x [T, H] fp32/bf16; topk_weights [T, K] (routing weights, sent in fp32); topk_idx [T, K]
+        int64 or int32 (-1 = none). Returns (recv_x [R, H] in x's dtype, recv_topk_weights [R]
+        fp32, handle): rows grouped by local expert ascending (handle.num_tokens_per_expert[i] rows
+        for local expert i), then by source rank and token. Differentiable in x and
+        topk_weights."""
         op = f"{type(self).__name__}.dispatch"
-        if not isinstance(probs, torch.Tensor):
-            raise ValueError(f"[{op}] probs must be a torch.Tensor, got {type(probs).__name__}")
-        if probs.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"[{op}] probs must have dtype float32 or float64, got {probs.dtype}")
+        _names.check_kwargs(op, renamed)
+        if renamed:
+            raise TypeError(f"[{op}] unexpected keyword arguments {sorted(renamed)}")
+        if topk_weights is None or topk_idx is None:
+            raise TypeError(f"[{op}] needs x, topk_weights and topk_idx")
+        if not isinstance(topk_weights, torch.Tensor):
+            raise ValueError(f"[{op}] topk_weights must be a torch.Tensor, got "
+                             f"{type(topk_weights).__name__}")
+        if topk_weights.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"[{op}] topk_weights must have dtype float32 or float64, got "
+                             f"{topk_weights.dtype}")
         box = []
-        recv_x, recv_p = _Dispatch.apply(x, probs, _idx32(topk_idx, op), self, box)
-        return recv_x, recv_p, DispatchHandle(box[0], probs, self.ep_comm)
+        recv_x, recv_w = _Dispatch.apply(x, topk_weights, _idx32(topk_idx, op), self, box)
+        return recv_x, recv_w, DispatchHandle(box[0], topk_weights, self.ep_comm)
 
-    def combine(self, expert_out, handle, apply_probs=True):
-        """y [T, H] = Σ_k probs[t,k]·expert_out[row(t,k)], summed in fp32 in k order on the token's
-        own rank (deterministic, identical for any ep size). ``apply_probs=False`` when the experts
-        already applied recv_probs. Collective; differentiable in expert_out and (with apply_probs)
-        the probs given to dispatch."""
+    def combine(self, expert_out, handle, apply_weights=True, **renamed):
+        """y [T, H] = Σ_k topk_weights[t,k]·expert_out[row(t,k)], summed in fp32 in k order on the
+        token's own rank (deterministic, identical for any ep size). ``apply_weights=False`` when
+        the experts already applied recv_topk_weights. Collective; differentiable in expert_out
+        and (with apply_weights) the topk_weights given to dispatch."""
+        op = f"{type(self).__name__}.combine"
+        _names.check_kwargs(op, renamed)
+        if renamed:
+            raise TypeError(f"[{op}] unexpected keyword arguments {sorted(renamed)}")
         if not isinstance(handle, DispatchHandle):
-            raise ValueError(f"[{type(self).__name__}.combine] handle must be the DispatchHandle "
-                             f"returned by dispatch, got {type(handle).__name__}")
-        return _Combine.apply(expert_out, handle._probs, handle, bool(apply_probs))
+            raise ValueError(f"[{op}] handle must be the DispatchHandle returned by dispatch, got "
+                             f"{type(handle).__name__}")
+        return _Combine.apply(expert_out, handle._topk_weights, handle, bool(apply_weights))
 
 
 class AlltoAllDispatcher(_Dispatcher):
@@ -244,11 +260,12 @@ class AllGatherDispatcher(_Dispatcher):
 # Top-k routing (scores, top-k or replay, capacity, auxiliary losses)
 # --------------------------------------------------------------------------------------------------
 class RouteInfo:
-    """Readable results of one routing call beside (probs, topk_idx): loss values (coefficients
+    """Readable results of one routing call beside (topk_weights, topk_idx): loss values (coefficients
     included, 0 when off), per-expert counts, capacity, and the replayed / native / padded row
     counts (replayed + native + padded == T), so replay can never silently do nothing."""
 
-    __slots__ = ("aux_loss", "aux_loss_parts", "z_loss", "tokens_per_expert", "qb_beta_local", "expert_capacity", "num_dropped",
+    __slots__ = ("aux_loss", "aux_loss_parts", "z_loss", "num_tokens_per_expert", "qb_beta_local",
+                 "expert_capacity", "num_dropped",
                  "num_replayed_rows", "num_native_rows", "num_padded_rows",
                  "num_invalid_replay_rows")
 
@@ -257,7 +274,7 @@ class RouteInfo:
         self.aux_loss_parts = res.aux_loss_parts  # {"aux_loss": .., "seq_aux_loss": .., ...}
         self.qb_beta_local = res.qb_beta_local  # [E] fp32 (quantile_balancing, training) or None
         self.z_loss = res.z_loss
-        self.tokens_per_expert = res.tokens_per_expert
+        self.num_tokens_per_expert = res.num_tokens_per_expert
         self.expert_capacity = None if res.expert_capacity < 0 else res.expert_capacity
         self.num_dropped = res.num_dropped
         self.num_replayed_rows = res.num_replayed_rows
@@ -267,7 +284,10 @@ class RouteInfo:
 
     def __repr__(self):
         return "RouteInfo(" + ", ".join(
-            f"{k}={getattr(self, k)!r}" for k in self.__slots__ if k != "tokens_per_expert") + ")"
+            f"{k}={getattr(self, k)!r}" for k in self.__slots__ if k != "num_tokens_per_expert") + ")"
+
+    def __getattr__(self, name):
+        raise _names.old_attribute(self, name)
 
 
 class _TopKRoute(torch.autograd.Function):
@@ -290,10 +310,10 @@ class _TopKRoute(torch.autograd.Function):
         return res.topk_weights, topk_idx
 
     @staticmethod
-    def backward(ctx, grad_probs, _grad_idx):
+    def backward(ctx, grad_topk_weights, _grad_idx):
         ctx.saved_tensors  # raises if the logits were modified in place since the forward
         with _no_autocast():
-            g = grad_probs.to(ctx.res.topk_weights.dtype).contiguous()
+            g = grad_topk_weights.to(ctx.res.topk_weights.dtype).contiguous()
             grad_logits = _C.topk_route_backward(g, ctx.res, ctx.loss_grad_scale)
         return (grad_logits,) + (None,) * 13
 
@@ -331,10 +351,10 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     quantile_balancing computes RouteInfo.qb_beta_local when True. qb_beta [E] fp32: the
     quantile-balancing bias (None = zeros).
 
-    Returns (probs [T, K] in the logits' dtype, differentiable to logits; topk_idx [T, K] int64,
-    -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added to
-    probs: as in Megatron-Core, their gradients (× aux_loss_grad_scale) are added to the logits'
-    gradient when probs' backward runs; their values are in RouteInfo."""
+    Returns (topk_weights [T, K] in the logits' dtype, differentiable to logits; topk_idx [T, K]
+    int64, -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added
+    to topk_weights: as in Megatron-Core, their gradients (× aux_loss_grad_scale) are added to the
+    logits' gradient when topk_weights' backward runs; their values are in RouteInfo."""
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"[topk_route] logits must be a torch.Tensor, got {type(logits).__name__}")
     if not isinstance(config, _C.RouterConfig):
@@ -347,23 +367,24 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     if logits.dim() != 2:
         logits = logits.reshape(-1, logits.shape[-1])
     box = []
-    probs, topk_idx = _TopKRoute.apply(
+    topk_weights, topk_idx = _TopKRoute.apply(
         logits, config, expert_bias, replay_idx, padding_mask, global_aux_loss_state,
         invalid_replay_rows, -1 if layer is None else int(layer),
         0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale),
         bool(accumulate_global_aux_loss),
         _force_seeds(config, force_seed, force_bias_seed) + (bool(training),), qb_beta, box)
     if len(lead) != 1:
-        probs = probs.view(*lead, probs.shape[-1])
+        topk_weights = topk_weights.view(*lead, topk_weights.shape[-1])
         topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
     if return_info:
-        return probs, topk_idx, RouteInfo(box[0])
-    return probs, topk_idx
+        return topk_weights, topk_idx, RouteInfo(box[0])
+    return topk_weights, topk_idx
 
 
-def update_expert_bias(expert_bias, tokens_per_expert, rate):
-    """Aux-loss-free bias update (DeepSeek-V3): expert_bias + rate * sign(mean(c) - c), [E] fp32."""
-    return _C.update_expert_bias(expert_bias, tokens_per_expert, float(rate))
+def update_expert_bias(expert_bias, num_tokens_per_expert, rate):
+    """Aux-loss-free bias update (DeepSeek-V3): expert_bias + rate * sign(mean(c) - c), [E] fp32
+    from the per-expert counts c = num_tokens_per_expert [E]."""
+    return _C.update_expert_bias(expert_bias, num_tokens_per_expert, float(rate))
 
 
 def _in_non_reentrant_recompute():
@@ -383,7 +404,7 @@ class TopKRouter(torch.nn.Module):
     Parameters: ``weight`` [E, hidden] (params_dtype, normal(0, init_std)), ``bias`` [E] when
     ``bias=True``; buffer ``expert_bias`` [E] fp32 when ``enable_expert_bias=True`` (updated by
     ``update_expert_bias(rate)`` from the counts accumulated since the last update).
-    ``forward(x, replay=None) -> (probs, topk_idx)``: ``replay`` is a switchyard.RouterReplay
+    ``forward(x, replay=None) -> (topk_weights, topk_idx)``: ``replay`` is a switchyard.RouterReplay
     (its ``action`` decides record / replay_forward / replay_backward) or a [T, K] id tensor;
     ``self.replay`` is used when not given. ``last_info`` holds the RouteInfo of the last call.
     ``router_dtype``: None (the input's dtype: Megatron's default moe_router_dtype=None),
@@ -480,7 +501,7 @@ class TopKRouter(torch.nn.Module):
                 if counted:
                     gstate = snapshot
                     accumulate = True  # on the private copy
-        probs, topk_idx, info = topk_route(
+        topk_weights, topk_idx, info = topk_route(
             logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
             seq_length=seq_length, global_aux_loss_state=gstate,
             layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
@@ -492,13 +513,13 @@ class TopKRouter(torch.nn.Module):
         if replay is not None and not isinstance(replay, torch.Tensor):
             replay._after_forward(topk_idx)
         if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
-            self.local_tokens_per_expert += info.tokens_per_expert.to(torch.float64)
+            self.local_tokens_per_expert += info.num_tokens_per_expert.to(torch.float64)
         if (self.qb_beta is not None and self.training and torch.is_grad_enabled()
                 and not _in_non_reentrant_recompute()):
             self.qb_beta_accum += info.qb_beta_local
             self.qb_beta_count += 1
         self.last_info = info
-        return probs, topk_idx
+        return topk_weights, topk_idx
 
     @torch.no_grad()
     def update_qb_beta(self, ema=0.0):

@@ -19,13 +19,24 @@ from helpers import expert_weights, rank_inputs  # noqa: E402
 torch.set_num_threads(1)
 
 
+def expert_linear(rows, w):
+    """rows [n, H] @ w [H, H'] with every output row a function of its own input row only.
+
+    A peer GEMM (torch.mm / OpenBLAS) picks its blocking and kernels by the number of rows, so the
+    same row can come out with different bits at EP 1 and EP 2 on some CPUs; the bitwise EP-size
+    comparison below needs a block whose per-row result cannot depend on which other rows are
+    present. switchyard's gate is that by construction (one fixed-order fp32 FMA chain per output,
+    exact backward), so it serves as the expert's linear layer here."""
+    return syt.router_gating_linear(rows, w.t()).to(rows.dtype)
+
+
 def expert_block(disp, recv_x, handle, W):
     out, off = [], 0
     for i, e in enumerate(disp.local_expert_ids):
-        n = int(handle.tokens_per_expert[i])
-        out.append(recv_x[off:off + n] @ W[e].to(recv_x.dtype))
+        n = int(handle.num_tokens_per_expert[i])
+        out.append(expert_linear(recv_x[off:off + n], W[e]))
         off += n
-    return torch.cat(out) if out else recv_x[:0] @ W[0].to(recv_x.dtype)
+    return torch.cat(out) if out else expert_linear(recv_x[:0], W[0])
 
 
 def check_case(comm, cls, seed, H, E, K, tokens, dtype=torch.float32, skew=False):
@@ -44,7 +55,7 @@ def check_case(comm, cls, seed, H, E, K, tokens, dtype=torch.float32, skew=False
     where = f"{cls.__name__} rank {rank}/{ep} seed {seed} T={tokens}"
     assert torch.equal(recv_x, rows), where
     assert torch.equal(recv_p, ws), where
-    assert torch.equal(h.tokens_per_expert, counts), where
+    assert torch.equal(h.num_tokens_per_expert, counts), where
     assert torch.equal(h.recv_src_rank.to(torch.int64), srank), where
     assert torch.equal(h.recv_src_token.to(torch.int64), stok), where
     y = disp.combine(expert_block(disp, recv_x, h, Wl), h)
@@ -75,12 +86,12 @@ def check_case(comm, cls, seed, H, E, K, tokens, dtype=torch.float32, skew=False
     # (bf16: W's gradient is a bf16 matmul over rows whose column 0 is ~1000*rank; not compared.)
     for e in (disp.local_expert_ids if dtype == torch.float32 else ()):
         torch.testing.assert_close(Wl.grad[e].double(), Wr.grad[e], **tol, msg=where)
-    # Experts that apply the routing weights themselves (apply_probs=False): the probs' gradient
+    # Experts that apply the routing weights themselves (apply_weights=False): the probs' gradient
     # then flows through recv_probs, back to each row's source rank.
     p2 = ps[rank].clone().requires_grad_(True)
     recv_x2, recv_p2, h2 = disp.dispatch(xs[rank], p2, idxs[rank])
     y2 = disp.combine(expert_block(disp, recv_x2, h2, W) * recv_p2[:, None].to(recv_x2.dtype), h2,
-                      apply_probs=False)
+                      apply_weights=False)
     (y2.float() * G[lo:lo + tokens[rank]]).sum().backward()
     torch.testing.assert_close(y2.double(), y.detach().double(), **tol, msg=where)
     if tokens[rank]:

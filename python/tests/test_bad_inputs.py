@@ -13,7 +13,7 @@ import switchyard.torch as syt
 
 
 def _cfg(E=8, K=2, **kw):
-    return sy.RouterConfig(num_experts=E, topk=K, **kw)
+    return sy.RouterConfig(num_experts=E, top_k=K, **kw)
 
 
 def _route_file(tmp_path):
@@ -57,13 +57,13 @@ ROWS = [
     ("syt.topk_route", "replay id 9 with 8 experts", ValueError, "token 1: topk_idx row [2, 9] names expert 9 outside [0, 8)",
      lambda t: syt.topk_route(torch.zeros(2, 8), _cfg(), replay_idx=torch.tensor([[0, 1], [2, 9]]))),
     ("syt.topk_route", "config is a dict", ValueError, "config must be a switchyard.RouterConfig",
-     lambda t: syt.topk_route(torch.zeros(2, 8), dict(num_experts=8, topk=2))),
+     lambda t: syt.topk_route(torch.zeros(2, 8), dict(num_experts=8, top_k=2))),
     ("syt.AlltoAllDispatcher", "num_experts 0", ValueError, "num_experts must be a positive multiple",
      lambda t: syt.AlltoAllDispatcher(0)),
     ("AlltoAllDispatcher.dispatch", "id 8 with 8 experts", ValueError, "topk_idx",
      lambda t: syt.AlltoAllDispatcher(8).dispatch(torch.zeros(2, 4), torch.full((2, 2), 0.5),
                                                    torch.tensor([[0, 1], [8, 2]]))),
-    ("AlltoAllDispatcher.dispatch", "int probs", ValueError, "probs must have dtype",
+    ("AlltoAllDispatcher.dispatch", "int topk_weights", ValueError, "topk_weights must have dtype",
      lambda t: syt.AlltoAllDispatcher(8).dispatch(torch.zeros(2, 4), torch.ones(2, 2, dtype=torch.int32),
                                                    torch.tensor([[0, 1], [3, 2]]))),
     ("syr.parse_moe_layer_freq", "entry 2", ValueError, "[layer_map]",

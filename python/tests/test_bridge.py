@@ -40,7 +40,7 @@ def test_results_share_engine_storage(dtype):
 
 
 def test_argument_errors_name_the_argument():
-    cfg = sy.RouterConfig(num_experts=4, topk=2)
+    cfg = sy.RouterConfig(num_experts=4, top_k=2)
     with pytest.raises(ValueError, match=r"\[topk_route\] logits must be a torch.Tensor, got list"):
         syt.topk_route([[1.0] * 4], cfg)
     with pytest.raises(ValueError, match=r"\[topk_route\] logits: dtype must be one of .*complex"):
@@ -56,7 +56,7 @@ def test_exception_mapping():
     with pytest.raises(IndexError):  # std::out_of_range
         r.pop_recorded()
     with pytest.raises(ValueError, match=r"\[route\] top_k"):  # std::invalid_argument
-        sy.RouterConfig(num_experts=4, topk=9)
+        sy.RouterConfig(num_experts=4, top_k=9)
     assert issubclass(sy.BackendError, RuntimeError) and issubclass(sy.DataError, RuntimeError)
     with pytest.raises(sy.BackendError):  # environment failure: file cannot be opened
         sy.routes.read("/nonexistent/dir/routes.syr")
@@ -65,7 +65,7 @@ def test_exception_mapping():
 def test_threads_do_not_change_results():
     x = torch.randn(64, 96)
     w = torch.randn(32, 96)
-    cfg = sy.RouterConfig(num_experts=32, topk=4, score_function="sigmoid")
+    cfg = sy.RouterConfig(num_experts=32, top_k=4, score_function="sigmoid")
     n = sy.num_threads()
     try:
         out = []

@@ -17,7 +17,7 @@ def _experts(disp, recv_x, handle, W):
     out = []
     off = 0
     for i, e in enumerate(disp.local_expert_ids):
-        n = int(handle.tokens_per_expert[i])
+        n = int(handle.num_tokens_per_expert[i])
         out.append(recv_x[off:off + n] @ W[e].to(recv_x.dtype))
         off += n
     return torch.cat(out) if out else recv_x[:0]
@@ -33,9 +33,9 @@ def test_dispatch_matches_reference(cls, T, H, E, K):
     rows, ws, srank, stok, counts = ref.dispatch_rows([x], [idx], [probs], E, 1, 0)
     assert torch.equal(recv_x, rows)
     assert torch.equal(recv_p, ws)
-    assert torch.equal(h.tokens_per_expert, counts)
+    assert torch.equal(h.num_tokens_per_expert, counts)
     assert torch.equal(h.recv_src_token.to(torch.int64), stok)
-    assert int(h.tokens_per_expert.sum()) == h.num_recv_tokens == rows.shape[0]
+    assert int(h.num_tokens_per_expert.sum()) == h.num_recv_tokens == rows.shape[0]
 
 
 @pytest.mark.parametrize("cls", DISPATCHERS)
@@ -72,7 +72,7 @@ def test_apply_probs_false(cls):
     probs.requires_grad_(True)
     disp = cls(num_experts=E)
     recv_x, recv_p, h = disp.dispatch(x, probs, idx)
-    y1 = disp.combine(_experts(disp, recv_x, h, W) * recv_p[:, None], h, apply_probs=False)
+    y1 = disp.combine(_experts(disp, recv_x, h, W) * recv_p[:, None], h, apply_weights=False)
     y1.sum().backward()
     g1 = probs.grad.clone()
     probs.grad = None
@@ -125,7 +125,7 @@ def test_capacity_drops(policy):
     keep = ref.capacity_keep(idx, probs, E, 1.0, policy)
     rows, ws, _, _, counts = ref.dispatch_rows([x], [idx], [probs], E, 1, 0, keep=[keep])
     assert h.num_dropped > 0
-    assert torch.equal(h.tokens_per_expert, counts)
+    assert torch.equal(h.num_tokens_per_expert, counts)
     assert torch.equal(recv_x, rows)
     assert torch.equal(recv_p, ws)
     W = expert_weights(12, E, H)
@@ -149,7 +149,7 @@ def test_errors():
         disp.dispatch(x, probs, bad)
     with pytest.raises(ValueError, match=r"topk_idx"):
         disp.dispatch(x, probs, idx.float())
-    with pytest.raises(ValueError, match=r"probs"):
+    with pytest.raises(ValueError, match=r"topk_weights"):
         disp.dispatch(x, probs.to(torch.bfloat16), idx)
     with pytest.raises(ValueError, match=r"x"):
         disp.dispatch(x.double(), probs, idx)

@@ -24,7 +24,7 @@ def _replay_table(gen, T, E, K):
     "-pre" if kw.get("pre_softmax") else ""))
 def test_replay_weights_from_live_logits(gen, kw):
     T, E, K = 20, 16, 4
-    cfg = sy.RouterConfig(num_experts=E, topk=K, **kw)
+    cfg = sy.RouterConfig(num_experts=E, top_k=K, **kw)
     z = torch.randn(T, E, generator=gen, dtype=torch.float64, requires_grad=True)
     ids = _replay_table(gen, T, E, K)
     probs, idx, info = syt.topk_route(z, cfg, replay_idx=ids, return_info=True)
@@ -40,7 +40,7 @@ def test_replay_weights_from_live_logits(gen, kw):
     torch.testing.assert_close(z.grad, zr.grad, rtol=1e-10, atol=1e-12)
     # Gradients reach the router through replayed rows too.
     assert float(z.grad[0].abs().sum()) > 0
-    cfg2 = sy.RouterConfig(num_experts=E, topk=K, **kw)
+    cfg2 = sy.RouterConfig(num_experts=E, top_k=K, **kw)
     assert torch.autograd.gradcheck(
         lambda z: syt.topk_route(z, cfg2, replay_idx=ids[:6])[0], (z.detach()[:6].requires_grad_(),))
 
@@ -48,7 +48,7 @@ def test_replay_weights_from_live_logits(gen, kw):
 def test_recorded_routes_replay_bitwise(gen):
     # Replaying what a native pass chose reproduces its weights bit for bit.
     T, E, K = 33, 32, 8
-    cfg = sy.RouterConfig(num_experts=E, topk=K, score_function="sigmoid")
+    cfg = sy.RouterConfig(num_experts=E, top_k=K, score_function="sigmoid")
     z = torch.randn(T, E, generator=gen)
     p0, i0 = syt.topk_route(z, cfg)
     p1, i1, info = syt.topk_route(z, cfg, replay_idx=i0, return_info=True)
@@ -59,7 +59,7 @@ def test_recorded_routes_replay_bitwise(gen):
                                      ([3, 4, 5, 16], "outside")])
 def test_invalid_rows(gen, row, why):
     T, E, K = 10, 16, 4
-    cfg = sy.RouterConfig(num_experts=E, topk=K)
+    cfg = sy.RouterConfig(num_experts=E, top_k=K)
     z = torch.randn(T, E, generator=gen)
     ids = _replay_table(gen, T, E, K)
     ids[7] = torch.tensor(row)
@@ -103,7 +103,7 @@ def _layer(router, x):
 
 def test_r2_record_then_replay_with_checkpoint_recompute(gen):
     E, K, H, T = 16, 4, 12, 9
-    cfg = sy.RouterConfig(num_experts=E, topk=K, score_function="sigmoid")
+    cfg = sy.RouterConfig(num_experts=E, top_k=K, score_function="sigmoid")
     router = syt.TopKRouter(hidden_size=H, config=cfg)
     replay = sy.RouterReplay(top_k=K, layer=0)
     router.replay = replay
@@ -124,7 +124,7 @@ def test_r2_record_then_replay_with_checkpoint_recompute(gen):
         xi = x.clone().requires_grad_(True)
         outs.append((xi, ckpt.checkpoint(_layer, router, xi)))
         assert router.last_info.num_replayed_rows == T
-        assert torch.equal(router.last_info.tokens_per_expert,
+        assert torch.equal(router.last_info.num_tokens_per_expert,
                            torch.bincount(recorded[len(outs) - 1].flatten(), minlength=E))
     assert replay.num_recorded == 0 and replay.num_pending_backward == 3
     replay.action = "replay_backward"
@@ -147,7 +147,7 @@ def test_r2_record_then_replay_with_checkpoint_recompute(gen):
 def test_r3_replay_rollout_routes_with_checkpoint(gen, tmp_path):
     # R3: ids recorded by the rollout engine (stored in a route file), -1 rows routed natively.
     E, K, H, T, L = 8, 2, 10, 7, 2
-    cfg = sy.RouterConfig(num_experts=E, topk=K)
+    cfg = sy.RouterConfig(num_experts=E, top_k=K)
     routers = [syt.TopKRouter(hidden_size=H, config=cfg, layer_number=l) for l in range(L)]
     replays = [sy.RouterReplay(top_k=K, layer=l) for l in range(L)]
     table = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T * L)]).view(T, L, K)
@@ -183,7 +183,7 @@ def test_global_aux_loss_recompute_sees_its_forward_state(gen):
     # With global_aux_loss the running counts advance per call; the checkpoint recompute must
     # route on the state its forward saw, so the gradient equals the one without checkpointing.
     E, K, H, T = 8, 2, 6, 10
-    cfg = sy.RouterConfig(num_experts=E, topk=K, aux_loss_type="global_aux_loss",
+    cfg = sy.RouterConfig(num_experts=E, top_k=K, aux_loss_type="global_aux_loss",
                           aux_loss_coeff=0.5)
     xs = [torch.randn(T, H, generator=gen) for _ in range(2)]
     grads = []

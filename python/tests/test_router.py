@@ -21,7 +21,7 @@ CONFIGS = [
 
 
 def _cfg(E, K, **kw):
-    return sy.RouterConfig(num_experts=E, topk=K, **kw)
+    return sy.RouterConfig(num_experts=E, top_k=K, **kw)
 
 
 def _check(logits, E, K, kw, rtol=1e-5, **extra):
@@ -35,7 +35,7 @@ def _check(logits, E, K, kw, rtol=1e-5, **extra):
     assert probs.dtype == logits.dtype and idx.dtype == torch.int64
     assert torch.equal(idx, ir), (idx, ir)
     torch.testing.assert_close(probs.double(), pr.detach(), rtol=rtol, atol=rtol)
-    assert torch.equal(info.tokens_per_expert, rinfo["tokens_per_expert"])
+    assert torch.equal(info.num_tokens_per_expert, rinfo["num_tokens_per_expert"])
     assert info.num_dropped == rinfo["num_dropped"]
     assert (info.num_replayed_rows, info.num_native_rows, info.num_padded_rows,
             info.num_invalid_replay_rows) == (rinfo["replayed"], rinfo["native"], rinfo["padded"],
@@ -156,7 +156,7 @@ def test_global_aux_loss_accumulates(gen):
                                          aux_loss_coeff=0.1, global_counts=counts)
         assert math.isclose(info.aux_loss, float(aux), rel_tol=1e-10)
     assert state.steps == 3
-    torch.testing.assert_close(state.tokens_per_expert, counts["sum"])
+    torch.testing.assert_close(state.num_tokens_per_expert, counts["sum"])
     state.reset()
     assert state.steps == 0
     with pytest.raises(ValueError, match="global_aux_loss"):
@@ -211,7 +211,7 @@ def test_topk_router_module(gen):
     assert math.isclose(router.last_info.aux_loss, float(aux), rel_tol=1e-4)
     before = router.expert_bias.clone()
     router.update_expert_bias(1e-3)
-    c = router.last_info.tokens_per_expert.double()
+    c = router.last_info.num_tokens_per_expert.double()
     torch.testing.assert_close(router.expert_bias - before,
                                (1e-3 * torch.sign(c.mean() - c)).float())
 
@@ -225,9 +225,9 @@ def test_errors():
     with pytest.raises(ValueError, match=r"config"):
         syt.topk_route(torch.randn(4, 8), dict(num_experts=8))
     with pytest.raises(ValueError, match=r"top_k|topk"):
-        sy.RouterConfig(num_experts=8, topk=0)
+        sy.RouterConfig(num_experts=8, top_k=0)
     with pytest.raises(ValueError, match=r"score_function"):
-        sy.RouterConfig(num_experts=8, topk=2, score_function="relu")
+        sy.RouterConfig(num_experts=8, top_k=2, score_function="relu")
     with pytest.raises(ValueError, match=r"expert_bias"):
         syt.topk_route(torch.randn(4, 8), cfg, expert_bias=torch.randn(7))
     bad = torch.randn(4, 8)

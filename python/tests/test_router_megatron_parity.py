@@ -19,7 +19,7 @@ megatron = pytest.importorskip("megatron.core")
 
 
 def _cfg(E, K, **kw):
-    return sy.RouterConfig(num_experts=E, topk=K, **kw)
+    return sy.RouterConfig(num_experts=E, top_k=K, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_global_aux_loss_state_advances_like_megatron(mcore, gen):
         _step(s, x, kind)
         st = s.global_aux_loss_state
         assert st.steps == int(m.ga_steps), kind
-        torch.testing.assert_close(st.tokens_per_expert.float(), m.global_tokens_per_expert,
+        torch.testing.assert_close(st.num_tokens_per_expert.float(), m.global_tokens_per_expert,
                                    rtol=0, atol=0, msg=kind)
         if m.weight.grad is not None:
             # The aux-loss gradient (with the weights' gradient) reaches the gate the same way.
@@ -143,8 +143,8 @@ def test_non_reentrant_checkpoint_counts_once(mcore, gen):
     _step(s, x, "checkpoint_non_reentrant")
     _step(s2, x, "train")
     assert int(m.ga_steps) == 2 and s.global_aux_loss_state.steps == 1
-    torch.testing.assert_close(s.global_aux_loss_state.tokens_per_expert,
-                               s2.global_aux_loss_state.tokens_per_expert, rtol=0, atol=0)
+    torch.testing.assert_close(s.global_aux_loss_state.num_tokens_per_expert,
+                               s2.global_aux_loss_state.num_tokens_per_expert, rtol=0, atol=0)
     torch.testing.assert_close(s.weight.grad, s2.weight.grad, rtol=0, atol=0)
 
 
@@ -346,7 +346,7 @@ def test_force_load_balancing_and_forced_bias(gen):
     x = torch.randn(2048, H, generator=gen).requires_grad_(True)
     torch.manual_seed(1)
     p, idx = r(x)
-    counts = r.last_info.tokens_per_expert.double()
+    counts = r.last_info.num_tokens_per_expert.double()
     assert float((counts - counts.mean()).abs().max()) < 5 * math.sqrt(float(counts.mean()))
     p.sum().backward()  # post-softmax weights sum to 1 per row: zero gradient, but it flows
     assert x.grad is not None

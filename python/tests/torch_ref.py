@@ -59,7 +59,7 @@ def capacity_keep(topk_idx, probs, num_experts, capacity_factor, policy):
 def dispatch_rows(xs, idxs, probs, num_experts, ep, rank, keep=None):
     """Rows rank `rank` receives: local experts ascending, then source rank, then token.
     xs/idxs/probs are lists over source ranks. Returns (rows [R,H], weights [R] fp32,
-    src_rank [R], src_token [R], tokens_per_expert [L])."""
+    src_rank [R], src_token [R], num_tokens_per_expert [L])."""
     L = num_experts // ep
     rows, ws, srank, stok, counts = [], [], [], [], [0] * L
     merged = [merged_pairs(idxs[s], probs[s]) for s in range(ep)]
@@ -199,9 +199,9 @@ def topk_route(logits, num_experts, topk, score_function="softmax", pre_softmax=
                 dropped += 1
         topk_idx = torch.where(keep, topk_idx, torch.full_like(topk_idx, -1))
         probs = probs * keep
-    tokens_per_expert = torch.zeros(E, dtype=torch.int64)
+    num_tokens_per_expert = torch.zeros(E, dtype=torch.int64)
     for e in topk_idx[topk_idx >= 0].tolist():
-        tokens_per_expert[e] += 1
+        num_tokens_per_expert[e] += 1
     valid = ~pad
     n = int(valid.sum())
     aux = torch.zeros((), dtype=torch.float64)
@@ -235,5 +235,5 @@ def topk_route(logits, num_experts, topk, score_function="softmax", pre_softmax=
     if z_loss_coeff > 0:
         lse = torch.logsumexp(z, dim=-1)
         zl = (lse.square() * valid).sum() / max(n, 1) * z_loss_coeff
-    info = dict(tokens_per_expert=tokens_per_expert, num_dropped=dropped, **counts)
+    info = dict(num_tokens_per_expert=num_tokens_per_expert, num_dropped=dropped, **counts)
     return probs, topk_idx, aux, zl, info

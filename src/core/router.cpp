@@ -427,10 +427,10 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     if (!gstate) {
       detail::fail_arg(kOp, "global_aux_loss needs inputs.global_aux_loss_state, got nullptr");
     }
-    if (gstate->tokens_per_expert.defined()) {
-      detail::check_dtype(gstate->tokens_per_expert, kOp, "global_aux_loss_state.tokens_per_expert",
+    if (gstate->num_tokens_per_expert.defined()) {
+      detail::check_dtype(gstate->num_tokens_per_expert, kOp, "global_aux_loss_state.num_tokens_per_expert",
                           {DType::fp64});
-      detail::check_shape(gstate->tokens_per_expert, kOp, "global_aux_loss_state.tokens_per_expert",
+      detail::check_shape(gstate->num_tokens_per_expert, kOp, "global_aux_loss_state.num_tokens_per_expert",
                           {E});
     }
     if (gstate->steps < 0) {
@@ -648,14 +648,14 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     // batch; only an accumulating call keeps it.
     if (lb.global > 0.0) {
       std::vector<double> acc(static_cast<size_t>(E), 0.0);
-      if (gstate->tokens_per_expert.defined()) acc = gstate->tokens_per_expert.to_double_vector();
+      if (gstate->num_tokens_per_expert.defined()) acc = gstate->num_tokens_per_expert.to_double_vector();
       for (int64_t e = 0; e < E; ++e) acc[e] += cnt1[e];
       const int64_t steps = gstate->steps + 1;
       if (options.global_aux_loss_update == GlobalAuxLossUpdate::accumulate) {
-        if (!gstate->tokens_per_expert.defined()) {
-          gstate->tokens_per_expert = Tensor::zeros({E}, DType::fp64);
+        if (!gstate->num_tokens_per_expert.defined()) {
+          gstate->num_tokens_per_expert = Tensor::zeros({E}, DType::fp64);
         }
-        std::copy(acc.begin(), acc.end(), gstate->tokens_per_expert.data<double>());
+        std::copy(acc.begin(), acc.end(), gstate->num_tokens_per_expert.data<double>());
         gstate->steps = steps;
       }
       if (n > 0.0) {
@@ -788,16 +788,16 @@ Tensor input_jitter_backward(const Tensor& grad, double eps, uint64_t seed) {
   return jitter_apply(grad, eps, seed, "input_jitter_backward", "grad");
 }
 
-Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& tokens_per_expert, double rate) {
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert, double rate) {
   constexpr const char* op = "update_expert_bias";
   detail::check_dtype(expert_bias, op, "expert_bias", {DType::fp32});
   detail::check_dim(expert_bias, op, "expert_bias", 1);
   const int64_t E = expert_bias.size(0);
-  detail::check_dtype(tokens_per_expert, op, "tokens_per_expert",
+  detail::check_dtype(num_tokens_per_expert, op, "num_tokens_per_expert",
                       {DType::int64, DType::int32, DType::fp32, DType::fp64});
-  detail::check_shape(tokens_per_expert, op, "tokens_per_expert", {E});
+  detail::check_shape(num_tokens_per_expert, op, "num_tokens_per_expert", {E});
   if (!std::isfinite(rate)) detail::fail_arg(op, "rate must be finite, got ", rate);
-  const std::vector<double> c = tokens_per_expert.to_double_vector();
+  const std::vector<double> c = num_tokens_per_expert.to_double_vector();
   double sum = 0.0;
   for (double v : c) sum += v;
   Tensor out = Tensor::empty({E}, DType::fp32);

@@ -15,7 +15,8 @@
 #include <memory>
 #include <type_traits>
 
-namespace switchyard::cpu {
+// SY_ISA_NS: this file is compiled once per kernel variant (src/cpu/isa.h).
+namespace switchyard::cpu::SY_ISA_NS {
 
 namespace {
 
@@ -546,4 +547,4 @@ void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const 
   }
 }
 
-}  // namespace switchyard::cpu
+}  // namespace switchyard::cpu::SY_ISA_NS

@@ -10,7 +10,8 @@
 #if defined(__linux__)
 #endif
 
-namespace switchyard::cpu {
+// SY_ISA_NS: this file is compiled once per kernel variant (src/cpu/isa.h).
+namespace switchyard::cpu::SY_ISA_NS {
 
 namespace {
 
@@ -56,6 +57,14 @@ inline void accumulate_row(const float* w, const X* y, const X* next, float* acc
         _mm256_storeu_ps(acc + h + i,
                          _mm256_add_ps(_mm256_loadu_ps(acc + h + i), load8(y + h + i)));
       }
+    }
+  }
+#else
+  // The same per-element operations one line at a time, with the same prefetch of `next`.
+  for (; h + kLine <= H; h += kLine) {
+    if (next) __builtin_prefetch(next + h, 0, 2);
+    for (int64_t i = h; i < h + kLine; ++i) {
+      acc[i] = w ? std::fma(*w, load(y[i]), acc[i]) : acc[i] + load(y[i]);
     }
   }
 #endif
@@ -181,4 +190,4 @@ template void gather_scale_rows<bf16>(const bf16*, const float*, const int64_t*,
 template void row_dots<float>(const float*, const float*, const int64_t*, int64_t, int64_t, float*);
 template void row_dots<bf16>(const bf16*, const bf16*, const int64_t*, int64_t, int64_t, float*);
 
-}  // namespace switchyard::cpu
+}  // namespace switchyard::cpu::SY_ISA_NS

@@ -12,7 +12,8 @@
 
 #include "cpu/router_math.h"
 
-namespace switchyard::cpu {
+// SY_ISA_NS: this file is compiled once per kernel variant (src/cpu/isa.h).
+namespace switchyard::cpu::SY_ISA_NS {
 
 namespace {
 
@@ -358,7 +359,8 @@ void native_select(const S* key, const S* z, const S* bias, double lse, const Ro
             (bias ? static_cast<double>(bias[e]) : 0.0);
       gz[j] = z[e];
     }
-    std::sort(gz, gz + m, std::greater<S>());
+    // A lambda, not std::greater: no std::sort helper symbol shared by the two ISA variants.
+    std::sort(gz, gz + m, [](S a, S b) { return a > b; });
     sc.gsd[g] = gs;
     sc.gid[g] = static_cast<int32_t>(g);
   }
@@ -564,8 +566,13 @@ int64_t apply_capacity(const int32_t* selected_idx, const S* weights, int64_t T,
     int64_t* b = slots.data() + offs[e];
     int64_t* end = slots.data() + offs[e + 1];
     if (!drop_by_position) {
-      // Highest weight first; ties keep the lower token (slots are already in token order).
-      std::stable_sort(b, end, [&](int64_t x, int64_t y) { return weights[x] > weights[y]; });
+      // Highest weight first; ties keep the lower token. (std::sort with the index as tie-break,
+      // not std::stable_sort: the latter's helpers do not depend on the comparator, so the AVX2
+      // and scalar compilations of this file would emit the same weak symbol, and the linker
+      // could hand AVX2 code to the scalar path; scripts/check_kernel_symbols.sh guards this.)
+      std::sort(b, end, [&](int64_t x, int64_t y) {
+        return weights[x] > weights[y] || (weights[x] == weights[y] && x < y);
+      });
     }
     for (int64_t* s = b + capacity; s < end; ++s) {
       topk_idx[*s] = -1;
@@ -742,13 +749,11 @@ void sinkhorn_select(const S* logits, const uint8_t* use_row, int64_t T, int64_t
     d1_old = d1;
   }
   std::vector<double> norm(static_cast<size_t>(E)), top(static_cast<size_t>(E));
-  std::vector<int32_t> out(static_cast<size_t>(K));
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t e = 0; e < E; ++e) norm[e] = d1[e] * cost[r * E + e] * d0[r];
     int64_t cnt = 0;
     insert_topk(norm.data(), 0, E, K, static_cast<const uint8_t*>(nullptr),
-                -std::numeric_limits<double>::infinity(), top.data(), out.data(), cnt);
-    std::copy_n(out.data(), K, ids + rows[r] * K);
+                -std::numeric_limits<double>::infinity(), top.data(), ids + rows[r] * K, cnt);
   }
 }
 
@@ -766,4 +771,4 @@ SY_INSTANTIATE(float)
 SY_INSTANTIATE(double)
 #undef SY_INSTANTIATE
 
-}  // namespace switchyard::cpu
+}  // namespace switchyard::cpu::SY_ISA_NS

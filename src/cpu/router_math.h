@@ -12,7 +12,9 @@
 #define SY_ROUTER_AVX2 1
 #endif
 
-namespace switchyard::cpu::rmath {
+// Included by kernel files only: inside the variant namespace, so the two compilations of these
+// inline functions (scalar and AVX2) never meet at link time.
+namespace switchyard::cpu::SY_ISA_NS::rmath {
 
 // Lane l accumulates elements i with i % 8 == l; the lanes are then combined in a fixed tree.
 template <class S>
@@ -173,4 +175,4 @@ inline void sigmoid_row(const double* x, int64_t n, double* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = 1.0 / (1.0 + std::exp(-x[i]));
 }
 
-}  // namespace switchyard::cpu::rmath
+}  // namespace switchyard::cpu::SY_ISA_NS::rmath

@@ -152,7 +152,7 @@ std::vector<Row> rows() {
        }},
       {"parse_score_function", "unknown name", Kind::invalid_argument, "[route] score_function must be softmax, sigmoid or sqrtsoftplus, got \"softmx\"",
        [] { parse_score_function("softmx"); }},
-      {"update_expert_bias", "bias and counts of different lengths", Kind::invalid_argument, "[update_expert_bias] tokens_per_expert must have shape [4], got [5]",
+      {"update_expert_bias", "bias and counts of different lengths", Kind::invalid_argument, "[update_expert_bias] num_tokens_per_expert must have shape [4], got [5]",
        [] { update_expert_bias(f32({4}), Tensor::zeros({5}, DType::int64), 1e-3); }},
       // ---- routing plan, permute
       {"build_routing_plan", "id == num_experts", Kind::invalid_argument,

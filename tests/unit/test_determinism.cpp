@@ -5,7 +5,8 @@
 // must be bitwise identical across repeated runs, thread counts 1 and 2, and batch compositions
 // (the same tokens in other batches / orders give the same per-token outputs and gradient rows;
 // grad_weight and grad_bias are reductions over the batch, so they are compared only for the same
-// batch). The EP-size part (1, 2, 4 ranks) is tests/mpi/test_determinism_mpi.cpp.
+// batch), and between the portable and the AVX2 kernel variants (switchyard/cpu.h). The EP-size
+// part (1, 2, 4 ranks) is tests/mpi/test_determinism_mpi.cpp.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <numeric>
 #include <random>
 
+#include "switchyard/cpu.h"
 #include "switchyard/gate.h"
 #include "switchyard/permute.h"
 #include "switchyard/router.h"
@@ -255,6 +257,68 @@ TEST(Determinism, GradWeightIsAFixedOrderSumOverTheBatch) {
       for (int64_t h = 0; h < H; ++h) want[size_t(e * H + h)] += gl[size_t(t * E + e)] * xv[size_t(t * H + h)];
   EXPECT_TRUE(testing::all_close(a.grad_weight, want, 1e-5, 1e-5)) << repro(seed);
   set_num_threads(1);
+}
+
+
+// The run-time kernel choice (scalar vs AVX2+FMA) never changes a bit: the whole layer and its
+// backward, every routing case, plus the gate on bf16 and fp32 inputs with fp32 and fp64
+// accumulation at shapes that are not tile multiples. (CI also runs the whole suite with
+// SWITCHYARD_CPU_ISA=scalar.)
+TEST(Determinism, ScalarAndAvx2KernelsGiveTheSameBits) {
+  if (!cpu_supports(CpuIsa::avx2)) {
+    GTEST_SKIP() << "this CPU has no AVX2/FMA: only the scalar kernels can run here";
+  }
+  const uint64_t seed = test_seed(7004);
+  const CpuIsa saved = cpu_isa();
+  const int64_t N = 1031, H = 72, E = 64;
+  const Pool pool = make_pool(seed, N, H, E);
+  std::vector<int64_t> ids(N);
+  std::iota(ids.begin(), ids.end(), 0);
+  for (const Case& c : cases(E)) {
+    SCOPED_TRACE(std::string(c.name) + " " + repro(seed));
+    set_cpu_isa(CpuIsa::scalar);
+    const LayerOut a = run_layer(pool, ids, c.cfg, c.popt);
+    set_cpu_isa(CpuIsa::avx2);
+    const LayerOut b = run_layer(pool, ids, c.cfg, c.popt);
+    EXPECT_TRUE(same_layer(a, b)) << "scalar vs avx2";
+  }
+  std::mt19937_64 rng(seed);
+  for (DType in : {DType::bf16, DType::fp32}) {
+    for (DType acc : {DType::fp32, DType::fp64}) {
+      const Tensor x = testing::randn({37, 203}, in, rng), w = testing::randn({29, 203}, in, rng);
+      const Tensor b = testing::randn({29}, DType::fp32, rng);
+      Tensor out[2];
+      GateGrads grads[2];
+      for (int v = 0; v < 2; ++v) {
+        set_cpu_isa(v ? CpuIsa::avx2 : CpuIsa::scalar);
+        GateOptions opt;
+        opt.router_dtype = acc;
+        out[v] = router_gating_linear(x, w, b, opt);
+        grads[v] = router_gating_linear_backward(out[v], x, w, b, opt);
+      }
+      SCOPED_TRACE(std::string("gate ") + dtype_name(in) + " -> " + dtype_name(acc));
+      EXPECT_TRUE(bitwise_equal(out[0], out[1])) << "logits";
+      EXPECT_TRUE(bitwise_equal(grads[0].grad_x, grads[1].grad_x)) << "grad_x";
+      EXPECT_TRUE(bitwise_equal(grads[0].grad_weight, grads[1].grad_weight)) << "grad_weight";
+      EXPECT_TRUE(bitwise_equal(grads[0].grad_bias, grads[1].grad_bias)) << "grad_bias";
+    }
+  }
+  set_cpu_isa(saved);
+}
+
+TEST(Determinism, SetCpuIsaRejectsWhatTheCpuCannotRun) {
+  EXPECT_STREQ(cpu_isa_name(CpuIsa::scalar), "scalar");
+  EXPECT_TRUE(cpu_supports(CpuIsa::scalar));
+  const CpuIsa saved = cpu_isa();
+  EXPECT_NO_THROW(set_cpu_isa(CpuIsa::scalar));
+  EXPECT_EQ(cpu_isa(), CpuIsa::scalar);
+  try {
+    set_cpu_isa(static_cast<CpuIsa>(7));
+    FAIL() << "an unknown isa was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "[set_cpu_isa] isa must be scalar or avx2, got 7");
+  }
+  set_cpu_isa(saved);
 }
 
 }  // namespace

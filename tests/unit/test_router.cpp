@@ -234,11 +234,11 @@ TEST(Router, GlobalAuxLossAccumulatesAndResets) {
       std::vector<double> zt(zd.begin() + t * 8, zd.begin() + (t + 1) * 8);
       for (int32_t e : sy::ref::topk_ids(sy::ref::softmax(zt), 2)) acc[e] += 1;
     }
-    EXPECT_TRUE(all_close(st.tokens_per_expert, acc, 0, 0));
+    EXPECT_TRUE(all_close(st.num_tokens_per_expert, acc, 0, 0));
   }
   st.reset();
   EXPECT_EQ(st.steps, 0);
-  EXPECT_FALSE(st.tokens_per_expert.defined());
+  EXPECT_FALSE(st.num_tokens_per_expert.defined());
 }
 
 TEST(Router, TiesGoToLowerExpertId) {
@@ -403,7 +403,7 @@ TEST(Router, UpdateExpertBias) {
   EXPECT_TRUE(bitwise_equal(sy::update_expert_bias(b, eq, 1e-3), b));
   SY_EXPECT_THROW_MSG(sy::update_expert_bias(b, Tensor::zeros({3}, DType::int64), 1e-3),
                       std::invalid_argument,
-                      "[update_expert_bias] tokens_per_expert must have shape [4], got [3]");
+                      "[update_expert_bias] num_tokens_per_expert must have shape [4], got [3]");
   SY_EXPECT_THROW_MSG(sy::update_expert_bias(b.to(DType::fp64), c, 1e-3), std::invalid_argument,
                       "[update_expert_bias] expert_bias must have dtype fp32, got fp64");
 }
@@ -592,15 +592,15 @@ TEST(Router, EnumAndStateErrors) {
   sy::GlobalAuxLossState st;
   sy::RouteInputs in;
   in.global_aux_loss_state = &st;
-  st.tokens_per_expert = Tensor::zeros({7}, DType::fp64);
+  st.num_tokens_per_expert = Tensor::zeros({7}, DType::fp64);
   SY_EXPECT_THROW_MSG(
       sy::topk_route(z, in, c), std::invalid_argument,
-      "[route] global_aux_loss_state.tokens_per_expert must have shape [8], got [7]");
-  st.tokens_per_expert = Tensor::zeros({8}, DType::fp32);
+      "[route] global_aux_loss_state.num_tokens_per_expert must have shape [8], got [7]");
+  st.num_tokens_per_expert = Tensor::zeros({8}, DType::fp32);
   SY_EXPECT_THROW_MSG(
       sy::topk_route(z, in, c), std::invalid_argument,
-      "[route] global_aux_loss_state.tokens_per_expert must have dtype fp64, got fp32");
-  st.tokens_per_expert = Tensor();
+      "[route] global_aux_loss_state.num_tokens_per_expert must have dtype fp64, got fp32");
+  st.num_tokens_per_expert = Tensor();
   st.steps = -1;
   SY_EXPECT_THROW_MSG(sy::topk_route(z, in, c), std::invalid_argument,
                       "[route] global_aux_loss_state.steps must be >= 0, got -1");

@@ -56,13 +56,13 @@ void check_grad(const GradCase& c, uint64_t seed) {
     }
   }
   sy::GlobalAuxLossState g0;
-  g0.tokens_per_expert = Tensor::full({E}, DType::fp64, 3.0);
+  g0.num_tokens_per_expert = Tensor::full({E}, DType::fp64, 3.0);
   g0.steps = 2;
   sy::RouteOptions opt;
   opt.seq_length = c.seq_length;
   auto forward = [&](const Tensor& zz) {
     sy::GlobalAuxLossState g;  // every evaluation starts from the same accumulated state
-    g.tokens_per_expert = g0.tokens_per_expert.clone();
+    g.num_tokens_per_expert = g0.num_tokens_per_expert.clone();
     g.steps = g0.steps;
     sy::RouteInputs i2 = in;
     i2.global_aux_loss_state = &g;

@@ -229,10 +229,10 @@ TEST(RouterNumerics, ReadOnlyGlobalAuxLossLeavesTheState) {
   const Tensor z = sy::testing::randn({21, 8}, DType::fp32, rng);
   sy::RouteOptions opt;
   opt.global_aux_loss_update = sy::GlobalAuxLossUpdate::read_only;
-  const Tensor before = ro.tokens_per_expert.clone();
+  const Tensor before = ro.num_tokens_per_expert.clone();
   const auto r_ro = sy::topk_route(z, in, c, opt);
   EXPECT_EQ(ro.steps, 1);
-  EXPECT_TRUE(bitwise_equal(ro.tokens_per_expert, before));
+  EXPECT_TRUE(bitwise_equal(ro.num_tokens_per_expert, before));
   in.global_aux_loss_state = &acc;
   const auto r_acc = sy::topk_route(z, in, c);
   EXPECT_EQ(acc.steps, 2);
@@ -244,6 +244,6 @@ TEST(RouterNumerics, ReadOnlyGlobalAuxLossLeavesTheState) {
   in.global_aux_loss_state = &empty;
   const auto r_e = sy::topk_route(z, in, c, opt);
   EXPECT_EQ(empty.steps, 0);
-  EXPECT_FALSE(empty.tokens_per_expert.defined());
+  EXPECT_FALSE(empty.num_tokens_per_expert.defined());
   EXPECT_GT(r_e.aux_loss, 0.0);
 }

@@ -139,7 +139,7 @@ struct Routed {
 Routed route_with_grad(const Tensor& z, const Tensor& gw, const RouterConfig& c,
                        const Tensor& mask, int64_t seq_length) {
   sy::GlobalAuxLossState g;
-  g.tokens_per_expert = Tensor::full({c.num_experts}, DType::fp64, 3.0);
+  g.num_tokens_per_expert = Tensor::full({c.num_experts}, DType::fp64, 3.0);
   g.steps = 2;
   sy::RouteInputs in;
   in.global_aux_loss_state = &g;
