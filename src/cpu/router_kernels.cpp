@@ -241,8 +241,10 @@ struct RowScratch {
   std::vector<S> ex;       // exp(z - max) (softmax family), or s = f(z) (sigmoid family)
   std::vector<S> key;      // selection key
   std::vector<S> top_val;  // top-k buffer
-  std::vector<double> gsd;  // group scores (double)
-  std::vector<S> gz;        // [G, m] each group's top-m logits, descending (ties between groups)
+  std::vector<S> gsc;        // group scores (router dtype, Megatron's)
+  std::vector<double> gsd;   // group scores in double (only to break ties of gsc)
+  std::vector<S> gz;         // [G, m] each group's top-m logits, descending (ties between groups)
+  std::vector<int32_t> gsub;  // [G, m] each group's top-m expert ids
   std::vector<S> masked;   // key with -inf outside the chosen groups
   std::vector<int32_t> gid;
   std::vector<int32_t> aux_id;
@@ -254,8 +256,10 @@ struct RowScratch {
       : ex(p.num_experts),
         key(p.num_experts),
         top_val(std::max<int64_t>(p.num_experts, 1)),
+        gsc(std::max<int64_t>(p.num_groups, 1)),
         gsd(std::max<int64_t>(p.num_groups, 1)),
         gz(std::max<int64_t>(p.num_groups, 1) * std::max<int64_t>(p.top_k, 1)),
+        gsub(std::max<int64_t>(p.num_groups, 1) * std::max<int64_t>(p.top_k, 1)),
         masked(p.num_experts),
         gid(std::max<int64_t>(p.num_groups, 1)),
         aux_id(std::max<int64_t>(p.top_k, 1)),
@@ -288,15 +292,16 @@ inline void scores_row(int score_function, const S* z, int64_t E, S* s) {
 template <class S>
 void break_ties_by_logit(const S* key, const S* z, int64_t n, int64_t k, int32_t* ids) {
   const S vk = key[ids[k - 1]];
-  int64_t n_gt = 0, n_eq = 0;
-  for (int64_t e = 0; e < n; ++e) {
-    n_gt += key[e] > vk;
-    n_eq += key[e] == vk;
-  }
+  // One branch-free compare per key (it vectorises): exactly k keys >= the k-th means no
+  // boundary tie, the usual case.
+  int32_t n_ge = 0;
+  for (int64_t e = 0; e < n; ++e) n_ge += key[e] >= vk ? 1 : 0;
   bool inner = false;
   for (int64_t j = 1; j < k; ++j) inner = inner || key[ids[j]] == key[ids[j - 1]];
-  if (!inner && n_gt + n_eq == k) return;  // the usual case: no tie anywhere that matters
-  if (n_gt + n_eq > k) {
+  if (!inner && n_ge == k) return;
+  if (n_ge > k) {
+    int64_t n_gt = 0;
+    for (int64_t e = 0; e < n; ++e) n_gt += key[e] > vk;
     // ids[0..n_gt) hold the keys above vk; the other slots go to the tied experts with the
     // largest logits (equal logits: lower id), by insertion in id order.
     const int64_t need = k - n_gt;
@@ -335,50 +340,76 @@ void select_exact(const S* key, const S* z, int64_t n, int64_t k, RowScratch<S>&
 }
 
 // Native selection of one row into ids[0..K). key: the logits z without expert bias, else
-// s + bias in the router dtype. Group scores (the sum of a group's top m scores, + bias) are
-// summed in double from double scores of the logits (score_d), so they neither underflow nor
-// saturate where fp32 scores do; equal group scores go to the group whose top-m logits are larger
-// (compared in descending order), then to the lower group id.
+// s + bias in the router dtype. gval: what a group score sums (s + bias, or s without bias).
+// Groups are ranked by Megatron's group score (the sum of the group's top m gval, in the router
+// dtype); only where that ties at the group_topk boundary (flat fp32 scores) do the tied groups
+// go by the same sum in double from double scores of the logits (score_d), then by their top-m
+// logits (compared in descending order), then by the lower group id.
 template <class S>
-void native_select(const S* key, const S* z, const S* bias, double lse, const RouteKernelParams& p,
-                   RowScratch<S>& sc, int32_t* ids) {
+void native_select(const S* key, const S* z, const S* gval, const S* bias,
+                   const RouteKernelParams& p, RowScratch<S>& sc, int32_t* ids) {
   const int64_t E = p.num_experts, K = p.top_k;
   if (p.num_groups <= 0) {
     select_exact(key, z, E, K, sc, ids);
     return;
   }
-  const int64_t G = p.num_groups, per = E / G, m = K / p.group_topk;
+  const int64_t G = p.num_groups, per = E / G, m = K / p.group_topk, gt = p.group_topk;
   for (int64_t g = 0; g < G; ++g) {
-    int32_t* sub = sc.aux_id.data();
+    int32_t* sub = sc.gsub.data() + g * m;
     select_exact(key + g * per, z + g * per, per, m, sc, sub);
-    double gs = 0.0;
-    S* gz = sc.gz.data() + g * m;
+    S gs = 0;
     for (int64_t j = 0; j < m; ++j) {
-      const int64_t e = g * per + sub[j];
-      gs += score_d(p.score_function, p.pre_softmax, static_cast<double>(z[e]), lse) +
-            (bias ? static_cast<double>(bias[e]) : 0.0);
-      gz[j] = z[e];
+      sub[j] += static_cast<int32_t>(g * per);
+      gs += gval[sub[j]];
     }
-    // A lambda, not std::greater: no std::sort helper symbol shared by the two ISA variants.
-    std::sort(gz, gz + m, [](S a, S b) { return a > b; });
-    sc.gsd[g] = gs;
-    sc.gid[g] = static_cast<int32_t>(g);
+    sc.gsc[g] = gs;
   }
-  std::sort(sc.gid.begin(), sc.gid.begin() + G, [&](int32_t a, int32_t b) {
-    if (sc.gsd[a] != sc.gsd[b]) return sc.gsd[a] > sc.gsd[b];
-    const S* za = sc.gz.data() + a * m;
-    const S* zb = sc.gz.data() + b * m;
-    for (int64_t j = 0; j < m; ++j) {
-      if (za[j] != zb[j]) return za[j] > zb[j];
+  select_topk(static_cast<const S*>(sc.gsc.data()), G, gt, static_cast<const uint8_t*>(nullptr),
+              sc.top_val.data(), sc.gid.data(), sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
+  if (gt < G) {
+    const S v = sc.gsc[sc.gid[gt - 1]];
+    int64_t n_ge = 0;
+    for (int64_t g = 0; g < G; ++g) n_ge += sc.gsc[g] >= v;
+    if (n_ge > gt) {
+      // A tie at the boundary: rank every group by (score, double score, top-m logits, id).
+      double lse = 0.0;  // pre-softmax scores exp(z - lse), log-sum-exp in double
+      if (p.score_function == kScoreSoftmax && p.pre_softmax) {
+        double zm = -std::numeric_limits<double>::infinity(), acc = 0.0;
+        for (int64_t e = 0; e < E; ++e) zm = std::max(zm, static_cast<double>(z[e]));
+        for (int64_t e = 0; e < E; ++e) acc += std::exp(static_cast<double>(z[e]) - zm);
+        lse = zm + std::log(acc);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        double gs = 0.0;
+        S* gz = sc.gz.data() + g * m;
+        for (int64_t j = 0; j < m; ++j) {
+          const int32_t e = sc.gsub[g * m + j];
+          gs += score_d(p.score_function, p.pre_softmax, static_cast<double>(z[e]), lse) +
+                (bias ? static_cast<double>(bias[e]) : 0.0);
+          gz[j] = z[e];
+        }
+        // A lambda, not std::greater: no std::sort helper symbol shared by the ISA variants.
+        std::sort(gz, gz + m, [](S a, S b) { return a > b; });
+        sc.gsd[g] = gs;
+        sc.gid[g] = static_cast<int32_t>(g);
+      }
+      std::sort(sc.gid.begin(), sc.gid.begin() + G, [&](int32_t a, int32_t b) {
+        if (sc.gsc[a] != sc.gsc[b]) return sc.gsc[a] > sc.gsc[b];
+        if (sc.gsd[a] != sc.gsd[b]) return sc.gsd[a] > sc.gsd[b];
+        const S* za = sc.gz.data() + a * m;
+        const S* zb = sc.gz.data() + b * m;
+        for (int64_t j = 0; j < m; ++j) {
+          if (za[j] != zb[j]) return za[j] > zb[j];
+        }
+        return a < b;
+      });
     }
-    return a < b;
-  });
+  }
   // Experts outside the chosen groups get -inf (Megatron's masked_fill); at least K experts
   // remain (checked by the front-end), all finite, so no -inf is ever selected.
   S* masked = sc.masked.data();
   std::fill_n(masked, E, -std::numeric_limits<S>::infinity());
-  for (int64_t j = 0; j < p.group_topk; ++j)
-    std::copy_n(key + sc.gid[j] * per, per, masked + sc.gid[j] * per);
+  for (int64_t j = 0; j < gt; ++j) std::copy_n(key + sc.gid[j] * per, per, masked + sc.gid[j] * per);
   select_topk(static_cast<const S*>(masked), E, K, static_cast<const uint8_t*>(nullptr),
               sc.top_val.data(), ids, sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
   if (key != z) {
@@ -445,15 +476,18 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
             }
             key = kb;
           }
-          double lse = 0.0;
-          if (p.num_groups > 0 && softmax && p.pre_softmax) {
-            // log-sum-exp in double for the group scores exp(z - lse).
-            const double zm = static_cast<double>(zmax);
-            double acc = 0.0;
-            for (int64_t e = 0; e < E; ++e) acc += std::exp(static_cast<double>(z[e]) - zm);
-            lse = zm + std::log(acc);
+          // What a group score sums: s + bias, or s (the probabilities for pre-softmax).
+          const S* gval = key;
+          if (!bias && p.num_groups > 0) {
+            if (softmax && p.pre_softmax) {
+              S* pr = sc.grow.data();
+              for (int64_t e = 0; e < E; ++e) pr[e] = sc.ex[e] / sumex;
+              gval = pr;
+            } else if (!softmax) {
+              gval = sc.key.data();
+            }
           }
-          native_select(key, z, bias, lse, p, sc, ids);
+          native_select(key, z, gval, bias, p, sc, ids);
         }
         // Weights at the ids, from the live logits.
         if (softmax && !p.pre_softmax) {
