@@ -67,6 +67,11 @@ ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& so
                                    const ImportOptions& options);
 /// Imports one .npy file per sequence. BackendError when a file cannot be read.
 ImportResult import_vllm(const std::vector<std::string>& paths, const ImportOptions& options);
+/// Imports vLLM arrays already in memory (e.g. captured by switchyard.integrations.hf, or a
+/// response decoded by the caller): one contiguous `[seq_len-1, num_layers, top_k]` tensor per
+/// sequence, int32, int64 or uint8. The same checks, layer map and report as import_vllm; sources
+/// are named "arrays[i]".
+ImportResult import_vllm_arrays(const std::vector<Tensor>& arrays, const ImportOptions& options);
 
 /// Imports SGLang responses from text: one JSON object, a JSON array of objects, or JSONL (one
 /// object per line). Each object needs `meta_info.routed_experts` (a base64 string), whose length

@@ -193,6 +193,23 @@ void bind_routes(py::module_& m) {
               paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
                                     num_input_layers, top_k, zero_rows)));
         });
+  m.def("routes_import_vllm_arrays",
+        [](const py::sequence& arrays, int64_t num_experts, int64_t first_k_dense,
+           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows) {
+          std::vector<py_bridge::Arg> args;
+          std::vector<Tensor> ts;
+          args.reserve(arrays.size());
+          for (size_t i = 0; i < arrays.size(); ++i) {
+            const std::string name = "arrays[" + std::to_string(i) + "]";
+            args.push_back(py_bridge::borrow(arrays[i], "import", name.c_str(),
+                                             {DType::int32, DType::int64, DType::uint8}));
+            ts.push_back(args.back().t);
+          }
+          return import_result(import_vllm_arrays(
+              ts, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
+                                 num_input_layers, top_k, zero_rows)));
+        });
   m.def("routes_import_sglang",
         [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,

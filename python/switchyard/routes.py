@@ -12,7 +12,8 @@ A route table is an int32 tensor [tokens, moe_layers, K]: an expert id, or -1 fo
 """
 from . import _switchyard as _C
 
-__all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "import_vllm", "import_sglang",
+__all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "import_vllm",
+           "import_vllm_arrays", "from_verl", "layer_targets", "import_sglang",
            "import_sglang_text", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
            "pack_thd", "unpack_thd", "cp_zigzag_split", "cp_zigzag_gather", "sp_split",
            "sp_gather", "slice_layers", "concat_layers", "concat_tokens", "pp_moe_layer_range",
@@ -145,6 +146,79 @@ def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mt
     return _C.routes_import_vllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                  _freq(moe_layer_freq), int(num_mtp_layers),
                                  int(num_input_layers), int(top_k), zero_rows)
+
+
+def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None,
+                       num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep"):
+    """The same as import_vllm over arrays in memory: one [seq_len-1, layers, K] tensor (int32,
+    int64 or uint8; numpy arrays are taken too) per sequence."""
+    import torch
+    ts = []
+    for a in arrays:
+        t = a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
+        if t.dtype in (torch.int16, torch.uint16, torch.int8):
+            t = t.to(torch.int32)  # verl's int16, vLLM's uint16: the engine reads them widened
+        ts.append(t.contiguous())
+    return _C.routes_import_vllm_arrays(ts, int(num_experts), int(first_k_dense),
+                                        _freq(moe_layer_freq), int(num_mtp_layers),
+                                        int(num_input_layers), int(top_k), zero_rows)
+
+
+def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_layer_freq=None,
+              num_mtp_layers=0, zero_rows="to_none"):
+    """verl's ``routed_experts`` batch tensor -> one route table per sequence, -1 for "no route".
+
+    routed_experts: [batch, seq, num_hidden_layers, K] integers (verl stores int16), padded
+    (left or right) and zero-filled where the rollout saw no token; attention_mask [batch, seq]
+    (nonzero = real token). Padding is removed by the mask (``drop_padding``); the MoE layers of
+    the layer map are kept (``moe_layer_indices``: first_k_dense, moe_layer_freq, MTP layers
+    excluded); all-zero rows on MoE layers (tokens the rollout never routed, e.g. the last
+    sampled one) become -1 with zero_rows="to_none" (default; "keep" or "error" as in
+    import_vllm; with K = 1 a 0 is a real route and is kept). Returns (tables [T_i, moe_layers,
+    K] int32, report) with the importer's report (moe_layers, num_zero_rows, ...)."""
+    import torch
+    ids = routed_experts.to(torch.int32) if routed_experts.dtype != torch.int32 else routed_experts
+    if ids.dim() != 4:
+        raise ValueError("[routes.from_verl] routed_experts must be [batch, seq, layers, K], got "
+                         f"{list(ids.shape)}")
+    per_seq = drop_padding(ids, attention_mask, num_experts)
+    # Each sequence's rows are every real token's route; the vLLM importer takes seq_len-1 rows
+    # and appends a -1 row for the last token, so its appended row is dropped again here.
+    tables, report = import_vllm_arrays(per_seq, num_experts, first_k_dense, moe_layer_freq,
+                                        num_mtp_layers, num_input_layers=ids.shape[2],
+                                        top_k=ids.shape[3], zero_rows=zero_rows)
+    tables = [t[:-1] for t in tables]
+    report["num_tokens"] -= len(tables)
+    return tables, report
+
+
+def layer_targets(table, moe_layers, keys, batch_size=None):
+    """Per-layer replay targets from a route table [T, moe_layers, K] in the router's token order
+    (e.g. after pack_thd / sp_split / cp_zigzag_split): {key: [T, K]} for the keys of this
+    pipeline stage's routers (switchyard.integrations.megatron.attach_replay keys: Megatron's
+    1-based ``layer_number``; hidden layer = layer_number - 1). ``moe_layers``: hidden-layer
+    index of every column of the table (the importer's report["moe_layers"]). Keys that are not
+    ints (MTP layers) get no target. ``batch_size``: for a BSHD micro-batch given batch-first
+    ([B*S] rows, sequence b's tokens contiguous), the rows are put in the router's
+    sequence-first order (Megatron flattens [S, B] hidden states: token s*B + b)."""
+    if batch_size is not None:
+        B = int(batch_size)
+        if B < 1 or table.shape[0] % B:
+            raise ValueError(f"[routes.layer_targets] batch_size must divide the {table.shape[0]} "
+                             f"rows, got batch_size={batch_size}")
+        S = table.shape[0] // B
+        table = table.reshape(B, S, *table.shape[1:]).transpose(0, 1).reshape(S * B,
+                                                                             *table.shape[1:])
+    col = {int(h): i for i, h in enumerate(moe_layers)}
+    out = {}
+    for k in keys:
+        if not isinstance(k, int):
+            continue
+        if k - 1 not in col:
+            raise ValueError(f"[routes.layer_targets] layer {k} (hidden layer {k - 1}) is not a "
+                             f"MoE layer of the table (moe_layers={list(moe_layers)})")
+        out[k] = table[:, col[k - 1], :]
+    return out
 
 
 def import_sglang(paths, num_experts, num_input_layers, top_k, first_k_dense=0,

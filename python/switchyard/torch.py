@@ -39,7 +39,9 @@ class _RouterGatingLinear(torch.autograd.Function):
         ctx.save_for_backward(x2, weight, bias)
         ctx.router_dtype = router_dtype
         ctx.lead = lead
-        return logits.view(*lead, logits.shape[-1])
+        # A 2-D input gets the engine's tensor itself: a view output would be flagged by FSDP2
+        # (an in-place op on it would skip its pre-backward hook).
+        return logits if x.dim() == 2 else logits.view(*lead, logits.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_logits):

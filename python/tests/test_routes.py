@@ -95,6 +95,31 @@ def test_import_vllm_and_sglang(gen, tmp_path):
     assert sy.routes.moe_layer_indices(6, first_k_dense=2) == [2, 3, 4, 5]
 
 
+def test_import_vllm_arrays_in_memory_is_the_file_import(gen, tmp_path):
+    E, K, layers = 200, 3, 5  # E > 127: uint8 ids (vLLM >= 0.22 narrows by expert count)
+    arrs = [torch.randint(0, E, (T - 1, layers, K), generator=gen).to(torch.int32)
+            for T in (4, 9)]
+    for a in arrs:
+        a[:, 0] = 0  # dense first layer
+    for i, a in enumerate(arrs):
+        np.save(tmp_path / f"a{i}.npy", a.numpy())
+    ref, ref_rep = sy.routes.import_vllm([tmp_path / "a0.npy", tmp_path / "a1.npy"],
+                                         num_experts=E, first_k_dense=1)
+    for variant in (arrs, [a.to(torch.int64) for a in arrs], [a.to(torch.uint8) for a in arrs],
+                    [a.to(torch.int16) for a in arrs], [a.numpy() for a in arrs]):
+        got, rep = sy.routes.import_vllm_arrays(variant, num_experts=E, first_k_dense=1)
+        assert rep["moe_layers"] == ref_rep["moe_layers"] == [1, 2, 3, 4]
+        assert rep["sources"] == ["arrays[0]", "arrays[1]"]
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    with pytest.raises(ValueError, match=r"\[import\] arrays\[0\]: expected a 3-D array "
+                                         r"\[seq_len-1, num_layers, top_k\], got 2 dimensions"):
+        sy.routes.import_vllm_arrays([arrs[0][:, 0]], num_experts=E)
+    with pytest.raises(ValueError, match=r"arrays\[1\] \(sequence 1\): expert id 200 at token 0"):
+        bad = arrs[1].clone()
+        bad[0, 2, 1] = E
+        sy.routes.import_vllm_arrays([arrs[0], bad], num_experts=E)
+
+
 def test_pack_and_context_parallel(gen):
     E, K, L = 8, 2, 2
     tables = [_table(gen, T, L, K, E) for T in (5, 9, 1)]

@@ -331,6 +331,36 @@ ImportResult import_vllm(const std::vector<std::string>& paths, const ImportOpti
   return all;
 }
 
+ImportResult import_vllm_arrays(const std::vector<Tensor>& arrays, const ImportOptions& options) {
+  check_options(options);
+  ImportResult r;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const Tensor& a = arrays[i];
+    const std::string source = cat("arrays[", i, "]");
+    if (a.dim() != 3) {
+      fail_arg(kOp, source, ": expected a 3-D array [seq_len-1, num_layers, top_k], got ", a.dim(),
+               " dimensions");
+    }
+    Elem elem = Elem::i4;
+    switch (a.dtype()) {
+      case DType::int32:
+        elem = Elem::i4;
+        break;
+      case DType::int64:
+        elem = Elem::i8;
+        break;
+      case DType::uint8:
+        elem = Elem::u1;
+        break;
+      default:
+        fail_arg(kOp, source, ": dtype must be int32, int64 or uint8, got ", dtype_name(a.dtype()));
+    }
+    import_array(static_cast<const char*>(a.raw()), elem, a.size(0), a.size(1), a.size(2), source,
+                 options, r);
+  }
+  return r;
+}
+
 ImportResult import_sglang_text(std::string_view text, const std::string& source,
                                 const ImportOptions& options) {
   check_options(options);

@@ -297,5 +297,41 @@ TEST(RouteImport, EncodeNpyMatchesAnIndependentWriterAndImports) {
                       "array must have dtype int32, got fp32");
 }
 
+TEST(RouteImport, VllmArraysInMemoryMatchTheNpyImport) {
+  // Two sequences in memory (int32, int64 and uint8 ids) against the same arrays as .npy bytes.
+  const int64_t layers = 4, K = 2, E = 200;
+  const std::vector<bool> moe{false, true, true, true};
+  const std::vector<int64_t> rows{6, 3};
+  ImportOptions opt;
+  opt.num_experts = E;
+  opt.layer_map.first_k_dense = 1;
+  std::vector<Tensor> i32, i64, u8;
+  ImportResult ref;
+  for (size_t s = 0; s < rows.size(); ++s) {
+    const auto v = engine_routes(rows[s], layers, K, E, moe);
+    ImportResult one = import_vllm_npy_bytes(npy(v, {rows[s], layers, K}, "<i4"), "s.npy", opt);
+    ref.sequences.push_back(std::move(one.sequences[0]));
+    i32.push_back(Tensor::from_vector(v, {rows[s], layers, K}));
+    i64.push_back(i32.back().to(DType::int64));
+    std::vector<uint8_t> v8(v.begin(), v.end());
+    u8.push_back(Tensor::from_vector(v8, {rows[s], layers, K}));
+  }
+  for (const auto* arrays : {&i32, &i64, &u8}) {
+    ImportResult r = import_vllm_arrays(*arrays, opt);
+    ASSERT_EQ(r.sequences.size(), 2u);
+    EXPECT_EQ(r.report.moe_layers, (std::vector<int64_t>{1, 2, 3}));
+    EXPECT_EQ(r.report.num_tokens, 7 + 4);
+    EXPECT_EQ(r.sources, (std::vector<std::string>{"arrays[0]", "arrays[1]"}));
+    for (size_t s = 0; s < rows.size(); ++s)
+      EXPECT_TRUE(route_tables_equal(r.sequences[s], ref.sequences[s]));
+  }
+  SY_EXPECT_THROW_MSG(import_vllm_arrays({Tensor::zeros({3, 2}, DType::int32)}, opt),
+                      std::invalid_argument,
+                      "[import] arrays[0]: expected a 3-D array [seq_len-1, num_layers, top_k], "
+                      "got 2 dimensions");
+  SY_EXPECT_THROW_MSG(import_vllm_arrays({Tensor::zeros({3, 4, 2}, DType::fp32)}, opt),
+                      std::invalid_argument, "arrays[0]: dtype must be int32, int64 or uint8");
+}
+
 }  // namespace
 }  // namespace switchyard

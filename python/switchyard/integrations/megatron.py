@@ -1,0 +1,800 @@
+"""switchyard.integrations.megatron: router replay and expert-parallel dispatch fixed inside
+Megatron-Core, in place.
+
+    import switchyard.integrations.megatron as sym
+    sym.apply()                                   # patches megatron.core; returns a PatchReport
+    replays = sym.attach_replay(model)            # {layer_number or ("mtp", n): RouterReplay}
+
+then per micro-batch (R3: ids from the rollout engine; see ``switchyard.routes.from_verl``)::
+
+    sym.set_replay_targets(model, {3: ids_l3, 4: ids_l4, ...}, group=ep_group)
+    sym.set_replay_action(model, "replay_forward")
+    loss = forward_backward(...)                  # recompute inside backward reuses the same ids
+    sym.replay_counts(model)                      # replayed / native / invalid rows per layer
+
+What ``apply()`` changes (each is one function or method of Megatron-Core, wrapped, and put back
+by ``remove()``):
+
+* ``MoEAlltoAllTokenDispatcher.preprocess``: in the dropless case Megatron sizes the permuted
+  buffer as ``T * moe_router_topk`` although the routing map may hold fewer pairs (a replayed row
+  that repeats an id, e.g. a zero-filled padding row): the all-to-all then fails with "Split sizes
+  doesn't match total dim 0 size" (and since core 0.17 the unfused permute truncates to that
+  size). Patched, the size is the routing map's pair count: a host integer when the patched
+  router knows it (its replay ids were validated on the host: no synchronisation at all), else,
+  with Megatron's own replay enabled (``moe_enable_routing_replay``), the sum of the per-expert
+  counts Megatron already copies to the host for the split sizes, in the same device-to-host
+  batch (Megatron's own path for capacity / quantisation padding; the one synchronisation then
+  happens before permutation 1 instead of before the all-to-all). Native routing keeps
+  Megatron's static size (exact there).
+  Capacity and drop-and-pad keep Megatron's code unchanged.
+* ``_DeepepManager.setup_metadata`` / ``_NCCLEPManager.setup_metadata``: the (index, weight)
+  metadata is rebuilt from the routing map instead of ``topk(probs)``, so a row with fewer than
+  K experts gets -1 slots instead of extra experts at weight 0.
+* ``TopKRouter.forward`` / ``TopKRouter.routing``: only for routers given a replay by
+  ``attach_replay`` (others run Megatron's code unchanged): replay ids validated by switchyard's
+  engine (shape, dtype, id range, -1 rows routed natively and counted, repeated ids an error or
+  merged with summed weight), replay and record on every router path (``moe_router_fusion``,
+  sinkhorn included), routing weights recomputed with Megatron's own score function at the
+  replayed ids, activation-checkpoint recompute inside backward reusing the forward's ids
+  (bounded queue; forward-only passes queue nothing), aux loss on the routes used.
+* ``MoELayer.route``: hands the router's host-known pair count to the dispatcher.
+* ``tensor_parallel.checkpoint``: notes whether a backward (so a recompute) will follow the call.
+
+On CUDA tensors everything above is Megatron's math plus these fixes. ``apply(engine="cpu")``
+additionally runs, for attached routers on CPU tensors, switchyard's FP32 batch-invariant gate
+(``switchyard.torch.router_gating_linear``, also patching ``Router.gating``) and
+``switchyard.torch.topk_route`` with Megatron's option names mapped; token dropping, aux losses
+and expert-bias counting stay Megatron's functions. See notes/megatron.md for versions.
+"""
+import collections
+import contextlib
+import dataclasses
+import functools
+
+import torch
+
+import switchyard as _sy
+import switchyard.torch as _syt
+
+__all__ = ["apply", "remove", "patched", "is_applied", "PatchReport", "SUPPORTED_VERSIONS",
+           "TESTED_VERSIONS", "attach_replay", "detach_replay", "replays", "set_replay_targets",
+           "set_replay_action", "clear_replay", "replay_counts", "ReplayCounts"]
+
+SUPPORTED_VERSIONS = ((0, 16), None)  # from 0.16 (router replay appeared) to newest
+TESTED_VERSIONS = ("0.19.2",)
+
+_OP = "megatron"
+
+
+# --------------------------------------------------------------------------------------------------
+# Version and patch bookkeeping
+# --------------------------------------------------------------------------------------------------
+def _megatron_version():
+    try:
+        from megatron.core import package_info
+    except ImportError as e:  # optional dependency
+        raise ImportError("[megatron.apply] megatron-core is not installed (pip install "
+                          "megatron-core)") from e
+    return tuple(int(v) for v in package_info.__shortversion__.split(".")[:3]), \
+        package_info.__version__
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What ``apply()`` patched: ``version`` of megatron-core (``tested``: one of
+    TESTED_VERSIONS), ``patched`` as a list of (``"module.Class.method"``, why) and ``skipped``
+    (targets this version lacks, with why)."""
+    version: str
+    patched: list
+    skipped: list
+    engine: str
+    tested: bool = False
+
+    def __str__(self):
+        lines = [f"switchyard.integrations.megatron on megatron-core {self.version} "
+                 f"({'tested' if self.tested else 'supported, not tested'}; "
+                 f"engine={self.engine!r}):"]
+        lines += [f"  patched {t}: {w}" for t, w in self.patched]
+        lines += [f"  skipped {t}: {w}" for t, w in self.skipped]
+        return "\n".join(lines)
+
+
+_STATE = {"originals": [], "report": None, "engine": None}
+
+
+def is_applied():
+    return _STATE["report"] is not None
+
+
+def _patch(owner, name, make, report, why):
+    orig = owner.__dict__[name]
+    setattr(owner, name, make(orig))
+    _STATE["originals"].append((owner, name, orig))
+    where = owner.__name__ if isinstance(owner, type(contextlib)) else \
+        f"{owner.__module__}.{owner.__qualname__}"
+    report.patched.append((f"{where}.{name}", why))
+
+
+def apply(*, engine=None):
+    """Patches megatron.core in place (idempotent: a second call returns the first report).
+
+    ``engine``: None (Megatron's own math everywhere, plus the fixes) or ``"cpu"`` (on CPU tensors
+    the router gate of routers with a replay attached runs switchyard's FP32 batch-invariant
+    ``router_gating_linear``; CUDA tensors keep Megatron's math). Raises ImportError without
+    megatron-core and RuntimeError outside the supported versions (0.16 to newest)."""
+    if engine not in (None, "cpu"):
+        raise ValueError(f"[megatron.apply] engine must be None or 'cpu', got {engine!r}")
+    if _STATE["report"] is not None:
+        if _STATE["engine"] != engine:
+            raise ValueError(f"[megatron.apply] already applied with engine={_STATE['engine']!r}; "
+                             f"remove() first to apply with engine={engine!r}")
+        return _STATE["report"]
+    ver, ver_str = _megatron_version()
+    if ver[:2] < SUPPORTED_VERSIONS[0]:
+        raise RuntimeError(f"[megatron.apply] megatron-core must be >= 0.16, got {ver_str}")
+    from megatron.core.transformer.moe import moe_layer, router, token_dispatcher as td
+
+    report = PatchReport(version=ver_str, patched=[], skipped=[], engine=engine,
+                         tested=".".join(map(str, ver)) in TESTED_VERSIONS)
+    try:
+        _patch(td.MoEAlltoAllTokenDispatcher, "preprocess", _make_a2a_preprocess, report,
+               "dropless output size from the routing map's pair count (was T*topk)")
+        for cls_name in ("_DeepepManager", "_NCCLEPManager"):
+            cls = getattr(td, cls_name, None)
+            if cls is None:
+                report.skipped.append((f"{td.__name__}.{cls_name}.setup_metadata",
+                                       "not in this version"))
+                continue
+            _patch(cls, "setup_metadata", _make_ep_setup_metadata, report,
+                   "indices rebuilt from the routing map (-1 slots, no zero-weight experts)")
+        _patch(router.TopKRouter, "forward", _make_router_forward, report,
+               "replay/record state per call (attached routers only)")
+        _patch(router.TopKRouter, "routing", _make_router_routing, report,
+               "validated, keyed replay and record on every router path (attached routers only)")
+        _patch(moe_layer.MoELayer, "route", _make_layer_route, report,
+               "hands the router's host-known pair count to the dispatcher")
+        import megatron.core.tensor_parallel as tensor_parallel
+        _patch(tensor_parallel, "checkpoint", _make_checkpoint, report,
+               "notes whether a recompute will follow, so replay queues ids only then")
+        if engine == "cpu":
+            _patch(router.Router, "gating", _make_engine_gating, report,
+                   "CPU tensors: switchyard's FP32 batch-invariant gate (attached routers only)")
+    except BaseException:
+        _restore()
+        raise
+    _STATE["report"] = report
+    _STATE["engine"] = engine
+    return report
+
+
+def _restore():
+    while _STATE["originals"]:
+        owner, name, orig = _STATE["originals"].pop()
+        setattr(owner, name, orig)
+
+
+def remove():
+    """Puts every patched Megatron-Core function back. Replays attached to routers stay attached
+    (and unused) until ``detach_replay``."""
+    _restore()
+    _STATE["report"] = None
+    _STATE["engine"] = None
+
+
+@contextlib.contextmanager
+def patched(*, engine=None):
+    """``with patched(): ...`` applies for the block and removes afterwards (only if this block
+    applied it). Yields the PatchReport."""
+    was = is_applied()
+    report = apply(engine=engine)
+    try:
+        yield report
+    finally:
+        if not was:
+            remove()
+
+
+# --------------------------------------------------------------------------------------------------
+# The seed fix: dispatcher sizes from the routing map's counts
+# --------------------------------------------------------------------------------------------------
+def _make_a2a_preprocess(orig):
+    @functools.wraps(orig)
+    def preprocess(self, routing_map):
+        num_pairs = getattr(self, "_sy_num_pairs", None)
+        self._sy_num_pairs = None
+        out = orig(self, routing_map)
+        cfg = self.config
+        if (self.drop_and_pad or cfg.moe_expert_capacity_factor is not None
+                or getattr(cfg, "moe_router_padding_for_quantization", False)):
+            return out  # Megatron already sizes these from the counts
+        if num_pairs is not None:
+            # Host integer from the patched router: no device-to-host copy, no sync point moved.
+            self.num_out_tokens = int(num_pairs)
+            return out
+        if not getattr(cfg, "moe_enable_routing_replay", False):
+            return out  # native top-k: K distinct experts per row, T*topk is exact
+        if self.cuda_dtoh_point != "before_permutation_1":
+            raise RuntimeError(
+                "[megatron.dispatch] the dropless all-to-all needs the routing map's pair count "
+                "before permutation 1, but CUDA-graph capture of moe_preprocess moves the host "
+                f"copy to {self.cuda_dtoh_point!r}; attach a switchyard replay to the routers "
+                "(sym.attach_replay) so the count is known on the host")
+        # The per-expert counts Megatron already computed: their sum is the number of
+        # (token, expert) pairs. It rides in the same device-to-host batch as the split sizes
+        # (_maybe_dtoh_and_synchronize moves num_out_tokens), so the one sync happens before
+        # permutation 1 -- Megatron's own path for token dropping / padding.
+        counts = self.input_splits if (self.ep_size > 1 or self.tp_size > 1) else out
+        self.num_out_tokens = counts.sum()
+        self._maybe_update_cuda_sync_point("before_permutation_1")
+        return out
+    return preprocess
+
+
+def _make_ep_setup_metadata(orig):
+    @functools.wraps(orig)
+    def setup_metadata(self, routing_map, probs):
+        orig(self, routing_map, probs)
+        if getattr(self, "drop_and_pad", False):
+            return  # padded-to-capacity maps hold more than K entries per row by design
+        T = routing_map.shape[0]
+        rm = routing_map.reshape(T, self.num_experts).bool()
+        p = probs.reshape(T, self.num_experts)
+        # Probabilities are >= 0, so -1 ranks every pair the map does not hold below every pair
+        # it holds (a held pair with weight 0 is still sent, as the map says).
+        vals, idx = torch.topk(p.masked_fill(~rm, -1), self.router_topk, dim=-1)
+        held = vals >= 0
+        self.token_indices = idx.masked_fill(~held, -1)
+        self.token_probs = vals.masked_fill(~held, 0)
+    return setup_metadata
+
+
+def _make_layer_route(orig):
+    @functools.wraps(orig)
+    def route(self, hidden_states, padding_mask=None):
+        probs, routing_map = orig(self, hidden_states, padding_mask)
+        st = getattr(self.router, "_sy", None)
+        self.token_dispatcher._sy_num_pairs = None if st is None else st.last_num_pairs
+        return probs, routing_map
+    return route
+
+
+# --------------------------------------------------------------------------------------------------
+# Replay state per router
+# --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ReplayCounts:
+    """Rows of one routing call (or summed over calls): ``replayed`` (ids used as given, merged
+    rows included), ``merged`` (replayed rows that repeated an id, weights summed), ``native``
+    (live top-k: all -1 rows, no replay, or invalid rows with invalid_replay_rows="native"),
+    ``invalid`` (of those native rows, the invalid ones). replayed + native == tokens."""
+    calls: int = 0
+    tokens: int = 0
+    replayed: int = 0
+    merged: int = 0
+    native: int = 0
+    invalid: int = 0
+
+    def add(self, other):
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class _Target:
+    """Validated replay ids of one forward: int32 CPU [T, K] plus what the host knows."""
+    __slots__ = ("ids", "native_rows", "merged_rows", "counts", "num_pairs")
+
+    def __init__(self, ids, native_rows, merged_rows, counts, num_pairs):
+        self.ids, self.native_rows, self.merged_rows = ids, native_rows, merged_rows
+        self.counts, self.num_pairs = counts, num_pairs
+
+
+class _RouterState:
+    def __init__(self, key, router, replay, repeated_ids, aux_loss_routes, max_pending_backward):
+        self.key = key
+        self.replay = replay
+        self.num_experts = router.config.num_moe_experts
+        self.top_k = router.config.moe_router_topk
+        self.repeated_ids = repeated_ids
+        self.aux_loss_routes = aux_loss_routes
+        self.max_pending_backward = max_pending_backward
+        self.targets = collections.deque()
+        self.pending = collections.deque()  # _Target per queued backward table (FIFO)
+        self.last = ReplayCounts()
+        self.total = ReplayCounts()
+        self.last_num_pairs = None
+        self.input_requires_grad = False
+
+    def label(self):
+        k = self.key
+        return f"mtp layer {k[1]}" if isinstance(k, tuple) else f"layer {k}"
+
+
+def _validate(st, ids):
+    """Engine validation of one replay table -> _Target (errors are the engine's ValueErrors)."""
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"[megatron.replay] {st.label()}: replay ids must be a torch.Tensor, got "
+                         f"{type(ids).__name__}")
+    if ids.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
+        raise ValueError(f"[megatron.replay] {st.label()}: replay ids must have an integer dtype "
+                         f"(int64, int32, int16, uint8), got {ids.dtype}")
+    if ids.dim() != 2 or ids.shape[1] != st.top_k:
+        raise ValueError(f"[megatron.replay] {st.label()}: replay ids must be [num_tokens, "
+                         f"{st.top_k}], got {list(ids.shape)}")
+    ids = ids.detach().to("cpu", torch.int32).contiguous()  # one host copy (a sync on CUDA)
+    T, K, E = ids.shape[0], st.top_k, st.num_experts
+    layer = st.key if isinstance(st.key, int) else -1
+    merged = torch.zeros(T, dtype=torch.bool)
+    checked = ids
+    if st.repeated_ids == "merge" and K > 1:
+        s = ids.sort(dim=1).values
+        merged = (s[:, 1:] == s[:, :-1]).any(dim=1) & (s[:, 0] >= 0) & (s[:, -1] < E)
+        if bool(merged.any()):
+            checked = ids.masked_fill(merged[:, None], -1)  # the engine checks every other row
+    invalid = "native" if st.repeated_ids == "native" else "error"
+    cfg = _sy.RouterConfig(num_experts=E, top_k=K)
+    try:
+        _, used, info = _syt.topk_route(torch.zeros(T, E), cfg, replay_idx=checked,
+                                        invalid_replay_rows=invalid, layer=layer,
+                                        return_info=True)
+    except ValueError as e:
+        if layer < 0:
+            raise ValueError(f"{e} ({st.label()})") from None
+        raise
+    num_merged = int(merged.sum())
+    # Rows routed natively: all -1 rows and (with "native") invalid rows. The engine's
+    # topk_idx holds the replayed ids for replayed rows; compare to find the native ones.
+    native_rows = ~(used.to(torch.int32) == checked).all(dim=1) | (checked < 0).all(dim=1)
+    native_rows &= ~merged
+    counts = ReplayCounts(calls=1, tokens=T, replayed=info.num_replayed_rows + num_merged,
+                          merged=num_merged, native=info.num_native_rows - num_merged,
+                          invalid=info.num_invalid_replay_rows)
+    missing = 0
+    if num_merged:
+        s = ids[merged].sort(dim=1).values
+        missing = int((s[:, 1:] == s[:, :-1]).sum())
+    ids = torch.where(native_rows[:, None], torch.full_like(ids, -1), ids)
+    return _Target(ids, native_rows, merged, counts, T * K - missing)
+
+
+def _in_backward():
+    # Activation-checkpoint recompute (Megatron's reentrant CheckpointFunction) runs the forward
+    # inside the autograd engine's backward, with grad enabled.
+    return torch._C._current_graph_task_id() != -1
+
+
+# One entry per active call of Megatron's tensor_parallel.checkpoint: whether a backward (and so
+# a recompute) will follow it (grad enabled at the call, an input that requires grad, no CUDA-graph
+# capture, where Megatron runs the function without checkpointing).
+_CKPT_STACK = []
+
+
+def _will_recompute():
+    return any(_CKPT_STACK)
+
+
+def _make_checkpoint(orig):
+    @functools.wraps(orig)
+    def checkpoint(function, distribute_saved_activations, *args):
+        will = torch.is_grad_enabled() and any(torch.is_tensor(a) and a.requires_grad
+                                               for a in args)
+        if will:
+            try:
+                from megatron.core.transformer.cuda_graphs import (is_graph_capturing,
+                                                                   is_graph_warmup)
+                will = not (is_graph_warmup() or is_graph_capturing())
+            except ImportError:
+                pass
+        _CKPT_STACK.append(will)
+        try:
+            return orig(function, distribute_saved_activations, *args)
+        finally:
+            _CKPT_STACK.pop()
+    return checkpoint
+
+
+def _ids_for_forward(st, T):
+    """The _Target this forward replays (None: route natively); queues it for the backward
+    recompute when one will follow, pops it when this forward is that recompute."""
+    action = st.replay.action
+    if action in (None, "record"):
+        return None
+    backward = action == "replay_backward" or (_in_backward() and torch.is_grad_enabled())
+    if backward:
+        if not st.pending:
+            raise ValueError(f"[megatron.replay] {st.label()}: a recompute inside backward found "
+                             "no ids queued by a checkpointed replay_forward (non-reentrant "
+                             "checkpointing is not supported)")
+        st.replay.replay_backward(T)  # the engine's FIFO: checks T against the queued table
+        tgt = st.pending.popleft()
+        if _will_recompute():  # a checkpoint nested in the one being recomputed: queue again
+            st.replay.replay_forward(tgt.ids)
+            st.pending.append(tgt)
+        return tgt
+    if st.targets:
+        tgt = st.targets.popleft()
+    elif st.replay.num_recorded:
+        tgt = _validate(st, st.replay.pop_recorded())  # R2: the oldest recorded table
+    else:
+        raise ValueError(f"[megatron.replay] {st.label()}: action 'replay_forward' but no replay "
+                         "target is set (set_replay_targets) and nothing was recorded")
+    if tgt.ids.shape[0] != T:
+        raise ValueError(f"[megatron.replay] {st.label()}: the replay tensor has "
+                         f"{tgt.ids.shape[0]} tokens, the router got {T}")
+    # Queue for the backward recompute only when one will come: inside a call of Megatron's
+    # tensor_parallel.checkpoint (full and selective recompute) that a backward will follow, or,
+    # outside it, a forward under no_grad whose inputs require grad (another reentrant
+    # checkpoint, e.g. Transformer Engine's). Forward-only passes, also through a checkpoint under
+    # no_grad, and forwards that keep their graph queue nothing.
+    if _CKPT_STACK:
+        will = _will_recompute()
+    else:
+        will = st.input_requires_grad and not torch.is_grad_enabled()
+    if will:
+        if len(st.pending) >= st.max_pending_backward:
+            raise ValueError(f"[megatron.replay] {st.label()}: {len(st.pending)} checkpointed "
+                             f"forwards are waiting for their backward (max_pending_backward="
+                             f"{st.max_pending_backward}); call clear_replay between steps")
+        st.replay.replay_forward(tgt.ids)
+        st.pending.append(tgt)
+    return tgt
+
+
+# --------------------------------------------------------------------------------------------------
+# Router patches
+# --------------------------------------------------------------------------------------------------
+def _make_router_forward(orig):
+    @functools.wraps(orig)
+    def forward(self, input, padding_mask=None):
+        st = getattr(self, "_sy", None)
+        if st is not None:
+            st.input_requires_grad = bool(input.requires_grad)
+            st.last_num_pairs = None
+        return orig(self, input, padding_mask)
+    return forward
+
+
+def _ids_from_map(routing_map, K):
+    """[T, E] bool with K True per row -> [T, K] ids ascending, without a host sync."""
+    E = routing_map.shape[1]
+    ar = torch.arange(E, device=routing_map.device, dtype=torch.int64)
+    return torch.where(routing_map, ar, E).sort(dim=1).values[:, :K]
+
+
+def _native(self, logits):
+    """Megatron's own native routing of this router (any path: fused, sinkhorn, QB)."""
+    cfg = self.config
+    if self.routing_type == "sinkhorn":
+        return self.sinkhorn_load_balancing(logits)
+    if self.routing_type == "quantile_balancing":
+        return self.quantile_balancing(logits)
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    return topk_routing_with_score_function(
+        logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax,
+        num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
+        scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=self.score_function,
+        expert_bias=self.expert_bias, fused=cfg.moe_router_fusion, router_replay=None)
+
+
+class _GivenIds:
+    """Megatron's replay hook (``router_replay.get_replay_topk``, the same call its own
+    RouterReplay answers in REPLAY_FORWARD) handing over ids switchyard validated: Megatron's
+    score function then computes the weights at those ids, on every version from 0.16."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
+                        default_compute_topk=None):
+        return scores.gather(1, self.ids), self.ids
+
+
+def _replayed(self, logits, ids):
+    """(probs [T, E], routing_map [T, E]) at given ids [T, K] with Megatron's score function
+    (unfused math: the fused kernel cannot take given ids). A repeated id is one pair whose
+    weight is the sum over its slots."""
+    cfg = self.config
+    T, E = logits.shape
+    mult = torch.zeros(T, E, dtype=torch.int32, device=logits.device).scatter_add(
+        1, ids, torch.ones_like(ids, dtype=torch.int32))
+    routing_map = mult > 0
+    if self.routing_type == "sinkhorn":
+        # Megatron's sinkhorn weights: sigmoid for K = 1, softmax over all experts otherwise
+        # (its _sinkhorn_activation), at the ids.
+        act = torch.sigmoid(logits) if self.topk == 1 else \
+            torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+        return act * mult.to(act.dtype), routing_map
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    probs, _ = topk_routing_with_score_function(
+        logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax,
+        scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=self.score_function,
+        expert_bias=self.expert_bias, fused=False, router_replay=_GivenIds(ids))
+    # Megatron scatters the K slot weights into [T, E], so a repeated id keeps one slot; its
+    # slots gather the same score and so carry the same weight: multiplying by the multiplicity
+    # gives the sum (y = sum_k p_k * Expert_{e_k}(x) stays exact).
+    return probs * mult.to(probs.dtype), routing_map
+
+
+def _make_router_routing(orig):
+    @functools.wraps(orig)
+    def routing(self, logits, padding_mask=None):
+        st = getattr(self, "_sy", None)
+        if st is None:
+            return orig(self, logits, padding_mask)
+        cfg = self.config
+        E, K = cfg.num_moe_experts, self.topk
+        seq_length, bsz = logits.shape[:2]
+        T = logits.numel() // E
+        tgt = _ids_for_forward(st, T)
+        action = st.replay.action
+        if _STATE["engine"] == "cpu" and not logits.is_cuda and \
+                self.routing_type not in ("sinkhorn", "quantile_balancing"):
+            return _engine_routing(self, st, tgt, logits, padding_mask)
+        if tgt is None and action is None:  # native: Megatron's routing, unchanged
+            st.last = ReplayCounts(calls=1, tokens=T, native=T)
+            st.total.add(st.last)
+            st.last_num_pairs = T * K  # every native path selects K distinct experts per row
+            return orig(self, logits, padding_mask)
+        logits = logits.view(-1, E)
+        if padding_mask is not None:
+            padding_mask = padding_mask.reshape(-1)
+        logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+        need_native = tgt is None or tgt.counts.native > 0 or action == "record"
+        probs_n = map_n = None
+        if need_native:
+            probs_n, map_n = _native(self, logits)
+        if action == "record" and not _in_backward():  # a recompute does not record twice
+            st.replay.record(_ids_from_map(map_n, K).to("cpu", torch.int32))
+        if tgt is None:
+            probs, routing_map = probs_n, map_n
+            counts = ReplayCounts(calls=1, tokens=T, native=T)
+            st.last_num_pairs = T * K
+        else:
+            dev_ids = tgt.ids.to(logits.device, torch.int64, non_blocking=True)
+            native_rows = tgt.native_rows.to(logits.device, non_blocking=True)
+            if map_n is not None:  # native rows take the native ids, so weights are defined
+                dev_ids = torch.where(native_rows[:, None], _ids_from_map(map_n, K), dev_ids)
+            probs, routing_map = _replayed(self, logits, dev_ids)
+            if map_n is not None:
+                probs = torch.where(native_rows[:, None], probs_n, probs)
+                routing_map = torch.where(native_rows[:, None], map_n, routing_map)
+            counts = tgt.counts
+            st.last_num_pairs = tgt.num_pairs
+        return _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask,
+                       seq_length, bsz)
+    return routing
+
+
+def _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask, seq_length, bsz):
+    """Megatron's steps after top-k, on the routes used: capacity, aux losses, expert bias."""
+    from megatron.core.transformer.moe.moe_utils import (
+        apply_router_token_dropping, compute_routing_scores_for_aux_loss)
+    cfg = self.config
+    K = self.topk
+    st.last = dataclasses.replace(counts, calls=1)
+    st.total.add(st.last)
+
+    if cfg.moe_expert_capacity_factor is not None:
+        probs, routing_map = apply_router_token_dropping(
+            probs, routing_map, router_topk=K, capacity_factor=cfg.moe_expert_capacity_factor,
+            drop_policy=cfg.moe_token_drop_policy,
+            pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
+        st.last_num_pairs = None
+
+    if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+        map_aux, scores_aux = compute_routing_scores_for_aux_loss(
+            logits, K, self.score_function, fused=cfg.moe_router_fusion,
+            padding_mask=padding_mask)
+        if tgt is not None and st.aux_loss_routes == "used":
+            # The load-balancing loss counts the experts the tokens were sent to: replayed
+            # rows count their replayed ids, native rows Megatron's own aux-loss map.
+            rep = (~tgt.native_rows).to(logits.device)[:, None]
+            used = routing_map if padding_mask is None else routing_map & ~padding_mask[:, None]
+            map_aux = torch.where(rep, used, map_aux)
+        wpm = padding_mask is not None
+        probs = self._apply_aux_loss(probs, scores_aux, map_aux, with_padding_mask=wpm)
+        probs = self._apply_seq_aux_loss(probs, scores_aux, map_aux, seq_length, bsz,
+                                         with_padding_mask=wpm)
+        probs = self._apply_global_aux_loss(probs, scores_aux, map_aux, with_padding_mask=wpm)
+    self._apply_expert_bias(routing_map, padding_mask=padding_mask)
+    return probs, routing_map
+
+
+def _engine_routing(self, st, tgt, logits, padding_mask):
+    """CPU tensors with apply(engine="cpu"): switchyard's topk_route (Megatron's score functions
+    and option names mapped; weights differentiable to the logits) for native and replayed rows;
+    rows that repeat an id (merged) take Megatron's math at their ids, as on CUDA."""
+    cfg = self.config
+    E, K = cfg.num_moe_experts, self.topk
+    seq_length, bsz = logits.shape[:2]
+    logits = logits.view(-1, E)
+    T = logits.shape[0]
+    if padding_mask is not None:
+        padding_mask = padding_mask.reshape(-1)
+    logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+    rc = _sy.RouterConfig(num_experts=E, top_k=K, score_function=self.score_function,
+                          pre_softmax=bool(cfg.moe_router_pre_softmax),
+                          num_groups=cfg.moe_router_num_groups,
+                          group_topk=cfg.moe_router_group_topk,
+                          topk_scaling_factor=cfg.moe_router_topk_scaling_factor)
+    lg = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    replay_idx = None
+    if tgt is not None:
+        replay_idx = tgt.ids.masked_fill(tgt.merged_rows[:, None], -1)
+    w, idx, info = _syt.topk_route(lg, rc, expert_bias=self.expert_bias, replay_idx=replay_idx,
+                                   layer=st.key if isinstance(st.key, int) else None,
+                                   return_info=True)
+    if st.replay.action == "record" and not _in_backward():
+        st.replay.record(idx.to(torch.int32))
+    probs = torch.zeros_like(lg).scatter_add(1, idx, w).type_as(logits)
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True)
+    if tgt is not None and bool(tgt.merged_rows.any()):
+        ids = torch.where(tgt.merged_rows[:, None], tgt.ids.to(torch.int64), idx)
+        p_m, map_m = _replayed(self, logits, ids)
+        probs = torch.where(tgt.merged_rows[:, None], p_m, probs)
+        routing_map = torch.where(tgt.merged_rows[:, None], map_m, routing_map)
+    if tgt is None:
+        counts = ReplayCounts(calls=1, tokens=T, native=T)
+        st.last_num_pairs = T * K
+    else:
+        counts = tgt.counts
+        st.last_num_pairs = tgt.num_pairs
+    return _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask, seq_length,
+                   bsz)
+
+
+def _make_engine_gating(orig):
+    @functools.wraps(orig)
+    def gating(self, input):
+        st = getattr(self, "_sy", None)
+        if st is None or input.is_cuda or self.weight.is_cuda:
+            return orig(self, input)
+        rd = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
+                                                              torch.float32)
+        return _syt.router_gating_linear(input, self.weight, self.bias, router_dtype=rd)
+    return gating
+
+
+# --------------------------------------------------------------------------------------------------
+# Attaching replays to a model
+# --------------------------------------------------------------------------------------------------
+def _routers(model):
+    from megatron.core.transformer.moe.router import TopKRouter
+    modules = model.modules() if isinstance(model, torch.nn.Module) else \
+        (m for part in model for m in part.modules())
+    return [m for m in modules if isinstance(m, TopKRouter)]
+
+
+def _key(router):
+    if router.layer_number is None:
+        raise ValueError("[megatron.attach_replay] a TopKRouter has no layer_number (build the "
+                         "model through TransformerLayer, or call set_layer_number)")
+    n = int(router.layer_number)
+    return ("mtp", n) if getattr(router, "is_mtp_layer", False) else n
+
+
+def attach_replay(model, *, repeated_ids="error", aux_loss_routes="used",
+                  max_pending_backward=64):
+    """Gives every TopKRouter of ``model`` (a module, or a list of VPP chunks) its own
+    ``switchyard.RouterReplay``, keyed by layer number: ``int`` for decoder layers (Megatron's
+    global 1-based ``layer_number``, so pipeline stages and VPP chunks keep their keys), ``("mtp",
+    n)`` for MTP layers. Returns ``{key: RouterReplay}``; the replay's ``action`` is None (route
+    natively) until ``set_replay_action``.
+
+    ``repeated_ids``: rows of a replay tensor that repeat an id -- "error" (default: a ValueError
+    naming layer, token and row), "merge" (the pair is sent once, its weights summed: what
+    zero-filled padding rows from a rollout become) or "native" (routed natively and counted,
+    like every other invalid row). Rows that mix -1 and ids or name ids outside [0, E) are an
+    error, or routed natively with "native". ``aux_loss_routes``: "used" (default: replayed rows
+    count their replayed experts in the load-balancing loss) or "native" (Megatron's own map).
+    ``max_pending_backward``: bound on checkpointed forwards waiting for their recompute."""
+    if repeated_ids not in ("error", "merge", "native"):
+        raise ValueError("[megatron.attach_replay] repeated_ids must be 'error', 'merge' or "
+                         f"'native', got {repeated_ids!r}")
+    if aux_loss_routes not in ("used", "native"):
+        raise ValueError("[megatron.attach_replay] aux_loss_routes must be 'used' or 'native', "
+                         f"got {aux_loss_routes!r}")
+    if not is_applied():
+        raise RuntimeError("[megatron.attach_replay] call switchyard.integrations.megatron.apply() "
+                           "first")
+    routers = _routers(model)
+    out = {}
+    for r in routers:
+        k = _key(r)
+        if k in out:
+            raise ValueError(f"[megatron.attach_replay] two routers have the key {k!r}")
+        replay = _sy.RouterReplay(top_k=r.config.moe_router_topk,
+                                  layer=k if isinstance(k, int) else None,
+                                  invalid_replay_rows="native" if repeated_ids == "native"
+                                  else "error")
+        r._sy = _RouterState(k, r, replay, repeated_ids, aux_loss_routes,
+                             int(max_pending_backward))
+        out[k] = replay
+    return out
+
+
+def detach_replay(model):
+    for r in _routers(model):
+        if getattr(r, "_sy", None) is not None:
+            r._sy = None
+
+
+def _states(model):
+    out = {}
+    for r in _routers(model):
+        st = getattr(r, "_sy", None)
+        if st is not None:
+            out[st.key] = st
+    return out
+
+
+def replays(model):
+    """{key: RouterReplay} of the attached routers."""
+    return {k: st.replay for k, st in _states(model).items()}
+
+
+def set_replay_action(model, action, keys=None):
+    """Sets ``action`` (None, "record", "replay_forward", "replay_backward") on the attached
+    routers named by ``keys`` (default: all). "replay_backward" is optional: a recompute inside
+    backward is detected. A router in "replay_forward" without a target (and nothing recorded)
+    raises; leave layers the rollout has no routes for (MTP) at None."""
+    states = _states(model)
+    for k in (states if keys is None else keys):
+        if k not in states:
+            raise ValueError(f"[megatron.set_replay_action] no attached router has the key {k!r}")
+        states[k].replay.action = action
+
+
+def clear_replay(model):
+    """Drops every queued table (targets, recorded, pending backward) and the counts."""
+    for st in _states(model).values():
+        st.replay.clear()
+        st.targets.clear()
+        st.pending.clear()
+        st.last = ReplayCounts()
+        st.total = ReplayCounts()
+
+
+def set_replay_targets(model, targets, *, num_tokens=None, group=None):
+    """Queues one replay table per layer for the next forward (R3), validated by the engine.
+
+    ``targets``: {key: ids [T, K]} (keys as ``attach_replay``; any integer dtype; -1 = route
+    natively). Every key must name an attached router of this model (pipeline stage).
+    ``num_tokens``: the tokens the router will
+    see, checked here. ``group``: a torch.distributed group (e.g. the EP group): every rank
+    validates its own tables, then the ranks exchange the first error, so all raise the same
+    ValueError (naming the rank) and none is left waiting in an all-to-all. Collective over
+    ``group`` when given."""
+    states = _states(model)
+    err = None
+    validated = {}
+    try:
+        for k, ids in targets.items():
+            if k not in states:
+                raise ValueError(f"[megatron.set_replay_targets] no attached router has the key "
+                                 f"{k!r} (attached: {sorted(states, key=str)})")
+            st = states[k]
+            tgt = _validate(st, ids)
+            if num_tokens is not None and tgt.ids.shape[0] != int(num_tokens):
+                raise ValueError(f"[megatron.replay] {st.label()}: the replay tensor has "
+                                 f"{tgt.ids.shape[0]} tokens, the router gets {int(num_tokens)}")
+            validated[k] = tgt
+    except ValueError as e:
+        err = str(e)
+    if group is not None:
+        import torch.distributed as dist
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, err, group=group)
+        for rank, e in enumerate(errors):
+            if e is not None:
+                raise ValueError(f"{e} (on rank {rank} of the group)")
+    elif err is not None:
+        raise ValueError(err)
+    for k, tgt in validated.items():
+        states[k].targets.append(tgt)
+
+
+def replay_counts(model, total=False):
+    """{key: ReplayCounts} of the last routing call per layer (or summed since attach / clear
+    with total=True), so a replay that did nothing is visible."""
+    return {k: dataclasses.replace(st.total if total else st.last)
+            for k, st in _states(model).items()}

@@ -1,0 +1,299 @@
+"""switchyard.integrations.hf.patch on real tiny transformers MoE models of every supported family:
+what it patches, bitwise equality with the family's own dtypes, the fp32 gate under autocast, fp32
+gradients against float64, and the top-k mismatch of bf16 vs fp32 routers against float64."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")  # an optional dependency of switchyard
+
+import switchyard.torch as syt  # noqa: E402
+import switchyard.integrations.hf as syhf  # noqa: E402
+from hf_models import FAMILIES, build, router_of, tokens, unpack  # noqa: E402
+
+TITLE = {"qwen3_moe": "Qwen3-MoE", "qwen2_moe": "Qwen2-MoE", "olmoe": "OLMoE", "mixtral": "Mixtral",
+         "deepseek_v3": "DeepSeek-V3", "glm4_moe": "GLM4-MoE", "gpt_oss": "GPT-OSS",
+         "qwen3_next": "Qwen3-Next", "llama4_text": "Llama-4", "ernie4_5_moe": "ERNIE-4.5-MoE",
+         "hunyuan_v1_moe": "HunYuan-MoE-V1"}
+HIDDEN_DTYPE_WEIGHTS = {"llama4_text", "ernie4_5_moe"}
+
+
+def moe_layers(model):
+    cfg = model.config
+    if cfg.model_type in ("deepseek_v3", "glm4_moe"):
+        return list(range(cfg.first_k_dense_replace, cfg.num_hidden_layers))
+    return list(range(cfg.num_hidden_layers))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patch_reports_layers_keeps_structure_and_unpatches(family):
+    model = build(family)
+    keys = list(model.state_dict().keys())
+    names = [n for n, _ in model.named_parameters()]
+    p = syhf.patch(model)
+    assert p.family == TITLE[family]
+    assert p.layers == moe_layers(model)
+    assert all(f"layers.{layer}." in name for layer, name in p.modules.items())
+    assert [r.layer for r in p.replays.values()] == p.layers
+    assert "layers" in repr(p) and TITLE[family] in repr(p)
+    assert list(model.state_dict().keys()) == keys
+    assert [n for n, _ in model.named_parameters()] == names
+    with pytest.raises(ValueError, match="already patched by switchyard"):
+        syhf.patch(model)
+    p.unpatch()
+    p.unpatch()  # idempotent
+    for layer in p.layers:
+        r = router_of(model, p, layer)
+        assert "forward" not in r.__dict__
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def _run(model, ids, gen_ids):
+    """Training forward + backward (Mixtral's jitter on: seeded) and a greedy generate."""
+    model.zero_grad(set_to_none=True)
+    model.train()
+    torch.manual_seed(7)
+    kw = {"output_router_logits": True} if hasattr(model.config, "output_router_logits") else {}
+    out = model(ids, labels=ids, **kw)
+    out.loss.backward()
+    grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+    model.eval()
+    seq = model.generate(gen_ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    aux = getattr(out, "aux_loss", None)
+    return out.logits.detach(), out.loss.detach(), aux, grads, seq
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patch_in_the_family_dtypes_is_bitwise_unpatched(family, dtype):
+    model = build(family, dtype)
+    ids, gen_ids = tokens(2, 9, seed=1), tokens(2, 4, seed=2)
+    ref = _run(model, ids, gen_ids)
+    variants = [dict(router_dtype=None)]
+    if dtype == torch.float32:  # fp32 models: the torch fp32 gate is the family's own GEMM
+        variants.append(dict(router_dtype=torch.float32, gate="torch"))
+    for kw in variants:
+        with syhf.patch(model, **kw) as p:
+            got = _run(model, ids, gen_ids)
+        assert p.counts()[p.layers[0]]["num_calls"] == 1 + 4
+        assert torch.equal(got[0], ref[0]), kw
+        assert torch.equal(got[1], ref[1]), kw
+        if ref[2] is not None:
+            assert torch.equal(got[2], ref[2]), kw
+        assert ref[3].keys() == got[3].keys()
+        for n in ref[3]:
+            assert torch.equal(got[3][n], ref[3][n]), (kw, n)
+        assert torch.equal(got[4], ref[4]), kw
+
+
+def _hook_routers(model, p):
+    seen = {}
+
+    def hook(layer):
+        def f(mod, args, out):
+            seen[layer] = (args[0].detach(), out)
+        return f
+    hs = [router_of(model, p, l).register_forward_hook(hook(l)) for l in p.layers]
+    return seen, hs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_router_under_bf16_autocast(family):
+    """fp32 parameters under torch.autocast(bf16), as FSDP mixed precision trains: the unpatched
+    gate runs in bf16 (ERNIE-4.5 alone turns autocast off); patched, the logits are the engine's
+    fp32 gate of the router input, and the combine weights have the family's documented dtype."""
+    model = build(family, torch.float32)
+    ids = tokens(2, 8, seed=3)
+    p = syhf.patch(model, router_dtype=None)
+    seen, hs = _hook_routers(model, p)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids)
+    native_dtype = unpack(family, seen[p.layers[0]][1])[0].dtype
+    assert native_dtype == (torch.float32 if family == "ernie4_5_moe" else torch.bfloat16)
+    p.unpatch()
+    for h in hs:
+        h.remove()
+
+    # gate="torch" is the code path CUDA tensors take (a torch GEMM in fp32 with autocast off).
+    for gate in ("auto", "torch"):
+        p = syhf.patch(model, router_dtype=torch.float32, gate=gate)
+        seen, hs = _hook_routers(model, p)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ids)
+        for layer in p.layers:
+            x, out = seen[layer]
+            logits, weights, _ = unpack(family, out)
+            r = router_of(model, p, layer)
+            w, b = syhf.FAMILIES[_family_key(family)].params(r)
+            x2 = x.reshape(-1, x.shape[-1])
+            expect = (syt.router_gating_linear(x2, w, b) if gate == "auto" else
+                      torch.nn.functional.linear(x2.float(), w.float(),
+                                                 None if b is None else b.float()))
+            assert logits.dtype == torch.float32
+            assert torch.equal(logits, expect), (gate, layer)
+            want = x.dtype if family in HIDDEN_DTYPE_WEIGHTS else torch.float32
+            assert weights.dtype == want, layer
+        for h in hs:
+            h.remove()
+        p.unpatch()
+
+
+def _family_key(family):
+    return "llama4" if family == "llama4_text" else family
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_router_gradients_match_float64(family, param_dtype, gen):
+    """Gradients of the patched fp32 router (engine gate + family math) wrt its input, weight and
+    bias against the same router in float64 at the same ids: equal to fp32 (bf16) rounding."""
+    model = build(family, param_dtype)
+    ref_model = copy.deepcopy(model).double()
+    p = syhf.patch(model, router_dtype=torch.float32)
+    p64 = syhf.patch(ref_model, router_dtype=torch.float64)
+    layer = p.layers[-1]
+    r, r64 = router_of(model, p, layer), router_of(ref_model, p64, layer)
+    H = model.config.hidden_size
+    x = torch.randn(37, H, generator=gen).to(param_dtype).requires_grad_()
+    p.replays[layer].action = "record"
+    logits, weights, _ = unpack(family, r(x))
+    ids = p.replays[layer].pop_recorded()
+    g_w = torch.randn(weights.shape, generator=gen, dtype=torch.float64)
+    g_l = torch.randn(logits.shape, generator=gen, dtype=torch.float64)
+    ((weights.double() * g_w).sum() + 0.1 * (logits.double() * g_l).sum()).backward()
+    # Combine weights in the hidden dtype receive their gradient in that dtype: the float64
+    # reference gets the same rounded upstream gradient, the rest of the path is compared exactly.
+    g_w = g_w.to(weights.dtype).double()
+
+    x64 = x.detach().double().requires_grad_()
+    p64.replays[layer].set_target(ids)
+    p64.replays[layer].action = "replay_forward"
+    logits64, weights64, _ = unpack(family, r64(x64))
+    ((weights64 * g_w).sum() + 0.1 * (logits64 * g_l).sum()).backward()
+    assert p64.counts()[layer]["num_replayed_rows"] == 37
+
+    tol = dict(rtol=1e-5, atol=1e-6) if param_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
+    fam = syhf.FAMILIES[_family_key(family)]
+    torch.testing.assert_close(logits.double(), logits64, rtol=1e-5, atol=1e-6)
+    wtol = tol if weights.dtype != torch.bfloat16 else dict(rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(weights.double(), weights64, **wtol)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
+    w, b = fam.params(r)
+    w64, b64 = fam.params(r64)
+    assert w.grad is not None and w.grad.dtype == param_dtype
+    torch.testing.assert_close(w.grad.double(), w64.grad, **tol)
+    if b is not None:
+        torch.testing.assert_close(b.grad.double(), b64.grad, **tol)
+
+
+def _rows_differ(a, b):
+    return (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_topk_mismatch_against_float64_bf16_vs_fp32_router(family):
+    """A bf16 model's routers on their own inputs: share of (token, layer) rows whose top-k set
+    differs from float64 routing of the same inputs, for the unpatched router and the patched fp32
+    router (printed; -s shows them). The fp32 router must not do worse, and stays below 1%."""
+    model = build(family, torch.bfloat16)
+    ref = copy.deepcopy(model).double()
+    ids = tokens(16, 64, seed=4)
+    p = syhf.patch(model, router_dtype=None)
+    seen, hs = _hook_routers(model, p)
+    with torch.no_grad():
+        model(ids)
+    for h in hs:
+        h.remove()
+    inputs = {layer: seen[layer][0] for layer in p.layers}
+
+    def route(m, patch_kw, cast):
+        q = syhf.patch(m, **patch_kw)
+        q.set_action("record")
+        out = {}
+        with torch.no_grad():
+            for layer in q.layers:
+                router_of(m, q, layer)(cast(inputs[layer]))
+                out[layer] = q.replays[layer].pop_recorded()
+        q.unpatch()
+        return out
+
+    p.unpatch()
+    native = route(model, dict(router_dtype=None), lambda x: x)
+    fp32 = route(model, dict(router_dtype=torch.float32), lambda x: x)
+    fp64 = route(ref, dict(router_dtype=torch.float64), lambda x: x.double())
+    n = sum(v.shape[0] for v in fp64.values())
+    bf16_share = sum(int(_rows_differ(native[l], fp64[l]).sum()) for l in fp64) / n
+    fp32_share = sum(int(_rows_differ(fp32[l], fp64[l]).sum()) for l in fp64) / n
+    print(f"\n[hf top-k mismatch vs float64] {TITLE[family]}: unpatched router "
+          f"{100 * bf16_share:.2f}%, patched fp32 router {100 * fp32_share:.2f}% of {n} rows")
+    assert fp32_share <= bf16_share
+    assert fp32_share < 0.01
+
+
+def test_patch_errors():
+    model = build("qwen3_moe")
+    with pytest.raises(ValueError, match=r"router_dtype must be None .* got torch.bfloat16"):
+        syhf.patch(model, router_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="gate must be 'auto' or 'torch'"):
+        syhf.patch(model, gate="cuda")
+    with pytest.raises(ValueError, match="invalid_replay_rows must be"):
+        syhf.patch(model, invalid_replay_rows="skip")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        vocab_size=97))
+    with pytest.raises(ValueError, match="no supported MoE router in LlamaForCausalLM"):
+        syhf.patch(dense)
+
+
+def test_patch_refuses_an_old_transformers(monkeypatch):
+    monkeypatch.setattr(syhf, "_transformers_version", lambda: "5.12.0")
+    with pytest.raises(RuntimeError, match=r"needs transformers >= 5\.24\.0, found 5\.12\.0"):
+        syhf.patch(build("olmoe"))
+
+
+def test_patch_under_fsdp2_keeps_outputs_and_gradients(tmp_path):
+    """FSDP2 (fully_shard on every decoder layer and on the routers themselves, one gloo rank on
+    the CPU): the router class becomes an FSDP subclass, its parameters DTensors outside forward.
+    Patched with the family's dtypes: loss and router gradients bitwise the unpatched FSDP model's;
+    patched fp32: the engine gate runs on the unsharded parameters inside the forward."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        models = [build("qwen3_moe") for _ in range(2)]
+        for m in models:
+            for layer in m.model.layers:
+                fully_shard(layer.mlp.gate)
+                fully_shard(layer)
+            fully_shard(m)
+            m.train()
+        assert type(models[1].model.layers[0].mlp.gate).__name__.startswith("FSDP")
+        ids = tokens(2, 8, seed=12)
+        p = syhf.patch(models[1], router_dtype=None)
+        assert p.layers == [0, 1]
+        outs = []
+        for m in models:
+            out = m(ids, labels=ids)
+            out.loss.backward()
+            outs.append(out.loss.detach())
+        assert torch.equal(outs[0], outs[1])
+        for a, b in zip(models[0].model.layers, models[1].model.layers):
+            assert torch.equal(a.mlp.gate.weight.grad.full_tensor(),
+                               b.mlp.gate.weight.grad.full_tensor())
+        p.unpatch()
+        p = syhf.patch(models[1], router_dtype=torch.float32)
+        models[1].zero_grad(set_to_none=True)
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            models[1](ids, labels=ids).loss.backward()
+        assert not [w for w in caught if "view tensor" in str(w.message)]
+        assert p.counts()[0]["num_calls"] == 1
+        assert bool(models[1].model.layers[0].mlp.gate.weight.grad.full_tensor().abs().sum() > 0)
+        p.unpatch()
+    finally:
+        dist.destroy_process_group()
