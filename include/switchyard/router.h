@@ -196,8 +196,8 @@ struct RouteResult {
   Tensor row_kind{};       ///< [T] uint8: 0 native, 1 replayed, 2 padded
   Tensor aux_grad{};       ///< [G, E] fp64 dLoss/dP per (sequence group, expert), undefined if none
   int64_t aux_groups = 1;  ///< G: 1, or num_sequences for seq_aux_loss
-  double z_grad_coeff = 0.0;  ///< 2 * z_loss_coeff / num_valid_tokens
-  RouterConfig config;        ///< the configuration of the forward
+  double z_grad_coeff = 0.0;         ///< 2 * z_loss_coeff / num_valid_tokens
+  RouterConfig config;               ///< the configuration of the forward
   DType logits_dtype = DType::fp32;  ///< dtype of the logits given (bf16 ones are kept in fp32)
 };
 
@@ -233,7 +233,8 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
 /// Aux-loss-free bias update (DeepSeek-V3): returns b + rate * sign(mean(c) - c).
 /// expert_bias: [E] fp32; num_tokens_per_expert: [E] int64 or fp32/fp64 counts (summed over the
 /// step, e.g. RouteResult::num_tokens_per_expert); result [E] fp32. Deterministic.
-Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert, double rate);
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
+                          double rate);
 
 /// Input jitter (Megatron-Core `moe_input_jitter_eps`, Switch Transformer): returns x * u with
 /// u ~ Uniform(1 - eps, 1 + eps) drawn per element from a counter-based generator keyed by

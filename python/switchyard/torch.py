@@ -13,8 +13,8 @@ import torch
 from . import _names
 from . import _switchyard as _C
 
-__all__ = ["router_gating_linear", "input_jitter", "topk_route", "RouteInfo", "TopKRouter", "update_expert_bias",
-           "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
+__all__ = ["router_gating_linear", "input_jitter", "topk_route", "RouteInfo", "TopKRouter",
+           "update_expert_bias", "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
 
 
 def _no_autocast():
@@ -295,13 +295,14 @@ class RouteInfo:
 class _TopKRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, config, expert_bias, replay_idx, padding_mask, global_state,
-                invalid_replay_rows, layer, seq_length, loss_grad_scale, accumulate, seeds,
+                invalid_replay_rows, layer, seq_length, loss_grad_scale, accumulate, extra,
                 qb_beta, info_box):
+        # extra: (force_seed, force_bias_seed, training), see topk_route.
         with _no_autocast():
             res = _C.topk_route(logits.detach(), config,
                                 None if expert_bias is None else expert_bias.detach(),
                                 replay_idx, padding_mask, global_state, invalid_replay_rows,
-                                layer, seq_length, accumulate, seeds[0], seeds[1], seeds[2],
+                                layer, seq_length, accumulate, *extra,
                                 None if qb_beta is None else qb_beta.detach())
         ctx.res = res
         ctx.loss_grad_scale = loss_grad_scale
@@ -321,6 +322,7 @@ class _TopKRoute(torch.autograd.Function):
 
 
 def _force_seeds(config, force_seed, force_bias_seed):
+    """(force_seed, force_bias_seed) for the engine; unused (0) unless forced routing is on."""
     if not (config.force_load_balancing or config.force_biased):
         return (0, 0)
     draw = lambda: int(torch.randint(0, 2**62, (1,)).item())  # noqa: E731

@@ -91,7 +91,8 @@ LbCoeffs lb_coeffs(const RouterConfig& c) {
     if (t == AuxLossType::global_aux_loss) r.global = coeff;
   };
   if (!c.aux_loss_types.empty()) {
-    for (size_t i = 0; i < c.aux_loss_types.size(); ++i) put(c.aux_loss_types[i], c.aux_loss_coeffs[i]);
+    for (size_t i = 0; i < c.aux_loss_types.size(); ++i)
+      put(c.aux_loss_types[i], c.aux_loss_coeffs[i]);
   } else {
     put(c.aux_loss_type, c.aux_loss_coeff);
   }
@@ -100,9 +101,9 @@ LbCoeffs lb_coeffs(const RouterConfig& c) {
 
 template <class S>
 void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_idx,
-                 const Tensor& row_kind, const cpu::RouteKernelParams& p, int64_t capacity, bool by_position,
-                 bool round_weights_to_bf16, RouteResult& r, std::vector<double>& aux_psum,
-                 std::vector<int64_t>& aux_cnt, double& z_sum) {
+                 const Tensor& row_kind, const cpu::RouteKernelParams& p, int64_t capacity,
+                 bool by_position, bool round_weights_to_bf16, RouteResult& r,
+                 std::vector<double>& aux_psum, std::vector<int64_t>& aux_cnt, double& z_sum) {
   const int64_t T = p.num_tokens, K = p.top_k, E = p.num_experts;
   Tensor sel_w = Tensor::empty({T, K}, dtype_of<S>());
   std::vector<S> bias_s;
@@ -148,7 +149,8 @@ Tensor forced_logits(const Tensor& logits, const RouterConfig& c, const RouteOpt
   const int64_t T = logits.size(0), E = c.num_experts;
   std::vector<double> bias(static_cast<size_t>(E), 0.0);
   if (c.force_biased != 0.0) {
-    for (int64_t e = 0; e < E; ++e) bias[e] = std::fabs(c.force_biased) * unit_normal(o.force_bias_seed, e);
+    for (int64_t e = 0; e < E; ++e)
+      bias[e] = std::fabs(c.force_biased) * unit_normal(o.force_bias_seed, e);
   }
   Tensor out = Tensor::empty({T, E}, logits.dtype());
   for (int64_t i = 0; i < T * E; ++i) {
@@ -276,24 +278,28 @@ void validate_router_config(const RouterConfig& c) {
   }
   if (c.aux_loss_type == AuxLossType::quantile_balancing) {
     if (c.num_groups != 0 || c.aux_loss_coeff != 0.0 || K >= E) {
-      detail::fail_arg(kOp, "quantile_balancing takes no groups, aux_loss_coeff 0 and top_k < "
-                       "num_experts, got num_groups=", c.num_groups, ", aux_loss_coeff=",
-                       c.aux_loss_coeff, ", top_k=", K, ", num_experts=", E);
+      detail::fail_arg(kOp,
+                       "quantile_balancing takes no groups, aux_loss_coeff 0 and top_k < "
+                       "num_experts, got num_groups=",
+                       c.num_groups, ", aux_loss_coeff=", c.aux_loss_coeff, ", top_k=", K,
+                       ", num_experts=", E);
     }
   }
   if (c.aux_loss_type == AuxLossType::sinkhorn) {
     // Megatron's sinkhorn path ignores these; rejecting them keeps a config from meaning
     // something it does not do.
     if (c.score_function != ScoreFunction::softmax || c.pre_softmax) {
-      detail::fail_arg(kOp, "sinkhorn routing needs score_function=softmax without pre_softmax "
+      detail::fail_arg(kOp,
+                       "sinkhorn routing needs score_function=softmax without pre_softmax "
                        "(its weights are sigmoid for top_k 1, softmax over all experts else), "
-                       "got score_function=", score_function_name(c.score_function),
-                       ", pre_softmax=", c.pre_softmax);
+                       "got score_function=",
+                       score_function_name(c.score_function), ", pre_softmax=", c.pre_softmax);
     }
     if (c.num_groups != 0 || c.topk_scaling_factor != 1.0 || c.aux_loss_coeff != 0.0) {
-      detail::fail_arg(kOp, "sinkhorn routing takes no groups, topk_scaling_factor 1 and "
-                       "aux_loss_coeff 0, got num_groups=", c.num_groups,
-                       ", topk_scaling_factor=", c.topk_scaling_factor,
+      detail::fail_arg(kOp,
+                       "sinkhorn routing takes no groups, topk_scaling_factor 1 and "
+                       "aux_loss_coeff 0, got num_groups=",
+                       c.num_groups, ", topk_scaling_factor=", c.topk_scaling_factor,
                        ", aux_loss_coeff=", c.aux_loss_coeff);
     }
   }
@@ -302,8 +308,10 @@ void validate_router_config(const RouterConfig& c) {
   }
   if (!c.aux_loss_types.empty() || !c.aux_loss_coeffs.empty()) {
     if (c.aux_loss_type != AuxLossType::none) {
-      detail::fail_arg(kOp, "aux_loss_types (several losses) needs aux_loss_type none, got "
-                       "aux_loss_type=", aux_loss_type_name(c.aux_loss_type));
+      detail::fail_arg(kOp,
+                       "aux_loss_types (several losses) needs aux_loss_type none, got "
+                       "aux_loss_type=",
+                       aux_loss_type_name(c.aux_loss_type));
     }
     if (c.aux_loss_types.size() != c.aux_loss_coeffs.size()) {
       detail::fail_arg(kOp, "aux_loss_coeffs must have one coefficient per aux_loss_types entry (",
@@ -313,8 +321,10 @@ void validate_router_config(const RouterConfig& c) {
     for (size_t i = 0; i < c.aux_loss_types.size(); ++i) {
       const int t = static_cast<int>(c.aux_loss_types[i]);
       if (t < 1 || t > 3) {
-        detail::fail_arg(kOp, "aux_loss_types entries must be aux_loss, seq_aux_loss or "
-                         "global_aux_loss, got value ", t, " at index ", i);
+        detail::fail_arg(kOp,
+                         "aux_loss_types entries must be aux_loss, seq_aux_loss or "
+                         "global_aux_loss, got value ",
+                         t, " at index ", i);
       }
       if (seen[t]) {
         detail::fail_arg(kOp, "aux_loss_types lists ", aux_loss_type_name(c.aux_loss_types[i]),
@@ -389,8 +399,10 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     detail::fail_arg(kOp, "quantile_balancing takes no padding_mask (as in Megatron), got one");
   }
   if (qb && options.training && (T * K) % E != 0) {
-    detail::fail_arg(kOp, "quantile_balancing while training needs num_tokens * top_k divisible "
-                     "by num_experts=", E, ", got ", T, " * ", K);
+    detail::fail_arg(kOp,
+                     "quantile_balancing while training needs num_tokens * top_k divisible "
+                     "by num_experts=",
+                     E, ", got ", T, " * ", K);
   }
   const Tensor& mask = inputs.padding_mask;
   if (mask.defined()) {
@@ -428,10 +440,10 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
       detail::fail_arg(kOp, "global_aux_loss needs inputs.global_aux_loss_state, got nullptr");
     }
     if (gstate->num_tokens_per_expert.defined()) {
-      detail::check_dtype(gstate->num_tokens_per_expert, kOp, "global_aux_loss_state.num_tokens_per_expert",
-                          {DType::fp64});
-      detail::check_shape(gstate->num_tokens_per_expert, kOp, "global_aux_loss_state.num_tokens_per_expert",
-                          {E});
+      detail::check_dtype(gstate->num_tokens_per_expert, kOp,
+                          "global_aux_loss_state.num_tokens_per_expert", {DType::fp64});
+      detail::check_shape(gstate->num_tokens_per_expert, kOp,
+                          "global_aux_loss_state.num_tokens_per_expert", {E});
     }
     if (gstate->steps < 0) {
       detail::fail_arg(kOp, "global_aux_loss_state.steps must be >= 0, got ", gstate->steps);
@@ -557,11 +569,12 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     for (int64_t t = 0; t < T; ++t) {
       for (int64_t e = 0; e < E; ++e) key[e] = zp[t * E + e] - beta[e];
       std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + K + 1, order.end(), [&](int32_t a, int32_t b) {
-        if (key[a] != key[b]) return key[a] > key[b];
-        if (zp[t * E + a] != zp[t * E + b]) return zp[t * E + a] > zp[t * E + b];
-        return a < b;
-      });
+      std::partial_sort(order.begin(), order.begin() + K + 1, order.end(),
+                        [&](int32_t a, int32_t b) {
+                          if (key[a] != key[b]) return key[a] > key[b];
+                          if (zp[t * E + a] != zp[t * E + b]) return zp[t * E + a] > zp[t * E + b];
+                          return a < b;
+                        });
       alpha[t] = key[order[K]];
       if (kind[t] == cpu::kRowReplayed) {
         std::copy_n(replay.data<int32_t>() + t * K, K, sel.data<int32_t>() + t * K);
@@ -590,8 +603,8 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     run_forward<double>(logits, bias, kernel_replay, kernel_kind, p, capacity, by_position, false,
                         r, aux_psum, aux_cnt, z_sum);
   } else {
-    run_forward<float>(logits, bias, kernel_replay, kernel_kind, p, capacity, by_position,
-                       is_bf16, r, aux_psum, aux_cnt, z_sum);
+    run_forward<float>(logits, bias, kernel_replay, kernel_kind, p, capacity, by_position, is_bf16,
+                       r, aux_psum, aux_cnt, z_sum);
   }
   if (is_bf16) r.topk_weights = r.topk_weights.to(DType::bf16);  // exact: already bf16 values
   r.logits_dtype = logits_in.dtype();
@@ -602,10 +615,10 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
   // gradient and logs the loss itself; an MTP layer run mtp_num_layers times divides its
   // load-balancing losses by that count (value and gradient; the z-loss only in Megatron's log).
   const double per_token = config.calculate_per_token_loss ? static_cast<double>(num_valid) : 1.0;
-  const double mtp = (config.is_mtp_layer && config.mtp_use_repeated_layer &&
-                      config.mtp_num_layers > 0)
-                         ? 1.0 / static_cast<double>(config.mtp_num_layers)
-                         : 1.0;
+  const double mtp =
+      (config.is_mtp_layer && config.mtp_use_repeated_layer && config.mtp_num_layers > 0)
+          ? 1.0 / static_cast<double>(config.mtp_num_layers)
+          : 1.0;
   if (need_aux) {
     r.aux_groups = G;
     r.aux_grad = Tensor::zeros({G, E}, DType::fp64);
@@ -621,8 +634,8 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     }
     const double n = static_cast<double>(num_valid);
     auto coeff_f = [&](double coeff, double n_tokens, double div) {
-      return coeff * static_cast<double>(E) / (static_cast<double>(K) * n_tokens * n_tokens) /
-             div * mtp;
+      return coeff * static_cast<double>(E) / (static_cast<double>(K) * n_tokens * n_tokens) / div *
+             mtp;
     };
     // aux_loss: switch_load_balancing_loss_func on this batch's counts.
     if (lb.aux > 0.0 && n > 0.0) {
@@ -648,7 +661,8 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     // batch; only an accumulating call keeps it.
     if (lb.global > 0.0) {
       std::vector<double> acc(static_cast<size_t>(E), 0.0);
-      if (gstate->num_tokens_per_expert.defined()) acc = gstate->num_tokens_per_expert.to_double_vector();
+      if (gstate->num_tokens_per_expert.defined())
+        acc = gstate->num_tokens_per_expert.to_double_vector();
       for (int64_t e = 0; e < E; ++e) acc[e] += cnt1[e];
       const int64_t steps = gstate->steps + 1;
       if (options.global_aux_loss_update == GlobalAuxLossUpdate::accumulate) {
@@ -788,7 +802,8 @@ Tensor input_jitter_backward(const Tensor& grad, double eps, uint64_t seed) {
   return jitter_apply(grad, eps, seed, "input_jitter_backward", "grad");
 }
 
-Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert, double rate) {
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
+                          double rate) {
   constexpr const char* op = "update_expert_bias";
   detail::check_dtype(expert_bias, op, "expert_bias", {DType::fp32});
   detail::check_dim(expert_bias, op, "expert_bias", 1);

@@ -238,14 +238,14 @@ inline double score_d(int score_function, bool pre_softmax, double z, double lse
 // Per-thread scratch for one row.
 template <class S>
 struct RowScratch {
-  std::vector<S> ex;       // exp(z - max) (softmax family), or s = f(z) (sigmoid family)
-  std::vector<S> key;      // selection key
-  std::vector<S> top_val;  // top-k buffer
-  std::vector<S> gsc;        // group scores (router dtype, Megatron's)
-  std::vector<double> gsd;   // group scores in double (only to break ties of gsc)
-  std::vector<S> gz;         // [G, m] each group's top-m logits, descending (ties between groups)
+  std::vector<S> ex;          // exp(z - max) (softmax family), or s = f(z) (sigmoid family)
+  std::vector<S> key;         // selection key
+  std::vector<S> top_val;     // top-k buffer
+  std::vector<S> gsc;         // group scores (router dtype, Megatron's)
+  std::vector<double> gsd;    // group scores in double (only to break ties of gsc)
+  std::vector<S> gz;          // [G, m] each group's top-m logits, descending (ties between groups)
   std::vector<int32_t> gsub;  // [G, m] each group's top-m expert ids
-  std::vector<S> masked;   // key with -inf outside the chosen groups
+  std::vector<S> masked;      // key with -inf outside the chosen groups
   std::vector<int32_t> gid;
   std::vector<int32_t> aux_id;
   std::vector<S> grow;    // gradient row
@@ -332,10 +332,9 @@ void break_ties_by_logit(const S* key, const S* z, int64_t n, int64_t k, int32_t
 // Top-k of one key row with the selection order above; key == z needs no tie pass (equal logits
 // go to the lower id, which select_topk already does).
 template <class S>
-void select_exact(const S* key, const S* z, int64_t n, int64_t k, RowScratch<S>& sc,
-                  int32_t* ids) {
-  select_topk(key, n, k, static_cast<const uint8_t*>(nullptr), sc.top_val.data(), ids,
-              sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
+void select_exact(const S* key, const S* z, int64_t n, int64_t k, RowScratch<S>& sc, int32_t* ids) {
+  select_topk(key, n, k, static_cast<const uint8_t*>(nullptr), sc.top_val.data(), ids, sc.bm.data(),
+              sc.cand_v.data(), sc.cand_i.data());
   if (key != z) break_ties_by_logit(key, z, n, k, ids);
 }
 
@@ -409,7 +408,8 @@ void native_select(const S* key, const S* z, const S* gval, const S* bias,
   // remain (checked by the front-end), all finite, so no -inf is ever selected.
   S* masked = sc.masked.data();
   std::fill_n(masked, E, -std::numeric_limits<S>::infinity());
-  for (int64_t j = 0; j < gt; ++j) std::copy_n(key + sc.gid[j] * per, per, masked + sc.gid[j] * per);
+  for (int64_t j = 0; j < gt; ++j)
+    std::copy_n(key + sc.gid[j] * per, per, masked + sc.gid[j] * per);
   select_topk(static_cast<const S*>(masked), E, K, static_cast<const uint8_t*>(nullptr),
               sc.top_val.data(), ids, sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
   if (key != z) {
@@ -748,7 +748,8 @@ void sinkhorn_select(const S* logits, const uint8_t* use_row, int64_t T, int64_t
   if (n == 0) return;
   double zmax = -std::numeric_limits<double>::infinity();
   for (int64_t r = 0; r < n; ++r) {
-    for (int64_t e = 0; e < E; ++e) zmax = std::max(zmax, static_cast<double>(logits[rows[r] * E + e]));
+    for (int64_t e = 0; e < E; ++e)
+      zmax = std::max(zmax, static_cast<double>(logits[rows[r] * E + e]));
   }
   // Megatron's cost is exp(z); a common factor exp(-zmax) is absorbed by d0 (and d1) exactly in
   // exact arithmetic, except against the 1e-8 guards, which it makes relatively larger. Megatron
@@ -798,8 +799,8 @@ void sinkhorn_select(const S* logits, const uint8_t* use_row, int64_t T, int64_t
   template int64_t apply_capacity<S>(const int32_t*, const S*, int64_t, int64_t, int64_t, int64_t, \
                                      bool, int32_t*, S*, int64_t*);                                \
   template void route_backward<S>(const S*, const int32_t*, const int32_t*, const uint8_t*,        \
-                                  const S*, const RouteKernelParams&, const double*, double, S*); \
-  template void sinkhorn_select<S>(const S*, const uint8_t*, int64_t, int64_t, int64_t, double,   \
+                                  const S*, const RouteKernelParams&, const double*, double, S*);  \
+  template void sinkhorn_select<S>(const S*, const uint8_t*, int64_t, int64_t, int64_t, double,    \
                                    int32_t*);
 SY_INSTANTIATE(float)
 SY_INSTANTIATE(double)

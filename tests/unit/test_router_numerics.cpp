@@ -158,7 +158,8 @@ TEST(RouterNumerics, BiasedSelectionOnFlatScoresAgainstReference) {
     const Tensor z = extreme_logits(x, T, E, rng);
     sy::RouteInputs in;
     in.expert_bias = Tensor::empty({E}, DType::fp32);
-    for (int64_t e = 0; e < E; ++e) in.expert_bias.data<float>()[e] = 0.125f * static_cast<float>(e % 3);
+    for (int64_t e = 0; e < E; ++e)
+      in.expert_bias.data<float>()[e] = 0.125f * static_cast<float>(e % 3);
     const auto r = sy::topk_route(z, in, c);
     sy::ref::RefRouteInputs rin;
     rin.bias = in.expert_bias.to_double_vector();

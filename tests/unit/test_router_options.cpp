@@ -44,8 +44,9 @@ TEST(RouterOptions, Bf16LogitsRouteLikeTheirFp32Upcast) {
     bool pre;
     int64_t groups;
   };
-  for (const C& c : {C{ScoreFunction::softmax, false, 0}, C{ScoreFunction::softmax, true, 0},
-                     C{ScoreFunction::sigmoid, false, 4}, C{ScoreFunction::sqrtsoftplus, false, 0}}) {
+  for (const C& c :
+       {C{ScoreFunction::softmax, false, 0}, C{ScoreFunction::softmax, true, 0},
+        C{ScoreFunction::sigmoid, false, 4}, C{ScoreFunction::sqrtsoftplus, false, 0}}) {
     RouterConfig rc = cfg(16, 4, c.f, c.pre);
     if (c.groups) {
       rc.num_groups = c.groups;
@@ -136,8 +137,8 @@ struct Routed {
   Tensor grad;
 };
 
-Routed route_with_grad(const Tensor& z, const Tensor& gw, const RouterConfig& c,
-                       const Tensor& mask, int64_t seq_length) {
+Routed route_with_grad(const Tensor& z, const Tensor& gw, const RouterConfig& c, const Tensor& mask,
+                       int64_t seq_length) {
   sy::GlobalAuxLossState g;
   g.num_tokens_per_expert = Tensor::full({c.num_experts}, DType::fp64, 3.0);
   g.steps = 2;
@@ -199,14 +200,16 @@ TEST(RouterOptions, SeveralLoadBalancingLossesAddUp) {
     std::vector<double> fd(static_cast<size_t>(T * E));
     auto obj = [&](const sy::RouteResult& r) {
       double L = r.aux_loss + r.z_loss;
-      for (int64_t j = 0; j < T * K; ++j) L += gw.data<double>()[j] * r.topk_weights.data<double>()[j];
+      for (int64_t j = 0; j < T * K; ++j)
+        L += gw.data<double>()[j] * r.topk_weights.data<double>()[j];
       return L;
     };
     for (int64_t j = 0; j < T * E; ++j) {
       Tensor zp = z.clone(), zm = z.clone();
       zp.data<double>()[j] += h;
       zm.data<double>()[j] -= h;
-      const Routed p = route_with_grad(zp, gw, all, mask, 4), m = route_with_grad(zm, gw, all, mask, 4);
+      const Routed p = route_with_grad(zp, gw, all, mask, 4),
+                   m = route_with_grad(zm, gw, all, mask, 4);
       ASSERT_TRUE(bitwise_equal(p.r.topk_idx, a.r.topk_idx));
       ASSERT_TRUE(bitwise_equal(m.r.topk_idx, a.r.topk_idx));
       fd[j] = (obj(p.r) - obj(m.r)) / (2 * h);
@@ -430,7 +433,8 @@ TEST(RouterOptions, SinkhornRouting) {
     // Replay under sinkhorn: replayed rows keep the given ids.
     sy::RouteInputs in;
     in.replay_idx = Tensor::full({T, K}, DType::int32, -1);
-    for (int64_t k = 0; k < K; ++k) in.replay_idx.data<int32_t>()[3 * K + k] = static_cast<int32_t>(7 - k);
+    for (int64_t k = 0; k < K; ++k)
+      in.replay_idx.data<int32_t>()[3 * K + k] = static_cast<int32_t>(7 - k);
     const auto rr = sy::topk_route(z, in, c);
     for (int64_t k = 0; k < K; ++k) EXPECT_EQ(rr.topk_idx.data<int32_t>()[3 * K + k], 7 - k);
     EXPECT_EQ(rr.num_replayed_rows, 1);
@@ -503,7 +507,9 @@ TEST(RouterOptions, ThreadCountAndBatchInvarianceOfTheNewOptions) {
     for (DType dt : {DType::bf16, DType::fp32}) {
       Tensor z = sy::testing::randn({T, E}, dt, rng, 3.0);
       if (dt == DType::fp32) {  // flat regions: fp32 exp underflow and sigmoid saturation
-        for (int64_t i = 0; i < T * E; i += 3) z.data<float>()[i] = f == ScoreFunction::softmax ? -120.0f : 40.0f + static_cast<float>(i % 7);
+        for (int64_t i = 0; i < T * E; i += 3)
+          z.data<float>()[i] =
+              f == ScoreFunction::softmax ? -120.0f : 40.0f + static_cast<float>(i % 7);
       }
       sy::RouteInputs in;
       in.expert_bias = sy::testing::randn({E}, DType::fp32, rng, 0.1);
