@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "switchyard/dist.h"
 #include "switchyard/tensor.h"
 
 namespace switchyard {
@@ -210,6 +211,25 @@ struct RouteResult {
 /// Deterministic; not collective (per-rank capacity and losses over the local tokens).
 RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const RouterConfig& config,
                        const RouteOptions& options = {});
+
+/// Communicators of the cross-rank loss statistics (Megatron-Core's process groups). Null = local.
+struct RouteComms {
+  /// Megatron's tp_cp group: aux_loss / seq_aux_loss per-expert counts and token totals are
+  /// summed over it, the z-loss is averaged over it (coefficient / size), and
+  /// calculate_per_token_loss scales by local valid tokens * its size.
+  dist::Communicator* loss = nullptr;
+  /// Megatron's tp_dp_cp group: global_aux_loss per-expert counts and token total (the state
+  /// accumulates the summed counts, the same on every rank).
+  dist::Communicator* global_aux_loss = nullptr;
+};
+
+/// topk_route with cross-rank loss statistics. Collective over the given communicators (every
+/// rank must call it with the same config): sums are taken over allgathered values in rank order,
+/// so they are deterministic. A bad argument on any rank makes every rank throw (the failing rank
+/// its own error, the others "[route] rank r failed"), before any state is updated. Ids and weights
+/// stay per token; only the losses and their gradients see the other ranks.
+RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const RouterConfig& config,
+                       const RouteOptions& options, const RouteComms& comms);
 
 /// Options of topk_route_backward.
 struct RouteBackwardOptions {

@@ -348,8 +348,63 @@ void validate_router_config(const RouterConfig& c) {
   }
 }
 
-RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
-                       const RouterConfig& config, const RouteOptions& options) {
+namespace {
+
+// Element-wise sum over the ranks of c, in rank order (deterministic whatever MPI would do).
+template <class T>
+void sum_over_ranks(dist::Communicator& c, T* v, int64_t n) {
+  if (c.size() == 1 || n == 0) return;
+  std::vector<T> all(static_cast<size_t>(n * c.size()));
+  c.allgather(v, all.data(), n, sizeof(T));
+  for (int64_t i = 0; i < n; ++i) {
+    T s = 0;
+    for (int r = 0; r < c.size(); ++r) s += all[static_cast<size_t>(r * n + i)];
+    v[i] = s;
+  }
+}
+
+// Error agreement: every rank says whether it failed (rank + 1) before the first reduction.
+// Returns the highest failing rank, or -1.
+int agree_on_failure(const RouteComms& comms, bool failed) {
+  int worst = -1;
+  for (dist::Communicator* c : {comms.loss, comms.global_aux_loss}) {
+    if (!c) continue;
+    int64_t v = failed ? c->rank() + 1 : 0;
+    c->allreduce_max(&v, 1);
+    worst = std::max(worst, static_cast<int>(v) - 1);
+  }
+  return worst;
+}
+
+RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
+                            const RouterConfig& config, const RouteOptions& options,
+                            const RouteComms* comms, bool* agreed);
+
+}  // namespace
+
+RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const RouterConfig& config,
+                       const RouteOptions& options) {
+  return topk_route_impl(logits, inputs, config, options, nullptr, nullptr);
+}
+
+RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const RouterConfig& config,
+                       const RouteOptions& options, const RouteComms& comms) {
+  bool agreed = false;
+  try {
+    return topk_route_impl(logits, inputs, config, options, &comms, &agreed);
+  } catch (...) {
+    // A local failure before the agreement: take part in it (so no rank waits forever), then
+    // throw this rank's own error.
+    if (!agreed) agree_on_failure(comms, true);
+    throw;
+  }
+}
+
+namespace {
+
+RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
+                            const RouterConfig& config, const RouteOptions& options,
+                            const RouteComms* comms, bool* agreed) {
   // ---- validation (before any work) ----
   validate_router_config(config);
   detail::check_dtype(logits_in, kOp, "logits", {DType::bf16, DType::fp32, DType::fp64});
@@ -609,12 +664,43 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
   if (is_bf16) r.topk_weights = r.topk_weights.to(DType::bf16);  // exact: already bf16 values
   r.logits_dtype = logits_in.dtype();
 
+  // ---- cross-rank agreement, then the losses ----
+  dist::Communicator* lc = comms ? comms->loss : nullptr;
+  dist::Communicator* gc = comms ? comms->global_aux_loss : nullptr;
+  if (comms) {
+    const int bad = agree_on_failure(*comms, false);
+    *agreed = true;
+    if (bad >= 0) detail::fail_arg(kOp, "rank ", bad, " failed (see its error)");
+  }
   // ---- losses (Megatron-Core moe_utils / router.py), sums in fixed order ----
-  const int64_t num_valid = T - r.num_padded_rows;
+  const int64_t num_valid_local = T - r.num_padded_rows;
+  // Megatron sums the per-expert counts and the token counts over tp_cp (aux, seq) and tp_dp_cp
+  // (global); the score sums stay local.
+  int64_t num_valid = num_valid_local, num_valid_global = num_valid_local;
+  std::vector<int64_t> cnt_global_local;  // this rank's counts over all groups, for gc
+  if (need_aux && lb.global > 0.0) {
+    cnt_global_local.assign(static_cast<size_t>(E), 0);
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t e = 0; e < E; ++e) cnt_global_local[e] += aux_cnt[g * E + e];
+    }
+  }
+  if (lc) {
+    sum_over_ranks(*lc, &num_valid, 1);
+    if (need_aux) sum_over_ranks(*lc, aux_cnt.data(), G * E);
+  }
+  if (gc) {
+    sum_over_ranks(*gc, &num_valid_global, 1);
+    if (need_aux && lb.global > 0.0) sum_over_ranks(*gc, cnt_global_local.data(), E);
+  } else if (lc) {
+    num_valid_global = num_valid;  // no separate group: the loss group's totals
+    if (need_aux && lb.global > 0.0) sum_over_ranks(*lc, cnt_global_local.data(), E);
+  }
+  const double lc_size = lc ? static_cast<double>(lc->size()) : 1.0;
   // Megatron's calculate_per_token_loss attaches loss * num_local_tokens (valid tokens) to the
   // gradient and logs the loss itself; an MTP layer run mtp_num_layers times divides its
   // load-balancing losses by that count (value and gradient; the z-loss only in Megatron's log).
-  const double per_token = config.calculate_per_token_loss ? static_cast<double>(num_valid) : 1.0;
+  const double per_token =
+      config.calculate_per_token_loss ? static_cast<double>(num_valid_local) * lc_size : 1.0;
   const double mtp =
       (config.is_mtp_layer && config.mtp_use_repeated_layer && config.mtp_num_layers > 0)
           ? 1.0 / static_cast<double>(config.mtp_num_layers)
@@ -663,7 +749,7 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
       std::vector<double> acc(static_cast<size_t>(E), 0.0);
       if (gstate->num_tokens_per_expert.defined())
         acc = gstate->num_tokens_per_expert.to_double_vector();
-      for (int64_t e = 0; e < E; ++e) acc[e] += cnt1[e];
+      for (int64_t e = 0; e < E; ++e) acc[e] += static_cast<double>(cnt_global_local[e]);
       const int64_t steps = gstate->steps + 1;
       if (options.global_aux_loss_update == GlobalAuxLossUpdate::accumulate) {
         if (!gstate->num_tokens_per_expert.defined()) {
@@ -672,8 +758,9 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
         std::copy(acc.begin(), acc.end(), gstate->num_tokens_per_expert.data<double>());
         gstate->steps = steps;
       }
-      if (n > 0.0) {
-        const double f = coeff_f(lb.global, n, 1.0);
+      const double ng = static_cast<double>(num_valid_global);
+      if (ng > 0.0) {
+        const double f = coeff_f(lb.global, ng, 1.0);
         double loss = 0.0;
         for (int64_t e = 0; e < E; ++e) {
           const double c = acc[e] / static_cast<double>(steps);
@@ -690,12 +777,16 @@ RouteResult topk_route(const Tensor& logits_in, const RouteInputs& inputs,
     }
   }
   if (p.need_z) {
-    const double nz = static_cast<double>(std::max<int64_t>(num_valid, 1));
-    r.z_loss = config.z_loss_coeff * z_sum / nz;
-    r.z_grad_coeff = 2.0 * config.z_loss_coeff / nz * per_token;
+    // Megatron: the mean over this rank's tokens with coefficient / tp_cp size.
+    const double nz = static_cast<double>(std::max<int64_t>(num_valid_local, 1));
+    const double zc = config.z_loss_coeff / lc_size;
+    r.z_loss = zc * z_sum / nz;
+    r.z_grad_coeff = 2.0 * zc / nz * per_token;
   }
   return r;
 }
+
+}  // namespace
 
 RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResult& handle,
                                const RouterConfig& config, const RouteBackwardOptions& options) {
