@@ -257,7 +257,8 @@ void bind_router(py::module_& m) {
          py::handle replay_idx, py::handle padding_mask, GlobalAuxLossState* global_state,
          const std::string& invalid_replay_rows, int64_t layer, int64_t seq_length,
          bool accumulate_global_aux_loss, uint64_t force_seed, uint64_t force_bias_seed,
-         bool training, py::handle qb_beta) {
+         bool training, py::handle qb_beta, py::handle loss_comm,
+         py::handle global_aux_loss_comm) {
         const char* op = "topk_route";
         RouteOptions opt;
         if (invalid_replay_rows == "error") {
@@ -287,10 +288,14 @@ void bind_router(py::module_& m) {
         in.padding_mask = am.t;
         if (!replay_idx.is_none()) in.replay_idx = ids_int32(replay_idx, op, "replay_idx", ar);
         in.global_aux_loss_state = global_state;
+        RouteComms comms;
+        comms.loss = communicator_of(loss_comm, op, "loss_comm");
+        comms.global_aux_loss = communicator_of(global_aux_loss_comm, op, "global_aux_loss_comm");
         auto out = std::make_unique<PyRoute>();
         {
           py::gil_scoped_release nogil;
-          out->r = topk_route(al.t, in, config, opt);
+          out->r = comms.loss || comms.global_aux_loss ? topk_route(al.t, in, config, opt, comms)
+                                                       : topk_route(al.t, in, config, opt);
         }
         out->keep_logits = al.keep;
         return out;
@@ -299,7 +304,8 @@ void bind_router(py::module_& m) {
       py::arg("padding_mask"), py::arg("global_aux_loss_state"), py::arg("invalid_replay_rows"),
       py::arg("layer"), py::arg("seq_length"), py::arg("accumulate_global_aux_loss") = true,
       py::arg("force_seed") = 0, py::arg("force_bias_seed") = 0, py::arg("training") = true,
-      py::arg("qb_beta") = py::none());
+      py::arg("qb_beta") = py::none(), py::arg("loss_comm") = py::none(),
+      py::arg("global_aux_loss_comm") = py::none());
   m.def(
       "topk_route_backward",
       [](py::handle grad_topk_weights, const PyRoute& route, double loss_grad_scale) {

@@ -297,13 +297,14 @@ class _TopKRoute(torch.autograd.Function):
     def forward(ctx, logits, config, expert_bias, replay_idx, padding_mask, global_state,
                 invalid_replay_rows, layer, seq_length, loss_grad_scale, accumulate, extra,
                 qb_beta, info_box):
-        # extra: (force_seed, force_bias_seed, training), see topk_route.
+        # extra: (force_seed, force_bias_seed, training, loss_comm, global_aux_loss_comm).
         with _no_autocast():
             res = _C.topk_route(logits.detach(), config,
                                 None if expert_bias is None else expert_bias.detach(),
                                 replay_idx, padding_mask, global_state, invalid_replay_rows,
-                                layer, seq_length, accumulate, *extra,
-                                None if qb_beta is None else qb_beta.detach())
+                                layer, seq_length, accumulate, *extra[:3],
+                                qb_beta=None if qb_beta is None else qb_beta.detach(),
+                                loss_comm=extra[3], global_aux_loss_comm=extra[4])
         ctx.res = res
         ctx.loss_grad_scale = loss_grad_scale
         ctx.save_for_backward(logits)  # version check: the engine reads these logits in backward
@@ -321,6 +322,13 @@ class _TopKRoute(torch.autograd.Function):
         return (grad_logits,) + (None,) * 13
 
 
+def _comm(obj):
+    if obj is None:
+        return None
+    from . import dist
+    return dist.as_communicator(obj, "loss communicator")
+
+
 def _force_seeds(config, force_seed, force_bias_seed):
     """(force_seed, force_bias_seed) for the engine; unused (0) unless forced routing is on."""
     if not (config.force_load_balancing or config.force_biased):
@@ -333,7 +341,8 @@ def _force_seeds(config, force_seed, force_bias_seed):
 def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay_rows="error", *,
                padding_mask=None, seq_length=None, global_aux_loss_state=None, layer=None,
                aux_loss_grad_scale=1.0, accumulate_global_aux_loss=True, force_seed=None,
-               force_bias_seed=None, training=True, qb_beta=None, return_info=False):
+               force_bias_seed=None, training=True, qb_beta=None, loss_comm=None,
+               global_aux_loss_comm=None, return_info=False):
     """Route T tokens to K of E experts from router logits (Megatron-Core's TopKRouter semantics).
 
     logits [T, E] fp32 or fp64 (the router dtype), or bf16 (Megatron's moe_router_dtype=None:
@@ -353,7 +362,9 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     from torch's default generator). training: sinkhorn routing selects on the Sinkhorn-
     normalised batch when True (Megatron's training path), on the logits when False (its eval);
     quantile_balancing computes RouteInfo.qb_beta_local when True. qb_beta [E] fp32: the
-    quantile-balancing bias (None = zeros).
+    quantile-balancing bias (None = zeros). loss_comm / global_aux_loss_comm: Megatron's tp_cp /
+    tp_dp_cp groups (switchyard.dist.Communicator or mpi4py communicators; None = local): the loss
+    statistics are summed over them (collective; every rank must call with the same config).
 
     Returns (topk_weights [T, K] in the logits' dtype, differentiable to logits; topk_idx [T, K]
     int64, -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added
@@ -376,7 +387,9 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
         invalid_replay_rows, -1 if layer is None else int(layer),
         0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale),
         bool(accumulate_global_aux_loss),
-        _force_seeds(config, force_seed, force_bias_seed) + (bool(training),), qb_beta, box)
+        _force_seeds(config, force_seed, force_bias_seed) + (bool(training), _comm(loss_comm),
+                                                              _comm(global_aux_loss_comm)),
+        qb_beta, box)
     if len(lead) != 1:
         topk_weights = topk_weights.view(*lead, topk_weights.shape[-1])
         topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
@@ -419,7 +432,8 @@ class TopKRouter(torch.nn.Module):
 
     def __init__(self, hidden_size, config, router_dtype=torch.float32, *, bias=False,
                  params_dtype=torch.float32, init_std=0.02, enable_expert_bias=False,
-                 layer_number=None, aux_loss_grad_scale=1.0, input_jitter_eps=None):
+                 layer_number=None, aux_loss_grad_scale=1.0, input_jitter_eps=None,
+                 loss_comm=None, global_aux_loss_comm=None):
         super().__init__()
         if not isinstance(config, _C.RouterConfig):
             raise ValueError("[TopKRouter] config must be a switchyard.RouterConfig, got "
@@ -434,6 +448,8 @@ class TopKRouter(torch.nn.Module):
         self.layer_number = layer_number
         self.aux_loss_grad_scale = aux_loss_grad_scale
         self.input_jitter_eps = input_jitter_eps
+        self.loss_comm = loss_comm  # Megatron's tp_cp group (None = local)
+        self.global_aux_loss_comm = global_aux_loss_comm  # its tp_dp_cp group
         E = config.num_experts
         self.weight = torch.nn.Parameter(
             torch.empty(E, self.hidden_size, dtype=params_dtype).normal_(0.0, init_std))
@@ -510,6 +526,7 @@ class TopKRouter(torch.nn.Module):
             seq_length=seq_length, global_aux_loss_state=gstate,
             layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
             accumulate_global_aux_loss=accumulate, training=self.training, qb_beta=self.qb_beta,
+            loss_comm=self.loss_comm, global_aux_loss_comm=self.global_aux_loss_comm,
             # force_biased < 0: Megatron draws the bias once per layer and reuses it.
             force_bias_seed=((0x5EED0000 + (self.layer_number or 0)) & (2**62 - 1)
                              if (self.config.force_biased or 0) < 0 else None),
