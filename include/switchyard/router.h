@@ -256,6 +256,12 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
 Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
                           double rate);
 
+/// The same with the counts summed over `comm` first (Megatron sums them over tp_dp_cp before
+/// the update), so every rank gets the same bias. Collective; a bad argument on any rank throws
+/// on every rank.
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
+                          double rate, dist::Communicator& comm);
+
 /// Input jitter (Megatron-Core `moe_input_jitter_eps`, Switch Transformer): returns x * u with
 /// u ~ Uniform(1 - eps, 1 + eps) drawn per element from a counter-based generator keyed by
 /// (seed, flat index), computed in fp32 (fp64 for fp64 x) and rounded once to x's dtype.

@@ -336,13 +336,20 @@ void bind_router(py::module_& m) {
       py::arg("x"), py::arg("eps"), py::arg("seed"), py::arg("backward") = false);
   m.def(
       "update_expert_bias",
-      [](py::handle expert_bias, py::handle num_tokens_per_expert, double rate) {
+      [](py::handle expert_bias, py::handle num_tokens_per_expert, double rate, py::handle comm) {
         const char* op = "update_expert_bias";
         py_bridge::Arg ab = py_bridge::borrow(expert_bias, op, "expert_bias");
         py_bridge::Arg ac = py_bridge::borrow(num_tokens_per_expert, op, "num_tokens_per_expert");
-        return py_bridge::to_torch(update_expert_bias(ab.t, ac.t, rate));
+        dist::Communicator* c = communicator_of(comm, op, "comm");
+        Tensor out;
+        {
+          py::gil_scoped_release nogil;
+          out = c ? update_expert_bias(ab.t, ac.t, rate, *c) : update_expert_bias(ab.t, ac.t, rate);
+        }
+        return py_bridge::to_torch(std::move(out));
       },
-      py::arg("expert_bias"), py::arg("num_tokens_per_expert"), py::arg("rate"));
+      py::arg("expert_bias"), py::arg("num_tokens_per_expert"), py::arg("rate"),
+      py::arg("comm") = py::none());
 
   py::class_<RouterReplay>(m, "RouterReplayCore", "Replay queues of one MoE layer (engine object).")
       .def(py::init([](int64_t top_k, int64_t layer) {

@@ -398,10 +398,11 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     return topk_weights, topk_idx
 
 
-def update_expert_bias(expert_bias, num_tokens_per_expert, rate):
+def update_expert_bias(expert_bias, num_tokens_per_expert, rate, comm=None):
     """Aux-loss-free bias update (DeepSeek-V3): expert_bias + rate * sign(mean(c) - c), [E] fp32
-    from the per-expert counts c = num_tokens_per_expert [E]."""
-    return _C.update_expert_bias(expert_bias, num_tokens_per_expert, float(rate))
+    from the per-expert counts c = num_tokens_per_expert [E]; with ``comm`` (Megatron's tp_dp_cp
+    group) the counts are summed over its ranks first (collective)."""
+    return _C.update_expert_bias(expert_bias, num_tokens_per_expert, float(rate), _comm(comm))
 
 
 def _in_non_reentrant_recompute():
@@ -556,10 +557,11 @@ class TopKRouter(torch.nn.Module):
         self.qb_beta_count.zero_()
 
     @torch.no_grad()
-    def update_expert_bias(self, rate):
-        """expert_bias += rate * sign(mean(c) - c) with the counts since the last update."""
+    def update_expert_bias(self, rate, comm=None):
+        """expert_bias += rate * sign(mean(c) - c) with the counts since the last update (summed
+        over ``comm``, Megatron's tp_dp_cp group, when given: collective)."""
         if self.expert_bias is None:
             raise ValueError("[TopKRouter] update_expert_bias needs enable_expert_bias=True")
         self.expert_bias.copy_(update_expert_bias(self.expert_bias, self.local_tokens_per_expert,
-                                                  rate))
+                                                  rate, comm))
         self.local_tokens_per_expert.zero_()

@@ -51,6 +51,22 @@ def main():
     r = syt.TopKRouter(8, cfg, loss_comm=comm, global_aux_loss_comm=comm)
     r(torch.randn(5, 8, generator=g))
     assert r.global_aux_loss_state.steps == 1
+    # Expert-bias update with counts summed over the ranks: the same bias everywhere, equal to
+    # one update on the summed counts.
+    rb = syt.TopKRouter(8, sy.RouterConfig(num_experts=E, top_k=K, score_function="sigmoid"),
+                        enable_expert_bias=True)
+    x_all = torch.randn(8 * size, 8, generator=g)
+    with torch.no_grad():
+        rb.weight.normal_(generator=torch.Generator().manual_seed(3))
+    total = torch.zeros(E, dtype=torch.float64)
+    for r_ in range(size):
+        _, idx_r = rb(x_all[8 * r_:8 * (r_ + 1)])
+        total += torch.bincount(idx_r.flatten(), minlength=E).double()
+        if r_ != rank:  # keep only this rank's own counts
+            rb.local_tokens_per_expert -= torch.bincount(idx_r.flatten(), minlength=E).double()
+    want = syt.update_expert_bias(rb.expert_bias.clone(), total, 1e-3)
+    rb.update_expert_bias(1e-3, comm=comm)
+    assert torch.equal(rb.expert_bias, want)
     # A bad argument on rank 0 raises on every rank (no rank left in a collective).
     bad = torch.zeros(4, E)
     if rank == 0:

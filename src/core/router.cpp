@@ -893,8 +893,11 @@ Tensor input_jitter_backward(const Tensor& grad, double eps, uint64_t seed) {
   return jitter_apply(grad, eps, seed, "input_jitter_backward", "grad");
 }
 
-Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
-                          double rate) {
+namespace {
+
+// Validates, returns the counts as doubles.
+std::vector<double> expert_bias_counts(const Tensor& expert_bias,
+                                       const Tensor& num_tokens_per_expert, double rate) {
   constexpr const char* op = "update_expert_bias";
   detail::check_dtype(expert_bias, op, "expert_bias", {DType::fp32});
   detail::check_dim(expert_bias, op, "expert_bias", 1);
@@ -903,7 +906,11 @@ Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_pe
                       {DType::int64, DType::int32, DType::fp32, DType::fp64});
   detail::check_shape(num_tokens_per_expert, op, "num_tokens_per_expert", {E});
   if (!std::isfinite(rate)) detail::fail_arg(op, "rate must be finite, got ", rate);
-  const std::vector<double> c = num_tokens_per_expert.to_double_vector();
+  return num_tokens_per_expert.to_double_vector();
+}
+
+Tensor expert_bias_step(const Tensor& expert_bias, const std::vector<double>& c, double rate) {
+  const int64_t E = expert_bias.size(0);
   double sum = 0.0;
   for (double v : c) sum += v;
   Tensor out = Tensor::empty({E}, DType::fp32);
@@ -917,6 +924,36 @@ Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_pe
     o[e] = b[e] + sgn * rate_f;
   }
   return out;
+}
+
+}  // namespace
+
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
+                          double rate) {
+  return expert_bias_step(expert_bias, expert_bias_counts(expert_bias, num_tokens_per_expert, rate),
+                          rate);
+}
+
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
+                          double rate, dist::Communicator& comm) {
+  std::vector<double> c;
+  bool failed = false;
+  try {
+    c = expert_bias_counts(expert_bias, num_tokens_per_expert, rate);
+  } catch (...) {
+    failed = true;
+    RouteComms rc;
+    rc.loss = &comm;
+    agree_on_failure(rc, true);
+    throw;
+  }
+  RouteComms rc;
+  rc.loss = &comm;
+  const int bad = agree_on_failure(rc, failed);
+  if (bad >= 0) detail::fail_arg("update_expert_bias", "rank ", bad, " failed (see its error)");
+  // Counts are integers (exact in double below 2^53): the sum does not depend on the order.
+  sum_over_ranks(comm, c.data(), static_cast<int64_t>(c.size()));
+  return expert_bias_step(expert_bias, c, rate);
 }
 
 }  // namespace switchyard

@@ -128,5 +128,30 @@ TEST(RouterMpi, BadArgumentOnOneRankThrowsOnEveryRank) {
   EXPECT_NO_THROW(topk_route(Tensor::zeros({5, E}, DType::fp32), {}, c, {}, RouteComms{&w, &w}));
 }
 
+// Expert-bias update with the counts summed over the ranks (Megatron's tp_dp_cp all-reduce):
+// every rank gets the bias of one update on the summed counts.
+TEST(RouterMpi, ExpertBiasUpdateSumsCountsOverRanks) {
+  auto& w = *world();
+  const int64_t E = 8;
+  Tensor bias = Tensor::zeros({E}, DType::fp32);
+  for (int64_t e = 0; e < E; ++e) bias.data<float>()[e] = 0.01f * static_cast<float>(e);
+  auto counts_of = [&](int r) {
+    Tensor c = Tensor::empty({E}, DType::int64);
+    for (int64_t e = 0; e < E; ++e) c.data<int64_t>()[e] = (e * 7 + r * 5) % 11 + (e == r ? 9 : 0);
+    return c;
+  };
+  Tensor total = Tensor::zeros({E}, DType::int64);
+  for (int r = 0; r < w.size(); ++r) {
+    const Tensor c = counts_of(r);
+    for (int64_t e = 0; e < E; ++e) total.data<int64_t>()[e] += c.data<int64_t>()[e];
+  }
+  const Tensor got = update_expert_bias(bias, counts_of(w.rank()), 1e-3, w);
+  EXPECT_TRUE(bitwise_equal(got, update_expert_bias(bias, total, 1e-3)));
+  SY_EXPECT_THROW_MSG(
+      update_expert_bias(bias, w.rank() == 0 ? Tensor::zeros({E + 1}, DType::int64) : total, 1e-3,
+                         w),
+      std::invalid_argument, w.rank() == 0 ? "num_tokens_per_expert" : "rank 0 failed");
+}
+
 }  // namespace
 }  // namespace switchyard
