@@ -1,15 +1,16 @@
 // `switchyard routes ...`: import engine routes into route files, inspect, validate, compute load
 // and drift statistics, and align files to a trainer's parallel layout.
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
-#include <cstring>
-#include <fstream>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iomanip>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <system_error>
 
 #include "commands.h"
 #include "switchyard/error.h"
@@ -468,10 +469,10 @@ struct ExportArgs {
 
 void write_bytes(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) throw BackendError("open(" + path + "): " + std::strerror(errno));
+  if (!f) throw BackendError("open(" + path + "): " + std::generic_category().message(errno));
   f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   f.close();
-  if (!f) throw BackendError("write(" + path + "): " + std::strerror(errno));
+  if (!f) throw BackendError("write(" + path + "): " + std::generic_category().message(errno));
 }
 
 // verl's batch layout: OUT.routed_experts.npy (int16 [batch, seq, num_hidden_layers, K]) and
