@@ -1,5 +1,7 @@
 // What every subcommand shares: library errors become a message and an exit code.
+#include <filesystem>
 #include <functional>
+#include <new>
 #include <stdexcept>
 
 #include "commands.h"
@@ -26,6 +28,19 @@ void run_guarded(std::ostream& err, const std::function<void()>& body) {
   } catch (const BackendError& e) {
     err << "error: " << e.what() << "\n";
     throw CLI::RuntimeError(kExitUsage);
+  } catch (const std::bad_alloc&) {
+    // Sizes the machine cannot hold (demo sizes, a huge table): a message, never an abort.
+    err << "error: out of memory: the sizes asked for cannot be allocated on this machine\n";
+    throw CLI::RuntimeError(kExitUsage);
+  } catch (const std::filesystem::filesystem_error& e) {
+    err << "error: " << e.what() << "\n";
+    throw CLI::RuntimeError(kExitUsage);
+  } catch (const std::exception& e) {
+    err << "error: " << e.what() << "\n";
+    throw CLI::RuntimeError(kExitBad);
+  } catch (...) {
+    err << "error: unknown exception\n";
+    throw CLI::RuntimeError(kExitBad);
   }
 }
 
@@ -41,6 +56,12 @@ int run_cli(const std::vector<std::string>& args, std::ostream& out, std::ostrea
     app.parse(reversed);
   } catch (const CLI::ParseError& e) {
     return app.exit(e, out, err);
+  } catch (const std::exception& e) {  // outside run_guarded (an option check, a callback)
+    err << "error: " << e.what() << "\n";
+    return kExitBad;
+  } catch (...) {
+    err << "error: unknown exception\n";
+    return kExitBad;
   }
   return 0;
 }

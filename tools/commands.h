@@ -12,7 +12,9 @@ constexpr int kExitBad = 1;    ///< the data is not intact / a data problem / a 
 constexpr int kExitUsage = 2;  ///< bad arguments or unreadable input
 
 /// Runs a subcommand body: DataError -> "error: ..." on `err` and exit code kExitBad;
-/// std::invalid_argument, std::out_of_range and BackendError -> kExitUsage. CLI11's own errors pass.
+/// std::invalid_argument, std::out_of_range, BackendError, std::bad_alloc and filesystem errors ->
+/// kExitUsage; any other exception -> kExitBad. CLI11's own errors pass. Nothing escapes as an
+/// uncaught exception (which would abort with 134).
 void run_guarded(std::ostream& err, const std::function<void()>& body);
 
 /// `switchyard routes import|inspect|validate|stats|diff|align`. Output goes to `out` (results)

@@ -463,6 +463,18 @@ void Demo::batch_invariance() {
 }
 
 int run_demo(const DemoConfig& c, std::ostream& out, std::ostream& err) {
+  {
+    // The output folder is checked before any work (a clear error, not an exception minutes in).
+    namespace fs = std::filesystem;
+    const fs::path dir =
+        c.out_dir.empty() ? fs::temp_directory_path() / "switchyard-demo" : fs::path(c.out_dir);
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec || !fs::is_directory(dir)) {
+      throw sy::BackendError("[demo] --out " + dir.string() + ": cannot create the folder (" +
+                             (ec ? ec.message() : std::string("not a directory")) + ")");
+    }
+  }
   Demo d(c, out, err);
   d.report["config"] = {{"hidden", d.H},
                         {"num_experts", d.E},

@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -26,6 +27,18 @@ using nlohmann::json;
 using namespace switchyard;
 
 constexpr int64_t kProgressEvery = 1000;
+
+// Discards the writer's uncommitted output when the command leaves by an exception (after a
+// successful close() there is nothing left to discard).
+struct DiscardOnFailure {
+  std::function<RouteFileWriter*()> writer;
+  int uncaught = std::uncaught_exceptions();
+  ~DiscardOnFailure() {
+    if (std::uncaught_exceptions() > uncaught) {
+      if (RouteFileWriter* w = writer()) w->discard();
+    }
+  }
+};
 
 std::string percent(double share) {
   std::ostringstream os;
@@ -64,6 +77,7 @@ struct ImportArgs {
   int64_t num_layers = 0;
   int64_t top_k = 0;
   std::string zero_rows = "keep";
+  std::string invalid_rows = "error";
   std::string output;
   int level = 1;
   bool json_out = false;
@@ -79,6 +93,8 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   if (!a.moe_layers.empty()) opt.layer_map.moe_layer_freq = parse_moe_layer_freq(a.moe_layers);
   opt.num_input_layers = a.num_layers;
   opt.top_k = a.top_k;
+  opt.invalid_rows =
+      a.invalid_rows == "none" ? InvalidRowPolicy::to_none : InvalidRowPolicy::error;
   opt.zero_rows = a.zero_rows == "none"    ? ZeroRowPolicy::to_none
                   : a.zero_rows == "error" ? ZeroRowPolicy::error
                                            : ZeroRowPolicy::keep;
@@ -88,6 +104,9 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
         "(SGLang's routed_experts is a flat array)");
   }
   std::unique_ptr<RouteFileWriter> writer;
+  // A failed import publishes nothing: the partial output is removed and an existing file at
+  // --output stays as it was (the writer only renames over it on close()).
+  DiscardOnFailure guard{[&] { return writer.get(); }};
   ImportReport total;
   std::vector<std::string> warnings;
   int64_t next_progress = kProgressEvery;
@@ -119,6 +138,7 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
     total.num_sequences += r.report.num_sequences;
     total.num_tokens += r.report.num_tokens;
     total.num_zero_rows += r.report.num_zero_rows;
+    total.num_invalid_rows += r.report.num_invalid_rows;
     warnings.insert(warnings.end(), r.report.warnings.begin(), r.report.warnings.end());
     if (total.num_sequences >= next_progress) {
       err << "[routes import] " << total.num_sequences << " sequences, " << total.num_tokens
@@ -145,6 +165,7 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
                 {"num_experts", a.num_experts},
                 {"num_zero_rows", total.num_zero_rows},
                 {"first_zero_rows", zr},
+                {"num_invalid_rows", total.num_invalid_rows},
                 {"warnings", warnings},
                 {"bytes", bytes},
                 {"ratio_vs_int32", bytes > 0 ? raw / double(bytes) : 0.0}}
@@ -166,6 +187,10 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
         << (opt.zero_rows == ZeroRowPolicy::to_none ? " -> stored as -1"
                                                     : " (kept; --zero-rows none stores them as -1)")
         << "\n";
+  }
+  if (total.num_invalid_rows > 0) {
+    out << "invalid rows (repeated id, or -1 mixed with ids): " << total.num_invalid_rows
+        << " -> stored as -1\n";
   }
   for (const auto& w : warnings) out << "warning: " << w << "\n";
 }
@@ -314,6 +339,19 @@ void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::
                                 std::to_string(ib.num_experts) + ", " + std::to_string(ib.top_k) +
                                 ", " + std::to_string(ib.num_moe_layers));
   }
+  if (!ia.moe_layers.empty() && !ib.moe_layers.empty() && ia.moe_layers != ib.moe_layers) {
+    // Same sizes but different hidden layers: layer l of one file is not layer l of the other.
+    throw std::invalid_argument("[routes diff] files have different MoE layer maps: " + pa +
+                                " holds hidden layers " + list_str(ia.moe_layers) + ", " + pb +
+                                " holds " + list_str(ib.moe_layers));
+  }
+  if (ia.num_hidden_layers > 0 && ib.num_hidden_layers > 0 &&
+      ia.num_hidden_layers != ib.num_hidden_layers) {
+    throw std::invalid_argument("[routes diff] files come from models with different layer "
+                                "counts: " + pa + " has " + std::to_string(ia.num_hidden_layers) +
+                                " hidden layers, " + pb + " has " +
+                                std::to_string(ib.num_hidden_layers));
+  }
   if (a.num_sequences() != b.num_sequences()) {
     throw std::invalid_argument("[routes diff] " + pa + " holds " +
                                 std::to_string(a.num_sequences()) + " sequences, " + pb +
@@ -380,6 +418,10 @@ struct AlignArgs {
 };
 
 void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
+  if (a.pp < 1 || a.vpp < 1) {
+    throw std::invalid_argument("[routes align] --pp and --vpp must be >= 1, got --pp " +
+                                std::to_string(a.pp) + " and --vpp " + std::to_string(a.vpp));
+  }
   if (a.micro_batch_size < 0) {
     throw std::invalid_argument(
         "[routes align] --micro-batch-size must be >= 0 (0 = all sequences), got " +
@@ -417,6 +459,7 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
     oinfo.moe_layers.assign(info.moe_layers.begin() + begin, info.moe_layers.begin() + end);
   }
   RouteFileWriter w(a.output, oinfo);
+  DiscardOnFailure guard{[&] { return &w; }};
   json batches = json::array();
   std::ostringstream human;
   int64_t mb_index = 0;
@@ -555,6 +598,9 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   imp->add_option("--zero-rows", ia->zero_rows,
                   "All-zero rows on MoE layers: keep, none (store -1) or error")
       ->check(CLI::IsMember({"keep", "none", "error"}));
+  imp->add_option("--invalid-rows", ia->invalid_rows,
+                  "Rows that repeat an id or mix -1 with ids: error, or none (store -1)")
+      ->check(CLI::IsMember({"error", "none"}));
   imp->add_option("--level", ia->level, "zstd level (1-19)");
   imp->add_option("-o,--output", ia->output, "Route file to write")->required();
   imp->add_flag("--json", ia->json_out, "Machine-readable output");

@@ -117,4 +117,14 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
                               const DispatchHandle& handle, const UnpermuteOptions& options,
                               Communicator& comm);
 
+/// Which collective's error agreement fail_collective joins.
+enum class CollectiveOp : uint8_t { dispatch, combine };
+
+/// For a caller (a binding, a framework adapter) whose own checks failed on this rank before it
+/// could call the collective: joins that collective's error agreement in its place, so every rank
+/// raises the same std::invalid_argument (the lowest failing rank's message) instead of the others
+/// waiting for this rank. `op`: dispatch for dispatch(), combine for combine(), dispatch_backward(),
+/// dispatch_weights_backward() and combine_backward(). Collective; always throws.
+[[noreturn]] void fail_collective(CollectiveOp op, const std::string& message, Communicator& comm);
+
 }  // namespace switchyard::dist

@@ -3,6 +3,7 @@
 // mpi4py's `comm.py2f()` gives), so the API never changes with the build.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -67,6 +68,22 @@ class Communicator {
   /// multi-MiB buffers). Not collective; not thread-safe (nor is a communicator).
   void* workspace(int slot, int64_t bytes);
 
+  /// Marks the communicator in use for one dispatcher call (dispatch, combine and the backwards
+  /// hold it for their whole duration). A communicator, its workspace and the dispatchers on it
+  /// serve one thread at a time: a second thread entering while it is held gets std::logic_error
+  /// naming both calls, never interleaved collectives or a workspace overwritten mid-call. Give
+  /// each thread its own communicator (a duplicate) to run them concurrently.
+  class Exclusive {
+   public:
+    Exclusive(Communicator& comm, const char* op);
+    ~Exclusive();
+    Exclusive(const Exclusive&) = delete;
+    Exclusive& operator=(const Exclusive&) = delete;
+
+   private:
+    Communicator& comm_;
+  };
+
   /// Typed convenience: everyone's `values` (same length on every rank), rank-major.
   template <class T>
   std::vector<T> allgather(const std::vector<T>& values) {
@@ -82,6 +99,7 @@ class Communicator {
     int64_t size = 0;
   };
   std::vector<Scratch> workspace_;
+  std::atomic<const char*> holder_{nullptr};  // the call holding Exclusive, or null
 };
 
 /// A size-1 communicator (rank 0 of 1): collectives are local copies. Always available.
@@ -90,6 +108,14 @@ std::shared_ptr<Communicator> local();
 /// True when the library was built with MPI.
 bool mpi_built();
 
+/// Watchdog: with the environment variable SWITCHYARD_COLLECTIVE_TIMEOUT=<seconds> (> 0) set when
+/// an MPI communicator is made, its collectives run as nonblocking MPI calls polled against that
+/// deadline; one that does not complete in time (another rank in a different call, or failed
+/// outside the error agreement) throws BackendError naming the call and the rank, on every rank
+/// that waits, and the communicator refuses further use (MPI cannot cancel a collective: end the
+/// job). Unset or 0: blocking MPI calls, no timeout. A value that is not a number is a
+/// BackendError when the communicator is made.
+///
 /// A duplicate of MPI_COMM_WORLD (MPI_ERRORS_RETURN set on it, freed by the destructor). MPI must
 /// be initialised by the caller (MPI_Init, or mpi4py). Throws BackendError when MPI is not
 /// initialised or the library was built without MPI ("not built with MPI").

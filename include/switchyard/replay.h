@@ -26,6 +26,8 @@ struct RouterReplayOptions {
 /// R3 (ids from the rollout engine): replay.replay_forward(ids_from_route_table).
 /// Recompute inside backward (1F1B: forward mb0, mb1, ...; backward mb0, mb1, ...):
 ///   topk_route(logits, {.replay_idx = replay.replay_backward(T)}, cfg);
+/// These compositions change the queue before topk_route validates the ids; route_forward,
+/// route_forward_recorded and route_backward do the same but commit only after routing succeeded.
 /// Queues are first in, first out. The replayed/native counts of every call are in RouteResult.
 /// Not thread-safe (one layer is driven by one thread).
 class RouterReplay {
@@ -45,6 +47,24 @@ class RouterReplay {
   /// that micro-batch. num_tokens must match its rows (std::invalid_argument otherwise, and the
   /// table stays queued). std::out_of_range when none is queued.
   Tensor replay_backward(int64_t num_tokens);
+
+  /// The table pop_recorded() would return, left queued. std::out_of_range when none is queued.
+  const Tensor& peek_recorded() const;
+  /// The table replay_backward(num_tokens) would return, left queued (same errors).
+  const Tensor& peek_backward(int64_t num_tokens) const;
+
+  /// Transactional forms: route with the table the queues hand out and change the queues only
+  /// when topk_route succeeded, so a call that fails validation (a bad id, a T that does not match
+  /// the logits) consumes nothing and the corrected retry replays the same micro-batch.
+  /// R3: replays `topk_idx` and queues it for the recompute (= replay_forward + topk_route).
+  RouteResult route_forward(const Tensor& logits, const Tensor& topk_idx, RouteInputs inputs,
+                            const RouterConfig& config, const RouteOptions& options = {});
+  /// R2: replays the oldest recorded table (= replay_forward(pop_recorded()) + topk_route).
+  RouteResult route_forward_recorded(const Tensor& logits, RouteInputs inputs,
+                                     const RouterConfig& config, const RouteOptions& options = {});
+  /// Recompute: replays the oldest table queued for backward (= replay_backward + topk_route).
+  RouteResult route_backward(const Tensor& logits, RouteInputs inputs, const RouterConfig& config,
+                             const RouteOptions& options = {});
 
   int64_t num_recorded() const { return static_cast<int64_t>(recorded_.size()); }
   int64_t num_pending_backward() const { return static_cast<int64_t>(pending_backward_.size()); }

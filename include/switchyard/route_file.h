@@ -44,27 +44,46 @@ struct RouteFileWriterOptions {
   int compression_level = 1;
 };
 
-/// Appends sequences to a new route file. Each `append` writes and flushes one complete block
-/// (header, payload, checksums) before returning, so a killed process loses at most the sequence
-/// being written (the data is handed to the OS; no fsync, so a machine crash may lose more).
-/// `close()` writes the index and footer; the destructor closes too (without throwing). After a
-/// failed write the writer refuses further appends and closes without an index. Not thread-safe.
+/// Appends sequences to a route file, committed atomically. Everything is written to
+/// `partial_path(path)` (`<path>.partial`, same directory); `close()` writes the index and footer,
+/// fsyncs, renames the partial file over `path` and fsyncs the directory. Until then `path` is not
+/// touched: an existing file there stays as it was if the writer fails, is aborted or is killed.
+/// Each `append` writes one complete block (header, payload, checksums) to the partial file before
+/// returning, so a killed process leaves every acknowledged sequence recoverable there (the reader
+/// opens it in recovery: complete() false).
+/// One writer per path: the partial file holds an exclusive advisory lock (flock) for the writer's
+/// lifetime, and a second writer on the same path throws BackendError instead of interleaving.
+/// The destructor commits like `close()` (without throwing), except while an exception unwinds
+/// the stack past it: then it calls `abort()`, so a failed job never publishes a partial file as
+/// complete. After a failed write the writer refuses further appends and `close()` throws without
+/// committing. Not thread-safe (one thread per writer).
 class RouteFileWriter {
  public:
-  /// Creates (truncates) `path`. Throws std::invalid_argument for bad info (num_experts < 1,
-  /// top_k < 1, num_moe_layers < 1, moe_layers of the wrong length) and BackendError when the file
-  /// cannot be created.
+  /// Opens `partial_path(path)` (created or, once locked, truncated). Throws
+  /// std::invalid_argument for bad info (num_experts < 1, top_k < 1, num_moe_layers < 1,
+  /// moe_layers of the wrong length) or a `path` that exists and is not a regular file, and
+  /// BackendError when the partial file cannot be created or another writer holds its lock.
   RouteFileWriter(const std::string& path, const RouteFileInfo& info,
                   const RouteFileWriterOptions& options = {});
   ~RouteFileWriter();
   RouteFileWriter(const RouteFileWriter&) = delete;
   RouteFileWriter& operator=(const RouteFileWriter&) = delete;
 
+  /// Where a writer of `path` writes until it commits: `path + ".partial"`.
+  static std::string partial_path(const std::string& path);
+
   /// Appends one sequence. Throws std::invalid_argument when the table's num_experts, layers or
-  /// top_k differ from the file's, or an id is out of range; BackendError on a write failure.
+  /// top_k differ from the file's, an id is out of range or the table decodes to more than 4 GiB;
+  /// BackendError on a write failure.
   void append(const RouteTable& table);
-  /// Writes the index and footer and closes the file. Idempotent.
+  /// Commits: index and footer, fsync, rename over `path`, fsync of the directory. Idempotent.
+  /// Throws BackendError (and commits nothing) after a failed write.
   void close();
+  /// Stops without committing: `path` is untouched, the partial file keeps the appended sequences
+  /// (without index: it opens in recovery) until the next writer of `path`. Idempotent.
+  void abort();
+  /// Stops without committing and removes the partial file. Idempotent.
+  void discard();
   /// Sequences appended so far.
   int64_t num_sequences() const;
   /// Bytes written so far.

@@ -27,6 +27,14 @@ enum class ZeroRowPolicy : uint8_t {
   error,    ///< throw std::invalid_argument naming the first one
 };
 
+/// What to do with an invalid row on a MoE layer (DESIGN.md's replay rules): one that repeats an
+/// id (other than the all-zero rows of ZeroRowPolicy) or mixes -1 with ids. Storing it as if valid
+/// would make replay reject it later, far from its source.
+enum class InvalidRowPolicy : uint8_t {
+  error,    ///< throw std::invalid_argument naming sequence, token, layer and row (default)
+  to_none,  ///< store the row as -1 ("no route": replay routes it natively and counts it)
+};
+
 /// Options of the importers.
 struct ImportOptions {
   int64_t num_experts = 0;  ///< E; every id must be -1 or in [0, E)
@@ -42,6 +50,7 @@ struct ImportOptions {
   /// K. vLLM: 0 = from the array. SGLang: required.
   int64_t top_k = 0;
   ZeroRowPolicy zero_rows = ZeroRowPolicy::keep;
+  InvalidRowPolicy invalid_rows = InvalidRowPolicy::error;
 };
 
 /// Counts and findings of an import.
@@ -54,6 +63,8 @@ struct ImportReport {
   int64_t num_zero_rows = 0;        ///< all-zero rows on MoE layers
   /// The first few zero rows as {sequence, token, moe layer}.
   std::vector<std::array<int64_t, 3>> first_zero_rows;
+  /// Rows stored as -1 by InvalidRowPolicy::to_none (repeated id, or -1 mixed with ids).
+  int64_t num_invalid_rows = 0;
   std::vector<std::string> warnings;
 };
 

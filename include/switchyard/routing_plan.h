@@ -20,7 +20,8 @@ struct RoutingPlanOptions {
   /// Pad each expert's row block to a multiple of this (GEMM tiles); padding rows carry token -1,
   /// weight 0 and are zero-filled by permute. Must be >= 1.
   int64_t expert_alignment = 1;
-  /// Per-expert capacity C = ceil(T*K/E * capacity_factor) when > 0; <= 0 means no capacity.
+  /// Per-expert capacity C = ceil(T*K/E * capacity_factor) when > 0 (at most T*K); 0 means no
+  /// capacity; negative or non-finite is an error.
   double capacity_factor = 0.0;
   /// Explicit per-expert capacity (>= 0) that overrides capacity_factor; -1 means none.
   int64_t expert_capacity = -1;

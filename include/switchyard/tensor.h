@@ -109,7 +109,11 @@ void release_cached_memory();
 
 /// Number of threads the CPU kernels use (OpenMP). Results never depend on it.
 int num_threads();
-/// Set the number of CPU threads (>= 1).
+/// Most CPU threads set_num_threads accepts (each OpenMP thread reserves a stack; a machine with
+/// more cores than this is not a target).
+inline constexpr int kMaxThreads = 1024;
+/// Set the number of CPU threads: n in [1, min(kMaxThreads, the OpenMP thread limit)], else
+/// std::invalid_argument.
 void set_num_threads(int n);
 
 }  // namespace switchyard

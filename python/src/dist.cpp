@@ -217,6 +217,17 @@ void bind_dist(py::module_& m) {
       py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
       py::arg("kind"), py::arg("capacity_factor"), py::arg("token_drop_policy"), py::arg("comm"));
   m.def(
+      "dist_fail_collective",
+      [](const std::string& op, const std::string& message, const CommBox& comm) {
+        const dist::CollectiveOp which =
+            op == "dispatch" ? dist::CollectiveOp::dispatch : dist::CollectiveOp::combine;
+        Communicator& c = comm.get();
+        py::gil_scoped_release nogil;
+        dist::fail_collective(which, message, c);
+      },
+      py::arg("op"), py::arg("message"), py::arg("comm"),
+      "Joins op's error agreement with this rank's error: every rank raises ValueError.");
+  m.def(
       "combine",
       [](py::handle expert_y, const dist::DispatchHandle& handle, bool apply_probs,
          const CommBox& comm) {

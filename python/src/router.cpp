@@ -252,6 +252,12 @@ void bind_router(py::module_& m) {
            [](RouterReplay& r, int64_t num_tokens) {
              return py_bridge::to_torch(r.replay_backward(num_tokens));
            })
+      .def("peek_recorded",
+           [](const RouterReplay& r) { return py_bridge::to_torch(r.peek_recorded().clone()); })
+      .def("peek_backward",
+           [](const RouterReplay& r, int64_t num_tokens) {
+             return py_bridge::to_torch(r.peek_backward(num_tokens).clone());
+           })
       .def_property_readonly("num_recorded", &RouterReplay::num_recorded)
       .def_property_readonly("num_pending_backward", &RouterReplay::num_pending_backward)
       .def_property_readonly("layer", &RouterReplay::layer)

@@ -19,35 +19,56 @@ namespace switchyard::py_bind {
 
 namespace {
 
-/// A torch id tensor (int32 borrowed, int64 converted after a range check) as a RouteTable, valid
-/// during the call (results that are views of it are copied by to_torch).
-RouteTable to_table(py::handle obj, int64_t num_experts, const char* op, const char* name) {
-  py_bridge::Arg a = py_bridge::borrow(obj, op, name, {DType::int32, DType::int64});
-  RouteTable t;
+/// A torch id tensor as a RouteTable plus the Python object its ids point into.
+///
+/// Ownership rule of these bindings: a RouteTable built from a borrowed tensor is only valid while
+/// the py_bridge::Arg it came from is alive (a non-contiguous tensor is borrowed through a
+/// contiguous copy that only the Arg holds). So the Arg travels with the table, and a caller keeps
+/// the TableArg (never just `.table`) until the engine call that reads it has returned.
+struct TableArg {
+  RouteTable table;
+  py_bridge::Arg keep;
+};
+
+/// int32 borrowed, int64 converted after a range check; validated as a route table.
+TableArg to_table(py::handle obj, int64_t num_experts, const char* op, const char* name) {
+  TableArg out;
+  out.keep = py_bridge::borrow(obj, op, name, {DType::int32, DType::int64});
+  const Tensor& a = out.keep.t;
+  RouteTable& t = out.table;
   t.num_experts = num_experts;
-  if (a.t.dtype() == DType::int64) {
-    const int64_t* p = a.t.data<int64_t>();
-    for (int64_t i = 0; i < a.t.numel(); ++i) {
+  if (a.dtype() == DType::int64) {
+    const int64_t* p = a.data<int64_t>();
+    for (int64_t i = 0; i < a.numel(); ++i) {
       if (p[i] < -1 || p[i] > INT32_MAX) {
         throw py::value_error(std::string("[") + op + "] " + name + " holds " +
                               std::to_string(p[i]) + " at flat index " + std::to_string(i) +
                               ", expected -1 or an expert id");
       }
     }
-    t.topk_idx = a.t.to(DType::int32);
+    t.topk_idx = a.to(DType::int32);
   } else {
-    t.topk_idx = a.t;
+    t.topk_idx = a;
   }
   check_route_table(t, op, name);
-  return t;
+  return out;
 }
 
-std::vector<RouteTable> to_tables(const py::sequence& seq, int64_t num_experts, const char* op) {
-  std::vector<RouteTable> out;
-  out.reserve(seq.size());
+/// Several tables and the objects they point into (same rule as TableArg).
+struct TablesArg {
+  std::vector<RouteTable> tables;
+  std::vector<py_bridge::Arg> keep;
+};
+
+TablesArg to_tables(const py::sequence& seq, int64_t num_experts, const char* op) {
+  TablesArg out;
+  out.tables.reserve(seq.size());
+  out.keep.reserve(seq.size());
   for (size_t i = 0; i < seq.size(); ++i) {
     const std::string name = "tables[" + std::to_string(i) + "]";
-    out.push_back(to_table(seq[i], num_experts, op, name.c_str()));
+    TableArg a = to_table(seq[i], num_experts, op, name.c_str());
+    out.tables.push_back(std::move(a.table));
+    out.keep.push_back(std::move(a.keep));
   }
   return out;
 }
@@ -66,10 +87,18 @@ ZeroRowPolicy zero_policy(const std::string& s) {
                         s + "'");
 }
 
+InvalidRowPolicy invalid_policy(const std::string& s) {
+  if (s == "error") return InvalidRowPolicy::error;
+  if (s == "to_none") return InvalidRowPolicy::to_none;
+  throw py::value_error("[routes.import] invalid_rows must be 'error' or 'to_none', got '" + s +
+                        "'");
+}
+
 ImportOptions import_options(int64_t num_experts, int64_t first_k_dense,
                              const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
                              int64_t num_input_layers, int64_t top_k,
-                             const std::string& zero_rows, int64_t prompt_start = 0) {
+                             const std::string& zero_rows, const std::string& invalid_rows,
+                             int64_t prompt_start = 0) {
   ImportOptions o;
   o.prompt_start = prompt_start;
   o.num_experts = num_experts;
@@ -79,6 +108,7 @@ ImportOptions import_options(int64_t num_experts, int64_t first_k_dense,
   o.num_input_layers = num_input_layers;
   o.top_k = top_k;
   o.zero_rows = zero_policy(zero_rows);
+  o.invalid_rows = invalid_policy(invalid_rows);
   return o;
 }
 
@@ -90,6 +120,7 @@ py::tuple import_result(const ImportResult& r) {
   rep["top_k"] = r.report.top_k;
   rep["moe_layers"] = r.report.moe_layers;
   rep["num_zero_rows"] = r.report.num_zero_rows;
+  rep["num_invalid_rows"] = r.report.num_invalid_rows;
   rep["first_zero_rows"] = r.report.first_zero_rows;
   rep["warnings"] = r.report.warnings;
   rep["sources"] = r.sources;
@@ -148,11 +179,14 @@ void bind_routes(py::module_& m) {
            py::arg("moe_layers"), py::arg("compression_level"))
       .def("append",
            [](RouteFileWriter& w, py::handle table, int64_t num_experts) {
-             RouteTable t = to_table(table, num_experts, "routes.write", "table");
+             const TableArg t = to_table(table, num_experts, "routes.write", "table");
              py::gil_scoped_release nogil;
-             w.append(t);
+             w.append(t.table);
            })
       .def("close", &RouteFileWriter::close)
+      .def("abort", &RouteFileWriter::abort)
+      .def("discard", &RouteFileWriter::discard)
+      .def_static("partial_path", &RouteFileWriter::partial_path)
       .def_property_readonly("num_sequences", &RouteFileWriter::num_sequences)
       .def_property_readonly("bytes_written", &RouteFileWriter::bytes_written);
 
@@ -191,16 +225,16 @@ void bind_routes(py::module_& m) {
         [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
            int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           int64_t prompt_start) {
+           const std::string& invalid_rows, int64_t prompt_start) {
           return import_result(import_vllm_files(
               paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                    num_input_layers, top_k, zero_rows, prompt_start)));
+                                    num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
         });
   m.def("routes_import_vllm_arrays",
         [](const py::sequence& arrays, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
            int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           int64_t prompt_start) {
+           const std::string& invalid_rows, int64_t prompt_start) {
           std::vector<py_bridge::Arg> args;
           std::vector<Tensor> ts;
           args.reserve(arrays.size());
@@ -212,53 +246,54 @@ void bind_routes(py::module_& m) {
           }
           return import_result(import_vllm_arrays(
               ts, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                 num_input_layers, top_k, zero_rows, prompt_start)));
+                                 num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
         });
   m.def("routes_import_sglang",
         [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
            int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           int64_t prompt_start) {
+           const std::string& invalid_rows, int64_t prompt_start) {
           return import_result(import_sglang(
               paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                    num_input_layers, top_k, zero_rows, prompt_start)));
+                                    num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
         });
   m.def("routes_import_sglang_text",
         [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
            int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           int64_t prompt_start) {
+           const std::string& invalid_rows, int64_t prompt_start) {
           return import_result(import_sglang_text(
               text, "<text>",
               import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                             num_input_layers, top_k, zero_rows, prompt_start)));
+                             num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
         });
   // ---- route data from the newest engines (vLLM >= 0.22 HTTP) and verl's batch layout ----
   m.def("routes_import_vllm_http_text",
         [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
            int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           int64_t prompt_start) {
+           const std::string& invalid_rows, int64_t prompt_start) {
           return import_result(import_vllm_http_text(
               text, "<text>",
               import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                             num_input_layers, top_k, zero_rows, prompt_start)));
+                             num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
         });
   m.def("routes_import_vllm_npy_base64",
         [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
            int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           int64_t prompt_start) {
+           const std::string& invalid_rows, int64_t prompt_start) {
           return import_result(import_vllm_npy_base64(
               text, "routed_experts",
               import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                             num_input_layers, top_k, zero_rows, prompt_start)));
+                             num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
         });
   m.def("routes_to_verl",
         [](const py::sequence& tables, int64_t num_experts, const std::vector<int64_t>& moe_layers,
            int64_t num_hidden_layers, py::object attention_mask, const std::string& padding_side,
            int64_t seq_len) {
-          std::vector<RouteTable> ts = to_tables(tables, num_experts, "to_verl");
+          const TablesArg in = to_tables(tables, num_experts, "to_verl");
+          const std::vector<RouteTable>& ts = in.tables;
           VerlBatch v;
           if (!attention_mask.is_none()) {
             py_bridge::Arg am = py_bridge::borrow(attention_mask, "to_verl", "attention_mask");
@@ -299,50 +334,51 @@ void bind_routes(py::module_& m) {
     o.tp_size = tp_size;
     o.cp_size = cp_size;
     o.fp8_align = fp8_align;
-    PackedRoutes p = pack_thd(to_tables(tables, num_experts, "pack_thd"), o);
+    const TablesArg in = to_tables(tables, num_experts, "pack_thd");
+    PackedRoutes p = pack_thd(in.tables, o);
     return py::make_tuple(py_bridge::to_torch(p.table.topk_idx), p.cu_seqlens, p.cu_seqlens_padded);
   });
   m.def("routes_unpack_thd",
         [](py::handle packed, const std::vector<int64_t>& cu_seqlens,
            const std::vector<int64_t>& cu_seqlens_padded, int64_t num_experts) {
+          const TableArg in = to_table(packed, num_experts, "unpack_thd", "packed");
           PackedRoutes p;
-          p.table = to_table(packed, num_experts, "unpack_thd", "packed");
+          p.table = in.table;
           p.cu_seqlens = cu_seqlens;
           p.cu_seqlens_padded = cu_seqlens_padded;
           return from_tables(unpack_thd(p));
         });
   m.def("routes_cp_zigzag_split", [](py::handle packed, const std::vector<int64_t>& cu_padded,
                                      int64_t cp_size, int64_t cp_rank, int64_t num_experts) {
-    return py_bridge::to_torch(
-        cp_zigzag_split(to_table(packed, num_experts, "cp_zigzag_split", "packed"), cu_padded,
-                        cp_size, cp_rank)
-            .topk_idx);
+    const TableArg in = to_table(packed, num_experts, "cp_zigzag_split", "packed");
+    return py_bridge::to_torch(cp_zigzag_split(in.table, cu_padded, cp_size, cp_rank).topk_idx);
   });
   m.def("routes_cp_zigzag_gather", [](const py::sequence& pieces,
                                       const std::vector<int64_t>& cu_padded, int64_t num_experts) {
-    return py_bridge::to_torch(
-        cp_zigzag_gather(to_tables(pieces, num_experts, "cp_zigzag_gather"), cu_padded).topk_idx);
+    const TablesArg in = to_tables(pieces, num_experts, "cp_zigzag_gather");
+    return py_bridge::to_torch(cp_zigzag_gather(in.tables, cu_padded).topk_idx);
   });
   m.def("routes_sp_split", [](py::handle table, int64_t tp_size, int64_t tp_rank,
                               int64_t num_experts) {
-    return py_bridge::to_torch(
-        sp_split(to_table(table, num_experts, "sp_split", "table"), tp_size, tp_rank).topk_idx);
+    const TableArg in = to_table(table, num_experts, "sp_split", "table");
+    return py_bridge::to_torch(sp_split(in.table, tp_size, tp_rank).topk_idx);
   });
   m.def("routes_sp_gather", [](const py::sequence& pieces, int64_t num_experts) {
-    return py_bridge::to_torch(sp_gather(to_tables(pieces, num_experts, "sp_gather")).topk_idx);
+    const TablesArg in = to_tables(pieces, num_experts, "sp_gather");
+    return py_bridge::to_torch(sp_gather(in.tables).topk_idx);
   });
   m.def("routes_slice_layers", [](py::handle table, int64_t begin, int64_t end,
                                   int64_t num_experts) {
-    return py_bridge::to_torch(
-        slice_layers(to_table(table, num_experts, "slice_layers", "table"), begin, end).topk_idx);
+    const TableArg in = to_table(table, num_experts, "slice_layers", "table");
+    return py_bridge::to_torch(slice_layers(in.table, begin, end).topk_idx);
   });
   m.def("routes_concat_layers", [](const py::sequence& pieces, int64_t num_experts) {
-    return py_bridge::to_torch(
-        concat_layers(to_tables(pieces, num_experts, "concat_layers")).topk_idx);
+    const TablesArg in = to_tables(pieces, num_experts, "concat_layers");
+    return py_bridge::to_torch(concat_layers(in.tables).topk_idx);
   });
   m.def("routes_concat_tokens", [](const py::sequence& pieces, int64_t num_experts) {
-    return py_bridge::to_torch(
-        concat_tokens(to_tables(pieces, num_experts, "concat_tokens")).topk_idx);
+    const TablesArg in = to_tables(pieces, num_experts, "concat_tokens");
+    return py_bridge::to_torch(concat_tokens(in.tables).topk_idx);
   });
   m.def("routes_pp_moe_layer_range",
         [](const std::vector<int64_t>& moe_layers, int64_t num_hidden_layers, int64_t pp_size,
@@ -360,8 +396,9 @@ void bind_routes(py::module_& m) {
 
   // ---- statistics ----
   m.def("routes_drift", [](py::handle a, py::handle b, int64_t num_experts) {
-    return drift_dict(route_drift(to_table(a, num_experts, "drift", "a"),
-                                  to_table(b, num_experts, "drift", "b")));
+    const TableArg ta = to_table(a, num_experts, "drift", "a");
+    const TableArg tb = to_table(b, num_experts, "drift", "b");
+    return drift_dict(route_drift(ta.table, tb.table));
   });
   m.def("routes_drift_many", [](const py::sequence& a, const py::sequence& b, int64_t num_experts) {
     if (a.size() != b.size()) {
@@ -369,16 +406,17 @@ void bind_routes(py::module_& m) {
                             std::to_string(a.size()) + " and " + std::to_string(b.size()));
     }
     RouteDrift d;
-    std::vector<RouteTable> ta = to_tables(a, num_experts, "drift");
-    std::vector<RouteTable> tb = to_tables(b, num_experts, "drift");
-    for (size_t i = 0; i < ta.size(); ++i) accumulate_route_drift(ta[i], tb[i], d);
+    const TablesArg ta = to_tables(a, num_experts, "drift");
+    const TablesArg tb = to_tables(b, num_experts, "drift");
+    for (size_t i = 0; i < ta.tables.size(); ++i) {
+      accumulate_route_drift(ta.tables[i], tb.tables[i], d);
+    }
     return drift_dict(d);
   });
   m.def("routes_expert_load", [](const py::sequence& tables, int64_t num_experts) {
     ExpertLoad load;
-    for (const RouteTable& t : to_tables(tables, num_experts, "expert_load")) {
-      accumulate_expert_load(t, load);
-    }
+    const TablesArg in = to_tables(tables, num_experts, "expert_load");
+    for (const RouteTable& t : in.tables) accumulate_expert_load(t, load);
     Tensor counts =
         Tensor::from_vector(load.num_tokens_per_expert, {load.num_moe_layers, load.num_experts});
     std::vector<double> imbalance;

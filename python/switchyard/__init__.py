@@ -124,18 +124,24 @@ class RouterReplay:
         self._c.clear()
         self._targets.clear()
 
-    # Router hooks.
+    # Router hooks. Validation never mutates: _ids_for_forward only looks at the queues, and
+    # _after_forward (called once topk_route succeeded) consumes them, so a forward that fails
+    # (bad ids, a T that does not match) leaves every queue as it was for the corrected retry.
     def _ids_for_forward(self, num_tokens):
         if self._action in (None, "record"):
             return None
         if self._action == "replay_forward":
-            target = self._targets.popleft() if self._targets else self._c.pop_recorded()
-            return self._c.replay_forward(target)
-        return self._c.replay_backward(num_tokens)
+            return self._targets[0] if self._targets else self._c.peek_recorded()
+        return self._c.peek_backward(int(num_tokens))
 
-    def _after_forward(self, topk_idx):
+    def _after_forward(self, topk_idx, num_tokens):
         if self._action == "record":
             self._c.record(topk_idx)
+        elif self._action == "replay_forward":
+            target = self._targets.popleft() if self._targets else self._c.pop_recorded()
+            self._c.replay_forward(target)
+        elif self._action == "replay_backward":
+            self._c.replay_backward(int(num_tokens))
 
     def __repr__(self):
         return (f"RouterReplay(top_k={self.top_k}, layer={self.layer}, action={self._action!r}, "

@@ -81,8 +81,15 @@ def read(path):
 
 
 class RouteWriter:
-    """Appends sequences to a new route file; use as a context manager (close writes the index).
-    ``moe_layers``: hidden-layer index of every MoE layer (optional)."""
+    """Appends sequences to a route file; use as a context manager.
+
+    The file is committed atomically: sequences go to ``<path>.partial`` (same directory, locked
+    against a second writer of the same path, which raises ``switchyard.BackendError``), and
+    ``close()`` writes the index, fsyncs and renames it over ``path``. Until then an existing file
+    at ``path`` is untouched. Leaving the ``with`` block by an exception (KeyboardInterrupt
+    included) calls ``abort()``: ``path`` stays as it was and ``<path>.partial`` keeps the sequences
+    appended so far, readable in recovery (``RouteFile(...).complete`` is False) until the next
+    writer of ``path``. ``moe_layers``: hidden-layer index of every MoE layer (optional)."""
 
     def __init__(self, path, num_experts, top_k, num_moe_layers, moe_layers=None,
                  compression_level=3):
@@ -90,11 +97,25 @@ class RouteWriter:
         self._w = _C.RouteFileWriter(str(path), self.num_experts, int(top_k), int(num_moe_layers),
                                      list(moe_layers or []), int(compression_level))
 
+    @staticmethod
+    def partial_path(path):
+        """Where a writer of ``path`` writes until it commits (``path + ".partial"``)."""
+        return _C.RouteFileWriter.partial_path(str(path))
+
     def append(self, table):
         self._w.append(table, self.num_experts)
 
     def close(self):
+        """Commits the file (index, fsync, atomic rename over the path)."""
         self._w.close()
+
+    def abort(self):
+        """Stops without committing; the partial file stays for recovery."""
+        self._w.abort()
+
+    def discard(self):
+        """Stops without committing and removes the partial file."""
+        self._w.discard()
 
     @property
     def num_sequences(self):
@@ -107,20 +128,30 @@ class RouteWriter:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
 
 
 def write(path, tables, num_experts, moe_layers=None, compression_level=3):
-    """Writes tables ([T_i, L, K] int32/int64, same L and K) to a new route file; returns the
-    number of bytes written."""
+    """Writes tables ([T_i, L, K] int32/int64, same L and K) to a route file, committed
+    atomically (see RouteWriter); returns the number of bytes written. On any error the file at
+    ``path`` is untouched and no partial file is left behind."""
     tables = list(tables)
     if not tables:
         raise ValueError("[routes.write] tables must hold at least one table")
     L, K = tables[0].shape[1], tables[0].shape[2]
-    with RouteWriter(path, num_experts, K, L, moe_layers, compression_level) as w:
+    w = RouteWriter(path, num_experts, K, L, moe_layers, compression_level)
+    try:
         for t in tables:
             w.append(t)
+    except BaseException:
+        w.discard()
+        raise
+    w.close()
     return w.bytes_written
 
 
@@ -139,29 +170,33 @@ def _freq(moe_layer_freq):
 
 
 def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
-                num_input_layers=0, top_k=0, zero_rows="keep", prompt_start=0):
+                num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error",
+                prompt_start=0):
     """vLLM ``routed_experts`` -> (tables, report). Each path is a .npy file ([seq_len-1, layers,
     K]; int32, or uint8/uint16 from vLLM 0.22 on) or a JSON / JSONL file of HTTP responses
     (``choices[i].routed_experts``, base64 of .npy bytes), told apart by content. Keeps the MoE
     layers of the layer map, appends a -1 row for the last token. zero_rows: "keep", "to_none" or
-    "error" for all-zero rows on MoE layers (counted in the report either way). prompt_start: the
+    "error" for all-zero rows on MoE layers (counted in the report either way). invalid_rows:
+    "error" (default) or "to_none" for rows that repeat an id or mix -1 with ids (stored as -1 and
+    counted in report["num_invalid_rows"]), never stored as if valid. prompt_start: the
     request's ``routed_experts_prompt_start`` (routes start at that token; the tokens before it
     get -1 rows, so a table has one row per token); a response record's own
     ``routed_experts_prompt_start`` field overrides it."""
     return _C.routes_import_vllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                  _freq(moe_layer_freq), int(num_mtp_layers),
-                                 int(num_input_layers), int(top_k), zero_rows, int(prompt_start))
+                                 int(num_input_layers), int(top_k), zero_rows, invalid_rows,
+                                 int(prompt_start))
 
 
 def import_vllm_response(response, num_experts, first_k_dense=0, moe_layer_freq=None,
                          num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep",
-                         prompt_start=0):
+                         invalid_rows="error", prompt_start=0):
     """vLLM HTTP responses (>= 0.22) -> (tables, report), one table per choice. ``response``: a
     parsed response (dict), a list of them, their JSON / JSONL text, or one choice's
     ``routed_experts`` string itself (base64 of .npy bytes). prompt_start as in import_vllm."""
     import json
     args = (int(num_experts), int(first_k_dense), _freq(moe_layer_freq), int(num_mtp_layers),
-            int(num_input_layers), int(top_k), zero_rows, int(prompt_start))
+            int(num_input_layers), int(top_k), zero_rows, invalid_rows, int(prompt_start))
     if isinstance(response, (dict, list, tuple)):
         return _C.routes_import_vllm_http_text(json.dumps(response), *args)
     if isinstance(response, bytes):
@@ -176,7 +211,7 @@ def import_vllm_response(response, num_experts, first_k_dense=0, moe_layer_freq=
 
 def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None,
                        num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep",
-                       prompt_start=0):
+                       invalid_rows="error", prompt_start=0):
     """The same as import_vllm over arrays in memory: one [seq_len-1-prompt_start, layers, K]
     tensor (int32, int64, uint8 or uint16; numpy arrays are taken too) per sequence."""
     import torch
@@ -189,11 +224,11 @@ def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None
     return _C.routes_import_vllm_arrays(ts, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
                                         int(num_input_layers), int(top_k), zero_rows,
-                                        int(prompt_start))
+                                        invalid_rows, int(prompt_start))
 
 
 def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_layer_freq=None,
-              num_mtp_layers=0, zero_rows="to_none"):
+              num_mtp_layers=0, zero_rows="to_none", invalid_rows="error"):
     """verl's ``routed_experts`` batch tensor -> one route table per sequence, -1 for "no route".
 
     routed_experts: [batch, seq, num_hidden_layers, K] integers (verl stores int16), padded
@@ -202,7 +237,8 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     the layer map are kept (``moe_layer_indices``: first_k_dense, moe_layer_freq, MTP layers
     excluded); all-zero rows on MoE layers (tokens the rollout never routed, e.g. the last
     sampled one) become -1 with zero_rows="to_none" (default; "keep" or "error" as in
-    import_vllm; with K = 1 a 0 is a real route and is kept). Returns (tables [T_i, moe_layers,
+    import_vllm; with K = 1 a 0 is a real route and is kept); rows that repeat an id or mix -1
+    with ids: invalid_rows as in import_vllm. Returns (tables [T_i, moe_layers,
     K] int32, report) with the importer's report (moe_layers, num_zero_rows, ...)."""
     import torch
     ids = routed_experts.to(torch.int32) if routed_experts.dtype != torch.int32 else routed_experts
@@ -214,7 +250,8 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     # and appends a -1 row for the last token, so its appended row is dropped again here.
     tables, report = import_vllm_arrays(per_seq, num_experts, first_k_dense, moe_layer_freq,
                                         num_mtp_layers, num_input_layers=ids.shape[2],
-                                        top_k=ids.shape[3], zero_rows=zero_rows)
+                                        top_k=ids.shape[3], zero_rows=zero_rows,
+                                        invalid_rows=invalid_rows)
     tables = [t[:-1] for t in tables]
     report["num_tokens"] -= len(tables)
     return tables, report
@@ -273,23 +310,26 @@ def layer_targets(table, moe_layers, keys, batch_size=None):
 
 
 def import_sglang(paths, num_experts, num_input_layers, top_k, first_k_dense=0,
-                  moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep", start_len=0):
+                  moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep", invalid_rows="error",
+                  start_len=0):
     """SGLang responses (JSON / JSONL with meta_info.routed_experts, base64) -> (tables, report).
     A response with ``meta_info.routed_experts_start_len`` covers tokens [start_len, seq_len - 1):
     the tokens before it get -1 rows (one row per token); ``start_len`` is used for records
     without that field."""
     return _C.routes_import_sglang([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                    _freq(moe_layer_freq), int(num_mtp_layers),
-                                   int(num_input_layers), int(top_k), zero_rows, int(start_len))
+                                   int(num_input_layers), int(top_k), zero_rows, invalid_rows,
+                                   int(start_len))
 
 
 def import_sglang_text(text, num_experts, num_input_layers, top_k, first_k_dense=0,
-                       moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep", start_len=0):
+                       moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep",
+                       invalid_rows="error", start_len=0):
     """The same as import_sglang over a string."""
     return _C.routes_import_sglang_text(text, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
                                         int(num_input_layers), int(top_k), zero_rows,
-                                        int(start_len))
+                                        invalid_rows, int(start_len))
 
 
 def moe_layer_indices(num_input_layers, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0):

@@ -7,6 +7,7 @@ Tensors cross into the engine without copies when they are contiguous CPU tensor
 made contiguous once. A CUDA tensor or a wrong dtype raises ValueError naming the argument.
 """
 import collections
+import math
 
 import torch
 
@@ -89,6 +90,28 @@ def _idx32(topk_idx, op):
     return topk_idx.to(torch.int32)
 
 
+def _fail_collective(op, error, comm):
+    """Raises `error` on every rank: a check that failed here, before the collective, joins the
+    collective's error agreement so the other ranks raise too instead of waiting (size 1: as is)."""
+    if comm.size == 1:
+        raise error
+    _C.dist_fail_collective(op, str(error), comm)
+
+
+def _agree_requires_grad(op, comm, flags):
+    """Backward runs one collective per input that needs a gradient, so the flags must agree on
+    every rank; checked in the forward, after the dispatch (one small allreduce)."""
+    if comm.size == 1:
+        return
+    mx = comm.allreduce_max([int(f) for f in flags] + [1 - int(f) for f in flags])
+    names = ("x", "topk_weights")
+    for i, name in enumerate(names):
+        if mx[i] and mx[len(flags) + i]:
+            raise ValueError(f"[{op}] {name}.requires_grad must be the same on every rank (the "
+                             f"backward runs a collective for it), got True on some ranks and "
+                             f"False on others (rank {comm.rank}: {bool(flags[i])})")
+
+
 class DispatchHandle:
     """What combine and the backwards need, returned by ``dispatch``. ``num_tokens_per_expert`` [L]
     int64 (rows per local expert, ascending), ``expert_offsets`` [L+1], ``recv_src_rank`` /
@@ -120,6 +143,10 @@ class _Dispatch(torch.autograd.Function):
             recv_x, recv_w, h = _C.dispatch(x.detach(), topk_idx32, w, disp.num_experts, disp.kind,
                                             disp._capacity_factor, disp.token_drop_policy,
                                             disp.ep_comm)
+        # After dispatch's own agreement (a rank that failed its checks has raised everywhere by
+        # now), before any backward can mismatch.
+        _agree_requires_grad(f"{type(disp).__name__}.dispatch", disp.ep_comm,
+                             ctx.needs_input_grad[:2])
         box.append(h)
         ctx.h = h
         ctx.comm = disp.ep_comm
@@ -174,6 +201,12 @@ class _Dispatcher:
         if token_drop_policy not in ("probs", "position"):
             raise ValueError(f"[{type(self).__name__}] token_drop_policy must be 'probs' or "
                              f"'position', got {token_drop_policy!r}")
+        if capacity_factor is not None and not (
+                isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor)
+                and capacity_factor > 0):
+            # None is "no capacity"; the engine's 0.0 sentinel must not be reachable by mistake.
+            raise ValueError(f"[{type(self).__name__}] capacity_factor must be None (no capacity) "
+                             f"or a finite number > 0, got capacity_factor={capacity_factor!r}")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
         self.capacity_factor = capacity_factor
@@ -200,14 +233,20 @@ class _Dispatcher:
             raise TypeError(f"[{op}] unexpected keyword arguments {sorted(renamed)}")
         if topk_weights is None or topk_idx is None:
             raise TypeError(f"[{op}] needs x, topk_weights and topk_idx")
-        if not isinstance(topk_weights, torch.Tensor):
-            raise ValueError(f"[{op}] topk_weights must be a torch.Tensor, got "
-                             f"{type(topk_weights).__name__}")
-        if topk_weights.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"[{op}] topk_weights must have dtype float32 or float64, got "
-                             f"{topk_weights.dtype}")
+        try:
+            # Checks the engine cannot see; a failure joins dispatch's error agreement, so the
+            # other ranks raise too instead of waiting in the exchange.
+            if not isinstance(topk_weights, torch.Tensor):
+                raise ValueError(f"[{op}] topk_weights must be a torch.Tensor, got "
+                                 f"{type(topk_weights).__name__}")
+            if topk_weights.dtype not in (torch.float32, torch.float64):
+                raise ValueError(f"[{op}] topk_weights must have dtype float32 or float64, got "
+                                 f"{topk_weights.dtype}")
+            idx32 = _idx32(topk_idx, op)
+        except ValueError as e:
+            _fail_collective("dispatch", e, self.ep_comm)
         box = []
-        recv_x, recv_w = _Dispatch.apply(x, topk_weights, _idx32(topk_idx, op), self, box)
+        recv_x, recv_w = _Dispatch.apply(x, topk_weights, idx32, self, box)
         return recv_x, recv_w, DispatchHandle(box[0], topk_weights, self.ep_comm)
 
     def combine(self, expert_out, handle, apply_weights=True, **renamed):
@@ -220,8 +259,9 @@ class _Dispatcher:
         if renamed:
             raise TypeError(f"[{op}] unexpected keyword arguments {sorted(renamed)}")
         if not isinstance(handle, DispatchHandle):
-            raise ValueError(f"[{op}] handle must be the DispatchHandle returned by dispatch, got "
-                             f"{type(handle).__name__}")
+            _fail_collective("combine", ValueError(
+                f"[{op}] handle must be the DispatchHandle returned by dispatch, got "
+                f"{type(handle).__name__}"), self.ep_comm)
         return _Combine.apply(expert_out, handle._topk_weights, handle, bool(apply_weights))
 
 
@@ -395,25 +435,33 @@ class TopKRouter(torch.nn.Module):
             replay_idx = replay._ids_for_forward(T)
             invalid = replay.invalid_replay_rows
         gstate = self.global_aux_loss_state
-        if gstate is not None and replay is not None and not isinstance(replay, torch.Tensor):
+        snapshot = None
+        driven = replay is not None and not isinstance(replay, torch.Tensor)
+        if gstate is not None and driven:
             # A checkpoint recompute must see the global aux-loss state its forward saw: snapshot
             # it at replay_forward, route the matching replay_backward on the snapshot (FIFO, like
-            # the replay queue), so the live state advances once per micro-batch.
+            # the replay queue), so the live state advances once per micro-batch. The snapshot
+            # queue, like the replay queues, changes only after routing succeeded.
             if replay.action == "replay_forward":
-                # One snapshot per table still queued for recompute (the replay may have been
-                # cleared, or earlier forwards never recomputed).
-                while len(self._gstate_snapshots) > max(replay.num_pending_backward - 1, 0):
-                    self._gstate_snapshots.popleft()
-                self._gstate_snapshots.append(gstate.copy())
+                snapshot = gstate.copy()
             elif replay.action == "replay_backward" and self._gstate_snapshots:
-                gstate = self._gstate_snapshots.popleft()
+                gstate = self._gstate_snapshots[0]
         topk_weights, topk_idx, info = topk_route(
             logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
             seq_length=seq_length, global_aux_loss_state=gstate,
             layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
             return_info=True)
-        if replay is not None and not isinstance(replay, torch.Tensor):
-            replay._after_forward(topk_idx)
+        if driven:
+            replay._after_forward(topk_idx, T)
+            if snapshot is not None:
+                # One snapshot per table still queued for recompute (the replay may have been
+                # cleared, or earlier forwards never recomputed).
+                while len(self._gstate_snapshots) > max(replay.num_pending_backward - 1, 0):
+                    self._gstate_snapshots.popleft()
+                self._gstate_snapshots.append(snapshot)
+            elif gstate is not None and replay.action == "replay_backward" and \
+                    self._gstate_snapshots:
+                self._gstate_snapshots.popleft()
         if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
             self.local_tokens_per_expert += info.num_tokens_per_expert.to(torch.float64)
         self.last_info = info

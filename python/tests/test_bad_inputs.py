@@ -34,10 +34,30 @@ def _inf_logits():
     return lg
 
 
+def _combine_inf():
+    d = syt.AlltoAllDispatcher(8)
+    rx, _, h = d.dispatch(torch.zeros(2, 4), torch.full((2, 2), 0.5), torch.tensor([[0, 1], [3, 2]]))
+    return d.combine(torch.full_like(rx, float("inf")), h)
+
+
+def _two_writers(tmp_path):
+    with syr.RouteWriter(tmp_path / "w.syr", num_experts=8, top_k=2, num_moe_layers=1):
+        syr.RouteWriter(tmp_path / "w.syr", num_experts=8, top_k=2, num_moe_layers=1)
+
+
+def _dup_npy(tmp_path):
+    import numpy as np
+    p = tmp_path / "dup.npy"
+    np.save(p, np.array([[[3, 3]]], dtype=np.int32))
+    return p
+
+
 ROWS = [
     # call, input tried, exception, message piece, thunk(tmp_path)
     ("sy.set_num_threads", "0 threads", ValueError, "n must be >= 1",
      lambda t: sy.set_num_threads(0)),
+    ("sy.set_num_threads", "100000 threads (the OpenMP runtime crashed)", ValueError,
+     "n must be <= 1024", lambda t: sy.set_num_threads(100000)),
     ("syt.topk_route", "RouterConfig with an unknown score function", ValueError, "softmx",
      lambda t: syt.topk_route(torch.zeros(2, 8), _cfg(score_function="softmx"))),
     ("syt.router_gating_linear", "hidden of x and weight differ", ValueError, "[router_gating_linear]",
@@ -66,6 +86,18 @@ ROWS = [
     ("AlltoAllDispatcher.dispatch", "int topk_weights", ValueError, "topk_weights must have dtype",
      lambda t: syt.AlltoAllDispatcher(8).dispatch(torch.zeros(2, 4), torch.ones(2, 2, dtype=torch.int32),
                                                    torch.tensor([[0, 1], [3, 2]]))),
+    ("syt.AlltoAllDispatcher", "capacity_factor -1 (meant no capacity)", ValueError,
+     "capacity_factor must be None (no capacity) or a finite number > 0",
+     lambda t: syt.AlltoAllDispatcher(8, capacity_factor=-1.0)),
+    ("AlltoAllDispatcher.dispatch", "NaN in x", ValueError, "x has a non-finite value nan at token 1",
+     lambda t: syt.AlltoAllDispatcher(8).dispatch(_nan_x(), torch.full((3, 2), 0.5),
+                                                   torch.tensor([[0, 1], [3, 2], [4, 5]]))),
+    ("AlltoAllDispatcher.combine", "inf in expert_out", ValueError,
+     "expert_y has a non-finite value inf at row 0", lambda t: _combine_inf()),
+    ("syr.RouteWriter", "a second writer on the same path", sy.BackendError,
+     "is being written by another RouteFileWriter", lambda t: _two_writers(t)),
+    ("syr.import_vllm", "a row that repeats an id", ValueError, "row [3, 3] at token 0, hidden layer 0 repeats expert 3",
+     lambda t: syr.import_vllm([_dup_npy(t)], num_experts=8)),
     ("syr.parse_moe_layer_freq", "entry 2", ValueError, "[layer_map]",
      lambda t: syr.parse_moe_layer_freq("1,2")),
     ("syr.RouteFile", "missing file", sy.BackendError, "no_such.syr",

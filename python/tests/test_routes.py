@@ -72,7 +72,9 @@ def test_import_vllm_and_sglang(gen, tmp_path):
     E, K, layers = 32, 4, 6  # first 2 dense (zeros there), 4 MoE
     seqs = []
     for i, T in enumerate((7, 12)):
-        arr = torch.randint(0, E, (T - 1, layers, K), generator=gen).numpy().astype(np.int32)
+        # Distinct ids per row (what a top-k produces; a repeated id is an invalid row).
+        arr = torch.argsort(torch.rand(T - 1, layers, E, generator=gen), dim=-1)[..., :K]
+        arr = arr.numpy().astype(np.int32)
         arr[:, :2, :] = 0
         np.save(tmp_path / f"s{i}.npy", arr)
         seqs.append(arr)

@@ -75,7 +75,8 @@ def test_from_verl_rejects_wrong_rank_and_reports_a_wrong_layer_map():
 
 def test_import_vllm_arrays_equals_the_file_importer(tmp_path):
     g = np.random.default_rng(5)
-    arrays = [g.integers(0, E, size=(n, L, K)).astype(np.int32) for n in (4, 9)]
+    # Distinct ids per row, as a top-k gives them (a repeated id is an invalid row, issue 13).
+    arrays = [np.argsort(g.random((n, L, E)), axis=-1)[..., :K].astype(np.int32) for n in (4, 9)]
     arrays[0][:, 0] = 0  # dense layer
     arrays[1][:, 0] = 0
     arrays[1][3, 2] = 0  # a zero-filled row on a MoE layer

@@ -35,4 +35,12 @@ void check_shape(const Tensor& t, const char* op, const char* name, const Shape&
 /// Requires t.dim() == ndim.
 void check_dim(const Tensor& t, const char* op, const char* name, int64_t ndim);
 
+/// Flat index of the first NaN/Inf of a bf16/fp32/fp64 tensor, or numel() when there is none
+/// (lowest index whatever the thread count). Defined in finite.cpp.
+int64_t first_non_finite(const Tensor& t);
+/// Throws "[op] name has a non-finite value nan at row_name r, col_name c" for the first NaN/Inf
+/// of a 2-D (or 1-D, col_name null) tensor.
+void check_finite(const Tensor& t, const char* op, const char* name, const char* row_name,
+                  const char* col_name);
+
 }  // namespace switchyard::detail

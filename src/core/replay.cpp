@@ -66,6 +66,60 @@ Tensor RouterReplay::replay_backward(int64_t num_tokens) {
   return t;
 }
 
+const Tensor& RouterReplay::peek_recorded() const {
+  if (recorded_.empty()) {
+    throw std::out_of_range(detail::cat("[replay.pop_recorded] ", where(options_.layer),
+                                        "no recorded table is queued (record() was called ",
+                                        "fewer times than pop_recorded())"));
+  }
+  return recorded_.front();
+}
+
+const Tensor& RouterReplay::peek_backward(int64_t num_tokens) const {
+  if (pending_backward_.empty()) {
+    throw std::out_of_range(detail::cat("[replay.replay_backward] ", where(options_.layer),
+                                        "no forward table is queued (replay_backward() called ",
+                                        "more often than replay_forward())"));
+  }
+  const Tensor& front = pending_backward_.front();
+  if (front.size(0) != num_tokens) {
+    detail::fail_arg("replay.replay_backward", where(options_.layer),
+                     "num_tokens must match the oldest queued forward table (", front.size(0),
+                     " rows), got num_tokens=", num_tokens);
+  }
+  return front;
+}
+
+RouteResult RouterReplay::route_forward(const Tensor& logits, const Tensor& topk_idx,
+                                        RouteInputs inputs, const RouterConfig& config,
+                                        const RouteOptions& options) {
+  check_table(topk_idx, "replay.replay_forward");
+  Tensor copy = topk_idx.clone();  // the caller may reuse its buffer
+  inputs.replay_idx = copy;
+  RouteResult r = topk_route(logits, inputs, config, options);  // throws before any queue change
+  pending_backward_.push_back(std::move(copy));
+  return r;
+}
+
+RouteResult RouterReplay::route_forward_recorded(const Tensor& logits, RouteInputs inputs,
+                                                 const RouterConfig& config,
+                                                 const RouteOptions& options) {
+  inputs.replay_idx = peek_recorded();
+  RouteResult r = topk_route(logits, inputs, config, options);
+  pending_backward_.push_back(std::move(recorded_.front()));
+  recorded_.pop_front();
+  return r;
+}
+
+RouteResult RouterReplay::route_backward(const Tensor& logits, RouteInputs inputs,
+                                         const RouterConfig& config, const RouteOptions& options) {
+  const int64_t T = logits.dim() >= 1 ? logits.size(0) : 0;
+  inputs.replay_idx = peek_backward(T);
+  RouteResult r = topk_route(logits, inputs, config, options);
+  pending_backward_.pop_front();
+  return r;
+}
+
 void RouterReplay::clear() {
   recorded_.clear();
   pending_backward_.clear();

@@ -1,5 +1,6 @@
-// Front-end and builder of the routing plan. Building is a counting sort over distinct pairs:
-// O(T*K + E), single-threaded (it is tiny next to the row movement it sizes).
+// Front-end and builder of the routing plan. Building is a counting sort over distinct pairs,
+// O(T*K + E), or for E > 4*T*K a sort of the pairs, O(T*K log(T*K)) plus writing the [E] counts;
+// single-threaded (it is tiny next to the row movement it sizes).
 #include "switchyard/routing_plan.h"
 
 #include <algorithm>
@@ -43,9 +44,9 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
     detail::fail_arg(kOp, "expert_capacity must be >= 0 or -1 (none), got expert_capacity=",
                      options.expert_capacity);
   }
-  if (!std::isfinite(options.capacity_factor)) {
-    detail::fail_arg(
-        kOp, "capacity_factor must be finite, got capacity_factor=", options.capacity_factor);
+  if (!std::isfinite(options.capacity_factor) || options.capacity_factor < 0.0) {
+    detail::fail_arg(kOp, "capacity_factor must be finite and >= 0 (0 = no capacity), got ",
+                     "capacity_factor=", options.capacity_factor);
   }
   const int32_t* idx = topk_idx.data<int32_t>();
   const float* w = has_w ? topk_weights.data<float>() : nullptr;
@@ -60,59 +61,111 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
   if (options.expert_capacity >= 0) {
     capacity = options.expert_capacity;
   } else if (options.capacity_factor > 0.0) {
-    capacity = static_cast<int64_t>(
-        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * options.capacity_factor));
+    // Clamped to T*K (no expert can receive more pairs), so a huge factor cannot overflow.
+    const double c =
+        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * options.capacity_factor);
+    capacity = c >= static_cast<double>(T * K) ? T * K : static_cast<int64_t>(c);
   }
   if (options.pad_to_capacity && capacity < 0) {
     detail::fail_arg(kOp, "pad_to_capacity needs a capacity (capacity_factor > 0 or ",
                      "expert_capacity >= 0), got neither");
   }
 
+  // Sparse when E-sized scratch would dominate (E = 2^24 experts for a handful of tokens): every
+  // step below then costs O(T*K log(T*K)) and the only O(E) work left is writing the plan's own
+  // [E] counts and [E+1] offsets. Dense (the usual E <= 4*T*K): counting sorts over E, O(T*K + E).
+  const bool sparse = E > 4 * std::max<int64_t>(T * K, 1);
+
   // Distinct pairs per token; a repeated id merges into the slot where it first appears, weights
-  // summed in k order. `seen[e]` remembers the last token that used expert e.
-  std::vector<int64_t> seen(static_cast<size_t>(E), -1), seen_pair(static_cast<size_t>(E), -1);
+  // summed in k order.
   std::vector<Pair> pairs;
   pairs.reserve(static_cast<size_t>(T * K));
   std::vector<int64_t> slot_pair(static_cast<size_t>(T * K), -1);
-  std::vector<int64_t> count(static_cast<size_t>(E), 0);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t e = idx[t * K + k];
-      if (e < 0) continue;
-      const float wk = w ? w[t * K + k] : 1.0f;
-      if (seen[static_cast<size_t>(e)] == t) {
-        const int64_t p = seen_pair[static_cast<size_t>(e)];
-        pairs[static_cast<size_t>(p)].weight += wk;
-        slot_pair[static_cast<size_t>(t * K + k)] = p;
-        continue;
+  if (!sparse) {
+    // `seen[e]` remembers the last token that used expert e.
+    std::vector<int64_t> seen(static_cast<size_t>(E), -1), seen_pair(static_cast<size_t>(E), -1);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = idx[t * K + k];
+        if (e < 0) continue;
+        const float wk = w ? w[t * K + k] : 1.0f;
+        if (seen[static_cast<size_t>(e)] == t) {
+          const int64_t p = seen_pair[static_cast<size_t>(e)];
+          pairs[static_cast<size_t>(p)].weight += wk;
+          slot_pair[static_cast<size_t>(t * K + k)] = p;
+          continue;
+        }
+        seen[static_cast<size_t>(e)] = t;
+        seen_pair[static_cast<size_t>(e)] = static_cast<int64_t>(pairs.size());
+        slot_pair[static_cast<size_t>(t * K + k)] = static_cast<int64_t>(pairs.size());
+        pairs.push_back({t, e, wk});
       }
-      seen[static_cast<size_t>(e)] = t;
-      seen_pair[static_cast<size_t>(e)] = static_cast<int64_t>(pairs.size());
-      slot_pair[static_cast<size_t>(t * K + k)] = static_cast<int64_t>(pairs.size());
-      pairs.push_back({t, e, wk});
-      ++count[static_cast<size_t>(e)];
+    }
+  } else {
+    // The same rule by scanning the row's earlier slots (E > 4*T*K implies K is small next to E).
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = idx[t * K + k];
+        if (e < 0) continue;
+        const float wk = w ? w[t * K + k] : 1.0f;
+        int64_t first = -1;
+        for (int64_t j = 0; j < k && first < 0; ++j) {
+          if (idx[t * K + j] == e) first = slot_pair[static_cast<size_t>(t * K + j)];
+        }
+        if (first >= 0) {
+          pairs[static_cast<size_t>(first)].weight += wk;
+          slot_pair[static_cast<size_t>(t * K + k)] = first;
+          continue;
+        }
+        slot_pair[static_cast<size_t>(t * K + k)] = static_cast<int64_t>(pairs.size());
+        pairs.push_back({t, e, wk});
+      }
     }
   }
 
-  // Bucket pairs by expert (stable: tokens stay ascending).
-  std::vector<int64_t> bucket_start(static_cast<size_t>(E + 1), 0);
-  for (int64_t e = 0; e < E; ++e) bucket_start[e + 1] = bucket_start[e] + count[e];
+  // Bucket pairs by expert (stable: tokens stay ascending), as runs of experts that have pairs.
+  struct Run {
+    int64_t expert, begin, end, kept;
+  };
   std::vector<int64_t> by_expert(pairs.size());
-  {
-    std::vector<int64_t> fill(bucket_start.begin(), bucket_start.end() - 1);
+  std::vector<Run> runs;
+  if (!sparse) {
+    std::vector<int64_t> count(static_cast<size_t>(E), 0);
+    for (const Pair& q : pairs) ++count[static_cast<size_t>(q.expert)];
+    std::vector<int64_t> fill(static_cast<size_t>(E));
+    int64_t at = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      fill[e] = at;
+      if (count[e] > 0) runs.push_back({e, at, at + count[e], count[e]});
+      at += count[e];
+    }
     for (size_t p = 0; p < pairs.size(); ++p)
       by_expert[fill[pairs[p].expert]++] = static_cast<int64_t>(p);
+  } else {
+    std::iota(by_expert.begin(), by_expert.end(), int64_t{0});
+    std::stable_sort(by_expert.begin(), by_expert.end(), [&](int64_t a, int64_t c) {
+      return pairs[static_cast<size_t>(a)].expert < pairs[static_cast<size_t>(c)].expert;
+    });
+    for (int64_t i = 0; i < static_cast<int64_t>(by_expert.size());) {
+      const int64_t e = pairs[static_cast<size_t>(by_expert[i])].expert;
+      int64_t j = i;
+      while (j < static_cast<int64_t>(by_expert.size()) &&
+             pairs[static_cast<size_t>(by_expert[j])].expert == e) {
+        ++j;
+      }
+      runs.push_back({e, i, j, j - i});
+      i = j;
+    }
   }
 
   // Capacity: decide which pairs survive, per expert.
   std::vector<uint8_t> kept(pairs.size(), 1);
   int64_t dropped = 0;
-  std::vector<int64_t> kept_count = count;
   if (capacity >= 0) {
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = count[e];
+    for (Run& run : runs) {
+      const int64_t n = run.end - run.begin;
       if (n <= capacity) continue;
-      int64_t* b = by_expert.data() + bucket_start[e];
+      int64_t* b = by_expert.data() + run.begin;
       if (options.token_drop_policy == PlanDropPolicy::position) {
         for (int64_t i = capacity; i < n; ++i) kept[b[i]] = 0;
       } else {
@@ -123,7 +176,7 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
         for (int64_t i = capacity; i < n; ++i) kept[order[i]] = 0;
       }
       dropped += n - capacity;
-      kept_count[e] = capacity;
+      run.kept = capacity;
     }
   }
 
@@ -139,11 +192,16 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
   int64_t* off = plan.expert_offsets.data<int64_t>();
   off[0] = 0;
   const int64_t align = options.expert_alignment;
-  for (int64_t e = 0; e < E; ++e) {
-    nte[e] = kept_count[e];
-    int64_t rows = options.pad_to_capacity ? capacity : kept_count[e];
-    rows = (rows + align - 1) / align * align;
-    off[e + 1] = off[e] + rows;
+  const bool padded = align > 1 || options.pad_to_capacity;
+  {
+    size_t r = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t kc = r < runs.size() && runs[r].expert == e ? runs[r++].kept : 0;
+      nte[e] = kc;
+      int64_t rows = options.pad_to_capacity ? capacity : kc;
+      rows = (rows + align - 1) / align * align;
+      off[e + 1] = off[e] + rows;
+    }
   }
   const int64_t R = off[E];
   plan.num_rows = R;
@@ -154,9 +212,12 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
   int32_t* re = plan.row_expert.data<int32_t>();
   float* rw = plan.row_weight.data<float>();
   std::vector<int64_t> pair_row(pairs.size(), -1);
-  for (int64_t e = 0; e < E; ++e) {
+  std::vector<int64_t> filled_to;  // per run: first row after its kept pairs
+  filled_to.reserve(runs.size());
+  for (const Run& run : runs) {
+    const int64_t e = run.expert;
     int64_t r = off[e];
-    for (int64_t i = bucket_start[e]; i < bucket_start[e + 1]; ++i) {
+    for (int64_t i = run.begin; i < run.end; ++i) {
       const int64_t p = by_expert[i];
       if (!kept[p]) continue;
       pair_row[p] = r;
@@ -165,10 +226,18 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
       rw[r] = pairs[p].weight;
       ++r;
     }
-    for (; r < off[e + 1]; ++r) {
-      rt[r] = -1;
-      re[r] = static_cast<int32_t>(e);
-      rw[r] = 0.0f;
+    filled_to.push_back(r);
+  }
+  if (padded) {  // padding rows (token -1, weight 0) after each expert's kept pairs
+    size_t ri = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      int64_t r = off[e];
+      if (ri < runs.size() && runs[ri].expert == e) r = filled_to[ri++];
+      for (; r < off[e + 1]; ++r) {
+        rt[r] = -1;
+        re[r] = static_cast<int32_t>(e);
+        rw[r] = 0.0f;
+      }
     }
   }
 

@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -199,7 +200,15 @@ Tensor Tensor::reshape(const Shape& shape) const {
 int num_threads() { return omp_get_max_threads(); }
 
 void set_num_threads(int n) {
+  // Each OpenMP thread reserves a stack (OMP_STACKSIZE, 8 MiB by default here): 100000 threads
+  // ask for ~800 GB of address space and the runtime crashes at the next parallel region. The
+  // bound is the documented kMaxThreads, lowered to the runtime's own thread limit.
   if (n < 1) detail::fail_arg("set_num_threads", "n must be >= 1, got n=", n);
+  const int limit = std::min(kMaxThreads, omp_get_thread_limit());
+  if (n > limit) {
+    detail::fail_arg("set_num_threads", "n must be <= ", limit,
+                     " (kMaxThreads, or the OpenMP thread limit when lower), got n=", n);
+  }
   omp_set_num_threads(n);
 }
 

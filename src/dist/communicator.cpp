@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
 
 #include "check.h"
 #include "cpu/permute_kernels.h"
@@ -27,6 +28,19 @@ void* Communicator::workspace(int slot, int64_t bytes) {
   }
   return s.data.get();
 }
+
+Communicator::Exclusive::Exclusive(Communicator& comm, const char* op) : comm_(comm) {
+  const char* expected = nullptr;
+  if (!comm.holder_.compare_exchange_strong(expected, op, std::memory_order_acquire)) {
+    throw std::logic_error(detail::cat(
+        "[", op, "] the ", comm.name(), " communicator (rank ", comm.rank(), " of ", comm.size(),
+        ") is in use by another thread (", expected ? expected : "?",
+        "); a communicator and the dispatchers on it serve one thread at a time: give each thread "
+        "its own communicator"));
+  }
+}
+
+Communicator::Exclusive::~Exclusive() { comm_.holder_.store(nullptr, std::memory_order_release); }
 
 namespace {
 

@@ -75,7 +75,9 @@ void plan_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out)
   for (int64_t r = 0; r < P; ++r)
     for (int64_t el = 0; el < L; ++el) {
       const int64_t e = r * L + el;
-      out.push_back({static_cast<int>(r), off[e], off[e + 1] - off[e]});
+      // Empty blocks are left out here (both sides skip them), so the work per call follows
+      // the pairs, not E.
+      if (off[e + 1] > off[e]) out.push_back({static_cast<int>(r), off[e], off[e + 1] - off[e]});
     }
 }
 
@@ -88,7 +90,8 @@ void expert_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& ou
   for (int64_t s = 0; s < P; ++s)
     for (int64_t el = 0; el < L; ++el) {
       const int64_t e = h.rank * L + el;
-      out.push_back({static_cast<int>(s), boff[static_cast<size_t>(e * P + s)], count_at(h, s, e)});
+      const int64_t n = count_at(h, s, e);
+      if (n > 0) out.push_back({static_cast<int>(s), boff[static_cast<size_t>(e * P + s)], n});
     }
 }
 
@@ -155,6 +158,7 @@ void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
     auto* out = static_cast<unsigned char*>(dst);
     for (int64_t el = 0; el < L; ++el) {
       const int64_t e = me * L + el;
+      if (off[e + 1] == off[e]) continue;  // a parallel region per empty expert cost 1 µs each
       cpu::gather_rows(src, rt + off[e], off[e + 1] - off[e], rb,
                        out + boff[static_cast<size_t>(e * P + me)] * rb);
     }
@@ -212,6 +216,10 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
     check_defined(topk_weights, op, "topk_weights");
     check_dtype(topk_weights, op, "topk_weights", {DType::fp32});
     check_shape(topk_weights, op, "topk_weights", topk_idx.shape());
+    // NaN/Inf would travel silently into every expert and into combine's sums (the gate and the
+    // router reject them too): the same scan, inside the agreement, so every rank raises.
+    switchyard::detail::check_finite(x, op, "x", "token", "hidden");
+    switchyard::detail::check_finite(topk_weights, op, "topk_weights", "token", "slot");
     plan = build_routing_plan(topk_idx, topk_weights, options.num_experts, options.plan);
   } catch (const std::invalid_argument& e) {
     return e.what();
@@ -222,12 +230,16 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
 // `name`: the caller's name of expert_y, for messages ("expert_y", "grad_recv_x").
 Tensor combine_impl(const char* op, const char* name, const Tensor& expert_y,
                     const DispatchHandle& h, const UnpermuteOptions& options, Communicator& comm) {
-  check_handle(op, h, comm);
+  const Communicator::Exclusive busy(comm, op);
   std::string err;
   try {
+    // Inside the agreement: a bad handle on one rank raises on every rank instead of leaving
+    // the others waiting in the exchange.
+    check_handle(op, h, comm);
     check_defined(expert_y, op, name);
     check_dtype(expert_y, op, name, {DType::fp32, DType::bf16});
     check_shape(expert_y, op, name, {h.num_recv_tokens, h.hidden});
+    switchyard::detail::check_finite(expert_y, op, name, "row", "hidden");
   } catch (const std::invalid_argument& e) {
     err = e.what();
   }
@@ -247,6 +259,7 @@ Tensor combine_impl(const char* op, const char* name, const Tensor& expert_y,
 DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                         const DispatchOptions& options, Communicator& comm) {
   const char* op = "dispatch";
+  const Communicator::Exclusive busy(comm, op);
   const int64_t P = comm.size(), me = comm.rank(), E = options.num_experts;
   RoutingPlan plan;
   const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, P, plan);
@@ -429,6 +442,7 @@ Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const Dis
                                  Communicator& comm) {
   const char* op = "dispatch_weights_backward";
   const char* name = "grad_recv_topk_weights";
+  const Communicator::Exclusive busy(comm, op);
   std::string err;
   try {
     check_handle(op, h, comm);
@@ -468,10 +482,11 @@ Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const Dis
 CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,
                               const UnpermuteOptions& options, Communicator& comm) {
   const char* op = "combine_backward";
-  check_handle(op, h, comm);
+  const Communicator::Exclusive busy(comm, op);
   const bool apply = options.weights == WeightMode::apply;
   std::string err;
   try {
+    check_handle(op, h, comm);
     check_defined(grad_y, op, "grad_y");
     check_dtype(grad_y, op, "grad_y", {DType::fp32, DType::bf16});
     check_shape(grad_y, op, "grad_y", {h.num_tokens, h.hidden});
@@ -518,6 +533,23 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, cons
     if (sr[s] >= 0) gw[s] = plan_dots[static_cast<size_t>(sr[s])];
   }
   return out;
+}
+
+void fail_collective(CollectiveOp op, const std::string& message, Communicator& comm) {
+  const Communicator::Exclusive busy(comm, "fail_collective");
+  const std::string err = message.empty() ? std::string("failed before the call") : message;
+  if (op == CollectiveOp::dispatch) {
+    // dispatch()'s phase-1 header, error length first (the other fields are not read on error).
+    std::vector<int64_t> header(static_cast<size_t>(kHeader), 0);
+    header[0] = static_cast<int64_t>(err.size());
+    const std::vector<int64_t> all = comm.allgather(header);
+    std::vector<int64_t> lens(static_cast<size_t>(comm.size()));
+    for (size_t r = 0; r < lens.size(); ++r) lens[r] = all[r * kHeader];
+    detail::raise_if_any("dispatch", err, lens, comm);
+  } else {
+    detail::agree("combine", err, DType::fp32, "expert_y", WeightMode::apply, comm);
+  }
+  throw std::logic_error("[fail_collective] the agreement did not raise");  // not reached
 }
 
 }  // namespace switchyard::dist

@@ -7,9 +7,13 @@
 #define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
+#include <chrono>
 #include <climits>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "check.h"
 #include "switchyard/dist.h"
@@ -92,12 +96,28 @@ constexpr int kBlockTag = 7301;
 constexpr int kSendSlot = 0;
 constexpr int kRecvSlot = 1;
 
+// SWITCHYARD_COLLECTIVE_TIMEOUT: seconds a collective may wait for the other ranks (unset or 0:
+// forever, MPI's blocking calls as they are). Read when a communicator is made.
+double collective_timeout(int rank) {
+  const char* v = std::getenv("SWITCHYARD_COLLECTIVE_TIMEOUT");
+  if (v == nullptr || *v == '\0') return 0.0;
+  char* end = nullptr;
+  const double t = std::strtod(v, &end);
+  if (end == v || *end != '\0' || !std::isfinite(t) || t < 0.0) {
+    throw BackendError(detail::cat("[dist] SWITCHYARD_COLLECTIVE_TIMEOUT must be a number of ",
+                                   "seconds >= 0 (0 = no timeout), got \"", v, "\" (rank ", rank,
+                                   ", ", __FILE__, ":", __LINE__, ")"));
+  }
+  return t;
+}
+
 class MpiCommunicator final : public Communicator {
  public:
   explicit MpiCommunicator(MPI_Comm parent) {
     int prank = 0;
     MPI_Comm_rank(parent, &prank);
     rank_ = prank;
+    timeout_ = collective_timeout(prank);
     SY_MPI_CHECK(MPI_Comm_dup(parent, &comm_));
     try {
       SY_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
@@ -121,7 +141,15 @@ class MpiCommunicator final : public Communicator {
   std::string name() const override { return "mpi"; }
 
   void allgather(const void* send, void* recv, int64_t count, int64_t elem_bytes) override {
+    usable();
     RowType t(elem_bytes, rank_);
+    if (timeout_ > 0) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      SY_MPI_CHECK(
+          MPI_Iallgather(send, to_int(count), t.get(), recv, to_int(count), t.get(), comm_, &r));
+      wait(&r, 1, "MPI_Iallgather");
+      return;
+    }
     SY_MPI_CHECK(MPI_Allgather(send, to_int(count), t.get(), recv, to_int(count), t.get(), comm_));
   }
 
@@ -131,6 +159,14 @@ class MpiCommunicator final : public Communicator {
     std::vector<int> counts, displs;
     to_counts(recv_counts, counts, displs);
     RowType t(elem_bytes, rank_);
+    usable();
+    if (timeout_ > 0) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      SY_MPI_CHECK(MPI_Iallgatherv(send, to_int(send_count), t.get(), recv, counts.data(),
+                                   displs.data(), t.get(), comm_, &r));
+      wait(&r, 1, "MPI_Iallgatherv");
+      return;
+    }
     SY_MPI_CHECK(MPI_Allgatherv(send, to_int(send_count), t.get(), recv, counts.data(),
                                 displs.data(), t.get(), comm_));
   }
@@ -143,6 +179,14 @@ class MpiCommunicator final : public Communicator {
     to_counts(send_counts, sc, sd);
     to_counts(recv_counts, rc, rd);
     RowType t(elem_bytes, rank_);
+    usable();
+    if (timeout_ > 0) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      SY_MPI_CHECK(MPI_Ialltoallv(send, sc.data(), sd.data(), t.get(), recv, rc.data(), rd.data(),
+                                  t.get(), comm_, &r));
+      wait(&r, 1, "MPI_Ialltoallv");
+      return;
+    }
     SY_MPI_CHECK(MPI_Alltoallv(send, sc.data(), sd.data(), t.get(), recv, rc.data(), rd.data(),
                                t.get(), comm_));
   }
@@ -180,6 +224,7 @@ class MpiCommunicator final : public Communicator {
     // Nonblocking point-to-point, one message per non-empty block; messages between two ranks with
     // the same tag arrive in order (MPI's non-overtaking rule), which is what matches blocks.
     // Blocks to or from this rank are plain copies.
+    usable();
     RowType row(row_bytes, rank_);
     const auto* s = static_cast<const unsigned char*>(send);
     auto* d = static_cast<unsigned char*>(recv);
@@ -216,15 +261,36 @@ class MpiCommunicator final : public Communicator {
       std::memcpy(d + self_recv[i]->offset * row_bytes, s + self_send[i]->offset * row_bytes,
                   static_cast<size_t>(self_send[i]->rows * row_bytes));
     }
-    SY_MPI_CHECK(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE));
+    if (timeout_ > 0) {
+      wait(reqs.data(), static_cast<int>(reqs.size()), "MPI_Isend/MPI_Irecv (exchange_blocks)");
+    } else {
+      SY_MPI_CHECK(MPI_Waitall(static_cast<int>(reqs.size()), reqs.data(), MPI_STATUSES_IGNORE));
+    }
     reqs.clear();
   }
 
   void allreduce_max(int64_t* values, int64_t n) override {
+    usable();
+    if (timeout_ > 0) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      SY_MPI_CHECK(
+          MPI_Iallreduce(MPI_IN_PLACE, values, to_int(n), MPI_INT64_T, MPI_MAX, comm_, &r));
+      wait(&r, 1, "MPI_Iallreduce");
+      return;
+    }
     SY_MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, values, to_int(n), MPI_INT64_T, MPI_MAX, comm_));
   }
 
-  void barrier() override { SY_MPI_CHECK(MPI_Barrier(comm_)); }
+  void barrier() override {
+    usable();
+    if (timeout_ > 0) {
+      MPI_Request r = MPI_REQUEST_NULL;
+      SY_MPI_CHECK(MPI_Ibarrier(comm_, &r));
+      wait(&r, 1, "MPI_Ibarrier");
+      return;
+    }
+    SY_MPI_CHECK(MPI_Barrier(comm_));
+  }
 
  private:
   // dst[to(i)] = src[from(i)] for i < n, rows of row_bytes; a null index is the identity.
@@ -264,9 +330,44 @@ class MpiCommunicator final : public Communicator {
     to_int(off);
   }
 
+  // The watchdog: polls the requests until they complete or the deadline passes. A timed-out
+  // collective cannot be cancelled (MPI has no such call), so the communicator is unusable after
+  // it: every later call throws instead of mixing with the stuck one.
+  void wait(MPI_Request* reqs, int n, const char* call) {
+    using clock = std::chrono::steady_clock;
+    const auto deadline = clock::now() + std::chrono::duration<double>(timeout_);
+    for (int spins = 0;; ++spins) {
+      int done = 0;
+      check_mpi(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), call, rank_, __FILE__, __LINE__);
+      if (done) return;
+      if (clock::now() > deadline) {
+        broken_ = call;
+        throw BackendError(detail::cat(
+            "[dist] ", call, " did not complete within ", timeout_,
+            " s (SWITCHYARD_COLLECTIVE_TIMEOUT) on rank ", rank_, " of ", size_,
+            ": another rank is not in the same collective (a different number of calls, or a ",
+            "failure outside the error agreement); this communicator is unusable now (",
+            __FILE__, ":", __LINE__, ")"));
+      }
+      // Spin briefly (latency), then yield the core (ranks may share cores).
+      if (spins > 2000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  void usable() const {
+    if (broken_ != nullptr) {
+      throw BackendError(detail::cat("[dist] the mpi communicator (rank ", rank_, " of ", size_,
+                                     ") is unusable: ", broken_,
+                                     " timed out earlier (SWITCHYARD_COLLECTIVE_TIMEOUT) and MPI ",
+                                     "cannot cancel it; end the job (", __FILE__, ":", __LINE__,
+                                     ")"));
+    }
+  }
+
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = -1;
   int size_ = 0;
+  double timeout_ = 0.0;           // SWITCHYARD_COLLECTIVE_TIMEOUT, 0 = none
+  const char* broken_ = nullptr;   // the call that timed out, if any
 };
 
 }  // namespace

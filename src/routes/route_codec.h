@@ -27,6 +27,14 @@ inline constexpr int64_t kMaxExperts = 1 << 24;
 inline constexpr int64_t kMaxTopK = 1 << 16;
 inline constexpr int64_t kMaxLayers = 1 << 16;
 inline constexpr int64_t kMaxRawBlockBytes = int64_t{1} << 32;
+// One sequence decodes to at most this many bytes of int32 ids (4 GiB: a 1M-token sequence of
+// 128 MoE layers x K 8); the writer refuses larger tables, so every file it writes is readable.
+inline constexpr int64_t kMaxTableBytes = int64_t{1} << 32;
+// zstd's format bound: a block decodes to at most 128 KiB (ZSTD_BLOCKSIZE_MAX) and costs at least
+// 4 bytes (3-byte header + 1 RLE byte), so a payload of R bytes needs >= 4*ceil(R/128Ki) bytes.
+// Checked before allocating, so a tiny crafted block cannot ask for gigabytes.
+inline constexpr int64_t kZstdMaxBlock = int64_t{1} << 17;
+inline constexpr int64_t kZstdMinBlockBytes = 4;
 
 /// Bytes per stored id for num_experts experts.
 inline int64_t id_width_for(int64_t num_experts) {

@@ -2,12 +2,15 @@
 #include "switchyard/route_file.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zstd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 
 #include "check.h"
@@ -49,35 +52,56 @@ std::string encode_header(const RouteFileInfo& info) {
 
 // ---------------------------------------------------------------------------------------------
 // Writer
+//
+// Commit protocol: everything goes to `<path>.partial` (same directory, so the rename is atomic),
+// which holds an exclusive flock for the writer's lifetime. close() writes the index, fsyncs the
+// file, renames it over `path` and fsyncs the directory. Until then `path` is never opened: an
+// existing file stays as it was, whatever happens to the writer.
 
 struct RouteFileWriter::Impl {
-  std::FILE* f = nullptr;
-  std::string path;
+  int fd = -1;
+  std::string path, partial;
   RouteFileInfo info;
   RouteFileWriterOptions options;
   std::vector<RouteFileEntry> entries;
   int64_t offset = 0;
   std::string raw, comp, block;
   ZSTD_CCtx* cctx = nullptr;
+  int uncaught_at_open = 0;  // std::uncaught_exceptions() when constructed (see ~RouteFileWriter)
 
   bool failed = false;  // a write failed: the file may end in a partial block
 
   ~Impl() {
-    if (f) std::fclose(f);
-    ZSTD_freeCCtx(cctx);  // accepts nullptr
+    if (fd >= 0) ::close(fd);  // releases the lock
+    ZSTD_freeCCtx(cctx);       // accepts nullptr
   }
 
   void write(const std::string& bytes) {
-    // Flush every block so a writer killed later leaves this one complete in the file.
-    if (std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size() || std::fflush(f) != 0) {
-      // Stop here: later blocks or an index after a partial block would be misplaced. The blocks
-      // written so far stay recoverable by the reader's scan.
-      failed = true;
-      io_fail("fwrite", path);
+    // One write per block, handed to the OS before append returns, so a writer killed later
+    // leaves this block complete in the partial file.
+    size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        if (w == 0) errno = EIO;
+        // Stop here: later blocks or an index after a partial block would be misplaced. The
+        // blocks written so far stay recoverable by the reader's scan.
+        failed = true;
+        io_fail("write", partial);
+      }
+      done += static_cast<size_t>(w);
     }
     offset += static_cast<int64_t>(bytes.size());
   }
+
+  void release() {
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+  }
 };
+
+std::string RouteFileWriter::partial_path(const std::string& path) { return path + ".partial"; }
 
 RouteFileWriter::RouteFileWriter(const std::string& path, const RouteFileInfo& info,
                                  const RouteFileWriterOptions& options)
@@ -115,22 +139,64 @@ RouteFileWriter::RouteFileWriter(const std::string& path, const RouteFileInfo& i
   if (options.compression_level < 1 || options.compression_level > 19) {
     detail::fail_arg(op, "compression_level must be in [1, 19], got ", options.compression_level);
   }
-  impl_->path = path;
-  impl_->info = info;
-  impl_->info.id_width = detail::id_width_for(info.num_experts);
-  impl_->info.version = detail::kFormatVersion;
-  impl_->options = options;
-  impl_->cctx = ZSTD_createCCtx();
-  if (!impl_->cctx) throw BackendError("ZSTD_createCCtx failed");
-  impl_->f = std::fopen(path.c_str(), "wb");
-  if (!impl_->f) io_fail("fopen", path);
-  impl_->write(encode_header(impl_->info));
+  if (path.empty()) detail::fail_arg(op, "path must not be empty");
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    // The rename at close() would replace it (a device, a directory): refuse up front.
+    detail::fail_arg(op, "path must be a regular file or not exist, got ", path,
+                     S_ISDIR(st.st_mode) ? " (a directory)" : " (not a regular file)");
+  }
+  Impl& s = *impl_;
+  s.path = path;
+  s.partial = partial_path(path);
+  s.info = info;
+  s.info.id_width = detail::id_width_for(info.num_experts);
+  s.info.version = detail::kFormatVersion;
+  s.options = options;
+  s.cctx = ZSTD_createCCtx();
+  if (!s.cctx) throw BackendError("ZSTD_createCCtx failed");
+  // Lock, then check that the locked inode is still the one named `partial` (a writer that just
+  // committed renamed it away); only then truncate. Never O_TRUNC before holding the lock.
+  for (int attempt = 0;; ++attempt) {
+    s.fd = ::open(s.partial.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (s.fd < 0) io_fail("open", s.partial);
+    if (::flock(s.fd, LOCK_EX | LOCK_NB) != 0) {
+      const int e = errno;
+      s.release();
+      if (e == EWOULDBLOCK) {
+        throw BackendError(cat("[route_file] ", path,
+                               " is being written by another RouteFileWriter (lock on ", s.partial,
+                               " held); one writer per path at a time"));
+      }
+      errno = e;
+      io_fail("flock", s.partial);
+    }
+    struct stat held {}, named {};
+    if (::fstat(s.fd, &held) != 0) io_fail("fstat", s.partial);
+    if (::stat(s.partial.c_str(), &named) == 0 && named.st_ino == held.st_ino &&
+        named.st_dev == held.st_dev) {
+      break;
+    }
+    s.release();
+    if (attempt >= 16) {
+      throw BackendError(cat("[route_file] ", s.partial, " keeps being replaced while locking"));
+    }
+  }
+  if (::ftruncate(s.fd, 0) != 0) io_fail("ftruncate", s.partial);
+  s.uncaught_at_open = std::uncaught_exceptions();
+  s.write(encode_header(s.info));
 }
 
 RouteFileWriter::~RouteFileWriter() {
   if (!impl_) return;
   try {
-    close();
+    // Unwinding from an exception (an append or the caller's own code failed): the sequences so
+    // far may not be all there is, so never commit; the partial file stays for recovery.
+    if (std::uncaught_exceptions() > impl_->uncaught_at_open) {
+      abort();
+    } else {
+      close();
+    }
   } catch (...) {
     // A destructor never throws; call close() to see the error. ~Impl releases the rest.
   }
@@ -139,8 +205,8 @@ RouteFileWriter::~RouteFileWriter() {
 void RouteFileWriter::append(const RouteTable& table) {
   const char* op = "route_file.append";
   Impl& s = *impl_;
-  if (!s.f) detail::fail_arg(op, "the writer of ", s.path, " is closed");
-  if (s.failed) throw BackendError(cat("[route_file] an earlier write to ", s.path, " failed"));
+  if (s.fd < 0) detail::fail_arg(op, "the writer of ", s.path, " is closed");
+  if (s.failed) throw BackendError(cat("[route_file] an earlier write to ", s.partial, " failed"));
   check_route_table(table, op, "table");
   if (table.num_experts != s.info.num_experts || table.num_moe_layers() != s.info.num_moe_layers ||
       table.top_k() != s.info.top_k) {
@@ -150,6 +216,11 @@ void RouteFileWriter::append(const RouteTable& table) {
                      ", num_moe_layers=", table.num_moe_layers(), ", top_k=", table.top_k());
   }
   const int64_t T = table.num_tokens();
+  if (T > detail::kMaxTableBytes / (4 * s.info.num_moe_layers * s.info.top_k)) {
+    detail::fail_arg(op, "table must decode to at most ", detail::kMaxTableBytes,
+                     " bytes per sequence (the reader's limit), got ", T, " tokens x ",
+                     s.info.num_moe_layers, " layers x top_k ", s.info.top_k, " x 4 bytes");
+  }
   const uint32_t flags =
       detail::encode_payload(table.topk_idx.data<int32_t>(), T, s.info.num_moe_layers, s.info.top_k,
                              s.info.num_experts, s.raw);
@@ -176,12 +247,11 @@ void RouteFileWriter::append(const RouteTable& table) {
 
 void RouteFileWriter::close() {
   Impl& s = *impl_;
-  if (!s.f) return;
-  if (s.failed) {  // no index after a partial block: the file stays in scan-recovery form
-    std::FILE* f = s.f;
-    s.f = nullptr;
-    std::fclose(f);
-    return;
+  if (s.fd < 0) return;
+  if (s.failed) {  // no index after a partial block: nothing is committed
+    s.release();
+    throw BackendError(cat("[route_file] ", s.path, " was not written: an earlier write to ",
+                           s.partial, " failed (its complete blocks stay there for recovery)"));
   }
   std::string ix;
   put_u32(ix, detail::kIndexMagic);
@@ -197,10 +267,43 @@ void RouteFileWriter::close() {
   put_u64(footer, static_cast<uint64_t>(s.offset));
   put_u64(footer, detail::checksum(footer.data(), 8));
   footer.append(detail::kFooterMagic, 8);
-  s.write(ix + footer);
-  std::FILE* f = s.f;
-  s.f = nullptr;
-  if (std::fclose(f) != 0) io_fail("fclose", s.path);
+  try {
+    s.write(ix + footer);
+    if (::fsync(s.fd) != 0) io_fail("fsync", s.partial);
+    if (::rename(s.partial.c_str(), s.path.c_str()) != 0) io_fail("rename", s.partial);
+  } catch (...) {
+    s.failed = true;
+    s.release();
+    throw;
+  }
+  // The rename is durable once the directory is: fsync it (best effort where unsupported).
+  std::string dir = s.path.substr(0, s.path.find_last_of('/') == std::string::npos
+                                         ? 0
+                                         : s.path.find_last_of('/') + 1);
+  if (dir.empty()) dir = ".";
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int derr = dfd < 0 ? errno : (::fsync(dfd) != 0 ? errno : 0);
+  if (dfd >= 0) ::close(dfd);
+  s.release();  // after the rename: the lock covers the whole commit
+  if (derr != 0 && derr != EINVAL && derr != EROFS) {
+    errno = derr;
+    io_fail("fsync", dir);
+  }
+}
+
+void RouteFileWriter::abort() {
+  Impl& s = *impl_;
+  if (s.fd < 0) return;
+  ::fsync(s.fd);  // best effort: keep what was appended for recovery
+  s.release();
+}
+
+void RouteFileWriter::discard() {
+  Impl& s = *impl_;
+  if (s.fd < 0) return;
+  // Unlink while still holding the lock, so no other writer's file is removed.
+  ::unlink(s.partial.c_str());
+  s.release();
 }
 
 int64_t RouteFileWriter::num_sequences() const {
@@ -325,9 +428,21 @@ struct RouteFileReader::Impl {
                                          info.top_k, info.num_experts, flags)) {
       return cat("inconsistent sizes: ", tokens, " tokens, payload ", raw_size, " bytes");
     }
+    if (tokens * row > static_cast<uint64_t>(detail::kMaxTableBytes) / 4) {
+      return cat("declares ", tokens, " tokens x ", info.num_moe_layers, " layers x top_k ",
+                 info.top_k, ", more than the ", detail::kMaxTableBytes,
+                 " bytes a sequence may decode to");
+    }
     if (comp > static_cast<uint64_t>(size)) {
       return cat("truncated block: payload of ", comp, " bytes runs past the end of the file (",
                  size, " bytes)");
+    }
+    const uint64_t min_comp = static_cast<uint64_t>(detail::kZstdMinBlockBytes) *
+                              ((static_cast<uint64_t>(raw_size) + detail::kZstdMaxBlock - 1) /
+                               detail::kZstdMaxBlock);
+    if (comp < min_comp) {
+      return cat("inconsistent sizes: a payload of ", raw_size, " bytes cannot come from ", comp,
+                 " compressed bytes (zstd needs at least ", min_comp, ")");
     }
     e.offset = offset;
     e.num_tokens = static_cast<int64_t>(tokens);

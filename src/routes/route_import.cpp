@@ -151,6 +151,34 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
       int32_t* dst = out + (r * M + m) * top_k;
       for (int64_t k = 0; k < top_k; ++k)
         dst[k] = static_cast<int32_t>(load_elem(row + k * int64_t(es), elem));
+      if (!zero) {
+        // A repeated id or -1 mixed with ids is an invalid row (DESIGN.md): never stored as if
+        // valid. K is small, so the pairwise scan is cheaper than any set.
+        int64_t bad = -1, none = 0;
+        for (int64_t k = 0; k < top_k && bad < 0; ++k) {
+          none += dst[k] < 0;
+          for (int64_t j = 0; j < k && dst[k] >= 0; ++j) {
+            if (dst[j] == dst[k]) {
+              bad = k;
+              break;
+            }
+          }
+        }
+        if (bad < 0 && none > 0 && none < top_k) bad = top_k;  // mixes -1 and ids
+        if (bad >= 0) {
+          if (opt.invalid_rows == InvalidRowPolicy::error) {
+            std::string ids = "[";
+            for (int64_t k = 0; k < top_k; ++k) ids += (k ? ", " : "") + std::to_string(dst[k]);
+            ids += "]";
+            fail_arg(kOp, source, " (sequence ", seq, "): row ", ids, " at token ", r,
+                     ", hidden layer ", l,
+                     bad < top_k ? cat(" repeats expert ", dst[bad]) : std::string(" mixes -1 and ids"),
+                     " (invalid_rows='to_none' stores such rows as -1)");
+          }
+          for (int64_t k = 0; k < top_k; ++k) dst[k] = -1;
+          ++rep.num_invalid_rows;
+        }
+      }
     }
   }
   if (dense_nonzero > 0) {
@@ -389,6 +417,7 @@ void merge(ImportResult& into, ImportResult&& part, const std::string& source) {
     a.first_zero_rows.push_back(z);
   }
   a.num_zero_rows += b.num_zero_rows;
+  a.num_invalid_rows += b.num_invalid_rows;
   a.num_tokens += b.num_tokens;
   a.num_sequences += b.num_sequences;
   if (b.num_sequences > 0) {

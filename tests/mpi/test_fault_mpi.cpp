@@ -8,7 +8,10 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
+
 #include "switchyard/dispatcher.h"
+#include "switchyard/error.h"
 #include "testing.h"
 
 namespace switchyard {
@@ -166,6 +169,82 @@ TEST(FaultMpi, AllMinusOneRoutesOnOneRank) {
   Tensor y = dist::combine(d.recv_x, d.handle, {}, c);
   for (int64_t t = 0; t < 4; ++t) EXPECT_EQ(y.item_as_double(t * 8 + 3), empty ? 0.0 : 1.0) << "token " << t;
   expect_still_in_step(c);
+}
+
+
+// Issue 13: a bad handle on one rank used to throw before the agreement (the others hung in
+// combine's exchange); now it is agreed like every other argument error.
+TEST(FaultMpi, BadHandleOnOneRankRaisesEverywhere) {
+  Watchdog wd;
+  dist::Communicator& c = *world();
+  const int64_t P = c.size(), me = c.rank();
+  dist::DispatchResult d = good_dispatch(5, 12, DispatcherKind::all_to_all, c);
+  const dist::DispatchHandle bad;  // never dispatched
+  const dist::DispatchHandle& h = me == P - 1 ? bad : d.handle;
+  SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, h, {}, c), std::invalid_argument,
+                      "[combine] on rank " + std::to_string(P - 1) +
+                          ": [combine] handle must come from dispatch on this communicator");
+  SY_EXPECT_THROW_MSG(
+      dist::combine_backward(Tensor::zeros({5, 8}, DType::fp32), d.recv_x, h, {}, c),
+      std::invalid_argument, "[combine_backward] on rank " + std::to_string(P - 1));
+  expect_still_in_step(c);
+}
+
+// A caller's own check that failed on one rank (a binding, an adapter) joins the collective's
+// agreement through fail_collective: every rank raises that rank's message.
+TEST(FaultMpi, FailCollectiveOnOneRankRaisesEverywhere) {
+  Watchdog wd;
+  dist::Communicator& c = *world();
+  const int64_t P = c.size(), me = c.rank();
+  const std::string want = "[dispatch] on rank " + std::to_string(P - 1) + ": adapter says no";
+  if (me == P - 1) {
+    SY_EXPECT_THROW_MSG(dist::fail_collective(dist::CollectiveOp::dispatch, "adapter says no", c),
+                        std::invalid_argument, want);
+  } else {
+    SY_EXPECT_THROW_MSG(good_dispatch(4, 12, DispatcherKind::all_to_all, c), std::invalid_argument,
+                        want);
+  }
+  dist::DispatchResult d = good_dispatch(5, 12, DispatcherKind::all_gather, c);
+  const std::string cwant = "[combine] on rank " + std::to_string(P - 1) + ": not a handle";
+  if (me == P - 1) {
+    SY_EXPECT_THROW_MSG(dist::fail_collective(dist::CollectiveOp::combine, "not a handle", c),
+                        std::invalid_argument, cwant);
+  } else {
+    SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, d.handle, {}, c), std::invalid_argument, cwant);
+  }
+  expect_still_in_step(c);
+}
+
+// SWITCHYARD_COLLECTIVE_TIMEOUT: rank 0 enters a barrier the others reach only after the
+// deadline; rank 0 gets a BackendError naming the call instead of waiting forever, and its
+// communicator refuses further use. (The late barrier then completes the stuck one, so the job
+// ends cleanly; a barrier moves no buffers that could outlive the call.)
+TEST(FaultMpi, CollectiveTimeoutTurnsAStuckCollectiveIntoAnError) {
+  Watchdog wd;
+  if (world()->size() == 1) GTEST_SKIP() << "needs 2+ ranks";
+  // Each rank reads its own value: 0.5 s on rank 0 (the one left waiting), a generous 120 s on
+  // the others, so a loaded machine (ASan, 4 ranks on 2 cores) cannot time out the late barrier.
+  const bool waiting = world()->rank() == 0;
+  ::setenv("SWITCHYARD_COLLECTIVE_TIMEOUT", waiting ? "0.5" : "120", 1);
+  std::shared_ptr<dist::Communicator> c = dist::world();  // reads the variable
+  ::unsetenv("SWITCHYARD_COLLECTIVE_TIMEOUT");
+  if (waiting) {
+    SY_EXPECT_THROW_MSG(c->barrier(), BackendError,
+                        "MPI_Ibarrier did not complete within 0.5 s (SWITCHYARD_COLLECTIVE_TIMEOUT) "
+                        "on rank 0");
+    SY_EXPECT_THROW_MSG(c->barrier(), BackendError, "is unusable: MPI_Ibarrier timed out earlier");
+  } else {
+    ::usleep(1500 * 1000);
+    c->barrier();
+  }
+  world()->barrier();
+}
+
+TEST(FaultMpi, CollectiveTimeoutMustBeANumber) {
+  ::setenv("SWITCHYARD_COLLECTIVE_TIMEOUT", "soon", 1);
+  SY_EXPECT_THROW_MSG(dist::world(), BackendError,
+                      "SWITCHYARD_COLLECTIVE_TIMEOUT must be a number of seconds >= 0");
+  ::unsetenv("SWITCHYARD_COLLECTIVE_TIMEOUT");
 }
 
 }  // namespace

@@ -23,7 +23,7 @@
 namespace switchyard {
 namespace {
 
-enum class Kind { invalid_argument, out_of_range, data_error, backend_error };
+enum class Kind { invalid_argument, out_of_range, data_error, backend_error, logic_error };
 
 const char* kind_name(Kind k) {
   switch (k) {
@@ -31,6 +31,7 @@ const char* kind_name(Kind k) {
     case Kind::out_of_range: return "std::out_of_range";
     case Kind::data_error: return "switchyard::DataError";
     case Kind::backend_error: return "switchyard::BackendError";
+    case Kind::logic_error: return "std::logic_error";
   }
   return "?";
 }
@@ -89,6 +90,8 @@ std::vector<Row> rows() {
        [] { Tensor::empty({2, -1}, DType::fp32); }},
       {"set_num_threads", "0 threads", Kind::invalid_argument, "[set_num_threads] n must be >= 1, got n=0",
        [] { set_num_threads(0); }},
+      {"set_num_threads", "100000 threads (the OpenMP runtime crashed)", Kind::invalid_argument,
+       "[set_num_threads] n must be <= 1024", [] { set_num_threads(100000); }},
       // ---- gate
       {"router_gating_linear", "x is 1-D", Kind::invalid_argument, "[router_gating_linear] x must have 2 dimensions, got shape [4]",
        [] { router_gating_linear(f32({4}), f32({8, 4}), Tensor()); }},
@@ -184,6 +187,52 @@ std::vector<Row> rows() {
          o.plan.expert_alignment = 8;
          dist::dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o, *dist::local());
        }},
+      {"dist::dispatch", "NaN in x", Kind::invalid_argument,
+       "[dispatch] on rank 0: [dispatch] x has a non-finite value nan at token 0, hidden 1",
+       [] {
+         dist::DispatchOptions o;
+         o.num_experts = 4;
+         Tensor x = f32({1, 4});
+         x.data<float>()[1] = std::numeric_limits<float>::quiet_NaN();
+         dist::dispatch(x, i32({0}, {1, 1}), f32({1, 1}), o, *dist::local());
+       }},
+      {"dist::dispatch", "inf in topk_weights", Kind::invalid_argument,
+       "[dispatch] on rank 0: [dispatch] topk_weights has a non-finite value inf at token 0, slot 0",
+       [] {
+         dist::DispatchOptions o;
+         o.num_experts = 4;
+         dist::dispatch(f32({1, 4}), i32({0}, {1, 1}),
+                        f32({1, 1}, std::numeric_limits<double>::infinity()), o, *dist::local());
+       }},
+      {"dist::dispatch", "capacity_factor -1 (meant no capacity)", Kind::invalid_argument,
+       "capacity_factor must be finite and >= 0 (0 = no capacity), got capacity_factor=-1",
+       [] {
+         dist::DispatchOptions o;
+         o.num_experts = 4;
+         o.plan.capacity_factor = -1;
+         dist::dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o, *dist::local());
+       }},
+      {"dist::combine", "a handle that never came from dispatch", Kind::invalid_argument,
+       "[combine] on rank 0: [combine] handle must come from dispatch on this communicator",
+       [] { dist::combine(f32({0, 4}), dist::DispatchHandle{}, {}, *dist::local()); }},
+      {"dist::combine", "NaN in expert_y", Kind::invalid_argument,
+       "[combine] on rank 0: [combine] expert_y has a non-finite value nan at row 0, hidden 0",
+       [] {
+         dist::DispatchOptions o;
+         o.num_experts = 4;
+         auto c = dist::local();
+         dist::DispatchResult d = dist::dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o, *c);
+         dist::combine(f32({1, 4}, std::numeric_limits<double>::quiet_NaN()), d.handle, {}, *c);
+       }},
+      {"dist::dispatch", "a communicator another thread is using", Kind::logic_error,
+       "[dispatch] the local communicator (rank 0 of 1) is in use by another thread (combine)",
+       [] {
+         dist::DispatchOptions o;
+         o.num_experts = 4;
+         auto c = dist::local();
+         const dist::Communicator::Exclusive other(*c, "combine");
+         dist::dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o, *c);
+       }},
       // ---- routes
       {"parse_moe_layer_freq", "entry 2", Kind::invalid_argument, "[layer_map] moe_layer_freq item must be 0, 1 or NxV with V in {0,1}, got \"2\"",
        [] { parse_moe_layer_freq("1,2"); }},
@@ -204,6 +253,16 @@ std::vector<Row> rows() {
        [] { RouteFileWriter w(::testing::TempDir() + "sy_bad_inputs_k0.syr", info(8, 0, 2)); }},
       {"RouteFileWriter", "directory does not exist", Kind::backend_error, "/no/such/dir/x.syr",
        [] { RouteFileWriter w("/no/such/dir/x.syr", info(8, 2, 2)); }},
+      {"RouteFileWriter", "a second writer on the same path", Kind::backend_error,
+       "is being written by another RouteFileWriter (lock on",
+       [] {
+         const std::string path = ::testing::TempDir() + "sy_bad_inputs_twice.syr";
+         RouteFileWriter first(path, info(8, 2, 1));
+         RouteFileWriter second(path, info(8, 2, 1));
+       }},
+      {"RouteFileWriter", "path is a directory (the commit would rename over it)",
+       Kind::invalid_argument, "[route_file] path must be a regular file or not exist, got /tmp (a directory)",
+       [] { RouteFileWriter w("/tmp", info(8, 2, 1)); }},
       {"RouteFileWriter::append", "table with 2 layers into a 1-layer file", Kind::invalid_argument, "[route_file.append] table must have num_experts=8, num_moe_layers=1, top_k=2 like the file, got num_experts=8, num_moe_layers=2, top_k=2",
        [] {
          RouteFileWriter w(::testing::TempDir() + "sy_bad_inputs_append.syr", info(8, 2, 1));
@@ -241,6 +300,11 @@ std::vector<Row> rows() {
          import_vllm_npy_bytes(npy_header("{'descr': '<i4', 'fortran_order': False, 'shape': (1000, 4, 2), }"),
                                "x.npy", iopt);
        }},
+      {"import_vllm_npy_bytes", "a row that repeats an id", Kind::invalid_argument,
+       "[import] x.npy (sequence 0): row [3, 3] at token 0, hidden layer 0 repeats expert 3",
+       [iopt] {
+         import_vllm_npy_bytes(encode_npy_int32(i32({3, 3}, {1, 1, 2})), "x.npy", iopt);
+       }},
       {"import_sglang_text", "record without meta_info", Kind::invalid_argument, "[import] r.jsonl: record has no meta_info object",
        [sopt] { import_sglang_text("{\"text\": \"hi\"}\n", "r.jsonl", sopt); }},
       {"import_sglang_text", "not JSON", Kind::invalid_argument, "[import] r.jsonl:1: not valid JSON (nor is the whole file)",
@@ -271,6 +335,8 @@ TEST(BadInputs, EveryRowRaisesItsTypeWithItsMessage) {
       got_kind = kind_name(Kind::invalid_argument), msg = e.what();
     } catch (const std::out_of_range& e) {
       got_kind = kind_name(Kind::out_of_range), msg = e.what();
+    } catch (const std::logic_error& e) {
+      got_kind = kind_name(Kind::logic_error), msg = e.what();
     } catch (const std::exception& e) {
       got_kind = std::string("other: ") + typeid(e).name(), msg = e.what();
     }

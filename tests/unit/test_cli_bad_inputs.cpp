@@ -32,6 +32,12 @@ class CliBadInputs : public ::testing::Test {
     switchyard::RouteFileWriter w(p("in.syr"), info);
     for (int s = 0; s < 3; ++s) w.append(switchyard::RouteTable::none(4 + s, 3, 2, 8));
     w.close();
+    switchyard::RouteFileInfo shifted{8, 2, 3, {0, 1, 2}, 4, 0, 0};  // same sizes, layers moved
+    switchyard::RouteFileWriter ws(p("shifted.syr"), shifted);
+    for (int s = 0; s < 3; ++s) ws.append(switchyard::RouteTable::none(4 + s, 3, 2, 8));
+    ws.close();
+    std::ofstream(p("dup.npy"), std::ios::binary) << switchyard::encode_npy_int32(
+        switchyard::Tensor::from_vector(std::vector<int32_t>{1, 2, 3, 3}, {1, 2, 2}));
     std::ofstream(p("bad.npy")) << "not an npy file";
     // A valid vLLM array: 3 rows, 4 layers, K 2, ids < 8.
     std::string h = "{'descr': '<i4', 'fortran_order': False, 'shape': (3, 4, 2), }";
@@ -97,6 +103,15 @@ TEST_F(CliBadInputs, EveryRowExitsWithItsCodeAndMessage) {
       {"align --micro-batch-size -3", {"routes", "align", "@in.syr", "-o", "@o.syr", "--micro-batch-size", "-3"}, 2, "--micro-batch-size must be >= 0"},
       {"align --pp larger than the layer count", {"routes", "align", "@in.syr", "-o", "@o.syr", "--pp", "100000", "--pp-rank", "1", "--first-stage-layers", "1"}, 2,
        "pp_size and vpp_size must be <= num_hidden_layers=4"},
+      {"align --pp 0", {"routes", "align", "@in.syr", "-o", "@o.syr", "--pp", "0"}, 2, "--pp and --vpp must be >= 1, got --pp 0"},
+      {"align --pp -1", {"routes", "align", "@in.syr", "-o", "@o.syr", "--pp", "-1"}, 2, "--pp and --vpp must be >= 1, got --pp -1"},
+      {"align --vpp 0", {"routes", "align", "@in.syr", "-o", "@o.syr", "--vpp", "0"}, 2, "--vpp 0"},
+      {"diff of files with different MoE layer maps", {"routes", "diff", "@in.syr", "@shifted.syr"}, 2,
+       "[routes diff] files have different MoE layer maps"},
+      {"import: a row that repeats an id", {"routes", "import", "--format", "vllm", "--num-experts", "8", "-o", "@o.syr", "@dup.npy"}, 2,
+       "repeats expert"},
+      {"demo --out that cannot be created", {"demo", "--hidden", "16", "--experts", "4", "--top-k", "2", "--layers", "1", "--sequences", "1", "--seq-len", "4", "--out", "@cut.syr/sub"}, 2,
+       "[demo] --out"},
       {"align --tp huge (2*tp*cp overflows)", {"routes", "align", "@in.syr", "-o", "@o.syr", "--tp", "4611686018427387904", "--cp", "2"}, 2, "tp"},
       {"align --fp8-align huge (lcm overflows)", {"routes", "align", "@in.syr", "-o", "@o.syr", "--tp", "3", "--fp8-align", "9223372036854775807"}, 2, "fp8_align"},
   };

@@ -185,8 +185,11 @@ Killed kill_writer(uint64_t seed, int64_t acks, std::chrono::microseconds extra,
   // Appends acknowledged after we stopped counting are complete blocks as well.
   while (::read(fds[0], &c, 1) == 1) k.acked += c == 'A' ? 1 : 0;
   ::close(fds[0]);
-  k.bytes = slurp(path);
-  std::remove(path.c_str());
+  // A killed writer never commits: what it appended is in the partial file, `path` never exists.
+  EXPECT_FALSE(std::filesystem::exists(path));
+  const std::string partial = RouteFileWriter::partial_path(path);
+  k.bytes = slurp(partial);
+  std::remove(partial.c_str());
   return k;
 }
 

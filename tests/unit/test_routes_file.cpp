@@ -78,8 +78,10 @@ Written write_file(uint64_t seed, int64_t n, int64_t L, int64_t K, int64_t E, bo
     EXPECT_EQ(::waitpid(pid, &status, 0), pid);
     EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "writer was not killed";
   }
-  w.bytes = slurp(path);
-  std::remove(path.c_str());
+  // A killed writer never commits: its sequences are in the partial file.
+  const std::string written = close ? path : RouteFileWriter::partial_path(path);
+  w.bytes = slurp(written);
+  std::remove(written.c_str());
   if (close) {
     auto r = RouteFileReader::from_bytes(w.bytes);
     for (int64_t i = 0; i < r.num_sequences(); ++i) w.entries.push_back(r.entry(i));
@@ -172,12 +174,14 @@ TEST(RouteFile, WriterRejectsBadInput) {
                       std::invalid_argument, "moe_layers must be empty or have num_moe_layers=3");
   SY_EXPECT_THROW_MSG(RouteFileWriter(path, RouteFileInfo{8, 2, 3, {1, 1, 2}, 0, 0, 0}),
                       std::invalid_argument, "moe_layers must be ascending hidden-layer indices");
-  // A device that is full: the header write fails with BackendError naming the call and path.
+  // A device: the commit would rename over it, so it is refused before anything is written
+  // (write failures themselves are covered by test_fault_injection's RLIMIT_FSIZE child).
   if (std::filesystem::exists("/dev/full")) {
-    SY_EXPECT_THROW_MSG(RouteFileWriter("/dev/full", info), BackendError, "fwrite(/dev/full)");
+    SY_EXPECT_THROW_MSG(RouteFileWriter("/dev/full", info), std::invalid_argument,
+                        "path must be a regular file or not exist, got /dev/full");
   }
   SY_EXPECT_THROW_MSG(RouteFileWriter("/nonexistent-dir/x.syr", info), BackendError,
-                      "fopen(/nonexistent-dir/x.syr)");
+                      "open(/nonexistent-dir/x.syr.partial)");
   RouteFileWriter w(path, info);
   SY_EXPECT_THROW_MSG(
       w.append(RouteTable::none(2, 4, 2, 8)), std::invalid_argument,

@@ -68,7 +68,7 @@ TEST(RoutingPlan, ReplayPaddingRowsCollapseToOnePair) {
 
 TEST(RoutingPlan, MatchesReferenceOnRandomRoutes) {
   for (int64_t T : {0, 1, 7, 1031}) {
-    for (int64_t E : {1, 2, 8, 64, 256}) {
+    for (int64_t E : {int64_t{1}, int64_t{2}, int64_t{8}, int64_t{64}, int64_t{256}, int64_t{1} << 20}) {
       for (int64_t K : {int64_t{1}, int64_t{2}, int64_t{8}, E}) {
         if (T * K > 300000) continue;
         const uint64_t seed = test_seed(100 + T * 7 + E * 13 + K);
@@ -165,6 +165,41 @@ TEST(RoutingPlan, CapacityFactorPadToCapacityAndAlignment) {
             (std::vector<int64_t>{0, 1, 2, -1, 0, 1, 3, -1, 2, -1, -1, -1, -1, -1, -1, -1}));
   EXPECT_EQ(p.row_weight.data<float>()[0], 1.0f);
   EXPECT_EQ(p.row_weight.data<float>()[3], 0.0f);
+}
+
+// The sparse path (E > 4*T*K: pairs sorted instead of counting sorts over E) with capacity, drops,
+// alignment and padding: the same plan as the dense path gives on the same ids, widened to E.
+TEST(RoutingPlan, SparsePathMatchesDensePathWithCapacityAndPadding) {
+  std::vector<int32_t> idx = {0, 1, 0, 1, 0, 2, 0, 1, 0, -1, -1, -1, 3, 3};
+  std::vector<float> w = {0.1f, 0.9f, 0.4f, 0.6f, 0.7f, 0.3f, 0.2f, 0.8f, 1.0f, 0.0f,
+                          0.0f, 0.0f, 0.5f, 0.25f};
+  for (bool pad : {false, true}) {
+    for (auto policy : {PlanDropPolicy::position, PlanDropPolicy::probs}) {
+      RoutingPlanOptions o;
+      o.expert_capacity = 2;
+      o.pad_to_capacity = pad;
+      o.expert_alignment = pad ? 4 : 1;
+      o.token_drop_policy = policy;
+      const Tensor ti = Tensor::from_vector(idx, {7, 2}), tw = Tensor::from_vector(w, {7, 2});
+      const RoutingPlan dense = build_routing_plan(ti, tw, 4, o);    // 4 <= 4*T*K
+      const RoutingPlan sparse = build_routing_plan(ti, tw, 64, o);  // 64 > 4*7*2
+      SCOPED_TRACE(std::string("pad ") + (pad ? "on" : "off"));
+      EXPECT_EQ(sparse.num_dropped, dense.num_dropped);
+      EXPECT_EQ(sparse.num_pairs, dense.num_pairs);
+      const auto n4 = i64(dense.num_tokens_per_expert), n64 = i64(sparse.num_tokens_per_expert);
+      EXPECT_EQ(std::vector<int64_t>(n64.begin(), n64.begin() + 4), n4);
+      for (size_t e = 4; e < 64; ++e) EXPECT_EQ(n64[e], 0) << "expert " << e;
+      EXPECT_EQ(i64(sparse.slot_row), i64(dense.slot_row));
+      EXPECT_EQ(i64(sparse.token_rows), i64(dense.token_rows));
+      const auto rt4 = i64(dense.row_token), rt64 = i64(sparse.row_token);
+      ASSERT_GE(rt64.size(), rt4.size());
+      EXPECT_EQ(std::vector<int64_t>(rt64.begin(), rt64.begin() + rt4.size()), rt4);
+      for (size_t r = rt4.size(); r < rt64.size(); ++r) EXPECT_EQ(rt64[r], -1) << "row " << r;
+      for (int64_t r = 0; r < dense.num_rows; ++r) {
+        EXPECT_EQ(sparse.row_weight.data<float>()[r], dense.row_weight.data<float>()[r]);
+      }
+    }
+  }
 }
 
 TEST(RoutingPlan, AlignmentWithoutCapacity) {
