@@ -121,7 +121,7 @@ std::vector<Row> rows() {
          c.group_topk = 1;
          topk_route(f32({2, 6}), {}, c);
        }},
-      {"topk_route", "int32 logits", Kind::invalid_argument, "[route] logits must have dtype fp32 or fp64, got int32",
+      {"topk_route", "int32 logits", Kind::invalid_argument, "[route] logits must have dtype bf16 or fp32 or fp64, got int32",
        [] { topk_route(Tensor::zeros({2, 4}, DType::int32), {}, cfg(4, 2)); }},
       {"topk_route", "+inf logit", Kind::invalid_argument, "[route] logits must be finite, got inf at token 1, expert 1",
        [] {
