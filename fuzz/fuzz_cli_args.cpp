@@ -1,6 +1,7 @@
 // libFuzzer target: the `switchyard` command line's handling of numbers, shapes and lists. The input
 // is a list of arguments separated by '\n' (the first byte picks the subcommand they are appended
-// to: `routes align FILE -o OUT`, `routes import --format vllm|sglang ...`, `routes stats FILE`);
+// to: `routes align FILE -o OUT`, `routes import --format vllm|sglang ...`, `routes stats FILE`,
+// `routes export --format verl FILE -o OUT`, `routes import` of a vLLM HTTP response);
 // the whole text also goes to parse_moe_layer_freq. The program must end with a CLI11 parse error
 // or a clean RuntimeError (exit codes 1/2) or succeed; any other exception, crash or sanitizer
 // report is a bug.
@@ -60,6 +61,26 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
       << "{\"meta_info\": {\"routed_experts\": \""
       << switchyard::base64_encode(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4))
       << "\"}}\n";
+  // Valid top-k rows (distinct ids, last token -1) for the verl export, which rejects mixed rows.
+  {
+    RouteFileWriter vw("verl.syr", info);
+    for (int64_t s = 0; s < 3; ++s) {
+      RouteTable t = RouteTable::none(2 + s, 5, 2, 8);
+      int32_t* p = t.topk_idx.data<int32_t>();
+      for (int64_t r = 0; r + 1 < t.num_tokens(); ++r)
+        for (int64_t m = 0; m < 5; ++m) {
+          p[(r * 5 + m) * 2] = int32_t((r + m + s) % 8);
+          p[(r * 5 + m) * 2 + 1] = int32_t((r + m + s + 1) % 8);
+        }
+      vw.append(t);
+    }
+    vw.close();
+  }
+  // The same sequence as a vLLM >= 0.22 HTTP response (base64 of the .npy bytes).
+  std::ofstream("in.http.json", std::ios::binary)
+      << "{\"choices\": [{\"routed_experts\": \""
+      << switchyard::base64_encode(encode_npy_int32(Tensor::from_vector(v, {4, 4, 2})))
+      << "\"}], \"usage\": {\"prompt_tokens\": 3, \"completion_tokens\": 2}}\n";
   return 0;
 }
 
@@ -72,6 +93,32 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
 
   std::vector<std::string> args;
+  if (data[0] % 16 >= 8) {
+    // Newer formats: `routes export --format verl in.syr -o out` (both .npy files on success) and
+    // `routes import --format vllm` of an HTTP response (--prompt-start and friends fuzzed).
+    const bool do_export = data[0] % 16 < 12;
+    if (do_export)
+      args = {"routes", "export", "--format", "verl", "verl.syr", "-o", "out"};
+    else
+      args = {"routes", "import", "--format", "vllm", "--num-experts", "8", "-o", "out.syr", "in.http.json"};
+    std::stringstream ss(text);
+    std::string a;
+    int n = 0;
+    while (std::getline(ss, a, '\n') && n++ < 24) {
+      if (a.find('/') == std::string::npos && a != "-o" && a != "--output") args.push_back(a);
+    }
+    std::ostringstream out, err;
+    const int code = run_cli(args, out, err);
+    // Exit 0 also comes from --help (a fuzzed "-h..."): check the files when the export says so.
+    if (do_export && code == 0 && out.str().find("out.routed_experts.npy") != std::string::npos &&
+        !(std::filesystem::exists("out.routed_experts.npy") &&
+          std::filesystem::exists("out.attention_mask.npy")))
+      __builtin_trap();
+    std::error_code ec;
+    std::filesystem::remove("out.routed_experts.npy", ec);
+    std::filesystem::remove("out.attention_mask.npy", ec);
+    return 0;
+  }
   if (data[0] % 8 >= 4) {
     // The CLI's file handling: `routes align in.syr -o in.syr` with fuzzed options. Whatever the
     // exit code, the input is either intact (failure) or a complete, valid route file (success);

@@ -16,6 +16,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   opt.layer_map.num_mtp_layers = (mode >> 2) & 1;
   if (mode & 8) opt.layer_map.moe_layer_freq = {0, 1, 1, 1};
   opt.zero_rows = static_cast<switchyard::ZeroRowPolicy>((mode >> 4) % 3);
+  if (mode & 64) opt.prompt_start = 3;  // vLLM's routed_experts_prompt_start: -1 rows first
   try {
     switchyard::ImportResult r = switchyard::import_vllm_npy_bytes(
         std::string_view(reinterpret_cast<const char*>(data + 1), size - 1), "fuzz.npy", opt);

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# The main job: installs what is missing, builds, and runs `switchyard demo` on its embedded default.
+# The main job: installs what is missing (Debian packages, the project's Python venv), builds the
+# Python module and runs `python -m switchyard.demo` (the rollout-trainer routing experiment on a
+# small Qwen3-MoE; options are passed through, see --help). Output: switchyard-demo/ (report.md,
+# summary.json, charts, the route file, the cached checkpoint). Exit code 0 only if the expected
+# outcome holds. The C++ engine's own quick check is `./build/tools/switchyard demo`.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/deps.sh
-bash scripts/build.sh switchyard_cli
-./build/tools/switchyard demo "$@"
+venv=$(bash scripts/env.sh)
+SWITCHYARD_VENV="$venv" bash scripts/build.sh _switchyard
+export HF_HUB_OFFLINE=1
+PYTHONPATH="$root/build/python${PYTHONPATH:+:$PYTHONPATH}" exec "$venv/bin/python" -m switchyard.demo "$@"

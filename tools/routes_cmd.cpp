@@ -1,14 +1,17 @@
 // `switchyard routes ...`: import engine routes into route files, inspect, validate, compute load
 // and drift statistics, and align files to a trainer's parallel layout.
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iomanip>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <system_error>
 
 #include "commands.h"
 #include "switchyard/error.h"
@@ -16,6 +19,7 @@
 #include "switchyard/route_file.h"
 #include "switchyard/route_import.h"
 #include "switchyard/route_stats.h"
+#include "switchyard/route_verl.h"
 
 namespace {
 
@@ -69,6 +73,7 @@ struct ImportArgs {
   int64_t first_k_dense = 0;
   std::string moe_layers;
   int64_t mtp_layers = 0;
+  int64_t prompt_start = 0;
   int64_t num_layers = 0;
   int64_t top_k = 0;
   std::string zero_rows = "keep";
@@ -84,6 +89,7 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   opt.num_experts = a.num_experts;
   opt.layer_map.first_k_dense = a.first_k_dense;
   opt.layer_map.num_mtp_layers = a.mtp_layers;
+  opt.prompt_start = a.prompt_start;
   if (!a.moe_layers.empty()) opt.layer_map.moe_layer_freq = parse_moe_layer_freq(a.moe_layers);
   opt.num_input_layers = a.num_layers;
   opt.top_k = a.top_k;
@@ -105,7 +111,9 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   std::vector<std::string> warnings;
   int64_t next_progress = kProgressEvery;
   for (const std::string& path : a.inputs) {
-    ImportResult r = a.format == "vllm" ? import_vllm({path}, opt) : import_sglang({path}, opt);
+    // vllm: .npy files and JSON / JSONL HTTP responses, told apart by content.
+    ImportResult r =
+        a.format == "vllm" ? import_vllm_files({path}, opt) : import_sglang({path}, opt);
     if (!writer && !r.sequences.empty()) {
       RouteFileInfo info;
       info.num_experts = a.num_experts;
@@ -490,6 +498,75 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
   out << "; MoE layers [" << begin << ", " << end << ")\n" << human.str();
 }
 
+// ------------------------------------------------------------------------------------------ export
+
+struct ExportArgs {
+  std::string format;
+  std::string input;
+  std::string output;
+  int64_t num_hidden_layers = 0;
+  std::string padding_side = "left";
+  int64_t seq_len = 0;
+  bool json_out = false;
+};
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (!f) throw BackendError("open(" + path + "): " + std::generic_category().message(errno));
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  f.close();
+  if (!f) throw BackendError("write(" + path + "): " + std::generic_category().message(errno));
+}
+
+// verl's batch layout: OUT.routed_experts.npy (int16 [batch, seq, num_hidden_layers, K]) and
+// OUT.attention_mask.npy (int64 [batch, seq]).
+void run_export(const ExportArgs& a, std::ostream& out) {
+  RouteFileReader r = RouteFileReader::open(a.input);
+  const RouteFileInfo& info = r.info();
+  const int64_t hidden = a.num_hidden_layers > 0 ? a.num_hidden_layers : info.num_hidden_layers;
+  if (info.moe_layers.empty() || hidden < 1) {
+    throw std::invalid_argument(
+        "[routes export] verl's layout needs the layer map: " + a.input +
+        " does not record it; import with --first-k-dense or --moe-layers (and pass "
+        "--num-hidden-layers if the file lacks the layer count)");
+  }
+  std::vector<RouteTable> seqs;
+  for (int64_t i = 0; i < r.num_sequences(); ++i) seqs.push_back(r.read(i));
+  if (seqs.empty()) throw std::invalid_argument("[routes export] " + a.input + " holds no sequence");
+  VerlOptions o;
+  o.num_hidden_layers = hidden;
+  o.padding_side = a.padding_side == "right" ? PaddingSide::right : PaddingSide::left;
+  o.seq_len = a.seq_len;
+  VerlBatch v = to_verl(seqs, info.moe_layers, o);
+  const Tensor& ids = v.routed_experts;
+  std::vector<int16_t> narrow(static_cast<size_t>(ids.numel()));
+  const int32_t* p = ids.data<int32_t>();
+  for (size_t i = 0; i < narrow.size(); ++i) narrow[i] = static_cast<int16_t>(p[i]);  // < 32768
+  const std::vector<int64_t> shape = {ids.size(0), ids.size(1), ids.size(2), ids.size(3)};
+  const std::string ids_path = a.output + ".routed_experts.npy";
+  const std::string mask_path = a.output + ".attention_mask.npy";
+  write_bytes(ids_path, encode_npy("<i2", shape, narrow.data(), narrow.size() * sizeof(int16_t)));
+  write_bytes(mask_path, encode_npy("<i8", {shape[0], shape[1]}, v.attention_mask.raw(),
+                                    v.attention_mask.nbytes()));
+  if (a.json_out) {
+    out << json{{"input", a.input},
+                {"format", a.format},
+                {"routed_experts", ids_path},
+                {"routed_experts_shape", shape},
+                {"attention_mask", mask_path},
+                {"padding_side", a.padding_side},
+                {"moe_layers", info.moe_layers}}
+               .dump(2)
+        << "\n";
+    return;
+  }
+  out << "exported " << shape[0] << " sequences of " << a.input << " in verl's layout ("
+      << a.padding_side << " padded)\n"
+      << "  " << ids_path << ": int16 " << list_str(shape) << " (dense layers, padding and tokens "
+      << "without a route are 0)\n"
+      << "  " << mask_path << ": int64 " << list_str({shape[0], shape[1]}) << "\n";
+}
+
 }  // namespace
 
 void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& err) {
@@ -499,7 +576,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
 
   auto ia = std::make_shared<ImportArgs>();
   CLI::App* imp = routes->add_subcommand(
-      "import", "Import vLLM .npy or SGLang JSON/JSONL routes into a route file");
+      "import", "Import vLLM .npy / HTTP JSON or SGLang JSON/JSONL routes into a route file");
   imp->add_option("--format", ia->format, "Input format")
       ->required()
       ->check(CLI::IsMember({"vllm", "sglang"}));
@@ -511,6 +588,10 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
       "Per hidden layer 0 (dense) or 1 (MoE), comma-separated, NxV repeats (3x0,45x1)");
   fkd->excludes(ml);
   imp->add_option("--mtp-layers", ia->mtp_layers, "Trailing MTP layers in the input, left out");
+  imp->add_option("--prompt-start", ia->prompt_start,
+                  "Tokens before the first returned route (vLLM: the request's "
+                  "routed_experts_prompt_start; SGLang: routed_experts_start_len where meta_info "
+                  "lacks it); they get -1 rows");
   imp->add_option("--num-layers", ia->num_layers,
                   "Layers per token in the input (hidden + MTP); required for sglang");
   imp->add_option("--top-k", ia->top_k, "K; required for sglang");
@@ -523,7 +604,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   imp->add_option("--level", ia->level, "zstd level (1-19)");
   imp->add_option("-o,--output", ia->output, "Route file to write")->required();
   imp->add_flag("--json", ia->json_out, "Machine-readable output");
-  imp->add_option("inputs", ia->inputs, "Input files (.npy per sequence, or JSON/JSONL)")
+  imp->add_option("inputs", ia->inputs, "Input files (vllm: .npy per sequence or JSON/JSONL responses; sglang: JSON/JSONL)")
       ->required()
       ->check(CLI::ExistingFile);
   imp->callback([ia, &out, &err] { run_guarded(err, [&] { run_import(*ia, out, err); }); });
@@ -600,4 +681,22 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
                  "Sequences per micro-batch (default: all)");
   al->add_flag("--json", aa->json_out, "Machine-readable output");
   al->callback([aa, &out, &err] { run_guarded(err, [&] { run_align(*aa, out, err); }); });
+
+  auto ea = std::make_shared<ExportArgs>();
+  CLI::App* ex = routes->add_subcommand(
+      "export", "Write a route file in a trainer's batch layout (verl: int16 routed_experts + mask)");
+  ex->add_option("--format", ea->format, "Output layout")
+      ->required()
+      ->check(CLI::IsMember({"verl"}));
+  ex->add_option("file", ea->input)->required();
+  ex->add_option("-o,--output", ea->output,
+                 "Output prefix: writes OUT.routed_experts.npy and OUT.attention_mask.npy")
+      ->required();
+  ex->add_option("--num-hidden-layers", ea->num_hidden_layers,
+                 "Override the file's hidden layer count");
+  ex->add_option("--padding-side", ea->padding_side, "left (verl's default) or right")
+      ->check(CLI::IsMember({"left", "right"}));
+  ex->add_option("--seq-len", ea->seq_len, "Columns of the batch (default: the longest sequence)");
+  ex->add_flag("--json", ea->json_out, "Machine-readable output");
+  ex->callback([ea, &out, &err] { run_guarded(err, [&] { run_export(*ea, out); }); });
 }

@@ -39,6 +39,11 @@ enum class InvalidRowPolicy : uint8_t {
 struct ImportOptions {
   int64_t num_experts = 0;  ///< E; every id must be -1 or in [0, E)
   LayerMap layer_map;
+  /// Tokens of each sequence before its first returned route: vLLM's request parameter
+  /// `routed_experts_prompt_start` (responses do not echo it) and SGLang's
+  /// `routed_experts_start_len` (used when `meta_info` does not carry it). Those tokens get -1
+  /// rows, so a table still has one row per token of the sequence. 0 = routes from token 0.
+  int64_t prompt_start = 0;
   /// Layers per token in the input (hidden + MTP). vLLM: 0 = take it from the array (checked
   /// when given). SGLang: required (the payload is flat).
   int64_t num_input_layers = 0;
@@ -99,9 +104,38 @@ std::string base64_decode(std::string_view text);
 /// Standard base64 with padding (tests, tools).
 std::string base64_encode(std::string_view bytes);
 
+// ---- Route data from the newest engines (vLLM >= 0.22 HTTP responses) --------------------------
+//
+// vLLM's OpenAI-compatible server (completions, chat completions and the token-in/token-out
+// generate endpoint) returns, per choice, `routed_experts`: base64 of the bytes of a .npy file
+// holding `[num_tokens - 1 - prompt_start, num_hidden_layers(+MTP), K]`, dtype uint8 when the model
+// has <= 256 experts, else uint16 (int32 before 0.22). Rows start at token `prompt_start`
+// (`routed_experts_prompt_start` of the request, 0 by default); the imported table puts -1 rows at
+// tokens [0, prompt_start) and at the last token, so it has num_tokens rows.
+
+/// Imports one base64 .npy string (a choice's `routed_experts`); `source` names it in errors.
+ImportResult import_vllm_npy_base64(std::string_view text, const std::string& source,
+                                    const ImportOptions& options);
+/// Imports vLLM HTTP responses from text: one JSON object, a JSON array of them, or JSONL. Every
+/// element of a record's `choices` is one sequence and needs `routed_experts` (a base64 .npy
+/// string). A record may carry `routed_experts_prompt_start` (an integer saved next to the
+/// response, top level or in `sampling_params`), which overrides options.prompt_start. Errors
+/// name the source, the record / line, the choice and the field.
+ImportResult import_vllm_http_text(std::string_view text, const std::string& source,
+                                   const ImportOptions& options);
+/// Imports vLLM HTTP response files (JSON / JSONL), in order.
+ImportResult import_vllm_http(const std::vector<std::string>& paths, const ImportOptions& options);
+/// Imports vLLM files of either kind, told apart by content: .npy (magic "\x93NUMPY") or JSON /
+/// JSONL HTTP responses. What `switchyard routes import --format vllm` reads.
+ImportResult import_vllm_files(const std::vector<std::string>& paths, const ImportOptions& options);
+
 /// The bytes of a .npy file (version 1.0, little-endian, C order) holding `array`, an int32 tensor
 /// of any shape — e.g. one sequence's vLLM `routed_experts` `[seq_len-1, num_hidden_layers, K]`.
 /// For exporting routes to tools that read vLLM's format (and for tests and the demo).
 std::string encode_npy_int32(const Tensor& array);
+/// The bytes of a .npy file (version 1.0, C order) of `shape` with element type `descr` ("<i2",
+/// "<i8", ...) over `nbytes` bytes of little-endian `data` (the caller's, checked by nobody here).
+std::string encode_npy(std::string_view descr, const std::vector<int64_t>& shape,
+                       const void* data, size_t nbytes);
 
 }  // namespace switchyard

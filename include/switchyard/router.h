@@ -6,7 +6,10 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
+#include <vector>
 
+#include "switchyard/dist.h"
 #include "switchyard/tensor.h"
 
 namespace switchyard {
@@ -18,8 +21,24 @@ enum class ScoreFunction : uint8_t { softmax, sigmoid, sqrtsoftplus };
 /// the highest routing weights (ties: lower token index), `position` keeps the first tokens.
 enum class TokenDropPolicy : uint8_t { probs, position };
 
-/// Load-balancing loss (Megatron-Core `moe_router_load_balancing_type`).
-enum class AuxLossType : uint8_t { none, aux_loss, seq_aux_loss, global_aux_loss };
+/// Load-balancing type (Megatron-Core `moe_router_load_balancing_type`): a loss, or `sinkhorn`
+/// routing (selection on the Sinkhorn-normalised batch while training; weights sigmoid(z) for
+/// K = 1, softmax over all E for K > 1, as Megatron's; no loss; needs score_function softmax, no
+/// groups, no bias, scaling 1).
+///
+/// `quantile_balancing` (Megatron's dual coordinate-descent QB): native rows select the top-k of
+/// z - qb_beta (RouteInputs::qb_beta), weights from the score function at those ids as for
+/// replayed rows; while training the result carries this batch's per-expert quantile
+/// (RouteResult::qb_beta_local) from which the caller updates qb_beta once per global batch. No
+/// loss, no groups, no padding mask, top_k < num_experts.
+enum class AuxLossType : uint8_t {
+  none,
+  aux_loss,
+  seq_aux_loss,
+  global_aux_loss,
+  sinkhorn,
+  quantile_balancing
+};
 
 /// What to do with a replay row that is neither all ids nor all -1 (mixes -1 and ids, repeats an
 /// id, or names an id outside [0, E)): throw (default), or route that row natively and count it.
@@ -46,14 +65,45 @@ struct RouterConfig {
   bool pad_to_capacity = false;
   AuxLossType aux_loss_type = AuxLossType::none;
   double aux_loss_coeff = 0.0;  ///< coefficient of the aux_loss_type loss (>= 0)
-  double z_loss_coeff = 0.0;    ///< z-loss coefficient (>= 0); 0 = off
+  /// Several load-balancing losses at once (Megatron's moe_router_load_balancing_type given as a
+  /// list, moe_aux_loss_coeff a list of the same length): each of aux_loss, seq_aux_loss and
+  /// global_aux_loss at most once, each with its coefficient; aux_loss_type must then be none.
+  /// Empty = the single aux_loss_type / aux_loss_coeff.
+  std::vector<AuxLossType> aux_loss_types{};
+  std::vector<double> aux_loss_coeffs{};
+  double z_loss_coeff = 0.0;  ///< z-loss coefficient (>= 0); 0 = off
+  /// Megatron calculate_per_token_loss: the aux- and z-loss gradients are those of the loss times
+  /// the number of valid (unpadded) tokens (the reported values stay the losses themselves).
+  bool calculate_per_token_loss = false;
+  /// Megatron MTP layers: with is_mtp_layer and mtp_use_repeated_layer, the one MTP layer runs
+  /// mtp_num_layers times, so its load-balancing losses (value and gradient) are divided by
+  /// mtp_num_layers. The z-loss is not (Megatron divides only its logged value).
+  bool is_mtp_layer = false;
+  bool mtp_use_repeated_layer = false;
+  int64_t mtp_num_layers = 0;
+  /// Benchmarking (Megatron moe_router_force_load_balancing): route on N(0, 1) logits drawn from
+  /// RouteOptions::force_seed instead of the given ones; the gradient passes straight through to
+  /// the given logits (Megatron's RandomSTE). Replayed rows keep their ids.
+  bool force_load_balancing = false;
+  /// Benchmarking (Megatron moe_router_force_biased): random N(0, 1) logits plus a per-expert
+  /// bias N(0, |force_biased|) drawn from RouteOptions::force_bias_seed (Megatron shares it across
+  /// ranks, and reuses it per layer when force_biased < 0: pass the same seed). 0 = off.
+  double force_biased = 0.0;
 };
 
+/// Whether a topk_route call with global_aux_loss adds its batch to the GlobalAuxLossState.
+/// Megatron-Core accumulates only on training forwards with grad enabled: a no_grad, eval or
+/// checkpoint-recompute forward must pass `read_only`. Either way the loss is computed from the
+/// state plus this batch (mean over steps + 1), so a read-only call returns the value an
+/// accumulating call on the same state would.
+enum class GlobalAuxLossUpdate : uint8_t { accumulate, read_only };
+
 /// Running state of `global_aux_loss` (Megatron's `global_tokens_per_expert` and `ga_steps`): the
-/// per-expert counts of every routed batch since the last `reset()`. One object per MoE layer,
-/// owned by the caller; every topk_route call with global_aux_loss adds its batch's counts. A
-/// recompute that must reproduce its forward exactly routes with a snapshot of the state taken
-/// before that forward (copy `steps`, `clone()` the tensor).
+/// per-expert counts of every accumulating batch since the last `reset()`. One object per MoE
+/// layer, owned by the caller; a topk_route call with global_aux_loss and
+/// RouteOptions::global_aux_loss_update == accumulate adds its batch's counts. A recompute that
+/// must reproduce its forward exactly routes with a snapshot of the state taken before that
+/// forward (copy `steps`, `clone()` the tensor), or read-only on an unchanged state.
 struct GlobalAuxLossState {
   /// [E] fp64: sum of the counts over the accumulated steps (undefined = nothing accumulated).
   Tensor num_tokens_per_expert{};
@@ -75,7 +125,11 @@ struct RouteInputs {
   /// [T, K] int32: ids to use instead of the live top-k (router replay). A row of all -1 is
   /// routed natively. See InvalidReplayRows for bad rows.
   Tensor replay_idx{};
-  /// Required when aux_loss_type == global_aux_loss; updated by the call (not by backward).
+  /// [E] fp32: quantile_balancing's per-expert bias (subtracted for selection only); undefined =
+  /// zeros.
+  Tensor qb_beta{};
+  /// Required when aux_loss_type == global_aux_loss; updated by the call (not by backward) when
+  /// RouteOptions::global_aux_loss_update is accumulate.
   GlobalAuxLossState* global_aux_loss_state = nullptr;
 };
 
@@ -87,6 +141,17 @@ struct RouteOptions {
   /// seq_aux_loss only: tokens are laid out [seq_length, num_sequences] flattened (Megatron's
   /// [s, b] order: token t belongs to sequence t % num_sequences); T % seq_length == 0.
   int64_t seq_length = 0;
+  /// sinkhorn: training selects on the Sinkhorn-normalised scores (Megatron's training path),
+  /// else on the logits (its eval path). Sinkhorn normalises over the batch, so it is not batch
+  /// invariant. quantile_balancing: training also computes RouteResult::qb_beta_local (needs
+  /// num_tokens * top_k divisible by num_experts).
+  bool training = true;
+  /// Seeds of force_load_balancing / force_biased (counter-based: a value depends only on its
+  /// seed and position, so the draws are thread-count invariant).
+  uint64_t force_seed = 0;
+  uint64_t force_bias_seed = 0;
+  /// global_aux_loss only: add this batch to the state (training forward with grad) or not.
+  GlobalAuxLossUpdate global_aux_loss_update = GlobalAuxLossUpdate::accumulate;
 };
 
 /// Result of topk_route, also the handle its backward needs. Integer outputs (ids, counts) are not
@@ -96,7 +161,8 @@ struct RouteResult {
   /// [T, K] int32: chosen expert per slot, -1 = none (padded token, dropped slot). Native rows are
   /// ordered by descending selection score (ties: lower id); replayed rows keep the given order.
   Tensor topk_idx{};
-  /// [T, K] dtype of the logits (fp32 or fp64): routing weight per slot, 0 where topk_idx is -1.
+  /// [T, K] dtype of the logits (bf16, fp32 or fp64): routing weight per slot, 0 where topk_idx
+  /// is -1.
   Tensor topk_weights{};
   /// [E] int64: number of (token, expert) pairs kept per expert (after capacity, no padding).
   Tensor num_tokens_per_expert{};
@@ -105,9 +171,17 @@ struct RouteResult {
   int64_t expert_capacity = -1;
   bool pad_to_capacity = false;
   int64_t num_dropped = 0;  ///< (token, expert) pairs dropped by capacity
+  /// quantile_balancing while training: [E] fp32, Megatron's qb_dual_update quantile: per
+  /// expert the (T*K/E + 1)-th largest of z - alpha over tokens, alpha the (K+1)-th largest of
+  /// z - qb_beta per token. Undefined otherwise. Not differentiable.
+  Tensor qb_beta_local{};
 
-  /// Loss values, coefficients included (0 when off). aux_loss is the aux_loss_type loss.
+  /// Loss values, coefficients included (0 when off). aux_loss is the sum of the load-balancing
+  /// losses, aux_loss_parts each of them (Megatron logs them apart).
   double aux_loss = 0.0;
+  struct AuxLossParts {
+    double aux_loss = 0.0, seq_aux_loss = 0.0, global_aux_loss = 0.0;
+  } aux_loss_parts;
   double z_loss = 0.0;
 
   /// Row counts: replayed + native + padded == T. Invalid replay rows routed natively (with
@@ -118,21 +192,44 @@ struct RouteResult {
   int64_t num_invalid_replay_rows = 0;
 
   // ---- saved for topk_route_backward (not part of the stable API) ----
-  Tensor logits{};         ///< [T, E] the forward's logits (shared storage: do not modify them)
+  Tensor logits{};  ///< [T, E] the forward's logits, fp32 copy of bf16 ones (shared: do not modify)
   Tensor selected_idx{};   ///< [T, K] int32 ids before capacity drops (-1 on padded rows)
   Tensor row_kind{};       ///< [T] uint8: 0 native, 1 replayed, 2 padded
   Tensor aux_grad{};       ///< [G, E] fp64 dLoss/dP per (sequence group, expert), undefined if none
   int64_t aux_groups = 1;  ///< G: 1, or num_sequences for seq_aux_loss
-  double z_grad_coeff = 0.0;  ///< 2 * z_loss_coeff / num_valid_tokens
-  RouterConfig config;        ///< the configuration of the forward
+  double z_grad_coeff = 0.0;         ///< 2 * z_loss_coeff / num_valid_tokens
+  RouterConfig config;               ///< the configuration of the forward
+  DType logits_dtype = DType::fp32;  ///< dtype of the logits given (bf16 ones are kept in fp32)
 };
 
 /// Routes T tokens to K of E experts from gate logits.
-/// logits: [T, E] fp32 or fp64 (the router dtype); NaN/Inf is an error naming token and expert.
+/// logits: [T, E] fp32 or fp64 (the router dtype), or bf16 (Megatron-Core's default
+/// moe_router_dtype=None: scores, weights and losses computed in fp32 from the bf16 logits, the
+/// weights rounded to bf16 before capacity, returned in bf16); NaN/Inf is an error naming token
+/// and expert.
 /// Throws std::invalid_argument before any work for a bad config, shape, dtype or replay row.
 /// Deterministic; not collective (per-rank capacity and losses over the local tokens).
 RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const RouterConfig& config,
                        const RouteOptions& options = {});
+
+/// Communicators of the cross-rank loss statistics (Megatron-Core's process groups). Null = local.
+struct RouteComms {
+  /// Megatron's tp_cp group: aux_loss / seq_aux_loss per-expert counts and token totals are
+  /// summed over it, the z-loss is averaged over it (coefficient / size), and
+  /// calculate_per_token_loss scales by local valid tokens * its size.
+  dist::Communicator* loss = nullptr;
+  /// Megatron's tp_dp_cp group: global_aux_loss per-expert counts and token total (the state
+  /// accumulates the summed counts, the same on every rank).
+  dist::Communicator* global_aux_loss = nullptr;
+};
+
+/// topk_route with cross-rank loss statistics. Collective over the given communicators (every
+/// rank must call it with the same config): sums are taken over allgathered values in rank order,
+/// so they are deterministic. A bad argument on any rank makes every rank throw (the failing rank
+/// its own error, the others "[route] rank r failed"), before any state is updated. Ids and weights
+/// stay per token; only the losses and their gradients see the other ranks.
+RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const RouterConfig& config,
+                       const RouteOptions& options, const RouteComms& comms);
 
 /// Options of topk_route_backward.
 struct RouteBackwardOptions {
@@ -142,7 +239,7 @@ struct RouteBackwardOptions {
 
 /// Gradients of topk_route.
 struct RouteGrads {
-  Tensor grad_logits{};  ///< [T, E] dtype of the logits
+  Tensor grad_logits{};  ///< [T, E] dtype of the logits (bf16 ones: computed in fp32, rounded)
 };
 
 /// Backward of topk_route: grad_logits = d/dlogits of <grad_topk_weights, topk_weights> plus
@@ -156,7 +253,25 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
 /// Aux-loss-free bias update (DeepSeek-V3): returns b + rate * sign(mean(c) - c).
 /// expert_bias: [E] fp32; num_tokens_per_expert: [E] int64 or fp32/fp64 counts (summed over the
 /// step, e.g. RouteResult::num_tokens_per_expert); result [E] fp32. Deterministic.
-Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert, double rate);
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
+                          double rate);
+
+/// The same with the counts summed over `comm` first (Megatron sums them over tp_dp_cp before
+/// the update), so every rank gets the same bias. Collective; a bad argument on any rank throws
+/// on every rank.
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
+                          double rate, dist::Communicator& comm);
+
+/// Input jitter (Megatron-Core `moe_input_jitter_eps`, Switch Transformer): returns x * u with
+/// u ~ Uniform(1 - eps, 1 + eps) drawn per element from a counter-based generator keyed by
+/// (seed, flat index), computed in fp32 (fp64 for fp64 x) and rounded once to x's dtype.
+/// x: [T, H] bf16, fp32 or fp64; eps in [0, 1). Deterministic and thread-count invariant; not
+/// batch invariant (a token's noise depends on its row). Replay is unaffected: replayed ids are
+/// used as given, only the weights see the jittered logits.
+Tensor input_jitter(const Tensor& x, double eps, uint64_t seed);
+
+/// Backward of input_jitter: grad_x = grad * u (same eps and seed), in grad's dtype.
+Tensor input_jitter_backward(const Tensor& grad, double eps, uint64_t seed);
 
 /// Parse/print enum names ("softmax", "seq_aux_loss", ...); parse throws std::invalid_argument.
 const char* score_function_name(ScoreFunction f);

@@ -113,6 +113,16 @@ UnpermuteOptions weights_opt(bool apply_probs) {
 
 }  // namespace
 
+dist::Communicator* communicator_of(py::handle obj, const char* op, const char* name) {
+  if (obj.is_none()) return nullptr;
+  if (!py::isinstance<CommBox>(obj)) {
+    throw py::value_error(std::string("[") + op + "] " + name +
+                          " must be a switchyard.dist.Communicator or None, got " +
+                          py::str(py::type::of(obj).attr("__name__")).cast<std::string>());
+  }
+  return &obj.cast<CommBox&>().get();
+}
+
 void bind_dist(py::module_& m) {
   py::class_<CommBox, std::shared_ptr<CommBox>>(m, "Communicator",
                                                 "An expert-parallel communicator (MPI or local).")

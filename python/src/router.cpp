@@ -48,11 +48,27 @@ std::string config_repr(const RouterConfig& c) {
                                    : std::string("None"));
   s += std::string(", token_drop_policy='") + token_drop_policy_name(c.token_drop_policy) + "'";
   s += std::string(", pad_to_capacity=") + (c.pad_to_capacity ? "True" : "False");
-  s += std::string(", aux_loss_type=") +
-       (c.aux_loss_type == AuxLossType::none
-            ? std::string("None")
-            : "'" + std::string(aux_loss_type_name(c.aux_loss_type)) + "'");
-  s += ", aux_loss_coeff=" + py::repr(py::float_(c.aux_loss_coeff)).cast<std::string>();
+  if (!c.aux_loss_types.empty()) {
+    std::string t = "[", v = "[";
+    for (size_t i = 0; i < c.aux_loss_types.size(); ++i) {
+      t += std::string(i ? ", " : "") + "'" + aux_loss_type_name(c.aux_loss_types[i]) + "'";
+      v += std::string(i ? ", " : "") +
+           py::repr(py::float_(c.aux_loss_coeffs[i])).cast<std::string>();
+    }
+    s += ", aux_loss_type=" + t + "], aux_loss_coeff=" + v + "]";
+  } else {
+    s += std::string(", aux_loss_type=") +
+         (c.aux_loss_type == AuxLossType::none
+              ? std::string("None")
+              : "'" + std::string(aux_loss_type_name(c.aux_loss_type)) + "'");
+    s += ", aux_loss_coeff=" + py::repr(py::float_(c.aux_loss_coeff)).cast<std::string>();
+  }
+  if (c.calculate_per_token_loss) s += ", calculate_per_token_loss=True";
+  if (c.is_mtp_layer) {
+    s += std::string(", is_mtp_layer=True, mtp_use_repeated_layer=") +
+         (c.mtp_use_repeated_layer ? "True" : "False") +
+         ", mtp_num_layers=" + std::to_string(c.mtp_num_layers);
+  }
   s += ", z_loss_coeff=" + py::repr(py::float_(c.z_loss_coeff)).cast<std::string>() + ")";
   return s;
 }
@@ -66,8 +82,10 @@ void bind_router(py::module_& m) {
                        bool pre_softmax, std::optional<int64_t> num_groups,
                        std::optional<int64_t> group_topk, std::optional<double> topk_scaling_factor,
                        std::optional<double> capacity_factor, const std::string& token_drop_policy,
-                       bool pad_to_capacity, std::optional<std::string> aux_loss_type,
-                       double aux_loss_coeff, double z_loss_coeff) {
+                       bool pad_to_capacity, py::object aux_loss_type, py::object aux_loss_coeff,
+                       double z_loss_coeff, bool calculate_per_token_loss, bool is_mtp_layer,
+                       bool mtp_use_repeated_layer, std::optional<int64_t> mtp_num_layers,
+                       bool force_load_balancing, std::optional<double> force_biased) {
              RouterConfig c;
              c.num_experts = num_experts;
              c.top_k = top_k;
@@ -79,10 +97,42 @@ void bind_router(py::module_& m) {
              c.capacity_factor = capacity_factor;
              c.token_drop_policy = parse_token_drop_policy(token_drop_policy);
              c.pad_to_capacity = pad_to_capacity;
-             c.aux_loss_type =
-                 aux_loss_type ? parse_aux_loss_type(*aux_loss_type) : AuxLossType::none;
-             c.aux_loss_coeff = aux_loss_coeff;
+             // Megatron: moe_router_load_balancing_type is a name or a list of names, and
+             // moe_aux_loss_coeff a number or a list of the same length.
+             if (py::isinstance<py::list>(aux_loss_type) ||
+                 py::isinstance<py::tuple>(aux_loss_type)) {
+               for (py::handle t : aux_loss_type) {
+                 c.aux_loss_types.push_back(parse_aux_loss_type(t.cast<std::string>()));
+               }
+               if (py::isinstance<py::list>(aux_loss_coeff) ||
+                   py::isinstance<py::tuple>(aux_loss_coeff)) {
+                 for (py::handle v : aux_loss_coeff) c.aux_loss_coeffs.push_back(v.cast<double>());
+               } else {
+                 throw py::value_error(
+                     "[route] aux_loss_coeff must be a list with one coefficient per "
+                     "aux_loss_type entry when aux_loss_type is a list, got " +
+                     py::repr(aux_loss_coeff).cast<std::string>());
+               }
+             } else {
+               c.aux_loss_type = aux_loss_type.is_none()
+                                     ? AuxLossType::none
+                                     : parse_aux_loss_type(aux_loss_type.cast<std::string>());
+               if (py::isinstance<py::list>(aux_loss_coeff) ||
+                   py::isinstance<py::tuple>(aux_loss_coeff)) {
+                 throw py::value_error(
+                     "[route] aux_loss_coeff is a list, so aux_loss_type must be a list of the "
+                     "same length, got aux_loss_type=" +
+                     py::repr(aux_loss_type).cast<std::string>());
+               }
+               c.aux_loss_coeff = aux_loss_coeff.cast<double>();
+             }
              c.z_loss_coeff = z_loss_coeff;
+             c.calculate_per_token_loss = calculate_per_token_loss;
+             c.is_mtp_layer = is_mtp_layer;
+             c.mtp_use_repeated_layer = mtp_use_repeated_layer;
+             c.mtp_num_layers = mtp_num_layers.value_or(0);
+             c.force_load_balancing = force_load_balancing;
+             c.force_biased = force_biased.value_or(0.0);
              validate_router_config(c);
              return c;
            }),
@@ -92,7 +142,10 @@ void bind_router(py::module_& m) {
            py::arg("topk_scaling_factor") = py::none(), py::arg("capacity_factor") = py::none(),
            py::arg("token_drop_policy") = "probs", py::arg("pad_to_capacity") = false,
            py::arg("aux_loss_type") = py::none(), py::arg("aux_loss_coeff") = 0.0,
-           py::arg("z_loss_coeff") = 0.0)
+           py::arg("z_loss_coeff") = 0.0, py::arg("calculate_per_token_loss") = false,
+           py::arg("is_mtp_layer") = false, py::arg("mtp_use_repeated_layer") = false,
+           py::arg("mtp_num_layers") = py::none(), py::arg("force_load_balancing") = false,
+           py::arg("force_biased") = py::none())
       .def_readonly("num_experts", &RouterConfig::num_experts)
       .def_readonly("top_k", &RouterConfig::top_k)
       .def_property_readonly(
@@ -116,11 +169,34 @@ void bind_router(py::module_& m) {
           [](const RouterConfig& c) { return token_drop_policy_name(c.token_drop_policy); })
       .def_readonly("pad_to_capacity", &RouterConfig::pad_to_capacity)
       .def_property_readonly("aux_loss_type",
-                             [](const RouterConfig& c) -> std::optional<std::string> {
-                               if (c.aux_loss_type == AuxLossType::none) return std::nullopt;
-                               return std::string(aux_loss_type_name(c.aux_loss_type));
+                             [](const RouterConfig& c) -> py::object {
+                               if (!c.aux_loss_types.empty()) {
+                                 py::list l;
+                                 for (AuxLossType t : c.aux_loss_types) l.append(aux_loss_type_name(t));
+                                 return l;
+                               }
+                               if (c.aux_loss_type == AuxLossType::none) return py::none();
+                               return py::str(aux_loss_type_name(c.aux_loss_type));
                              })
-      .def_readonly("aux_loss_coeff", &RouterConfig::aux_loss_coeff)
+      .def_property_readonly("aux_loss_coeff",
+                             [](const RouterConfig& c) -> py::object {
+                               if (!c.aux_loss_types.empty()) return py::cast(c.aux_loss_coeffs);
+                               return py::float_(c.aux_loss_coeff);
+                             })
+      .def_readonly("calculate_per_token_loss", &RouterConfig::calculate_per_token_loss)
+      .def_readonly("is_mtp_layer", &RouterConfig::is_mtp_layer)
+      .def_readonly("force_load_balancing", &RouterConfig::force_load_balancing)
+      .def_property_readonly("force_biased",
+                             [](const RouterConfig& c) -> std::optional<double> {
+                               if (c.force_biased != 0.0) return c.force_biased;
+                               return std::nullopt;
+                             })
+      .def_readonly("mtp_use_repeated_layer", &RouterConfig::mtp_use_repeated_layer)
+      .def_property_readonly("mtp_num_layers",
+                             [](const RouterConfig& c) -> std::optional<int64_t> {
+                               if (c.mtp_num_layers) return c.mtp_num_layers;
+                               return std::nullopt;
+                             })
       .def_readonly("z_loss_coeff", &RouterConfig::z_loss_coeff)
       .def("__repr__", &config_repr);
 
@@ -154,8 +230,18 @@ void bind_router(py::module_& m) {
       .def_property_readonly("expert_capacity",
                              [](const PyRoute& p) { return p.r.expert_capacity; })
       .def_property_readonly("num_dropped", [](const PyRoute& p) { return p.r.num_dropped; })
+      .def_property_readonly(
+          "qb_beta_local", [](const PyRoute& p) { return py_bridge::to_torch(p.r.qb_beta_local); })
       .def_property_readonly("aux_loss", [](const PyRoute& p) { return p.r.aux_loss; })
       .def_property_readonly("z_loss", [](const PyRoute& p) { return p.r.z_loss; })
+      .def_property_readonly("aux_loss_parts",
+                             [](const PyRoute& p) {
+                               py::dict d;
+                               d["aux_loss"] = p.r.aux_loss_parts.aux_loss;
+                               d["seq_aux_loss"] = p.r.aux_loss_parts.seq_aux_loss;
+                               d["global_aux_loss"] = p.r.aux_loss_parts.global_aux_loss;
+                               return d;
+                             })
       .def_property_readonly("num_replayed_rows",
                              [](const PyRoute& p) { return p.r.num_replayed_rows; })
       .def_property_readonly("num_native_rows",
@@ -169,7 +255,10 @@ void bind_router(py::module_& m) {
       "topk_route",
       [](py::handle logits, const RouterConfig& config, py::handle expert_bias,
          py::handle replay_idx, py::handle padding_mask, GlobalAuxLossState* global_state,
-         const std::string& invalid_replay_rows, int64_t layer, int64_t seq_length) {
+         const std::string& invalid_replay_rows, int64_t layer, int64_t seq_length,
+         bool accumulate_global_aux_loss, uint64_t force_seed, uint64_t force_bias_seed,
+         bool training, py::handle qb_beta, py::handle loss_comm,
+         py::handle global_aux_loss_comm) {
         const char* op = "topk_route";
         RouteOptions opt;
         if (invalid_replay_rows == "error") {
@@ -183,26 +272,40 @@ void bind_router(py::module_& m) {
         }
         opt.layer = layer;
         opt.seq_length = seq_length;
+        opt.global_aux_loss_update = accumulate_global_aux_loss ? GlobalAuxLossUpdate::accumulate
+                                                                : GlobalAuxLossUpdate::read_only;
+        opt.force_seed = force_seed;
+        opt.training = training;
+        opt.force_bias_seed = force_bias_seed;
         py_bridge::Arg al = py_bridge::borrow(logits, op, "logits");
         py_bridge::Arg ab = py_bridge::borrow_optional(expert_bias, op, "expert_bias");
         py_bridge::Arg am = py_bridge::borrow_optional(padding_mask, op, "padding_mask");
         py_bridge::Arg ar;
+        py_bridge::Arg aq = py_bridge::borrow_optional(qb_beta, op, "qb_beta");
         RouteInputs in;
+        in.qb_beta = aq.t;
         in.expert_bias = ab.t;
         in.padding_mask = am.t;
         if (!replay_idx.is_none()) in.replay_idx = ids_int32(replay_idx, op, "replay_idx", ar);
         in.global_aux_loss_state = global_state;
+        RouteComms comms;
+        comms.loss = communicator_of(loss_comm, op, "loss_comm");
+        comms.global_aux_loss = communicator_of(global_aux_loss_comm, op, "global_aux_loss_comm");
         auto out = std::make_unique<PyRoute>();
         {
           py::gil_scoped_release nogil;
-          out->r = topk_route(al.t, in, config, opt);
+          out->r = comms.loss || comms.global_aux_loss ? topk_route(al.t, in, config, opt, comms)
+                                                       : topk_route(al.t, in, config, opt);
         }
         out->keep_logits = al.keep;
         return out;
       },
       py::arg("logits"), py::arg("config"), py::arg("expert_bias"), py::arg("replay_idx"),
       py::arg("padding_mask"), py::arg("global_aux_loss_state"), py::arg("invalid_replay_rows"),
-      py::arg("layer"), py::arg("seq_length"));
+      py::arg("layer"), py::arg("seq_length"), py::arg("accumulate_global_aux_loss") = true,
+      py::arg("force_seed") = 0, py::arg("force_bias_seed") = 0, py::arg("training") = true,
+      py::arg("qb_beta") = py::none(), py::arg("loss_comm") = py::none(),
+      py::arg("global_aux_loss_comm") = py::none());
   m.def(
       "topk_route_backward",
       [](py::handle grad_topk_weights, const PyRoute& route, double loss_grad_scale) {
@@ -219,14 +322,34 @@ void bind_router(py::module_& m) {
       },
       py::arg("grad_topk_weights"), py::arg("route"), py::arg("loss_grad_scale"));
   m.def(
+      "input_jitter",
+      [](py::handle x, double eps, uint64_t seed, bool backward) {
+        const char* op = backward ? "input_jitter_backward" : "input_jitter";
+        py_bridge::Arg ax = py_bridge::borrow(x, op, backward ? "grad" : "x");
+        Tensor out;
+        {
+          py::gil_scoped_release nogil;
+          out = backward ? input_jitter_backward(ax.t, eps, seed) : input_jitter(ax.t, eps, seed);
+        }
+        return py_bridge::to_torch(std::move(out));
+      },
+      py::arg("x"), py::arg("eps"), py::arg("seed"), py::arg("backward") = false);
+  m.def(
       "update_expert_bias",
-      [](py::handle expert_bias, py::handle num_tokens_per_expert, double rate) {
+      [](py::handle expert_bias, py::handle num_tokens_per_expert, double rate, py::handle comm) {
         const char* op = "update_expert_bias";
         py_bridge::Arg ab = py_bridge::borrow(expert_bias, op, "expert_bias");
         py_bridge::Arg ac = py_bridge::borrow(num_tokens_per_expert, op, "num_tokens_per_expert");
-        return py_bridge::to_torch(update_expert_bias(ab.t, ac.t, rate));
+        dist::Communicator* c = communicator_of(comm, op, "comm");
+        Tensor out;
+        {
+          py::gil_scoped_release nogil;
+          out = c ? update_expert_bias(ab.t, ac.t, rate, *c) : update_expert_bias(ab.t, ac.t, rate);
+        }
+        return py_bridge::to_torch(std::move(out));
       },
-      py::arg("expert_bias"), py::arg("num_tokens_per_expert"), py::arg("rate"));
+      py::arg("expert_bias"), py::arg("num_tokens_per_expert"), py::arg("rate"),
+      py::arg("comm") = py::none());
 
   py::class_<RouterReplay>(m, "RouterReplayCore", "Replay queues of one MoE layer (engine object).")
       .def(py::init([](int64_t top_k, int64_t layer) {

@@ -13,6 +13,7 @@
 #include "switchyard/route_file.h"
 #include "switchyard/route_import.h"
 #include "switchyard/route_stats.h"
+#include "switchyard/route_verl.h"
 
 namespace switchyard::py_bind {
 
@@ -96,8 +97,10 @@ InvalidRowPolicy invalid_policy(const std::string& s) {
 ImportOptions import_options(int64_t num_experts, int64_t first_k_dense,
                              const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
                              int64_t num_input_layers, int64_t top_k,
-                             const std::string& zero_rows, const std::string& invalid_rows) {
+                             const std::string& zero_rows, const std::string& invalid_rows,
+                             int64_t prompt_start = 0) {
   ImportOptions o;
+  o.prompt_start = prompt_start;
   o.num_experts = num_experts;
   o.layer_map.first_k_dense = first_k_dense;
   o.layer_map.moe_layer_freq = moe_layer_freq;
@@ -222,16 +225,16 @@ void bind_routes(py::module_& m) {
         [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
            int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           const std::string& invalid_rows) {
-          return import_result(import_vllm(
+           const std::string& invalid_rows, int64_t prompt_start) {
+          return import_result(import_vllm_files(
               paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                    num_input_layers, top_k, zero_rows, invalid_rows)));
+                                    num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
         });
   m.def("routes_import_vllm_arrays",
         [](const py::sequence& arrays, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
            int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           const std::string& invalid_rows) {
+           const std::string& invalid_rows, int64_t prompt_start) {
           std::vector<py_bridge::Arg> args;
           std::vector<Tensor> ts;
           args.reserve(arrays.size());
@@ -243,26 +246,71 @@ void bind_routes(py::module_& m) {
           }
           return import_result(import_vllm_arrays(
               ts, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                 num_input_layers, top_k, zero_rows, invalid_rows)));
+                                 num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
         });
   m.def("routes_import_sglang",
         [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
            int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           const std::string& invalid_rows) {
+           const std::string& invalid_rows, int64_t prompt_start) {
           return import_result(import_sglang(
               paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                    num_input_layers, top_k, zero_rows, invalid_rows)));
+                                    num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
         });
   m.def("routes_import_sglang_text",
         [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
            int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           const std::string& invalid_rows) {
+           const std::string& invalid_rows, int64_t prompt_start) {
           return import_result(import_sglang_text(
               text, "<text>",
               import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                             num_input_layers, top_k, zero_rows, invalid_rows)));
+                             num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
+        });
+  // ---- route data from the newest engines (vLLM >= 0.22 HTTP) and verl's batch layout ----
+  m.def("routes_import_vllm_http_text",
+        [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
+           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
+           const std::string& invalid_rows, int64_t prompt_start) {
+          return import_result(import_vllm_http_text(
+              text, "<text>",
+              import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
+                             num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
+        });
+  m.def("routes_import_vllm_npy_base64",
+        [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
+           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
+           const std::string& invalid_rows, int64_t prompt_start) {
+          return import_result(import_vllm_npy_base64(
+              text, "routed_experts",
+              import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
+                             num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
+        });
+  m.def("routes_to_verl",
+        [](const py::sequence& tables, int64_t num_experts, const std::vector<int64_t>& moe_layers,
+           int64_t num_hidden_layers, py::object attention_mask, const std::string& padding_side,
+           int64_t seq_len) {
+          const TablesArg in = to_tables(tables, num_experts, "to_verl");
+          const std::vector<RouteTable>& ts = in.tables;
+          VerlBatch v;
+          if (!attention_mask.is_none()) {
+            py_bridge::Arg am = py_bridge::borrow(attention_mask, "to_verl", "attention_mask");
+            v = to_verl(ts, moe_layers, num_hidden_layers, am.t);
+          } else {
+            if (padding_side != "left" && padding_side != "right") {
+              throw py::value_error("[to_verl] padding_side must be 'left' or 'right', got '" +
+                                    padding_side + "'");
+            }
+            VerlOptions o;
+            o.num_hidden_layers = num_hidden_layers;
+            o.padding_side = padding_side == "left" ? PaddingSide::left : PaddingSide::right;
+            o.seq_len = seq_len;
+            v = to_verl(ts, moe_layers, o);
+          }
+          return py::make_tuple(py_bridge::to_torch(v.routed_experts),
+                                py_bridge::to_torch(v.attention_mask));
         });
   m.def("routes_moe_layer_indices", [](int64_t first_k_dense, const std::vector<int64_t>& freq,
                                        int64_t num_mtp_layers, int64_t num_input_layers) {

@@ -13,7 +13,7 @@ A route table is an int32 tensor [tokens, moe_layers, K]: an expert id, or -1 fo
 from . import _switchyard as _C
 
 __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "import_vllm",
-           "import_vllm_arrays", "from_verl", "layer_targets", "import_sglang",
+           "import_vllm_arrays", "import_vllm_response", "from_verl", "to_verl", "layer_targets", "import_sglang",
            "import_sglang_text", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
            "pack_thd", "unpack_thd", "cp_zigzag_split", "cp_zigzag_gather", "sp_split",
            "sp_gather", "slice_layers", "concat_layers", "concat_tokens", "pp_moe_layer_range",
@@ -170,23 +170,50 @@ def _freq(moe_layer_freq):
 
 
 def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
-                num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error"):
-    """vLLM ``routed_experts`` arrays (.npy, [seq_len-1, layers, K]) -> (tables, report). Keeps the
-    MoE layers of the layer map, appends a -1 row for the last token. zero_rows: "keep",
-    "to_none" or "error" for all-zero rows on MoE layers (counted in the report either way).
-    invalid_rows: "error" (default) or "to_none" for rows that repeat an id or mix -1 with ids
-    (stored as -1 and counted in report["num_invalid_rows"]), never stored as if valid."""
+                num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error",
+                prompt_start=0):
+    """vLLM ``routed_experts`` -> (tables, report). Each path is a .npy file ([seq_len-1, layers,
+    K]; int32, or uint8/uint16 from vLLM 0.22 on) or a JSON / JSONL file of HTTP responses
+    (``choices[i].routed_experts``, base64 of .npy bytes), told apart by content. Keeps the MoE
+    layers of the layer map, appends a -1 row for the last token. zero_rows: "keep", "to_none" or
+    "error" for all-zero rows on MoE layers (counted in the report either way). invalid_rows:
+    "error" (default) or "to_none" for rows that repeat an id or mix -1 with ids (stored as -1 and
+    counted in report["num_invalid_rows"]), never stored as if valid. prompt_start: the
+    request's ``routed_experts_prompt_start`` (routes start at that token; the tokens before it
+    get -1 rows, so a table has one row per token); a response record's own
+    ``routed_experts_prompt_start`` field overrides it."""
     return _C.routes_import_vllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                  _freq(moe_layer_freq), int(num_mtp_layers),
-                                 int(num_input_layers), int(top_k), zero_rows,
-                                 invalid_rows)
+                                 int(num_input_layers), int(top_k), zero_rows, invalid_rows,
+                                 int(prompt_start))
+
+
+def import_vllm_response(response, num_experts, first_k_dense=0, moe_layer_freq=None,
+                         num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep",
+                         invalid_rows="error", prompt_start=0):
+    """vLLM HTTP responses (>= 0.22) -> (tables, report), one table per choice. ``response``: a
+    parsed response (dict), a list of them, their JSON / JSONL text, or one choice's
+    ``routed_experts`` string itself (base64 of .npy bytes). prompt_start as in import_vllm."""
+    import json
+    args = (int(num_experts), int(first_k_dense), _freq(moe_layer_freq), int(num_mtp_layers),
+            int(num_input_layers), int(top_k), zero_rows, invalid_rows, int(prompt_start))
+    if isinstance(response, (dict, list, tuple)):
+        return _C.routes_import_vllm_http_text(json.dumps(response), *args)
+    if isinstance(response, bytes):
+        response = response.decode()
+    if not isinstance(response, str):
+        raise ValueError("[routes.import_vllm_response] response must be a dict, a list, JSON text "
+                         f"or a base64 routed_experts string, got {type(response).__name__}")
+    if response.lstrip()[:1] in ("{", "["):
+        return _C.routes_import_vllm_http_text(response, *args)
+    return _C.routes_import_vllm_npy_base64(response, *args)
 
 
 def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None,
                        num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep",
-                       invalid_rows="error"):
-    """The same as import_vllm over arrays in memory: one [seq_len-1, layers, K] tensor (int32,
-    int64 or uint8; numpy arrays are taken too) per sequence."""
+                       invalid_rows="error", prompt_start=0):
+    """The same as import_vllm over arrays in memory: one [seq_len-1-prompt_start, layers, K]
+    tensor (int32, int64, uint8 or uint16; numpy arrays are taken too) per sequence."""
     import torch
     ts = []
     for a in arrays:
@@ -197,7 +224,7 @@ def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None
     return _C.routes_import_vllm_arrays(ts, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
                                         int(num_input_layers), int(top_k), zero_rows,
-                                        invalid_rows)
+                                        invalid_rows, int(prompt_start))
 
 
 def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_layer_freq=None,
@@ -230,6 +257,29 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     return tables, report
 
 
+def to_verl(tables, moe_layers, num_hidden_layers, attention_mask=None, padding_side="left",
+            seq_len=None, num_experts=None):
+    """Route tables -> verl's batch layout, the inverse of from_verl: returns (routed_experts
+    int16 [batch, seq, num_hidden_layers, K], attention_mask int64 [batch, seq]).
+
+    Table b ([T_b, moe_layers, K], -1 = no route) fills batch row b; its column m goes to hidden
+    layer ``moe_layers[m]`` (the importer's report["moe_layers"]); dense layers, padding and -1
+    rows are 0 (verl's convention: the last sampled token has no route). Without
+    ``attention_mask`` the rows are padded on ``padding_side`` ("left", verl's default, or
+    "right") to ``seq_len`` columns (None = the longest table); with it ([batch, seq], nonzero =
+    real token, any pattern) row b's real positions, which must number T_b, receive the table. A
+    row mixing -1 with ids has no place in verl's layout (ValueError). from_verl(to_verl(t)) == t
+    for tables whose rows are valid top-k rows or all -1; with K = 1 a -1 row comes back as a
+    route to expert 0 (verl's 0 cannot tell them apart)."""
+    import torch
+    tables = list(tables)
+    ids, mask = _C.routes_to_verl(tables, _num_experts(tables, num_experts),
+                                  [int(m) for m in moe_layers], int(num_hidden_layers),
+                                  attention_mask, str(padding_side),
+                                  0 if seq_len is None else int(seq_len))
+    return ids.to(torch.int16), mask
+
+
 def layer_targets(table, moe_layers, keys, batch_size=None):
     """Per-layer replay targets from a route table [T, moe_layers, K] in the router's token order
     (e.g. after pack_thd / sp_split / cp_zigzag_split): {key: [T, K]} for the keys of this
@@ -260,23 +310,26 @@ def layer_targets(table, moe_layers, keys, batch_size=None):
 
 
 def import_sglang(paths, num_experts, num_input_layers, top_k, first_k_dense=0,
-                  moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep",
-                  invalid_rows="error"):
-    """SGLang responses (JSON / JSONL with meta_info.routed_experts, base64) -> (tables, report)."""
+                  moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep", invalid_rows="error",
+                  start_len=0):
+    """SGLang responses (JSON / JSONL with meta_info.routed_experts, base64) -> (tables, report).
+    A response with ``meta_info.routed_experts_start_len`` covers tokens [start_len, seq_len - 1):
+    the tokens before it get -1 rows (one row per token); ``start_len`` is used for records
+    without that field."""
     return _C.routes_import_sglang([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                    _freq(moe_layer_freq), int(num_mtp_layers),
-                                   int(num_input_layers), int(top_k), zero_rows,
-                                 invalid_rows)
+                                   int(num_input_layers), int(top_k), zero_rows, invalid_rows,
+                                   int(start_len))
 
 
 def import_sglang_text(text, num_experts, num_input_layers, top_k, first_k_dense=0,
                        moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep",
-                  invalid_rows="error"):
+                       invalid_rows="error", start_len=0):
     """The same as import_sglang over a string."""
     return _C.routes_import_sglang_text(text, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
                                         int(num_input_layers), int(top_k), zero_rows,
-                                 invalid_rows)
+                                        invalid_rows, int(start_len))
 
 
 def moe_layer_indices(num_input_layers, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0):

@@ -14,8 +14,8 @@ import torch
 from . import _names
 from . import _switchyard as _C
 
-__all__ = ["router_gating_linear", "topk_route", "RouteInfo", "TopKRouter", "update_expert_bias",
-           "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
+__all__ = ["router_gating_linear", "input_jitter", "topk_route", "RouteInfo", "TopKRouter",
+           "update_expert_bias", "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
 
 
 def _no_autocast():
@@ -73,6 +73,27 @@ def router_gating_linear(x, weight, bias=None, router_dtype=torch.float32):
     if x.dim() < 1:
         raise ValueError("[router_gating_linear] x must be [..., hidden], got a 0-d tensor")
     return _RouterGatingLinear.apply(x, weight, bias, router_dtype)
+
+
+class _InputJitter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps, seed):
+        ctx.eps, ctx.seed = eps, seed
+        return _C.input_jitter(x.detach().contiguous(), eps, seed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _C.input_jitter(grad.contiguous(), ctx.eps, ctx.seed, backward=True), None, None
+
+
+def input_jitter(x, eps, seed=None):
+    """Input jitter (Megatron-Core ``moe_input_jitter_eps``): ``x * u``, u ~ U(1-eps, 1+eps) per
+    element, in x's dtype (bf16/fp32/fp64), differentiable (grad * u). ``seed`` None draws one from
+    torch's default generator, so ``torch.manual_seed`` fixes it and torch.utils.checkpoint's
+    restored RNG state makes a recompute draw the same noise."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    return _InputJitter.apply(x, float(eps), int(seed))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -285,12 +306,15 @@ class RouteInfo:
     included, 0 when off), per-expert counts, capacity, and the replayed / native / padded row
     counts (replayed + native + padded == T), so replay can never silently do nothing."""
 
-    __slots__ = ("aux_loss", "z_loss", "num_tokens_per_expert", "expert_capacity", "num_dropped",
+    __slots__ = ("aux_loss", "aux_loss_parts", "z_loss", "num_tokens_per_expert", "qb_beta_local",
+                 "expert_capacity", "num_dropped",
                  "num_replayed_rows", "num_native_rows", "num_padded_rows",
                  "num_invalid_replay_rows")
 
     def __init__(self, res):
         self.aux_loss = res.aux_loss
+        self.aux_loss_parts = res.aux_loss_parts  # {"aux_loss": .., "seq_aux_loss": .., ...}
+        self.qb_beta_local = res.qb_beta_local  # [E] fp32 (quantile_balancing, training) or None
         self.z_loss = res.z_loss
         self.num_tokens_per_expert = res.num_tokens_per_expert
         self.expert_capacity = None if res.expert_capacity < 0 else res.expert_capacity
@@ -311,12 +335,16 @@ class RouteInfo:
 class _TopKRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, config, expert_bias, replay_idx, padding_mask, global_state,
-                invalid_replay_rows, layer, seq_length, loss_grad_scale, info_box):
+                invalid_replay_rows, layer, seq_length, loss_grad_scale, accumulate, extra,
+                qb_beta, info_box):
+        # extra: (force_seed, force_bias_seed, training, loss_comm, global_aux_loss_comm).
         with _no_autocast():
             res = _C.topk_route(logits.detach(), config,
                                 None if expert_bias is None else expert_bias.detach(),
                                 replay_idx, padding_mask, global_state, invalid_replay_rows,
-                                layer, seq_length)
+                                layer, seq_length, accumulate, *extra[:3],
+                                qb_beta=None if qb_beta is None else qb_beta.detach(),
+                                loss_comm=extra[3], global_aux_loss_comm=extra[4])
         ctx.res = res
         ctx.loss_grad_scale = loss_grad_scale
         ctx.save_for_backward(logits)  # version check: the engine reads these logits in backward
@@ -331,15 +359,35 @@ class _TopKRoute(torch.autograd.Function):
         with _no_autocast():
             g = grad_topk_weights.to(ctx.res.topk_weights.dtype).contiguous()
             grad_logits = _C.topk_route_backward(g, ctx.res, ctx.loss_grad_scale)
-        return (grad_logits,) + (None,) * 10
+        return (grad_logits,) + (None,) * 13
+
+
+def _comm(obj):
+    if obj is None:
+        return None
+    from . import dist
+    return dist.as_communicator(obj, "loss communicator")
+
+
+def _force_seeds(config, force_seed, force_bias_seed):
+    """(force_seed, force_bias_seed) for the engine; unused (0) unless forced routing is on."""
+    if not (config.force_load_balancing or config.force_biased):
+        return (0, 0)
+    draw = lambda: int(torch.randint(0, 2**62, (1,)).item())  # noqa: E731
+    return (draw() if force_seed is None else int(force_seed),
+            draw() if force_bias_seed is None else int(force_bias_seed))
 
 
 def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay_rows="error", *,
                padding_mask=None, seq_length=None, global_aux_loss_state=None, layer=None,
-               aux_loss_grad_scale=1.0, return_info=False):
+               aux_loss_grad_scale=1.0, accumulate_global_aux_loss=True, force_seed=None,
+               force_bias_seed=None, training=True, qb_beta=None, loss_comm=None,
+               global_aux_loss_comm=None, return_info=False):
     """Route T tokens to K of E experts from router logits (Megatron-Core's TopKRouter semantics).
 
-    logits [T, E] fp32 or fp64 (the router dtype); config a switchyard.RouterConfig.
+    logits [T, E] fp32 or fp64 (the router dtype), or bf16 (Megatron's moe_router_dtype=None:
+    scores and weights in fp32 from the bf16 logits, weights returned in bf16, gradient in bf16);
+    config a switchyard.RouterConfig.
     expert_bias [E]: aux-loss-free balancing bias, selection only. replay_idx [T, K] int64/int32:
     ids to use instead of the live top-k (weights from the live logits at those ids); an all -1 row
     is routed natively; an invalid row (mixing -1 and ids, repeating an id, id outside [0, E)) is a
@@ -347,6 +395,16 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     padding_mask [T] bool: True = padded token (row all -1, left out of counts and losses).
     seq_length: tokens per sequence for seq_aux_loss ([s, b] layout, token t in sequence t % b).
     global_aux_loss_state: a switchyard.GlobalAuxLossState, required by global_aux_loss.
+    accumulate_global_aux_loss: add this batch to that state (True), or only read it (False: the
+    loss is still computed from the state plus this batch). Megatron-Core accumulates only on
+    training forwards with grad enabled; TopKRouter decides this itself.
+    force_seed / force_bias_seed: seeds of config.force_load_balancing / force_biased (None: drawn
+    from torch's default generator). training: sinkhorn routing selects on the Sinkhorn-
+    normalised batch when True (Megatron's training path), on the logits when False (its eval);
+    quantile_balancing computes RouteInfo.qb_beta_local when True. qb_beta [E] fp32: the
+    quantile-balancing bias (None = zeros). loss_comm / global_aux_loss_comm: Megatron's tp_cp /
+    tp_dp_cp groups (switchyard.dist.Communicator or mpi4py communicators; None = local): the loss
+    statistics are summed over them (collective; every rank must call with the same config).
 
     Returns (topk_weights [T, K] in the logits' dtype, differentiable to logits; topk_idx [T, K]
     int64, -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added
@@ -367,7 +425,11 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     topk_weights, topk_idx = _TopKRoute.apply(
         logits, config, expert_bias, replay_idx, padding_mask, global_aux_loss_state,
         invalid_replay_rows, -1 if layer is None else int(layer),
-        0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale), box)
+        0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale),
+        bool(accumulate_global_aux_loss),
+        _force_seeds(config, force_seed, force_bias_seed) + (bool(training), _comm(loss_comm),
+                                                              _comm(global_aux_loss_comm)),
+        qb_beta, box)
     if len(lead) != 1:
         topk_weights = topk_weights.view(*lead, topk_weights.shape[-1])
         topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
@@ -376,10 +438,22 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     return topk_weights, topk_idx
 
 
-def update_expert_bias(expert_bias, num_tokens_per_expert, rate):
+def update_expert_bias(expert_bias, num_tokens_per_expert, rate, comm=None):
     """Aux-loss-free bias update (DeepSeek-V3): expert_bias + rate * sign(mean(c) - c), [E] fp32
-    from the per-expert counts c = num_tokens_per_expert [E]."""
-    return _C.update_expert_bias(expert_bias, num_tokens_per_expert, float(rate))
+    from the per-expert counts c = num_tokens_per_expert [E]; with ``comm`` (Megatron's tp_dp_cp
+    group) the counts are summed over its ranks first (collective)."""
+    return _C.update_expert_bias(expert_bias, num_tokens_per_expert, float(rate), _comm(comm))
+
+
+def _in_non_reentrant_recompute():
+    """True while torch.utils.checkpoint (use_reentrant=False) recomputes a forward during
+    backward: inside an autograd graph task, under checkpoint's own saved-tensor hooks. The
+    reentrant variant pushes no hooks (and its forward ran under no_grad), so it reads False.
+    Private torch API (the one torch.utils.checkpoint itself uses); the tests pin the behaviour."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
 
 
 class TopKRouter(torch.nn.Module):
@@ -390,23 +464,33 @@ class TopKRouter(torch.nn.Module):
     ``update_expert_bias(rate)`` from the counts accumulated since the last update).
     ``forward(x, replay=None) -> (topk_weights, topk_idx)``: ``replay`` is a switchyard.RouterReplay
     (its ``action`` decides record / replay_forward / replay_backward) or a [T, K] id tensor;
-    ``self.replay`` is used when not given. ``last_info`` holds the RouteInfo of the last call."""
+    ``self.replay`` is used when not given. ``last_info`` holds the RouteInfo of the last call.
+    ``router_dtype``: None (the input's dtype: Megatron's default moe_router_dtype=None),
+    torch.bfloat16, float32 or float64. ``input_jitter_eps`` (Megatron moe_input_jitter_eps):
+    jitter the gate input on every forward (syt.input_jitter; replayed ids are unaffected).
+    The global aux-loss state advances only on training forwards with grad enabled (Megatron's
+    rule; a non-reentrant checkpoint's recompute does not count, see notes/router-parity.md)."""
 
     def __init__(self, hidden_size, config, router_dtype=torch.float32, *, bias=False,
                  params_dtype=torch.float32, init_std=0.02, enable_expert_bias=False,
-                 layer_number=None, aux_loss_grad_scale=1.0):
+                 layer_number=None, aux_loss_grad_scale=1.0, input_jitter_eps=None,
+                 loss_comm=None, global_aux_loss_comm=None):
         super().__init__()
         if not isinstance(config, _C.RouterConfig):
             raise ValueError("[TopKRouter] config must be a switchyard.RouterConfig, got "
                              f"{type(config).__name__}")
-        if router_dtype not in (torch.float32, torch.float64):
-            raise ValueError("[TopKRouter] router_dtype must be torch.float32 or torch.float64, "
-                             f"got {router_dtype}")
+        if router_dtype not in (None, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError("[TopKRouter] router_dtype must be None (the input's dtype, "
+                             "Megatron's default), torch.bfloat16, torch.float32 or "
+                             f"torch.float64, got {router_dtype}")
         self.config = config
         self.hidden_size = int(hidden_size)
         self.router_dtype = router_dtype
         self.layer_number = layer_number
         self.aux_loss_grad_scale = aux_loss_grad_scale
+        self.input_jitter_eps = input_jitter_eps
+        self.loss_comm = loss_comm  # Megatron's tp_cp group (None = local)
+        self.global_aux_loss_comm = global_aux_loss_comm  # its tp_dp_cp group
         E = config.num_experts
         self.weight = torch.nn.Parameter(
             torch.empty(E, self.hidden_size, dtype=params_dtype).normal_(0.0, init_std))
@@ -417,14 +501,35 @@ class TopKRouter(torch.nn.Module):
         else:
             self.expert_bias = None
             self.local_tokens_per_expert = None
+        types = config.aux_loss_type if isinstance(config.aux_loss_type, list) else [
+            config.aux_loss_type]
         self.global_aux_loss_state = (_C.GlobalAuxLossState()
-                                      if config.aux_loss_type == "global_aux_loss" else None)
+                                      if "global_aux_loss" in types else None)
         self._gstate_snapshots = collections.deque()
+        if config.aux_loss_type == "quantile_balancing":
+            # Megatron's qb_beta (persistent) and its per-global-batch accumulators.
+            self.register_buffer("qb_beta", torch.zeros(E, dtype=torch.float32))
+            self.register_buffer("qb_beta_accum", torch.zeros(E, dtype=torch.float32),
+                                 persistent=False)
+            self.register_buffer("qb_beta_count", torch.zeros((), dtype=torch.long),
+                                 persistent=False)
+        else:
+            self.qb_beta = self.qb_beta_accum = self.qb_beta_count = None
         self.replay = None
         self.last_info = None
 
     def forward(self, x, replay=None, *, padding_mask=None, seq_length=None):
-        logits = router_gating_linear(x, self.weight, self.bias, router_dtype=self.router_dtype)
+        if self.input_jitter_eps is not None:
+            # Megatron applies it on every forward (training or not), before the gate.
+            x = input_jitter(x, self.input_jitter_eps)
+        rd = x.dtype if self.router_dtype is None else self.router_dtype
+        if rd == torch.bfloat16:
+            # Routing on bf16 logits (Megatron's moe_router_dtype=None with bf16 activations, and
+            # what an inference engine does): the gate accumulates in fp32 and rounds once.
+            logits = router_gating_linear(x, self.weight, self.bias,
+                                          router_dtype=torch.float32).to(torch.bfloat16)
+        else:
+            logits = router_gating_linear(x, self.weight, self.bias, router_dtype=rd)
         replay = self.replay if replay is None else replay
         T = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
         replay_idx = None
@@ -435,21 +540,37 @@ class TopKRouter(torch.nn.Module):
             replay_idx = replay._ids_for_forward(T)
             invalid = replay.invalid_replay_rows
         gstate = self.global_aux_loss_state
+        # Megatron-Core advances the global aux-loss state once per trained micro-batch: on
+        # training forwards with grad enabled. A reentrant checkpoint runs its forward under
+        # no_grad (not counted) and its recompute with grad (counted: its graph carries the loss
+        # gradient); a non-reentrant checkpoint counts its forward, so its recompute must not.
+        accumulate = (self.training and torch.is_grad_enabled()
+                      and not _in_non_reentrant_recompute())
         snapshot = None
         driven = replay is not None and not isinstance(replay, torch.Tensor)
         if gstate is not None and driven:
-            # A checkpoint recompute must see the global aux-loss state its forward saw: snapshot
-            # it at replay_forward, route the matching replay_backward on the snapshot (FIFO, like
-            # the replay queue), so the live state advances once per micro-batch. The snapshot
-            # queue, like the replay queues, changes only after routing succeeded.
+            # With a RouterReplay the recompute is known exactly: replay_backward pairs with a
+            # replay_forward (FIFO, like the replay queue). If that forward counted, the recompute
+            # routes on a snapshot taken before it, so it reproduces the forward's loss and the
+            # live state advances once per micro-batch; if it did not (no_grad forward, reentrant
+            # checkpointing), the recompute counts. The snapshot queue, like the replay queues,
+            # changes only after routing succeeded.
             if replay.action == "replay_forward":
-                snapshot = gstate.copy()
+                snapshot = (gstate.copy(), accumulate)
             elif replay.action == "replay_backward" and self._gstate_snapshots:
-                gstate = self._gstate_snapshots[0]
+                snap, counted = self._gstate_snapshots[0]
+                if counted:
+                    gstate = snap.copy()  # the queued one stays intact if routing fails
+                    accumulate = True  # on the private copy
         topk_weights, topk_idx, info = topk_route(
             logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
             seq_length=seq_length, global_aux_loss_state=gstate,
             layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
+            accumulate_global_aux_loss=accumulate, training=self.training, qb_beta=self.qb_beta,
+            loss_comm=self.loss_comm, global_aux_loss_comm=self.global_aux_loss_comm,
+            # force_biased < 0: Megatron draws the bias once per layer and reuses it.
+            force_bias_seed=((0x5EED0000 + (self.layer_number or 0)) & (2**62 - 1)
+                             if (self.config.force_biased or 0) < 0 else None),
             return_info=True)
         if driven:
             replay._after_forward(topk_idx, T)
@@ -464,14 +585,32 @@ class TopKRouter(torch.nn.Module):
                 self._gstate_snapshots.popleft()
         if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
             self.local_tokens_per_expert += info.num_tokens_per_expert.to(torch.float64)
+        if (self.qb_beta is not None and self.training and torch.is_grad_enabled()
+                and not _in_non_reentrant_recompute()):
+            self.qb_beta_accum += info.qb_beta_local
+            self.qb_beta_count += 1
         self.last_info = info
         return topk_weights, topk_idx
 
     @torch.no_grad()
-    def update_expert_bias(self, rate):
-        """expert_bias += rate * sign(mean(c) - c) with the counts since the last update."""
+    def update_qb_beta(self, ema=0.0):
+        """Quantile balancing, once per global batch (Megatron's _update_router_qb_beta on this
+        rank: no data-parallel average): qb_beta = ema*qb_beta + (1-ema)*mean of the accumulated
+        quantiles, re-centred to mean 0; the accumulators restart."""
+        if self.qb_beta is None:
+            raise ValueError("[TopKRouter] update_qb_beta needs aux_loss_type='quantile_balancing'")
+        avg = self.qb_beta_accum / self.qb_beta_count.clamp(min=1).to(self.qb_beta_accum.dtype)
+        new = ema * self.qb_beta + (1.0 - ema) * avg
+        self.qb_beta.copy_(new - new.mean())
+        self.qb_beta_accum.zero_()
+        self.qb_beta_count.zero_()
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate, comm=None):
+        """expert_bias += rate * sign(mean(c) - c) with the counts since the last update (summed
+        over ``comm``, Megatron's tp_dp_cp group, when given: collective)."""
         if self.expert_bias is None:
             raise ValueError("[TopKRouter] update_expert_bias needs enable_expert_bias=True")
         self.expert_bias.copy_(update_expert_bias(self.expert_bias, self.local_tokens_per_expert,
-                                                  rate))
+                                                  rate, comm))
         self.local_tokens_per_expert.zero_()

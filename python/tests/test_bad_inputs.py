@@ -108,6 +108,11 @@ ROWS = [
      lambda t: syr.RouteFile(_route_file(t))[5]),
     ("syr.import_sglang_text", "record without meta_info", ValueError, "meta_info",
      lambda t: syr.import_sglang_text('{"text": "hi"}\n', num_experts=8, num_input_layers=1, top_k=1)),
+    ("syr.import_vllm_response", "a choice without routes", ValueError, "is missing or null",
+     lambda t: syr.import_vllm_response({"choices": [{"routed_experts": None}]}, num_experts=8)),
+    ("syr.to_verl", "padding_side 'top'", ValueError, "padding_side must be 'left' or 'right'",
+     lambda t: syr.to_verl([torch.full((2, 1, 2), -1, dtype=torch.int32)], [0], 1,
+                           padding_side="top")),
     ("syr.pack_thd", "tp_size 0", ValueError, "tp_size must be >= 1",
      lambda t: syr.pack_thd([torch.zeros(2, 1, 1, dtype=torch.int32)], tp_size=0, num_experts=4)),
 ]

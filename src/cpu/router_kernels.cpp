@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -191,33 +192,60 @@ void select_topk(const S* key, int64_t n, int64_t k, const uint8_t* allowed, S* 
   }
 }
 
-template <class S>
-inline S sigmoid(S z) {
-  return S(1) / (S(1) + rmath::exp_s(S(0) - z));
+// Scores of the sigmoid family in double, valid over the whole double range: the fp32 kernels
+// round these (so s and ds/dz never go through an fp32 exp that clamps or flushes), and the group
+// scores are summed from them.
+inline double sigmoid_d(double z) {
+  if (z >= 0.0) return 1.0 / (1.0 + std::exp(-z));
+  const double e = std::exp(z);
+  return e / (1.0 + e);
 }
 
-// sqrt(softplus(z)) with softplus(z) = max(z,0) + log1p(exp(-|z|)) (no overflow).
+// sqrt(softplus(z)), softplus(z) = max(z,0) + log1p(exp(-|z|)). Below -40, exp(z) < 2^-57 and
+// sqrt(log1p(exp(z))) = exp(z/2) * (1 - exp(z)/4 + ...) is exp(z/2) to double precision; that
+// form stays representable down to z ~ -1490 where exp(z) itself underflows at -745.
+inline double sqrt_softplus_d(double z) {
+  if (z < -40.0) return std::exp(0.5 * z);
+  return std::sqrt(std::max(z, 0.0) + std::log1p(std::exp(-std::fabs(z))));
+}
+
+// d sqrt(softplus(z)) / dz = sigmoid(z) / (2 sqrt(softplus(z))); below -40 it is exp(z/2) / 2
+// (same expansion as above).
+inline double sqrt_softplus_grad_d(double z) {
+  if (z < -40.0) return 0.5 * std::exp(0.5 * z);
+  return sigmoid_d(z) / (2.0 * sqrt_softplus_d(z));
+}
+
 template <class S>
 inline S sqrt_softplus(S z) {
-  return std::sqrt(std::max(z, S(0)) + std::log1p(std::exp(-std::fabs(z))));
+  return static_cast<S>(sqrt_softplus_d(static_cast<double>(z)));
 }
 
 // d s / d z for the sigmoid family given z and s = f(z).
 template <class S>
 inline S score_derivative(int score_function, S z, S s) {
   if (score_function == kScoreSigmoid) return s * (S(1) - s);
-  // sqrtsoftplus: s = sqrt(sp(z)), ds/dz = sigmoid(z) / (2 s); s == 0 only when sp underflows.
-  return s > S(0) ? sigmoid(z) / (S(2) * s) : S(0);
+  return static_cast<S>(sqrt_softplus_grad_d(static_cast<double>(z)));
+}
+
+// A score in double from the logit (group scores); lse is log-sum-exp of the row (pre-softmax).
+inline double score_d(int score_function, bool pre_softmax, double z, double lse) {
+  if (score_function == kScoreSigmoid) return sigmoid_d(z);
+  if (score_function == kScoreSqrtSoftplus) return sqrt_softplus_d(z);
+  return pre_softmax ? std::exp(z - lse) : z;
 }
 
 // Per-thread scratch for one row.
 template <class S>
 struct RowScratch {
-  std::vector<S> ex;       // exp(z - max) (softmax family), or s = f(z) (sigmoid family)
-  std::vector<S> key;      // selection key
-  std::vector<S> top_val;  // top-k buffer
-  std::vector<S> gsc;      // group scores
-  std::vector<S> masked;   // key with -inf outside the chosen groups
+  std::vector<S> ex;          // exp(z - max) (softmax family), or s = f(z) (sigmoid family)
+  std::vector<S> key;         // selection key
+  std::vector<S> top_val;     // top-k buffer
+  std::vector<S> gsc;         // group scores (router dtype, Megatron's)
+  std::vector<double> gsd;    // group scores in double (only to break ties of gsc)
+  std::vector<S> gz;          // [G, m] each group's top-m logits, descending (ties between groups)
+  std::vector<int32_t> gsub;  // [G, m] each group's top-m expert ids
+  std::vector<S> masked;      // key with -inf outside the chosen groups
   std::vector<int32_t> gid;
   std::vector<int32_t> aux_id;
   std::vector<S> grow;    // gradient row
@@ -229,6 +257,9 @@ struct RowScratch {
         key(p.num_experts),
         top_val(std::max<int64_t>(p.num_experts, 1)),
         gsc(std::max<int64_t>(p.num_groups, 1)),
+        gsd(std::max<int64_t>(p.num_groups, 1)),
+        gz(std::max<int64_t>(p.num_groups, 1) * std::max<int64_t>(p.top_k, 1)),
+        gsub(std::max<int64_t>(p.num_groups, 1) * std::max<int64_t>(p.top_k, 1)),
         masked(p.num_experts),
         gid(std::max<int64_t>(p.num_groups, 1)),
         aux_id(std::max<int64_t>(p.top_k, 1)),
@@ -255,34 +286,134 @@ inline void scores_row(int score_function, const S* z, int64_t E, S* s) {
   }
 }
 
-// Native selection of one row into ids[0..K).
+// Selection order (issue 14): key descending, equal keys by the larger logit, then the lower id.
+// select_topk orders by (key, id); this re-orders rows where keys tie at or inside the top k.
+// ids[0..k) index key/z; `n` keys in all (-inf entries never tie with the finite k-th key).
 template <class S>
-void native_select(const S* key, const RouteKernelParams& p, RowScratch<S>& sc, int32_t* ids) {
-  const int64_t E = p.num_experts, K = p.top_k;
-  const uint8_t* none = nullptr;
-  if (p.num_groups > 0) {
-    const int64_t G = p.num_groups, per = E / G, m = K / p.group_topk;
-    // Group score: sum of the group's top m keys, added in descending order.
-    for (int64_t g = 0; g < G; ++g) {
-      select_topk(key + g * per, per, m, none, sc.top_val.data(), sc.aux_id.data(), sc.bm.data(),
-                  sc.cand_v.data(), sc.cand_i.data());
-      S s = 0;
-      for (int64_t j = 0; j < m; ++j) s += key[g * per + sc.aux_id[j]];
-      sc.gsc[g] = s;
+void break_ties_by_logit(const S* key, const S* z, int64_t n, int64_t k, int32_t* ids) {
+  const S vk = key[ids[k - 1]];
+  // One branch-free compare per key (it vectorises): exactly k keys >= the k-th means no
+  // boundary tie, the usual case.
+  int32_t n_ge = 0;
+  for (int64_t e = 0; e < n; ++e) n_ge += key[e] >= vk ? 1 : 0;
+  bool inner = false;
+  for (int64_t j = 1; j < k; ++j) inner = inner || key[ids[j]] == key[ids[j - 1]];
+  if (!inner && n_ge == k) return;
+  if (n_ge > k) {
+    int64_t n_gt = 0;
+    for (int64_t e = 0; e < n; ++e) n_gt += key[e] > vk;
+    // ids[0..n_gt) hold the keys above vk; the other slots go to the tied experts with the
+    // largest logits (equal logits: lower id), by insertion in id order.
+    const int64_t need = k - n_gt;
+    int32_t* out = ids + n_gt;
+    int64_t cnt = 0;
+    for (int64_t e = 0; e < n; ++e) {
+      if (key[e] != vk) continue;
+      if (cnt == need) {
+        if (!(z[e] > z[out[need - 1]])) continue;
+        cnt = need - 1;
+      }
+      int64_t j = cnt;
+      while (j > 0 && z[out[j - 1]] < z[e]) {
+        out[j] = out[j - 1];
+        --j;
+      }
+      out[j] = static_cast<int32_t>(e);
+      ++cnt;
     }
-    select_topk(sc.gsc.data(), G, p.group_topk, none, sc.top_val.data(), sc.gid.data(),
-                sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
-    // Experts outside the chosen groups get -inf (Megatron's masked_fill); at least K experts
-    // remain (checked by the front-end), all finite, so no -inf is ever selected.
-    S* masked = sc.masked.data();
-    std::fill_n(masked, E, -std::numeric_limits<S>::infinity());
-    for (int64_t j = 0; j < p.group_topk; ++j)
-      std::copy_n(key + sc.gid[j] * per, per, masked + sc.gid[j] * per);
-    select_topk(static_cast<const S*>(masked), E, K, none, sc.top_val.data(), ids, sc.bm.data(),
-                sc.cand_v.data(), sc.cand_i.data());
-  } else {
-    select_topk(key, E, K, none, sc.top_val.data(), ids, sc.bm.data(), sc.cand_v.data(),
-                sc.cand_i.data());
+  }
+  std::sort(ids, ids + k, [&](int32_t a, int32_t b) {
+    if (key[a] != key[b]) return key[a] > key[b];
+    if (z[a] != z[b]) return z[a] > z[b];
+    return a < b;
+  });
+}
+
+// Top-k of one key row with the selection order above; key == z needs no tie pass (equal logits
+// go to the lower id, which select_topk already does).
+template <class S>
+void select_exact(const S* key, const S* z, int64_t n, int64_t k, RowScratch<S>& sc, int32_t* ids) {
+  select_topk(key, n, k, static_cast<const uint8_t*>(nullptr), sc.top_val.data(), ids, sc.bm.data(),
+              sc.cand_v.data(), sc.cand_i.data());
+  if (key != z) break_ties_by_logit(key, z, n, k, ids);
+}
+
+// Native selection of one row into ids[0..K). key: the logits z without expert bias, else
+// s + bias in the router dtype. gval: what a group score sums (s + bias, or s without bias).
+// Groups are ranked by Megatron's group score (the sum of the group's top m gval, in the router
+// dtype); only where that ties at the group_topk boundary (flat fp32 scores) do the tied groups
+// go by the same sum in double from double scores of the logits (score_d), then by their top-m
+// logits (compared in descending order), then by the lower group id.
+template <class S>
+void native_select(const S* key, const S* z, const S* gval, const S* bias,
+                   const RouteKernelParams& p, RowScratch<S>& sc, int32_t* ids) {
+  const int64_t E = p.num_experts, K = p.top_k;
+  if (p.num_groups <= 0) {
+    select_exact(key, z, E, K, sc, ids);
+    return;
+  }
+  const int64_t G = p.num_groups, per = E / G, m = K / p.group_topk, gt = p.group_topk;
+  for (int64_t g = 0; g < G; ++g) {
+    int32_t* sub = sc.gsub.data() + g * m;
+    select_exact(key + g * per, z + g * per, per, m, sc, sub);
+    S gs = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      sub[j] += static_cast<int32_t>(g * per);
+      gs += gval[sub[j]];
+    }
+    sc.gsc[g] = gs;
+  }
+  select_topk(static_cast<const S*>(sc.gsc.data()), G, gt, static_cast<const uint8_t*>(nullptr),
+              sc.top_val.data(), sc.gid.data(), sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
+  if (gt < G) {
+    const S v = sc.gsc[sc.gid[gt - 1]];
+    int64_t n_ge = 0;
+    for (int64_t g = 0; g < G; ++g) n_ge += sc.gsc[g] >= v;
+    if (n_ge > gt) {
+      // A tie at the boundary: rank every group by (score, double score, top-m logits, id).
+      double lse = 0.0;  // pre-softmax scores exp(z - lse), log-sum-exp in double
+      if (p.score_function == kScoreSoftmax && p.pre_softmax) {
+        double zm = -std::numeric_limits<double>::infinity(), acc = 0.0;
+        for (int64_t e = 0; e < E; ++e) zm = std::max(zm, static_cast<double>(z[e]));
+        for (int64_t e = 0; e < E; ++e) acc += std::exp(static_cast<double>(z[e]) - zm);
+        lse = zm + std::log(acc);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        double gs = 0.0;
+        S* gz = sc.gz.data() + g * m;
+        for (int64_t j = 0; j < m; ++j) {
+          const int32_t e = sc.gsub[g * m + j];
+          gs += score_d(p.score_function, p.pre_softmax, static_cast<double>(z[e]), lse) +
+                (bias ? static_cast<double>(bias[e]) : 0.0);
+          gz[j] = z[e];
+        }
+        // A lambda, not std::greater: no std::sort helper symbol shared by the ISA variants.
+        std::sort(gz, gz + m, [](S a, S b) { return a > b; });
+        sc.gsd[g] = gs;
+        sc.gid[g] = static_cast<int32_t>(g);
+      }
+      std::sort(sc.gid.begin(), sc.gid.begin() + G, [&](int32_t a, int32_t b) {
+        if (sc.gsc[a] != sc.gsc[b]) return sc.gsc[a] > sc.gsc[b];
+        if (sc.gsd[a] != sc.gsd[b]) return sc.gsd[a] > sc.gsd[b];
+        const S* za = sc.gz.data() + a * m;
+        const S* zb = sc.gz.data() + b * m;
+        for (int64_t j = 0; j < m; ++j) {
+          if (za[j] != zb[j]) return za[j] > zb[j];
+        }
+        return a < b;
+      });
+    }
+  }
+  // Experts outside the chosen groups get -inf (Megatron's masked_fill); at least K experts
+  // remain (checked by the front-end), all finite, so no -inf is ever selected.
+  S* masked = sc.masked.data();
+  std::fill_n(masked, E, -std::numeric_limits<S>::infinity());
+  for (int64_t j = 0; j < gt; ++j)
+    std::copy_n(key + sc.gid[j] * per, per, masked + sc.gid[j] * per);
+  select_topk(static_cast<const S*>(masked), E, K, static_cast<const uint8_t*>(nullptr),
+              sc.top_val.data(), ids, sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
+  if (key != z) {
+    break_ties_by_logit(static_cast<const S*>(masked), z, E, K, ids);
   }
 }
 
@@ -327,28 +458,36 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
         S zmax = 0, sumex = 1;
         if (need_exp) sumex = exp_shifted(z, E, sc.ex.data(), zmax);
         if (!softmax) scores_row(p.score_function, z, E, sc.key.data());
-        // Selection: replayed ids as given, else top-k of the key (+ bias) within the groups.
+        // Selection: replayed ids as given, else top-k within the groups of the logits (every
+        // score is increasing in them: the exact score order, whatever fp32 underflows), or with
+        // expert bias of s + bias (ties by the logit).
         if (row_kind[t] == kRowReplayed) {
           std::copy_n(replay_idx + t * K, K, ids);
         } else {
-          const S* key;
-          if (softmax && !p.pre_softmax) {
-            key = z;
-          } else if (softmax) {
-            for (int64_t e = 0; e < E; ++e) sc.top_val[e] = sc.ex[e] / sumex;
-            key = sc.top_val.data();
-          } else {
-            key = sc.key.data();
-          }
+          const S* key = z;
           if (bias) {
             S* kb = sc.grow.data();
-            for (int64_t e = 0; e < E; ++e) kb[e] = key[e] + bias[e];
+            if (softmax && !p.pre_softmax) {
+              for (int64_t e = 0; e < E; ++e) kb[e] = z[e] + bias[e];
+            } else if (softmax) {
+              for (int64_t e = 0; e < E; ++e) kb[e] = sc.ex[e] / sumex + bias[e];
+            } else {
+              for (int64_t e = 0; e < E; ++e) kb[e] = sc.key[e] + bias[e];
+            }
             key = kb;
-          } else if (key == sc.top_val.data()) {
-            std::copy_n(sc.top_val.data(), E, sc.grow.data());  // select_topk reuses top_val
-            key = sc.grow.data();
           }
-          native_select(key, p, sc, ids);
+          // What a group score sums: s + bias, or s (the probabilities for pre-softmax).
+          const S* gval = key;
+          if (!bias && p.num_groups > 0) {
+            if (softmax && p.pre_softmax) {
+              S* pr = sc.grow.data();
+              for (int64_t e = 0; e < E; ++e) pr[e] = sc.ex[e] / sumex;
+              gval = pr;
+            } else if (!softmax) {
+              gval = sc.key.data();
+            }
+          }
+          native_select(key, z, gval, bias, p, sc, ids);
         }
         // Weights at the ids, from the live logits.
         if (softmax && !p.pre_softmax) {
@@ -382,26 +521,14 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
             const S den = rmath::sum_of(sc.key.data(), E) + static_cast<S>(kNormEps);
             for (int64_t e = 0; e < E; ++e) P[e] = sc.key[e] / den;
           }
-          // The aux counts need only the top-k SET of P. When every routed id's P strictly
-          // exceeds every other expert's P, that set is the row's ids (the usual case without
-          // bias, groups or replay); otherwise select on P. Exact either way, one pass cheaper.
-          bool same_set = K < E;
-          if (same_set) {
-            S min_sel = P[ids[0]];
-            for (int64_t k = 0; k < K; ++k) {
-              min_sel = std::min(min_sel, P[ids[k]]);
-              sc.top_val[k] = P[ids[k]];
-              P[ids[k]] = -std::numeric_limits<S>::infinity();
-            }
-            same_set = min_sel > rmath::max_of(static_cast<const S*>(P), E);
-            for (int64_t k = 0; k < K; ++k) P[ids[k]] = sc.top_val[k];
-          }
-          if (same_set || K == E) {
+          // The aux counts need only the top-k set of P, and P is increasing in the logit: the
+          // top-k of z (exact where fp32 P underflows), which is the row's ids when they were
+          // selected on z alone.
+          if (row_kind[t] == kRowNative && !bias && p.num_groups <= 0) {
             std::copy_n(ids, K, sc.aux_id.data());
           } else {
-            select_topk(static_cast<const S*>(P), E, K, static_cast<const uint8_t*>(nullptr),
-                        sc.top_val.data(), sc.aux_id.data(), sc.bm.data(), sc.cand_v.data(),
-                        sc.cand_i.data());
+            select_topk(z, E, K, static_cast<const uint8_t*>(nullptr), sc.top_val.data(),
+                        sc.aux_id.data(), sc.bm.data(), sc.cand_v.data(), sc.cand_i.data());
           }
           const int64_t slot = G <= kLossChunk ? t % G : t - c * kLossChunk;
           double* pp = part_p.data() + (c * slots + slot) * E;
@@ -579,7 +706,7 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
         // L = sum_e a_e P_e with P = s / (sum s + eps): dL/ds_e = a_e/den - <a, s>/den^2.
         S* dls = sc.grow.data();
         const S den = rmath::sum_of(sc.key.data(), E) + static_cast<S>(kNormEps);
-        const S c2 = rmath::dot_of(a, sc.key.data(), E) / (den * den);
+        const S c2 = rmath::dot_of(a, sc.key.data(), E) / den / den;  // den^2 may underflow
         for (int64_t e = 0; e < E; ++e) dls[e] = a[e] / den - c2;
         if (p.score_function == kScoreSigmoid) {
           for (int64_t e = 0; e < E; ++e) g[e] += dls[e] * (sc.key[e] * (S(1) - sc.key[e]));
@@ -598,7 +725,7 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
           for (int64_t k = 0; k < K; ++k) dot += gw[k] * sc.key[ids[k]];
           for (int64_t k = 0; k < K; ++k) {
             const int32_t e = ids[k];
-            const S ds = gw[k] / den - dot / (den * den);
+            const S ds = gw[k] / den - dot / den / den;  // den^2 may underflow
             g[e] += ds * score_derivative(p.score_function, z[e], sc.key[e]);
           }
         } else {
@@ -610,6 +737,61 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
   }
 }
 
+template <class S>
+void sinkhorn_select(const S* logits, const uint8_t* use_row, int64_t T, int64_t E, int64_t K,
+                     double tol, int32_t* ids) {
+  std::vector<int64_t> rows;
+  for (int64_t t = 0; t < T; ++t) {
+    if (use_row[t]) rows.push_back(t);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  if (n == 0) return;
+  double zmax = -std::numeric_limits<double>::infinity();
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t e = 0; e < E; ++e)
+      zmax = std::max(zmax, static_cast<double>(logits[rows[r] * E + e]));
+  }
+  // Megatron's cost is exp(z); a common factor exp(-zmax) is absorbed by d0 (and d1) exactly in
+  // exact arithmetic, except against the 1e-8 guards, which it makes relatively larger. Megatron
+  // overflows to inf above z = 88 in fp32; we shift only when that would happen in double.
+  const double shift = zmax > 700.0 ? zmax : 0.0;
+  std::vector<double> cost(static_cast<size_t>(n * E));
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t e = 0; e < E; ++e) {
+      cost[r * E + e] = std::exp(static_cast<double>(logits[rows[r] * E + e]) - shift);
+    }
+  }
+  constexpr double eps = 1e-8;
+  std::vector<double> d0(static_cast<size_t>(n), 1.0), d1(static_cast<size_t>(E), 1.0),
+      d1_old(static_cast<size_t>(E), 1.0), colsum(static_cast<size_t>(E));
+  double error = 1e9;
+  while (error > tol) {
+    for (int64_t r = 0; r < n; ++r) {
+      double acc = 0.0;
+      for (int64_t e = 0; e < E; ++e) acc += d1[e] * cost[r * E + e];
+      d0[r] = (1.0 / static_cast<double>(n)) * 1.0 / (acc + eps);
+    }
+    std::fill(colsum.begin(), colsum.end(), 0.0);
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t e = 0; e < E; ++e) colsum[e] += d0[r] * cost[r * E + e];
+    }
+    error = 0.0;
+    for (int64_t e = 0; e < E; ++e) {
+      d1[e] = (1.0 / static_cast<double>(E)) * 1.0 / (colsum[e] + eps);
+      error += std::fabs(d1_old[e] - d1[e]);
+    }
+    error /= static_cast<double>(E);
+    d1_old = d1;
+  }
+  std::vector<double> norm(static_cast<size_t>(E)), top(static_cast<size_t>(E));
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t e = 0; e < E; ++e) norm[e] = d1[e] * cost[r * E + e] * d0[r];
+    int64_t cnt = 0;
+    insert_topk(norm.data(), 0, E, K, static_cast<const uint8_t*>(nullptr),
+                -std::numeric_limits<double>::infinity(), top.data(), ids + rows[r] * K, cnt);
+  }
+}
+
 #define SY_INSTANTIATE(S)                                                                          \
   template void route_forward<S>(const S*, const S*, const uint8_t*, const int32_t*,               \
                                  const RouteKernelParams&, int32_t*, S*, double*, int64_t*,        \
@@ -617,7 +799,9 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
   template int64_t apply_capacity<S>(const int32_t*, const S*, int64_t, int64_t, int64_t, int64_t, \
                                      bool, int32_t*, S*, int64_t*);                                \
   template void route_backward<S>(const S*, const int32_t*, const int32_t*, const uint8_t*,        \
-                                  const S*, const RouteKernelParams&, const double*, double, S*);
+                                  const S*, const RouteKernelParams&, const double*, double, S*);  \
+  template void sinkhorn_select<S>(const S*, const uint8_t*, int64_t, int64_t, int64_t, double,    \
+                                   int32_t*);
 SY_INSTANTIATE(float)
 SY_INSTANTIATE(double)
 #undef SY_INSTANTIATE

@@ -45,6 +45,11 @@ struct RouteKernelParams {
 //   returns the number of dropped pairs. capacity < 0: no limit.
 // route_backward: over all tokens into grad_logits [T,E]. grad_w may be null. aux_grad [G,E]
 //   (null = none) is dLoss/dP already multiplied by the loss-grad scale; z_coeff likewise.
+// sinkhorn_select: Sinkhorn routing selection (Megatron-Core moe_utils.sinkhorn, in double): over
+//   the rows with use_row[t] != 0, cost = exp(z) (shifted by max z only above 700, where double
+//   would overflow), alternate d0 = 1/(n (cost d1 + 1e-8)) and d1 = 1/(E (d0 cost + 1e-8)) until
+//   mean|d1_old - d1| <= tol, then each used row's top-k of d1 * cost * d0 (ties: lower id) into
+//   ids [T,K]. Deterministic: fixed summation order, one thread.
 #define SY_ROUTER_KERNELS                                                                       \
   template <class S>                                                                            \
   void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,                   \
@@ -58,7 +63,10 @@ struct RouteKernelParams {
   template <class S>                                                                            \
   void route_backward(const S* logits, const int32_t* selected_idx, const int32_t* topk_idx,    \
                       const uint8_t* row_kind, const S* grad_w, const RouteKernelParams& p,     \
-                      const double* aux_grad, double z_coeff, S* grad_logits);
+                      const double* aux_grad, double z_coeff, S* grad_logits);             \
+  template <class S>                                                                            \
+  void sinkhorn_select(const S* logits, const uint8_t* use_row, int64_t T, int64_t E, int64_t K, \
+                       double tol, int32_t* ids);
 SY_CPU_DECLARE_VARIANTS(SY_ROUTER_KERNELS)
 #undef SY_ROUTER_KERNELS
 
@@ -84,6 +92,11 @@ inline void route_backward(const S* logits, const int32_t* selected_idx, const i
                            const double* aux_grad, double z_coeff, S* grad_logits) {
   SY_CPU_SELECT(route_backward<S>)(logits, selected_idx, topk_idx, row_kind, grad_w, p, aux_grad,
                                    z_coeff, grad_logits);
+}
+template <class S>
+inline void sinkhorn_select(const S* logits, const uint8_t* use_row, int64_t T, int64_t E,
+                            int64_t K, double tol, int32_t* ids) {
+  SY_CPU_SELECT(sinkhorn_select<S>)(logits, use_row, T, E, K, tol, ids);
 }
 #endif
 

@@ -160,6 +160,18 @@ inline void sigmoid_row(const float* x, int64_t n, float* out) {
   }
 #endif
   for (; i < n; ++i) out[i] = 1.0f / (1.0f + exp_f32(0.0f - x[i]));
+  // Below -80, exp(-x) nears the fp32 range where exp_f32 clamps (above 88): there the sigmoid
+  // went flat at 1/(1+e^88). Those (rare) lanes take exp(x)/(1+exp(x)) in double, rounded once,
+  // down to the fp32 denormals; the same code on both paths keeps AVX2 and scalar bitwise equal.
+  int32_t any = 0;  // a branch-free scan first (it vectorises); the fix-up loop is rare
+  for (int64_t j = 0; j < n; ++j) any |= x[j] < -80.0f ? 1 : 0;
+  if (!any) return;
+  for (int64_t j = 0; j < n; ++j) {
+    if (x[j] < -80.0f) {
+      const double e = std::exp(static_cast<double>(x[j]));
+      out[j] = static_cast<float>(e / (1.0 + e));
+    }
+  }
 }
 
 inline void sigmoid_row(const double* x, int64_t n, double* out) {

@@ -237,6 +237,83 @@ std::string npy_field(const std::string& header, const std::string& key,
 
 }  // namespace
 
+// ---- start offsets and engine dtypes (vLLM routed_experts_prompt_start, SGLang
+// routed_experts_start_len; vLLM >= 0.22 uint8/uint16 ids) ----------------------------------------
+namespace {
+
+// Largest start offset accepted: far beyond any context length, small enough that a hostile
+// value cannot make the importer allocate without bound.
+constexpr int64_t kMaxStart = int64_t{1} << 24;
+
+// Puts `start` rows of -1 before the last sequence of `result`: the tokens before the engine's
+// first returned route. The report's token count and zero-row positions move with them.
+void prepend_none_rows(ImportResult& result, int64_t start, const std::string& source,
+                       const char* field) {
+  if (result.sequences.empty()) return;
+  const int64_t seq = static_cast<int64_t>(result.sequences.size()) - 1;
+  if (start < 0 || start > kMaxStart) {
+    fail_arg(kOp, source, " (sequence ", seq, "): ", field, " must be in [0, 2^24], got ", start);
+  }
+  if (start == 0) return;
+  RouteTable& t = result.sequences.back();
+  const int64_t T = t.num_tokens(), M = t.num_moe_layers(), K = t.top_k();
+  if (static_cast<double>(start + T) * double(M) * double(K) > double(int64_t{1} << 31)) {
+    fail_arg(kOp, source, " (sequence ", seq, "): ", field, "=", start, " plus ", T,
+             " rows of ", M, "x", K, " ids is more than 2^31 ids");
+  }
+  RouteTable u = RouteTable::none(start + T, M, K, t.num_experts);
+  std::memcpy(u.topk_idx.data<int32_t>() + start * M * K, t.topk_idx.data<int32_t>(),
+              static_cast<size_t>(T * M * K) * sizeof(int32_t));
+  t = std::move(u);
+  result.report.num_tokens += start;
+  for (auto& z : result.report.first_zero_rows)
+    if (z[0] == seq) z[1] += start;
+}
+
+// vLLM >= 0.22 stores ids as uint8 when the model has <= 256 experts, else uint16: another
+// unsigned width means --num-experts is not the model's expert count.
+void check_vllm_width(Elem elem, const std::string& source, const ImportOptions& opt,
+                      ImportResult& result) {
+  const int64_t E = opt.num_experts;
+  if (elem == Elem::u1 && E > 256) {
+    result.report.warnings.push_back(
+        cat(source, ": uint8 ids but num_experts=", E,
+            "; vLLM writes uint8 only for <= 256 experts: is num_experts right?"));
+  } else if (elem == Elem::u2 && E <= 256) {
+    result.report.warnings.push_back(
+        cat(source, ": uint16 ids but num_experts=", E,
+            "; vLLM writes uint16 only for > 256 experts: is num_experts right?"));
+  }
+}
+
+// A non-negative integer field of a JSON record (a count), or `fallback` when absent or null.
+int64_t json_count(const nlohmann::json& obj, const char* key, int64_t fallback,
+                   const std::string& source, const std::string& field) {
+  if (!obj.is_object() || !obj.contains(key) || obj[key].is_null()) return fallback;
+  const nlohmann::json& v = obj[key];
+  if (!v.is_number_integer() || v.get<double>() < 0 || v.get<double>() > double(kMaxStart)) {
+    fail_arg(kOp, source, ": ", field, " must be an integer in [0, 2^24], got ", v.dump());
+  }
+  return v.get<int64_t>();
+}
+
+// SGLang: meta_info.routed_experts_start_len (the response covers tokens [start_len, seqlen - 1),
+// start_len in [0, prompt_tokens]); -1 rows before it. Returns the start used.
+int64_t apply_sglang_start_len(const nlohmann::json& meta, ImportResult& part,
+                               const std::string& name, const ImportOptions& opt) {
+  const int64_t start = json_count(meta, "routed_experts_start_len", opt.prompt_start, name,
+                                   "meta_info.routed_experts_start_len");
+  const int64_t prompt = json_count(meta, "prompt_tokens", -1, name, "meta_info.prompt_tokens");
+  if (prompt >= 0 && start > prompt) {
+    fail_arg(kOp, name, ": meta_info.routed_experts_start_len=", start,
+             " is past the prompt (prompt_tokens=", prompt, "); SGLang allows [0, prompt_tokens]");
+  }
+  prepend_none_rows(part, start, name, "routed_experts_start_len");
+  return start;
+}
+
+}  // namespace
+
 ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& source,
                                    const ImportOptions& options) {
   check_options(options);
@@ -319,6 +396,8 @@ ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& so
   }
   ImportResult r;
   import_array(bytes.data() + data_off, elem, shape[0], shape[1], shape[2], source, options, r);
+  check_vllm_width(elem, source, options, r);
+  prepend_none_rows(r, options.prompt_start, source, "prompt_start");
   return r;
 }
 
@@ -386,6 +465,7 @@ ImportResult import_vllm_arrays(const std::vector<Tensor>& arrays, const ImportO
     }
     import_array(static_cast<const char*>(a.raw()), elem, a.size(0), a.size(1), a.size(2), source,
                  options, r);
+    prepend_none_rows(r, options.prompt_start, source, "prompt_start");
   }
   return r;
 }
@@ -446,15 +526,17 @@ ImportResult import_sglang_text(std::string_view text, const std::string& source
     ImportResult part;
     import_array(raw.data(), Elem::i4, rows, options.num_input_layers, options.top_k, name, options,
                  part);
+    const int64_t start = apply_sglang_start_len(meta, part, name, options);
     if (meta.contains("prompt_tokens") && meta.contains("completion_tokens") &&
         meta["prompt_tokens"].is_number_integer() &&
         meta["completion_tokens"].is_number_integer()) {
       // Compared in double: the counts come from outside and may be absurd (no overflow).
       const double len =
           meta["prompt_tokens"].get<double>() + meta["completion_tokens"].get<double>();
-      if (len != static_cast<double>(rows + 1)) {
+      if (len != static_cast<double>(start + rows + 1)) {
         part.report.warnings.push_back(cat(name, ": prompt_tokens + completion_tokens = ", len,
-                                           " but routed_experts covers ", rows + 1, " tokens"));
+                                           " but routed_experts covers ", start + rows + 1,
+                                           " tokens"));
       }
     }
     merge(all, std::move(part), name);
@@ -466,6 +548,135 @@ ImportResult import_sglang(const std::vector<std::string>& paths, const ImportOp
   check_options(options);
   ImportResult all;
   for (const auto& p : paths) merge(all, import_sglang_text(read_file(p), p, options), p);
+  return all;
+}
+
+// ---- vLLM HTTP responses (>= 0.22: choices[i].routed_experts, base64 of .npy bytes) -------------
+
+ImportResult import_vllm_npy_base64(std::string_view text, const std::string& source,
+                                    const ImportOptions& options) {
+  std::string raw;
+  try {
+    raw = base64_decode(text);
+  } catch (const std::invalid_argument& e) {
+    fail_arg(kOp, source, ": ", e.what());
+  }
+  return import_vllm_npy_bytes(raw, source, options);
+}
+
+namespace {
+
+// Records of a JSON document: one object, a JSON array of objects, or JSONL (one per line),
+// each named "source", "source[i]" or "source:line".
+std::vector<std::pair<std::string, nlohmann::json>> json_records(std::string_view text,
+                                                                 const std::string& source) {
+  using nlohmann::json;
+  std::vector<std::pair<std::string, json>> records;
+  json whole = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (!whole.is_discarded()) {
+    if (whole.is_array()) {
+      for (size_t i = 0; i < whole.size(); ++i)
+        records.emplace_back(cat(source, "[", i, "]"), std::move(whole[i]));
+    } else {
+      records.emplace_back(source, std::move(whole));
+    }
+    return records;
+  }
+  size_t pos = 0, line = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string_view::npos) end = text.size();
+    ++line;
+    std::string_view l = text.substr(pos, end - pos);
+    pos = end + 1;
+    if (l.find_first_not_of(" \t\r") == std::string_view::npos) continue;
+    json j = json::parse(l.begin(), l.end(), nullptr, false);
+    if (j.is_discarded()) fail_arg(kOp, source, ":", line, ": not valid JSON (nor is the whole file)");
+    records.emplace_back(cat(source, ":", line), std::move(j));
+  }
+  return records;
+}
+
+}  // namespace
+
+ImportResult import_vllm_http_text(std::string_view text, const std::string& source,
+                                   const ImportOptions& options) {
+  check_options(options);
+  using nlohmann::json;
+  ImportResult all;
+  for (auto& [name, j] : json_records(text, source)) {
+    if (!j.is_object() || !j.contains("choices") || !j["choices"].is_array() ||
+        j["choices"].empty()) {
+      fail_arg(kOp, name, ": record has no choices array (a vLLM completion, chat completion or "
+               "generate response)");
+    }
+    // The request's routed_experts_prompt_start, where the caller saved it with the response.
+    int64_t start = options.prompt_start;
+    if (j.contains("sampling_params"))
+      start = json_count(j["sampling_params"], "routed_experts_prompt_start", start, name,
+                         "sampling_params.routed_experts_prompt_start");
+    start = json_count(j, "routed_experts_prompt_start", start, name,
+                       "routed_experts_prompt_start");
+    const json& usage = j.contains("usage") ? j["usage"] : json();
+    const int64_t prompt = json_count(usage, "prompt_tokens", -1, name, "usage.prompt_tokens");
+    if (prompt >= 0 && start > 0 && start >= prompt) {
+      fail_arg(kOp, name, ": routed_experts_prompt_start=", start,
+               " is not inside the prompt (usage.prompt_tokens=", prompt,
+               "); vLLM requires it to be smaller than the prompt length");
+    }
+    const json& choices = j["choices"];
+    for (size_t c = 0; c < choices.size(); ++c) {
+      const std::string field = cat("choices[", c, "].routed_experts");
+      const std::string where = cat(name, " ", field);
+      const json& ch = choices[c];
+      if (!ch.is_object() || !ch.contains("routed_experts") || ch["routed_experts"].is_null()) {
+        fail_arg(kOp, name, ": ", field, " is missing or null (the server needs "
+                 "--enable-return-routed-experts; null also means the request was aborted before "
+                 "any forward pass)");
+      }
+      if (!ch["routed_experts"].is_string()) {
+        fail_arg(kOp, name, ": ", field, " must be a base64 string of .npy bytes (vLLM >= 0.22), "
+                 "got JSON ", ch["routed_experts"].type_name());
+      }
+      ImportOptions o = options;
+      o.prompt_start = start;
+      ImportResult part =
+          import_vllm_npy_base64(ch["routed_experts"].get_ref<const std::string&>(), where, o);
+      if (choices.size() == 1 && prompt >= 0) {
+        const int64_t completion =
+            json_count(usage, "completion_tokens", -1, name, "usage.completion_tokens");
+        const int64_t covered = part.report.num_tokens;
+        if (completion >= 0 && prompt + completion != covered) {
+          part.report.warnings.push_back(cat(where, ": usage.prompt_tokens + completion_tokens = ",
+                                             prompt + completion, " but routed_experts with "
+                                             "prompt_start ", start, " covers ", covered,
+                                             " tokens (is the prompt start right?)"));
+        }
+      }
+      merge(all, std::move(part), where);
+    }
+  }
+  return all;
+}
+
+ImportResult import_vllm_http(const std::vector<std::string>& paths, const ImportOptions& options) {
+  check_options(options);
+  ImportResult all;
+  for (const auto& p : paths) merge(all, import_vllm_http_text(read_file(p), p, options), p);
+  return all;
+}
+
+ImportResult import_vllm_files(const std::vector<std::string>& paths,
+                               const ImportOptions& options) {
+  check_options(options);
+  ImportResult all;
+  for (const auto& p : paths) {
+    const std::string bytes = read_file(p);
+    const bool npy = bytes.size() >= 6 && std::memcmp(bytes.data(), "\x93NUMPY", 6) == 0;
+    merge(all,
+          npy ? import_vllm_npy_bytes(bytes, p, options) : import_vllm_http_text(bytes, p, options),
+          p);
+  }
   return all;
 }
 
@@ -541,11 +752,11 @@ std::string base64_encode(std::string_view bytes) {
   return out;
 }
 
-std::string encode_npy_int32(const Tensor& array) {
-  detail::check_dtype(array, "encode_npy", "array", {DType::int32});
-  std::string header = "{'descr': '<i4', 'fortran_order': False, 'shape': (";
-  for (int64_t d = 0; d < array.dim(); ++d) {
-    header += std::to_string(array.size(d)) + (array.dim() == 1 || d + 1 < array.dim() ? ", " : "");
+std::string encode_npy(std::string_view descr, const std::vector<int64_t>& shape,
+                       const void* data, size_t nbytes) {
+  std::string header = "{'descr': '" + std::string(descr) + "', 'fortran_order': False, 'shape': (";
+  for (size_t d = 0; d < shape.size(); ++d) {
+    header += std::to_string(shape[d]) + (shape.size() == 1 || d + 1 < shape.size() ? ", " : "");
   }
   header += "), }";
   while ((10 + header.size() + 1) % 64 != 0) header += ' ';  // data starts 64-byte aligned
@@ -554,8 +765,15 @@ std::string encode_npy_int32(const Tensor& array) {
   out += static_cast<char>(header.size() & 0xff);
   out += static_cast<char>(header.size() >> 8);
   out += header;
-  out.append(static_cast<const char*>(array.raw()), array.nbytes());  // x86: already little-endian
+  out.append(static_cast<const char*>(data), nbytes);  // x86: already little-endian
   return out;
+}
+
+std::string encode_npy_int32(const Tensor& array) {
+  detail::check_dtype(array, "encode_npy", "array", {DType::int32});
+  std::vector<int64_t> shape;
+  for (int64_t d = 0; d < array.dim(); ++d) shape.push_back(array.size(d));
+  return encode_npy("<i4", shape, array.raw(), array.nbytes());
 }
 
 }  // namespace switchyard

@@ -36,14 +36,19 @@ struct RefRoute {
 };
 
 /// Ids of the k largest keys (ties: lower id), among `allowed` when given; by a full sort.
+/// With `tie` given, equal keys are ordered by the larger tie value first (the logit), then id.
 inline std::vector<int32_t> topk_ids(const std::vector<double>& key, int64_t k,
-                                     const std::vector<bool>* allowed = nullptr) {
+                                     const std::vector<bool>* allowed = nullptr,
+                                     const std::vector<double>* tie = nullptr) {
   std::vector<int32_t> ids;
   for (size_t e = 0; e < key.size(); ++e) {
     if (!allowed || (*allowed)[e]) ids.push_back(static_cast<int32_t>(e));
   }
-  std::sort(ids.begin(), ids.end(),
-            [&](int32_t a, int32_t b) { return key[a] != key[b] ? key[a] > key[b] : a < b; });
+  std::sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) {
+    if (key[a] != key[b]) return key[a] > key[b];
+    if (tie && (*tie)[a] != (*tie)[b]) return (*tie)[a] > (*tie)[b];
+    return a < b;
+  });
   ids.resize(static_cast<size_t>(k));
   return ids;
 }
@@ -121,27 +126,42 @@ inline RefRoute route(const std::vector<double>& z, int64_t T, const RouterConfi
       ++r.replayed;
     } else {
       ++r.native;
+      // Selection order (issue 14): every score is increasing in the logit, so without bias the
+      // order is the logit order; with bias it is s + bias, equal keys by the logit, then id.
       std::vector<double> key = s;
       if (!in.bias.empty()) {
         for (int64_t e = 0; e < E; ++e) key[e] += in.bias[e];
       }
+      const std::vector<double>& sel = in.bias.empty() ? zt : key;
       if (c.num_groups > 0) {
+        // Group score: sum of the group's top m keys (s + bias); equal scores go to the group
+        // whose top-m logits are larger (compared in descending order), then the lower group.
         const int64_t per = E / c.num_groups, m = K / c.group_topk;
         std::vector<double> gs(static_cast<size_t>(c.num_groups));
+        std::vector<std::vector<double>> gz(static_cast<size_t>(c.num_groups));
         for (int64_t g = 0; g < c.num_groups; ++g) {
-          std::vector<double> sub(key.begin() + g * per, key.begin() + (g + 1) * per);
-          std::sort(sub.begin(), sub.end(), std::greater<double>());
+          std::vector<double> sub_sel(sel.begin() + g * per, sel.begin() + (g + 1) * per);
+          std::vector<double> sub_z(zt.begin() + g * per, zt.begin() + (g + 1) * per);
           gs[g] = 0;
-          for (int64_t j = 0; j < m; ++j) gs[g] += sub[j];
+          for (int32_t j : topk_ids(sub_sel, m, nullptr, &sub_z)) {
+            gs[g] += key[g * per + j];
+            gz[g].push_back(sub_z[j]);
+          }
         }
-        const std::vector<int32_t> best = topk_ids(gs, c.group_topk);
+        std::vector<int32_t> order(static_cast<size_t>(c.num_groups));
+        std::iota(order.begin(), order.end(), 0);
+        std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+          if (gs[a] != gs[b]) return gs[a] > gs[b];
+          if (gz[a] != gz[b]) return gz[a] > gz[b];  // lexicographic, descending
+          return a < b;
+        });
         std::vector<bool> allowed(static_cast<size_t>(E), false);
-        for (int32_t g : best) {
-          for (int64_t j = 0; j < per; ++j) allowed[g * per + j] = true;
+        for (int64_t j = 0; j < c.group_topk; ++j) {
+          for (int64_t i = 0; i < per; ++i) allowed[order[j] * per + i] = true;
         }
-        ids = topk_ids(key, K, &allowed);
+        ids = topk_ids(sel, K, &allowed, &zt);
       } else {
-        ids = topk_ids(key, K);
+        ids = topk_ids(sel, K, nullptr, &zt);
       }
     }
     // Weights at ids.
@@ -173,7 +193,7 @@ inline RefRoute route(const std::vector<double>& z, int64_t T, const RouterConfi
       }
       const int64_t g = t % G;
       for (int64_t e = 0; e < E; ++e) aux_p[g * E + e] += P[e];
-      for (int32_t e : topk_ids(P, K)) aux_c[g * E + e] += 1;
+      for (int32_t e : topk_ids(zt, K)) aux_c[g * E + e] += 1;  // P is increasing in z
     }
     if (c.z_loss_coeff > 0) {
       double m = -INFINITY;

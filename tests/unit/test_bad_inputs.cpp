@@ -16,6 +16,7 @@
 #include "switchyard/route_align.h"
 #include "switchyard/route_file.h"
 #include "switchyard/route_import.h"
+#include "switchyard/route_verl.h"
 #include "switchyard/router.h"
 #include "switchyard/routing_plan.h"
 #include "testing.h"
@@ -120,7 +121,7 @@ std::vector<Row> rows() {
          c.group_topk = 1;
          topk_route(f32({2, 6}), {}, c);
        }},
-      {"topk_route", "int32 logits", Kind::invalid_argument, "[route] logits must have dtype fp32 or fp64, got int32",
+      {"topk_route", "int32 logits", Kind::invalid_argument, "[route] logits must have dtype bf16 or fp32 or fp64, got int32",
        [] { topk_route(Tensor::zeros({2, 4}, DType::int32), {}, cfg(4, 2)); }},
       {"topk_route", "+inf logit", Kind::invalid_argument, "[route] logits must be finite, got inf at token 1, expert 1",
        [] {
@@ -309,6 +310,26 @@ std::vector<Row> rows() {
        [sopt] { import_sglang_text("{\"text\": \"hi\"}\n", "r.jsonl", sopt); }},
       {"import_sglang_text", "not JSON", Kind::invalid_argument, "[import] r.jsonl:1: not valid JSON (nor is the whole file)",
        [sopt] { import_sglang_text("{\"meta_info\": ", "r.jsonl", sopt); }},
+      {"import_sglang_text", "start_len past the prompt", Kind::invalid_argument, "[import] g.json: meta_info.routed_experts_start_len=5 is past the prompt (prompt_tokens=3); SGLang allows [0, prompt_tokens]",
+       [sopt] {
+         import_sglang_text("{\"meta_info\": {\"routed_experts\": \"AAAAAA==\", \"routed_experts_start_len\": 5, \"prompt_tokens\": 3}}",
+                            "g.json", sopt);
+       }},
+      {"import_vllm_http_text", "a choice without routes", Kind::invalid_argument, "[import] r.json: choices[0].routed_experts is missing or null (the server needs --enable-return-routed-experts; null also means the request was aborted before any forward pass)",
+       [iopt] { import_vllm_http_text("{\"choices\": [{\"routed_experts\": null}]}", "r.json", iopt); }},
+      {"import_vllm_http_text", "prompt start outside the prompt", Kind::invalid_argument, "[import] r.json: routed_experts_prompt_start=3 is not inside the prompt (usage.prompt_tokens=2); vLLM requires it to be smaller than the prompt length",
+       [iopt] {
+         import_vllm_http_text("{\"routed_experts_prompt_start\": 3, \"usage\": {\"prompt_tokens\": 2}, \"choices\": [{\"routed_experts\": \"x\"}]}",
+                               "r.json", iopt);
+       }},
+      {"to_verl", "a row mixing -1 with ids", Kind::invalid_argument, "[to_verl] tables[0]: row at token 0, MoE layer 1 mixes -1 with expert ids; verl's layout has no place for it",
+       [] {
+         RouteTable t = RouteTable::none(1, 2, 2, 8);
+         t.topk_idx.data<int32_t>()[2] = 3;
+         to_verl({t}, {0, 1}, VerlOptions{2, PaddingSide::left, 0});
+       }},
+      {"to_verl", "seq_len too short", Kind::invalid_argument, "[to_verl] seq_len=2 is shorter than the longest table (3 tokens)",
+       [] { to_verl({RouteTable::none(3, 2, 2, 8)}, {0, 1}, VerlOptions{2, PaddingSide::left, 2}); }},
       {"base64_decode", "a '*' in the text", Kind::invalid_argument, "[base64] invalid character code 42 at position 3",
        [] { base64_decode("AAA*"); }},
       {"pack_thd", "tp_size 0", Kind::invalid_argument, "[pack_thd] tp_size must be >= 1, got 0",

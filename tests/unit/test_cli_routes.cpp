@@ -2,10 +2,12 @@
 // (run_cli from tools/, the code main() runs): exit codes and human / --json output.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
 
 #include "cli_testing.h"
 #include "switchyard/route_align.h"
@@ -231,6 +233,100 @@ TEST_F(CliRoutes, AlignWritesOneRecordPerMicroBatch) {
   r = run({"routes", "align", p("a.syr"), "-o", p("al3.syr"), "--tp", "3"});
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("cu_seqlens_padded [0, 6, 12, 18]"), std::string::npos) << r.out;
+}
+
+
+// ---- vLLM >= 0.22 HTTP responses, SGLang's start_len, and the export to verl's layout ----------
+
+// vLLM's np.save of uint8 [[[0,0],[3,1]],[[0,0],[2,5]]] (layer 0 dense, K 2), base64 (the wire).
+const char* kVllmU8 =
+    "k05VTVBZAQB2AHsnZGVzY3InOiAnfHUxJywgJ2ZvcnRyYW5fb3JkZXInOiBGYWxzZSwgJ3NoYXBlJzogKDIsIDIsIDIp"
+    "LCB9ICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgICAgIAoAAAMBAAACBQ==";
+
+// The .npy payload of a file the export wrote: (descr, shape text, data bytes).
+std::tuple<std::string, std::string, std::string> read_npy(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string b((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t hlen = static_cast<uint8_t>(b[8]) | (size_t(static_cast<uint8_t>(b[9])) << 8);
+  const std::string h = b.substr(10, hlen);
+  auto field = [&](const std::string& key, char open, char close) {
+    const size_t k = h.find(key);
+    const size_t a = h.find(open, k + key.size());
+    return h.substr(a + 1, h.find(close, a + 1) - a - 1);
+  };
+  return {field("'descr'", '\'', '\''), field("'shape'", '(', ')'), b.substr(10 + hlen)};
+}
+
+TEST_F(CliRoutes, VllmHttpImportWithPromptStartThenVerlExport) {
+  std::ofstream(p("resp.jsonl"))
+      << json{{"choices", {{{"index", 0}, {"routed_experts", kVllmU8}}}}}.dump() << "\n"
+      << json{{"routed_experts_prompt_start", 1},
+              {"choices", {{{"index", 0}, {"routed_experts", kVllmU8}}}}}
+             .dump()
+      << "\n";
+  CliRun r = run({"routes", "import", "--format", "vllm", "--num-experts", "8", "--first-k-dense",
+                  "1", "--prompt-start", "2", "-o", p("h.syr"), p("resp.jsonl")});
+  ASSERT_EQ(r.code, 0) << r.err;
+  // Record 1 uses --prompt-start (2 + 2 + 1 rows), record 2 its own field (1 + 2 + 1).
+  EXPECT_NE(r.out.find("imported 2 sequences, 9 tokens (vllm, 2 input layers -> 1 MoE layers [1]"),
+            std::string::npos)
+      << r.out;
+  switchyard::RouteFileReader f = switchyard::RouteFileReader::open(p("h.syr"));
+  ASSERT_EQ(f.num_sequences(), 2);
+  switchyard::RouteTable t = f.read(1);
+  const std::vector<int32_t> want = {-1, -1, 3, 1, 2, 5, -1, -1};
+  ASSERT_EQ(t.num_tokens(), 4);
+  EXPECT_EQ(std::vector<int32_t>(t.topk_idx.data<int32_t>(), t.topk_idx.data<int32_t>() + 8), want);
+
+  r = run({"routes", "export", "--format", "verl", p("h.syr"), "-o", p("batch"), "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  json j = json::parse(r.out);
+  EXPECT_EQ(j["routed_experts_shape"], json({2, 5, 2, 2}));
+  auto [descr, shape, data] = read_npy(p("batch.routed_experts.npy"));
+  EXPECT_EQ(descr, "<i2");
+  EXPECT_EQ(shape, "2, 5, 2, 2");
+  ASSERT_EQ(data.size(), 2u * 5 * 2 * 2 * 2);
+  std::vector<int16_t> ids(data.size() / 2);
+  std::memcpy(ids.data(), data.data(), data.size());
+  // Row 1 (4 tokens) is left padded by one column: token r sits at column r + 1, hidden layer 1.
+  std::vector<int16_t> row1(ids.begin() + 20, ids.end());
+  const std::vector<int16_t> want1 = {0, 0, 0, 0, /*tok0*/ 0, 0, 0, 0, /*tok1*/ 0, 0, 3, 1,
+                                      /*tok2*/ 0, 0, 2, 5, /*tok3*/ 0, 0, 0, 0};
+  EXPECT_EQ(row1, want1);
+  auto [mdescr, mshape, mdata] = read_npy(p("batch.attention_mask.npy"));
+  EXPECT_EQ(mdescr, "<i8");
+  EXPECT_EQ(mshape, "2, 5");
+  std::vector<int64_t> mask(10);
+  std::memcpy(mask.data(), mdata.data(), 80);
+  EXPECT_EQ(mask, (std::vector<int64_t>{1, 1, 1, 1, 1, 0, 1, 1, 1, 1}));
+
+  r = run({"routes", "export", "--format", "verl", p("h.syr"), "-o", p("b2"), "--padding-side",
+           "right", "--seq-len", "3"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("[to_verl] seq_len=3 is shorter than the longest table (5 tokens)"),
+            std::string::npos)
+      << r.err;
+}
+
+TEST_F(CliRoutes, VllmHttpAndSglangStartLenErrors) {
+  std::ofstream(p("bad.json")) << json{{"choices", {{{"routed_experts", nullptr}}}}}.dump();
+  CliRun r = run({"routes", "import", "--format", "vllm", "--num-experts", "8", "-o", p("x.syr"),
+                  p("bad.json")});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find(p("bad.json") + ": choices[0].routed_experts is missing or null"),
+            std::string::npos)
+      << r.err;
+  const std::string b64 = "AAAAAAAAAAADAAAAAQAAAAAAAAAAAAAAAgAAAAUAAAA=";  // int32, 2 rows x 2 x 2
+  std::ofstream(p("g.jsonl")) << json{{"meta_info", {{"routed_experts", b64},
+                                                    {"routed_experts_start_len", 3}}}}
+                                     .dump()
+                              << "\n";
+  r = run({"routes", "import", "--format", "sglang", "--num-experts", "8", "--num-layers", "2",
+           "--top-k", "2", "--first-k-dense", "1", "-o", p("g.syr"), p("g.jsonl"), "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(json::parse(r.out)["num_tokens"], 6);  // 3 absent + 2 routed + the last
+  r = run({"routes", "export", "--format", "npz", p("g.syr"), "-o", p("g")});
+  EXPECT_NE(r.code, 0);
 }
 
 }  // namespace

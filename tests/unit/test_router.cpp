@@ -465,9 +465,9 @@ TEST(Router, TensorErrors) {
   const RouterConfig c = cfg(4, 2);
   SY_EXPECT_THROW_MSG(sy::topk_route(Tensor::zeros({3, 5}, DType::fp32), {}, c),
                       std::invalid_argument, "[route] logits must have shape [*, 4], got [3, 5]");
-  SY_EXPECT_THROW_MSG(sy::topk_route(Tensor::zeros({3, 4}, DType::bf16), {}, c),
+  SY_EXPECT_THROW_MSG(sy::topk_route(Tensor::zeros({3, 4}, DType::int32), {}, c),
                       std::invalid_argument,
-                      "[route] logits must have dtype fp32 or fp64, got bf16");
+                      "[route] logits must have dtype bf16 or fp32 or fp64, got int32");
   SY_EXPECT_THROW_MSG(sy::topk_route(Tensor(), {}, c), std::invalid_argument,
                       "[route] logits must be a defined tensor");
   Tensor z = Tensor::zeros({3, 4}, DType::fp32);
@@ -578,10 +578,10 @@ TEST(Router, EnumAndStateErrors) {
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, c), std::invalid_argument,
                       "[route] token_drop_policy must be probs or position, got value 9");
   c = cfg(8, 2);
-  c.aux_loss_type = static_cast<AuxLossType>(5);
+  c.aux_loss_type = static_cast<AuxLossType>(6);
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, c), std::invalid_argument,
-                      "[route] aux_loss_type must be none, aux_loss, seq_aux_loss or "
-                      "global_aux_loss, got value 5");
+                      "[route] aux_loss_type must be none, aux_loss, seq_aux_loss, "
+                      "global_aux_loss, sinkhorn or quantile_balancing, got value 6");
   sy::RouteOptions o;
   o.invalid_replay_rows = static_cast<sy::InvalidReplayRows>(3);
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, cfg(8, 2), o), std::invalid_argument,

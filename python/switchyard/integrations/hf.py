@@ -552,15 +552,10 @@ class Capture:
         dense layers and at each sequence's last token (which has no route), vLLM's routes at the
         other real tokens. ``Patch.targets_from_verl`` reads it back."""
         m = torch.as_tensor(attention_mask).to("cpu").bool()
-        arrays = self.routed_experts(m)
-        if self._owner.num_experts > 32767:
-            raise ValueError(f"[hf.Capture] to_verl: int16 ids need num_experts <= 32767, got "
-                             f"{self._owner.num_experts}")
-        L, K = self._owner.num_hidden_layers, self._owner.top_k
-        out = torch.zeros(m.shape[0], m.shape[1], L, K, dtype=torch.int16)
-        for b, a in enumerate(arrays):
-            pos = m[b].nonzero().flatten()[:a.shape[0]]
-            out[b, pos] = a.to(torch.int16)
+        tables, rep = self.tables(m)
+        # One implementation of verl's layout: switchyard.routes.to_verl (from_verl's inverse).
+        out, _ = syr.to_verl(tables, rep["moe_layers"], self._owner.num_hidden_layers,
+                             attention_mask=m, num_experts=self._owner.num_experts)
         return out
 
     def save_npy(self, directory: str | os.PathLike, attention_mask: torch.Tensor | None = None,
