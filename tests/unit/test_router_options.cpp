@@ -469,7 +469,10 @@ TEST(RouterOptions, ThreadCountAndBatchInvarianceOfTheNewOptions) {
   c = cfg(E, K, ScoreFunction::softmax);
   c.force_biased = 0.5;
   cases.emplace_back("forced", c);
-  for (const auto& [name, rc] : cases) {
+  for (const auto& named : cases) {
+    // Not a structured binding: clang 14 (the sanitizer build) cannot capture one in a lambda.
+    const std::string& name = named.first;
+    const auto& rc = named.second;
     for (DType dt : {DType::bf16, DType::fp32}) {
       SCOPED_TRACE(name + " " + sy::dtype_name(dt));
       const Tensor z = sy::testing::randn({T, E}, dt, rng, 3.0);
