@@ -13,7 +13,6 @@ on real model sizes.
 """
 import argparse
 import os
-import platform
 import sys
 import time
 
@@ -28,19 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import switchyard as sy  # noqa: E402
+from bench_machine import cpu_model  # noqa: E402
 import switchyard.integrations.hf as syhf  # noqa: E402
 import hf_models  # noqa: E402  (the tests' tiny model configs)
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def timed(fns, reps):

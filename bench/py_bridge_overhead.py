@@ -7,24 +7,13 @@ Both are per call, for a small [4, 4] tensor (the cost is per call, not per byte
 
     PYTHONPATH=build/python $(bash scripts/env.sh)/bin/python bench/py_bridge_overhead.py
 """
-import platform
 import sys
 import timeit
 
 import torch
 
 import switchyard as sy
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from bench_machine import cpu_model
 
 
 def per_call_us(stmt, number=20000, repeat=7):

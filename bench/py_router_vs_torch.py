@@ -22,19 +22,8 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import torch
 
 import switchyard as sy
+from bench_machine import cpu_model
 import switchyard.torch as syt
-
-
-def cpu_model():
-    """The "model name" line of /proc/cpuinfo (what lscpu prints)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def torch_router(x, w, K, aux_coeff):

@@ -32,11 +32,7 @@ void RouterReplay::record(const Tensor& topk_idx) {
 }
 
 Tensor RouterReplay::pop_recorded() {
-  if (recorded_.empty()) {
-    throw std::out_of_range(detail::cat("[replay.pop_recorded] ", where(options_.layer),
-                                        "no recorded table is queued (record() was called ",
-                                        "fewer times than pop_recorded())"));
-  }
+  peek_recorded();  // the checks and their errors live in one place
   Tensor t = std::move(recorded_.front());
   recorded_.pop_front();
   return t;
@@ -50,17 +46,7 @@ Tensor RouterReplay::replay_forward(const Tensor& topk_idx) {
 }
 
 Tensor RouterReplay::replay_backward(int64_t num_tokens) {
-  if (pending_backward_.empty()) {
-    throw std::out_of_range(detail::cat("[replay.replay_backward] ", where(options_.layer),
-                                        "no forward table is queued (replay_backward() called ",
-                                        "more often than replay_forward())"));
-  }
-  const Tensor& front = pending_backward_.front();
-  if (front.size(0) != num_tokens) {
-    detail::fail_arg("replay.replay_backward", where(options_.layer),
-                     "num_tokens must match the oldest queued forward table (", front.size(0),
-                     " rows), got num_tokens=", num_tokens);
-  }
+  peek_backward(num_tokens);  // the checks and their errors live in one place
   Tensor t = std::move(pending_backward_.front());
   pending_backward_.pop_front();
   return t;

@@ -544,11 +544,22 @@ ImportResult import_sglang_text(std::string_view text, const std::string& source
   return all;
 }
 
-ImportResult import_sglang(const std::vector<std::string>& paths, const ImportOptions& options) {
+namespace {
+
+// One importer of in-memory text over files: every file read and imported in order, results merged.
+template <class ImportText>
+ImportResult import_text_files(const std::vector<std::string>& paths, const ImportOptions& options,
+                               ImportText import_text) {
   check_options(options);
   ImportResult all;
-  for (const auto& p : paths) merge(all, import_sglang_text(read_file(p), p, options), p);
+  for (const auto& p : paths) merge(all, import_text(read_file(p), p, options), p);
   return all;
+}
+
+}  // namespace
+
+ImportResult import_sglang(const std::vector<std::string>& paths, const ImportOptions& options) {
+  return import_text_files(paths, options, &import_sglang_text);
 }
 
 // ---- vLLM HTTP responses (>= 0.22: choices[i].routed_experts, base64 of .npy bytes) -------------
@@ -660,10 +671,7 @@ ImportResult import_vllm_http_text(std::string_view text, const std::string& sou
 }
 
 ImportResult import_vllm_http(const std::vector<std::string>& paths, const ImportOptions& options) {
-  check_options(options);
-  ImportResult all;
-  for (const auto& p : paths) merge(all, import_vllm_http_text(read_file(p), p, options), p);
-  return all;
+  return import_text_files(paths, options, &import_vllm_http_text);
 }
 
 ImportResult import_vllm_files(const std::vector<std::string>& paths,
