@@ -19,10 +19,13 @@
 #include "switchyard/route_verl.h"
 #include "switchyard/router.h"
 #include "switchyard/routing_plan.h"
+#include "router_testing.h"
 #include "testing.h"
 
 namespace switchyard {
 namespace {
+
+using switchyard::testing::router_config;
 
 enum class Kind { invalid_argument, out_of_range, data_error, backend_error, logic_error };
 
@@ -47,13 +50,6 @@ struct Row {
 
 Tensor f32(const Shape& s, double v = 0.5) { return Tensor::full(s, DType::fp32, v); }
 Tensor i32(const std::vector<int32_t>& v, const Shape& s) { return Tensor::from_vector(v, s); }
-
-RouterConfig cfg(int64_t E, int64_t K) {
-  RouterConfig c;
-  c.num_experts = E;
-  c.top_k = K;
-  return c;
-}
 
 std::string npy_header(const std::string& dict) {
   std::string h = dict;
@@ -113,44 +109,44 @@ std::vector<Row> rows() {
        [] { router_gating_linear_backward(f32({3, 7}), f32({3, 4}), f32({8, 4}), Tensor()); }},
       // ---- router
       {"topk_route", "top_k > num_experts", Kind::invalid_argument, "[route] top_k must be in [1, num_experts=4], got top_k=5",
-       [] { topk_route(f32({2, 4}), {}, cfg(4, 5)); }},
+       [] { topk_route(f32({2, 4}), {}, router_config(4, 5)); }},
       {"topk_route", "num_groups does not divide num_experts", Kind::invalid_argument, "[route] num_groups must divide num_experts=6, got num_groups=4",
        [] {
-         RouterConfig c = cfg(6, 2);
+         RouterConfig c = router_config(6, 2);
          c.num_groups = 4;
          c.group_topk = 1;
          topk_route(f32({2, 6}), {}, c);
        }},
       {"topk_route", "int32 logits", Kind::invalid_argument, "[route] logits must have dtype bf16 or fp32 or fp64, got int32",
-       [] { topk_route(Tensor::zeros({2, 4}, DType::int32), {}, cfg(4, 2)); }},
+       [] { topk_route(Tensor::zeros({2, 4}, DType::int32), {}, router_config(4, 2)); }},
       {"topk_route", "+inf logit", Kind::invalid_argument, "[route] logits must be finite, got inf at token 1, expert 1",
        [] {
          Tensor l = f32({2, 4});
          l.data<float>()[5] = std::numeric_limits<float>::infinity();
-         topk_route(l, {}, cfg(4, 2));
+         topk_route(l, {}, router_config(4, 2));
        }},
       {"topk_route", "replay id outside [0, E)", Kind::invalid_argument, "[replay] token 1: topk_idx row [2, 9] names expert 9 outside [0, 4)",
        [] {
          RouteInputs in;
          in.replay_idx = i32({0, 1, 2, 9}, {2, 2});
-         topk_route(f32({2, 4}), in, cfg(4, 2));
+         topk_route(f32({2, 4}), in, router_config(4, 2));
        }},
       {"topk_route", "replay row repeats an id", Kind::invalid_argument, "[replay] token 1: topk_idx row [3, 3] repeats expert 3",
        [] {
          RouteInputs in;
          in.replay_idx = i32({0, 1, 3, 3}, {2, 2});
-         topk_route(f32({2, 4}), in, cfg(4, 2));
+         topk_route(f32({2, 4}), in, router_config(4, 2));
        }},
       {"topk_route", "global_aux_loss without its state", Kind::invalid_argument, "[route] global_aux_loss needs inputs.global_aux_loss_state, got nullptr",
        [] {
-         RouterConfig c = cfg(4, 2);
+         RouterConfig c = router_config(4, 2);
          c.aux_loss_type = AuxLossType::global_aux_loss;
          c.aux_loss_coeff = 0.1;
          topk_route(f32({2, 4}), {}, c);
        }},
       {"topk_route", "negative capacity_factor", Kind::invalid_argument, "[route] capacity_factor must be finite and > 0 (or unset), got -1",
        [] {
-         RouterConfig c = cfg(4, 2);
+         RouterConfig c = router_config(4, 2);
          c.capacity_factor = -1.0;
          topk_route(f32({2, 4}), {}, c);
        }},

@@ -8,9 +8,11 @@
 #include "ref/router_ref.h"
 #include "switchyard/replay.h"
 #include "switchyard/router.h"
+#include "router_testing.h"
 #include "testing.h"
 
 namespace sy = switchyard;
+using switchyard::testing::router_config;
 using sy::AuxLossType;
 using sy::DType;
 using sy::RouterConfig;
@@ -21,18 +23,10 @@ using sy::testing::bitwise_equal;
 
 namespace {
 
-RouterConfig cfg(int64_t E, int64_t K, ScoreFunction f = ScoreFunction::softmax) {
-  RouterConfig c;
-  c.num_experts = E;
-  c.top_k = K;
-  c.score_function = f;
-  return c;
-}
-
 std::vector<RouterConfig> configs() {
   std::vector<RouterConfig> v;
   for (int f = 0; f < 4; ++f) {
-    RouterConfig c = cfg(64, 8, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
+    RouterConfig c = router_config(64, 8, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
     c.pre_softmax = f == 3;
     c.topk_scaling_factor = 1.5;
     c.aux_loss_type = AuxLossType::aux_loss;
@@ -150,7 +144,7 @@ TEST(Replay, CapacityStillAppliesToReplayedRows) {
     ids.data<int32_t>()[t * K] = 0;
     ids.data<int32_t>()[t * K + 1] = static_cast<int32_t>(1 + t % 3);
   }
-  RouterConfig c = cfg(E, K);
+  RouterConfig c = router_config(E, K);
   c.capacity_factor = 0.5;
   c.token_drop_policy = sy::TokenDropPolicy::position;
   sy::RouteInputs in;
@@ -166,7 +160,7 @@ TEST(Replay, CapacityStillAppliesToReplayedRows) {
 TEST(Replay, InvalidRowsAreErrorsByDefault) {
   const int64_t T = 20, E = 16, K = 4;
   Tensor z = Tensor::zeros({T, E}, DType::fp32);
-  RouterConfig c = cfg(E, K);
+  RouterConfig c = router_config(E, K);
   sy::RouteOptions o;
   o.layer = 3;
   auto with_row = [&](std::vector<int32_t> row) {
@@ -205,7 +199,7 @@ TEST(Replay, InvalidRowsRouteNativelyOnRequestAndAreCounted) {
   const int64_t T = 6, E = 8, K = 2;
   std::mt19937_64 rng(sy::testing::test_seed(231));
   Tensor z = sy::testing::randn({T, E}, DType::fp64, rng);
-  RouterConfig c = cfg(E, K, ScoreFunction::sigmoid);
+  RouterConfig c = router_config(E, K, ScoreFunction::sigmoid);
   Tensor ids = Tensor::from_vector<int32_t>({1, 2, 3, 3, -1, 4, -1, -1, 9, 0, 7, 6}, {T, K});
   sy::RouteInputs in;
   in.replay_idx = ids;
@@ -233,7 +227,7 @@ TEST(Replay, InvalidRowsRouteNativelyOnRequestAndAreCounted) {
 
 TEST(Replay, QueueIsFifoUnderRecomputeOrder) {
   sy::RouterReplay replay({.layer = 2, .top_k = 2});
-  RouterConfig c = cfg(8, 2);
+  RouterConfig c = router_config(8, 2);
   std::mt19937_64 rng(sy::testing::test_seed(241));
   // R2: the old-log-prob pass records micro-batches 0, 1, 2 natively.
   std::vector<Tensor> logits, recorded;
@@ -303,7 +297,7 @@ TEST(Replay, QueueErrors) {
 }
 
 TEST(Replay, EmptyBatch) {
-  RouterConfig c = cfg(4, 2);
+  RouterConfig c = router_config(4, 2);
   sy::RouteInputs in;
   in.replay_idx = Tensor::zeros({0, 2}, DType::int32);
   const auto r = sy::topk_route(Tensor::zeros({0, 4}, DType::fp32), in, c);

@@ -9,9 +9,11 @@
 
 #include "ref/router_ref.h"
 #include "switchyard/router.h"
+#include "router_testing.h"
 #include "testing.h"
 
 namespace sy = switchyard;
+using switchyard::testing::router_config;
 using sy::AuxLossType;
 using sy::DType;
 using sy::RouterConfig;
@@ -98,14 +100,6 @@ void check_case(const Case& c, DType dt, uint64_t seed) {
   EXPECT_EQ(valid, cnt);
 }
 
-RouterConfig cfg(int64_t E, int64_t K, ScoreFunction f = ScoreFunction::softmax) {
-  RouterConfig c;
-  c.num_experts = E;
-  c.top_k = K;
-  c.score_function = f;
-  return c;
-}
-
 }  // namespace
 
 TEST(Router, ShapeSweepAgainstReference) {
@@ -119,7 +113,7 @@ TEST(Router, ShapeSweepAgainstReference) {
         for (int f = 0; f < 4; ++f) {
           Case c;
           c.T = T;
-          c.cfg = cfg(E, K, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
+          c.cfg = router_config(E, K, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
           c.cfg.pre_softmax = f == 3;
           c.cfg.aux_loss_type = AuxLossType::aux_loss;
           c.cfg.aux_loss_coeff = 1e-2;
@@ -138,7 +132,7 @@ TEST(Router, GroupLimitedTopkAgainstReference) {
     for (bool bias : {false, true}) {
       Case c;
       c.T = 257;
-      c.cfg = cfg(64, 8, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
+      c.cfg = router_config(64, 8, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
       c.cfg.pre_softmax = f == 3;
       c.cfg.num_groups = 8;
       c.cfg.group_topk = 4;
@@ -160,7 +154,7 @@ TEST(Router, CapacityPoliciesAndPaddingAgainstReference) {
         for (bool mask : {false, true}) {
           Case c;
           c.T = 1031;
-          c.cfg = cfg(8, 2, ScoreFunction::sigmoid);
+          c.cfg = router_config(8, 2, ScoreFunction::sigmoid);
           c.cfg.capacity_factor = factor;
           c.cfg.token_drop_policy = policy;
           c.cfg.pad_to_capacity = pad;
@@ -181,7 +175,7 @@ TEST(Router, SeqAndGlobalAuxLossAgainstReference) {
       Case c;
       c.T = 96;
       c.seq_length = 24;  // 4 sequences
-      c.cfg = cfg(16, 4, static_cast<ScoreFunction>(f));
+      c.cfg = router_config(16, 4, static_cast<ScoreFunction>(f));
       c.cfg.aux_loss_type = AuxLossType::seq_aux_loss;
       c.cfg.aux_loss_coeff = 0.1;
       c.mask = mask;
@@ -200,7 +194,7 @@ TEST(Router, SeqAuxLossWithManySequences) {
     Case c;
     c.T = 301 - 301 % seq_length;
     c.seq_length = seq_length;
-    c.cfg = cfg(8, 2);
+    c.cfg = router_config(8, 2);
     c.cfg.aux_loss_type = AuxLossType::seq_aux_loss;
     c.cfg.aux_loss_coeff = 0.1;
     for (bool mask : {false, true}) {
@@ -212,7 +206,7 @@ TEST(Router, SeqAuxLossWithManySequences) {
 
 TEST(Router, GlobalAuxLossAccumulatesAndResets) {
   std::mt19937_64 rng(sy::testing::test_seed(51));
-  RouterConfig c = cfg(8, 2);
+  RouterConfig c = router_config(8, 2);
   c.aux_loss_type = AuxLossType::global_aux_loss;
   c.aux_loss_coeff = 0.5;
   sy::GlobalAuxLossState st;
@@ -244,22 +238,22 @@ TEST(Router, GlobalAuxLossAccumulatesAndResets) {
 TEST(Router, TiesGoToLowerExpertId) {
   // All equal: ids 0..K-1 for every score function.
   for (int f = 0; f < 3; ++f) {
-    RouterConfig c = cfg(6, 3, static_cast<ScoreFunction>(f));
+    RouterConfig c = router_config(6, 3, static_cast<ScoreFunction>(f));
     const auto r = sy::topk_route(Tensor::full({2, 6}, DType::fp32, 0.5), {}, c);
     EXPECT_TRUE(all_close(r.topk_idx, {0, 1, 2, 0, 1, 2}, 0, 0));
   }
   // Partial ties: [1, 3, 3, 0, 3] top-2 -> [1, 2]; top-4 -> [1, 2, 4, 0].
   Tensor z = Tensor::from_vector<float>({1, 3, 3, 0, 3}, {1, 5});
-  EXPECT_TRUE(all_close(sy::topk_route(z, {}, cfg(5, 2)).topk_idx, {1, 2}, 0, 0));
-  EXPECT_TRUE(all_close(sy::topk_route(z, {}, cfg(5, 4)).topk_idx, {1, 2, 4, 0}, 0, 0));
+  EXPECT_TRUE(all_close(sy::topk_route(z, {}, router_config(5, 2)).topk_idx, {1, 2}, 0, 0));
+  EXPECT_TRUE(all_close(sy::topk_route(z, {}, router_config(5, 4)).topk_idx, {1, 2, 4, 0}, 0, 0));
   // Group ties: two groups with equal scores -> the lower group.
-  RouterConfig g = cfg(4, 1);
+  RouterConfig g = router_config(4, 1);
   g.num_groups = 2;
   g.group_topk = 1;
   Tensor zg = Tensor::from_vector<double>({0.0, 2.0, 2.0, 0.0}, {1, 4});
   EXPECT_TRUE(all_close(sy::topk_route(zg, {}, g).topk_idx, {1}, 0, 0));
   // Capacity ties under probs: equal weights keep the lower token.
-  RouterConfig cc = cfg(2, 1);
+  RouterConfig cc = router_config(2, 1);
   cc.capacity_factor = 0.5;  // C = ceil(4*1/2*0.5) = 1
   Tensor zc = Tensor::from_vector<double>({1, 0, 1, 0, 1, 0, 1, 0}, {4, 2});
   const auto rc = sy::topk_route(zc, {}, cc);
@@ -269,7 +263,7 @@ TEST(Router, TiesGoToLowerExpertId) {
 
 TEST(Router, GroupLimitIsApplied) {
   // Group 0 has the single best expert but group 1 has the better sum of top-2.
-  RouterConfig c = cfg(8, 2);
+  RouterConfig c = router_config(8, 2);
   c.num_groups = 2;
   c.group_topk = 1;  // K/group_topk = 2 experts summed per group
   Tensor z = Tensor::from_vector<double>({5, -5, -5, -5, 3, 3, 0, 0}, {1, 8});
@@ -280,7 +274,7 @@ TEST(Router, GroupLimitIsApplied) {
 }
 
 TEST(Router, ExpertBiasChangesSelectionNotWeights) {
-  RouterConfig c = cfg(4, 2, ScoreFunction::sigmoid);
+  RouterConfig c = router_config(4, 2, ScoreFunction::sigmoid);
   Tensor z = Tensor::from_vector<float>({2, 1, 0, -1}, {1, 4});
   sy::RouteInputs in;
   in.expert_bias = Tensor::from_vector<float>({0, 0, 0, 5}, {4});
@@ -298,7 +292,7 @@ TEST(Router, SkewedRoutingWithCapacity) {
     z[t * E] = 5.0f + 0.01f * static_cast<float>(t);  // later tokens have higher weight
     z[t * E + 1] = 4.0f;
   }
-  RouterConfig c = cfg(E, 2);
+  RouterConfig c = router_config(E, 2);
   c.capacity_factor = 1.0;  // C = 25
   c.token_drop_policy = TokenDropPolicy::position;
   auto r = sy::topk_route(Tensor::from_vector(z, {T, E}), {}, c);
@@ -319,7 +313,7 @@ TEST(Router, PaddedRowsAreEmptyAndUncounted) {
   Tensor z = sy::testing::randn({5, 4}, DType::fp32, rng);
   sy::RouteInputs in;
   in.padding_mask = Tensor::from_vector<bool>({false, true, false, true, true}, {5});
-  RouterConfig c = cfg(4, 2);
+  RouterConfig c = router_config(4, 2);
   const auto r = sy::topk_route(z, in, c);
   EXPECT_EQ(r.num_padded_rows, 3);
   EXPECT_EQ(r.num_native_rows, 2);
@@ -337,12 +331,12 @@ TEST(Router, PaddedRowsAreEmptyAndUncounted) {
 TEST(Router, ThreadCountAndBatchInvariance) {
   std::mt19937_64 rng(sy::testing::test_seed(71));
   std::vector<RouterConfig> configs;
-  RouterConfig c = cfg(128, 8);
+  RouterConfig c = router_config(128, 8);
   c.aux_loss_type = AuxLossType::aux_loss;
   c.aux_loss_coeff = 1e-2;
   c.z_loss_coeff = 1e-3;
   configs.push_back(c);
-  c = cfg(256, 8, ScoreFunction::sigmoid);  // DeepSeek-V3-like, with capacity and seq aux loss
+  c = router_config(256, 8, ScoreFunction::sigmoid);  // DeepSeek-V3-like, with capacity and seq aux loss
   c.num_groups = 8;
   c.group_topk = 4;
   c.topk_scaling_factor = 2.5;
@@ -413,10 +407,10 @@ TEST(Router, ConfigErrors) {
   auto expect = [&](RouterConfig c, const std::string& msg) {
     SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, c), std::invalid_argument, msg);
   };
-  expect(cfg(64, 0), "[route] top_k must be in [1, num_experts=64], got top_k=0");
-  expect(cfg(64, 65), "[route] top_k must be in [1, num_experts=64], got top_k=65");
-  expect(cfg(0, 1), "[route] num_experts must be >= 1, got num_experts=0");
-  RouterConfig c = cfg(64, 8);
+  expect(router_config(64, 0), "[route] top_k must be in [1, num_experts=64], got top_k=0");
+  expect(router_config(64, 65), "[route] top_k must be in [1, num_experts=64], got top_k=65");
+  expect(router_config(0, 1), "[route] num_experts must be >= 1, got num_experts=0");
+  RouterConfig c = router_config(64, 8);
   c.num_groups = 6;
   c.group_topk = 2;
   expect(c, "[route] num_groups must divide num_experts=64, got num_groups=6");
@@ -426,25 +420,25 @@ TEST(Router, ConfigErrors) {
   c.num_groups = 32;  // 2 experts per group
   c.group_topk = 2;
   expect(c, "[route] top_k must be <= group_topk * num_experts / num_groups = 4, got top_k=8");
-  c = cfg(64, 8, ScoreFunction::sigmoid);
+  c = router_config(64, 8, ScoreFunction::sigmoid);
   c.pre_softmax = true;
   expect(c, "[route] pre_softmax needs score_function=softmax, got score_function=sigmoid");
-  c = cfg(64, 8);
+  c = router_config(64, 8);
   c.topk_scaling_factor = 0;
   expect(c, "[route] topk_scaling_factor must be finite and > 0, got 0");
-  c = cfg(64, 8);
+  c = router_config(64, 8);
   c.capacity_factor = -1.0;
   expect(c, "[route] capacity_factor must be finite and > 0 (or unset), got -1");
-  c = cfg(64, 8);
+  c = router_config(64, 8);
   c.pad_to_capacity = true;
   expect(c, "[route] pad_to_capacity needs capacity_factor");
-  c = cfg(64, 8);
+  c = router_config(64, 8);
   c.aux_loss_coeff = -1;
   expect(c, "[route] aux_loss_coeff must be finite and >= 0, got -1");
-  c = cfg(64, 8);
+  c = router_config(64, 8);
   c.z_loss_coeff = NAN;
   expect(c, "[route] z_loss_coeff must be finite and >= 0, got nan");
-  c = cfg(64, 8);
+  c = router_config(64, 8);
   c.aux_loss_type = AuxLossType::seq_aux_loss;
   c.aux_loss_coeff = 1e-2;
   expect(c, "[route] seq_aux_loss needs seq_length >= 1 dividing num_tokens=3, got seq_length=0");
@@ -462,7 +456,7 @@ TEST(Router, ConfigErrors) {
 }
 
 TEST(Router, TensorErrors) {
-  const RouterConfig c = cfg(4, 2);
+  const RouterConfig c = router_config(4, 2);
   SY_EXPECT_THROW_MSG(sy::topk_route(Tensor::zeros({3, 5}, DType::fp32), {}, c),
                       std::invalid_argument, "[route] logits must have shape [*, 4], got [3, 5]");
   SY_EXPECT_THROW_MSG(sy::topk_route(Tensor::zeros({3, 4}, DType::int32), {}, c),
@@ -509,7 +503,7 @@ TEST(Router, TensorErrors) {
                       "[route_backward] grad_topk_weights must have shape [3, 2], got [3, 3]");
   SY_EXPECT_THROW_MSG(sy::topk_route_backward(Tensor(), sy::RouteResult{}, c),
                       std::invalid_argument, "[route_backward] handle must come from topk_route");
-  SY_EXPECT_THROW_MSG(sy::topk_route_backward(Tensor(), r, cfg(4, 1)), std::invalid_argument,
+  SY_EXPECT_THROW_MSG(sy::topk_route_backward(Tensor(), r, router_config(4, 1)), std::invalid_argument,
                       "[route_backward] config must match the forward's");
   sy::RouteBackwardOptions bo;
   bo.loss_grad_scale = NAN;
@@ -528,7 +522,7 @@ TEST(Router, ManyTiesAgainstReference) {
       for (int f = 0; f < 4; ++f) {
         for (int groups = 0; groups < 2; ++groups) {
           RouterConfig c =
-              cfg(E, K, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
+              router_config(E, K, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
           c.pre_softmax = f == 3;
           if (groups) {
             if (E % 8 != 0 || K < 2) continue;
@@ -557,7 +551,7 @@ TEST(Router, ManyTiesAgainstReference) {
 }
 
 TEST(Router, CapacityIsClampedToTokens) {
-  RouterConfig c = cfg(4, 2);
+  RouterConfig c = router_config(4, 2);
   c.capacity_factor = 1e300;  // would overflow int64; nothing can be dropped anyway
   const auto r = sy::topk_route(Tensor::zeros({6, 4}, DType::fp32), {}, c);
   EXPECT_EQ(r.expert_capacity, 6);
@@ -568,25 +562,25 @@ TEST(Router, CapacityIsClampedToTokens) {
 
 TEST(Router, EnumAndStateErrors) {
   Tensor z = Tensor::zeros({4, 8}, DType::fp32);
-  RouterConfig c = cfg(8, 2);
+  RouterConfig c = router_config(8, 2);
   c.score_function = static_cast<ScoreFunction>(7);
   SY_EXPECT_THROW_MSG(
       sy::topk_route(z, {}, c), std::invalid_argument,
       "[route] score_function must be softmax, sigmoid or sqrtsoftplus, got value 7");
-  c = cfg(8, 2);
+  c = router_config(8, 2);
   c.token_drop_policy = static_cast<TokenDropPolicy>(9);
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, c), std::invalid_argument,
                       "[route] token_drop_policy must be probs or position, got value 9");
-  c = cfg(8, 2);
+  c = router_config(8, 2);
   c.aux_loss_type = static_cast<AuxLossType>(6);
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, c), std::invalid_argument,
                       "[route] aux_loss_type must be none, aux_loss, seq_aux_loss, "
                       "global_aux_loss, sinkhorn or quantile_balancing, got value 6");
   sy::RouteOptions o;
   o.invalid_replay_rows = static_cast<sy::InvalidReplayRows>(3);
-  SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, cfg(8, 2), o), std::invalid_argument,
+  SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, router_config(8, 2), o), std::invalid_argument,
                       "[route] invalid_replay_rows must be error or native, got value 3");
-  c = cfg(8, 2);
+  c = router_config(8, 2);
   c.aux_loss_type = AuxLossType::global_aux_loss;
   c.aux_loss_coeff = 0.1;
   sy::GlobalAuxLossState st;

@@ -9,9 +9,11 @@
 #include <vector>
 
 #include "switchyard/router.h"
+#include "router_testing.h"
 #include "testing.h"
 
 namespace sy = switchyard;
+using switchyard::testing::router_config;
 using sy::AuxLossType;
 using sy::DType;
 using sy::RouterConfig;
@@ -114,21 +116,13 @@ void check_grad(const GradCase& c, uint64_t seed) {
   }
 }
 
-RouterConfig cfg(int64_t E, int64_t K, ScoreFunction f) {
-  RouterConfig c;
-  c.num_experts = E;
-  c.top_k = K;
-  c.score_function = f;
-  return c;
-}
-
 std::vector<GradCase> all_cases() {
   std::vector<GradCase> v;
   const char* fname[] = {"softmax", "sigmoid", "sqrtsoftplus", "softmax-pre"};
   for (int f = 0; f < 4; ++f) {
     for (int64_t K : {1, 2, 3}) {
       GradCase g;
-      g.cfg = cfg(8, K, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
+      g.cfg = router_config(8, K, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
       g.cfg.pre_softmax = f == 3;
       g.name = std::string(fname[f]) + " K=" + std::to_string(K);
       v.push_back(g);
@@ -183,7 +177,7 @@ TEST(RouterGrad, FiniteDifferencesEveryOptionAndLoss) {
 
 TEST(RouterGrad, LossesOnlyWhenNoWeightGradient) {
   std::mt19937_64 rng(sy::testing::test_seed(111));
-  RouterConfig c = cfg(8, 2, ScoreFunction::softmax);
+  RouterConfig c = router_config(8, 2, ScoreFunction::softmax);
   Tensor z = sy::testing::randn({5, 8}, DType::fp64, rng);
   const auto r = sy::topk_route(z, {}, c);
   const Tensor g = sy::topk_route_backward(Tensor(), r, c).grad_logits;

@@ -9,9 +9,11 @@
 
 #include "ref/router_ref.h"
 #include "switchyard/router.h"
+#include "router_testing.h"
 #include "testing.h"
 
 namespace sy = switchyard;
+using switchyard::testing::router_config;
 using sy::AuxLossType;
 using sy::DType;
 using sy::RouterConfig;
@@ -21,15 +23,6 @@ using sy::testing::all_close;
 using sy::testing::bitwise_equal;
 
 namespace {
-
-RouterConfig cfg(int64_t E, int64_t K, ScoreFunction f, bool pre = false) {
-  RouterConfig c;
-  c.num_experts = E;
-  c.top_k = K;
-  c.score_function = f;
-  c.pre_softmax = pre;
-  return c;
-}
 
 // Ids of the K largest logits of each row (ties: lower id), the exact order every score function
 // selects in without expert bias (all of them are increasing in the logit).
@@ -82,7 +75,7 @@ TEST(RouterNumerics, SelectionFollowsLogitsWhenFp32ScoresGoFlat) {
     for (int64_t E : {8, 16, 64}) {
       for (int64_t K : {2, 4, 8}) {
         SCOPED_TRACE(std::string(x.name) + " E=" + std::to_string(E) + " K=" + std::to_string(K));
-        RouterConfig c = cfg(E, K, x.f, x.pre);
+        RouterConfig c = router_config(E, K, x.f, x.pre);
         const Tensor z = extreme_logits(x, T, E, rng);
         const auto r = sy::topk_route(z, {}, c);
         EXPECT_TRUE(all_close(r.topk_idx, ids_by_logit(z.to_double_vector(), T, E, K), 0, 0));
@@ -106,7 +99,7 @@ TEST(RouterNumerics, GroupLimitedSelectionFollowsLogitsWhenFlat) {
   const int64_t T = 29, E = 32, K = 4;
   for (const Extreme& x : kExtremes) {
     SCOPED_TRACE(x.name);
-    RouterConfig c = cfg(E, K, x.f, x.pre);
+    RouterConfig c = router_config(E, K, x.f, x.pre);
     c.num_groups = 8;
     c.group_topk = 2;
     const Tensor z = extreme_logits(x, T, E, rng);
@@ -125,7 +118,7 @@ TEST(RouterNumerics, BiasedSelectionBreaksFlatTiesByLogit) {
     if (x.f == ScoreFunction::softmax && !x.pre) continue;  // post-softmax selects on z + bias
     for (bool groups : {false, true}) {
       SCOPED_TRACE(std::string(x.name) + (groups ? " groups" : ""));
-      RouterConfig c = cfg(E, K, x.f, x.pre);
+      RouterConfig c = router_config(E, K, x.f, x.pre);
       if (groups) {
         c.num_groups = 4;
         c.group_topk = 2;
@@ -154,7 +147,7 @@ TEST(RouterNumerics, BiasedSelectionOnFlatScoresAgainstReference) {
   for (const Extreme& x : kExtremes) {
     if (x.f == ScoreFunction::softmax && !x.pre) continue;
     SCOPED_TRACE(x.name);
-    RouterConfig c = cfg(E, K, x.f, x.pre);
+    RouterConfig c = router_config(E, K, x.f, x.pre);
     const Tensor z = extreme_logits(x, T, E, rng);
     sy::RouteInputs in;
     in.expert_bias = Tensor::empty({E}, DType::fp32);
@@ -176,7 +169,7 @@ TEST(RouterNumerics, SqrtSoftplusGradientFarBelowMinus88MatchesFloat64) {
     for (double lo : {-92.0, -120.0, -170.0}) {
       SCOPED_TRACE("K=" + std::to_string(K) + " lo=" + std::to_string(lo));
       const int64_t T = 13, E = 8;
-      RouterConfig c = cfg(E, K, ScoreFunction::sqrtsoftplus);
+      RouterConfig c = router_config(E, K, ScoreFunction::sqrtsoftplus);
       std::uniform_real_distribution<double> u(lo, -88.5);
       Tensor z64 = Tensor::empty({T, E}, DType::fp64);
       for (int64_t i = 0; i < T * E; ++i) z64.data<double>()[i] = u(rng);
@@ -217,7 +210,7 @@ TEST(RouterNumerics, SqrtSoftplusGradientFarBelowMinus88MatchesFloat64) {
 // same state returns (so a no_grad, eval or recompute forward reports the training value).
 TEST(RouterNumerics, ReadOnlyGlobalAuxLossLeavesTheState) {
   std::mt19937_64 rng(sy::testing::test_seed(1406));
-  RouterConfig c = cfg(8, 2, ScoreFunction::sigmoid);
+  RouterConfig c = router_config(8, 2, ScoreFunction::sigmoid);
   c.aux_loss_type = AuxLossType::global_aux_loss;
   c.aux_loss_coeff = 0.3;
   sy::GlobalAuxLossState acc, ro;

@@ -8,9 +8,11 @@
 
 #include "ref/router_ref.h"
 #include "switchyard/router.h"
+#include "router_testing.h"
 #include "testing.h"
 
 namespace sy = switchyard;
+using switchyard::testing::router_config;
 using sy::AuxLossType;
 using sy::DType;
 using sy::RouterConfig;
@@ -20,15 +22,6 @@ using sy::testing::all_close;
 using sy::testing::bitwise_equal;
 
 namespace {
-
-RouterConfig cfg(int64_t E, int64_t K, ScoreFunction f, bool pre = false) {
-  RouterConfig c;
-  c.num_experts = E;
-  c.top_k = K;
-  c.score_function = f;
-  c.pre_softmax = pre;
-  return c;
-}
 
 // Rounds every element of an fp32 tensor to bf16 (nearest even) and back.
 Tensor bf16_round(const Tensor& t) { return t.to(DType::bf16).to(DType::fp32); }
@@ -47,7 +40,7 @@ TEST(RouterOptions, Bf16LogitsRouteLikeTheirFp32Upcast) {
   for (const C& c :
        {C{ScoreFunction::softmax, false, 0}, C{ScoreFunction::softmax, true, 0},
         C{ScoreFunction::sigmoid, false, 4}, C{ScoreFunction::sqrtsoftplus, false, 0}}) {
-    RouterConfig rc = cfg(16, 4, c.f, c.pre);
+    RouterConfig rc = router_config(16, 4, c.f, c.pre);
     if (c.groups) {
       rc.num_groups = c.groups;
       rc.group_topk = 2;
@@ -161,7 +154,7 @@ TEST(RouterOptions, SeveralLoadBalancingLossesAddUp) {
   const int64_t T = 12, E = 8, K = 2;
   for (ScoreFunction f : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
     SCOPED_TRACE(sy::score_function_name(f));
-    RouterConfig all = cfg(E, K, f);
+    RouterConfig all = router_config(E, K, f);
     all.aux_loss_types = {AuxLossType::seq_aux_loss, AuxLossType::aux_loss,
                           AuxLossType::global_aux_loss};
     all.aux_loss_coeffs = {0.3, 0.5, 0.7};
@@ -180,7 +173,7 @@ TEST(RouterOptions, SeveralLoadBalancingLossesAddUp) {
                              &a.r.aux_loss_parts.global_aux_loss};
     const Tensor zero_gw = Tensor::zeros({T, K}, DType::fp64);
     for (int i = 0; i < 3; ++i) {
-      RouterConfig one = cfg(E, K, f);
+      RouterConfig one = router_config(E, K, f);
       one.aux_loss_type = types[i];
       one.aux_loss_coeff = coeffs[i];
       const Routed o = route_with_grad(z, zero_gw, one, mask, 4);
@@ -189,7 +182,7 @@ TEST(RouterOptions, SeveralLoadBalancingLossesAddUp) {
       sum += o.r.aux_loss;
       for (int64_t j = 0; j < T * E; ++j) gsum[j] += o.grad.data<double>()[j];
     }
-    RouterConfig rest = cfg(E, K, f);
+    RouterConfig rest = router_config(E, K, f);
     rest.z_loss_coeff = 0.1;
     const Routed w = route_with_grad(z, gw, rest, mask, 4);
     for (int64_t j = 0; j < T * E; ++j) gsum[j] += w.grad.data<double>()[j];
@@ -216,7 +209,7 @@ TEST(RouterOptions, SeveralLoadBalancingLossesAddUp) {
     }
     EXPECT_TRUE(all_close(a.grad, fd, 1e-7, 1e-6));
   }
-  RouterConfig bad = cfg(E, K, ScoreFunction::softmax);
+  RouterConfig bad = router_config(E, K, ScoreFunction::softmax);
   bad.aux_loss_types = {AuxLossType::aux_loss, AuxLossType::aux_loss};
   bad.aux_loss_coeffs = {0.1, 0.2};
   SY_EXPECT_THROW_MSG(sy::validate_router_config(bad), std::invalid_argument,
@@ -232,14 +225,14 @@ TEST(RouterOptions, SeveralLoadBalancingLossesAddUp) {
 TEST(RouterOptions, PerTokenLossAndMtpScaling) {
   std::mt19937_64 rng(sy::testing::test_seed(1424));
   const int64_t T = 16, E = 8, K = 2;
-  RouterConfig base = cfg(E, K, ScoreFunction::sigmoid);
+  RouterConfig base = router_config(E, K, ScoreFunction::sigmoid);
   base.aux_loss_types = {AuxLossType::aux_loss, AuxLossType::global_aux_loss};
   base.aux_loss_coeffs = {0.3, 0.2};
   const Tensor z = sy::testing::randn({T, E}, DType::fp64, rng);
   Tensor mask = Tensor::zeros({T}, DType::boolean);
   mask.data<bool>()[3] = mask.data<bool>()[9] = true;  // 14 valid tokens
   const Tensor none;
-  RouterConfig zonly = cfg(E, K, ScoreFunction::sigmoid);
+  RouterConfig zonly = router_config(E, K, ScoreFunction::sigmoid);
   zonly.z_loss_coeff = 0.05;
   for (const RouterConfig* c0 : {&base, &zonly}) {
     RouterConfig pt = *c0;
@@ -276,7 +269,7 @@ TEST(RouterOptions, PerTokenLossAndMtpScaling) {
 TEST(RouterOptions, ForceLoadBalancingAndForcedBias) {
   std::mt19937_64 rng(sy::testing::test_seed(1425));
   const int64_t T = 4096, E = 16, K = 2;
-  RouterConfig c = cfg(E, K, ScoreFunction::softmax);
+  RouterConfig c = router_config(E, K, ScoreFunction::softmax);
   c.force_load_balancing = true;
   sy::RouteOptions opt;
   opt.force_seed = 11;
@@ -302,7 +295,7 @@ TEST(RouterOptions, ForceLoadBalancingAndForcedBias) {
   EXPECT_FALSE(bitwise_equal(a.topk_idx, sy::topk_route(za, {}, c, opt2).topk_idx));
   // Straight-through: the gradient is the routing's gradient at the random logits.
   const Tensor gw = sy::testing::randn({T, K}, DType::fp32, rng);
-  RouterConfig plain = cfg(E, K, ScoreFunction::softmax);
+  RouterConfig plain = router_config(E, K, ScoreFunction::softmax);
   const auto at = sy::topk_route(a.logits.clone(), {}, plain);
   EXPECT_TRUE(bitwise_equal(at.topk_idx, a.topk_idx));
   EXPECT_TRUE(bitwise_equal(sy::topk_route_backward(gw, a, c).grad_logits,
@@ -382,7 +375,7 @@ TEST(RouterOptions, SinkhornRouting) {
   for (int64_t K : {1, 2}) {
     SCOPED_TRACE("K=" + std::to_string(K));
     const int64_t T = 24, E = 8;
-    RouterConfig c = cfg(E, K, ScoreFunction::softmax);
+    RouterConfig c = router_config(E, K, ScoreFunction::softmax);
     c.aux_loss_type = AuxLossType::sinkhorn;
     // Skewed logits, so balancing changes choices: expert 0 is everyone's favourite.
     Tensor z = sy::testing::randn({T, E}, DType::fp64, rng);
@@ -439,7 +432,7 @@ TEST(RouterOptions, SinkhornRouting) {
     for (int64_t k = 0; k < K; ++k) EXPECT_EQ(rr.topk_idx.data<int32_t>()[3 * K + k], 7 - k);
     EXPECT_EQ(rr.num_replayed_rows, 1);
   }
-  RouterConfig bad = cfg(8, 2, ScoreFunction::sigmoid);
+  RouterConfig bad = router_config(8, 2, ScoreFunction::sigmoid);
   bad.aux_loss_type = AuxLossType::sinkhorn;
   SY_EXPECT_THROW_MSG(sy::validate_router_config(bad), std::invalid_argument,
                       "[route] sinkhorn routing needs score_function=softmax");
@@ -452,7 +445,7 @@ TEST(RouterOptions, ThreadCountAndBatchInvarianceOfTheNewOptions) {
   std::mt19937_64 rng(sy::testing::test_seed(1427));
   const int64_t T = 1032, E = 64, K = 4;
   std::vector<std::pair<std::string, RouterConfig>> cases;
-  RouterConfig c = cfg(E, K, ScoreFunction::sigmoid);
+  RouterConfig c = router_config(E, K, ScoreFunction::sigmoid);
   c.num_groups = 8;
   c.group_topk = 2;
   c.aux_loss_types = {AuxLossType::aux_loss, AuxLossType::seq_aux_loss,
@@ -463,10 +456,10 @@ TEST(RouterOptions, ThreadCountAndBatchInvarianceOfTheNewOptions) {
   c.is_mtp_layer = c.mtp_use_repeated_layer = true;
   c.mtp_num_layers = 2;
   cases.emplace_back("losses", c);
-  c = cfg(E, K, ScoreFunction::softmax);
+  c = router_config(E, K, ScoreFunction::softmax);
   c.aux_loss_type = AuxLossType::sinkhorn;
   cases.emplace_back("sinkhorn", c);
-  c = cfg(E, K, ScoreFunction::softmax);
+  c = router_config(E, K, ScoreFunction::softmax);
   c.force_biased = 0.5;
   cases.emplace_back("forced", c);
   for (const auto& named : cases) {
@@ -504,7 +497,7 @@ TEST(RouterOptions, ThreadCountAndBatchInvarianceOfTheNewOptions) {
   // Batch invariance on bf16 logits and on flat fp32 scores: a token alone gets bitwise the
   // same ids and weights as inside the batch.
   for (ScoreFunction f : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
-    RouterConfig rc = cfg(E, K, f, f == ScoreFunction::softmax);
+    RouterConfig rc = router_config(E, K, f, f == ScoreFunction::softmax);
     rc.num_groups = 8;
     rc.group_topk = 2;
     for (DType dt : {DType::bf16, DType::fp32}) {
@@ -535,7 +528,7 @@ TEST(RouterOptions, ThreadCountAndBatchInvarianceOfTheNewOptions) {
 TEST(RouterOptions, QuantileBalancing) {
   std::mt19937_64 rng(sy::testing::test_seed(1428));
   const int64_t T = 40, E = 8, K = 2;
-  RouterConfig c = cfg(E, K, ScoreFunction::sigmoid);
+  RouterConfig c = router_config(E, K, ScoreFunction::sigmoid);
   c.aux_loss_type = AuxLossType::quantile_balancing;
   const Tensor z = sy::testing::randn({T, E}, DType::fp32, rng);
   sy::RouteInputs in;
@@ -551,7 +544,7 @@ TEST(RouterOptions, QuantileBalancing) {
     alpha[t] = key[top[K]];
   }
   EXPECT_TRUE(all_close(r.topk_idx, want_ids, 0, 0));
-  RouterConfig plain = cfg(E, K, ScoreFunction::sigmoid);
+  RouterConfig plain = router_config(E, K, ScoreFunction::sigmoid);
   sy::RouteInputs rep;
   rep.replay_idx = r.topk_idx;
   const auto rr = sy::topk_route(z, rep, plain);
