@@ -128,3 +128,23 @@ def test_demo_help_explains_every_option():
     assert r.returncode == 0
     for opt in ("--out", "--preset", "--seed", "--micro-batch-tokens", "--update-lr"):
         assert opt in r.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-prompts", "-3"], "argument --num-prompts: must be >= 1, got -3"),
+    (["--top-k", "x"], "argument --top-k: must be an integer, got 'x'"),
+    (["--temperature", "nan"], "argument --temperature: must be a finite number > 0, got nan"),
+    (["--out", "/proc/switchyard-no-such-dir"], "--out '/proc/switchyard-no-such-dir': cannot "
+                                                "create the output folder"),
+    (["--top-k", "40"], "--top-k must be <= --num-experts=32, got 40"),
+    (["--hidden-size", "30"], "--hidden-size must be a multiple of the 4 attention heads, got 30"),
+])
+def test_bad_arguments_exit_2_naming_the_value_before_any_work(argv, message, capsys, tmp_path):
+    from switchyard.demo import run
+    if "--out" not in argv:
+        argv = argv + ["--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as e:
+        run(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "summary.json").exists()

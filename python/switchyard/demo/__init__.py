@@ -31,6 +31,37 @@ PRESETS = {
 }
 
 
+def _positive_int(text):
+    """argparse type: an int >= 1 (names the bad value instead of a traceback later)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonnegative_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _positive_float(text):
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m switchyard.demo",
@@ -44,35 +75,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="named sizes; the options below override single values of it")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the initialisation, corpus, prompts, sampling and packing")
-    p.add_argument("--threads", type=int, default=argparse.SUPPRESS,
+    p.add_argument("--threads", type=_positive_int, default=argparse.SUPPRESS,
                    help="torch CPU threads (default: OMP_NUM_THREADS if set, else 1: the "
                         "model's ops are small, and two OpenMP threads on a shared 2-core machine "
                         "ran the training more than 5x slower than one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     g = p.add_argument_group("model (transformers' Qwen3MoeForCausalLM; layer 0 dense)")
-    g.add_argument("--hidden-size", type=int, help="hidden size (4 attention heads)")
-    g.add_argument("--num-layers", type=int, help="decoder layers, the first one dense")
-    g.add_argument("--num-experts", type=int, help="routed experts per MoE layer")
-    g.add_argument("--top-k", type=int, help="experts per token")
-    g.add_argument("--moe-intermediate-size", type=int, help="each expert's FFN size")
-    g.add_argument("--vocab-size", type=int, help="vocabulary (four grammars share it)")
+    g.add_argument("--hidden-size", type=_positive_int, help="hidden size (4 attention heads)")
+    g.add_argument("--num-layers", type=_positive_int, help="decoder layers, the first one dense")
+    g.add_argument("--num-experts", type=_positive_int, help="routed experts per MoE layer")
+    g.add_argument("--top-k", type=_positive_int, help="experts per token")
+    g.add_argument("--moe-intermediate-size", type=_positive_int, help="each expert's FFN size")
+    g.add_argument("--vocab-size", type=_positive_int, help="vocabulary (four grammars share it)")
     g = p.add_argument_group("training on the synthetic corpus (makes the routers peaked)")
-    g.add_argument("--train-steps", type=int, help="AdamW steps (0 = untrained routers)")
-    g.add_argument("--train-batch", type=int, help="sequences per step")
-    g.add_argument("--train-seq-len", type=int, help="tokens per training sequence")
-    g.add_argument("--train-lr", type=float, default=3e-3, help="peak learning rate (cosine)")
+    g.add_argument("--train-steps", type=_nonnegative_int, help="AdamW steps (0 = untrained routers)")
+    g.add_argument("--train-batch", type=_positive_int, help="sequences per step")
+    g.add_argument("--train-seq-len", type=_positive_int, help="tokens per training sequence")
+    g.add_argument("--train-lr", type=_positive_float, default=3e-3, help="peak learning rate (cosine)")
     g = p.add_argument_group("rollout (an inference server: bf16, KV cache, sampling)")
-    g.add_argument("--num-prompts", type=int, help="prompts (one GRPO group each)")
-    g.add_argument("--group-size", type=int, help="samples per prompt")
-    g.add_argument("--rollout-batch", type=int, help="sequences per generate() call")
-    g.add_argument("--max-new-tokens", type=int, help="longest response")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    g.add_argument("--num-prompts", type=_positive_int, help="prompts (one GRPO group each)")
+    g.add_argument("--group-size", type=_positive_int, help="samples per prompt")
+    g.add_argument("--rollout-batch", type=_positive_int, help="sequences per generate() call")
+    g.add_argument("--max-new-tokens", type=_positive_int, help="longest response")
+    g.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature")
     g = p.add_argument_group("trainer (verl-like: packed THD micro-batches, bf16 weights)")
-    g.add_argument("--micro-batch-tokens", type=int,
+    g.add_argument("--micro-batch-tokens", type=_positive_int,
                    help="token budget of one packed micro-batch")
-    g.add_argument("--pack-align", type=int, default=8,
+    g.add_argument("--pack-align", type=_positive_int, default=8,
                    help="pad each packed sequence to a multiple of this (pack_thd's tp_size)")
-    g.add_argument("--update-lr", type=float, default=1e-4,
+    g.add_argument("--update-lr", type=_positive_float, default=1e-4,
                    help="AdamW learning rate of the R2 and R3 update steps")
     for action in p._actions:  # the preset-sized options: say both presets' values
         if action.dest in PRESETS["default"]:
@@ -80,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
             action.help += (f" (preset default: {PRESETS['default'][action.dest]}, small: "
                             f"{PRESETS['small'][action.dest]})")
     return p
+
+
+def _usage_error(message):
+    """Exit 2 with argparse's format, for sizes that are wrong only in combination."""
+    import sys
+    print(f"python -m switchyard.demo: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _resolve(args):
@@ -92,6 +130,16 @@ def _resolve(args):
         if a is not None:
             v[k] = a
     h = v["hidden_size"]
+    # Sizes that only make sense together (each alone is checked by argparse).
+    if v["top_k"] > v["num_experts"]:
+        _usage_error(f"--top-k must be <= --num-experts="
+                         f"{v['num_experts']}, got {v['top_k']}")
+    if h % 4:
+        _usage_error(f"--hidden-size must be a multiple of "
+                         f"the 4 attention heads, got {h}")
+    if v["num_layers"] < 2:
+        _usage_error("--num-layers must be >= 2 (layer 0 is "
+                         f"dense, the MoE layers follow), got {v['num_layers']}")
     mcfg = ModelConfig(vocab_size=v["vocab_size"], hidden_size=h, num_layers=v["num_layers"],
                        intermediate_size=2 * h, num_experts=v["num_experts"], top_k=v["top_k"],
                        moe_intermediate_size=v["moe_intermediate_size"])
@@ -122,7 +170,14 @@ RESIDUAL = (
 
 def run(argv: "list[str] | None" = None) -> "tuple[int, dict]":
     """Runs the demo; returns (exit code, summary dict)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:  # before any work: an output folder that cannot be made is a usage error, not a traceback
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {args.out!r}: cannot create the output folder ({e.strerror})")
+    if not os.access(args.out, os.W_OK):
+        parser.error(f"--out {args.out!r}: the output folder is not writable")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     import torch
