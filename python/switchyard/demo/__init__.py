@@ -31,35 +31,23 @@ PRESETS = {
 }
 
 
-def _positive_int(text):
-    """argparse type: an int >= 1 (names the bad value instead of a traceback later)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def _checked(convert, kind, ok, expected):
+    """An argparse type: `convert` the text, then require `ok(value)`; the error names the value."""
+    def parse(text):
+        try:
+            v = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text}")
+        return v
+    return parse
 
 
-def _nonnegative_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _positive_float(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
+_positive_int = _checked(int, "an integer", lambda v: v >= 1, ">= 1")
+_nonnegative_int = _checked(int, "an integer", lambda v: v >= 0, ">= 0")
+_positive_float = _checked(float, "a number", lambda v: v > 0 and math.isfinite(v),
+                           "a finite number > 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
