@@ -1,4 +1,5 @@
-// Router front-end: validates every argument, shapes the outputs, runs the CPU kernels and turns
+// Router front-end: validates every argument, shapes the outputs, runs the kernels (through the
+// backend seam, src/backend/backend.h) and turns
 // their partial sums into Megatron-Core's loss values and gradient coefficients.
 #include "switchyard/router.h"
 
@@ -15,8 +16,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "backend/backend.h"
 #include "check.h"
-#include "cpu/router_kernels.h"
 
 namespace switchyard {
 
@@ -36,30 +37,8 @@ std::string layer_prefix(int64_t layer) {
   return layer >= 0 ? detail::cat("layer ", layer, ", ") : std::string();
 }
 
-// First non-finite element of x[0..n), or -1. A branch-free exponent test over the whole array
-// first (vectorises), then a search only when something is wrong; the lowest flat index wins, so
-// the message does not depend on the thread count.
-template <class S>
-int64_t first_non_finite(const S* x, int64_t n) {
-  using U = std::conditional_t<sizeof(S) == 4, uint32_t, uint64_t>;
-  constexpr U kExp = static_cast<U>(sizeof(S) == 4 ? 0x7f800000ull : 0x7ff0000000000000ull);
-  // One thread: a 2 MB scan runs at memory speed, and a parallel region's barrier costs more
-  // than the split saves (much more when the cores are shared).
-  U bad = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    U u;
-    std::memcpy(&u, x + i, sizeof u);
-    bad |= static_cast<U>((u & kExp) == kExp);
-  }
-  if (!bad) return -1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) return i;
-  }
-  return -1;
-}
-
-cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
-  cpu::RouteKernelParams p;
+backend::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
+  backend::RouteKernelParams p;
   p.num_tokens = T;
   p.num_experts = c.num_experts;
   p.top_k = c.top_k;
@@ -68,7 +47,7 @@ cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
   if (c.aux_loss_type == AuxLossType::sinkhorn) {
     // Megatron's _sinkhorn_activation: sigmoid for K = 1, softmax over all E for K > 1, the
     // weights taken at the selected ids without renormalisation.
-    p.score_function = c.top_k == 1 ? cpu::kScoreSigmoid : cpu::kScoreSoftmax;
+    p.score_function = c.top_k == 1 ? backend::kScoreSigmoid : backend::kScoreSoftmax;
     p.pre_softmax = c.top_k > 1;
   }
   p.num_groups = c.num_groups;
@@ -101,7 +80,7 @@ LbCoeffs lb_coeffs(const RouterConfig& c) {
 
 template <class S>
 void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_idx,
-                 const Tensor& row_kind, const cpu::RouteKernelParams& p, int64_t capacity,
+                 const Tensor& row_kind, const backend::RouteKernelParams& p, int64_t capacity,
                  bool by_position, bool round_weights_to_bf16, RouteResult& r,
                  std::vector<double>& aux_psum, std::vector<int64_t>& aux_cnt, double& z_sum) {
   const int64_t T = p.num_tokens, K = p.top_k, E = p.num_experts;
@@ -111,8 +90,9 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
     bias_s.resize(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) bias_s[e] = static_cast<S>(bias.item_as_double(e));
   }
-  cpu::route_forward<S>(
-      logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(), row_kind.data<uint8_t>(),
+  const backend::Context ctx = backend::context_of(logits, kOp);
+  backend::route_forward<S>(
+      ctx, logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(), row_kind.data<uint8_t>(),
       replay_idx.defined() ? replay_idx.data<int32_t>() : nullptr, p,
       r.selected_idx.data<int32_t>(), sel_w.data<S>(), aux_psum.data(), aux_cnt.data(), &z_sum);
   if constexpr (std::is_same_v<S, float>) {
@@ -124,9 +104,9 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
     }
   }
   r.num_dropped =
-      cpu::apply_capacity<S>(r.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E, capacity,
-                             by_position, r.topk_idx.data<int32_t>(), r.topk_weights.data<S>(),
-                             r.num_tokens_per_expert.data<int64_t>());
+      backend::apply_capacity<S>(ctx, r.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E,
+                                 capacity, by_position, r.topk_idx.data<int32_t>(),
+                                 r.topk_weights.data<S>(), r.num_tokens_per_expert.data<int64_t>());
 }
 
 // A uniform in (0, 1) for counter i of a seed: splitmix64 of (seed, i), top 24 bits.
@@ -422,9 +402,9 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   const int64_t T = logits.size(0), E = config.num_experts, K = config.top_k;
   const bool is64 = logits.dtype() == DType::fp64;
   {
-    const int64_t bad = is64 ? first_non_finite(logits.data<double>(), T * E)
-                             : first_non_finite(logits.data<float>(), T * E);
-    if (bad >= 0) {
+    const int64_t bad = backend::first_non_finite(backend::context_of(logits, kOp), logits.raw(),
+                                                  logits.dtype(), T * E);
+    if (bad < T * E) {
       detail::fail_arg(kOp, layer_prefix(options.layer), "logits must be finite, got ",
                        logits.item_as_double(bad), " at token ", bad / E, ", expert ", bad % E);
     }
@@ -438,11 +418,12 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   if (bias.defined()) {
     detail::check_dtype(bias, kOp, "expert_bias", {DType::fp32, DType::fp64});
     detail::check_shape(bias, kOp, "expert_bias", {E});
-    for (int64_t e = 0; e < E; ++e) {
-      if (!std::isfinite(bias.item_as_double(e))) {
-        detail::fail_arg(kOp, "expert_bias must be finite, got ", bias.item_as_double(e),
-                         " at expert ", e);
-      }
+    detail::check_device(bias, kOp, "expert_bias", logits.device());
+    const int64_t e =
+        backend::first_non_finite(backend::context_of(bias, kOp), bias.raw(), bias.dtype(), E);
+    if (e < E) {
+      detail::fail_arg(kOp, "expert_bias must be finite, got ", bias.item_as_double(e),
+                       " at expert ", e);
     }
   }
   const bool qb = config.aux_loss_type == AuxLossType::quantile_balancing;
@@ -462,11 +443,13 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   const Tensor& mask = inputs.padding_mask;
   if (mask.defined()) {
     detail::check_dtype(mask, kOp, "padding_mask", {DType::boolean});
+    detail::check_device(mask, kOp, "padding_mask", logits.device());
     detail::check_shape(mask, kOp, "padding_mask", {T});
   }
   const Tensor& replay = inputs.replay_idx;
   if (replay.defined()) {
     detail::check_dtype(replay, "replay", "replay_idx", {DType::int32});
+    detail::check_device(replay, "replay", "replay_idx", logits.device());
     detail::check_shape(replay, "replay", "replay_idx", {T, K});
   }
   if (options.invalid_replay_rows != InvalidReplayRows::error &&
@@ -514,50 +497,29 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   // Row kinds; replay rows are checked here so that a bad row throws before any routing.
   {
     const int32_t* rp = replay.defined() ? replay.data<int32_t>() : nullptr;
-    std::vector<int64_t> seen(rp ? static_cast<size_t>(E) : 0, -1);
-    for (int64_t t = 0; t < T; ++t) {
-      if (pad && pad[t]) {
-        kind[t] = cpu::kRowPadded;
-        ++r.num_padded_rows;
-        continue;
-      }
-      kind[t] = cpu::kRowNative;
-      if (!rp) {
-        ++r.num_native_rows;
-        continue;
-      }
-      const int32_t* row = rp + t * K;
-      int64_t num_none = 0;
-      for (int64_t k = 0; k < K; ++k) num_none += row[k] == -1;
-      if (num_none == K) {
-        ++r.num_native_rows;
-        continue;
-      }
+    const backend::ReplayRowSummary rows =
+        backend::classify_replay_rows(backend::context_of(logits, kOp), rp, pad, T, K, E, kind);
+    if (rows.first_invalid_row >= 0 && options.invalid_replay_rows == InvalidReplayRows::error) {
+      const int64_t t = rows.first_invalid_row;
       std::string why;
-      if (num_none > 0) {
-        why = "mixes -1 and expert ids";
-      } else {
-        for (int64_t k = 0; k < K && why.empty(); ++k) {
-          if (row[k] < 0 || row[k] >= E) {
-            why = detail::cat("names expert ", row[k], " outside [0, ", E, ")");
-          } else if (seen[row[k]] == t) {
-            why = detail::cat("repeats expert ", row[k]);
-          } else {
-            seen[row[k]] = t;
-          }
-        }
+      switch (rows.first_problem) {
+        case backend::ReplayRowProblem::mixes_none_and_ids:
+          why = "mixes -1 and expert ids";
+          break;
+        case backend::ReplayRowProblem::id_out_of_range:
+          why = detail::cat("names expert ", rows.first_problem_id, " outside [0, ", E, ")");
+          break;
+        default:
+          why = detail::cat("repeats expert ", rows.first_problem_id);
+          break;
       }
-      if (why.empty()) {
-        kind[t] = cpu::kRowReplayed;
-        ++r.num_replayed_rows;
-      } else if (options.invalid_replay_rows == InvalidReplayRows::native) {
-        ++r.num_native_rows;
-        ++r.num_invalid_replay_rows;
-      } else {
-        detail::fail_arg("replay", layer_prefix(options.layer), "token ", t, ": topk_idx row ",
-                         row_str(row, K), " ", why);
-      }
+      detail::fail_arg("replay", layer_prefix(options.layer), "token ", t, ": topk_idx row ",
+                       row_str(rp + t * K, K), " ", why);
     }
+    r.num_padded_rows = rows.num_padded;
+    r.num_native_rows = rows.num_native;
+    r.num_replayed_rows = rows.num_replayed;
+    r.num_invalid_replay_rows = rows.num_invalid;
   }
 
   // ---- outputs and kernels ----
@@ -577,7 +539,7 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   }
   r.expert_capacity = capacity;
 
-  cpu::RouteKernelParams p = kernel_params(config, T);
+  backend::RouteKernelParams p = kernel_params(config, T);
   p.need_aux = need_aux;
   p.aux_groups = G;
   p.need_z = config.z_loss_coeff > 0.0;
@@ -592,21 +554,23 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   Tensor kernel_kind = r.row_kind;
   if (config.aux_loss_type == AuxLossType::sinkhorn && options.training) {
     std::vector<uint8_t> use(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) use[t] = kind[t] != cpu::kRowPadded;
+    for (int64_t t = 0; t < T; ++t) use[t] = kind[t] != backend::kRowPadded;
     Tensor sink = Tensor::full({T, K}, DType::int32, -1);
     if (is64) {
-      cpu::sinkhorn_select(logits.data<double>(), use.data(), T, E, K, 1e-4, sink.data<int32_t>());
+      backend::sinkhorn_select(backend::context_of(logits, kOp), logits.data<double>(), use.data(),
+                               T, E, K, 1e-4, sink.data<int32_t>());
     } else {
-      cpu::sinkhorn_select(logits.data<float>(), use.data(), T, E, K, 1e-4, sink.data<int32_t>());
+      backend::sinkhorn_select(backend::context_of(logits, kOp), logits.data<float>(), use.data(),
+                               T, E, K, 1e-4, sink.data<int32_t>());
     }
     kernel_kind = r.row_kind.clone();
     uint8_t* kk = kernel_kind.data<uint8_t>();
     int32_t* sp = sink.data<int32_t>();
     for (int64_t t = 0; t < T; ++t) {
-      if (kind[t] == cpu::kRowReplayed) {
+      if (kind[t] == backend::kRowReplayed) {
         std::copy_n(replay.data<int32_t>() + t * K, K, sp + t * K);
-      } else if (kind[t] == cpu::kRowNative) {
-        kk[t] = cpu::kRowReplayed;
+      } else if (kind[t] == backend::kRowNative) {
+        kk[t] = backend::kRowReplayed;
       }
     }
     kernel_replay = sink;
@@ -631,7 +595,7 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
                           return a < b;
                         });
       alpha[t] = key[order[K]];
-      if (kind[t] == cpu::kRowReplayed) {
+      if (kind[t] == backend::kRowReplayed) {
         std::copy_n(replay.data<int32_t>() + t * K, K, sel.data<int32_t>() + t * K);
       } else {
         std::copy_n(order.data(), K, sel.data<int32_t>() + t * K);
@@ -650,7 +614,7 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
     kernel_kind = r.row_kind.clone();
     uint8_t* kk = kernel_kind.data<uint8_t>();
     for (int64_t t = 0; t < T; ++t) {
-      if (kind[t] == cpu::kRowNative) kk[t] = cpu::kRowReplayed;
+      if (kind[t] == backend::kRowNative) kk[t] = backend::kRowReplayed;
     }
     kernel_replay = sel;
   }
@@ -825,21 +789,21 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
   }
   const double zc = handle.z_grad_coeff * options.loss_grad_scale;
 
-  cpu::RouteKernelParams p = kernel_params(h, T);
+  backend::RouteKernelParams p = kernel_params(h, T);
   p.aux_groups = handle.aux_groups;
   RouteGrads g;
   g.grad_logits = Tensor::empty({T, E}, logits.dtype());
   const double* aux_ptr = aux.empty() ? nullptr : aux.data();
   if (logits.dtype() == DType::fp64) {
-    cpu::route_backward<double>(logits.data<double>(), handle.selected_idx.data<int32_t>(),
-                                handle.topk_idx.data<int32_t>(), handle.row_kind.data<uint8_t>(),
-                                gw.defined() ? gw.data<double>() : nullptr, p, aux_ptr, zc,
-                                g.grad_logits.data<double>());
+    backend::route_backward<double>(
+        backend::context_of(logits, op), logits.data<double>(), handle.selected_idx.data<int32_t>(),
+        handle.topk_idx.data<int32_t>(), handle.row_kind.data<uint8_t>(),
+        gw.defined() ? gw.data<double>() : nullptr, p, aux_ptr, zc, g.grad_logits.data<double>());
   } else {
-    cpu::route_backward<float>(logits.data<float>(), handle.selected_idx.data<int32_t>(),
-                               handle.topk_idx.data<int32_t>(), handle.row_kind.data<uint8_t>(),
-                               gw.defined() ? gw.data<float>() : nullptr, p, aux_ptr, zc,
-                               g.grad_logits.data<float>());
+    backend::route_backward<float>(
+        backend::context_of(logits, op), logits.data<float>(), handle.selected_idx.data<int32_t>(),
+        handle.topk_idx.data<int32_t>(), handle.row_kind.data<uint8_t>(),
+        gw.defined() ? gw.data<float>() : nullptr, p, aux_ptr, zc, g.grad_logits.data<float>());
   }
   // bf16 logits get their gradient in bf16 (computed in fp32, rounded once).
   if (handle.logits_dtype == DType::bf16) g.grad_logits = g.grad_logits.to(DType::bf16);
