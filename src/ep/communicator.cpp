@@ -5,7 +5,6 @@
 #include <stdexcept>
 
 #include "check.h"
-#include "cpu/permute_kernels.h"
 #include "core/allocator.h"
 #include "switchyard/dist.h"
 

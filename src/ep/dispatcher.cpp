@@ -12,8 +12,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "backend/backend.h"
 #include "check.h"
-#include "cpu/permute_kernels.h"
 #include "dispatcher_layout.h"
 
 namespace switchyard::dist {
@@ -21,12 +21,17 @@ namespace switchyard::dist {
 namespace {
 
 using switchyard::detail::check_defined;
+using switchyard::detail::check_device;
 using switchyard::detail::check_dim;
 using switchyard::detail::check_dtype;
 using switchyard::detail::check_shape;
 using switchyard::detail::fail_arg;
 
 constexpr int64_t kHeader = 7;  // error length, T, H, dtype, K, E, dispatcher kind
+
+// The dispatchers move host rows (the communicator exchanges host memory), so their row kernels
+// run on the CPU backend; a device communicator (NCCL) would carry its device and stream here.
+constexpr backend::Context kHost{kCpu, nullptr, "dispatch"};
 
 // Metadata travelling with each row in the AlltoAll dispatcher.
 struct RowMeta {
@@ -132,7 +137,7 @@ void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h
     void* all = comm.workspace(kStagingSlot, total * rb);
     comm.allgatherv(src, R, all, per_rank, rb);
     const auto map = plan_rows_in_gathered(h);
-    cpu::gather_rows(all, map.data(), h.plan.num_rows, rb, dst);
+    backend::gather_rows(kHost, all, map.data(), h.plan.num_rows, rb, dst);
   }
 }
 
@@ -152,15 +157,16 @@ void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
     const int64_t self_begin = off[me * L], self_end = off[(me + 1) * L];
     void* packed = comm.workspace(kPackSlot, h.plan.num_rows * rb);
     auto* pk = static_cast<unsigned char*>(packed);
-    cpu::gather_rows(src, rt, self_begin, rb, pk);
-    cpu::gather_rows(src, rt + self_end, h.plan.num_rows - self_end, rb, pk + self_end * rb);
+    backend::gather_rows(kHost, src, rt, self_begin, rb, pk);
+    backend::gather_rows(kHost, src, rt + self_end, h.plan.num_rows - self_end, rb,
+                         pk + self_end * rb);
     const auto boff = detail::block_offsets(h);
     auto* out = static_cast<unsigned char*>(dst);
     for (int64_t el = 0; el < L; ++el) {
       const int64_t e = me * L + el;
       if (off[e + 1] == off[e]) continue;  // a parallel region per empty expert cost 1 µs each
-      cpu::gather_rows(src, rt + off[e], off[e + 1] - off[e], rb,
-                       out + boff[static_cast<size_t>(e * P + me)] * rb);
+      backend::gather_rows(kHost, src, rt + off[e], off[e + 1] - off[e], rb,
+                           out + boff[static_cast<size_t>(e * P + me)] * rb);
     }
     std::vector<Communicator::Block> send, recv;
     plan_blocks(h, send);
@@ -177,7 +183,7 @@ void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
     for (int64_t n : h.rank_num_tokens) total += n;
     void* all = comm.workspace(kStagingSlot, total * rb);
     comm.allgatherv(src, h.num_tokens, all, h.rank_num_tokens, rb);
-    cpu::gather_rows(all, h.recv_gather_index.data<int64_t>(), R, rb, dst);
+    backend::gather_rows(kHost, all, h.recv_gather_index.data<int64_t>(), R, rb, dst);
   }
 }
 
@@ -206,15 +212,18 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
     check_defined(x, op, "x");
     check_dim(x, op, "x", 2);
     check_dtype(x, op, "x", {DType::fp32, DType::bf16});
+    check_device(x, op, "x", kCpu);
     check_defined(topk_idx, op, "topk_idx");
     check_dim(topk_idx, op, "topk_idx", 2);
     check_dtype(topk_idx, op, "topk_idx", {DType::int32});
+    check_device(topk_idx, op, "topk_idx", kCpu);
     if (topk_idx.size(0) != x.size(0)) {
       fail_arg(op, "topk_idx must have x's ", x.size(0), " rows, got shape ",
                shape_str(topk_idx.shape()));
     }
     check_defined(topk_weights, op, "topk_weights");
     check_dtype(topk_weights, op, "topk_weights", {DType::fp32});
+    check_device(topk_weights, op, "topk_weights", kCpu);
     check_shape(topk_weights, op, "topk_weights", topk_idx.shape());
     // NaN/Inf would travel silently into every expert and into combine's sums (the gate and the
     // router reject them too): the same scan, inside the agreement, so every rank raises.
@@ -238,6 +247,7 @@ Tensor combine_impl(const char* op, const char* name, const Tensor& expert_y,
     check_handle(op, h, comm);
     check_defined(expert_y, op, name);
     check_dtype(expert_y, op, name, {DType::fp32, DType::bf16});
+    check_device(expert_y, op, name, kCpu);
     check_shape(expert_y, op, name, {h.num_recv_tokens, h.hidden});
     switchyard::detail::check_finite(expert_y, op, name, "row", "hidden");
   } catch (const std::invalid_argument& e) {
@@ -447,6 +457,7 @@ Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const Dis
   try {
     check_handle(op, h, comm);
     check_dtype(grad_recv_topk_weights, op, name, {DType::fp32});
+    check_device(grad_recv_topk_weights, op, name, kCpu);
     check_shape(grad_recv_topk_weights, op, name, {h.num_recv_tokens});
   } catch (const std::invalid_argument& e) {
     err = e.what();
@@ -489,9 +500,11 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, cons
     check_handle(op, h, comm);
     check_defined(grad_y, op, "grad_y");
     check_dtype(grad_y, op, "grad_y", {DType::fp32, DType::bf16});
+    check_device(grad_y, op, "grad_y", kCpu);
     check_shape(grad_y, op, "grad_y", {h.num_tokens, h.hidden});
     if (apply) {
       check_defined(expert_y, op, "expert_y");
+      check_device(expert_y, op, "expert_y", kCpu);
       check_shape(expert_y, op, "expert_y", {h.num_recv_tokens, h.hidden});
       if (expert_y.dtype() != grad_y.dtype()) {
         fail_arg(op, "expert_y must have grad_y's dtype ", dtype_name(grad_y.dtype()), ", got ",
@@ -518,12 +531,13 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, cons
   }
   out.grad_expert_y = Tensor::empty({R, H}, dt);
   Tensor dots = Tensor::empty({R}, DType::fp32);
-  cpu::by_row_dtype(dt, [&](auto tag) {
+  backend::by_row_dtype(dt, [&](auto tag) {
     using X = decltype(tag);
     const X* g = static_cast<const X*>(g_recv.raw());
-    cpu::gather_scale_rows<X>(g, h.recv_topk_weights.data<float>(), nullptr, R, H,
-                              static_cast<X*>(out.grad_expert_y.raw()));
-    cpu::row_dots<X>(static_cast<const X*>(expert_y.raw()), g, nullptr, R, H, dots.data<float>());
+    backend::gather_scale_rows<X>(kHost, g, h.recv_topk_weights.data<float>(), nullptr, R, H,
+                                  static_cast<X*>(out.grad_expert_y.raw()));
+    backend::row_dots<X>(kHost, static_cast<const X*>(expert_y.raw()), g, nullptr, R, H,
+                         dots.data<float>());
   });
   std::vector<float> plan_dots(static_cast<size_t>(h.plan.num_rows));
   return_rows(dots.raw(), sizeof(float), plan_dots.data(), h, comm);
