@@ -18,7 +18,10 @@ struct Device {
 
   bool is_cpu() const { return kind == DeviceKind::cpu; }
   bool is_cuda() const { return kind == DeviceKind::cuda; }
-  friend bool operator==(const Device&, const Device&) = default;
+  friend bool operator==(const Device& a, const Device& b) {
+    return a.kind == b.kind && a.index == b.index;
+  }
+  friend bool operator!=(const Device& a, const Device& b) { return !(a == b); }
 };
 
 /// The host.
