@@ -22,14 +22,27 @@ std::string allowed_str(std::initializer_list<DType> allowed) {
   return s;
 }
 
+}  // namespace
+
+py::module_& torch_module();
+
+namespace {
+
 // DLPack device codes (dlpack.h DLDeviceType).
 constexpr int32_t kDLCPU = 1;
 constexpr int32_t kDLCUDA = 2;
 constexpr int32_t kDLCUDAHost = 3;  // pinned host memory: host-addressable
 
 Device device_of(py::handle obj, const std::string& where) {
-  // The DLPack protocol says where the memory is (torch.device spells every backend its own way,
-  // and a subclass or a foreign tensor may not be what its .device claims to be).
+  // Fast path: a plain torch.Tensor on the CPU. torch's own __dlpack_device__ derives kDLCPU from
+  // exactly this, but through a Python-level method (measured: 1.3 us of a 2 us borrow).
+  static py::handle* tensor_type = new py::handle(torch_module().attr("Tensor"));
+  if (py::type::handle_of(obj).is(*tensor_type) &&
+      obj.attr("device").attr("type").cast<std::string>() == "cpu") {
+    return kCpu;
+  }
+  // Otherwise the DLPack protocol says where the memory is (torch.device spells every backend its
+  // own way, and a subclass or a foreign tensor may not be what its .device claims to be).
   int32_t type = -1, index = 0;
   try {
     const auto dev = obj.attr("__dlpack_device__")().cast<std::pair<int32_t, int32_t>>();
