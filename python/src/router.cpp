@@ -48,6 +48,10 @@ std::string config_repr(const RouterConfig& c) {
                                    : std::string("None"));
   s += std::string(", token_drop_policy='") + token_drop_policy_name(c.token_drop_policy) + "'";
   s += std::string(", pad_to_capacity=") + (c.pad_to_capacity ? "True" : "False");
+  if (c.padding_for_quantization) {
+    s += ", padding_for_quantization=True, padding_align_size=" +
+         std::to_string(c.padding_align_size);
+  }
   if (!c.aux_loss_types.empty()) {
     std::string t = "[", v = "[";
     for (size_t i = 0; i < c.aux_loss_types.size(); ++i) {
@@ -85,7 +89,9 @@ void bind_router(py::module_& m) {
                        bool pad_to_capacity, py::object aux_loss_type, py::object aux_loss_coeff,
                        double z_loss_coeff, bool calculate_per_token_loss, bool is_mtp_layer,
                        bool mtp_use_repeated_layer, std::optional<int64_t> mtp_num_layers,
-                       bool force_load_balancing, std::optional<double> force_biased) {
+                       bool force_load_balancing, std::optional<double> force_biased,
+                       bool padding_for_quantization, bool padding_for_fp8,
+                       std::optional<int64_t> padding_align_size) {
              RouterConfig c;
              c.num_experts = num_experts;
              c.top_k = top_k;
@@ -133,6 +139,9 @@ void bind_router(py::module_& m) {
              c.mtp_num_layers = mtp_num_layers.value_or(0);
              c.force_load_balancing = force_load_balancing;
              c.force_biased = force_biased.value_or(0.0);
+             // Megatron: moe_router_padding_for_fp8 is the older alias; either turns padding on.
+             c.padding_for_quantization = padding_for_quantization || padding_for_fp8;
+             if (padding_align_size) c.padding_align_size = *padding_align_size;
              validate_router_config(c);
              return c;
            }),
@@ -145,7 +154,8 @@ void bind_router(py::module_& m) {
            py::arg("z_loss_coeff") = 0.0, py::arg("calculate_per_token_loss") = false,
            py::arg("is_mtp_layer") = false, py::arg("mtp_use_repeated_layer") = false,
            py::arg("mtp_num_layers") = py::none(), py::arg("force_load_balancing") = false,
-           py::arg("force_biased") = py::none())
+           py::arg("force_biased") = py::none(), py::arg("padding_for_quantization") = false,
+           py::arg("padding_for_fp8") = false, py::arg("padding_align_size") = py::none())
       .def_readonly("num_experts", &RouterConfig::num_experts)
       .def_readonly("top_k", &RouterConfig::top_k)
       .def_property_readonly(
@@ -168,6 +178,8 @@ void bind_router(py::module_& m) {
           "token_drop_policy",
           [](const RouterConfig& c) { return token_drop_policy_name(c.token_drop_policy); })
       .def_readonly("pad_to_capacity", &RouterConfig::pad_to_capacity)
+      .def_readonly("padding_for_quantization", &RouterConfig::padding_for_quantization)
+      .def_readonly("padding_align_size", &RouterConfig::padding_align_size)
       .def_property_readonly("aux_loss_type",
                              [](const RouterConfig& c) -> py::object {
                                if (!c.aux_loss_types.empty()) {
@@ -230,6 +242,10 @@ void bind_router(py::module_& m) {
       .def_property_readonly("expert_capacity",
                              [](const PyRoute& p) { return p.r.expert_capacity; })
       .def_property_readonly("num_dropped", [](const PyRoute& p) { return p.r.num_dropped; })
+      .def_property_readonly("pad_to_capacity",
+                             [](const PyRoute& p) { return p.r.pad_to_capacity; })
+      .def_property_readonly("expert_alignment",
+                             [](const PyRoute& p) { return p.r.expert_alignment; })
       .def_property_readonly(
           "qb_beta_local", [](const PyRoute& p) { return py_bridge::to_torch(p.r.qb_beta_local); })
       .def_property_readonly("aux_loss", [](const PyRoute& p) { return p.r.aux_loss; })
@@ -321,6 +337,51 @@ void bind_router(py::module_& m) {
         return py_bridge::to_torch(std::move(g.grad_logits));
       },
       py::arg("grad_topk_weights"), py::arg("route"), py::arg("loss_grad_scale"));
+  py::class_<RoutingPlan>(m, "RoutingPlan",
+                          "Rows of a token permutation: counts, padded offsets, row sources.")
+      .def_readonly("num_tokens", &RoutingPlan::num_tokens)
+      .def_readonly("num_experts", &RoutingPlan::num_experts)
+      .def_readonly("top_k", &RoutingPlan::top_k)
+      .def_readonly("num_pairs", &RoutingPlan::num_pairs)
+      .def_readonly("num_dropped", &RoutingPlan::num_dropped)
+      .def_readonly("num_rows", &RoutingPlan::num_rows)
+      .def_property_readonly(
+          "num_tokens_per_expert",
+          [](const RoutingPlan& p) { return py_bridge::to_torch(p.num_tokens_per_expert.clone()); })
+      .def_property_readonly(
+          "expert_offsets",
+          [](const RoutingPlan& p) { return py_bridge::to_torch(p.expert_offsets.clone()); })
+      .def_property_readonly(
+          "row_token", [](const RoutingPlan& p) { return py_bridge::to_torch(p.row_token.clone()); })
+      .def_property_readonly(
+          "row_expert",
+          [](const RoutingPlan& p) { return py_bridge::to_torch(p.row_expert.clone()); })
+      .def_property_readonly(
+          "row_weight",
+          [](const RoutingPlan& p) { return py_bridge::to_torch(p.row_weight.clone()); })
+      .def_property_readonly(
+          "slot_row", [](const RoutingPlan& p) { return py_bridge::to_torch(p.slot_row.clone()); });
+  m.def(
+      "build_routing_plan",
+      [](py::handle topk_idx, py::handle topk_weights, int64_t num_experts,
+         int64_t expert_alignment, double capacity_factor, int64_t expert_capacity,
+         const std::string& token_drop_policy, bool pad_to_capacity) {
+        const char* op = "routing_plan";
+        py_bridge::Arg ai;
+        Tensor idx = ids_int32(topk_idx, op, "topk_idx", ai);
+        py_bridge::Arg aw = py_bridge::borrow_optional(topk_weights, op, "topk_weights");
+        RoutingPlanOptions o;
+        o.expert_alignment = expert_alignment;
+        o.capacity_factor = capacity_factor;
+        o.expert_capacity = expert_capacity;
+        o.token_drop_policy = parse_token_drop_policy(token_drop_policy);
+        o.pad_to_capacity = pad_to_capacity;
+        py::gil_scoped_release nogil;
+        return build_routing_plan(idx, aw.t, num_experts, o);
+      },
+      py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
+      py::arg("expert_alignment"), py::arg("capacity_factor"), py::arg("expert_capacity"),
+      py::arg("token_drop_policy"), py::arg("pad_to_capacity"));
   m.def(
       "input_jitter",
       [](py::handle x, double eps, uint64_t seed, bool backward) {

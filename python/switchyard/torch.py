@@ -15,6 +15,7 @@ from . import _names
 from . import _switchyard as _C
 
 __all__ = ["router_gating_linear", "input_jitter", "topk_route", "RouteInfo", "TopKRouter",
+           "routing_plan",
            "update_expert_bias", "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
 
 
@@ -307,7 +308,7 @@ class RouteInfo:
     counts (replayed + native + padded == T), so replay can never silently do nothing."""
 
     __slots__ = ("aux_loss", "aux_loss_parts", "z_loss", "num_tokens_per_expert", "qb_beta_local",
-                 "expert_capacity", "num_dropped",
+                 "expert_capacity", "pad_to_capacity", "expert_alignment", "num_dropped",
                  "num_replayed_rows", "num_native_rows", "num_padded_rows",
                  "num_invalid_replay_rows")
 
@@ -318,11 +319,22 @@ class RouteInfo:
         self.z_loss = res.z_loss
         self.num_tokens_per_expert = res.num_tokens_per_expert
         self.expert_capacity = None if res.expert_capacity < 0 else res.expert_capacity
+        # Padding the routing plan applies (moe_pad_expert_input_to_capacity, padding for
+        # quantization): see routing_plan_options.
+        self.pad_to_capacity = res.pad_to_capacity
+        self.expert_alignment = res.expert_alignment
         self.num_dropped = res.num_dropped
         self.num_replayed_rows = res.num_replayed_rows
         self.num_native_rows = res.num_native_rows
         self.num_padded_rows = res.num_padded_rows
         self.num_invalid_replay_rows = res.num_invalid_replay_rows
+
+    @property
+    def routing_plan_options(self):
+        """Keyword arguments of ``routing_plan`` that carry this route's capacity and padding
+        (the route already dropped, so the plan drops nothing more)."""
+        return dict(expert_capacity=self.expert_capacity, pad_to_capacity=self.pad_to_capacity,
+                    expert_alignment=self.expert_alignment)
 
     def __repr__(self):
         return "RouteInfo(" + ", ".join(
@@ -436,6 +448,28 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     if return_info:
         return topk_weights, topk_idx, RouteInfo(box[0])
     return topk_weights, topk_idx
+
+
+def routing_plan(topk_idx, topk_weights, num_experts, *, expert_alignment=1, capacity_factor=None,
+                 expert_capacity=None, token_drop_policy="probs", pad_to_capacity=False):
+    """The routing plan of a [T, K] id table (int64/int32, -1 = none) and its weights ([T, K]
+    fp32 or None): per-expert counts, row blocks padded to ``expert_alignment`` (Megatron's
+    moe_router_padding_for_quantization) or to the capacity (moe_pad_expert_input_to_capacity,
+    needs capacity_factor or expert_capacity), and each row's source token (-1 for a padding row,
+    weight 0). ``routing_plan(idx, w, E, **info.routing_plan_options)`` lays out a route as
+    Megatron's dispatcher pads it. Not differentiable."""
+    if capacity_factor is not None and not (
+            isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor)
+            and capacity_factor > 0):
+        raise ValueError("[routing_plan] capacity_factor must be None (no capacity) or a finite "
+                         f"number > 0, got capacity_factor={capacity_factor!r}")
+    if topk_weights is not None and isinstance(topk_weights, torch.Tensor):
+        topk_weights = topk_weights.detach().to(torch.float32)
+    return _C.build_routing_plan(
+        topk_idx, topk_weights, int(num_experts), int(expert_alignment),
+        0.0 if capacity_factor is None else float(capacity_factor),
+        -1 if expert_capacity is None else int(expert_capacity), token_drop_policy,
+        bool(pad_to_capacity))
 
 
 def update_expert_bias(expert_bias, num_tokens_per_expert, rate, comm=None):

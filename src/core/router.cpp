@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "capacity.h"
 #include "check.h"
 #include "cpu/router_kernels.h"
 
@@ -102,7 +103,7 @@ LbCoeffs lb_coeffs(const RouterConfig& c) {
 template <class S>
 void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_idx,
                  const Tensor& row_kind, const cpu::RouteKernelParams& p, int64_t capacity,
-                 bool by_position, bool round_weights_to_bf16, RouteResult& r,
+                 TokenDropPolicy drop_policy, bool round_weights_to_bf16, RouteResult& r,
                  std::vector<double>& aux_psum, std::vector<int64_t>& aux_cnt, double& z_sum) {
   const int64_t T = p.num_tokens, K = p.top_k, E = p.num_experts;
   Tensor sel_w = Tensor::empty({T, K}, dtype_of<S>());
@@ -123,10 +124,9 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
       for (int64_t i = 0; i < T * K; ++i) w[i] = bf16_to_float(float_to_bf16(w[i]));
     }
   }
-  r.num_dropped =
-      cpu::apply_capacity<S>(r.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E, capacity,
-                             by_position, r.topk_idx.data<int32_t>(), r.topk_weights.data<S>(),
-                             r.num_tokens_per_expert.data<int64_t>());
+  r.num_dropped = detail::apply_capacity<S>(
+      r.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E, capacity, drop_policy,
+      r.topk_idx.data<int32_t>(), r.topk_weights.data<S>(), r.num_tokens_per_expert.data<int64_t>());
 }
 
 // A uniform in (0, 1) for counter i of a seed: splitmix64 of (seed, i), top 24 bits.
@@ -217,16 +217,6 @@ AuxLossType parse_aux_loss_type(const std::string& name) {
                    name, "\"");
 }
 
-const char* token_drop_policy_name(TokenDropPolicy p) {
-  return p == TokenDropPolicy::probs ? "probs" : "position";
-}
-
-TokenDropPolicy parse_token_drop_policy(const std::string& name) {
-  if (name == "probs") return TokenDropPolicy::probs;
-  if (name == "position") return TokenDropPolicy::position;
-  detail::fail_arg(kOp, "token_drop_policy must be probs or position, got \"", name, "\"");
-}
-
 void validate_router_config(const RouterConfig& c) {
   const int64_t E = c.num_experts, K = c.top_k;
   if (E < 1) detail::fail_arg(kOp, "num_experts must be >= 1, got num_experts=", E);
@@ -269,6 +259,10 @@ void validate_router_config(const RouterConfig& c) {
   }
   if (c.pad_to_capacity && !c.capacity_factor) {
     detail::fail_arg(kOp, "pad_to_capacity needs capacity_factor, got no capacity_factor");
+  }
+  if (c.padding_for_quantization && c.padding_align_size < 1) {
+    detail::fail_arg(kOp, "padding_align_size must be >= 1 with padding_for_quantization, got ",
+                     "padding_align_size=", c.padding_align_size);
   }
   if (static_cast<int>(c.aux_loss_type) > 5) {
     detail::fail_arg(kOp,
@@ -567,14 +561,9 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   r.selected_idx = Tensor::empty({T, K}, DType::int32);
   r.num_tokens_per_expert = Tensor::empty({E}, DType::int64);
   r.pad_to_capacity = config.pad_to_capacity;
-  int64_t capacity = -1;
-  if (config.capacity_factor) {
-    // No expert can receive more than T pairs, so larger capacities mean "no drops"; clamping
-    // also keeps a huge capacity_factor from overflowing the conversion.
-    const double c =
-        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * *config.capacity_factor);
-    capacity = c >= static_cast<double>(T) ? T : static_cast<int64_t>(c);
-  }
+  r.expert_alignment = config.padding_for_quantization ? config.padding_align_size : 1;
+  const int64_t capacity =
+      config.capacity_factor ? expert_capacity(T, K, E, *config.capacity_factor) : -1;
   r.expert_capacity = capacity;
 
   cpu::RouteKernelParams p = kernel_params(config, T);
@@ -584,7 +573,6 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   std::vector<double> aux_psum(need_aux ? static_cast<size_t>(G * E) : 0);
   std::vector<int64_t> aux_cnt(need_aux ? static_cast<size_t>(G * E) : 0);
   double z_sum = 0.0;
-  const bool by_position = config.token_drop_policy == TokenDropPolicy::position;
   // Sinkhorn (training): the native rows take ids from the Sinkhorn-normalised batch of every
   // unpadded row, then route like replayed rows (weights from the live logits at those ids);
   // rows replayed by the caller keep their ids. row_kind keeps saying native for them.
@@ -655,10 +643,10 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
     kernel_replay = sel;
   }
   if (is64) {
-    run_forward<double>(logits, bias, kernel_replay, kernel_kind, p, capacity, by_position, false,
+    run_forward<double>(logits, bias, kernel_replay, kernel_kind, p, capacity, config.token_drop_policy, false,
                         r, aux_psum, aux_cnt, z_sum);
   } else {
-    run_forward<float>(logits, bias, kernel_replay, kernel_kind, p, capacity, by_position, is_bf16,
+    run_forward<float>(logits, bias, kernel_replay, kernel_kind, p, capacity, config.token_drop_policy, is_bf16,
                        r, aux_psum, aux_cnt, z_sum);
   }
   if (is_bf16) r.topk_weights = r.topk_weights.to(DType::bf16);  // exact: already bf16 values
@@ -927,6 +915,14 @@ Tensor expert_bias_step(const Tensor& expert_bias, const std::vector<double>& c,
 }
 
 }  // namespace
+
+RoutingPlanOptions routing_plan_options(const RouteResult& result) {
+  RoutingPlanOptions o;
+  o.expert_capacity = result.expert_capacity;
+  o.pad_to_capacity = result.pad_to_capacity;
+  o.expert_alignment = result.expert_alignment;
+  return o;
+}
 
 Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
                           double rate) {
