@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -163,7 +164,13 @@ struct RouteOptions {
   GlobalAuxLossUpdate global_aux_loss_update = GlobalAuxLossUpdate::accumulate;
 };
 
-/// Result of topk_route, also the handle its backward needs. Integer outputs (ids, counts) are not
+namespace detail {
+/// What topk_route_backward needs from the forward (logits, ids before capacity, row kinds, loss
+/// gradient coefficients, the config). Defined in src/core; opaque here.
+struct RouteSaved;
+}  // namespace detail
+
+/// Result of topk_route, also the handle its backward needs (`saved`). Integer outputs (ids, counts) are not
 /// differentiable. Every field is deterministic and independent of the thread count; each token's
 /// ids and weights depend only on that token's logits (batch invariant), except through capacity.
 struct RouteResult {
@@ -203,15 +210,9 @@ struct RouteResult {
   int64_t num_padded_rows = 0;
   int64_t num_invalid_replay_rows = 0;
 
-  // ---- saved for topk_route_backward (not part of the stable API) ----
-  Tensor logits{};  ///< [T, E] the forward's logits, fp32 copy of bf16 ones (shared: do not modify)
-  Tensor selected_idx{};   ///< [T, K] int32 ids before capacity drops (-1 on padded rows)
-  Tensor row_kind{};       ///< [T] uint8: 0 native, 1 replayed, 2 padded
-  Tensor aux_grad{};       ///< [G, E] fp64 dLoss/dP per (sequence group, expert), undefined if none
-  int64_t aux_groups = 1;  ///< G: 1, or num_sequences for seq_aux_loss
-  double z_grad_coeff = 0.0;         ///< 2 * z_loss_coeff / num_valid_tokens
-  RouterConfig config;               ///< the configuration of the forward
-  DType logits_dtype = DType::fp32;  ///< dtype of the logits given (bf16 ones are kept in fp32)
+  /// State saved for topk_route_backward (opaque; shared by copies of the result, never
+  /// modified after the forward). Null for a default-constructed result.
+  std::shared_ptr<const detail::RouteSaved> saved;
 };
 
 /// Routes T tokens to K of E experts from gate logits.
@@ -258,8 +259,8 @@ struct RouteGrads {
 /// loss_grad_scale * d(aux_loss + z_loss)/dlogits. grad_topk_weights: [T, K] fp32/fp64, or
 /// undefined (losses only); entries at dropped/padded slots are ignored. Padded rows get 0.
 /// Replayed rows differentiate through the weights at the replayed ids. Deterministic.
-RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResult& handle,
-                               const RouterConfig& config,
+/// The forward's configuration is the one saved in the result.
+RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResult& result,
                                const RouteBackwardOptions& options = {});
 
 /// The routing-plan options that carry a route's capacity and padding to build_routing_plan (and
@@ -281,6 +282,29 @@ Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_pe
 /// on every rank.
 Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
                           double rate, dist::Communicator& comm);
+
+/// The logits topk_route routes instead of the given ones under force_load_balancing /
+/// force_biased (benchmarking): N(0, 1) per element from options.force_seed plus, with
+/// force_biased, a per-expert N(0, |force_biased|) bias from options.force_bias_seed; [T, E] in
+/// the dtype of `logits` (fp32 for bf16). Only the shape and dtype of `logits` are read.
+Tensor forced_router_logits(const Tensor& logits, const RouterConfig& config,
+                            const RouteOptions& options);
+
+/// Quantile balancing's once-per-global-batch update (Megatron-Core finalize_model_grads
+/// _update_router_qb_beta, moe_router_quantile_balancing_ema = ema): avg = qb_beta_accum /
+/// max(count, 1) (this rank's mean of the accumulated RouteResult::qb_beta_local), new =
+/// ema * qb_beta + (1 - ema) * avg, re-centred to mean 0. qb_beta, qb_beta_accum: [E] fp32;
+/// count >= 0 (accumulated micro-batches); ema in [0, 1]. Computed in double, rounded once;
+/// returns [E] fp32.
+Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_t count,
+                      double ema);
+
+/// The same with avg averaged over `comm` (Megatron averages it over its dp_cp group): every
+/// rank's avg is allgathered and summed in rank order (deterministic), then divided by the size,
+/// so every rank gets the same qb_beta. Collective; a bad argument on any rank (or a different
+/// number of experts) throws on every rank.
+Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_t count,
+                      double ema, dist::Communicator& comm);
 
 /// Input jitter (Megatron-Core `moe_input_jitter_eps`, Switch Transformer): returns x * u with
 /// u ~ Uniform(1 - eps, 1 + eps) drawn per element from a counter-based generator keyed by

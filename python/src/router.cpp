@@ -332,7 +332,7 @@ void bind_router(py::module_& m) {
         RouteGrads g;
         {
           py::gil_scoped_release nogil;
-          g = topk_route_backward(ag.t, route.r, route.r.config, opt);
+          g = topk_route_backward(ag.t, route.r, opt);
         }
         return py_bridge::to_torch(std::move(g.grad_logits));
       },
@@ -410,6 +410,25 @@ void bind_router(py::module_& m) {
         return py_bridge::to_torch(std::move(out));
       },
       py::arg("expert_bias"), py::arg("num_tokens_per_expert"), py::arg("rate"),
+      py::arg("comm") = py::none());
+
+  m.def(
+      "update_qb_beta",
+      [](py::handle qb_beta, py::handle qb_beta_accum, int64_t count, double ema,
+         py::handle comm) {
+        const char* op = "update_qb_beta";
+        py_bridge::Arg ab = py_bridge::borrow(qb_beta, op, "qb_beta");
+        py_bridge::Arg aa = py_bridge::borrow(qb_beta_accum, op, "qb_beta_accum");
+        dist::Communicator* c = communicator_of(comm, op, "comm");
+        Tensor out;
+        {
+          py::gil_scoped_release nogil;
+          out = c ? update_qb_beta(ab.t, aa.t, count, ema, *c)
+                  : update_qb_beta(ab.t, aa.t, count, ema);
+        }
+        return py_bridge::to_torch(std::move(out));
+      },
+      py::arg("qb_beta"), py::arg("qb_beta_accum"), py::arg("count"), py::arg("ema"),
       py::arg("comm") = py::none());
 
   py::class_<RouterReplay>(m, "RouterReplayCore", "Replay queues of one MoE layer (engine object).")

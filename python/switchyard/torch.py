@@ -627,15 +627,15 @@ class TopKRouter(torch.nn.Module):
         return topk_weights, topk_idx
 
     @torch.no_grad()
-    def update_qb_beta(self, ema=0.0):
-        """Quantile balancing, once per global batch (Megatron's _update_router_qb_beta on this
-        rank: no data-parallel average): qb_beta = ema*qb_beta + (1-ema)*mean of the accumulated
-        quantiles, re-centred to mean 0; the accumulators restart."""
+    def update_qb_beta(self, ema=0.0, comm=None):
+        """Quantile balancing, once per global batch (Megatron's _update_router_qb_beta,
+        moe_router_quantile_balancing_ema = ema): the mean of the accumulated quantiles, averaged
+        over ``comm`` (Megatron's dp_cp group; collective, deterministic) when given, then
+        qb_beta = ema*qb_beta + (1-ema)*avg re-centred to mean 0; the accumulators restart."""
         if self.qb_beta is None:
             raise ValueError("[TopKRouter] update_qb_beta needs aux_loss_type='quantile_balancing'")
-        avg = self.qb_beta_accum / self.qb_beta_count.clamp(min=1).to(self.qb_beta_accum.dtype)
-        new = ema * self.qb_beta + (1.0 - ema) * avg
-        self.qb_beta.copy_(new - new.mean())
+        self.qb_beta.copy_(_C.update_qb_beta(self.qb_beta, self.qb_beta_accum,
+                                             int(self.qb_beta_count), float(ema), _comm(comm)))
         self.qb_beta_accum.zero_()
         self.qb_beta_count.zero_()
 

@@ -149,17 +149,18 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   }
 
   RouteResult r;
-  r.config = config;
-  r.logits = logits;
-  r.row_kind = Tensor::empty({T}, DType::uint8);
-  uint8_t* kind = r.row_kind.data<uint8_t>();
+  auto saved = std::make_shared<RouteSaved>();
+  saved->config = config;
+  saved->logits = logits;
+  saved->row_kind = Tensor::empty({T}, DType::uint8);
+  uint8_t* kind = saved->row_kind.data<uint8_t>();
   classify_rows(replay, mask, T, K, E, options, kind, r);
 
   // ---- outputs and kernels ----
   const DType wdt = logits.dtype();
   r.topk_idx = Tensor::empty({T, K}, DType::int32);
   r.topk_weights = Tensor::empty({T, K}, wdt);
-  r.selected_idx = Tensor::empty({T, K}, DType::int32);
+  saved->selected_idx = Tensor::empty({T, K}, DType::int32);
   r.num_tokens_per_expert = Tensor::empty({E}, DType::int64);
   r.pad_to_capacity = config.pad_to_capacity;
   r.expert_alignment = config.padding_for_quantization ? config.padding_align_size : 1;
@@ -178,25 +179,26 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   // (router_balancing.cpp), then route like replayed rows (weights from the live logits at those
   // ids); rows replayed by the caller keep their ids. r.row_kind keeps saying native for them.
   Tensor kernel_replay = replay;
-  Tensor kernel_kind = r.row_kind;
+  Tensor kernel_kind = saved->row_kind;
   if (config.aux_loss_type == AuxLossType::sinkhorn && options.training) {
-    kernel_kind = r.row_kind.clone();
+    kernel_kind = saved->row_kind.clone();
     kernel_replay = sinkhorn_rows(logits, replay, kind, T, E, K, kernel_kind.data<uint8_t>());
   }
   if (qb) {
-    kernel_kind = r.row_kind.clone();
+    kernel_kind = saved->row_kind.clone();
     kernel_replay = quantile_balancing_rows(logits, inputs.qb_beta, replay, kind, T, E, K,
                                             options.training, kernel_kind.data<uint8_t>(), r);
   }
   if (is64) {
     run_forward<double>(logits, bias, kernel_replay, kernel_kind, p, capacity,
-                        config.token_drop_policy, false, r, aux_psum, aux_cnt, z_sum);
+                        config.token_drop_policy, false, r, *saved, aux_psum, aux_cnt, z_sum);
   } else {
     run_forward<float>(logits, bias, kernel_replay, kernel_kind, p, capacity,
-                       config.token_drop_policy, is_bf16, r, aux_psum, aux_cnt, z_sum);
+                       config.token_drop_policy, is_bf16, r, *saved, aux_psum, aux_cnt, z_sum);
   }
   if (is_bf16) r.topk_weights = r.topk_weights.to(DType::bf16);  // exact: already bf16 values
-  r.logits_dtype = logits_in.dtype();
+  saved->logits_dtype = logits_in.dtype();
+  saved->topk_idx = r.topk_idx;
 
   // ---- cross-rank agreement, then the losses ----
   dist::Communicator* lc = comms ? comms->loss : nullptr;
@@ -207,29 +209,21 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
     if (bad >= 0) detail::fail_arg(kOp, "rank ", bad, " failed (see its error)");
   }
   LossSums sums{T, G, std::move(aux_psum), std::move(aux_cnt), z_sum};
-  finish_losses(config, sums, lc, gc, gstate, options.global_aux_loss_update, r);
+  finish_losses(config, sums, lc, gc, gstate, options.global_aux_loss_update, r, *saved);
+  r.saved = std::move(saved);
   return r;
 }
 
 }  // namespace
 
-RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResult& handle,
-                               const RouterConfig& config, const RouteBackwardOptions& options) {
+RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResult& result,
+                               const RouteBackwardOptions& options) {
   constexpr const char* op = "route_backward";
-  if (!handle.logits.defined() || !handle.selected_idx.defined() || !handle.row_kind.defined()) {
-    detail::fail_arg(op, "handle must come from topk_route, got an empty RouteResult");
+  if (!result.saved) {
+    detail::fail_arg(op, "result must come from topk_route, got an empty RouteResult");
   }
+  const RouteSaved& handle = *result.saved;
   const RouterConfig& h = handle.config;
-  if (config.num_experts != h.num_experts || config.top_k != h.top_k ||
-      config.score_function != h.score_function || config.pre_softmax != h.pre_softmax ||
-      config.topk_scaling_factor != h.topk_scaling_factor) {
-    detail::fail_arg(
-        op, "config must match the forward's (num_experts=", h.num_experts, ", top_k=", h.top_k,
-        ", score_function=", score_function_name(h.score_function), ", pre_softmax=", h.pre_softmax,
-        ", topk_scaling_factor=", h.topk_scaling_factor, "), got num_experts=", config.num_experts,
-        ", top_k=", config.top_k, ", score_function=", score_function_name(config.score_function),
-        ", pre_softmax=", config.pre_softmax, ", topk_scaling_factor=", config.topk_scaling_factor);
-  }
   if (!std::isfinite(options.loss_grad_scale)) {
     detail::fail_arg(op, "loss_grad_scale must be finite, got ", options.loss_grad_scale);
   }

@@ -145,4 +145,76 @@ Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_pe
   return expert_bias_step(expert_bias, c, rate);
 }
 
+namespace {
+
+constexpr const char* kQbOp = "update_qb_beta";
+
+// Validates; returns this rank's mean quantile avg = accum / max(count, 1), in double.
+std::vector<double> qb_local_average(const Tensor& qb_beta, const Tensor& accum, int64_t count,
+                                     double ema) {
+  detail::check_dtype(qb_beta, kQbOp, "qb_beta", {DType::fp32});
+  detail::check_dim(qb_beta, kQbOp, "qb_beta", 1);
+  const int64_t E = qb_beta.size(0);
+  detail::check_dtype(accum, kQbOp, "qb_beta_accum", {DType::fp32});
+  detail::check_shape(accum, kQbOp, "qb_beta_accum", {E});
+  if (count < 0) detail::fail_arg(kQbOp, "count must be >= 0, got count=", count);
+  if (!std::isfinite(ema) || ema < 0.0 || ema > 1.0) {
+    detail::fail_arg(kQbOp, "ema must be in [0, 1], got ema=", ema);
+  }
+  std::vector<double> avg(static_cast<size_t>(E));
+  // Megatron: accum / count.clamp(min=1) in fp32; the fp32 quotient, then double.
+  const float n = static_cast<float>(std::max<int64_t>(count, 1));
+  for (int64_t e = 0; e < E; ++e) avg[e] = static_cast<double>(accum.data<float>()[e] / n);
+  return avg;
+}
+
+Tensor qb_blend(const Tensor& qb_beta, const std::vector<double>& avg, double ema) {
+  const int64_t E = qb_beta.size(0);
+  std::vector<double> nb(static_cast<size_t>(E));
+  double mean = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    nb[e] = ema * static_cast<double>(qb_beta.data<float>()[e]) + (1.0 - ema) * avg[e];
+    mean += nb[e];
+  }
+  mean /= static_cast<double>(std::max<int64_t>(E, 1));
+  Tensor out = Tensor::empty({E}, DType::fp32);
+  for (int64_t e = 0; e < E; ++e) out.data<float>()[e] = static_cast<float>(nb[e] - mean);
+  return out;
+}
+
+}  // namespace
+
+Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_t count,
+                      double ema) {
+  return qb_blend(qb_beta, qb_local_average(qb_beta, qb_beta_accum, count, ema), ema);
+}
+
+Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_t count,
+                      double ema, dist::Communicator& comm) {
+  std::vector<double> avg;
+  RouteComms rc;
+  rc.loss = &comm;
+  try {
+    avg = qb_local_average(qb_beta, qb_beta_accum, count, ema);
+  } catch (...) {
+    detail::agree_on_failure(rc, true);  // so no rank waits in the allgather below
+    throw;
+  }
+  const int bad = detail::agree_on_failure(rc, false);
+  if (bad >= 0) detail::fail_arg(kQbOp, "rank ", bad, " failed (see its error)");
+  // The allgather needs the same E everywhere: agree on it (max of E and of -E) first.
+  const int64_t E = static_cast<int64_t>(avg.size());
+  int64_t e_range[2] = {E, -E};
+  comm.allreduce_max(e_range, 2);
+  if (e_range[0] != -e_range[1]) {
+    detail::fail_arg(kQbOp, "qb_beta must have the same number of experts on every rank, got ",
+                     E, " on rank ", comm.rank(), " and ", e_range[0] == E ? -e_range[1] : e_range[0],
+                     " elsewhere");
+  }
+  // Mean over the ranks, summed in rank order (deterministic whatever MPI would do).
+  detail::sum_over_ranks(comm, avg.data(), E);
+  for (double& a : avg) a /= static_cast<double>(comm.size());
+  return qb_blend(qb_beta, avg, ema);
+}
+
 }  // namespace switchyard

@@ -20,6 +20,20 @@ namespace switchyard::detail {
 
 inline constexpr const char* kRouteOp = "route";
 
+/// RouteResult::saved: what the backward reads. Tensors share storage with the forward's (the
+/// logits with the caller's, unless bf16 or forced); never modified after the forward.
+struct RouteSaved {
+  Tensor logits;           ///< [T, E] the logits routed (fp32 copy of bf16 ones, forced ones)
+  Tensor selected_idx;     ///< [T, K] int32 ids before capacity drops (-1 on padded rows)
+  Tensor topk_idx;         ///< [T, K] int32 ids after capacity (the result's topk_idx)
+  Tensor row_kind;         ///< [T] uint8: cpu::kRowNative / kRowReplayed / kRowPadded
+  Tensor aux_grad;         ///< [G, E] fp64 dLoss/dP per (sequence group, expert); undefined if none
+  int64_t aux_groups = 1;  ///< G: 1, or num_sequences for seq_aux_loss
+  double z_grad_coeff = 0.0;         ///< 2 * z_loss_coeff / num_valid_tokens (scaled)
+  RouterConfig config;               ///< the forward's configuration
+  DType logits_dtype = DType::fp32;  ///< dtype of the logits given (bf16 ones are kept in fp32)
+};
+
 /// "layer 5, " (or "" for an unknown layer), the prefix of per-layer messages.
 std::string layer_prefix(int64_t layer);
 
@@ -35,14 +49,15 @@ LbCoeffs lb_coeffs(const RouterConfig& c);
 // ---- router_select.cpp ----
 cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T);
 
-/// The kernels' forward and capacity: fills r.selected_idx (allocated), r.topk_idx,
+/// The kernels' forward and capacity: fills saved.selected_idx (allocated), r.topk_idx,
 /// r.topk_weights, r.num_tokens_per_expert and r.num_dropped, the aux partial sums [G, E] and the
 /// z sum. replay_idx / row_kind as the kernels read them (balancing rows are "replayed").
 template <class S>
 void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_idx,
                  const Tensor& row_kind, const cpu::RouteKernelParams& p, int64_t capacity,
                  TokenDropPolicy drop_policy, bool round_weights_to_bf16, RouteResult& r,
-                 std::vector<double>& aux_psum, std::vector<int64_t>& aux_cnt, double& z_sum);
+                 RouteSaved& saved, std::vector<double>& aux_psum, std::vector<int64_t>& aux_cnt,
+                 double& z_sum);
 
 // ---- router_rows.cpp ----
 /// Row kinds into kind[T] (cpu::kRowNative / kRowReplayed / kRowPadded) and the row counts of r;
@@ -79,12 +94,12 @@ struct LossSums {
   double z_sum = 0.0;            ///< sum of logsumexp^2
 };
 /// Megatron-Core's loss values and gradient coefficients from this rank's sums (summed over the
-/// communicators first): r.aux_loss, r.aux_loss_parts, r.z_loss, r.aux_grad, r.aux_groups,
-/// r.z_grad_coeff. With global_aux_loss, `state` (validated) gets this batch when `update` is
-/// accumulate; the loss always sees the state plus this batch.
+/// communicators first): r.aux_loss, r.aux_loss_parts, r.z_loss, saved.aux_grad,
+/// saved.aux_groups, saved.z_grad_coeff. With global_aux_loss, `state` (validated) gets this batch
+/// when `update` is accumulate; the loss always sees the state plus this batch.
 void finish_losses(const RouterConfig& config, LossSums& sums, dist::Communicator* loss_comm,
                    dist::Communicator* global_comm, GlobalAuxLossState* state,
-                   GlobalAuxLossUpdate update, RouteResult& r);
+                   GlobalAuxLossUpdate update, RouteResult& r, RouteSaved& saved);
 
 // ---- router_noise.cpp ----
 /// A uniform in (0, 1) for counter i of a seed: splitmix64 of (seed, i), top 24 bits.

@@ -38,7 +38,7 @@ template void sum_over_ranks<double>(dist::Communicator&, double*, int64_t);
 
 void finish_losses(const RouterConfig& config, LossSums& sums, dist::Communicator* loss_comm,
                    dist::Communicator* global_comm, GlobalAuxLossState* state,
-                   GlobalAuxLossUpdate update, RouteResult& r) {
+                   GlobalAuxLossUpdate update, RouteResult& r, RouteSaved& saved) {
   const int64_t T = sums.num_tokens, E = config.num_experts, K = config.top_k;
   const int64_t G = sums.groups;
   const LbCoeffs lb = lb_coeffs(config);
@@ -76,9 +76,9 @@ void finish_losses(const RouterConfig& config, LossSums& sums, dist::Communicato
           ? 1.0 / static_cast<double>(config.mtp_num_layers)
           : 1.0;
   if (need_aux) {
-    r.aux_groups = G;
-    r.aux_grad = Tensor::zeros({G, E}, DType::fp64);
-    double* ag = r.aux_grad.data<double>();
+    saved.aux_groups = G;
+    saved.aux_grad = Tensor::zeros({G, E}, DType::fp64);
+    double* ag = saved.aux_grad.data<double>();
     // Batch counts and score sums over all sequence groups (aux_loss, global_aux_loss), added in
     // group order (a single group when there is no seq_aux_loss: the values themselves).
     std::vector<double> cnt1(static_cast<size_t>(E), 0.0), psum1(static_cast<size_t>(E), 0.0);
@@ -151,7 +151,7 @@ void finish_losses(const RouterConfig& config, LossSums& sums, dist::Communicato
     const double nz = static_cast<double>(std::max<int64_t>(num_valid_local, 1));
     const double zc = config.z_loss_coeff / loss_comm_size;
     r.z_loss = zc * sums.z_sum / nz;
-    r.z_grad_coeff = 2.0 * zc / nz * per_token;
+    saved.z_grad_coeff = 2.0 * zc / nz * per_token;
   }
 }
 

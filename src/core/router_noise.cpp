@@ -47,6 +47,17 @@ Tensor forced_logits(const Tensor& logits, const RouterConfig& c, const RouteOpt
 
 }  // namespace detail
 
+Tensor forced_router_logits(const Tensor& logits, const RouterConfig& config,
+                            const RouteOptions& options) {
+  validate_router_config(config);
+  detail::check_dtype(logits, "route", "logits", {DType::bf16, DType::fp32, DType::fp64});
+  detail::check_shape(logits, "route", "logits", {-1, config.num_experts});
+  if (logits.dtype() == DType::bf16) {
+    return detail::forced_logits(Tensor::empty(logits.shape(), DType::fp32), config, options);
+  }
+  return detail::forced_logits(logits, config, options);
+}
+
 namespace {
 
 // u in [1 - eps, 1 + eps) for element i.

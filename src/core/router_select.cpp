@@ -34,7 +34,8 @@ template <class S>
 void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_idx,
                  const Tensor& row_kind, const cpu::RouteKernelParams& p, int64_t capacity,
                  TokenDropPolicy drop_policy, bool round_weights_to_bf16, RouteResult& r,
-                 std::vector<double>& aux_psum, std::vector<int64_t>& aux_cnt, double& z_sum) {
+                 RouteSaved& saved, std::vector<double>& aux_psum, std::vector<int64_t>& aux_cnt,
+                 double& z_sum) {
   const int64_t T = p.num_tokens, K = p.top_k, E = p.num_experts;
   Tensor sel_w = Tensor::empty({T, K}, dtype_of<S>());
   std::vector<S> bias_s;
@@ -45,7 +46,7 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
   cpu::route_forward<S>(
       logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(), row_kind.data<uint8_t>(),
       replay_idx.defined() ? replay_idx.data<int32_t>() : nullptr, p,
-      r.selected_idx.data<int32_t>(), sel_w.data<S>(), aux_psum.data(), aux_cnt.data(), &z_sum);
+      saved.selected_idx.data<int32_t>(), sel_w.data<S>(), aux_psum.data(), aux_cnt.data(), &z_sum);
   if constexpr (std::is_same_v<S, float>) {
     // bf16 logits (Megatron's moe_router_dtype=None): the weights are computed in fp32 and
     // rounded to bf16 once, before capacity, so the probs drop policy sorts the bf16 values.
@@ -55,18 +56,18 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
     }
   }
   r.num_dropped =
-      detail::apply_capacity<S>(r.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E, capacity,
-                                drop_policy, r.topk_idx.data<int32_t>(), r.topk_weights.data<S>(),
-                                r.num_tokens_per_expert.data<int64_t>());
+      detail::apply_capacity<S>(saved.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E,
+                                capacity, drop_policy, r.topk_idx.data<int32_t>(),
+                                r.topk_weights.data<S>(), r.num_tokens_per_expert.data<int64_t>());
 }
 
 template void run_forward<float>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                  const cpu::RouteKernelParams&, int64_t, TokenDropPolicy, bool,
-                                 RouteResult&, std::vector<double>&, std::vector<int64_t>&,
-                                 double&);
+                                 RouteResult&, RouteSaved&, std::vector<double>&,
+                                 std::vector<int64_t>&, double&);
 template void run_forward<double>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                                   const cpu::RouteKernelParams&, int64_t, TokenDropPolicy, bool,
-                                  RouteResult&, std::vector<double>&, std::vector<int64_t>&,
-                                  double&);
+                                  RouteResult&, RouteSaved&, std::vector<double>&,
+                                  std::vector<int64_t>&, double&);
 
 }  // namespace switchyard::detail
