@@ -476,3 +476,113 @@ def test_capacity_and_padding_like_megatron(mu, gen, policy, pad_to_capacity, al
     pad_rows = plan.row_token < 0
     assert int(pad_rows.sum()) == int(final_m.sum()) - int(kept_m.sum())
     assert torch.all(plan.row_weight[pad_rows] == 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The Megatron integration's option mapping: a TransformerConfig -> syt.TopKRouter, then the same
+# ids, weights and (through the gate gradient) losses as Megatron's own router
+# --------------------------------------------------------------------------------------------------
+MAPPED = {
+    "fp32 aux": dict(moe_router_dtype="fp32", moe_aux_loss_coeff=0.01),
+    "fp64 aux+z": dict(moe_router_dtype="fp64", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.01),
+    "dtype None": dict(moe_router_dtype=None, moe_aux_loss_coeff=0.02),
+    "lists aux+seq+global": dict(
+        moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+        moe_aux_loss_coeff=[0.01, 0.02, 0.03]),
+    "per-token + z": dict(moe_aux_loss_coeff=0.02, moe_z_loss_coeff=0.01,
+                          calculate_per_token_loss=True),
+    "mtp repeated": dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"],
+                         moe_aux_loss_coeff=[0.02, 0.01], mtp_num_layers=3,
+                         mtp_use_repeated_layer=True, _mtp=True),
+    "sigmoid groups bias": dict(moe_router_score_function="sigmoid", moe_router_num_groups=4,
+                                moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                                moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.0,
+                                moe_router_load_balancing_type="none"),
+    "pre-softmax seq": dict(moe_router_pre_softmax=True,
+                            moe_router_load_balancing_type="seq_aux_loss",
+                            moe_aux_loss_coeff=0.05),
+    "capacity probs": dict(moe_expert_capacity_factor=0.75, moe_aux_loss_coeff=0.01),
+    "sinkhorn": dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0),
+    "quantile balancing + ema": dict(moe_router_load_balancing_type="quantile_balancing",
+                                     moe_aux_loss_coeff=0.0,
+                                     moe_router_quantile_balancing_ema=0.4),
+}
+
+
+@pytest.mark.parametrize("case", MAPPED, ids=list(MAPPED))
+def test_megatron_integration_maps_router_options(mcore, gen, case):
+    from switchyard.integrations import megatron as sym
+    mkw = dict(MAPPED[case])
+    mtp = mkw.pop("_mtp", False)
+    H, E, K, s, b = 16, 8, 2, 8, 4
+    m = mcore(H, num_moe_experts=E, moe_router_topk=K, **mkw)
+    if mtp:
+        m.is_mtp_layer = True  # the constructor argument of an MTP layer's router
+    with torch.no_grad():
+        m.weight[:, :2] += 0.05  # a skew, so capacity and balancing have work to do
+        if m.expert_bias is not None:
+            m.expert_bias.copy_(torch.randn(E, generator=gen) * 0.1)
+    srt = sym.topk_router(m)
+    cfg = srt.config
+    assert cfg.num_experts == E and cfg.top_k == K
+    assert srt.router_dtype == {None: None, "fp32": torch.float32,
+                                "fp64": torch.float64}[m.config.moe_router_dtype]
+    assert cfg.is_mtp_layer == mtp
+    for step in range(2):
+        x = torch.randn(s, b, H, generator=gen) * 2
+        xm, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        pm, mm = m(xm)
+        ps, idx = srt(xs, seq_length=s)
+        ps, idx = ps.reshape(-1, K), idx.reshape(-1, K)
+        assert torch.equal(_dense_of(torch.ones_like(ps), idx, E).bool(), mm), f"step {step}"
+        # fp32 tolerance for fp64 too: Megatron's moe_router_dtype='fp64' computes its scores in
+        # fp32 (README deviation: switchyard's fp64 router computes them in fp64).
+        torch.testing.assert_close(_dense_of(ps, idx, E).to(pm.dtype), pm, rtol=1e-6, atol=1e-7)
+        g = torch.linspace(-1, 1, s * b * E).view(s * b, E)
+        (pm.float() * g).sum().backward()
+        (_dense_of(ps, idx, E).float() * g).sum().backward()
+        torch.testing.assert_close(xs.grad, xm.grad, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        if m.ga_steps is not None:
+            assert srt.global_aux_loss_state.steps == int(m.ga_steps)
+        if m.expert_bias is not None:
+            torch.testing.assert_close(srt.local_tokens_per_expert,
+                                       m.local_tokens_per_expert.double(), rtol=0, atol=0)
+    if getattr(m, "qb_beta", None) is not None:
+        from megatron.core.distributed.finalize_model_grads import _update_router_qb_beta
+        torch.testing.assert_close(srt.qb_beta_accum, m.qb_beta_accum, rtol=0, atol=0)
+        _update_router_qb_beta([m], m.config)
+        srt.update_qb_beta(m.config.moe_router_quantile_balancing_ema)
+        torch.testing.assert_close(srt.qb_beta, m.qb_beta, rtol=1e-6, atol=1e-7)
+
+
+def test_megatron_integration_maps_module_and_benchmark_options(mcore):
+    """Options whose effect cannot be compared value by value on the CPU: input jitter (Megatron's
+    own RNG stream), forced load balancing / bias (Megatron draws them from its CUDA RNG
+    tracker), and the dispatcher-side padding (checked against Megatron's
+    apply_router_token_dropping / pad_routing_map in test_capacity_and_padding_like_megatron):
+    the mapping carries each of them under its Megatron name."""
+    from switchyard.integrations import megatron as sym
+    m = mcore(16, num_moe_experts=8, moe_router_topk=2, moe_input_jitter_eps=0.05,
+              moe_router_force_load_balancing=True, moe_router_force_biased=-2.0,
+              moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True,
+              moe_token_drop_policy="position", moe_aux_loss_coeff=0.01)
+    srt = sym.topk_router(m)
+    assert srt.input_jitter_eps == 0.05
+    c = srt.config
+    assert c.force_load_balancing and c.force_biased == -2.0
+    assert c.capacity_factor == 1.5 and c.pad_to_capacity and c.token_drop_policy == "position"
+    # moe_router_padding_for_quantization needs fp8/fp4 in Megatron's config (and Transformer
+    # Engine to run); the mapping reads Megatron's own get_align_size_for_quantization.
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+    for fp8_recipe, fp4, want in (("delayed", None, 16), ("mxfp8", None, 32), (None, "nvfp4", 128)):
+        # A plain copy of the config's fields (TransformerConfig's own checks would want TE).
+        cfg = type("C", (), dict(vars(m.config)))()
+        cfg.fp8 = "e4m3" if fp8_recipe else None
+        cfg.fp8_recipe = fp8_recipe
+        cfg.fp4 = fp4
+        cfg.fp4_recipe = fp4
+        cfg.moe_router_padding_for_quantization = False
+        cfg.moe_router_padding_for_fp8 = True  # the older alias turns it on too
+        assert get_align_size_for_quantization(cfg) == want
+        rc = sym.router_config(cfg)
+        assert rc.padding_for_quantization and rc.padding_align_size == want
