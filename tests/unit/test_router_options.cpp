@@ -646,3 +646,38 @@ TEST(RouterOptions, PaddingForQuantizationAndPadToCapacityReachThePlan) {
                       "[route] padding_align_size must be >= 1 with padding_for_quantization, "
                       "got padding_align_size=0");
 }
+
+// Quantile balancing's global-batch update (Megatron's _update_router_qb_beta on one rank) against
+// the formula in double, and its argument errors.
+TEST(RouterOptions, UpdateQbBetaMatchesTheDoubleFormula) {
+  std::mt19937_64 rng(sy::testing::test_seed(1426));
+  const int64_t E = 12;
+  const Tensor beta = sy::testing::randn({E}, DType::fp32, rng, 0.1);
+  const Tensor accum = sy::testing::randn({E}, DType::fp32, rng, 2.0);
+  for (int64_t count : {0, 1, 3}) {
+    for (double ema : {0.0, 0.25, 1.0}) {
+      const Tensor got = sy::update_qb_beta(beta, accum, count, ema);
+      std::vector<double> nb(E);
+      double mean = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const double avg = static_cast<double>(accum.data<float>()[e] /
+                                               static_cast<float>(std::max<int64_t>(count, 1)));
+        nb[e] = ema * beta.data<float>()[e] + (1 - ema) * avg;
+        mean += nb[e];
+      }
+      mean /= E;
+      for (int64_t e = 0; e < E; ++e) {
+        EXPECT_EQ(got.data<float>()[e], static_cast<float>(nb[e] - mean))
+            << "count=" << count << " ema=" << ema << " expert " << e;
+      }
+    }
+  }
+  SY_EXPECT_THROW_MSG(sy::update_qb_beta(beta, accum, 1, 1.5), std::invalid_argument,
+                      "[update_qb_beta] ema must be in [0, 1], got ema=1.5");
+  SY_EXPECT_THROW_MSG(sy::update_qb_beta(beta, accum, -1, 0.0), std::invalid_argument,
+                      "[update_qb_beta] count must be >= 0, got count=-1");
+  SY_EXPECT_THROW_MSG(sy::update_qb_beta(beta, Tensor::zeros({E + 1}, DType::fp32), 1, 0.0),
+                      std::invalid_argument, "[update_qb_beta] qb_beta_accum must have shape");
+  SY_EXPECT_THROW_MSG(sy::update_qb_beta(beta.to(DType::fp64), accum, 1, 0.0),
+                      std::invalid_argument, "[update_qb_beta] qb_beta must have dtype fp32");
+}
