@@ -337,51 +337,6 @@ void bind_router(py::module_& m) {
         return py_bridge::to_torch(std::move(g.grad_logits));
       },
       py::arg("grad_topk_weights"), py::arg("route"), py::arg("loss_grad_scale"));
-  py::class_<RoutingPlan>(m, "RoutingPlan",
-                          "Rows of a token permutation: counts, padded offsets, row sources.")
-      .def_readonly("num_tokens", &RoutingPlan::num_tokens)
-      .def_readonly("num_experts", &RoutingPlan::num_experts)
-      .def_readonly("top_k", &RoutingPlan::top_k)
-      .def_readonly("num_pairs", &RoutingPlan::num_pairs)
-      .def_readonly("num_dropped", &RoutingPlan::num_dropped)
-      .def_readonly("num_rows", &RoutingPlan::num_rows)
-      .def_property_readonly(
-          "num_tokens_per_expert",
-          [](const RoutingPlan& p) { return py_bridge::to_torch(p.num_tokens_per_expert.clone()); })
-      .def_property_readonly(
-          "expert_offsets",
-          [](const RoutingPlan& p) { return py_bridge::to_torch(p.expert_offsets.clone()); })
-      .def_property_readonly(
-          "row_token", [](const RoutingPlan& p) { return py_bridge::to_torch(p.row_token.clone()); })
-      .def_property_readonly(
-          "row_expert",
-          [](const RoutingPlan& p) { return py_bridge::to_torch(p.row_expert.clone()); })
-      .def_property_readonly(
-          "row_weight",
-          [](const RoutingPlan& p) { return py_bridge::to_torch(p.row_weight.clone()); })
-      .def_property_readonly(
-          "slot_row", [](const RoutingPlan& p) { return py_bridge::to_torch(p.slot_row.clone()); });
-  m.def(
-      "build_routing_plan",
-      [](py::handle topk_idx, py::handle topk_weights, int64_t num_experts,
-         int64_t expert_alignment, double capacity_factor, int64_t expert_capacity,
-         const std::string& token_drop_policy, bool pad_to_capacity) {
-        const char* op = "routing_plan";
-        py_bridge::Arg ai;
-        Tensor idx = ids_int32(topk_idx, op, "topk_idx", ai);
-        py_bridge::Arg aw = py_bridge::borrow_optional(topk_weights, op, "topk_weights");
-        RoutingPlanOptions o;
-        o.expert_alignment = expert_alignment;
-        o.capacity_factor = capacity_factor;
-        o.expert_capacity = expert_capacity;
-        o.token_drop_policy = parse_token_drop_policy(token_drop_policy);
-        o.pad_to_capacity = pad_to_capacity;
-        py::gil_scoped_release nogil;
-        return build_routing_plan(idx, aw.t, num_experts, o);
-      },
-      py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
-      py::arg("expert_alignment"), py::arg("capacity_factor"), py::arg("expert_capacity"),
-      py::arg("token_drop_policy"), py::arg("pad_to_capacity"));
   m.def(
       "input_jitter",
       [](py::handle x, double eps, uint64_t seed, bool backward) {

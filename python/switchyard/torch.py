@@ -15,7 +15,7 @@ from . import _names
 from . import _switchyard as _C
 
 __all__ = ["router_gating_linear", "input_jitter", "topk_route", "RouteInfo", "TopKRouter",
-           "routing_plan",
+           "routing_plan", "permute", "unpermute",
            "update_expert_bias", "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
 
 
@@ -470,6 +470,61 @@ def routing_plan(topk_idx, topk_weights, num_experts, *, expert_alignment=1, cap
         0.0 if capacity_factor is None else float(capacity_factor),
         -1 if expert_capacity is None else int(expert_capacity), token_drop_policy,
         bool(pad_to_capacity))
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan):
+        ctx.plan = plan
+        ctx.dtype = x.dtype
+        with _no_autocast():
+            return _C.permute(x.detach(), plan)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _no_autocast():
+            g = _C.permute_backward(grad.to(ctx.dtype).contiguous(), ctx.plan)
+        return g, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, permuted, topk_weights, plan):
+        apply = topk_weights is not None
+        ctx.plan, ctx.apply_weights = plan, apply
+        ctx.w_dtype = None if topk_weights is None else topk_weights.dtype
+        ctx.save_for_backward(permuted)
+        with _no_autocast():
+            return _C.unpermute(permuted.detach(), plan, apply)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (permuted,) = ctx.saved_tensors
+        with _no_autocast():
+            gp, gw = _C.unpermute_backward(grad_y.to(permuted.dtype).contiguous(),
+                                           permuted.detach(), ctx.plan, ctx.apply_weights)
+        gw = gw.to(ctx.w_dtype) if ctx.apply_weights and ctx.needs_input_grad[1] else None
+        return gp, gw, None
+
+
+def permute(x, plan):
+    """Single-process dispatch: the experts' input rows of a ``routing_plan`` (expert-major,
+    every expert's block padded as the plan says: zero rows for padding). x [T, H] fp32/bf16 ->
+    [plan.num_rows, H], differentiable (the backward sums a token's rows in the plan's order)."""
+    if not isinstance(plan, _C.RoutingPlan):
+        raise ValueError(f"[permute] plan must come from syt.routing_plan, got {type(plan).__name__}")
+    return _Permute.apply(x, plan)
+
+
+def unpermute(expert_out, plan, topk_weights=None):
+    """Single-process combine: y[t] = sum over t's rows of w_row * expert_out[row] (fp32, the
+    plan's fixed order; padding rows are never read). ``topk_weights`` [T, K]: the weights the
+    plan was built from (their values are the plan's row weights); given, y is differentiable in
+    them; None: the experts applied the weights already. Differentiable in expert_out."""
+    if not isinstance(plan, _C.RoutingPlan):
+        raise ValueError("[unpermute] plan must come from syt.routing_plan, got "
+                         f"{type(plan).__name__}")
+    return _Unpermute.apply(expert_out, topk_weights, plan)
 
 
 def update_expert_bias(expert_bias, num_tokens_per_expert, rate, comm=None):
