@@ -299,3 +299,16 @@ def test_routing_plan_errors():
         syt.routing_plan(idx, None, 4, token_drop_policy="first")
     with pytest.raises(ValueError, match=r"\[permute\] plan must come from syt.routing_plan"):
         syt.permute(torch.zeros(2, 3), "plan")
+
+
+def test_padding_for_fp8_is_the_alias_of_padding_for_quantization(gen):
+    a = _cfg(8, 2, padding_for_fp8=True, padding_align_size=32)
+    b = _cfg(8, 2, padding_for_quantization=True, padding_align_size=32)
+    assert a.padding_for_quantization and a.padding_align_size == 32
+    assert repr(a) == repr(b)
+    z = torch.randn(40, 8, generator=gen)
+    _, _, ia = syt.topk_route(z, a, return_info=True)
+    assert ia.expert_alignment == 32 and ia.routing_plan_options["expert_alignment"] == 32
+    with pytest.raises(ValueError, match=r"\[route\] padding_align_size must be >= 1 with "
+                                         r"padding_for_quantization, got padding_align_size=0"):
+        _cfg(8, 2, padding_for_quantization=True, padding_align_size=0)
