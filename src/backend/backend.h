@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/capacity.h"
 #include "cpu/gate_kernels.h"
 #include "cpu/permute_kernels.h"
 #include "cpu/router_kernels.h"
@@ -98,13 +99,14 @@ void route_forward(const Context& ctx, const S* logits, const S* bias, const uin
                         aux_counts, z_sum);
 }
 
+/// Capacity drops (src/core/capacity.h: the one implementation, shared with the routing plan).
 template <class S>
 int64_t apply_capacity(const Context& ctx, const int32_t* selected_idx, const S* weights, int64_t T,
-                       int64_t K, int64_t E, int64_t capacity, bool drop_by_position,
+                       int64_t K, int64_t E, int64_t capacity, TokenDropPolicy policy,
                        int32_t* topk_idx, S* out_weights, int64_t* counts) {
   if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "apply_capacity", ctx.device);
-  return cpu::apply_capacity<S>(selected_idx, weights, T, K, E, capacity, drop_by_position,
-                                topk_idx, out_weights, counts);
+  return detail::apply_capacity<S>(selected_idx, weights, T, K, E, capacity, policy, topk_idx,
+                                   out_weights, counts);
 }
 
 template <class S>

@@ -206,7 +206,10 @@ TEST(BackendSeam, EveryEntryPointSelectsByDevice) {
                                   nullptr);
        }},
       {"apply_capacity",
-       [&] { be::apply_capacity<float>(cuda, ids, f, 1, 1, 1, -1, false, ids, f, rows); }},
+       [&] {
+         be::apply_capacity<float>(cuda, ids, f, 1, 1, 1, -1, sy::TokenDropPolicy::probs, ids, f,
+                                   rows);
+       }},
       {"route_backward",
        [&] { be::route_backward<float>(cuda, f, ids, ids, kinds, nullptr, p, nullptr, 0.0, f); }},
       {"sinkhorn_select", [&] { be::sinkhorn_select<float>(cuda, f, kinds, 1, 1, 1, 1e-4, ids); }},
