@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "switchyard/dist.h"
@@ -58,9 +59,17 @@ struct DispatchHandle {
   std::vector<int64_t> rank_num_tokens;
   /// [R] fp32: the received rows' routing weights (shares storage with DispatchResult's).
   Tensor recv_topk_weights;
-  /// [R] int64, internal layout map: all_to_all: row of the (source-rank-major) all-to-all buffer
+  /// [R] int64, internal layout map: all_to_all: row of the (source-rank-major) metadata buffer
   /// that received row i came in; all_gather: row of the gathered token buffer.
   Tensor recv_gather_index;
+  /// The expert side as a routing plan over the received rows (each row is a "token" with one
+  /// slot, routed to its local expert; row_weight = recv_topk_weights). The expert-side half of
+  /// combine_backward is unpermute_backward on this plan.
+  RoutingPlan recv_plan;
+  /// Fingerprint of the count matrix (the same on every rank for one dispatch): combine and the
+  /// backwards check it in their error agreement, so handles of different steps on different
+  /// ranks raise everywhere instead of hanging in mismatched exchanges.
+  uint64_t layout_id = 0;
 };
 
 /// Result of dispatch.
@@ -95,8 +104,9 @@ Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle
 
 /// Backward of dispatch's `recv_topk_weights` output (for experts that apply the weights
 /// themselves): each received row's weight gradient goes back to its source rank and to every slot
-/// of that pair (a merged repeated id gives the row's gradient to each of its slots, since the row's
-/// weight is their sum). `grad_recv_topk_weights` [R] fp32 -> grad_topk_weights [T,K] fp32, 0 for
+/// of that pair (a merged repeated id gives the row's gradient to each of its slots, since the
+/// row's weight is their sum). `grad_recv_topk_weights` [R] fp32 -> grad_topk_weights [T,K] fp32, 0
+/// for
 /// `-1` and dropped slots. Collective (a bad argument on one rank raises on every rank);
 /// deterministic.
 Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const DispatchHandle& handle,
@@ -117,14 +127,55 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
                               const DispatchHandle& handle, const UnpermuteOptions& options,
                               Communicator& comm);
 
+namespace detail {
+struct Scratch;
+}
+
+/// DeepEP's `Buffer` for this engine: the object a training loop keeps across steps. It owns the
+/// scratch memory of dispatch, combine and the backwards (pack buffers, rows coming back, row
+/// metadata), grown to the high-water mark and reused, so that steady-state steps never fault
+/// fresh pages (first-touch zeroing of multi-MiB buffers cost about a third of a step when every
+/// step allocated them). Results that outlive the call (recv_x, y, gradients, the handle) are
+/// Tensors; their storage comes from the tensor allocator's cache. The free functions below are
+/// the same operations on a temporary Dispatcher (scratch allocated per call). Not thread-safe;
+/// one dispatcher and its communicator serve one thread at a time (std::logic_error otherwise).
+class Dispatcher {
+ public:
+  explicit Dispatcher(std::shared_ptr<Communicator> comm);
+  ~Dispatcher();
+  Dispatcher(const Dispatcher&) = delete;
+  Dispatcher& operator=(const Dispatcher&) = delete;
+
+  Communicator& comm() const { return *comm_; }
+  /// Bytes of scratch memory held now (grows to the largest step seen; never shrinks).
+  int64_t scratch_bytes() const;
+
+  DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                          const DispatchOptions& options);
+  Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
+                 const UnpermuteOptions& options = {});
+  Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle);
+  Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights,
+                                   const DispatchHandle& handle);
+  CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
+                                const DispatchHandle& handle, const UnpermuteOptions& options = {});
+
+ private:
+  Tensor combine_impl(const char* op, const char* name, const Tensor& expert_y,
+                      const DispatchHandle& h, const UnpermuteOptions& options);
+  std::shared_ptr<Communicator> comm_;
+  std::unique_ptr<detail::Scratch> scratch_;
+};
+
 /// Which collective's error agreement fail_collective joins.
 enum class CollectiveOp : uint8_t { dispatch, combine };
 
 /// For a caller (a binding, a framework adapter) whose own checks failed on this rank before it
 /// could call the collective: joins that collective's error agreement in its place, so every rank
 /// raises the same std::invalid_argument (the lowest failing rank's message) instead of the others
-/// waiting for this rank. `op`: dispatch for dispatch(), combine for combine(), dispatch_backward(),
-/// dispatch_weights_backward() and combine_backward(). Collective; always throws.
+/// waiting for this rank. `op`: dispatch for dispatch(), combine for combine(),
+/// dispatch_backward(), dispatch_weights_backward() and combine_backward(). Collective; always
+/// throws.
 [[noreturn]] void fail_collective(CollectiveOp op, const std::string& message, Communicator& comm);
 
 }  // namespace switchyard::dist

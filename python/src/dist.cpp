@@ -33,12 +33,18 @@ using dist::Communicator;
 using CommPtr = std::shared_ptr<Communicator>;
 using dist::DispatcherKind;
 
-/// A communicator as Python holds it; emptied at interpreter exit.
+/// A communicator as Python holds it, with the Dispatcher (and so the scratch memory) that every
+/// dispatcher call on it uses, kept across steps; emptied at interpreter exit.
 struct CommBox {
   CommPtr comm;
+  std::unique_ptr<dist::Dispatcher> disp;
   Communicator& get() const {
     if (!comm) throw std::runtime_error("[dist] communicator was released at interpreter exit");
     return *comm;
+  }
+  dist::Dispatcher& dispatcher() const {
+    get();
+    return *disp;
   }
 };
 
@@ -48,7 +54,9 @@ std::vector<std::weak_ptr<CommBox>>& registry() {
 }
 
 std::shared_ptr<CommBox> box(CommPtr comm) {
-  auto b = std::make_shared<CommBox>(CommBox{std::move(comm)});
+  auto b = std::make_shared<CommBox>();
+  b->disp = std::make_unique<dist::Dispatcher>(comm);
+  b->comm = std::move(comm);
   registry().push_back(b);
   return b;
 }
@@ -79,7 +87,10 @@ void ensure_mpi() {
 /// At interpreter exit: free every communicator, then finalise MPI if we initialised it.
 void shutdown() {
   for (auto& w : registry()) {
-    if (auto b = w.lock()) b->comm.reset();
+    if (auto b = w.lock()) {
+      b->disp.reset();
+      b->comm.reset();
+    }
   }
   registry().clear();
 #ifdef SWITCHYARD_WITH_MPI
@@ -214,11 +225,11 @@ void bind_dist(py::module_& m) {
         py_bridge::Arg ax = py_bridge::borrow(x, op, "x");
         py_bridge::Arg ai = py_bridge::borrow(topk_idx, op, "topk_idx");
         py_bridge::Arg aw = py_bridge::borrow(topk_weights, op, "topk_weights");
-        Communicator& c = comm.get();
+        dist::Dispatcher& d = comm.dispatcher();
         dist::DispatchResult r;
         {
           py::gil_scoped_release nogil;
-          r = dist::dispatch(ax.t, ai.t, aw.t, opt, c);
+          r = d.dispatch(ax.t, ai.t, aw.t, opt);
         }
         py::object rx = py_bridge::to_torch(std::move(r.recv_x));
         py::object rw = py_bridge::to_torch(std::move(r.recv_topk_weights));
@@ -242,11 +253,11 @@ void bind_dist(py::module_& m) {
       [](py::handle expert_y, const dist::DispatchHandle& handle, bool apply_probs,
          const CommBox& comm) {
         py_bridge::Arg ay = py_bridge::borrow(expert_y, "combine", "expert_y");
-        Communicator& c = comm.get();
+        dist::Dispatcher& d = comm.dispatcher();
         Tensor y;
         {
           py::gil_scoped_release nogil;
-          y = dist::combine(ay.t, handle, weights_opt(apply_probs), c);
+          y = d.combine(ay.t, handle, weights_opt(apply_probs));
         }
         return py_bridge::to_torch(std::move(y));
       },
@@ -255,11 +266,11 @@ void bind_dist(py::module_& m) {
       "dispatch_backward",
       [](py::handle grad_recv_x, const dist::DispatchHandle& handle, const CommBox& comm) {
         py_bridge::Arg ag = py_bridge::borrow(grad_recv_x, "dispatch_backward", "grad_recv_x");
-        Communicator& c = comm.get();
+        dist::Dispatcher& d = comm.dispatcher();
         Tensor g;
         {
           py::gil_scoped_release nogil;
-          g = dist::dispatch_backward(ag.t, handle, c);
+          g = d.dispatch_backward(ag.t, handle);
         }
         return py_bridge::to_torch(std::move(g));
       },
@@ -269,11 +280,11 @@ void bind_dist(py::module_& m) {
       [](py::handle grad_recv_w, const dist::DispatchHandle& handle, const CommBox& comm) {
         py_bridge::Arg ag =
             py_bridge::borrow(grad_recv_w, "dispatch_weights_backward", "grad_recv_topk_weights");
-        Communicator& c = comm.get();
+        dist::Dispatcher& d = comm.dispatcher();
         Tensor g;
         {
           py::gil_scoped_release nogil;
-          g = dist::dispatch_weights_backward(ag.t, handle, c);
+          g = d.dispatch_weights_backward(ag.t, handle);
         }
         return py_bridge::to_torch(std::move(g));
       },
@@ -285,11 +296,11 @@ void bind_dist(py::module_& m) {
         const char* op = "combine_backward";
         py_bridge::Arg ag = py_bridge::borrow(grad_y, op, "grad_y");
         py_bridge::Arg ay = py_bridge::borrow(expert_y, op, "expert_y");
-        Communicator& c = comm.get();
+        dist::Dispatcher& d = comm.dispatcher();
         dist::CombineGrads g;
         {
           py::gil_scoped_release nogil;
-          g = dist::combine_backward(ag.t, ay.t, handle, weights_opt(apply_probs), c);
+          g = d.combine_backward(ag.t, ay.t, handle, weights_opt(apply_probs));
         }
         return py::make_tuple(py_bridge::to_torch(std::move(g.grad_expert_y)),
                               py_bridge::to_torch(std::move(g.grad_topk_weights)));
