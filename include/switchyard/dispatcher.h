@@ -28,8 +28,14 @@ struct DispatchOptions {
   /// E, the global number of experts; must be divisible by the communicator's size.
   int64_t num_experts = 0;
   DispatcherKind kind = DispatcherKind::all_to_all;
-  /// Capacity options of the (per-rank) routing plan. expert_alignment must be 1 and
-  /// pad_to_capacity false: padding rows are never sent.
+  /// Capacity and padding options of the (per-rank) routing plan; must agree on every rank.
+  /// Padding (Megatron-Core's `moe_router_padding_for_quantization` -> expert_alignment, and
+  /// `moe_pad_expert_input_to_capacity` -> pad_to_capacity) pads each source rank's block of every
+  /// expert, as Megatron's pad_routing_map and drop-and-pad do, so a local expert receives
+  /// sum over sources of align_up(n or C) rows. Unlike Megatron, padding rows are never sent: they
+  /// are zero rows with weight 0 (source rank and token -1) at the end of each (expert, source)
+  /// block of recv_x, and combine and the backwards ignore them; real rows are bitwise those of
+  /// the unpadded path.
   RoutingPlanOptions plan;
 };
 
@@ -43,21 +49,29 @@ struct DispatchHandle {
   int64_t hidden = 0;             ///< H (same on every rank)
   int64_t num_experts = 0;        ///< E
   int64_t num_local_experts = 0;  ///< L = E / EP
-  int64_t num_recv_tokens = 0;    ///< R: rows received by this rank
+  int64_t num_recv_tokens = 0;    ///< R: rows of recv_x, padding rows included
   /// This rank's routing plan over all E experts (its send order: expert-major, so rank-major).
   RoutingPlan plan;
-  /// [L] int64: received rows per local expert (sum = R).
+  /// [L] int64: rows per local expert in recv_x, padding included (sum = R): what a grouped GEMM
+  /// iterates over.
   Tensor num_tokens_per_expert;
+  /// [L] int64: real (unpadded) received pairs per local expert; equal to num_tokens_per_expert
+  /// without padding.
+  Tensor num_unpadded_tokens_per_expert;
   /// [L+1] int64: exclusive prefix sum of num_tokens_per_expert.
   Tensor expert_offsets;
-  /// [R] int32 / int64: source rank and source token of each received row.
+  /// [R] int32 / int64: source rank and source token of each received row (-1 for padding).
   Tensor recv_src_rank;
   Tensor recv_src_token;
   /// [EP * E] int64, rank-major: pairs per (source rank, expert), known on every rank.
   std::vector<int64_t> rank_expert_counts;
+  /// [EP * E] int64: rows per (source rank, expert) block of the receive layout, padding
+  /// included (= rank_expert_counts without padding).
+  std::vector<int64_t> rank_expert_rows;
   /// [EP] int64: tokens per rank.
   std::vector<int64_t> rank_num_tokens;
-  /// [R] fp32: the received rows' routing weights (shares storage with DispatchResult's).
+  /// [R] fp32: the received rows' routing weights, 0 for padding (shares storage with
+  /// DispatchResult's).
   Tensor recv_topk_weights;
   /// [R] int64, internal layout map: all_to_all: row of the (source-rank-major) metadata buffer
   /// that received row i came in; all_gather: row of the gathered token buffer.

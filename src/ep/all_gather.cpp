@@ -22,7 +22,7 @@ void plan_rows_in_gathered(const DispatchHandle& h, int64_t* map) {
   for (int64_t e = 0; e < h.num_experts; ++e) {
     const int64_t base =
         rank_off[static_cast<size_t>(e / L)] + boff[static_cast<size_t>(e * P + h.rank)];
-    for (int64_t p = off[e]; p < off[e + 1]; ++p) map[p] = base + (p - off[e]);
+    for (int64_t p = off[e]; p < off[e + 1]; ++p) map[p] = base + (p - off[e]);  // pads unread
   }
 }
 
@@ -63,10 +63,12 @@ void fill_handle(DispatchHandle& h, const Tensor& topk_idx, const Tensor& topk_w
     const int64_t* off = ps.expert_offsets.data<int64_t>();
     for (int64_t el = 0; el < L; ++el) {
       const int64_t e = me * L + el, o = boff[static_cast<size_t>(e * P + s)];
+      // The source's whole block, padding included (row token -1, weight 0: a zero row).
       for (int64_t j = 0; j < off[e + 1] - off[e]; ++j) {
-        gi[o + j] = tok_off + rt[off[e] + j];
-        src_rank[o + j] = static_cast<int32_t>(s);
-        src_token[o + j] = rt[off[e] + j];
+        const int64_t t = rt[off[e] + j];
+        gi[o + j] = t < 0 ? -1 : tok_off + t;
+        src_rank[o + j] = t < 0 ? -1 : static_cast<int32_t>(s);
+        src_token[o + j] = t;
         recv_w[o + j] = rw[off[e] + j];
       }
     }

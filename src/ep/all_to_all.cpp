@@ -12,34 +12,35 @@ namespace switchyard::dist::detail::all_to_all {
 
 namespace {
 
-// All-to-all counts of this rank: rows it sends to each rank and receives from each rank.
+// All-to-all counts of this rank's metadata: plan rows (padding included) it sends to each rank
+// and receives from each rank.
 void a2a_counts(const DispatchHandle& h, std::vector<int64_t>& send, std::vector<int64_t>& recv) {
   const int64_t P = h.world_size, L = h.num_local_experts, me = h.rank;
   send.assign(static_cast<size_t>(P), 0);
   recv.assign(static_cast<size_t>(P), 0);
   for (int64_t r = 0; r < P; ++r)
     for (int64_t el = 0; el < L; ++el) {
-      send[static_cast<size_t>(r)] += count_at(h, me, r * L + el);
-      recv[static_cast<size_t>(r)] += count_at(h, r, me * L + el);
+      send[static_cast<size_t>(r)] += rows_at(h, me, r * L + el);
+      recv[static_cast<size_t>(r)] += rows_at(h, r, me * L + el);
     }
 }
 
-// This rank's plan rows as blocks: for every peer r and its local expert el (ascending), the rows
-// of expert r*L+el, exchanged with r. Empty blocks are left out (both sides skip them), so the
-// work per call follows the pairs, not E.
+// This rank's plan rows as blocks: for every peer r and its local expert el (ascending), the real
+// rows of expert r*L+el (its block's first rows; padding is never sent), exchanged with r. Empty
+// blocks are left out (both sides skip them), so the work per call follows the pairs, not E.
 void plan_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
   const int64_t P = h.world_size, L = h.num_local_experts;
   const int64_t* off = h.plan.expert_offsets.data<int64_t>();
   out.clear();
   for (int64_t r = 0; r < P; ++r)
     for (int64_t el = 0; el < L; ++el) {
-      const int64_t e = r * L + el;
-      if (off[e + 1] > off[e]) out.push_back({static_cast<int>(r), off[e], off[e + 1] - off[e]});
+      const int64_t e = r * L + el, n = count_at(h, h.rank, e);
+      if (n > 0) out.push_back({static_cast<int>(r), off[e], n});
     }
 }
 
 // This rank's receive layout as blocks: for every source s and local expert el (ascending), the
-// rows of (el, s), exchanged with s. Per peer, the same order as that peer's plan_blocks.
+// real rows of (el, s), exchanged with s. Per peer, the same order as that peer's plan_blocks.
 void expert_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
   const int64_t P = h.world_size, L = h.num_local_experts;
   const auto boff = block_offsets(h);
@@ -51,6 +52,8 @@ void expert_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& ou
       if (n > 0) out.push_back({static_cast<int>(s), boff[static_cast<size_t>(e * P + s)], n});
     }
 }
+
+bool padded_layout(const DispatchHandle& h) { return h.rank_expert_rows != h.rank_expert_counts; }
 
 }  // namespace
 
@@ -70,7 +73,8 @@ void fill_handle(DispatchHandle& h, Scratch& scratch, Communicator& comm) {
   for (int64_t s = 0; s < P; ++s) {
     int64_t st = chunk[s];
     for (int64_t el = 0; el < L; ++el) {
-      const int64_t e = me * L + el, n = count_at(h, s, e),
+      // The whole block, padding included (the metadata of padding rows says token -1).
+      const int64_t e = me * L + el, n = rows_at(h, s, e),
                     o = boff[static_cast<size_t>(e * P + s)];
       for (int64_t j = 0; j < n; ++j) {
         gi[o + j] = st + j;
@@ -89,7 +93,8 @@ void fill_handle(DispatchHandle& h, Scratch& scratch, Communicator& comm) {
   for (int64_t i = 0; i < R; ++i) {
     const RowMeta& m = recv_meta[gi[i]];
     src_token[i] = m.token;
-    recv_w[i] = m.weight;
+    recv_w[i] = m.weight;  // 0 for padding
+    if (m.token < 0) src_rank[i] = -1;
   }
 }
 
@@ -102,15 +107,33 @@ void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, 
   const int64_t* rt = h.plan.row_token.data<int64_t>();
   const int64_t self_begin = off[me * L], self_end = off[(me + 1) * L];
   auto* pk = static_cast<unsigned char*>(scratch.get(Scratch::pack, h.plan.num_rows * rb));
-  cpu::gather_rows(src, rt, self_begin, rb, pk);
-  cpu::gather_rows(src, rt + self_end, h.plan.num_rows - self_end, rb, pk + self_end * rb);
+  const bool padded = h.plan.num_rows != h.plan.num_pairs;
+  if (!padded) {
+    cpu::gather_rows(src, rt, self_begin, rb, pk);
+    cpu::gather_rows(src, rt + self_end, h.plan.num_rows - self_end, rb, pk + self_end * rb);
+  } else {
+    // Only the real rows of each expert's block travel.
+    for (int64_t e = 0; e < h.num_experts; ++e) {
+      const int64_t n = count_at(h, me, e);
+      if (n > 0 && (e < me * L || e >= (me + 1) * L))
+        cpu::gather_rows(src, rt + off[e], n, rb, pk + off[e] * rb);
+    }
+  }
   const auto boff = block_offsets(h);
   auto* out = static_cast<unsigned char*>(dst);
   for (int64_t el = 0; el < L; ++el) {
+    const int64_t e = me * L + el, n = count_at(h, me, e);
+    if (n == 0) continue;  // a parallel region per empty expert cost 1 µs each
+    cpu::gather_rows(src, rt + off[e], n, rb, out + boff[static_cast<size_t>(e * P + me)] * rb);
+  }
+  // Padding rows of the receive layout are zero rows.
+  for (int64_t el = 0; padded_layout(h) && el < L; ++el) {
     const int64_t e = me * L + el;
-    if (off[e + 1] == off[e]) continue;  // a parallel region per empty expert cost 1 µs each
-    cpu::gather_rows(src, rt + off[e], off[e + 1] - off[e], rb,
-                     out + boff[static_cast<size_t>(e * P + me)] * rb);
+    for (int64_t s = 0; s < P; ++s) {
+      const int64_t o = boff[static_cast<size_t>(e * P + s)], n = count_at(h, s, e);
+      const int64_t pad = rows_at(h, s, e) - n;
+      if (pad > 0) std::memset(out + (o + n) * rb, 0, static_cast<size_t>(pad * rb));
+    }
   }
   std::vector<Communicator::Block> send, recv;
   plan_blocks(h, send);

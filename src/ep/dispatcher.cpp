@@ -1,6 +1,7 @@
 // The Dispatcher object and the free functions on top of it. Shape of every exchange:
 //   1. local validation and the routing plan; errors are caught, not thrown yet;
-//   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, kind}, then
+//   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, kind, padding},
+//      then
 //      (once E agrees) the per-expert counts: counts travel before payloads, and an error on any
 //      rank reaches every rank here;
 //   3. payloads, sized only from the count matrix, moved by the strategy (all_to_all.cpp,
@@ -28,7 +29,8 @@ using switchyard::detail::check_dtype;
 using switchyard::detail::check_shape;
 using switchyard::detail::fail_arg;
 
-constexpr int64_t kHeader = 7;  // error length, T, H, dtype, K, E, dispatcher kind
+// error length, T, H, dtype, K, E, dispatcher kind, expert_alignment, pad_to_capacity
+constexpr int64_t kHeader = 9;
 
 std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
                                   const Tensor& topk_weights, const DispatchOptions& options,
@@ -43,13 +45,6 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
     if (E % P != 0) {
       fail_arg(op, "num_experts must be divisible by the expert-parallel size ", P,
                ", got num_experts=", E);
-    }
-    if (options.plan.expert_alignment != 1 || options.plan.pad_to_capacity) {
-      fail_arg(op,
-               "options.plan must not pad (padding rows are never sent): expected "
-               "expert_alignment=1 and pad_to_capacity=false, got expert_alignment=",
-               options.plan.expert_alignment,
-               " and pad_to_capacity=", options.plan.pad_to_capacity);
     }
     check_defined(x, op, "x");
     check_dim(x, op, "x", 2);
@@ -85,6 +80,8 @@ std::vector<int64_t> exchange_header(const char* op, const std::string& err, con
   header[0] = static_cast<int64_t>(err.size());
   header[5] = options.num_experts;
   header[6] = static_cast<int64_t>(options.kind);
+  header[7] = options.plan.expert_alignment;
+  header[8] = options.plan.pad_to_capacity ? 1 : 0;
   if (err.empty()) {
     header[1] = x.size(0);
     header[2] = x.size(1);
@@ -107,6 +104,12 @@ std::vector<int64_t> exchange_header(const char* op, const std::string& err, con
       fail_arg(op, "options.kind must be the same on every rank, got ", kind_name(at(0, 6)),
                " on rank 0 and ", kind_name(at(r, 6)), " on rank ", r);
     }
+    if (at(r, 7) != at(0, 7) || at(r, 8) != at(0, 8)) {
+      fail_arg(op, "options.plan padding must be the same on every rank, got expert_alignment=",
+               at(0, 7), " pad_to_capacity=", at(0, 8) ? "true" : "false", " on rank 0 and ",
+               "expert_alignment=", at(r, 7), " pad_to_capacity=", at(r, 8) ? "true" : "false",
+               " on rank ", r);
+    }
     if (at(r, 2) != at(0, 2)) {
       fail_arg(op, "x must have the same hidden size on every rank, got hidden=", at(0, 2),
                " on rank 0 and hidden=", at(r, 2), " on rank ", r);
@@ -125,27 +128,37 @@ std::vector<int64_t> exchange_header(const char* op, const std::string& err, con
 }
 
 // The expert side as a plan over the received rows: row i is "token" i with one slot, routed to
-// its local expert, weight recv_topk_weights[i].
+// its local expert, weight recv_topk_weights[i]; a padding row is a token without a row (row
+// token and slot -1), so unpermute's backward gives it zeros.
 RoutingPlan make_recv_plan(const DispatchHandle& h) {
   const int64_t R = h.num_recv_tokens, L = h.num_local_experts;
   RoutingPlan p;
   p.num_tokens = R;
   p.num_experts = L;
   p.top_k = 1;
-  p.num_pairs = R;
   p.num_rows = R;
-  p.num_tokens_per_expert = h.num_tokens_per_expert;
+  p.num_tokens_per_expert = h.num_unpadded_tokens_per_expert;
   p.expert_offsets = h.expert_offsets;
   p.row_weight = h.recv_topk_weights;
-  Tensor iota = Tensor::empty({R + 1}, DType::int64);
-  int64_t* io = iota.data<int64_t>();
-  for (int64_t i = 0; i <= R; ++i) io[i] = i;
-  p.token_offsets = iota;
-  Tensor rows = Tensor::empty({R}, DType::int64);
-  std::copy(io, io + R, rows.data<int64_t>());
-  p.row_token = rows;
-  p.token_rows = rows;
-  p.slot_row = rows.reshape({R, 1});
+  const int32_t* src = h.recv_src_rank.data<int32_t>();
+  p.token_offsets = Tensor::empty({R + 1}, DType::int64);
+  p.row_token = Tensor::empty({R}, DType::int64);
+  int64_t* to = p.token_offsets.data<int64_t>();
+  int64_t* rt = p.row_token.data<int64_t>();
+  to[0] = 0;
+  int64_t n = 0;
+  for (int64_t i = 0; i < R; ++i) {
+    rt[i] = src[i] < 0 ? -1 : i;
+    if (rt[i] >= 0) ++n;
+    to[i + 1] = n;
+  }
+  p.num_pairs = n;
+  p.token_rows = Tensor::empty({n}, DType::int64);
+  int64_t* tr = p.token_rows.data<int64_t>();
+  for (int64_t i = 0, j = 0; i < R; ++i) {
+    if (rt[i] >= 0) tr[j++] = i;
+  }
+  p.slot_row = p.row_token.reshape({R, 1});
   p.row_expert = Tensor::empty({R}, DType::int32);
   int32_t* re = p.row_expert.data<int32_t>();
   const int64_t* off = h.expert_offsets.data<int64_t>();
@@ -174,9 +187,19 @@ DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
   RoutingPlan plan;
   const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, P, plan);
   const std::vector<int64_t> headers = exchange_header(op, err, x, topk_idx, options, comm);
-  const int64_t* my_counts = plan.num_tokens_per_expert.data<int64_t>();
-  const std::vector<int64_t> counts =
-      comm.allgather(std::vector<int64_t>(my_counts, my_counts + E));
+  // Pairs per expert, and with padding also the rows of each expert's (padded) block.
+  const bool padded = options.plan.expert_alignment != 1 || options.plan.pad_to_capacity;
+  std::vector<int64_t> mine(static_cast<size_t>(padded ? 2 * E : E));
+  {
+    const int64_t* n = plan.num_tokens_per_expert.data<int64_t>();
+    const int64_t* off = plan.expert_offsets.data<int64_t>();
+    for (int64_t e = 0; e < E; ++e) {
+      mine[static_cast<size_t>(e)] = n[e];
+      if (padded) mine[static_cast<size_t>(E + e)] = off[e + 1] - off[e];
+    }
+  }
+  const std::vector<int64_t> gathered = comm.allgather(mine);
+  const int64_t W = static_cast<int64_t>(mine.size());
 
   DispatchHandle h;
   h.kind = options.kind;
@@ -187,7 +210,15 @@ DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
   h.num_experts = E;
   h.num_local_experts = E / P;
   h.plan = std::move(plan);
-  h.rank_expert_counts = counts;
+  h.rank_expert_counts.resize(static_cast<size_t>(P * E));
+  h.rank_expert_rows.resize(static_cast<size_t>(P * E));
+  for (int64_t r = 0; r < P; ++r) {
+    for (int64_t e = 0; e < E; ++e) {
+      const size_t i = static_cast<size_t>(r * E + e);
+      h.rank_expert_counts[i] = gathered[static_cast<size_t>(r * W + e)];
+      h.rank_expert_rows[i] = gathered[static_cast<size_t>(r * W + (padded ? E + e : e))];
+    }
+  }
   h.rank_num_tokens.resize(static_cast<size_t>(P));
   for (int64_t r = 0; r < P; ++r)
     h.rank_num_tokens[static_cast<size_t>(r)] = headers[static_cast<size_t>(r * kHeader + 1)];
@@ -195,14 +226,19 @@ DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
   const int64_t R = detail::rows_per_rank(h)[static_cast<size_t>(me)];
   h.num_recv_tokens = R;
   h.num_tokens_per_expert = Tensor::empty({L}, DType::int64);
+  h.num_unpadded_tokens_per_expert = Tensor::empty({L}, DType::int64);
   h.expert_offsets = Tensor::empty({L + 1}, DType::int64);
   {
     int64_t* n = h.num_tokens_per_expert.data<int64_t>();
+    int64_t* u = h.num_unpadded_tokens_per_expert.data<int64_t>();
     int64_t* o = h.expert_offsets.data<int64_t>();
     o[0] = 0;
     for (int64_t el = 0; el < L; ++el) {
-      n[el] = 0;
-      for (int64_t s = 0; s < P; ++s) n[el] += count_at(h, s, me * L + el);
+      n[el] = u[el] = 0;
+      for (int64_t s = 0; s < P; ++s) {
+        n[el] += detail::rows_at(h, s, me * L + el);
+        u[el] += count_at(h, s, me * L + el);
+      }
       o[el + 1] = o[el] + n[el];
     }
   }

@@ -109,6 +109,7 @@ uint64_t layout_id(const DispatchHandle& h) {
   mix(h.num_experts);
   for (int64_t v : h.rank_num_tokens) mix(v);
   for (int64_t v : h.rank_expert_counts) mix(v);
+  for (int64_t v : h.rank_expert_rows) mix(v);
   return x & 0x7fffffffffffffffull;
 }
 
@@ -121,7 +122,7 @@ std::vector<int64_t> block_offsets(const DispatchHandle& h) {
       const int64_t e = r * L + el;
       for (int64_t s = 0; s < P; ++s) {
         off[static_cast<size_t>(e * P + s)] = run;
-        run += h.rank_expert_counts[static_cast<size_t>(s * E + e)];
+        run += h.rank_expert_rows[static_cast<size_t>(s * E + e)];
       }
     }
   }
@@ -133,7 +134,7 @@ std::vector<int64_t> rows_per_rank(const DispatchHandle& h) {
   std::vector<int64_t> rows(static_cast<size_t>(P), 0);
   for (int64_t s = 0; s < P; ++s)
     for (int64_t e = 0; e < E; ++e)
-      rows[static_cast<size_t>(e / L)] += h.rank_expert_counts[static_cast<size_t>(s * E + e)];
+      rows[static_cast<size_t>(e / L)] += h.rank_expert_rows[static_cast<size_t>(s * E + e)];
   return rows;
 }
 

@@ -52,8 +52,13 @@ struct RowMeta {
 
 inline int64_t row_bytes(int64_t H, DType d) { return H * static_cast<int64_t>(dtype_size(d)); }
 
+/// Real pairs of source s for expert e.
 inline int64_t count_at(const DispatchHandle& h, int64_t s, int64_t e) {
   return h.rank_expert_counts[static_cast<size_t>(s * h.num_experts + e)];
+}
+/// Rows of the (expert e, source s) block, padding included.
+inline int64_t rows_at(const DispatchHandle& h, int64_t s, int64_t e) {
+  return h.rank_expert_rows[static_cast<size_t>(s * h.num_experts + e)];
 }
 
 /// Throws std::invalid_argument when `h` cannot be a handle of dispatch on `comm` (call it inside
@@ -77,10 +82,11 @@ void agree(const char* op, const std::string& local_error, DType dtype, const ch
 uint64_t layout_id(const DispatchHandle& h);
 
 /// Receive layout of rank `r`: block (local expert el, source s) starts at
-/// block_offset[(r*L + el) * EP + s]; table over all experts (each owner's own layout).
+/// block_offset[(r*L + el) * EP + s] (its real rows first, then its padding); table over all
+/// experts (each owner's own layout).
 std::vector<int64_t> block_offsets(const DispatchHandle& h);
 
-/// Rows each rank receives (sum over its experts and all sources).
+/// Rows each rank receives, padding included (sum over its experts and all sources).
 std::vector<int64_t> rows_per_rank(const DispatchHandle& h);
 
 // The two strategies. Each fills the strategy-specific part of the handle (recv_src_*,
