@@ -192,6 +192,10 @@ void bind_dist(py::module_& m) {
                              [](const dist::DispatchHandle& h) {
                                return py_bridge::to_torch(h.num_tokens_per_expert.clone());
                              })
+      .def_property_readonly("num_unpadded_tokens_per_expert",
+                             [](const dist::DispatchHandle& h) {
+                               return py_bridge::to_torch(h.num_unpadded_tokens_per_expert.clone());
+                             })
       .def_property_readonly("expert_offsets",
                              [](const dist::DispatchHandle& h) {
                                return py_bridge::to_torch(h.expert_offsets.clone());
@@ -205,6 +209,7 @@ void bind_dist(py::module_& m) {
                                return py_bridge::to_torch(h.recv_src_token.clone());
                              })
       .def_readonly("rank_expert_counts", &dist::DispatchHandle::rank_expert_counts)
+      .def_readonly("rank_expert_rows", &dist::DispatchHandle::rank_expert_rows)
       .def_readonly("rank_num_tokens", &dist::DispatchHandle::rank_num_tokens)
       .def_property_readonly("num_pairs",
                              [](const dist::DispatchHandle& h) { return h.plan.num_pairs; })
@@ -215,13 +220,15 @@ void bind_dist(py::module_& m) {
       "dispatch",
       [](py::handle x, py::handle topk_idx, py::handle topk_weights, int64_t num_experts,
          const std::string& kind, double capacity_factor, const std::string& token_drop_policy,
-         const CommBox& comm) {
+         const CommBox& comm, int64_t expert_alignment, bool pad_to_capacity) {
         const char* op = "dispatch";
         dist::DispatchOptions opt;
         opt.num_experts = num_experts;
         opt.kind = kind_from_str(kind);
         opt.plan.capacity_factor = capacity_factor;
         opt.plan.token_drop_policy = drop_policy_from_str(token_drop_policy);
+        opt.plan.expert_alignment = expert_alignment;
+        opt.plan.pad_to_capacity = pad_to_capacity;
         py_bridge::Arg ax = py_bridge::borrow(x, op, "x");
         py_bridge::Arg ai = py_bridge::borrow(topk_idx, op, "topk_idx");
         py_bridge::Arg aw = py_bridge::borrow(topk_weights, op, "topk_weights");
@@ -236,7 +243,8 @@ void bind_dist(py::module_& m) {
         return py::make_tuple(rx, rw, std::move(r.handle));
       },
       py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
-      py::arg("kind"), py::arg("capacity_factor"), py::arg("token_drop_policy"), py::arg("comm"));
+      py::arg("kind"), py::arg("capacity_factor"), py::arg("token_drop_policy"), py::arg("comm"),
+      py::arg("expert_alignment") = 1, py::arg("pad_to_capacity") = false);
   m.def(
       "dist_fail_collective",
       [](const std::string& op, const std::string& message, const CommBox& comm) {
