@@ -76,10 +76,6 @@ struct DispatchHandle {
   /// [R] int64, internal layout map: all_to_all: row of the (source-rank-major) metadata buffer
   /// that received row i came in; all_gather: row of the gathered token buffer.
   Tensor recv_gather_index;
-  /// The expert side as a routing plan over the received rows (each row is a "token" with one
-  /// slot, routed to its local expert; row_weight = recv_topk_weights). The expert-side half of
-  /// combine_backward is unpermute_backward on this plan.
-  RoutingPlan recv_plan;
   /// Fingerprint of the count matrix (the same on every rank for one dispatch): combine and the
   /// backwards check it in their error agreement, so handles of different steps on different
   /// ranks raise everywhere instead of hanging in mismatched exchanges.

@@ -74,8 +74,7 @@ void fill_handle(DispatchHandle& h, Scratch& scratch, Communicator& comm) {
     int64_t st = chunk[s];
     for (int64_t el = 0; el < L; ++el) {
       // The whole block, padding included (the metadata of padding rows says token -1).
-      const int64_t e = me * L + el, n = rows_at(h, s, e),
-                    o = boff[static_cast<size_t>(e * P + s)];
+      const int64_t e = me * L + el, n = rows_at(h, s, e), o = boff[static_cast<size_t>(e * P + s)];
       for (int64_t j = 0; j < n; ++j) {
         gi[o + j] = st + j;
         src_rank[o + j] = static_cast<int32_t>(s);

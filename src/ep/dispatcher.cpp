@@ -127,46 +127,6 @@ std::vector<int64_t> exchange_header(const char* op, const std::string& err, con
   return all;
 }
 
-// The expert side as a plan over the received rows: row i is "token" i with one slot, routed to
-// its local expert, weight recv_topk_weights[i]; a padding row is a token without a row (row
-// token and slot -1), so unpermute's backward gives it zeros.
-RoutingPlan make_recv_plan(const DispatchHandle& h) {
-  const int64_t R = h.num_recv_tokens, L = h.num_local_experts;
-  RoutingPlan p;
-  p.num_tokens = R;
-  p.num_experts = L;
-  p.top_k = 1;
-  p.num_rows = R;
-  p.num_tokens_per_expert = h.num_unpadded_tokens_per_expert;
-  p.expert_offsets = h.expert_offsets;
-  p.row_weight = h.recv_topk_weights;
-  const int32_t* src = h.recv_src_rank.data<int32_t>();
-  p.token_offsets = Tensor::empty({R + 1}, DType::int64);
-  p.row_token = Tensor::empty({R}, DType::int64);
-  int64_t* to = p.token_offsets.data<int64_t>();
-  int64_t* rt = p.row_token.data<int64_t>();
-  to[0] = 0;
-  int64_t n = 0;
-  for (int64_t i = 0; i < R; ++i) {
-    rt[i] = src[i] < 0 ? -1 : i;
-    if (rt[i] >= 0) ++n;
-    to[i + 1] = n;
-  }
-  p.num_pairs = n;
-  p.token_rows = Tensor::empty({n}, DType::int64);
-  int64_t* tr = p.token_rows.data<int64_t>();
-  for (int64_t i = 0, j = 0; i < R; ++i) {
-    if (rt[i] >= 0) tr[j++] = i;
-  }
-  p.slot_row = p.row_token.reshape({R, 1});
-  p.row_expert = Tensor::empty({R}, DType::int32);
-  int32_t* re = p.row_expert.data<int32_t>();
-  const int64_t* off = h.expert_offsets.data<int64_t>();
-  for (int64_t el = 0; el < L; ++el)
-    for (int64_t i = off[el]; i < off[el + 1]; ++i) re[i] = static_cast<int32_t>(el);
-  return p;
-}
-
 }  // namespace
 
 Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm)
@@ -257,7 +217,6 @@ DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
     detail::all_gather::fill_handle(h, topk_idx, topk_weights, options.plan, *scratch_, comm);
     detail::all_gather::send_rows(x.raw(), rb, out.recv_x.raw(), h, *scratch_, comm);
   }
-  h.recv_plan = make_recv_plan(h);
   out.recv_topk_weights = h.recv_topk_weights;
   out.handle = std::move(h);
   return out;
@@ -281,6 +240,49 @@ void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h
   } else {
     detail::all_gather::return_rows(src, rb, dst, h, s, comm);
   }
+}
+
+}  // namespace
+
+namespace {
+
+// The expert side as a plan over the received rows, in scratch memory (built when a backward
+// needs it, so dispatch allocates nothing for it): row i is "token" i with one slot, routed to
+// its local expert, weight recv_topk_weights[i]; a padding row is a token without a row (row
+// token and slot -1), so unpermute's backward gives it zeros.
+RoutingPlan recv_plan(const DispatchHandle& h, Scratch& scratch) {
+  const int64_t R = h.num_recv_tokens, L = h.num_local_experts;
+  RoutingPlan p;
+  p.num_tokens = R;
+  p.num_experts = L;
+  p.top_k = 1;
+  p.num_rows = R;
+  p.num_tokens_per_expert = h.num_unpadded_tokens_per_expert;
+  p.expert_offsets = h.expert_offsets;
+  p.row_weight = h.recv_topk_weights;
+  int64_t* to = scratch.get<int64_t>(Scratch::recv_index, 3 * R + 1);
+  int64_t* rt = to + R + 1;
+  int64_t* tr = rt + R;
+  int32_t* re = scratch.get<int32_t>(Scratch::recv_expert, R);
+  const int32_t* src = h.recv_src_rank.data<int32_t>();
+  const int64_t* off = h.expert_offsets.data<int64_t>();
+  to[0] = 0;
+  int64_t n = 0;
+  for (int64_t el = 0; el < L; ++el) {
+    for (int64_t i = off[el]; i < off[el + 1]; ++i) {
+      re[i] = static_cast<int32_t>(el);
+      rt[i] = src[i] < 0 ? -1 : i;
+      if (rt[i] >= 0) tr[n++] = i;
+      to[i + 1] = n;
+    }
+  }
+  p.num_pairs = n;
+  p.token_offsets = Tensor::borrow(to, {R + 1}, DType::int64);
+  p.row_token = Tensor::borrow(rt, {R}, DType::int64);
+  p.slot_row = Tensor::borrow(rt, {R, 1}, DType::int64);
+  p.token_rows = Tensor::borrow(tr, {n}, DType::int64);
+  p.row_expert = Tensor::borrow(re, {R}, DType::int32);
+  return p;
 }
 
 }  // namespace
@@ -386,7 +388,7 @@ CombineGrads Dispatcher::combine_backward(const Tensor& grad_y, const Tensor& ex
   }
   // The expert side is unpermute's backward on the received rows: grad_expert_y = w * g and the
   // per-row dots <expert_y, g>, which go back to the source rows and then to the slots.
-  UnpermuteGrads u = unpermute_backward(g_recv, expert_y, h.recv_plan, options);
+  UnpermuteGrads u = unpermute_backward(g_recv, expert_y, recv_plan(h, *scratch_), options);
   out.grad_expert_y = std::move(u.grad_permuted);
   Tensor plan_dots = Tensor::borrow(scratch_->get<float>(Scratch::floats_back, h.plan.num_rows),
                                     {h.plan.num_rows}, DType::fp32);

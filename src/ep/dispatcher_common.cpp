@@ -30,7 +30,7 @@ int64_t Scratch::bytes() const {
 
 void check_handle(const char* op, const DispatchHandle& h, const Communicator& comm) {
   if (h.world_size != comm.size() || h.rank != comm.rank() || !h.plan.row_token.defined() ||
-      !h.recv_plan.row_token.defined()) {
+      !h.recv_src_rank.defined()) {
     switchyard::detail::fail_arg(op, "handle must come from dispatch on this communicator (rank ",
                                  comm.rank(), " of ", comm.size(), "), got a handle for rank ",
                                  h.rank, " of ", h.world_size);

@@ -25,6 +25,8 @@ struct Scratch {
     floats,       ///< per-row fp32 values (dots, weight gradients), send side
     floats_back,  ///< per-row fp32 values, receive side
     routes,       ///< all_gather: every rank's topk_idx and topk_weights
+    recv_index,   ///< combine_backward: the expert-side plan's int64 index arrays
+    recv_expert,  ///< combine_backward: the expert-side plan's row experts
     kCount
   };
   /// At least `bytes` bytes for `use`.
