@@ -91,7 +91,10 @@ struct DispatchResult {
   DispatchHandle handle;
 };
 
-/// Send each distinct valid (token, expert) pair of this rank to the expert's rank.
+/// Send each distinct valid (token, expert) pair of this rank to the expert's rank (on a temporary
+/// Dispatcher: keep a dist::Dispatcher across steps instead to reuse its scratch memory).
+/// With padding options, recv_x holds zero padding rows (weight 0, source -1) at the end of each
+/// (local expert, source) block; handle.num_tokens_per_expert counts them.
 /// `x` [T,H] fp32|bf16 (T may differ per rank, may be 0), `topk_idx` [T,K] int32 (-1 = none),
 /// `topk_weights` [T,K] fp32. Collective. Data errors on any rank (an id outside [-1,E), a hidden
 /// size or dtype that differs between ranks, a bad shape) throw the same std::invalid_argument on
@@ -160,13 +163,22 @@ class Dispatcher {
   /// Bytes of scratch memory held now (grows to the largest step seen; never shrinks).
   int64_t scratch_bytes() const;
 
+  // The operations, as the free functions below document them (shapes, dtypes, errors), on this
+  // dispatcher's communicator. Each is collective and deterministic; a handle may be used with
+  // any Dispatcher on the same communicator (the handle holds no scratch).
+
+  /// See dist::dispatch.
   DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                           const DispatchOptions& options);
+  /// See dist::combine.
   Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
                  const UnpermuteOptions& options = {});
+  /// See dist::dispatch_backward.
   Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle);
+  /// See dist::dispatch_weights_backward.
   Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights,
                                    const DispatchHandle& handle);
+  /// See dist::combine_backward.
   CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
                                 const DispatchHandle& handle, const UnpermuteOptions& options = {});
 
