@@ -73,8 +73,8 @@ struct DispatchHandle {
   /// [R] fp32: the received rows' routing weights, 0 for padding (shares storage with
   /// DispatchResult's).
   Tensor recv_topk_weights;
-  /// [R] int64, internal layout map: all_to_all: row of the (source-rank-major) metadata buffer
-  /// that received row i came in; all_gather: row of the gathered token buffer.
+  /// [R] int64, internal layout map: all_gather: row of the gathered token buffer that received
+  /// row i comes from (-1 for padding); all_to_all: i (rows arrive in place).
   Tensor recv_gather_index;
   /// Fingerprint of the count matrix (the same on every rank for one dispatch): combine and the
   /// backwards check it in their error agreement, so handles of different steps on different

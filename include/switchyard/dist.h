@@ -46,8 +46,22 @@ class Communicator {
   /// peer; the blocks between two ranks are matched in list order, so both sides must list the
   /// same sizes in the same order (blocks of 0 rows are skipped). No packing: each block moves
   /// straight from `send` to `recv` (point-to-point messages, single-copy where MPI can).
-  virtual void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
-                               const std::vector<Block>& recv_blocks, int64_t row_bytes) = 0;
+  void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
+                       const std::vector<Block>& recv_blocks, int64_t row_bytes) {
+    const Plane one{send, &send_blocks, recv, &recv_blocks, row_bytes};
+    exchange_planes(&one, 1);
+  }
+  /// One block exchange of exchange_planes.
+  struct Plane {
+    const void* send;
+    const std::vector<Block>* send_blocks;
+    void* recv;
+    const std::vector<Block>* recv_blocks;
+    int64_t row_bytes;
+  };
+  /// Several block exchanges (each as exchange_blocks, its blocks matched among themselves) in one
+  /// round: the dispatcher moves rows and their metadata together.
+  virtual void exchange_planes(const Plane* planes, int num_planes) = 0;
   /// In place element-wise maximum of n small integers (flags, sizes) over all ranks.
   virtual void allreduce_max(int64_t* values, int64_t n) = 0;
   virtual void barrier() = 0;

@@ -48,8 +48,16 @@ class LocalCommunicator final : public Communicator {
     check_counts("alltoallv", "recv_counts", recv_counts, send_counts[0]);
     copy(send, recv, send_counts[0] * elem_bytes);
   }
-  void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
-                       const std::vector<Block>& recv_blocks, int64_t row_bytes) override {
+  void exchange_planes(const Plane* planes, int num_planes) override {
+    for (int p = 0; p < num_planes; ++p) {
+      exchange_one(planes[p].send, *planes[p].send_blocks, planes[p].recv, *planes[p].recv_blocks,
+                   planes[p].row_bytes);
+    }
+  }
+
+ private:
+  static void exchange_one(const void* send, const std::vector<Block>& send_blocks, void* recv,
+                           const std::vector<Block>& recv_blocks, int64_t row_bytes) {
     std::vector<Block> sb, rb;
     for (const Block& b : send_blocks) {
       if (b.rows > 0) sb.push_back(b);
@@ -78,6 +86,8 @@ class LocalCommunicator final : public Communicator {
                   static_cast<size_t>(sb[static_cast<size_t>(i)].rows * row_bytes));
     }
   }
+
+ public:
   void allreduce_max(int64_t*, int64_t) override {}
   void barrier() override {}
 

@@ -211,8 +211,7 @@ DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
   out.recv_x = Tensor::empty({R, H}, x.dtype());
   const int64_t rb = row_bytes(H, x.dtype());
   if (options.kind == DispatcherKind::all_to_all) {
-    detail::all_to_all::fill_handle(h, *scratch_, comm);
-    detail::all_to_all::send_rows(x.raw(), rb, out.recv_x.raw(), h, *scratch_, comm);
+    detail::all_to_all::dispatch(x.raw(), rb, out.recv_x.raw(), h, *scratch_, comm);
   } else {
     detail::all_gather::fill_handle(h, topk_idx, topk_weights, options.plan, *scratch_, comm);
     detail::all_gather::send_rows(x.raw(), rb, out.recv_x.raw(), h, *scratch_, comm);

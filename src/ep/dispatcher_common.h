@@ -94,7 +94,11 @@ std::vector<int64_t> rows_per_rank(const DispatchHandle& h);
 // The two strategies. Each fills the strategy-specific part of the handle (recv_src_*,
 // recv_topk_weights, recv_gather_index) and moves rows in both directions. Collective.
 namespace all_to_all {
-void fill_handle(DispatchHandle& h, Scratch& scratch, Communicator& comm);
+/// The forward: fills recv_src_*, recv_topk_weights, recv_gather_index (identity) and moves the
+/// token rows [T, rb] of `x` into the receive layout `recv_x` [R, rb], rows and their metadata in
+/// one round.
+void dispatch(const void* x, int64_t rb, void* recv_x, DispatchHandle& h, Scratch& scratch,
+              Communicator& comm);
 /// Source side -> expert side: token rows [T, rb] to the receive layout [R, rb], one per pair.
 void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& scratch,
                Communicator& comm);

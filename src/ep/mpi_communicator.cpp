@@ -187,47 +187,57 @@ class MpiCommunicator final : public Communicator {
                                t.get(), comm_));
   }
 
-  void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
-                       const std::vector<Block>& recv_blocks, int64_t row_bytes) override {
-    // Nonblocking point-to-point, one message per non-empty block; messages between two ranks with
-    // the same tag arrive in order (MPI's non-overtaking rule), which is what matches blocks.
-    // Blocks to or from this rank are plain copies.
+  void exchange_planes(const Plane* planes, int num_planes) override {
+    // Nonblocking point-to-point, one message per non-empty block, all planes in flight at once;
+    // messages between two ranks with the same tag arrive in order (MPI's non-overtaking rule),
+    // which is what matches blocks, and each plane has its own tag. Blocks to or from this rank
+    // are plain copies.
     usable();
-    RowType row(row_bytes, rank_);
-    const auto* s = static_cast<const unsigned char*>(send);
-    auto* d = static_cast<unsigned char*>(recv);
+    std::vector<std::unique_ptr<RowType>> types;
     std::vector<MPI_Request> reqs;
-    reqs.reserve(send_blocks.size() + recv_blocks.size());
-    std::vector<const Block*> self_send, self_recv;
     RequestGuard guard{reqs};
-    for (const Block& b : recv_blocks) {
-      if (b.rows == 0) continue;
-      if (b.peer == rank_) {
-        self_recv.push_back(&b);
-        continue;
+    size_t n_req = 0;
+    for (int p = 0; p < num_planes; ++p)
+      n_req += planes[p].send_blocks->size() + planes[p].recv_blocks->size();
+    reqs.reserve(n_req);  // no reallocation: MPI holds pointers into it until the wait
+    for (int p = 0; p < num_planes; ++p) {
+      const Plane& pl = planes[p];
+      const int64_t row_bytes = pl.row_bytes;
+      types.push_back(std::make_unique<RowType>(row_bytes, rank_));
+      const MPI_Datatype row = types.back()->get();
+      const int tag = kBlockTag + p;
+      const auto* s = static_cast<const unsigned char*>(pl.send);
+      auto* d = static_cast<unsigned char*>(pl.recv);
+      std::vector<const Block*> self_send, self_recv;
+      for (const Block& b : *pl.recv_blocks) {
+        if (b.rows == 0) continue;
+        if (b.peer == rank_) {
+          self_recv.push_back(&b);
+          continue;
+        }
+        reqs.push_back(MPI_REQUEST_NULL);
+        SY_MPI_CHECK(MPI_Irecv(d + b.offset * row_bytes, to_int(b.rows), row, b.peer, tag, comm_,
+                               &reqs.back()));
       }
-      reqs.push_back(MPI_REQUEST_NULL);
-      SY_MPI_CHECK(MPI_Irecv(d + b.offset * row_bytes, to_int(b.rows), row.get(), b.peer, kBlockTag,
-                             comm_, &reqs.back()));
-    }
-    for (const Block& b : send_blocks) {
-      if (b.rows == 0) continue;
-      if (b.peer == rank_) {
-        self_send.push_back(&b);
-        continue;
+      for (const Block& b : *pl.send_blocks) {
+        if (b.rows == 0) continue;
+        if (b.peer == rank_) {
+          self_send.push_back(&b);
+          continue;
+        }
+        reqs.push_back(MPI_REQUEST_NULL);
+        SY_MPI_CHECK(MPI_Isend(s + b.offset * row_bytes, to_int(b.rows), row, b.peer, tag, comm_,
+                               &reqs.back()));
       }
-      reqs.push_back(MPI_REQUEST_NULL);
-      SY_MPI_CHECK(MPI_Isend(s + b.offset * row_bytes, to_int(b.rows), row.get(), b.peer, kBlockTag,
-                             comm_, &reqs.back()));
-    }
-    if (self_send.size() != self_recv.size()) {
-      throw BackendError(detail::cat("[dist] exchange_blocks: ", self_send.size(),
-                                     " blocks to self but ", self_recv.size(), " from self (rank ",
-                                     rank_, ", ", __FILE__, ":", __LINE__, ")"));
-    }
-    for (size_t i = 0; i < self_send.size(); ++i) {
-      std::memcpy(d + self_recv[i]->offset * row_bytes, s + self_send[i]->offset * row_bytes,
-                  static_cast<size_t>(self_send[i]->rows * row_bytes));
+      if (self_send.size() != self_recv.size()) {
+        throw BackendError(detail::cat(
+            "[dist] exchange_blocks: ", self_send.size(), " blocks to self but ", self_recv.size(),
+            " from self (rank ", rank_, ", ", __FILE__, ":", __LINE__, ")"));
+      }
+      for (size_t i = 0; i < self_send.size(); ++i) {
+        std::memcpy(d + self_recv[i]->offset * row_bytes, s + self_send[i]->offset * row_bytes,
+                    static_cast<size_t>(self_send[i]->rows * row_bytes));
+      }
     }
     if (timeout_ > 0) {
       wait(reqs.data(), static_cast<int>(reqs.size()), "MPI_Isend/MPI_Irecv (exchange_blocks)");

@@ -805,6 +805,19 @@ TEST(Communicator, CollectivesMoveTheRightBytes) {
             << "from " << b.peer << " block of " << b.rows;
       }
     }
+    // Two planes in one round (rows as above, and the same blocks of int32 "metadata" = -value,
+    // into their own buffer): each plane lands as if exchanged alone.
+    std::vector<int32_t> meta(sendv.size()), got_meta(static_cast<size_t>(pos), 0);
+    for (size_t i = 0; i < sendv.size(); ++i) meta[i] = -static_cast<int32_t>(sendv[i]);
+    std::vector<int64_t> again(static_cast<size_t>(pos), -1);
+    const dist::Communicator::Plane planes[2] = {
+        {sendv.data(), &sb, again.data(), &rbk, sizeof(int64_t)},
+        {meta.data(), &sb, got_meta.data(), &rbk, sizeof(int32_t)}};
+    c.exchange_planes(planes, 2);
+    EXPECT_EQ(again, recvv);
+    for (int64_t i = 0; i < pos; ++i) {
+      EXPECT_EQ(got_meta[static_cast<size_t>(i)], -recvv[static_cast<size_t>(i)]) << "row " << i;
+    }
   }
   // The local communicator is size 1 and copies.
   auto l = dist::local();
