@@ -601,7 +601,7 @@ TEST(Dispatch, PaddingAddsZeroRowsThatCombineAndTheBackwardsIgnore) {
         plain.num_experts = E;
         plain.kind = kind;
         plain.plan.expert_capacity = pc.capacity;
-        plain.plan.token_drop_policy = PlanDropPolicy::position;
+        plain.plan.token_drop_policy = TokenDropPolicy::position;
         dist::DispatchOptions padded = plain;
         padded.plan.expert_alignment = pc.alignment;
         padded.plan.pad_to_capacity = pc.pad_to_capacity;
