@@ -4,8 +4,8 @@
 // rows also run a DeepSeek-V3-like gate (H=7168, E=256) at T=1024 tokens, scaled to fit the
 // machine. The context lines name the CPU model, the kernel ISA and OpenBLAS's kernel core (its
 // sgemm is the ceiling: `OPENBLAS_CORETYPE=Haswell` measures the AVX2 ceiling on an AVX-512 CPU).
-// `--gate_avx512=0` keeps the AVX2 variant's backward on 256-bit registers on an AVX-512 CPU
-// (with the Haswell ceiling: what a CPU without AVX-512 sees).
+// `SWITCHYARD_CPU_ISA=avx2` runs the AVX2 kernels on an AVX-512 CPU (with the Haswell ceiling:
+// what a CPU without AVX-512 sees).
 //
 //   ./build/bench/bench_gate --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
@@ -299,24 +299,11 @@ BENCHMARK(BM_GateForwardTokens)->Apply(token_args);
 BENCHMARK(BM_SgemmForwardTokens)->Apply(token_args);
 
 int main(int argc, char** argv) {
-  int kept = 1;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--gate_avx512=0" || arg == "--gate_avx512=1") {
-      sy::cpu::avx2::gate_avx512(arg.back() == '1' ? 1 : 0);
-    } else {
-      argv[kept++] = argv[i];
-    }
-  }
-  argc = kept;
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("cpu_model", cpu_model());
   benchmark::AddCustomContext("kernel_isa", sy::cpu_isa_name(sy::cpu_isa()));
   benchmark::AddCustomContext("openblas_core", openblas_get_corename());
-  benchmark::AddCustomContext(
-      "gate_backward_avx512",
-      sy::cpu_isa() == sy::CpuIsa::avx2 && sy::cpu::avx2::gate_avx512(-1) ? "on" : "off");
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -8,6 +8,9 @@
 #include <immintrin.h>
 #define SY_GATE_AVX2 1
 #endif
+#if defined(__AVX512F__)
+#define SY_GATE_AVX512 1
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -213,70 +216,85 @@ void micro(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, i
 // ---- AVX-512 and the 32-column panels -------------------------------------------------------
 
 // The forward packs W in panels of kBW = 2·NR experts, the backward H in panels of kBW columns
-// (32 fp32 or 16 fp64). The AVX2 and scalar microkernels run a
-// panel as two NR-column halves (ldb = kBW); on a CPU with AVX-512F the AVX2 variant runs it as
-// one 6 x 32 fp32 tile of zmm registers instead: the same per-lane chains (a 512-bit FMA lane is
-// std::fma too), twice the width per instruction, which the sgemm ceiling of such a CPU assumes.
+// (32 fp32 or 16 fp64). The AVX2 and scalar variants run a panel as two NR-column halves
+// (ldb = kBW); the avx512 variant as one 6 x kBW tile of zmm registers (two per row): the same
+// per-lane chains (a 512-bit FMA lane is std::fma too), twice the width per instruction, which
+// the sgemm ceiling of such a CPU assumes.
 template <class Acc>
 constexpr int kBW = 2 * kNR<Acc>;
 
-#ifdef SY_GATE_AVX2
-// Whether the AVX2 variant runs the fp32 panels on AVX-512 (CPUID and the OS's XSAVE
-// state, via libgcc). A plain int read atomically: std::atomic would be an inline template the
-// linker could share with the portable objects (scripts/check_kernel_symbols.sh).
-int& avx512_flag() {
-  static int flag = __builtin_cpu_supports("avx512f") ? 1 : 0;
-  return flag;
-}
-bool use_avx512() { return __atomic_load_n(&avx512_flag(), __ATOMIC_RELAXED) != 0; }
+#ifdef SY_GATE_AVX512
+template <class Acc>
+struct Simd512;
+template <>
+struct Simd512<float> {
+  using V = __m512;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+};
+template <>
+struct Simd512<double> {
+  using V = __m512d;
+  static V zero() { return _mm512_setzero_pd(); }
+  static V load(const double* p) { return _mm512_loadu_pd(p); }
+  static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
+  static V bcast(const double* p) { return _mm512_set1_pd(*p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_pd(a, b); }
+};
 
-template <int MR>
-__attribute__((target("avx512f"))) void micro512_full(int64_t kc, const float* a, int64_t a_rs,
-                                                      int64_t a_cs, const float* b, float* c,
-                                                      int64_t ldc, Chain chain,
-                                                      const float* bias) {
-  __m512 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+template <class Acc, int MR>
+void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, Acc* c,
+                   int64_t ldc, Chain chain, const Acc* bias) {
+  using S = Simd512<Acc>;
+  using V = typename S::V;
+  constexpr int L = kBW<Acc> / 2;  // lanes per zmm register
+  V c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
 #define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define SY_INIT(i)                                   \
-  if constexpr (MR > i) {                            \
-    if (chain == Chain::resume) {                    \
-      c##i##0 = _mm512_loadu_ps(c + i * ldc);        \
-      c##i##1 = _mm512_loadu_ps(c + i * ldc + 16);   \
-    } else {                                         \
-      c##i##0 = _mm512_setzero_ps();                 \
-      c##i##1 = _mm512_setzero_ps();                 \
-    }                                                \
+#define SY_INIT(i)                        \
+  if constexpr (MR > i) {                 \
+    if (chain == Chain::resume) {         \
+      c##i##0 = S::load(c + i * ldc);     \
+      c##i##1 = S::load(c + i * ldc + L); \
+    } else {                              \
+      c##i##0 = S::zero();                \
+      c##i##1 = S::zero();                \
+    }                                     \
   }
   SY_ROWS(SY_INIT)
 #undef SY_INIT
-  const float* ap = a;
+  const Acc* ap = a;
   for (int64_t k = 0; k < kc; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(b + k * 32);
-    const __m512 b1 = _mm512_loadu_ps(b + k * 32 + 16);
-#define SY_FMA(i)                                    \
-  if constexpr (MR > i) {                            \
-    const __m512 ai = _mm512_set1_ps(ap[i * a_rs]);  \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);      \
-    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);      \
+    const V b0 = S::load(b + k * 2 * L);
+    const V b1 = S::load(b + k * 2 * L + L);
+#define SY_FMA(i)                         \
+  if constexpr (MR > i) {                 \
+    const V ai = S::bcast(ap + i * a_rs); \
+    c##i##0 = S::fma(ai, b0, c##i##0);    \
+    c##i##1 = S::fma(ai, b1, c##i##1);    \
   }
     SY_ROWS(SY_FMA)
 #undef SY_FMA
     ap += a_cs;
   }
   if (bias) {
-    const __m512 bb0 = _mm512_loadu_ps(bias), bb1 = _mm512_loadu_ps(bias + 16);
-#define SY_BIAS(i)                                   \
-  if constexpr (MR > i) {                            \
-    c##i##0 = _mm512_add_ps(c##i##0, bb0);           \
-    c##i##1 = _mm512_add_ps(c##i##1, bb1);           \
+    const V bb0 = S::load(bias), bb1 = S::load(bias + L);
+#define SY_BIAS(i)                  \
+  if constexpr (MR > i) {           \
+    c##i##0 = S::add(c##i##0, bb0); \
+    c##i##1 = S::add(c##i##1, bb1); \
   }
     SY_ROWS(SY_BIAS)
 #undef SY_BIAS
   }
-#define SY_STORE(i)                                  \
-  if constexpr (MR > i) {                            \
-    _mm512_storeu_ps(c + i * ldc, c##i##0);          \
-    _mm512_storeu_ps(c + i * ldc + 16, c##i##1);     \
+#define SY_STORE(i)                     \
+  if constexpr (MR > i) {               \
+    S::store(c + i * ldc, c##i##0);     \
+    S::store(c + i * ldc + L, c##i##1); \
   }
   SY_ROWS(SY_STORE)
 #undef SY_STORE
@@ -284,44 +302,44 @@ __attribute__((target("avx512f"))) void micro512_full(int64_t kc, const float* a
   static_assert(MR <= 6, "the AVX-512 microkernel has six rows of accumulators");
 }
 
-// As micro() for a 32-column panel (ldb = 32), on AVX-512.
-__attribute__((target("avx512f"))) void micro512(int64_t mr, int64_t nvalid, int64_t kc,
-                                                 const float* a, int64_t a_rs, int64_t a_cs,
-                                                 const float* b, float* c, int64_t ldc,
-                                                 Chain chain, const float* bias) {
-  float tmp[kMR * 32];
-  float* cc = c;
+// As micro() for a kBW-column panel (ldb = kBW), on AVX-512.
+template <class Acc>
+void micro512(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
+              const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
+  constexpr int BW = kBW<Acc>;
+  Acc tmp[kMR * BW];
+  Acc* cc = c;
   int64_t ldcc = ldc;
-  if (nvalid < 32) {
+  if (nvalid < BW) {
     cc = tmp;
-    ldcc = 32;
+    ldcc = BW;
     for (int64_t i = 0; i < mr; ++i)
-      for (int j = 0; j < 32; ++j)
-        tmp[i * 32 + j] = (chain == Chain::resume && j < nvalid) ? c[i * ldc + j] : 0.0f;
+      for (int j = 0; j < BW; ++j)
+        tmp[i * BW + j] = (chain == Chain::resume && j < nvalid) ? c[i * ldc + j] : Acc(0);
   }
   switch (mr) {
     case 1:
-      micro512_full<1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro512_full<Acc, 1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
     case 2:
-      micro512_full<2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro512_full<Acc, 2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
     case 3:
-      micro512_full<3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro512_full<Acc, 3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
     case 4:
-      micro512_full<4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro512_full<Acc, 4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
     case 5:
-      micro512_full<5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro512_full<Acc, 5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
     default:
-      micro512_full<kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+      micro512_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
   }
-  if (nvalid < 32) {
+  if (nvalid < BW) {
     for (int64_t i = 0; i < mr; ++i)
-      for (int64_t j = 0; j < nvalid; ++j) c[i * ldc + j] = tmp[i * 32 + j];
+      for (int64_t j = 0; j < nvalid; ++j) c[i * ldc + j] = tmp[i * BW + j];
   }
 }
 #endif
@@ -331,22 +349,17 @@ __attribute__((target("avx512f"))) void micro512(int64_t mr, int64_t nvalid, int
 template <class Acc>
 void micro_panel(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
                  const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias = nullptr) {
+#ifdef SY_GATE_AVX512
+  micro512<Acc>(mr, nvalid, kc, a, a_rs, a_cs, b, c, ldc, chain, bias);
+#else
   constexpr int NR = kNR<Acc>;
-#ifdef SY_GATE_AVX2
-  if constexpr (std::is_same_v<Acc, float>) {
-    static_assert(kBW<float> == 32);
-    if (use_avx512()) {
-      micro512(mr, nvalid, kc, a, a_rs, a_cs, b, c, ldc, chain, bias);
-      return;
-    }
-  }
-#endif
   micro<Acc>(mr, std::min<int64_t>(nvalid, NR), kc, a, a_rs, a_cs, b, kBW<Acc>, c, ldc, chain,
              bias);
   if (nvalid > NR) {
     micro<Acc>(mr, nvalid - NR, kc, a, a_rs, a_cs, b + NR, kBW<Acc>, c + NR, ldc, chain,
                bias ? bias + NR : nullptr);
   }
+#endif
 }
 
 // ---- forward ------------------------------------------------------------------------------
@@ -766,19 +779,6 @@ void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const 
   } else {
     run(float{});
   }
-}
-
-bool gate_avx512(int request) {
-#ifdef SY_GATE_AVX2
-  if (request >= 0) {
-    const int on = request > 0 && __builtin_cpu_supports("avx512f") ? 1 : 0;
-    __atomic_store_n(&avx512_flag(), on, __ATOMIC_RELAXED);
-  }
-  return use_avx512();
-#else
-  (void)request;
-  return false;
-#endif
 }
 
 }  // namespace switchyard::cpu::SY_ISA_NS

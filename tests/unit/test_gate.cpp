@@ -247,46 +247,50 @@ TEST(Gate, BackwardShapesThatBreakKernels) {
   check_backward({5, 7, 0, DType::fp32, DType::bf16, DType::fp64, true}, s++);
 }
 
-// From src/cpu/gate_kernels.h (unit tests see the public headers only): whether the avx2 variant
-// runs the backward's panels on AVX-512; request < 0 asks, 0 turns it off, > 0 on where possible.
-namespace switchyard::cpu::avx2 {
-bool gate_avx512(int request);
-}
-
-// On an AVX-512 CPU the AVX2 variant runs the 32-column panels (forward: experts, backward: hidden)
-// on zmm registers; the 256-bit path (what a CPU without AVX-512 runs) must give the same chains:
-// checked here with the AVX-512 panels turned off, against the chain reference and bitwise
-// against the AVX-512 run.
-TEST(Gate, Avx2PanelsWithoutAvx512MatchChain) {
-  if (sy::cpu_isa() != sy::CpuIsa::avx2) GTEST_SKIP() << "the avx2 variant is not active";
-  struct Avx512Guard {
-    bool saved = sy::cpu::avx2::gate_avx512(-1);
-    ~Avx512Guard() { sy::cpu::avx2::gate_avx512(saved ? 1 : 0); }
+// Every kernel variant the CPU supports (scalar, avx2, avx512) runs the same chains: the avx2
+// variant runs the 32-column panels (forward: experts, backward: hidden) as two 256-bit halves,
+// avx512 as one zmm tile, scalar with std::fma. Each is checked here against the chain reference
+// and bitwise against the others (Determinism.KernelVariantsGiveTheSameBits checks the whole
+// layer).
+TEST(Gate, EveryCpuVariantMatchesChain) {
+  struct IsaGuard {
+    sy::CpuIsa saved = sy::cpu_isa();
+    ~IsaGuard() { sy::set_cpu_isa(saved); }
   } guard;
-  ASSERT_FALSE(sy::cpu::avx2::gate_avx512(0));
-  uint64_t s = test_seed(515);
   const Case cases[] = {{1031, 45, 19, DType::bf16, DType::bf16, DType::fp32, true},
                         {600, 300, 19, DType::fp32, DType::fp32, DType::fp32, true},
                         {300, 2048, 64, DType::bf16, DType::bf16, DType::fp32, false},
                         {37, 45, 19, DType::bf16, DType::fp32, DType::fp64, true}};
-  for (const Case& c : cases) check_backward(c, s++);
   const Case fwd_cases[] = {{1031, 45, 19, DType::bf16, DType::bf16, DType::fp32, true},
                             {300, 2048, 128, DType::bf16, DType::bf16, DType::fp32, false},
                             {97, 300, 65, DType::fp32, DType::fp32, DType::fp32, true},
                             {37, 45, 19, DType::bf16, DType::fp32, DType::fp64, true}};
-  for (const Case& c : fwd_cases) check_forward(c, s++);
-  // Same bits as the AVX-512 panels, where the CPU has them.
   std::mt19937_64 rng(test_seed(516));
   const Tensor x = randn({777, 2050}, DType::bf16, rng), w = randn({70, 2050}, DType::bf16, rng);
   const Tensor g = randn({777, 70}, DType::fp32, rng);
   const Tensor b = randn({70}, DType::fp32, rng);
-  const sy::GateGrads narrow = sy::router_gating_linear_backward(g, x, w, Tensor());
-  const Tensor narrow_logits = sy::router_gating_linear(x, w, b);
-  if (!sy::cpu::avx2::gate_avx512(1)) GTEST_SKIP() << "no AVX-512F on this CPU";
-  const sy::GateGrads wide = sy::router_gating_linear_backward(g, x, w, Tensor());
-  EXPECT_TRUE(bitwise_equal(narrow_logits, sy::router_gating_linear(x, w, b)));
-  EXPECT_TRUE(bitwise_equal(narrow.grad_x, wide.grad_x));
-  EXPECT_TRUE(bitwise_equal(narrow.grad_weight, wide.grad_weight));
+  bool have_first = false;
+  sy::GateGrads first;
+  Tensor first_logits;
+  for (sy::CpuIsa isa : {sy::CpuIsa::scalar, sy::CpuIsa::avx2, sy::CpuIsa::avx512}) {
+    if (!sy::cpu_supports(isa)) continue;
+    SCOPED_TRACE(std::string("isa ") + sy::cpu_isa_name(isa));
+    sy::set_cpu_isa(isa);
+    uint64_t s = test_seed(515);
+    for (const Case& c : cases) check_backward(c, s++);
+    for (const Case& c : fwd_cases) check_forward(c, s++);
+    const sy::GateGrads grads = sy::router_gating_linear_backward(g, x, w, Tensor());
+    const Tensor logits = sy::router_gating_linear(x, w, b);
+    if (have_first) {
+      EXPECT_TRUE(bitwise_equal(first_logits, logits)) << "logits vs scalar";
+      EXPECT_TRUE(bitwise_equal(first.grad_x, grads.grad_x)) << "grad_x vs scalar";
+      EXPECT_TRUE(bitwise_equal(first.grad_weight, grads.grad_weight)) << "grad_weight vs scalar";
+    } else {
+      first = grads;
+      first_logits = logits;
+      have_first = true;
+    }
+  }
 }
 
 // Gradients against central finite differences of L = Σ logits ⊙ R, all in fp64.
