@@ -180,6 +180,30 @@ void BM_GateBackward(benchmark::State& state) {
       T);
 }
 
+// The backward after top-k routing without aux or z loss: grad_logits has K nonzeros per row, and
+// the kernels run the chains over those terms only (bitwise the dense result). Rates count the
+// dense product's flops (4·T·H·E), so vs_peak above 1 is the sparsity at work; the peer row is
+// BM_SgemmBackwardShapes (dense sgemm does not look at zeros). Arguments: T, H, E, K, threads.
+void BM_GateBackwardTopK(benchmark::State& state) {
+  const int64_t T = state.range(0), H = state.range(1), E = state.range(2), K = state.range(3);
+  Inputs in = make_inputs(DType::bf16, T, H, E);
+  std::mt19937_64 rng(11);
+  float* g = in.g.data<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int64_t> cols(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) cols[static_cast<size_t>(e)] = e;
+    std::shuffle(cols.begin(), cols.end(), rng);
+    for (int64_t j = K; j < E; ++j) g[t * E + cols[static_cast<size_t>(j)]] = 0.0f;
+  }
+  timed(
+      state, static_cast<int>(state.range(4)), 4.0 * T * H * E,
+      [&] {
+        benchmark::DoNotOptimize(
+            sy::router_gating_linear_backward(in.g, in.x, in.w, Tensor()).grad_x.raw());
+      },
+      T);
+}
+
 // The backward kernel alone (src/cpu), into outputs allocated once: without the front-end's
 // argument scan and the page faults of fresh output tensors, which the row above includes.
 void BM_GateBackwardKernel(benchmark::State& state) {
@@ -285,6 +309,14 @@ void backward_args(benchmark::internal::Benchmark* b) {
   }
 }
 
+void topk_backward_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"T", "H", "E", "K", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
+  for (int threads : {1, 2}) {
+    b->Args({kT, kH, kE, 8, threads});
+    b->Args({1024, 7168, 256, 8, threads});
+  }
+}
+
 }  // namespace
 
 BENCHMARK(BM_SgemmPeakSquare)->Apply(thread_args);
@@ -294,6 +326,7 @@ BENCHMARK_CAPTURE(BM_GateForward, bf16_fp64router, DType::bf16, DType::fp64)->Ap
 BENCHMARK(BM_SgemmForwardShape)->Apply(thread_args);
 BENCHMARK(BM_GateBackward)->Apply(backward_args);
 BENCHMARK(BM_GateBackwardKernel)->Apply(backward_args);
+BENCHMARK(BM_GateBackwardTopK)->Apply(topk_backward_args);
 BENCHMARK(BM_SgemmBackwardShapes)->Apply(backward_args);
 BENCHMARK(BM_GateForwardTokens)->Apply(token_args);
 BENCHMARK(BM_SgemmForwardTokens)->Apply(token_args);

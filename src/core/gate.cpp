@@ -67,15 +67,28 @@ Dims check_inputs(const char* op, const Tensor& x, const Tensor& weight, const T
 Tensor router_gating_linear(const Tensor& x, const Tensor& weight, const Tensor& bias,
                             const GateOptions& options) {
   const Dims d = check_inputs(kFwd, x, weight, bias, options);
-  check_finite(x, kFwd, "x", "token", "hidden");
-  check_finite(weight, kFwd, "weight", "expert", "hidden");
-  if (bias.defined()) check_finite(bias, kFwd, "bias", "expert", nullptr);
+  auto check_all_finite = [&] {
+    check_finite(x, kFwd, "x", "token", "hidden");
+    check_finite(weight, kFwd, "weight", "expert", "hidden");
+    if (bias.defined()) check_finite(bias, kFwd, "bias", "expert", nullptr);
+  };
+  // Every logit is a chain over all of x's row and W's row (+ the bias): a NaN/Inf anywhere in
+  // x[t, :] makes every logits[t, :] non-finite, one in W[e, :] or b[e] every logits[:, e] (an
+  // fma with an Inf operand gives ±Inf or NaN, and nothing finite comes back from either). So with
+  // T, H, E >= 1, finite logits prove finite inputs, and the scan reads T·E values instead of
+  // T·H + E·H (16x fewer at Qwen3's H 2048, E 128). When a logit is not finite, the inputs are
+  // scanned in the usual order for the message (finite inputs can still overflow: then the logits
+  // are returned as computed). The forward has no state to undo, so rejecting after the product
+  // leaves nothing behind.
+  const bool scan_inputs_first = d.num_tokens == 0 || d.hidden == 0 || d.num_experts == 0;
+  if (scan_inputs_first) check_all_finite();
 
   Tensor logits = Tensor::empty({d.num_tokens, d.num_experts}, options.router_dtype);
   cpu::gate_forward(x.raw(), x.dtype(), weight.raw(), weight.dtype(),
                     bias.defined() ? bias.raw() : nullptr,
                     bias.defined() ? bias.dtype() : options.router_dtype, logits.raw(),
                     options.router_dtype, d.num_tokens, d.hidden, d.num_experts);
+  if (!scan_inputs_first && detail::first_non_finite(logits) < logits.numel()) check_all_finite();
   return logits;
 }
 

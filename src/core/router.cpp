@@ -36,28 +36,6 @@ std::string layer_prefix(int64_t layer) {
   return layer >= 0 ? detail::cat("layer ", layer, ", ") : std::string();
 }
 
-// First non-finite element of x[0..n), or -1. A branch-free exponent test over the whole array
-// first (vectorises), then a search only when something is wrong; the lowest flat index wins, so
-// the message does not depend on the thread count.
-template <class S>
-int64_t first_non_finite(const S* x, int64_t n) {
-  using U = std::conditional_t<sizeof(S) == 4, uint32_t, uint64_t>;
-  constexpr U kExp = static_cast<U>(sizeof(S) == 4 ? 0x7f800000ull : 0x7ff0000000000000ull);
-  // One thread: a 2 MB scan runs at memory speed, and a parallel region's barrier costs more
-  // than the split saves (much more when the cores are shared).
-  U bad = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    U u;
-    std::memcpy(&u, x + i, sizeof u);
-    bad |= static_cast<U>((u & kExp) == kExp);
-  }
-  if (!bad) return -1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) return i;
-  }
-  return -1;
-}
-
 cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
   cpu::RouteKernelParams p;
   p.num_tokens = T;
@@ -422,9 +400,8 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   const int64_t T = logits.size(0), E = config.num_experts, K = config.top_k;
   const bool is64 = logits.dtype() == DType::fp64;
   {
-    const int64_t bad = is64 ? first_non_finite(logits.data<double>(), T * E)
-                             : first_non_finite(logits.data<float>(), T * E);
-    if (bad >= 0) {
+    const int64_t bad = detail::first_non_finite(logits);  // numel() when all are finite
+    if (bad < logits.numel()) {
       detail::fail_arg(kOp, layer_prefix(options.layer), "logits must be finite, got ",
                        logits.item_as_double(bad), " at token ", bad / E, ", expert ", bad % E);
     }

@@ -18,6 +18,8 @@
 #include <memory>
 #include <type_traits>
 
+#include "cpu/simd.h"
+
 // SY_ISA_NS: this file is compiled once per kernel variant (src/cpu/isa.h).
 namespace switchyard::cpu::SY_ISA_NS {
 
@@ -66,7 +68,11 @@ struct Scratch {
 // Register tile: MR rows x NR columns, NR = two vectors of the accumulation type.
 template <class Acc>
 constexpr int kNR = 2 * (32 / static_cast<int>(sizeof(Acc)));
-constexpr int kMR = 6;
+#ifdef SY_GATE_AVX512
+constexpr int kMR = 12;  // rows of the zmm tile: 24 accumulators of the 32 registers
+#else
+constexpr int kMR = 6;   // 12 accumulators of the 16 ymm registers
+#endif
 
 enum class Chain { start, resume };
 
@@ -253,17 +259,20 @@ void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const A
   using S = Simd512<Acc>;
   using V = typename S::V;
   constexpr int L = kBW<Acc> / 2;  // lanes per zmm register
-  V c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
-#define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define SY_INIT(i)                        \
-  if constexpr (MR > i) {                 \
-    if (chain == Chain::resume) {         \
-      c##i##0 = S::load(c + i * ldc);     \
-      c##i##1 = S::load(c + i * ldc + L); \
-    } else {                              \
-      c##i##0 = S::zero();                \
-      c##i##1 = S::zero();                \
-    }                                     \
+  // Named accumulators (GCC keeps arrays of vectors on the stack), 12 rows x 2 registers: each
+  // B row (two loads) feeds 24 FMAs, and the A values are broadcast from memory into the FMAs.
+  V c0_0, c0_1, c1_0, c1_1, c2_0, c2_1, c3_0, c3_1, c4_0, c4_1, c5_0, c5_1, c6_0, c6_1, c7_0,
+      c7_1, c8_0, c8_1, c9_0, c9_1, c10_0, c10_1, c11_0, c11_1;
+#define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define SY_INIT(i)                          \
+  if constexpr (MR > i) {                   \
+    if (chain == Chain::resume) {           \
+      c##i##_0 = S::load(c + i * ldc);      \
+      c##i##_1 = S::load(c + i * ldc + L);  \
+    } else {                                \
+      c##i##_0 = S::zero();                 \
+      c##i##_1 = S::zero();                 \
+    }                                       \
   }
   SY_ROWS(SY_INIT)
 #undef SY_INIT
@@ -271,11 +280,11 @@ void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const A
   for (int64_t k = 0; k < kc; ++k) {
     const V b0 = S::load(b + k * 2 * L);
     const V b1 = S::load(b + k * 2 * L + L);
-#define SY_FMA(i)                         \
-  if constexpr (MR > i) {                 \
-    const V ai = S::bcast(ap + i * a_rs); \
-    c##i##0 = S::fma(ai, b0, c##i##0);    \
-    c##i##1 = S::fma(ai, b1, c##i##1);    \
+#define SY_FMA(i)                           \
+  if constexpr (MR > i) {                   \
+    const V ai = S::bcast(ap + i * a_rs);   \
+    c##i##_0 = S::fma(ai, b0, c##i##_0);    \
+    c##i##_1 = S::fma(ai, b1, c##i##_1);    \
   }
     SY_ROWS(SY_FMA)
 #undef SY_FMA
@@ -283,23 +292,23 @@ void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const A
   }
   if (bias) {
     const V bb0 = S::load(bias), bb1 = S::load(bias + L);
-#define SY_BIAS(i)                  \
-  if constexpr (MR > i) {           \
-    c##i##0 = S::add(c##i##0, bb0); \
-    c##i##1 = S::add(c##i##1, bb1); \
+#define SY_BIAS(i)                      \
+  if constexpr (MR > i) {               \
+    c##i##_0 = S::add(c##i##_0, bb0);   \
+    c##i##_1 = S::add(c##i##_1, bb1);   \
   }
     SY_ROWS(SY_BIAS)
 #undef SY_BIAS
   }
-#define SY_STORE(i)                     \
-  if constexpr (MR > i) {               \
-    S::store(c + i * ldc, c##i##0);     \
-    S::store(c + i * ldc + L, c##i##1); \
+#define SY_STORE(i)                        \
+  if constexpr (MR > i) {                  \
+    S::store(c + i * ldc, c##i##_0);       \
+    S::store(c + i * ldc + L, c##i##_1);   \
   }
   SY_ROWS(SY_STORE)
 #undef SY_STORE
 #undef SY_ROWS
-  static_assert(MR <= 6, "the AVX-512 microkernel has six rows of accumulators");
+  static_assert(MR <= 12, "the AVX-512 microkernel has twelve rows of accumulators");
 }
 
 // As micro() for a kBW-column panel (ldb = kBW), on AVX-512.
@@ -318,21 +327,13 @@ void micro512(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs
         tmp[i * BW + j] = (chain == Chain::resume && j < nvalid) ? c[i * ldc + j] : Acc(0);
   }
   switch (mr) {
-    case 1:
-      micro512_full<Acc, 1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
-    case 2:
-      micro512_full<Acc, 2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
-    case 3:
-      micro512_full<Acc, 3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
-    case 4:
-      micro512_full<Acc, 4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
-    case 5:
-      micro512_full<Acc, 5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
+#define SY_CASE(n)                                                      \
+  case n:                                                               \
+    micro512_full<Acc, n>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); \
+    break;
+    SY_CASE(1) SY_CASE(2) SY_CASE(3) SY_CASE(4) SY_CASE(5) SY_CASE(6) SY_CASE(7) SY_CASE(8)
+    SY_CASE(9) SY_CASE(10) SY_CASE(11)
+#undef SY_CASE
     default:
       micro512_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
       break;
@@ -367,7 +368,7 @@ void micro_panel(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a
 // Blocking: KC values of the reduced dimension per pass (the packed W block, KC x E_pad, stays in
 // L2; an A tile, MR x KC, in L1); MB tokens per parallel work item.
 constexpr int64_t kKC = 256;
-constexpr int64_t kMB = 16 * kMR;
+constexpr int64_t kMB = 96;  // a multiple of both kMR
 // Below this many multiply-adds a call runs on one thread: a parallel region costs more than the
 // work, and much more when the other core is busy. (Results never depend on it.)
 constexpr int64_t kParallelMin = int64_t{1} << 18;
@@ -555,6 +556,169 @@ inline void load_row(Acc* dst, const XT* src) {
   for (int j = 0; j < NR; ++j) dst[j] = to_acc<Acc>(src[j]);
 }
 
+// ---- backward of a sparse grad_logits ------------------------------------------------------
+
+// After top-k routing without an aux or z loss, grad_logits has K nonzeros per token row (8 of
+// 128 for Qwen3-30B-A3B, 8 of 256 for DeepSeek-V3): the dense products spend 15/16 of their FMAs
+// on g = 0. These kernels run the same chains over the nonzero terms only:
+//   grad_x[t,h] : for e ascending with g[t,e] != 0: acc = fma(g[t,e], w[e,h], acc)
+//   grad_w[e,h] : for t ascending with g[t,e] != 0: acc = fma(g[t,e], x[t,h], acc)
+// which is bitwise the dense chain. Proof: with finite inputs (the front-end rejects NaN/Inf), a
+// term with g = 0 has product ±0, and acc + ±0 == acc for every acc except -0 + +0 = +0. So the
+// two chains stay equal, or both zero with different signs; a later nonzero product p gives
+// round(p) on both. The dense chain can turn -0 into +0 but never +0 into -0 (it starts at +0, and
+// x + y rounds to -0 only when both are -0), so the results can differ only where the sparse chain
+// ends at -0 (an underflow of a negative product): those outputs are recomputed with the dense
+// chain. Chosen by the density of grad_logits alone (never by thread count or batch), and either
+// path gives the same bits, so the choice is invisible.
+constexpr int64_t kSparseDensityInv = 8;  // sparse when at most one term in 8 is nonzero
+constexpr int64_t kSB = 64;               // columns of H per grad_w work item
+constexpr int64_t kSparsePrefetch = 8;    // tokens ahead
+
+// Nonzeros of g [T,E] by token: row t's terms are (col[j], val[j]) for j in [ptr[t], ptr[t+1]),
+// e ascending.
+template <class Acc>
+struct SparseRows {
+  SparseRows(int64_t T, int64_t cap) : ptr(T + 1), col(std::max<int64_t>(1, cap)),
+                                       val(std::max<int64_t>(1, cap)) {}
+  Scratch<int64_t> ptr;
+  Scratch<int32_t> col;
+  Scratch<Acc> val;
+};
+
+// Counts the nonzeros of g per row (into r.ptr, then their prefix sum); returns false when there
+// are more than `cap`, else fills col/val.
+template <class Acc>
+bool collect_nonzeros(const Acc* g, int64_t T, int64_t E, int64_t cap, SparseRows<Acc>& r) {
+  int64_t* const ptr = r.ptr.p;
+#pragma omp parallel for schedule(static) if (T * E >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; ++e) n += g[t * E + e] != Acc(0);
+    ptr[t + 1] = n;
+  }
+  ptr[0] = 0;
+  for (int64_t t = 0; t < T; ++t) ptr[t + 1] += ptr[t];
+  if (ptr[T] > cap) return false;
+#pragma omp parallel for schedule(static) if (T * E >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t j = ptr[t];
+    for (int64_t e = 0; e < E; ++e) {
+      const Acc v = g[t * E + e];
+      if (v != Acc(0)) {
+        r.col.p[j] = static_cast<int32_t>(e);
+        r.val.p[j] = v;
+        ++j;
+      }
+    }
+  }
+  return true;
+}
+
+template <class Acc, class XT, class WT>
+void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const WT* w, XT* grad_x,
+                     WT* grad_w, int64_t T, int64_t H, int64_t E) {
+  using V = simd::Vec<Acc>;
+  constexpr int64_t L = V::kLanes;
+  const int64_t* const ptr = r.ptr.p;
+  const int32_t* const col = r.col.p;
+  const Acc* const val = r.val.p;
+  constexpr bool kDirectX = std::is_same_v<XT, Acc>;
+  const int nthreads = omp_get_max_threads();
+  Scratch<Acc> rows(kDirectX ? 1 : nthreads * H);  // per-thread grad_x row before rounding
+  Scratch<Acc> accs(nthreads * E * kSB);           // per-thread grad_w block
+  const int64_t nblk = (H + kSB - 1) / kSB;
+#pragma omp parallel if (T * H * E >= kParallelMin)
+  {
+    const int tid = omp_get_thread_num();
+    // grad_x, one token per item.
+    Acc* const rowbuf = rows.p + (kDirectX ? 0 : tid * H);
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < T; ++t) {
+      Acc* const out = kDirectX ? reinterpret_cast<Acc*>(grad_x + t * H) : rowbuf;
+      const int64_t j0 = ptr[t], j1 = ptr[t + 1];
+      int64_t h = 0;
+      bool negative_zero = false;
+      for (; h + 4 * L <= H; h += 4 * L) {
+        V a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
+        for (int64_t j = j0; j < j1; ++j) {
+          const V gv = V::bcast(val[j]);
+          const WT* wr = w + col[j] * H + h;
+          a0 = fma(gv, V::load(wr), a0);
+          a1 = fma(gv, V::load(wr + L), a1);
+          a2 = fma(gv, V::load(wr + 2 * L), a2);
+          a3 = fma(gv, V::load(wr + 3 * L), a3);
+        }
+        negative_zero |= a0.any_negative_zero() | a1.any_negative_zero() |
+                         a2.any_negative_zero() | a3.any_negative_zero();
+        a0.store(out + h);
+        a1.store(out + h + L);
+        a2.store(out + h + 2 * L);
+        a3.store(out + h + 3 * L);
+      }
+      for (; h < H; ++h) {
+        Acc a = Acc(0);
+        for (int64_t j = j0; j < j1; ++j) a = std::fma(val[j], to_acc<Acc>(w[col[j] * H + h]), a);
+        out[h] = a;
+        negative_zero |= simd::is_negative_zero(a);
+      }
+      for (h = 0; negative_zero && h < H; ++h) {
+        if (simd::is_negative_zero(out[h])) {  // the dense chain decides the sign (see above)
+          Acc a = Acc(0);
+          for (int64_t e = 0; e < E; ++e) a = std::fma(g[t * E + e], to_acc<Acc>(w[e * H + h]), a);
+          out[h] = a;
+        }
+      }
+      if constexpr (!kDirectX) store_row<XT, Acc>(grad_x + t * H, out, H);
+    }
+    // grad_w, one block of kSB columns per item: acc[e][c] over t ascending.
+    Acc* const acc = accs.p + tid * E * kSB;
+#pragma omp for schedule(dynamic)
+    for (int64_t b = 0; b < nblk; ++b) {
+      const int64_t h0 = b * kSB, nv = std::min(kSB, H - h0);
+      for (int64_t i = 0; i < E * kSB; ++i) acc[i] = Acc(0);
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t j0 = ptr[t], j1 = ptr[t + 1];
+        if (j0 == j1) continue;
+        const XT* xr = x + t * H + h0;
+        // The rows of a block are H apart (a page or more): a miss per row that the hardware
+        // prefetcher does not follow across pages. Fetch a few tokens ahead.
+        if (t + kSparsePrefetch < T) {
+          const char* pf = reinterpret_cast<const char*>(xr + kSparsePrefetch * H);
+          for (int64_t off = 0; off < nv * static_cast<int64_t>(sizeof(XT)); off += 64)
+            __builtin_prefetch(pf + off, 0, 3);
+        }
+        if (nv == kSB) {
+          V xv[kSB / L];
+          for (int64_t i = 0; i < kSB / L; ++i) xv[i] = V::load(xr + i * L);
+          for (int64_t j = j0; j < j1; ++j) {
+            const V gv = V::bcast(val[j]);
+            Acc* const a = acc + col[j] * kSB;
+            for (int64_t i = 0; i < kSB / L; ++i) fma(gv, xv[i], V::load(a + i * L)).store(a + i * L);
+          }
+        } else {
+          for (int64_t j = j0; j < j1; ++j) {
+            Acc* const a = acc + col[j] * kSB;
+            for (int64_t c = 0; c < nv; ++c) a[c] = std::fma(val[j], to_acc<Acc>(xr[c]), a[c]);
+          }
+        }
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        Acc* const a = acc + e * kSB;
+        for (int64_t c = 0; c < nv; ++c) {
+          if (simd::is_negative_zero(a[c])) {
+            Acc d = Acc(0);
+            for (int64_t t = 0; t < T; ++t)
+              d = std::fma(g[t * E + e], to_acc<Acc>(x[t * H + h0 + c]), d);
+            a[c] = d;
+          }
+        }
+        store_row<WT, Acc>(grad_w + e * H + h0, a, nv);
+      }
+    }
+  }
+}
+
 template <class Acc, class XT, class WT>
 void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_w, Acc* grad_b,
                    int64_t T, int64_t H, int64_t E) {
@@ -573,6 +737,14 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   if (E == 0) {  // empty chains; grad_w has no elements
     for (int64_t i = 0; i < T * H; ++i) grad_x[i] = from_acc<XT>(Acc(0));
     return;
+  }
+  if (T > 0) {
+    const int64_t cap = T * E / kSparseDensityInv;
+    SparseRows<Acc> rows(T, cap);
+    if (collect_nonzeros(g, T, E, cap, rows)) {
+      sparse_backward<Acc, XT, WT>(rows, g, x, w, grad_x, grad_w, T, H, E);
+      return;
+    }
   }
 
   // grad_x = G · W: W packed as H/BW panels of E x BW (zero columns past H). Each output is one
