@@ -574,6 +574,8 @@ inline void load_row(Acc* dst, const XT* src) {
 constexpr int64_t kSparseDensityInv = 8;  // sparse when at most one term in 8 is nonzero
 constexpr int64_t kSB = 64;               // columns of H per grad_w work item
 constexpr int64_t kSparsePrefetch = 8;    // tokens ahead
+constexpr int64_t kST = 32;               // tokens per grad_x work item
+constexpr int64_t kXB = 256;              // columns of H per grad_x segment
 
 // Nonzeros of g [T,E] by token: row t's terms are (col[j], val[j]) for j in [ptr[t], ptr[t+1]),
 // e ascending.
@@ -625,51 +627,66 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
   const Acc* const val = r.val.p;
   constexpr bool kDirectX = std::is_same_v<XT, Acc>;
   const int nthreads = omp_get_max_threads();
-  Scratch<Acc> rows(kDirectX ? 1 : nthreads * H);  // per-thread grad_x row before rounding
+  Scratch<Acc> rows(nthreads * kXB);  // per-thread grad_x segment before rounding
   Scratch<Acc> accs(nthreads * E * kSB);           // per-thread grad_w block
   const int64_t nblk = (H + kSB - 1) / kSB;
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
     const int tid = omp_get_thread_num();
-    // grad_x, one token per item.
-    Acc* const rowbuf = rows.p + (kDirectX ? 0 : tid * H);
+    // grad_x, kST tokens per item, in segments of kXB columns: the segment's W columns (E x kXB)
+    // stay in L2 across the item's tokens (a token's K rows of all of W came from L3: 7 MB of W at
+    // DeepSeek-V3's H 7168, E 256, fp32).
+    Acc* const seg = rows.p + tid * kXB;
 #pragma omp for schedule(static) nowait
-    for (int64_t t = 0; t < T; ++t) {
-      Acc* const out = kDirectX ? reinterpret_cast<Acc*>(grad_x + t * H) : rowbuf;
-      const int64_t j0 = ptr[t], j1 = ptr[t + 1];
-      int64_t h = 0;
-      bool negative_zero = false;
-      for (; h + 4 * L <= H; h += 4 * L) {
-        V a0 = V::zero(), a1 = V::zero(), a2 = V::zero(), a3 = V::zero();
-        for (int64_t j = j0; j < j1; ++j) {
-          const V gv = V::bcast(val[j]);
-          const WT* wr = w + col[j] * H + h;
-          a0 = fma(gv, V::load(wr), a0);
-          a1 = fma(gv, V::load(wr + L), a1);
-          a2 = fma(gv, V::load(wr + 2 * L), a2);
-          a3 = fma(gv, V::load(wr + 3 * L), a3);
+    for (int64_t item = 0; item < (T + kST - 1) / kST; ++item) {
+      const int64_t t0 = item * kST, t1 = std::min(T, t0 + kST);
+      for (int64_t hb = 0; hb < H; hb += kXB) {
+        const int64_t nb = std::min(kXB, H - hb);
+        for (int64_t t = t0; t < t1; ++t) {
+          Acc* const out = kDirectX ? reinterpret_cast<Acc*>(grad_x + t * H + hb) : seg;
+          const int64_t j0 = ptr[t], j1 = ptr[t + 1];
+          const WT* const wb = w + hb;
+          int64_t h = 0;
+          bool negative_zero = false;
+          // Eight independent chains per pass: an FMA's latency is four cycles, two issue per
+          // cycle, and each term depends on the previous one of its chain.
+          for (; h + 8 * L <= nb; h += 8 * L) {
+            V a[8] = {V::zero(), V::zero(), V::zero(), V::zero(),
+                      V::zero(), V::zero(), V::zero(), V::zero()};
+            for (int64_t j = j0; j < j1; ++j) {
+              const V gv = V::bcast(val[j]);
+              const WT* wr = wb + col[j] * H + h;
+              for (int i = 0; i < 8; ++i) a[i] = fma(gv, V::load(wr + i * L), a[i]);
+            }
+            for (int i = 0; i < 8; ++i) {
+              negative_zero |= a[i].any_negative_zero();
+              a[i].store(out + h + i * L);
+            }
+          }
+          for (; h + L <= nb; h += L) {
+            V a0 = V::zero();
+            for (int64_t j = j0; j < j1; ++j)
+              a0 = fma(V::bcast(val[j]), V::load(wb + col[j] * H + h), a0);
+            negative_zero |= a0.any_negative_zero();
+            a0.store(out + h);
+          }
+          for (; h < nb; ++h) {
+            Acc a = Acc(0);
+            for (int64_t j = j0; j < j1; ++j) a = std::fma(val[j], to_acc<Acc>(wb[col[j] * H + h]), a);
+            out[h] = a;
+            negative_zero |= simd::is_negative_zero(a);
+          }
+          for (h = 0; negative_zero && h < nb; ++h) {
+            if (simd::is_negative_zero(out[h])) {  // the dense chain decides the sign (see above)
+              Acc a = Acc(0);
+              for (int64_t e = 0; e < E; ++e)
+                a = std::fma(g[t * E + e], to_acc<Acc>(wb[e * H + h]), a);
+              out[h] = a;
+            }
+          }
+          if constexpr (!kDirectX) store_row<XT, Acc>(grad_x + t * H + hb, out, nb);
         }
-        negative_zero |= a0.any_negative_zero() | a1.any_negative_zero() |
-                         a2.any_negative_zero() | a3.any_negative_zero();
-        a0.store(out + h);
-        a1.store(out + h + L);
-        a2.store(out + h + 2 * L);
-        a3.store(out + h + 3 * L);
       }
-      for (; h < H; ++h) {
-        Acc a = Acc(0);
-        for (int64_t j = j0; j < j1; ++j) a = std::fma(val[j], to_acc<Acc>(w[col[j] * H + h]), a);
-        out[h] = a;
-        negative_zero |= simd::is_negative_zero(a);
-      }
-      for (h = 0; negative_zero && h < H; ++h) {
-        if (simd::is_negative_zero(out[h])) {  // the dense chain decides the sign (see above)
-          Acc a = Acc(0);
-          for (int64_t e = 0; e < E; ++e) a = std::fma(g[t * E + e], to_acc<Acc>(w[e * H + h]), a);
-          out[h] = a;
-        }
-      }
-      if constexpr (!kDirectX) store_row<XT, Acc>(grad_x + t * H, out, H);
     }
     // grad_w, one block of kSB columns per item: acc[e][c] over t ascending.
     Acc* const acc = accs.p + tid * E * kSB;
