@@ -25,6 +25,7 @@ int main() {
 
 #include "switchyard/dispatcher.h"
 #include "testing.h"
+#include "bench_machine.h"
 
 namespace switchyard {
 namespace {
@@ -154,6 +155,7 @@ class NullReporter : public benchmark::BenchmarkReporter {
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   benchmark::Initialize(&argc, argv);
+  switchyard::bench::add_machine_context();
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   switchyard::comm() = switchyard::dist::world();

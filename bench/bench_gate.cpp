@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <chrono>
 #include <ctime>
-#include <fstream>
 #include <map>
 #include <string>
 #include <random>
@@ -23,6 +22,7 @@
 #include "cpu/gate_kernels.h"
 #include "switchyard/cpu.h"
 #include "switchyard/gate.h"
+#include "bench_machine.h"
 #include "testing.h"
 
 namespace sy = switchyard;
@@ -34,19 +34,6 @@ namespace {
 constexpr int64_t kT = 4096, kH = 2048, kE = 128;  // Qwen3-30B-A3B gate
 
 extern "C" char* openblas_get_corename(void);
-
-// "model name" from /proc/cpuinfo (what lscpu prints), or "unknown".
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const size_t colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
-    }
-  }
-  return "unknown";
-}
 
 void set_threads(int n) {
   sy::set_num_threads(n);
@@ -334,8 +321,7 @@ BENCHMARK(BM_SgemmForwardTokens)->Apply(token_args);
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::AddCustomContext("cpu_model", cpu_model());
-  benchmark::AddCustomContext("kernel_isa", sy::cpu_isa_name(sy::cpu_isa()));
+  sy::bench::add_machine_context();
   benchmark::AddCustomContext("openblas_core", openblas_get_corename());
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -22,7 +22,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import torch
 
 import switchyard as sy
-from bench_machine import cpu_model
+from bench_machine import machine_line
 import switchyard.torch as syt
 
 
@@ -85,7 +85,7 @@ def main():
     cases = [("qwen3-30b-a3b", 2048, 128, 8, {}, 4096 if not args.quick else 512),
              ("deepseek-v3", 7168, 256, 8, dict(score_function="sigmoid", num_groups=8,
                                                 group_topk=4), 1024 if not args.quick else 128)]
-    print(f"CPU: {cpu_model()}; kernel ISA {sy.cpu_isa()}; torch {torch.__version__}")
+    print(machine_line())
     print(f"threads={args.threads}  (median of {reps}; ratio = torch / switchyard, wall clock and "
           f"process CPU time)")
     print("| model | dtype x/W | T | H | E | K | pass | switchyard ms | torch ms | ratio | "
