@@ -4,14 +4,6 @@
 
 #include <omp.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SY_GATE_AVX2 1
-#endif
-#if defined(__AVX512F__)
-#define SY_GATE_AVX512 1
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -19,6 +11,14 @@
 #include <type_traits>
 
 #include "cpu/simd.h"
+
+// The variant being compiled (src/cpu/simd.h): AVX2 ymm code paths, the AVX-512 zmm tiles.
+#ifdef SY_SIMD_AVX2
+#define SY_GATE_AVX2 1
+#endif
+#ifdef SY_SIMD_AVX512
+#define SY_GATE_AVX512 1
+#endif
 
 // SY_ISA_NS: this file is compiled once per kernel variant (src/cpu/isa.h).
 namespace switchyard::cpu::SY_ISA_NS {
@@ -76,30 +76,6 @@ constexpr int kMR = 6;   // 12 accumulators of the 16 ymm registers
 
 enum class Chain { start, resume };
 
-#ifdef SY_GATE_AVX2
-template <class Acc>
-struct Simd;
-template <>
-struct Simd<float> {
-  using V = __m256;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V bcast(const float* p) { return _mm256_broadcast_ss(p); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-};
-template <>
-struct Simd<double> {
-  using V = __m256d;
-  static V zero() { return _mm256_setzero_pd(); }
-  static V load(const double* p) { return _mm256_loadu_pd(p); }
-  static void store(double* p, V v) { _mm256_storeu_pd(p, v); }
-  static V bcast(const double* p) { return _mm256_broadcast_sd(p); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
-  static V add(V a, V b) { return _mm256_add_pd(a, b); }
-};
-#endif
 
 // C[i, 0:NR] (i < MR) = chain over k of fma(A(i,k), B[k, 0:NR], C[i, :]) with A(i,k) =
 // a[i*a_rs + k*a_cs] and B[k, j] = b[k*ldb + j] (a packed panel, NR or 2·NR wide); C starts at 0 (Chain::start) or continues
@@ -109,9 +85,9 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
                 Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
   constexpr int NR = kNR<Acc>;
 #ifdef SY_GATE_AVX2
-  using S = Simd<Acc>;
-  using V = typename S::V;
+  using V = simd::Vec<Acc>;  // 256-bit in this (avx2) variant
   constexpr int L = NR / 2;
+  static_assert(V::kLanes == L);
   // Accumulators as named variables, not arrays: GCC keeps arrays of vectors on the stack
   // (a store per FMA), which halved the throughput.
   V c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
@@ -119,43 +95,43 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
 #define SY_INIT(i)                        \
   if constexpr (MR > i) {                 \
     if (chain == Chain::resume) {         \
-      c##i##0 = S::load(c + i * ldc);     \
-      c##i##1 = S::load(c + i * ldc + L); \
+      c##i##0 = V::load(c + i * ldc);     \
+      c##i##1 = V::load(c + i * ldc + L); \
     } else {                              \
-      c##i##0 = S::zero();                \
-      c##i##1 = S::zero();                \
+      c##i##0 = V::zero();                \
+      c##i##1 = V::zero();                \
     }                                     \
   }
   SY_ROWS(SY_INIT)
 #undef SY_INIT
   const Acc* ap = a;
   for (int64_t k = 0; k < kc; ++k) {
-    const V b0 = S::load(b + k * ldb);
-    const V b1 = S::load(b + k * ldb + L);
+    const V b0 = V::load(b + k * ldb);
+    const V b1 = V::load(b + k * ldb + L);
 #define SY_FMA(i)                         \
   if constexpr (MR > i) {                 \
-    const V ai = S::bcast(ap + i * a_rs); \
-    c##i##0 = S::fma(ai, b0, c##i##0);    \
-    c##i##1 = S::fma(ai, b1, c##i##1);    \
+    const V ai = V::bcast(ap[i * a_rs]); \
+    c##i##0 = fma(ai, b0, c##i##0);    \
+    c##i##1 = fma(ai, b1, c##i##1);    \
   }
     SY_ROWS(SY_FMA)
 #undef SY_FMA
     ap += a_cs;
   }
   if (bias) {
-    const V bb0 = S::load(bias), bb1 = S::load(bias + L);
+    const V bb0 = V::load(bias), bb1 = V::load(bias + L);
 #define SY_BIAS(i)                  \
   if constexpr (MR > i) {           \
-    c##i##0 = S::add(c##i##0, bb0); \
-    c##i##1 = S::add(c##i##1, bb1); \
+    c##i##0 = c##i##0 + bb0; \
+    c##i##1 = c##i##1 + bb1; \
   }
     SY_ROWS(SY_BIAS)
 #undef SY_BIAS
   }
 #define SY_STORE(i)                     \
   if constexpr (MR > i) {               \
-    S::store(c + i * ldc, c##i##0);     \
-    S::store(c + i * ldc + L, c##i##1); \
+    (c##i##0).store(c + i * ldc);     \
+    (c##i##1).store(c + i * ldc + L); \
   }
   SY_ROWS(SY_STORE)
 #undef SY_STORE
@@ -230,35 +206,12 @@ template <class Acc>
 constexpr int kBW = 2 * kNR<Acc>;
 
 #ifdef SY_GATE_AVX512
-template <class Acc>
-struct Simd512;
-template <>
-struct Simd512<float> {
-  using V = __m512;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V bcast(const float* p) { return _mm512_set1_ps(*p); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-};
-template <>
-struct Simd512<double> {
-  using V = __m512d;
-  static V zero() { return _mm512_setzero_pd(); }
-  static V load(const double* p) { return _mm512_loadu_pd(p); }
-  static void store(double* p, V v) { _mm512_storeu_pd(p, v); }
-  static V bcast(const double* p) { return _mm512_set1_pd(*p); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
-  static V add(V a, V b) { return _mm512_add_pd(a, b); }
-};
-
 template <class Acc, int MR>
 void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, Acc* c,
                    int64_t ldc, Chain chain, const Acc* bias) {
-  using S = Simd512<Acc>;
-  using V = typename S::V;
+  using V = simd::Vec<Acc>;        // 512-bit in this (avx512) variant
   constexpr int L = kBW<Acc> / 2;  // lanes per zmm register
+  static_assert(V::kLanes == L);
   // Named accumulators (GCC keeps arrays of vectors on the stack), 12 rows x 2 registers: each
   // B row (two loads) feeds 24 FMAs, and the A values are broadcast from memory into the FMAs.
   V c0_0, c0_1, c1_0, c1_1, c2_0, c2_1, c3_0, c3_1, c4_0, c4_1, c5_0, c5_1, c6_0, c6_1, c7_0,
@@ -267,43 +220,43 @@ void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const A
 #define SY_INIT(i)                          \
   if constexpr (MR > i) {                   \
     if (chain == Chain::resume) {           \
-      c##i##_0 = S::load(c + i * ldc);      \
-      c##i##_1 = S::load(c + i * ldc + L);  \
+      c##i##_0 = V::load(c + i * ldc);      \
+      c##i##_1 = V::load(c + i * ldc + L);  \
     } else {                                \
-      c##i##_0 = S::zero();                 \
-      c##i##_1 = S::zero();                 \
+      c##i##_0 = V::zero();                 \
+      c##i##_1 = V::zero();                 \
     }                                       \
   }
   SY_ROWS(SY_INIT)
 #undef SY_INIT
   const Acc* ap = a;
   for (int64_t k = 0; k < kc; ++k) {
-    const V b0 = S::load(b + k * 2 * L);
-    const V b1 = S::load(b + k * 2 * L + L);
+    const V b0 = V::load(b + k * 2 * L);
+    const V b1 = V::load(b + k * 2 * L + L);
 #define SY_FMA(i)                           \
   if constexpr (MR > i) {                   \
-    const V ai = S::bcast(ap + i * a_rs);   \
-    c##i##_0 = S::fma(ai, b0, c##i##_0);    \
-    c##i##_1 = S::fma(ai, b1, c##i##_1);    \
+    const V ai = V::bcast(ap[i * a_rs]);   \
+    c##i##_0 = fma(ai, b0, c##i##_0);    \
+    c##i##_1 = fma(ai, b1, c##i##_1);    \
   }
     SY_ROWS(SY_FMA)
 #undef SY_FMA
     ap += a_cs;
   }
   if (bias) {
-    const V bb0 = S::load(bias), bb1 = S::load(bias + L);
+    const V bb0 = V::load(bias), bb1 = V::load(bias + L);
 #define SY_BIAS(i)                      \
   if constexpr (MR > i) {               \
-    c##i##_0 = S::add(c##i##_0, bb0);   \
-    c##i##_1 = S::add(c##i##_1, bb1);   \
+    c##i##_0 = c##i##_0 + bb0;   \
+    c##i##_1 = c##i##_1 + bb1;   \
   }
     SY_ROWS(SY_BIAS)
 #undef SY_BIAS
   }
 #define SY_STORE(i)                        \
   if constexpr (MR > i) {                  \
-    S::store(c + i * ldc, c##i##_0);       \
-    S::store(c + i * ldc + L, c##i##_1);   \
+    (c##i##_0).store(c + i * ldc);       \
+    (c##i##_1).store(c + i * ldc + L);   \
   }
   SY_ROWS(SY_STORE)
 #undef SY_STORE
@@ -392,35 +345,6 @@ void pack_w_panel_scalar(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H
   }
 }
 
-#ifdef SY_GATE_AVX2
-// Eight values of a weight row as fp32 (bf16 -> fp32 is a 16-bit shift).
-inline __m256 load8_f32(const bf16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
-
-// In-register 8x8 transpose: r[k] becomes column k.
-inline void transpose8(__m256 r[8]) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-#endif
-
 // Packing is pure data movement (exact conversions), so the vector and scalar versions give the
 // same bytes. The scalar one cost ~0.5 ns per weight, which is most of a call at small T.
 template <class Acc, class WT>
@@ -435,9 +359,9 @@ void pack_w_panel(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H) {
         __m256 r[8];
         for (int i = 0; i < 8; ++i) {
           const int64_t e = e0 + half * 8 + i;
-          r[i] = e < E ? load8_f32(w + e * H + h) : zero;
+          r[i] = e < E ? simd::load8_f32(w + e * H + h) : zero;
         }
-        transpose8(r);
+        simd::transpose8(r);
         for (int k = 0; k < 8; ++k) _mm256_storeu_ps(dst + (h + k) * 32 + half * 8, r[k]);
       }
     }
@@ -519,22 +443,7 @@ inline void store_row(Out* dst, const Acc* src, int64_t n) {
   int64_t j = 0;
 #ifdef SY_GATE_AVX2
   if constexpr (std::is_same_v<Out, bf16> && std::is_same_v<Acc, float>) {
-    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
-    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-    const __m256i quiet = _mm256_set1_epi32(0x0040);
-    auto round8 = [&](const float* p) {
-      const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(p));
-      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), lsb), 16);
-      const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
-      const __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
-      return _mm256_blendv_epi8(r, q, nan);
-    };
-    for (; j + 16 <= n; j += 16) {
-      const __m256i packed = _mm256_packus_epi32(round8(src + j), round8(src + j + 8));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
-                          _mm256_permute4x64_epi64(packed, 0xD8));
-    }
+    for (; j + 16 <= n; j += 16) simd::store16_bf16(dst + j, src + j);
   }
 #endif
   for (; j < n; ++j) dst[j] = from_acc<Out>(src[j]);
@@ -548,8 +457,8 @@ inline void load_row(Acc* dst, const XT* src) {
   if constexpr (std::is_same_v<Acc, float> && (std::is_same_v<XT, bf16> ||
                                                std::is_same_v<XT, float>)) {
     static_assert(NR == 16);
-    _mm256_storeu_ps(dst, load8_f32(src));
-    _mm256_storeu_ps(dst + 8, load8_f32(src + 8));
+    _mm256_storeu_ps(dst, simd::load8_f32(src));
+    _mm256_storeu_ps(dst + 8, simd::load8_f32(src + 8));
     return;
   }
 #endif
