@@ -9,6 +9,7 @@
 #include <string>
 
 #include "check.h"
+#include "cpu/finite_kernels.h"
 #include "cpu/gate_kernels.h"
 
 namespace switchyard {
@@ -105,8 +106,19 @@ GateGrads router_gating_linear_backward(const Tensor& grad_logits, const Tensor&
                      shape_str(grad_logits.shape()));
   }
   check_finite(grad_logits, kBwd, "grad_logits", "token", "expert");
-  check_finite(x, kBwd, "x", "token", "hidden");
-  check_finite(weight, kBwd, "weight", "expert", "hidden");
+  auto check_x_and_weight = [&] {
+    check_finite(x, kBwd, "x", "token", "hidden");
+    check_finite(weight, kBwd, "weight", "expert", "hidden");
+  };
+  // x [T,H] is the one large input. A NaN/Inf at x[t,h] reaches grad_weight[e,h] for every e
+  // with grad_logits[t,e] != 0 (fma(g != 0, ±Inf or NaN, acc) is not finite, and nothing finite
+  // comes back), and for every e on the dense path (g = 0 gives NaN). So after the product: scan
+  // grad_weight [E,H] and the x rows whose grad_logits row is all zero (the sparse path skips
+  // them); only when one of those is not finite are x and W scanned in the usual order for the
+  // message (finite inputs can still overflow: then the gradients are returned as computed).
+  // W itself is scanned directly (grad_x rows that use it are as large as x). No state to undo.
+  const bool scan_inputs_first = d.num_tokens == 0 || d.hidden == 0 || d.num_experts == 0;
+  if (scan_inputs_first) check_x_and_weight();
 
   GateGrads g;
   g.grad_x = Tensor::empty(x.shape(), x.dtype());
@@ -116,6 +128,25 @@ GateGrads router_gating_linear_backward(const Tensor& grad_logits, const Tensor&
                      g.grad_x.raw(), g.grad_weight.raw(),
                      bias.defined() ? g.grad_bias.raw() : nullptr, options.router_dtype,
                      d.num_tokens, d.hidden, d.num_experts);
+  if (!scan_inputs_first) {
+    bool suspect = detail::first_non_finite(weight) < weight.numel() ||
+                   detail::first_non_finite(g.grad_weight) < g.grad_weight.numel();
+    const int64_t E = d.num_experts, H = d.hidden;
+    const size_t esize = dtype_size(x.dtype());
+    for (int64_t t = 0; t < d.num_tokens && !suspect; ++t) {
+      bool empty_row = true;
+      for (int64_t e = 0; e < E && empty_row; ++e) {
+        empty_row = grad_logits.dtype() == DType::fp64
+                        ? grad_logits.data<double>()[t * E + e] == 0.0
+                        : grad_logits.data<float>()[t * E + e] == 0.0f;
+      }
+      if (empty_row) {
+        const void* row = static_cast<const char*>(x.raw()) + static_cast<size_t>(t * H) * esize;
+        suspect = cpu::first_non_finite(row, x.dtype(), H) < H;
+      }
+    }
+    if (suspect) check_x_and_weight();
+  }
   return g;
 }
 

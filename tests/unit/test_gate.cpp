@@ -612,6 +612,40 @@ TEST(Gate, Errors) {
     const Tensor over = sy::router_gating_linear(huge, huge, Tensor());
     EXPECT_TRUE(std::isinf(over.data<float>()[0])) << "3e38 * 3e38 overflows to inf";
   }
+  // The backward checks x after the product, through grad_weight and the x rows whose grad_logits
+  // row is all zero: a bad x is named wherever it sits, on the dense and the sparse path (a
+  // one-hot grad_logits, rows 0 and 2 all zero), and before a bad weight.
+  {
+    const int64_t T = 64, H = 40, Ex = 16;
+    std::mt19937_64 r2(test_seed(77));
+    const Tensor xs = randn({T, H}, DType::bf16, r2), ws = randn({Ex, H}, DType::bf16, r2);
+    Tensor dense = randn({T, Ex}, DType::fp32, r2), sparse = dense.clone();
+    keep_k_per_row(sparse, 1, r2);
+    for (int64_t e = 0; e < Ex; ++e) {
+      sparse.data<float>()[0 * Ex + e] = 0.0f;
+      sparse.data<float>()[2 * Ex + e] = 0.0f;
+    }
+    for (const Tensor& gl : {dense, sparse}) {
+      for (int64_t t : {0, 1, 2, 63}) {
+        Tensor xb = xs.clone();
+        xb.data<sy::bf16>()[t * H + 7] = sy::float_to_bf16(NAN);
+        SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(gl, xb, ws, Tensor()), E,
+                            "x has a non-finite value nan at token " + std::to_string(t) +
+                                ", hidden 7");
+        Tensor wb2 = ws.clone();
+        wb2.data<sy::bf16>()[5 * H + 3] = sy::float_to_bf16(-INFINITY);
+        SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(gl, xb, wb2, Tensor()), E,
+                            "x has a non-finite value nan at token " + std::to_string(t));
+        SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(gl, xs, wb2, Tensor()), E,
+                            "weight has a non-finite value -inf at expert 5, hidden 3");
+      }
+    }
+    Tensor huge = Tensor::empty({2, 4}, DType::fp32), gh = Tensor::empty({2, 2}, DType::fp32);
+    for (int64_t i = 0; i < 8; ++i) huge.data<float>()[i] = 3e38f;
+    for (int64_t i = 0; i < 4; ++i) gh.data<float>()[i] = 3e38f;  // T 2, H 4, E 2
+    const sy::GateGrads over = sy::router_gating_linear_backward(gh, huge, huge, Tensor());
+    EXPECT_TRUE(std::isinf(over.grad_weight.data<float>()[0])) << "finite inputs that overflow";
+  }
   // backward-only arguments
   const char* bop = "[router_gating_linear_backward] ";
   SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(g.to(DType::bf16), x, w, b), E,
