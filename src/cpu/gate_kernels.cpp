@@ -483,8 +483,6 @@ inline void load_row(Acc* dst, const XT* src) {
 // chain. Chosen by the density of grad_logits alone (never by thread count or batch), and either
 // path gives the same bits, so the choice is invisible.
 constexpr int64_t kSparseDensityInv = 8;  // sparse when at most one term in 8 is nonzero
-constexpr int64_t kSB = 64;               // columns of H per grad_w work item, at most
-constexpr int64_t kSparsePrefetch = 8;    // tokens ahead
 constexpr int64_t kST = 32;               // tokens per grad_x work item
 constexpr int64_t kXB = 256;              // columns of H per grad_x segment
 
@@ -539,13 +537,36 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
   constexpr bool kDirectX = std::is_same_v<XT, Acc>;
   const int nthreads = omp_get_max_threads();
   Scratch<Acc> rows(nthreads * kXB);  // per-thread grad_x segment before rounding
-  // grad_w block width: the block's accumulators (E x sb) within 64 KB, at least 16 columns (a
-  // multiple of every variant's lanes). Measured at E 256 fp32: 64 columns (64 KB, partly L2)
-  // beat 32 (32 KB, L1) by ~10%: the wider x row segments cost fewer row misses.
-  int64_t sb = kSB;
-  while (sb > 16 && E * sb * static_cast<int64_t>(sizeof(Acc)) > (int64_t{64} << 10)) sb /= 2;
-  Scratch<Acc> accs(nthreads * E * sb);  // per-thread grad_w block
-  const int64_t nblk = (H + sb - 1) / sb;
+  // grad_w by expert: the nonzeros re-sorted by expert, t ascending within an expert (the chain's
+  // order), from the token-sorted lists.
+  const int64_t nnz = ptr[T];
+  Scratch<int64_t> eptr(E + 1), cursor(E);
+  Scratch<int32_t> erow(nnz);
+  Scratch<Acc> eval(nnz);
+  for (int64_t e = 0; e <= E; ++e) eptr.p[e] = 0;
+  for (int64_t j = 0; j < nnz; ++j) ++eptr.p[col[j] + 1];
+  for (int64_t e = 0; e < E; ++e) {
+    eptr.p[e + 1] += eptr.p[e];
+    cursor.p[e] = eptr.p[e];
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = ptr[t]; j < ptr[t + 1]; ++j) {
+      const int64_t pos = cursor.p[col[j]]++;
+      erow.p[pos] = static_cast<int32_t>(t);
+      eval.p[pos] = val[j];
+    }
+  }
+  // grad_w work items: chunks of hc columns; within an item, blocks of kTB tokens in order, and
+  // per block every expert's tokens. The block's x rows (kTB x hc) stay in L2 and their pages in
+  // the TLB while its K experts read each row (with all T at once, T 4096 rows 4 KB apart missed
+  // the second-level TLB); each (expert, column) chain resumes from the previous block.
+  constexpr int64_t kTB = 1024;
+  int64_t hc = (int64_t{1} << 20) /
+               (std::min(T, kTB) * static_cast<int64_t>(sizeof(XT)));
+  hc = std::clamp<int64_t>(hc / 64 * 64, 64, 512);
+  const int64_t nchunk = (H + hc - 1) / hc;
+  Scratch<Acc> waccs(nthreads * E * hc);  // per-thread chains of a chunk
+  Scratch<int64_t> wcursors(nthreads * E);
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
     const int tid = omp_get_thread_num();
@@ -604,49 +625,64 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
         }
       }
     }
-    // grad_w, one block of sb columns per item: acc[e][c] over t ascending.
-    Acc* const acc = accs.p + tid * E * sb;
+    // grad_w, one chunk of hc columns per item (see above), eight chains of L columns at a time
+    // in registers.
+    Acc* const wacc = waccs.p + tid * E * hc;
+    int64_t* const cur = wcursors.p + tid * E;
 #pragma omp for schedule(dynamic)
-    for (int64_t b = 0; b < nblk; ++b) {
-      const int64_t h0 = b * sb, nv = std::min(sb, H - h0);
-      for (int64_t i = 0; i < E * sb; ++i) acc[i] = Acc(0);
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t j0 = ptr[t], j1 = ptr[t + 1];
-        if (j0 == j1) continue;
-        const XT* xr = x + t * H + h0;
-        // The rows of a block are H apart (a page or more): a miss per row that the hardware
-        // prefetcher does not follow across pages. Fetch a few tokens ahead.
-        if (t + kSparsePrefetch < T) {
-          const char* pf = reinterpret_cast<const char*>(xr + kSparsePrefetch * H);
-          for (int64_t off = 0; off < nv * static_cast<int64_t>(sizeof(XT)); off += 64)
-            __builtin_prefetch(pf + off, 0, 3);
-        }
-        if (nv == sb) {
-          V xv[kSB / L];  // the first sb / L used
-          for (int64_t i = 0; i < sb / L; ++i) xv[i] = V::load(xr + i * L);
-          for (int64_t j = j0; j < j1; ++j) {
-            const V gv = V::bcast(val[j]);
-            Acc* const a = acc + col[j] * sb;
-            for (int64_t i = 0; i < sb / L; ++i) fma(gv, xv[i], V::load(a + i * L)).store(a + i * L);
+    for (int64_t c = 0; c < nchunk; ++c) {
+      const int64_t h0 = c * hc, nv = std::min(hc, H - h0);
+      const XT* const xc = x + h0;
+      for (int64_t e = 0; e < E; ++e) cur[e] = eptr.p[e];
+      for (int64_t tb0 = 0; tb0 < std::max<int64_t>(T, 1); tb0 += kTB) {
+        const int64_t tb1 = std::min(T, tb0 + kTB);
+        const bool first = tb0 == 0;
+        for (int64_t e = 0; e < E; ++e) {
+          const int64_t j0 = cur[e];
+          int64_t j1 = j0;
+          while (j1 < eptr.p[e + 1] && erow.p[j1] < tb1) ++j1;
+          cur[e] = j1;
+          if (j0 == j1 && !first) continue;  // no term: the chains stand
+          Acc* const arow = wacc + e * hc;
+          int64_t h = 0;
+          for (; h + 8 * L <= nv; h += 8 * L) {
+            V a[8];
+            for (int i = 0; i < 8; ++i) a[i] = first ? V::zero() : V::load(arow + h + i * L);
+            for (int64_t j = j0; j < j1; ++j) {
+              const V gv = V::bcast(eval.p[j]);
+              const XT* xr = xc + erow.p[j] * H + h;
+              for (int i = 0; i < 8; ++i) a[i] = fma(gv, V::load(xr + i * L), a[i]);
+            }
+            for (int i = 0; i < 8; ++i) a[i].store(arow + h + i * L);
           }
-        } else {
-          for (int64_t j = j0; j < j1; ++j) {
-            Acc* const a = acc + col[j] * sb;
-            for (int64_t c = 0; c < nv; ++c) a[c] = std::fma(val[j], to_acc<Acc>(xr[c]), a[c]);
+          for (; h + L <= nv; h += L) {
+            V a0 = first ? V::zero() : V::load(arow + h);
+            for (int64_t j = j0; j < j1; ++j)
+              a0 = fma(V::bcast(eval.p[j]), V::load(xc + erow.p[j] * H + h), a0);
+            a0.store(arow + h);
+          }
+          for (; h < nv; ++h) {
+            Acc a = first ? Acc(0) : arow[h];
+            for (int64_t j = j0; j < j1; ++j)
+              a = std::fma(eval.p[j], to_acc<Acc>(xc[erow.p[j] * H + h]), a);
+            arow[h] = a;
           }
         }
       }
       for (int64_t e = 0; e < E; ++e) {
-        Acc* const a = acc + e * sb;
-        for (int64_t c = 0; c < nv; ++c) {
-          if (simd::is_negative_zero(a[c])) {
+        Acc* const arow = wacc + e * hc;
+        bool negative_zero = false;
+        int64_t h = 0;
+        for (; h + L <= nv; h += L) negative_zero |= V::load(arow + h).any_negative_zero();
+        for (; h < nv; ++h) negative_zero |= simd::is_negative_zero(arow[h]);
+        for (h = 0; negative_zero && h < nv; ++h) {
+          if (simd::is_negative_zero(arow[h])) {  // the dense chain decides the sign (see above)
             Acc d = Acc(0);
-            for (int64_t t = 0; t < T; ++t)
-              d = std::fma(g[t * E + e], to_acc<Acc>(x[t * H + h0 + c]), d);
-            a[c] = d;
+            for (int64_t t = 0; t < T; ++t) d = std::fma(g[t * E + e], to_acc<Acc>(xc[t * H + h]), d);
+            arow[h] = d;
           }
         }
-        store_row<WT, Acc>(grad_w + e * H + h0, a, nv);
+        store_row<WT, Acc>(grad_w + e * H + h0, arow, nv);
       }
     }
   }

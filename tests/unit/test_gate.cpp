@@ -332,7 +332,9 @@ TEST(Gate, BackwardOfTopKGradLogitsMatchesChain) {
       {97, 300, 65, DType::fp32, DType::fp32, DType::fp32, true, DType::fp32, 2},
       {7, 45, 64, DType::fp32, DType::bf16, DType::fp64, true, DType::fp32, 1},
       {1, 70, 8, DType::bf16, DType::fp32, DType::fp32, false, DType::fp32, 1},
-      {300, 130, 64, DType::fp64, DType::bf16, DType::fp64, false, DType::fp32, 8}};
+      {300, 130, 64, DType::fp64, DType::bf16, DType::fp64, false, DType::fp32, 8},
+      // T above one grad_w token block (1024): the chains resume across blocks
+      {2100, 70, 16, DType::bf16, DType::bf16, DType::fp32, false, DType::fp32, 2}};
   for (sy::CpuIsa isa : {sy::CpuIsa::scalar, sy::CpuIsa::avx2, sy::CpuIsa::avx512}) {
     if (!sy::cpu_supports(isa)) continue;
     SCOPED_TRACE(std::string("isa ") + sy::cpu_isa_name(isa));
