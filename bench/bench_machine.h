@@ -41,13 +41,13 @@ inline void add_machine_context() {
 }  // namespace switchyard::bench
 
 /// BENCHMARK_MAIN() plus the machine context.
-#define SY_BENCHMARK_MAIN()                                               \
-  int main(int argc, char** argv) {                                       \
-    ::benchmark::Initialize(&argc, argv);                                 \
-    if (::benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;   \
-    ::switchyard::bench::add_machine_context();                           \
-    ::benchmark::RunSpecifiedBenchmarks();                                \
-    ::benchmark::Shutdown();                                              \
-    return 0;                                                             \
-  }                                                                       \
+#define SY_BENCHMARK_MAIN()                                             \
+  int main(int argc, char** argv) {                                     \
+    ::benchmark::Initialize(&argc, argv);                               \
+    if (::benchmark::ReportUnrecognizedArguments(argc, argv)) return 1; \
+    ::switchyard::bench::add_machine_context();                         \
+    ::benchmark::RunSpecifiedBenchmarks();                              \
+    ::benchmark::Shutdown();                                            \
+    return 0;                                                           \
+  }                                                                     \
   int main(int, char**)

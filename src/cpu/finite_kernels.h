@@ -15,8 +15,7 @@ namespace switchyard::cpu {
 //   below kFiniteParallelBytes (a parallel region costs more than it saves on a few MB, much more
 //   on a shared machine), OpenMP above.
 inline constexpr int64_t kFiniteParallelBytes = int64_t{8} << 20;
-#define SY_FINITE_KERNELS \
-  int64_t first_non_finite(const void* p, DType dtype, int64_t n);
+#define SY_FINITE_KERNELS int64_t first_non_finite(const void* p, DType dtype, int64_t n);
 SY_CPU_DECLARE_VARIANTS(SY_FINITE_KERNELS)
 #undef SY_FINITE_KERNELS
 

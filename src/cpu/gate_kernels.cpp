@@ -73,15 +73,15 @@ constexpr int kNR = 2 * (32 / static_cast<int>(sizeof(Acc)));
 #ifdef SY_GATE_AVX512
 constexpr int kMR = 12;  // rows of the zmm tile: 24 accumulators of the 32 registers
 #else
-constexpr int kMR = 6;   // 12 accumulators of the 16 ymm registers
+constexpr int kMR = 6;  // 12 accumulators of the 16 ymm registers
 #endif
 
 enum class Chain { start, resume };
 
-
 // C[i, 0:NR] (i < MR) = chain over k of fma(A(i,k), B[k, 0:NR], C[i, :]) with A(i,k) =
-// a[i*a_rs + k*a_cs] and B[k, j] = b[k*ldb + j] (a packed panel, NR or 2·NR wide); C starts at 0 (Chain::start) or continues
-// from the values in c (Chain::resume); `bias` (NR values, or null) is added after the chain.
+// a[i*a_rs + k*a_cs] and B[k, j] = b[k*ldb + j] (a packed panel, NR or 2·NR wide); C starts at 0
+// (Chain::start) or continues from the values in c (Chain::resume); `bias` (NR values, or null) is
+// added after the chain.
 template <class Acc, int MR>
 void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, int64_t ldb,
                 Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
@@ -110,11 +110,11 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   for (int64_t k = 0; k < kc; ++k) {
     const V b0 = V::load(b + k * ldb);
     const V b1 = V::load(b + k * ldb + L);
-#define SY_FMA(i)                         \
-  if constexpr (MR > i) {                 \
+#define SY_FMA(i)                        \
+  if constexpr (MR > i) {                \
     const V ai = V::bcast(ap[i * a_rs]); \
-    c##i##0 = fma(ai, b0, c##i##0);    \
-    c##i##1 = fma(ai, b1, c##i##1);    \
+    c##i##0 = fma(ai, b0, c##i##0);      \
+    c##i##1 = fma(ai, b1, c##i##1);      \
   }
     SY_ROWS(SY_FMA)
 #undef SY_FMA
@@ -122,16 +122,16 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   }
   if (bias) {
     const V bb0 = V::load(bias), bb1 = V::load(bias + L);
-#define SY_BIAS(i)                  \
-  if constexpr (MR > i) {           \
+#define SY_BIAS(i)           \
+  if constexpr (MR > i) {    \
     c##i##0 = c##i##0 + bb0; \
     c##i##1 = c##i##1 + bb1; \
   }
     SY_ROWS(SY_BIAS)
 #undef SY_BIAS
   }
-#define SY_STORE(i)                     \
-  if constexpr (MR > i) {               \
+#define SY_STORE(i)                   \
+  if constexpr (MR > i) {             \
     (c##i##0).store(c + i * ldc);     \
     (c##i##1).store(c + i * ldc + L); \
   }
@@ -216,18 +216,18 @@ void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const A
   static_assert(V::kLanes == L);
   // Named accumulators (GCC keeps arrays of vectors on the stack), 12 rows x 2 registers: each
   // B row (two loads) feeds 24 FMAs, and the A values are broadcast from memory into the FMAs.
-  V c0_0, c0_1, c1_0, c1_1, c2_0, c2_1, c3_0, c3_1, c4_0, c4_1, c5_0, c5_1, c6_0, c6_1, c7_0,
-      c7_1, c8_0, c8_1, c9_0, c9_1, c10_0, c10_1, c11_0, c11_1;
+  V c0_0, c0_1, c1_0, c1_1, c2_0, c2_1, c3_0, c3_1, c4_0, c4_1, c5_0, c5_1, c6_0, c6_1, c7_0, c7_1,
+      c8_0, c8_1, c9_0, c9_1, c10_0, c10_1, c11_0, c11_1;
 #define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#define SY_INIT(i)                          \
-  if constexpr (MR > i) {                   \
-    if (chain == Chain::resume) {           \
-      c##i##_0 = V::load(c + i * ldc);      \
-      c##i##_1 = V::load(c + i * ldc + L);  \
-    } else {                                \
-      c##i##_0 = V::zero();                 \
-      c##i##_1 = V::zero();                 \
-    }                                       \
+#define SY_INIT(i)                         \
+  if constexpr (MR > i) {                  \
+    if (chain == Chain::resume) {          \
+      c##i##_0 = V::load(c + i * ldc);     \
+      c##i##_1 = V::load(c + i * ldc + L); \
+    } else {                               \
+      c##i##_0 = V::zero();                \
+      c##i##_1 = V::zero();                \
+    }                                      \
   }
   SY_ROWS(SY_INIT)
 #undef SY_INIT
@@ -235,9 +235,9 @@ void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const A
   for (int64_t k = 0; k < kc; ++k) {
     const V b0 = V::load(b + k * 2 * L);
     const V b1 = V::load(b + k * 2 * L + L);
-#define SY_FMA(i)                           \
-  if constexpr (MR > i) {                   \
-    const V ai = V::bcast(ap[i * a_rs]);   \
+#define SY_FMA(i)                        \
+  if constexpr (MR > i) {                \
+    const V ai = V::bcast(ap[i * a_rs]); \
     c##i##_0 = fma(ai, b0, c##i##_0);    \
     c##i##_1 = fma(ai, b1, c##i##_1);    \
   }
@@ -247,18 +247,18 @@ void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const A
   }
   if (bias) {
     const V bb0 = V::load(bias), bb1 = V::load(bias + L);
-#define SY_BIAS(i)                      \
-  if constexpr (MR > i) {               \
-    c##i##_0 = c##i##_0 + bb0;   \
-    c##i##_1 = c##i##_1 + bb1;   \
+#define SY_BIAS(i)             \
+  if constexpr (MR > i) {      \
+    c##i##_0 = c##i##_0 + bb0; \
+    c##i##_1 = c##i##_1 + bb1; \
   }
     SY_ROWS(SY_BIAS)
 #undef SY_BIAS
   }
-#define SY_STORE(i)                        \
-  if constexpr (MR > i) {                  \
-    (c##i##_0).store(c + i * ldc);       \
-    (c##i##_1).store(c + i * ldc + L);   \
+#define SY_STORE(i)                    \
+  if constexpr (MR > i) {              \
+    (c##i##_0).store(c + i * ldc);     \
+    (c##i##_1).store(c + i * ldc + L); \
   }
   SY_ROWS(SY_STORE)
 #undef SY_STORE
@@ -286,12 +286,12 @@ void micro512(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs
   case n:                                                               \
     micro512_full<Acc, n>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); \
     break;
-    SY_CASE(1) SY_CASE(2) SY_CASE(3) SY_CASE(4) SY_CASE(5) SY_CASE(6) SY_CASE(7) SY_CASE(8)
-    SY_CASE(9) SY_CASE(10) SY_CASE(11)
+    SY_CASE(1)
+    SY_CASE(2) SY_CASE(3) SY_CASE(4) SY_CASE(5) SY_CASE(6) SY_CASE(7) SY_CASE(8) SY_CASE(9)
+        SY_CASE(10) SY_CASE(11)
 #undef SY_CASE
-    default:
-      micro512_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
+            default : micro512_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+    break;
   }
   if (nvalid < BW) {
     for (int64_t i = 0; i < mr; ++i)
@@ -377,7 +377,8 @@ void pack_w_panel(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H) {
 template <class Acc, class XT, class WT, class BT>
 void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T, int64_t H,
                   int64_t E) {
-  constexpr int NR = kBW<Acc>;  // panel width over E (run as two register halves, or one AVX-512 tile)
+  constexpr int NR =
+      kBW<Acc>;  // panel width over E (run as two register halves, or one AVX-512 tile)
   if (T == 0 || E == 0) return;
   const int64_t npanel = (E + NR - 1) / NR;
   const int64_t e_pad = npanel * NR;
@@ -456,8 +457,8 @@ template <class Acc, class XT>
 inline void load_row(Acc* dst, const XT* src) {
   constexpr int NR = kNR<Acc>;
 #ifdef SY_GATE_AVX2
-  if constexpr (std::is_same_v<Acc, float> && (std::is_same_v<XT, bf16> ||
-                                               std::is_same_v<XT, float>)) {
+  if constexpr (std::is_same_v<Acc, float> &&
+                (std::is_same_v<XT, bf16> || std::is_same_v<XT, float>)) {
     static_assert(NR == 16);
     _mm256_storeu_ps(dst, simd::load8_f32(src));
     _mm256_storeu_ps(dst + 8, simd::load8_f32(src + 8));
@@ -490,8 +491,8 @@ constexpr int64_t kXB = 256;              // columns of H per grad_x segment
 // e ascending.
 template <class Acc>
 struct SparseRows {
-  SparseRows(int64_t T, int64_t cap) : ptr(T + 1), col(std::max<int64_t>(1, cap)),
-                                       val(std::max<int64_t>(1, cap)) {}
+  SparseRows(int64_t T, int64_t cap)
+      : ptr(T + 1), col(std::max<int64_t>(1, cap)), val(std::max<int64_t>(1, cap)) {}
   Scratch<int64_t> ptr;
   Scratch<int32_t> col;
   Scratch<Acc> val;
@@ -561,8 +562,7 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
   // the TLB while its K experts read each row (with all T at once, T 4096 rows 4 KB apart missed
   // the second-level TLB); each (expert, column) chain resumes from the previous block.
   constexpr int64_t kTB = 1024;
-  int64_t hc = (int64_t{1} << 20) /
-               (std::min(T, kTB) * static_cast<int64_t>(sizeof(XT)));
+  int64_t hc = (int64_t{1} << 20) / (std::min(T, kTB) * static_cast<int64_t>(sizeof(XT)));
   hc = std::clamp<int64_t>(hc / 64 * 64, 64, 512);
   const int64_t nchunk = (H + hc - 1) / hc;
   Scratch<Acc> waccs(nthreads * E * hc);  // per-thread chains of a chunk
@@ -609,7 +609,8 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
           }
           for (; h < nb; ++h) {
             Acc a = Acc(0);
-            for (int64_t j = j0; j < j1; ++j) a = std::fma(val[j], to_acc<Acc>(wb[col[j] * H + h]), a);
+            for (int64_t j = j0; j < j1; ++j)
+              a = std::fma(val[j], to_acc<Acc>(wb[col[j] * H + h]), a);
             out[h] = a;
             negative_zero |= simd::is_negative_zero(a);
           }
@@ -678,7 +679,8 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
         for (h = 0; negative_zero && h < nv; ++h) {
           if (simd::is_negative_zero(arow[h])) {  // the dense chain decides the sign (see above)
             Acc d = Acc(0);
-            for (int64_t t = 0; t < T; ++t) d = std::fma(g[t * E + e], to_acc<Acc>(xc[t * H + h]), d);
+            for (int64_t t = 0; t < T; ++t)
+              d = std::fma(g[t * E + e], to_acc<Acc>(xc[t * H + h]), d);
             arow[h] = d;
           }
         }

@@ -24,8 +24,9 @@ inline F pick_variant(CpuIsa isa, F scalar_fn, F avx2_fn, F avx512_fn) {
 }  // namespace switchyard::cpu
 
 /// `fn` (a name or a template-id) in the active variant's namespace, as a function pointer.
-#define SY_CPU_SELECT(fn) \
-  (::switchyard::cpu::pick_variant(::switchyard::cpu::active_isa(), &scalar::fn, &avx2::fn, &avx512::fn))
+#define SY_CPU_SELECT(fn)                                                                   \
+  (::switchyard::cpu::pick_variant(::switchyard::cpu::active_isa(), &scalar::fn, &avx2::fn, \
+                                   &avx512::fn))
 
 /// Declares the entry points listed by DECLS (a macro) in cpu::scalar, cpu::avx2 and cpu::avx512.
 #define SY_CPU_DECLARE_VARIANTS(DECLS) \

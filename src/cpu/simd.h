@@ -153,7 +153,8 @@ struct Vec<double> {
   static Vec load(const float* p) { return {_mm512_maskz_cvtps_pd(0xff, _mm256_loadu_ps(p))}; }
   static Vec load(const bf16* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return {_mm512_maskz_cvtps_pd(0xff, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)))};
+    return {_mm512_maskz_cvtps_pd(
+        0xff, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)))};
   }
   static Vec bcast(double x) { return {_mm512_set1_pd(x)}; }
   void store(double* p) const { _mm512_storeu_pd(p, v); }
