@@ -100,7 +100,7 @@ LayerOut run_layer(const Pool& pool, const std::vector<int64_t>& ids, const Rout
   Tensor gxp = Tensor::empty(xp.shape(), DType::fp32);
   toy_experts(ug.grad_permuted, plan, gxp, true);
   o.grad_x_dispatch = permute_backward(gxp, plan);
-  o.grad_logits = topk_route_backward(ug.grad_topk_weights, rr, cfg).grad_logits;
+  o.grad_logits = topk_route_backward(ug.grad_topk_weights, rr).grad_logits;
   GateGrads gg = router_gating_linear_backward(o.grad_logits, x, pool.weight, pool.bias);
   o.grad_x_gate = gg.grad_x;
   o.grad_weight = gg.grad_weight;
@@ -164,7 +164,7 @@ std::vector<Case> cases(int64_t E) {
   c.z_loss_coeff = 1e-3;
   RoutingPlanOptions po;
   po.capacity_factor = 0.9;
-  po.token_drop_policy = PlanDropPolicy::position;
+  po.token_drop_policy = TokenDropPolicy::position;
   cs.push_back({"capacity_losses", c, po, false});
   return cs;
 }
