@@ -12,6 +12,7 @@
 #include "switchyard/permute.h"
 #include "switchyard/routing_plan.h"
 #include "testing.h"
+#include "bench_machine.h"
 
 namespace switchyard {
 namespace {
@@ -111,4 +112,4 @@ BENCHMARK(BM_Permute)->Apply(args)->UseManualTime()->Unit(benchmark::kMillisecon
 }  // namespace
 }  // namespace switchyard
 
-BENCHMARK_MAIN();
+SY_BENCHMARK_MAIN();

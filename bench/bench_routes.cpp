@@ -18,6 +18,7 @@
 #include <random>
 
 #include "switchyard/route_file.h"
+#include "bench_machine.h"
 
 namespace {
 
@@ -189,4 +190,4 @@ BENCHMARK(BM_Memcpy)
 
 }  // namespace
 
-BENCHMARK_MAIN();
+SY_BENCHMARK_MAIN();

@@ -15,6 +15,7 @@ import subprocess
 import time
 
 import torch
+from bench_machine import machine_line
 
 
 def torch_times(T, H, E, K, dtype, iters, threads):
@@ -81,6 +82,7 @@ def main():
     a = ap.parse_args()
     T, H, E, K = 4096, 2048, 128, 8
     ours_t = ours(a.bench, a.threads)
+    print(machine_line())
     print(f"T={T} H={H} E={E} K={K}, {a.threads} threads; torch {torch.__version__}")
     print("medians; switchyard from bench_permute (3 repetitions), torch over --iters runs")
     print(f"{'op':<20}{'dtype':<7}{'torch ms':>10}{'switchyard ms':>15}{'speedup':>9}")

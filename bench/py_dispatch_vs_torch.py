@@ -29,6 +29,7 @@ import torch
 
 import switchyard as sy
 import switchyard.torch as syt
+from bench_machine import machine_line
 
 
 def routes(T, E, K, g):
@@ -140,6 +141,7 @@ def main():
     # Qwen3-30B-A3B (H 2048, E 128, K 8) and Mixtral (H 4096, E 8, K 2), tokens per rank scaled.
     cases = [("qwen3-30b-a3b", 2048, 128, 8, 512 if args.quick else 2048),
              ("mixtral", 4096, 8, 2, 512 if args.quick else 4096)]
+    say(machine_line())
     say(f"ep={ep} threads={args.threads} (median of {reps}; ratio = torch / switchyard)")
     say("| model | dtype | T/rank | H | E | K | dispatcher | pass | switchyard ms | torch ms | "
         "ratio | memcpy ms |")

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "core/capacity.h"
+#include "cpu/finite_kernels.h"
 #include "cpu/gate_kernels.h"
 #include "cpu/permute_kernels.h"
 #include "cpu/router_kernels.h"
@@ -59,7 +60,7 @@ void fill_zero(const Context& ctx, void* p, size_t bytes);
 
 // ---- value checks (validation before any work) ----
 
-/// See cpu::first_non_finite: flat index of the first NaN/Inf, or n.
+/// See cpu::first_non_finite (cpu/finite_kernels.h): flat index of the first NaN/Inf, or n.
 int64_t first_non_finite(const Context& ctx, const void* p, DType dtype, int64_t n);
 /// See cpu::first_id_out_of_range: flat index of the first id outside [lo, hi), or n.
 int64_t first_id_out_of_range(const Context& ctx, const int32_t* ids, int64_t n, int64_t lo,

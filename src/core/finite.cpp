@@ -1,11 +1,8 @@
-// The non-finite check shared by every front-end that rejects NaN/Inf (gate, dispatch, combine):
-// one message, so every op reports the first bad value the same way. The scan itself is a value
-// check behind the backend seam (backend::first_non_finite; the CPU one in src/cpu/value_checks).
-#include <omp.h>
-
-#include <algorithm>
+// The non-finite check shared by every front-end that rejects NaN/Inf (gate, router, dispatch,
+// combine): one message, so every op reports the first bad value the same way. The scan itself is a
+// value check behind the backend seam (backend::first_non_finite; on the CPU the one scan of
+// src/cpu/finite_kernels.cpp, one threading policy, run-time ISA).
 #include <cmath>
-#include <cstring>
 #include <string>
 
 #include "backend/backend.h"

@@ -1,67 +1,11 @@
-// CPU value checks (see value_checks.h). Built once (not per ISA): they run at memory speed, and
-// the exponent tests vectorise at the baseline ISA.
+// CPU value checks (see value_checks.h). Built once (not per ISA): they run at memory speed.
 #include "cpu/value_checks.h"
 
-#include <omp.h>
-
-#include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "cpu/router_kernels.h"
 
 namespace switchyard::cpu {
-
-namespace {
-
-// Exponent all ones <=> NaN or Inf. Integer tests on the bits vectorise.
-inline bool non_finite(bf16 v) { return (v.bits & 0x7f80u) == 0x7f80u; }
-inline bool non_finite(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof u);
-  return (u & 0x7f800000u) == 0x7f800000u;
-}
-inline bool non_finite(double v) {
-  uint64_t u;
-  std::memcpy(&u, &v, sizeof u);
-  return (u & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
-}
-
-// Flat index of the first NaN/Inf in p[0, n), or n when there is none.
-template <class T>
-int64_t first_non_finite_of(const T* p, int64_t n) {
-  constexpr int64_t kChunk = 4096;
-  const int64_t nchunk = (n + kChunk - 1) / kChunk;
-  int64_t first = n;
-#pragma omp parallel for schedule(static) reduction(min : first) if (n > (int64_t{1} << 16))
-  for (int64_t c = 0; c < nchunk; ++c) {
-    const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
-    int bad = 0;
-    for (int64_t i = i0; i < i1; ++i) bad |= static_cast<int>(non_finite(p[i]));
-    if (bad) {
-      for (int64_t i = i0; i < i1; ++i) {
-        if (non_finite(p[i])) {
-          first = std::min(first, i);
-          break;
-        }
-      }
-    }
-  }
-  return first;
-}
-
-}  // namespace
-
-int64_t first_non_finite(const void* p, DType dtype, int64_t n) {
-  switch (dtype) {
-    case DType::bf16:
-      return first_non_finite_of(static_cast<const bf16*>(p), n);
-    case DType::fp32:
-      return first_non_finite_of(static_cast<const float*>(p), n);
-    default:
-      return first_non_finite_of(static_cast<const double*>(p), n);
-  }
-}
 
 int64_t first_id_out_of_range(const int32_t* ids, int64_t n, int64_t lo, int64_t hi) {
   // A branch-free pass first (vectorises), the search only when something is out of range.

@@ -1,5 +1,5 @@
-// CPU kernels of the value checks the front-ends run before any work: the non-finite scan, the
-// id-range scan and the classification of replayed top-k rows. Raw pointers, int64_t sizes; they
+// CPU kernels of the value checks the front-ends run before any work: the id-range scan and the
+// classification of replayed top-k rows (the non-finite scan is src/cpu/finite_kernels.h). Raw pointers, int64_t sizes; they
 // report where the first bad value is and leave the message to the front-end (which names the op,
 // the argument and the coordinate). Every result is the lowest index whatever the thread count.
 #pragma once
@@ -9,9 +9,6 @@
 #include "switchyard/dtype.h"
 
 namespace switchyard::cpu {
-
-/// Flat index of the first NaN/Inf in p[0, n) (dtype bf16, fp32 or fp64), or n when there is none.
-int64_t first_non_finite(const void* p, DType dtype, int64_t n);
 
 /// Flat index of the first id outside [lo, hi) in ids[0, n), or n when there is none.
 int64_t first_id_out_of_range(const int32_t* ids, int64_t n, int64_t lo, int64_t hi);
