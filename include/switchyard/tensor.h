@@ -88,6 +88,8 @@ class Tensor {
   void check_host(const char* op) const;
   // empty() whose allocation errors name `op` (clone, to, zeros).
   static Tensor empty_for(const char* op, const Shape& shape, DType dtype, const Device& device);
+  // A tensor with its shape, dtype and device set and no storage yet (empty_for and borrow).
+  static Tensor without_storage(const Shape& shape, DType dtype, const Device& device);
   std::shared_ptr<void> storage_;
   void* data_ = nullptr;
   Shape shape_;

@@ -71,13 +71,18 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   return empty_for("tensor.empty", shape, dtype, device);
 }
 
-Tensor Tensor::empty_for(const char* op, const Shape& shape, DType dtype, const Device& device) {
+Tensor Tensor::without_storage(const Shape& shape, DType dtype, const Device& device) {
   Tensor t;
   t.shape_ = shape;
   t.numel_ = checked_numel(shape);
   t.dtype_ = dtype;
   t.dtype_set_ = true;
   t.device_ = device;
+  return t;
+}
+
+Tensor Tensor::empty_for(const char* op, const Shape& shape, DType dtype, const Device& device) {
+  Tensor t = without_storage(shape, dtype, device);
   const size_t bytes = t.nbytes();
   detail::Allocator& a = detail::allocator_for(device, op);
   void* p = a.allocate(bytes, device);
@@ -114,12 +119,7 @@ Tensor Tensor::full(const Shape& shape, DType dtype, double value, Device device
 }
 
 Tensor Tensor::borrow(void* data, const Shape& shape, DType dtype, Device device) {
-  Tensor t;
-  t.shape_ = shape;
-  t.numel_ = checked_numel(shape);
-  t.dtype_ = dtype;
-  t.dtype_set_ = true;
-  t.device_ = device;
+  Tensor t = without_storage(shape, dtype, device);
   if (data == nullptr && t.numel_ > 0) {
     detail::fail_arg("tensor", "borrow: null data for shape ", shape_str(shape));
   }

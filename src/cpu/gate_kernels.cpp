@@ -154,6 +154,35 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
 #endif
 }
 
+// The C block of a tile whose last columns fall outside c: `mr` rows, the first `nvalid` of W
+// columns valid. With nvalid < W the microkernel runs on a local W-wide copy (resumed chains
+// start from c's values, the outside columns from 0) and store() writes the valid part back;
+// otherwise it runs on c itself.
+template <class Acc, int W>
+struct EdgeTile {
+  EdgeTile(int64_t mr_, int64_t nvalid_, Acc* c_out_, int64_t ldc_out_, Chain chain)
+      : mr(mr_), nvalid(nvalid_), c_out(c_out_), ldc_out(ldc_out_), c(c_out_), ldc(ldc_out_) {
+    if (nvalid < W) {
+      c = tmp;
+      ldc = W;
+      for (int64_t i = 0; i < mr; ++i)
+        for (int j = 0; j < W; ++j)
+          tmp[i * W + j] = (chain == Chain::resume && j < nvalid) ? c_out[i * ldc_out + j] : Acc(0);
+    }
+  }
+  void store() const {
+    if (nvalid >= W) return;
+    for (int64_t i = 0; i < mr; ++i)
+      for (int64_t j = 0; j < nvalid; ++j) c_out[i * ldc_out + j] = tmp[i * W + j];
+  }
+  int64_t mr, nvalid;
+  Acc* c_out;
+  int64_t ldc_out;
+  Acc* c;
+  int64_t ldc;
+  Acc tmp[kMR * W];
+};
+
 // As micro_full for `mr` (1..MR) rows and the first `nvalid` (1..NR) columns of c; the other
 // columns of the tile are computed in a local buffer (their B columns are zero padding) and
 // dropped. Each stored value is the same per-lane chain as in a full tile.
@@ -161,40 +190,21 @@ template <class Acc>
 void micro(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
            const Acc* b, int64_t ldb, Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
   constexpr int NR = kNR<Acc>;
-  Acc tmp[kMR * NR];
-  Acc* cc = c;
-  int64_t ldcc = ldc;
-  if (nvalid < NR) {
-    cc = tmp;
-    ldcc = NR;
-    for (int64_t i = 0; i < mr; ++i)
-      for (int j = 0; j < NR; ++j)
-        tmp[i * NR + j] = (chain == Chain::resume && j < nvalid) ? c[i * ldc + j] : Acc(0);
-  }
+  EdgeTile<Acc, NR> edge(mr, nvalid, c, ldc, chain);
+  Acc* cc = edge.c;
+  const int64_t ldcc = edge.ldc;
   switch (mr) {
-    case 1:
-      micro_full<Acc, 1>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
-      break;
-    case 2:
-      micro_full<Acc, 2>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
-      break;
-    case 3:
-      micro_full<Acc, 3>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
-      break;
-    case 4:
-      micro_full<Acc, 4>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
-      break;
-    case 5:
-      micro_full<Acc, 5>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
-      break;
+#define SY_CASE(n)                                                          \
+  case n:                                                                   \
+    micro_full<Acc, n>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);   \
+    break;
+    SY_CASE(1) SY_CASE(2) SY_CASE(3) SY_CASE(4) SY_CASE(5)
+#undef SY_CASE
     default:
       micro_full<Acc, kMR>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
       break;
   }
-  if (nvalid < NR) {
-    for (int64_t i = 0; i < mr; ++i)
-      for (int64_t j = 0; j < nvalid; ++j) c[i * ldc + j] = tmp[i * NR + j];
-  }
+  edge.store();
 }
 
 // ---- AVX-512 and the 32-column panels -------------------------------------------------------
@@ -271,16 +281,9 @@ template <class Acc>
 void micro512(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
               const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
   constexpr int BW = kBW<Acc>;
-  Acc tmp[kMR * BW];
-  Acc* cc = c;
-  int64_t ldcc = ldc;
-  if (nvalid < BW) {
-    cc = tmp;
-    ldcc = BW;
-    for (int64_t i = 0; i < mr; ++i)
-      for (int j = 0; j < BW; ++j)
-        tmp[i * BW + j] = (chain == Chain::resume && j < nvalid) ? c[i * ldc + j] : Acc(0);
-  }
+  EdgeTile<Acc, BW> edge(mr, nvalid, c, ldc, chain);
+  Acc* cc = edge.c;
+  const int64_t ldcc = edge.ldc;
   switch (mr) {
 #define SY_CASE(n)                                                      \
   case n:                                                               \
@@ -293,10 +296,7 @@ void micro512(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs
             default : micro512_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
     break;
   }
-  if (nvalid < BW) {
-    for (int64_t i = 0; i < mr; ++i)
-      for (int64_t j = 0; j < nvalid; ++j) c[i * ldc + j] = tmp[i * BW + j];
-  }
+  edge.store();
 }
 #endif
 

@@ -264,6 +264,20 @@ inline S exp_shifted(const S* z, int64_t E, S* ex, S& zmax) {
 }
 
 // s = f(z) for the sigmoid family, over a row.
+// out[k] = exp(z[ids[k]] - max_k z[ids[k]]) for k < K; returns their sum (k order). The softmax
+// over the selected logits, before the division (forward weights and their backward alike).
+template <class S>
+inline S exp_shifted_at(const S* z, const int32_t* ids, int64_t K, S* out) {
+  S m = z[ids[0]];
+  for (int64_t k = 1; k < K; ++k) m = std::max(m, z[ids[k]]);
+  S sum = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    out[k] = rmath::exp_s(z[ids[k]] - m);
+    sum += out[k];
+  }
+  return sum;
+}
+
 template <class S>
 inline void scores_row(int score_function, const S* z, int64_t E, S* s) {
   if (score_function == kScoreSigmoid) {
@@ -478,13 +492,7 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
         }
         // Weights at the ids, from the live logits.
         if (softmax && !p.pre_softmax) {
-          S m = z[ids[0]];
-          for (int64_t k = 1; k < K; ++k) m = std::max(m, z[ids[k]]);
-          S sum = 0;
-          for (int64_t k = 0; k < K; ++k) {
-            w[k] = rmath::exp_s(z[ids[k]] - m);
-            sum += w[k];
-          }
+          const S sum = exp_shifted_at(z, ids, K, w);
           for (int64_t k = 0; k < K; ++k) w[k] = w[k] / sum * static_cast<S>(p.scaling);
         } else if (softmax) {
           for (int64_t k = 0; k < K; ++k) {
@@ -614,13 +622,7 @@ void route_backward(const S* logits, const int32_t* selected_idx, const int32_t*
           std::fill_n(g, E, S(0));
         }
         if (grad_w && !p.pre_softmax) {
-          S m = z[ids[0]];
-          for (int64_t k = 1; k < K; ++k) m = std::max(m, z[ids[k]]);
-          S sum = 0;
-          for (int64_t k = 0; k < K; ++k) {
-            wk[k] = rmath::exp_s(z[ids[k]] - m);
-            sum += wk[k];
-          }
+          const S sum = exp_shifted_at(z, ids, K, wk.data());
           S dot = 0;
           for (int64_t k = 0; k < K; ++k) {
             wk[k] = wk[k] / sum;
