@@ -6,15 +6,15 @@
 //   hidden                hidden_size 2048       hidden_size 7168               hidden_size 4096
 //   moe_ffn_hidden        moe_intermediate 768   moe_intermediate 2048          intermediate 14336
 //   num_experts           num_experts 128        n_routed_experts 256           num_local_experts 8
-//   top_k                 num_experts_per_tok 8  num_experts_per_tok 8          num_experts_per_tok 2
-//   score_function        softmax                scoring_func sigmoid           softmax
+//   top_k                 num_experts_per_tok 8  num_experts_per_tok 8          num_experts_per_tok
+//   2 score_function        softmax                scoring_func sigmoid           softmax
 //   num_groups/group_topk -                      n_group 8 / topk_group 4       -
 //   expert_bias           -                      yes (topk_method noaux_tc:      -
 //                                                e_score_correction_bias)
 //   topk_scaling_factor   1                      routed_scaling_factor 2.5      1
 //   shared experts        -                      n_shared_experts 1 (FFN 2048)  -
 //   layers (MoE)          48 (48)                61 (58: first_k_dense 3)       32 (32)
-//   load balancing        router_aux_loss_coef   aux_loss_alpha 0.001, seq_aux  router_aux_loss_coef
+//   load balancing        router_aux_loss_coef   aux_loss_alpha 0.001, seq_aux router_aux_loss_coef
 //                         0.001 (aux_loss)       (seq_aux_loss; bias balancing) 0.02 (aux_loss)
 //
 // Weights are renormalised over the chosen K in all three (Qwen3 norm_topk_prob true, DeepSeek-V3
@@ -33,7 +33,7 @@ namespace switchyard::testing {
 
 /// One MoE layer's shapes and router semantics.
 struct MoeModel {
-  const char* name;  ///< snake_case label used in benchmark rows ("qwen3_30b_a3b")
+  const char* name;        ///< snake_case label used in benchmark rows ("qwen3_30b_a3b")
   int64_t hidden;          ///< H
   int64_t moe_ffn_hidden;  ///< F: one routed expert's intermediate size
   int64_t num_experts;     ///< E: routed experts

@@ -20,4 +20,12 @@ inline RouterConfig router_config(int64_t num_experts, int64_t top_k,
   return c;
 }
 
+/// The backward of a topk_route result, for the testers: the one place a change of
+/// topk_route_backward's signature (the config it takes, the handle it reads) needs fixing.
+inline RouteGrads route_backward(const Tensor& grad_topk_weights, const RouteResult& forward,
+                                 const RouterConfig& config,
+                                 const RouteBackwardOptions& options = {}) {
+  return topk_route_backward(grad_topk_weights, forward, config, options);
+}
+
 }  // namespace switchyard::testing
