@@ -642,11 +642,11 @@ RouteFileCheck verify_reader(const RouteFileReader& r) {
   return c;
 }
 
-}  // namespace
-
-RouteFileCheck verify_route_file(const std::string& path) {
+// verify_reader on the reader `open()` makes; a file that cannot even be opened is one problem.
+template <class Open>
+RouteFileCheck verify_opened(Open open) {
   try {
-    return verify_reader(RouteFileReader::open(path));
+    return verify_reader(open());
   } catch (const DataError& e) {
     RouteFileCheck c;
     c.problems.emplace_back(e.what());
@@ -654,14 +654,14 @@ RouteFileCheck verify_route_file(const std::string& path) {
   }
 }
 
+}  // namespace
+
+RouteFileCheck verify_route_file(const std::string& path) {
+  return verify_opened([&] { return RouteFileReader::open(path); });
+}
+
 RouteFileCheck verify_route_bytes(std::string_view bytes) {
-  try {
-    return verify_reader(RouteFileReader::from_bytes(bytes));
-  } catch (const DataError& e) {
-    RouteFileCheck c;
-    c.problems.emplace_back(e.what());
-    return c;
-  }
+  return verify_opened([&] { return RouteFileReader::from_bytes(bytes); });
 }
 
 }  // namespace switchyard

@@ -40,37 +40,22 @@ size_t elem_size(Elem e) {
   return 0;
 }
 
+template <class T>
+int64_t load_as(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return static_cast<int64_t>(v);
+}
+
 int64_t load_elem(const char* p, Elem e) {
   switch (e) {
-    case Elem::i1:
-      return static_cast<int8_t>(*p);
-    case Elem::u1:
-      return static_cast<uint8_t>(*p);
-    case Elem::i2: {
-      int16_t v;
-      std::memcpy(&v, p, 2);
-      return v;
-    }
-    case Elem::u2: {
-      uint16_t v;
-      std::memcpy(&v, p, 2);
-      return v;
-    }
-    case Elem::i4: {
-      int32_t v;
-      std::memcpy(&v, p, 4);
-      return v;
-    }
-    case Elem::u4: {
-      uint32_t v;
-      std::memcpy(&v, p, 4);
-      return v;
-    }
-    case Elem::i8: {
-      int64_t v;
-      std::memcpy(&v, p, 8);
-      return v;
-    }
+    case Elem::i1: return load_as<int8_t>(p);
+    case Elem::u1: return load_as<uint8_t>(p);
+    case Elem::i2: return load_as<int16_t>(p);
+    case Elem::u2: return load_as<uint16_t>(p);
+    case Elem::i4: return load_as<int32_t>(p);
+    case Elem::u4: return load_as<uint32_t>(p);
+    case Elem::i8: return load_as<int64_t>(p);
   }
   return 0;
 }
@@ -470,13 +455,12 @@ ImportResult import_vllm_arrays(const std::vector<Tensor>& arrays, const ImportO
   return r;
 }
 
-ImportResult import_sglang_text(std::string_view text, const std::string& source,
-                                const ImportOptions& options) {
-  check_options(options);
-  if (options.num_input_layers < 1 || options.top_k < 1) {
-    fail_arg(kOp, "SGLang routes are flat: num_input_layers and top_k must be given, got ",
-             options.num_input_layers, " and ", options.top_k);
-  }
+namespace {
+
+// Records of a JSON document: one object, a JSON array of objects, or JSONL (one per line),
+// each named "source", "source[i]" or "source:line".
+std::vector<std::pair<std::string, nlohmann::json>> json_records(std::string_view text,
+                                                                 const std::string& source) {
   using nlohmann::json;
   std::vector<std::pair<std::string, json>> records;
   json whole = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
@@ -487,23 +471,35 @@ ImportResult import_sglang_text(std::string_view text, const std::string& source
     } else {
       records.emplace_back(source, std::move(whole));
     }
-  } else {  // JSONL: one object per non-empty line
-    size_t pos = 0, line = 0;
-    while (pos < text.size()) {
-      size_t end = text.find('\n', pos);
-      if (end == std::string_view::npos) end = text.size();
-      ++line;
-      std::string_view l = text.substr(pos, end - pos);
-      pos = end + 1;
-      if (l.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-      json j = json::parse(l.begin(), l.end(), nullptr, false);
-      if (j.is_discarded())
-        fail_arg(kOp, source, ":", line, ": not valid JSON (nor is the whole file)");
-      records.emplace_back(cat(source, ":", line), std::move(j));
-    }
+    return records;
   }
+  size_t pos = 0, line = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string_view::npos) end = text.size();
+    ++line;
+    std::string_view l = text.substr(pos, end - pos);
+    pos = end + 1;
+    if (l.find_first_not_of(" \t\r") == std::string_view::npos) continue;
+    json j = json::parse(l.begin(), l.end(), nullptr, false);
+    if (j.is_discarded()) fail_arg(kOp, source, ":", line, ": not valid JSON (nor is the whole file)");
+    records.emplace_back(cat(source, ":", line), std::move(j));
+  }
+  return records;
+}
+
+}  // namespace
+
+ImportResult import_sglang_text(std::string_view text, const std::string& source,
+                                const ImportOptions& options) {
+  check_options(options);
+  if (options.num_input_layers < 1 || options.top_k < 1) {
+    fail_arg(kOp, "SGLang routes are flat: num_input_layers and top_k must be given, got ",
+             options.num_input_layers, " and ", options.top_k);
+  }
+  using nlohmann::json;
   ImportResult all;
-  for (auto& [name, j] : records) {
+  for (auto& [name, j] : json_records(text, source)) {
     if (!j.is_object() || !j.contains("meta_info") || !j["meta_info"].is_object()) {
       fail_arg(kOp, name, ": record has no meta_info object");
     }
@@ -574,41 +570,6 @@ ImportResult import_vllm_npy_base64(std::string_view text, const std::string& so
   }
   return import_vllm_npy_bytes(raw, source, options);
 }
-
-namespace {
-
-// Records of a JSON document: one object, a JSON array of objects, or JSONL (one per line),
-// each named "source", "source[i]" or "source:line".
-std::vector<std::pair<std::string, nlohmann::json>> json_records(std::string_view text,
-                                                                 const std::string& source) {
-  using nlohmann::json;
-  std::vector<std::pair<std::string, json>> records;
-  json whole = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (!whole.is_discarded()) {
-    if (whole.is_array()) {
-      for (size_t i = 0; i < whole.size(); ++i)
-        records.emplace_back(cat(source, "[", i, "]"), std::move(whole[i]));
-    } else {
-      records.emplace_back(source, std::move(whole));
-    }
-    return records;
-  }
-  size_t pos = 0, line = 0;
-  while (pos < text.size()) {
-    size_t end = text.find('\n', pos);
-    if (end == std::string_view::npos) end = text.size();
-    ++line;
-    std::string_view l = text.substr(pos, end - pos);
-    pos = end + 1;
-    if (l.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-    json j = json::parse(l.begin(), l.end(), nullptr, false);
-    if (j.is_discarded()) fail_arg(kOp, source, ":", line, ": not valid JSON (nor is the whole file)");
-    records.emplace_back(cat(source, ":", line), std::move(j));
-  }
-  return records;
-}
-
-}  // namespace
 
 ImportResult import_vllm_http_text(std::string_view text, const std::string& source,
                                    const ImportOptions& options) {

@@ -67,6 +67,26 @@ void place(const RouteTable& t, size_t i, const std::vector<int64_t>& moe_layers
   }
 }
 
+// The batch of B = tables.size() rows of S positions: table b's rows go to positions_of(b)
+// (ascending, one per table row), which are also the mask's ones.
+template <class PositionsOf>
+VerlBatch fill_batch(const std::vector<RouteTable>& tables, const std::vector<int64_t>& moe_layers,
+                     int64_t H, int64_t K, int64_t S, PositionsOf positions_of) {
+  const int64_t B = static_cast<int64_t>(tables.size());
+  VerlBatch v;
+  v.routed_experts = Tensor::zeros({B, S, H, K}, DType::int32);
+  v.attention_mask = Tensor::zeros({B, S}, DType::int64);
+  int32_t* out = v.routed_experts.data<int32_t>();
+  int64_t* mask = v.attention_mask.data<int64_t>();
+  std::vector<int64_t> pos;
+  for (int64_t b = 0; b < B; ++b) {
+    positions_of(b, pos);
+    for (int64_t p : pos) mask[b * S + p] = 1;
+    place(tables[size_t(b)], size_t(b), moe_layers, b, pos, S, H, out);
+  }
+  return v;
+}
+
 }  // namespace
 
 VerlBatch to_verl(const std::vector<RouteTable>& tables, const std::vector<int64_t>& moe_layers,
@@ -80,24 +100,12 @@ VerlBatch to_verl(const std::vector<RouteTable>& tables, const std::vector<int64
   if (S < longest) {
     fail_arg(kOp, "seq_len=", S, " is shorter than the longest table (", longest, " tokens)");
   }
-  const int64_t B = static_cast<int64_t>(tables.size());
-  VerlBatch v;
-  v.routed_experts = Tensor::zeros({B, S, H, K}, DType::int32);
-  v.attention_mask = Tensor::zeros({B, S}, DType::int64);
-  int32_t* out = v.routed_experts.data<int32_t>();
-  int64_t* mask = v.attention_mask.data<int64_t>();
-  std::vector<int64_t> pos;
-  for (int64_t b = 0; b < B; ++b) {
+  return fill_batch(tables, moe_layers, H, K, S, [&](int64_t b, std::vector<int64_t>& pos) {
     const int64_t T = tables[size_t(b)].num_tokens();
     const int64_t first = options.padding_side == PaddingSide::left ? S - T : 0;
     pos.resize(size_t(T));
-    for (int64_t r = 0; r < T; ++r) {
-      pos[size_t(r)] = first + r;
-      mask[b * S + first + r] = 1;
-    }
-    place(tables[size_t(b)], size_t(b), moe_layers, b, pos, S, H, out);
-  }
-  return v;
+    for (int64_t r = 0; r < T; ++r) pos[size_t(r)] = first + r;
+  });
 }
 
 VerlBatch to_verl(const std::vector<RouteTable>& tables, const std::vector<int64_t>& moe_layers,
@@ -111,28 +119,21 @@ VerlBatch to_verl(const std::vector<RouteTable>& tables, const std::vector<int64
   const int64_t B = static_cast<int64_t>(tables.size());
   detail::check_shape(attention_mask, kOp, "attention_mask", {B, -1});
   const int64_t S = attention_mask.size(1);
-  VerlBatch v;
-  v.routed_experts = Tensor::zeros({B, S, H, K}, DType::int32);
-  v.attention_mask = Tensor::zeros({B, S}, DType::int64);
-  int32_t* out = v.routed_experts.data<int32_t>();
-  int64_t* mask = v.attention_mask.data<int64_t>();
-  std::vector<int64_t> pos;
+  // Check every row before writing any (a bad mask row is reported before any work).
+  std::vector<std::vector<int64_t>> positions(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
-    pos.clear();
     for (int64_t s = 0; s < S; ++s) {
-      if (attention_mask.item_as_double(b * S + s) != 0.0) {
-        pos.push_back(s);
-        mask[b * S + s] = 1;
-      }
+      if (attention_mask.item_as_double(b * S + s) != 0.0) positions[size_t(b)].push_back(s);
     }
     const int64_t T = tables[size_t(b)].num_tokens();
-    if (static_cast<int64_t>(pos.size()) != T) {
-      fail_arg(kOp, "attention_mask row ", b, " has ", pos.size(), " real tokens, tables[", b,
-               "] has ", T, " rows");
+    if (static_cast<int64_t>(positions[size_t(b)].size()) != T) {
+      fail_arg(kOp, "attention_mask row ", b, " has ", positions[size_t(b)].size(),
+               " real tokens, tables[", b, "] has ", T, " rows");
     }
-    place(tables[size_t(b)], size_t(b), moe_layers, b, pos, S, H, out);
   }
-  return v;
+  return fill_batch(tables, moe_layers, H, K, S, [&](int64_t b, std::vector<int64_t>& pos) {
+    pos = positions[size_t(b)];
+  });
 }
 
 }  // namespace switchyard
