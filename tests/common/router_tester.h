@@ -116,6 +116,17 @@ class RouterTester {
     for (DType dt : dtypes()) Test(dt);
   }
 
+  /// topk_route on 3 tokens of zero logits (no bias, mask or state) throws std::invalid_argument
+  /// whose message contains `message`, before any work.
+  void TestConfigError(const std::string& message) const {
+    SCOPED_TRACE(describe(DType::fp32));
+    RouteOptions opt;
+    opt.seq_length = seq_length_;
+    const Tensor z =
+        Tensor::zeros({3, config_.num_experts > 0 ? config_.num_experts : 1}, DType::fp32);
+    SY_EXPECT_THROW_MSG(topk_route(z, {}, config_, opt), std::invalid_argument, message);
+  }
+
   /// The same bits for 1 and 2 threads (ids, weights, counts, losses, grad_logits), and a token
   /// routed alone (capacity and losses off) gets bitwise its ids and weights in the batch.
   void TestInvariance() const {

@@ -378,48 +378,73 @@ TEST(Router, UpdateExpertBias) {
                       "[update_expert_bias] expert_bias must have dtype fp32, got fp64");
 }
 
-TEST(Router, ConfigErrors) {
-  Tensor z = Tensor::zeros({3, 64}, DType::fp32);
-  auto expect = [&](RouterConfig c, const std::string& msg) {
-    SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, c), std::invalid_argument, msg);
-  };
-  expect(router_config(64, 0), "[route] top_k must be in [1, num_experts=64], got top_k=0");
-  expect(router_config(64, 65), "[route] top_k must be in [1, num_experts=64], got top_k=65");
-  expect(router_config(0, 1), "[route] num_experts must be >= 1, got num_experts=0");
-  RouterConfig c = router_config(64, 8);
-  c.num_groups = 6;
-  c.group_topk = 2;
-  expect(c, "[route] num_groups must divide num_experts=64, got num_groups=6");
-  c.num_groups = 8;
-  c.group_topk = 9;
-  expect(c, "[route] group_topk must be in [1, min(num_groups=8, top_k=8)], got group_topk=9");
-  c.num_groups = 32;  // 2 experts per group
-  c.group_topk = 2;
-  expect(c, "[route] top_k must be <= group_topk * num_experts / num_groups = 4, got top_k=8");
-  c = router_config(64, 8, ScoreFunction::sigmoid);
-  c.pre_softmax = true;
-  expect(c, "[route] pre_softmax needs score_function=softmax, got score_function=sigmoid");
-  c = router_config(64, 8);
-  c.topk_scaling_factor = 0;
-  expect(c, "[route] topk_scaling_factor must be finite and > 0, got 0");
-  c = router_config(64, 8);
-  c.capacity_factor = -1.0;
-  expect(c, "[route] capacity_factor must be finite and > 0 (or unset), got -1");
-  c = router_config(64, 8);
-  c.pad_to_capacity = true;
-  expect(c, "[route] pad_to_capacity needs capacity_factor");
-  c = router_config(64, 8);
-  c.aux_loss_coeff = -1;
-  expect(c, "[route] aux_loss_coeff must be finite and >= 0, got -1");
-  c = router_config(64, 8);
-  c.z_loss_coeff = NAN;
-  expect(c, "[route] z_loss_coeff must be finite and >= 0, got nan");
-  c = router_config(64, 8);
-  c.aux_loss_type = AuxLossType::seq_aux_loss;
-  c.aux_loss_coeff = 1e-2;
-  expect(c, "[route] seq_aux_loss needs seq_length >= 1 dividing num_tokens=3, got seq_length=0");
-  c.aux_loss_type = AuxLossType::global_aux_loss;
-  expect(c, "[route] global_aux_loss needs inputs.global_aux_loss_state, got nullptr");
+// Every config check, one case each: the message names the argument, what was expected and what
+// came (64 experts, top-8 unless said).
+RouterTester top8_of_64() { return RouterTester().experts(64).top_k(8); }
+
+TEST(RouterConfigErrors, TopKZero) {
+  top8_of_64().top_k(0).TestConfigError(
+      "[route] top_k must be in [1, num_experts=64], got top_k=0");
+}
+TEST(RouterConfigErrors, TopKAboveExperts) {
+  top8_of_64().top_k(65).TestConfigError(
+      "[route] top_k must be in [1, num_experts=64], got top_k=65");
+}
+TEST(RouterConfigErrors, NoExperts) {
+  RouterTester().experts(0).top_k(1).TestConfigError(
+      "[route] num_experts must be >= 1, got num_experts=0");
+}
+TEST(RouterConfigErrors, GroupsNotDividingExperts) {
+  top8_of_64().groups(6, 2).TestConfigError(
+      "[route] num_groups must divide num_experts=64, got num_groups=6");
+}
+TEST(RouterConfigErrors, GroupTopKAboveGroups) {
+  top8_of_64().groups(8, 9).TestConfigError(
+      "[route] group_topk must be in [1, min(num_groups=8, top_k=8)], got group_topk=9");
+}
+TEST(RouterConfigErrors, TopKAboveTheChosenGroupsExperts) {
+  top8_of_64().groups(32, 2).TestConfigError(  // 2 experts per group
+      "[route] top_k must be <= group_topk * num_experts / num_groups = 4, got top_k=8");
+}
+TEST(RouterConfigErrors, PreSoftmaxWithSigmoid) {
+  top8_of_64()
+      .score(ScoreFunction::sigmoid)
+      .pre_softmax()
+      .TestConfigError(
+          "[route] pre_softmax needs score_function=softmax, got score_function=sigmoid");
+}
+TEST(RouterConfigErrors, ZeroScalingFactor) {
+  top8_of_64().scaling(0).TestConfigError(
+      "[route] topk_scaling_factor must be finite and > 0, got 0");
+}
+TEST(RouterConfigErrors, NegativeCapacityFactor) {
+  top8_of_64().capacity(-1.0).TestConfigError(
+      "[route] capacity_factor must be finite and > 0 (or unset), got -1");
+}
+TEST(RouterConfigErrors, PadToCapacityWithoutCapacity) {
+  top8_of_64().pad_to_capacity().TestConfigError("[route] pad_to_capacity needs capacity_factor");
+}
+TEST(RouterConfigErrors, NegativeAuxLossCoeff) {
+  top8_of_64()
+      .aux_loss(AuxLossType::none, -1)
+      .TestConfigError("[route] aux_loss_coeff must be finite and >= 0, got -1");
+}
+TEST(RouterConfigErrors, NanZLossCoeff) {
+  top8_of_64().z_loss(NAN).TestConfigError("[route] z_loss_coeff must be finite and >= 0, got nan");
+}
+TEST(RouterConfigErrors, SeqAuxLossWithoutSeqLength) {
+  top8_of_64()
+      .aux_loss(AuxLossType::seq_aux_loss, 1e-2)
+      .TestConfigError(
+          "[route] seq_aux_loss needs seq_length >= 1 dividing num_tokens=3, got seq_length=0");
+}
+TEST(RouterConfigErrors, GlobalAuxLossWithoutState) {
+  top8_of_64()
+      .aux_loss(AuxLossType::global_aux_loss, 1e-2)
+      .TestConfigError("[route] global_aux_loss needs inputs.global_aux_loss_state, got nullptr");
+}
+
+TEST(Router, EnumNamesParseAndRejectUnknownNames) {
   SY_EXPECT_THROW_MSG(
       sy::parse_score_function("relu"), std::invalid_argument,
       "[route] score_function must be softmax, sigmoid or sqrtsoftplus, got \"relu\"");
