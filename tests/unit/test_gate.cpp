@@ -328,7 +328,56 @@ TEST(Gate, BackwardRoundsOnceToBf16) {
   EXPECT_EQ(gr.grad_weight.item_as_double(0), 1.0 + 0x1p-7);
 }
 
-TEST(Gate, Errors) {
+namespace {
+
+// A NaN or infinity in any input of the forward or backward is named with its token / expert, its
+// hidden index and its value (x in each dtype, weight, bias, grad_logits).
+void non_finite_is_named(double bad) {
+  std::mt19937_64 rng(1);
+  const Tensor x = randn({4, 8}, DType::bf16, rng), w = randn({3, 8}, DType::bf16, rng);
+  const Tensor b = randn({3}, DType::fp32, rng), g = randn({4, 3}, DType::fp32, rng);
+  using E = std::invalid_argument;
+  const char* op = "[router_gating_linear] ";
+  const std::string v = std::isnan(bad) ? "nan" : bad > 0 ? "inf" : "-inf";
+  Tensor xb = x.clone();
+  xb.data<sy::bf16>()[2 * 8 + 5] = sy::float_to_bf16(static_cast<float>(bad));
+  SY_EXPECT_THROW_MSG(sy::router_gating_linear(xb, w, b), E,
+                      std::string(op) + "x has a non-finite value " + v + " at token 2, hidden 5");
+  Tensor xf = x.to(DType::fp32);
+  xf.data<float>()[3 * 8 + 7] = static_cast<float>(bad);
+  SY_EXPECT_THROW_MSG(sy::router_gating_linear(xf, w, b), E,
+                      "x has a non-finite value " + v + " at token 3, hidden 7");
+  Tensor xd = x.to(DType::fp64);
+  xd.data<double>()[1] = bad;
+  SY_EXPECT_THROW_MSG(sy::router_gating_linear(xd, w, b, GateOptions{DType::fp64}), E,
+                      "x has a non-finite value " + v + " at token 0, hidden 1");
+  Tensor wb = w.to(DType::fp32);
+  wb.data<float>()[1 * 8 + 2] = static_cast<float>(bad);
+  SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, wb, b), E,
+                      "weight has a non-finite value " + v + " at expert 1, hidden 2");
+  Tensor bb = b.clone();
+  bb.data<float>()[2] = static_cast<float>(bad);
+  SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, w, bb), E,
+                      "bias has a non-finite value " + v + " at expert 2");
+  Tensor gb = g.clone();
+  gb.data<float>()[3 * 3 + 1] = static_cast<float>(bad);
+  SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(gb, x, w, b), E,
+                      "[router_gating_linear_backward] grad_logits has a non-finite value " + v +
+                          " at token 3, expert 1");
+  SY_EXPECT_THROW_MSG(
+      sy::router_gating_linear_backward(g, xb, w, b), E,
+      "[router_gating_linear_backward] x has a non-finite value " + v + " at token 2, hidden 5");
+  SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(g, x, wb, b), E,
+                      "weight has a non-finite value " + v + " at expert 1, hidden 2");
+}
+
+}  // namespace
+
+TEST(GateErrors, NanIsNamedWithItsPosition) { non_finite_is_named(std::nan("")); }
+TEST(GateErrors, InfIsNamedWithItsPosition) { non_finite_is_named(INFINITY); }
+TEST(GateErrors, MinusInfIsNamedWithItsPosition) { non_finite_is_named(-double{INFINITY}); }
+
+TEST(GateErrors, DtypesShapesFirstNonFiniteAndBackwardArguments) {
   std::mt19937_64 rng(1);
   const Tensor x = randn({4, 8}, DType::bf16, rng), w = randn({3, 8}, DType::bf16, rng);
   const Tensor b = randn({3}, DType::fp32, rng), g = randn({4, 3}, DType::fp32, rng);
@@ -363,41 +412,6 @@ TEST(Gate, Errors) {
       "bias must have shape [num_experts=3] (num_experts from weight [3, 8]), got [4]");
   SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, w, b.reshape({1, 3})), E,
                       "bias must have shape [num_experts=3]");
-  // non-finite values, naming token / expert, hidden and the value
-  for (double bad : {std::nan(""), double{INFINITY}, -double{INFINITY}}) {
-    const std::string v = std::isnan(bad) ? "nan" : bad > 0 ? "inf" : "-inf";
-    Tensor xb = x.clone();
-    xb.data<sy::bf16>()[2 * 8 + 5] = sy::float_to_bf16(static_cast<float>(bad));
-    SY_EXPECT_THROW_MSG(
-        sy::router_gating_linear(xb, w, b), E,
-        std::string(op) + "x has a non-finite value " + v + " at token 2, hidden 5");
-    Tensor xf = x.to(DType::fp32);
-    xf.data<float>()[3 * 8 + 7] = static_cast<float>(bad);
-    SY_EXPECT_THROW_MSG(sy::router_gating_linear(xf, w, b), E,
-                        "x has a non-finite value " + v + " at token 3, hidden 7");
-    Tensor xd = x.to(DType::fp64);
-    xd.data<double>()[1] = bad;
-    SY_EXPECT_THROW_MSG(sy::router_gating_linear(xd, w, b, GateOptions{DType::fp64}), E,
-                        "x has a non-finite value " + v + " at token 0, hidden 1");
-    Tensor wb = w.to(DType::fp32);
-    wb.data<float>()[1 * 8 + 2] = static_cast<float>(bad);
-    SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, wb, b), E,
-                        "weight has a non-finite value " + v + " at expert 1, hidden 2");
-    Tensor bb = b.clone();
-    bb.data<float>()[2] = static_cast<float>(bad);
-    SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, w, bb), E,
-                        "bias has a non-finite value " + v + " at expert 2");
-    Tensor gb = g.clone();
-    gb.data<float>()[3 * 3 + 1] = static_cast<float>(bad);
-    SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(gb, x, w, b), E,
-                        "[router_gating_linear_backward] grad_logits has a non-finite value " + v +
-                            " at token 3, expert 1");
-    SY_EXPECT_THROW_MSG(
-        sy::router_gating_linear_backward(g, xb, w, b), E,
-        "[router_gating_linear_backward] x has a non-finite value " + v + " at token 2, hidden 5");
-    SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(g, x, wb, b), E,
-                        "weight has a non-finite value " + v + " at expert 1, hidden 2");
-  }
   // The first non-finite value (in memory order) is the one reported, also in a large tensor.
   Tensor big = randn({5000, 64}, DType::bf16, rng);
   big.data<sy::bf16>()[4321 * 64 + 9] = sy::float_to_bf16(NAN);
