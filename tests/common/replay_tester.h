@@ -148,7 +148,7 @@ class ReplayTester {
     native_in.expert_bias = randn({E}, DType::fp32, rng, 0.1);
     const RouteResult native = topk_route(z, native_in, config_);
     RouteInputs in = native_in;
-    in.replay_idx = selected_before_capacity(native);
+    in.replay_idx = selected_before_capacity(z, native_in);
     const RouteResult replayed = topk_route(z, in, config_);
     EXPECT_EQ(replayed.num_replayed_rows, T);
     EXPECT_EQ(replayed.num_native_rows, 0);
@@ -164,9 +164,14 @@ class ReplayTester {
     EXPECT_TRUE(bitwise_equal(g1.grad_logits, g2.grad_logits));
   }
 
-  /// The ids a native forward chose before capacity drops (what a rollout records): the one place
-  /// the tests read RouteResult's saved-for-backward state.
-  static Tensor selected_before_capacity(const RouteResult& r) { return r.selected_idx.clone(); }
+  /// The ids a native forward chooses before capacity drops (what a rollout records): the same
+  /// route without capacity (selection is per token).
+  Tensor selected_before_capacity(const Tensor& logits, const RouteInputs& in) const {
+    RouterConfig no_capacity = config_;
+    no_capacity.capacity_factor.reset();
+    no_capacity.pad_to_capacity = false;
+    return topk_route(logits, in, no_capacity).topk_idx.clone();
+  }
 
   RouterConfig config_;
   int64_t T_ = 301;
