@@ -13,8 +13,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string>
@@ -71,12 +73,16 @@ class GateTester {
   /// A random N(0, 0.5) bias of this dtype.
   GateTester& bias(DType d) { return bias_ = d, *this; }
   GateTester& no_bias() { return bias_.reset(), *this; }
+  /// Backward: grad_logits keeps k random entries per row (distinct experts) and is zero elsewhere,
+  /// as after top-k routing without aux or z loss; 0 = dense.
+  GateTester& grad_logits_topk(int64_t k) { return grad_topk_ = k, *this; }
   GateTester& seed(uint64_t s) { return seed_ = s, *this; }
 
   std::string describe() const {
     return "T=" + std::to_string(T_) + " H=" + std::to_string(H_) + " E=" + std::to_string(E_) +
            " x=" + dtype_name(x_) + " w=" + dtype_name(w_) + " router=" + dtype_name(router_) +
-           (bias_ ? std::string(" bias=") + dtype_name(*bias_) : std::string(" no bias"));
+           (bias_ ? std::string(" bias=") + dtype_name(*bias_) : std::string(" no bias")) +
+           (grad_topk_ > 0 ? " grad_logits " + std::to_string(grad_topk_) + "-hot" : std::string());
   }
 
   void TestForward() const {
@@ -99,7 +105,8 @@ class GateTester {
     SCOPED_TRACE(describe() + " " + repro(seed));
     std::mt19937_64 rng(seed);
     const Inputs in = make_inputs(rng);
-    const Tensor g = randn({T_, E_}, router_, rng);
+    Tensor g = randn({T_, E_}, router_, rng);
+    if (grad_topk_ > 0) keep_k_per_row(g, grad_topk_, rng);
     const GateGrads gr = router_gating_linear_backward(g, in.x, in.w, in.b, GateOptions{router_});
     ASSERT_EQ(gr.grad_x.dtype(), x_);
     ASSERT_EQ(gr.grad_x.shape(), in.x.shape());
@@ -199,6 +206,24 @@ class GateTester {
     return test_seed(seed_ ? *seed_ : seed_of(std::string(what) + " " + describe()));
   }
 
+  // Keeps k random entries of each row of g [T, E] (distinct columns) and zeroes the others.
+  static void keep_k_per_row(Tensor& g, int64_t k, std::mt19937_64& rng) {
+    const int64_t T = g.size(0), E = g.size(1);
+    std::vector<int64_t> cols(static_cast<size_t>(E));
+    for (int64_t t = 0; t < T; ++t) {
+      std::iota(cols.begin(), cols.end(), 0);
+      std::shuffle(cols.begin(), cols.end(), rng);
+      for (int64_t j = std::min(k, E); j < E; ++j) {
+        const int64_t i = t * E + cols[static_cast<size_t>(j)];
+        if (g.dtype() == DType::fp64) {
+          g.data<double>()[i] = 0.0;
+        } else {
+          g.data<float>()[i] = 0.0f;
+        }
+      }
+    }
+  }
+
   Inputs make_inputs(std::mt19937_64& rng) const {
     Inputs in;
     in.x = randn({T_, H_}, x_, rng);
@@ -210,6 +235,7 @@ class GateTester {
   int64_t T_ = 37, H_ = 300, E_ = 19;
   DType x_ = DType::bf16, w_ = DType::bf16, router_ = DType::fp32;
   std::optional<DType> bias_ = DType::fp32;
+  int64_t grad_topk_ = 0;
   std::optional<uint64_t> seed_;
 };
 
