@@ -88,7 +88,7 @@ void BM_route_forward_backward(benchmark::State& state) {
   const sy::RouteInputs in = inputs_of(s);
   for (auto _ : state) {
     auto r = sy::topk_route(z, in, c);
-    auto g = sy::topk_route_backward(gw, r, c);
+    auto g = sy::topk_route_backward(gw, r);
     benchmark::DoNotOptimize(g.grad_logits.raw());
   }
   set_rate(state, s.T);
@@ -104,7 +104,7 @@ void BM_route_replay_forward_backward(benchmark::State& state) {
   in.replay_idx = sy::topk_route(random_logits(s.T, s.E, 4), inputs_of(s), c).topk_idx;
   for (auto _ : state) {
     auto r = sy::topk_route(z, in, c);
-    auto g = sy::topk_route_backward(gw, r, c);
+    auto g = sy::topk_route_backward(gw, r);
     benchmark::DoNotOptimize(g.grad_logits.raw());
   }
   set_rate(state, s.T);
@@ -160,7 +160,7 @@ void BM_route_over_gate_ratio(benchmark::State& state) {
     benchmark::DoNotOptimize(y.data());
     const auto t1 = std::chrono::steady_clock::now();
     auto r = sy::topk_route(z, in, c);
-    auto g = sy::topk_route_backward(gw, r, c);
+    auto g = sy::topk_route_backward(gw, r);
     benchmark::DoNotOptimize(g.grad_logits.raw());
     const auto t2 = std::chrono::steady_clock::now();
     gate_s += std::chrono::duration<double>(t1 - t0).count();

@@ -343,7 +343,7 @@ void Demo::replay() {
     Tensor g = Tensor::empty({T, K}, DType::fp32);
     std::normal_distribution<float> nd(0.f, 1.f);
     for (int64_t i = 0; i < g.numel(); ++i) g.data<float>()[i] = nd(grng);
-    const sy::RouteGrads rg = sy::topk_route_backward(g, re, cfg);
+    const sy::RouteGrads rg = sy::topk_route_backward(g, re);
     const sy::GateGrads gg =
         sy::router_gating_linear_backward(rg.grad_logits, xs[li], ws[li], Tensor(), {DType::fp32});
     grad_w_sq += sum_sq(gg.grad_weight);

@@ -5,21 +5,20 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "switchyard/capacity.h"
 #include "switchyard/dist.h"
+#include "switchyard/routing_plan.h"
 #include "switchyard/tensor.h"
 
 namespace switchyard {
 
 /// Score function applied to the gate logits (Megatron-Core `moe_router_score_function`).
 enum class ScoreFunction : uint8_t { softmax, sigmoid, sqrtsoftplus };
-
-/// Which tokens an over-full expert keeps (Megatron-Core `moe_token_drop_policy`): `probs` keeps
-/// the highest routing weights (ties: lower token index), `position` keeps the first tokens.
-enum class TokenDropPolicy : uint8_t { probs, position };
 
 /// Load-balancing type (Megatron-Core `moe_router_load_balancing_type`): a loss, or `sinkhorn`
 /// routing (selection on the Sinkhorn-normalised batch while training; weights sigmoid(z) for
@@ -58,11 +57,22 @@ struct RouterConfig {
   int64_t group_topk = 0;
   /// Multiplies the routing weights (Megatron `moe_router_topk_scaling_factor`); 1 = none.
   double topk_scaling_factor = 1.0;
-  /// Expert capacity C = min(ceil(T*K/E * capacity_factor), T); nullopt = no capacity (no drops).
+  /// Expert capacity C = expert_capacity(T, K, E, capacity_factor) = min(ceil(T*K/E *
+  /// capacity_factor), T) (capacity.h); nullopt = no capacity (no drops).
   std::optional<double> capacity_factor{};
   TokenDropPolicy token_drop_policy = TokenDropPolicy::probs;
-  /// Pad every expert's input to C rows (RouteResult::expert_capacity); needs capacity_factor.
+  /// Megatron moe_pad_expert_input_to_capacity: every expert's input is padded to C rows
+  /// (RouteResult::expert_capacity; the routing plan built with routing_plan_options() pads with
+  /// zero rows of weight 0); needs capacity_factor.
   bool pad_to_capacity = false;
+  /// Megatron moe_router_padding_for_quantization (moe_router_padding_for_fp8 is its older alias):
+  /// every expert's row count is padded up to a multiple of padding_align_size (FP8/FP4 grouped
+  /// GEMM tiles) by the routing plan built with routing_plan_options(). Ids, weights and counts of
+  /// the route are unchanged.
+  bool padding_for_quantization = false;
+  /// The multiple of padding_for_quantization (Megatron's get_align_size_for_quantization: 16 for
+  /// FP8, 32 for MXFP8, 128 for FP4, 256 with Transformer Engine's op fuser); >= 1.
+  int64_t padding_align_size = 16;
   AuxLossType aux_loss_type = AuxLossType::none;
   double aux_loss_coeff = 0.0;  ///< coefficient of the aux_loss_type loss (>= 0)
   /// Several load-balancing losses at once (Megatron's moe_router_load_balancing_type given as a
@@ -154,7 +164,13 @@ struct RouteOptions {
   GlobalAuxLossUpdate global_aux_loss_update = GlobalAuxLossUpdate::accumulate;
 };
 
-/// Result of topk_route, also the handle its backward needs. Integer outputs (ids, counts) are not
+namespace detail {
+/// What topk_route_backward needs from the forward (logits, ids before capacity, row kinds, loss
+/// gradient coefficients, the config). Defined in src/core; opaque here.
+struct RouteSaved;
+}  // namespace detail
+
+/// Result of topk_route, also the handle its backward needs (`saved`). Integer outputs (ids, counts) are not
 /// differentiable. Every field is deterministic and independent of the thread count; each token's
 /// ids and weights depend only on that token's logits (batch invariant), except through capacity.
 struct RouteResult {
@@ -166,10 +182,13 @@ struct RouteResult {
   Tensor topk_weights{};
   /// [E] int64: number of (token, expert) pairs kept per expert (after capacity, no padding).
   Tensor num_tokens_per_expert{};
-  /// Capacity C per expert, or -1 without capacity_factor. With pad_to_capacity the dispatcher
-  /// pads every expert's input to C rows (zero rows, weight 0).
+  /// Capacity C per expert, or -1 without capacity_factor. With pad_to_capacity the routing plan
+  /// (routing_plan_options) pads every expert's input to C rows (zero rows, weight 0).
   int64_t expert_capacity = -1;
   bool pad_to_capacity = false;
+  /// Each expert's rows are padded to a multiple of this by the routing plan: padding_align_size
+  /// with padding_for_quantization, else 1 (none).
+  int64_t expert_alignment = 1;
   int64_t num_dropped = 0;  ///< (token, expert) pairs dropped by capacity
   /// quantile_balancing while training: [E] fp32, Megatron's qb_dual_update quantile: per
   /// expert the (T*K/E + 1)-th largest of z - alpha over tokens, alpha the (K+1)-th largest of
@@ -191,15 +210,9 @@ struct RouteResult {
   int64_t num_padded_rows = 0;
   int64_t num_invalid_replay_rows = 0;
 
-  // ---- saved for topk_route_backward (not part of the stable API) ----
-  Tensor logits{};  ///< [T, E] the forward's logits, fp32 copy of bf16 ones (shared: do not modify)
-  Tensor selected_idx{};   ///< [T, K] int32 ids before capacity drops (-1 on padded rows)
-  Tensor row_kind{};       ///< [T] uint8: 0 native, 1 replayed, 2 padded
-  Tensor aux_grad{};       ///< [G, E] fp64 dLoss/dP per (sequence group, expert), undefined if none
-  int64_t aux_groups = 1;  ///< G: 1, or num_sequences for seq_aux_loss
-  double z_grad_coeff = 0.0;         ///< 2 * z_loss_coeff / num_valid_tokens
-  RouterConfig config;               ///< the configuration of the forward
-  DType logits_dtype = DType::fp32;  ///< dtype of the logits given (bf16 ones are kept in fp32)
+  /// State saved for topk_route_backward (opaque; shared by copies of the result, never
+  /// modified after the forward). Null for a default-constructed result.
+  std::shared_ptr<const detail::RouteSaved> saved;
 };
 
 /// Routes T tokens to K of E experts from gate logits.
@@ -246,9 +259,17 @@ struct RouteGrads {
 /// loss_grad_scale * d(aux_loss + z_loss)/dlogits. grad_topk_weights: [T, K] fp32/fp64, or
 /// undefined (losses only); entries at dropped/padded slots are ignored. Padded rows get 0.
 /// Replayed rows differentiate through the weights at the replayed ids. Deterministic.
-RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResult& handle,
-                               const RouterConfig& config,
+/// The forward's configuration is the one saved in the result.
+RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResult& result,
                                const RouteBackwardOptions& options = {});
+
+/// The routing-plan options that carry a route's capacity and padding to build_routing_plan (and
+/// the dispatcher): expert_capacity C (the route already dropped, so the plan drops nothing more),
+/// pad_to_capacity and expert_alignment from the result. build_routing_plan(r.topk_idx,
+/// weights, E, routing_plan_options(r)) then lays out every expert's block padded as Megatron's
+/// dispatcher would (zero rows with token -1 and weight 0 instead of Megatron's weight-0 real
+/// tokens; see notes/router-parity.md).
+RoutingPlanOptions routing_plan_options(const RouteResult& result);
 
 /// Aux-loss-free bias update (DeepSeek-V3): returns b + rate * sign(mean(c) - c).
 /// expert_bias: [E] fp32; num_tokens_per_expert: [E] int64 or fp32/fp64 counts (summed over the
@@ -262,6 +283,29 @@ Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_pe
 Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
                           double rate, dist::Communicator& comm);
 
+/// The logits topk_route routes instead of the given ones under force_load_balancing /
+/// force_biased (benchmarking): N(0, 1) per element from options.force_seed plus, with
+/// force_biased, a per-expert N(0, |force_biased|) bias from options.force_bias_seed; [T, E] in
+/// the dtype of `logits` (fp32 for bf16). Only the shape and dtype of `logits` are read.
+Tensor forced_router_logits(const Tensor& logits, const RouterConfig& config,
+                            const RouteOptions& options);
+
+/// Quantile balancing's once-per-global-batch update (Megatron-Core finalize_model_grads
+/// _update_router_qb_beta, moe_router_quantile_balancing_ema = ema): avg = qb_beta_accum /
+/// max(count, 1) (this rank's mean of the accumulated RouteResult::qb_beta_local), new =
+/// ema * qb_beta + (1 - ema) * avg, re-centred to mean 0. qb_beta, qb_beta_accum: [E] fp32;
+/// count >= 0 (accumulated micro-batches); ema in [0, 1]. Computed in double, rounded once;
+/// returns [E] fp32.
+Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_t count,
+                      double ema);
+
+/// The same with avg averaged over `comm` (Megatron averages it over its dp_cp group): every
+/// rank's avg is allgathered and summed in rank order (deterministic), then divided by the size,
+/// so every rank gets the same qb_beta. Collective; a bad argument on any rank (or a different
+/// number of experts) throws on every rank.
+Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_t count,
+                      double ema, dist::Communicator& comm);
+
 /// Input jitter (Megatron-Core `moe_input_jitter_eps`, Switch Transformer): returns x * u with
 /// u ~ Uniform(1 - eps, 1 + eps) drawn per element from a counter-based generator keyed by
 /// (seed, flat index), computed in fp32 (fp64 for fp64 x) and rounded once to x's dtype.
@@ -274,12 +318,11 @@ Tensor input_jitter(const Tensor& x, double eps, uint64_t seed);
 Tensor input_jitter_backward(const Tensor& grad, double eps, uint64_t seed);
 
 /// Parse/print enum names ("softmax", "seq_aux_loss", ...); parse throws std::invalid_argument.
+/// (token_drop_policy_name / parse_token_drop_policy are in capacity.h.)
 const char* score_function_name(ScoreFunction f);
 ScoreFunction parse_score_function(const std::string& name);
 const char* aux_loss_type_name(AuxLossType t);
 AuxLossType parse_aux_loss_type(const std::string& name);
-const char* token_drop_policy_name(TokenDropPolicy p);
-TokenDropPolicy parse_token_drop_policy(const std::string& name);
 
 /// Checks a config alone (the checks topk_route runs first); throws std::invalid_argument.
 void validate_router_config(const RouterConfig& config);

@@ -5,28 +5,24 @@
 
 #include <cstdint>
 
+#include "switchyard/capacity.h"
 #include "switchyard/tensor.h"
 
 namespace switchyard {
-
-/// Which (token, expert) pairs an expert over capacity keeps (Megatron-Core's `token_drop_policy`).
-enum class PlanDropPolicy : uint8_t {
-  probs,     ///< keep the pairs with the highest (merged) weight; ties keep the lower token
-  position,  ///< keep the first tokens (lowest token index)
-};
 
 /// Options of build_routing_plan. Defaults: no capacity, no padding.
 struct RoutingPlanOptions {
   /// Pad each expert's row block to a multiple of this (GEMM tiles); padding rows carry token -1,
   /// weight 0 and are zero-filled by permute. Must be >= 1.
   int64_t expert_alignment = 1;
-  /// Per-expert capacity C = ceil(T*K/E * capacity_factor) when > 0 (at most T*K); 0 means no
+  /// Per-expert capacity C = expert_capacity(T, K, E, capacity_factor) (capacity.h: Megatron's
+  /// get_capacity, at most T) when > 0, T and K the rows and columns of topk_idx; 0 means no
   /// capacity; negative or non-finite is an error.
   double capacity_factor = 0.0;
   /// Explicit per-expert capacity (>= 0) that overrides capacity_factor; -1 means none.
   int64_t expert_capacity = -1;
-  /// Which pairs survive when an expert is over capacity.
-  PlanDropPolicy token_drop_policy = PlanDropPolicy::probs;
+  /// Which pairs survive when an expert is over capacity (probs: the highest merged weight).
+  TokenDropPolicy token_drop_policy = TokenDropPolicy::probs;
   /// With a capacity: every expert's block gets exactly C rows (then rounded up to the alignment).
   bool pad_to_capacity = false;
 };

@@ -13,6 +13,7 @@ void bind_core(py::module_& m);
 void bind_gate(py::module_& m);
 void bind_dist(py::module_& m);
 void bind_router(py::module_& m);
+void bind_plan(py::module_& m);
 void bind_routes(py::module_& m);
 
 /// The engine communicator of a switchyard.dist.Communicator (None -> nullptr), for other areas'

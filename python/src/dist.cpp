@@ -98,9 +98,9 @@ DispatcherKind kind_from_str(const std::string& s) {
   throw py::value_error("[dispatch] kind must be 'all_to_all' or 'all_gather', got '" + s + "'");
 }
 
-PlanDropPolicy drop_policy_from_str(const std::string& s) {
-  if (s == "probs") return PlanDropPolicy::probs;
-  if (s == "position") return PlanDropPolicy::position;
+TokenDropPolicy drop_policy_from_str(const std::string& s) {
+  if (s == "probs") return TokenDropPolicy::probs;
+  if (s == "position") return TokenDropPolicy::position;
   throw py::value_error("[dispatch] token_drop_policy must be 'probs' or 'position', got '" + s +
                         "'");
 }

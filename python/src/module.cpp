@@ -17,5 +17,6 @@ PYBIND11_MODULE(_switchyard, m) {
   switchyard::py_bind::bind_gate(m);
   switchyard::py_bind::bind_dist(m);
   switchyard::py_bind::bind_router(m);
+  switchyard::py_bind::bind_plan(m);
   switchyard::py_bind::bind_routes(m);
 }

@@ -48,6 +48,10 @@ std::string config_repr(const RouterConfig& c) {
                                    : std::string("None"));
   s += std::string(", token_drop_policy='") + token_drop_policy_name(c.token_drop_policy) + "'";
   s += std::string(", pad_to_capacity=") + (c.pad_to_capacity ? "True" : "False");
+  if (c.padding_for_quantization) {
+    s += ", padding_for_quantization=True, padding_align_size=" +
+         std::to_string(c.padding_align_size);
+  }
   if (!c.aux_loss_types.empty()) {
     std::string t = "[", v = "[";
     for (size_t i = 0; i < c.aux_loss_types.size(); ++i) {
@@ -85,7 +89,9 @@ void bind_router(py::module_& m) {
                        bool pad_to_capacity, py::object aux_loss_type, py::object aux_loss_coeff,
                        double z_loss_coeff, bool calculate_per_token_loss, bool is_mtp_layer,
                        bool mtp_use_repeated_layer, std::optional<int64_t> mtp_num_layers,
-                       bool force_load_balancing, std::optional<double> force_biased) {
+                       bool force_load_balancing, std::optional<double> force_biased,
+                       bool padding_for_quantization, bool padding_for_fp8,
+                       std::optional<int64_t> padding_align_size) {
              RouterConfig c;
              c.num_experts = num_experts;
              c.top_k = top_k;
@@ -133,6 +139,9 @@ void bind_router(py::module_& m) {
              c.mtp_num_layers = mtp_num_layers.value_or(0);
              c.force_load_balancing = force_load_balancing;
              c.force_biased = force_biased.value_or(0.0);
+             // Megatron: moe_router_padding_for_fp8 is the older alias; either turns padding on.
+             c.padding_for_quantization = padding_for_quantization || padding_for_fp8;
+             if (padding_align_size) c.padding_align_size = *padding_align_size;
              validate_router_config(c);
              return c;
            }),
@@ -145,7 +154,8 @@ void bind_router(py::module_& m) {
            py::arg("z_loss_coeff") = 0.0, py::arg("calculate_per_token_loss") = false,
            py::arg("is_mtp_layer") = false, py::arg("mtp_use_repeated_layer") = false,
            py::arg("mtp_num_layers") = py::none(), py::arg("force_load_balancing") = false,
-           py::arg("force_biased") = py::none())
+           py::arg("force_biased") = py::none(), py::arg("padding_for_quantization") = false,
+           py::arg("padding_for_fp8") = false, py::arg("padding_align_size") = py::none())
       .def_readonly("num_experts", &RouterConfig::num_experts)
       .def_readonly("top_k", &RouterConfig::top_k)
       .def_property_readonly(
@@ -168,6 +178,8 @@ void bind_router(py::module_& m) {
           "token_drop_policy",
           [](const RouterConfig& c) { return token_drop_policy_name(c.token_drop_policy); })
       .def_readonly("pad_to_capacity", &RouterConfig::pad_to_capacity)
+      .def_readonly("padding_for_quantization", &RouterConfig::padding_for_quantization)
+      .def_readonly("padding_align_size", &RouterConfig::padding_align_size)
       .def_property_readonly("aux_loss_type",
                              [](const RouterConfig& c) -> py::object {
                                if (!c.aux_loss_types.empty()) {
@@ -230,6 +242,10 @@ void bind_router(py::module_& m) {
       .def_property_readonly("expert_capacity",
                              [](const PyRoute& p) { return p.r.expert_capacity; })
       .def_property_readonly("num_dropped", [](const PyRoute& p) { return p.r.num_dropped; })
+      .def_property_readonly("pad_to_capacity",
+                             [](const PyRoute& p) { return p.r.pad_to_capacity; })
+      .def_property_readonly("expert_alignment",
+                             [](const PyRoute& p) { return p.r.expert_alignment; })
       .def_property_readonly(
           "qb_beta_local", [](const PyRoute& p) { return py_bridge::to_torch(p.r.qb_beta_local); })
       .def_property_readonly("aux_loss", [](const PyRoute& p) { return p.r.aux_loss; })
@@ -316,7 +332,7 @@ void bind_router(py::module_& m) {
         RouteGrads g;
         {
           py::gil_scoped_release nogil;
-          g = topk_route_backward(ag.t, route.r, route.r.config, opt);
+          g = topk_route_backward(ag.t, route.r, opt);
         }
         return py_bridge::to_torch(std::move(g.grad_logits));
       },
@@ -349,6 +365,25 @@ void bind_router(py::module_& m) {
         return py_bridge::to_torch(std::move(out));
       },
       py::arg("expert_bias"), py::arg("num_tokens_per_expert"), py::arg("rate"),
+      py::arg("comm") = py::none());
+
+  m.def(
+      "update_qb_beta",
+      [](py::handle qb_beta, py::handle qb_beta_accum, int64_t count, double ema,
+         py::handle comm) {
+        const char* op = "update_qb_beta";
+        py_bridge::Arg ab = py_bridge::borrow(qb_beta, op, "qb_beta");
+        py_bridge::Arg aa = py_bridge::borrow(qb_beta_accum, op, "qb_beta_accum");
+        dist::Communicator* c = communicator_of(comm, op, "comm");
+        Tensor out;
+        {
+          py::gil_scoped_release nogil;
+          out = c ? update_qb_beta(ab.t, aa.t, count, ema, *c)
+                  : update_qb_beta(ab.t, aa.t, count, ema);
+        }
+        return py_bridge::to_torch(std::move(out));
+      },
+      py::arg("qb_beta"), py::arg("qb_beta_accum"), py::arg("count"), py::arg("ema"),
       py::arg("comm") = py::none());
 
   py::class_<RouterReplay>(m, "RouterReplayCore", "Replay queues of one MoE layer (engine object).")

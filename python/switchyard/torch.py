@@ -15,6 +15,7 @@ from . import _names
 from . import _switchyard as _C
 
 __all__ = ["router_gating_linear", "input_jitter", "topk_route", "RouteInfo", "TopKRouter",
+           "routing_plan", "permute", "unpermute",
            "update_expert_bias", "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
 
 
@@ -307,7 +308,7 @@ class RouteInfo:
     counts (replayed + native + padded == T), so replay can never silently do nothing."""
 
     __slots__ = ("aux_loss", "aux_loss_parts", "z_loss", "num_tokens_per_expert", "qb_beta_local",
-                 "expert_capacity", "num_dropped",
+                 "expert_capacity", "pad_to_capacity", "expert_alignment", "num_dropped",
                  "num_replayed_rows", "num_native_rows", "num_padded_rows",
                  "num_invalid_replay_rows")
 
@@ -318,11 +319,22 @@ class RouteInfo:
         self.z_loss = res.z_loss
         self.num_tokens_per_expert = res.num_tokens_per_expert
         self.expert_capacity = None if res.expert_capacity < 0 else res.expert_capacity
+        # Padding the routing plan applies (moe_pad_expert_input_to_capacity, padding for
+        # quantization): see routing_plan_options.
+        self.pad_to_capacity = res.pad_to_capacity
+        self.expert_alignment = res.expert_alignment
         self.num_dropped = res.num_dropped
         self.num_replayed_rows = res.num_replayed_rows
         self.num_native_rows = res.num_native_rows
         self.num_padded_rows = res.num_padded_rows
         self.num_invalid_replay_rows = res.num_invalid_replay_rows
+
+    @property
+    def routing_plan_options(self):
+        """Keyword arguments of ``routing_plan`` that carry this route's capacity and padding
+        (the route already dropped, so the plan drops nothing more)."""
+        return dict(expert_capacity=self.expert_capacity, pad_to_capacity=self.pad_to_capacity,
+                    expert_alignment=self.expert_alignment)
 
     def __repr__(self):
         return "RouteInfo(" + ", ".join(
@@ -436,6 +448,83 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     if return_info:
         return topk_weights, topk_idx, RouteInfo(box[0])
     return topk_weights, topk_idx
+
+
+def routing_plan(topk_idx, topk_weights, num_experts, *, expert_alignment=1, capacity_factor=None,
+                 expert_capacity=None, token_drop_policy="probs", pad_to_capacity=False):
+    """The routing plan of a [T, K] id table (int64/int32, -1 = none) and its weights ([T, K]
+    fp32 or None): per-expert counts, row blocks padded to ``expert_alignment`` (Megatron's
+    moe_router_padding_for_quantization) or to the capacity (moe_pad_expert_input_to_capacity,
+    needs capacity_factor or expert_capacity), and each row's source token (-1 for a padding row,
+    weight 0). ``routing_plan(idx, w, E, **info.routing_plan_options)`` lays out a route as
+    Megatron's dispatcher pads it. Not differentiable."""
+    if capacity_factor is not None and not (
+            isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor)
+            and capacity_factor > 0):
+        raise ValueError("[routing_plan] capacity_factor must be None (no capacity) or a finite "
+                         f"number > 0, got capacity_factor={capacity_factor!r}")
+    if topk_weights is not None and isinstance(topk_weights, torch.Tensor):
+        topk_weights = topk_weights.detach().to(torch.float32)
+    return _C.build_routing_plan(
+        topk_idx, topk_weights, int(num_experts), int(expert_alignment),
+        0.0 if capacity_factor is None else float(capacity_factor),
+        -1 if expert_capacity is None else int(expert_capacity), token_drop_policy,
+        bool(pad_to_capacity))
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, plan):
+        ctx.plan = plan
+        ctx.dtype = x.dtype
+        with _no_autocast():
+            return _C.permute(x.detach(), plan)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with _no_autocast():
+            g = _C.permute_backward(grad.to(ctx.dtype).contiguous(), ctx.plan)
+        return g, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, permuted, topk_weights, plan):
+        apply = topk_weights is not None
+        ctx.plan, ctx.apply_weights = plan, apply
+        ctx.w_dtype = None if topk_weights is None else topk_weights.dtype
+        ctx.save_for_backward(permuted)
+        with _no_autocast():
+            return _C.unpermute(permuted.detach(), plan, apply)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (permuted,) = ctx.saved_tensors
+        with _no_autocast():
+            gp, gw = _C.unpermute_backward(grad_y.to(permuted.dtype).contiguous(),
+                                           permuted.detach(), ctx.plan, ctx.apply_weights)
+        gw = gw.to(ctx.w_dtype) if ctx.apply_weights and ctx.needs_input_grad[1] else None
+        return gp, gw, None
+
+
+def permute(x, plan):
+    """Single-process dispatch: the experts' input rows of a ``routing_plan`` (expert-major,
+    every expert's block padded as the plan says: zero rows for padding). x [T, H] fp32/bf16 ->
+    [plan.num_rows, H], differentiable (the backward sums a token's rows in the plan's order)."""
+    if not isinstance(plan, _C.RoutingPlan):
+        raise ValueError(f"[permute] plan must come from syt.routing_plan, got {type(plan).__name__}")
+    return _Permute.apply(x, plan)
+
+
+def unpermute(expert_out, plan, topk_weights=None):
+    """Single-process combine: y[t] = sum over t's rows of w_row * expert_out[row] (fp32, the
+    plan's fixed order; padding rows are never read). ``topk_weights`` [T, K]: the weights the
+    plan was built from (their values are the plan's row weights); given, y is differentiable in
+    them; None: the experts applied the weights already. Differentiable in expert_out."""
+    if not isinstance(plan, _C.RoutingPlan):
+        raise ValueError("[unpermute] plan must come from syt.routing_plan, got "
+                         f"{type(plan).__name__}")
+    return _Unpermute.apply(expert_out, topk_weights, plan)
 
 
 def update_expert_bias(expert_bias, num_tokens_per_expert, rate, comm=None):
@@ -593,15 +682,15 @@ class TopKRouter(torch.nn.Module):
         return topk_weights, topk_idx
 
     @torch.no_grad()
-    def update_qb_beta(self, ema=0.0):
-        """Quantile balancing, once per global batch (Megatron's _update_router_qb_beta on this
-        rank: no data-parallel average): qb_beta = ema*qb_beta + (1-ema)*mean of the accumulated
-        quantiles, re-centred to mean 0; the accumulators restart."""
+    def update_qb_beta(self, ema=0.0, comm=None):
+        """Quantile balancing, once per global batch (Megatron's _update_router_qb_beta,
+        moe_router_quantile_balancing_ema = ema): the mean of the accumulated quantiles, averaged
+        over ``comm`` (Megatron's dp_cp group; collective, deterministic) when given, then
+        qb_beta = ema*qb_beta + (1-ema)*avg re-centred to mean 0; the accumulators restart."""
         if self.qb_beta is None:
             raise ValueError("[TopKRouter] update_qb_beta needs aux_loss_type='quantile_balancing'")
-        avg = self.qb_beta_accum / self.qb_beta_count.clamp(min=1).to(self.qb_beta_accum.dtype)
-        new = ema * self.qb_beta + (1.0 - ema) * avg
-        self.qb_beta.copy_(new - new.mean())
+        self.qb_beta.copy_(_C.update_qb_beta(self.qb_beta, self.qb_beta_accum,
+                                             int(self.qb_beta_count), float(ema), _comm(comm)))
         self.qb_beta_accum.zero_()
         self.qb_beta_count.zero_()
 

@@ -3,7 +3,8 @@ for -np 2 and -np 4): the world communicator as Megatron's tp_cp and tp_dp_cp gr
 rebuilds the global batch from the seed, routes its own uneven slice, and checks against one
 process routing the whole batch: ids and weights of its rows, the gradient rows (bitwise), the
 global aux-loss state, and that the per-rank aux losses sum to the one-process loss; then that a
-bad argument on one rank raises on every rank.
+bad argument on one rank raises on every rank. Also the quantile-balancing update averaged over
+the ranks (check_qb_beta_over_ranks).
 Run: mpirun -np 4 --oversubscribe env PYTHONPATH=build/python python3 python/tests/mpi_router.py"""
 import math
 import sys
@@ -67,6 +68,7 @@ def main():
     want = syt.update_expert_bias(rb.expert_bias.clone(), total, 1e-3)
     rb.update_expert_bias(1e-3, comm=comm)
     assert torch.equal(rb.expert_bias, want)
+    check_qb_beta_over_ranks(comm, rank, size)
     # A bad argument on rank 0 raises on every rank (no rank left in a collective).
     bad = torch.zeros(4, E)
     if rank == 0:
@@ -79,6 +81,48 @@ def main():
         assert want in str(err), str(err)
     syt.topk_route(torch.zeros(4, E), cfg, global_aux_loss_state=sy.GlobalAuxLossState(),
                    loss_comm=comm)
+
+
+def check_qb_beta_over_ranks(comm, rank, size):
+    """Quantile balancing's global-batch update averaged over the ranks (Megatron's dp_cp mean of
+    each rank's accum / count): rank r accumulates r + 1 micro-batches of its own data, so the
+    mean of the per-rank means differs from the pooled mean. Every rank rebuilds every rank's
+    accumulators, and the result must equal a double-precision reference on every rank and be
+    bitwise the same everywhere; a bad ema on rank 0 raises on every rank."""
+    H, E, K, T, ema = 8, 8, 2, 16, 0.25
+    cfg = sy.RouterConfig(num_experts=E, top_k=K, aux_loss_type="quantile_balancing")
+    beta0 = torch.randn(E, generator=torch.Generator().manual_seed(77)) * 0.05
+    avgs = []
+    mine = None
+    for r_ in range(size):
+        rt = syt.TopKRouter(H, cfg)
+        with torch.no_grad():
+            rt.weight.normal_(generator=torch.Generator().manual_seed(5))
+            rt.qb_beta.copy_(beta0)
+        gx = torch.Generator().manual_seed(1000 + r_)
+        for _ in range(r_ + 1):
+            rt(torch.randn(T, H, generator=gx) * 3)
+        assert int(rt.qb_beta_count) == r_ + 1
+        avgs.append(rt.qb_beta_accum.double() / (r_ + 1))
+        if r_ == rank:
+            mine = rt
+    avg = sum(avgs) / size
+    new = ema * beta0.double() + (1 - ema) * avg
+    want = new - new.mean()
+    mine.update_qb_beta(ema, comm=comm)
+    torch.testing.assert_close(mine.qb_beta.double(), want, rtol=1e-6, atol=1e-7)
+    assert int(mine.qb_beta_count) == 0 and not mine.qb_beta_accum.any()
+    # Bitwise the same on every rank: the max and min of every element's bits agree.
+    import struct
+    bits = [struct.unpack("<i", struct.pack("<f", float(v)))[0] for v in mine.qb_beta]
+    assert comm.allreduce_max(bits) == [-v for v in comm.allreduce_max([-b for b in bits])]
+    try:
+        syt_r = syt.TopKRouter(H, cfg)
+        syt_r.update_qb_beta(2.0 if rank == 0 else ema, comm=comm)
+        raise AssertionError(f"rank {rank}: no error")
+    except ValueError as err:
+        want_msg = "ema must be in [0, 1], got ema=2" if rank == 0 else "rank 0 failed"
+        assert want_msg in str(err), str(err)
 
 
 def sum_over(comm, value):

@@ -237,3 +237,78 @@ def test_errors():
     cfg_seq = _cfg(8, 2, aux_loss_type="seq_aux_loss", aux_loss_coeff=0.1)
     with pytest.raises(ValueError, match=r"seq_length"):
         syt.topk_route(torch.randn(6, 8), cfg_seq, seq_length=4)
+
+
+@pytest.mark.parametrize("pad_to_capacity,align", [(False, 1), (True, 1), (False, 8), (True, 8)])
+def test_single_process_moe_with_capacity_padding(gen, pad_to_capacity, align):
+    """pad_to_capacity and padding_for_quantization end to end on one process: route, the plan
+    from the route's options, permute (padded expert blocks, zero padding rows), one GEMM per
+    expert block, unpermute; output and gradients (x, expert weights, logits through the routing
+    weights) against the same MoE written in float64 torch."""
+    T, H, E, K = 96, 8, 4, 2
+    z = torch.randn(T, E, generator=gen, dtype=torch.float32)
+    z[:, 0] += 1.0  # over capacity
+    x = torch.randn(T, H, generator=gen)
+    W = torch.randn(E, H, H, generator=gen) * 0.3
+    cfg = _cfg(E, K, capacity_factor=1.0, pad_to_capacity=pad_to_capacity,
+               padding_for_quantization=align > 1, padding_align_size=align if align > 1 else None)
+    zs, xs, Ws = (t.clone().requires_grad_(True) for t in (z, x, W))
+    w, idx, info = syt.topk_route(zs, cfg, return_info=True)
+    assert info.num_dropped > 0
+    plan = syt.routing_plan(idx, w, E, **info.routing_plan_options)
+    rows = (plan.expert_offsets[1:] - plan.expert_offsets[:-1]).tolist()
+    C = info.expert_capacity
+    for e, n in enumerate(rows):
+        kept = int(plan.num_tokens_per_expert[e])
+        want = C if pad_to_capacity else kept
+        assert n == -(-want // align) * align, (e, n, want)
+    px = syt.permute(xs, plan)
+    assert torch.all(px[plan.row_token < 0] == 0)
+    off = plan.expert_offsets.tolist()
+    out = torch.cat([px[off[e]:off[e + 1]] @ Ws[e] for e in range(E)])
+    y = syt.unpermute(out, plan, w)
+    # float64 reference: y_t = sum over kept slots of w_tk * x_t W_e
+    zd, xd, Wd = (t.double().requires_grad_(True) for t in (z, x, W))
+    wd, idd = syt.topk_route(zd, cfg)
+    assert torch.equal(idd, idx)
+    yd = torch.zeros(T, H, dtype=torch.float64)
+    for k in range(K):
+        keep = idd[:, k] >= 0
+        e = idd[:, k].clamp(min=0)
+        yd = yd + torch.where(keep[:, None], wd[:, k:k + 1] * torch.einsum("th,thg->tg", xd,
+                                                                           Wd[e]), 0.0)
+    torch.testing.assert_close(y.double(), yd, rtol=1e-5, atol=1e-6)
+    g = torch.randn(T, H, generator=gen)
+    (y * g).sum().backward()
+    (yd * g.double()).sum().backward()
+    for got, want in ((xs.grad, xd.grad), (Ws.grad, Wd.grad), (zs.grad, zd.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_routing_plan_errors():
+    idx = torch.tensor([[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match=r"\[routing_plan\] pad_to_capacity needs a capacity"):
+        syt.routing_plan(idx, None, 4, pad_to_capacity=True)
+    with pytest.raises(ValueError, match=r"\[routing_plan\] capacity_factor must be None"):
+        syt.routing_plan(idx, None, 4, capacity_factor=-1.0)
+    with pytest.raises(ValueError, match=r"\[routing_plan\] topk_idx must hold ids in \[0, "
+                                         r"num_experts=2\) or -1, got topk_idx\[1, 1\]=2"):
+        syt.routing_plan(idx, None, 2)
+    with pytest.raises(ValueError, match=r"\[routing_plan\] token_drop_policy must be 'probs' or "
+                                         r"'position', got 'first'"):
+        syt.routing_plan(idx, None, 4, token_drop_policy="first")
+    with pytest.raises(ValueError, match=r"\[permute\] plan must come from syt.routing_plan"):
+        syt.permute(torch.zeros(2, 3), "plan")
+
+
+def test_padding_for_fp8_is_the_alias_of_padding_for_quantization(gen):
+    a = _cfg(8, 2, padding_for_fp8=True, padding_align_size=32)
+    b = _cfg(8, 2, padding_for_quantization=True, padding_align_size=32)
+    assert a.padding_for_quantization and a.padding_align_size == 32
+    assert repr(a) == repr(b)
+    z = torch.randn(40, 8, generator=gen)
+    _, _, ia = syt.topk_route(z, a, return_info=True)
+    assert ia.expert_alignment == 32 and ia.routing_plan_options["expert_alignment"] == 32
+    with pytest.raises(ValueError, match=r"\[route\] padding_align_size must be >= 1 with "
+                                         r"padding_for_quantization, got padding_align_size=0"):
+        _cfg(8, 2, padding_for_quantization=True, padding_align_size=0)

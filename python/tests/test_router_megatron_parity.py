@@ -426,3 +426,163 @@ def test_quantile_balancing_like_megatron(mcore, gen, score):
     srt.update_qb_beta(ema=0.3)
     torch.testing.assert_close(srt.qb_beta, want - want.mean(), rtol=1e-6, atol=1e-7)
     assert int(srt.qb_beta_count) == 0
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad_to_capacity", [False, True])
+@pytest.mark.parametrize("align", [1, 16, 32])
+def test_capacity_and_padding_like_megatron(mu, gen, policy, pad_to_capacity, align):
+    """moe_expert_capacity_factor + moe_token_drop_policy (get_capacity /
+    apply_router_token_dropping), moe_pad_expert_input_to_capacity and
+    moe_router_padding_for_quantization (the dispatcher's pad_routing_map to the quantization
+    alignment): the same kept pairs and weights, and the routing plan built from the route's
+    options has Megatron's per-expert row counts. Megatron pads with real tokens at probability
+    0, switchyard with zero rows (token -1, weight 0): only the padding rows' sources differ."""
+    T, E, K, cf = 256, 8, 2, 0.8
+    z = torch.randn(T, E, generator=gen) * 2
+    z[:, 0] += 1.0  # skew: expert 0 is over capacity
+    pm, mm = mu.topk_routing_with_score_function(z, K, score_function="softmax")
+    kept_p, kept_m = mu.apply_router_token_dropping(pm, mm, K, cf, drop_policy=policy,
+                                                    pad_to_capacity=False)
+    _, final_m = mu.apply_router_token_dropping(pm, mm, K, cf, drop_policy=policy,
+                                                pad_to_capacity=pad_to_capacity)
+    if align > 1:
+        final_m = mu.pad_routing_map(final_m.clone(), align)
+    cfg = _cfg(E, K, capacity_factor=cf, token_drop_policy=policy,
+               pad_to_capacity=pad_to_capacity, padding_for_quantization=align > 1,
+               padding_align_size=align if align > 1 else None)
+    ps, idx, info = syt.topk_route(z, cfg, return_info=True)
+    assert info.expert_capacity == mu.get_capacity(T * K, E, cf)
+    assert info.num_dropped > 0
+    kept_s = _dense_of(torch.ones_like(ps), idx, E).bool()
+    if policy == "probs":
+        assert torch.equal(kept_s, kept_m)
+    else:
+        # Megatron's "position" is torch.topk over a 0/1 map: which of the tied routed tokens it
+        # keeps is unspecified (on the CPU it is not the first ones). switchyard keeps the first C
+        # tokens of each expert (README deviation): the counts agree, the set is the definition's.
+        assert torch.equal(kept_s.sum(0), kept_m.sum(0))
+        C = info.expert_capacity
+        want = mm & (torch.cumsum(mm.int(), dim=0) <= C)
+        assert torch.equal(kept_s, want)
+        kept_p = pm * want
+        kept_m = want
+    # fp32 softmax: switchyard's exp and torch's differ by an ulp here and there.
+    torch.testing.assert_close(_dense_of(ps, idx, E), kept_p, rtol=1e-6, atol=1e-7)
+    plan = syt.routing_plan(idx, ps, E, **info.routing_plan_options)
+    rows = plan.expert_offsets[1:] - plan.expert_offsets[:-1]
+    assert torch.equal(rows, final_m.sum(dim=0).to(torch.int64))
+    assert torch.equal(plan.num_tokens_per_expert, kept_m.sum(dim=0).to(torch.int64))
+    pad_rows = plan.row_token < 0
+    assert int(pad_rows.sum()) == int(final_m.sum()) - int(kept_m.sum())
+    assert torch.all(plan.row_weight[pad_rows] == 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The Megatron integration's option mapping: a TransformerConfig -> syt.TopKRouter, then the same
+# ids, weights and (through the gate gradient) losses as Megatron's own router
+# --------------------------------------------------------------------------------------------------
+MAPPED = {
+    "fp32 aux": dict(moe_router_dtype="fp32", moe_aux_loss_coeff=0.01),
+    "fp64 aux+z": dict(moe_router_dtype="fp64", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.01),
+    "dtype None": dict(moe_router_dtype=None, moe_aux_loss_coeff=0.02),
+    "lists aux+seq+global": dict(
+        moe_router_load_balancing_type=["aux_loss", "seq_aux_loss", "global_aux_loss"],
+        moe_aux_loss_coeff=[0.01, 0.02, 0.03]),
+    "per-token + z": dict(moe_aux_loss_coeff=0.02, moe_z_loss_coeff=0.01,
+                          calculate_per_token_loss=True),
+    "mtp repeated": dict(moe_router_load_balancing_type=["aux_loss", "global_aux_loss"],
+                         moe_aux_loss_coeff=[0.02, 0.01], mtp_num_layers=3,
+                         mtp_use_repeated_layer=True, _mtp=True),
+    "sigmoid groups bias": dict(moe_router_score_function="sigmoid", moe_router_num_groups=4,
+                                moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
+                                moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.0,
+                                moe_router_load_balancing_type="none"),
+    "pre-softmax seq": dict(moe_router_pre_softmax=True,
+                            moe_router_load_balancing_type="seq_aux_loss",
+                            moe_aux_loss_coeff=0.05),
+    "capacity probs": dict(moe_expert_capacity_factor=0.75, moe_aux_loss_coeff=0.01),
+    "sinkhorn": dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0),
+    "quantile balancing + ema": dict(moe_router_load_balancing_type="quantile_balancing",
+                                     moe_aux_loss_coeff=0.0,
+                                     moe_router_quantile_balancing_ema=0.4),
+}
+
+
+@pytest.mark.parametrize("case", MAPPED, ids=list(MAPPED))
+def test_megatron_integration_maps_router_options(mcore, gen, case):
+    from switchyard.integrations import megatron as sym
+    mkw = dict(MAPPED[case])
+    mtp = mkw.pop("_mtp", False)
+    H, E, K, s, b = 16, 8, 2, 8, 4
+    m = mcore(H, num_moe_experts=E, moe_router_topk=K, **mkw)
+    if mtp:
+        m.is_mtp_layer = True  # the constructor argument of an MTP layer's router
+    with torch.no_grad():
+        m.weight[:, :2] += 0.05  # a skew, so capacity and balancing have work to do
+        if m.expert_bias is not None:
+            m.expert_bias.copy_(torch.randn(E, generator=gen) * 0.1)
+    srt = sym.topk_router(m)
+    cfg = srt.config
+    assert cfg.num_experts == E and cfg.top_k == K
+    assert srt.router_dtype == {None: None, "fp32": torch.float32,
+                                "fp64": torch.float64}[m.config.moe_router_dtype]
+    assert cfg.is_mtp_layer == mtp
+    for step in range(2):
+        x = torch.randn(s, b, H, generator=gen) * 2
+        xm, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        pm, mm = m(xm)
+        ps, idx = srt(xs, seq_length=s)
+        ps, idx = ps.reshape(-1, K), idx.reshape(-1, K)
+        assert torch.equal(_dense_of(torch.ones_like(ps), idx, E).bool(), mm), f"step {step}"
+        # fp32 tolerance for fp64 too: Megatron's moe_router_dtype='fp64' computes its scores in
+        # fp32 (README deviation: switchyard's fp64 router computes them in fp64).
+        torch.testing.assert_close(_dense_of(ps, idx, E).to(pm.dtype), pm, rtol=1e-6, atol=1e-7)
+        g = torch.linspace(-1, 1, s * b * E).view(s * b, E)
+        (pm.float() * g).sum().backward()
+        (_dense_of(ps, idx, E).float() * g).sum().backward()
+        torch.testing.assert_close(xs.grad, xm.grad, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        if m.ga_steps is not None:
+            assert srt.global_aux_loss_state.steps == int(m.ga_steps)
+        if m.expert_bias is not None:
+            torch.testing.assert_close(srt.local_tokens_per_expert,
+                                       m.local_tokens_per_expert.double(), rtol=0, atol=0)
+    if getattr(m, "qb_beta", None) is not None:
+        from megatron.core.distributed.finalize_model_grads import _update_router_qb_beta
+        torch.testing.assert_close(srt.qb_beta_accum, m.qb_beta_accum, rtol=0, atol=0)
+        _update_router_qb_beta([m], m.config)
+        srt.update_qb_beta(m.config.moe_router_quantile_balancing_ema)
+        torch.testing.assert_close(srt.qb_beta, m.qb_beta, rtol=1e-6, atol=1e-7)
+
+
+def test_megatron_integration_maps_module_and_benchmark_options(mcore):
+    """Options whose effect cannot be compared value by value on the CPU: input jitter (Megatron's
+    own RNG stream), forced load balancing / bias (Megatron draws them from its CUDA RNG
+    tracker), and the dispatcher-side padding (checked against Megatron's
+    apply_router_token_dropping / pad_routing_map in test_capacity_and_padding_like_megatron):
+    the mapping carries each of them under its Megatron name."""
+    from switchyard.integrations import megatron as sym
+    m = mcore(16, num_moe_experts=8, moe_router_topk=2, moe_input_jitter_eps=0.05,
+              moe_router_force_load_balancing=True, moe_router_force_biased=-2.0,
+              moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True,
+              moe_token_drop_policy="position", moe_aux_loss_coeff=0.01)
+    srt = sym.topk_router(m)
+    assert srt.input_jitter_eps == 0.05
+    c = srt.config
+    assert c.force_load_balancing and c.force_biased == -2.0
+    assert c.capacity_factor == 1.5 and c.pad_to_capacity and c.token_drop_policy == "position"
+    # moe_router_padding_for_quantization needs fp8/fp4 in Megatron's config (and Transformer
+    # Engine to run); the mapping reads Megatron's own get_align_size_for_quantization.
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+    for fp8_recipe, fp4, want in (("delayed", None, 16), ("mxfp8", None, 32), (None, "nvfp4", 128)):
+        # A plain copy of the config's fields (TransformerConfig's own checks would want TE).
+        cfg = type("C", (), dict(vars(m.config)))()
+        cfg.fp8 = "e4m3" if fp8_recipe else None
+        cfg.fp8_recipe = fp8_recipe
+        cfg.fp4 = fp4
+        cfg.fp4_recipe = fp4
+        cfg.moe_router_padding_for_quantization = False
+        cfg.moe_router_padding_for_fp8 = True  # the older alias turns it on too
+        assert get_align_size_for_quantization(cfg) == want
+        rc = sym.router_config(cfg)
+        assert rc.padding_for_quantization and rc.padding_align_size == want

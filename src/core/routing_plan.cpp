@@ -8,6 +8,7 @@
 #include <numeric>
 #include <vector>
 
+#include "capacity.h"
 #include "check.h"
 
 namespace switchyard {
@@ -48,6 +49,11 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
     detail::fail_arg(kOp, "capacity_factor must be finite and >= 0 (0 = no capacity), got ",
                      "capacity_factor=", options.capacity_factor);
   }
+  if (options.token_drop_policy != TokenDropPolicy::probs &&
+      options.token_drop_policy != TokenDropPolicy::position) {
+    detail::fail_arg(kOp, "token_drop_policy must be probs or position, got value ",
+                     static_cast<int>(options.token_drop_policy));
+  }
   const int32_t* idx = topk_idx.data<int32_t>();
   const float* w = has_w ? topk_weights.data<float>() : nullptr;
   for (int64_t i = 0; i < T * K; ++i) {
@@ -61,10 +67,7 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
   if (options.expert_capacity >= 0) {
     capacity = options.expert_capacity;
   } else if (options.capacity_factor > 0.0) {
-    // Clamped to T*K (no expert can receive more pairs), so a huge factor cannot overflow.
-    const double c =
-        std::ceil(static_cast<double>(T * K) / static_cast<double>(E) * options.capacity_factor);
-    capacity = c >= static_cast<double>(T * K) ? T * K : static_cast<int64_t>(c);
+    capacity = expert_capacity(T, K, E, options.capacity_factor);
   }
   if (options.pad_to_capacity && capacity < 0) {
     detail::fail_arg(kOp, "pad_to_capacity needs a capacity (capacity_factor > 0 or ",
@@ -162,21 +165,16 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
   std::vector<uint8_t> kept(pairs.size(), 1);
   int64_t dropped = 0;
   if (capacity >= 0) {
+    std::vector<float> pair_weight(pairs.size());
+    for (size_t p = 0; p < pairs.size(); ++p) pair_weight[p] = pairs[p].weight;
     for (Run& run : runs) {
-      const int64_t n = run.end - run.begin;
-      if (n <= capacity) continue;
-      int64_t* b = by_expert.data() + run.begin;
-      if (options.token_drop_policy == PlanDropPolicy::position) {
-        for (int64_t i = capacity; i < n; ++i) kept[b[i]] = 0;
-      } else {
-        std::vector<int64_t> order(b, b + n);
-        // Highest weight first; ties keep the lower token (bucket order is token-ascending).
-        std::stable_sort(order.begin(), order.end(),
-                         [&](int64_t a, int64_t c) { return pairs[a].weight > pairs[c].weight; });
-        for (int64_t i = capacity; i < n; ++i) kept[order[i]] = 0;
-      }
-      dropped += n - capacity;
-      run.kept = capacity;
+      // Bucket order is token-ascending, as the shared drop rule needs.
+      const int64_t d =
+          detail::drop_over_capacity(by_expert.data() + run.begin, run.end - run.begin,
+                                     pair_weight.data(), capacity, options.token_drop_policy,
+                                     kept.data());
+      dropped += d;
+      run.kept -= d;
     }
   }
 

@@ -568,57 +568,6 @@ void route_forward(const S* logits, const S* bias, const uint8_t* row_kind,
 }
 
 template <class S>
-int64_t apply_capacity(const int32_t* selected_idx, const S* weights, int64_t T, int64_t K,
-                       int64_t E, int64_t capacity, bool drop_by_position, int32_t* topk_idx,
-                       S* out_weights, int64_t* counts) {
-  const int64_t n = T * K;
-  std::copy_n(selected_idx, n, topk_idx);
-  std::copy_n(weights, n, out_weights);
-  std::fill_n(counts, E, int64_t{0});
-  for (int64_t i = 0; i < n; ++i) {
-    if (selected_idx[i] >= 0) ++counts[selected_idx[i]];
-  }
-  if (capacity < 0) return 0;
-  bool any_over = false;
-  for (int64_t e = 0; e < E; ++e) any_over = any_over || counts[e] > capacity;
-  if (!any_over) return 0;
-  // Slots grouped by expert in token order (a counting sort), then each over-full expert keeps
-  // its best `capacity` slots.
-  std::vector<int64_t> offs(static_cast<size_t>(E) + 1, 0);
-  for (int64_t e = 0; e < E; ++e) offs[e + 1] = offs[e] + counts[e];
-  std::vector<int64_t> slots(static_cast<size_t>(offs[E]));
-  {
-    std::vector<int64_t> fill(offs.begin(), offs.end() - 1);
-    for (int64_t i = 0; i < n; ++i) {
-      if (selected_idx[i] >= 0) slots[fill[selected_idx[i]]++] = i;
-    }
-  }
-  int64_t dropped = 0;
-#pragma omp parallel for schedule(dynamic, 4) reduction(+ : dropped) if (n > kParallelMinWork)
-  for (int64_t e = 0; e < E; ++e) {
-    if (counts[e] <= capacity) continue;
-    int64_t* b = slots.data() + offs[e];
-    int64_t* end = slots.data() + offs[e + 1];
-    if (!drop_by_position) {
-      // Highest weight first; ties keep the lower token. (std::sort with the index as tie-break,
-      // not std::stable_sort: the latter's helpers do not depend on the comparator, so the AVX2
-      // and scalar compilations of this file would emit the same weak symbol, and the linker
-      // could hand AVX2 code to the scalar path; scripts/check_kernel_symbols.sh guards this.)
-      std::sort(b, end, [&](int64_t x, int64_t y) {
-        return weights[x] > weights[y] || (weights[x] == weights[y] && x < y);
-      });
-    }
-    for (int64_t* s = b + capacity; s < end; ++s) {
-      topk_idx[*s] = -1;
-      out_weights[*s] = S(0);
-    }
-    dropped += counts[e] - capacity;
-    counts[e] = capacity;
-  }
-  return dropped;
-}
-
-template <class S>
 void route_backward(const S* logits, const int32_t* selected_idx, const int32_t* topk_idx,
                     const uint8_t* row_kind, const S* grad_w, const RouteKernelParams& p,
                     const double* aux_grad, double z_coeff, S* grad_logits) {
@@ -796,8 +745,6 @@ void sinkhorn_select(const S* logits, const uint8_t* use_row, int64_t T, int64_t
   template void route_forward<S>(const S*, const S*, const uint8_t*, const int32_t*,               \
                                  const RouteKernelParams&, int32_t*, S*, double*, int64_t*,        \
                                  double*);                                                         \
-  template int64_t apply_capacity<S>(const int32_t*, const S*, int64_t, int64_t, int64_t, int64_t, \
-                                     bool, int32_t*, S*, int64_t*);                                \
   template void route_backward<S>(const S*, const int32_t*, const int32_t*, const uint8_t*,        \
                                   const S*, const RouteKernelParams&, const double*, double, S*);  \
   template void sinkhorn_select<S>(const S*, const uint8_t*, int64_t, int64_t, int64_t, double,    \

@@ -1,5 +1,5 @@
-// CPU kernels of the router: per-token scores, top-k / replay, weights, loss partial sums, capacity
-// and backward. Raw pointers, trusted input (the front-end in src/core/router.cpp validates).
+// CPU kernels of the router: per-token scores, top-k / replay, weights, loss partial sums and
+// backward (capacity is src/core/capacity.cpp, shared with the routing plan). Raw pointers, trusted input (the front-end in src/core/router.cpp validates).
 #pragma once
 
 #include <cstdint>
@@ -40,9 +40,6 @@ struct RouteKernelParams {
 //   rows) and weights [T,K] (0 on padded rows). When need_aux: aux_prob_sum [G,E] (sum over valid
 //   tokens of the aux scores) and aux_counts [G,E] (aux top-k counts). When need_z: *z_sum = sum of
 //   lse^2. bias and replay_idx may be null; replay_idx is read only on rows of kind kRowReplayed.
-// apply_capacity: keeps at most `capacity` pairs per expert (probs: highest weight, ties lower
-//   token; position: lowest token). Writes topk_idx/weights with -1/0 at drops, counts [E];
-//   returns the number of dropped pairs. capacity < 0: no limit.
 // route_backward: over all tokens into grad_logits [T,E]. grad_w may be null. aux_grad [G,E]
 //   (null = none) is dLoss/dP already multiplied by the loss-grad scale; z_coeff likewise.
 // sinkhorn_select: Sinkhorn routing selection (Megatron-Core moe_utils.sinkhorn, in double): over
@@ -56,10 +53,6 @@ struct RouteKernelParams {
                      const int32_t* replay_idx, const RouteKernelParams& p,                     \
                      int32_t* selected_idx, S* weights, double* aux_prob_sum,                   \
                      int64_t* aux_counts, double* z_sum);                                       \
-  template <class S>                                                                            \
-  int64_t apply_capacity(const int32_t* selected_idx, const S* weights, int64_t T, int64_t K,   \
-                         int64_t E, int64_t capacity, bool drop_by_position, int32_t* topk_idx, \
-                         S* out_weights, int64_t* counts);                                      \
   template <class S>                                                                            \
   void route_backward(const S* logits, const int32_t* selected_idx, const int32_t* topk_idx,    \
                       const uint8_t* row_kind, const S* grad_w, const RouteKernelParams& p,     \
@@ -78,13 +71,6 @@ inline void route_forward(const S* logits, const S* bias, const uint8_t* row_kin
                           int64_t* aux_counts, double* z_sum) {
   SY_CPU_SELECT(route_forward<S>)(logits, bias, row_kind, replay_idx, p, selected_idx, weights,
                                   aux_prob_sum, aux_counts, z_sum);
-}
-template <class S>
-inline int64_t apply_capacity(const int32_t* selected_idx, const S* weights, int64_t T,
-                              int64_t K, int64_t E, int64_t capacity, bool drop_by_position,
-                              int32_t* topk_idx, S* out_weights, int64_t* counts) {
-  return SY_CPU_SELECT(apply_capacity<S>)(selected_idx, weights, T, K, E, capacity,
-                                          drop_by_position, topk_idx, out_weights, counts);
 }
 template <class S>
 inline void route_backward(const S* logits, const int32_t* selected_idx, const int32_t* topk_idx,

@@ -173,7 +173,7 @@ std::vector<Case> cases(int64_t E) {
   c.z_loss_coeff = 1e-3;
   RoutingPlanOptions po;
   po.capacity_factor = 0.9;
-  po.token_drop_policy = PlanDropPolicy::position;
+  po.token_drop_policy = TokenDropPolicy::position;
   cs.push_back({"capacity_losses", c, po, false});
   return cs;
 }

@@ -289,9 +289,10 @@ TEST(RouterOptions, ForceLoadBalancingAndForcedBias) {
   const auto a = sy::topk_route(za, {}, c, opt), b = sy::topk_route(zb, {}, c, opt);
   EXPECT_TRUE(bitwise_equal(a.topk_idx, b.topk_idx));
   EXPECT_TRUE(bitwise_equal(a.topk_weights, b.topk_weights));
+  const Tensor a_logits = sy::forced_router_logits(za, c, opt);
   double mean = 0, sq = 0;
   for (int64_t i = 0; i < T * E; ++i) {
-    const double v = a.logits.item_as_double(i);
+    const double v = a_logits.item_as_double(i);
     mean += v / (T * E);
     sq += v * v / (T * E);
   }
@@ -306,7 +307,7 @@ TEST(RouterOptions, ForceLoadBalancingAndForcedBias) {
   // Straight-through: the gradient is the routing's gradient at the random logits.
   const Tensor gw = sy::testing::randn({T, K}, DType::fp32, rng);
   RouterConfig plain = router_config(E, K, ScoreFunction::softmax);
-  const auto at = sy::topk_route(a.logits.clone(), {}, plain);
+  const auto at = sy::topk_route(a_logits, {}, plain);
   EXPECT_TRUE(bitwise_equal(at.topk_idx, a.topk_idx));
   EXPECT_TRUE(bitwise_equal(sy::testing::route_backward(gw, a, c).grad_logits,
                             sy::testing::route_backward(gw, at, plain).grad_logits));
@@ -315,14 +316,14 @@ TEST(RouterOptions, ForceLoadBalancingAndForcedBias) {
   fb.force_load_balancing = false;
   fb.force_biased = -3.0;
   opt.force_bias_seed = 99;
-  const auto f1 = sy::topk_route(za, {}, fb, opt);
+  const Tensor f1_logits = sy::forced_router_logits(za, fb, opt);
   opt.force_seed = 13;
-  const auto f2 = sy::topk_route(za, {}, fb, opt);
+  const Tensor f2_logits = sy::forced_router_logits(za, fb, opt);
   std::vector<double> m1(E, 0.0), m2(E, 0.0);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t e = 0; e < E; ++e) {
-      m1[e] += f1.logits.item_as_double(t * E + e) / T;
-      m2[e] += f2.logits.item_as_double(t * E + e) / T;
+      m1[e] += f1_logits.item_as_double(t * E + e) / T;
+      m2[e] += f2_logits.item_as_double(t * E + e) / T;
     }
   }
   double spread = 0;
@@ -608,4 +609,115 @@ TEST(RouterOptions, QuantileBalancing) {
                       "[route] quantile_balancing while training needs num_tokens * top_k "
                       "divisible by num_experts=8, got 7 * 2");
   EXPECT_NO_THROW(sy::topk_route(z7, in, c, ev));
+}
+
+// moe_router_padding_for_quantization and moe_pad_expert_input_to_capacity: the route carries
+// them (ids, weights and counts unchanged) and the routing plan built with
+// routing_plan_options() pads every expert's block, checked against the layout written out in
+// double from the route alone.
+TEST(RouterOptions, PaddingForQuantizationAndPadToCapacityReachThePlan) {
+  std::mt19937_64 rng(sy::testing::test_seed(1422));
+  const int64_t T = 200, E = 8, K = 2;
+  const Tensor logits = sy::testing::randn({T, E}, DType::fp32, rng, 1.5);
+  for (bool quant : {false, true}) {
+    for (int cap : {0, 1, 2}) {  // no capacity, capacity, capacity + pad_to_capacity
+      RouterConfig c = router_config(E, K);
+      if (cap > 0) c.capacity_factor = 0.9;
+      c.pad_to_capacity = cap == 2;
+      c.padding_for_quantization = quant;
+      c.padding_align_size = 16;
+      RouterConfig plain = c;
+      plain.padding_for_quantization = false;
+      plain.pad_to_capacity = false;
+      const sy::RouteResult r = sy::topk_route(logits, {}, c);
+      const sy::RouteResult p0 = sy::topk_route(logits, {}, plain);
+      SCOPED_TRACE("quant=" + std::to_string(quant) + " cap=" + std::to_string(cap));
+      EXPECT_TRUE(bitwise_equal(r.topk_idx, p0.topk_idx));
+      EXPECT_TRUE(bitwise_equal(r.topk_weights, p0.topk_weights));
+      EXPECT_EQ(r.expert_alignment, quant ? 16 : 1);
+      EXPECT_EQ(r.pad_to_capacity, cap == 2);
+      const sy::RoutingPlan plan =
+          sy::build_routing_plan(r.topk_idx, r.topk_weights, E, sy::routing_plan_options(r));
+      EXPECT_EQ(plan.num_dropped, 0);  // the route dropped already
+      // Reference layout: expert e's kept tokens ascending, then padding rows up to
+      // roundup(pad ? C : count, align).
+      const int32_t* idx = r.topk_idx.data<int32_t>();
+      const float* w = r.topk_weights.data<float>();
+      std::vector<int64_t> want_token, want_off{0};
+      std::vector<double> want_w;
+      for (int64_t e = 0; e < E; ++e) {
+        int64_t n = 0;
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t k = 0; k < K; ++k) {
+            if (idx[t * K + k] == e) {
+              want_token.push_back(t);
+              want_w.push_back(static_cast<double>(w[t * K + k]));
+              ++n;
+            }
+          }
+        }
+        const int64_t align = quant ? 16 : 1;
+        int64_t rows = cap == 2 ? r.expert_capacity : n;
+        rows = (rows + align - 1) / align * align;
+        for (int64_t i = n; i < rows; ++i) {
+          want_token.push_back(-1);
+          want_w.push_back(0.0);
+        }
+        want_off.push_back(want_off.back() + rows);
+        EXPECT_EQ(plan.num_tokens_per_expert.data<int64_t>()[e], n) << "expert " << e;
+      }
+      ASSERT_EQ(plan.num_rows, static_cast<int64_t>(want_token.size()));
+      for (int64_t e = 0; e <= E; ++e) {
+        EXPECT_EQ(plan.expert_offsets.data<int64_t>()[e], want_off[e]) << "offset " << e;
+      }
+      for (int64_t i = 0; i < plan.num_rows; ++i) {
+        EXPECT_EQ(plan.row_token.data<int64_t>()[i], want_token[i]) << "row " << i;
+        EXPECT_EQ(static_cast<double>(plan.row_weight.data<float>()[i]), want_w[i]) << "row " << i;
+      }
+      for (int64_t e = 0; e < E && quant; ++e) {
+        EXPECT_EQ((want_off[e + 1] - want_off[e]) % 16, 0);
+      }
+    }
+  }
+  RouterConfig bad = router_config(E, K);
+  bad.padding_for_quantization = true;
+  bad.padding_align_size = 0;
+  SY_EXPECT_THROW_MSG(sy::validate_router_config(bad), std::invalid_argument,
+                      "[route] padding_align_size must be >= 1 with padding_for_quantization, "
+                      "got padding_align_size=0");
+}
+
+// Quantile balancing's global-batch update (Megatron's _update_router_qb_beta on one rank) against
+// the formula in double, and its argument errors.
+TEST(RouterOptions, UpdateQbBetaMatchesTheDoubleFormula) {
+  std::mt19937_64 rng(sy::testing::test_seed(1426));
+  const int64_t E = 12;
+  const Tensor beta = sy::testing::randn({E}, DType::fp32, rng, 0.1);
+  const Tensor accum = sy::testing::randn({E}, DType::fp32, rng, 2.0);
+  for (int64_t count : {0, 1, 3}) {
+    for (double ema : {0.0, 0.25, 1.0}) {
+      const Tensor got = sy::update_qb_beta(beta, accum, count, ema);
+      std::vector<double> nb(E);
+      double mean = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const double avg = static_cast<double>(accum.data<float>()[e] /
+                                               static_cast<float>(std::max<int64_t>(count, 1)));
+        nb[e] = ema * beta.data<float>()[e] + (1 - ema) * avg;
+        mean += nb[e];
+      }
+      mean /= E;
+      for (int64_t e = 0; e < E; ++e) {
+        EXPECT_EQ(got.data<float>()[e], static_cast<float>(nb[e] - mean))
+            << "count=" << count << " ema=" << ema << " expert " << e;
+      }
+    }
+  }
+  SY_EXPECT_THROW_MSG(sy::update_qb_beta(beta, accum, 1, 1.5), std::invalid_argument,
+                      "[update_qb_beta] ema must be in [0, 1], got ema=1.5");
+  SY_EXPECT_THROW_MSG(sy::update_qb_beta(beta, accum, -1, 0.0), std::invalid_argument,
+                      "[update_qb_beta] count must be >= 0, got count=-1");
+  SY_EXPECT_THROW_MSG(sy::update_qb_beta(beta, Tensor::zeros({E + 1}, DType::fp32), 1, 0.0),
+                      std::invalid_argument, "[update_qb_beta] qb_beta_accum must have shape");
+  SY_EXPECT_THROW_MSG(sy::update_qb_beta(beta.to(DType::fp64), accum, 1, 0.0),
+                      std::invalid_argument, "[update_qb_beta] qb_beta must have dtype fp32");
 }

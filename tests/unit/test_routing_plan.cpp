@@ -1,12 +1,14 @@
 // Routing plan: pairs, merges, order, counts, offsets, capacity and padding, against the reference.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <random>
 
 #include "model_shapes.h"
 #include "permute_tester.h"
 #include "ref/dispatch_ref.h"
+#include "switchyard/router.h"
 #include "switchyard/routing_plan.h"
 #include "testing.h"
 
@@ -72,7 +74,7 @@ TEST(RoutingPlan, CapacityPositionKeepsFirstTokens) {
   std::vector<float> w = {0.1f, 0.9f, 0.2f, 0.8f, 0.9f, 0.f, 0.3f, 0.7f, 0.8f, 0.2f};
   RoutingPlanOptions o;
   o.expert_capacity = 2;
-  o.token_drop_policy = PlanDropPolicy::position;
+  o.token_drop_policy = TokenDropPolicy::position;
   RoutingPlan p =
       build_routing_plan(Tensor::from_vector(idx, {5, 2}), Tensor::from_vector(w, {5, 2}), 3, o);
   EXPECT_EQ(i64(p.num_tokens_per_expert), (std::vector<int64_t>{2, 2, 2}));
@@ -100,7 +102,7 @@ TEST(RoutingPlan, CapacityFactorPadToCapacityAndAlignment) {
   o.capacity_factor = 1.0;
   o.pad_to_capacity = true;
   o.expert_alignment = 4;
-  o.token_drop_policy = PlanDropPolicy::position;
+  o.token_drop_policy = TokenDropPolicy::position;
   RoutingPlan p = build_routing_plan(Tensor::from_vector(idx, {6, 2}), Tensor(), 4, o);
   EXPECT_EQ(i64(p.num_tokens_per_expert), (std::vector<int64_t>{3, 3, 1, 0}));
   EXPECT_EQ(i64(p.expert_offsets), (std::vector<int64_t>{0, 4, 8, 12, 16}));
@@ -118,7 +120,7 @@ TEST(RoutingPlan, SparsePathMatchesDensePathWithCapacityAndPadding) {
   std::vector<float> w = {0.1f, 0.9f, 0.4f, 0.6f, 0.7f, 0.3f, 0.2f,
                           0.8f, 1.0f, 0.0f, 0.0f, 0.0f, 0.5f, 0.25f};
   for (bool pad : {false, true}) {
-    for (auto policy : {PlanDropPolicy::position, PlanDropPolicy::probs}) {
+    for (auto policy : {TokenDropPolicy::position, TokenDropPolicy::probs}) {
       RoutingPlanOptions o;
       o.expert_capacity = 2;
       o.pad_to_capacity = pad;
@@ -141,6 +143,69 @@ TEST(RoutingPlan, SparsePathMatchesDensePathWithCapacityAndPadding) {
       for (size_t r = rt4.size(); r < rt64.size(); ++r) EXPECT_EQ(rt64[r], -1) << "row " << r;
       for (int64_t r = 0; r < dense.num_rows; ++r) {
         EXPECT_EQ(sparse.row_weight.data<float>()[r], dense.row_weight.data<float>()[r]);
+      }
+    }
+  }
+}
+
+// One capacity formula (capacity.h): Megatron's get_capacity(T*K, E, cf) = ceil(T*K/E*cf), at
+// most T. Above T nothing is dropped and pad_to_capacity pads every expert to T rows (Megatron's
+// routing map is then all ones), not to ceil(...) and not to T*K.
+TEST(RoutingPlan, CapacityIsMegatronsGetCapacityAtMostTokens) {
+  for (int64_t T : {1, 2, 7, 64}) {
+    for (int64_t K : {1, 2, 3}) {
+      for (int64_t E : {1, 4, 8}) {
+        for (double cf : {0.25, 1.0, 1.5, 3.0, 100.0}) {
+          const double want = std::ceil(static_cast<double>(T) * static_cast<double>(K) /
+                                        static_cast<double>(E) * cf);
+          EXPECT_EQ(expert_capacity(T, K, E, cf), std::min<int64_t>(static_cast<int64_t>(want), T))
+              << "T=" << T << " K=" << K << " E=" << E << " cf=" << cf;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(expert_capacity(5, 2, 4, 1e300), 5);  // no overflow
+  // T=2, K=2, E=2, cf=4: ceil(8) = 8 > T, so C = 2 and every expert is padded to 2 rows.
+  RoutingPlanOptions o;
+  o.capacity_factor = 4.0;
+  o.pad_to_capacity = true;
+  const RoutingPlan p = build_routing_plan(
+      Tensor::from_vector(std::vector<int32_t>{0, 1, 0, -1}, {2, 2}), Tensor(), 2, o);
+  EXPECT_EQ(i64(p.expert_offsets), (std::vector<int64_t>{0, 2, 4}));
+  EXPECT_EQ(i64(p.row_token), (std::vector<int64_t>{0, 1, 0, -1}));
+  EXPECT_EQ(p.num_dropped, 0);
+}
+
+// The router and the plan share one drop rule: routing without capacity and then planning with
+// capacity keeps exactly the pairs that routing with capacity keeps, for both policies.
+TEST(RoutingPlan, DropsTheSamePairsAsTheRouter) {
+  const uint64_t seed = test_seed(14);
+  std::mt19937_64 rng(seed);
+  for (auto policy : {TokenDropPolicy::probs, TokenDropPolicy::position}) {
+    for (double cf : {0.5, 1.0, 1.25}) {
+      const int64_t T = 300, E = 16, K = 4;
+      std::normal_distribution<float> nd(0.f, 1.f);
+      std::vector<float> z(static_cast<size_t>(T * E));
+      for (int64_t i = 0; i < T * E; ++i) z[i] = nd(rng) + (i % E < 3 ? 1.5f : 0.f);  // skew
+      const Tensor logits = Tensor::from_vector(z, {T, E});
+      RouterConfig c;
+      c.num_experts = E;
+      c.top_k = K;
+      c.token_drop_policy = policy;
+      const RouteResult free = topk_route(logits, {}, c);
+      c.capacity_factor = cf;
+      const RouteResult capped = topk_route(logits, {}, c);
+      RoutingPlanOptions o;
+      o.capacity_factor = cf;
+      o.token_drop_policy = policy;
+      const RoutingPlan p = build_routing_plan(free.topk_idx, free.topk_weights, E, o);
+      SCOPED_TRACE(std::string(token_drop_policy_name(policy)) + " cf=" + std::to_string(cf) + " " + repro(seed));
+      EXPECT_GT(capped.num_dropped, 0);
+      EXPECT_EQ(p.num_dropped, capped.num_dropped);
+      EXPECT_EQ(i64(p.num_tokens_per_expert), i64(capped.num_tokens_per_expert));
+      const int32_t* ci = capped.topk_idx.data<int32_t>();
+      for (int64_t s = 0; s < T * K; ++s) {
+        EXPECT_EQ(p.slot_row.data<int64_t>()[s] >= 0, ci[s] >= 0) << "slot " << s;
       }
     }
   }

@@ -1,0 +1,220 @@
+// Balancing by selection: sinkhorn routing and quantile balancing (the native rows' ids come from
+// a batch-level rule and then route like replayed rows), and the aux-loss-free expert-bias update.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "router_internal.h"
+#include "switchyard/router.h"
+
+namespace switchyard {
+namespace detail {
+
+Tensor sinkhorn_rows(const Tensor& logits, const Tensor& replay, const uint8_t* kind, int64_t T,
+                     int64_t E, int64_t K, uint8_t* kernel_kind) {
+  std::vector<uint8_t> use(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) use[t] = kind[t] != cpu::kRowPadded;
+  Tensor sink = Tensor::full({T, K}, DType::int32, -1);
+  if (logits.dtype() == DType::fp64) {
+    cpu::sinkhorn_select(logits.data<double>(), use.data(), T, E, K, 1e-4, sink.data<int32_t>());
+  } else {
+    cpu::sinkhorn_select(logits.data<float>(), use.data(), T, E, K, 1e-4, sink.data<int32_t>());
+  }
+  uint8_t* kk = kernel_kind;
+  int32_t* sp = sink.data<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    if (kind[t] == cpu::kRowReplayed) {
+      std::copy_n(replay.data<int32_t>() + t * K, K, sp + t * K);
+    } else if (kind[t] == cpu::kRowNative) {
+      kk[t] = cpu::kRowReplayed;
+    }
+  }
+  return sink;
+}
+
+Tensor quantile_balancing_rows(const Tensor& logits, const Tensor& qb_beta, const Tensor& replay,
+                               const uint8_t* kind, int64_t T, int64_t E, int64_t K, bool training,
+                               uint8_t* kernel_kind, RouteResult& r) {
+  // Megatron's qb_dual_update on the fp32 logits: the native rows take the top-k of z - beta
+  // (ties: the larger logit, then the lower id) and route like replayed rows.
+  std::vector<float> beta(static_cast<size_t>(E), 0.0f);
+  if (qb_beta.defined()) std::copy_n(qb_beta.data<float>(), E, beta.data());
+  const Tensor z32 = logits.dtype() == DType::fp64 ? logits.to(DType::fp32) : logits;
+  const float* zp = z32.data<float>();
+  Tensor sel = Tensor::full({T, K}, DType::int32, -1);
+  std::vector<float> key(static_cast<size_t>(E)), alpha(static_cast<size_t>(T));
+  std::vector<int32_t> order(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) key[e] = zp[t * E + e] - beta[e];
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + K + 1, order.end(), [&](int32_t a, int32_t b) {
+      if (key[a] != key[b]) return key[a] > key[b];
+      if (zp[t * E + a] != zp[t * E + b]) return zp[t * E + a] > zp[t * E + b];
+      return a < b;
+    });
+    alpha[t] = key[order[K]];
+    if (kind[t] == cpu::kRowReplayed) {
+      std::copy_n(replay.data<int32_t>() + t * K, K, sel.data<int32_t>() + t * K);
+    } else {
+      std::copy_n(order.data(), K, sel.data<int32_t>() + t * K);
+    }
+  }
+  if (training && T > 0) {
+    const int64_t m = T * K / E;  // column target; its (m+1)-th largest is the quantile
+    r.qb_beta_local = Tensor::empty({E}, DType::fp32);
+    std::vector<float> col(static_cast<size_t>(T));
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t t = 0; t < T; ++t) col[t] = zp[t * E + e] - alpha[t];
+      std::nth_element(col.begin(), col.begin() + m, col.end(), std::greater<float>());
+      r.qb_beta_local.data<float>()[e] = col[m];
+    }
+  }
+  uint8_t* kk = kernel_kind;
+  for (int64_t t = 0; t < T; ++t) {
+    if (kind[t] == cpu::kRowNative) kk[t] = cpu::kRowReplayed;
+  }
+  return sel;
+}
+
+}  // namespace detail
+
+namespace {
+
+// Validates, returns the counts as doubles.
+std::vector<double> expert_bias_counts(const Tensor& expert_bias,
+                                       const Tensor& num_tokens_per_expert, double rate) {
+  constexpr const char* op = "update_expert_bias";
+  detail::check_dtype(expert_bias, op, "expert_bias", {DType::fp32});
+  detail::check_dim(expert_bias, op, "expert_bias", 1);
+  const int64_t E = expert_bias.size(0);
+  detail::check_dtype(num_tokens_per_expert, op, "num_tokens_per_expert",
+                      {DType::int64, DType::int32, DType::fp32, DType::fp64});
+  detail::check_shape(num_tokens_per_expert, op, "num_tokens_per_expert", {E});
+  if (!std::isfinite(rate)) detail::fail_arg(op, "rate must be finite, got ", rate);
+  return num_tokens_per_expert.to_double_vector();
+}
+
+Tensor expert_bias_step(const Tensor& expert_bias, const std::vector<double>& c, double rate) {
+  const int64_t E = expert_bias.size(0);
+  double sum = 0.0;
+  for (double v : c) sum += v;
+  Tensor out = Tensor::empty({E}, DType::fp32);
+  const float* b = expert_bias.data<float>();
+  float* o = out.data<float>();
+  const float rate_f = static_cast<float>(rate);
+  for (int64_t e = 0; e < E; ++e) {
+    // sign(mean - c) compared as sum vs E*c, exact for integer counts below 2^53.
+    const double lhs = sum, rhs = static_cast<double>(E) * c[e];
+    const float sgn = lhs > rhs ? 1.0f : (lhs < rhs ? -1.0f : 0.0f);
+    o[e] = b[e] + sgn * rate_f;
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
+                          double rate) {
+  return expert_bias_step(expert_bias, expert_bias_counts(expert_bias, num_tokens_per_expert, rate),
+                          rate);
+}
+
+Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
+                          double rate, dist::Communicator& comm) {
+  std::vector<double> c;
+  bool failed = false;
+  try {
+    c = expert_bias_counts(expert_bias, num_tokens_per_expert, rate);
+  } catch (...) {
+    failed = true;
+    RouteComms rc;
+    rc.loss = &comm;
+    detail::agree_on_failure(rc, true);
+    throw;
+  }
+  RouteComms rc;
+  rc.loss = &comm;
+  const int bad = detail::agree_on_failure(rc, failed);
+  if (bad >= 0) detail::fail_arg("update_expert_bias", "rank ", bad, " failed (see its error)");
+  // Counts are integers (exact in double below 2^53): the sum does not depend on the order.
+  detail::sum_over_ranks(comm, c.data(), static_cast<int64_t>(c.size()));
+  return expert_bias_step(expert_bias, c, rate);
+}
+
+namespace {
+
+constexpr const char* kQbOp = "update_qb_beta";
+
+// Validates; returns this rank's mean quantile avg = accum / max(count, 1), in double.
+std::vector<double> qb_local_average(const Tensor& qb_beta, const Tensor& accum, int64_t count,
+                                     double ema) {
+  detail::check_dtype(qb_beta, kQbOp, "qb_beta", {DType::fp32});
+  detail::check_dim(qb_beta, kQbOp, "qb_beta", 1);
+  const int64_t E = qb_beta.size(0);
+  detail::check_dtype(accum, kQbOp, "qb_beta_accum", {DType::fp32});
+  detail::check_shape(accum, kQbOp, "qb_beta_accum", {E});
+  if (count < 0) detail::fail_arg(kQbOp, "count must be >= 0, got count=", count);
+  if (!std::isfinite(ema) || ema < 0.0 || ema > 1.0) {
+    detail::fail_arg(kQbOp, "ema must be in [0, 1], got ema=", ema);
+  }
+  std::vector<double> avg(static_cast<size_t>(E));
+  // Megatron: accum / count.clamp(min=1) in fp32; the fp32 quotient, then double.
+  const float n = static_cast<float>(std::max<int64_t>(count, 1));
+  for (int64_t e = 0; e < E; ++e) avg[e] = static_cast<double>(accum.data<float>()[e] / n);
+  return avg;
+}
+
+Tensor qb_blend(const Tensor& qb_beta, const std::vector<double>& avg, double ema) {
+  const int64_t E = qb_beta.size(0);
+  std::vector<double> nb(static_cast<size_t>(E));
+  double mean = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    nb[e] = ema * static_cast<double>(qb_beta.data<float>()[e]) + (1.0 - ema) * avg[e];
+    mean += nb[e];
+  }
+  mean /= static_cast<double>(std::max<int64_t>(E, 1));
+  Tensor out = Tensor::empty({E}, DType::fp32);
+  for (int64_t e = 0; e < E; ++e) out.data<float>()[e] = static_cast<float>(nb[e] - mean);
+  return out;
+}
+
+}  // namespace
+
+Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_t count,
+                      double ema) {
+  return qb_blend(qb_beta, qb_local_average(qb_beta, qb_beta_accum, count, ema), ema);
+}
+
+Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_t count,
+                      double ema, dist::Communicator& comm) {
+  std::vector<double> avg;
+  RouteComms rc;
+  rc.loss = &comm;
+  try {
+    avg = qb_local_average(qb_beta, qb_beta_accum, count, ema);
+  } catch (...) {
+    detail::agree_on_failure(rc, true);  // so no rank waits in the allgather below
+    throw;
+  }
+  const int bad = detail::agree_on_failure(rc, false);
+  if (bad >= 0) detail::fail_arg(kQbOp, "rank ", bad, " failed (see its error)");
+  // The allgather needs the same E everywhere: agree on it (max of E and of -E) first.
+  const int64_t E = static_cast<int64_t>(avg.size());
+  int64_t e_range[2] = {E, -E};
+  comm.allreduce_max(e_range, 2);
+  if (e_range[0] != -e_range[1]) {
+    detail::fail_arg(kQbOp, "qb_beta must have the same number of experts on every rank, got ",
+                     E, " on rank ", comm.rank(), " and ", e_range[0] == E ? -e_range[1] : e_range[0],
+                     " elsewhere");
+  }
+  // Mean over the ranks, summed in rank order (deterministic whatever MPI would do).
+  detail::sum_over_ranks(comm, avg.data(), E);
+  for (double& a : avg) a /= static_cast<double>(comm.size());
+  return qb_blend(qb_beta, avg, ema);
+}
+
+}  // namespace switchyard
