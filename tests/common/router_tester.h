@@ -224,10 +224,10 @@ class RouterTester {
     } guard;
     set_num_threads(1);
     const RouteResult r1 = topk_route(s.logits, s.in, config_, opt);
-    const RouteGrads g1 = route_backward(gw, r1, config_);
+    const RouteGrads g1 = topk_route_backward(gw, r1);
     set_num_threads(2);
     const RouteResult r2 = topk_route(s.logits, s.in, config_, opt);
-    const RouteGrads g2 = route_backward(gw, r2, config_);
+    const RouteGrads g2 = topk_route_backward(gw, r2);
     EXPECT_TRUE(bitwise_equal(r1.topk_idx, r2.topk_idx));
     EXPECT_TRUE(bitwise_equal(r1.topk_weights, r2.topk_weights));
     EXPECT_TRUE(bitwise_equal(r1.num_tokens_per_expert, r2.num_tokens_per_expert));

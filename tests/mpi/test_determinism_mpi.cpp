@@ -13,7 +13,6 @@
 
 #include "switchyard/dispatcher.h"
 #include "switchyard/gate.h"
-#include "router_testing.h"
 #include "switchyard/router.h"
 #include "testing.h"
 
@@ -73,7 +72,7 @@ LayerOut run_layer(const Tensor& x, const Tensor& gy, const Tensor& w, const Rou
   o.y = dist::combine(Y, d.handle, {}, comm);
   dist::CombineGrads cg = dist::combine_backward(gy, Y, d.handle, {}, comm);
   o.grad_x_dispatch = dist::dispatch_backward(toy(cg.grad_expert_y, d.handle, true), d.handle, comm);
-  o.grad_logits = testing::route_backward(cg.grad_topk_weights, rr, cfg).grad_logits;
+  o.grad_logits = topk_route_backward(cg.grad_topk_weights, rr).grad_logits;
   GateGrads gg = router_gating_linear_backward(o.grad_logits, x, w, Tensor());
   o.grad_x_gate = gg.grad_x;
   o.grad_weight = gg.grad_weight;

@@ -17,7 +17,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "router_testing.h"
 #include "switchyard/cpu.h"
 #include "switchyard/gate.h"
 #include "switchyard/permute.h"
@@ -109,7 +108,7 @@ LayerOut run_layer(const Pool& pool, const std::vector<int64_t>& ids, const Rout
   Tensor gxp = Tensor::empty(xp.shape(), DType::fp32);
   toy_experts(ug.grad_permuted, plan, gxp, true);
   o.grad_x_dispatch = permute_backward(gxp, plan);
-  o.grad_logits = testing::route_backward(ug.grad_topk_weights, rr, cfg).grad_logits;
+  o.grad_logits = topk_route_backward(ug.grad_topk_weights, rr).grad_logits;
   GateGrads gg = router_gating_linear_backward(o.grad_logits, x, pool.weight, pool.bias);
   o.grad_x_gate = gg.grad_x;
   o.grad_weight = gg.grad_weight;

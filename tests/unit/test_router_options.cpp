@@ -68,9 +68,9 @@ void bf16_logits_route_like_fp32(ScoreFunction f, bool pre, int64_t groups) {
   // Backward (no capacity, so both runs keep every slot): bf16 of the fp32 gradient.
   Tensor gw = sy::testing::randn({T, 4}, DType::bf16, rng);
   const auto r16n = sy::topk_route(z16, in, nocap);
-  const Tensor g16 = sy::testing::route_backward(gw, r16n, nocap).grad_logits;
+  const Tensor g16 = sy::topk_route_backward(gw, r16n).grad_logits;
   ASSERT_EQ(g16.dtype(), DType::bf16);
-  const Tensor g32 = sy::testing::route_backward(gw.to(DType::fp32), r32, nocap).grad_logits;
+  const Tensor g32 = sy::topk_route_backward(gw.to(DType::fp32), r32).grad_logits;
   EXPECT_TRUE(bitwise_equal(g16, g32.to(DType::bf16)));
 }
 
@@ -151,7 +151,7 @@ Routed route_with_grad(const Tensor& z, const Tensor& gw, const RouterConfig& c,
   sy::RouteOptions opt;
   opt.seq_length = seq_length;
   Routed out{sy::topk_route(z, in, c, opt), Tensor()};
-  out.grad = sy::testing::route_backward(gw, out.r, c).grad_logits;
+  out.grad = sy::topk_route_backward(gw, out.r).grad_logits;
   return out;
 }
 
@@ -309,8 +309,8 @@ TEST(RouterOptions, ForceLoadBalancingAndForcedBias) {
   RouterConfig plain = router_config(E, K, ScoreFunction::softmax);
   const auto at = sy::topk_route(a_logits, {}, plain);
   EXPECT_TRUE(bitwise_equal(at.topk_idx, a.topk_idx));
-  EXPECT_TRUE(bitwise_equal(sy::testing::route_backward(gw, a, c).grad_logits,
-                            sy::testing::route_backward(gw, at, plain).grad_logits));
+  EXPECT_TRUE(bitwise_equal(sy::topk_route_backward(gw, a).grad_logits,
+                            sy::topk_route_backward(gw, at).grad_logits));
   // Forced bias: per-expert shift with std |force_biased|, the same for the same bias seed.
   RouterConfig fb = c;
   fb.force_load_balancing = false;
@@ -420,7 +420,7 @@ TEST(RouterOptions, SinkhornRouting) {
     EXPECT_TRUE(all_close(re.topk_idx, plain, 0, 0));
     // Gradient of <gw, w> against central differences (ids frozen by the step size).
     const Tensor gw = sy::testing::randn({T, K}, DType::fp64, rng);
-    const Tensor g = sy::testing::route_backward(gw, r, c).grad_logits;
+    const Tensor g = sy::topk_route_backward(gw, r).grad_logits;
     for (int64_t i = 0; i < T * E; i += 7) {
       Tensor zp = z.clone(), zm = z.clone();
       zp.data<double>()[i] += 1e-6;
@@ -475,7 +475,7 @@ void thread_count_invariant(const std::string& name, const RouterConfig& rc) {
       const int saved = sy::num_threads();
       sy::set_num_threads(threads);
       auto r = sy::topk_route(z, in, rc, opt);
-      auto gr = sy::testing::route_backward(gw, r, rc).grad_logits;
+      auto gr = sy::topk_route_backward(gw, r).grad_logits;
       sy::set_num_threads(saved);
       return std::make_pair(std::move(r), std::move(gr));
     };
@@ -591,8 +591,8 @@ TEST(RouterOptions, QuantileBalancing) {
   const auto rr = sy::topk_route(z, rep, plain);
   EXPECT_TRUE(bitwise_equal(r.topk_weights, rr.topk_weights));
   const Tensor gw = sy::testing::randn({T, K}, DType::fp32, rng);
-  EXPECT_TRUE(bitwise_equal(sy::testing::route_backward(gw, r, c).grad_logits,
-                            sy::testing::route_backward(gw, rr, plain).grad_logits));
+  EXPECT_TRUE(bitwise_equal(sy::topk_route_backward(gw, r).grad_logits,
+                            sy::topk_route_backward(gw, rr).grad_logits));
   // qb_beta_local[e]: the (T*K/E + 1)-th largest of z - alpha over tokens.
   ASSERT_TRUE(r.qb_beta_local.defined());
   for (int64_t e = 0; e < E; ++e) {
