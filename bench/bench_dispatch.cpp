@@ -1,10 +1,16 @@
 // dispatch + combine over MPI against the floor: raw MPI_Alltoallv of the same payload plus one
-// local copy, in each direction, timed in the same iterations (interleaved) on the same ranks.
-// Run under MPI (2 ranks, Qwen3-30B-A3B shape: T 4096 per rank, H 2048, E 128, K 8):
-//   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-//     mpirun -np 2 --oversubscribe build/bench/bench_dispatch --benchmark_counters_tabular=true
+// local copy, in each direction (the row gather into expert order and the combine's read of every
+// returned row are copies any implementation must do), timed in the same iterations
+// (interleaved) on the same ranks, with preallocated buffers.
+// Run under MPI (2 or 4 ranks, Qwen3-30B-A3B shape: T per rank, H 2048, E 128, K 8):
+//   OMP_NUM_THREADS=1 mpirun --allow-run-as-root --oversubscribe -np 2 build/bench/bench_dispatch
 // Every rank runs the same fixed number of iterations (collectives must match); rank 0 reports
-// the slowest rank's time.
+// the slowest rank's time. The routes change every step (4 seeded route sets in turn, as in
+// training, where R differs from step to step), and one Dispatcher is kept across steps, as a
+// training loop keeps it. Counters: `ratio` (ours / floor, wall time of the slowest rank),
+// `cpu_ratio` (CPU time summed over ranks; MPI's waiting polls count on both sides),
+// `faults/step` (minor page faults per step on rank 0: fresh memory touched in the step; the floor
+// has none) and the CPU model and kernel ISA in the context lines.
 #include <cstdio>
 
 #ifndef SWITCHYARD_WITH_MPI
@@ -17,13 +23,18 @@ int main() {
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
+#include <sys/resource.h>
+#include <time.h>
 
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "model_shapes.h"
+#include "switchyard/cpu.h"
 #include "switchyard/dispatcher.h"
 #include "testing.h"
 
@@ -42,22 +53,50 @@ double max_over_ranks(double v) {
   return v;
 }
 
+int64_t minor_faults() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_minflt;
+}
+
+// "model name" from /proc/cpuinfo (what lscpu prints), or "unknown".
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      const size_t colon = line.find(':');
+      return colon == std::string::npos ? line
+                                        : line.substr(line.find_first_not_of(" \t", colon + 1));
+    }
+  }
+  return "unknown";
+}
+
+// CPU seconds of this process (all its threads): under a loaded machine the wall time of a step is
+// mostly time descheduled, so the CPU ratio is printed beside the wall ratio.
+double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+double sum_over_ranks(double v) {
+  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  return v;
+}
+
 double since(Clock::time_point a) {
   return std::chrono::duration<double>(Clock::now() - a).count();
 }
 
-void BM_DispatchCombine(benchmark::State& state) {
-  dist::Communicator& c = *comm();
-  const int64_t T = state.range(0), H = state.range(1), E = state.range(2), K = state.range(3);
-  const auto kind =
-      state.range(4) ? dist::DispatcherKind::all_gather : dist::DispatcherKind::all_to_all;
-  const DType dt = state.range(5) ? DType::bf16 : DType::fp32;
-  const int P = c.size(), me = c.rank();
-  std::mt19937_64 rng(1234 + static_cast<uint64_t>(me));
-  Tensor x = testing::randn({T, H}, dt, rng);
+constexpr int kRouteSets = 4;
+
+// K distinct uniformly random experts per token.
+Tensor random_routes(int64_t T, int64_t E, int64_t K, std::mt19937_64& rng) {
   std::vector<int32_t> idx(static_cast<size_t>(T * K));
   std::vector<int32_t> perm(static_cast<size_t>(E));
-  for (int64_t t = 0; t < T; ++t) {  // K distinct uniformly random experts per token
+  for (int64_t t = 0; t < T; ++t) {
     for (int64_t e = 0; e < E; ++e) perm[static_cast<size_t>(e)] = static_cast<int32_t>(e);
     for (int64_t k = 0; k < K; ++k) {
       std::uniform_int_distribution<int64_t> d(k, E - 1);
@@ -65,69 +104,121 @@ void BM_DispatchCombine(benchmark::State& state) {
       idx[static_cast<size_t>(t * K + k)] = perm[static_cast<size_t>(k)];
     }
   }
-  Tensor topk_idx = Tensor::from_vector(idx, {T, K});
+  return Tensor::from_vector(idx, {T, K});
+}
+
+// The floor's counts for one route set: rows to and from every rank, as MPI wants them.
+struct FloorCounts {
+  std::vector<int> sc, sd, rc, rd;
+  int64_t n_send = 0, n_recv = 0;
+};
+
+FloorCounts floor_counts(const dist::DispatchHandle& h) {
+  const int P = h.world_size, me = h.rank;
+  const int64_t E = h.num_experts, L = h.num_local_experts;
+  FloorCounts f;
+  f.sc.resize(P);
+  f.sd.resize(P);
+  f.rc.resize(P);
+  f.rd.resize(P);
+  for (int r = 0; r < P; ++r) {
+    int64_t s = 0, q = 0;
+    for (int64_t el = 0; el < L; ++el) {
+      s += h.rank_expert_counts[static_cast<size_t>(me * E + r * L + el)];
+      q += h.rank_expert_counts[static_cast<size_t>(r * E + me * L + el)];
+    }
+    f.sc[r] = static_cast<int>(s);
+    f.rc[r] = static_cast<int>(q);
+    f.sd[r] = static_cast<int>(f.n_send);
+    f.rd[r] = static_cast<int>(f.n_recv);
+    f.n_send += s;
+    f.n_recv += q;
+  }
+  return f;
+}
+
+void BM_DispatchCombine(benchmark::State& state) {
+  const int64_t T = state.range(0), H = state.range(1), E = state.range(2), K = state.range(3);
+  const auto kind =
+      state.range(4) ? dist::DispatcherKind::all_gather : dist::DispatcherKind::all_to_all;
+  const DType dt = state.range(5) ? DType::bf16 : DType::fp32;
+  // One dispatcher across steps, as a training loop keeps it.
+  dist::Dispatcher disp(comm());
+  const int P = disp.comm().size(), me = disp.comm().rank();
+  std::mt19937_64 rng(1234 + static_cast<uint64_t>(me));
+  Tensor x = testing::randn({T, H}, dt, rng);
+  std::vector<Tensor> routes;
+  for (int i = 0; i < kRouteSets; ++i) routes.push_back(random_routes(T, E, K, rng));
   Tensor topk_w = Tensor::full({T, K}, DType::fp32, 1.0 / static_cast<double>(K));
   dist::DispatchOptions opt;
   opt.num_experts = E;
   opt.kind = kind;
 
-  // The floor: the same rows per peer, pre-allocated buffers, one MPI_Alltoallv and one local copy
-  // per direction.
-  dist::DispatchResult warm = dist::dispatch(x, topk_idx, topk_w, opt, c);
-  const int64_t rb = H * static_cast<int64_t>(dtype_size(dt));
-  std::vector<int> sc(P), sd(P), rc(P), rd(P);
-  {
-    const int64_t L = E / P;
-    int64_t so = 0, ro = 0;
-    for (int r = 0; r < P; ++r) {
-      int64_t s = 0, q = 0;
-      for (int64_t el = 0; el < L; ++el) {
-        s += warm.handle.rank_expert_counts[static_cast<size_t>(me * E + r * L + el)];
-        q += warm.handle.rank_expert_counts[static_cast<size_t>(r * E + me * L + el)];
-      }
-      sc[r] = static_cast<int>(s);
-      rc[r] = static_cast<int>(q);
-      sd[r] = static_cast<int>(so);
-      rd[r] = static_cast<int>(ro);
-      so += s;
-      ro += q;
-    }
+  // Warm-up: one full step per route set (the dispatcher's scratch and the tensor cache reach
+  // their high-water mark), and the floor's counts of each set.
+  std::vector<FloorCounts> floor;
+  int64_t max_rows = 0;
+  for (const Tensor& idx : routes) {
+    dist::DispatchResult d = disp.dispatch(x, idx, topk_w, opt);
+    benchmark::DoNotOptimize(disp.combine(d.recv_x, d.handle).raw());
+    floor.push_back(floor_counts(d.handle));
+    max_rows = std::max({max_rows, floor.back().n_send, floor.back().n_recv});
   }
-  const int64_t n_send = sd[P - 1] + sc[P - 1], n_recv = rd[P - 1] + rc[P - 1];
+  const int64_t rb = H * static_cast<int64_t>(dtype_size(dt));
   MPI_Datatype row;
   MPI_Type_contiguous(static_cast<int>(rb), MPI_BYTE, &row);
   MPI_Type_commit(&row);
-  std::vector<unsigned char> a(static_cast<size_t>(std::max<int64_t>(n_send, n_recv) * rb + 64), 1),
-      b(a.size(), 2), out(a.size(), 3);
+  std::vector<unsigned char> a(static_cast<size_t>(max_rows * rb + 64), 1), b(a.size(), 2),
+      out(a.size(), 3);
 
-  double t_ours = 0, t_raw = 0;
+  double t_ours = 0, t_raw = 0, c_ours = 0, c_raw = 0;
+  int64_t f_ours = 0, f_raw = 0, payload = 0;
+  int step = 0;
   for (auto _ : state) {
+    const int set = step++ % kRouteSets;
+    const FloorCounts& f = floor[static_cast<size_t>(set)];
     MPI_Barrier(MPI_COMM_WORLD);
+    const int64_t f0 = minor_faults();
+    const double c0 = cpu_seconds();
     auto t0 = Clock::now();
-    dist::DispatchResult d = dist::dispatch(x, topk_idx, topk_w, opt, c);
-    Tensor y = dist::combine(d.recv_x, d.handle, {}, c);  // identity experts
-    benchmark::DoNotOptimize(y.raw());
-    const double ours = max_over_ranks(since(t0));
+    {
+      dist::DispatchResult d = disp.dispatch(x, routes[static_cast<size_t>(set)], topk_w, opt);
+      Tensor y = disp.combine(d.recv_x, d.handle);  // identity experts
+      benchmark::DoNotOptimize(y.raw());
+    }
+    const double ours_local = since(t0);
+    c_ours += sum_over_ranks(cpu_seconds() - c0);
+    f_ours += minor_faults() - f0;
+    const double ours = max_over_ranks(ours_local);
     MPI_Barrier(MPI_COMM_WORLD);
+    const int64_t f1 = minor_faults();
+    const double c1 = cpu_seconds();
     auto t1 = Clock::now();
-    MPI_Alltoallv(a.data(), sc.data(), sd.data(), row, b.data(), rc.data(), rd.data(), row,
+    MPI_Alltoallv(a.data(), f.sc.data(), f.sd.data(), row, b.data(), f.rc.data(), f.rd.data(), row,
                   MPI_COMM_WORLD);
-    std::memcpy(out.data(), b.data(), static_cast<size_t>(n_recv * rb));
-    MPI_Alltoallv(out.data(), rc.data(), rd.data(), row, a.data(), sc.data(), sd.data(), row,
-                  MPI_COMM_WORLD);
-    std::memcpy(b.data(), a.data(), static_cast<size_t>(n_send * rb));
+    std::memcpy(out.data(), b.data(), static_cast<size_t>(f.n_recv * rb));
+    MPI_Alltoallv(out.data(), f.rc.data(), f.rd.data(), row, a.data(), f.sc.data(), f.sd.data(),
+                  row, MPI_COMM_WORLD);
+    std::memcpy(b.data(), a.data(), static_cast<size_t>(f.n_send * rb));
     benchmark::ClobberMemory();
-    const double raw = max_over_ranks(since(t1));
+    const double raw_local = since(t1);
+    c_raw += sum_over_ranks(cpu_seconds() - c1);
+    f_raw += minor_faults() - f1;
+    const double raw = max_over_ranks(raw_local);
     t_ours += ours;
     t_raw += raw;
+    payload += (f.n_send + f.n_recv) * rb;
     state.SetIterationTime(ours);
   }
   MPI_Type_free(&row);
   const double n = static_cast<double>(state.iterations());
   state.counters["ours_ms"] = t_ours / n * 1e3;
-  state.counters["raw_a2av+copy_ms"] = t_raw / n * 1e3;
+  state.counters["floor_ms"] = t_raw / n * 1e3;
   state.counters["ratio"] = t_ours / t_raw;
-  state.counters["payload_GB/s"] = static_cast<double>((n_send + n_recv) * rb) * n / t_ours / 1e9;
+  state.counters["cpu_ratio"] = c_ours / c_raw;
+  state.counters["faults/step"] = static_cast<double>(f_ours) / n;
+  state.counters["floor_faults/step"] = static_cast<double>(f_raw) / n;
+  state.counters["payload_GB/s"] = static_cast<double>(payload) / t_ours / 1e9;
   state.SetLabel(
       std::string(kind == dist::DispatcherKind::all_to_all ? "all_to_all " : "all_gather ") +
       dtype_name(dt) + " EP=" + std::to_string(P));
@@ -141,11 +232,13 @@ void dispatch_args(benchmark::internal::Benchmark* b) {
   b->Args({4096, q.hidden, q.num_experts, q.top_k, 0, 0});
   b->Args({4096, q.hidden, q.num_experts, q.top_k, 1, 1});
   b->Args({512, q.hidden, q.num_experts, q.top_k, 0, 1});
+  b->Args({512, q.hidden, q.num_experts, q.top_k, 0, 0});
+  b->Args({512, q.hidden, q.num_experts, q.top_k, 1, 1});
 }
 
 BENCHMARK(BM_DispatchCombine)
     ->Apply(dispatch_args)
-    ->Iterations(8)
+    ->Iterations(12)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
@@ -164,6 +257,9 @@ int main(int argc, char** argv) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   switchyard::comm() = switchyard::dist::world();
+  benchmark::AddCustomContext("cpu_model", switchyard::cpu_model());
+  benchmark::AddCustomContext("kernel_isa", switchyard::cpu_isa_name(switchyard::cpu_isa()));
+  benchmark::AddCustomContext("ep_size", std::to_string(switchyard::comm()->size()));
   if (rank == 0) {
     benchmark::RunSpecifiedBenchmarks();
   } else {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "switchyard/dist.h"
@@ -27,8 +28,14 @@ struct DispatchOptions {
   /// E, the global number of experts; must be divisible by the communicator's size.
   int64_t num_experts = 0;
   DispatcherKind kind = DispatcherKind::all_to_all;
-  /// Capacity options of the (per-rank) routing plan. expert_alignment must be 1 and
-  /// pad_to_capacity false: padding rows are never sent.
+  /// Capacity and padding options of the (per-rank) routing plan; must agree on every rank.
+  /// Padding (Megatron-Core's `moe_router_padding_for_quantization` -> expert_alignment, and
+  /// `moe_pad_expert_input_to_capacity` -> pad_to_capacity) pads each source rank's block of every
+  /// expert, as Megatron's pad_routing_map and drop-and-pad do, so a local expert receives
+  /// sum over sources of align_up(n or C) rows. Unlike Megatron, padding rows are never sent: they
+  /// are zero rows with weight 0 (source rank and token -1) at the end of each (expert, source)
+  /// block of recv_x, and combine and the backwards ignore them; real rows are bitwise those of
+  /// the unpadded path.
   RoutingPlanOptions plan;
 };
 
@@ -42,25 +49,37 @@ struct DispatchHandle {
   int64_t hidden = 0;             ///< H (same on every rank)
   int64_t num_experts = 0;        ///< E
   int64_t num_local_experts = 0;  ///< L = E / EP
-  int64_t num_recv_tokens = 0;    ///< R: rows received by this rank
+  int64_t num_recv_tokens = 0;    ///< R: rows of recv_x, padding rows included
   /// This rank's routing plan over all E experts (its send order: expert-major, so rank-major).
   RoutingPlan plan;
-  /// [L] int64: received rows per local expert (sum = R).
+  /// [L] int64: rows per local expert in recv_x, padding included (sum = R): what a grouped GEMM
+  /// iterates over.
   Tensor num_tokens_per_expert;
+  /// [L] int64: real (unpadded) received pairs per local expert; equal to num_tokens_per_expert
+  /// without padding.
+  Tensor num_unpadded_tokens_per_expert;
   /// [L+1] int64: exclusive prefix sum of num_tokens_per_expert.
   Tensor expert_offsets;
-  /// [R] int32 / int64: source rank and source token of each received row.
+  /// [R] int32 / int64: source rank and source token of each received row (-1 for padding).
   Tensor recv_src_rank;
   Tensor recv_src_token;
   /// [EP * E] int64, rank-major: pairs per (source rank, expert), known on every rank.
   std::vector<int64_t> rank_expert_counts;
+  /// [EP * E] int64: rows per (source rank, expert) block of the receive layout, padding
+  /// included (= rank_expert_counts without padding).
+  std::vector<int64_t> rank_expert_rows;
   /// [EP] int64: tokens per rank.
   std::vector<int64_t> rank_num_tokens;
-  /// [R] fp32: the received rows' routing weights (shares storage with DispatchResult's).
+  /// [R] fp32: the received rows' routing weights, 0 for padding (shares storage with
+  /// DispatchResult's).
   Tensor recv_topk_weights;
-  /// [R] int64, internal layout map: all_to_all: row of the (source-rank-major) all-to-all buffer
-  /// that received row i came in; all_gather: row of the gathered token buffer.
+  /// [R] int64, internal layout map: all_gather: row of the gathered token buffer that received
+  /// row i comes from (-1 for padding); all_to_all: i (rows arrive in place).
   Tensor recv_gather_index;
+  /// Fingerprint of the count matrix (the same on every rank for one dispatch): combine and the
+  /// backwards check it in their error agreement, so handles of different steps on different
+  /// ranks raise everywhere instead of hanging in mismatched exchanges.
+  uint64_t layout_id = 0;
 };
 
 /// Result of dispatch.
@@ -72,7 +91,10 @@ struct DispatchResult {
   DispatchHandle handle;
 };
 
-/// Send each distinct valid (token, expert) pair of this rank to the expert's rank.
+/// Send each distinct valid (token, expert) pair of this rank to the expert's rank (on a temporary
+/// Dispatcher: keep a dist::Dispatcher across steps instead to reuse its scratch memory).
+/// With padding options, recv_x holds zero padding rows (weight 0, source -1) at the end of each
+/// (local expert, source) block; handle.num_tokens_per_expert counts them.
 /// `x` [T,H] fp32|bf16 (T may differ per rank, may be 0), `topk_idx` [T,K] int32 (-1 = none),
 /// `topk_weights` [T,K] fp32. Collective. Data errors on any rank (an id outside [-1,E), a hidden
 /// size or dtype that differs between ranks, a bad shape) throw the same std::invalid_argument on
@@ -95,8 +117,9 @@ Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle
 
 /// Backward of dispatch's `recv_topk_weights` output (for experts that apply the weights
 /// themselves): each received row's weight gradient goes back to its source rank and to every slot
-/// of that pair (a merged repeated id gives the row's gradient to each of its slots, since the row's
-/// weight is their sum). `grad_recv_topk_weights` [R] fp32 -> grad_topk_weights [T,K] fp32, 0 for
+/// of that pair (a merged repeated id gives the row's gradient to each of its slots, since the
+/// row's weight is their sum). `grad_recv_topk_weights` [R] fp32 -> grad_topk_weights [T,K] fp32, 0
+/// for
 /// `-1` and dropped slots. Collective (a bad argument on one rank raises on every rank);
 /// deterministic.
 Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const DispatchHandle& handle,
@@ -117,14 +140,64 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
                               const DispatchHandle& handle, const UnpermuteOptions& options,
                               Communicator& comm);
 
+namespace detail {
+struct Scratch;
+}
+
+/// DeepEP's `Buffer` for this engine: the object a training loop keeps across steps. It owns the
+/// scratch memory of dispatch, combine and the backwards (pack buffers, rows coming back, row
+/// metadata), grown to the high-water mark and reused, so that steady-state steps never fault
+/// fresh pages (first-touch zeroing of multi-MiB buffers cost about a third of a step when every
+/// step allocated them). Results that outlive the call (recv_x, y, gradients, the handle) are
+/// Tensors; their storage comes from the tensor allocator's cache. The free functions below are
+/// the same operations on a temporary Dispatcher (scratch allocated per call). Not thread-safe;
+/// one dispatcher and its communicator serve one thread at a time (std::logic_error otherwise).
+class Dispatcher {
+ public:
+  explicit Dispatcher(std::shared_ptr<Communicator> comm);
+  ~Dispatcher();
+  Dispatcher(const Dispatcher&) = delete;
+  Dispatcher& operator=(const Dispatcher&) = delete;
+
+  Communicator& comm() const { return *comm_; }
+  /// Bytes of scratch memory held now (grows to the largest step seen; never shrinks).
+  int64_t scratch_bytes() const;
+
+  // The operations, as the free functions below document them (shapes, dtypes, errors), on this
+  // dispatcher's communicator. Each is collective and deterministic; a handle may be used with
+  // any Dispatcher on the same communicator (the handle holds no scratch).
+
+  /// See dist::dispatch.
+  DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                          const DispatchOptions& options);
+  /// See dist::combine.
+  Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
+                 const UnpermuteOptions& options = {});
+  /// See dist::dispatch_backward.
+  Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle);
+  /// See dist::dispatch_weights_backward.
+  Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights,
+                                   const DispatchHandle& handle);
+  /// See dist::combine_backward.
+  CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
+                                const DispatchHandle& handle, const UnpermuteOptions& options = {});
+
+ private:
+  Tensor combine_impl(const char* op, const char* name, const Tensor& expert_y,
+                      const DispatchHandle& h, const UnpermuteOptions& options);
+  std::shared_ptr<Communicator> comm_;
+  std::unique_ptr<detail::Scratch> scratch_;
+};
+
 /// Which collective's error agreement fail_collective joins.
 enum class CollectiveOp : uint8_t { dispatch, combine };
 
 /// For a caller (a binding, a framework adapter) whose own checks failed on this rank before it
 /// could call the collective: joins that collective's error agreement in its place, so every rank
 /// raises the same std::invalid_argument (the lowest failing rank's message) instead of the others
-/// waiting for this rank. `op`: dispatch for dispatch(), combine for combine(), dispatch_backward(),
-/// dispatch_weights_backward() and combine_backward(). Collective; always throws.
+/// waiting for this rank. `op`: dispatch for dispatch(), combine for combine(),
+/// dispatch_backward(), dispatch_weights_backward() and combine_backward(). Collective; always
+/// throws.
 [[noreturn]] void fail_collective(CollectiveOp op, const std::string& message, Communicator& comm);
 
 }  // namespace switchyard::dist

@@ -13,8 +13,9 @@ namespace switchyard::dist {
 
 /// The collectives the dispatchers need, on raw buffers of `elem_bytes`-sized elements. Counts are
 /// in elements; variable-size buffers are packed in rank order (displacements are prefix sums).
-/// Every method is collective over all ranks of the communicator (except rank, size, name and
-/// workspace); exchange_blocks involves the listed peers only.
+/// Every method is collective over all ranks of the communicator (except rank, size and name);
+/// exchange_blocks involves the listed peers only. Communication only: the dispatchers own their
+/// buffers (dist::Dispatcher).
 /// Environment failures throw switchyard::BackendError naming the call, its error string, the rank
 /// and file:line.
 class Communicator {
@@ -35,16 +36,6 @@ class Communicator {
   /// order.
   virtual void alltoallv(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                          const std::vector<int64_t>& recv_counts, int64_t elem_bytes) = 0;
-  /// Row-indexed all-to-all: rows are gathered into and scattered from the communicator's
-  /// workspace around one alltoallv (see exchange_blocks for moving whole blocks without a copy).
-  /// Rows are `row_bytes` bytes. To rank r go send_counts[r] rows, taken in order from
-  /// rows send_index[...] of `send` (the index list is packed in rank order; rows may repeat);
-  /// from rank s come recv_counts[s] rows, stored at rows recv_index[...] of `recv` (packed in rank
-  /// order; no row twice). A null index means rows are contiguous in rank order (plain alltoallv).
-  virtual void alltoallv_rows(const void* send, const int64_t* send_index,
-                              const std::vector<int64_t>& send_counts, void* recv,
-                              const int64_t* recv_index, const std::vector<int64_t>& recv_counts,
-                              int64_t row_bytes) = 0;
   /// A run of `rows` consecutive rows starting at row `offset`, exchanged with rank `peer`.
   struct Block {
     int peer;
@@ -55,23 +46,30 @@ class Communicator {
   /// peer; the blocks between two ranks are matched in list order, so both sides must list the
   /// same sizes in the same order (blocks of 0 rows are skipped). No packing: each block moves
   /// straight from `send` to `recv` (point-to-point messages, single-copy where MPI can).
-  virtual void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
-                               const std::vector<Block>& recv_blocks, int64_t row_bytes) = 0;
+  void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
+                       const std::vector<Block>& recv_blocks, int64_t row_bytes) {
+    const Plane one{send, &send_blocks, recv, &recv_blocks, row_bytes};
+    exchange_planes(&one, 1);
+  }
+  /// One block exchange of exchange_planes.
+  struct Plane {
+    const void* send;
+    const std::vector<Block>* send_blocks;
+    void* recv;
+    const std::vector<Block>* recv_blocks;
+    int64_t row_bytes;
+  };
+  /// Several block exchanges (each as exchange_blocks, its blocks matched among themselves) in one
+  /// round: the dispatcher moves rows and their metadata together.
+  virtual void exchange_planes(const Plane* planes, int num_planes) = 0;
   /// In place element-wise maximum of n small integers (flags, sizes) over all ranks.
   virtual void allreduce_max(int64_t* values, int64_t n) = 0;
   virtual void barrier() = 0;
 
-  /// Scratch memory owned by this communicator, at least `bytes` long, reused across calls (grows,
-  /// never shrinks, not zeroed). `slot` names independent buffers; a pointer stays valid until the
-  /// next workspace() call with the same slot. Slots below 16 belong to switchyard itself (the
-  /// communicators and dispatchers use them so steady-state steps do not page-fault fresh
-  /// multi-MiB buffers). Not collective; not thread-safe (nor is a communicator).
-  void* workspace(int slot, int64_t bytes);
-
   /// Marks the communicator in use for one dispatcher call (dispatch, combine and the backwards
-  /// hold it for their whole duration). A communicator, its workspace and the dispatchers on it
-  /// serve one thread at a time: a second thread entering while it is held gets std::logic_error
-  /// naming both calls, never interleaved collectives or a workspace overwritten mid-call. Give
+  /// hold it for their whole duration). A communicator and the dispatchers on it serve one thread
+  /// at a time: a second thread entering while it is held gets std::logic_error naming both
+  /// calls, never interleaved collectives or a dispatcher's scratch overwritten mid-call. Give
   /// each thread its own communicator (a duplicate) to run them concurrently.
   class Exclusive {
    public:
@@ -94,11 +92,6 @@ class Communicator {
   }
 
  private:
-  struct Scratch {
-    std::unique_ptr<unsigned char[]> data;
-    int64_t size = 0;
-  };
-  std::vector<Scratch> workspace_;
   std::atomic<const char*> holder_{nullptr};  // the call holding Exclusive, or null
 };
 

@@ -55,6 +55,12 @@ struct UnpermuteGrads {
   Tensor grad_topk_weights;
 };
 
+/// The [T,K] view of a per-row value: out[t,k] = row_values[plan.slot_row[t,k]], 0 for `-1` and
+/// dropped slots (a repeated id gives its row's value to each of its slots). `row_values`
+/// [plan.num_rows] fp32 -> [T,K] fp32. This is how every routing-weight gradient reaches the
+/// slots (a row's weight is the sum of its slots' weights). Not differentiable; deterministic.
+Tensor rows_to_slots(const Tensor& row_values, const RoutingPlan& plan);
+
 /// Backward of unpermute. `grad_y` [T,H] fp32|bf16; `permuted` the forward input [num_rows,H].
 UnpermuteGrads unpermute_backward(const Tensor& grad_y, const Tensor& permuted,
                                   const RoutingPlan& plan, const UnpermuteOptions& options = {});

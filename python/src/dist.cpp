@@ -33,12 +33,18 @@ using dist::Communicator;
 using CommPtr = std::shared_ptr<Communicator>;
 using dist::DispatcherKind;
 
-/// A communicator as Python holds it; emptied at interpreter exit.
+/// A communicator as Python holds it, with the Dispatcher (and so the scratch memory) that every
+/// dispatcher call on it uses, kept across steps; emptied at interpreter exit.
 struct CommBox {
   CommPtr comm;
+  std::unique_ptr<dist::Dispatcher> disp;
   Communicator& get() const {
     if (!comm) throw std::runtime_error("[dist] communicator was released at interpreter exit");
     return *comm;
+  }
+  dist::Dispatcher& dispatcher() const {
+    get();
+    return *disp;
   }
 };
 
@@ -48,7 +54,9 @@ std::vector<std::weak_ptr<CommBox>>& registry() {
 }
 
 std::shared_ptr<CommBox> box(CommPtr comm) {
-  auto b = std::make_shared<CommBox>(CommBox{std::move(comm)});
+  auto b = std::make_shared<CommBox>();
+  b->disp = std::make_unique<dist::Dispatcher>(comm);
+  b->comm = std::move(comm);
   registry().push_back(b);
   return b;
 }
@@ -79,7 +87,10 @@ void ensure_mpi() {
 /// At interpreter exit: free every communicator, then finalise MPI if we initialised it.
 void shutdown() {
   for (auto& w : registry()) {
-    if (auto b = w.lock()) b->comm.reset();
+    if (auto b = w.lock()) {
+      b->disp.reset();
+      b->comm.reset();
+    }
   }
   registry().clear();
 #ifdef SWITCHYARD_WITH_MPI
@@ -181,6 +192,10 @@ void bind_dist(py::module_& m) {
                              [](const dist::DispatchHandle& h) {
                                return py_bridge::to_torch(h.num_tokens_per_expert.clone());
                              })
+      .def_property_readonly("num_unpadded_tokens_per_expert",
+                             [](const dist::DispatchHandle& h) {
+                               return py_bridge::to_torch(h.num_unpadded_tokens_per_expert.clone());
+                             })
       .def_property_readonly("expert_offsets",
                              [](const dist::DispatchHandle& h) {
                                return py_bridge::to_torch(h.expert_offsets.clone());
@@ -194,6 +209,7 @@ void bind_dist(py::module_& m) {
                                return py_bridge::to_torch(h.recv_src_token.clone());
                              })
       .def_readonly("rank_expert_counts", &dist::DispatchHandle::rank_expert_counts)
+      .def_readonly("rank_expert_rows", &dist::DispatchHandle::rank_expert_rows)
       .def_readonly("rank_num_tokens", &dist::DispatchHandle::rank_num_tokens)
       .def_property_readonly("num_pairs",
                              [](const dist::DispatchHandle& h) { return h.plan.num_pairs; })
@@ -204,28 +220,31 @@ void bind_dist(py::module_& m) {
       "dispatch",
       [](py::handle x, py::handle topk_idx, py::handle topk_weights, int64_t num_experts,
          const std::string& kind, double capacity_factor, const std::string& token_drop_policy,
-         const CommBox& comm) {
+         const CommBox& comm, int64_t expert_alignment, bool pad_to_capacity) {
         const char* op = "dispatch";
         dist::DispatchOptions opt;
         opt.num_experts = num_experts;
         opt.kind = kind_from_str(kind);
         opt.plan.capacity_factor = capacity_factor;
         opt.plan.token_drop_policy = drop_policy_from_str(token_drop_policy);
+        opt.plan.expert_alignment = expert_alignment;
+        opt.plan.pad_to_capacity = pad_to_capacity;
         py_bridge::Arg ax = py_bridge::borrow(x, op, "x");
         py_bridge::Arg ai = py_bridge::borrow(topk_idx, op, "topk_idx");
         py_bridge::Arg aw = py_bridge::borrow(topk_weights, op, "topk_weights");
-        Communicator& c = comm.get();
+        dist::Dispatcher& d = comm.dispatcher();
         dist::DispatchResult r;
         {
           py::gil_scoped_release nogil;
-          r = dist::dispatch(ax.t, ai.t, aw.t, opt, c);
+          r = d.dispatch(ax.t, ai.t, aw.t, opt);
         }
         py::object rx = py_bridge::to_torch(std::move(r.recv_x));
         py::object rw = py_bridge::to_torch(std::move(r.recv_topk_weights));
         return py::make_tuple(rx, rw, std::move(r.handle));
       },
       py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
-      py::arg("kind"), py::arg("capacity_factor"), py::arg("token_drop_policy"), py::arg("comm"));
+      py::arg("kind"), py::arg("capacity_factor"), py::arg("token_drop_policy"), py::arg("comm"),
+      py::arg("expert_alignment") = 1, py::arg("pad_to_capacity") = false);
   m.def(
       "dist_fail_collective",
       [](const std::string& op, const std::string& message, const CommBox& comm) {
@@ -242,11 +261,11 @@ void bind_dist(py::module_& m) {
       [](py::handle expert_y, const dist::DispatchHandle& handle, bool apply_probs,
          const CommBox& comm) {
         py_bridge::Arg ay = py_bridge::borrow(expert_y, "combine", "expert_y");
-        Communicator& c = comm.get();
+        dist::Dispatcher& d = comm.dispatcher();
         Tensor y;
         {
           py::gil_scoped_release nogil;
-          y = dist::combine(ay.t, handle, weights_opt(apply_probs), c);
+          y = d.combine(ay.t, handle, weights_opt(apply_probs));
         }
         return py_bridge::to_torch(std::move(y));
       },
@@ -255,11 +274,11 @@ void bind_dist(py::module_& m) {
       "dispatch_backward",
       [](py::handle grad_recv_x, const dist::DispatchHandle& handle, const CommBox& comm) {
         py_bridge::Arg ag = py_bridge::borrow(grad_recv_x, "dispatch_backward", "grad_recv_x");
-        Communicator& c = comm.get();
+        dist::Dispatcher& d = comm.dispatcher();
         Tensor g;
         {
           py::gil_scoped_release nogil;
-          g = dist::dispatch_backward(ag.t, handle, c);
+          g = d.dispatch_backward(ag.t, handle);
         }
         return py_bridge::to_torch(std::move(g));
       },
@@ -269,11 +288,11 @@ void bind_dist(py::module_& m) {
       [](py::handle grad_recv_w, const dist::DispatchHandle& handle, const CommBox& comm) {
         py_bridge::Arg ag =
             py_bridge::borrow(grad_recv_w, "dispatch_weights_backward", "grad_recv_topk_weights");
-        Communicator& c = comm.get();
+        dist::Dispatcher& d = comm.dispatcher();
         Tensor g;
         {
           py::gil_scoped_release nogil;
-          g = dist::dispatch_weights_backward(ag.t, handle, c);
+          g = d.dispatch_weights_backward(ag.t, handle);
         }
         return py_bridge::to_torch(std::move(g));
       },
@@ -285,11 +304,11 @@ void bind_dist(py::module_& m) {
         const char* op = "combine_backward";
         py_bridge::Arg ag = py_bridge::borrow(grad_y, op, "grad_y");
         py_bridge::Arg ay = py_bridge::borrow(expert_y, op, "expert_y");
-        Communicator& c = comm.get();
+        dist::Dispatcher& d = comm.dispatcher();
         dist::CombineGrads g;
         {
           py::gil_scoped_release nogil;
-          g = dist::combine_backward(ag.t, ay.t, handle, weights_opt(apply_probs), c);
+          g = d.combine_backward(ag.t, ay.t, handle, weights_opt(apply_probs));
         }
         return py::make_tuple(py_bridge::to_torch(std::move(g.grad_expert_y)),
                               py_bridge::to_torch(std::move(g.grad_topk_weights)));

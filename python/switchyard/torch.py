@@ -164,7 +164,8 @@ class _Dispatch(torch.autograd.Function):
             w = topk_weights.detach().to(torch.float32)
             recv_x, recv_w, h = _C.dispatch(x.detach(), topk_idx32, w, disp.num_experts, disp.kind,
                                             disp._capacity_factor, disp.token_drop_policy,
-                                            disp.ep_comm)
+                                            disp.ep_comm, expert_alignment=disp.expert_alignment,
+                                            pad_to_capacity=disp.pad_to_capacity)
         # After dispatch's own agreement (a rank that failed its checks has raised everywhere by
         # now), before any backward can mismatch.
         _agree_requires_grad(f"{type(disp).__name__}.dispatch", disp.ep_comm,
@@ -213,7 +214,14 @@ class _Combine(torch.autograd.Function):
 class _Dispatcher:
     kind = None
 
-    def __init__(self, num_experts, ep_comm=None, capacity_factor=None, token_drop_policy="probs"):
+    def __init__(self, num_experts, ep_comm=None, capacity_factor=None, token_drop_policy="probs",
+                 expert_alignment=1, pad_to_capacity=False):
+        """``expert_alignment`` (Megatron-Core's moe_router_padding_for_quantization with its
+        get_align_size_for_quantization) and ``pad_to_capacity`` (moe_pad_expert_input_to_capacity,
+        needs capacity_factor) pad each source rank's block of every local expert; the padding
+        rows of recv_x are zero rows with weight 0 (recv_src_rank -1), never sent, and combine
+        and the backwards ignore them. ``handle.num_tokens_per_expert`` counts them,
+        ``handle.num_unpadded_tokens_per_expert`` does not."""
         from . import dist
         self.ep_comm = dist.as_communicator(ep_comm)
         ep = self.ep_comm.size
@@ -234,6 +242,8 @@ class _Dispatcher:
         self.capacity_factor = capacity_factor
         self._capacity_factor = 0.0 if capacity_factor is None else float(capacity_factor)
         self.token_drop_policy = token_drop_policy
+        self.expert_alignment = expert_alignment
+        self.pad_to_capacity = pad_to_capacity
 
     @property
     def local_expert_ids(self):

@@ -155,3 +155,46 @@ def test_errors():
         disp.dispatch(x.double(), probs, idx)
     with pytest.raises(ValueError, match=r"handle"):
         disp.combine(x, None)
+
+
+@pytest.mark.parametrize("cls", DISPATCHERS)
+@pytest.mark.parametrize("opts", [dict(expert_alignment=16),
+                                  dict(capacity_factor=1.0, pad_to_capacity=True),
+                                  dict(capacity_factor=1.0, pad_to_capacity=True,
+                                       expert_alignment=8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padding_for_quantization_and_capacity(cls, opts, dtype):
+    # Megatron-Core's moe_router_padding_for_quantization / moe_pad_expert_input_to_capacity:
+    # every local expert's block is padded (counts as Megatron's), the padding rows are zero rows
+    # with weight 0 and source -1, and y and every gradient equal the unpadded path's bitwise.
+    T, H, E, K = 37, 8, 8, 2
+    x, idx, probs = rank_inputs(14, 0, T, H, E, K, dtype=dtype, skew=True)
+    W = expert_weights(14, E, H)
+    plain = cls(num_experts=E, capacity_factor=opts.get("capacity_factor"),
+                token_drop_policy="position")
+    padded = cls(num_experts=E, token_drop_policy="position", **opts)
+    results = []
+    for disp in (plain, padded):
+        xg = x.clone().requires_grad_(True)
+        pg = probs.clone().requires_grad_(True)
+        recv_x, recv_p, h = disp.dispatch(xg, pg, idx)
+        # Row-wise experts (a GEMM's bits may depend on its row count) that give padding rows
+        # non-zero outputs (a bias): combine must ignore them.
+        scale = torch.repeat_interleave(W[:, 0, 0].abs() + 0.5, h.num_tokens_per_expert)
+        y = disp.combine(recv_x * scale[:, None].to(dtype) + 1.0, h)
+        (y.float() * torch.linspace(-1, 1, T * H).reshape(T, H)).sum().backward()
+        results.append((recv_x, recv_p, h, y, xg.grad, pg.grad))
+    (ux, up, uh, uy, ugx, ugp), (px, pp, ph, py, pgx, pgp) = results
+    align = opts.get("expert_alignment", 1)
+    assert torch.all(ph.num_tokens_per_expert % align == 0)
+    assert torch.equal(ph.num_unpadded_tokens_per_expert, uh.num_tokens_per_expert)
+    if opts.get("pad_to_capacity"):
+        capacity = max(ph.num_tokens_per_expert.tolist())
+        assert all(n == capacity for n in ph.num_tokens_per_expert.tolist())
+    assert int(ph.num_tokens_per_expert.sum()) == ph.num_recv_tokens == px.shape[0]
+    real = ph.recv_src_rank >= 0
+    assert int(real.sum()) == ux.shape[0] < px.shape[0]
+    assert torch.equal(px[real], ux) and torch.equal(pp[real], up)
+    assert torch.count_nonzero(px[~real]) == 0 and torch.count_nonzero(pp[~real]) == 0
+    assert torch.all(ph.recv_src_token[~real] == -1)
+    assert torch.equal(py, uy) and torch.equal(pgx, ugx) and torch.equal(pgp, ugp)

@@ -76,6 +76,19 @@ void unpermute_into(const Tensor& permuted, Tensor& out, const RoutingPlan& plan
   });
 }
 
+Tensor rows_to_slots(const Tensor& row_values, const RoutingPlan& plan) {
+  check_plan(plan, "rows_to_slots");
+  detail::check_defined(row_values, "rows_to_slots", "row_values");
+  detail::check_dtype(row_values, "rows_to_slots", "row_values", {DType::fp32});
+  detail::check_shape(row_values, "rows_to_slots", "row_values", {plan.num_rows});
+  Tensor out = Tensor::empty({plan.num_tokens, plan.top_k}, DType::fp32);
+  const float* v = row_values.data<float>();
+  const int64_t* sr = plan.slot_row.data<int64_t>();
+  float* o = out.data<float>();
+  for (int64_t s = 0; s < plan.num_tokens * plan.top_k; ++s) o[s] = sr[s] >= 0 ? v[sr[s]] : 0.0f;
+  return out;
+}
+
 UnpermuteGrads unpermute_backward(const Tensor& grad_y, const Tensor& permuted,
                                   const RoutingPlan& plan, const UnpermuteOptions& options) {
   check_plan(plan, "unpermute_backward");
@@ -92,24 +105,21 @@ UnpermuteGrads unpermute_backward(const Tensor& grad_y, const Tensor& permuted,
   }
   UnpermuteGrads g;
   g.grad_permuted = Tensor::empty({plan.num_rows, H}, grad_y.dtype());
-  g.grad_topk_weights = Tensor::zeros({plan.num_tokens, plan.top_k}, DType::fp32);
   const int64_t* rt = plan.row_token.data<int64_t>();
+  Tensor dots;
   cpu::by_row_dtype(grad_y.dtype(), [&](auto tag) {
     using X = decltype(tag);
     const X* gy = static_cast<const X*>(grad_y.raw());
     cpu::gather_scale_rows<X>(gy, apply ? plan.row_weight.data<float>() : nullptr, rt,
                               plan.num_rows, H, static_cast<X*>(g.grad_permuted.raw()));
     if (apply) {
-      Tensor dots = Tensor::empty({plan.num_rows}, DType::fp32);
+      dots = Tensor::empty({plan.num_rows}, DType::fp32);
       cpu::row_dots<X>(static_cast<const X*>(permuted.raw()), gy, rt, plan.num_rows, H,
                        dots.data<float>());
-      const float* d = dots.data<float>();
-      const int64_t* sr = plan.slot_row.data<int64_t>();
-      float* gw = g.grad_topk_weights.data<float>();
-      for (int64_t s = 0; s < plan.num_tokens * plan.top_k; ++s)
-        gw[s] = sr[s] >= 0 ? d[sr[s]] : 0.0f;
     }
   });
+  g.grad_topk_weights =
+      apply ? rows_to_slots(dots, plan) : Tensor::zeros({plan.num_tokens, plan.top_k}, DType::fp32);
   return g;
 }
 

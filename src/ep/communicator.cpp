@@ -6,28 +6,9 @@
 
 #include "check.h"
 #include "cpu/permute_kernels.h"
-#include "core/allocator.h"
 #include "switchyard/dist.h"
 
 namespace switchyard::dist {
-
-void* Communicator::workspace(int slot, int64_t bytes) {
-  if (slot < 0 || bytes < 0) {
-    detail::fail_arg("dist", "workspace: slot and bytes must be >= 0, got slot=", slot,
-                     " and bytes=", bytes);
-  }
-  if (workspace_.size() <= static_cast<size_t>(slot))
-    workspace_.resize(static_cast<size_t>(slot) + 1);
-  Scratch& s = workspace_[static_cast<size_t>(slot)];
-  if (bytes > s.size || !s.data) {
-    s.data.reset();
-    s.data = std::make_unique_for_overwrite<unsigned char[]>(
-        static_cast<size_t>(std::max<int64_t>(bytes, 64)));
-    s.size = std::max<int64_t>(bytes, 64);
-    detail::advise_huge_pages(s.data.get(), s.size);
-  }
-  return s.data.get();
-}
 
 Communicator::Exclusive::Exclusive(Communicator& comm, const char* op) : comm_(comm) {
   const char* expected = nullptr;
@@ -67,27 +48,16 @@ class LocalCommunicator final : public Communicator {
     check_counts("alltoallv", "recv_counts", recv_counts, send_counts[0]);
     copy(send, recv, send_counts[0] * elem_bytes);
   }
-  void alltoallv_rows(const void* send, const int64_t* send_index,
-                      const std::vector<int64_t>& send_counts, void* recv,
-                      const int64_t* recv_index, const std::vector<int64_t>& recv_counts,
-                      int64_t row_bytes) override {
-    if (send_counts.size() != 1) {
-      detail::fail_arg("local.alltoallv_rows", "send_counts must have 1 entry, got ",
-                       send_counts.size());
-    }
-    check_counts("alltoallv_rows", "recv_counts", recv_counts, send_counts[0]);
-    const auto* s = static_cast<const unsigned char*>(send);
-    auto* d = static_cast<unsigned char*>(recv);
-    const int64_t n = send_counts[0];
-    const size_t rb = static_cast<size_t>(row_bytes);
-#pragma omp parallel for schedule(static) if (n * row_bytes > (1 << 18))
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t from = send_index ? send_index[i] : i, to = recv_index ? recv_index[i] : i;
-      std::memcpy(d + to * row_bytes, s + from * row_bytes, rb);
+  void exchange_planes(const Plane* planes, int num_planes) override {
+    for (int p = 0; p < num_planes; ++p) {
+      exchange_one(planes[p].send, *planes[p].send_blocks, planes[p].recv, *planes[p].recv_blocks,
+                   planes[p].row_bytes);
     }
   }
-  void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
-                       const std::vector<Block>& recv_blocks, int64_t row_bytes) override {
+
+ private:
+  static void exchange_one(const void* send, const std::vector<Block>& send_blocks, void* recv,
+                           const std::vector<Block>& recv_blocks, int64_t row_bytes) {
     std::vector<Block> sb, rb;
     for (const Block& b : send_blocks) {
       if (b.rows > 0) sb.push_back(b);
@@ -116,6 +86,8 @@ class LocalCommunicator final : public Communicator {
                   static_cast<size_t>(sb[static_cast<size_t>(i)].rows * row_bytes));
     }
   }
+
+ public:
   void allreduce_max(int64_t*, int64_t) override {}
   void barrier() override {}
 

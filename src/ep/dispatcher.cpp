@@ -1,185 +1,36 @@
-// The AlltoAll and AllGather dispatchers. Shape of every exchange:
+// The Dispatcher object and the free functions on top of it. Shape of every exchange:
 //   1. local validation and the routing plan; errors are caught, not thrown yet;
-//   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, pairs per
-//   expert}:
-//      counts travel before payloads, and an error on any rank reaches every rank here;
-//   3. payloads, sized only from the count matrix.
+//   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, kind, padding},
+//      then
+//      (once E agrees) the per-expert counts: counts travel before payloads, and an error on any
+//      rank reaches every rank here;
+//   3. payloads, sized only from the count matrix, moved by the strategy (all_to_all.cpp,
+//      all_gather.cpp).
 // Rows for a local expert are ordered by source rank then token, and combine always sums on the
-// token's own rank with the same kernel as unpermute, which is why results are bitwise identical
-// for any EP size and for both dispatchers.
+// token's own rank with unpermute's kernel, which is why results are bitwise identical for any EP
+// size and for both dispatchers.
 #include "switchyard/dispatcher.h"
 
-#include <cstring>
 #include <stdexcept>
 
 #include "check.h"
-#include "cpu/permute_kernels.h"
-#include "dispatcher_layout.h"
+#include "dispatcher_common.h"
 
 namespace switchyard::dist {
 
 namespace {
 
+using detail::count_at;
+using detail::row_bytes;
+using detail::Scratch;
 using switchyard::detail::check_defined;
 using switchyard::detail::check_dim;
 using switchyard::detail::check_dtype;
 using switchyard::detail::check_shape;
 using switchyard::detail::fail_arg;
 
-constexpr int64_t kHeader = 7;  // error length, T, H, dtype, K, E, dispatcher kind
-
-// Metadata travelling with each row in the AlltoAll dispatcher.
-struct RowMeta {
-  int64_t token;
-  float weight;
-  int32_t pad;
-};
-
-int64_t row_bytes(int64_t H, DType d) { return H * static_cast<int64_t>(dtype_size(d)); }
-
-int64_t count_at(const DispatchHandle& h, int64_t s, int64_t e) {
-  return h.rank_expert_counts[static_cast<size_t>(s * h.num_experts + e)];
-}
-
-void check_handle(const char* op, const DispatchHandle& h, const Communicator& comm) {
-  if (h.world_size != comm.size() || h.rank != comm.rank() || !h.plan.row_token.defined()) {
-    fail_arg(op, "handle must come from dispatch on this communicator (rank ", comm.rank(), " of ",
-             comm.size(), "), got a handle for rank ", h.rank, " of ", h.world_size);
-  }
-}
-
-// All-to-all counts of rank `me`: rows it sends to each rank and receives from each rank.
-void a2a_counts(const DispatchHandle& h, std::vector<int64_t>& send, std::vector<int64_t>& recv) {
-  const int64_t P = h.world_size, L = h.num_local_experts, me = h.rank;
-  send.assign(static_cast<size_t>(P), 0);
-  recv.assign(static_cast<size_t>(P), 0);
-  for (int64_t r = 0; r < P; ++r)
-    for (int64_t el = 0; el < L; ++el) {
-      send[static_cast<size_t>(r)] += count_at(h, me, r * L + el);
-      recv[static_cast<size_t>(r)] += count_at(h, r, me * L + el);
-    }
-}
-
-// Communicator workspace slots of the dispatchers (0-7 belong to the communicator itself).
-constexpr int kRowsSlot = 8;
-constexpr int kStagingSlot = 9;
-constexpr int kGradSlot = 10;
-constexpr int kPackSlot = 11;
-
-// This rank's plan rows as blocks: for every peer r and its local expert el (ascending), the rows
-// of expert r*L+el, exchanged with r.
-void plan_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
-  const int64_t P = h.world_size, L = h.num_local_experts;
-  const int64_t* off = h.plan.expert_offsets.data<int64_t>();
-  out.clear();
-  for (int64_t r = 0; r < P; ++r)
-    for (int64_t el = 0; el < L; ++el) {
-      const int64_t e = r * L + el;
-      // Empty blocks are left out here (both sides skip them), so the work per call follows
-      // the pairs, not E.
-      if (off[e + 1] > off[e]) out.push_back({static_cast<int>(r), off[e], off[e + 1] - off[e]});
-    }
-}
-
-// This rank's receive layout as blocks: for every source s and local expert el (ascending), the
-// rows of (el, s), exchanged with s. Per peer, the same order as that peer's plan_blocks.
-void expert_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
-  const int64_t P = h.world_size, L = h.num_local_experts;
-  const auto boff = detail::block_offsets(h);
-  out.clear();
-  for (int64_t s = 0; s < P; ++s)
-    for (int64_t el = 0; el < L; ++el) {
-      const int64_t e = h.rank * L + el;
-      const int64_t n = count_at(h, s, e);
-      if (n > 0) out.push_back({static_cast<int>(s), boff[static_cast<size_t>(e * P + s)], n});
-    }
-}
-
-// Source side of the AllGather layout: for each row p of this rank's plan, its row in the buffer
-// of every rank's expert outputs gathered in rank order.
-std::vector<int64_t> plan_rows_in_gathered(const DispatchHandle& h) {
-  const auto boff = detail::block_offsets(h);
-  const auto per_rank = detail::rows_per_rank(h);
-  std::vector<int64_t> rank_off(per_rank.size() + 1, 0);
-  for (size_t r = 0; r < per_rank.size(); ++r) rank_off[r + 1] = rank_off[r] + per_rank[r];
-  const int64_t P = h.world_size, L = h.num_local_experts;
-  const int64_t* off = h.plan.expert_offsets.data<int64_t>();
-  std::vector<int64_t> map(static_cast<size_t>(h.plan.num_rows));
-  for (int64_t e = 0; e < h.num_experts; ++e) {
-    const int64_t base =
-        rank_off[static_cast<size_t>(e / L)] + boff[static_cast<size_t>(e * P + h.rank)];
-    for (int64_t p = off[e]; p < off[e + 1]; ++p) map[static_cast<size_t>(p)] = base + (p - off[e]);
-  }
-  return map;
-}
-
-// Expert side -> source side: rows [R, row_bytes] in the receive layout come back as this rank's
-// plan rows [num_pairs, row_bytes] (its send order). Collective.
-void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
-                 Communicator& comm) {
-  const int64_t R = h.num_recv_tokens;
-  if (h.kind == DispatcherKind::all_to_all) {
-    // Each (local expert, source) block of the receive layout goes back as one message, straight
-    // into the source's plan rows: no packing on either side.
-    std::vector<Communicator::Block> send, recv;
-    expert_blocks(h, send);
-    plan_blocks(h, recv);
-    comm.exchange_blocks(src, send, dst, recv, rb);
-  } else {
-    const auto per_rank = detail::rows_per_rank(h);
-    int64_t total = 0;
-    for (int64_t n : per_rank) total += n;
-    void* all = comm.workspace(kStagingSlot, total * rb);
-    comm.allgatherv(src, R, all, per_rank, rb);
-    const auto map = plan_rows_in_gathered(h);
-    cpu::gather_rows(all, map.data(), h.plan.num_rows, rb, dst);
-  }
-}
-
-// Source side -> expert side: token rows [T, row_bytes] go to the receive layout [R, row_bytes],
-// one row per pair (what dispatch does to x). Collective.
-void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h,
-               Communicator& comm) {
-  const int64_t R = h.num_recv_tokens;
-  if (h.kind == DispatcherKind::all_to_all) {
-    // Token rows are packed once in plan order (rows repeat: one per pair); each (expert, peer)
-    // block then lands directly at its place in the receive layout.
-    // Rows for this rank's own experts skip the pack: they are gathered from `src` straight into
-    // their receive-layout place (at EP=2 that is half of the rows, one copy instead of two).
-    const int64_t P = h.world_size, L = h.num_local_experts, me = h.rank;
-    const int64_t* off = h.plan.expert_offsets.data<int64_t>();
-    const int64_t* rt = h.plan.row_token.data<int64_t>();
-    const int64_t self_begin = off[me * L], self_end = off[(me + 1) * L];
-    void* packed = comm.workspace(kPackSlot, h.plan.num_rows * rb);
-    auto* pk = static_cast<unsigned char*>(packed);
-    cpu::gather_rows(src, rt, self_begin, rb, pk);
-    cpu::gather_rows(src, rt + self_end, h.plan.num_rows - self_end, rb, pk + self_end * rb);
-    const auto boff = detail::block_offsets(h);
-    auto* out = static_cast<unsigned char*>(dst);
-    for (int64_t el = 0; el < L; ++el) {
-      const int64_t e = me * L + el;
-      if (off[e + 1] == off[e]) continue;  // a parallel region per empty expert cost 1 µs each
-      cpu::gather_rows(src, rt + off[e], off[e + 1] - off[e], rb,
-                       out + boff[static_cast<size_t>(e * P + me)] * rb);
-    }
-    std::vector<Communicator::Block> send, recv;
-    plan_blocks(h, send);
-    expert_blocks(h, recv);
-    for (auto& b : send) {
-      if (b.peer == me) b.rows = 0;  // already in place
-    }
-    for (auto& b : recv) {
-      if (b.peer == me) b.rows = 0;
-    }
-    comm.exchange_blocks(packed, send, dst, recv, rb);
-  } else {
-    int64_t total = 0;
-    for (int64_t n : h.rank_num_tokens) total += n;
-    void* all = comm.workspace(kStagingSlot, total * rb);
-    comm.allgatherv(src, h.num_tokens, all, h.rank_num_tokens, rb);
-    cpu::gather_rows(all, h.recv_gather_index.data<int64_t>(), R, rb, dst);
-  }
-}
+// error length, T, H, dtype, K, E, dispatcher kind, expert_alignment, pad_to_capacity
+constexpr int64_t kHeader = 9;
 
 std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
                                   const Tensor& topk_weights, const DispatchOptions& options,
@@ -195,14 +46,6 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
       fail_arg(op, "num_experts must be divisible by the expert-parallel size ", P,
                ", got num_experts=", E);
     }
-    if (options.plan.expert_alignment != 1 || options.plan.pad_to_capacity) {
-      fail_arg(op,
-               "options.plan must not pad (padding rows are never sent): expected "
-               "expert_alignment=1 and pad_to_capacity=false, got expert_alignment=",
-               options.plan.expert_alignment,
-               " and pad_to_capacity=", options.plan.pad_to_capacity);
-    }
-
     check_defined(x, op, "x");
     check_dim(x, op, "x", 2);
     check_dtype(x, op, "x", {DType::fp32, DType::bf16});
@@ -227,48 +70,18 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
   return {};
 }
 
-// `name`: the caller's name of expert_y, for messages ("expert_y", "grad_recv_x").
-Tensor combine_impl(const char* op, const char* name, const Tensor& expert_y,
-                    const DispatchHandle& h, const UnpermuteOptions& options, Communicator& comm) {
-  const Communicator::Exclusive busy(comm, op);
-  std::string err;
-  try {
-    // Inside the agreement: a bad handle on one rank raises on every rank instead of leaving
-    // the others waiting in the exchange.
-    check_handle(op, h, comm);
-    check_defined(expert_y, op, name);
-    check_dtype(expert_y, op, name, {DType::fp32, DType::bf16});
-    check_shape(expert_y, op, name, {h.num_recv_tokens, h.hidden});
-    switchyard::detail::check_finite(expert_y, op, name, "row", "hidden");
-  } catch (const std::invalid_argument& e) {
-    err = e.what();
-  }
-  detail::agree(op, err, err.empty() ? expert_y.dtype() : DType::fp32, name, options.weights,
-                comm);
-  const DType dt = expert_y.dtype();
-  // The returned rows live in the communicator's workspace (reused step after step).
-  const int64_t rb = row_bytes(h.hidden, dt);
-  Tensor rows = Tensor::borrow(comm.workspace(kRowsSlot, h.plan.num_rows * rb),
-                               {h.plan.num_rows, h.hidden}, dt);
-  return_rows(expert_y.raw(), rb, rows.raw(), h, comm);
-  return unpermute(rows, h.plan, options);
-}
-
-}  // namespace
-
-DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
-                        const DispatchOptions& options, Communicator& comm) {
-  const char* op = "dispatch";
-  const Communicator::Exclusive busy(comm, op);
-  const int64_t P = comm.size(), me = comm.rank(), E = options.num_experts;
-  RoutingPlan plan;
-  const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, P, plan);
-  // Phase 1, fixed size on every rank: error flag and the sizes that must agree. Phase 2 (once E
-  // is known to agree): the per-expert counts.
+// The header exchange: raises on every rank when any rank failed its local checks or when the
+// sizes and options that must agree differ. Returns the gathered headers.
+std::vector<int64_t> exchange_header(const char* op, const std::string& err, const Tensor& x,
+                                     const Tensor& topk_idx, const DispatchOptions& options,
+                                     Communicator& comm) {
+  const int64_t P = comm.size();
   std::vector<int64_t> header(static_cast<size_t>(kHeader), 0);
   header[0] = static_cast<int64_t>(err.size());
-  header[5] = E;
+  header[5] = options.num_experts;
   header[6] = static_cast<int64_t>(options.kind);
+  header[7] = options.plan.expert_alignment;
+  header[8] = options.plan.pad_to_capacity ? 1 : 0;
   if (err.empty()) {
     header[1] = x.size(0);
     header[2] = x.size(1);
@@ -280,17 +93,22 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   std::vector<int64_t> lens(static_cast<size_t>(P));
   for (int64_t r = 0; r < P; ++r) lens[static_cast<size_t>(r)] = at(r, 0);
   detail::raise_if_any(op, err, lens, comm);
-  // Agreement between ranks: computed from the same gathered header everywhere, so every rank
-  // throws the same message.
+  // Computed from the same gathered header everywhere, so every rank throws the same message.
+  auto kind_name = [](int64_t k) { return k == 0 ? "all_to_all" : "all_gather"; };
   for (int64_t r = 1; r < P; ++r) {
     if (at(r, 5) != at(0, 5)) {
       fail_arg(op, "num_experts must be the same on every rank, got ", at(0, 5), " on rank 0 and ",
                at(r, 5), " on rank ", r);
     }
     if (at(r, 6) != at(0, 6)) {
-      fail_arg(op, "options.kind must be the same on every rank, got ",
-               at(0, 6) == 0 ? "all_to_all" : "all_gather", " on rank 0 and ",
-               at(r, 6) == 0 ? "all_to_all" : "all_gather", " on rank ", r);
+      fail_arg(op, "options.kind must be the same on every rank, got ", kind_name(at(0, 6)),
+               " on rank 0 and ", kind_name(at(r, 6)), " on rank ", r);
+    }
+    if (at(r, 7) != at(0, 7) || at(r, 8) != at(0, 8)) {
+      fail_arg(op, "options.plan padding must be the same on every rank, got expert_alignment=",
+               at(0, 7), " pad_to_capacity=", at(0, 8) ? "true" : "false", " on rank 0 and ",
+               "expert_alignment=", at(r, 7), " pad_to_capacity=", at(r, 8) ? "true" : "false",
+               " on rank ", r);
     }
     if (at(r, 2) != at(0, 2)) {
       fail_arg(op, "x must have the same hidden size on every rank, got hidden=", at(0, 2),
@@ -306,9 +124,42 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
                " on rank 0 and top_k=", at(r, 4), " on rank ", r);
     }
   }
-  const int64_t* my_counts = plan.num_tokens_per_expert.data<int64_t>();
-  const std::vector<int64_t> counts =
-      comm.allgather(std::vector<int64_t>(my_counts, my_counts + E));
+  return all;
+}
+
+}  // namespace
+
+Dispatcher::Dispatcher(std::shared_ptr<Communicator> comm)
+    : comm_(std::move(comm)), scratch_(std::make_unique<detail::Scratch>()) {
+  if (!comm_) fail_arg("Dispatcher", "comm must be a communicator, got null");
+}
+
+Dispatcher::~Dispatcher() = default;
+
+int64_t Dispatcher::scratch_bytes() const { return scratch_->bytes(); }
+
+DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
+                                    const Tensor& topk_weights, const DispatchOptions& options) {
+  const char* op = "dispatch";
+  Communicator& comm = *comm_;
+  const Communicator::Exclusive busy(comm, op);
+  const int64_t P = comm.size(), me = comm.rank(), E = options.num_experts;
+  RoutingPlan plan;
+  const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, P, plan);
+  const std::vector<int64_t> headers = exchange_header(op, err, x, topk_idx, options, comm);
+  // Pairs per expert, and with padding also the rows of each expert's (padded) block.
+  const bool padded = options.plan.expert_alignment != 1 || options.plan.pad_to_capacity;
+  std::vector<int64_t> mine(static_cast<size_t>(padded ? 2 * E : E));
+  {
+    const int64_t* n = plan.num_tokens_per_expert.data<int64_t>();
+    const int64_t* off = plan.expert_offsets.data<int64_t>();
+    for (int64_t e = 0; e < E; ++e) {
+      mine[static_cast<size_t>(e)] = n[e];
+      if (padded) mine[static_cast<size_t>(E + e)] = off[e + 1] - off[e];
+    }
+  }
+  const std::vector<int64_t> gathered = comm.allgather(mine);
+  const int64_t W = static_cast<int64_t>(mine.size());
 
   DispatchHandle h;
   h.kind = options.kind;
@@ -320,24 +171,34 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   h.num_local_experts = E / P;
   h.plan = std::move(plan);
   h.rank_expert_counts.resize(static_cast<size_t>(P * E));
-  h.rank_num_tokens.resize(static_cast<size_t>(P));
+  h.rank_expert_rows.resize(static_cast<size_t>(P * E));
   for (int64_t r = 0; r < P; ++r) {
-    h.rank_num_tokens[static_cast<size_t>(r)] = at(r, 1);
-    for (int64_t e = 0; e < E; ++e)
-      h.rank_expert_counts[static_cast<size_t>(r * E + e)] = counts[static_cast<size_t>(r * E + e)];
+    for (int64_t e = 0; e < E; ++e) {
+      const size_t i = static_cast<size_t>(r * E + e);
+      h.rank_expert_counts[i] = gathered[static_cast<size_t>(r * W + e)];
+      h.rank_expert_rows[i] = gathered[static_cast<size_t>(r * W + (padded ? E + e : e))];
+    }
   }
-  const int64_t L = h.num_local_experts, H = h.hidden, K = topk_idx.size(1);
+  h.rank_num_tokens.resize(static_cast<size_t>(P));
+  for (int64_t r = 0; r < P; ++r)
+    h.rank_num_tokens[static_cast<size_t>(r)] = headers[static_cast<size_t>(r * kHeader + 1)];
+  const int64_t L = h.num_local_experts, H = h.hidden;
   const int64_t R = detail::rows_per_rank(h)[static_cast<size_t>(me)];
   h.num_recv_tokens = R;
   h.num_tokens_per_expert = Tensor::empty({L}, DType::int64);
+  h.num_unpadded_tokens_per_expert = Tensor::empty({L}, DType::int64);
   h.expert_offsets = Tensor::empty({L + 1}, DType::int64);
   {
     int64_t* n = h.num_tokens_per_expert.data<int64_t>();
+    int64_t* u = h.num_unpadded_tokens_per_expert.data<int64_t>();
     int64_t* o = h.expert_offsets.data<int64_t>();
     o[0] = 0;
     for (int64_t el = 0; el < L; ++el) {
-      n[el] = 0;
-      for (int64_t s = 0; s < P; ++s) n[el] += count_at(h, s, me * L + el);
+      n[el] = u[el] = 0;
+      for (int64_t s = 0; s < P; ++s) {
+        n[el] += detail::rows_at(h, s, me * L + el);
+        u[el] += count_at(h, s, me * L + el);
+      }
       o[el + 1] = o[el] + n[el];
     }
   }
@@ -345,148 +206,157 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   h.recv_src_token = Tensor::empty({R}, DType::int64);
   h.recv_topk_weights = Tensor::empty({R}, DType::fp32);
   h.recv_gather_index = Tensor::empty({R}, DType::int64);
-  int32_t* src_rank = h.recv_src_rank.data<int32_t>();
-  int64_t* src_token = h.recv_src_token.data<int64_t>();
-  float* recv_w = h.recv_topk_weights.data<float>();
-  int64_t* gi = h.recv_gather_index.data<int64_t>();
-  const auto boff = detail::block_offsets(h);
-  const int64_t rb = row_bytes(H, x.dtype());
+  h.layout_id = detail::layout_id(h);
   DispatchResult out;
   out.recv_x = Tensor::empty({R, H}, x.dtype());
-
+  const int64_t rb = row_bytes(H, x.dtype());
   if (options.kind == DispatcherKind::all_to_all) {
-    std::vector<int64_t> send, recv;
-    a2a_counts(h, send, recv);
-    // Receive layout: block (local expert el, source s) arrives inside s's chunk after s's rows
-    // for the lower local experts.
-    std::vector<int64_t> chunk(static_cast<size_t>(P + 1), 0);
-    for (int64_t s = 0; s < P; ++s) chunk[s + 1] = chunk[s] + recv[s];
-    for (int64_t s = 0; s < P; ++s) {
-      int64_t st = chunk[s];
-      for (int64_t el = 0; el < L; ++el) {
-        const int64_t e = me * L + el, n = count_at(h, s, e),
-                      o = boff[static_cast<size_t>(e * P + s)];
-        for (int64_t j = 0; j < n; ++j) {
-          gi[o + j] = st + j;
-          src_rank[o + j] = static_cast<int32_t>(s);
-        }
-        st += n;
-      }
-    }
-    // Row metadata (token, weight), then the payload rows.
-    const int64_t np = h.plan.num_rows;
-    std::vector<RowMeta> send_meta(static_cast<size_t>(np)), recv_meta(static_cast<size_t>(R));
-    const int64_t* rt = h.plan.row_token.data<int64_t>();
-    const float* rw = h.plan.row_weight.data<float>();
-    for (int64_t p = 0; p < np; ++p) send_meta[static_cast<size_t>(p)] = {rt[p], rw[p], 0};
-    comm.alltoallv(send_meta.data(), send, recv_meta.data(), recv, sizeof(RowMeta));
-    for (int64_t i = 0; i < R; ++i) {
-      const RowMeta& m = recv_meta[static_cast<size_t>(gi[i])];
-      src_token[i] = m.token;
-      recv_w[i] = m.weight;
-    }
-    send_rows(x.raw(), rb, out.recv_x.raw(), h, comm);
+    detail::all_to_all::dispatch(x.raw(), rb, out.recv_x.raw(), h, *scratch_, comm);
   } else {
-    // Every rank gathers every rank's routes, rebuilds each source's plan (the same deterministic
-    // plan the source built), and keeps the pairs of its own experts.
-    int64_t total = 0;
-    for (int64_t n : h.rank_num_tokens) total += n;
-    std::vector<int32_t> all_idx(static_cast<size_t>(total * K));
-    std::vector<float> all_w(static_cast<size_t>(total * K));
-    comm.allgatherv(topk_idx.raw(), h.num_tokens, all_idx.data(), h.rank_num_tokens,
-                    K * static_cast<int64_t>(sizeof(int32_t)));
-    comm.allgatherv(topk_weights.raw(), h.num_tokens, all_w.data(), h.rank_num_tokens,
-                    K * static_cast<int64_t>(sizeof(float)));
-    int64_t tok_off = 0;
-    for (int64_t s = 0; s < P; ++s) {
-      const int64_t Ts = h.rank_num_tokens[static_cast<size_t>(s)];
-      RoutingPlan ps =
-          s == me ? h.plan
-                  : build_routing_plan(
-                        Tensor::borrow(all_idx.data() + tok_off * K, {Ts, K}, DType::int32),
-                        Tensor::borrow(all_w.data() + tok_off * K, {Ts, K}, DType::fp32), E,
-                        options.plan);
-      const int64_t* rt = ps.row_token.data<int64_t>();
-      const float* rw = ps.row_weight.data<float>();
-      const int64_t* off = ps.expert_offsets.data<int64_t>();
-      for (int64_t el = 0; el < L; ++el) {
-        const int64_t e = me * L + el, o = boff[static_cast<size_t>(e * P + s)];
-        for (int64_t j = 0; j < off[e + 1] - off[e]; ++j) {
-          gi[o + j] = tok_off + rt[off[e] + j];
-          src_rank[o + j] = static_cast<int32_t>(s);
-          src_token[o + j] = rt[off[e] + j];
-          recv_w[o + j] = rw[off[e] + j];
-        }
-      }
-      tok_off += Ts;
-    }
-    send_rows(x.raw(), rb, out.recv_x.raw(), h, comm);
+    detail::all_gather::fill_handle(h, topk_idx, topk_weights, options.plan, *scratch_, comm);
+    detail::all_gather::send_rows(x.raw(), rb, out.recv_x.raw(), h, *scratch_, comm);
   }
   out.recv_topk_weights = h.recv_topk_weights;
   out.handle = std::move(h);
   return out;
 }
 
-Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
-               const UnpermuteOptions& options, Communicator& comm) {
-  return combine_impl("combine", "expert_y", expert_y, handle, options, comm);
+namespace {
+
+void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& s,
+               Communicator& comm) {
+  if (h.kind == DispatcherKind::all_to_all) {
+    detail::all_to_all::send_rows(src, rb, dst, h, s, comm);
+  } else {
+    detail::all_gather::send_rows(src, rb, dst, h, s, comm);
+  }
 }
 
-Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
-                         Communicator& comm) {
-  return combine_impl("dispatch_backward", "grad_recv_x", grad_recv_x, handle,
-                      UnpermuteOptions{WeightMode::skip}, comm);
+void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& s,
+                 Communicator& comm) {
+  if (h.kind == DispatcherKind::all_to_all) {
+    detail::all_to_all::return_rows(src, rb, dst, h, s, comm);
+  } else {
+    detail::all_gather::return_rows(src, rb, dst, h, s, comm);
+  }
 }
 
-Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const DispatchHandle& h,
-                                 Communicator& comm) {
-  const char* op = "dispatch_weights_backward";
-  const char* name = "grad_recv_topk_weights";
+}  // namespace
+
+namespace {
+
+// The expert side as a plan over the received rows, in scratch memory (built when a backward
+// needs it, so dispatch allocates nothing for it): row i is "token" i with one slot, routed to
+// its local expert, weight recv_topk_weights[i]; a padding row is a token without a row (row
+// token and slot -1), so unpermute's backward gives it zeros.
+RoutingPlan recv_plan(const DispatchHandle& h, Scratch& scratch) {
+  const int64_t R = h.num_recv_tokens, L = h.num_local_experts;
+  RoutingPlan p;
+  p.num_tokens = R;
+  p.num_experts = L;
+  p.top_k = 1;
+  p.num_rows = R;
+  p.num_tokens_per_expert = h.num_unpadded_tokens_per_expert;
+  p.expert_offsets = h.expert_offsets;
+  p.row_weight = h.recv_topk_weights;
+  int64_t* to = scratch.get<int64_t>(Scratch::recv_index, 3 * R + 1);
+  int64_t* rt = to + R + 1;
+  int64_t* tr = rt + R;
+  int32_t* re = scratch.get<int32_t>(Scratch::recv_expert, R);
+  const int32_t* src = h.recv_src_rank.data<int32_t>();
+  const int64_t* off = h.expert_offsets.data<int64_t>();
+  to[0] = 0;
+  int64_t n = 0;
+  for (int64_t el = 0; el < L; ++el) {
+    for (int64_t i = off[el]; i < off[el + 1]; ++i) {
+      re[i] = static_cast<int32_t>(el);
+      rt[i] = src[i] < 0 ? -1 : i;
+      if (rt[i] >= 0) tr[n++] = i;
+      to[i + 1] = n;
+    }
+  }
+  p.num_pairs = n;
+  p.token_offsets = Tensor::borrow(to, {R + 1}, DType::int64);
+  p.row_token = Tensor::borrow(rt, {R}, DType::int64);
+  p.slot_row = Tensor::borrow(rt, {R, 1}, DType::int64);
+  p.token_rows = Tensor::borrow(tr, {n}, DType::int64);
+  p.row_expert = Tensor::borrow(re, {R}, DType::int32);
+  return p;
+}
+
+}  // namespace
+
+// `name`: the caller's name of expert_y, for messages ("expert_y", "grad_recv_x").
+Tensor Dispatcher::combine_impl(const char* op, const char* name, const Tensor& expert_y,
+                                const DispatchHandle& h, const UnpermuteOptions& options) {
+  Communicator& comm = *comm_;
   const Communicator::Exclusive busy(comm, op);
   std::string err;
   try {
-    check_handle(op, h, comm);
+    // Inside the agreement: a bad handle on one rank raises on every rank instead of leaving
+    // the others waiting in the exchange.
+    detail::check_handle(op, h, comm);
+    check_defined(expert_y, op, name);
+    check_dtype(expert_y, op, name, {DType::fp32, DType::bf16});
+    check_shape(expert_y, op, name, {h.num_recv_tokens, h.hidden});
+    switchyard::detail::check_finite(expert_y, op, name, "row", "hidden");
+  } catch (const std::invalid_argument& e) {
+    err = e.what();
+  }
+  detail::agree(op, err, err.empty() ? expert_y.dtype() : DType::fp32, name, options.weights,
+                h.layout_id, comm);
+  const DType dt = expert_y.dtype();
+  // The returned rows are scratch (reused step after step); only y is a fresh result.
+  const int64_t rb = row_bytes(h.hidden, dt);
+  Tensor rows = Tensor::borrow(scratch_->get(Scratch::rows, h.plan.num_rows * rb),
+                               {h.plan.num_rows, h.hidden}, dt);
+  return_rows(expert_y.raw(), rb, rows.raw(), h, *scratch_, comm);
+  return unpermute(rows, h.plan, options);
+}
+
+Tensor Dispatcher::combine(const Tensor& expert_y, const DispatchHandle& handle,
+                           const UnpermuteOptions& options) {
+  return combine_impl("combine", "expert_y", expert_y, handle, options);
+}
+
+Tensor Dispatcher::dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle) {
+  return combine_impl("dispatch_backward", "grad_recv_x", grad_recv_x, handle,
+                      UnpermuteOptions{WeightMode::skip});
+}
+
+Tensor Dispatcher::dispatch_weights_backward(const Tensor& grad_recv_topk_weights,
+                                             const DispatchHandle& h) {
+  const char* op = "dispatch_weights_backward";
+  const char* name = "grad_recv_topk_weights";
+  Communicator& comm = *comm_;
+  const Communicator::Exclusive busy(comm, op);
+  std::string err;
+  try {
+    detail::check_handle(op, h, comm);
     check_dtype(grad_recv_topk_weights, op, name, {DType::fp32});
     check_shape(grad_recv_topk_weights, op, name, {h.num_recv_tokens});
   } catch (const std::invalid_argument& e) {
     err = e.what();
   }
-  detail::agree(op, err, DType::fp32, name, WeightMode::apply, comm);
-  const int P = h.world_size;
-  const int64_t R = h.num_recv_tokens, E = h.num_experts, L = h.num_local_experts;
-  // Received rows are ordered (local expert, source rank, token): a stable bucket by source rank
-  // gives each source its rows in (expert, token) order, which is its plan's row order.
-  const int32_t* src = h.recv_src_rank.data<int32_t>();
-  std::vector<int64_t> send_counts(static_cast<size_t>(P), 0), recv_counts(static_cast<size_t>(P), 0);
-  for (int64_t i = 0; i < R; ++i) ++send_counts[static_cast<size_t>(src[i])];
-  std::vector<int64_t> next(static_cast<size_t>(P), 0);
-  for (int r = 1; r < P; ++r) next[r] = next[r - 1] + send_counts[static_cast<size_t>(r - 1)];
-  std::vector<float> send(static_cast<size_t>(R));
-  const float* g = grad_recv_topk_weights.data<float>();
-  for (int64_t i = 0; i < R; ++i) send[static_cast<size_t>(next[src[i]]++)] = g[i];
-  for (int r = 0; r < P; ++r) {
-    for (int64_t e = r * L; e < (r + 1) * L; ++e) {
-      recv_counts[static_cast<size_t>(r)] += h.rank_expert_counts[static_cast<size_t>(h.rank * E + e)];
-    }
-  }
-  std::vector<float> recv(static_cast<size_t>(h.plan.num_rows));
-  comm.alltoallv(send.data(), send_counts, recv.data(), recv_counts, sizeof(float));
-  const int64_t TK = h.plan.num_tokens * h.plan.top_k;
-  Tensor out = Tensor::empty({h.plan.num_tokens, h.plan.top_k}, DType::fp32);
-  const int64_t* slot_row = h.plan.slot_row.data<int64_t>();
-  float* o = out.data<float>();
-  for (int64_t i = 0; i < TK; ++i) o[i] = slot_row[i] >= 0 ? recv[static_cast<size_t>(slot_row[i])] : 0.0f;
-  return out;
+  detail::agree(op, err, DType::fp32, name, WeightMode::apply, h.layout_id, comm);
+  // Each received row's gradient goes back to its plan row (the same move as combine's, one
+  // fp32 per row), then to every slot of that pair.
+  Tensor plan_grad = Tensor::borrow(scratch_->get<float>(Scratch::floats_back, h.plan.num_rows),
+                                    {h.plan.num_rows}, DType::fp32);
+  return_rows(grad_recv_topk_weights.raw(), sizeof(float), plan_grad.raw(), h, *scratch_, comm);
+  return rows_to_slots(plan_grad, h.plan);
 }
 
-CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,
-                              const UnpermuteOptions& options, Communicator& comm) {
+CombineGrads Dispatcher::combine_backward(const Tensor& grad_y, const Tensor& expert_y,
+                                          const DispatchHandle& h,
+                                          const UnpermuteOptions& options) {
   const char* op = "combine_backward";
+  Communicator& comm = *comm_;
   const Communicator::Exclusive busy(comm, op);
   const bool apply = options.weights == WeightMode::apply;
   std::string err;
   try {
-    check_handle(op, h, comm);
+    detail::check_handle(op, h, comm);
     check_defined(grad_y, op, "grad_y");
     check_dtype(grad_y, op, "grad_y", {DType::fp32, DType::bf16});
     check_shape(grad_y, op, "grad_y", {h.num_tokens, h.hidden});
@@ -502,37 +372,61 @@ CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, cons
     err = e.what();
   }
   detail::agree(op, err, err.empty() ? grad_y.dtype() : DType::fp32, "grad_y", options.weights,
-                comm);
+                h.layout_id, comm);
   const DType dt = grad_y.dtype();
-  const int64_t R = h.num_recv_tokens, H = h.hidden;
-  // With weights, the dispatched gradient is an intermediate: keep it in the workspace.
-  Tensor g_recv = apply
-                      ? Tensor::borrow(comm.workspace(kGradSlot, R * row_bytes(H, dt)), {R, H}, dt)
-                      : Tensor::empty({R, H}, dt);
-  send_rows(grad_y.raw(), row_bytes(H, dt), g_recv.raw(), h, comm);
+  const int64_t R = h.num_recv_tokens, H = h.hidden, rb = row_bytes(H, dt);
+  // Dispatch of grad_y; with weights it is an intermediate (scratch), without it is the result.
+  Tensor g_recv = apply ? Tensor::borrow(scratch_->get(Scratch::grad, R * rb), {R, H}, dt)
+                        : Tensor::empty({R, H}, dt);
+  send_rows(grad_y.raw(), rb, g_recv.raw(), h, *scratch_, comm);
   CombineGrads out;
-  out.grad_topk_weights = Tensor::zeros({h.num_tokens, h.plan.top_k}, DType::fp32);
   if (!apply) {
     out.grad_expert_y = g_recv;
+    out.grad_topk_weights = Tensor::zeros({h.num_tokens, h.plan.top_k}, DType::fp32);
     return out;
   }
-  out.grad_expert_y = Tensor::empty({R, H}, dt);
-  Tensor dots = Tensor::empty({R}, DType::fp32);
-  cpu::by_row_dtype(dt, [&](auto tag) {
-    using X = decltype(tag);
-    const X* g = static_cast<const X*>(g_recv.raw());
-    cpu::gather_scale_rows<X>(g, h.recv_topk_weights.data<float>(), nullptr, R, H,
-                              static_cast<X*>(out.grad_expert_y.raw()));
-    cpu::row_dots<X>(static_cast<const X*>(expert_y.raw()), g, nullptr, R, H, dots.data<float>());
-  });
-  std::vector<float> plan_dots(static_cast<size_t>(h.plan.num_rows));
-  return_rows(dots.raw(), sizeof(float), plan_dots.data(), h, comm);
-  const int64_t* sr = h.plan.slot_row.data<int64_t>();
-  float* gw = out.grad_topk_weights.data<float>();
-  for (int64_t s = 0; s < h.num_tokens * h.plan.top_k; ++s) {
-    if (sr[s] >= 0) gw[s] = plan_dots[static_cast<size_t>(sr[s])];
-  }
+  // The expert side is unpermute's backward on the received rows: grad_expert_y = w * g and the
+  // per-row dots <expert_y, g>, which go back to the source rows and then to the slots.
+  UnpermuteGrads u = unpermute_backward(g_recv, expert_y, recv_plan(h, *scratch_), options);
+  out.grad_expert_y = std::move(u.grad_permuted);
+  Tensor plan_dots = Tensor::borrow(scratch_->get<float>(Scratch::floats_back, h.plan.num_rows),
+                                    {h.plan.num_rows}, DType::fp32);
+  return_rows(u.grad_topk_weights.raw(), sizeof(float), plan_dots.raw(), h, *scratch_, comm);
+  out.grad_topk_weights = rows_to_slots(plan_dots, h.plan);
   return out;
+}
+
+// The free functions: the same operations on a temporary Dispatcher over the caller's
+// communicator (scratch allocated per call; keep a Dispatcher across steps instead).
+namespace {
+Dispatcher temporary(Communicator& comm) {
+  return Dispatcher(std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
+}
+}  // namespace
+
+DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
+                        const DispatchOptions& options, Communicator& comm) {
+  return temporary(comm).dispatch(x, topk_idx, topk_weights, options);
+}
+
+Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
+               const UnpermuteOptions& options, Communicator& comm) {
+  return temporary(comm).combine(expert_y, handle, options);
+}
+
+Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
+                         Communicator& comm) {
+  return temporary(comm).dispatch_backward(grad_recv_x, handle);
+}
+
+Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const DispatchHandle& h,
+                                 Communicator& comm) {
+  return temporary(comm).dispatch_weights_backward(grad_recv_topk_weights, h);
+}
+
+CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,
+                              const UnpermuteOptions& options, Communicator& comm) {
+  return temporary(comm).combine_backward(grad_y, expert_y, h, options);
 }
 
 void fail_collective(CollectiveOp op, const std::string& message, Communicator& comm) {
@@ -547,7 +441,7 @@ void fail_collective(CollectiveOp op, const std::string& message, Communicator& 
     for (size_t r = 0; r < lens.size(); ++r) lens[r] = all[r * kHeader];
     detail::raise_if_any("dispatch", err, lens, comm);
   } else {
-    detail::agree("combine", err, DType::fp32, "expert_y", WeightMode::apply, comm);
+    detail::agree("combine", err, DType::fp32, "expert_y", WeightMode::apply, 0, comm);
   }
   throw std::logic_error("[fail_collective] the agreement did not raise");  // not reached
 }

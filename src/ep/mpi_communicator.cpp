@@ -92,10 +92,6 @@ struct RequestGuard {
 // Tag of exchange_blocks messages (collectives do not use tags; our own communicator is a dup).
 constexpr int kBlockTag = 7301;
 
-// Workspace slots used by alltoallv_rows (the dispatchers use slots from 8 up).
-constexpr int kSendSlot = 0;
-constexpr int kRecvSlot = 1;
-
 // SWITCHYARD_COLLECTIVE_TIMEOUT: seconds a collective may wait for the other ranks (unset or 0:
 // forever, MPI's blocking calls as they are). Read when a communicator is made.
 double collective_timeout(int rank) {
@@ -191,75 +187,57 @@ class MpiCommunicator final : public Communicator {
                                t.get(), comm_));
   }
 
-  void alltoallv_rows(const void* send, const int64_t* send_index,
-                      const std::vector<int64_t>& send_counts, void* recv,
-                      const int64_t* recv_index, const std::vector<int64_t>& recv_counts,
-                      int64_t row_bytes) override {
-    check_size("alltoallv_rows", send_counts);
-    check_size("alltoallv_rows", recv_counts);
-    if (!send_index && !recv_index) {
-      alltoallv(send, send_counts, recv, recv_counts, row_bytes);
-      return;
-    }
-    // Pack, exchange contiguously, unpack. MPI_Alltoallw with hindexed datatypes (one block per
-    // row on the send side, one per (expert, peer) run on the receive side) measured 2-10x slower
-    // than this with Open MPI 4.1 over shared memory (bench_dispatch), so rows are moved by our
-    // parallel row copies. The scratch buffers are the communicator's workspace (reused).
-    int64_t ns = 0, nr = 0;
-    for (int64_t c : send_counts) ns += c;
-    for (int64_t c : recv_counts) nr += c;
-    const void* sbuf = send;
-    if (send_index) {
-      auto* p = static_cast<unsigned char*>(workspace(kSendSlot, ns * row_bytes));
-      copy_rows(send, send_index, ns, row_bytes, p, nullptr);
-      sbuf = p;
-    }
-    void* rbuf = recv_index ? workspace(kRecvSlot, nr * row_bytes) : recv;
-    alltoallv(sbuf, send_counts, rbuf, recv_counts, row_bytes);
-    if (recv_index) copy_rows(rbuf, nullptr, nr, row_bytes, recv, recv_index);
-  }
-
-  void exchange_blocks(const void* send, const std::vector<Block>& send_blocks, void* recv,
-                       const std::vector<Block>& recv_blocks, int64_t row_bytes) override {
-    // Nonblocking point-to-point, one message per non-empty block; messages between two ranks with
-    // the same tag arrive in order (MPI's non-overtaking rule), which is what matches blocks.
-    // Blocks to or from this rank are plain copies.
+  void exchange_planes(const Plane* planes, int num_planes) override {
+    // Nonblocking point-to-point, one message per non-empty block, all planes in flight at once;
+    // messages between two ranks with the same tag arrive in order (MPI's non-overtaking rule),
+    // which is what matches blocks, and each plane has its own tag. Blocks to or from this rank
+    // are plain copies.
     usable();
-    RowType row(row_bytes, rank_);
-    const auto* s = static_cast<const unsigned char*>(send);
-    auto* d = static_cast<unsigned char*>(recv);
+    std::vector<std::unique_ptr<RowType>> types;
     std::vector<MPI_Request> reqs;
-    reqs.reserve(send_blocks.size() + recv_blocks.size());
-    std::vector<const Block*> self_send, self_recv;
     RequestGuard guard{reqs};
-    for (const Block& b : recv_blocks) {
-      if (b.rows == 0) continue;
-      if (b.peer == rank_) {
-        self_recv.push_back(&b);
-        continue;
+    size_t n_req = 0;
+    for (int p = 0; p < num_planes; ++p)
+      n_req += planes[p].send_blocks->size() + planes[p].recv_blocks->size();
+    reqs.reserve(n_req);  // no reallocation: MPI holds pointers into it until the wait
+    for (int p = 0; p < num_planes; ++p) {
+      const Plane& pl = planes[p];
+      const int64_t row_bytes = pl.row_bytes;
+      types.push_back(std::make_unique<RowType>(row_bytes, rank_));
+      const MPI_Datatype row = types.back()->get();
+      const int tag = kBlockTag + p;
+      const auto* s = static_cast<const unsigned char*>(pl.send);
+      auto* d = static_cast<unsigned char*>(pl.recv);
+      std::vector<const Block*> self_send, self_recv;
+      for (const Block& b : *pl.recv_blocks) {
+        if (b.rows == 0) continue;
+        if (b.peer == rank_) {
+          self_recv.push_back(&b);
+          continue;
+        }
+        reqs.push_back(MPI_REQUEST_NULL);
+        SY_MPI_CHECK(MPI_Irecv(d + b.offset * row_bytes, to_int(b.rows), row, b.peer, tag, comm_,
+                               &reqs.back()));
       }
-      reqs.push_back(MPI_REQUEST_NULL);
-      SY_MPI_CHECK(MPI_Irecv(d + b.offset * row_bytes, to_int(b.rows), row.get(), b.peer, kBlockTag,
-                             comm_, &reqs.back()));
-    }
-    for (const Block& b : send_blocks) {
-      if (b.rows == 0) continue;
-      if (b.peer == rank_) {
-        self_send.push_back(&b);
-        continue;
+      for (const Block& b : *pl.send_blocks) {
+        if (b.rows == 0) continue;
+        if (b.peer == rank_) {
+          self_send.push_back(&b);
+          continue;
+        }
+        reqs.push_back(MPI_REQUEST_NULL);
+        SY_MPI_CHECK(MPI_Isend(s + b.offset * row_bytes, to_int(b.rows), row, b.peer, tag, comm_,
+                               &reqs.back()));
       }
-      reqs.push_back(MPI_REQUEST_NULL);
-      SY_MPI_CHECK(MPI_Isend(s + b.offset * row_bytes, to_int(b.rows), row.get(), b.peer, kBlockTag,
-                             comm_, &reqs.back()));
-    }
-    if (self_send.size() != self_recv.size()) {
-      throw BackendError(detail::cat("[dist] exchange_blocks: ", self_send.size(),
-                                     " blocks to self but ", self_recv.size(), " from self (rank ",
-                                     rank_, ", ", __FILE__, ":", __LINE__, ")"));
-    }
-    for (size_t i = 0; i < self_send.size(); ++i) {
-      std::memcpy(d + self_recv[i]->offset * row_bytes, s + self_send[i]->offset * row_bytes,
-                  static_cast<size_t>(self_send[i]->rows * row_bytes));
+      if (self_send.size() != self_recv.size()) {
+        throw BackendError(detail::cat(
+            "[dist] exchange_blocks: ", self_send.size(), " blocks to self but ", self_recv.size(),
+            " from self (rank ", rank_, ", ", __FILE__, ":", __LINE__, ")"));
+      }
+      for (size_t i = 0; i < self_send.size(); ++i) {
+        std::memcpy(d + self_recv[i]->offset * row_bytes, s + self_send[i]->offset * row_bytes,
+                    static_cast<size_t>(self_send[i]->rows * row_bytes));
+      }
     }
     if (timeout_ > 0) {
       wait(reqs.data(), static_cast<int>(reqs.size()), "MPI_Isend/MPI_Irecv (exchange_blocks)");
@@ -293,17 +271,6 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
-  // dst[to(i)] = src[from(i)] for i < n, rows of row_bytes; a null index is the identity.
-  static void copy_rows(const void* src, const int64_t* from, int64_t n, int64_t row_bytes,
-                        void* dst, const int64_t* to) {
-    const auto* s = static_cast<const unsigned char*>(src);
-    auto* d = static_cast<unsigned char*>(dst);
-#pragma omp parallel for schedule(static) if (n * row_bytes > (1 << 18))
-    for (int64_t i = 0; i < n; ++i) {
-      std::memcpy(d + (to ? to[i] : i) * row_bytes, s + (from ? from[i] : i) * row_bytes,
-                  static_cast<size_t>(row_bytes));
-    }
-  }
   int to_int(int64_t v) const {
     if (v < 0 || v > INT_MAX) {
       throw BackendError(detail::cat("[dist] count ", v, " is outside the int range of MPI (rank ",
@@ -346,8 +313,8 @@ class MpiCommunicator final : public Communicator {
             "[dist] ", call, " did not complete within ", timeout_,
             " s (SWITCHYARD_COLLECTIVE_TIMEOUT) on rank ", rank_, " of ", size_,
             ": another rank is not in the same collective (a different number of calls, or a ",
-            "failure outside the error agreement); this communicator is unusable now (",
-            __FILE__, ":", __LINE__, ")"));
+            "failure outside the error agreement); this communicator is unusable now (", __FILE__,
+            ":", __LINE__, ")"));
       }
       // Spin briefly (latency), then yield the core (ranks may share cores).
       if (spins > 2000) std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -355,19 +322,18 @@ class MpiCommunicator final : public Communicator {
   }
   void usable() const {
     if (broken_ != nullptr) {
-      throw BackendError(detail::cat("[dist] the mpi communicator (rank ", rank_, " of ", size_,
-                                     ") is unusable: ", broken_,
-                                     " timed out earlier (SWITCHYARD_COLLECTIVE_TIMEOUT) and MPI ",
-                                     "cannot cancel it; end the job (", __FILE__, ":", __LINE__,
-                                     ")"));
+      throw BackendError(detail::cat(
+          "[dist] the mpi communicator (rank ", rank_, " of ", size_, ") is unusable: ", broken_,
+          " timed out earlier (SWITCHYARD_COLLECTIVE_TIMEOUT) and MPI ",
+          "cannot cancel it; end the job (", __FILE__, ":", __LINE__, ")"));
     }
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = -1;
   int size_ = 0;
-  double timeout_ = 0.0;           // SWITCHYARD_COLLECTIVE_TIMEOUT, 0 = none
-  const char* broken_ = nullptr;   // the call that timed out, if any
+  double timeout_ = 0.0;          // SWITCHYARD_COLLECTIVE_TIMEOUT, 0 = none
+  const char* broken_ = nullptr;  // the call that timed out, if any
 };
 
 }  // namespace

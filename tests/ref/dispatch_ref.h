@@ -94,4 +94,13 @@ std::vector<double> grad_weights(const std::vector<std::vector<RefPair>>& pairs,
   return gw;
 }
 
+/// Rows of one source's block for an expert with `n` pairs after padding, as Megatron-Core pads
+/// per source rank: pad_routing_map rounds n up to a multiple of `alignment`; drop-and-pad gives
+/// exactly `capacity` rows (then rounded up to the alignment).
+inline int64_t padded_block_rows(int64_t n, int64_t alignment, int64_t capacity,
+                                 bool pad_to_capacity) {
+  const int64_t rows = pad_to_capacity ? capacity : n;
+  return (rows + alignment - 1) / alignment * alignment;
+}
+
 }  // namespace switchyard::ref

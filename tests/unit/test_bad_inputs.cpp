@@ -177,11 +177,11 @@ std::vector<Row> rows() {
          dist::DispatchOptions o;
          dist::dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o, *dist::local());
        }},
-      {"dist::dispatch", "padding options", Kind::invalid_argument, "[dispatch] options.plan must not pad (padding rows are never sent): expected expert_alignment=1 and pad_to_capacity=false, got expert_alignment=8 and pad_to_capacity=0",
+      {"dist::dispatch", "pad_to_capacity without a capacity", Kind::invalid_argument, "[routing_plan] pad_to_capacity needs a capacity (capacity_factor > 0 or expert_capacity >= 0), got neither",
        [] {
          dist::DispatchOptions o;
          o.num_experts = 4;
-         o.plan.expert_alignment = 8;
+         o.plan.pad_to_capacity = true;
          dist::dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o, *dist::local());
        }},
       {"dist::dispatch", "NaN in x", Kind::invalid_argument,

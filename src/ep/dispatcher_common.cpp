@@ -1,0 +1,141 @@
+#include "dispatcher_common.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "check.h"
+#include "core/allocator.h"
+
+namespace switchyard::dist::detail {
+
+void* Scratch::get(Use use, int64_t bytes) {
+  Block& b = blocks_[use];
+  if (bytes > b.size || !b.data) {
+    // Grow with headroom: routes change every step, and a buffer that grows by a few rows each
+    // step would be freshly faulted each step.
+    const int64_t size = std::max<int64_t>({bytes + bytes / 8, b.size, 4096});
+    b.data.reset();
+    b.data = std::make_unique_for_overwrite<unsigned char[]>(static_cast<size_t>(size));
+    b.size = size;
+    switchyard::detail::advise_huge_pages(b.data.get(), size);
+  }
+  return b.data.get();
+}
+
+int64_t Scratch::bytes() const {
+  int64_t n = 0;
+  for (const Block& b : blocks_) n += b.size;
+  return n;
+}
+
+void check_handle(const char* op, const DispatchHandle& h, const Communicator& comm) {
+  if (h.world_size != comm.size() || h.rank != comm.rank() || !h.plan.row_token.defined() ||
+      !h.recv_src_rank.defined()) {
+    switchyard::detail::fail_arg(op, "handle must come from dispatch on this communicator (rank ",
+                                 comm.rank(), " of ", comm.size(), "), got a handle for rank ",
+                                 h.rank, " of ", h.world_size);
+  }
+}
+
+void raise_if_any(const char* op, const std::string& local_error,
+                  const std::vector<int64_t>& err_lens, Communicator& comm) {
+  bool any = false;
+  for (int64_t n : err_lens) any = any || n > 0;
+  if (!any) return;
+  std::vector<int64_t> counts(err_lens.begin(), err_lens.end());
+  int64_t total = 0;
+  for (int64_t n : counts) total += n;
+  std::string all(static_cast<size_t>(total), '\0');
+  comm.allgatherv(local_error.data(), static_cast<int64_t>(local_error.size()), all.data(), counts,
+                  1);
+  int64_t off = 0;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    if (counts[r] > 0) {
+      throw std::invalid_argument(switchyard::detail::cat(
+          "[", op, "] on rank ", r, ": ",
+          all.substr(static_cast<size_t>(off), static_cast<size_t>(counts[r]))));
+    }
+    off += counts[r];
+  }
+}
+
+void agree(const char* op, const std::string& local_error, DType dtype, const char* what,
+           WeightMode mode, uint64_t layout, Communicator& comm) {
+  constexpr size_t kFields = 4;
+  const std::vector<int64_t> mine = {static_cast<int64_t>(local_error.size()),
+                                     static_cast<int64_t>(dtype), static_cast<int64_t>(mode),
+                                     static_cast<int64_t>(layout)};
+  const std::vector<int64_t> all = comm.allgather(mine);
+  const size_t P = static_cast<size_t>(comm.size());
+  std::vector<int64_t> lens(P);
+  for (size_t r = 0; r < P; ++r) lens[r] = all[kFields * r];
+  raise_if_any(op, local_error, lens, comm);
+  auto mode_name = [](int64_t m) { return m == 0 ? "apply" : "skip"; };
+  for (size_t r = 1; r < P; ++r) {
+    if (all[kFields * r + 3] != all[3]) {
+      switchyard::detail::fail_arg(
+          op,
+          "handle must come from the same dispatch call on every rank, got handles of "
+          "different dispatches on rank 0 and rank ",
+          r, " (their count matrices differ)");
+    }
+    if (all[kFields * r + 1] != all[1]) {
+      switchyard::detail::fail_arg(op, what, " must have the same dtype on every rank, got ",
+                                   dtype_name(static_cast<DType>(all[1])), " on rank 0 and ",
+                                   dtype_name(static_cast<DType>(all[kFields * r + 1])),
+                                   " on rank ", r);
+    }
+    if (all[kFields * r + 2] != all[2]) {
+      switchyard::detail::fail_arg(op, "options.weights must be the same on every rank, got ",
+                                   mode_name(all[2]), " on rank 0 and ",
+                                   mode_name(all[kFields * r + 2]), " on rank ", r);
+    }
+  }
+}
+
+uint64_t layout_id(const DispatchHandle& h) {
+  // FNV-1a over the fields every rank shares; the top bit is cleared so the id survives the
+  // int64 exchange unchanged.
+  uint64_t x = 1469598103934665603ull;
+  auto mix = [&](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      x ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+      x *= 1099511628211ull;
+    }
+  };
+  mix(static_cast<int64_t>(h.kind));
+  mix(h.world_size);
+  mix(h.hidden);
+  mix(h.num_experts);
+  for (int64_t v : h.rank_num_tokens) mix(v);
+  for (int64_t v : h.rank_expert_counts) mix(v);
+  for (int64_t v : h.rank_expert_rows) mix(v);
+  return x & 0x7fffffffffffffffull;
+}
+
+std::vector<int64_t> block_offsets(const DispatchHandle& h) {
+  const int64_t P = h.world_size, E = h.num_experts, L = h.num_local_experts;
+  std::vector<int64_t> off(static_cast<size_t>(E * P));
+  for (int64_t r = 0; r < P; ++r) {
+    int64_t run = 0;
+    for (int64_t el = 0; el < L; ++el) {
+      const int64_t e = r * L + el;
+      for (int64_t s = 0; s < P; ++s) {
+        off[static_cast<size_t>(e * P + s)] = run;
+        run += h.rank_expert_rows[static_cast<size_t>(s * E + e)];
+      }
+    }
+  }
+  return off;
+}
+
+std::vector<int64_t> rows_per_rank(const DispatchHandle& h) {
+  const int64_t P = h.world_size, E = h.num_experts, L = h.num_local_experts;
+  std::vector<int64_t> rows(static_cast<size_t>(P), 0);
+  for (int64_t s = 0; s < P; ++s)
+    for (int64_t e = 0; e < E; ++e)
+      rows[static_cast<size_t>(e / L)] += h.rank_expert_rows[static_cast<size_t>(s * E + e)];
+  return rows;
+}
+
+}  // namespace switchyard::dist::detail
