@@ -28,7 +28,6 @@ int main() {
 
 #include <chrono>
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -37,6 +36,7 @@ int main() {
 #include "switchyard/cpu.h"
 #include "switchyard/dispatcher.h"
 #include "testing.h"
+#include "bench_machine.h"
 
 namespace switchyard {
 namespace {
@@ -57,20 +57,6 @@ int64_t minor_faults() {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return u.ru_minflt;
-}
-
-// "model name" from /proc/cpuinfo (what lscpu prints), or "unknown".
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const size_t colon = line.find(':');
-      return colon == std::string::npos ? line
-                                        : line.substr(line.find_first_not_of(" \t", colon + 1));
-    }
-  }
-  return "unknown";
 }
 
 // CPU seconds of this process (all its threads): under a loaded machine the wall time of a step is
@@ -254,11 +240,10 @@ class NullReporter : public benchmark::BenchmarkReporter {
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   benchmark::Initialize(&argc, argv);
+  switchyard::bench::add_machine_context();
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   switchyard::comm() = switchyard::dist::world();
-  benchmark::AddCustomContext("cpu_model", switchyard::cpu_model());
-  benchmark::AddCustomContext("kernel_isa", switchyard::cpu_isa_name(switchyard::cpu_isa()));
   benchmark::AddCustomContext("ep_size", std::to_string(switchyard::comm()->size()));
   if (rank == 0) {
     benchmark::RunSpecifiedBenchmarks();

@@ -4,8 +4,8 @@
 // rows also run a DeepSeek-V3-like gate (H=7168, E=256) at T=1024 tokens, scaled to fit the
 // machine. The context lines name the CPU model, the kernel ISA and OpenBLAS's kernel core (its
 // sgemm is the ceiling: `OPENBLAS_CORETYPE=Haswell` measures the AVX2 ceiling on an AVX-512 CPU).
-// `--gate_avx512=0` keeps the AVX2 variant's backward on 256-bit registers on an AVX-512 CPU
-// (with the Haswell ceiling: what a CPU without AVX-512 sees).
+// `SWITCHYARD_CPU_ISA=avx2` runs the AVX2 kernels on an AVX-512 CPU (with the Haswell ceiling:
+// what a CPU without AVX-512 sees).
 //
 //   ./build/bench/bench_gate --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <chrono>
 #include <ctime>
-#include <fstream>
 #include <map>
 #include <string>
 #include <random>
@@ -24,6 +23,7 @@
 #include "switchyard/cpu.h"
 #include "model_shapes.h"
 #include "switchyard/gate.h"
+#include "bench_machine.h"
 #include "testing.h"
 
 namespace sy = switchyard;
@@ -39,19 +39,6 @@ constexpr int64_t kDeepSeekT = 1024, kDeepSeekH = sy::testing::kDeepSeekV3.hidde
                   kDeepSeekE = sy::testing::kDeepSeekV3.num_experts;
 
 extern "C" char* openblas_get_corename(void);
-
-// "model name" from /proc/cpuinfo (what lscpu prints), or "unknown".
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("model name", 0) == 0) {
-      const size_t colon = line.find(':');
-      if (colon != std::string::npos) return line.substr(line.find_first_not_of(' ', colon + 1));
-    }
-  }
-  return "unknown";
-}
 
 void set_threads(int n) {
   sy::set_num_threads(n);
@@ -185,6 +172,30 @@ void BM_GateBackward(benchmark::State& state) {
       T);
 }
 
+// The backward after top-k routing without aux or z loss: grad_logits has K nonzeros per row, and
+// the kernels run the chains over those terms only (bitwise the dense result). Rates count the
+// dense product's flops (4·T·H·E), so vs_peak above 1 is the sparsity at work; the peer row is
+// BM_SgemmBackwardShapes (dense sgemm does not look at zeros). Arguments: T, H, E, K, threads.
+void BM_GateBackwardTopK(benchmark::State& state) {
+  const int64_t T = state.range(0), H = state.range(1), E = state.range(2), K = state.range(3);
+  Inputs in = make_inputs(DType::bf16, T, H, E);
+  std::mt19937_64 rng(11);
+  float* g = in.g.data<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int64_t> cols(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) cols[static_cast<size_t>(e)] = e;
+    std::shuffle(cols.begin(), cols.end(), rng);
+    for (int64_t j = K; j < E; ++j) g[t * E + cols[static_cast<size_t>(j)]] = 0.0f;
+  }
+  timed(
+      state, static_cast<int>(state.range(4)), 4.0 * T * H * E,
+      [&] {
+        benchmark::DoNotOptimize(
+            sy::router_gating_linear_backward(in.g, in.x, in.w, Tensor()).grad_x.raw());
+      },
+      T);
+}
+
 // The backward kernel alone (src/cpu), into outputs allocated once: without the front-end's
 // argument scan and the page faults of fresh output tensors, which the row above includes.
 void BM_GateBackwardKernel(benchmark::State& state) {
@@ -290,6 +301,14 @@ void backward_args(benchmark::internal::Benchmark* b) {
   }
 }
 
+void topk_backward_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"T", "H", "E", "K", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
+  for (int threads : {1, 2}) {
+    b->Args({kT, kH, kE, sy::testing::kQwen3_30B_A3B.top_k, threads});
+    b->Args({kDeepSeekT, kDeepSeekH, kDeepSeekE, sy::testing::kDeepSeekV3.top_k, threads});
+  }
+}
+
 }  // namespace
 
 BENCHMARK(BM_SgemmPeakSquare)->Apply(thread_args);
@@ -299,29 +318,16 @@ BENCHMARK_CAPTURE(BM_GateForward, bf16_fp64router, DType::bf16, DType::fp64)->Ap
 BENCHMARK(BM_SgemmForwardShape)->Apply(thread_args);
 BENCHMARK(BM_GateBackward)->Apply(backward_args);
 BENCHMARK(BM_GateBackwardKernel)->Apply(backward_args);
+BENCHMARK(BM_GateBackwardTopK)->Apply(topk_backward_args);
 BENCHMARK(BM_SgemmBackwardShapes)->Apply(backward_args);
 BENCHMARK(BM_GateForwardTokens)->Apply(token_args);
 BENCHMARK(BM_SgemmForwardTokens)->Apply(token_args);
 
 int main(int argc, char** argv) {
-  int kept = 1;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--gate_avx512=0" || arg == "--gate_avx512=1") {
-      sy::cpu::avx2::gate_avx512(arg.back() == '1' ? 1 : 0);
-    } else {
-      argv[kept++] = argv[i];
-    }
-  }
-  argc = kept;
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::AddCustomContext("cpu_model", cpu_model());
-  benchmark::AddCustomContext("kernel_isa", sy::cpu_isa_name(sy::cpu_isa()));
+  sy::bench::add_machine_context();
   benchmark::AddCustomContext("openblas_core", openblas_get_corename());
-  benchmark::AddCustomContext(
-      "gate_backward_avx512",
-      sy::cpu_isa() == sy::CpuIsa::avx2 && sy::cpu::avx2::gate_avx512(-1) ? "on" : "off");
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -13,6 +13,7 @@
 #include "switchyard/permute.h"
 #include "switchyard/routing_plan.h"
 #include "testing.h"
+#include "bench_machine.h"
 
 namespace switchyard {
 namespace {
@@ -112,4 +113,4 @@ BENCHMARK(BM_Permute)->Apply(args)->UseManualTime()->Unit(benchmark::kMillisecon
 }  // namespace
 }  // namespace switchyard
 
-BENCHMARK_MAIN();
+SY_BENCHMARK_MAIN();

@@ -14,6 +14,7 @@
 #include "model_shapes.h"
 #include "switchyard/router.h"
 #include "switchyard/tensor.h"
+#include "bench_machine.h"
 
 namespace sy = switchyard;
 
@@ -187,4 +188,4 @@ BENCHMARK(BM_route_replay_forward_backward)
 BENCHMARK(BM_gate_sgemm_ceiling)->DenseRange(0, 1)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_logits_memcpy_ceiling)->DenseRange(0, 1)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
-BENCHMARK_MAIN();
+SY_BENCHMARK_MAIN();

@@ -19,6 +19,7 @@
 
 #include "model_shapes.h"
 #include "switchyard/route_file.h"
+#include "bench_machine.h"
 
 namespace {
 
@@ -191,4 +192,4 @@ BENCHMARK(BM_Memcpy)
 
 }  // namespace
 
-BENCHMARK_MAIN();
+SY_BENCHMARK_MAIN();

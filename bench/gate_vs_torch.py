@@ -20,6 +20,7 @@ import sys
 import time
 
 import torch
+from bench_machine import machine_line
 
 from model_shapes import QWEN3_30B_A3B
 
@@ -82,6 +83,7 @@ def main():
     if a.child is not None:
         run(T, H, E, a.child, a.reps)
         return
+    print(machine_line())
     print(f"torch {torch.__version__}, gate T={T} H={H} E={E}, x/W bf16, router fp32 "
           f"(Megatron-Core way)")
     print(f"{'threads':>7} {'fwd ms':>9} {'fwd GFLOP/s':>12} {'bwd ms':>9} {'bwd GFLOP/s':>12} "

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import switchyard as sy  # noqa: E402
-from bench_machine import cpu_model  # noqa: E402
+from bench_machine import machine_line  # noqa: E402
 import switchyard.integrations.hf as syhf  # noqa: E402
 import hf_models  # noqa: E402  (the tests' tiny model configs)
 
@@ -59,7 +59,7 @@ def main():
     torch.set_num_threads(args.threads)
     sy.set_num_threads(args.threads)
     reps = 3 if args.quick else 15
-    print(f"CPU: {cpu_model()}; threads {args.threads}; torch {torch.__version__}; "
+    print(f"{machine_line()}; threads {args.threads}; "
           f"transformers {__import__('transformers').__version__}")
     print(f"tiny models: hidden {args.hidden}, batch {args.batch} x seq {args.seq} for fwd+bwd, "
           f"generate {args.new_tokens} new tokens from batch 2 x 16; one router fwd+bwd on "

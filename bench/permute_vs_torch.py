@@ -15,6 +15,7 @@ import subprocess
 import time
 
 import torch
+from bench_machine import machine_line
 
 from model_shapes import QWEN3_30B_A3B
 
@@ -84,6 +85,7 @@ def main():
     q = QWEN3_30B_A3B
     T, H, E, K = 4096, q.hidden, q.num_experts, q.top_k
     ours_t = ours(a.bench, a.threads)
+    print(machine_line())
     print(f"T={T} H={H} E={E} K={K}, {a.threads} threads; torch {torch.__version__}")
     print("medians; switchyard from bench_permute (3 repetitions), torch over --iters runs")
     print(f"{'op':<20}{'dtype':<7}{'torch ms':>10}{'switchyard ms':>15}{'speedup':>9}")

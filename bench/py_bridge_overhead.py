@@ -13,7 +13,7 @@ import timeit
 import torch
 
 import switchyard as sy
-from bench_machine import cpu_model
+from bench_machine import machine_line
 
 
 def per_call_us(stmt, number=20000, repeat=7):
@@ -22,8 +22,7 @@ def per_call_us(stmt, number=20000, repeat=7):
 
 def main():
     torch.set_num_threads(1)
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}; python {sys.version.split()[0]}; "
-          f"switchyard kernels: {sy.cpu_isa()}")
+    print(f"{machine_line()}; python {sys.version.split()[0]}")
     print(f"{'dtype':<10} {'borrow (in) us':>15} {'result (out) us':>16} {'torch.full us':>14}"
           f" {'out / torch.full':>17}")
     for dtype in (torch.float32, torch.bfloat16, torch.int32, torch.bool):

@@ -29,6 +29,7 @@ import torch
 
 import switchyard as sy
 import switchyard.torch as syt
+from bench_machine import machine_line
 from model_shapes import MIXTRAL_8X7B, QWEN3_30B_A3B
 
 
@@ -142,6 +143,7 @@ def main():
     q, m = QWEN3_30B_A3B, MIXTRAL_8X7B
     cases = [("qwen3-30b-a3b", q.hidden, q.num_experts, q.top_k, 512 if args.quick else 2048),
              ("mixtral", m.hidden, m.num_experts, m.top_k, 512 if args.quick else 4096)]
+    say(machine_line())
     say(f"ep={ep} threads={args.threads} (median of {reps}; ratio = torch / switchyard)")
     say("| model | dtype | T/rank | H | E | K | dispatcher | pass | switchyard ms | torch ms | "
         "ratio | memcpy ms |")

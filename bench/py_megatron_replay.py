@@ -26,6 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
                                 "tests"))
+from bench_machine import machine_line  # noqa: E402
 
 
 def main():
@@ -98,6 +99,7 @@ def main():
                     sym.detach_replay(router)
                     router.router_replay = RouterReplay.global_router_replay_instances[0]
     base = statistics.median(times["megatron_native"])
+    print(machine_line())
     print(f"T={T} H={mw.H} E={mw.E} K={mw.K}, 1 thread, median of {a.reps}")
     for name, ts in times.items():
         m = statistics.median(ts)

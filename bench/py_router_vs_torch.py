@@ -22,7 +22,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import torch
 
 import switchyard as sy
-from bench_machine import cpu_model
+from bench_machine import machine_line
 from model_shapes import DEEPSEEK_V3, QWEN3_30B_A3B
 import switchyard.torch as syt
 
@@ -50,20 +50,25 @@ def sy_router(x, w, cfg):
 
 
 def timeit_pair(fa, fb, reps, warmup=1):
-    """Median times of fa and fb, run alternately (a shared machine's load hits both alike)."""
+    """Median wall and CPU (process) times of fa and fb, run alternately (a shared machine's load
+    hits both alike). CPU time counts what the process's threads ran, so another process holding
+    a core inflates it less than the wall clock; it also counts OpenMP spin-waits."""
     for _ in range(warmup):
         fa()
         fb()
-    ta, tb = [], []
+    ta, tb, ca, cb = [], [], [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fa()
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         fb()
-        t2 = time.perf_counter()
+        c2, t2 = time.process_time(), time.perf_counter()
         ta.append(t1 - t0)
         tb.append(t2 - t1)
-    return statistics.median(ta), statistics.median(tb)
+        ca.append(c1 - c0)
+        cb.append(c2 - c1)
+    med = statistics.median
+    return med(ta), med(tb), med(ca), med(cb)
 
 
 def main():
@@ -84,10 +89,12 @@ def main():
              ("deepseek-v3", d.hidden, d.num_experts, d.top_k,
               dict(score_function=d.score_function, num_groups=d.num_groups,
                    group_topk=d.group_topk), 1024 if not args.quick else 128)]
-    print(f"CPU: {cpu_model()}; kernel ISA {sy.cpu_isa()}; torch {torch.__version__}")
-    print(f"threads={args.threads}  (median of {reps}; ratio = torch / switchyard)")
-    print(f"| model | dtype x/W | T | H | E | K | pass | switchyard ms | torch ms | ratio |")
-    print(f"|---|---|---|---|---|---|---|---|---|---|")
+    print(machine_line())
+    print(f"threads={args.threads}  (median of {reps}; ratio = torch / switchyard, wall clock and "
+          f"process CPU time)")
+    print("| model | dtype x/W | T | H | E | K | pass | switchyard ms | torch ms | ratio | "
+          "switchyard CPU ms | torch CPU ms | CPU ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for name, H, E, K, extra, T in cases:
         for dtype in (torch.float32, torch.bfloat16):
@@ -157,15 +164,18 @@ def main():
                 if run is None:
                     if dtype != torch.float32:
                         continue
-                    t_sy, t_pt = timeit_pair(lambda: route_only(lambda lg: syt.topk_route(lg, cfg)),
-                                             lambda: route_only(peer_route), reps)
+                    t_sy, t_pt, c_sy, c_pt = timeit_pair(
+                        lambda: route_only(lambda lg: syt.topk_route(lg, cfg)),
+                        lambda: route_only(peer_route), reps)
                     print(f"| {name} | fp32 logits | {T} | {H} | {E} | {K} | {label} | "
-                          f"{t_sy * 1e3:.2f} | {t_pt * 1e3:.2f} | {t_pt / t_sy:.2f} |", flush=True)
+                          f"{t_sy * 1e3:.2f} | {t_pt * 1e3:.2f} | {t_pt / t_sy:.2f} | "
+                          f"{c_sy * 1e3:.2f} | {c_pt * 1e3:.2f} | {c_pt / c_sy:.2f} |", flush=True)
                     continue
-                t_sy, t_pt = timeit_pair(lambda: run(ours), lambda: run(peer), reps)
+                t_sy, t_pt, c_sy, c_pt = timeit_pair(lambda: run(ours), lambda: run(peer), reps)
                 dn = "bf16" if dtype == torch.bfloat16 else "fp32"
                 print(f"| {name} | {dn} | {T} | {H} | {E} | {K} | {label} | {t_sy * 1e3:.2f} | "
-                      f"{t_pt * 1e3:.2f} | {t_pt / t_sy:.2f} |" + ("" if same else " (ids differ)"),
+                      f"{t_pt * 1e3:.2f} | {t_pt / t_sy:.2f} | {c_sy * 1e3:.2f} | "
+                      f"{c_pt * 1e3:.2f} | {c_pt / c_sy:.2f} |" + ("" if same else " (ids differ)"),
                       flush=True)
 
 

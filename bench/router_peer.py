@@ -15,6 +15,7 @@ import subprocess
 import time
 
 import torch
+from bench_machine import machine_line
 
 
 def megatron_like_route(logits, topk, aux_coeff, z_coeff):
@@ -64,6 +65,7 @@ def main():
         env={"OMP_NUM_THREADS": str(args.threads)}).stdout
     runs = [b for b in json.loads(out)["benchmarks"] if b.get("run_type", "iteration") == "iteration"]
     t_sy = min(b["real_time"] for b in runs) * 1e-6  # microseconds -> s
+    print(machine_line())
     print(f"routing fwd+bwd T={T} E={E} K={K} (softmax, aux_loss, z_loss), {args.threads} threads")
     print(f"| implementation | time | tokens/s |")
     print(f"|---|---|---|")

@@ -37,7 +37,7 @@ SWITCHYARD_VENV=$(bash scripts/env.sh) || exit 1
 export SWITCHYARD_VENV
 echo "venv: $SWITCHYARD_VENV"
 
-stage "release build (warnings as errors, portable: scalar + AVX2 kernels chosen at run time)"
+stage "release build (warnings as errors, portable: scalar + AVX2 + AVX-512 kernels chosen at run time)"
 bash scripts/build.sh || exit 1
 
 stage "tests: unit, dist (MPI 1-4 ranks), python — kernels: auto ($(SWITCHYARD_CPU_ISA= "$SWITCHYARD_VENV/bin/python" -c 'import sys; sys.path.insert(0, "build/python"); import switchyard as s; print(s.cpu_isa())' 2>/dev/null))"

@@ -15,17 +15,27 @@ void bind_core(py::module_& m) {
         "Set the number of CPU threads (>= 1); results never depend on it.");
   m.def(
       "cpu_isa", [] { return std::string(cpu_isa_name(cpu_isa())); },
-      "The CPU kernel variant in use: 'avx2' or 'scalar' (SWITCHYARD_CPU_ISA=auto|scalar|avx2 "
-      "forces it; both give bitwise the same results).");
+      "The CPU kernel variant in use: 'avx512', 'avx2' or 'scalar' "
+      "(SWITCHYARD_CPU_ISA=auto|scalar|avx2|avx512 forces it; all give bitwise the same results).");
   m.def(
       "set_cpu_isa",
       [](const std::string& isa) {
-        if (isa != "scalar" && isa != "avx2") {
-          throw py::value_error("[set_cpu_isa] isa must be 'scalar' or 'avx2', got '" + isa + "'");
+        CpuIsa v;
+        if (isa == "scalar") {
+          v = CpuIsa::scalar;
+        } else if (isa == "avx2") {
+          v = CpuIsa::avx2;
+        } else if (isa == "avx512") {
+          v = CpuIsa::avx512;
+        } else {
+          throw py::value_error("[set_cpu_isa] isa must be 'scalar', 'avx2' or 'avx512', got '" +
+                                isa + "'");
         }
-        set_cpu_isa(isa == "avx2" ? CpuIsa::avx2 : CpuIsa::scalar);
+        set_cpu_isa(v);
       },
-      py::arg("isa"), "Use the 'scalar' or 'avx2' CPU kernels from now on (process-wide).");
+      py::arg("isa"),
+      "Use the 'scalar', 'avx2' or 'avx512' CPU kernels from now on (process-wide); raises "
+      "ValueError when this CPU cannot run them.");
   m.def(
       "_borrow_info",
       [](py::handle t) {

@@ -54,15 +54,18 @@ def test_dispatch_keywords_are_topk_weights_and_apply_weights():
 
 
 def test_cpu_isa_choice_and_override():
-    assert sy.cpu_isa() in ("avx2", "scalar")
+    assert sy.cpu_isa() in ("avx512", "avx2", "scalar")
     saved = sy.cpu_isa()
     try:
         sy.set_cpu_isa("scalar")
         assert sy.cpu_isa() == "scalar"
+        if saved == "avx512":  # the widest variant is the default; each narrower one can be chosen
+            sy.set_cpu_isa("avx2")
+            assert sy.cpu_isa() == "avx2"
     finally:
         sy.set_cpu_isa(saved)
-    with pytest.raises(ValueError, match=r"\[set_cpu_isa\] isa must be 'scalar' or 'avx2', got "
-                                         r"'sse'"):
+    with pytest.raises(ValueError, match=r"\[set_cpu_isa\] isa must be 'scalar', 'avx2' or "
+                                         r"'avx512', got 'sse'"):
         sy.set_cpu_isa("sse")
 
 
@@ -71,7 +74,8 @@ def test_cpu_isa_environment_variable_is_checked():
     p = subprocess.run([sys.executable, "-c", "import switchyard as sy; sy.cpu_isa()"], env=env,
                        capture_output=True, text=True)
     assert p.returncode != 0
-    assert "[cpu_isa] SWITCHYARD_CPU_ISA must be auto, scalar or avx2, got 'avx9000'" in p.stderr
+    assert ("[cpu_isa] SWITCHYARD_CPU_ISA must be auto, scalar, avx2 or avx512, got 'avx9000'"
+            in p.stderr)
     env["SWITCHYARD_CPU_ISA"] = "scalar"
     p = subprocess.run([sys.executable, "-c", "import switchyard as sy; print(sy.cpu_isa())"],
                        env=env, capture_output=True, text=True)

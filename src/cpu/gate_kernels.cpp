@@ -4,16 +4,22 @@
 
 #include <omp.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SY_GATE_AVX2 1
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <type_traits>
+
+#include "core/allocator.h"
+#include "cpu/simd.h"
+
+// The variant being compiled (src/cpu/simd.h): AVX2 ymm code paths, the AVX-512 zmm tiles.
+#ifdef SY_SIMD_AVX2
+#define SY_GATE_AVX2 1
+#endif
+#ifdef SY_SIMD_AVX512
+#define SY_GATE_AVX512 1
+#endif
 
 // SY_ISA_NS: this file is compiled once per kernel variant (src/cpu/isa.h).
 namespace switchyard::cpu::SY_ISA_NS {
@@ -44,17 +50,18 @@ inline Out from_acc(Acc v) {
   }
 }
 
-// Scratch buffers: 64-byte aligned, uninitialised.
+// Scratch buffers: 64-byte aligned, uninitialised, from the engine's allocator, whose cache hands
+// a large block (packed W: 7 MB at DeepSeek-V3's gate) back on the next call instead of letting
+// every call fault in fresh zeroed pages (a tenth of the sparse backward's time).
 template <class T>
 struct Scratch {
   explicit Scratch(int64_t n)
-      : p(static_cast<T*>(
-            std::aligned_alloc(64, static_cast<size_t>(((n * sizeof(T) + 63) / 64) * 64 + 64)))) {
-    if (!p) throw std::bad_alloc();
-  }
-  ~Scratch() { std::free(p); }
+      : bytes(static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T)),
+        p(static_cast<T*>(detail::allocate(bytes))) {}
+  ~Scratch() { detail::deallocate(p, bytes); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
+  size_t bytes;
   T* p;
 };
 
@@ -63,46 +70,26 @@ struct Scratch {
 // Register tile: MR rows x NR columns, NR = two vectors of the accumulation type.
 template <class Acc>
 constexpr int kNR = 2 * (32 / static_cast<int>(sizeof(Acc)));
-constexpr int kMR = 6;
+#ifdef SY_GATE_AVX512
+constexpr int kMR = 12;  // rows of the zmm tile: 24 accumulators of the 32 registers
+#else
+constexpr int kMR = 6;  // 12 accumulators of the 16 ymm registers
+#endif
 
 enum class Chain { start, resume };
 
-#ifdef SY_GATE_AVX2
-template <class Acc>
-struct Simd;
-template <>
-struct Simd<float> {
-  using V = __m256;
-  static V zero() { return _mm256_setzero_ps(); }
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V bcast(const float* p) { return _mm256_broadcast_ss(p); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static V add(V a, V b) { return _mm256_add_ps(a, b); }
-};
-template <>
-struct Simd<double> {
-  using V = __m256d;
-  static V zero() { return _mm256_setzero_pd(); }
-  static V load(const double* p) { return _mm256_loadu_pd(p); }
-  static void store(double* p, V v) { _mm256_storeu_pd(p, v); }
-  static V bcast(const double* p) { return _mm256_broadcast_sd(p); }
-  static V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
-  static V add(V a, V b) { return _mm256_add_pd(a, b); }
-};
-#endif
-
 // C[i, 0:NR] (i < MR) = chain over k of fma(A(i,k), B[k, 0:NR], C[i, :]) with A(i,k) =
-// a[i*a_rs + k*a_cs] and B[k, j] = b[k*ldb + j] (a packed panel, NR or 2·NR wide); C starts at 0 (Chain::start) or continues
-// from the values in c (Chain::resume); `bias` (NR values, or null) is added after the chain.
+// a[i*a_rs + k*a_cs] and B[k, j] = b[k*ldb + j] (a packed panel, NR or 2·NR wide); C starts at 0
+// (Chain::start) or continues from the values in c (Chain::resume); `bias` (NR values, or null) is
+// added after the chain.
 template <class Acc, int MR>
 void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, int64_t ldb,
                 Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
   constexpr int NR = kNR<Acc>;
 #ifdef SY_GATE_AVX2
-  using S = Simd<Acc>;
-  using V = typename S::V;
+  using V = simd::Vec<Acc>;  // 256-bit in this (avx2) variant
   constexpr int L = NR / 2;
+  static_assert(V::kLanes == L);
   // Accumulators as named variables, not arrays: GCC keeps arrays of vectors on the stack
   // (a store per FMA), which halved the throughput.
   V c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
@@ -110,43 +97,43 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
 #define SY_INIT(i)                        \
   if constexpr (MR > i) {                 \
     if (chain == Chain::resume) {         \
-      c##i##0 = S::load(c + i * ldc);     \
-      c##i##1 = S::load(c + i * ldc + L); \
+      c##i##0 = V::load(c + i * ldc);     \
+      c##i##1 = V::load(c + i * ldc + L); \
     } else {                              \
-      c##i##0 = S::zero();                \
-      c##i##1 = S::zero();                \
+      c##i##0 = V::zero();                \
+      c##i##1 = V::zero();                \
     }                                     \
   }
   SY_ROWS(SY_INIT)
 #undef SY_INIT
   const Acc* ap = a;
   for (int64_t k = 0; k < kc; ++k) {
-    const V b0 = S::load(b + k * ldb);
-    const V b1 = S::load(b + k * ldb + L);
-#define SY_FMA(i)                         \
-  if constexpr (MR > i) {                 \
-    const V ai = S::bcast(ap + i * a_rs); \
-    c##i##0 = S::fma(ai, b0, c##i##0);    \
-    c##i##1 = S::fma(ai, b1, c##i##1);    \
+    const V b0 = V::load(b + k * ldb);
+    const V b1 = V::load(b + k * ldb + L);
+#define SY_FMA(i)                        \
+  if constexpr (MR > i) {                \
+    const V ai = V::bcast(ap[i * a_rs]); \
+    c##i##0 = fma(ai, b0, c##i##0);      \
+    c##i##1 = fma(ai, b1, c##i##1);      \
   }
     SY_ROWS(SY_FMA)
 #undef SY_FMA
     ap += a_cs;
   }
   if (bias) {
-    const V bb0 = S::load(bias), bb1 = S::load(bias + L);
-#define SY_BIAS(i)                  \
-  if constexpr (MR > i) {           \
-    c##i##0 = S::add(c##i##0, bb0); \
-    c##i##1 = S::add(c##i##1, bb1); \
+    const V bb0 = V::load(bias), bb1 = V::load(bias + L);
+#define SY_BIAS(i)           \
+  if constexpr (MR > i) {    \
+    c##i##0 = c##i##0 + bb0; \
+    c##i##1 = c##i##1 + bb1; \
   }
     SY_ROWS(SY_BIAS)
 #undef SY_BIAS
   }
-#define SY_STORE(i)                     \
-  if constexpr (MR > i) {               \
-    S::store(c + i * ldc, c##i##0);     \
-    S::store(c + i * ldc + L, c##i##1); \
+#define SY_STORE(i)                   \
+  if constexpr (MR > i) {             \
+    (c##i##0).store(c + i * ldc);     \
+    (c##i##1).store(c + i * ldc + L); \
   }
   SY_ROWS(SY_STORE)
 #undef SY_STORE
@@ -213,115 +200,102 @@ void micro(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, i
 // ---- AVX-512 and the 32-column panels -------------------------------------------------------
 
 // The forward packs W in panels of kBW = 2·NR experts, the backward H in panels of kBW columns
-// (32 fp32 or 16 fp64). The AVX2 and scalar microkernels run a
-// panel as two NR-column halves (ldb = kBW); on a CPU with AVX-512F the AVX2 variant runs it as
-// one 6 x 32 fp32 tile of zmm registers instead: the same per-lane chains (a 512-bit FMA lane is
-// std::fma too), twice the width per instruction, which the sgemm ceiling of such a CPU assumes.
+// (32 fp32 or 16 fp64). The AVX2 and scalar variants run a panel as two NR-column halves
+// (ldb = kBW); the avx512 variant as one 6 x kBW tile of zmm registers (two per row): the same
+// per-lane chains (a 512-bit FMA lane is std::fma too), twice the width per instruction, which
+// the sgemm ceiling of such a CPU assumes.
 template <class Acc>
 constexpr int kBW = 2 * kNR<Acc>;
 
-#ifdef SY_GATE_AVX2
-// Whether the AVX2 variant runs the fp32 panels on AVX-512 (CPUID and the OS's XSAVE
-// state, via libgcc). A plain int read atomically: std::atomic would be an inline template the
-// linker could share with the portable objects (scripts/check_kernel_symbols.sh).
-int& avx512_flag() {
-  static int flag = __builtin_cpu_supports("avx512f") ? 1 : 0;
-  return flag;
-}
-bool use_avx512() { return __atomic_load_n(&avx512_flag(), __ATOMIC_RELAXED) != 0; }
-
-template <int MR>
-__attribute__((target("avx512f"))) void micro512_full(int64_t kc, const float* a, int64_t a_rs,
-                                                      int64_t a_cs, const float* b, float* c,
-                                                      int64_t ldc, Chain chain,
-                                                      const float* bias) {
-  __m512 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
-#define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define SY_INIT(i)                                   \
-  if constexpr (MR > i) {                            \
-    if (chain == Chain::resume) {                    \
-      c##i##0 = _mm512_loadu_ps(c + i * ldc);        \
-      c##i##1 = _mm512_loadu_ps(c + i * ldc + 16);   \
-    } else {                                         \
-      c##i##0 = _mm512_setzero_ps();                 \
-      c##i##1 = _mm512_setzero_ps();                 \
-    }                                                \
+#ifdef SY_GATE_AVX512
+template <class Acc, int MR>
+void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, Acc* c,
+                   int64_t ldc, Chain chain, const Acc* bias) {
+  using V = simd::Vec<Acc>;        // 512-bit in this (avx512) variant
+  constexpr int L = kBW<Acc> / 2;  // lanes per zmm register
+  static_assert(V::kLanes == L);
+  // Named accumulators (GCC keeps arrays of vectors on the stack), 12 rows x 2 registers: each
+  // B row (two loads) feeds 24 FMAs, and the A values are broadcast from memory into the FMAs.
+  V c0_0, c0_1, c1_0, c1_1, c2_0, c2_1, c3_0, c3_1, c4_0, c4_1, c5_0, c5_1, c6_0, c6_1, c7_0, c7_1,
+      c8_0, c8_1, c9_0, c9_1, c10_0, c10_1, c11_0, c11_1;
+#define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define SY_INIT(i)                         \
+  if constexpr (MR > i) {                  \
+    if (chain == Chain::resume) {          \
+      c##i##_0 = V::load(c + i * ldc);     \
+      c##i##_1 = V::load(c + i * ldc + L); \
+    } else {                               \
+      c##i##_0 = V::zero();                \
+      c##i##_1 = V::zero();                \
+    }                                      \
   }
   SY_ROWS(SY_INIT)
 #undef SY_INIT
-  const float* ap = a;
+  const Acc* ap = a;
   for (int64_t k = 0; k < kc; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(b + k * 32);
-    const __m512 b1 = _mm512_loadu_ps(b + k * 32 + 16);
-#define SY_FMA(i)                                    \
-  if constexpr (MR > i) {                            \
-    const __m512 ai = _mm512_set1_ps(ap[i * a_rs]);  \
-    c##i##0 = _mm512_fmadd_ps(ai, b0, c##i##0);      \
-    c##i##1 = _mm512_fmadd_ps(ai, b1, c##i##1);      \
+    const V b0 = V::load(b + k * 2 * L);
+    const V b1 = V::load(b + k * 2 * L + L);
+#define SY_FMA(i)                        \
+  if constexpr (MR > i) {                \
+    const V ai = V::bcast(ap[i * a_rs]); \
+    c##i##_0 = fma(ai, b0, c##i##_0);    \
+    c##i##_1 = fma(ai, b1, c##i##_1);    \
   }
     SY_ROWS(SY_FMA)
 #undef SY_FMA
     ap += a_cs;
   }
   if (bias) {
-    const __m512 bb0 = _mm512_loadu_ps(bias), bb1 = _mm512_loadu_ps(bias + 16);
-#define SY_BIAS(i)                                   \
-  if constexpr (MR > i) {                            \
-    c##i##0 = _mm512_add_ps(c##i##0, bb0);           \
-    c##i##1 = _mm512_add_ps(c##i##1, bb1);           \
+    const V bb0 = V::load(bias), bb1 = V::load(bias + L);
+#define SY_BIAS(i)             \
+  if constexpr (MR > i) {      \
+    c##i##_0 = c##i##_0 + bb0; \
+    c##i##_1 = c##i##_1 + bb1; \
   }
     SY_ROWS(SY_BIAS)
 #undef SY_BIAS
   }
-#define SY_STORE(i)                                  \
-  if constexpr (MR > i) {                            \
-    _mm512_storeu_ps(c + i * ldc, c##i##0);          \
-    _mm512_storeu_ps(c + i * ldc + 16, c##i##1);     \
+#define SY_STORE(i)                    \
+  if constexpr (MR > i) {              \
+    (c##i##_0).store(c + i * ldc);     \
+    (c##i##_1).store(c + i * ldc + L); \
   }
   SY_ROWS(SY_STORE)
 #undef SY_STORE
 #undef SY_ROWS
-  static_assert(MR <= 6, "the AVX-512 microkernel has six rows of accumulators");
+  static_assert(MR <= 12, "the AVX-512 microkernel has twelve rows of accumulators");
 }
 
-// As micro() for a 32-column panel (ldb = 32), on AVX-512.
-__attribute__((target("avx512f"))) void micro512(int64_t mr, int64_t nvalid, int64_t kc,
-                                                 const float* a, int64_t a_rs, int64_t a_cs,
-                                                 const float* b, float* c, int64_t ldc,
-                                                 Chain chain, const float* bias) {
-  float tmp[kMR * 32];
-  float* cc = c;
+// As micro() for a kBW-column panel (ldb = kBW), on AVX-512.
+template <class Acc>
+void micro512(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
+              const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
+  constexpr int BW = kBW<Acc>;
+  Acc tmp[kMR * BW];
+  Acc* cc = c;
   int64_t ldcc = ldc;
-  if (nvalid < 32) {
+  if (nvalid < BW) {
     cc = tmp;
-    ldcc = 32;
+    ldcc = BW;
     for (int64_t i = 0; i < mr; ++i)
-      for (int j = 0; j < 32; ++j)
-        tmp[i * 32 + j] = (chain == Chain::resume && j < nvalid) ? c[i * ldc + j] : 0.0f;
+      for (int j = 0; j < BW; ++j)
+        tmp[i * BW + j] = (chain == Chain::resume && j < nvalid) ? c[i * ldc + j] : Acc(0);
   }
   switch (mr) {
-    case 1:
-      micro512_full<1>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
-    case 2:
-      micro512_full<2>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
-    case 3:
-      micro512_full<3>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
-    case 4:
-      micro512_full<4>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
-    case 5:
-      micro512_full<5>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
-    default:
-      micro512_full<kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
-      break;
+#define SY_CASE(n)                                                      \
+  case n:                                                               \
+    micro512_full<Acc, n>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); \
+    break;
+    SY_CASE(1)
+    SY_CASE(2) SY_CASE(3) SY_CASE(4) SY_CASE(5) SY_CASE(6) SY_CASE(7) SY_CASE(8) SY_CASE(9)
+        SY_CASE(10) SY_CASE(11)
+#undef SY_CASE
+            default : micro512_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+    break;
   }
-  if (nvalid < 32) {
+  if (nvalid < BW) {
     for (int64_t i = 0; i < mr; ++i)
-      for (int64_t j = 0; j < nvalid; ++j) c[i * ldc + j] = tmp[i * 32 + j];
+      for (int64_t j = 0; j < nvalid; ++j) c[i * ldc + j] = tmp[i * BW + j];
   }
 }
 #endif
@@ -331,22 +305,17 @@ __attribute__((target("avx512f"))) void micro512(int64_t mr, int64_t nvalid, int
 template <class Acc>
 void micro_panel(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
                  const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias = nullptr) {
+#ifdef SY_GATE_AVX512
+  micro512<Acc>(mr, nvalid, kc, a, a_rs, a_cs, b, c, ldc, chain, bias);
+#else
   constexpr int NR = kNR<Acc>;
-#ifdef SY_GATE_AVX2
-  if constexpr (std::is_same_v<Acc, float>) {
-    static_assert(kBW<float> == 32);
-    if (use_avx512()) {
-      micro512(mr, nvalid, kc, a, a_rs, a_cs, b, c, ldc, chain, bias);
-      return;
-    }
-  }
-#endif
   micro<Acc>(mr, std::min<int64_t>(nvalid, NR), kc, a, a_rs, a_cs, b, kBW<Acc>, c, ldc, chain,
              bias);
   if (nvalid > NR) {
     micro<Acc>(mr, nvalid - NR, kc, a, a_rs, a_cs, b + NR, kBW<Acc>, c + NR, ldc, chain,
                bias ? bias + NR : nullptr);
   }
+#endif
 }
 
 // ---- forward ------------------------------------------------------------------------------
@@ -354,7 +323,7 @@ void micro_panel(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a
 // Blocking: KC values of the reduced dimension per pass (the packed W block, KC x E_pad, stays in
 // L2; an A tile, MR x KC, in L1); MB tokens per parallel work item.
 constexpr int64_t kKC = 256;
-constexpr int64_t kMB = 16 * kMR;
+constexpr int64_t kMB = 96;  // a multiple of both kMR
 // Below this many multiply-adds a call runs on one thread: a parallel region costs more than the
 // work, and much more when the other core is busy. (Results never depend on it.)
 constexpr int64_t kParallelMin = int64_t{1} << 18;
@@ -378,35 +347,6 @@ void pack_w_panel_scalar(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H
   }
 }
 
-#ifdef SY_GATE_AVX2
-// Eight values of a weight row as fp32 (bf16 -> fp32 is a 16-bit shift).
-inline __m256 load8_f32(const bf16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
-
-// In-register 8x8 transpose: r[k] becomes column k.
-inline void transpose8(__m256 r[8]) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-#endif
-
 // Packing is pure data movement (exact conversions), so the vector and scalar versions give the
 // same bytes. The scalar one cost ~0.5 ns per weight, which is most of a call at small T.
 template <class Acc, class WT>
@@ -421,9 +361,9 @@ void pack_w_panel(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H) {
         __m256 r[8];
         for (int i = 0; i < 8; ++i) {
           const int64_t e = e0 + half * 8 + i;
-          r[i] = e < E ? load8_f32(w + e * H + h) : zero;
+          r[i] = e < E ? simd::load8_f32(w + e * H + h) : zero;
         }
-        transpose8(r);
+        simd::transpose8(r);
         for (int k = 0; k < 8; ++k) _mm256_storeu_ps(dst + (h + k) * 32 + half * 8, r[k]);
       }
     }
@@ -437,7 +377,8 @@ void pack_w_panel(const WT* w, Acc* dst, int64_t e0, int64_t E, int64_t H) {
 template <class Acc, class XT, class WT, class BT>
 void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T, int64_t H,
                   int64_t E) {
-  constexpr int NR = kBW<Acc>;  // panel width over E (run as two register halves, or one AVX-512 tile)
+  constexpr int NR =
+      kBW<Acc>;  // panel width over E (run as two register halves, or one AVX-512 tile)
   if (T == 0 || E == 0) return;
   const int64_t npanel = (E + NR - 1) / NR;
   const int64_t e_pad = npanel * NR;
@@ -505,22 +446,7 @@ inline void store_row(Out* dst, const Acc* src, int64_t n) {
   int64_t j = 0;
 #ifdef SY_GATE_AVX2
   if constexpr (std::is_same_v<Out, bf16> && std::is_same_v<Acc, float>) {
-    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
-    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
-    const __m256i quiet = _mm256_set1_epi32(0x0040);
-    auto round8 = [&](const float* p) {
-      const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(p));
-      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), lsb), 16);
-      const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
-      const __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
-      return _mm256_blendv_epi8(r, q, nan);
-    };
-    for (; j + 16 <= n; j += 16) {
-      const __m256i packed = _mm256_packus_epi32(round8(src + j), round8(src + j + 8));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
-                          _mm256_permute4x64_epi64(packed, 0xD8));
-    }
+    for (; j + 16 <= n; j += 16) simd::store16_bf16(dst + j, src + j);
   }
 #endif
   for (; j < n; ++j) dst[j] = from_acc<Out>(src[j]);
@@ -531,15 +457,237 @@ template <class Acc, class XT>
 inline void load_row(Acc* dst, const XT* src) {
   constexpr int NR = kNR<Acc>;
 #ifdef SY_GATE_AVX2
-  if constexpr (std::is_same_v<Acc, float> && (std::is_same_v<XT, bf16> ||
-                                               std::is_same_v<XT, float>)) {
+  if constexpr (std::is_same_v<Acc, float> &&
+                (std::is_same_v<XT, bf16> || std::is_same_v<XT, float>)) {
     static_assert(NR == 16);
-    _mm256_storeu_ps(dst, load8_f32(src));
-    _mm256_storeu_ps(dst + 8, load8_f32(src + 8));
+    _mm256_storeu_ps(dst, simd::load8_f32(src));
+    _mm256_storeu_ps(dst + 8, simd::load8_f32(src + 8));
     return;
   }
 #endif
   for (int j = 0; j < NR; ++j) dst[j] = to_acc<Acc>(src[j]);
+}
+
+// ---- backward of a sparse grad_logits ------------------------------------------------------
+
+// After top-k routing without an aux or z loss, grad_logits has K nonzeros per token row (8 of
+// 128 for Qwen3-30B-A3B, 8 of 256 for DeepSeek-V3): the dense products spend 15/16 of their FMAs
+// on g = 0. These kernels run the same chains over the nonzero terms only:
+//   grad_x[t,h] : for e ascending with g[t,e] != 0: acc = fma(g[t,e], w[e,h], acc)
+//   grad_w[e,h] : for t ascending with g[t,e] != 0: acc = fma(g[t,e], x[t,h], acc)
+// which is bitwise the dense chain. Proof: with finite inputs (the front-end rejects NaN/Inf), a
+// term with g = 0 has product ±0, and acc + ±0 == acc for every acc except -0 + +0 = +0. So the
+// two chains stay equal, or both zero with different signs; a later nonzero product p gives
+// round(p) on both. The dense chain can turn -0 into +0 but never +0 into -0 (it starts at +0, and
+// x + y rounds to -0 only when both are -0), so the results can differ only where the sparse chain
+// ends at -0 (an underflow of a negative product): those outputs are recomputed with the dense
+// chain. Chosen by the density of grad_logits alone (never by thread count or batch), and either
+// path gives the same bits, so the choice is invisible.
+constexpr int64_t kSparseDensityInv = 8;  // sparse when at most one term in 8 is nonzero
+constexpr int64_t kST = 32;               // tokens per grad_x work item
+constexpr int64_t kXB = 256;              // columns of H per grad_x segment
+
+// Nonzeros of g [T,E] by token: row t's terms are (col[j], val[j]) for j in [ptr[t], ptr[t+1]),
+// e ascending.
+template <class Acc>
+struct SparseRows {
+  SparseRows(int64_t T, int64_t cap)
+      : ptr(T + 1), col(std::max<int64_t>(1, cap)), val(std::max<int64_t>(1, cap)) {}
+  Scratch<int64_t> ptr;
+  Scratch<int32_t> col;
+  Scratch<Acc> val;
+};
+
+// Counts the nonzeros of g per row (into r.ptr, then their prefix sum); returns false when there
+// are more than `cap`, else fills col/val.
+template <class Acc>
+bool collect_nonzeros(const Acc* g, int64_t T, int64_t E, int64_t cap, SparseRows<Acc>& r) {
+  int64_t* const ptr = r.ptr.p;
+#pragma omp parallel for schedule(static) if (T * E >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t n = 0;
+    for (int64_t e = 0; e < E; ++e) n += g[t * E + e] != Acc(0);
+    ptr[t + 1] = n;
+  }
+  ptr[0] = 0;
+  for (int64_t t = 0; t < T; ++t) ptr[t + 1] += ptr[t];
+  if (ptr[T] > cap) return false;
+#pragma omp parallel for schedule(static) if (T * E >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    int64_t j = ptr[t];
+    for (int64_t e = 0; e < E; ++e) {
+      const Acc v = g[t * E + e];
+      if (v != Acc(0)) {
+        r.col.p[j] = static_cast<int32_t>(e);
+        r.val.p[j] = v;
+        ++j;
+      }
+    }
+  }
+  return true;
+}
+
+template <class Acc, class XT, class WT>
+void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const WT* w, XT* grad_x,
+                     WT* grad_w, int64_t T, int64_t H, int64_t E) {
+  using V = simd::Vec<Acc>;
+  constexpr int64_t L = V::kLanes;
+  const int64_t* const ptr = r.ptr.p;
+  const int32_t* const col = r.col.p;
+  const Acc* const val = r.val.p;
+  constexpr bool kDirectX = std::is_same_v<XT, Acc>;
+  const int nthreads = omp_get_max_threads();
+  Scratch<Acc> rows(nthreads * kXB);  // per-thread grad_x segment before rounding
+  // grad_w by expert: the nonzeros re-sorted by expert, t ascending within an expert (the chain's
+  // order), from the token-sorted lists.
+  const int64_t nnz = ptr[T];
+  Scratch<int64_t> eptr(E + 1), cursor(E);
+  Scratch<int32_t> erow(nnz);
+  Scratch<Acc> eval(nnz);
+  for (int64_t e = 0; e <= E; ++e) eptr.p[e] = 0;
+  for (int64_t j = 0; j < nnz; ++j) ++eptr.p[col[j] + 1];
+  for (int64_t e = 0; e < E; ++e) {
+    eptr.p[e + 1] += eptr.p[e];
+    cursor.p[e] = eptr.p[e];
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = ptr[t]; j < ptr[t + 1]; ++j) {
+      const int64_t pos = cursor.p[col[j]]++;
+      erow.p[pos] = static_cast<int32_t>(t);
+      eval.p[pos] = val[j];
+    }
+  }
+  // grad_w work items: chunks of hc columns; within an item, blocks of kTB tokens in order, and
+  // per block every expert's tokens. The block's x rows (kTB x hc) stay in L2 and their pages in
+  // the TLB while its K experts read each row (with all T at once, T 4096 rows 4 KB apart missed
+  // the second-level TLB); each (expert, column) chain resumes from the previous block.
+  constexpr int64_t kTB = 1024;
+  int64_t hc = (int64_t{1} << 20) / (std::min(T, kTB) * static_cast<int64_t>(sizeof(XT)));
+  hc = std::clamp<int64_t>(hc / 64 * 64, 64, 512);
+  const int64_t nchunk = (H + hc - 1) / hc;
+  Scratch<Acc> waccs(nthreads * E * hc);  // per-thread chains of a chunk
+  Scratch<int64_t> wcursors(nthreads * E);
+#pragma omp parallel if (T * H * E >= kParallelMin)
+  {
+    const int tid = omp_get_thread_num();
+    // grad_x, kST tokens per item, in segments of kXB columns: the segment's W columns (E x kXB)
+    // stay in L2 across the item's tokens (a token's K rows of all of W came from L3: 7 MB of W at
+    // DeepSeek-V3's H 7168, E 256, fp32).
+    Acc* const seg = rows.p + tid * kXB;
+#pragma omp for schedule(static) nowait
+    for (int64_t item = 0; item < (T + kST - 1) / kST; ++item) {
+      const int64_t t0 = item * kST, t1 = std::min(T, t0 + kST);
+      for (int64_t hb = 0; hb < H; hb += kXB) {
+        const int64_t nb = std::min(kXB, H - hb);
+        for (int64_t t = t0; t < t1; ++t) {
+          Acc* const out = kDirectX ? reinterpret_cast<Acc*>(grad_x + t * H + hb) : seg;
+          const int64_t j0 = ptr[t], j1 = ptr[t + 1];
+          const WT* const wb = w + hb;
+          int64_t h = 0;
+          bool negative_zero = false;
+          // Eight independent chains per pass: an FMA's latency is four cycles, two issue per
+          // cycle, and each term depends on the previous one of its chain.
+          for (; h + 8 * L <= nb; h += 8 * L) {
+            V a[8] = {V::zero(), V::zero(), V::zero(), V::zero(),
+                      V::zero(), V::zero(), V::zero(), V::zero()};
+            for (int64_t j = j0; j < j1; ++j) {
+              const V gv = V::bcast(val[j]);
+              const WT* wr = wb + col[j] * H + h;
+              for (int i = 0; i < 8; ++i) a[i] = fma(gv, V::load(wr + i * L), a[i]);
+            }
+            for (int i = 0; i < 8; ++i) {
+              negative_zero |= a[i].any_negative_zero();
+              a[i].store(out + h + i * L);
+            }
+          }
+          for (; h + L <= nb; h += L) {
+            V a0 = V::zero();
+            for (int64_t j = j0; j < j1; ++j)
+              a0 = fma(V::bcast(val[j]), V::load(wb + col[j] * H + h), a0);
+            negative_zero |= a0.any_negative_zero();
+            a0.store(out + h);
+          }
+          for (; h < nb; ++h) {
+            Acc a = Acc(0);
+            for (int64_t j = j0; j < j1; ++j)
+              a = std::fma(val[j], to_acc<Acc>(wb[col[j] * H + h]), a);
+            out[h] = a;
+            negative_zero |= simd::is_negative_zero(a);
+          }
+          for (h = 0; negative_zero && h < nb; ++h) {
+            if (simd::is_negative_zero(out[h])) {  // the dense chain decides the sign (see above)
+              Acc a = Acc(0);
+              for (int64_t e = 0; e < E; ++e)
+                a = std::fma(g[t * E + e], to_acc<Acc>(wb[e * H + h]), a);
+              out[h] = a;
+            }
+          }
+          if constexpr (!kDirectX) store_row<XT, Acc>(grad_x + t * H + hb, out, nb);
+        }
+      }
+    }
+    // grad_w, one chunk of hc columns per item (see above), eight chains of L columns at a time
+    // in registers.
+    Acc* const wacc = waccs.p + tid * E * hc;
+    int64_t* const cur = wcursors.p + tid * E;
+#pragma omp for schedule(dynamic)
+    for (int64_t c = 0; c < nchunk; ++c) {
+      const int64_t h0 = c * hc, nv = std::min(hc, H - h0);
+      const XT* const xc = x + h0;
+      for (int64_t e = 0; e < E; ++e) cur[e] = eptr.p[e];
+      for (int64_t tb0 = 0; tb0 < std::max<int64_t>(T, 1); tb0 += kTB) {
+        const int64_t tb1 = std::min(T, tb0 + kTB);
+        const bool first = tb0 == 0;
+        for (int64_t e = 0; e < E; ++e) {
+          const int64_t j0 = cur[e];
+          int64_t j1 = j0;
+          while (j1 < eptr.p[e + 1] && erow.p[j1] < tb1) ++j1;
+          cur[e] = j1;
+          if (j0 == j1 && !first) continue;  // no term: the chains stand
+          Acc* const arow = wacc + e * hc;
+          int64_t h = 0;
+          for (; h + 8 * L <= nv; h += 8 * L) {
+            V a[8];
+            for (int i = 0; i < 8; ++i) a[i] = first ? V::zero() : V::load(arow + h + i * L);
+            for (int64_t j = j0; j < j1; ++j) {
+              const V gv = V::bcast(eval.p[j]);
+              const XT* xr = xc + erow.p[j] * H + h;
+              for (int i = 0; i < 8; ++i) a[i] = fma(gv, V::load(xr + i * L), a[i]);
+            }
+            for (int i = 0; i < 8; ++i) a[i].store(arow + h + i * L);
+          }
+          for (; h + L <= nv; h += L) {
+            V a0 = first ? V::zero() : V::load(arow + h);
+            for (int64_t j = j0; j < j1; ++j)
+              a0 = fma(V::bcast(eval.p[j]), V::load(xc + erow.p[j] * H + h), a0);
+            a0.store(arow + h);
+          }
+          for (; h < nv; ++h) {
+            Acc a = first ? Acc(0) : arow[h];
+            for (int64_t j = j0; j < j1; ++j)
+              a = std::fma(eval.p[j], to_acc<Acc>(xc[erow.p[j] * H + h]), a);
+            arow[h] = a;
+          }
+        }
+      }
+      for (int64_t e = 0; e < E; ++e) {
+        Acc* const arow = wacc + e * hc;
+        bool negative_zero = false;
+        int64_t h = 0;
+        for (; h + L <= nv; h += L) negative_zero |= V::load(arow + h).any_negative_zero();
+        for (; h < nv; ++h) negative_zero |= simd::is_negative_zero(arow[h]);
+        for (h = 0; negative_zero && h < nv; ++h) {
+          if (simd::is_negative_zero(arow[h])) {  // the dense chain decides the sign (see above)
+            Acc d = Acc(0);
+            for (int64_t t = 0; t < T; ++t)
+              d = std::fma(g[t * E + e], to_acc<Acc>(xc[t * H + h]), d);
+            arow[h] = d;
+          }
+        }
+        store_row<WT, Acc>(grad_w + e * H + h0, arow, nv);
+      }
+    }
+  }
 }
 
 template <class Acc, class XT, class WT>
@@ -560,6 +708,14 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   if (E == 0) {  // empty chains; grad_w has no elements
     for (int64_t i = 0; i < T * H; ++i) grad_x[i] = from_acc<XT>(Acc(0));
     return;
+  }
+  if (T > 0) {
+    const int64_t cap = T * E / kSparseDensityInv;
+    SparseRows<Acc> rows(T, cap);
+    if (collect_nonzeros(g, T, E, cap, rows)) {
+      sparse_backward<Acc, XT, WT>(rows, g, x, w, grad_x, grad_w, T, H, E);
+      return;
+    }
   }
 
   // grad_x = G · W: W packed as H/BW panels of E x BW (zero columns past H). Each output is one
@@ -766,19 +922,6 @@ void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const 
   } else {
     run(float{});
   }
-}
-
-bool gate_avx512(int request) {
-#ifdef SY_GATE_AVX2
-  if (request >= 0) {
-    const int on = request > 0 && __builtin_cpu_supports("avx512f") ? 1 : 0;
-    __atomic_store_n(&avx512_flag(), on, __ATOMIC_RELAXED);
-  }
-  return use_avx512();
-#else
-  (void)request;
-  return false;
-#endif
 }
 
 }  // namespace switchyard::cpu::SY_ISA_NS

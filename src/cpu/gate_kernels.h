@@ -22,18 +22,13 @@ namespace switchyard::cpu {
 // bias may be null). acc_dtype is fp32 or fp64; every input dtype converts exactly to it.
 // gate_backward: grad_x [T,H] (x_dtype), grad_weight [E,H] (w_dtype) and, when grad_bias is not
 // null, grad_bias [E] (acc_dtype) from grad_logits [T,E] (acc_dtype).
-// gate_avx512: whether this variant runs the fp32 panels (forward and backward) on AVX-512
-// registers (only the avx2 variant can, and only on a CPU with AVX-512F, where it does by
-// default). request < 0 asks, 0 turns it off, > 0 turns it on where the CPU has it. Same bits
-// either way; it exists so that tests and benchmarks can run the 256-bit path on such a CPU.
 #define SY_GATE_KERNELS                                                                          \
   void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtype,             \
                     const void* bias, DType bias_dtype, void* logits, DType acc_dtype,           \
                     int64_t num_tokens, int64_t hidden, int64_t num_experts);                    \
   void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const void* weight, \
                      DType w_dtype, void* grad_x, void* grad_weight, void* grad_bias,            \
-                     DType acc_dtype, int64_t num_tokens, int64_t hidden, int64_t num_experts); \
-  bool gate_avx512(int request);
+                     DType acc_dtype, int64_t num_tokens, int64_t hidden, int64_t num_experts);
 SY_CPU_DECLARE_VARIANTS(SY_GATE_KERNELS)
 #undef SY_GATE_KERNELS
 

@@ -1,11 +1,11 @@
 #include "cpu/permute_kernels.h"
 
-#include <immintrin.h>
-
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#include "cpu/simd.h"
 
 #if defined(__linux__)
 #endif
@@ -16,10 +16,7 @@ namespace switchyard::cpu::SY_ISA_NS {
 namespace {
 
 inline float load(float v) { return v; }
-inline float load(bf16 v) {
-  // bf16_to_float without the memcpy-through-uint32 the vectorizer dislikes.
-  return std::bit_cast<float>(static_cast<uint32_t>(v.bits) << 16);
-}
+inline float load(bf16 v) { return simd::to_float(v); }
 inline void store(float* p, float v) { *p = v; }
 inline void store(bf16* p, float v) { *p = float_to_bf16(v); }
 
@@ -28,26 +25,19 @@ inline void store(bf16* p, float v) { *p = float_to_bf16(v); }
 // places, and the hardware prefetcher stops at each 4 KiB page, so without this every row starts
 // cold. AVX2/FMA intrinsics (GCC keeps the plain loop scalar: acc may alias y), with a portable
 // fallback; fma is one rounding either way, so both paths give the same bits.
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-#endif
 
 template <class X>
 inline void accumulate_row(const float* w, const X* y, const X* next, float* acc, int64_t H) {
   constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(X));
   int64_t h = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef SY_SIMD_AVX2
   if (w) {
     const __m256 wv = _mm256_set1_ps(*w);
     for (; h + kLine <= H; h += kLine) {
       if (next) _mm_prefetch(reinterpret_cast<const char*>(next + h), _MM_HINT_T1);
       for (int64_t i = 0; i < kLine; i += 8) {
         _mm256_storeu_ps(acc + h + i,
-                         _mm256_fmadd_ps(wv, load8(y + h + i), _mm256_loadu_ps(acc + h + i)));
+                         _mm256_fmadd_ps(wv, simd::load8_f32(y + h + i), _mm256_loadu_ps(acc + h + i)));
       }
     }
   } else {
@@ -55,7 +45,7 @@ inline void accumulate_row(const float* w, const X* y, const X* next, float* acc
       if (next) _mm_prefetch(reinterpret_cast<const char*>(next + h), _MM_HINT_T1);
       for (int64_t i = 0; i < kLine; i += 8) {
         _mm256_storeu_ps(acc + h + i,
-                         _mm256_add_ps(_mm256_loadu_ps(acc + h + i), load8(y + h + i)));
+                         _mm256_add_ps(_mm256_loadu_ps(acc + h + i), simd::load8_f32(y + h + i)));
       }
     }
   }

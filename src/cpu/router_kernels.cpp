@@ -89,19 +89,6 @@ inline void reg_insert(TopReg& t, __m256 v, __m256i id) {
                                               _mm256_castsi256_ps(t.id), ge));
 }
 
-inline float hmin8(__m256 x) {
-  __m256 m = _mm256_min_ps(x, _mm256_permute2f128_ps(x, x, 1));
-  m = _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
-  m = _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm256_cvtss_f32(m);
-}
-
-inline float hmax8(__m256 x) {
-  __m256 m = _mm256_max_ps(x, _mm256_permute2f128_ps(x, x, 1));
-  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
-  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm256_cvtss_f32(m);
-}
 
 void select_topk_f32x8(const float* key, int64_t n, int64_t k, int32_t* out_id, float* bm,
                        float* cand_v, int32_t* cand_i) {
@@ -116,7 +103,7 @@ void select_topk_f32x8(const float* key, int64_t n, int64_t k, int32_t* out_id, 
     __m256 lm = _mm256_loadu_ps(key);
     for (int64_t b = 1; b < nb; ++b) lm = _mm256_max_ps(lm, _mm256_loadu_ps(key + b * 8));
     if (k == 8) {
-      thr_s = hmin8(lm);
+      thr_s = simd::hmin8(lm);
     } else {
       alignas(32) float lv[8];
       _mm256_store_ps(lv, lm);
@@ -125,7 +112,7 @@ void select_topk_f32x8(const float* key, int64_t n, int64_t k, int32_t* out_id, 
       thr_s = tv[k - 1];
     }
   } else {
-    for (int64_t b = 0; b < nb; ++b) bm[b] = hmax8(_mm256_loadu_ps(key + b * 8));
+    for (int64_t b = 0; b < nb; ++b) bm[b] = simd::hmax8(_mm256_loadu_ps(key + b * 8));
     for (int64_t b = 0; b < nb; ++b) {
       reg_insert(t, _mm256_set1_ps(bm[b]), _mm256_set1_epi32(static_cast<int32_t>(b)));
     }

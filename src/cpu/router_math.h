@@ -7,8 +7,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "cpu/simd.h"
+
+#ifdef SY_SIMD_AVX2
 #define SY_ROUTER_AVX2 1
 #endif
 

@@ -62,6 +62,25 @@ inline ::testing::AssertionResult within_bound(const Tensor& got, const ref::Gat
   return ::testing::AssertionSuccess();
 }
 
+/// Keeps k random entries of each row of g [T, E] (distinct columns) and zeroes the others: the
+/// grad_logits of top-k routing without aux or z loss.
+inline void keep_k_per_row(Tensor& g, int64_t k, std::mt19937_64& rng) {
+  const int64_t T = g.size(0), E = g.size(1);
+  std::vector<int64_t> cols(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t) {
+    std::iota(cols.begin(), cols.end(), 0);
+    std::shuffle(cols.begin(), cols.end(), rng);
+    for (int64_t j = std::min(k, E); j < E; ++j) {
+      const int64_t i = t * E + cols[static_cast<size_t>(j)];
+      if (g.dtype() == DType::fp64) {
+        g.data<double>()[i] = 0.0;
+      } else {
+        g.data<float>()[i] = 0.0f;
+      }
+    }
+  }
+}
+
 class GateTester {
  public:
   GateTester& tokens(int64_t T) { return T_ = T, *this; }
@@ -204,24 +223,6 @@ class GateTester {
 
   uint64_t seed_for(const char* what) const {
     return test_seed(seed_ ? *seed_ : seed_of(std::string(what) + " " + describe()));
-  }
-
-  // Keeps k random entries of each row of g [T, E] (distinct columns) and zeroes the others.
-  static void keep_k_per_row(Tensor& g, int64_t k, std::mt19937_64& rng) {
-    const int64_t T = g.size(0), E = g.size(1);
-    std::vector<int64_t> cols(static_cast<size_t>(E));
-    for (int64_t t = 0; t < T; ++t) {
-      std::iota(cols.begin(), cols.end(), 0);
-      std::shuffle(cols.begin(), cols.end(), rng);
-      for (int64_t j = std::min(k, E); j < E; ++j) {
-        const int64_t i = t * E + cols[static_cast<size_t>(j)];
-        if (g.dtype() == DType::fp64) {
-          g.data<double>()[i] = 0.0;
-        } else {
-          g.data<float>()[i] = 0.0f;
-        }
-      }
-    }
   }
 
   Inputs make_inputs(std::mt19937_64& rng) const {

@@ -299,12 +299,16 @@ TEST(Determinism, GradWeightIsAFixedOrderSumOverTheBatch) {
   set_num_threads(1);
 }
 
-// The run-time kernel choice (scalar vs AVX2+FMA) never changes a bit: the whole layer and its
-// backward, every routing case, plus the gate on bf16 and fp32 inputs with fp32 and fp64
-// accumulation at shapes that are not tile multiples. (CI also runs the whole suite with
+// The run-time kernel choice (scalar, AVX2+FMA, AVX-512) never changes a bit: the whole layer and
+// its backward, every routing case, plus the gate on bf16 and fp32 inputs with fp32 and fp64
+// accumulation at shapes that are not tile multiples, on every variant this CPU can run, each
+// against the scalar one. (The test command also runs the whole suite with
 // SWITCHYARD_CPU_ISA=scalar.)
-TEST(Determinism, ScalarAndAvx2KernelsGiveTheSameBits) {
-  if (!cpu_supports(CpuIsa::avx2)) {
+TEST(Determinism, KernelVariantsGiveTheSameBits) {
+  std::vector<CpuIsa> vector_isas;
+  for (CpuIsa isa : {CpuIsa::avx2, CpuIsa::avx512})
+    if (cpu_supports(isa)) vector_isas.push_back(isa);
+  if (vector_isas.empty()) {
     GTEST_SKIP() << "this CPU has no AVX2/FMA: only the scalar kernels can run here";
   }
   const uint64_t seed = test_seed(7004);
@@ -317,29 +321,33 @@ TEST(Determinism, ScalarAndAvx2KernelsGiveTheSameBits) {
     SCOPED_TRACE(std::string(c.name) + " " + repro(seed));
     set_cpu_isa(CpuIsa::scalar);
     const LayerOut a = run_layer(pool, ids, c.cfg, c.popt);
-    set_cpu_isa(CpuIsa::avx2);
-    const LayerOut b = run_layer(pool, ids, c.cfg, c.popt);
-    EXPECT_TRUE(same_layer(a, b)) << "scalar vs avx2";
+    for (CpuIsa isa : vector_isas) {
+      set_cpu_isa(isa);
+      const LayerOut b = run_layer(pool, ids, c.cfg, c.popt);
+      EXPECT_TRUE(same_layer(a, b)) << "scalar vs " << cpu_isa_name(isa);
+    }
   }
   std::mt19937_64 rng(seed);
   for (DType in : {DType::bf16, DType::fp32}) {
     for (DType acc : {DType::fp32, DType::fp64}) {
       const Tensor x = testing::randn({37, 203}, in, rng), w = testing::randn({29, 203}, in, rng);
       const Tensor b = testing::randn({29}, DType::fp32, rng);
-      Tensor out[2];
-      GateGrads grads[2];
-      for (int v = 0; v < 2; ++v) {
-        set_cpu_isa(v ? CpuIsa::avx2 : CpuIsa::scalar);
-        GateOptions opt;
-        opt.router_dtype = acc;
-        out[v] = router_gating_linear(x, w, b, opt);
-        grads[v] = router_gating_linear_backward(out[v], x, w, b, opt);
+      GateOptions opt;
+      opt.router_dtype = acc;
+      set_cpu_isa(CpuIsa::scalar);
+      const Tensor out0 = router_gating_linear(x, w, b, opt);
+      const GateGrads grads0 = router_gating_linear_backward(out0, x, w, b, opt);
+      for (CpuIsa isa : vector_isas) {
+        set_cpu_isa(isa);
+        const Tensor out = router_gating_linear(x, w, b, opt);
+        const GateGrads grads = router_gating_linear_backward(out, x, w, b, opt);
+        SCOPED_TRACE(std::string("gate ") + dtype_name(in) + " -> " + dtype_name(acc) +
+                     ", scalar vs " + cpu_isa_name(isa));
+        EXPECT_TRUE(bitwise_equal(out0, out)) << "logits";
+        EXPECT_TRUE(bitwise_equal(grads0.grad_x, grads.grad_x)) << "grad_x";
+        EXPECT_TRUE(bitwise_equal(grads0.grad_weight, grads.grad_weight)) << "grad_weight";
+        EXPECT_TRUE(bitwise_equal(grads0.grad_bias, grads.grad_bias)) << "grad_bias";
       }
-      SCOPED_TRACE(std::string("gate ") + dtype_name(in) + " -> " + dtype_name(acc));
-      EXPECT_TRUE(bitwise_equal(out[0], out[1])) << "logits";
-      EXPECT_TRUE(bitwise_equal(grads[0].grad_x, grads[1].grad_x)) << "grad_x";
-      EXPECT_TRUE(bitwise_equal(grads[0].grad_weight, grads[1].grad_weight)) << "grad_weight";
-      EXPECT_TRUE(bitwise_equal(grads[0].grad_bias, grads[1].grad_bias)) << "grad_bias";
     }
   }
   set_cpu_isa(saved);
@@ -355,7 +363,7 @@ TEST(Determinism, SetCpuIsaRejectsWhatTheCpuCannotRun) {
     set_cpu_isa(static_cast<CpuIsa>(7));
     FAIL() << "an unknown isa was accepted";
   } catch (const std::invalid_argument& e) {
-    EXPECT_STREQ(e.what(), "[set_cpu_isa] isa must be scalar or avx2, got 7");
+    EXPECT_STREQ(e.what(), "[set_cpu_isa] isa must be scalar, avx2 or avx512, got 7");
   }
   set_cpu_isa(saved);
 }

@@ -1,8 +1,10 @@
 // Router gate (router_gating_linear): values against double references, the promised reduction
 // order bit for bit, batch invariance, thread independence, gradients (reference, finite
 // differences, adjoint) and every argument error.
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -27,6 +29,7 @@ namespace {
 
 using sy::testing::GateTester;
 using sy::testing::kDeepSeekV3;
+using sy::testing::keep_k_per_row;
 using sy::testing::kQwen3_30B_A3B;
 
 // One x / weight / router dtype combination at T 37, H 300, E 19: without a bias and with a bias
@@ -179,23 +182,22 @@ TEST(GateBackward, AdjointIdentityFp64Router) {
       .TestAdjoint();
 }
 
-// From src/cpu/gate_kernels.h (unit tests see the public headers only): whether the avx2 variant
-// runs the backward's panels on AVX-512; request < 0 asks, 0 turns it off, > 0 on where possible.
-namespace switchyard::cpu::avx2 {
-bool gate_avx512(int request);
-}
+// Every kernel variant the CPU supports (scalar, avx2, avx512) runs the same chains: the avx2
+// variant runs the 32-column panels (forward: experts, backward: hidden) as two 256-bit halves,
+// avx512 as one zmm tile, scalar with std::fma. Each is checked against the chain reference and
+// bitwise against scalar on a shape with edge panels (Determinism.KernelVariantsGiveTheSameBits
+// checks the whole layer).
+namespace {
 
-// On an AVX-512 CPU the AVX2 variant runs the 32-column panels (forward: experts, backward: hidden)
-// on zmm registers; the 256-bit path (what a CPU without AVX-512 runs) must give the same chains:
-// checked here with the AVX-512 panels turned off, against the chain reference and bitwise
-// against the AVX-512 run.
-TEST(Gate, Avx2PanelsWithoutAvx512MatchChain) {
-  if (sy::cpu_isa() != sy::CpuIsa::avx2) GTEST_SKIP() << "the avx2 variant is not active";
-  struct Avx512Guard {
-    bool saved = sy::cpu::avx2::gate_avx512(-1);
-    ~Avx512Guard() { sy::cpu::avx2::gate_avx512(saved ? 1 : 0); }
-  } guard;
-  ASSERT_FALSE(sy::cpu::avx2::gate_avx512(0));
+struct IsaGuard {
+  sy::CpuIsa saved = sy::cpu_isa();
+  ~IsaGuard() { sy::set_cpu_isa(saved); }
+};
+
+void variant_matches_chain(sy::CpuIsa isa) {
+  if (!sy::cpu_supports(isa)) GTEST_SKIP() << "this CPU cannot run " << sy::cpu_isa_name(isa);
+  IsaGuard guard;
+  sy::set_cpu_isa(isa);
   GateTester().tokens(1031).hidden(45).TestBackward();
   GateTester().tokens(600).x(DType::fp32).weight(DType::fp32).TestBackward();
   GateTester().tokens(300).hidden(kQwen3_30B_A3B.hidden).experts(64).no_bias().TestBackward();
@@ -209,18 +211,121 @@ TEST(Gate, Avx2PanelsWithoutAvx512MatchChain) {
       .TestForward();
   GateTester().tokens(97).experts(65).x(DType::fp32).weight(DType::fp32).TestForward();
   GateTester().hidden(45).weight(DType::fp32).router(DType::fp64).TestForward();
-  // Same bits as the AVX-512 panels, where the CPU has them.
+  if (isa == sy::CpuIsa::scalar) return;
   std::mt19937_64 rng(test_seed(516));
   const Tensor x = randn({777, 2050}, DType::bf16, rng), w = randn({70, 2050}, DType::bf16, rng);
   const Tensor g = randn({777, 70}, DType::fp32, rng);
   const Tensor b = randn({70}, DType::fp32, rng);
-  const sy::GateGrads narrow = sy::router_gating_linear_backward(g, x, w, Tensor());
-  const Tensor narrow_logits = sy::router_gating_linear(x, w, b);
-  if (!sy::cpu::avx2::gate_avx512(1)) GTEST_SKIP() << "no AVX-512F on this CPU";
-  const sy::GateGrads wide = sy::router_gating_linear_backward(g, x, w, Tensor());
-  EXPECT_TRUE(bitwise_equal(narrow_logits, sy::router_gating_linear(x, w, b)));
-  EXPECT_TRUE(bitwise_equal(narrow.grad_x, wide.grad_x));
-  EXPECT_TRUE(bitwise_equal(narrow.grad_weight, wide.grad_weight));
+  const sy::GateGrads grads = sy::router_gating_linear_backward(g, x, w, Tensor());
+  const Tensor logits = sy::router_gating_linear(x, w, b);
+  sy::set_cpu_isa(sy::CpuIsa::scalar);
+  const sy::GateGrads scalar = sy::router_gating_linear_backward(g, x, w, Tensor());
+  EXPECT_TRUE(bitwise_equal(sy::router_gating_linear(x, w, b), logits)) << "logits vs scalar";
+  EXPECT_TRUE(bitwise_equal(scalar.grad_x, grads.grad_x)) << "grad_x vs scalar";
+  EXPECT_TRUE(bitwise_equal(scalar.grad_weight, grads.grad_weight)) << "grad_weight vs scalar";
+}
+
+// After top-k routing without aux or z loss, grad_logits has k nonzeros per row; the backward
+// then runs the chains over the nonzero terms only (src/cpu/gate_kernels.cpp), which must give
+// bitwise the dense chain: shapes with edge columns, every dtype pair, k in {1, 2, 8}.
+void topk_grad_logits_match_chain(sy::CpuIsa isa) {
+  if (!sy::cpu_supports(isa)) GTEST_SKIP() << "this CPU cannot run " << sy::cpu_isa_name(isa);
+  IsaGuard guard;
+  sy::set_cpu_isa(isa);
+  GateTester()
+      .tokens(200)
+      .hidden(kQwen3_30B_A3B.hidden)
+      .experts(kQwen3_30B_A3B.num_experts)
+      .grad_logits_topk(kQwen3_30B_A3B.top_k)
+      .TestBackward();
+  GateTester()
+      .tokens(300)
+      .hidden(kDeepSeekV3.hidden / 16 + 5)
+      .experts(kDeepSeekV3.num_experts)
+      .no_bias()
+      .grad_logits_topk(kDeepSeekV3.top_k)
+      .TestBackward();
+  GateTester()
+      .tokens(97)
+      .experts(65)
+      .x(DType::fp32)
+      .weight(DType::fp32)
+      .grad_logits_topk(2)
+      .TestBackward();
+  GateTester()
+      .tokens(7)
+      .hidden(45)
+      .experts(64)
+      .x(DType::fp32)
+      .router(DType::fp64)
+      .grad_logits_topk(1)
+      .TestBackward();
+  GateTester()
+      .tokens(1)
+      .hidden(70)
+      .experts(8)
+      .weight(DType::fp32)
+      .no_bias()
+      .grad_logits_topk(1)
+      .TestBackward();
+  GateTester()
+      .tokens(300)
+      .hidden(130)
+      .experts(64)
+      .x(DType::fp64)
+      .router(DType::fp64)
+      .no_bias()
+      .grad_logits_topk(8)
+      .TestBackward();
+}
+
+}  // namespace
+
+TEST(GateScalar, MatchesChain) { variant_matches_chain(sy::CpuIsa::scalar); }
+TEST(GateAvx2, MatchesChainAndScalarBits) { variant_matches_chain(sy::CpuIsa::avx2); }
+TEST(GateAvx512, MatchesChainAndScalarBits) { variant_matches_chain(sy::CpuIsa::avx512); }
+TEST(GateScalar, BackwardOfTopKGradLogitsMatchesChain) {
+  topk_grad_logits_match_chain(sy::CpuIsa::scalar);
+}
+TEST(GateAvx2, BackwardOfTopKGradLogitsMatchesChain) {
+  topk_grad_logits_match_chain(sy::CpuIsa::avx2);
+}
+TEST(GateAvx512, BackwardOfTopKGradLogitsMatchesChain) {
+  topk_grad_logits_match_chain(sy::CpuIsa::avx512);
+}
+
+// The one place where skipping g = 0 terms could change a bit: a negative product that underflows
+// to -0, followed by zero terms with +0 products. The dense chain turns -0 into +0
+// (fma(0, w > 0, -0) = +0); the result must be that +0.
+TEST(Gate, BackwardOfSparseGradLogitsKeepsTheDenseSignOfZero) {
+  struct IsaGuard {
+    sy::CpuIsa saved = sy::cpu_isa();
+    ~IsaGuard() { sy::set_cpu_isa(saved); }
+  } guard;
+  const int64_t T = 16, H = 70, E = 16;
+  Tensor x = Tensor::empty({T, H}, DType::fp32), w = Tensor::empty({E, H}, DType::fp32);
+  Tensor g = Tensor::empty({T, E}, DType::fp32);
+  for (int64_t i = 0; i < T * H; ++i) x.data<float>()[i] = 1.0f;
+  for (int64_t i = 0; i < E * H; ++i) w.data<float>()[i] = 1.0f;
+  for (int64_t i = 0; i < T * E; ++i) g.data<float>()[i] = 0.0f;
+  for (int64_t h = 0; h < H; ++h) {
+    w.data<float>()[2 * H + h] = -1e-30f;  // g[0,2] · w[2,h] = -1e-60: rounds to -0
+    x.data<float>()[0 * H + h] = -1e-30f;  // g[0,2] · x[0,h] likewise
+  }
+  g.data<float>()[0 * E + 2] = 1e-30f;
+  for (sy::CpuIsa isa : {sy::CpuIsa::scalar, sy::CpuIsa::avx2, sy::CpuIsa::avx512}) {
+    if (!sy::cpu_supports(isa)) continue;
+    SCOPED_TRACE(std::string("isa ") + sy::cpu_isa_name(isa));
+    sy::set_cpu_isa(isa);
+    const sy::GateGrads gr = sy::router_gating_linear_backward(g, x, w, Tensor());
+    Tensor cx, cw, cb;
+    sy::ref::gate_backward_chain<float>(g, x, w, &cx, &cw, &cb);
+    EXPECT_TRUE(bitwise_equal(gr.grad_x, cx)) << "grad_x";
+    EXPECT_TRUE(bitwise_equal(gr.grad_weight, cw)) << "grad_weight";
+    // The dense chains end at +0 (the zero terms after the underflow), not at -0.
+    EXPECT_FALSE(std::signbit(gr.grad_x.data<float>()[0])) << "grad_x[0,0]";
+    EXPECT_FALSE(std::signbit(gr.grad_weight.data<float>()[2 * H])) << "grad_weight[2,0]";
+  }
 }
 
 // Gradients against central finite differences of L = Σ logits ⊙ R, all in fp64.
@@ -418,6 +523,64 @@ TEST(GateErrors, DtypesShapesFirstNonFiniteAndBackwardArguments) {
   big.data<sy::bf16>()[4900 * 64 + 1] = sy::float_to_bf16(INFINITY);
   SY_EXPECT_THROW_MSG(sy::router_gating_linear(big, randn({3, 64}, DType::bf16, rng), Tensor()), E,
                       "x has a non-finite value nan at token 4321, hidden 9");
+  // The forward scans its logits and only then the inputs (a non-finite input always reaches a
+  // logit): several bad inputs still name x first, then weight, then bias; a size-0 dimension
+  // (no logit to look at) scans the inputs directly; finite inputs that overflow return the
+  // infinite logits, as before.
+  {
+    Tensor xb = x.to(DType::fp32), wb = w.to(DType::fp32), bb = b.clone();
+    xb.data<float>()[3 * 8 + 7] = NAN;
+    wb.data<float>()[0] = INFINITY;
+    bb.data<float>()[1] = -INFINITY;
+    SY_EXPECT_THROW_MSG(sy::router_gating_linear(xb, wb, bb), E,
+                        "x has a non-finite value nan at token 3, hidden 7");
+    SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, wb, bb), E,
+                        "weight has a non-finite value inf at expert 0, hidden 0");
+    Tensor empty_w = Tensor::empty({0, 8}, DType::bf16);
+    SY_EXPECT_THROW_MSG(sy::router_gating_linear(xb, empty_w, Tensor()), E,
+                        "x has a non-finite value nan at token 3, hidden 7");
+    Tensor no_hidden = Tensor::empty({4, 0}, DType::fp32);
+    SY_EXPECT_THROW_MSG(sy::router_gating_linear(no_hidden, Tensor::empty({3, 0}, DType::fp32), bb),
+                        E, "bias has a non-finite value -inf at expert 1");
+    Tensor huge = Tensor::empty({2, 4}, DType::fp32);
+    for (int64_t i = 0; i < 8; ++i) huge.data<float>()[i] = 3e38f;
+    const Tensor over = sy::router_gating_linear(huge, huge, Tensor());
+    EXPECT_TRUE(std::isinf(over.data<float>()[0])) << "3e38 * 3e38 overflows to inf";
+  }
+  // The backward checks x after the product, through grad_weight and the x rows whose grad_logits
+  // row is all zero: a bad x is named wherever it sits, on the dense and the sparse path (a
+  // one-hot grad_logits, rows 0 and 2 all zero), and before a bad weight.
+  {
+    const int64_t T = 64, H = 40, Ex = 16;
+    std::mt19937_64 r2(test_seed(77));
+    const Tensor xs = randn({T, H}, DType::bf16, r2), ws = randn({Ex, H}, DType::bf16, r2);
+    Tensor dense = randn({T, Ex}, DType::fp32, r2), sparse = dense.clone();
+    keep_k_per_row(sparse, 1, r2);
+    for (int64_t e = 0; e < Ex; ++e) {
+      sparse.data<float>()[0 * Ex + e] = 0.0f;
+      sparse.data<float>()[2 * Ex + e] = 0.0f;
+    }
+    for (const Tensor& gl : {dense, sparse}) {
+      for (int64_t t : {0, 1, 2, 63}) {
+        Tensor xb = xs.clone();
+        xb.data<sy::bf16>()[t * H + 7] = sy::float_to_bf16(NAN);
+        SY_EXPECT_THROW_MSG(
+            sy::router_gating_linear_backward(gl, xb, ws, Tensor()), E,
+            "x has a non-finite value nan at token " + std::to_string(t) + ", hidden 7");
+        Tensor wb2 = ws.clone();
+        wb2.data<sy::bf16>()[5 * H + 3] = sy::float_to_bf16(-INFINITY);
+        SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(gl, xb, wb2, Tensor()), E,
+                            "x has a non-finite value nan at token " + std::to_string(t));
+        SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(gl, xs, wb2, Tensor()), E,
+                            "weight has a non-finite value -inf at expert 5, hidden 3");
+      }
+    }
+    Tensor huge = Tensor::empty({2, 4}, DType::fp32), gh = Tensor::empty({2, 2}, DType::fp32);
+    for (int64_t i = 0; i < 8; ++i) huge.data<float>()[i] = 3e38f;
+    for (int64_t i = 0; i < 4; ++i) gh.data<float>()[i] = 3e38f;  // T 2, H 4, E 2
+    const sy::GateGrads over = sy::router_gating_linear_backward(gh, huge, huge, Tensor());
+    EXPECT_TRUE(std::isinf(over.grad_weight.data<float>()[0])) << "finite inputs that overflow";
+  }
   // backward-only arguments
   const char* bop = "[router_gating_linear_backward] ";
   SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(g.to(DType::bf16), x, w, b), E,
