@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing (Debian packages, the Python venv), builds everything
 # and runs every test (unit, MPI at 1-4 ranks, Python) on the auto-chosen kernels and again on the
-# portable ones, checks the pip package and the CMake package, then the AddressSanitizer+UBSan
+# portable ones, checks the pip package, the CMake package and the CUDA build (compile, link and
+# the device test; skipped without nvcc), then the AddressSanitizer+UBSan
 # build of the unit and MPI tests, then bounded fuzz runs. Ends with one summary line:
 # "summary: N passed, M failed".
 set -uo pipefail
@@ -56,6 +57,9 @@ check "python package" bash scripts/check_package.sh
 
 stage "C++ package: cmake --install, find_package(switchyard) consumer"
 check "cmake package" bash scripts/check_cmake_package.sh
+
+stage "CUDA build: -DSWITCHYARD_CUDA=ON compiles and links (nvcc), test_device passes without a GPU"
+check "cuda build" bash scripts/check_cuda_build.sh
 
 if [ "${SY_SKIP_SANITIZE:-0}" != 1 ]; then
   stage "sanitizer build (ASan + UBSan, clang) of the unit and MPI tests and the fuzz targets"

@@ -1,8 +1,10 @@
 // Crossing between torch tensors and switchyard::Tensor without copies.
 //
-// In: a contiguous CPU torch tensor is borrowed (`Tensor::borrow` on `data_ptr()`); any other
-// layout is made contiguous once and the copy is kept alive by the returned `Arg`. A CUDA tensor, a
-// non-tensor or a wrong dtype raises ValueError naming the op and the argument.
+// In: a contiguous torch tensor is borrowed (`Tensor::borrow` on `data_ptr()`, on the device its
+// `__dlpack_device__` names: kDLCPU -> cpu, kDLCUDA -> cuda:N); any other layout is made contiguous
+// once and the copy is kept alive by the returned `Arg`. A CUDA tensor in a build without CUDA,
+// another device, a non-tensor or a wrong dtype raises ValueError naming the op and the argument
+// (never read as host memory).
 // Out: a result Tensor is exported as a DLPack capsule that owns the C++ storage and handed to
 // `torch.from_dlpack` (zero copy, every dtype bf16 included, no numpy). Measured per call
 // (bench/py_bridge_overhead.py) against the numpy route it replaces: see notes/python.md.

@@ -5,6 +5,7 @@
 #include "bindings.h"
 #include "bridge.h"
 #include "switchyard/cpu.h"
+#include "switchyard/device.h"
 #include "switchyard/tensor.h"
 
 namespace switchyard::py_bind {
@@ -36,6 +37,14 @@ void bind_core(py::module_& m) {
       py::arg("isa"),
       "Use the 'scalar', 'avx2' or 'avx512' CPU kernels from now on (process-wide); raises "
       "ValueError when this CPU cannot run them.");
+  m.def("built_with_cuda", &switchyard::built_with_cuda,
+        "Whether this build has the CUDA backend (SWITCHYARD_CUDA=ON).");
+  m.def("cuda_device_count", &switchyard::cuda_device_count,
+        "CUDA devices visible to the engine (0 without the CUDA backend, a GPU or a driver).");
+  m.def(
+      "_borrow_device",
+      [](py::handle t) { return device_str(py_bridge::borrow(t, "borrow", "t").t.device()); },
+      py::arg("t"), "The device of the engine's view of `t`: 'cpu' or 'cuda:N' (tests).");
   m.def(
       "_borrow_info",
       [](py::handle t) {

@@ -13,8 +13,8 @@ import torch as _torch  # noqa: F401  (libtorch is loaded before the extension h
 
 from . import _switchyard as _C
 from . import _names
-from ._switchyard import (BackendError, DataError, GlobalAuxLossState, cpu_isa, num_threads,
-                          set_cpu_isa, set_num_threads)
+from ._switchyard import (BackendError, DataError, GlobalAuxLossState, built_with_cuda, cpu_isa,
+                          cuda_device_count, num_threads, set_cpu_isa, set_num_threads)
 
 
 class RouterConfig(_C.RouterConfig):
@@ -40,7 +40,8 @@ def _state_getattr(self, name):
 GlobalAuxLossState.__getattr__ = _state_getattr
 
 __all__ = ["BackendError", "DataError", "GlobalAuxLossState", "RouterConfig", "RouterReplay",
-           "cpu_isa", "num_threads", "set_cpu_isa", "set_num_threads", "dist", "routes"]
+           "built_with_cuda", "cpu_isa", "cuda_device_count", "num_threads", "set_cpu_isa",
+           "set_num_threads", "dist", "routes"]
 
 
 class RouterReplay:

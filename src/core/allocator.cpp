@@ -7,6 +7,8 @@
 #include <mutex>
 #include <new>
 
+#include "check.h"
+#include "cuda/cuda_backend.h"
 #include "switchyard/tensor.h"
 
 namespace switchyard {
@@ -55,59 +57,92 @@ void advise_huge_pages(void* p, int64_t bytes) noexcept {
 #endif
 }
 
-void* allocate(size_t bytes) {
-  const size_t size = rounded(bytes);
-  if (size < kLargeBytes) {
-    void* p = std::aligned_alloc(64, size);
-    if (!p) throw std::bad_alloc();
-    return p;
-  }
-  if (kCacheEnabled) {
-    Cache& c = cache();
-    std::lock_guard<std::mutex> lock(c.mutex);
-    auto it = c.blocks.find(size);
-    if (it != c.blocks.end()) {
-      void* p = it->second;
-      c.blocks.erase(it);
-      c.cached_bytes -= size;
+namespace {
+
+// Host memory, caching large blocks (see allocator.h for why).
+class HostCachingAllocator final : public Allocator {
+ public:
+  void* allocate(size_t bytes, const Device&) override {
+    const size_t size = rounded(bytes);
+    if (size < kLargeBytes) {
+      void* p = std::aligned_alloc(64, size);
+      if (!p) throw std::bad_alloc();
       return p;
     }
+    if (kCacheEnabled) {
+      Cache& c = cache();
+      std::lock_guard<std::mutex> lock(c.mutex);
+      auto it = c.blocks.find(size);
+      if (it != c.blocks.end()) {
+        void* p = it->second;
+        c.blocks.erase(it);
+        c.cached_bytes -= size;
+        return p;
+      }
+    }
+    void* p = std::aligned_alloc(kHugePage, size);
+    if (!p) throw std::bad_alloc();
+    advise_huge_pages(p, static_cast<int64_t>(size));
+    return p;
   }
-  void* p = std::aligned_alloc(kHugePage, size);
-  if (!p) throw std::bad_alloc();
-  advise_huge_pages(p, static_cast<int64_t>(size));
-  return p;
-}
 
-void deallocate(void* p, size_t bytes) noexcept {
-  if (!p) return;
-  const size_t size = rounded(bytes);
-  if (kCacheEnabled && size >= kLargeBytes) {
+  void deallocate(void* p, size_t bytes, const Device&) noexcept override {
+    if (!p) return;
+    const size_t size = rounded(bytes);
+    if (kCacheEnabled && size >= kLargeBytes) {
+      Cache& c = cache();
+      std::lock_guard<std::mutex> lock(c.mutex);
+      if (c.cached_bytes + size <= kMaxCachedBytes) {
+        c.blocks.emplace(size, p);
+        c.cached_bytes += size;
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+  const char* name() const override { return kCacheEnabled ? "cpu (caching)" : "cpu"; }
+
+  int64_t cached_bytes() const override {
     Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mutex);
-    if (c.cached_bytes + size <= kMaxCachedBytes) {
-      c.blocks.emplace(size, p);
-      c.cached_bytes += size;
-      return;
-    }
+    return static_cast<int64_t>(c.cached_bytes);
   }
-  std::free(p);
+
+  void release_cached() override {
+    Cache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mutex);
+    for (auto& [size, p] : c.blocks) std::free(p);
+    c.blocks.clear();
+    c.cached_bytes = 0;
+  }
+};
+
+}  // namespace
+
+Allocator& host_allocator() {
+  static HostCachingAllocator* a = new HostCachingAllocator;  // never destroyed, like the cache
+  return *a;
 }
+
+Allocator& allocator_for(const Device& device, const char* op) {
+  switch (device.kind) {
+    case DeviceKind::cpu:
+      return host_allocator();
+    case DeviceKind::cuda:
+      return cuda::device_allocator(op, device);  // throws in a build without CUDA
+  }
+  fail_arg(op, "unknown device kind ", static_cast<int>(device.kind));
+}
+
+void* allocate(size_t bytes) { return host_allocator().allocate(bytes, kCpu); }
+
+void deallocate(void* p, size_t bytes) noexcept { host_allocator().deallocate(p, bytes, kCpu); }
 
 }  // namespace detail
 
-int64_t cached_memory_bytes() {
-  detail::Cache& c = detail::cache();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  return static_cast<int64_t>(c.cached_bytes);
-}
+int64_t cached_memory_bytes() { return detail::host_allocator().cached_bytes(); }
 
-void release_cached_memory() {
-  detail::Cache& c = detail::cache();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  for (auto& [size, p] : c.blocks) std::free(p);
-  c.blocks.clear();
-  c.cached_bytes = 0;
-}
+void release_cached_memory() { detail::host_allocator().release_cached(); }
 
 }  // namespace switchyard

@@ -1,17 +1,49 @@
-// Host memory for tensors. Large blocks (>= 1 MiB) are kept in a small cache when freed and handed
-// out again for the next request of the same rounded size: a training step allocates the same
-// large buffers (recv_x, combine outputs, gradients) every micro-batch, and first-touch page faults
-// on fresh memory cost more than the copies that fill it (measured in bench_dispatch: a quarter of
-// rank 0's time was the kernel zeroing pages). Large blocks are 2 MiB aligned and advised for
-// transparent huge pages.
+// Memory for tensors, one allocator per device kind. The registry (`allocator_for`) is the only
+// place that knows which allocator serves which kind: the CPU one below, the CUDA one in a CUDA
+// build (src/cuda), and in a build without CUDA none (asking throws BackendError "not built with
+// CUDA").
+//
+// The CPU allocator caches: large blocks (>= 1 MiB) are kept when freed and handed out again for
+// the next request of the same rounded size. A training step allocates the same large buffers
+// (recv_x, combine outputs, gradients) every micro-batch, and first-touch page faults on fresh
+// memory cost more than the copies that fill it (measured in bench_dispatch: a quarter of rank 0's
+// time was the kernel zeroing pages). Large blocks are 2 MiB aligned and advised for transparent
+// huge pages.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
+#include "switchyard/device.h"
+
 namespace switchyard::detail {
 
-/// At least `bytes` bytes, 64-byte aligned (2 MiB aligned for large blocks). Throws std::bad_alloc.
+/// Allocates and frees the storage of one device kind. Implementations are thread-safe.
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  /// At least `bytes` bytes on `device` (of this allocator's kind), 64-byte aligned (or better).
+  /// Throws std::bad_alloc (host) or BackendError (device runtime failure).
+  virtual void* allocate(size_t bytes, const Device& device) = 0;
+  /// Returns a block from allocate(bytes, device) (same `bytes` and `device`).
+  virtual void deallocate(void* p, size_t bytes, const Device& device) noexcept = 0;
+  /// "cpu (caching)", "cuda (cudaMalloc)", for messages and tests.
+  virtual const char* name() const = 0;
+  /// Bytes held in this allocator's cache (0 when it does not cache).
+  virtual int64_t cached_bytes() const { return 0; }
+  /// Frees every cached block.
+  virtual void release_cached() {}
+};
+
+/// The allocator of `device.kind`. Throws BackendError "[op] device cuda:0: not built with CUDA
+/// ..." when the build has none for that kind.
+Allocator& allocator_for(const Device& device, const char* op = "tensor");
+
+/// The CPU (host) caching allocator.
+Allocator& host_allocator();
+
+/// Host memory from the CPU allocator (what Tensor::empty uses for kCpu), for buffers that are not
+/// tensors (the communicator's scratch).
 void* allocate(size_t bytes);
 /// Returns a block from allocate(bytes) (same `bytes`).
 void deallocate(void* p, size_t bytes) noexcept;

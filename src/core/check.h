@@ -32,6 +32,8 @@ void check_dtype(const Tensor& t, const char* op, const char* name,
                  std::initializer_list<DType> allowed);
 /// Requires t.shape() == expected, where an expected entry of -1 matches any size.
 void check_shape(const Tensor& t, const char* op, const char* name, const Shape& expected);
+/// Requires a defined `t` to live on `device` (undefined optional tensors pass).
+void check_device(const Tensor& t, const char* op, const char* name, const Device& device);
 /// Requires t.dim() == ndim.
 void check_dim(const Tensor& t, const char* op, const char* name, int64_t ndim);
 

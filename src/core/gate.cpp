@@ -1,5 +1,6 @@
 // Front-end of the router gate: validates every argument (dtypes, shapes, non-finite values)
-// before any work, shapes and allocates the outputs, and calls the CPU kernels. No math here.
+// before any work, shapes and allocates the outputs on x's device, and calls the kernels through
+// the backend seam (src/backend/backend.h). No math here.
 #include "switchyard/gate.h"
 
 #include <omp.h>
@@ -8,9 +9,8 @@
 #include <cstring>
 #include <string>
 
+#include "backend/backend.h"
 #include "check.h"
-#include "cpu/finite_kernels.h"
-#include "cpu/gate_kernels.h"
 
 namespace switchyard {
 namespace {
@@ -45,6 +45,8 @@ Dims check_inputs(const char* op, const Tensor& x, const Tensor& weight, const T
   check_upcast(x, op, "x", rd);
   detail::check_dtype(weight, op, "weight", {DType::bf16, DType::fp32});
   detail::check_dim(weight, op, "weight", 2);
+  detail::check_device(weight, op, "weight", x.device());
+  detail::check_device(bias, op, "bias", x.device());
   const Dims d{x.size(0), x.size(1), weight.size(0)};
   if (weight.size(1) != d.hidden) {
     detail::fail_arg(op, "weight must have shape [num_experts, hidden=", d.hidden,
@@ -84,11 +86,11 @@ Tensor router_gating_linear(const Tensor& x, const Tensor& weight, const Tensor&
   const bool scan_inputs_first = d.num_tokens == 0 || d.hidden == 0 || d.num_experts == 0;
   if (scan_inputs_first) check_all_finite();
 
-  Tensor logits = Tensor::empty({d.num_tokens, d.num_experts}, options.router_dtype);
-  cpu::gate_forward(x.raw(), x.dtype(), weight.raw(), weight.dtype(),
-                    bias.defined() ? bias.raw() : nullptr,
-                    bias.defined() ? bias.dtype() : options.router_dtype, logits.raw(),
-                    options.router_dtype, d.num_tokens, d.hidden, d.num_experts);
+  Tensor logits = Tensor::empty({d.num_tokens, d.num_experts}, options.router_dtype, x.device());
+  backend::gate_forward(backend::context_of(x, kFwd), x.raw(), x.dtype(), weight.raw(),
+                        weight.dtype(), bias.defined() ? bias.raw() : nullptr,
+                        bias.defined() ? bias.dtype() : options.router_dtype, logits.raw(),
+                        options.router_dtype, d.num_tokens, d.hidden, d.num_experts);
   if (!scan_inputs_first && detail::first_non_finite(logits) < logits.numel()) check_all_finite();
   return logits;
 }
@@ -98,6 +100,7 @@ GateGrads router_gating_linear_backward(const Tensor& grad_logits, const Tensor&
                                         const GateOptions& options) {
   const Dims d = check_inputs(kBwd, x, weight, bias, options);
   detail::check_dtype(grad_logits, kBwd, "grad_logits", {options.router_dtype});
+  detail::check_device(grad_logits, kBwd, "grad_logits", x.device());
   if (grad_logits.dim() != 2 || grad_logits.size(0) != d.num_tokens ||
       grad_logits.size(1) != d.num_experts) {
     detail::fail_arg(kBwd, "grad_logits must have shape [num_tokens=", d.num_tokens,
@@ -121,13 +124,15 @@ GateGrads router_gating_linear_backward(const Tensor& grad_logits, const Tensor&
   if (scan_inputs_first) check_x_and_weight();
 
   GateGrads g;
-  g.grad_x = Tensor::empty(x.shape(), x.dtype());
-  g.grad_weight = Tensor::empty(weight.shape(), weight.dtype());
-  if (bias.defined()) g.grad_bias = Tensor::empty({d.num_experts}, options.router_dtype);
-  cpu::gate_backward(grad_logits.raw(), x.raw(), x.dtype(), weight.raw(), weight.dtype(),
-                     g.grad_x.raw(), g.grad_weight.raw(),
-                     bias.defined() ? g.grad_bias.raw() : nullptr, options.router_dtype,
-                     d.num_tokens, d.hidden, d.num_experts);
+  g.grad_x = Tensor::empty(x.shape(), x.dtype(), x.device());
+  g.grad_weight = Tensor::empty(weight.shape(), weight.dtype(), x.device());
+  if (bias.defined()) {
+    g.grad_bias = Tensor::empty({d.num_experts}, options.router_dtype, x.device());
+  }
+  backend::gate_backward(backend::context_of(x, kBwd), grad_logits.raw(), x.raw(), x.dtype(),
+                         weight.raw(), weight.dtype(), g.grad_x.raw(), g.grad_weight.raw(),
+                         bias.defined() ? g.grad_bias.raw() : nullptr, options.router_dtype,
+                         d.num_tokens, d.hidden, d.num_experts);
   if (!scan_inputs_first) {
     bool suspect = detail::first_non_finite(weight) < weight.numel() ||
                    detail::first_non_finite(g.grad_weight) < g.grad_weight.numel();
@@ -142,7 +147,7 @@ GateGrads router_gating_linear_backward(const Tensor& grad_logits, const Tensor&
       }
       if (empty_row) {
         const void* row = static_cast<const char*>(x.raw()) + static_cast<size_t>(t * H) * esize;
-        suspect = cpu::first_non_finite(row, x.dtype(), H) < H;
+        suspect = backend::first_non_finite(backend::context_of(x, kBwd), row, x.dtype(), H) < H;
       }
     }
     if (suspect) check_x_and_weight();

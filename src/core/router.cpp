@@ -1,6 +1,7 @@
 // Router front-end: topk_route validates every argument before any work, classifies the rows,
 // runs the balancing selection, the scores / selection / capacity forward and the losses (each in
-// its own file, see router_internal.h); topk_route_backward runs the backward kernels.
+// its own file, see router_internal.h); topk_route_backward runs the backward kernels. Kernels
+// and value checks go through the backend seam (src/backend/backend.h).
 #include "switchyard/router.h"
 
 #include <algorithm>
@@ -66,7 +67,8 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   const int64_t T = logits.size(0), E = config.num_experts, K = config.top_k;
   const bool is64 = logits.dtype() == DType::fp64;
   {
-    const int64_t bad = detail::first_non_finite(logits);
+    const int64_t bad = backend::first_non_finite(backend::context_of(logits, kOp), logits.raw(),
+                                                  logits.dtype(), T * E);
     if (bad < T * E) {
       detail::fail_arg(kOp, layer_prefix(options.layer), "logits must be finite, got ",
                        logits.item_as_double(bad), " at token ", bad / E, ", expert ", bad % E);
@@ -81,11 +83,12 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   if (bias.defined()) {
     detail::check_dtype(bias, kOp, "expert_bias", {DType::fp32, DType::fp64});
     detail::check_shape(bias, kOp, "expert_bias", {E});
-    for (int64_t e = 0; e < E; ++e) {
-      if (!std::isfinite(bias.item_as_double(e))) {
-        detail::fail_arg(kOp, "expert_bias must be finite, got ", bias.item_as_double(e),
-                         " at expert ", e);
-      }
+    detail::check_device(bias, kOp, "expert_bias", logits.device());
+    const int64_t e =
+        backend::first_non_finite(backend::context_of(bias, kOp), bias.raw(), bias.dtype(), E);
+    if (e < E) {
+      detail::fail_arg(kOp, "expert_bias must be finite, got ", bias.item_as_double(e),
+                       " at expert ", e);
     }
   }
   const bool qb = config.aux_loss_type == AuxLossType::quantile_balancing;
@@ -105,11 +108,13 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   const Tensor& mask = inputs.padding_mask;
   if (mask.defined()) {
     detail::check_dtype(mask, kOp, "padding_mask", {DType::boolean});
+    detail::check_device(mask, kOp, "padding_mask", logits.device());
     detail::check_shape(mask, kOp, "padding_mask", {T});
   }
   const Tensor& replay = inputs.replay_idx;
   if (replay.defined()) {
     detail::check_dtype(replay, "replay", "replay_idx", {DType::int32});
+    detail::check_device(replay, "replay", "replay_idx", logits.device());
     detail::check_shape(replay, "replay", "replay_idx", {T, K});
   }
   if (options.invalid_replay_rows != InvalidReplayRows::error &&
@@ -168,7 +173,7 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
       config.capacity_factor ? expert_capacity(T, K, E, *config.capacity_factor) : -1;
   r.expert_capacity = capacity;
 
-  cpu::RouteKernelParams p = kernel_params(config, T);
+  backend::RouteKernelParams p = kernel_params(config, T);
   p.need_aux = need_aux;
   p.aux_groups = G;
   p.need_z = config.z_loss_coeff > 0.0;
@@ -244,21 +249,21 @@ RouteGrads topk_route_backward(const Tensor& grad_topk_weights, const RouteResul
   }
   const double zc = handle.z_grad_coeff * options.loss_grad_scale;
 
-  cpu::RouteKernelParams p = kernel_params(h, T);
+  backend::RouteKernelParams p = kernel_params(h, T);
   p.aux_groups = handle.aux_groups;
   RouteGrads g;
   g.grad_logits = Tensor::empty({T, E}, logits.dtype());
   const double* aux_ptr = aux.empty() ? nullptr : aux.data();
   if (logits.dtype() == DType::fp64) {
-    cpu::route_backward<double>(logits.data<double>(), handle.selected_idx.data<int32_t>(),
-                                handle.topk_idx.data<int32_t>(), handle.row_kind.data<uint8_t>(),
-                                gw.defined() ? gw.data<double>() : nullptr, p, aux_ptr, zc,
-                                g.grad_logits.data<double>());
+    backend::route_backward<double>(
+        backend::context_of(logits, op), logits.data<double>(), handle.selected_idx.data<int32_t>(),
+        handle.topk_idx.data<int32_t>(), handle.row_kind.data<uint8_t>(),
+        gw.defined() ? gw.data<double>() : nullptr, p, aux_ptr, zc, g.grad_logits.data<double>());
   } else {
-    cpu::route_backward<float>(logits.data<float>(), handle.selected_idx.data<int32_t>(),
-                               handle.topk_idx.data<int32_t>(), handle.row_kind.data<uint8_t>(),
-                               gw.defined() ? gw.data<float>() : nullptr, p, aux_ptr, zc,
-                               g.grad_logits.data<float>());
+    backend::route_backward<float>(
+        backend::context_of(logits, op), logits.data<float>(), handle.selected_idx.data<int32_t>(),
+        handle.topk_idx.data<int32_t>(), handle.row_kind.data<uint8_t>(),
+        gw.defined() ? gw.data<float>() : nullptr, p, aux_ptr, zc, g.grad_logits.data<float>());
   }
   // bf16 logits get their gradient in bf16 (computed in fp32, rounded once).
   if (handle.logits_dtype == DType::bf16) g.grad_logits = g.grad_logits.to(DType::bf16);

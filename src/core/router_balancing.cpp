@@ -17,20 +17,22 @@ namespace detail {
 Tensor sinkhorn_rows(const Tensor& logits, const Tensor& replay, const uint8_t* kind, int64_t T,
                      int64_t E, int64_t K, uint8_t* kernel_kind) {
   std::vector<uint8_t> use(static_cast<size_t>(T));
-  for (int64_t t = 0; t < T; ++t) use[t] = kind[t] != cpu::kRowPadded;
+  for (int64_t t = 0; t < T; ++t) use[t] = kind[t] != backend::kRowPadded;
   Tensor sink = Tensor::full({T, K}, DType::int32, -1);
   if (logits.dtype() == DType::fp64) {
-    cpu::sinkhorn_select(logits.data<double>(), use.data(), T, E, K, 1e-4, sink.data<int32_t>());
+    backend::sinkhorn_select(backend::context_of(logits, kRouteOp), logits.data<double>(),
+                             use.data(), T, E, K, 1e-4, sink.data<int32_t>());
   } else {
-    cpu::sinkhorn_select(logits.data<float>(), use.data(), T, E, K, 1e-4, sink.data<int32_t>());
+    backend::sinkhorn_select(backend::context_of(logits, kRouteOp), logits.data<float>(),
+                             use.data(), T, E, K, 1e-4, sink.data<int32_t>());
   }
   uint8_t* kk = kernel_kind;
   int32_t* sp = sink.data<int32_t>();
   for (int64_t t = 0; t < T; ++t) {
-    if (kind[t] == cpu::kRowReplayed) {
+    if (kind[t] == backend::kRowReplayed) {
       std::copy_n(replay.data<int32_t>() + t * K, K, sp + t * K);
-    } else if (kind[t] == cpu::kRowNative) {
-      kk[t] = cpu::kRowReplayed;
+    } else if (kind[t] == backend::kRowNative) {
+      kk[t] = backend::kRowReplayed;
     }
   }
   return sink;
@@ -57,7 +59,7 @@ Tensor quantile_balancing_rows(const Tensor& logits, const Tensor& qb_beta, cons
       return a < b;
     });
     alpha[t] = key[order[K]];
-    if (kind[t] == cpu::kRowReplayed) {
+    if (kind[t] == backend::kRowReplayed) {
       std::copy_n(replay.data<int32_t>() + t * K, K, sel.data<int32_t>() + t * K);
     } else {
       std::copy_n(order.data(), K, sel.data<int32_t>() + t * K);
@@ -75,7 +77,7 @@ Tensor quantile_balancing_rows(const Tensor& logits, const Tensor& qb_beta, cons
   }
   uint8_t* kk = kernel_kind;
   for (int64_t t = 0; t < T; ++t) {
-    if (kind[t] == cpu::kRowNative) kk[t] = cpu::kRowReplayed;
+    if (kind[t] == backend::kRowNative) kk[t] = backend::kRowReplayed;
   }
   return sel;
 }

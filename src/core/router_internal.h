@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/router_kernels.h"
+#include "backend/backend.h"
 #include "switchyard/router.h"
 
 namespace switchyard::detail {
@@ -26,7 +26,7 @@ struct RouteSaved {
   Tensor logits;           ///< [T, E] the logits routed (fp32 copy of bf16 ones, forced ones)
   Tensor selected_idx;     ///< [T, K] int32 ids before capacity drops (-1 on padded rows)
   Tensor topk_idx;         ///< [T, K] int32 ids after capacity (the result's topk_idx)
-  Tensor row_kind;         ///< [T] uint8: cpu::kRowNative / kRowReplayed / kRowPadded
+  Tensor row_kind;         ///< [T] uint8: backend::kRowNative / kRowReplayed / kRowPadded
   Tensor aux_grad;         ///< [G, E] fp64 dLoss/dP per (sequence group, expert); undefined if none
   int64_t aux_groups = 1;  ///< G: 1, or num_sequences for seq_aux_loss
   double z_grad_coeff = 0.0;         ///< 2 * z_loss_coeff / num_valid_tokens (scaled)
@@ -47,21 +47,21 @@ struct LbCoeffs {
 LbCoeffs lb_coeffs(const RouterConfig& c);
 
 // ---- router_select.cpp ----
-cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T);
+backend::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T);
 
 /// The kernels' forward and capacity: fills saved.selected_idx (allocated), r.topk_idx,
 /// r.topk_weights, r.num_tokens_per_expert and r.num_dropped, the aux partial sums [G, E] and the
 /// z sum. replay_idx / row_kind as the kernels read them (balancing rows are "replayed").
 template <class S>
 void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_idx,
-                 const Tensor& row_kind, const cpu::RouteKernelParams& p, int64_t capacity,
+                 const Tensor& row_kind, const backend::RouteKernelParams& p, int64_t capacity,
                  TokenDropPolicy drop_policy, bool round_weights_to_bf16, RouteResult& r,
                  RouteSaved& saved, std::vector<double>& aux_psum, std::vector<int64_t>& aux_cnt,
                  double& z_sum);
 
 // ---- router_rows.cpp ----
-/// Row kinds into kind[T] (cpu::kRowNative / kRowReplayed / kRowPadded) and the row counts of r;
-/// a bad replay row throws (or routes natively with InvalidReplayRows::native, counted).
+/// Row kinds into kind[T] (backend::kRowNative / kRowReplayed / kRowPadded) and the row counts of
+/// r; a bad replay row throws (or routes natively with InvalidReplayRows::native, counted).
 void classify_rows(const Tensor& replay_idx, const Tensor& padding_mask, int64_t T, int64_t K,
                    int64_t E, const RouteOptions& options, uint8_t* kind, RouteResult& r);
 

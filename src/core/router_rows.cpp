@@ -28,50 +28,33 @@ void classify_rows(const Tensor& replay, const Tensor& mask, int64_t T, int64_t 
                    const RouteOptions& options, uint8_t* kind, RouteResult& r) {
   const bool* pad = mask.defined() ? mask.data<bool>() : nullptr;
   const int32_t* rp = replay.defined() ? replay.data<int32_t>() : nullptr;
-  std::vector<int64_t> seen(rp ? static_cast<size_t>(E) : 0, -1);
-  for (int64_t t = 0; t < T; ++t) {
-    if (pad && pad[t]) {
-      kind[t] = cpu::kRowPadded;
-      ++r.num_padded_rows;
-      continue;
-    }
-    kind[t] = cpu::kRowNative;
-    if (!rp) {
-      ++r.num_native_rows;
-      continue;
-    }
-    const int32_t* row = rp + t * K;
-    int64_t num_none = 0;
-    for (int64_t k = 0; k < K; ++k) num_none += row[k] == -1;
-    if (num_none == K) {
-      ++r.num_native_rows;
-      continue;
-    }
+  const backend::ReplayRowSummary rows =
+      backend::classify_replay_rows(backend::Context{replay.defined() ? replay.device()
+                                                     : mask.defined() ? mask.device()
+                                                                      : kCpu,
+                                                     nullptr, kRouteOp},
+                                    rp, pad, T, K, E, kind);
+  if (rows.first_invalid_row >= 0 && options.invalid_replay_rows == InvalidReplayRows::error) {
+    const int64_t t = rows.first_invalid_row;
     std::string why;
-    if (num_none > 0) {
-      why = "mixes -1 and expert ids";
-    } else {
-      for (int64_t k = 0; k < K && why.empty(); ++k) {
-        if (row[k] < 0 || row[k] >= E) {
-          why = detail::cat("names expert ", row[k], " outside [0, ", E, ")");
-        } else if (seen[row[k]] == t) {
-          why = detail::cat("repeats expert ", row[k]);
-        } else {
-          seen[row[k]] = t;
-        }
-      }
+    switch (rows.first_problem) {
+      case backend::ReplayRowProblem::mixes_none_and_ids:
+        why = "mixes -1 and expert ids";
+        break;
+      case backend::ReplayRowProblem::id_out_of_range:
+        why = detail::cat("names expert ", rows.first_problem_id, " outside [0, ", E, ")");
+        break;
+      default:
+        why = detail::cat("repeats expert ", rows.first_problem_id);
+        break;
     }
-    if (why.empty()) {
-      kind[t] = cpu::kRowReplayed;
-      ++r.num_replayed_rows;
-    } else if (options.invalid_replay_rows == InvalidReplayRows::native) {
-      ++r.num_native_rows;
-      ++r.num_invalid_replay_rows;
-    } else {
-      detail::fail_arg("replay", layer_prefix(options.layer), "token ", t, ": topk_idx row ",
-                       row_str(row, K), " ", why);
-    }
+    detail::fail_arg("replay", layer_prefix(options.layer), "token ", t, ": topk_idx row ",
+                     row_str(rp + t * K, K), " ", why);
   }
+  r.num_padded_rows = rows.num_padded;
+  r.num_native_rows = rows.num_native;
+  r.num_replayed_rows = rows.num_replayed;
+  r.num_invalid_replay_rows = rows.num_invalid;
 }
 
 }  // namespace switchyard::detail

@@ -11,8 +11,8 @@
 
 namespace switchyard::detail {
 
-cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
-  cpu::RouteKernelParams p;
+backend::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
+  backend::RouteKernelParams p;
   p.num_tokens = T;
   p.num_experts = c.num_experts;
   p.top_k = c.top_k;
@@ -21,7 +21,7 @@ cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
   if (c.aux_loss_type == AuxLossType::sinkhorn) {
     // Megatron's _sinkhorn_activation: sigmoid for K = 1, softmax over all E for K > 1, the
     // weights taken at the selected ids without renormalisation.
-    p.score_function = c.top_k == 1 ? cpu::kScoreSigmoid : cpu::kScoreSoftmax;
+    p.score_function = c.top_k == 1 ? backend::kScoreSigmoid : backend::kScoreSoftmax;
     p.pre_softmax = c.top_k > 1;
   }
   p.num_groups = c.num_groups;
@@ -32,7 +32,7 @@ cpu::RouteKernelParams kernel_params(const RouterConfig& c, int64_t T) {
 
 template <class S>
 void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_idx,
-                 const Tensor& row_kind, const cpu::RouteKernelParams& p, int64_t capacity,
+                 const Tensor& row_kind, const backend::RouteKernelParams& p, int64_t capacity,
                  TokenDropPolicy drop_policy, bool round_weights_to_bf16, RouteResult& r,
                  RouteSaved& saved, std::vector<double>& aux_psum, std::vector<int64_t>& aux_cnt,
                  double& z_sum) {
@@ -43,8 +43,9 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
     bias_s.resize(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) bias_s[e] = static_cast<S>(bias.item_as_double(e));
   }
-  cpu::route_forward<S>(
-      logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(), row_kind.data<uint8_t>(),
+  const backend::Context ctx = backend::context_of(logits, kRouteOp);
+  backend::route_forward<S>(
+      ctx, logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(), row_kind.data<uint8_t>(),
       replay_idx.defined() ? replay_idx.data<int32_t>() : nullptr, p,
       saved.selected_idx.data<int32_t>(), sel_w.data<S>(), aux_psum.data(), aux_cnt.data(), &z_sum);
   if constexpr (std::is_same_v<S, float>) {
@@ -56,17 +57,17 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
     }
   }
   r.num_dropped =
-      detail::apply_capacity<S>(saved.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E,
-                                capacity, drop_policy, r.topk_idx.data<int32_t>(),
-                                r.topk_weights.data<S>(), r.num_tokens_per_expert.data<int64_t>());
+      backend::apply_capacity<S>(ctx, saved.selected_idx.data<int32_t>(), sel_w.data<S>(), T, K, E,
+                                 capacity, drop_policy, r.topk_idx.data<int32_t>(),
+                                 r.topk_weights.data<S>(), r.num_tokens_per_expert.data<int64_t>());
 }
 
 template void run_forward<float>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                 const cpu::RouteKernelParams&, int64_t, TokenDropPolicy, bool,
+                                 const backend::RouteKernelParams&, int64_t, TokenDropPolicy, bool,
                                  RouteResult&, RouteSaved&, std::vector<double>&,
                                  std::vector<int64_t>&, double&);
 template void run_forward<double>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  const cpu::RouteKernelParams&, int64_t, TokenDropPolicy, bool,
+                                  const backend::RouteKernelParams&, int64_t, TokenDropPolicy, bool,
                                   RouteResult&, RouteSaved&, std::vector<double>&,
                                   std::vector<int64_t>&, double&);
 

@@ -8,6 +8,7 @@
 #include <numeric>
 #include <vector>
 
+#include "backend/backend.h"
 #include "capacity.h"
 #include "check.h"
 
@@ -56,8 +57,10 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
   }
   const int32_t* idx = topk_idx.data<int32_t>();
   const float* w = has_w ? topk_weights.data<float>() : nullptr;
-  for (int64_t i = 0; i < T * K; ++i) {
-    if (idx[i] < -1 || idx[i] >= E) {
+  {
+    const int64_t i =
+        backend::first_id_out_of_range(backend::context_of(topk_idx, kOp), idx, T * K, -1, E);
+    if (i < T * K) {
       detail::fail_arg(kOp, "topk_idx must hold ids in [0, num_experts=", E,
                        ") or -1, got topk_idx[", i / K, ", ", i % K, "]=", idx[i]);
     }

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "allocator.h"
+#include "backend/backend.h"
 #include "check.h"
 
 namespace switchyard {
@@ -66,26 +67,34 @@ void fill_as(void* p, int64_t n, double v) {
 
 }  // namespace
 
-Tensor Tensor::empty(const Shape& shape, DType dtype) {
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
+  return empty_for("tensor.empty", shape, dtype, device);
+}
+
+Tensor Tensor::empty_for(const char* op, const Shape& shape, DType dtype, const Device& device) {
   Tensor t;
   t.shape_ = shape;
   t.numel_ = checked_numel(shape);
   t.dtype_ = dtype;
   t.dtype_set_ = true;
+  t.device_ = device;
   const size_t bytes = t.nbytes();
-  void* p = detail::allocate(bytes);
-  t.storage_ = std::shared_ptr<void>(p, [bytes](void* q) { detail::deallocate(q, bytes); });
+  detail::Allocator& a = detail::allocator_for(device, op);
+  void* p = a.allocate(bytes, device);
+  t.storage_ = std::shared_ptr<void>(
+      p, [ap = &a, bytes, device](void* q) { ap->deallocate(q, bytes, device); });
   t.data_ = p;
   return t;
 }
 
-Tensor Tensor::zeros(const Shape& shape, DType dtype) {
-  Tensor t = empty(shape, dtype);
-  std::memset(t.data_, 0, t.nbytes());
+Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device) {
+  Tensor t = empty_for("tensor.zeros", shape, dtype, device);
+  backend::fill_zero(backend::context_of(t, "tensor.zeros"), t.data_, t.nbytes());
   return t;
 }
 
-Tensor Tensor::full(const Shape& shape, DType dtype, double value) {
+Tensor Tensor::full(const Shape& shape, DType dtype, double value, Device device) {
+  if (!device.is_cpu()) return full(shape, dtype, value).to(device);
   Tensor t = empty(shape, dtype);
   switch (dtype) {
     case DType::bf16: {
@@ -104,14 +113,19 @@ Tensor Tensor::full(const Shape& shape, DType dtype, double value) {
   return t;
 }
 
-Tensor Tensor::borrow(void* data, const Shape& shape, DType dtype) {
+Tensor Tensor::borrow(void* data, const Shape& shape, DType dtype, Device device) {
   Tensor t;
   t.shape_ = shape;
   t.numel_ = checked_numel(shape);
   t.dtype_ = dtype;
   t.dtype_set_ = true;
+  t.device_ = device;
   if (data == nullptr && t.numel_ > 0) {
     detail::fail_arg("tensor", "borrow: null data for shape ", shape_str(shape));
+  }
+  if (device.index < 0 || (device.is_cpu() && device.index != 0)) {
+    detail::fail_arg("tensor", "borrow: device index must be ",
+                     device.is_cpu() ? "0 for the CPU" : ">= 0", ", got ", device_str(device));
   }
   t.data_ = data;
   return t;
@@ -133,14 +147,32 @@ void Tensor::check_dtype(DType want) const {
   }
 }
 
+void Tensor::check_host(const char* op) const {
+  if (!device_.is_cpu()) {
+    detail::fail_arg(op, "needs a CPU tensor, got one on ", device_str(device_),
+                     " (copy it to the host first: tensor.to(kCpu))");
+  }
+}
+
 Tensor Tensor::clone() const {
   if (!defined()) return Tensor();
-  Tensor t = empty(shape_, dtype_);
-  if (nbytes()) std::memcpy(t.data_, data_, nbytes());
+  Tensor t = empty_for("tensor.clone", shape_, dtype_, device_);
+  backend::copy_bytes(backend::context_of(*this, "tensor.clone"), t.data_, device_, data_, device_,
+                      nbytes());
+  return t;
+}
+
+Tensor Tensor::to(Device device) const {
+  if (!defined()) return Tensor();
+  if (device == device_) return clone();
+  Tensor t = empty_for("tensor.to", shape_, dtype_, device);
+  backend::copy_bytes(backend::context_of(device_.is_cpu() ? t : *this, "tensor.to"), t.data_,
+                      device, data_, device_, nbytes());
   return t;
 }
 
 double Tensor::item_as_double(int64_t i) const {
+  check_host("tensor.item_as_double");
   switch (dtype_) {
     case DType::bf16: return bf16_to_float(static_cast<const bf16*>(data_)[i]);
     case DType::fp32: return static_cast<const float*>(data_)[i];
@@ -154,6 +186,7 @@ double Tensor::item_as_double(int64_t i) const {
 }
 
 std::vector<double> Tensor::to_double_vector() const {
+  check_host("tensor.to_double_vector");
   std::vector<double> v(static_cast<size_t>(numel_));
   for (int64_t i = 0; i < numel_; ++i) v[static_cast<size_t>(i)] = item_as_double(i);
   return v;
@@ -162,6 +195,7 @@ std::vector<double> Tensor::to_double_vector() const {
 Tensor Tensor::to(DType dtype) const {
   if (!defined()) return Tensor();
   if (dtype == dtype_) return clone();
+  check_host("tensor.to");
   Tensor t = empty(shape_, dtype);
   const int64_t n = numel_;
   if (dtype == DType::bf16 && dtype_ == DType::fp32) {
@@ -228,6 +262,12 @@ void check_dtype(const Tensor& t, const char* op, const char* name,
     list += dtype_name(d);
   }
   fail_arg(op, name, " must have dtype ", list, ", got ", dtype_name(t.dtype()));
+}
+
+void check_device(const Tensor& t, const char* op, const char* name, const Device& device) {
+  if (t.defined() && t.device() != device) {
+    fail_arg(op, name, " must be on ", device_str(device), ", got ", device_str(t.device()));
+  }
 }
 
 void check_dim(const Tensor& t, const char* op, const char* name, int64_t ndim) {

@@ -3,7 +3,7 @@
 // output row back and each rank sums its own tokens. EP times the traffic of all_to_all by
 // construction; it exists for parity with Megatron-Core's AllGather dispatcher and as a
 // cross-check (bitwise equal to all_to_all), not for speed.
-#include "cpu/permute_kernels.h"
+#include "backend/backend.h"
 #include "dispatcher_common.h"
 
 namespace switchyard::dist::detail::all_gather {
@@ -80,7 +80,7 @@ void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, 
                Communicator& comm) {
   void* all = scratch.get(Scratch::staging, total(h.rank_num_tokens) * rb);
   comm.allgatherv(src, h.num_tokens, all, h.rank_num_tokens, rb);
-  cpu::gather_rows(all, h.recv_gather_index.data<int64_t>(), h.num_recv_tokens, rb, dst);
+  backend::gather_rows(kHost, all, h.recv_gather_index.data<int64_t>(), h.num_recv_tokens, rb, dst);
 }
 
 void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& scratch,
@@ -91,7 +91,7 @@ void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h
   // The map lives in the routes buffer (free again once the handle is built).
   int64_t* map = scratch.get<int64_t>(Scratch::routes, h.plan.num_rows);
   plan_rows_in_gathered(h, map);
-  cpu::gather_rows(all, map, h.plan.num_rows, rb, dst);
+  backend::gather_rows(kHost, all, map, h.plan.num_rows, rb, dst);
 }
 
 }  // namespace switchyard::dist::detail::all_gather

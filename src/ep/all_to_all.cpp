@@ -5,7 +5,7 @@
 // round, as a second plane of blocks.
 #include <cstring>
 
-#include "cpu/permute_kernels.h"
+#include "backend/backend.h"
 #include "dispatcher_common.h"
 
 namespace switchyard::dist::detail::all_to_all {
@@ -60,14 +60,15 @@ const unsigned char* gather_for_peers(const void* src, int64_t rb, void* dst,
   const int64_t self_begin = off[me * L], self_end = off[(me + 1) * L];
   auto* pk = static_cast<unsigned char*>(scratch.get(Scratch::pack, h.plan.num_rows * rb));
   if (h.plan.num_rows == h.plan.num_pairs) {
-    cpu::gather_rows(src, rt, self_begin, rb, pk);
-    cpu::gather_rows(src, rt + self_end, h.plan.num_rows - self_end, rb, pk + self_end * rb);
+    backend::gather_rows(kHost, src, rt, self_begin, rb, pk);
+    backend::gather_rows(kHost, src, rt + self_end, h.plan.num_rows - self_end, rb,
+                         pk + self_end * rb);
   } else {
     // Only the real rows of each expert's block travel.
     for (int64_t e = 0; e < h.num_experts; ++e) {
       const int64_t n = count_at(h, me, e);
       if (n > 0 && (e < me * L || e >= (me + 1) * L))
-        cpu::gather_rows(src, rt + off[e], n, rb, pk + off[e] * rb);
+        backend::gather_rows(kHost, src, rt + off[e], n, rb, pk + off[e] * rb);
     }
   }
   const auto boff = block_offsets(h);
@@ -75,7 +76,8 @@ const unsigned char* gather_for_peers(const void* src, int64_t rb, void* dst,
   for (int64_t el = 0; el < L; ++el) {
     const int64_t e = me * L + el, n = count_at(h, me, e);
     if (n == 0) continue;  // a parallel region per empty expert cost 1 µs each
-    cpu::gather_rows(src, rt + off[e], n, rb, out + boff[static_cast<size_t>(e * P + me)] * rb);
+    backend::gather_rows(kHost, src, rt + off[e], n, rb,
+                         out + boff[static_cast<size_t>(e * P + me)] * rb);
   }
   // Padding rows of the receive layout are zero rows.
   for (int64_t el = 0; padded_layout(h) && el < L; ++el) {

@@ -5,7 +5,6 @@
 #include <stdexcept>
 
 #include "check.h"
-#include "cpu/permute_kernels.h"
 #include "switchyard/dist.h"
 
 namespace switchyard::dist {

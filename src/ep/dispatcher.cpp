@@ -24,6 +24,7 @@ using detail::count_at;
 using detail::row_bytes;
 using detail::Scratch;
 using switchyard::detail::check_defined;
+using switchyard::detail::check_device;
 using switchyard::detail::check_dim;
 using switchyard::detail::check_dtype;
 using switchyard::detail::check_shape;
@@ -49,15 +50,18 @@ std::string local_checks_dispatch(const Tensor& x, const Tensor& topk_idx,
     check_defined(x, op, "x");
     check_dim(x, op, "x", 2);
     check_dtype(x, op, "x", {DType::fp32, DType::bf16});
+    check_device(x, op, "x", kCpu);
     check_defined(topk_idx, op, "topk_idx");
     check_dim(topk_idx, op, "topk_idx", 2);
     check_dtype(topk_idx, op, "topk_idx", {DType::int32});
+    check_device(topk_idx, op, "topk_idx", kCpu);
     if (topk_idx.size(0) != x.size(0)) {
       fail_arg(op, "topk_idx must have x's ", x.size(0), " rows, got shape ",
                shape_str(topk_idx.shape()));
     }
     check_defined(topk_weights, op, "topk_weights");
     check_dtype(topk_weights, op, "topk_weights", {DType::fp32});
+    check_device(topk_weights, op, "topk_weights", kCpu);
     check_shape(topk_weights, op, "topk_weights", topk_idx.shape());
     // NaN/Inf would travel silently into every expert and into combine's sums (the gate and the
     // router reject them too): the same scan, inside the agreement, so every rank raises.
@@ -298,6 +302,7 @@ Tensor Dispatcher::combine_impl(const char* op, const char* name, const Tensor& 
     detail::check_handle(op, h, comm);
     check_defined(expert_y, op, name);
     check_dtype(expert_y, op, name, {DType::fp32, DType::bf16});
+    check_device(expert_y, op, name, kCpu);
     check_shape(expert_y, op, name, {h.num_recv_tokens, h.hidden});
     switchyard::detail::check_finite(expert_y, op, name, "row", "hidden");
   } catch (const std::invalid_argument& e) {
@@ -334,6 +339,7 @@ Tensor Dispatcher::dispatch_weights_backward(const Tensor& grad_recv_topk_weight
   try {
     detail::check_handle(op, h, comm);
     check_dtype(grad_recv_topk_weights, op, name, {DType::fp32});
+    check_device(grad_recv_topk_weights, op, name, kCpu);
     check_shape(grad_recv_topk_weights, op, name, {h.num_recv_tokens});
   } catch (const std::invalid_argument& e) {
     err = e.what();
@@ -359,9 +365,11 @@ CombineGrads Dispatcher::combine_backward(const Tensor& grad_y, const Tensor& ex
     detail::check_handle(op, h, comm);
     check_defined(grad_y, op, "grad_y");
     check_dtype(grad_y, op, "grad_y", {DType::fp32, DType::bf16});
+    check_device(grad_y, op, "grad_y", kCpu);
     check_shape(grad_y, op, "grad_y", {h.num_tokens, h.hidden});
     if (apply) {
       check_defined(expert_y, op, "expert_y");
+      check_device(expert_y, op, "expert_y", kCpu);
       check_shape(expert_y, op, "expert_y", {h.num_recv_tokens, h.hidden});
       if (expert_y.dtype() != grad_y.dtype()) {
         fail_arg(op, "expert_y must have grad_y's dtype ", dtype_name(grad_y.dtype()), ", got ",

@@ -8,9 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "switchyard/dispatcher.h"
 
 namespace switchyard::dist::detail {
+
+// The dispatchers move host rows (the communicator exchanges host memory), so their row kernels
+// run on the CPU backend; a device communicator (NCCL) would carry its device and stream here.
+inline constexpr backend::Context kHost{kCpu, nullptr, "dispatch"};
 
 /// The dispatcher's scratch memory: one buffer per use, grown to the high-water mark, never
 /// shrunk, not zeroed, advised for huge pages. Buffers are only valid inside one dispatcher call.

@@ -1,0 +1,38 @@
+// CPU kernels of the value checks the front-ends run before any work: the id-range scan and the
+// classification of replayed top-k rows (the non-finite scan is src/cpu/finite_kernels.h). Raw pointers, int64_t sizes; they
+// report where the first bad value is and leave the message to the front-end (which names the op,
+// the argument and the coordinate). Every result is the lowest index whatever the thread count.
+#pragma once
+
+#include <cstdint>
+
+#include "switchyard/dtype.h"
+
+namespace switchyard::cpu {
+
+/// Flat index of the first id outside [lo, hi) in ids[0, n), or n when there is none.
+int64_t first_id_out_of_range(const int32_t* ids, int64_t n, int64_t lo, int64_t hi);
+
+/// Why a replayed row is invalid (DESIGN.md, Replay).
+enum class ReplayRowProblem : uint8_t { none, mixes_none_and_ids, id_out_of_range, repeated_id };
+
+/// Counts of classify_replay_rows, and the first invalid row.
+struct ReplayRowSummary {
+  int64_t num_padded = 0;
+  int64_t num_native = 0;  // no replay table, an all -1 row, or an invalid row
+  int64_t num_replayed = 0;
+  int64_t num_invalid = 0;
+  int64_t first_invalid_row = -1;  // -1: every row is valid
+  ReplayRowProblem first_problem = ReplayRowProblem::none;
+  int32_t first_problem_id = -1;  // the out-of-range or repeated id
+};
+
+/// Row kinds (kRowPadded / kRowNative / kRowReplayed of router_kernels.h as 2 / 0 / 1) of T rows:
+/// padded when padding_mask[t] (null: none is); else, with a replay table replay_idx [T,K] (null:
+/// none), replayed when the row holds K distinct ids in [0, E), native when it is all -1 or
+/// invalid (mixes -1 and ids, names an id outside [0, E), repeats an id; checked slot by slot in
+/// k order). Writes row_kind [T].
+ReplayRowSummary classify_replay_rows(const int32_t* replay_idx, const bool* padding_mask,
+                                      int64_t T, int64_t K, int64_t E, uint8_t* row_kind);
+
+}  // namespace switchyard::cpu

@@ -1,0 +1,286 @@
+// Devices on tensors, the allocator registry and the backend seam. In a build without CUDA every
+// request for CUDA memory, a copy or a kernel throws BackendError "not built with CUDA"; in a CUDA
+// build the kernels throw "has no CUDA kernel yet" and memory works where a GPU is present. A
+// "CUDA" tensor here is host memory borrowed under a CUDA device: every path below must throw
+// before reading it, which is what the tests check.
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/allocator.h"
+#include "switchyard/error.h"
+#include "switchyard/gate.h"
+#include "switchyard/router.h"
+#include "switchyard/routing_plan.h"
+#include "testing.h"
+
+namespace sy = switchyard;
+using sy::DType;
+using sy::kCpu;
+using sy::Tensor;
+
+namespace {
+
+constexpr const char* kNotBuilt = "not built with CUDA (configure with -DSWITCHYARD_CUDA=ON)";
+
+// Host memory labelled as CUDA device `index` (never read by a correct front-end).
+struct FakeCuda {
+  std::vector<float> host;
+  Tensor t;
+  FakeCuda(const sy::Shape& shape, int index = 0) {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    host.assign(static_cast<size_t>(n), 1.0f);
+    t = Tensor::borrow(host.data(), shape, DType::fp32, sy::cuda_device(index));
+  }
+};
+
+// GTEST_SKIP returns from the function it is in, so this is a macro, not a helper.
+#define SKIP_UNLESS_CPU_ONLY_BUILD() \
+  if (sy::built_with_cuda()) GTEST_SKIP() << "this build has the CUDA backend"
+
+}  // namespace
+
+TEST(Device, NamesFollowTorch) {
+  EXPECT_EQ(sy::device_str(kCpu), "cpu");
+  EXPECT_EQ(sy::device_str(sy::cuda_device()), "cuda:0");
+  EXPECT_EQ(sy::device_str(sy::cuda_device(3)), "cuda:3");
+  EXPECT_EQ(sy::Device{}, kCpu);
+  EXPECT_NE(sy::cuda_device(0), sy::cuda_device(1));
+}
+
+TEST(Device, TensorsLiveOnTheCpuByDefault) {
+  std::vector<float> buf(6, 2.0f);
+  const Tensor a = Tensor::empty({2, 3}, DType::fp32);
+  const Tensor b = Tensor::zeros({2, 3}, DType::bf16);
+  const Tensor c = Tensor::full({2, 3}, DType::int32, 7.0);
+  const Tensor d = Tensor::from_vector(buf, {2, 3});
+  const Tensor e = Tensor::borrow(buf.data(), {6}, DType::fp32);
+  for (const Tensor* t : {&a, &b, &c, &d, &e}) EXPECT_EQ(t->device(), kCpu);
+  EXPECT_EQ(d.clone().device(), kCpu);
+  EXPECT_EQ(d.to(DType::fp64).device(), kCpu);
+  EXPECT_EQ(d.reshape({3, 2}).device(), kCpu);
+}
+
+TEST(Device, ToTheSameDeviceIsACopy) {
+  const Tensor a = Tensor::from_vector(std::vector<float>{1, 2, 3, 4}, {2, 2});
+  const Tensor b = a.to(kCpu);
+  EXPECT_NE(a.raw(), b.raw());
+  EXPECT_TRUE(sy::testing::bitwise_equal(a, b));
+}
+
+TEST(Device, ZerosAreZeroOnTheCpu) {
+  const Tensor z = Tensor::zeros({3, 1000}, DType::fp32);
+  for (double v : z.to_double_vector()) ASSERT_EQ(v, 0.0);
+}
+
+TEST(Allocator, TheCpuAllocatorIsTheCachingHostOne) {
+  sy::detail::Allocator& a = sy::detail::allocator_for(kCpu);
+  EXPECT_EQ(&a, &sy::detail::host_allocator());
+  const std::string name = a.name();
+  if (name != "cpu (caching)") {
+    EXPECT_EQ(name, "cpu");  // AddressSanitizer build: no cache
+    return;
+  }
+  sy::release_cached_memory();
+  { const Tensor big = Tensor::empty({3 << 20}, DType::uint8); }  // 3 MiB -> a 4 MiB block
+  EXPECT_EQ(a.cached_bytes(), int64_t{4} << 20);
+  EXPECT_EQ(sy::cached_memory_bytes(), a.cached_bytes());
+  const Tensor again = Tensor::empty({3 << 20}, DType::uint8);  // served from the cache
+  EXPECT_EQ(a.cached_bytes(), 0);
+  sy::release_cached_memory();
+}
+
+TEST(CpuOnlyBuild, ReportsNoCuda) {
+  SKIP_UNLESS_CPU_ONLY_BUILD();
+  EXPECT_FALSE(sy::built_with_cuda());
+  EXPECT_EQ(sy::cuda_device_count(), 0);
+}
+
+TEST(CpuOnlyBuild, CudaStorageIsNotBuilt) {
+  SKIP_UNLESS_CPU_ONLY_BUILD();
+  SY_EXPECT_THROW_MSG(Tensor::empty({2, 3}, DType::fp32, sy::cuda_device()), sy::BackendError,
+                      std::string("[tensor.empty] device cuda:0: ") + kNotBuilt);
+  SY_EXPECT_THROW_MSG(Tensor::zeros({2}, DType::fp32, sy::cuda_device(1)), sy::BackendError,
+                      std::string("[tensor.zeros] device cuda:1: ") + kNotBuilt);
+  SY_EXPECT_THROW_MSG(Tensor::full({2}, DType::fp32, 1.0, sy::cuda_device()), sy::BackendError,
+                      std::string("[tensor.to] device cuda:0: ") + kNotBuilt);
+  SY_EXPECT_THROW_MSG(Tensor::from_vector(std::vector<int32_t>{1, 2}, {2}, sy::cuda_device()),
+                      sy::BackendError, std::string("[tensor.to] device cuda:0: ") + kNotBuilt);
+  SY_EXPECT_THROW_MSG(Tensor::zeros({2}, DType::fp32).to(sy::cuda_device(2)), sy::BackendError,
+                      std::string("[tensor.to] device cuda:2: ") + kNotBuilt);
+  SY_EXPECT_THROW_MSG(sy::detail::allocator_for(sy::cuda_device(), "probe"), sy::BackendError,
+                      std::string("[probe] device cuda:0: ") + kNotBuilt);
+}
+
+TEST(CpuOnlyBuild, CopiesOfACudaTensorAreNotBuilt) {
+  SKIP_UNLESS_CPU_ONLY_BUILD();
+  FakeCuda x({2, 3});
+  SY_EXPECT_THROW_MSG(x.t.clone(), sy::BackendError,
+                      std::string("[tensor.clone] device cuda:0: ") + kNotBuilt);
+  SY_EXPECT_THROW_MSG(x.t.to(kCpu), sy::BackendError,
+                      std::string("[tensor.to] device cuda:0: ") + kNotBuilt);
+}
+
+TEST(Device, HostOnlyOperationsNameTheOpAndTheDevice) {
+  FakeCuda x({2, 3}, 1);
+  SY_EXPECT_THROW_MSG(x.t.item_as_double(0), std::invalid_argument,
+                      "[tensor.item_as_double] needs a CPU tensor, got one on cuda:1");
+  SY_EXPECT_THROW_MSG(x.t.to_double_vector(), std::invalid_argument,
+                      "[tensor.to_double_vector] needs a CPU tensor, got one on cuda:1");
+  SY_EXPECT_THROW_MSG(x.t.to(DType::fp64), std::invalid_argument,
+                      "[tensor.to] needs a CPU tensor, got one on cuda:1");
+  EXPECT_EQ(x.t.reshape({3, 2}).device(), sy::cuda_device(1));  // metadata only: fine anywhere
+}
+
+TEST(Device, BorrowRejectsANegativeDeviceIndex) {
+  float v = 0.0f;
+  SY_EXPECT_THROW_MSG(Tensor::borrow(&v, {1}, DType::fp32, sy::Device{sy::DeviceKind::cuda, -1}),
+                      std::invalid_argument, "[tensor] borrow: device index must be >= 0");
+}
+
+TEST(Device, OpsRejectTensorsOnAnotherDevice) {
+  const Tensor x = Tensor::zeros({4, 8}, DType::fp32);
+  FakeCuda w({3, 8});
+  SY_EXPECT_THROW_MSG(sy::router_gating_linear(x, w.t, Tensor(), sy::GateOptions{}),
+                      std::invalid_argument,
+                      "[router_gating_linear] weight must be on cpu, got cuda:0");
+  const Tensor logits = Tensor::zeros({4, 8}, DType::fp32);
+  std::vector<uint8_t> mask(4, 0);
+  sy::RouteInputs inputs;
+  inputs.padding_mask = Tensor::borrow(mask.data(), {4}, DType::boolean, sy::cuda_device());
+  sy::RouterConfig config;
+  config.num_experts = 8;
+  config.top_k = 2;
+  SY_EXPECT_THROW_MSG(sy::topk_route(logits, inputs, config, sy::RouteOptions{}),
+                      std::invalid_argument, "[route] padding_mask must be on cpu, got cuda:0");
+}
+
+// The front-ends reach a CUDA tensor's kernels through the seam, which names the op and kernel.
+TEST(Device, FrontEndsOnCudaTensorsStopAtTheBackend) {
+  const std::string tail = sy::built_with_cuda() ? " has no CUDA kernel yet (device cuda:0)"
+                                                 : std::string(" on cuda:0: ") + kNotBuilt;
+  FakeCuda x({4, 8}), w({3, 8});
+  // The gate's first device step (a value check, the output's allocation or the kernel, in the
+  // order the front-end chooses) stops it: a BackendError about cuda:0 before any host read.
+  SY_EXPECT_THROW_MSG(sy::router_gating_linear(x.t, w.t, Tensor(), sy::GateOptions{}),
+                      sy::BackendError, "cuda:0");
+  sy::RouterConfig config;
+  config.num_experts = 8;
+  config.top_k = 2;
+  SY_EXPECT_THROW_MSG(sy::topk_route(x.t, sy::RouteInputs{}, config, sy::RouteOptions{}),
+                      sy::BackendError, "[route] first_non_finite" + tail);
+  std::vector<int32_t> ids(8, 0);
+  const Tensor idx = Tensor::borrow(ids.data(), {4, 2}, DType::int32, sy::cuda_device());
+  SY_EXPECT_THROW_MSG(sy::build_routing_plan(idx, Tensor(), 8, sy::RoutingPlanOptions{}),
+                      sy::BackendError, "[routing_plan] first_id_out_of_range" + tail);
+}
+
+// Every entry point of the seam selects by the context's device: CPU runs, CUDA stops there.
+TEST(BackendSeam, EveryEntryPointSelectsByDevice) {
+  namespace be = sy::backend;
+  const be::Context cuda{sy::cuda_device(), nullptr, "probe"};
+  const std::string tail = sy::built_with_cuda() ? " has no CUDA kernel yet (device cuda:0)"
+                                                 : std::string(" on cuda:0: ") + kNotBuilt;
+  float f[4] = {0, 0, 0, 0};
+  int32_t ids[4] = {0, 0, 0, 0};
+  int64_t rows[4] = {0, 0, 0, 0};
+  uint8_t kinds[4] = {0, 0, 0, 0};
+  be::RouteKernelParams p;
+  const std::vector<std::pair<const char*, std::function<void()>>> calls = {
+      {"gate_forward",
+       [&] {
+         be::gate_forward(cuda, f, DType::fp32, f, DType::fp32, nullptr, DType::fp32, f,
+                          DType::fp32, 1, 1, 1);
+       }},
+      {"gate_backward",
+       [&] {
+         be::gate_backward(cuda, f, f, DType::fp32, f, DType::fp32, f, f, nullptr, DType::fp32, 1,
+                           1, 1);
+       }},
+      {"route_forward",
+       [&] {
+         be::route_forward<float>(cuda, f, nullptr, kinds, nullptr, p, ids, f, nullptr, nullptr,
+                                  nullptr);
+       }},
+      {"apply_capacity",
+       [&] {
+         be::apply_capacity<float>(cuda, ids, f, 1, 1, 1, -1, sy::TokenDropPolicy::probs, ids, f,
+                                   rows);
+       }},
+      {"route_backward",
+       [&] { be::route_backward<float>(cuda, f, ids, ids, kinds, nullptr, p, nullptr, 0.0, f); }},
+      {"sinkhorn_select", [&] { be::sinkhorn_select<float>(cuda, f, kinds, 1, 1, 1, 1e-4, ids); }},
+      {"gather_rows", [&] { be::gather_rows(cuda, f, rows, 1, 4, f); }},
+      {"combine_rows", [&] { be::combine_rows<float>(cuda, f, nullptr, rows, rows, 1, 1, f); }},
+      {"gather_scale_rows", [&] { be::gather_scale_rows<float>(cuda, f, nullptr, rows, 1, 1, f); }},
+      {"row_dots", [&] { be::row_dots<float>(cuda, f, f, rows, 1, 1, f); }},
+      {"first_non_finite", [&] { be::first_non_finite(cuda, f, DType::fp32, 4); }},
+      {"first_id_out_of_range", [&] { be::first_id_out_of_range(cuda, ids, 4, 0, 1); }},
+      {"classify_replay_rows",
+       [&] { be::classify_replay_rows(cuda, ids, nullptr, 1, 1, 1, kinds); }},
+  };
+  for (const auto& [kernel, call] : calls) {
+    SCOPED_TRACE(kernel);
+    SY_EXPECT_THROW_MSG(call(), sy::BackendError, std::string("[probe] ") + kernel + tail);
+  }
+  // The CPU context runs the CPU kernels.
+  const be::Context host{kCpu, nullptr, "probe"};
+  f[2] = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(be::first_non_finite(host, f, DType::fp32, 4), 2);
+  ids[3] = 5;
+  EXPECT_EQ(be::first_id_out_of_range(host, ids, 4, 0, 5), 3);
+  EXPECT_EQ(be::first_id_out_of_range(host, ids, 4, 0, 6), 4);
+}
+
+TEST(BackendSeam, ReplayRowsAreClassifiedInSlotOrder) {
+  namespace be = sy::backend;
+  // E = 4, K = 2: replayed, all -1 (native), mixes, out of range, repeat, padded.
+  const std::vector<int32_t> replay = {1, 2, -1, -1, 3, -1, 0, 4, 2, 2, 0, 1};
+  const bool pad[6] = {false, false, false, false, false, true};
+  uint8_t kind[6];
+  const be::ReplayRowSummary s =
+      be::classify_replay_rows(be::Context{}, replay.data(), pad, 6, 2, 4, kind);
+  EXPECT_EQ(s.num_padded, 1);
+  EXPECT_EQ(s.num_replayed, 1);
+  EXPECT_EQ(s.num_native, 4);
+  EXPECT_EQ(s.num_invalid, 3);
+  EXPECT_EQ(s.first_invalid_row, 2);
+  EXPECT_EQ(s.first_problem, be::ReplayRowProblem::mixes_none_and_ids);
+  const std::vector<uint8_t> want = {be::kRowReplayed, be::kRowNative, be::kRowNative,
+                                     be::kRowNative,   be::kRowNative, be::kRowPadded};
+  EXPECT_EQ(std::vector<uint8_t>(kind, kind + 6), want);
+  // The first problem of rows 3 and 4 alone.
+  const be::ReplayRowSummary r3 =
+      be::classify_replay_rows(be::Context{}, replay.data() + 6, nullptr, 1, 2, 4, kind);
+  EXPECT_EQ(r3.first_problem, be::ReplayRowProblem::id_out_of_range);
+  EXPECT_EQ(r3.first_problem_id, 4);
+  const be::ReplayRowSummary r4 =
+      be::classify_replay_rows(be::Context{}, replay.data() + 8, nullptr, 1, 2, 4, kind);
+  EXPECT_EQ(r4.first_problem, be::ReplayRowProblem::repeated_id);
+  EXPECT_EQ(r4.first_problem_id, 2);
+}
+
+TEST(CudaBuild, MemoryRoundTripsThroughTheDevice) {
+  if (!sy::built_with_cuda()) GTEST_SKIP() << "built without CUDA";
+  if (sy::cuda_device_count() == 0) {
+    // No GPU (or no driver): allocation fails with the runtime call and its error named.
+    SY_EXPECT_THROW_MSG(Tensor::empty({4}, DType::fp32, sy::cuda_device()), sy::BackendError,
+                        "[tensor.empty] ");
+    SY_EXPECT_THROW_MSG(Tensor::empty({4}, DType::fp32, sy::cuda_device()), sy::BackendError,
+                        " on cuda:0 failed: cudaError");
+    GTEST_SKIP() << "no CUDA device: allocation error checked, round trip not run";
+  }
+  const Tensor h = Tensor::from_vector(std::vector<float>{1, -2, 3.5f, 4, 5, 6}, {2, 3});
+  const Tensor d = h.to(sy::cuda_device());
+  EXPECT_EQ(d.device(), sy::cuda_device());
+  EXPECT_EQ(std::string(sy::detail::allocator_for(d.device()).name()), "cuda (cudaMalloc)");
+  const Tensor back = d.clone().to(kCpu);
+  EXPECT_TRUE(sy::testing::bitwise_equal(back, h));
+  const Tensor z = Tensor::zeros({2, 3}, DType::fp32, sy::cuda_device()).to(kCpu);
+  for (double v : z.to_double_vector()) EXPECT_EQ(v, 0.0);
+  const Tensor f = Tensor::full({3}, DType::int32, 7, sy::cuda_device()).to(kCpu);
+  EXPECT_EQ(f.to_double_vector(), (std::vector<double>{7, 7, 7}));
+}
