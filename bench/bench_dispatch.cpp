@@ -32,6 +32,7 @@ int main() {
 #include <string>
 #include <vector>
 
+#include "model_shapes.h"
 #include "switchyard/cpu.h"
 #include "switchyard/dispatcher.h"
 #include "testing.h"
@@ -209,14 +210,20 @@ void BM_DispatchCombine(benchmark::State& state) {
       dtype_name(dt) + " EP=" + std::to_string(P));
 }
 
+// Qwen3-30B-A3B's layer: T 4096 (and 512) tokens per rank.
+void dispatch_args(benchmark::internal::Benchmark* b) {
+  constexpr const testing::MoeModel& q = testing::kQwen3_30B_A3B;
+  b->ArgNames({"T", "H", "E", "K", "allgather", "bf16"});
+  b->Args({4096, q.hidden, q.num_experts, q.top_k, 0, 1});
+  b->Args({4096, q.hidden, q.num_experts, q.top_k, 0, 0});
+  b->Args({4096, q.hidden, q.num_experts, q.top_k, 1, 1});
+  b->Args({512, q.hidden, q.num_experts, q.top_k, 0, 1});
+  b->Args({512, q.hidden, q.num_experts, q.top_k, 0, 0});
+  b->Args({512, q.hidden, q.num_experts, q.top_k, 1, 1});
+}
+
 BENCHMARK(BM_DispatchCombine)
-    ->ArgNames({"T", "H", "E", "K", "allgather", "bf16"})
-    ->Args({4096, 2048, 128, 8, 0, 1})
-    ->Args({4096, 2048, 128, 8, 0, 0})
-    ->Args({4096, 2048, 128, 8, 1, 1})
-    ->Args({512, 2048, 128, 8, 0, 1})
-    ->Args({512, 2048, 128, 8, 0, 0})
-    ->Args({512, 2048, 128, 8, 1, 1})
+    ->Apply(dispatch_args)
     ->Iterations(12)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);

@@ -21,6 +21,7 @@
 
 #include "cpu/gate_kernels.h"
 #include "switchyard/cpu.h"
+#include "model_shapes.h"
 #include "switchyard/gate.h"
 #include "bench_machine.h"
 #include "testing.h"
@@ -31,7 +32,11 @@ using sy::Tensor;
 
 namespace {
 
-constexpr int64_t kT = 4096, kH = 2048, kE = 128;  // Qwen3-30B-A3B gate
+// Qwen3-30B-A3B's gate at 4096 tokens; DeepSeek-V3's (backward rows) at 1024 tokens to fit.
+constexpr int64_t kT = 4096, kH = sy::testing::kQwen3_30B_A3B.hidden,
+                  kE = sy::testing::kQwen3_30B_A3B.num_experts;
+constexpr int64_t kDeepSeekT = 1024, kDeepSeekH = sy::testing::kDeepSeekV3.hidden,
+                  kDeepSeekE = sy::testing::kDeepSeekV3.num_experts;
 
 extern "C" char* openblas_get_corename(void);
 
@@ -292,15 +297,15 @@ void backward_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"T", "H", "E", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
   for (int threads : {1, 2}) {
     b->Args({kT, kH, kE, threads});
-    b->Args({1024, 7168, 256, threads});
+    b->Args({kDeepSeekT, kDeepSeekH, kDeepSeekE, threads});
   }
 }
 
 void topk_backward_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"T", "H", "E", "K", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
   for (int threads : {1, 2}) {
-    b->Args({kT, kH, kE, 8, threads});
-    b->Args({1024, 7168, 256, 8, threads});
+    b->Args({kT, kH, kE, sy::testing::kQwen3_30B_A3B.top_k, threads});
+    b->Args({kDeepSeekT, kDeepSeekH, kDeepSeekE, sy::testing::kDeepSeekV3.top_k, threads});
   }
 }
 

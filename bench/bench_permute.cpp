@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "model_shapes.h"
 #include "switchyard/permute.h"
 #include "switchyard/routing_plan.h"
 #include "testing.h"
@@ -99,11 +100,11 @@ void BM_Permute(benchmark::State& state) {
 }
 
 void args(benchmark::internal::Benchmark* b) {
+  constexpr const testing::MoeModel& q = testing::kQwen3_30B_A3B;
+  constexpr const testing::MoeModel& d = testing::kDeepSeekV3;
   for (int dt : {1, 0})
-    for (int which : {0, 1, 2}) {
-      b->Args({4096, 2048, 128, 8, which, dt});  // Qwen3-30B-A3B
-    }
-  b->Args({1024, 7168, 256, 8, 2, 1});  // DeepSeek-V3 hidden, fewer tokens
+    for (int which : {0, 1, 2}) b->Args({4096, q.hidden, q.num_experts, q.top_k, which, dt});
+  b->Args({1024, d.hidden, d.num_experts, d.top_k, 2, 1});  // fewer tokens to fit the machine
   b->ArgNames({"T", "H", "E", "K", "op", "bf16"});
 }
 

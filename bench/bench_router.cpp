@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "model_shapes.h"
 #include "switchyard/router.h"
 #include "switchyard/tensor.h"
 #include "bench_machine.h"
@@ -19,19 +20,22 @@ namespace sy = switchyard;
 
 namespace {
 
+// A model's router at a token count (scaled down where the machine needs it).
 struct Shape {
+  const sy::testing::MoeModel& model;
+  int64_t T;
   const char* name;
-  int64_t T, H, E, K;
-  int64_t num_groups, group_topk;
-  sy::ScoreFunction f;
+  int64_t H, E, K;
 };
 
-// Qwen3-30B-A3B: H 2048, E 128, K 8 (softmax, aux loss). DeepSeek-V3: H 7168, E 256, K 8,
-// groups 8/4, sigmoid with expert bias (T scaled down to fit the machine).
-const Shape kShapes[] = {
-    {"qwen3_30b_a3b", 4096, 2048, 128, 8, 0, 0, sy::ScoreFunction::softmax},
-    {"deepseek_v3", 2048, 7168, 256, 8, 8, 4, sy::ScoreFunction::sigmoid},
-};
+constexpr Shape shape(const sy::testing::MoeModel& m, int64_t T) {
+  return {m, T, m.name, m.hidden, m.num_experts, m.top_k};
+}
+
+// Qwen3-30B-A3B (softmax, aux loss, plus a z-loss) at T 4096; DeepSeek-V3 (sigmoid, groups 8/4,
+// expert bias, scaling 2.5; without its sequence loss) at T 2048 to fit the machine.
+const Shape kShapes[] = {shape(sy::testing::kQwen3_30B_A3B, 4096),
+                         shape(sy::testing::kDeepSeekV3, 2048)};
 
 sy::Tensor random_logits(int64_t T, int64_t E, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -42,25 +46,19 @@ sy::Tensor random_logits(int64_t T, int64_t E, uint64_t seed) {
 }
 
 sy::RouterConfig config_of(const Shape& s) {
-  sy::RouterConfig c;
-  c.num_experts = s.E;
-  c.top_k = s.K;
-  c.score_function = s.f;
-  c.num_groups = s.num_groups;
-  c.group_topk = s.group_topk;
-  if (s.f == sy::ScoreFunction::softmax) {
-    c.aux_loss_type = sy::AuxLossType::aux_loss;
-    c.aux_loss_coeff = 1e-3;
-    c.z_loss_coeff = 1e-3;
+  sy::RouterConfig c = s.model.router_config();
+  if (c.aux_loss_type == sy::AuxLossType::seq_aux_loss) {
+    c.aux_loss_type = sy::AuxLossType::none;  // needs sequence boundaries; measured without
+    c.aux_loss_coeff = 0;
   } else {
-    c.topk_scaling_factor = 2.5;
+    c.z_loss_coeff = 1e-3;
   }
   return c;
 }
 
 sy::RouteInputs inputs_of(const Shape& s) {
   sy::RouteInputs in;
-  if (s.f != sy::ScoreFunction::softmax) in.expert_bias = sy::Tensor::zeros({s.E}, sy::DType::fp32);
+  if (s.model.expert_bias) in.expert_bias = sy::Tensor::zeros({s.E}, sy::DType::fp32);
   return in;
 }
 

@@ -17,6 +17,7 @@
 #include <numeric>
 #include <random>
 
+#include "model_shapes.h"
 #include "switchyard/route_file.h"
 #include "bench_machine.h"
 
@@ -24,7 +25,8 @@ namespace {
 
 using namespace switchyard;
 
-constexpr int64_t kE = 128, kK = 8, kL = 48, kTotalTokens = 32768;
+constexpr int64_t kE = testing::kQwen3_30B_A3B.num_experts, kK = testing::kQwen3_30B_A3B.top_k,
+                  kL = testing::kQwen3_30B_A3B.num_moe_layers, kTotalTokens = 32768;
 
 // Zipf-like routes: per layer a random permutation of experts gets weights 1/(rank+1)^s; each
 // token draws K distinct experts by weight (hot experts first, as a top-k would order them).

@@ -22,6 +22,8 @@ import time
 import torch
 from bench_machine import machine_line
 
+from model_shapes import QWEN3_30B_A3B
+
 
 def gate_forward(x, w):
     # Megatron-Core: inp.to(router_dtype), weight.to(router_dtype), torch.mm(inp, weight.t())
@@ -71,8 +73,8 @@ def run(T, H, E, n, reps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=QWEN3_30B_A3B.hidden)
+    ap.add_argument("--experts", type=int, default=QWEN3_30B_A3B.num_experts)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)

@@ -17,6 +17,8 @@ import time
 import torch
 from bench_machine import machine_line
 
+from model_shapes import QWEN3_30B_A3B
+
 
 def torch_times(T, H, E, K, dtype, iters, threads):
     torch.manual_seed(0)
@@ -62,7 +64,7 @@ def torch_times(T, H, E, K, dtype, iters, threads):
 
 def ours(bench, threads):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    res = subprocess.run([bench, "--benchmark_format=json", "--benchmark_filter=T:4096/H:2048",
+    res = subprocess.run([bench, "--benchmark_format=json", f"--benchmark_filter=T:4096/H:{QWEN3_30B_A3B.hidden}",
                           "--benchmark_repetitions=3", "--benchmark_report_aggregates_only=true"],
                          env=env, check=True, capture_output=True, text=True)
     times = {}
@@ -80,7 +82,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     a = ap.parse_args()
-    T, H, E, K = 4096, 2048, 128, 8
+    q = QWEN3_30B_A3B
+    T, H, E, K = 4096, q.hidden, q.num_experts, q.top_k
     ours_t = ours(a.bench, a.threads)
     print(machine_line())
     print(f"T={T} H={H} E={E} K={K}, {a.threads} threads; torch {torch.__version__}")

@@ -20,6 +20,7 @@
 #include <set>
 #include <vector>
 
+#include "model_shapes.h"
 #include "switchyard/dtype.h"
 #include "switchyard/router.h"
 #include "switchyard/tensor.h"
@@ -28,7 +29,9 @@ namespace sy = switchyard;
 
 namespace {
 
-constexpr int64_t kH = 2048, kE = 128, kK = 8;
+constexpr int64_t kH = sy::testing::kQwen3_30B_A3B.hidden,
+                  kE = sy::testing::kQwen3_30B_A3B.num_experts,
+                  kK = sy::testing::kQwen3_30B_A3B.top_k;
 
 float bf(float v) { return sy::bf16_to_float(sy::float_to_bf16(v)); }
 
@@ -73,7 +76,8 @@ Mismatch compare(const std::vector<int32_t>& a, const std::vector<int32_t>& b, i
 int main(int argc, char** argv) {
   const int64_t T = argc > 1 ? std::atoll(argv[1]) : 4096;
   const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
-  const int num_layers = argc > 3 ? std::atoi(argv[3]) : 48;
+  const int num_layers =
+      argc > 3 ? std::atoi(argv[3]) : static_cast<int>(sy::testing::kQwen3_30B_A3B.num_moe_layers);
   const double w_std = argc > 4 ? std::atof(argv[4]) : 0.02;
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> nd(0.0, 1.0);

@@ -30,6 +30,7 @@ import torch
 import switchyard as sy
 import switchyard.torch as syt
 from bench_machine import machine_line
+from model_shapes import MIXTRAL_8X7B, QWEN3_30B_A3B
 
 
 def routes(T, E, K, g):
@@ -139,8 +140,9 @@ def main():
     say = print if rank == 0 else (lambda *a, **k: None)
     barrier = comm.barrier
     # Qwen3-30B-A3B (H 2048, E 128, K 8) and Mixtral (H 4096, E 8, K 2), tokens per rank scaled.
-    cases = [("qwen3-30b-a3b", 2048, 128, 8, 512 if args.quick else 2048),
-             ("mixtral", 4096, 8, 2, 512 if args.quick else 4096)]
+    q, m = QWEN3_30B_A3B, MIXTRAL_8X7B
+    cases = [("qwen3-30b-a3b", q.hidden, q.num_experts, q.top_k, 512 if args.quick else 2048),
+             ("mixtral", m.hidden, m.num_experts, m.top_k, 512 if args.quick else 4096)]
     say(machine_line())
     say(f"ep={ep} threads={args.threads} (median of {reps}; ratio = torch / switchyard)")
     say("| model | dtype | T/rank | H | E | K | dispatcher | pass | switchyard ms | torch ms | "

@@ -46,7 +46,8 @@ def main():
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     import switchyard.integrations.megatron as sym
-    mw.E, mw.K, mw.H, mw.F = 128, 8, 2048, 64
+    from model_shapes import QWEN3_30B_A3B as q
+    mw.E, mw.K, mw.H, mw.F = q.num_experts, q.top_k, q.hidden, 64  # F scaled down
     pg, _, _ = mw._groups(0, 1)
     cfg = mw._config(1, moe_enable_routing_replay=True)
     layer = mw._layer(cfg, pg)

@@ -23,6 +23,7 @@ import torch
 
 import switchyard as sy
 from bench_machine import machine_line
+from model_shapes import DEEPSEEK_V3, QWEN3_30B_A3B
 import switchyard.torch as syt
 
 
@@ -82,9 +83,12 @@ def main():
     reps = 3 if args.quick else 9
     # Qwen3-30B-A3B router (H 2048, E 128, K 8) and DeepSeek-V3's (H 7168, E 256, K 8, groups 8/4,
     # sigmoid) with the token count scaled to this machine.
-    cases = [("qwen3-30b-a3b", 2048, 128, 8, {}, 4096 if not args.quick else 512),
-             ("deepseek-v3", 7168, 256, 8, dict(score_function="sigmoid", num_groups=8,
-                                                group_topk=4), 1024 if not args.quick else 128)]
+    q, d = QWEN3_30B_A3B, DEEPSEEK_V3
+    cases = [("qwen3-30b-a3b", q.hidden, q.num_experts, q.top_k, {},
+              4096 if not args.quick else 512),
+             ("deepseek-v3", d.hidden, d.num_experts, d.top_k,
+              dict(score_function=d.score_function, num_groups=d.num_groups,
+                   group_topk=d.group_topk), 1024 if not args.quick else 128)]
     print(machine_line())
     print(f"threads={args.threads}  (median of {reps}; ratio = torch / switchyard, wall clock and "
           f"process CPU time)")

@@ -22,9 +22,14 @@ inline uint64_t test_seed(uint64_t fallback) {
   return fallback;
 }
 
-/// A message to attach to assertions: how to re-run with the same randomness.
+/// A message to attach to assertions: how to re-run with the same randomness (the seed, and the
+/// running test's name for --gtest_filter).
 inline std::string repro(uint64_t seed) {
-  return "(reproduce with SY_TEST_SEED=" + std::to_string(seed) + ")";
+  std::string filter;
+  if (const auto* info = ::testing::UnitTest::GetInstance()->current_test_info()) {
+    filter = std::string(" --gtest_filter=") + info->test_suite_name() + "." + info->name();
+  }
+  return "(reproduce with SY_TEST_SEED=" + std::to_string(seed) + filter + ")";
 }
 
 /// Random tensors of any float dtype, drawn from N(0, stddev) (bf16 values are rounded).

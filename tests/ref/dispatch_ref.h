@@ -41,17 +41,18 @@ inline std::vector<std::vector<RefPair>> token_pairs(const std::vector<int32_t>&
 }
 
 /// Row order of the permuted buffer without capacity or padding: expert-major, tokens ascending.
-/// Returns (token, expert) per row.
+/// Returns (token, expert) per row: the pairs sorted by (expert, token) (pairs are distinct).
 inline std::vector<std::pair<int64_t, int64_t>> expert_major_rows(
     const std::vector<std::vector<RefPair>>& pairs, int64_t E) {
   std::vector<std::pair<int64_t, int64_t>> rows;
-  for (int64_t e = 0; e < E; ++e) {
-    for (const auto& ps : pairs) {
-      for (const auto& p : ps) {
-        if (p.expert == e) rows.emplace_back(p.token, e);
-      }
+  for (const auto& ps : pairs) {
+    for (const auto& p : ps) {
+      if (p.expert < E) rows.emplace_back(p.token, p.expert);
     }
   }
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
+    return a.second != b.second ? a.second < b.second : a.first < b.first;
+  });
   return rows;
 }
 

@@ -1,5 +1,6 @@
 // Determinism suite, one process: a whole MoE routing layer
-//   gate (router_gating_linear) -> topk_route -> routing plan -> permute -> toy experts -> unpermute
+//   gate (router_gating_linear) -> topk_route -> routing plan -> permute -> toy experts ->
+//   unpermute
 // and its backward
 //   unpermute_backward -> toy experts -> permute_backward  +  topk_route_backward -> gate backward
 // must be bitwise identical across repeated runs, thread counts 1 and 2, and batch compositions
@@ -13,6 +14,8 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <stdexcept>
+#include <string>
 
 #include "switchyard/cpu.h"
 #include "switchyard/gate.h"
@@ -40,8 +43,12 @@ struct Pool {
 
 Pool make_pool(uint64_t seed, int64_t N, int64_t H, int64_t E) {
   std::mt19937_64 rng(seed);
-  Pool p{H, E, testing::randn({N, H}, DType::fp32, rng), testing::randn({N, H}, DType::fp32, rng),
-         testing::randn({E, H}, DType::fp32, rng, 0.2), testing::randn({E}, DType::fp32, rng, 0.1)};
+  Pool p{H,
+         E,
+         testing::randn({N, H}, DType::fp32, rng),
+         testing::randn({N, H}, DType::fp32, rng),
+         testing::randn({E, H}, DType::fp32, rng, 0.2),
+         testing::randn({E}, DType::fp32, rng, 0.1)};
   return p;
 }
 
@@ -69,7 +76,8 @@ void toy_experts(const Tensor& in, const RoutingPlan& plan, Tensor& out, bool ba
   const int32_t* re = plan.row_expert.data<int32_t>();
   for (int64_t r = 0; r < plan.num_rows; ++r) {
     const float s = 1.0f + static_cast<float>(re[r]) / 8.0f, c = static_cast<float>(re[r]) / 16.0f;
-    for (int64_t h = 0; h < H; ++h) y[r * H + h] = backward ? a[r * H + h] * s : a[r * H + h] * s + c;
+    for (int64_t h = 0; h < H; ++h)
+      y[r * H + h] = backward ? a[r * H + h] * s : a[r * H + h] * s + c;
   }
 }
 
@@ -169,69 +177,100 @@ std::vector<Case> cases(int64_t E) {
   return cs;
 }
 
-TEST(Determinism, RepeatedRunsAndThreadCountsAreBitwiseIdentical) {
+Case case_named(const std::vector<Case>& cs, const char* name) {
+  for (const Case& c : cs) {
+    if (std::string(c.name) == name) return c;
+  }
+  throw std::out_of_range(std::string("no determinism case ") + name);
+}
+
+// The whole layer, 300 tokens: repeated at 1 thread, then at 2 threads, twice, bit for bit.
+void repeated_runs_and_thread_counts_agree(const char* name) {
   const uint64_t seed = test_seed(7001);
   const int64_t N = 300, H = 72, E = 16;
+  const Case c = case_named(cases(E), name);
   const Pool pool = make_pool(seed, N, H, E);
   std::vector<int64_t> ids(N);
   std::iota(ids.begin(), ids.end(), 0);
   const int saved = num_threads();
-  for (const Case& c : cases(E)) {
-    SCOPED_TRACE(std::string(c.name) + " " + repro(seed));
-    set_num_threads(1);
-    const LayerOut ref = run_layer(pool, ids, c.cfg, c.popt);
-    // The suite compares something real: outputs and gradients are not all zero.
-    EXPECT_GT(std::abs(ref.y.item_as_double(5)) + std::abs(ref.grad_logits.item_as_double(3)), 0.0);
-    EXPECT_TRUE(same_layer(ref, run_layer(pool, ids, c.cfg, c.popt))) << "repeat, 1 thread";
-    set_num_threads(2);
-    EXPECT_TRUE(same_layer(ref, run_layer(pool, ids, c.cfg, c.popt))) << "2 threads";
-    EXPECT_TRUE(same_layer(ref, run_layer(pool, ids, c.cfg, c.popt))) << "repeat, 2 threads";
-  }
+  SCOPED_TRACE(std::string(c.name) + " " + repro(seed));
+  set_num_threads(1);
+  const LayerOut ref = run_layer(pool, ids, c.cfg, c.popt);
+  // The suite compares something real: outputs and gradients are not all zero.
+  EXPECT_GT(std::abs(ref.y.item_as_double(5)) + std::abs(ref.grad_logits.item_as_double(3)), 0.0);
+  EXPECT_TRUE(same_layer(ref, run_layer(pool, ids, c.cfg, c.popt))) << "repeat, 1 thread";
+  set_num_threads(2);
+  EXPECT_TRUE(same_layer(ref, run_layer(pool, ids, c.cfg, c.popt))) << "2 threads";
+  EXPECT_TRUE(same_layer(ref, run_layer(pool, ids, c.cfg, c.popt))) << "repeat, 2 threads";
   set_num_threads(saved);
 }
 
-TEST(Determinism, SameTokenSameRowsInAnyBatchOrOrder) {
+// A token's outputs and gradient rows are the same bits in any sub-batch (1 token too), in any
+// order, with repeats, at 1 or 2 threads (cases without capacity or batch-level losses).
+void same_token_same_rows_in_any_batch(const char* name) {
   const uint64_t seed = test_seed(7002);
   const int64_t N = 240, H = 40, E = 16;
+  const Case c = case_named(cases(E), name);
+  ASSERT_TRUE(c.batch_invariant) << name;
   const Pool pool = make_pool(seed, N, H, E);
   std::mt19937_64 rng(seed);
   std::vector<int64_t> all(N);
   std::iota(all.begin(), all.end(), 0);
   const int saved = num_threads();
-  for (const Case& c : cases(E)) {
-    if (!c.batch_invariant) continue;
-    SCOPED_TRACE(std::string(c.name) + " " + repro(seed));
-    set_num_threads(1);
-    const LayerOut ref = run_layer(pool, all, c.cfg, c.popt);
-    for (int trial = 0; trial < 4; ++trial) {
-      set_num_threads(1 + trial % 2);
-      // A random sub-batch of random size (1 token too) in random order, some tokens repeated.
-      const int64_t n = trial == 0 ? 1 : std::uniform_int_distribution<int64_t>(2, N)(rng);
-      std::vector<int64_t> ids(all);
-      std::shuffle(ids.begin(), ids.end(), rng);
-      ids.resize(size_t(n));
-      if (n > 3) ids[1] = ids[0];
-      const LayerOut o = run_layer(pool, ids, c.cfg, c.popt);
-      for (size_t i = 0; i < ids.size(); ++i) {
-        const int64_t j = ids[i];
-        const std::string at = "token " + std::to_string(j) + " at batch row " + std::to_string(i) +
-                               " of " + std::to_string(n) + " (trial " + std::to_string(trial) + ")";
-        ASSERT_TRUE(bitwise_equal(row(o.logits, int64_t(i)), row(ref.logits, j))) << "logits, " << at;
-        ASSERT_TRUE(bitwise_equal(row(o.y, int64_t(i)), row(ref.y, j))) << "y, " << at;
-        ASSERT_TRUE(bitwise_equal(row(o.grad_x_dispatch, int64_t(i)), row(ref.grad_x_dispatch, j)))
-            << "grad_x (dispatch path), " << at;
-        ASSERT_TRUE(bitwise_equal(row(o.grad_logits, int64_t(i)), row(ref.grad_logits, j)))
-            << "grad_logits, " << at;
-        ASSERT_TRUE(bitwise_equal(row(o.grad_x_gate, int64_t(i)), row(ref.grad_x_gate, j)))
-            << "grad_x (gate path), " << at;
-        for (int64_t k = 0; k < c.cfg.top_k; ++k) {
-          ASSERT_EQ(o.topk_idx.data<int32_t>()[int64_t(i) * c.cfg.top_k + k],
-                    ref.topk_idx.data<int32_t>()[j * c.cfg.top_k + k]) << at;
-        }
+  SCOPED_TRACE(std::string(c.name) + " " + repro(seed));
+  set_num_threads(1);
+  const LayerOut ref = run_layer(pool, all, c.cfg, c.popt);
+  for (int trial = 0; trial < 4; ++trial) {
+    set_num_threads(1 + trial % 2);
+    // A random sub-batch of random size (1 token too) in random order, some tokens repeated.
+    const int64_t n = trial == 0 ? 1 : std::uniform_int_distribution<int64_t>(2, N)(rng);
+    std::vector<int64_t> ids(all);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    ids.resize(size_t(n));
+    if (n > 3) ids[1] = ids[0];
+    const LayerOut o = run_layer(pool, ids, c.cfg, c.popt);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const int64_t j = ids[i];
+      const std::string at = "token " + std::to_string(j) + " at batch row " + std::to_string(i) +
+                             " of " + std::to_string(n) + " (trial " + std::to_string(trial) + ")";
+      ASSERT_TRUE(bitwise_equal(row(o.logits, int64_t(i)), row(ref.logits, j))) << "logits, " << at;
+      ASSERT_TRUE(bitwise_equal(row(o.y, int64_t(i)), row(ref.y, j))) << "y, " << at;
+      ASSERT_TRUE(bitwise_equal(row(o.grad_x_dispatch, int64_t(i)), row(ref.grad_x_dispatch, j)))
+          << "grad_x (dispatch path), " << at;
+      ASSERT_TRUE(bitwise_equal(row(o.grad_logits, int64_t(i)), row(ref.grad_logits, j)))
+          << "grad_logits, " << at;
+      ASSERT_TRUE(bitwise_equal(row(o.grad_x_gate, int64_t(i)), row(ref.grad_x_gate, j)))
+          << "grad_x (gate path), " << at;
+      for (int64_t k = 0; k < c.cfg.top_k; ++k) {
+        ASSERT_EQ(o.topk_idx.data<int32_t>()[int64_t(i) * c.cfg.top_k + k],
+                  ref.topk_idx.data<int32_t>()[j * c.cfg.top_k + k])
+            << at;
       }
     }
   }
   set_num_threads(saved);
+}
+
+TEST(DeterminismSoftmax, RepeatedRunsAndThreadCountsAreBitwiseIdentical) {
+  repeated_runs_and_thread_counts_agree("softmax");
+}
+TEST(DeterminismSigmoidGroups, RepeatedRunsAndThreadCountsAreBitwiseIdentical) {
+  repeated_runs_and_thread_counts_agree("sigmoid_groups");
+}
+TEST(DeterminismSqrtSoftplus, RepeatedRunsAndThreadCountsAreBitwiseIdentical) {
+  repeated_runs_and_thread_counts_agree("sqrtsoftplus");
+}
+TEST(DeterminismCapacityAndLosses, RepeatedRunsAndThreadCountsAreBitwiseIdentical) {
+  repeated_runs_and_thread_counts_agree("capacity_losses");
+}
+TEST(DeterminismSoftmax, SameTokenSameRowsInAnyBatchOrOrder) {
+  same_token_same_rows_in_any_batch("softmax");
+}
+TEST(DeterminismSigmoidGroups, SameTokenSameRowsInAnyBatchOrOrder) {
+  same_token_same_rows_in_any_batch("sigmoid_groups");
+}
+TEST(DeterminismSqrtSoftplus, SameTokenSameRowsInAnyBatchOrOrder) {
+  same_token_same_rows_in_any_batch("sqrtsoftplus");
 }
 
 TEST(Determinism, GradWeightIsAFixedOrderSumOverTheBatch) {
@@ -254,11 +293,11 @@ TEST(Determinism, GradWeightIsAFixedOrderSumOverTheBatch) {
   const auto gl = a.grad_logits.to_double_vector(), xv = pool.x.to_double_vector();
   for (int64_t t = 0; t < N; ++t)
     for (int64_t e = 0; e < E; ++e)
-      for (int64_t h = 0; h < H; ++h) want[size_t(e * H + h)] += gl[size_t(t * E + e)] * xv[size_t(t * H + h)];
+      for (int64_t h = 0; h < H; ++h)
+        want[size_t(e * H + h)] += gl[size_t(t * E + e)] * xv[size_t(t * H + h)];
   EXPECT_TRUE(testing::all_close(a.grad_weight, want, 1e-5, 1e-5)) << repro(seed);
   set_num_threads(1);
 }
-
 
 // The run-time kernel choice (scalar, AVX2+FMA, AVX-512) never changes a bit: the whole layer and
 // its backward, every routing case, plus the gate on bf16 and fp32 inputs with fp32 and fp64

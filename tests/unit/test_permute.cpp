@@ -5,6 +5,8 @@
 #include <map>
 #include <random>
 
+#include "model_shapes.h"
+#include "permute_tester.h"
 #include "ref/dispatch_ref.h"
 #include "switchyard/dispatcher.h"
 #include "switchyard/error.h"
@@ -20,184 +22,45 @@ using testing::randn;
 using testing::repro;
 using testing::test_seed;
 
-struct Case {
-  int64_t T, H, E, K;
-  DType dtype;
-};
+using testing::PermuteTester;
 
-std::vector<int32_t> random_routes(int64_t T, int64_t K, int64_t E, std::mt19937_64& rng) {
-  std::vector<int32_t> idx(static_cast<size_t>(T * K));
-  std::uniform_int_distribution<int> kind(0, 7), ex(0, static_cast<int>(E - 1)), kk(0, 3);
-  for (int64_t t = 0; t < T; ++t) {
-    const int c = kind(rng);
-    for (int64_t k = 0; k < K; ++k) {
-      int32_t v = ex(rng);
-      if (c == 0) v = 0;
-      if (c == 1) v = -1;
-      if (c == 2 && kk(rng) == 0) v = -1;
-      if (c == 3 && k > 0 && kk(rng) < 2) v = idx[static_cast<size_t>(t * K + k - 1)];
-      idx[static_cast<size_t>(t * K + k)] = v;
-    }
-  }
-  return idx;
-}
-
+// Random routes (testing::random_routes) and their plan, for the tests of one property.
 struct Routed {
   std::vector<int32_t> idx;
   std::vector<float> w;
   RoutingPlan plan;
-  std::vector<std::vector<ref::RefPair>> pairs;
-  std::map<std::pair<int64_t, int64_t>, int64_t> row_of;
 };
 
-Routed make_routed(const Case& c, std::mt19937_64& rng, const RoutingPlanOptions& opt = {}) {
+Routed make_routed(int64_t T, int64_t E, int64_t K, std::mt19937_64& rng) {
   Routed s;
-  s.idx = random_routes(c.T, c.K, c.E, rng);
-  std::uniform_real_distribution<float> u(0.05f, 1.0f);
-  s.w.resize(s.idx.size());
-  for (auto& v : s.w) v = u(rng);
-  s.plan = build_routing_plan(Tensor::from_vector(s.idx, {c.T, c.K}),
-                              Tensor::from_vector(s.w, {c.T, c.K}), c.E, opt);
-  s.pairs = ref::token_pairs(s.idx, s.w, c.T, c.K);
-  const int64_t* rt = s.plan.row_token.data<int64_t>();
-  const int32_t* re = s.plan.row_expert.data<int32_t>();
-  for (int64_t r = 0; r < s.plan.num_rows; ++r) {
-    if (rt[r] >= 0) s.row_of[{rt[r], re[r]}] = r;
-  }
+  s.idx = testing::random_routes(T, K, E, rng);
+  s.w = testing::random_weights(T * K, rng, 0.05f);
+  s.plan =
+      build_routing_plan(Tensor::from_vector(s.idx, {T, K}), Tensor::from_vector(s.w, {T, K}), E);
   return s;
 }
 
-std::vector<Case> cases() {
-  std::vector<Case> out;
-  for (DType d : {DType::fp32, DType::bf16}) {
-    out.push_back({0, 5, 4, 2, d});
-    out.push_back({1, 3, 1, 1, d});
-    out.push_back({7, 19, 8, 8, d});
-    out.push_back({7, 4, 2, 2, d});
-    out.push_back({1031, 37, 64, 8, d});
-    out.push_back({61, 5, 256, 256, d});
-    out.push_back({300, 128, 128, 8, d});
+// One routing shape per case, fp32 and bf16 rows: permute bit-exact with zeroed padding, unpermute
+// against the double reference (weights applied and skipped), the adjoint identities (fp32) and
+// the backward against the reference (PermuteTester).
+#define SY_PERMUTE_CASE(Name, T, H, E, K)                                              \
+  TEST(PermuteFp32, Name) {                                                            \
+    PermuteTester().tokens(T).hidden(H).experts(E).top_k(K).dtype(DType::fp32).Test(); \
+  }                                                                                    \
+  TEST(PermuteBf16, Name) {                                                            \
+    PermuteTester().tokens(T).hidden(H).experts(E).top_k(K).dtype(DType::bf16).Test(); \
   }
-  return out;
-}
 
-std::string name(const Case& c) {
-  return "T=" + std::to_string(c.T) + " H=" + std::to_string(c.H) + " E=" + std::to_string(c.E) +
-         " K=" + std::to_string(c.K) + " " + dtype_name(c.dtype);
-}
+SY_PERMUTE_CASE(ZeroTokens, 0, 5, 4, 2)
+SY_PERMUTE_CASE(OneTokenOneExpert, 1, 3, 1, 1)
+SY_PERMUTE_CASE(SevenTokensTop8Of8, 7, 19, 8, 8)
+SY_PERMUTE_CASE(SevenTokensTop2Of2, 7, 4, 2, 2)
+SY_PERMUTE_CASE(Top8Of64At1031Tokens, 1031, 37, 64, 8)
+SY_PERMUTE_CASE(EveryExpertTop256Of256, 61, 5, 256, 256)
+SY_PERMUTE_CASE(Qwen3RoutingTop8Of128, 300, 128, testing::kQwen3_30B_A3B.num_experts,
+                testing::kQwen3_30B_A3B.top_k)
 
-// fp32: one rounding per accumulated row (K rows at most) plus the merged weight's; bf16: the
-// output rounding dominates.
-double tol(const Case& c) {
-  return c.dtype == DType::bf16 ? 8e-3 : 1e-6 * static_cast<double>(2 + c.K);
-}
-
-TEST(Permute, MovesRowsBitExactlyAndZeroesPadding) {
-  for (const Case& c : cases()) {
-    const uint64_t seed = test_seed(11 + c.T + c.E);
-    std::mt19937_64 rng(seed);
-    RoutingPlanOptions opt;
-    opt.expert_alignment = 4;
-    Routed s = make_routed(c, rng, opt);
-    Tensor x = randn({c.T, c.H}, c.dtype, rng);
-    Tensor p = permute(x, s.plan);
-    ASSERT_EQ(p.shape(), (Shape{s.plan.num_rows, c.H})) << name(c);
-    const int64_t* rt = s.plan.row_token.data<int64_t>();
-    const size_t rb = static_cast<size_t>(c.H) * dtype_size(c.dtype);
-    std::vector<unsigned char> zero(rb, 0);
-    for (int64_t r = 0; r < s.plan.num_rows; ++r) {
-      const auto* got = static_cast<const unsigned char*>(p.raw()) + r * rb;
-      const void* want = rt[r] >= 0 ? static_cast<const unsigned char*>(x.raw()) + rt[r] * rb
-                                    : static_cast<const void*>(zero.data());
-      ASSERT_EQ(std::memcmp(got, want, rb), 0)
-          << "row " << r << " " << name(c) << " " << repro(seed);
-    }
-  }
-}
-
-TEST(Unpermute, MatchesDoubleReference) {
-  for (const Case& c : cases()) {
-    for (WeightMode mode : {WeightMode::apply, WeightMode::skip}) {
-      const uint64_t seed = test_seed(23 + c.T * 3 + c.E);
-      std::mt19937_64 rng(seed);
-      Routed s = make_routed(c, rng);
-      Tensor Y = randn({s.plan.num_rows, c.H}, c.dtype, rng);
-      Tensor y = unpermute(Y, s.plan, {mode});
-      auto want = ref::combine(s.pairs, Y.to_double_vector(), c.H, mode == WeightMode::apply,
-                               [&](int64_t t, int64_t e) {
-                                 return s.row_of.at({t, e});
-                               });
-      EXPECT_TRUE(all_close(y, want, tol(c), tol(c))) << name(c) << " " << repro(seed);
-    }
-  }
-}
-
-TEST(Unpermute, RoundTripWithNormalisedWeights) {
-  // unpermute(permute(x)) with each token's weights summing to 1 gives x back (every token routed).
-  const int64_t T = 97, H = 33, E = 16, K = 4;
-  std::mt19937_64 rng(test_seed(5));
-  std::vector<int32_t> idx(T * K);
-  std::vector<float> w(T * K, 0.25f);
-  std::uniform_int_distribution<int> ex(0, E - 1);
-  for (auto& v : idx) v = ex(rng);
-  RoutingPlan plan =
-      build_routing_plan(Tensor::from_vector(idx, {T, K}), Tensor::from_vector(w, {T, K}), E);
-  Tensor x = randn({T, H}, DType::fp32, rng);
-  EXPECT_TRUE(all_close(unpermute(permute(x, plan), plan), x, 1e-6, 1e-6));
-}
-
-// <f(a), b> in double.
-double dot(const Tensor& a, const Tensor& b) {
-  auto va = a.to_double_vector(), vb = b.to_double_vector();
-  double s = 0;
-  for (size_t i = 0; i < va.size(); ++i) s += va[i] * vb[i];
-  return s;
-}
-
-TEST(Permute, AdjointIdentities) {
-  for (const Case& c : cases()) {
-    if (c.dtype != DType::fp32) continue;
-    const uint64_t seed = test_seed(31 + c.T);
-    std::mt19937_64 rng(seed);
-    Routed s = make_routed(c, rng);
-    Tensor x = randn({c.T, c.H}, c.dtype, rng);
-    Tensor P = randn({s.plan.num_rows, c.H}, c.dtype, rng);
-    Tensor g = randn({c.T, c.H}, c.dtype, rng);
-    // <permute(x), P> = <x, permute_backward(P)>
-    const double l1 = dot(permute(x, s.plan), P), r1 = dot(x, permute_backward(P, s.plan));
-    EXPECT_NEAR(l1, r1, 1e-4 * (1 + std::fabs(l1))) << name(c) << " " << repro(seed);
-    // <unpermute(P), g> = <P, unpermute_backward(g).grad_permuted>
-    const double l2 = dot(unpermute(P, s.plan), g);
-    const double r2 = dot(P, unpermute_backward(g, P, s.plan).grad_permuted);
-    EXPECT_NEAR(l2, r2, 1e-4 * (1 + std::fabs(l2))) << name(c) << " " << repro(seed);
-  }
-}
-
-TEST(Unpermute, BackwardMatchesReferenceAndFiniteDifferences) {
-  for (const Case& c : cases()) {
-    const uint64_t seed = test_seed(41 + c.T + c.K);
-    std::mt19937_64 rng(seed);
-    Routed s = make_routed(c, rng);
-    Tensor Y = randn({s.plan.num_rows, c.H}, c.dtype, rng);
-    Tensor g = randn({c.T, c.H}, c.dtype, rng);
-    UnpermuteGrads gr = unpermute_backward(g, Y, s.plan);
-    auto want_w = ref::grad_weights(s.pairs, Y.to_double_vector(), g.to_double_vector(), c.K, c.H,
-                                    [&](int64_t t, int64_t e) {
-                                      return s.row_of.at({t, e});
-                                    });
-    EXPECT_TRUE(all_close(gr.grad_topk_weights, want_w, 1e-5 * c.H, 1e-5))
-        << name(c) << " " << repro(seed);
-    // grad_permuted[r] = w_r * g[token(r)]
-    std::vector<double> want_p(static_cast<size_t>(s.plan.num_rows * c.H));
-    auto gv = g.to_double_vector();
-    const int64_t* rt = s.plan.row_token.data<int64_t>();
-    const float* rw = s.plan.row_weight.data<float>();
-    for (int64_t r = 0; r < s.plan.num_rows; ++r)
-      for (int64_t h = 0; h < c.H; ++h) want_p[r * c.H + h] = rw[r] * gv[rt[r] * c.H + h];
-    EXPECT_TRUE(all_close(gr.grad_permuted, want_p, tol(c), tol(c))) << name(c);
-    UnpermuteGrads gs = unpermute_backward(g, Tensor(), s.plan, {WeightMode::skip});
-    EXPECT_TRUE(bitwise_equal(gs.grad_permuted, permute(g, s.plan))) << name(c);
-  }
+TEST(Unpermute, WeightGradientMatchesFiniteDifferencesWithRepeatedIds) {
   // Central finite differences in double of L = <unpermute(Y; w), g> w.r.t. each slot weight,
   // including a repeated id (the gradient reaches every merged slot).
   const int64_t T = 3, H = 6, E = 4, K = 3;
@@ -239,11 +102,11 @@ TEST(Unpermute, BackwardMatchesReferenceAndFiniteDifferences) {
 }
 
 TEST(Permute, ResultsIndependentOfThreadCount) {
-  const Case c{1031, 130, 64, 8, DType::bf16};
+  const int64_t T = 1031, H = 130, E = 64, K = 8;
   std::mt19937_64 rng(test_seed(9));
-  Routed s = make_routed(c, rng);
-  Tensor x = randn({c.T, c.H}, c.dtype, rng);
-  Tensor g = randn({c.T, c.H}, c.dtype, rng);
+  Routed s = make_routed(T, E, K, rng);
+  Tensor x = randn({T, H}, DType::bf16, rng);
+  Tensor g = randn({T, H}, DType::bf16, rng);
   const int saved = num_threads();
   set_num_threads(1);
   Tensor p1 = permute(x, s.plan), y1 = unpermute(p1, s.plan);
@@ -259,29 +122,33 @@ TEST(Permute, ResultsIndependentOfThreadCount) {
 }
 
 TEST(Permute, IntoVariantsWriteTheSameBits) {
-  const Case c{131, 24, 16, 4, DType::bf16};
+  const int64_t T = 131, H = 24, E = 16, K = 4;
+  const DType dt = DType::bf16;
   std::mt19937_64 rng(test_seed(13));
-  Routed s = make_routed(c, rng);
-  Tensor x = randn({c.T, c.H}, c.dtype, rng);
-  Tensor p = Tensor::full({s.plan.num_rows, c.H}, c.dtype, 3.0);
+  Routed s = make_routed(T, E, K, rng);
+  Tensor x = randn({T, H}, dt, rng);
+  Tensor p = Tensor::full({s.plan.num_rows, H}, dt, 3.0);
   permute_into(x, p, s.plan);
   EXPECT_TRUE(bitwise_equal(p, permute(x, s.plan)));
-  Tensor y = Tensor::full({c.T, c.H}, c.dtype, 3.0);
+  Tensor y = Tensor::full({T, H}, dt, 3.0);
   unpermute_into(p, y, s.plan);
   EXPECT_TRUE(bitwise_equal(y, unpermute(p, s.plan)));
-  Tensor wrong = Tensor::empty({c.T, c.H}, DType::fp32);
+  Tensor wrong = Tensor::empty({T, H}, DType::fp32);
   SY_EXPECT_THROW_MSG(unpermute_into(p, wrong, s.plan), std::invalid_argument, "[unpermute] out");
-  Tensor short_out = Tensor::empty({s.plan.num_rows - 1, c.H}, c.dtype);
+  Tensor short_out = Tensor::empty({s.plan.num_rows - 1, H}, dt);
   SY_EXPECT_THROW_MSG(permute_into(x, short_out, s.plan), std::invalid_argument, "[permute] out");
 }
 
 TEST(Permute, LocalCommunicatorDispatchIsPermute) {
   // EP = 1 through the dispatchers on the size-1 communicator (works without MPI): dispatch is
   // permute, combine is unpermute, bit for bit, for both dispatchers.
-  const Case c{211, 40, 16, 4, DType::bf16};
+  struct {
+    int64_t T = 211, H = 40, E = 16, K = 4;
+    DType dtype = DType::bf16;
+  } c;
   for (auto kind : {dist::DispatcherKind::all_to_all, dist::DispatcherKind::all_gather}) {
     std::mt19937_64 rng(test_seed(17));
-    Routed s = make_routed(c, rng);
+    Routed s = make_routed(c.T, c.E, c.K, rng);
     Tensor x = randn({c.T, c.H}, c.dtype, rng);
     auto comm = dist::local();
     dist::DispatchOptions opt;

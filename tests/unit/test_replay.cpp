@@ -6,9 +6,10 @@
 #include <vector>
 
 #include "ref/router_ref.h"
+#include "replay_tester.h"
+#include "router_testing.h"
 #include "switchyard/replay.h"
 #include "switchyard/router.h"
-#include "router_testing.h"
 #include "testing.h"
 
 namespace sy = switchyard;
@@ -23,118 +24,37 @@ using sy::testing::bitwise_equal;
 
 namespace {
 
-std::vector<RouterConfig> configs() {
-  std::vector<RouterConfig> v;
-  for (int f = 0; f < 4; ++f) {
-    RouterConfig c = router_config(64, 8, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
-    c.pre_softmax = f == 3;
-    c.topk_scaling_factor = 1.5;
-    c.aux_loss_type = AuxLossType::aux_loss;
-    c.aux_loss_coeff = 1e-2;
-    c.z_loss_coeff = 1e-3;
-    v.push_back(c);
-    c.num_groups = 8;
-    c.group_topk = 4;
-    c.capacity_factor = 1.0;
-    v.push_back(c);
-  }
-  return v;
+using sy::testing::ReplayTester;
+
+// E 64, K 8 with scaling 1.5 and the aux and z losses; optionally DeepSeek-V3's groups 8/4.
+ReplayTester base(ScoreFunction f, bool pre_softmax, bool grouped) {
+  ReplayTester t;
+  t.experts(64).top_k(8).score(f).pre_softmax(pre_softmax).scaling(1.5);
+  t.aux_loss(AuxLossType::aux_loss, 1e-2).z_loss(1e-3);
+  if (grouped) t.groups(8, 4);
+  return t;
 }
 
 }  // namespace
 
-TEST(Replay, RecordedRoutesReplayBitwise) {
-  std::mt19937_64 rng(sy::testing::test_seed(201));
-  for (DType dt : {DType::fp32, DType::fp64}) {
-    for (const RouterConfig& c : configs()) {
-      SCOPED_TRACE(std::string(sy::score_function_name(c.score_function)) +
-                   (c.pre_softmax ? " pre" : "") + " groups=" + std::to_string(c.num_groups));
-      Tensor z = sy::testing::randn({301, 64}, dt, rng);
-      Tensor gw = sy::testing::randn({301, 8}, dt, rng);
-      sy::RouteInputs native_in;
-      native_in.expert_bias = sy::testing::randn({64}, DType::fp32, rng, 0.1);
-      const auto native = sy::topk_route(z, native_in, c);
-      sy::RouteInputs in = native_in;
-      RouterConfig nocap = c;  // the ids before capacity drops: the same route without capacity
-      nocap.capacity_factor.reset();
-      in.replay_idx = sy::topk_route(z, native_in, nocap).topk_idx.clone();
-      const auto replayed = sy::topk_route(z, in, c);
-      EXPECT_EQ(replayed.num_replayed_rows, 301);
-      EXPECT_EQ(replayed.num_native_rows, 0);
-      EXPECT_EQ(native.num_replayed_rows, 0);
-      EXPECT_EQ(native.num_native_rows, 301);
-      EXPECT_TRUE(bitwise_equal(replayed.topk_idx, native.topk_idx));
-      EXPECT_TRUE(bitwise_equal(replayed.topk_weights, native.topk_weights));
-      EXPECT_TRUE(bitwise_equal(replayed.num_tokens_per_expert, native.num_tokens_per_expert));
-      EXPECT_EQ(replayed.aux_loss, native.aux_loss);
-      EXPECT_EQ(replayed.z_loss, native.z_loss);
-      const auto g1 = sy::topk_route_backward(gw, native);
-      const auto g2 = sy::topk_route_backward(gw, replayed);
-      EXPECT_TRUE(bitwise_equal(g1.grad_logits, g2.grad_logits));
-    }
+// One suite per score function: recorded routes (301 tokens, fp32 and fp64) replay bit for bit,
+// also through groups and capacity; replaced rows (50 tokens, fp64) change only themselves.
+#define SY_REPLAY_CASES(Suite, f, pre)                                                   \
+  TEST(Suite, RecordedRoutesReplayBitwise) { base(f, pre, false).TestRecordedRoutes(); } \
+  TEST(Suite, RecordedRoutesReplayBitwiseWithGroupsAndCapacity) {                        \
+    base(f, pre, true).capacity(1.0).TestRecordedRoutes();                               \
+  }                                                                                      \
+  TEST(Suite, ReplacedRowsChangeOnlyThemselves) {                                        \
+    base(f, pre, false).tokens(50).TestReplacedRows();                                   \
+  }                                                                                      \
+  TEST(Suite, ReplacedRowsChangeOnlyThemselvesWithGroups) {                              \
+    base(f, pre, true).tokens(50).TestReplacedRows();                                    \
   }
-}
 
-TEST(Replay, DifferentRoutesChangeExactlyThoseRows) {
-  std::mt19937_64 rng(sy::testing::test_seed(211));
-  for (const RouterConfig& c0 : configs()) {
-    RouterConfig c = c0;
-    c.capacity_factor.reset();  // capacity couples rows; checked separately
-    SCOPED_TRACE(std::string(sy::score_function_name(c.score_function)) +
-                 (c.pre_softmax ? " pre" : ""));
-    const int64_t T = 50, E = 64, K = 8;
-    Tensor z = sy::testing::randn({T, E}, DType::fp64, rng);
-    Tensor gw = sy::testing::randn({T, K}, DType::fp64, rng);
-    Tensor ids = Tensor::full({T, K}, DType::int32, -1);
-    const std::vector<int64_t> changed = {3, 17, 49};
-    for (int64_t t : changed) {
-      // Experts outside the native choice (and outside the best groups): the last K ids.
-      for (int64_t k = 0; k < K; ++k)
-        ids.data<int32_t>()[t * K + k] = static_cast<int32_t>(E - 1 - 2 * k);
-    }
-    sy::RouteInputs in;
-    in.replay_idx = ids;
-    in.expert_bias = Tensor::full({E}, DType::fp32, 0.0);
-    for (int64_t k = 0; k < K; ++k) in.expert_bias.data<float>()[E - 1 - 2 * k] = -100.0f;
-    sy::RouteInputs native_in = in;
-    native_in.replay_idx = Tensor();
-    const auto native = sy::topk_route(z, native_in, c);
-    const auto r = sy::topk_route(z, in, c);
-    EXPECT_EQ(r.num_replayed_rows, 3);
-    EXPECT_EQ(r.num_native_rows, T - 3);
-    const auto gn = sy::topk_route_backward(gw, native).grad_logits;
-    const auto gr = sy::topk_route_backward(gw, r).grad_logits;
-    // Reference weights for replayed rows from the live logits.
-    sy::ref::RefRouteInputs rin;
-    rin.replay = std::vector<int32_t>(ids.data<int32_t>(), ids.data<int32_t>() + T * K);
-    rin.bias = in.expert_bias.to_double_vector();
-    const auto want = sy::ref::route(z.to_double_vector(), T, c, rin);
-    EXPECT_TRUE(all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
-    EXPECT_TRUE(all_close(r.topk_weights, want.w, 1e-13, 1e-12));
-    for (int64_t t = 0; t < T; ++t) {
-      const bool is_changed = t == 3 || t == 17 || t == 49;
-      bool same_w = true, same_g = true;
-      for (int64_t k = 0; k < K; ++k) {
-        same_w = same_w && r.topk_weights.data<double>()[t * K + k] ==
-                               native.topk_weights.data<double>()[t * K + k];
-        if (is_changed) {
-          EXPECT_EQ(r.topk_idx.data<int32_t>()[t * K + k], E - 1 - 2 * k) << "token " << t;
-        }
-      }
-      for (int64_t e = 0; e < E; ++e) {
-        same_g = same_g && gr.data<double>()[t * E + e] == gn.data<double>()[t * E + e];
-      }
-      // Unchanged rows: bitwise the native weights; their gradients too, except through the
-      // aux loss, whose counts (a batch statistic) are the same because aux counts ignore replay.
-      if (!is_changed) {
-        EXPECT_TRUE(same_w) << "token " << t;
-        EXPECT_TRUE(same_g) << "token " << t;
-      } else {
-        EXPECT_FALSE(same_g) << "token " << t;
-      }
-    }
-  }
-}
+SY_REPLAY_CASES(ReplaySoftmax, ScoreFunction::softmax, false)
+SY_REPLAY_CASES(ReplaySigmoid, ScoreFunction::sigmoid, false)
+SY_REPLAY_CASES(ReplaySqrtSoftplus, ScoreFunction::sqrtsoftplus, false)
+SY_REPLAY_CASES(ReplayPreSoftmax, ScoreFunction::softmax, true)
 
 TEST(Replay, CapacityStillAppliesToReplayedRows) {
   // Every token replays expert 0 first: capacity C = ceil(8*2/4*0.5) = 2 keeps two of them.
@@ -242,22 +162,21 @@ TEST(Replay, QueueIsFifoUnderRecomputeOrder) {
   EXPECT_EQ(replay.num_recorded(), 3);
   // Update pass, 1F1B-like order: F0 F1 B0 F2 B1 B2, with recompute inside each backward.
   std::vector<sy::RouteResult> fwd(3);
-  std::vector<Tensor> live_logits(3);
+  std::vector<Tensor> live(3);
   auto forward = [&](int mb) {
     // The policy moved: perturbed logits, yet the recorded ids are used.
-    Tensor live = logits[mb].clone();
-    for (int64_t i = 0; i < live.numel(); ++i) live.data<float>()[i] *= -1.0f;
-    live_logits[mb] = live;
+    live[mb] = logits[mb].clone();
+    for (int64_t i = 0; i < live[mb].numel(); ++i) live[mb].data<float>()[i] *= -1.0f;
     sy::RouteInputs in;
     in.replay_idx = replay.replay_forward(replay.pop_recorded());
-    fwd[mb] = sy::topk_route(live, in, c);
+    fwd[mb] = sy::topk_route(live[mb], in, c);
     EXPECT_EQ(fwd[mb].num_replayed_rows, 5 + mb);
     EXPECT_TRUE(bitwise_equal(fwd[mb].topk_idx, recorded[mb])) << "forward mb " << mb;
   };
   auto backward = [&](int mb) {
     sy::RouteInputs in;
     in.replay_idx = replay.replay_backward(5 + mb);
-    const auto again = sy::topk_route(live_logits[mb], in, c);
+    const auto again = sy::topk_route(live[mb], in, c);
     EXPECT_TRUE(bitwise_equal(again.topk_idx, recorded[mb])) << "recompute mb " << mb;
     EXPECT_TRUE(bitwise_equal(again.topk_weights, fwd[mb].topk_weights)) << "recompute mb " << mb;
   };
@@ -332,8 +251,7 @@ TEST(Replay, ReadmeFlowWithDesignatedInitialisers) {
   const sy::RouteResult again =
       sy::topk_route(logits, {.replay_idx = replay.replay_backward(T)}, cfg, {.layer = 3});
   EXPECT_TRUE(bitwise_equal(again.topk_weights, r.topk_weights));
-  const sy::RouteGrads g =
-      sy::topk_route_backward(Tensor::full({T, 8}, DType::fp32, 1.0), again);
+  const sy::RouteGrads g = sy::topk_route_backward(Tensor::full({T, 8}, DType::fp32, 1.0), again);
   EXPECT_EQ(g.grad_logits.shape(), (sy::Shape{T, 128}));
   replay.record(sy::topk_route(logits, {}, cfg).topk_idx);
   const sy::RouteResult upd =

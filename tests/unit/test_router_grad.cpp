@@ -2,14 +2,14 @@
 // option (pre-softmax, groups, bias, scaling, capacity policies, padding, replayed rows) and every
 // loss (aux, seq, global, z) with a loss-grad scale. Also fp32 backward against fp64 backward.
 #include <cmath>
-#include <functional>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "switchyard/router.h"
+#include "router_grad_tester.h"
 #include "router_testing.h"
+#include "switchyard/router.h"
 #include "testing.h"
 
 namespace sy = switchyard;
@@ -23,157 +23,84 @@ using sy::TokenDropPolicy;
 
 namespace {
 
-struct GradCase {
-  RouterConfig cfg;
-  int64_t T = 9;
-  bool bias = false;
-  bool mask = false;
-  bool replay = false;
-  int64_t seq_length = 0;
-  double loss_scale = 1.0;
-  std::string name;
-};
+using sy::testing::RouterGradTester;
 
-// L(z) = <gw, topk_weights(z)> + loss_scale * (aux_loss(z) + z_loss(z)).
-void check_grad(const GradCase& c, uint64_t seed) {
-  SCOPED_TRACE(c.name + " " + sy::testing::repro(seed));
-  std::mt19937_64 rng(seed);
-  const int64_t T = c.T, E = c.cfg.num_experts, K = c.cfg.top_k;
-  Tensor z = sy::testing::randn({T, E}, DType::fp64, rng, 1.5);
-  Tensor gw = sy::testing::randn({T, K}, DType::fp64, rng);
-  sy::RouteInputs in;
-  if (c.bias) in.expert_bias = sy::testing::randn({E}, DType::fp32, rng, 0.3);
-  if (c.mask) {
-    in.padding_mask = Tensor::zeros({T}, DType::boolean);
-    for (int64_t t = 0; t < T; t += 3) in.padding_mask.data<bool>()[t] = true;
-  }
-  if (c.replay) {
-    // Rows 1 mod 3 replay a reversed-id choice, rows 2 mod 3 are all -1 (native).
-    in.replay_idx = Tensor::full({T, K}, DType::int32, -1);
-    for (int64_t t = 1; t < T; t += 3) {
-      for (int64_t k = 0; k < K; ++k) {
-        in.replay_idx.data<int32_t>()[t * K + k] =
-            static_cast<int32_t>((E - 1 - k - t) % E + E) % E;
-      }
-    }
-  }
-  sy::GlobalAuxLossState g0;
-  g0.num_tokens_per_expert = Tensor::full({E}, DType::fp64, 3.0);
-  g0.steps = 2;
-  sy::RouteOptions opt;
-  opt.seq_length = c.seq_length;
-  auto forward = [&](const Tensor& zz) {
-    sy::GlobalAuxLossState g;  // every evaluation starts from the same accumulated state
-    g.num_tokens_per_expert = g0.num_tokens_per_expert.clone();
-    g.steps = g0.steps;
-    sy::RouteInputs i2 = in;
-    i2.global_aux_loss_state = &g;
-    return sy::topk_route(zz, i2, c.cfg, opt);
-  };
-  auto objective = [&](const sy::RouteResult& r) {
-    double L = 0;
-    for (int64_t i = 0; i < T * K; ++i)
-      L += gw.data<double>()[i] * r.topk_weights.data<double>()[i];
-    return L + c.loss_scale * (r.aux_loss + r.z_loss);
-  };
-  const sy::RouteResult r0 = forward(z);
-  sy::RouteBackwardOptions bo;
-  bo.loss_grad_scale = c.loss_scale;
-  const Tensor grad = sy::topk_route_backward(gw, r0, bo).grad_logits;
-  ASSERT_EQ(grad.shape(), z.shape());
-  const double h = 1e-6;
-  std::vector<double> fd(static_cast<size_t>(T * E));
-  for (int64_t i = 0; i < T * E; ++i) {
-    Tensor zp = z.clone(), zm = z.clone();
-    zp.data<double>()[i] += h;
-    zm.data<double>()[i] -= h;
-    const auto rp = forward(zp), rm = forward(zm);
-    // The step must not change any discrete choice, or the difference is not a derivative.
-    ASSERT_TRUE(sy::testing::bitwise_equal(rp.topk_idx, r0.topk_idx)) << "at " << i;
-    ASSERT_TRUE(sy::testing::bitwise_equal(rm.topk_idx, r0.topk_idx)) << "at " << i;
-    fd[i] = (objective(rp) - objective(rm)) / (2 * h);
-  }
-  EXPECT_TRUE(sy::testing::all_close(grad, fd, 1e-7, 1e-6));
-  // Non-trivial: some gradient reaches the logits (post-softmax K=1 weights are constant 1).
-  double norm = 0;
-  for (double v : fd) norm += std::fabs(v);
-  const bool constant_weights = c.cfg.score_function == ScoreFunction::softmax &&
-                                !c.cfg.pre_softmax && K == 1 &&
-                                c.cfg.aux_loss_type == AuxLossType::none;
-  if (!constant_weights) {
-    EXPECT_GT(norm, 1e-3);
-  }
-  // fp32 backward on the same values agrees with the fp64 one.
-  {
-    Tensor z32 = z.to(DType::fp32);
-    Tensor z64 = z32.to(DType::fp64);
-    const auto r64 = forward(z64), r32 = forward(z32);
-    if (sy::testing::bitwise_equal(r64.topk_idx, r32.topk_idx)) {
-      const Tensor g64 = sy::topk_route_backward(gw, r64, bo).grad_logits;
-      const Tensor g32 = sy::topk_route_backward(gw.to(DType::fp32), r32, bo).grad_logits;
-      EXPECT_TRUE(sy::testing::all_close(g32, g64.to_double_vector(), 1e-5, 1e-4));
-    }
+constexpr int64_t kTopKs[] = {1, 2, 3};
+
+RouterGradTester base(ScoreFunction f, bool pre_softmax, int64_t K) {
+  return RouterGradTester().experts(8).top_k(K).score(f).pre_softmax(pre_softmax);
+}
+
+// Scaling 2.5, an expert bias and (K >= 2) groups 4/2.
+void scaled_biased_grouped(ScoreFunction f, bool pre) {
+  for (int64_t K : kTopKs) {
+    RouterGradTester t = base(f, pre, K).scaling(2.5).expert_bias();
+    if (K >= 2) t.groups(4, 2);
+    t.Test();
   }
 }
 
-std::vector<GradCase> all_cases() {
-  std::vector<GradCase> v;
-  const char* fname[] = {"softmax", "sigmoid", "sqrtsoftplus", "softmax-pre"};
-  for (int f = 0; f < 4; ++f) {
-    for (int64_t K : {1, 2, 3}) {
-      GradCase g;
-      g.cfg = router_config(8, K, f == 3 ? ScoreFunction::softmax : static_cast<ScoreFunction>(f));
-      g.cfg.pre_softmax = f == 3;
-      g.name = std::string(fname[f]) + " K=" + std::to_string(K);
-      v.push_back(g);
-      GradCase s = g;  // scaling + bias + groups
-      s.cfg.topk_scaling_factor = 2.5;
-      s.bias = true;
-      if (K >= 2) {
-        s.cfg.num_groups = 4;
-        s.cfg.group_topk = 2;
-      }
-      s.name += " scaled+bias+groups";
-      v.push_back(s);
-      for (auto pol : {TokenDropPolicy::probs, TokenDropPolicy::position}) {
-        GradCase cp = g;
-        cp.cfg.capacity_factor = 0.5;
-        cp.cfg.token_drop_policy = pol;
-        cp.mask = true;
-        cp.name += std::string(" capacity ") + sy::token_drop_policy_name(pol) + " + mask";
-        v.push_back(cp);
-      }
-      GradCase rp = g;
-      rp.replay = true;
-      rp.name += " replay";
-      v.push_back(rp);
-      for (auto t :
-           {AuxLossType::aux_loss, AuxLossType::seq_aux_loss, AuxLossType::global_aux_loss}) {
-        for (bool mask : {false, true}) {
-          GradCase a = g;
-          a.cfg.aux_loss_type = t;
-          a.cfg.aux_loss_coeff = 0.7;
-          a.cfg.z_loss_coeff = 0.2;
-          a.seq_length = 3;  // 3 sequences
-          a.loss_scale = 1.7;
-          a.mask = mask;
-          a.replay = mask;
-          a.name += std::string(" ") + sy::aux_loss_type_name(t) + " + z" +
-                    (mask ? " + mask/replay" : "");
-          v.push_back(a);
-        }
-      }
-    }
+void capacity_masked(ScoreFunction f, bool pre, TokenDropPolicy policy) {
+  for (int64_t K : kTopKs) base(f, pre, K).capacity(0.5, policy).padding_mask().Test();
+}
+
+void replayed(ScoreFunction f, bool pre) {
+  for (int64_t K : kTopKs) base(f, pre, K).replay().Test();
+}
+
+// A load-balancing loss plus the z-loss, 3 sequences, loss_grad_scale 1.7; optionally with padded
+// and replayed rows.
+void losses(ScoreFunction f, bool pre, AuxLossType type, bool masked_and_replayed) {
+  for (int64_t K : kTopKs) {
+    base(f, pre, K)
+        .aux_loss(type, 0.7)
+        .z_loss(0.2)
+        .seq_length(3)
+        .loss_grad_scale(1.7)
+        .padding_mask(masked_and_replayed)
+        .replay(masked_and_replayed)
+        .Test();
   }
-  return v;
 }
 
 }  // namespace
 
-TEST(RouterGrad, FiniteDifferencesEveryOptionAndLoss) {
-  uint64_t s = sy::testing::test_seed(101);
-  for (const GradCase& c : all_cases()) check_grad(c, ++s);
-}
+// One suite per score function; each case runs top_k 1, 2 and 3 of 8 experts on 9 tokens.
+#define SY_ROUTER_GRAD_CASES(Suite, f, pre)                                                 \
+  TEST(Suite, WeightsMatchFiniteDifferences) {                                              \
+    for (int64_t K : kTopKs) base(f, pre, K).Test();                                        \
+  }                                                                                         \
+  TEST(Suite, ScaledBiasedGroupedMatchFiniteDifferences) { scaled_biased_grouped(f, pre); } \
+  TEST(Suite, ProbsCapacityWithPaddingMatchesFiniteDifferences) {                           \
+    capacity_masked(f, pre, TokenDropPolicy::probs);                                        \
+  }                                                                                         \
+  TEST(Suite, PositionCapacityWithPaddingMatchesFiniteDifferences) {                        \
+    capacity_masked(f, pre, TokenDropPolicy::position);                                     \
+  }                                                                                         \
+  TEST(Suite, ReplayedRowsMatchFiniteDifferences) { replayed(f, pre); }                     \
+  TEST(Suite, AuxLossAndZLossMatchFiniteDifferences) {                                      \
+    losses(f, pre, AuxLossType::aux_loss, false);                                           \
+  }                                                                                         \
+  TEST(Suite, AuxLossAndZLossWithPaddingAndReplayMatchFiniteDifferences) {                  \
+    losses(f, pre, AuxLossType::aux_loss, true);                                            \
+  }                                                                                         \
+  TEST(Suite, SeqAuxLossAndZLossMatchFiniteDifferences) {                                   \
+    losses(f, pre, AuxLossType::seq_aux_loss, false);                                       \
+  }                                                                                         \
+  TEST(Suite, SeqAuxLossAndZLossWithPaddingAndReplayMatchFiniteDifferences) {               \
+    losses(f, pre, AuxLossType::seq_aux_loss, true);                                        \
+  }                                                                                         \
+  TEST(Suite, GlobalAuxLossAndZLossMatchFiniteDifferences) {                                \
+    losses(f, pre, AuxLossType::global_aux_loss, false);                                    \
+  }                                                                                         \
+  TEST(Suite, GlobalAuxLossAndZLossWithPaddingAndReplayMatchFiniteDifferences) {            \
+    losses(f, pre, AuxLossType::global_aux_loss, true);                                     \
+  }
+
+SY_ROUTER_GRAD_CASES(RouterGradSoftmax, ScoreFunction::softmax, false)
+SY_ROUTER_GRAD_CASES(RouterGradSigmoid, ScoreFunction::sigmoid, false)
+SY_ROUTER_GRAD_CASES(RouterGradSqrtSoftplus, ScoreFunction::sqrtsoftplus, false)
+SY_ROUTER_GRAD_CASES(RouterGradPreSoftmax, ScoreFunction::softmax, true)
 
 TEST(RouterGrad, LossesOnlyWhenNoWeightGradient) {
   std::mt19937_64 rng(sy::testing::test_seed(111));

@@ -8,8 +8,9 @@
 #include <vector>
 
 #include "ref/router_ref.h"
-#include "switchyard/router.h"
+#include "router_tester.h"
 #include "router_testing.h"
+#include "switchyard/router.h"
 #include "testing.h"
 
 namespace sy = switchyard;
@@ -64,102 +65,122 @@ Tensor extreme_logits(const Extreme& x, int64_t T, int64_t E, std::mt19937_64& r
   return z.to(DType::fp32);
 }
 
-}  // namespace
+std::mt19937_64 rng_for(const char* property, const Extreme& x) {
+  const uint64_t seed =
+      sy::testing::test_seed(sy::testing::seed_of(std::string(property) + " " + x.name));
+  return std::mt19937_64(seed);
+}
 
 // Before the fix the last slots of these rows went to the lowest ids (tied zero probabilities,
-// a flat sigmoid) instead of following the logits.
-TEST(RouterNumerics, SelectionFollowsLogitsWhenFp32ScoresGoFlat) {
-  std::mt19937_64 rng(sy::testing::test_seed(1401));
+// a flat sigmoid) instead of following the logits. E in {8, 16, 64}, K in {2, 4, 8}.
+void selection_follows_logits(const Extreme& x) {
+  std::mt19937_64 rng = rng_for("selection", x);
   const int64_t T = 37;
-  for (const Extreme& x : kExtremes) {
-    for (int64_t E : {8, 16, 64}) {
-      for (int64_t K : {2, 4, 8}) {
-        SCOPED_TRACE(std::string(x.name) + " E=" + std::to_string(E) + " K=" + std::to_string(K));
-        RouterConfig c = router_config(E, K, x.f, x.pre);
-        const Tensor z = extreme_logits(x, T, E, rng);
-        const auto r = sy::topk_route(z, {}, c);
-        EXPECT_TRUE(all_close(r.topk_idx, ids_by_logit(z.to_double_vector(), T, E, K), 0, 0));
-        // The aux-loss counts use the same exact order (their scores are increasing in z too).
-        c.aux_loss_type = AuxLossType::aux_loss;
-        c.aux_loss_coeff = 0.1;
-        const auto ra = sy::topk_route(z, {}, c);
-        const auto want = sy::ref::route(z.to_double_vector(), T, c, {});
-        EXPECT_TRUE(all_close(ra.num_tokens_per_expert,
-                              std::vector<double>(want.counts.begin(), want.counts.end()), 0, 0));
-        EXPECT_NEAR(ra.aux_loss, want.aux_loss, 1e-6 * std::fabs(want.aux_loss) + 1e-12);
-      }
+  for (int64_t E : {8, 16, 64}) {
+    for (int64_t K : {2, 4, 8}) {
+      SCOPED_TRACE(std::string(x.name) + " E=" + std::to_string(E) + " K=" + std::to_string(K));
+      RouterConfig c = router_config(E, K, x.f, x.pre);
+      const Tensor z = extreme_logits(x, T, E, rng);
+      const auto r = sy::topk_route(z, {}, c);
+      EXPECT_TRUE(all_close(r.topk_idx, ids_by_logit(z.to_double_vector(), T, E, K), 0, 0));
+      // The aux-loss counts use the same exact order (their scores are increasing in z too).
+      c.aux_loss_type = AuxLossType::aux_loss;
+      c.aux_loss_coeff = 0.1;
+      const auto ra = sy::topk_route(z, {}, c);
+      const auto want = sy::ref::route(z.to_double_vector(), T, c, {});
+      EXPECT_TRUE(all_close(ra.num_tokens_per_expert,
+                            std::vector<double>(want.counts.begin(), want.counts.end()), 0, 0));
+      EXPECT_NEAR(ra.aux_loss, want.aux_loss, 1e-6 * std::fabs(want.aux_loss) + 1e-12);
     }
   }
 }
 
 // Groups: the experts within each group and the final K follow the logits; the group scores tie
 // (all flat) and the tie goes to the group whose best logits are larger.
-TEST(RouterNumerics, GroupLimitedSelectionFollowsLogitsWhenFlat) {
-  std::mt19937_64 rng(sy::testing::test_seed(1402));
+void group_limited_selection_follows_logits(const Extreme& x) {
+  std::mt19937_64 rng = rng_for("groups", x);
   const int64_t T = 29, E = 32, K = 4;
-  for (const Extreme& x : kExtremes) {
-    SCOPED_TRACE(x.name);
-    RouterConfig c = router_config(E, K, x.f, x.pre);
-    c.num_groups = 8;
-    c.group_topk = 2;
-    const Tensor z = extreme_logits(x, T, E, rng);
-    const auto r = sy::topk_route(z, {}, c);
-    const auto want = sy::ref::route(z.to_double_vector(), T, c, {});
-    EXPECT_TRUE(all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
-  }
+  SCOPED_TRACE(x.name);
+  RouterConfig c = router_config(E, K, x.f, x.pre);
+  c.num_groups = 8;
+  c.group_topk = 2;
+  const Tensor z = extreme_logits(x, T, E, rng);
+  const auto r = sy::topk_route(z, {}, c);
+  const auto want = sy::ref::route(z.to_double_vector(), T, c, {});
+  EXPECT_TRUE(all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
 }
 
 // With expert bias the key is s + bias in the router dtype (Megatron's); where those keys tie
 // (a flat score plus an equal bias) the logit decides. Equal biases make every flat row a tie.
-TEST(RouterNumerics, BiasedSelectionBreaksFlatTiesByLogit) {
-  std::mt19937_64 rng(sy::testing::test_seed(1403));
+// (Not for post-softmax, which selects on z + bias.)
+void biased_selection_breaks_flat_ties_by_logit(const Extreme& x, bool groups) {
+  std::mt19937_64 rng = rng_for(groups ? "equal bias groups" : "equal bias", x);
   const int64_t T = 31, E = 16, K = 4;
-  for (const Extreme& x : kExtremes) {
-    if (x.f == ScoreFunction::softmax && !x.pre) continue;  // post-softmax selects on z + bias
-    for (bool groups : {false, true}) {
-      SCOPED_TRACE(std::string(x.name) + (groups ? " groups" : ""));
-      RouterConfig c = router_config(E, K, x.f, x.pre);
-      if (groups) {
-        c.num_groups = 4;
-        c.group_topk = 2;
-      }
-      const Tensor z = extreme_logits(x, T, E, rng);
-      sy::RouteInputs in;
-      in.expert_bias = Tensor::full({E}, DType::fp32, 0.25);
-      const auto r = sy::topk_route(z, in, c);
-      sy::ref::RefRouteInputs rin;
-      rin.bias.assign(static_cast<size_t>(E), 0.25);
-      const auto want = sy::ref::route(z.to_double_vector(), T, c, rin);
-      EXPECT_TRUE(
-          all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
-      if (!groups) {
-        // Equal biases do not change the order at all here: still the logit order.
-        EXPECT_TRUE(all_close(r.topk_idx, ids_by_logit(z.to_double_vector(), T, E, K), 0, 0));
-      }
-    }
+  SCOPED_TRACE(std::string(x.name) + (groups ? " groups" : ""));
+  RouterConfig c = router_config(E, K, x.f, x.pre);
+  if (groups) {
+    c.num_groups = 4;
+    c.group_topk = 2;
+  }
+  const Tensor z = extreme_logits(x, T, E, rng);
+  sy::RouteInputs in;
+  in.expert_bias = Tensor::full({E}, DType::fp32, 0.25);
+  const auto r = sy::topk_route(z, in, c);
+  sy::ref::RefRouteInputs rin;
+  rin.bias.assign(static_cast<size_t>(E), 0.25);
+  const auto want = sy::ref::route(z.to_double_vector(), T, c, rin);
+  EXPECT_TRUE(all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
+  if (!groups) {
+    // Equal biases do not change the order at all here: still the logit order.
+    EXPECT_TRUE(all_close(r.topk_idx, ids_by_logit(z.to_double_vector(), T, E, K), 0, 0));
   }
 }
 
 // Random biases on flat scores: the bias decides where it differs, the logit where it ties.
-TEST(RouterNumerics, BiasedSelectionOnFlatScoresAgainstReference) {
-  std::mt19937_64 rng(sy::testing::test_seed(1404));
+void biased_selection_on_flat_scores(const Extreme& x) {
+  std::mt19937_64 rng = rng_for("bias", x);
   const int64_t T = 41, E = 16, K = 3;
-  for (const Extreme& x : kExtremes) {
-    if (x.f == ScoreFunction::softmax && !x.pre) continue;
-    SCOPED_TRACE(x.name);
-    RouterConfig c = router_config(E, K, x.f, x.pre);
-    const Tensor z = extreme_logits(x, T, E, rng);
-    sy::RouteInputs in;
-    in.expert_bias = Tensor::empty({E}, DType::fp32);
-    for (int64_t e = 0; e < E; ++e)
-      in.expert_bias.data<float>()[e] = 0.125f * static_cast<float>(e % 3);
-    const auto r = sy::topk_route(z, in, c);
-    sy::ref::RefRouteInputs rin;
-    rin.bias = in.expert_bias.to_double_vector();
-    const auto want = sy::ref::route(z.to_double_vector(), T, c, rin);
-    EXPECT_TRUE(all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
+  SCOPED_TRACE(x.name);
+  RouterConfig c = router_config(E, K, x.f, x.pre);
+  const Tensor z = extreme_logits(x, T, E, rng);
+  sy::RouteInputs in;
+  in.expert_bias = Tensor::empty({E}, DType::fp32);
+  for (int64_t e = 0; e < E; ++e) {
+    in.expert_bias.data<float>()[e] = 0.125f * static_cast<float>(e % 3);
   }
+  const auto r = sy::topk_route(z, in, c);
+  sy::ref::RefRouteInputs rin;
+  rin.bias = in.expert_bias.to_double_vector();
+  const auto want = sy::ref::route(z.to_double_vector(), T, c, rin);
+  EXPECT_TRUE(all_close(r.topk_idx, std::vector<double>(want.idx.begin(), want.idx.end()), 0, 0));
 }
+
+}  // namespace
+
+// One suite per regime where fp32 scores go flat (kExtremes).
+#define SY_FLAT_SCORE_CASES(Suite, i)                                             \
+  TEST(Suite, SelectionFollowsLogits) { selection_follows_logits(kExtremes[i]); } \
+  TEST(Suite, GroupLimitedSelectionFollowsLogits) {                               \
+    group_limited_selection_follows_logits(kExtremes[i]);                         \
+  }
+#define SY_FLAT_SCORE_BIAS_CASES(Suite, i)                           \
+  TEST(Suite, EqualBiasTiesGoByLogit) {                              \
+    biased_selection_breaks_flat_ties_by_logit(kExtremes[i], false); \
+  }                                                                  \
+  TEST(Suite, EqualBiasTiesGoByLogitWithGroups) {                    \
+    biased_selection_breaks_flat_ties_by_logit(kExtremes[i], true);  \
+  }                                                                  \
+  TEST(Suite, RandomBiasMatchesReference) { biased_selection_on_flat_scores(kExtremes[i]); }
+
+SY_FLAT_SCORE_CASES(RouterFlatPreSoftmaxSpan150, 0)
+SY_FLAT_SCORE_BIAS_CASES(RouterFlatPreSoftmaxSpan150, 0)
+SY_FLAT_SCORE_CASES(RouterFlatSoftmaxSpan150, 1)
+SY_FLAT_SCORE_CASES(RouterFlatSigmoidBelowMinus88, 2)
+SY_FLAT_SCORE_BIAS_CASES(RouterFlatSigmoidBelowMinus88, 2)
+SY_FLAT_SCORE_CASES(RouterFlatSigmoidSaturated, 3)
+SY_FLAT_SCORE_BIAS_CASES(RouterFlatSigmoidSaturated, 3)
+SY_FLAT_SCORE_CASES(RouterFlatSqrtSoftplusBelowMinus88, 4)
+SY_FLAT_SCORE_BIAS_CASES(RouterFlatSqrtSoftplusBelowMinus88, 4)
 
 // Before the fix the fp32 derivative used a clamped exp: at z = -89 the weight gradient was about
 // e times the float64 one (0.473 against 0.174 in the case).

@@ -7,8 +7,9 @@
 #include <vector>
 
 #include "ref/router_ref.h"
-#include "switchyard/router.h"
+#include "router_tester.h"
 #include "router_testing.h"
+#include "switchyard/router.h"
 #include "testing.h"
 
 namespace sy = switchyard;
@@ -26,57 +27,66 @@ namespace {
 // Rounds every element of an fp32 tensor to bf16 (nearest even) and back.
 Tensor bf16_round(const Tensor& t) { return t.to(DType::bf16).to(DType::fp32); }
 
-}  // namespace
-
 // bf16 logits (Megatron's moe_router_dtype=None): the same routing as fp32 on the (exact) upcast
 // logits, weights rounded to bf16 once, gradient computed in fp32 and rounded to bf16 once.
-TEST(RouterOptions, Bf16LogitsRouteLikeTheirFp32Upcast) {
-  std::mt19937_64 rng(sy::testing::test_seed(1421));
-  struct C {
-    ScoreFunction f;
-    bool pre;
-    int64_t groups;
-  };
-  for (const C& c :
-       {C{ScoreFunction::softmax, false, 0}, C{ScoreFunction::softmax, true, 0},
-        C{ScoreFunction::sigmoid, false, 4}, C{ScoreFunction::sqrtsoftplus, false, 0}}) {
-    RouterConfig rc = router_config(16, 4, c.f, c.pre);
-    if (c.groups) {
-      rc.num_groups = c.groups;
-      rc.group_topk = 2;
-    }
-    rc.aux_loss_type = AuxLossType::aux_loss;
-    rc.aux_loss_coeff = 0.01;
-    rc.z_loss_coeff = 0.001;
-    rc.capacity_factor = 1.0;
-    SCOPED_TRACE(sy::score_function_name(c.f) + std::string(c.pre ? " pre" : ""));
-    const int64_t T = 67;
-    const Tensor z16 = sy::testing::randn({T, 16}, DType::bf16, rng, 2.0);
-    const Tensor z32 = z16.to(DType::fp32);
-    sy::RouteInputs in;
-    in.expert_bias = sy::testing::randn({16}, DType::fp32, rng, 0.1);
-    const auto r16 = sy::topk_route(z16, in, rc);
-    RouterConfig nocap = rc;
-    nocap.capacity_factor.reset();
-    const auto r32 = sy::topk_route(z32, in, nocap);
-    ASSERT_EQ(r16.topk_weights.dtype(), DType::bf16);
-    EXPECT_TRUE(bitwise_equal(sy::topk_route(z16, in, nocap).topk_idx, r32.topk_idx));
-    // Capacity sorts the bf16 weights: kept slots carry exactly bf16(fp32 weight).
-    const Tensor w32r = bf16_round(r32.topk_weights);
-    for (int64_t i = 0; i < T * 4; ++i) {
-      if (r16.topk_idx.data<int32_t>()[i] < 0) continue;
-      ASSERT_EQ(r16.topk_weights.item_as_double(i), w32r.item_as_double(i)) << "at " << i;
-    }
-    EXPECT_EQ(r16.aux_loss, r32.aux_loss);
-    EXPECT_EQ(r16.z_loss, r32.z_loss);
-    // Backward (no capacity, so both runs keep every slot): bf16 of the fp32 gradient.
-    Tensor gw = sy::testing::randn({T, 4}, DType::bf16, rng);
-    const auto r16n = sy::topk_route(z16, in, nocap);
-    const Tensor g16 = sy::topk_route_backward(gw, r16n).grad_logits;
-    ASSERT_EQ(g16.dtype(), DType::bf16);
-    const Tensor g32 = sy::topk_route_backward(gw.to(DType::fp32), r32).grad_logits;
-    EXPECT_TRUE(bitwise_equal(g16, g32.to(DType::bf16)));
+// E 16, K 4, capacity 1, aux and z losses, an expert bias; groups 4/2 when given.
+void bf16_logits_route_like_fp32(ScoreFunction f, bool pre, int64_t groups) {
+  RouterConfig rc = router_config(16, 4, f, pre);
+  if (groups) {
+    rc.num_groups = groups;
+    rc.group_topk = 2;
   }
+  rc.aux_loss_type = AuxLossType::aux_loss;
+  rc.aux_loss_coeff = 0.01;
+  rc.z_loss_coeff = 0.001;
+  rc.capacity_factor = 1.0;
+  const std::string name =
+      sy::score_function_name(f) + std::string(pre ? " pre" : "") + (groups ? " groups" : "");
+  const uint64_t seed = sy::testing::test_seed(sy::testing::seed_of("bf16 " + name));
+  SCOPED_TRACE(name + " " + sy::testing::repro(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t T = 67;
+  const Tensor z16 = sy::testing::randn({T, 16}, DType::bf16, rng, 2.0);
+  const Tensor z32 = z16.to(DType::fp32);
+  sy::RouteInputs in;
+  in.expert_bias = sy::testing::randn({16}, DType::fp32, rng, 0.1);
+  const auto r16 = sy::topk_route(z16, in, rc);
+  RouterConfig nocap = rc;
+  nocap.capacity_factor.reset();
+  const auto r32 = sy::topk_route(z32, in, nocap);
+  ASSERT_EQ(r16.topk_weights.dtype(), DType::bf16);
+  // The same selection before capacity: without capacity both keep every slot.
+  EXPECT_TRUE(bitwise_equal(sy::topk_route(z16, in, nocap).topk_idx, r32.topk_idx));
+  // Capacity sorts the bf16 weights: kept slots carry exactly bf16(fp32 weight).
+  const Tensor w32r = bf16_round(r32.topk_weights);
+  for (int64_t i = 0; i < T * 4; ++i) {
+    if (r16.topk_idx.data<int32_t>()[i] < 0) continue;
+    ASSERT_EQ(r16.topk_weights.item_as_double(i), w32r.item_as_double(i)) << "at " << i;
+  }
+  EXPECT_EQ(r16.aux_loss, r32.aux_loss);
+  EXPECT_EQ(r16.z_loss, r32.z_loss);
+  // Backward (no capacity, so both runs keep every slot): bf16 of the fp32 gradient.
+  Tensor gw = sy::testing::randn({T, 4}, DType::bf16, rng);
+  const auto r16n = sy::topk_route(z16, in, nocap);
+  const Tensor g16 = sy::topk_route_backward(gw, r16n).grad_logits;
+  ASSERT_EQ(g16.dtype(), DType::bf16);
+  const Tensor g32 = sy::topk_route_backward(gw.to(DType::fp32), r32).grad_logits;
+  EXPECT_TRUE(bitwise_equal(g16, g32.to(DType::bf16)));
+}
+
+}  // namespace
+
+TEST(RouterBf16Logits, SoftmaxRoutesLikeItsFp32Upcast) {
+  bf16_logits_route_like_fp32(ScoreFunction::softmax, false, 0);
+}
+TEST(RouterBf16Logits, PreSoftmaxRoutesLikeItsFp32Upcast) {
+  bf16_logits_route_like_fp32(ScoreFunction::softmax, true, 0);
+}
+TEST(RouterBf16Logits, GroupLimitedSigmoidRoutesLikeItsFp32Upcast) {
+  bf16_logits_route_like_fp32(ScoreFunction::sigmoid, false, 4);
+}
+TEST(RouterBf16Logits, SqrtSoftplusRoutesLikeItsFp32Upcast) {
+  bf16_logits_route_like_fp32(ScoreFunction::sqrtsoftplus, false, 0);
 }
 
 // Input jitter: x * u with u in [1-eps, 1+eps), a function of (seed, index) only; backward is the
@@ -439,14 +449,87 @@ TEST(RouterOptions, SinkhornRouting) {
                       "[route] sinkhorn routing needs score_function=softmax");
 }
 
-// Thread-count invariance of every new option (bitwise), and batch invariance where it holds:
-// bf16 logits and the flat-score tie rules are per-token; sinkhorn and the forced logits depend on
-// the batch by definition (see notes/router-parity.md).
-TEST(RouterOptions, ThreadCountAndBatchInvarianceOfTheNewOptions) {
-  std::mt19937_64 rng(sy::testing::test_seed(1427));
-  const int64_t T = 1032, E = 64, K = 4;
-  std::vector<std::pair<std::string, RouterConfig>> cases;
-  RouterConfig c = router_config(E, K, ScoreFunction::sigmoid);
+namespace {
+
+constexpr int64_t kInvT = 1032, kInvE = 64, kInvK = 4;
+
+// Thread-count invariance (bitwise) of an option: ids, weights, losses and grad_logits for 1 and
+// 2 threads, on bf16 and fp32 logits (sequences of 258 tokens, force seeds 3 and 4).
+void thread_count_invariant(const std::string& name, const RouterConfig& rc) {
+  const int64_t T = kInvT, E = kInvE, K = kInvK;
+  for (DType dt : {DType::bf16, DType::fp32}) {
+    const uint64_t seed =
+        sy::testing::test_seed(sy::testing::seed_of("threads " + name + " " + sy::dtype_name(dt)));
+    SCOPED_TRACE(name + " " + sy::dtype_name(dt) + " " + sy::testing::repro(seed));
+    std::mt19937_64 rng(seed);
+    const Tensor z = sy::testing::randn({T, E}, dt, rng, 3.0);
+    sy::RouteOptions opt;
+    opt.seq_length = 258;
+    opt.force_seed = 3;
+    opt.force_bias_seed = 4;
+    const Tensor gw = Tensor::full({T, K}, dt, 0.3);
+    auto run = [&](int threads) {
+      sy::GlobalAuxLossState g;
+      sy::RouteInputs in;
+      in.global_aux_loss_state = &g;
+      const int saved = sy::num_threads();
+      sy::set_num_threads(threads);
+      auto r = sy::topk_route(z, in, rc, opt);
+      auto gr = sy::topk_route_backward(gw, r).grad_logits;
+      sy::set_num_threads(saved);
+      return std::make_pair(std::move(r), std::move(gr));
+    };
+    const auto [r1, g1] = run(1);
+    const auto [r2, g2] = run(2);
+    EXPECT_TRUE(bitwise_equal(r1.topk_idx, r2.topk_idx));
+    EXPECT_TRUE(bitwise_equal(r1.topk_weights, r2.topk_weights));
+    EXPECT_EQ(r1.aux_loss, r2.aux_loss);
+    EXPECT_EQ(r1.z_loss, r2.z_loss);
+    EXPECT_TRUE(bitwise_equal(g1, g2));
+  }
+}
+
+// Batch invariance on bf16 logits or on flat fp32 scores (fp32 exp underflow, sigmoid
+// saturation): a token alone gets bitwise the same ids and weights as inside the batch. Groups
+// 8/2, an expert bias; softmax is pre-softmax.
+void batch_invariant(ScoreFunction f, DType dt) {
+  const int64_t T = kInvT, E = kInvE, K = kInvK;
+  RouterConfig rc = router_config(E, K, f, f == ScoreFunction::softmax);
+  rc.num_groups = 8;
+  rc.group_topk = 2;
+  const uint64_t seed = sy::testing::test_seed(sy::testing::seed_of(
+      std::string("batch ") + sy::score_function_name(f) + " " + sy::dtype_name(dt)));
+  SCOPED_TRACE(sy::testing::repro(seed));
+  std::mt19937_64 rng(seed);
+  Tensor z = sy::testing::randn({T, E}, dt, rng, 3.0);
+  if (dt == DType::fp32) {  // flat regions: fp32 exp underflow and sigmoid saturation
+    for (int64_t i = 0; i < T * E; i += 3) {
+      z.data<float>()[i] =
+          f == ScoreFunction::softmax ? -120.0f : 40.0f + static_cast<float>(i % 7);
+    }
+  }
+  sy::RouteInputs in;
+  in.expert_bias = sy::testing::randn({E}, DType::fp32, rng, 0.1);
+  const auto rb = sy::topk_route(z, in, rc);
+  for (int64_t t : {int64_t{0}, int64_t{517}, T - 1}) {
+    const Tensor one =
+        Tensor::borrow(static_cast<char*>(z.raw()) + t * E * sy::dtype_size(dt), {1, E}, dt);
+    const auto r = sy::topk_route(one, in, rc);
+    for (int64_t k = 0; k < K; ++k) {
+      EXPECT_EQ(r.topk_idx.data<int32_t>()[k], rb.topk_idx.data<int32_t>()[t * K + k])
+          << "token " << t;
+      EXPECT_EQ(r.topk_weights.item_as_double(k), rb.topk_weights.item_as_double(t * K + k))
+          << "token " << t;
+    }
+  }
+}
+
+}  // namespace
+
+// Sinkhorn and the forced logits depend on the batch by definition (see notes/router-parity.md):
+// thread-count invariance only.
+TEST(RouterOptionsInvariance, SeveralLossesPerTokenAndMtpAreThreadCountInvariant) {
+  RouterConfig c = router_config(kInvE, kInvK, ScoreFunction::sigmoid);
   c.num_groups = 8;
   c.group_topk = 2;
   c.aux_loss_types = {AuxLossType::aux_loss, AuxLossType::seq_aux_loss,
@@ -456,72 +539,29 @@ TEST(RouterOptions, ThreadCountAndBatchInvarianceOfTheNewOptions) {
   c.calculate_per_token_loss = true;
   c.is_mtp_layer = c.mtp_use_repeated_layer = true;
   c.mtp_num_layers = 2;
-  cases.emplace_back("losses", c);
-  c = router_config(E, K, ScoreFunction::softmax);
+  thread_count_invariant("losses", c);
+}
+TEST(RouterOptionsInvariance, SinkhornIsThreadCountInvariant) {
+  RouterConfig c = router_config(kInvE, kInvK, ScoreFunction::softmax);
   c.aux_loss_type = AuxLossType::sinkhorn;
-  cases.emplace_back("sinkhorn", c);
-  c = router_config(E, K, ScoreFunction::softmax);
+  thread_count_invariant("sinkhorn", c);
+}
+TEST(RouterOptionsInvariance, ForcedBiasedLogitsAreThreadCountInvariant) {
+  RouterConfig c = router_config(kInvE, kInvK, ScoreFunction::softmax);
   c.force_biased = 0.5;
-  cases.emplace_back("forced", c);
-  for (const auto& named : cases) {
-    // Not a structured binding: clang 14 (the sanitizer build) cannot capture one in a lambda.
-    const std::string& name = named.first;
-    const auto& rc = named.second;
-    for (DType dt : {DType::bf16, DType::fp32}) {
-      SCOPED_TRACE(name + " " + sy::dtype_name(dt));
-      const Tensor z = sy::testing::randn({T, E}, dt, rng, 3.0);
-      sy::RouteOptions opt;
-      opt.seq_length = 258;
-      opt.force_seed = 3;
-      opt.force_bias_seed = 4;
-      const Tensor gw = Tensor::full({T, K}, dt, 0.3);
-      auto run = [&](int threads) {
-        sy::GlobalAuxLossState g;
-        sy::RouteInputs in;
-        in.global_aux_loss_state = &g;
-        const int saved = sy::num_threads();
-        sy::set_num_threads(threads);
-        auto r = sy::topk_route(z, in, rc, opt);
-        auto gr = sy::topk_route_backward(gw, r).grad_logits;
-        sy::set_num_threads(saved);
-        return std::make_pair(std::move(r), std::move(gr));
-      };
-      const auto [r1, g1] = run(1);
-      const auto [r2, g2] = run(2);
-      EXPECT_TRUE(bitwise_equal(r1.topk_idx, r2.topk_idx));
-      EXPECT_TRUE(bitwise_equal(r1.topk_weights, r2.topk_weights));
-      EXPECT_EQ(r1.aux_loss, r2.aux_loss);
-      EXPECT_EQ(r1.z_loss, r2.z_loss);
-      EXPECT_TRUE(bitwise_equal(g1, g2));
-    }
-  }
-  // Batch invariance on bf16 logits and on flat fp32 scores: a token alone gets bitwise the
-  // same ids and weights as inside the batch.
-  for (ScoreFunction f : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
-    RouterConfig rc = router_config(E, K, f, f == ScoreFunction::softmax);
-    rc.num_groups = 8;
-    rc.group_topk = 2;
-    for (DType dt : {DType::bf16, DType::fp32}) {
-      Tensor z = sy::testing::randn({T, E}, dt, rng, 3.0);
-      if (dt == DType::fp32) {  // flat regions: fp32 exp underflow and sigmoid saturation
-        for (int64_t i = 0; i < T * E; i += 3)
-          z.data<float>()[i] =
-              f == ScoreFunction::softmax ? -120.0f : 40.0f + static_cast<float>(i % 7);
-      }
-      sy::RouteInputs in;
-      in.expert_bias = sy::testing::randn({E}, DType::fp32, rng, 0.1);
-      const auto rb = sy::topk_route(z, in, rc);
-      for (int64_t t : {int64_t{0}, int64_t{517}, T - 1}) {
-        const Tensor one =
-            Tensor::borrow(static_cast<char*>(z.raw()) + t * E * sy::dtype_size(dt), {1, E}, dt);
-        const auto r = sy::topk_route(one, in, rc);
-        for (int64_t k = 0; k < K; ++k) {
-          EXPECT_EQ(r.topk_idx.data<int32_t>()[k], rb.topk_idx.data<int32_t>()[t * K + k]);
-          EXPECT_EQ(r.topk_weights.item_as_double(k), rb.topk_weights.item_as_double(t * K + k));
-        }
-      }
-    }
-  }
+  thread_count_invariant("forced", c);
+}
+TEST(RouterOptionsInvariance, Bf16PreSoftmaxIsBatchInvariant) {
+  batch_invariant(ScoreFunction::softmax, DType::bf16);
+}
+TEST(RouterOptionsInvariance, FlatFp32PreSoftmaxIsBatchInvariant) {
+  batch_invariant(ScoreFunction::softmax, DType::fp32);
+}
+TEST(RouterOptionsInvariance, Bf16SigmoidIsBatchInvariant) {
+  batch_invariant(ScoreFunction::sigmoid, DType::bf16);
+}
+TEST(RouterOptionsInvariance, SaturatedFp32SigmoidIsBatchInvariant) {
+  batch_invariant(ScoreFunction::sigmoid, DType::fp32);
 }
 
 // Quantile balancing: ids = top-k of z - beta; weights from the score function at the ids (as a
