@@ -27,38 +27,17 @@
 
 namespace switchyard::testing {
 
-class ReplayTester {
+class ReplayTester : public RouterSetup<ReplayTester> {
  public:
-  ReplayTester() { config_.num_experts = 64, config_.top_k = 8; }
+  ReplayTester() : RouterSetup(64, 8, 301) {}
 
-  ReplayTester& tokens(int64_t T) { return T_ = T, *this; }
-  ReplayTester& experts(int64_t E) { return config_.num_experts = E, *this; }
-  ReplayTester& top_k(int64_t K) { return config_.top_k = K, *this; }
-  ReplayTester& score(ScoreFunction f) { return config_.score_function = f, *this; }
-  ReplayTester& pre_softmax(bool on = true) { return config_.pre_softmax = on, *this; }
-  ReplayTester& groups(int64_t num_groups, int64_t group_topk) {
-    config_.num_groups = num_groups;
-    config_.group_topk = group_topk;
-    return *this;
-  }
-  ReplayTester& scaling(double factor) { return config_.topk_scaling_factor = factor, *this; }
   ReplayTester& capacity(double factor) { return config_.capacity_factor = factor, *this; }
-  ReplayTester& aux_loss(AuxLossType type, double coeff) {
-    config_.aux_loss_type = type;
-    config_.aux_loss_coeff = coeff;
-    return *this;
-  }
-  ReplayTester& z_loss(double coeff) { return config_.z_loss_coeff = coeff, *this; }
   ReplayTester& dtype(DType d) { return dtype_ = d, *this; }
-  ReplayTester& seed(uint64_t s) { return seed_ = s, *this; }
 
   std::string describe(DType dt) const {
     const RouterConfig& c = config_;
     std::ostringstream os;
-    os << "T=" << T_ << " E=" << c.num_experts << " K=" << c.top_k << " "
-       << score_function_name(c.score_function) << (c.pre_softmax ? " pre_softmax" : "");
-    if (c.num_groups) os << " groups=" << c.num_groups << "/" << c.group_topk;
-    if (c.topk_scaling_factor != 1.0) os << " scale=" << c.topk_scaling_factor;
+    describe_shape(os);
     if (c.capacity_factor) os << " capacity=" << *c.capacity_factor;
     if (c.aux_loss_type != AuxLossType::none) {
       os << " " << aux_loss_type_name(c.aux_loss_type) << "=" << c.aux_loss_coeff;
@@ -173,10 +152,7 @@ class ReplayTester {
     return topk_route(logits, in, no_capacity).topk_idx.clone();
   }
 
-  RouterConfig config_;
-  int64_t T_ = 301;
   std::optional<DType> dtype_;
-  std::optional<uint64_t> seed_;
 };
 
 }  // namespace switchyard::testing

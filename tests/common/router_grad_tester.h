@@ -24,21 +24,10 @@
 
 namespace switchyard::testing {
 
-class RouterGradTester {
+class RouterGradTester : public RouterSetup<RouterGradTester> {
  public:
-  RouterGradTester() { config_.num_experts = 8, config_.top_k = 1; }
+  RouterGradTester() : RouterSetup(8, 1, 9) {}
 
-  RouterGradTester& tokens(int64_t T) { return T_ = T, *this; }
-  RouterGradTester& experts(int64_t E) { return config_.num_experts = E, *this; }
-  RouterGradTester& top_k(int64_t K) { return config_.top_k = K, *this; }
-  RouterGradTester& score(ScoreFunction f) { return config_.score_function = f, *this; }
-  RouterGradTester& pre_softmax(bool on = true) { return config_.pre_softmax = on, *this; }
-  RouterGradTester& groups(int64_t num_groups, int64_t group_topk) {
-    config_.num_groups = num_groups;
-    config_.group_topk = group_topk;
-    return *this;
-  }
-  RouterGradTester& scaling(double factor) { return config_.topk_scaling_factor = factor, *this; }
   /// A random N(0, 0.3) fp32 expert bias.
   RouterGradTester& expert_bias(bool on = true) { return bias_ = on, *this; }
   RouterGradTester& capacity(double factor, TokenDropPolicy policy) {
@@ -51,23 +40,13 @@ class RouterGradTester {
   /// Tokens 1 mod 3 replay a fixed (reversed-id) choice; tokens 2 mod 3 give all -1 (native).
   RouterGradTester& replay(bool on = true) { return replay_ = on, *this; }
   /// global_aux_loss starts from 2 accumulated steps of 3 tokens per expert.
-  RouterGradTester& aux_loss(AuxLossType type, double coeff) {
-    config_.aux_loss_type = type;
-    config_.aux_loss_coeff = coeff;
-    return *this;
-  }
-  RouterGradTester& z_loss(double coeff) { return config_.z_loss_coeff = coeff, *this; }
   RouterGradTester& seq_length(int64_t s) { return seq_length_ = s, *this; }
   RouterGradTester& loss_grad_scale(double s) { return loss_scale_ = s, *this; }
-  RouterGradTester& seed(uint64_t s) { return seed_ = s, *this; }
 
   std::string describe() const {
     const RouterConfig& c = config_;
     std::ostringstream os;
-    os << "T=" << T_ << " E=" << c.num_experts << " K=" << c.top_k << " "
-       << score_function_name(c.score_function) << (c.pre_softmax ? " pre_softmax" : "");
-    if (c.num_groups) os << " groups=" << c.num_groups << "/" << c.group_topk;
-    if (c.topk_scaling_factor != 1.0) os << " scale=" << c.topk_scaling_factor;
+    describe_shape(os);
     if (c.capacity_factor) {
       os << " capacity=" << *c.capacity_factor << " "
          << token_drop_policy_name(c.token_drop_policy);
@@ -162,12 +141,9 @@ class RouterGradTester {
   }
 
  private:
-  RouterConfig config_;
-  int64_t T_ = 9;
   bool bias_ = false, mask_ = false, replay_ = false;
   int64_t seq_length_ = 0;
   double loss_scale_ = 1.0;
-  std::optional<uint64_t> seed_;
 };
 
 }  // namespace switchyard::testing

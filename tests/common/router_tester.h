@@ -35,21 +35,10 @@ inline uint64_t seed_of(const std::string& description) {
   return h;
 }
 
-class RouterTester {
+class RouterTester : public RouterSetup<RouterTester> {
  public:
-  RouterTester() { config_.num_experts = 8, config_.top_k = 2; }
+  RouterTester() : RouterSetup(8, 2, 33) {}
 
-  RouterTester& tokens(int64_t T) { return T_ = T, *this; }
-  RouterTester& experts(int64_t E) { return config_.num_experts = E, *this; }
-  RouterTester& top_k(int64_t K) { return config_.top_k = K, *this; }
-  RouterTester& score(ScoreFunction f) { return config_.score_function = f, *this; }
-  RouterTester& pre_softmax(bool on = true) { return config_.pre_softmax = on, *this; }
-  RouterTester& groups(int64_t num_groups, int64_t group_topk) {
-    config_.num_groups = num_groups;
-    config_.group_topk = group_topk;
-    return *this;
-  }
-  RouterTester& scaling(double factor) { return config_.topk_scaling_factor = factor, *this; }
   /// A random N(0, 0.5) fp32 expert bias (N(0, stddev) with the argument).
   RouterTester& expert_bias(bool on = true, double stddev = 0.5) {
     bias_ = on;
@@ -64,19 +53,12 @@ class RouterTester {
   RouterTester& pad_to_capacity(bool on = true) { return config_.pad_to_capacity = on, *this; }
   /// A random padding mask, a quarter of the tokens padded.
   RouterTester& padding_mask(bool on = true) { return mask_ = on, *this; }
-  RouterTester& aux_loss(AuxLossType type, double coeff) {
-    config_.aux_loss_type = type;
-    config_.aux_loss_coeff = coeff;
-    return *this;
-  }
-  RouterTester& z_loss(double coeff) { return config_.z_loss_coeff = coeff, *this; }
   /// Tokens per sequence (seq_aux_loss).
   RouterTester& seq_length(int64_t s) { return seq_length_ = s, *this; }
   /// Logits on a 0.5 grid (many exact ties, as bf16 logits have) instead of N(0, 2).
   RouterTester& coarse_logits(bool on = true) { return coarse_ = on, *this; }
   /// Logits dtype; unset = fp32 and fp64 in turn.
   RouterTester& dtype(DType d) { return dtype_ = d, *this; }
-  RouterTester& seed(uint64_t s) { return seed_ = s, *this; }
   /// A model's router: experts, top_k, score function, groups, scaling and (random) expert bias.
   /// Its losses are left to .aux_loss() (seq_aux_loss needs a sequence layout).
   RouterTester& model(const MoeModel& m) {
@@ -90,10 +72,7 @@ class RouterTester {
   std::string describe(DType dt) const {
     const RouterConfig& c = config_;
     std::ostringstream os;
-    os << "T=" << T_ << " E=" << c.num_experts << " K=" << c.top_k << " "
-       << score_function_name(c.score_function) << (c.pre_softmax ? " pre_softmax" : "");
-    if (c.num_groups) os << " groups=" << c.num_groups << "/" << c.group_topk;
-    if (c.topk_scaling_factor != 1.0) os << " scale=" << c.topk_scaling_factor;
+    describe_shape(os);
     if (c.capacity_factor) {
       os << " capacity=" << *c.capacity_factor << " " << token_drop_policy_name(c.token_drop_policy)
          << (c.pad_to_capacity ? " pad" : "");
@@ -255,15 +234,12 @@ class RouterTester {
     }
   }
 
-  RouterConfig config_;
-  int64_t T_ = 33;
   bool bias_ = false;
   double bias_stddev_ = 0.5;
   bool mask_ = false;
   bool coarse_ = false;
   int64_t seq_length_ = 0;
   std::optional<DType> dtype_;
-  std::optional<uint64_t> seed_;
 };
 
 }  // namespace switchyard::testing
