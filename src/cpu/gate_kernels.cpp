@@ -78,6 +78,25 @@ constexpr int kMR = 6;  // 12 accumulators of the 16 ymm registers
 
 enum class Chain { start, resume };
 
+// Software prefetch (into L2) of `rows` row segments of `seg_bytes` each, `stride` bytes apart,
+// one 64-byte line per step(): the grad_w microkernel steps it every few iterations of its
+// k loop, so the next token block's x lines arrive while this block computes, without a burst of
+// prefetches that would stall on the line-fill buffers. Moves no value into any result.
+struct LinePrefetch {
+  const char* row = nullptr;
+  int64_t stride = 0, seg_bytes = 0, off = 0, rows = 0;
+  void step() {
+    if (rows == 0) return;
+    __builtin_prefetch(row + off, 0, 2);
+    off += 64;
+    if (off >= seg_bytes) {
+      off = 0;
+      row += stride;
+      --rows;
+    }
+  }
+};
+
 // C[i, 0:NR] (i < MR) = chain over k of fma(A(i,k), B[k, 0:NR], C[i, :]) with A(i,k) =
 // a[i*a_rs + k*a_cs] and B[k, j] = b[k*ldb + j] (a packed panel, NR or 2·NR wide); C starts at 0
 // (Chain::start) or continues from the values in c (Chain::resume); `bias` (NR values, or null) is
@@ -220,7 +239,7 @@ constexpr int kBW = 2 * kNR<Acc>;
 #ifdef SY_GATE_AVX512
 template <class Acc, int MR>
 void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, Acc* c,
-                   int64_t ldc, Chain chain, const Acc* bias) {
+                   int64_t ldc, Chain chain, const Acc* bias, LinePrefetch* pf) {
   using V = simd::Vec<Acc>;        // 512-bit in this (avx512) variant
   constexpr int L = kBW<Acc> / 2;  // lanes per zmm register
   static_assert(V::kLanes == L);
@@ -243,6 +262,7 @@ void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const A
 #undef SY_INIT
   const Acc* ap = a;
   for (int64_t k = 0; k < kc; ++k) {
+    if (pf && (k & 3) == 0) pf->step();
     const V b0 = V::load(b + k * 2 * L);
     const V b1 = V::load(b + k * 2 * L + L);
 #define SY_FMA(i)                        \
@@ -279,7 +299,7 @@ void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const A
 // As micro() for a kBW-column panel (ldb = kBW), on AVX-512.
 template <class Acc>
 void micro512(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
-              const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
+              const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias, LinePrefetch* pf) {
   constexpr int BW = kBW<Acc>;
   EdgeTile<Acc, BW> edge(mr, nvalid, c, ldc, chain);
   Acc* cc = edge.c;
@@ -287,13 +307,13 @@ void micro512(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs
   switch (mr) {
 #define SY_CASE(n)                                                      \
   case n:                                                               \
-    micro512_full<Acc, n>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias); \
+    micro512_full<Acc, n>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias, pf); \
     break;
     SY_CASE(1)
     SY_CASE(2) SY_CASE(3) SY_CASE(4) SY_CASE(5) SY_CASE(6) SY_CASE(7) SY_CASE(8) SY_CASE(9)
         SY_CASE(10) SY_CASE(11)
 #undef SY_CASE
-            default : micro512_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias);
+            default : micro512_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias, pf);
     break;
   }
   edge.store();
@@ -301,13 +321,16 @@ void micro512(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs
 #endif
 
 // micro() for a kBW-wide packed panel: its first `nvalid` (1..kBW) columns; `bias` (kBW values,
-// or null) is added after the chain.
+// or null) is added after the chain; `pf` (or null) is stepped about kc/4 times.
 template <class Acc>
 void micro_panel(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
-                 const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias = nullptr) {
+                 const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias = nullptr,
+                 LinePrefetch* pf = nullptr) {
 #ifdef SY_GATE_AVX512
-  micro512<Acc>(mr, nvalid, kc, a, a_rs, a_cs, b, c, ldc, chain, bias);
+  micro512<Acc>(mr, nvalid, kc, a, a_rs, a_cs, b, c, ldc, chain, bias, pf);
 #else
+  if (pf)
+    for (int64_t k = 0; k < kc; k += 4) pf->step();
   constexpr int NR = kNR<Acc>;
   micro<Acc>(mr, std::min<int64_t>(nvalid, NR), kc, a, a_rs, a_cs, b, kBW<Acc>, c, ldc, chain,
              bias);
@@ -737,7 +760,7 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   // groups are independent work items taken dynamically, so a thread that loses its core for a
   // while (a shared machine) delays its items, not a barrier. No item's result depends on which
   // thread runs it or when.
-  constexpr int64_t kGP = 4;  // panels per group: 4 x 32 fp32 columns
+  constexpr int64_t kGP = 16;  // panels per group: 16 x 32 fp32 columns
   const int64_t ngroup = (npanel + kGP - 1) / kGP;
   const int64_t ntile = (E + kMR - 1) / kMR;
   const int64_t nkb = (T + kKC - 1) / kKC;
@@ -829,12 +852,20 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
         }
         const Chain chain = k0 == 0 ? Chain::start : Chain::resume;
         const Acc* const gblk = gp.p + k0 * ntile * kMR;
+        // The next token block's x segments, prefetched while this block computes.
+        LinePrefetch pf;
+        if (k0 + kKC < T) {
+          pf.row = reinterpret_cast<const char*>(x + (k0 + kKC) * H + h0);
+          pf.stride = H * static_cast<int64_t>(sizeof(XT));
+          pf.seg_bytes = (h1 - h0) * static_cast<int64_t>(sizeof(XT));
+          pf.rows = std::min(kKC, T - k0 - kKC);
+        }
         for (int64_t p = p0; p < p1; ++p) {
           const Acc* b = xp + (p - p0) * kc * BW;
           for (int64_t ti = 0; ti < ntile; ++ti) {
             const int64_t e0 = ti * kMR, mr = std::min<int64_t>(kMR, E - e0);
             micro_panel<Acc>(mr, BW, kc, gblk + ti * kc * kMR, 1, kMR, b,
-                             acc.p + e0 * h_pad + p * BW, h_pad, chain);
+                             acc.p + e0 * h_pad + p * BW, h_pad, chain, nullptr, &pf);
           }
         }
       }
