@@ -237,7 +237,7 @@ template <class Acc>
 constexpr int kBW = 2 * kNR<Acc>;
 
 #ifdef SY_GATE_AVX512
-template <class Acc, int MR>
+template <class Acc, int MR, bool kPrefetch>
 void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, Acc* c,
                    int64_t ldc, Chain chain, const Acc* bias, LinePrefetch* pf) {
   using V = simd::Vec<Acc>;        // 512-bit in this (avx512) variant
@@ -262,7 +262,9 @@ void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const A
 #undef SY_INIT
   const Acc* ap = a;
   for (int64_t k = 0; k < kc; ++k) {
-    if (pf && (k & 3) == 0) pf->step();
+    if constexpr (kPrefetch) {
+      if ((k & 3) == 0) pf->step();
+    }
     const V b0 = V::load(b + k * 2 * L);
     const V b1 = V::load(b + k * 2 * L + L);
 #define SY_FMA(i)                        \
@@ -304,18 +306,25 @@ void micro512(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs
   EdgeTile<Acc, BW> edge(mr, nvalid, c, ldc, chain);
   Acc* cc = edge.c;
   const int64_t ldcc = edge.ldc;
+  // The forward (pf null) runs the loop without the prefetch step.
+#define SY_CALL(n)                                                                \
+  if (pf)                                                                         \
+    micro512_full<Acc, n, true>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias, pf); \
+  else                                                                            \
+    micro512_full<Acc, n, false>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias, pf);
   switch (mr) {
-#define SY_CASE(n)                                                      \
-  case n:                                                               \
-    micro512_full<Acc, n>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias, pf); \
+#define SY_CASE(n) \
+  case n:          \
+    SY_CALL(n)     \
     break;
     SY_CASE(1)
-    SY_CASE(2) SY_CASE(3) SY_CASE(4) SY_CASE(5) SY_CASE(6) SY_CASE(7) SY_CASE(8) SY_CASE(9)
-        SY_CASE(10) SY_CASE(11)
+    SY_CASE(2)
+    SY_CASE(3) SY_CASE(4) SY_CASE(5) SY_CASE(6) SY_CASE(7) SY_CASE(8) SY_CASE(9) SY_CASE(10)
+        SY_CASE(11)
 #undef SY_CASE
-            default : micro512_full<Acc, kMR>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias, pf);
-    break;
+            default : SY_CALL(kMR) break;
   }
+#undef SY_CALL
   edge.store();
 }
 #endif

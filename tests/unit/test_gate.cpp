@@ -137,6 +137,10 @@ TEST(GateBackward, PartialHiddenPanelsOverTokenBlocks) {
       .x(DType::fp32)
       .router(DType::fp64)
       .TestBackward();
+  // The kernel's grad_w groups are 512 fp32 (256 fp64) columns: three groups, the last one a
+  // partial group ending in a partial panel, over three token blocks.
+  GateTester().tokens(600).hidden(1100).experts(19).TestBackward();
+  GateTester().tokens(600).hidden(1100).experts(19).router(DType::fp64).TestBackward();
 }
 TEST(GateBackward, At4096Tokens) {
   GateTester().tokens(4096).hidden(13).experts(64).weight(DType::fp32).TestBackward();
