@@ -759,8 +759,10 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
   // grad_w = Gᵀ · X: parallel over groups of H panels (never over t, so the chain over t is
   // fixed); the chain is kept in an Acc buffer across KC blocks of tokens and rounded once at the
   // end. A group packs kGP panels of a token block at once, so each x row is read as one
-  // contiguous 128-column segment: one narrow panel at a time read 32 bytes per 4 KB-strided row,
-  // a TLB miss per row. G is packed once, before the groups, into MR-expert tiles per KC block of
+  // contiguous 512-column segment (1 KB at bf16): one narrow panel at a time read 32 bytes per
+  // 4 KB-strided row, a TLB miss per row, and 128-column groups still spent a fifth of the
+  // backward stalled in that pack; the next block's segments are prefetched (LinePrefetch) while
+  // a block computes. G is packed once, before the groups, into MR-expert tiles per KC block of
   // tokens (gp[blk][tile][k][i] = g[t0 + k, tile*MR + i], zero past E): read in place, the
   // microkernel's broadcasts walked G's rows E·4 bytes apart, a stride that maps a block's 256
   // rows onto a few L1 sets.
