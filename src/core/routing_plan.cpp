@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "capacity.h"
 #include "check.h"
+#include "switchyard/capacity.h"
 
 namespace switchyard {
 
@@ -57,9 +57,9 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
   }
   const int32_t* idx = topk_idx.data<int32_t>();
   const float* w = has_w ? topk_weights.data<float>() : nullptr;
+  const backend::Context ctx = backend::context_of(topk_idx, kOp);
   {
-    const int64_t i =
-        backend::first_id_out_of_range(backend::context_of(topk_idx, kOp), idx, T * K, -1, E);
+    const int64_t i = backend::first_id_out_of_range(ctx, idx, T * K, -1, E);
     if (i < T * K) {
       detail::fail_arg(kOp, "topk_idx must hold ids in [0, num_experts=", E,
                        ") or -1, got topk_idx[", i / K, ", ", i % K, "]=", idx[i]);
@@ -172,10 +172,9 @@ RoutingPlan build_routing_plan(const Tensor& topk_idx, const Tensor& topk_weight
     for (size_t p = 0; p < pairs.size(); ++p) pair_weight[p] = pairs[p].weight;
     for (Run& run : runs) {
       // Bucket order is token-ascending, as the shared drop rule needs.
-      const int64_t d =
-          detail::drop_over_capacity(by_expert.data() + run.begin, run.end - run.begin,
-                                     pair_weight.data(), capacity, options.token_drop_policy,
-                                     kept.data());
+      const int64_t d = backend::drop_over_capacity(
+          ctx, by_expert.data() + run.begin, run.end - run.begin, pair_weight.data(), capacity,
+          options.token_drop_policy, kept.data());
       dropped += d;
       run.kept -= d;
     }

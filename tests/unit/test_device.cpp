@@ -221,6 +221,18 @@ TEST(BackendSeam, EveryEntryPointSelectsByDevice) {
       {"first_id_out_of_range", [&] { be::first_id_out_of_range(cuda, ids, 4, 0, 1); }},
       {"classify_replay_rows",
        [&] { be::classify_replay_rows(cuda, ids, nullptr, 1, 1, 1, kinds); }},
+      {"drop_over_capacity",
+       [&] {
+         be::drop_over_capacity<float>(cuda, rows, 1, f, 0, sy::TokenDropPolicy::probs, kinds);
+       }},
+      {"cast_values", [&] { be::cast_values<float>(cuda, f, DType::fp32, 1, f); }},
+      {"sinkhorn_rows",
+       [&] { be::sinkhorn_rows<float>(cuda, f, nullptr, kinds, 1, 1, 1, 1e-4, ids, kinds); }},
+      {"quantile_balancing_rows",
+       [&] {
+         be::quantile_balancing_rows(cuda, f, f, nullptr, kinds, 1, 1, 1, ids, kinds, nullptr);
+       }},
+      {"rows_to_slots", [&] { be::rows_to_slots(cuda, f, rows, 1, f); }},
   };
   for (const auto& [kernel, call] : calls) {
     SCOPED_TRACE(kernel);
