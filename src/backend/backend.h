@@ -111,14 +111,6 @@ int64_t apply_capacity(const Context& ctx, const int32_t* selected_idx, const S*
                                 out_weights, counts);
 }
 
-/// One expert's capacity drop (cpu::drop_over_capacity), for the routing-plan builder.
-template <class W>
-int64_t drop_over_capacity(const Context& ctx, const int64_t* items, int64_t n, const W* weights,
-                           int64_t capacity, TokenDropPolicy policy, uint8_t* kept) {
-  if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "drop_over_capacity", ctx.device);
-  return cpu::drop_over_capacity<W>(items, n, weights, capacity, policy, kept);
-}
-
 /// dst[i] = S(src[i]) (cpu::cast_values): the expert bias in the router's compute dtype.
 template <class S>
 void cast_values(const Context& ctx, const void* src, DType src_dtype, int64_t n, S* dst) {
@@ -189,6 +181,15 @@ void row_dots(const Context& ctx, const X* a, const X* b, const int64_t* index, 
               int64_t H, float* out) {
   if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "row_dots", ctx.device);
   cpu::row_dots<X>(a, b, index, num_rows, H, out);
+}
+
+/// The routing plan of a validated id table (cpu::build_routing_plan; sizes are data-dependent, so
+/// the backend allocates the plan's tensors on ctx.device).
+inline RoutingPlan build_routing_plan(const Context& ctx, const int32_t* idx, const float* w,
+                                      int64_t T, int64_t K, int64_t E, int64_t capacity,
+                                      TokenDropPolicy policy, int64_t align, bool pad_to_capacity) {
+  if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "build_routing_plan", ctx.device);
+  return cpu::build_routing_plan(idx, w, T, K, E, capacity, policy, align, pad_to_capacity);
 }
 
 /// The per-row values of a routing plan scattered to its [T, K] slots (cpu::rows_to_slots).

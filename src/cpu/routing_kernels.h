@@ -9,6 +9,7 @@
 
 #include "switchyard/capacity.h"
 #include "switchyard/dtype.h"
+#include "switchyard/routing_plan.h"
 
 namespace switchyard::cpu {
 
@@ -48,6 +49,16 @@ void sinkhorn_rows(const S* logits, const int32_t* replay_idx, const uint8_t* ro
 void quantile_balancing_rows(const float* z, const float* beta, const int32_t* replay_idx,
                              const uint8_t* row_kind, int64_t T, int64_t E, int64_t K, int32_t* ids,
                              uint8_t* kernel_kind, float* beta_local);
+
+/// The routing plan of a validated [T, K] id table (ids in [0, E) or -1) and its weights (null:
+/// 1), with the capacity (-1: none), drop policy, expert alignment (>= 1) and pad_to_capacity
+/// (needs capacity >= 0) already checked by the front-end (src/core/routing_plan.cpp). Repeated
+/// ids in a row merge into one pair (weights summed in k order); pairs are bucketed by expert in
+/// token order, dropped over capacity, laid out as rows with padding rows (token -1, weight 0);
+/// slot_row and the token CSR complete the plan. Tensors are host tensors.
+RoutingPlan build_routing_plan(const int32_t* idx, const float* w, int64_t T, int64_t K, int64_t E,
+                               int64_t capacity, TokenDropPolicy policy, int64_t align,
+                               bool pad_to_capacity);
 
 /// out[s] = slot_row[s] >= 0 ? row_values[slot_row[s]] : 0 for s in [0, num_slots).
 void rows_to_slots(const float* row_values, const int64_t* slot_row, int64_t num_slots, float* out);

@@ -282,9 +282,9 @@ TEST(BackendSeam, EveryEntryPointSelectsByDevice) {
       {"first_id_out_of_range", [&] { be::first_id_out_of_range(cuda, ids, 4, 0, 1); }},
       {"classify_replay_rows",
        [&] { be::classify_replay_rows(cuda, ids, nullptr, 1, 1, 1, kinds); }},
-      {"drop_over_capacity",
+      {"build_routing_plan",
        [&] {
-         be::drop_over_capacity<float>(cuda, rows, 1, f, 0, sy::TokenDropPolicy::probs, kinds);
+         be::build_routing_plan(cuda, ids, f, 1, 1, 1, -1, sy::TokenDropPolicy::probs, 1, false);
        }},
       {"cast_values", [&] { be::cast_values<float>(cuda, f, DType::fp32, 1, f); }},
       {"sinkhorn_rows",
