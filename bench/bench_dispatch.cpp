@@ -32,11 +32,11 @@ int main() {
 #include <string>
 #include <vector>
 
+#include "bench_machine.h"
 #include "model_shapes.h"
 #include "switchyard/cpu.h"
 #include "switchyard/dispatcher.h"
 #include "testing.h"
-#include "bench_machine.h"
 
 namespace switchyard {
 namespace {
@@ -77,6 +77,7 @@ double since(Clock::time_point a) {
 }
 
 constexpr int kRouteSets = 4;
+constexpr int kSteps = 12;  // timed iterations
 
 // K distinct uniformly random experts per token.
 Tensor random_routes(int64_t T, int64_t E, int64_t K, std::mt19937_64& rng) {
@@ -99,9 +100,9 @@ struct FloorCounts {
   int64_t n_send = 0, n_recv = 0;
 };
 
-FloorCounts floor_counts(const dist::DispatchHandle& h) {
-  const int P = h.world_size, me = h.rank;
-  const int64_t E = h.num_experts, L = h.num_local_experts;
+FloorCounts floor_counts(const std::vector<int64_t>& rank_expert_counts, int P, int me, int64_t E) {
+  const int64_t L = E / P;
+  const auto& counts = rank_expert_counts;
   FloorCounts f;
   f.sc.resize(P);
   f.sd.resize(P);
@@ -110,8 +111,8 @@ FloorCounts floor_counts(const dist::DispatchHandle& h) {
   for (int r = 0; r < P; ++r) {
     int64_t s = 0, q = 0;
     for (int64_t el = 0; el < L; ++el) {
-      s += h.rank_expert_counts[static_cast<size_t>(me * E + r * L + el)];
-      q += h.rank_expert_counts[static_cast<size_t>(r * E + me * L + el)];
+      s += counts[static_cast<size_t>(me * E + r * L + el)];
+      q += counts[static_cast<size_t>(r * E + me * L + el)];
     }
     f.sc[r] = static_cast<int>(s);
     f.rc[r] = static_cast<int>(q);
@@ -123,18 +124,38 @@ FloorCounts floor_counts(const dist::DispatchHandle& h) {
   return f;
 }
 
+FloorCounts floor_counts(const dist::DispatchHandle& h) {
+  return floor_counts(h.rank_expert_counts, h.world_size, h.rank, h.num_experts);
+}
+
+// The same counts straight from a route set (every rank's per-expert counts, all-gathered), for
+// route sets the dispatcher has not seen yet.
+FloorCounts floor_counts(const Tensor& idx, int64_t E, int P, int me) {
+  std::vector<int64_t> mine(static_cast<size_t>(E), 0), all(static_cast<size_t>(P * E));
+  const int32_t* ids = idx.data<int32_t>();
+  for (int64_t i = 0; i < idx.numel(); ++i) ++mine[static_cast<size_t>(ids[i])];
+  MPI_Allgather(mine.data(), static_cast<int>(E), MPI_INT64_T, all.data(), static_cast<int>(E),
+                MPI_INT64_T, MPI_COMM_WORLD);
+  return floor_counts(all, P, me, E);
+}
+
 void BM_DispatchCombine(benchmark::State& state) {
   const int64_t T = state.range(0), H = state.range(1), E = state.range(2), K = state.range(3);
   const auto kind =
       state.range(4) ? dist::DispatcherKind::all_gather : dist::DispatcherKind::all_to_all;
   const DType dt = state.range(5) ? DType::bf16 : DType::fp32;
+  // fresh:1 times steps on route sets not seen in the warm-up (as in training, where no two steps
+  // route alike, so buffer sizes differ from every earlier step's); fresh:0 cycles the warm-up's.
+  const bool fresh = state.range(6) != 0;
   // One dispatcher across steps, as a training loop keeps it.
   dist::Dispatcher disp(comm());
   const int P = disp.comm().size(), me = disp.comm().rank();
   std::mt19937_64 rng(1234 + static_cast<uint64_t>(me));
   Tensor x = testing::randn({T, H}, dt, rng);
   std::vector<Tensor> routes;
-  for (int i = 0; i < kRouteSets; ++i) routes.push_back(random_routes(T, E, K, rng));
+  for (int i = 0; i < kRouteSets + (fresh ? kSteps : 0); ++i) {
+    routes.push_back(random_routes(T, E, K, rng));
+  }
   Tensor topk_w = Tensor::full({T, K}, DType::fp32, 1.0 / static_cast<double>(K));
   dist::DispatchOptions opt;
   opt.num_experts = E;
@@ -144,10 +165,21 @@ void BM_DispatchCombine(benchmark::State& state) {
   // their high-water mark), and the floor's counts of each set.
   std::vector<FloorCounts> floor;
   int64_t max_rows = 0;
-  for (const Tensor& idx : routes) {
+  for (int i = 0; i < kRouteSets; ++i) {
+    const Tensor& idx = routes[static_cast<size_t>(i)];
     dist::DispatchResult d = disp.dispatch(x, idx, topk_w, opt);
     benchmark::DoNotOptimize(disp.combine(d.recv_x, d.handle).raw());
     floor.push_back(floor_counts(d.handle));
+    const FloorCounts from_routes = floor_counts(idx, E, P, me);
+    if (from_routes.sc != floor.back().sc || from_routes.rc != floor.back().rc) {
+      std::fprintf(stderr,
+                   "bench_dispatch: floor counts from the routes differ from the handle's\n");
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    max_rows = std::max({max_rows, floor.back().n_send, floor.back().n_recv});
+  }
+  for (size_t i = kRouteSets; i < routes.size(); ++i) {
+    floor.push_back(floor_counts(routes[i], E, P, me));
     max_rows = std::max({max_rows, floor.back().n_send, floor.back().n_recv});
   }
   const int64_t rb = H * static_cast<int64_t>(dtype_size(dt));
@@ -161,7 +193,7 @@ void BM_DispatchCombine(benchmark::State& state) {
   int64_t f_ours = 0, f_raw = 0, payload = 0;
   int step = 0;
   for (auto _ : state) {
-    const int set = step++ % kRouteSets;
+    const int set = fresh ? kRouteSets + step++ % kSteps : step++ % kRouteSets;
     const FloorCounts& f = floor[static_cast<size_t>(set)];
     MPI_Barrier(MPI_COMM_WORLD);
     const int64_t f0 = minor_faults();
@@ -213,18 +245,21 @@ void BM_DispatchCombine(benchmark::State& state) {
 // Qwen3-30B-A3B's layer: T 4096 (and 512) tokens per rank.
 void dispatch_args(benchmark::internal::Benchmark* b) {
   constexpr const testing::MoeModel& q = testing::kQwen3_30B_A3B;
-  b->ArgNames({"T", "H", "E", "K", "allgather", "bf16"});
-  b->Args({4096, q.hidden, q.num_experts, q.top_k, 0, 1});
-  b->Args({4096, q.hidden, q.num_experts, q.top_k, 0, 0});
-  b->Args({4096, q.hidden, q.num_experts, q.top_k, 1, 1});
-  b->Args({512, q.hidden, q.num_experts, q.top_k, 0, 1});
-  b->Args({512, q.hidden, q.num_experts, q.top_k, 0, 0});
-  b->Args({512, q.hidden, q.num_experts, q.top_k, 1, 1});
+  b->ArgNames({"T", "H", "E", "K", "allgather", "bf16", "fresh"});
+  b->Args({4096, q.hidden, q.num_experts, q.top_k, 0, 1, 0});
+  b->Args({4096, q.hidden, q.num_experts, q.top_k, 0, 0, 0});
+  b->Args({4096, q.hidden, q.num_experts, q.top_k, 1, 1, 0});
+  b->Args({512, q.hidden, q.num_experts, q.top_k, 0, 1, 0});
+  b->Args({512, q.hidden, q.num_experts, q.top_k, 0, 0, 0});
+  b->Args({512, q.hidden, q.num_experts, q.top_k, 1, 1, 0});
+  b->Args({4096, q.hidden, q.num_experts, q.top_k, 0, 1, 1});
+  b->Args({4096, q.hidden, q.num_experts, q.top_k, 0, 0, 1});
+  b->Args({4096, q.hidden, q.num_experts, q.top_k, 1, 1, 1});
 }
 
 BENCHMARK(BM_DispatchCombine)
     ->Apply(dispatch_args)
-    ->Iterations(12)
+    ->Iterations(kSteps)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 

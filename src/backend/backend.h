@@ -10,11 +10,11 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "core/capacity.h"
 #include "cpu/finite_kernels.h"
 #include "cpu/gate_kernels.h"
 #include "cpu/permute_kernels.h"
 #include "cpu/router_kernels.h"
+#include "cpu/routing_kernels.h"
 #include "cpu/value_checks.h"
 #include "cuda/cuda_backend.h"
 #include "switchyard/tensor.h"
@@ -100,14 +100,41 @@ void route_forward(const Context& ctx, const S* logits, const S* bias, const uin
                         aux_counts, z_sum);
 }
 
-/// Capacity drops (src/core/capacity.h: the one implementation, shared with the routing plan).
+/// Capacity drops on the router's [T, K] table (cpu/routing_kernels.h: the one implementation,
+/// shared with the routing plan; the capacity formula and argument checks stay in src/core).
 template <class S>
 int64_t apply_capacity(const Context& ctx, const int32_t* selected_idx, const S* weights, int64_t T,
                        int64_t K, int64_t E, int64_t capacity, TokenDropPolicy policy,
                        int32_t* topk_idx, S* out_weights, int64_t* counts) {
   if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "apply_capacity", ctx.device);
-  return detail::apply_capacity<S>(selected_idx, weights, T, K, E, capacity, policy, topk_idx,
-                                   out_weights, counts);
+  return cpu::apply_capacity<S>(selected_idx, weights, T, K, E, capacity, policy, topk_idx,
+                                out_weights, counts);
+}
+
+/// dst[i] = S(src[i]) (cpu::cast_values): the expert bias in the router's compute dtype.
+template <class S>
+void cast_values(const Context& ctx, const void* src, DType src_dtype, int64_t n, S* dst) {
+  if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "cast_values", ctx.device);
+  cpu::cast_values<S>(src, src_dtype, n, dst);
+}
+
+/// Sinkhorn routing's ids and row kinds (cpu::sinkhorn_rows).
+template <class S>
+void sinkhorn_rows(const Context& ctx, const S* logits, const int32_t* replay_idx,
+                   const uint8_t* row_kind, int64_t T, int64_t E, int64_t K, double tol,
+                   int32_t* ids, uint8_t* kernel_kind) {
+  if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "sinkhorn_rows", ctx.device);
+  cpu::sinkhorn_rows<S>(logits, replay_idx, row_kind, T, E, K, tol, ids, kernel_kind);
+}
+
+/// Quantile balancing's ids, row kinds and local beta (cpu::quantile_balancing_rows).
+inline void quantile_balancing_rows(const Context& ctx, const float* z, const float* beta,
+                                    const int32_t* replay_idx, const uint8_t* row_kind, int64_t T,
+                                    int64_t E, int64_t K, int32_t* ids, uint8_t* kernel_kind,
+                                    float* beta_local) {
+  if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "quantile_balancing_rows", ctx.device);
+  cpu::quantile_balancing_rows(z, beta, replay_idx, row_kind, T, E, K, ids, kernel_kind,
+                               beta_local);
 }
 
 template <class S>
@@ -154,6 +181,22 @@ void row_dots(const Context& ctx, const X* a, const X* b, const int64_t* index, 
               int64_t H, float* out) {
   if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "row_dots", ctx.device);
   cpu::row_dots<X>(a, b, index, num_rows, H, out);
+}
+
+/// The routing plan of a validated id table (cpu::build_routing_plan; sizes are data-dependent, so
+/// the backend allocates the plan's tensors on ctx.device).
+inline RoutingPlan build_routing_plan(const Context& ctx, const int32_t* idx, const float* w,
+                                      int64_t T, int64_t K, int64_t E, int64_t capacity,
+                                      TokenDropPolicy policy, int64_t align, bool pad_to_capacity) {
+  if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "build_routing_plan", ctx.device);
+  return cpu::build_routing_plan(idx, w, T, K, E, capacity, policy, align, pad_to_capacity);
+}
+
+/// The per-row values of a routing plan scattered to its [T, K] slots (cpu::rows_to_slots).
+inline void rows_to_slots(const Context& ctx, const float* row_values, const int64_t* slot_row,
+                          int64_t num_slots, float* out) {
+  if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "rows_to_slots", ctx.device);
+  cpu::rows_to_slots(row_values, slot_row, num_slots, out);
 }
 
 }  // namespace switchyard::backend

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <unordered_map>
 
 #include "check.h"
 #include "cuda/cuda_backend.h"
@@ -26,9 +27,16 @@ constexpr bool kCacheEnabled = false;  // let AddressSanitizer see every use aft
 constexpr bool kCacheEnabled = true;
 #endif
 
+// A cached block serves a request of rounded size n when its own size is in [n, 2n): best fit
+// (the smallest such block; among equal sizes the earliest freed), so a buffer whose row count
+// changes from step to step (recv_x, combine outputs under skewed routes) reuses last step's
+// block instead of faulting in fresh pages, and at most half of a reused block is slack.
+constexpr size_t kReuseFactor = 2;
+
 struct Cache {
   std::mutex mutex;
-  std::multimap<size_t, void*> blocks;  // rounded size -> free block
+  std::multimap<size_t, void*> blocks;       // block size -> free block
+  std::unordered_map<void*, size_t> issued;  // large block in use -> its size (>= the request)
   size_t cached_bytes = 0;
 };
 
@@ -49,7 +57,8 @@ void advise_huge_pages(void* p, int64_t bytes) noexcept {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   const uintptr_t huge = kHugePage;
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)) & ~(huge - 1);
+  const uintptr_t end =
+      (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)) & ~(huge - 1);
   if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
 #else
   (void)p;
@@ -72,17 +81,24 @@ class HostCachingAllocator final : public Allocator {
     if (kCacheEnabled) {
       Cache& c = cache();
       std::lock_guard<std::mutex> lock(c.mutex);
-      auto it = c.blocks.find(size);
-      if (it != c.blocks.end()) {
+      auto it = c.blocks.lower_bound(size);
+      if (it != c.blocks.end() && it->first / kReuseFactor < size) {  // it->first < 2 * size
         void* p = it->second;
+        const size_t block = it->first;
         c.blocks.erase(it);
-        c.cached_bytes -= size;
+        c.cached_bytes -= block;
+        c.issued.emplace(p, block);
         return p;
       }
     }
     void* p = std::aligned_alloc(kHugePage, size);
     if (!p) throw std::bad_alloc();
     advise_huge_pages(p, static_cast<int64_t>(size));
+    if (kCacheEnabled) {
+      Cache& c = cache();
+      std::lock_guard<std::mutex> lock(c.mutex);
+      c.issued.emplace(p, size);
+    }
     return p;
   }
 
@@ -92,9 +108,12 @@ class HostCachingAllocator final : public Allocator {
     if (kCacheEnabled && size >= kLargeBytes) {
       Cache& c = cache();
       std::lock_guard<std::mutex> lock(c.mutex);
-      if (c.cached_bytes + size <= kMaxCachedBytes) {
-        c.blocks.emplace(size, p);
-        c.cached_bytes += size;
+      auto it = c.issued.find(p);
+      const size_t block = it != c.issued.end() ? it->second : size;
+      if (it != c.issued.end()) c.issued.erase(it);
+      if (c.cached_bytes + block <= kMaxCachedBytes) {
+        c.blocks.emplace(block, p);
+        c.cached_bytes += block;
         return;
       }
     }

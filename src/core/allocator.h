@@ -3,8 +3,10 @@
 // build (src/cuda), and in a build without CUDA none (asking throws BackendError "not built with
 // CUDA").
 //
-// The CPU allocator caches: large blocks (>= 1 MiB) are kept when freed and handed out again for
-// the next request of the same rounded size. A training step allocates the same large buffers
+// The CPU allocator caches: large blocks (>= 1 MiB, rounded to 2 MiB) are kept when freed (up to
+// 4 GiB in all) and handed out again for a later request of rounded size n when the block's size
+// is in [n, 2n) (the smallest such block), so buffers whose size changes every step still reuse
+// memory. A training step allocates the same large buffers
 // (recv_x, combine outputs, gradients) every micro-batch, and first-touch page faults on fresh
 // memory cost more than the copies that fill it (measured in bench_dispatch: a quarter of rank 0's
 // time was the kernel zeroing pages). Large blocks are 2 MiB aligned and advised for transparent

@@ -94,10 +94,9 @@ Tensor rows_to_slots(const Tensor& row_values, const RoutingPlan& plan) {
   detail::check_dtype(row_values, "rows_to_slots", "row_values", {DType::fp32});
   detail::check_shape(row_values, "rows_to_slots", "row_values", {plan.num_rows});
   Tensor out = Tensor::empty({plan.num_tokens, plan.top_k}, DType::fp32);
-  const float* v = row_values.data<float>();
-  const int64_t* sr = plan.slot_row.data<int64_t>();
-  float* o = out.data<float>();
-  for (int64_t s = 0; s < plan.num_tokens * plan.top_k; ++s) o[s] = sr[s] >= 0 ? v[sr[s]] : 0.0f;
+  backend::rows_to_slots(backend::context_of(row_values, "rows_to_slots"), row_values.data<float>(),
+                         plan.slot_row.data<int64_t>(), plan.num_tokens * plan.top_k,
+                         out.data<float>());
   return out;
 }
 

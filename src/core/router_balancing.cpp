@@ -16,24 +16,15 @@ namespace detail {
 
 Tensor sinkhorn_rows(const Tensor& logits, const Tensor& replay, const uint8_t* kind, int64_t T,
                      int64_t E, int64_t K, uint8_t* kernel_kind) {
-  std::vector<uint8_t> use(static_cast<size_t>(T));
-  for (int64_t t = 0; t < T; ++t) use[t] = kind[t] != backend::kRowPadded;
-  Tensor sink = Tensor::full({T, K}, DType::int32, -1);
+  Tensor sink = Tensor::empty({T, K}, DType::int32, logits.device());
+  const backend::Context ctx = backend::context_of(logits, kRouteOp);
+  const int32_t* rp = replay.defined() ? replay.data<int32_t>() : nullptr;
   if (logits.dtype() == DType::fp64) {
-    backend::sinkhorn_select(backend::context_of(logits, kRouteOp), logits.data<double>(),
-                             use.data(), T, E, K, 1e-4, sink.data<int32_t>());
+    backend::sinkhorn_rows(ctx, logits.data<double>(), rp, kind, T, E, K, 1e-4,
+                           sink.data<int32_t>(), kernel_kind);
   } else {
-    backend::sinkhorn_select(backend::context_of(logits, kRouteOp), logits.data<float>(),
-                             use.data(), T, E, K, 1e-4, sink.data<int32_t>());
-  }
-  uint8_t* kk = kernel_kind;
-  int32_t* sp = sink.data<int32_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    if (kind[t] == backend::kRowReplayed) {
-      std::copy_n(replay.data<int32_t>() + t * K, K, sp + t * K);
-    } else if (kind[t] == backend::kRowNative) {
-      kk[t] = backend::kRowReplayed;
-    }
+    backend::sinkhorn_rows(ctx, logits.data<float>(), rp, kind, T, E, K, 1e-4, sink.data<int32_t>(),
+                           kernel_kind);
   }
   return sink;
 }
@@ -41,44 +32,19 @@ Tensor sinkhorn_rows(const Tensor& logits, const Tensor& replay, const uint8_t* 
 Tensor quantile_balancing_rows(const Tensor& logits, const Tensor& qb_beta, const Tensor& replay,
                                const uint8_t* kind, int64_t T, int64_t E, int64_t K, bool training,
                                uint8_t* kernel_kind, RouteResult& r) {
-  // Megatron's qb_dual_update on the fp32 logits: the native rows take the top-k of z - beta
-  // (ties: the larger logit, then the lower id) and route like replayed rows.
+  // Megatron's qb_dual_update on the fp32 logits (the kernel: cpu/routing_kernels.h).
   std::vector<float> beta(static_cast<size_t>(E), 0.0f);
   if (qb_beta.defined()) std::copy_n(qb_beta.data<float>(), E, beta.data());
   const Tensor z32 = logits.dtype() == DType::fp64 ? logits.to(DType::fp32) : logits;
-  const float* zp = z32.data<float>();
-  Tensor sel = Tensor::full({T, K}, DType::int32, -1);
-  std::vector<float> key(static_cast<size_t>(E)), alpha(static_cast<size_t>(T));
-  std::vector<int32_t> order(static_cast<size_t>(E));
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t e = 0; e < E; ++e) key[e] = zp[t * E + e] - beta[e];
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + K + 1, order.end(), [&](int32_t a, int32_t b) {
-      if (key[a] != key[b]) return key[a] > key[b];
-      if (zp[t * E + a] != zp[t * E + b]) return zp[t * E + a] > zp[t * E + b];
-      return a < b;
-    });
-    alpha[t] = key[order[K]];
-    if (kind[t] == backend::kRowReplayed) {
-      std::copy_n(replay.data<int32_t>() + t * K, K, sel.data<int32_t>() + t * K);
-    } else {
-      std::copy_n(order.data(), K, sel.data<int32_t>() + t * K);
-    }
-  }
+  Tensor sel = Tensor::empty({T, K}, DType::int32, logits.device());
+  float* beta_local = nullptr;
   if (training && T > 0) {
-    const int64_t m = T * K / E;  // column target; its (m+1)-th largest is the quantile
-    r.qb_beta_local = Tensor::empty({E}, DType::fp32);
-    std::vector<float> col(static_cast<size_t>(T));
-    for (int64_t e = 0; e < E; ++e) {
-      for (int64_t t = 0; t < T; ++t) col[t] = zp[t * E + e] - alpha[t];
-      std::nth_element(col.begin(), col.begin() + m, col.end(), std::greater<float>());
-      r.qb_beta_local.data<float>()[e] = col[m];
-    }
+    r.qb_beta_local = Tensor::empty({E}, DType::fp32, logits.device());
+    beta_local = r.qb_beta_local.data<float>();
   }
-  uint8_t* kk = kernel_kind;
-  for (int64_t t = 0; t < T; ++t) {
-    if (kind[t] == backend::kRowNative) kk[t] = backend::kRowReplayed;
-  }
+  backend::quantile_balancing_rows(backend::context_of(logits, kRouteOp), z32.data<float>(),
+                                   beta.data(), replay.defined() ? replay.data<int32_t>() : nullptr,
+                                   kind, T, E, K, sel.data<int32_t>(), kernel_kind, beta_local);
   return sel;
 }
 

@@ -5,7 +5,6 @@
 #include <string>
 #include <vector>
 
-#include "capacity.h"
 #include "check.h"
 #include "router_internal.h"
 
@@ -38,12 +37,12 @@ void run_forward(const Tensor& logits, const Tensor& bias, const Tensor& replay_
                  double& z_sum) {
   const int64_t T = p.num_tokens, K = p.top_k, E = p.num_experts;
   Tensor sel_w = Tensor::empty({T, K}, dtype_of<S>());
+  const backend::Context ctx = backend::context_of(logits, kRouteOp);
   std::vector<S> bias_s;
   if (bias.defined()) {
     bias_s.resize(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) bias_s[e] = static_cast<S>(bias.item_as_double(e));
+    backend::cast_values<S>(ctx, bias.raw(), bias.dtype(), E, bias_s.data());
   }
-  const backend::Context ctx = backend::context_of(logits, kRouteOp);
   backend::route_forward<S>(
       ctx, logits.data<S>(), bias_s.empty() ? nullptr : bias_s.data(), row_kind.data<uint8_t>(),
       replay_idx.defined() ? replay_idx.data<int32_t>() : nullptr, p,

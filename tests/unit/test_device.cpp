@@ -93,6 +93,67 @@ TEST(Allocator, TheCpuAllocatorIsTheCachingHostOne) {
   sy::release_cached_memory();
 }
 
+// A cached block serves a request whose rounded size n it fits with less than n to spare
+// (block in [n, 2n)), the smallest such block first; freed, it returns at its own size.
+TEST(Allocator, ReusesTheSmallestCachedBlockUnderTwiceTheRequest) {
+  sy::detail::Allocator& a = sy::detail::host_allocator();
+  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
+  constexpr int64_t MiB = int64_t{1} << 20;
+  sy::release_cached_memory();
+  const void* block10 = nullptr;
+  const void* block4 = nullptr;
+  {
+    const Tensor b10 = Tensor::empty({10 * MiB}, DType::uint8);
+    const Tensor b4 = Tensor::empty({4 * MiB}, DType::uint8);
+    block10 = b10.raw();
+    block4 = b4.raw();
+  }
+  EXPECT_EQ(a.cached_bytes(), 14 * MiB);
+  {
+    const Tensor t = Tensor::empty({3 * MiB + 1}, DType::uint8);  // n = 4 MiB: the 4 MiB block
+    EXPECT_EQ(t.raw(), block4);
+    EXPECT_EQ(a.cached_bytes(), 10 * MiB);
+  }
+  EXPECT_EQ(a.cached_bytes(), 14 * MiB);  // back at its own size
+  {
+    const Tensor t = Tensor::empty({6 * MiB}, DType::uint8);  // n = 6 MiB: 10 is in [6, 12)
+    EXPECT_EQ(t.raw(), block10);
+    EXPECT_EQ(a.cached_bytes(), 4 * MiB);
+  }
+  EXPECT_EQ(a.cached_bytes(), 14 * MiB);  // 10 MiB back, not 6
+  {
+    const Tensor t = Tensor::empty({5 * MiB}, DType::uint8);  // n = 6 MiB again: the 10 MiB one
+    EXPECT_EQ(t.raw(), block10);
+    const Tensor u = Tensor::empty({2 * MiB}, DType::uint8);  // n = 2 MiB: 4 is not < 4, fresh
+    EXPECT_NE(u.raw(), block4);
+    EXPECT_EQ(a.cached_bytes(), 4 * MiB);
+    const Tensor v = Tensor::empty({11 * MiB}, DType::uint8);  // n = 12 MiB: none fits, fresh
+    EXPECT_EQ(a.cached_bytes(), 4 * MiB);
+  }
+  EXPECT_EQ(a.cached_bytes(), (4 + 10 + 2 + 12) * MiB);
+  sy::release_cached_memory();
+}
+
+// Steps whose buffers change size within the bound (recv_x under skewed routes) run on the first
+// step's blocks: after it, the cache holds the same bytes at every step boundary.
+TEST(Allocator, BuffersOfChangingSizeReuseTheFirstStepsBlocks) {
+  sy::detail::Allocator& a = sy::detail::host_allocator();
+  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
+  sy::release_cached_memory();
+  const int64_t H = 2048;
+  // bf16 [rows, H]: 38, 34, 36, 32, 36, 36 MiB rounded; the first step's are the largest.
+  const int64_t rows[] = {9300, 8200, 9000, 7900, 8800, 9100};
+  for (const int64_t r : rows) {
+    {
+      const Tensor recv = Tensor::empty({r, H}, DType::bf16);
+      const Tensor out = Tensor::empty({r, H}, DType::bf16);
+      EXPECT_EQ(a.cached_bytes(), 0) << "rows " << r;
+    }
+    EXPECT_EQ(a.cached_bytes(), 2 * 38 * (int64_t{1} << 20)) << "rows " << r;
+  }
+  sy::release_cached_memory();
+}
+
 TEST(CpuOnlyBuild, ReportsNoCuda) {
   SKIP_UNLESS_CPU_ONLY_BUILD();
   EXPECT_FALSE(sy::built_with_cuda());
@@ -221,6 +282,18 @@ TEST(BackendSeam, EveryEntryPointSelectsByDevice) {
       {"first_id_out_of_range", [&] { be::first_id_out_of_range(cuda, ids, 4, 0, 1); }},
       {"classify_replay_rows",
        [&] { be::classify_replay_rows(cuda, ids, nullptr, 1, 1, 1, kinds); }},
+      {"build_routing_plan",
+       [&] {
+         be::build_routing_plan(cuda, ids, f, 1, 1, 1, -1, sy::TokenDropPolicy::probs, 1, false);
+       }},
+      {"cast_values", [&] { be::cast_values<float>(cuda, f, DType::fp32, 1, f); }},
+      {"sinkhorn_rows",
+       [&] { be::sinkhorn_rows<float>(cuda, f, nullptr, kinds, 1, 1, 1, 1e-4, ids, kinds); }},
+      {"quantile_balancing_rows",
+       [&] {
+         be::quantile_balancing_rows(cuda, f, f, nullptr, kinds, 1, 1, 1, ids, kinds, nullptr);
+       }},
+      {"rows_to_slots", [&] { be::rows_to_slots(cuda, f, rows, 1, f); }},
   };
   for (const auto& [kernel, call] : calls) {
     SCOPED_TRACE(kernel);
