@@ -141,7 +141,8 @@ TEST(Allocator, BuffersOfChangingSizeReuseTheFirstStepsBlocks) {
   if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
   sy::release_cached_memory();
   const int64_t H = 2048;
-  // bf16 [rows, H]: 38, 34, 36, 32, 36, 36 MiB rounded; the first step's are the largest.
+  // bf16 [rows, H]: 36.3, 32.0, 35.2, 30.9, 34.4, 35.5 MiB, in size classes (eighths of the power
+  // of two) 40, 36, 36, 32, 36, 36 MiB; the first step's are the largest.
   const int64_t rows[] = {9300, 8200, 9000, 7900, 8800, 9100};
   for (const int64_t r : rows) {
     {
@@ -149,7 +150,7 @@ TEST(Allocator, BuffersOfChangingSizeReuseTheFirstStepsBlocks) {
       const Tensor out = Tensor::empty({r, H}, DType::bf16);
       EXPECT_EQ(a.cached_bytes(), 0) << "rows " << r;
     }
-    EXPECT_EQ(a.cached_bytes(), 2 * 38 * (int64_t{1} << 20)) << "rows " << r;
+    EXPECT_EQ(a.cached_bytes(), 2 * 40 * (int64_t{1} << 20)) << "rows " << r;
   }
   sy::release_cached_memory();
 }
