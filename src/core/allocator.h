@@ -45,7 +45,7 @@ Allocator& allocator_for(const Device& device, const char* op = "tensor");
 Allocator& host_allocator();
 
 /// Host memory from the CPU allocator (what Tensor::empty uses for kCpu), for buffers that are not
-/// tensors (the communicator's scratch).
+/// tensors (the dispatcher's and the kernels' scratch).
 void* allocate(size_t bytes);
 /// Returns a block from allocate(bytes) (same `bytes`).
 void deallocate(void* p, size_t bytes) noexcept;

@@ -15,11 +15,15 @@ void* Scratch::get(Use use, int64_t bytes) {
     // step would be freshly faulted each step.
     const int64_t size = std::max<int64_t>({bytes + bytes / 8, b.size, 4096});
     b.data.reset();
-    b.data = std::make_unique_for_overwrite<unsigned char[]>(static_cast<size_t>(size));
+    b.data = std::unique_ptr<void, HostFree>(switchyard::detail::allocate(static_cast<size_t>(size)),
+                                             HostFree{static_cast<size_t>(size)});
     b.size = size;
-    switchyard::detail::advise_huge_pages(b.data.get(), size);
   }
   return b.data.get();
+}
+
+void HostFree::operator()(void* p) const noexcept {
+  switchyard::detail::deallocate(p, bytes);
 }
 
 int64_t Scratch::bytes() const {

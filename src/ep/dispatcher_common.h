@@ -17,8 +17,15 @@ namespace switchyard::dist::detail {
 // run on the CPU backend; a device communicator (NCCL) would carry its device and stream here.
 inline constexpr backend::Context kHost{kCpu, nullptr, "dispatch"};
 
+/// Frees a block of the host caching allocator (Scratch's blocks come from it: huge-page advice
+/// for large blocks, size classes, and a temporary Dispatcher gets the previous one's blocks back).
+struct HostFree {
+  size_t bytes = 0;
+  void operator()(void* p) const noexcept;
+};
+
 /// The dispatcher's scratch memory: one buffer per use, grown to the high-water mark, never
-/// shrunk, not zeroed, advised for huge pages. Buffers are only valid inside one dispatcher call.
+/// shrunk, not zeroed, from the host caching allocator. Buffers are only valid inside one dispatcher call.
 struct Scratch {
   enum Use : int {
     pack,         ///< all_to_all: token rows packed in plan order for the other ranks
@@ -44,7 +51,7 @@ struct Scratch {
 
  private:
   struct Block {
-    std::unique_ptr<unsigned char[]> data;
+    std::unique_ptr<void, HostFree> data;
     int64_t size = 0;
   };
   Block blocks_[kCount];
