@@ -237,6 +237,13 @@ class _Dispatcher:
             # None is "no capacity"; the engine's 0.0 sentinel must not be reachable by mistake.
             raise ValueError(f"[{type(self).__name__}] capacity_factor must be None (no capacity) "
                              f"or a finite number > 0, got capacity_factor={capacity_factor!r}")
+        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or \
+                expert_alignment < 1:
+            raise ValueError(f"[{type(self).__name__}] expert_alignment must be an int >= 1, got "
+                             f"expert_alignment={expert_alignment!r}")
+        if pad_to_capacity and capacity_factor is None:
+            raise ValueError(f"[{type(self).__name__}] pad_to_capacity needs capacity_factor, got "
+                             f"capacity_factor=None")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
         self.capacity_factor = capacity_factor

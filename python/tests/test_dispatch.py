@@ -142,6 +142,12 @@ def test_errors():
         syt.AlltoAllDispatcher(num_experts=4, token_drop_policy="random")
     with pytest.raises(ValueError, match="ep_comm"):
         syt.AlltoAllDispatcher(num_experts=4, ep_comm="world")
+    # Padding options are checked when the dispatcher is made, before any collective.
+    for bad_alignment in (0, -16, 2.5, True):
+        with pytest.raises(ValueError, match=rf"expert_alignment=.*{bad_alignment!r}"):
+            syt.AlltoAllDispatcher(num_experts=4, expert_alignment=bad_alignment)
+    with pytest.raises(ValueError, match="pad_to_capacity needs capacity_factor"):
+        syt.AllGatherDispatcher(num_experts=4, pad_to_capacity=True)
     disp = syt.AlltoAllDispatcher(num_experts=4)
     bad = idx.clone()
     bad[5, 1] = 4
