@@ -1,4 +1,4 @@
-// Router gate kernels: a register-tiled GEMM microkernel (AVX2/FMA, portable scalar fallback)
+// Router gate kernels: one register-tiled GEMM microkernel (zmm, ymm or std::fma lanes by variant)
 // whose every output is a single fixed-order FMA chain. See gate_kernels.h for the orders.
 #include "gate_kernels.h"
 
@@ -67,14 +67,33 @@ struct Scratch {
 
 // ---- the microkernel ----------------------------------------------------------------------
 
-// Register tile: MR rows x NR columns, NR = two vectors of the accumulation type.
+// The forward packs W in panels of kBW experts, the backward H in panels of kBW columns (32 fp32
+// or 16 fp64: four ymm vectors, two zmm). A panel runs as register tiles of kMR rows x two
+// vectors (TileVec): one 12-row tile of zmm registers in the avx512 variant (24 accumulators of
+// the 32 registers), two 6-row tiles of ymm registers side by side in the avx2 variant (12 of the
+// 16), and the same two tiles of eight-lane std::fma arrays in the scalar one. Every lane of every
+// variant runs the same chain (a vector FMA lane is std::fma), so the tile shape never shows in a
+// result; the zmm tile is the width per instruction the sgemm ceiling of such a CPU assumes.
 template <class Acc>
-constexpr int kNR = 2 * (32 / static_cast<int>(sizeof(Acc)));
+constexpr int kNR = 2 * (32 / static_cast<int>(sizeof(Acc)));  // two ymm vectors of Acc
+template <class Acc>
+constexpr int kBW = 2 * kNR<Acc>;
 #ifdef SY_GATE_AVX512
-constexpr int kMR = 12;  // rows of the zmm tile: 24 accumulators of the 32 registers
+constexpr int kMR = 12;
 #else
-constexpr int kMR = 6;  // 12 accumulators of the 16 ymm registers
+constexpr int kMR = 6;
 #endif
+#ifdef SY_GATE_AVX2
+template <class Acc>
+using TileVec = simd::Vec<Acc>;  // zmm in the avx512 variant, ymm in the avx2 one
+#else
+template <class Acc>
+using TileVec = simd::Lanes<Acc, kNR<Acc> / 2>;
+#endif
+// Columns of a register tile.
+template <class Acc>
+constexpr int kTW = 2 * TileVec<Acc>::kLanes;
+static_assert(kBW<float> % kTW<float> == 0 && kBW<double> % kTW<double> == 0);
 
 enum class Chain { start, resume };
 
@@ -97,43 +116,46 @@ struct LinePrefetch {
   }
 };
 
-// C[i, 0:NR] (i < MR) = chain over k of fma(A(i,k), B[k, 0:NR], C[i, :]) with A(i,k) =
-// a[i*a_rs + k*a_cs] and B[k, j] = b[k*ldb + j] (a packed panel, NR or 2·NR wide); C starts at 0
-// (Chain::start) or continues from the values in c (Chain::resume); `bias` (NR values, or null) is
-// added after the chain.
-template <class Acc, int MR>
-void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, int64_t ldb,
-                Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
-  constexpr int NR = kNR<Acc>;
-#ifdef SY_GATE_AVX2
-  using V = simd::Vec<Acc>;  // 256-bit in this (avx2) variant
-  constexpr int L = NR / 2;
-  static_assert(V::kLanes == L);
-  // Accumulators as named variables, not arrays: GCC keeps arrays of vectors on the stack
-  // (a store per FMA), which halved the throughput.
-  V c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
-#define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
-#define SY_INIT(i)                        \
-  if constexpr (MR > i) {                 \
-    if (chain == Chain::resume) {         \
-      c##i##0 = V::load(c + i * ldc);     \
-      c##i##1 = V::load(c + i * ldc + L); \
-    } else {                              \
-      c##i##0 = V::zero();                \
-      c##i##1 = V::zero();                \
-    }                                     \
+// C[i, 0:kTW] (i < MR) = chain over k of fma(A(i,k), B[k, 0:kTW], C[i, :]) with A(i,k) =
+// a[i*a_rs + k*a_cs] and B[k, j] = b[k*kBW + j] (columns of a packed panel); C starts at 0
+// (Chain::start) or continues from the values in c (Chain::resume); `bias` (kTW values, or null)
+// is added after the chain. With kPrefetch, pf steps every fourth k.
+template <class Acc, int MR, bool kPrefetch>
+void micro_tile(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, Acc* c,
+                int64_t ldc, Chain chain, const Acc* bias, LinePrefetch* pf) {
+  using V = TileVec<Acc>;
+  constexpr int L = V::kLanes;
+  static_assert(MR >= 1 && MR <= 12, "the microkernel has twelve rows of accumulators");
+  // Accumulators as named variables, not arrays: GCC keeps arrays of vectors on the stack (a
+  // store per FMA), which halved the throughput. Each B row (two loads) feeds 2·MR FMAs, and the
+  // A values are broadcast from memory into the FMAs.
+  V c0_0, c0_1, c1_0, c1_1, c2_0, c2_1, c3_0, c3_1, c4_0, c4_1, c5_0, c5_1, c6_0, c6_1, c7_0, c7_1,
+      c8_0, c8_1, c9_0, c9_1, c10_0, c10_1, c11_0, c11_1;
+#define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define SY_INIT(i)                         \
+  if constexpr (MR > i) {                  \
+    if (chain == Chain::resume) {          \
+      c##i##_0 = V::load(c + i * ldc);     \
+      c##i##_1 = V::load(c + i * ldc + L); \
+    } else {                               \
+      c##i##_0 = V::zero();                \
+      c##i##_1 = V::zero();                \
+    }                                      \
   }
   SY_ROWS(SY_INIT)
 #undef SY_INIT
   const Acc* ap = a;
   for (int64_t k = 0; k < kc; ++k) {
-    const V b0 = V::load(b + k * ldb);
-    const V b1 = V::load(b + k * ldb + L);
+    if constexpr (kPrefetch) {
+      if ((k & 3) == 0) pf->step();
+    }
+    const V b0 = V::load(b + k * kBW<Acc>);
+    const V b1 = V::load(b + k * kBW<Acc> + L);
 #define SY_FMA(i)                        \
   if constexpr (MR > i) {                \
     const V ai = V::bcast(ap[i * a_rs]); \
-    c##i##0 = fma(ai, b0, c##i##0);      \
-    c##i##1 = fma(ai, b1, c##i##1);      \
+    c##i##_0 = fma(ai, b0, c##i##_0);    \
+    c##i##_1 = fma(ai, b1, c##i##_1);    \
   }
     SY_ROWS(SY_FMA)
 #undef SY_FMA
@@ -141,36 +163,35 @@ void micro_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   }
   if (bias) {
     const V bb0 = V::load(bias), bb1 = V::load(bias + L);
-#define SY_BIAS(i)           \
-  if constexpr (MR > i) {    \
-    c##i##0 = c##i##0 + bb0; \
-    c##i##1 = c##i##1 + bb1; \
+#define SY_BIAS(i)             \
+  if constexpr (MR > i) {      \
+    c##i##_0 = c##i##_0 + bb0; \
+    c##i##_1 = c##i##_1 + bb1; \
   }
     SY_ROWS(SY_BIAS)
 #undef SY_BIAS
   }
-#define SY_STORE(i)                   \
-  if constexpr (MR > i) {             \
-    (c##i##0).store(c + i * ldc);     \
-    (c##i##1).store(c + i * ldc + L); \
+#define SY_STORE(i)                    \
+  if constexpr (MR > i) {              \
+    (c##i##_0).store(c + i * ldc);     \
+    (c##i##_1).store(c + i * ldc + L); \
   }
   SY_ROWS(SY_STORE)
 #undef SY_STORE
 #undef SY_ROWS
-  static_assert(MR <= 6, "the AVX2 microkernel has six rows of accumulators");
-#else
-  Acc acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = chain == Chain::resume ? c[i * ldc + j] : Acc(0);
-  for (int64_t k = 0; k < kc; ++k) {
-    for (int i = 0; i < MR; ++i) {
-      const Acc ai = a[i * a_rs + k * a_cs];
-      for (int j = 0; j < NR; ++j) acc[i][j] = std::fma(ai, b[k * ldb + j], acc[i][j]);
+}
+
+// micro_tile for `mr` (1..MR) rows: the row count as a template argument, the full tile first.
+template <class Acc, bool kPrefetch, int MR = kMR>
+void micro_rows(int64_t mr, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b,
+                Acc* c, int64_t ldc, Chain chain, const Acc* bias, LinePrefetch* pf) {
+  if constexpr (MR > 1) {
+    if (mr < MR) {
+      micro_rows<Acc, kPrefetch, MR - 1>(mr, kc, a, a_rs, a_cs, b, c, ldc, chain, bias, pf);
+      return;
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) c[i * ldc + j] = bias ? acc[i][j] + bias[j] : acc[i][j];
-#endif
+  micro_tile<Acc, MR, kPrefetch>(kc, a, a_rs, a_cs, b, c, ldc, chain, bias, pf);
 }
 
 // The C block of a tile whose last columns fall outside c: `mr` rows, the first `nvalid` of W
@@ -202,152 +223,27 @@ struct EdgeTile {
   Acc tmp[kMR * W];
 };
 
-// As micro_full for `mr` (1..MR) rows and the first `nvalid` (1..NR) columns of c; the other
-// columns of the tile are computed in a local buffer (their B columns are zero padding) and
-// dropped. Each stored value is the same per-lane chain as in a full tile.
-template <class Acc>
-void micro(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
-           const Acc* b, int64_t ldb, Acc* c, int64_t ldc, Chain chain, const Acc* bias) {
-  constexpr int NR = kNR<Acc>;
-  EdgeTile<Acc, NR> edge(mr, nvalid, c, ldc, chain);
-  Acc* cc = edge.c;
-  const int64_t ldcc = edge.ldc;
-  switch (mr) {
-#define SY_CASE(n)                                                          \
-  case n:                                                                   \
-    micro_full<Acc, n>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);   \
-    break;
-    SY_CASE(1) SY_CASE(2) SY_CASE(3) SY_CASE(4) SY_CASE(5)
-#undef SY_CASE
-    default:
-      micro_full<Acc, kMR>(kc, a, a_rs, a_cs, b, ldb, cc, ldcc, chain, bias);
-      break;
-  }
-  edge.store();
-}
-
-// ---- AVX-512 and the 32-column panels -------------------------------------------------------
-
-// The forward packs W in panels of kBW = 2·NR experts, the backward H in panels of kBW columns
-// (32 fp32 or 16 fp64). The AVX2 and scalar variants run a panel as two NR-column halves
-// (ldb = kBW); the avx512 variant as one 6 x kBW tile of zmm registers (two per row): the same
-// per-lane chains (a 512-bit FMA lane is std::fma too), twice the width per instruction, which
-// the sgemm ceiling of such a CPU assumes.
-template <class Acc>
-constexpr int kBW = 2 * kNR<Acc>;
-
-#ifdef SY_GATE_AVX512
-template <class Acc, int MR, bool kPrefetch>
-void micro512_full(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, Acc* c,
-                   int64_t ldc, Chain chain, const Acc* bias, LinePrefetch* pf) {
-  using V = simd::Vec<Acc>;        // 512-bit in this (avx512) variant
-  constexpr int L = kBW<Acc> / 2;  // lanes per zmm register
-  static_assert(V::kLanes == L);
-  // Named accumulators (GCC keeps arrays of vectors on the stack), 12 rows x 2 registers: each
-  // B row (two loads) feeds 24 FMAs, and the A values are broadcast from memory into the FMAs.
-  V c0_0, c0_1, c1_0, c1_1, c2_0, c2_1, c3_0, c3_1, c4_0, c4_1, c5_0, c5_1, c6_0, c6_1, c7_0, c7_1,
-      c8_0, c8_1, c9_0, c9_1, c10_0, c10_1, c11_0, c11_1;
-#define SY_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#define SY_INIT(i)                         \
-  if constexpr (MR > i) {                  \
-    if (chain == Chain::resume) {          \
-      c##i##_0 = V::load(c + i * ldc);     \
-      c##i##_1 = V::load(c + i * ldc + L); \
-    } else {                               \
-      c##i##_0 = V::zero();                \
-      c##i##_1 = V::zero();                \
-    }                                      \
-  }
-  SY_ROWS(SY_INIT)
-#undef SY_INIT
-  const Acc* ap = a;
-  for (int64_t k = 0; k < kc; ++k) {
-    if constexpr (kPrefetch) {
-      if ((k & 3) == 0) pf->step();
-    }
-    const V b0 = V::load(b + k * 2 * L);
-    const V b1 = V::load(b + k * 2 * L + L);
-#define SY_FMA(i)                        \
-  if constexpr (MR > i) {                \
-    const V ai = V::bcast(ap[i * a_rs]); \
-    c##i##_0 = fma(ai, b0, c##i##_0);    \
-    c##i##_1 = fma(ai, b1, c##i##_1);    \
-  }
-    SY_ROWS(SY_FMA)
-#undef SY_FMA
-    ap += a_cs;
-  }
-  if (bias) {
-    const V bb0 = V::load(bias), bb1 = V::load(bias + L);
-#define SY_BIAS(i)             \
-  if constexpr (MR > i) {      \
-    c##i##_0 = c##i##_0 + bb0; \
-    c##i##_1 = c##i##_1 + bb1; \
-  }
-    SY_ROWS(SY_BIAS)
-#undef SY_BIAS
-  }
-#define SY_STORE(i)                    \
-  if constexpr (MR > i) {              \
-    (c##i##_0).store(c + i * ldc);     \
-    (c##i##_1).store(c + i * ldc + L); \
-  }
-  SY_ROWS(SY_STORE)
-#undef SY_STORE
-#undef SY_ROWS
-  static_assert(MR <= 12, "the AVX-512 microkernel has twelve rows of accumulators");
-}
-
-// As micro() for a kBW-column panel (ldb = kBW), on AVX-512.
-template <class Acc>
-void micro512(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
-              const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias, LinePrefetch* pf) {
-  constexpr int BW = kBW<Acc>;
-  EdgeTile<Acc, BW> edge(mr, nvalid, c, ldc, chain);
-  Acc* cc = edge.c;
-  const int64_t ldcc = edge.ldc;
-  // The forward (pf null) runs the loop without the prefetch step.
-#define SY_CALL(n)                                                                \
-  if (pf)                                                                         \
-    micro512_full<Acc, n, true>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias, pf); \
-  else                                                                            \
-    micro512_full<Acc, n, false>(kc, a, a_rs, a_cs, b, cc, ldcc, chain, bias, pf);
-  switch (mr) {
-#define SY_CASE(n) \
-  case n:          \
-    SY_CALL(n)     \
-    break;
-    SY_CASE(1)
-    SY_CASE(2)
-    SY_CASE(3) SY_CASE(4) SY_CASE(5) SY_CASE(6) SY_CASE(7) SY_CASE(8) SY_CASE(9) SY_CASE(10)
-        SY_CASE(11)
-#undef SY_CASE
-            default : SY_CALL(kMR) break;
-  }
-#undef SY_CALL
-  edge.store();
-}
-#endif
-
-// micro() for a kBW-wide packed panel: its first `nvalid` (1..kBW) columns; `bias` (kBW values,
-// or null) is added after the chain; `pf` (or null) is stepped about kc/4 times.
+// The microkernel over a kBW-wide packed panel (B[k, j] = b[k*kBW + j]) for `mr` (1..kMR) rows
+// and its first `nvalid` (1..kBW) columns, kTW columns per tile; the columns of a tile past
+// nvalid are computed in a local buffer (their B columns are zero padding) and dropped, so each
+// stored value is the same per-lane chain as in a full tile. `bias` (kBW values, or null) is added
+// after the chain; `pf` (or null) is stepped about kc/4 times, by the panel's first tile.
 template <class Acc>
 void micro_panel(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
                  const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias = nullptr,
                  LinePrefetch* pf = nullptr) {
-#ifdef SY_GATE_AVX512
-  micro512<Acc>(mr, nvalid, kc, a, a_rs, a_cs, b, c, ldc, chain, bias, pf);
-#else
-  if (pf)
-    for (int64_t k = 0; k < kc; k += 4) pf->step();
-  constexpr int NR = kNR<Acc>;
-  micro<Acc>(mr, std::min<int64_t>(nvalid, NR), kc, a, a_rs, a_cs, b, kBW<Acc>, c, ldc, chain,
-             bias);
-  if (nvalid > NR) {
-    micro<Acc>(mr, nvalid - NR, kc, a, a_rs, a_cs, b + NR, kBW<Acc>, c + NR, ldc, chain,
-               bias ? bias + NR : nullptr);
+  constexpr int W = kTW<Acc>;
+  for (int64_t j = 0; j < nvalid; j += W) {
+    EdgeTile<Acc, W> edge(mr, std::min<int64_t>(W, nvalid - j), c + j, ldc, chain);
+    const Acc* const bj = bias ? bias + j : nullptr;
+    LinePrefetch* const pj = j == 0 ? pf : nullptr;
+    if (pj) {
+      micro_rows<Acc, true>(mr, kc, a, a_rs, a_cs, b + j, edge.c, edge.ldc, chain, bj, pj);
+    } else {
+      micro_rows<Acc, false>(mr, kc, a, a_rs, a_cs, b + j, edge.c, edge.ldc, chain, bj, pj);
+    }
+    edge.store();
   }
-#endif
 }
 
 // ---- forward ------------------------------------------------------------------------------
