@@ -366,34 +366,28 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
 
 // ---- backward -----------------------------------------------------------------------------
 
-// dst[0:n] = from_acc(src[0:n]). The AVX2 fp32 -> bf16 rounding is float_to_bf16 lane by lane
-// (round to nearest even on the bits, NaN kept quiet with its sign), so both variants store the
-// same bytes; the scalar conversion was a third of grad_x's time at bf16.
+// dst[0:n] = from_acc(src[0:n]). fp32 -> bf16 goes through simd::store_bf16_row (vector
+// float_to_bf16 where the variant has one: the same bytes; the scalar conversion was a third of
+// grad_x's time at bf16).
 template <class Out, class Acc>
 inline void store_row(Out* dst, const Acc* src, int64_t n) {
-  int64_t j = 0;
-#ifdef SY_GATE_AVX2
   if constexpr (std::is_same_v<Out, bf16> && std::is_same_v<Acc, float>) {
-    for (; j + 16 <= n; j += 16) simd::store16_bf16(dst + j, src + j);
+    simd::store_bf16_row(dst, src, n);
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = from_acc<Out>(src[j]);
   }
-#endif
-  for (; j < n; ++j) dst[j] = from_acc<Out>(src[j]);
 }
 
 // dst[0:NR] = src[0:NR] as Acc (exact), for a full panel row.
 template <class Acc, class XT>
 inline void load_row(Acc* dst, const XT* src) {
   constexpr int NR = kNR<Acc>;
-#ifdef SY_GATE_AVX2
   if constexpr (std::is_same_v<Acc, float> &&
                 (std::is_same_v<XT, bf16> || std::is_same_v<XT, float>)) {
-    static_assert(NR == 16);
-    _mm256_storeu_ps(dst, simd::load8_f32(src));
-    _mm256_storeu_ps(dst + 8, simd::load8_f32(src + 8));
-    return;
+    simd::load_f32_row(dst, src, NR);
+  } else {
+    for (int j = 0; j < NR; ++j) dst[j] = to_acc<Acc>(src[j]);
   }
-#endif
-  for (int j = 0; j < NR; ++j) dst[j] = to_acc<Acc>(src[j]);
 }
 
 // ---- backward of a sparse grad_logits ------------------------------------------------------
