@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -116,15 +117,23 @@ struct LinePrefetch {
   }
 };
 
-// C[i, 0:kTW] (i < MR) = chain over k of fma(A(i,k), B[k, 0:kTW], C[i, :]) with A(i,k) =
-// a[i*a_rs + k*a_cs] and B[k, j] = b[k*kBW + j] (columns of a packed panel); C starts at 0
-// (Chain::start) or continues from the values in c (Chain::resume); `bias` (kTW values, or null)
-// is added after the chain. With kPrefetch, pf steps every fourth k.
-template <class Acc, int MR, bool kPrefetch>
-void micro_tile(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b, Acc* c,
-                int64_t ldc, Chain chain, const Acc* bias, LinePrefetch* pf) {
+// Where the A values are: A(i,k) = a[i*a_rs + k] (rows of a matrix: x, an x tile, G in place)
+// or a[k*kMR + i] (a packed tile of kMR rows, k-major: the packed G of grad_w). Strides known at
+// compile time keep the k loop's addresses in registers: with both at run time GCC spilled two
+// of the 12-row tile's row offsets and reloaded them every k.
+enum class ALayout { rows, tile };
+
+// C[i, 0:kTW] (i < MR) = chain over k of fma(A(i,k), B[k, 0:kTW], C[i, :]) with A(i,k) as kA says
+// and B[k, j] = b[k*kBW + j] (columns of a packed panel); C starts at 0 (Chain::start) or
+// continues from the values in c (Chain::resume); `bias` (kTW values, or null) is added after the
+// chain. With kPrefetch, pf steps every fourth k.
+template <class Acc, int MR, bool kPrefetch, ALayout kA>
+void micro_tile(int64_t kc, const Acc* a, int64_t lda, const Acc* b, Acc* c, int64_t ldc,
+                Chain chain, const Acc* bias, LinePrefetch* pf) {
   using V = TileVec<Acc>;
   constexpr int L = V::kLanes;
+  const int64_t a_rs = kA == ALayout::rows ? lda : 1;
+  constexpr int64_t a_cs = kA == ALayout::rows ? 1 : kMR;
   static_assert(MR >= 1 && MR <= 12, "the microkernel has twelve rows of accumulators");
   // Accumulators as named variables, not arrays: GCC keeps arrays of vectors on the stack (a
   // store per FMA), which halved the throughput. Each B row (two loads) feeds 2·MR FMAs, and the
@@ -144,13 +153,17 @@ void micro_tile(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   }
   SY_ROWS(SY_INIT)
 #undef SY_INIT
+  // The loop ends on the A pointer: a k counter beside the two pointers was one register more.
   const Acc* ap = a;
-  for (int64_t k = 0; k < kc; ++k) {
+  const Acc* const a_end = a + kc * a_cs;
+  const Acc* bp = b;
+  [[maybe_unused]] int64_t k = 0;
+  for (; ap != a_end; ap += a_cs, bp += kBW<Acc>) {
     if constexpr (kPrefetch) {
-      if ((k & 3) == 0) pf->step();
+      if ((k++ & 3) == 0) pf->step();
     }
-    const V b0 = V::load(b + k * kBW<Acc>);
-    const V b1 = V::load(b + k * kBW<Acc> + L);
+    const V b0 = V::load(bp);
+    const V b1 = V::load(bp + L);
 #define SY_FMA(i)                        \
   if constexpr (MR > i) {                \
     const V ai = V::bcast(ap[i * a_rs]); \
@@ -159,7 +172,6 @@ void micro_tile(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
   }
     SY_ROWS(SY_FMA)
 #undef SY_FMA
-    ap += a_cs;
   }
   if (bias) {
     const V bb0 = V::load(bias), bb1 = V::load(bias + L);
@@ -182,16 +194,16 @@ void micro_tile(int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc*
 }
 
 // micro_tile for `mr` (1..MR) rows: the row count as a template argument, the full tile first.
-template <class Acc, bool kPrefetch, int MR = kMR>
-void micro_rows(int64_t mr, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs, const Acc* b,
-                Acc* c, int64_t ldc, Chain chain, const Acc* bias, LinePrefetch* pf) {
+template <class Acc, bool kPrefetch, ALayout kA, int MR = kMR>
+void micro_rows(int64_t mr, int64_t kc, const Acc* a, int64_t lda, const Acc* b, Acc* c,
+                int64_t ldc, Chain chain, const Acc* bias, LinePrefetch* pf) {
   if constexpr (MR > 1) {
     if (mr < MR) {
-      micro_rows<Acc, kPrefetch, MR - 1>(mr, kc, a, a_rs, a_cs, b, c, ldc, chain, bias, pf);
+      micro_rows<Acc, kPrefetch, kA, MR - 1>(mr, kc, a, lda, b, c, ldc, chain, bias, pf);
       return;
     }
   }
-  micro_tile<Acc, MR, kPrefetch>(kc, a, a_rs, a_cs, b, c, ldc, chain, bias, pf);
+  micro_tile<Acc, MR, kPrefetch, kA>(kc, a, lda, b, c, ldc, chain, bias, pf);
 }
 
 // The C block of a tile whose last columns fall outside c: `mr` rows, the first `nvalid` of W
@@ -227,20 +239,29 @@ struct EdgeTile {
 // and its first `nvalid` (1..kBW) columns, kTW columns per tile; the columns of a tile past
 // nvalid are computed in a local buffer (their B columns are zero padding) and dropped, so each
 // stored value is the same per-lane chain as in a full tile. `bias` (kBW values, or null) is added
-// after the chain; `pf` (or null) is stepped about kc/4 times, by the panel's first tile.
+// after the chain; `pf` (or null) is stepped about kc/4 times, by the panel's first tile (inside
+// its k loop for a packed A tile, the grad_w case; before it otherwise). A(i,k) = a[i*a_rs +
+// k*a_cs] is either rows of a matrix (a_cs = 1) or a packed tile (a_rs = 1, a_cs = kMR).
 template <class Acc>
 void micro_panel(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
                  const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias = nullptr,
                  LinePrefetch* pf = nullptr) {
+  assert(a_cs == 1 || (a_rs == 1 && a_cs == kMR));
   constexpr int W = kTW<Acc>;
   for (int64_t j = 0; j < nvalid; j += W) {
     EdgeTile<Acc, W> edge(mr, std::min<int64_t>(W, nvalid - j), c + j, ldc, chain);
     const Acc* const bj = bias ? bias + j : nullptr;
     LinePrefetch* const pj = j == 0 ? pf : nullptr;
-    if (pj) {
-      micro_rows<Acc, true>(mr, kc, a, a_rs, a_cs, b + j, edge.c, edge.ldc, chain, bj, pj);
+    if (a_cs == 1) {
+      if (pj)
+        for (int64_t k = 0; k < kc; k += 4) pj->step();
+      micro_rows<Acc, false, ALayout::rows>(mr, kc, a, a_rs, b + j, edge.c, edge.ldc, chain, bj,
+                                            nullptr);
+    } else if (pj) {
+      micro_rows<Acc, true, ALayout::tile>(mr, kc, a, 1, b + j, edge.c, edge.ldc, chain, bj, pj);
     } else {
-      micro_rows<Acc, false>(mr, kc, a, a_rs, a_cs, b + j, edge.c, edge.ldc, chain, bj, pj);
+      micro_rows<Acc, false, ALayout::tile>(mr, kc, a, 1, b + j, edge.c, edge.ldc, chain, bj,
+                                            nullptr);
     }
     edge.store();
   }
