@@ -21,7 +21,6 @@
 
 #include "ep_testing.h"
 #include "ref/dispatch_ref.h"
-#include "router_tester.h"
 #include "switchyard/dispatcher.h"
 #include "testing.h"
 
@@ -44,10 +43,6 @@ inline const char* routes_name(Routes r) {
       return "zero_token_rank";
   }
   return "?";
-}
-
-inline const char* kind_name(dist::DispatcherKind k) {
-  return k == dist::DispatcherKind::all_to_all ? "all_to_all" : "all_gather";
 }
 
 /// The global batch of P ranks, identical on every rank: rank r has T[r] tokens, rows

@@ -1,6 +1,7 @@
 // Helpers of the MPI tests (tests/mpi): the world communicator every case shares, a rank's rows of
-// a global batch, and sums over the ranks. Every rank builds the same global batch from a seed and
-// takes its own rows, so a case can compare with one process computing the whole batch.
+// a global batch, sums over the ranks, the dispatcher kinds' names. Every rank builds the same
+// global batch from a seed and takes its own rows, so a case can compare with one process computing
+// the whole batch.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "switchyard/dispatcher.h"
 #include "switchyard/dist.h"
 #include "switchyard/tensor.h"
 
@@ -20,6 +22,10 @@ inline const std::shared_ptr<dist::Communicator>& world_ptr() {
   return c;
 }
 inline dist::Communicator& world() { return *world_ptr(); }
+
+inline const char* kind_name(dist::DispatcherKind k) {
+  return k == dist::DispatcherKind::all_to_all ? "all_to_all" : "all_gather";
+}
 
 /// Rows [begin, end) of a tensor of any rank >= 1 (dimension 0 is the row), copied.
 inline Tensor rows(const Tensor& t, int64_t begin, int64_t end) {

@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "testing.h"
+
 namespace {
 
 constexpr unsigned kCaseTimeoutSeconds = 60;
@@ -53,11 +55,6 @@ void on_watchdog(int) {
   std::raise(SIGALRM);
 }
 
-uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ull) {
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 std::string full_name(const ::testing::TestInfo& t) {
   return std::string(t.test_suite_name()) + "." + t.name();
 }
@@ -70,25 +67,27 @@ class Lockstep : public ::testing::EmptyTestEventListener {
 
   void OnTestIterationStart(const ::testing::UnitTest& u, int) override {
     std::vector<std::string> names;
-    uint64_t h = fnv1a("cases");
+    std::string all;
     for (int i = 0; i < u.total_test_suite_count(); ++i) {
       const ::testing::TestSuite& s = *u.GetTestSuite(i);
       for (int j = 0; j < s.total_test_count(); ++j) {
         const ::testing::TestInfo& t = *s.GetTestInfo(j);
         if (!t.should_run()) continue;
         names.push_back(full_name(t));
-        h = fnv1a(names.back(), h);
+        all += names.back() + "\n";
       }
     }
     const std::string first = names.empty() ? std::string("(none)") : names.front();
-    agree(h, "selected " + std::to_string(names.size()) + " cases, the first " + first,
+    agree(switchyard::testing::seed_of(all),
+          "selected " + std::to_string(names.size()) + " cases, the first " + first,
           "the ranks selected different cases (a --gtest_filter, GTEST_SHARD_INDEX or "
           "--gtest_shuffle seed that differs between ranks?)");
   }
 
   void OnTestStart(const ::testing::TestInfo& t) override {
     const std::string name = full_name(t);
-    agree(fnv1a(name), "is about to run " + name, "the ranks are at different cases");
+    agree(switchyard::testing::seed_of(name), "is about to run " + name,
+          "the ranks are at different cases");
     std::snprintf(g_watchdog_message, sizeof g_watchdog_message,
                   "[rank %d] %s still running after %u s: a rank is stuck in a collective "
                   "(another rank left the case early, e.g. after a failed ASSERT); aborting\n",
