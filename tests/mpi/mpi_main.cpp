@@ -31,18 +31,27 @@ namespace {
 
 constexpr unsigned kCaseTimeoutSeconds = 60;
 
+std::string full_name(const ::testing::TestInfo& t) {
+  return std::string(t.test_suite_name()) + "." + t.name();
+}
+
 class RankFailurePrinter : public ::testing::EmptyTestEventListener {
  public:
   explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  // (The case's name is kept here: UnitTest::current_test_info() would take the lock that gtest
+  // holds while it reports a result.)
+  void OnTestStart(const ::testing::TestInfo& t) override { case_ = full_name(t) + ": "; }
+  void OnTestEnd(const ::testing::TestInfo&) override { case_.clear(); }
   void OnTestPartResult(const ::testing::TestPartResult& r) override {
     if (r.failed()) {
-      std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_,
+      std::fprintf(stderr, "[rank %d] %s%s:%d: Failure\n%s\n", rank_, case_.c_str(),
                    r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
     }
   }
 
  private:
   int rank_;
+  std::string case_;
 };
 
 // What the SIGALRM handler writes (prepared outside the handler: it may only call write()).
@@ -53,10 +62,6 @@ void on_watchdog(int) {
   if (g_watchdog_length) (void)!::write(STDERR_FILENO, g_watchdog_message, g_watchdog_length);
   std::signal(SIGALRM, SIG_DFL);
   std::raise(SIGALRM);
-}
-
-std::string full_name(const ::testing::TestInfo& t) {
-  return std::string(t.test_suite_name()) + "." + t.name();
 }
 
 // Keeps the ranks on the same case: compares the selected cases once per iteration and each
@@ -120,6 +125,36 @@ class Lockstep : public ::testing::EmptyTestEventListener {
   int rank_, size_;
 };
 
+// Rank 0's report lists only its own failures: it also names every case that failed on each rank.
+void print_failed_cases_on_rank0(int rank, int size) {
+  std::string mine;
+  const ::testing::UnitTest& u = *::testing::UnitTest::GetInstance();
+  for (int i = 0; i < u.total_test_suite_count(); ++i) {
+    const ::testing::TestSuite& s = *u.GetTestSuite(i);
+    for (int j = 0; j < s.total_test_count(); ++j) {
+      const ::testing::TestInfo& t = *s.GetTestInfo(j);
+      if (t.result()->Failed()) {
+        mine += ' ';
+        mine += full_name(t);
+      }
+    }
+  }
+  int n = static_cast<int>(mine.size());
+  std::vector<int> counts(static_cast<size_t>(size)), offsets(static_cast<size_t>(size) + 1, 0);
+  MPI_Gather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
+  for (int r = 0; r < size; ++r) offsets[r + 1] = offsets[r] + counts[r];
+  std::vector<char> all(static_cast<size_t>(offsets[size]) + 1);
+  MPI_Gatherv(mine.data(), n, MPI_CHAR, all.data(), counts.data(), offsets.data(), MPI_CHAR, 0,
+              MPI_COMM_WORLD);
+  if (rank != 0) return;
+  std::fprintf(stderr, "some rank failed\n");
+  for (int r = 0; r < size; ++r) {
+    if (counts[r]) {
+      std::fprintf(stderr, "failed on rank %d:%.*s\n", r, counts[r], all.data() + offsets[r]);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -141,16 +176,20 @@ int main(int argc, char** argv) {
   if (rank != 0 && GTEST_FLAG_GET(list_tests)) {
     if (!std::freopen("/dev/null", "w", stdout)) return 1;  // one listing, rank 0's
   }
+  // Lockstep first, so that a case's start is printed once every rank has reached it.
   auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-  if (rank != 0) {
-    delete listeners.Release(listeners.default_result_printer());
+  ::testing::TestEventListener* printer = listeners.Release(listeners.default_result_printer());
+  listeners.Append(new Lockstep(rank, size));
+  if (rank == 0) {
+    listeners.Append(printer);
+  } else {
+    delete printer;
     listeners.Append(new RankFailurePrinter(rank));
   }
-  listeners.Append(new Lockstep(rank, size));
   std::signal(SIGALRM, on_watchdog);
   int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
   MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (rank == 0 && failed) std::fprintf(stderr, "some rank failed\n");
+  if (failed) print_failed_cases_on_rank0(rank, size);
   MPI_Finalize();
   return failed;
 }
