@@ -55,6 +55,14 @@ struct GlobalBatch {
 
   int64_t begin(int64_t r) const { return tok_off[static_cast<size_t>(r)]; }
   int64_t end(int64_t r) const { return tok_off[static_cast<size_t>(r + 1)]; }
+
+  /// Rank r's rows of x, idx and w, copied.
+  struct Rows {
+    Tensor x, idx, w;
+  };
+  Rows of(int64_t r) const {
+    return {rows(x, begin(r), end(r)), rows(idx, begin(r), end(r)), rows(w, begin(r), end(r))};
+  }
 };
 
 inline GlobalBatch make_global_batch(int64_t P, int64_t E, int64_t K, int64_t H, DType dtype,
@@ -222,15 +230,15 @@ class DispatchTester {
     const GlobalBatch g = batch(seed);
     dist::Communicator& c = world();
     const int64_t me = c.rank(), b = g.begin(me), T = g.T[static_cast<size_t>(me)];
-    const dist::DispatchResult d = dist::dispatch(rows(g.x, b, b + T), rows(g.idx, b, b + T),
-                                                  rows(g.w, b, b + T), options(), c);
+    const GlobalBatch::Rows mine = g.of(me);
+    const dist::DispatchResult d = dist::dispatch(mine.x, mine.idx, mine.w, options(), c);
     const Tensor y =
         dist::combine(expert_fn(d.recv_x, received_experts(d.handle)), d.handle, {mode_}, c);
     std::vector<int32_t> idx(g.idx.data<int32_t>() + b * g.K,
                              g.idx.data<int32_t>() + (b + T) * g.K);
     std::vector<float> w(g.w.data<float>() + b * g.K, g.w.data<float>() + (b + T) * g.K);
     const auto pairs = ref::token_pairs(idx, w, T, g.K);
-    const auto xv = rows(g.x, b, b + T).to_double_vector();
+    const auto xv = mine.x.to_double_vector();
     std::vector<double> want(static_cast<size_t>(T * g.H), 0.0);
     for (int64_t t = 0; t < T; ++t)
       for (const auto& p : pairs[static_cast<size_t>(t)])
@@ -251,14 +259,13 @@ class DispatchTester {
     const GlobalBatch g = batch(seed);
     dist::Communicator& c = world();
     const int64_t me = c.rank(), b = g.begin(me), e = g.end(me);
-    const dist::DispatchResult d =
-        dist::dispatch(rows(g.x, b, e), rows(g.idx, b, e), rows(g.w, b, e), options(), c);
+    const GlobalBatch::Rows mine = g.of(me);
+    const dist::DispatchResult d = dist::dispatch(mine.x, mine.idx, mine.w, options(), c);
     std::mt19937_64 rng(seed + 100 + static_cast<uint64_t>(me));
     const Tensor Y = randn({d.handle.num_recv_tokens, g.H}, g.dtype, rng);
     const Tensor gy = randn({e - b, g.H}, g.dtype, rng);
     const double l1 = sum_over_ranks(local_dot(d.recv_x, Y));
-    const double r1 =
-        sum_over_ranks(local_dot(rows(g.x, b, e), dist::dispatch_backward(Y, d.handle, c)));
+    const double r1 = sum_over_ranks(local_dot(mine.x, dist::dispatch_backward(Y, d.handle, c)));
     EXPECT_NEAR(l1, r1, 1e-4 * (1 + std::fabs(l1)));
     const double l2 = sum_over_ranks(local_dot(dist::combine(Y, d.handle, {mode_}, c), gy));
     const double r2 = sum_over_ranks(
@@ -276,8 +283,9 @@ class DispatchTester {
     const GlobalBatch g = batch(seed);
     dist::Communicator& c = world();
     const int64_t me = c.rank(), b = g.begin(me), e = g.end(me);
-    const Tensor w = rows(g.w, b, e), my_idx = rows(g.idx, b, e);
-    const dist::DispatchResult d = dist::dispatch(rows(g.x, b, e), my_idx, w, options(), c);
+    const GlobalBatch::Rows mine = g.of(me);
+    const Tensor &w = mine.w, &my_idx = mine.idx;
+    const dist::DispatchResult d = dist::dispatch(mine.x, my_idx, w, options(), c);
     std::mt19937_64 rng(seed + 200 + static_cast<uint64_t>(me));
     const Tensor gr = randn({d.handle.num_recv_tokens}, DType::fp32, rng);
     const Tensor gw = dist::dispatch_weights_backward(gr, d.handle, c);
@@ -301,14 +309,12 @@ class DispatchTester {
     const GlobalBatch g = batch(seed);
     dist::Communicator& c = world();
     dist::Dispatcher disp(world_ptr());
-    const int64_t me = c.rank(), b = g.begin(me), e = g.end(me);
+    const GlobalBatch::Rows mine = g.of(c.rank());
     const dist::DispatchOptions opt = options();
     int64_t scratch = -1;
     for (int step = 0; step < 3; ++step) {
-      const dist::DispatchResult d =
-          disp.dispatch(rows(g.x, b, e), rows(g.idx, b, e), rows(g.w, b, e), opt);
-      const dist::DispatchResult f =
-          dist::dispatch(rows(g.x, b, e), rows(g.idx, b, e), rows(g.w, b, e), opt, c);
+      const dist::DispatchResult d = disp.dispatch(mine.x, mine.idx, mine.w, opt);
+      const dist::DispatchResult f = dist::dispatch(mine.x, mine.idx, mine.w, opt, c);
       EXPECT_TRUE(bitwise_equal(d.recv_x, f.recv_x)) << "step " << step;
       const Tensor y = disp.combine(d.recv_x, d.handle, {mode_});
       EXPECT_TRUE(bitwise_equal(y, dist::combine(f.recv_x, f.handle, {mode_}, c)))
@@ -340,10 +346,9 @@ class DispatchTester {
     plain.plan.expert_alignment = 1;
     plain.plan.pad_to_capacity = false;
     const dist::DispatchOptions padded = options();
-    const int64_t b = g.begin(me), e_ = g.end(me);
-    const Tensor x = rows(g.x, b, e_), idx = rows(g.idx, b, e_), w = rows(g.w, b, e_);
-    const dist::DispatchResult u = disp.dispatch(x, idx, w, plain);
-    const dist::DispatchResult d = disp.dispatch(x, idx, w, padded);
+    const GlobalBatch::Rows mine = g.of(me);
+    const dist::DispatchResult u = disp.dispatch(mine.x, mine.idx, mine.w, plain);
+    const dist::DispatchResult d = disp.dispatch(mine.x, mine.idx, mine.w, padded);
     const dist::DispatchHandle& h = d.handle;
 
     // The layout: local expert el's block is, for each source s, s's padded block of that
@@ -354,10 +359,9 @@ class DispatchTester {
       const int64_t e = me * L + el;
       int64_t n_rows = 0, n_real = 0;
       for (int64_t s = 0; s < P; ++s) {
-        const int64_t sb = g.begin(s), se = g.end(s);
-        const RoutingPlan ps =
-            build_routing_plan(rows(g.idx, sb, se), rows(g.w, sb, se), E, padded.plan);
-        const Tensor perm = permute(rows(g.x, sb, se), ps);
+        const GlobalBatch::Rows theirs = g.of(s);
+        const RoutingPlan ps = build_routing_plan(theirs.idx, theirs.w, E, padded.plan);
+        const Tensor perm = permute(theirs.x, ps);
         const int64_t* off = ps.expert_offsets.data<int64_t>();
         const int64_t n = ps.num_tokens_per_expert.data<int64_t>()[e];
         EXPECT_EQ(off[e + 1] - off[e],
@@ -408,7 +412,7 @@ class DispatchTester {
     const Tensor y = disp.combine(Y, h, {mode_});
     EXPECT_TRUE(bitwise_equal(y, disp.combine(UY, u.handle, {mode_})));
     std::mt19937_64 rng(seed + 9 + static_cast<uint64_t>(me));
-    const Tensor gy = randn({e_ - b, H}, g.dtype, rng);
+    const Tensor gy = randn({g.end(me) - g.begin(me), H}, g.dtype, rng);
     const dist::CombineGrads cg = disp.combine_backward(gy, Y, h, {mode_});
     const dist::CombineGrads ug = disp.combine_backward(gy, UY, u.handle, {mode_});
     EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, ug.grad_topk_weights));
@@ -477,8 +481,8 @@ class DispatchTester {
     dist::DispatchOptions opt;
     opt.num_experts = E;
     opt.kind = kind;
-    const dist::DispatchResult d =
-        dist::dispatch(rows(g.x, b, e_), rows(g.idx, b, e_), rows(g.w, b, e_), opt, c);
+    const GlobalBatch::Rows mine = g.of(me);
+    const dist::DispatchResult d = dist::dispatch(mine.x, mine.idx, mine.w, opt, c);
     const dist::DispatchHandle& h = d.handle;
     Checked out;
     out.recv_x = d.recv_x;

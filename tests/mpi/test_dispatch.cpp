@@ -22,7 +22,6 @@ namespace {
 using dist::DispatcherKind;
 using testing::DispatchTester;
 using testing::Routes;
-using testing::rows;
 using testing::test_seed;
 using testing::world;
 
@@ -96,23 +95,14 @@ SY_BOTH_KINDS(DispatcherObject, ReusesItsScratchTop4Of12Bf16,
         .weights(Mode)                                        \
         .Padding.TestPaddingMatchesUnpadded();                \
   }
-#define SY_PADDING_CASES(Name, Padding)                                                      \
-  SY_PADDING_CASE(DispatchPaddingAllToAll, Name##Fp32ApplyWeights, kAllToAll, DType::fp32,   \
-                  WeightMode::apply, Padding)                                                \
-  SY_PADDING_CASE(DispatchPaddingAllToAll, Name##Fp32SkipWeights, kAllToAll, DType::fp32,    \
-                  WeightMode::skip, Padding)                                                 \
-  SY_PADDING_CASE(DispatchPaddingAllToAll, Name##Bf16ApplyWeights, kAllToAll, DType::bf16,   \
-                  WeightMode::apply, Padding)                                                \
-  SY_PADDING_CASE(DispatchPaddingAllToAll, Name##Bf16SkipWeights, kAllToAll, DType::bf16,    \
-                  WeightMode::skip, Padding)                                                 \
-  SY_PADDING_CASE(DispatchPaddingAllGather, Name##Fp32ApplyWeights, kAllGather, DType::fp32, \
-                  WeightMode::apply, Padding)                                                \
-  SY_PADDING_CASE(DispatchPaddingAllGather, Name##Fp32SkipWeights, kAllGather, DType::fp32,  \
-                  WeightMode::skip, Padding)                                                 \
-  SY_PADDING_CASE(DispatchPaddingAllGather, Name##Bf16ApplyWeights, kAllGather, DType::bf16, \
-                  WeightMode::apply, Padding)                                                \
-  SY_PADDING_CASE(DispatchPaddingAllGather, Name##Bf16SkipWeights, kAllGather, DType::bf16,  \
-                  WeightMode::skip, Padding)
+#define SY_PADDING_MODES(Suite, Name, Kind, Dt, Padding)                           \
+  SY_PADDING_CASE(Suite, Name##ApplyWeights, Kind, Dt, WeightMode::apply, Padding) \
+  SY_PADDING_CASE(Suite, Name##SkipWeights, Kind, Dt, WeightMode::skip, Padding)
+#define SY_PADDING_CASES(Name, Padding)                                                    \
+  SY_PADDING_MODES(DispatchPaddingAllToAll, Name##Fp32, kAllToAll, DType::fp32, Padding)   \
+  SY_PADDING_MODES(DispatchPaddingAllToAll, Name##Bf16, kAllToAll, DType::bf16, Padding)   \
+  SY_PADDING_MODES(DispatchPaddingAllGather, Name##Fp32, kAllGather, DType::fp32, Padding) \
+  SY_PADDING_MODES(DispatchPaddingAllGather, Name##Bf16, kAllGather, DType::bf16, Padding)
 
 SY_PADDING_CASES(Align4, padding(4))
 SY_PADDING_CASES(Align16, padding(16))
@@ -235,9 +225,8 @@ TEST(DispatchRejectsOnEveryRank, CombineHiddenSizeWrongOnLastRank) {
 TEST(DispatchRejectsOnEveryRank, WeightsBackwardLengthWrongOnLastRank) {
   const testing::GlobalBatch g = testing::make_global_batch(world().size(), 12, 4, 5, DType::fp32,
                                                             Routes::replay, test_seed(6100));
-  const int64_t b = g.begin(world().rank()), e = g.end(world().rank());
-  const dist::DispatchResult d =
-      dist::dispatch(rows(g.x, b, e), rows(g.idx, b, e), rows(g.w, b, e), experts12(), world());
+  const testing::GlobalBatch::Rows mine = g.of(world().rank());
+  const dist::DispatchResult d = dist::dispatch(mine.x, mine.idx, mine.w, experts12(), world());
   const Tensor bad =
       Tensor::zeros({d.handle.num_recv_tokens + (on_last_rank() ? 1 : 0)}, DType::fp32);
   SY_EXPECT_THROW_MSG(dist::dispatch_weights_backward(bad, d.handle, world()),
@@ -307,8 +296,8 @@ class DispatchBadHandle : public ::testing::Test {
   }
 
   dist::DispatchResult step(const testing::GlobalBatch& g) {
-    const int64_t b = g.begin(world().rank()), e = g.end(world().rank());
-    return disp_.dispatch(rows(g.x, b, e), rows(g.idx, b, e), rows(g.w, b, e), experts12());
+    const testing::GlobalBatch::Rows mine = g.of(world().rank());
+    return disp_.dispatch(mine.x, mine.idx, mine.w, experts12());
   }
   // A default handle (never returned by dispatch) on the last rank, d1's elsewhere.
   const dist::DispatchHandle& never_dispatched_on_last() const {
