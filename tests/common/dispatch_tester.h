@@ -20,15 +20,16 @@
 #include <vector>
 
 #include "ep_testing.h"
+#include "permute_tester.h"
 #include "ref/dispatch_ref.h"
 #include "switchyard/dispatcher.h"
 #include "testing.h"
 
 namespace switchyard::testing {
 
-/// How the global batch routes: replay routes (zero-filled padding rows, -1 rows and slots,
-/// repeated ids, random ids), every slot to one expert, every slot to the last rank's experts, or
-/// replay routes with no tokens on the last rank.
+/// How the global batch routes: replay routes (random_routes: zero-filled padding rows, -1 rows and
+/// slots, repeated ids, random ids), every slot to one expert, every slot to the last rank's
+/// experts, or replay routes with no tokens on the last rank.
 enum class Routes { replay, one_expert, one_rank, zero_token_rank };
 
 inline const char* routes_name(Routes r) {
@@ -88,33 +89,16 @@ inline GlobalBatch make_global_batch(int64_t P, int64_t E, int64_t K, int64_t H,
     }
   }
   g.x = Tensor::from_vector(xv, {N, H}).to(DType::fp32).to(dtype);
-  std::vector<int32_t> idx(static_cast<size_t>(N * K));
-  std::vector<float> w(static_cast<size_t>(N * K));
-  std::uniform_int_distribution<int> ex(0, static_cast<int>(E - 1)), kind(0, 7), kk(0, 3);
-  std::uniform_real_distribution<float> wd(0.05f, 1.0f);
+  // Replay routes as permute_tester.h draws them, or every slot to one expert / to the last
+  // rank's experts.
+  std::vector<int32_t> idx = random_routes(N, K, E, rng);
   const int64_t L = E / P;
-  for (int64_t n = 0; n < N; ++n) {
-    const int c = kind(rng);
-    for (int64_t k = 0; k < K; ++k) {
-      int32_t v = ex(rng);
-      switch (routes) {
-        case Routes::one_expert:
-          v = static_cast<int32_t>(E / 2);
-          break;
-        case Routes::one_rank:
-          v = static_cast<int32_t>((P - 1) * L + (ex(rng) % L));
-          break;
-        default:
-          if (c == 0) v = 0;                   // zero-filled replay padding row
-          if (c == 1) v = -1;                  // no route
-          if (c == 2 && kk(rng) == 0) v = -1;  // dropped slot
-          if (c == 3 && k > 0 && kk(rng) < 2)
-            v = idx[static_cast<size_t>(n * K + k - 1)];  // repeat
-      }
-      idx[static_cast<size_t>(n * K + k)] = v;
-      w[static_cast<size_t>(n * K + k)] = wd(rng);
-    }
+  std::uniform_int_distribution<int64_t> last_rank_expert((P - 1) * L, P * L - 1);
+  for (int32_t& v : idx) {
+    if (routes == Routes::one_expert) v = static_cast<int32_t>(E / 2);
+    if (routes == Routes::one_rank) v = static_cast<int32_t>(last_rank_expert(rng));
   }
+  const std::vector<float> w = random_weights(N * K, rng, 0.05f);
   g.idx = Tensor::from_vector(idx, {N, K});
   g.w = Tensor::from_vector(w, {N, K});
   return g;

@@ -84,18 +84,12 @@ void expect_loss_statistics_match_one_process(Split split, DType dt) {
   }
 }
 
-TEST(RouterMpi, LossStatisticsOverAnUnevenSplitMatchOneProcessFp64) {
-  expect_loss_statistics_match_one_process(Split::uneven, DType::fp64);
-}
-TEST(RouterMpi, LossStatisticsOverAnUnevenSplitMatchOneProcessFp32) {
-  expect_loss_statistics_match_one_process(Split::uneven, DType::fp32);
-}
-TEST(RouterMpi, LossStatisticsAndZLossOverAnEvenSplitMatchOneProcessFp64) {
-  expect_loss_statistics_match_one_process(Split::even, DType::fp64);
-}
-TEST(RouterMpi, LossStatisticsAndZLossOverAnEvenSplitMatchOneProcessFp32) {
-  expect_loss_statistics_match_one_process(Split::even, DType::fp32);
-}
+#define SY_LOSS_STATISTICS_CASES(Name, Split)                                                   \
+  TEST(RouterMpi, Name##Fp64) { expect_loss_statistics_match_one_process(Split, DType::fp64); } \
+  TEST(RouterMpi, Name##Fp32) { expect_loss_statistics_match_one_process(Split, DType::fp32); }
+
+SY_LOSS_STATISTICS_CASES(LossStatisticsOverAnUnevenSplitMatchOneProcess, Split::uneven)
+SY_LOSS_STATISTICS_CASES(LossStatisticsAndZLossOverAnEvenSplitMatchOneProcess, Split::even)
 
 TEST(RouterMpi, BadArgumentOnOneRankThrowsOnEveryRank) {
   auto& w = world();
