@@ -169,40 +169,21 @@ class DispatchTester {
   }
   DispatchTester& seed(uint64_t s) { return seed_ = s, *this; }
 
-  /// "replay E=12 K=4 H=16 fp32 all_to_all apply[ align=4 capacity=3 pad_to_capacity] EP=2": the
-  /// same on every rank (it seeds the global batch).
+  /// "replay E=12 K=4 H=16 fp32 all_to_all apply[ align=4 capacity=3 pad_to_capacity] EP=2".
   std::string describe() const {
-    std::string s = std::string(routes_name(routes_)) + " E=" + std::to_string(E_) +
-                    " K=" + std::to_string(K_) + " H=" + std::to_string(H_) + " " +
-                    dtype_name(dtype_) + " " + kind_name(kind_) + " " +
-                    (mode_ == WeightMode::apply ? "apply" : "skip");
-    if (alignment_ != 1) s += " align=" + std::to_string(alignment_);
-    if (capacity_ >= 0) s += " capacity=" + std::to_string(capacity_);
-    if (pad_to_capacity_) s += " pad_to_capacity";
-    return s + " EP=" + std::to_string(world().size());
+    return batch_description() + " " + kind_name(kind_) + " " +
+           (mode_ == WeightMode::apply ? "apply" : "skip");
   }
 
   /// dispatch, the experts, combine and the three backwards on this rank's rows, each output
   /// bitwise the EP = 1 computation's rows; every received row comes from the (rank, token) its
-  /// payload names, and that token routes to the row's expert, which is this rank's.
+  /// payload names, and that token routes to the row's expert, which is this rank's. Both kinds
+  /// see the same batch, so their two cases also prove that all_gather and all_to_all agree
+  /// bitwise.
   void TestMatchesEpOne() const {
     const uint64_t seed = seed_for("ep_one");
     SCOPED_TRACE(context(seed));
     run_and_check(batch(seed), kind_, seed);
-  }
-
-  /// all_gather and all_to_all give the same bits (recv_x, y, grad_x, grad_topk_weights), each
-  /// also checked against EP = 1. The configured kind is not used.
-  void TestKindsAgree() const {
-    const uint64_t seed = seed_for("kinds_agree");
-    SCOPED_TRACE(context(seed));
-    const GlobalBatch g = batch(seed);
-    const Checked a = run_and_check(g, dist::DispatcherKind::all_to_all, seed);
-    const Checked b = run_and_check(g, dist::DispatcherKind::all_gather, seed);
-    EXPECT_TRUE(bitwise_equal(a.recv_x, b.recv_x));
-    EXPECT_TRUE(bitwise_equal(a.y, b.y));
-    EXPECT_TRUE(bitwise_equal(a.grad_x, b.grad_x));
-    EXPECT_TRUE(bitwise_equal(a.grad_w, b.grad_w));
   }
 
   /// combine(experts(dispatch(x))) against its definition in double, sum_k w[t,k] * f_e(x[t]),
@@ -337,15 +318,21 @@ class DispatchTester {
 
     // The layout: local expert el's block is, for each source s, s's padded block of that
     // expert as permute lays it out (real rows, then zero rows).
+    std::vector<RoutingPlan> plans;
+    std::vector<Tensor> perms;
+    for (int64_t s = 0; s < P; ++s) {
+      const GlobalBatch::Rows theirs = g.of(s);
+      plans.push_back(build_routing_plan(theirs.idx, theirs.w, E, padded.plan));
+      perms.push_back(permute(theirs.x, plans.back()));
+    }
     std::vector<Tensor> want_x, want_w;
     std::vector<int64_t> want_src;
     for (int64_t el = 0; el < L; ++el) {
       const int64_t e = me * L + el;
       int64_t n_rows = 0, n_real = 0;
       for (int64_t s = 0; s < P; ++s) {
-        const GlobalBatch::Rows theirs = g.of(s);
-        const RoutingPlan ps = build_routing_plan(theirs.idx, theirs.w, E, padded.plan);
-        const Tensor perm = permute(theirs.x, ps);
+        const RoutingPlan& ps = plans[static_cast<size_t>(s)];
+        const Tensor& perm = perms[static_cast<size_t>(s)];
         const int64_t* off = ps.expert_offsets.data<int64_t>();
         const int64_t n = ps.num_tokens_per_expert.data<int64_t>()[e];
         EXPECT_EQ(off[e + 1] - off[e],
@@ -416,12 +403,19 @@ class DispatchTester {
   }
 
  private:
-  struct Checked {
-    Tensor recv_x, y, grad_x, grad_w;
-  };
-
+  // The global batch's description: the same on every rank, and the same for both dispatchers
+  // and both weight modes, so that their cases of one configuration see the same batch.
+  std::string batch_description() const {
+    std::string s = std::string(routes_name(routes_)) + " E=" + std::to_string(E_) +
+                    " K=" + std::to_string(K_) + " H=" + std::to_string(H_) + " " +
+                    dtype_name(dtype_);
+    if (alignment_ != 1) s += " align=" + std::to_string(alignment_);
+    if (capacity_ >= 0) s += " capacity=" + std::to_string(capacity_);
+    if (pad_to_capacity_) s += " pad_to_capacity";
+    return s + " EP=" + std::to_string(world().size());
+  }
   uint64_t seed_for(const char* what) const {
-    return test_seed(seed_ ? *seed_ : seed_of(std::string(what) + " " + describe()));
+    return test_seed(seed_ ? *seed_ : seed_of(std::string(what) + " " + batch_description()));
   }
   std::string context(uint64_t seed) const {
     return describe() + " rank=" + std::to_string(world().rank()) + " " + repro(seed);
@@ -442,7 +436,7 @@ class DispatchTester {
 
   // Dispatch this rank's rows of `g` with `kind`, run the whole forward/backward and check every
   // output bitwise against the EP = 1 computation on the global batch.
-  Checked run_and_check(const GlobalBatch& g, dist::DispatcherKind kind, uint64_t seed) const {
+  void run_and_check(const GlobalBatch& g, dist::DispatcherKind kind, uint64_t seed) const {
     dist::Communicator& c = world();
     const int64_t P = c.size(), me = c.rank(), E = g.E, L = E / P, H = g.H, K = g.K;
     SCOPED_TRACE(kind_name(kind));
@@ -468,8 +462,6 @@ class DispatchTester {
     const GlobalBatch::Rows mine = g.of(me);
     const dist::DispatchResult d = dist::dispatch(mine.x, mine.idx, mine.w, opt, c);
     const dist::DispatchHandle& h = d.handle;
-    Checked out;
-    out.recv_x = d.recv_x;
     const int64_t* goff = gp.expert_offsets.data<int64_t>();
     const int64_t r0 = goff[me * L], r1 = goff[(me + 1) * L];
     EXPECT_EQ(h.num_recv_tokens, r1 - r0);
@@ -501,17 +493,14 @@ class DispatchTester {
     }
     // Experts run locally; combine back; compare bitwise with EP = 1.
     const Tensor Y = expert_fn(d.recv_x, expert_of_row);
-    out.y = dist::combine(Y, h, uo, c);
-    EXPECT_TRUE(bitwise_equal(out.y, rows(gy, b, e_))) << "combine";
+    EXPECT_TRUE(bitwise_equal(dist::combine(Y, h, uo, c), rows(gy, b, e_))) << "combine";
     const dist::CombineGrads cg = dist::combine_backward(rows(ggrad, b, e_), Y, h, uo, c);
-    out.grad_w = cg.grad_topk_weights;
     EXPECT_TRUE(bitwise_equal(cg.grad_expert_y, rows(gg.grad_permuted, r0, r1)))
         << "combine_backward";
     EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, rows(gg.grad_topk_weights, b, e_)))
         << "grad_topk_weights";
-    out.grad_x = dist::dispatch_backward(cg.grad_expert_y, h, c);
-    EXPECT_TRUE(bitwise_equal(out.grad_x, rows(ggx, b, e_))) << "dispatch_backward";
-    return out;
+    EXPECT_TRUE(bitwise_equal(dist::dispatch_backward(cg.grad_expert_y, h, c), rows(ggx, b, e_)))
+        << "dispatch_backward";
   }
 
   Routes routes_ = Routes::replay;
