@@ -5,8 +5,8 @@
 // (local communicator) over the whole global batch: outputs, ids, weights and every per-token
 // gradient row. Both dispatchers, 1 and 2 threads, and a global batch where one rank has no tokens:
 // one named case each.
-// (grad_weight is a reduction over each rank's own tokens, so it is compared with an EP=1 run over
-// the same tokens.)
+// (grad_weight is a reduction over each rank's own tokens, so it is compared with the gate
+// backward, at 1 thread, of the EP = 1 gradient rows of those tokens.)
 #include <gtest/gtest.h>
 
 #include <random>
@@ -112,7 +112,10 @@ class LayerTester : public testing::RouterSetup<LayerTester> {
     set_num_threads(1);
     auto local = dist::local();
     const LayerOut ref = run_layer(gx, ggy, w, config_, DispatcherKind::all_to_all, *local);
-    const LayerOut mine_ref = run_layer(x, gy, w, config_, DispatcherKind::all_to_all, *local);
+    // grad_weight is a reduction over this rank's own tokens: the gate backward of the EP = 1
+    // gradient rows of those tokens.
+    const Tensor mine_grad_weight =
+        router_gating_linear_backward(rows(ref.grad_logits, b, e), x, w, Tensor()).grad_weight;
     set_num_threads(threads_);
     const LayerOut o = run_layer(x, gy, w, config_, kind_, c);
     set_num_threads(saved);
@@ -124,7 +127,7 @@ class LayerTester : public testing::RouterSetup<LayerTester> {
         << "grad_x dispatch";
     EXPECT_TRUE(bitwise_equal(o.grad_logits, rows(ref.grad_logits, b, e))) << "grad_logits";
     EXPECT_TRUE(bitwise_equal(o.grad_x_gate, rows(ref.grad_x_gate, b, e))) << "grad_x gate";
-    EXPECT_TRUE(bitwise_equal(o.grad_weight, mine_ref.grad_weight)) << "grad_weight";
+    EXPECT_TRUE(bitwise_equal(o.grad_weight, mine_grad_weight)) << "grad_weight";
   }
 
  private:
