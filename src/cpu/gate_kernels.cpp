@@ -835,32 +835,13 @@ void with_float_type(DType d, F&& f) {
   }
 }
 
-}  // namespace
-
-void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtype, const void* bias,
-                  DType bias_dtype, void* logits, DType acc_dtype, int64_t num_tokens,
-                  int64_t hidden, int64_t num_experts) {
-  if (bias == nullptr) bias_dtype = acc_dtype;  // any instantiable type: the pointer is unused
+// Acc (the router dtype: float or double), XT and WT (bf16, float or double) from the run-time
+// dtypes, as tags: f(Acc{}, XT{}, WT{}).
+template <class F>
+void with_gate_types(DType acc_dtype, DType x_dtype, DType w_dtype, F&& f) {
   auto run = [&](auto acc_tag) {
-    using Acc = decltype(acc_tag);
     with_float_type(x_dtype, [&](auto x_tag) {
-      using XT = decltype(x_tag);
-      with_float_type(w_dtype, [&](auto w_tag) {
-        using WT = decltype(w_tag);
-        with_float_type(bias_dtype, [&](auto b_tag) {
-          using BT = decltype(b_tag);
-          if constexpr ((std::is_same_v<Acc, float> &&
-                         (std::is_same_v<XT, double> || std::is_same_v<WT, double> ||
-                          std::is_same_v<BT, double>)) ||
-                        std::is_same_v<WT, double>) {
-            return;  // not an exact upcast (or no fp64 weight): rejected by the front-end
-          } else {
-            forward_impl<Acc, XT, WT, BT>(static_cast<const XT*>(x), static_cast<const WT*>(weight),
-                                          static_cast<const BT*>(bias), static_cast<Acc*>(logits),
-                                          num_tokens, hidden, num_experts);
-          }
-        });
-      });
+      with_float_type(w_dtype, [&](auto w_tag) { f(acc_tag, x_tag, w_tag); });
     });
   };
   if (acc_dtype == DType::fp64) {
@@ -870,32 +851,49 @@ void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtyp
   }
 }
 
+}  // namespace
+
+void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtype, const void* bias,
+                  DType bias_dtype, void* logits, DType acc_dtype, int64_t num_tokens,
+                  int64_t hidden, int64_t num_experts) {
+  if (bias == nullptr) bias_dtype = acc_dtype;  // any instantiable type: the pointer is unused
+  with_gate_types(acc_dtype, x_dtype, w_dtype, [&](auto acc_tag, auto x_tag, auto w_tag) {
+    using Acc = decltype(acc_tag);
+    using XT = decltype(x_tag);
+    using WT = decltype(w_tag);
+    with_float_type(bias_dtype, [&](auto b_tag) {
+      using BT = decltype(b_tag);
+      if constexpr ((std::is_same_v<Acc, float> &&
+                     (std::is_same_v<XT, double> || std::is_same_v<WT, double> ||
+                      std::is_same_v<BT, double>)) ||
+                    std::is_same_v<WT, double>) {
+        return;  // not an exact upcast (or no fp64 weight): rejected by the front-end
+      } else {
+        forward_impl<Acc, XT, WT, BT>(static_cast<const XT*>(x), static_cast<const WT*>(weight),
+                                      static_cast<const BT*>(bias), static_cast<Acc*>(logits),
+                                      num_tokens, hidden, num_experts);
+      }
+    });
+  });
+}
+
 void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const void* weight,
                    DType w_dtype, void* grad_x, void* grad_weight, void* grad_bias, DType acc_dtype,
                    int64_t num_tokens, int64_t hidden, int64_t num_experts) {
-  auto run = [&](auto acc_tag) {
+  with_gate_types(acc_dtype, x_dtype, w_dtype, [&](auto acc_tag, auto x_tag, auto w_tag) {
     using Acc = decltype(acc_tag);
-    with_float_type(x_dtype, [&](auto x_tag) {
-      using XT = decltype(x_tag);
-      with_float_type(w_dtype, [&](auto w_tag) {
-        using WT = decltype(w_tag);
-        if constexpr ((std::is_same_v<Acc, float> && std::is_same_v<XT, double>) ||
-                      std::is_same_v<WT, double>) {
-          return;  // rejected by the front-end
-        } else {
-          backward_impl<Acc, XT, WT>(static_cast<const Acc*>(grad_logits),
-                                     static_cast<const XT*>(x), static_cast<const WT*>(weight),
-                                     static_cast<XT*>(grad_x), static_cast<WT*>(grad_weight),
-                                     static_cast<Acc*>(grad_bias), num_tokens, hidden, num_experts);
-        }
-      });
-    });
-  };
-  if (acc_dtype == DType::fp64) {
-    run(double{});
-  } else {
-    run(float{});
-  }
+    using XT = decltype(x_tag);
+    using WT = decltype(w_tag);
+    if constexpr ((std::is_same_v<Acc, float> && std::is_same_v<XT, double>) ||
+                  std::is_same_v<WT, double>) {
+      return;  // rejected by the front-end
+    } else {
+      backward_impl<Acc, XT, WT>(static_cast<const Acc*>(grad_logits), static_cast<const XT*>(x),
+                                 static_cast<const WT*>(weight), static_cast<XT*>(grad_x),
+                                 static_cast<WT*>(grad_weight), static_cast<Acc*>(grad_bias),
+                                 num_tokens, hidden, num_experts);
+    }
+  });
 }
 
 }  // namespace switchyard::cpu::SY_ISA_NS
