@@ -12,8 +12,9 @@
 // `faults/step` (minor page faults per step on rank 0: fresh memory touched in the step; the floor
 // has none) and the CPU model and kernel ISA in the context lines.
 // Skewed rows (`skew:1` Zipf-like expert popularity, `skew:2` one hot rank; always on route sets
-// the warm-up never saw, a new skew every step) add `recv_max/mean` and `recv_min/mean` (rows
-// received by the busiest / idlest rank over the mean, averaged over the timed steps),
+// the warm-up never saw, a new skew every step, after 16 warm-up sets) add `recv_max/mean` and
+// `recv_min/mean` (rows received by the busiest / idlest rank over the mean, averaged over the
+// timed steps),
 // `recv_swing` (for the rank whose received rows vary most: its most over its fewest over the
 // steps) and `max_faults/step` (faults of the rank that faulted most, per step). The floor
 // moves the same rows (its counts come from the same route sets). With SWITCHYARD_BENCH_STEPS set
@@ -89,6 +90,13 @@ double since(Clock::time_point a) {
 }
 
 constexpr int kRouteSets = 4;  // warm-up route sets (the fresh:0 rows cycle them)
+// Warm-up route sets of the skewed rows. Under skew a rank's received rows vary by up to 4x (Zipf,
+// EP 4) or 9x (hot rank) between steps, and the first time a rank receives more rows than ever
+// it touches memory it never had: no allocator avoids that, and on this VM fresh memory costs
+// 10-20 ms per 2 MiB page (a 352 MiB recv_x: a 3.8 s step against 0.8 s). With 4 warm-up sets,
+// one rank of four never received more than 0.5x the mean before the timed steps (Zipf, fp32
+// T 4096). A training run is past that after its first steps; 16 sets stand for them.
+constexpr int kSkewedWarmSets = 16;
 constexpr int kSteps = 12;     // timed iterations
 
 // K distinct uniformly random experts per token.
@@ -157,15 +165,14 @@ Tensor zipf_routes(int64_t T, int64_t E, int64_t K, uint64_t set_seed, std::mt19
 // [1.5, min(4, 0.9 P)]: each of a token's K picks lands on the hot rank's E/P experts with
 // probability f/P (binomial, at most E/P of them), the others on the other ranks' experts,
 // uniformly and distinct. At P = 1 the routes are uniform. The hot rank is drawn per set, except
-// in the warm-up, whose sets make ranks 0, 1, ... hot in turn: a training run past its first
-// steps has seen every rank hot, and the first time a rank receives that many rows it touches
-// memory it never had (no allocator can avoid that; on this VM it costs 4 s for 430 MB).
-Tensor hot_rank_routes(int64_t T, int64_t E, int64_t K, int P, int set, uint64_t set_seed,
-                       std::mt19937_64& rng) {
+// in the warm-up, whose sets make ranks 0, 1, ... hot in turn (a training run past its first
+// steps has seen every rank hot; see kSkewedWarmSets).
+Tensor hot_rank_routes(int64_t T, int64_t E, int64_t K, int P, int set, bool warm_up,
+                       uint64_t set_seed, std::mt19937_64& rng) {
   if (P == 1) return random_routes(T, E, K, rng);
   std::mt19937_64 common(set_seed);
   const int drawn = std::uniform_int_distribution<int>(0, P - 1)(common);
-  const int hot = set < kRouteSets ? set % P : drawn;
+  const int hot = warm_up ? set % P : drawn;
   const double hi = std::min(4.0, 0.9 * P);
   const double f = std::uniform_real_distribution<double>(std::min(1.5, hi), hi)(common);
   const int64_t L = E / P;
@@ -193,7 +200,7 @@ Tensor hot_rank_routes(int64_t T, int64_t E, int64_t K, int P, int set, uint64_t
   return Tensor::from_vector(idx, {T, K});
 }
 
-Tensor make_routes(Skew skew, int64_t T, int64_t E, int64_t K, int P, int set,
+Tensor make_routes(Skew skew, int64_t T, int64_t E, int64_t K, int P, int set, bool warm_up,
                    std::mt19937_64& rng) {
   const uint64_t set_seed = 777 + static_cast<uint64_t>(set);
   switch (skew) {
@@ -202,7 +209,7 @@ Tensor make_routes(Skew skew, int64_t T, int64_t E, int64_t K, int P, int set,
     case Skew::zipf:
       return zipf_routes(T, E, K, set_seed, rng);
     case Skew::hot_rank:
-      return hot_rank_routes(T, E, K, P, set, set_seed, rng);
+      return hot_rank_routes(T, E, K, P, set, warm_up, set_seed, rng);
   }
   return random_routes(T, E, K, rng);
 }
@@ -267,8 +274,9 @@ void BM_DispatchCombine(benchmark::State& state) {
   std::mt19937_64 rng(1234 + static_cast<uint64_t>(me));
   Tensor x = testing::randn({T, H}, dt, rng);
   std::vector<Tensor> routes;
-  for (int i = 0; i < kRouteSets + (fresh ? kSteps : 0); ++i) {
-    routes.push_back(make_routes(skew, T, E, K, P, i, rng));
+  const int warm = skew == Skew::uniform ? kRouteSets : kSkewedWarmSets;
+  for (int i = 0; i < warm + (fresh ? kSteps : 0); ++i) {
+    routes.push_back(make_routes(skew, T, E, K, P, i, i < warm, rng));
   }
   Tensor topk_w = Tensor::full({T, K}, DType::fp32, 1.0 / static_cast<double>(K));
   dist::DispatchOptions opt;
@@ -279,7 +287,7 @@ void BM_DispatchCombine(benchmark::State& state) {
   // their high-water mark), and the floor's counts of each set.
   std::vector<FloorCounts> floor;
   int64_t max_rows = 0;
-  for (int i = 0; i < kRouteSets; ++i) {
+  for (int i = 0; i < warm; ++i) {
     const Tensor& idx = routes[static_cast<size_t>(i)];
     dist::DispatchResult d = disp.dispatch(x, idx, topk_w, opt);
     benchmark::DoNotOptimize(disp.combine(d.recv_x, d.handle).raw());
@@ -292,7 +300,7 @@ void BM_DispatchCombine(benchmark::State& state) {
     }
     max_rows = std::max({max_rows, floor.back().n_send, floor.back().n_recv});
   }
-  for (size_t i = kRouteSets; i < routes.size(); ++i) {
+  for (size_t i = static_cast<size_t>(warm); i < routes.size(); ++i) {
     floor.push_back(floor_counts(routes[i], E, P, me));
     max_rows = std::max({max_rows, floor.back().n_send, floor.back().n_recv});
   }
@@ -327,7 +335,7 @@ void BM_DispatchCombine(benchmark::State& state) {
   int step = 0;
   const bool print_steps = std::getenv("SWITCHYARD_BENCH_STEPS") != nullptr;
   for (auto _ : state) {
-    const int set = fresh ? kRouteSets + step++ % kSteps : step++ % kRouteSets;
+    const int set = fresh ? warm + step++ % kSteps : step++ % warm;
     const FloorCounts& f = floor[static_cast<size_t>(set)];
     MPI_Barrier(MPI_COMM_WORLD);
     const int64_t f0 = minor_faults();
