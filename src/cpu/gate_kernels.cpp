@@ -516,8 +516,6 @@ inline void load_row(Acc* dst, const XT* src) {
 // chain. Chosen by the density of grad_logits alone (never by thread count or batch), and either
 // path gives the same bits, so the choice is invisible.
 constexpr int64_t kSparseDensityInv = 8;  // sparse when at most one term in 8 is nonzero
-constexpr int64_t kST = 32;               // tokens per grad_x work item
-constexpr int64_t kXB = 256;              // columns of H per grad_x segment
 
 // Nonzeros of g [T,E] by token: row t's terms are (col[j], val[j]) for j in [ptr[t], ptr[t+1]),
 // e ascending.
@@ -569,7 +567,12 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
   const Acc* const val = r.val.p;
   constexpr bool kDirectX = std::is_same_v<XT, Acc>;
   const int nthreads = omp_get_max_threads();
-  Scratch<Acc> rows(nthreads * kXB);  // per-thread grad_x segment before rounding
+  // grad_x segments of xb columns: the packed W segment (E x xb) at most 1 MB, at most 1024
+  // columns (DeepSeek-V3: 1024 of fp32 for E 256; Qwen3-30B-A3B's E 128 also 1024).
+  const int64_t xb = std::clamp<int64_t>(
+      (int64_t{1} << 20) / (std::max<int64_t>(E, 1) * static_cast<int64_t>(sizeof(Acc))) / 64 * 64,
+      64, 1024);
+  Scratch<Acc> rows(nthreads * xb);  // per-thread grad_x segment before rounding
   // grad_w by expert: the nonzeros re-sorted by expert, t ascending within an expert (the chain's
   // order), from the token-sorted lists.
   const int64_t nnz = ptr[T];
@@ -590,77 +593,86 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
     }
   }
   // grad_w work items: chunks of hc columns; within an item, blocks of kTB tokens in order, and
-  // per block every expert's tokens. The block's x rows (kTB x hc) stay in L2 and their pages in
-  // the TLB while its K experts read each row (with all T at once, T 4096 rows 4 KB apart missed
-  // the second-level TLB); each (expert, column) chain resumes from the previous block.
+  // per block every expert's tokens. The block's x rows (kTB x hc, 1 MB) are packed contiguous
+  // and stay in L2 while its K experts read each row; each (expert, column) chain resumes from the
+  // previous block.
   constexpr int64_t kTB = 1024;
-  int64_t hc = (int64_t{1} << 20) / (std::min(T, kTB) * static_cast<int64_t>(sizeof(XT)));
+  int64_t hc = (int64_t{1} << 20) /
+               (std::max<int64_t>(1, std::min(T, kTB)) * static_cast<int64_t>(sizeof(Acc)));
   hc = std::clamp<int64_t>(hc / 64 * 64, 64, 512);
   const int64_t nchunk = (H + hc - 1) / hc;
-  Scratch<Acc> waccs(nthreads * E * hc);  // per-thread chains of a chunk
+  Scratch<Acc> waccs(nthreads * E * hc);                  // per-thread chains of a chunk
+  Scratch<Acc> xpacks(nthreads * std::min(T, kTB) * hc);  // per-thread packed x rows of a block
+  Scratch<Acc> wpacks(nthreads * E * xb);                 // per-thread packed W segment
+  const int64_t nseg = (H + xb - 1) / xb;
+  const int64_t ntblk =
+      std::clamp<int64_t>((nthreads + nseg - 1) / nseg, 1, std::max<int64_t>(T, 1));
+  const int64_t tblk = (T + ntblk - 1) / ntblk;
   Scratch<int64_t> wcursors(nthreads * E);
 #pragma omp parallel if (T * H * E >= kParallelMin)
   {
     const int tid = omp_get_thread_num();
-    // grad_x, kST tokens per item, in segments of kXB columns: the segment's W columns (E x kXB)
-    // stay in L2 across the item's tokens (a token's K rows of all of W came from L3: 7 MB of W at
-    // DeepSeek-V3's H 7168, E 256, fp32).
-    Acc* const seg = rows.p + tid * kXB;
+    // grad_x in segments of xb columns, each segment over a block of tokens (all T unless that
+    // leaves a thread idle). The segment's W columns are packed (E x xb, the accumulation type)
+    // into a contiguous per-thread block that stays in L2 across the block's tokens: read in
+    // place, each of a token's K rows was a different 4 KB page of W (28 KB apart at DeepSeek-V3's
+    // H 7168), a TLB miss per row, and W was streamed from L3 once per 32 tokens.
+    Acc* const seg = rows.p + tid * xb;
+    Acc* const wpk = wpacks.p + tid * E * xb;
 #pragma omp for schedule(static) nowait
-    for (int64_t item = 0; item < (T + kST - 1) / kST; ++item) {
-      const int64_t t0 = item * kST, t1 = std::min(T, t0 + kST);
-      for (int64_t hb = 0; hb < H; hb += kXB) {
-        const int64_t nb = std::min(kXB, H - hb);
-        for (int64_t t = t0; t < t1; ++t) {
-          Acc* const out = kDirectX ? reinterpret_cast<Acc*>(grad_x + t * H + hb) : seg;
-          const int64_t j0 = ptr[t], j1 = ptr[t + 1];
-          const WT* const wb = w + hb;
-          int64_t h = 0;
-          bool negative_zero = false;
-          // Eight independent chains per pass: an FMA's latency is four cycles, two issue per
-          // cycle, and each term depends on the previous one of its chain.
-          for (; h + 8 * L <= nb; h += 8 * L) {
-            V a[8] = {V::zero(), V::zero(), V::zero(), V::zero(),
-                      V::zero(), V::zero(), V::zero(), V::zero()};
-            for (int64_t j = j0; j < j1; ++j) {
-              const V gv = V::bcast(val[j]);
-              const WT* wr = wb + col[j] * H + h;
-              for (int i = 0; i < 8; ++i) a[i] = fma(gv, V::load(wr + i * L), a[i]);
-            }
-            for (int i = 0; i < 8; ++i) {
-              negative_zero |= a[i].any_negative_zero();
-              a[i].store(out + h + i * L);
-            }
+    for (int64_t item = 0; item < nseg * ntblk; ++item) {
+      const int64_t hb = item / ntblk * xb, nb = std::min(xb, H - hb);
+      const int64_t t0 = item % ntblk * tblk, t1 = std::min(T, t0 + tblk);
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t h = 0; h < nb; ++h) wpk[e * xb + h] = to_acc<Acc>(w[e * H + hb + h]);
+      for (int64_t t = t0; t < t1; ++t) {
+        Acc* const out = kDirectX ? reinterpret_cast<Acc*>(grad_x + t * H + hb) : seg;
+        const int64_t j0 = ptr[t], j1 = ptr[t + 1];
+        const Acc* const wb = wpk;
+        int64_t h = 0;
+        bool negative_zero = false;
+        // Eight independent chains per pass: an FMA's latency is four cycles, two issue per
+        // cycle, and each term depends on the previous one of its chain.
+        for (; h + 8 * L <= nb; h += 8 * L) {
+          V a[8] = {V::zero(), V::zero(), V::zero(), V::zero(),
+                    V::zero(), V::zero(), V::zero(), V::zero()};
+          for (int64_t j = j0; j < j1; ++j) {
+            const V gv = V::bcast(val[j]);
+            const Acc* wr = wb + col[j] * xb + h;
+            for (int i = 0; i < 8; ++i) a[i] = fma(gv, V::load(wr + i * L), a[i]);
           }
-          for (; h + L <= nb; h += L) {
-            V a0 = V::zero();
-            for (int64_t j = j0; j < j1; ++j)
-              a0 = fma(V::bcast(val[j]), V::load(wb + col[j] * H + h), a0);
-            negative_zero |= a0.any_negative_zero();
-            a0.store(out + h);
+          for (int i = 0; i < 8; ++i) {
+            negative_zero |= a[i].any_negative_zero();
+            a[i].store(out + h + i * L);
           }
-          for (; h < nb; ++h) {
-            Acc a = Acc(0);
-            for (int64_t j = j0; j < j1; ++j)
-              a = std::fma(val[j], to_acc<Acc>(wb[col[j] * H + h]), a);
-            out[h] = a;
-            negative_zero |= simd::is_negative_zero(a);
-          }
-          for (h = 0; negative_zero && h < nb; ++h) {
-            if (simd::is_negative_zero(out[h])) {  // the dense chain decides the sign (see above)
-              Acc a = Acc(0);
-              for (int64_t e = 0; e < E; ++e)
-                a = std::fma(g[t * E + e], to_acc<Acc>(wb[e * H + h]), a);
-              out[h] = a;
-            }
-          }
-          if constexpr (!kDirectX) store_row<XT, Acc>(grad_x + t * H + hb, out, nb);
         }
+        for (; h + L <= nb; h += L) {
+          V a0 = V::zero();
+          for (int64_t j = j0; j < j1; ++j)
+            a0 = fma(V::bcast(val[j]), V::load(wb + col[j] * xb + h), a0);
+          negative_zero |= a0.any_negative_zero();
+          a0.store(out + h);
+        }
+        for (; h < nb; ++h) {
+          Acc a = Acc(0);
+          for (int64_t j = j0; j < j1; ++j) a = std::fma(val[j], wb[col[j] * xb + h], a);
+          out[h] = a;
+          negative_zero |= simd::is_negative_zero(a);
+        }
+        for (h = 0; negative_zero && h < nb; ++h) {
+          if (simd::is_negative_zero(out[h])) {  // the dense chain decides the sign (see above)
+            Acc a = Acc(0);
+            for (int64_t e = 0; e < E; ++e) a = std::fma(g[t * E + e], wb[e * xb + h], a);
+            out[h] = a;
+          }
+        }
+        if constexpr (!kDirectX) store_row<XT, Acc>(grad_x + t * H + hb, out, nb);
       }
     }
     // grad_w, one chunk of hc columns per item (see above), eight chains of L columns at a time
     // in registers.
     Acc* const wacc = waccs.p + tid * E * hc;
+    Acc* const xpk = xpacks.p + tid * std::min(T, kTB) * hc;
     int64_t* const cur = wcursors.p + tid * E;
 #pragma omp for schedule(dynamic)
     for (int64_t c = 0; c < nchunk; ++c) {
@@ -670,6 +682,15 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
       for (int64_t tb0 = 0; tb0 < std::max<int64_t>(T, 1); tb0 += kTB) {
         const int64_t tb1 = std::min(T, tb0 + kTB);
         const bool first = tb0 == 0;
+        // The block's x rows of this chunk, packed contiguous in the accumulation type (each row
+        // is read by its K experts: in place, every read was another 4 KB page, and bf16 was
+        // converted K times). Rows without a nonzero term are never read.
+        for (int64_t t = tb0; t < tb1; ++t) {
+          if (ptr[t] == ptr[t + 1]) continue;
+          Acc* const dst = xpk + (t - tb0) * hc;
+          const XT* const src = xc + t * H;
+          for (int64_t h = 0; h < nv; ++h) dst[h] = to_acc<Acc>(src[h]);
+        }
         for (int64_t e = 0; e < E; ++e) {
           const int64_t j0 = cur[e];
           int64_t j1 = j0;
@@ -683,7 +704,7 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
             for (int i = 0; i < 8; ++i) a[i] = first ? V::zero() : V::load(arow + h + i * L);
             for (int64_t j = j0; j < j1; ++j) {
               const V gv = V::bcast(eval.p[j]);
-              const XT* xr = xc + erow.p[j] * H + h;
+              const Acc* xr = xpk + (erow.p[j] - tb0) * hc + h;
               for (int i = 0; i < 8; ++i) a[i] = fma(gv, V::load(xr + i * L), a[i]);
             }
             for (int i = 0; i < 8; ++i) a[i].store(arow + h + i * L);
@@ -691,13 +712,13 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
           for (; h + L <= nv; h += L) {
             V a0 = first ? V::zero() : V::load(arow + h);
             for (int64_t j = j0; j < j1; ++j)
-              a0 = fma(V::bcast(eval.p[j]), V::load(xc + erow.p[j] * H + h), a0);
+              a0 = fma(V::bcast(eval.p[j]), V::load(xpk + (erow.p[j] - tb0) * hc + h), a0);
             a0.store(arow + h);
           }
           for (; h < nv; ++h) {
             Acc a = first ? Acc(0) : arow[h];
             for (int64_t j = j0; j < j1; ++j)
-              a = std::fma(eval.p[j], to_acc<Acc>(xc[erow.p[j] * H + h]), a);
+              a = std::fma(eval.p[j], xpk[(erow.p[j] - tb0) * hc + h], a);
             arow[h] = a;
           }
         }

@@ -96,17 +96,23 @@ class GateTester {
   /// as after top-k routing without aux or z loss; 0 = dense.
   GateTester& grad_logits_topk(int64_t k) { return grad_topk_ = k, *this; }
   GateTester& seed(uint64_t s) { return seed_ = s, *this; }
+  /// TestForward / TestBackward run with this many threads (0: the current setting).
+  GateTester& threads(int n) { return threads_ = n, *this; }
 
   std::string describe() const {
     return "T=" + std::to_string(T_) + " H=" + std::to_string(H_) + " E=" + std::to_string(E_) +
            " x=" + dtype_name(x_) + " w=" + dtype_name(w_) + " router=" + dtype_name(router_) +
            (bias_ ? std::string(" bias=") + dtype_name(*bias_) : std::string(" no bias")) +
-           (grad_topk_ > 0 ? " grad_logits " + std::to_string(grad_topk_) + "-hot" : std::string());
+           (grad_topk_ > 0 ? " grad_logits " + std::to_string(grad_topk_) + "-hot"
+                           : std::string()) +
+           (threads_ > 0 ? " threads=" + std::to_string(threads_) : std::string());
   }
 
   void TestForward() const {
     const uint64_t seed = seed_for("forward");
     SCOPED_TRACE(describe() + " " + repro(seed));
+    const ThreadGuard guard;
+    if (threads_ > 0) set_num_threads(threads_);
     std::mt19937_64 rng(seed);
     const Inputs in = make_inputs(rng);
     const Tensor out = router_gating_linear(in.x, in.w, in.b, GateOptions{router_});
@@ -122,6 +128,8 @@ class GateTester {
   void TestBackward() const {
     const uint64_t seed = seed_for("backward");
     SCOPED_TRACE(describe() + " " + repro(seed));
+    const ThreadGuard guard;
+    if (threads_ > 0) set_num_threads(threads_);
     std::mt19937_64 rng(seed);
     const Inputs in = make_inputs(rng);
     Tensor g = randn({T_, E_}, router_, rng);
@@ -161,10 +169,7 @@ class GateTester {
     const uint64_t seed = seed_for("batch");
     SCOPED_TRACE(describe() + " " + repro(seed));
     std::mt19937_64 rng(seed);
-    struct ThreadGuard {
-      int saved = num_threads();
-      ~ThreadGuard() { set_num_threads(saved); }
-    } guard;
+    const ThreadGuard guard;
     const GateOptions opt{router_};
     const Tensor w = randn({E_, H_}, w_, rng, 0.05);
     const Tensor b = bias_ ? randn({E_}, *bias_, rng) : Tensor();
@@ -217,6 +222,11 @@ class GateTester {
   }
 
  private:
+  // Restores the thread count on scope exit.
+  struct ThreadGuard {
+    int saved = num_threads();
+    ~ThreadGuard() { set_num_threads(saved); }
+  };
   struct Inputs {
     Tensor x, w, b;
   };
@@ -237,6 +247,7 @@ class GateTester {
   DType x_ = DType::bf16, w_ = DType::bf16, router_ = DType::fp32;
   std::optional<DType> bias_ = DType::fp32;
   int64_t grad_topk_ = 0;
+  int threads_ = 0;
   std::optional<uint64_t> seed_;
 };
 

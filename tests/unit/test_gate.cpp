@@ -298,6 +298,53 @@ TEST(GateAvx512, BackwardOfTopKGradLogitsMatchesChain) {
   topk_grad_logits_match_chain(sy::CpuIsa::avx512);
 }
 
+// The sparse backward's work split: W in segments of at most 1 MB (1024 columns at E <= 256 fp32,
+// fewer for more experts or fp64), a segment's tokens split across threads when there are fewer
+// segments than threads, x in blocks of 1024 tokens per grad_w chain. Each output is still its one
+// chain, bitwise, at 1 and 2 threads.
+namespace {
+void sparse_backward_splits_match_chain(int threads) {
+  // three W segments of 1024 columns; then one segment, its tokens split across threads, and
+  // two grad_w token blocks
+  GateTester()
+      .tokens(40)
+      .hidden(2100)
+      .experts(64)
+      .grad_logits_topk(4)
+      .threads(threads)
+      .TestBackward();
+  GateTester()
+      .tokens(1030)
+      .hidden(80)
+      .experts(64)
+      .grad_logits_topk(4)
+      .threads(threads)
+      .TestBackward();
+  GateTester()  // E 512: segments of 512 columns
+      .tokens(100)
+      .hidden(700)
+      .experts(512)
+      .x(DType::fp32)
+      .weight(DType::fp32)
+      .no_bias()
+      .grad_logits_topk(8)
+      .threads(threads)
+      .TestBackward();
+  GateTester()  // fp64, E 160: segments of 768 columns
+      .tokens(50)
+      .hidden(800)
+      .experts(160)
+      .x(DType::fp64)
+      .router(DType::fp64)
+      .no_bias()
+      .grad_logits_topk(2)
+      .threads(threads)
+      .TestBackward();
+}
+}  // namespace
+TEST(GateBackward, SparseWorkSplitMatchesChainOneThread) { sparse_backward_splits_match_chain(1); }
+TEST(GateBackward, SparseWorkSplitMatchesChainTwoThreads) { sparse_backward_splits_match_chain(2); }
+
 // The one place where skipping g = 0 terms could change a bit: a negative product that underflows
 // to -0, followed by zero terms with +0 products. The dense chain turns -0 into +0
 // (fma(0, w > 0, -0) = +0); the result must be that +0.
