@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -267,6 +268,37 @@ TEST(Allocator, ABufferGrowingPastItsHighWaterMarkUsesItsSegmentsHeadroom) {
   }
   EXPECT_EQ(reserved1 - reserved0, 112 * MiB);
   sy::release_cached_memory();
+}
+
+// Seeded random allocations and frees of large tensors (1-48 MiB, up to 12 alive): no two live
+// blocks overlap, and once all are freed every byte is back in the cache and released.
+TEST(Allocator, RandomAllocationsNeverOverlapAndAllMemoryComesBack) {
+  sy::detail::Allocator& a = sy::detail::host_allocator();
+  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
+  sy::release_cached_memory();
+  const int64_t reserved0 = a.reserved_bytes(), cached0 = a.cached_bytes();
+  std::mt19937_64 rng(20261201);
+  std::uniform_int_distribution<int64_t> bytes(int64_t{1} << 20, int64_t{48} << 20);
+  std::vector<Tensor> live;
+  for (int op = 0; op < 3000; ++op) {
+    if (live.empty() || (live.size() < 12 && rng() % 2 == 0)) {
+      Tensor t = Tensor::empty({bytes(rng)}, DType::uint8);
+      const auto* b = static_cast<const char*>(t.raw());
+      for (const Tensor& u : live) {
+        const auto* c = static_cast<const char*>(u.raw());
+        ASSERT_TRUE(b + t.numel() <= c || c + u.numel() <= b)
+            << "op " << op << ": [" << static_cast<const void*>(b) << ", +" << t.numel()
+            << ") overlaps [" << static_cast<const void*>(c) << ", +" << u.numel() << ")";
+      }
+      live.push_back(std::move(t));
+    } else {
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(rng() % live.size()));
+    }
+  }
+  live.clear();
+  EXPECT_EQ(a.cached_bytes() - cached0, a.reserved_bytes() - reserved0);
+  sy::release_cached_memory();
+  EXPECT_EQ(a.reserved_bytes(), reserved0);
 }
 
 TEST(CpuOnlyBuild, ReportsNoCuda) {
