@@ -33,17 +33,17 @@ constexpr bool kCacheEnabled = true;
 #endif
 
 // Large memory comes in segments (one aligned_alloc each, advised for huge pages, with headroom:
-// see allocate) cut into pieces. A request of rounded size n takes the smallest free piece of at least n bytes (best
-// fit; among equal sizes the lowest address) and, when the piece is larger, splits it: the first
-// n bytes are handed out, the rest stays free as its own piece. A freed piece merges with free
-// neighbours of its segment, so a segment whose pieces are all back is one piece again. Sizes are
-// multiples of the huge page, so every piece starts on one.
+// see allocate) cut into pieces. A request of rounded size n takes the smallest free piece of at
+// least n bytes (best fit; among equal sizes the lowest address) and, when the piece is larger,
+// splits it (see allocate for which end is handed out); the rest stays free as its own piece. A
+// freed piece merges with free neighbours of its segment, so a segment whose pieces are all back
+// is one piece again. Sizes are multiples of the huge page, so every piece starts on one.
 //
 // Why split instead of handing out only blocks in [n, 2n): under skewed routes a rank's recv_x
 // moves by up to 9x from step to step (one hot rank: 0.2x-1.8x the mean at EP 2). With the
 // [n, 2n) rule a step that received few rows found only blocks over twice its size and faulted a
 // fresh one (bench_dispatch skew:2, fp32 T 4096: a fresh 104-120 MiB block in 3 of 12 steps,
-// 500 ms against 170 ms); splitting serves it from memory the process already touched, and the
+// 0.7 s against 0.17 s); splitting serves it from memory the process already touched, and the
 // rest of that segment stays usable for the other buffers of the step.
 struct Piece {
   size_t size;
