@@ -97,7 +97,7 @@ constexpr int kRouteSets = 4;  // warm-up route sets (the fresh:0 rows cycle the
 // one rank of four never received more than 0.5x the mean before the timed steps (Zipf, fp32
 // T 4096). A training run is past that after its first steps; 16 sets stand for them.
 constexpr int kSkewedWarmSets = 16;
-constexpr int kSteps = 12;     // timed iterations
+constexpr int kSteps = 12;  // timed iterations
 
 // K distinct uniformly random experts per token.
 Tensor random_routes(int64_t T, int64_t E, int64_t K, std::mt19937_64& rng) {
@@ -143,7 +143,8 @@ Tensor zipf_routes(int64_t T, int64_t E, int64_t K, uint64_t set_seed, std::mt19
   const double s = std::uniform_real_distribution<double>(1.0, 1.2)(common);
   std::vector<double> w(static_cast<size_t>(E));
   for (int64_t i = 0; i < E; ++i) {
-    w[static_cast<size_t>(order[static_cast<size_t>(i)])] = std::pow(static_cast<double>(i + 1), -s);
+    w[static_cast<size_t>(order[static_cast<size_t>(i)])] =
+        std::pow(static_cast<double>(i + 1), -s);
   }
   std::discrete_distribution<int32_t> pick(w.begin(), w.end());
   std::vector<int32_t> idx(static_cast<size_t>(T * K));
@@ -192,8 +193,8 @@ Tensor hot_rank_routes(int64_t T, int64_t E, int64_t K, int P, int set, bool war
   std::vector<int32_t> idx(static_cast<size_t>(T * K));
   for (int64_t t = 0; t < T; ++t) {
     // As many on the hot rank as fit there, and at least what the other ranks cannot take.
-    const int64_t n_hot = std::clamp(on_hot(rng), K - static_cast<int64_t>(cold_e.size()),
-                                     std::min(L, K));
+    const int64_t n_hot =
+        std::clamp(on_hot(rng), K - static_cast<int64_t>(cold_e.size()), std::min(L, K));
     draw(hot_e, n_hot, idx.data() + t * K);
     draw(cold_e, K - n_hot, idx.data() + t * K + n_hot);
   }
@@ -316,7 +317,8 @@ void BM_DispatchCombine(benchmark::State& state) {
     max_recv = std::max(max_recv, f.n_recv);
   }
   std::vector<unsigned char> a(static_cast<size_t>(max_send * rb + 64), 1),
-      b(static_cast<size_t>(max_rows * rb + 64), 2), out(static_cast<size_t>(max_recv * rb + 64), 3);
+      b(static_cast<size_t>(max_rows * rb + 64), 2),
+      out(static_cast<size_t>(max_recv * rb + 64), 3);
   // Rows every rank receives in every route set (the floor's counts), for the skew counters.
   std::vector<int64_t> recv_rows(floor.size() * static_cast<size_t>(P));
   {
@@ -328,7 +330,8 @@ void BM_DispatchCombine(benchmark::State& state) {
   // recv_rows[r * sets + i]: rank r, set i.
   const size_t n_sets = floor.size();
   double recv_max_sum = 0, recv_min_sum = 0, max_faults = 0;
-  std::vector<int64_t> rank_lo(static_cast<size_t>(P), INT64_MAX), rank_hi(static_cast<size_t>(P), 0);
+  std::vector<int64_t> rank_lo(static_cast<size_t>(P), INT64_MAX),
+      rank_hi(static_cast<size_t>(P), 0);
 
   double t_ours = 0, t_raw = 0, c_ours = 0, c_raw = 0;
   int64_t f_ours = 0, f_raw = 0, payload = 0;
@@ -370,7 +373,8 @@ void BM_DispatchCombine(benchmark::State& state) {
     t_ours += ours;
     t_raw += raw;
     if (print_steps) {
-      std::fprintf(stderr, "step %d rank %d set %d: ours %.1f ms floor %.1f ms faults %lld recv %lld\n",
+      std::fprintf(stderr,
+                   "step %d rank %d set %d: ours %.1f ms floor %.1f ms faults %lld recv %lld\n",
                    step - 1, me, set, ours_local * 1e3, raw_local * 1e3,
                    static_cast<long long>(faults), static_cast<long long>(f.n_recv));
     }

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <map>
 #include <iterator>
+#include <map>
 #include <mutex>
 #include <new>
 #include <set>
@@ -153,7 +153,8 @@ class HostCachingAllocator final : public Allocator {
       // for again, larger. Otherwise a long-lived buffer (the dispatcher's pack scratch) cut from
       // the headroom of recv_x's segment pinned recv_x at its first size, and the hot rank's next
       // larger recv_x faulted a fresh segment.
-      const bool after_used = it != c.pieces.begin() && std::prev(it)->second.segment == piece.segment;
+      const bool after_used =
+          it != c.pieces.begin() && std::prev(it)->second.segment == piece.segment;
       if (after_used) {
         piece.size -= size;
         mark_free(c, it);
@@ -163,9 +164,9 @@ class HostCachingAllocator final : public Allocator {
         return top;
       }
       piece.free = false;
-      const auto rest = c.pieces.emplace_hint(
-          std::next(it), it->first + size,
-          Piece{piece.size - size, piece.segment, piece.segment_size, true});
+      const auto rest =
+          c.pieces.emplace_hint(std::next(it), it->first + size,
+                                Piece{piece.size - size, piece.segment, piece.segment_size, true});
       piece.size = size;
       mark_free(c, rest);
       return it->first;

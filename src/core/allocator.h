@@ -9,11 +9,11 @@
 // rest, and a freed piece merges with its free neighbours, so buffers whose size changes every
 // step (recv_x under skewed routes: up to 9x between steps on one rank) run on memory the process
 // already touched. A fresh segment is twice its first request (at most 1 GiB more): untouched
-// address space, so a buffer growing past its high-water mark faults in only the growth. A training step allocates the same large buffers
-// (recv_x, combine outputs, gradients) every micro-batch, and first-touch page faults on fresh
-// memory cost more than the copies that fill it (measured in bench_dispatch: a quarter of rank 0's
-// time was the kernel zeroing pages). Large blocks are 2 MiB aligned and advised for transparent
-// huge pages.
+// address space, so a buffer growing past its high-water mark faults in only the growth. A training
+// step allocates the same large buffers (recv_x, combine outputs, gradients) every micro-batch, and
+// first-touch page faults on fresh memory cost more than the copies that fill it (measured in
+// bench_dispatch: a quarter of rank 0's time was the kernel zeroing pages). Large blocks are 2 MiB
+// aligned and advised for transparent huge pages.
 #pragma once
 
 #include <cstddef>
