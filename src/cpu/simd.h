@@ -120,11 +120,53 @@ inline void load_f32_row(float* dst, const T* src, int64_t n) {
   for (; j < n; ++j) dst[j] = to_float(src[j]);
 }
 
+/// N lanes of Acc in an array, every operation the IEEE one lane by lane (std::fma): the scalar
+/// variant's Vec (N = 1), and where a kernel's register tile wants more lanes than that variant
+/// has (the gate microkernel's tiles, eight fp32 lanes per vector as on AVX2).
+template <class Acc, int N>
+struct Lanes {
+  static constexpr int kLanes = N;
+  Acc v[N];
+  static Lanes zero() { return bcast(Acc(0)); }
+  template <class T>
+  static Lanes load(const T* p) {
+    Lanes r;
+    for (int l = 0; l < N; ++l) {
+      if constexpr (std::is_same_v<T, bf16>) {
+        r.v[l] = static_cast<Acc>(to_float(p[l]));
+      } else {
+        r.v[l] = static_cast<Acc>(p[l]);
+      }
+    }
+    return r;
+  }
+  static Lanes bcast(Acc x) {
+    Lanes r;
+    for (int l = 0; l < N; ++l) r.v[l] = x;
+    return r;
+  }
+  void store(Acc* p) const {
+    for (int l = 0; l < N; ++l) p[l] = v[l];
+  }
+  friend Lanes fma(Lanes a, Lanes b, Lanes c) {
+    for (int l = 0; l < N; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
+    return c;
+  }
+  friend Lanes operator+(Lanes a, Lanes b) {
+    for (int l = 0; l < N; ++l) a.v[l] = a.v[l] + b.v[l];
+    return a;
+  }
+  bool any_negative_zero() const {
+    bool any = false;
+    for (int l = 0; l < N; ++l) any |= is_negative_zero(v[l]);
+    return any;
+  }
+};
+
 /// The widest vector of Acc (float or double) in this variant: kLanes lanes, IEEE lane by lane.
+#if defined(SY_SIMD_AVX512)
 template <class Acc>
 struct Vec;
-
-#if defined(SY_SIMD_AVX512)
 template <>
 struct Vec<float> {
   static constexpr int kLanes = 16;
@@ -165,6 +207,8 @@ struct Vec<double> {
   }
 };
 #elif defined(SY_SIMD_AVX2)
+template <class Acc>
+struct Vec;
 template <>
 struct Vec<float> {
   static constexpr int kLanes = 8;
@@ -203,24 +247,7 @@ struct Vec<double> {
 };
 #else
 template <class Acc>
-struct Vec {
-  static constexpr int kLanes = 1;
-  Acc v;
-  static Vec zero() { return {Acc(0)}; }
-  template <class T>
-  static Vec load(const T* p) {
-    if constexpr (std::is_same_v<T, bf16>) {
-      return {static_cast<Acc>(to_float(*p))};
-    } else {
-      return {static_cast<Acc>(*p)};
-    }
-  }
-  static Vec bcast(Acc x) { return {x}; }
-  void store(Acc* p) const { *p = v; }
-  friend Vec fma(Vec a, Vec b, Vec c) { return {std::fma(a.v, b.v, c.v)}; }
-  friend Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
-  bool any_negative_zero() const { return is_negative_zero(v); }
-};
+using Vec = Lanes<Acc, 1>;
 #endif
 
 }  // namespace switchyard::cpu::SY_ISA_NS::simd

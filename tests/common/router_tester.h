@@ -27,14 +27,6 @@
 
 namespace switchyard::testing {
 
-/// A stable seed per configuration (FNV-1a of its description), so that two cases never share
-/// their randomness and a case keeps it when others are added.
-inline uint64_t seed_of(const std::string& description) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : description) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 class RouterTester : public RouterSetup<RouterTester> {
  public:
   RouterTester() : RouterSetup(8, 2, 33) {}

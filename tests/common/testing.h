@@ -22,6 +22,14 @@ inline uint64_t test_seed(uint64_t fallback) {
   return fallback;
 }
 
+/// A stable seed per configuration (FNV-1a of its description), so that two cases never share
+/// their randomness and a case keeps it when others are added.
+inline uint64_t seed_of(const std::string& description) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : description) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
 /// A message to attach to assertions: how to re-run with the same randomness (the seed, and the
 /// running test's name for --gtest_filter).
 inline std::string repro(uint64_t seed) {

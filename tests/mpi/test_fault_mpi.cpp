@@ -3,13 +3,15 @@
 // bad combine input on one rank, E not divisible by EP, and skewed / empty ranks in dispatch):
 // bad input on ONE rank in the other collective calls (options that differ between ranks, the
 // backwards' gradients) must make every rank raise the same std::invalid_argument, without a hang
-// (each test arms a watchdog alarm well inside the ctest timeout), and the communicator must still
-// work afterwards. Plus: every rank with zero tokens.
+// (mpi_main.cpp arms a watchdog per case well inside the ctest timeout), and the communicator must
+// still work afterwards. Plus: every rank with zero tokens, a rank whose routes are all -1. One
+// named case per check and dispatcher kind.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cstdlib>
 
+#include "ep_testing.h"
 #include "switchyard/dispatcher.h"
 #include "switchyard/error.h"
 #include "testing.h"
@@ -18,19 +20,11 @@ namespace switchyard {
 namespace {
 
 using dist::DispatcherKind;
-
-std::shared_ptr<dist::Communicator> world() {
-  static std::shared_ptr<dist::Communicator> c = dist::world();
-  return c;
-}
-
-struct Watchdog {
-  Watchdog() { ::alarm(60); }
-  ~Watchdog() { ::alarm(0); }
-};
+using testing::world;
 
 // A small good dispatch: T tokens, K 2, ids spread over all experts.
-dist::DispatchResult good_dispatch(int64_t T, int64_t E, DispatcherKind kind, dist::Communicator& c) {
+dist::DispatchResult good_dispatch(int64_t T, int64_t E, DispatcherKind kind) {
+  dist::Communicator& c = world();
   std::vector<int32_t> idx;
   for (int64_t t = 0; t < T; ++t) {
     idx.push_back(int32_t((t + c.rank()) % E));
@@ -43,176 +37,201 @@ dist::DispatchResult good_dispatch(int64_t T, int64_t E, DispatcherKind kind, di
                         Tensor::full({T, 2}, DType::fp32, 0.5), opt, c);
 }
 
-// The communicator still works: a good round trip of ones gives 0.5 + 0.5 = 1 per token (a repeated
-// id is one pair of weight 1).
-void expect_still_in_step(dist::Communicator& c) {
+// The communicator still works: a good round trip of ones gives 0.5 + 0.5 = 1 per token (a
+// repeated id is one pair of weight 1), for both dispatchers.
+void expect_still_in_step() {
   for (DispatcherKind kind : {DispatcherKind::all_to_all, DispatcherKind::all_gather}) {
-    dist::DispatchResult d = good_dispatch(5, 12, kind, c);
-    Tensor y = dist::combine(d.recv_x, d.handle, {}, c);
+    const dist::DispatchResult d = good_dispatch(5, 12, kind);
+    const Tensor y = dist::combine(d.recv_x, d.handle, {}, world());
     for (int64_t t = 0; t < 5; ++t) EXPECT_EQ(y.item_as_double(t * 8), 1.0) << "token " << t;
   }
 }
 
+#define SY_NEEDS_SEVERAL_RANKS()                               \
+  do {                                                         \
+    if (world().size() == 1) GTEST_SKIP() << "needs 2+ ranks"; \
+  } while (0)
+
+// One case body `Name(DispatcherKind)`, registered for both dispatchers.
+#define SY_FAULT_BOTH_KINDS(Name)                                      \
+  TEST(FaultMpi, Name##AllToAll) { Name(DispatcherKind::all_to_all); } \
+  TEST(FaultMpi, Name##AllGather) { Name(DispatcherKind::all_gather); }
+
+std::string last_rank() { return std::to_string(world().size() - 1); }
+bool on_last_rank() { return world().rank() == world().size() - 1; }
+
 // Found by this test (MPI_ERR_TRUNCATE: the header had kHeader + num_experts entries per rank);
 // fixed by the dispatch engineer's two-phase header exchange.
-TEST(FaultMpi, NumExpertsDifferingOnOneRankRaisesEverywhere) {
-  Watchdog wd;
-  dist::Communicator& c = *world();
-  const int64_t P = c.size();
-  if (P == 1) GTEST_SKIP() << "needs 2+ ranks";
-  for (DispatcherKind kind : {DispatcherKind::all_to_all, DispatcherKind::all_gather}) {
-    // 12 and 24 are both divisible by every EP size 1..4, so only the cross-rank check can see it.
-    const int64_t E = c.rank() == P - 1 ? 24 : 12;
-    SY_EXPECT_THROW_MSG(good_dispatch(4, E, kind, c), std::invalid_argument,
-                        "[dispatch] num_experts must be the same on every rank, got 12 on rank 0 and 24 on rank " +
-                            std::to_string(P - 1));
-  }
-  expect_still_in_step(c);
+void NumExpertsDifferingOnOneRankRaisesEverywhere(DispatcherKind kind) {
+  SY_NEEDS_SEVERAL_RANKS();
+  // 12 and 24 are both divisible by every EP size 1..4, so only the cross-rank check can see it.
+  const int64_t E = on_last_rank() ? 24 : 12;
+  SY_EXPECT_THROW_MSG(good_dispatch(4, E, kind), std::invalid_argument,
+                      "[dispatch] num_experts must be the same on every rank, got 12 on rank 0 "
+                      "and 24 on rank " +
+                          last_rank());
+  expect_still_in_step();
 }
+SY_FAULT_BOTH_KINDS(NumExpertsDifferingOnOneRankRaisesEverywhere)
 
 TEST(FaultMpi, DispatcherKindDifferingOnOneRankRaisesEverywhere) {
-  Watchdog wd;
-  dist::Communicator& c = *world();
-  const int64_t P = c.size();
-  if (P == 1) GTEST_SKIP() << "needs 2+ ranks";
-  const DispatcherKind kind = c.rank() == P - 1 ? DispatcherKind::all_gather : DispatcherKind::all_to_all;
-  SY_EXPECT_THROW_MSG(good_dispatch(4, 12, kind, c), std::invalid_argument,
+  SY_NEEDS_SEVERAL_RANKS();
+  const DispatcherKind kind =
+      on_last_rank() ? DispatcherKind::all_gather : DispatcherKind::all_to_all;
+  SY_EXPECT_THROW_MSG(good_dispatch(4, 12, kind), std::invalid_argument,
                       "[dispatch] options.kind must be the same on every rank");
-  expect_still_in_step(c);
+  expect_still_in_step();
 }
 
 TEST(FaultMpi, TopKDifferingOnOneRankRaisesEverywhere) {
-  Watchdog wd;
-  dist::Communicator& c = *world();
-  const int64_t P = c.size();
-  if (P == 1) GTEST_SKIP() << "needs 2+ ranks";
-  const int64_t K = c.rank() == P - 1 ? 3 : 2;
+  SY_NEEDS_SEVERAL_RANKS();
+  const int64_t K = on_last_rank() ? 3 : 2;
   dist::DispatchOptions opt;
   opt.num_experts = 12;
-  SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({3, 8}, DType::fp32), Tensor::zeros({3, K}, DType::int32),
-                                     Tensor::zeros({3, K}, DType::fp32), opt, c),
+  SY_EXPECT_THROW_MSG(
+      dist::dispatch(Tensor::zeros({3, 8}, DType::fp32), Tensor::zeros({3, K}, DType::int32),
+                     Tensor::zeros({3, K}, DType::fp32), opt, world()),
+      std::invalid_argument,
+      "[dispatch] topk_idx must have the same top_k on every rank, got top_k=2 on rank 0 and "
+      "top_k=3 on rank " +
+          last_rank());
+  expect_still_in_step();
+}
+
+// Bad gradients on the last rank in the backwards (after a good dispatch of 6 tokens, H 8).
+void CombineBackwardGradWrongHiddenOnOneRankRaisesEverywhere(DispatcherKind kind) {
+  const dist::DispatchResult d = good_dispatch(6, 12, kind);
+  const Tensor gy = Tensor::zeros({6, on_last_rank() ? 7 : 8}, DType::fp32);
+  SY_EXPECT_THROW_MSG(dist::combine_backward(gy, d.recv_x, d.handle, {}, world()),
                       std::invalid_argument,
-                      "[dispatch] topk_idx must have the same top_k on every rank, got top_k=2 on rank 0 and "
-                      "top_k=3 on rank " + std::to_string(P - 1));
-  expect_still_in_step(c);
+                      "[combine_backward] on rank " + last_rank() + ": [combine_backward] grad_y");
+  expect_still_in_step();
 }
+SY_FAULT_BOTH_KINDS(CombineBackwardGradWrongHiddenOnOneRankRaisesEverywhere)
 
-TEST(FaultMpi, BadGradientOnOneRankInTheBackwardsRaisesEverywhere) {
-  Watchdog wd;
-  dist::Communicator& c = *world();
-  const int64_t P = c.size(), me = c.rank();
-  const std::string last = std::to_string(P - 1);
-  for (DispatcherKind kind : {DispatcherKind::all_to_all, DispatcherKind::all_gather}) {
-    dist::DispatchResult d = good_dispatch(6, 12, kind, c);
-    const dist::DispatchHandle& h = d.handle;
-    const Tensor Y = d.recv_x;
-    // combine_backward: grad_y with a wrong hidden size on the last rank.
-    const Tensor gy = Tensor::zeros({6, me == P - 1 ? 7 : 8}, DType::fp32);
-    SY_EXPECT_THROW_MSG(dist::combine_backward(gy, Y, h, {}, c), std::invalid_argument,
-                        "[combine_backward] on rank " + last + ": [combine_backward] grad_y");
-    // combine_backward: a bf16 grad_y on the last rank only (dtype must agree).
-    if (P > 1) {
-      const Tensor gyd = Tensor::zeros({6, 8}, me == P - 1 ? DType::bf16 : DType::fp32);
-      // Caught by the local check (expert_y and grad_y must share a dtype) on the last rank,
-      // raised on every rank.
-      SY_EXPECT_THROW_MSG(dist::combine_backward(gyd, Y, h, {}, c), std::invalid_argument,
-                          "[combine_backward] on rank " + last +
-                              ": [combine_backward] expert_y must have grad_y's dtype bf16, got fp32");
-    }
-    // dispatch_backward: one row too many on the last rank.
-    const Tensor g = Tensor::zeros({h.num_recv_tokens + (me == P - 1 ? 1 : 0), 8}, DType::fp32);
-    SY_EXPECT_THROW_MSG(dist::dispatch_backward(g, h, c), std::invalid_argument,
-                        "[dispatch_backward] on rank " + last + ": [dispatch_backward] grad_recv_x");
-    // combine with WeightMode differing on one rank.
-    if (P > 1) {
-      UnpermuteOptions uo;
-      uo.weights = me == P - 1 ? WeightMode::skip : WeightMode::apply;
-      SY_EXPECT_THROW_MSG(dist::combine(Y, h, uo, c), std::invalid_argument,
-                          "options.weights must be the same on every rank");
-    }
-  }
-  expect_still_in_step(c);
+void CombineBackwardGradBf16OnOneRankRaisesEverywhere(DispatcherKind kind) {
+  // Caught by the local check (expert_y and grad_y must share a dtype) on the last rank, raised
+  // on every rank.
+  SY_NEEDS_SEVERAL_RANKS();
+  const dist::DispatchResult d = good_dispatch(6, 12, kind);
+  const Tensor gy = Tensor::zeros({6, 8}, on_last_rank() ? DType::bf16 : DType::fp32);
+  SY_EXPECT_THROW_MSG(dist::combine_backward(gy, d.recv_x, d.handle, {}, world()),
+                      std::invalid_argument,
+                      "[combine_backward] on rank " + last_rank() +
+                          ": [combine_backward] expert_y must have grad_y's dtype bf16, got fp32");
+  expect_still_in_step();
 }
+SY_FAULT_BOTH_KINDS(CombineBackwardGradBf16OnOneRankRaisesEverywhere)
 
-TEST(FaultMpi, EveryRankWithZeroTokens) {
-  Watchdog wd;
-  dist::Communicator& c = *world();
-  for (DispatcherKind kind : {DispatcherKind::all_to_all, DispatcherKind::all_gather}) {
-    dist::DispatchOptions opt;
-    opt.num_experts = 12;
-    opt.kind = kind;
-    dist::DispatchResult d = dist::dispatch(Tensor::zeros({0, 8}, DType::bf16), Tensor::zeros({0, 2}, DType::int32),
-                                            Tensor::zeros({0, 2}, DType::fp32), opt, c);
-    EXPECT_EQ(d.handle.num_recv_tokens, 0);
-    EXPECT_EQ(d.recv_x.shape(), (Shape{0, 8}));
-    Tensor y = dist::combine(d.recv_x, d.handle, {}, c);
-    EXPECT_EQ(y.shape(), (Shape{0, 8}));
-    dist::CombineGrads g = dist::combine_backward(Tensor::zeros({0, 8}, DType::bf16), d.recv_x, d.handle, {}, c);
-    EXPECT_EQ(g.grad_topk_weights.shape(), (Shape{0, 2}));
-    EXPECT_EQ(dist::dispatch_backward(g.grad_expert_y, d.handle, c).shape(), (Shape{0, 8}));
-  }
-  expect_still_in_step(c);
+void DispatchBackwardGradExtraRowOnOneRankRaisesEverywhere(DispatcherKind kind) {
+  const dist::DispatchResult d = good_dispatch(6, 12, kind);
+  const Tensor g =
+      Tensor::zeros({d.handle.num_recv_tokens + (on_last_rank() ? 1 : 0), 8}, DType::fp32);
+  SY_EXPECT_THROW_MSG(
+      dist::dispatch_backward(g, d.handle, world()), std::invalid_argument,
+      "[dispatch_backward] on rank " + last_rank() + ": [dispatch_backward] grad_recv_x");
+  expect_still_in_step();
 }
+SY_FAULT_BOTH_KINDS(DispatchBackwardGradExtraRowOnOneRankRaisesEverywhere)
 
-TEST(FaultMpi, AllMinusOneRoutesOnOneRank) {
-  // A rank whose tokens are all unrouted (every slot -1: padding, dropped) sends nothing and gets
-  // zeros back; the others are unaffected.
-  Watchdog wd;
-  dist::Communicator& c = *world();
-  const int64_t P = c.size(), me = c.rank();
+void CombineWeightModeDifferingOnOneRankRaisesEverywhere(DispatcherKind kind) {
+  SY_NEEDS_SEVERAL_RANKS();
+  const dist::DispatchResult d = good_dispatch(6, 12, kind);
+  UnpermuteOptions uo;
+  uo.weights = on_last_rank() ? WeightMode::skip : WeightMode::apply;
+  SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, d.handle, uo, world()), std::invalid_argument,
+                      "options.weights must be the same on every rank");
+  expect_still_in_step();
+}
+SY_FAULT_BOTH_KINDS(CombineWeightModeDifferingOnOneRankRaisesEverywhere)
+
+void EveryRankWithZeroTokens(DispatcherKind kind) {
+  dist::Communicator& c = world();
   dist::DispatchOptions opt;
   opt.num_experts = 12;
-  const bool empty = me == P - 1;
-  std::vector<int32_t> idx = empty ? std::vector<int32_t>(8, -1) : std::vector<int32_t>{0, 11, 5, 6, 1, 2, 3, 4};
-  dist::DispatchResult d = dist::dispatch(Tensor::full({4, 8}, DType::fp32, 2.0), Tensor::from_vector(idx, {4, 2}),
-                                          Tensor::full({4, 2}, DType::fp32, 0.25), opt, c);
-  Tensor y = dist::combine(d.recv_x, d.handle, {}, c);
-  for (int64_t t = 0; t < 4; ++t) EXPECT_EQ(y.item_as_double(t * 8 + 3), empty ? 0.0 : 1.0) << "token " << t;
-  expect_still_in_step(c);
+  opt.kind = kind;
+  const dist::DispatchResult d =
+      dist::dispatch(Tensor::zeros({0, 8}, DType::bf16), Tensor::zeros({0, 2}, DType::int32),
+                     Tensor::zeros({0, 2}, DType::fp32), opt, c);
+  EXPECT_EQ(d.handle.num_recv_tokens, 0);
+  EXPECT_EQ(d.recv_x.shape(), (Shape{0, 8}));
+  const Tensor y = dist::combine(d.recv_x, d.handle, {}, c);
+  EXPECT_EQ(y.shape(), (Shape{0, 8}));
+  const dist::CombineGrads g =
+      dist::combine_backward(Tensor::zeros({0, 8}, DType::bf16), d.recv_x, d.handle, {}, c);
+  EXPECT_EQ(g.grad_topk_weights.shape(), (Shape{0, 2}));
+  EXPECT_EQ(dist::dispatch_backward(g.grad_expert_y, d.handle, c).shape(), (Shape{0, 8}));
+  expect_still_in_step();
 }
+SY_FAULT_BOTH_KINDS(EveryRankWithZeroTokens)
 
+// A rank whose tokens are all unrouted (every slot -1: padding, dropped) sends nothing and gets
+// zeros back; the others are unaffected.
+void AllMinusOneRoutesOnOneRank(DispatcherKind kind) {
+  dist::DispatchOptions opt;
+  opt.num_experts = 12;
+  opt.kind = kind;
+  const bool empty = on_last_rank();
+  const std::vector<int32_t> idx =
+      empty ? std::vector<int32_t>(8, -1) : std::vector<int32_t>{0, 11, 5, 6, 1, 2, 3, 4};
+  const dist::DispatchResult d =
+      dist::dispatch(Tensor::full({4, 8}, DType::fp32, 2.0), Tensor::from_vector(idx, {4, 2}),
+                     Tensor::full({4, 2}, DType::fp32, 0.25), opt, world());
+  const Tensor y = dist::combine(d.recv_x, d.handle, {}, world());
+  for (int64_t t = 0; t < 4; ++t) {
+    EXPECT_EQ(y.item_as_double(t * 8 + 3), empty ? 0.0 : 1.0) << "token " << t;
+  }
+  expect_still_in_step();
+}
+SY_FAULT_BOTH_KINDS(AllMinusOneRoutesOnOneRank)
 
 // Issue 13: a bad handle on one rank used to throw before the agreement (the others hung in
 // combine's exchange); now it is agreed like every other argument error.
-TEST(FaultMpi, BadHandleOnOneRankRaisesEverywhere) {
-  Watchdog wd;
-  dist::Communicator& c = *world();
-  const int64_t P = c.size(), me = c.rank();
-  dist::DispatchResult d = good_dispatch(5, 12, DispatcherKind::all_to_all, c);
+TEST(FaultMpi, BadHandleOnOneRankInCombineRaisesEverywhere) {
+  const dist::DispatchResult d = good_dispatch(5, 12, DispatcherKind::all_to_all);
   const dist::DispatchHandle bad;  // never dispatched
-  const dist::DispatchHandle& h = me == P - 1 ? bad : d.handle;
-  SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, h, {}, c), std::invalid_argument,
-                      "[combine] on rank " + std::to_string(P - 1) +
+  SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, on_last_rank() ? bad : d.handle, {}, world()),
+                      std::invalid_argument,
+                      "[combine] on rank " + last_rank() +
                           ": [combine] handle must come from dispatch on this communicator");
-  SY_EXPECT_THROW_MSG(
-      dist::combine_backward(Tensor::zeros({5, 8}, DType::fp32), d.recv_x, h, {}, c),
-      std::invalid_argument, "[combine_backward] on rank " + std::to_string(P - 1));
-  expect_still_in_step(c);
+  expect_still_in_step();
+}
+
+TEST(FaultMpi, BadHandleOnOneRankInCombineBackwardRaisesEverywhere) {
+  const dist::DispatchResult d = good_dispatch(5, 12, DispatcherKind::all_to_all);
+  const dist::DispatchHandle bad;  // never dispatched
+  SY_EXPECT_THROW_MSG(dist::combine_backward(Tensor::zeros({5, 8}, DType::fp32), d.recv_x,
+                                             on_last_rank() ? bad : d.handle, {}, world()),
+                      std::invalid_argument, "[combine_backward] on rank " + last_rank());
+  expect_still_in_step();
 }
 
 // A caller's own check that failed on one rank (a binding, an adapter) joins the collective's
 // agreement through fail_collective: every rank raises that rank's message.
-TEST(FaultMpi, FailCollectiveOnOneRankRaisesEverywhere) {
-  Watchdog wd;
-  dist::Communicator& c = *world();
-  const int64_t P = c.size(), me = c.rank();
-  const std::string want = "[dispatch] on rank " + std::to_string(P - 1) + ": adapter says no";
-  if (me == P - 1) {
-    SY_EXPECT_THROW_MSG(dist::fail_collective(dist::CollectiveOp::dispatch, "adapter says no", c),
-                        std::invalid_argument, want);
+TEST(FaultMpi, FailCollectiveOnOneRankInDispatchRaisesEverywhere) {
+  const std::string want = "[dispatch] on rank " + last_rank() + ": adapter says no";
+  if (on_last_rank()) {
+    SY_EXPECT_THROW_MSG(
+        dist::fail_collective(dist::CollectiveOp::dispatch, "adapter says no", world()),
+        std::invalid_argument, want);
   } else {
-    SY_EXPECT_THROW_MSG(good_dispatch(4, 12, DispatcherKind::all_to_all, c), std::invalid_argument,
+    SY_EXPECT_THROW_MSG(good_dispatch(4, 12, DispatcherKind::all_to_all), std::invalid_argument,
                         want);
   }
-  dist::DispatchResult d = good_dispatch(5, 12, DispatcherKind::all_gather, c);
-  const std::string cwant = "[combine] on rank " + std::to_string(P - 1) + ": not a handle";
-  if (me == P - 1) {
-    SY_EXPECT_THROW_MSG(dist::fail_collective(dist::CollectiveOp::combine, "not a handle", c),
-                        std::invalid_argument, cwant);
+  expect_still_in_step();
+}
+
+TEST(FaultMpi, FailCollectiveOnOneRankInCombineRaisesEverywhere) {
+  const dist::DispatchResult d = good_dispatch(5, 12, DispatcherKind::all_gather);
+  const std::string want = "[combine] on rank " + last_rank() + ": not a handle";
+  if (on_last_rank()) {
+    SY_EXPECT_THROW_MSG(dist::fail_collective(dist::CollectiveOp::combine, "not a handle", world()),
+                        std::invalid_argument, want);
   } else {
-    SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, d.handle, {}, c), std::invalid_argument, cwant);
+    SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, d.handle, {}, world()), std::invalid_argument,
+                        want);
   }
-  expect_still_in_step(c);
+  expect_still_in_step();
 }
 
 // SWITCHYARD_COLLECTIVE_TIMEOUT: rank 0 enters a barrier the others reach only after the
@@ -220,24 +239,24 @@ TEST(FaultMpi, FailCollectiveOnOneRankRaisesEverywhere) {
 // communicator refuses further use. (The late barrier then completes the stuck one, so the job
 // ends cleanly; a barrier moves no buffers that could outlive the call.)
 TEST(FaultMpi, CollectiveTimeoutTurnsAStuckCollectiveIntoAnError) {
-  Watchdog wd;
-  if (world()->size() == 1) GTEST_SKIP() << "needs 2+ ranks";
+  SY_NEEDS_SEVERAL_RANKS();
   // Each rank reads its own value: 0.5 s on rank 0 (the one left waiting), a generous 120 s on
   // the others, so a loaded machine (ASan, 4 ranks on 2 cores) cannot time out the late barrier.
-  const bool waiting = world()->rank() == 0;
+  const bool waiting = world().rank() == 0;
   ::setenv("SWITCHYARD_COLLECTIVE_TIMEOUT", waiting ? "0.5" : "120", 1);
   std::shared_ptr<dist::Communicator> c = dist::world();  // reads the variable
   ::unsetenv("SWITCHYARD_COLLECTIVE_TIMEOUT");
   if (waiting) {
-    SY_EXPECT_THROW_MSG(c->barrier(), BackendError,
-                        "MPI_Ibarrier did not complete within 0.5 s (SWITCHYARD_COLLECTIVE_TIMEOUT) "
-                        "on rank 0");
+    SY_EXPECT_THROW_MSG(
+        c->barrier(), BackendError,
+        "MPI_Ibarrier did not complete within 0.5 s (SWITCHYARD_COLLECTIVE_TIMEOUT) "
+        "on rank 0");
     SY_EXPECT_THROW_MSG(c->barrier(), BackendError, "is unusable: MPI_Ibarrier timed out earlier");
   } else {
     ::usleep(1500 * 1000);
     c->barrier();
   }
-  world()->barrier();
+  world().barrier();
 }
 
 TEST(FaultMpi, CollectiveTimeoutMustBeANumber) {

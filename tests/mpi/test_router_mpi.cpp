@@ -2,7 +2,8 @@
 // communicator as Megatron's tp_cp and tp_dp_cp groups, a global batch split unevenly over the
 // ranks gives on every rank bitwise the ids, weights and gradient rows of one process routing the
 // whole batch, the same global aux-loss state, and per-rank aux losses that add up to the one
-// process's loss. A bad argument on one rank makes every rank throw.
+// process's loss (even and uneven splits, fp64 and fp32 logits: one named case each). A bad
+// argument on one rank makes every rank throw.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "ep_testing.h"
 #include "switchyard/router.h"
 #include "testing.h"
 
@@ -18,28 +20,17 @@ namespace switchyard {
 namespace {
 
 using testing::bitwise_equal;
+using testing::rows;
+using testing::sum_over_ranks;
 using testing::test_seed;
+using testing::world;
 
-std::shared_ptr<dist::Communicator> world() {
-  static std::shared_ptr<dist::Communicator> c = dist::world();
-  return c;
-}
+enum class Split { uneven, even };
 
-Tensor rows(const Tensor& t, int64_t b, int64_t e) {
-  const int64_t W = t.size(1);
-  Tensor out = Tensor::empty({e - b, W}, t.dtype());
-  const size_t es = dtype_size(t.dtype());
-  if (e > b) {
-    std::memcpy(out.raw(), static_cast<const char*>(t.raw()) + size_t(b * W) * es,
-                size_t((e - b) * W) * es);
-  }
-  return out;
-}
-
-// Rank r's token range of T: uneven (rank r gets about (r+1) shares), the last rank may be empty
-// when T is small.
-std::pair<int64_t, int64_t> split(int64_t T, int rank, int size, bool even) {
-  if (even) return {T * rank / size, T * (rank + 1) / size};
+// Rank r's token range of T: even, or uneven (rank r gets about (r+1) shares; the last rank may be
+// empty when T is small).
+std::pair<int64_t, int64_t> split_rows(int64_t T, int rank, int size, Split split) {
+  if (split == Split::even) return {T * rank / size, T * (rank + 1) / size};
   const int64_t shares = int64_t(size) * (size + 1) / 2;
   int64_t b = 0;
   for (int r = 0; r < rank; ++r) b += T * (r + 1) / shares;
@@ -47,64 +38,61 @@ std::pair<int64_t, int64_t> split(int64_t T, int rank, int size, bool even) {
   return {b, b + len};
 }
 
-double sum_over_world(double v) {
-  auto& c = *world();
-  std::vector<double> all(static_cast<size_t>(c.size()));
-  c.allgather(&v, all.data(), 1, sizeof(double));
-  double s = 0;
-  for (double x : all) s += x;
-  return s;
-}
-
-TEST(RouterMpi, LossStatisticsOverRanksMatchOneProcess) {
-  auto& w = *world();
+// One split of the global batch and one logits dtype: two steps of sigmoid top-2 of 16 with
+// aux_loss and global_aux_loss (and, on even splits, the z-loss) over the world communicator.
+void expect_loss_statistics_match_one_process(Split split, DType dt) {
+  auto& w = world();
+  const bool even = split == Split::even;
   const int64_t E = 16, K = 2;
-  for (bool even : {false, true}) {
-    for (DType dt : {DType::fp64, DType::fp32}) {
-      SCOPED_TRACE(std::string(even ? "even" : "uneven") + " " + dtype_name(dt));
-      const int64_t T = even ? 12 * w.size() : 53;
-      std::mt19937_64 rng(test_seed(1441));
-      const Tensor z = testing::randn({T, E}, dt, rng, 1.5);
-      const Tensor gw = testing::randn({T, K}, dt, rng);
-      RouterConfig c;
-      c.num_experts = E;
-      c.top_k = K;
-      c.score_function = ScoreFunction::sigmoid;
-      c.aux_loss_types = {AuxLossType::aux_loss, AuxLossType::global_aux_loss};
-      c.aux_loss_coeffs = {0.3, 0.2};
-      if (even) c.z_loss_coeff = 0.1;  // Megatron's z-loss is a per-rank mean: equal splits only
-      GlobalAuxLossState g1, gp;
-      RouteInputs in1, inp;
-      in1.global_aux_loss_state = &g1;
-      inp.global_aux_loss_state = &gp;
-      const auto [b, e] = split(T, w.rank(), w.size(), even);
-      for (int step = 0; step < 2; ++step) {
-        const RouteResult one = topk_route(z, in1, c);
-        const RouteResult part = topk_route(rows(z, b, e), inp, c, {}, RouteComms{&w, &w});
-        EXPECT_TRUE(bitwise_equal(part.topk_idx, rows(one.topk_idx, b, e)));
-        EXPECT_TRUE(bitwise_equal(part.topk_weights, rows(one.topk_weights, b, e)));
-        EXPECT_TRUE(bitwise_equal(gp.num_tokens_per_expert, g1.num_tokens_per_expert));
-        EXPECT_EQ(gp.steps, g1.steps);
-        const double total = sum_over_world(part.aux_loss);
-        EXPECT_NEAR(total, one.aux_loss, 1e-12 * one.aux_loss + (dt == DType::fp32 ? 1e-9 : 0));
-        if (even) {
-          EXPECT_NEAR(sum_over_world(part.z_loss), one.z_loss, 1e-6 * one.z_loss);
-        }
-        const Tensor g_one = topk_route_backward(gw, one).grad_logits;
-        const Tensor g_part = topk_route_backward(rows(gw, b, e), part).grad_logits;
-        if (!even) {
-          EXPECT_TRUE(bitwise_equal(g_part, rows(g_one, b, e)));
-        } else {  // the z-loss coefficient is coeff / size over local means: equal up to rounding
-          EXPECT_TRUE(testing::all_close(g_part, rows(g_one, b, e).to_double_vector(), 1e-12,
-                                         dt == DType::fp32 ? 1e-5 : 1e-12));
-        }
-      }
+  const int64_t T = even ? 12 * w.size() : 53;
+  std::mt19937_64 rng(test_seed(1441));
+  const Tensor z = testing::randn({T, E}, dt, rng, 1.5);
+  const Tensor gw = testing::randn({T, K}, dt, rng);
+  RouterConfig c;
+  c.num_experts = E;
+  c.top_k = K;
+  c.score_function = ScoreFunction::sigmoid;
+  c.aux_loss_types = {AuxLossType::aux_loss, AuxLossType::global_aux_loss};
+  c.aux_loss_coeffs = {0.3, 0.2};
+  if (even) c.z_loss_coeff = 0.1;  // Megatron's z-loss is a per-rank mean: equal splits only
+  GlobalAuxLossState g1, gp;
+  RouteInputs in1, inp;
+  in1.global_aux_loss_state = &g1;
+  inp.global_aux_loss_state = &gp;
+  const auto [b, e] = split_rows(T, w.rank(), w.size(), split);
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const RouteResult one = topk_route(z, in1, c);
+    const RouteResult part = topk_route(rows(z, b, e), inp, c, {}, RouteComms{&w, &w});
+    EXPECT_TRUE(bitwise_equal(part.topk_idx, rows(one.topk_idx, b, e)));
+    EXPECT_TRUE(bitwise_equal(part.topk_weights, rows(one.topk_weights, b, e)));
+    EXPECT_TRUE(bitwise_equal(gp.num_tokens_per_expert, g1.num_tokens_per_expert));
+    EXPECT_EQ(gp.steps, g1.steps);
+    const double total = sum_over_ranks(part.aux_loss);
+    EXPECT_NEAR(total, one.aux_loss, 1e-12 * one.aux_loss + (dt == DType::fp32 ? 1e-9 : 0));
+    if (even) {
+      EXPECT_NEAR(sum_over_ranks(part.z_loss), one.z_loss, 1e-6 * one.z_loss);
+    }
+    const Tensor g_one = topk_route_backward(gw, one).grad_logits;
+    const Tensor g_part = topk_route_backward(rows(gw, b, e), part).grad_logits;
+    if (!even) {
+      EXPECT_TRUE(bitwise_equal(g_part, rows(g_one, b, e)));
+    } else {  // the z-loss coefficient is coeff / size over local means: equal up to rounding
+      EXPECT_TRUE(testing::all_close(g_part, rows(g_one, b, e).to_double_vector(), 1e-12,
+                                     dt == DType::fp32 ? 1e-5 : 1e-12));
     }
   }
 }
 
+#define SY_LOSS_STATISTICS_CASES(Name, Split)                                                   \
+  TEST(RouterMpi, Name##Fp64) { expect_loss_statistics_match_one_process(Split, DType::fp64); } \
+  TEST(RouterMpi, Name##Fp32) { expect_loss_statistics_match_one_process(Split, DType::fp32); }
+
+SY_LOSS_STATISTICS_CASES(LossStatisticsOverAnUnevenSplitMatchOneProcess, Split::uneven)
+SY_LOSS_STATISTICS_CASES(LossStatisticsAndZLossOverAnEvenSplitMatchOneProcess, Split::even)
+
 TEST(RouterMpi, BadArgumentOnOneRankThrowsOnEveryRank) {
-  auto& w = *world();
+  auto& w = world();
   const int64_t E = 8, K = 2;
   RouterConfig c;
   c.num_experts = E;
@@ -131,7 +119,7 @@ TEST(RouterMpi, BadArgumentOnOneRankThrowsOnEveryRank) {
 // Expert-bias update with the counts summed over the ranks (Megatron's tp_dp_cp all-reduce):
 // every rank gets the bias of one update on the summed counts.
 TEST(RouterMpi, ExpertBiasUpdateSumsCountsOverRanks) {
-  auto& w = *world();
+  auto& w = world();
   const int64_t E = 8;
   Tensor bias = Tensor::zeros({E}, DType::fp32);
   for (int64_t e = 0; e < E; ++e) bias.data<float>()[e] = 0.01f * static_cast<float>(e);
