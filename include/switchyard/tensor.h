@@ -123,11 +123,13 @@ Tensor Tensor::from_vector(const std::vector<T>& values, const Shape& shape, Dev
   return device.is_cpu() ? t : t.to(device);
 }
 
-/// Bytes of freed large host tensor storage (>= 1 MiB blocks) kept for reuse by the CPU allocator.
+/// Bytes of freed large host tensor storage (>= 1 MiB blocks) kept for reuse by the CPU allocator,
+/// with the untouched headroom of its segments (address space, not yet memory).
 /// Steady-state training steps allocate the same large buffers every micro-batch; reusing them
 /// avoids first-touch page faults. The cache is bounded (4 GiB) and off in AddressSanitizer builds.
 int64_t cached_memory_bytes();
-/// Frees every cached block (e.g. between phases with different shapes).
+/// Frees every cached block (e.g. between phases with different shapes); free parts of a block
+/// that a live tensor still uses part of stay cached until that tensor is freed.
 void release_cached_memory();
 
 /// Number of threads the CPU kernels use (OpenMP). Results never depend on it.

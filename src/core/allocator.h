@@ -3,14 +3,17 @@
 // build (src/cuda), and in a build without CUDA none (asking throws BackendError "not built with
 // CUDA").
 //
-// The CPU allocator caches: large blocks (>= 1 MiB, rounded to 2 MiB) are kept when freed (up to
-// 4 GiB in all) and handed out again for a later request of rounded size n when the block's size
-// is in [n, 2n) (the smallest such block), so buffers whose size changes every step still reuse
-// memory. A training step allocates the same large buffers
-// (recv_x, combine outputs, gradients) every micro-batch, and first-touch page faults on fresh
-// memory cost more than the copies that fill it (measured in bench_dispatch: a quarter of rank 0's
-// time was the kernel zeroing pages). Large blocks are 2 MiB aligned and advised for transparent
-// huge pages.
+// The CPU allocator caches: large blocks (>= 1 MiB, rounded up to a size class: eighths of their
+// power of two, whole 2 MiB huge pages) are cut from segments it keeps when freed (up to 4 GiB of
+// free bytes in all). A request takes the smallest free piece that holds it and splits off the
+// rest, and a freed piece merges with its free neighbours, so buffers whose size changes every
+// step (recv_x under skewed routes: up to 9x between steps on one rank) run on memory the process
+// already touched. A fresh segment is twice its first request (at most 1 GiB more): untouched
+// address space, so a buffer growing past its high-water mark faults in only the growth. A training
+// step allocates the same large buffers (recv_x, combine outputs, gradients) every micro-batch, and
+// first-touch page faults on fresh memory cost more than the copies that fill it (measured in
+// bench_dispatch: a quarter of rank 0's time was the kernel zeroing pages). Large blocks are 2 MiB
+// aligned and advised for transparent huge pages.
 #pragma once
 
 #include <cstddef>
@@ -31,9 +34,14 @@ class Allocator {
   virtual void deallocate(void* p, size_t bytes, const Device& device) noexcept = 0;
   /// "cpu (caching)", "cuda (cudaMalloc)", for messages and tests.
   virtual const char* name() const = 0;
-  /// Bytes held in this allocator's cache (0 when it does not cache).
+  /// Bytes held in this allocator's cache: free, ready for the next request (0 when it does not
+  /// cache).
   virtual int64_t cached_bytes() const { return 0; }
-  /// Frees every cached block.
+  /// Bytes this allocator holds from the system for cached-size blocks, in use or free (0 when it
+  /// does not cache): what stays flat when a step's buffers reuse earlier memory.
+  virtual int64_t reserved_bytes() const { return 0; }
+  /// Frees every cached block that no live block shares a segment with (the CPU allocator's free
+  /// pieces of a partly used segment stay until the segment is wholly free).
   virtual void release_cached() {}
 };
 

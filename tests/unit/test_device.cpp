@@ -3,8 +3,10 @@
 // build the kernels throw "has no CUDA kernel yet" and memory works where a GPU is present. A
 // "CUDA" tensor here is host memory borrowed under a CUDA device: every path below must throw
 // before reading it, which is what the tests check.
+#include <algorithm>
 #include <functional>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -85,74 +87,218 @@ TEST(Allocator, TheCpuAllocatorIsTheCachingHostOne) {
     return;
   }
   sy::release_cached_memory();
-  { const Tensor big = Tensor::empty({3 << 20}, DType::uint8); }  // 3 MiB -> a 4 MiB block
-  EXPECT_EQ(a.cached_bytes(), int64_t{4} << 20);
+  // 3 MiB -> a 4 MiB block of a fresh 8 MiB segment (4 MiB headroom)
+  { const Tensor big = Tensor::empty({3 << 20}, DType::uint8); }
+  EXPECT_EQ(a.cached_bytes(), int64_t{8} << 20);
   EXPECT_EQ(sy::cached_memory_bytes(), a.cached_bytes());
   const Tensor again = Tensor::empty({3 << 20}, DType::uint8);  // served from the cache
-  EXPECT_EQ(a.cached_bytes(), 0);
+  EXPECT_EQ(a.cached_bytes(), int64_t{4} << 20);
   sy::release_cached_memory();
 }
 
-// A cached block serves a request whose rounded size n it fits with less than n to spare
-// (block in [n, 2n)), the smallest such block first; freed, it returns at its own size.
-TEST(Allocator, ReusesTheSmallestCachedBlockUnderTwiceTheRequest) {
+// A fresh segment is twice its request; the rest (headroom) is a free piece. A request takes the
+// smallest free piece that holds its rounded size (best fit, the lower address among equal
+// sizes), splitting off the rest: from the piece's bottom, or from its top when the block before
+// the piece is in use (the room next to that block stays free for it to grow into). A freed piece
+// merges with its segment's free neighbours.
+TEST(Allocator, TakesTheSmallestFreePieceAndSplitsOffTheRest) {
   sy::detail::Allocator& a = sy::detail::host_allocator();
   if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
   constexpr int64_t MiB = int64_t{1} << 20;
   sy::release_cached_memory();
-  const void* block10 = nullptr;
-  const void* block4 = nullptr;
+  ASSERT_EQ(a.cached_bytes(), 0);
+  const int64_t reserved0 = a.reserved_bytes();  // live large tensors of other tests, if any
+  const char* seg = nullptr;
   {
-    const Tensor b10 = Tensor::empty({10 * MiB}, DType::uint8);
-    const Tensor b4 = Tensor::empty({4 * MiB}, DType::uint8);
-    block10 = b10.raw();
-    block4 = b4.raw();
-  }
-  EXPECT_EQ(a.cached_bytes(), 14 * MiB);
-  {
-    const Tensor t = Tensor::empty({3 * MiB + 1}, DType::uint8);  // n = 4 MiB: the 4 MiB block
-    EXPECT_EQ(t.raw(), block4);
+    Tensor t10 = Tensor::empty({10 * MiB}, DType::uint8);  // segment [0, 20): [0, 10) used
+    seg = static_cast<const char*>(t10.raw());
+    EXPECT_EQ(a.reserved_bytes() - reserved0, 20 * MiB);
     EXPECT_EQ(a.cached_bytes(), 10 * MiB);
+    const Tensor t6 = Tensor::empty({6 * MiB}, DType::uint8);  // top of the headroom: [14, 20)
+    EXPECT_EQ(t6.raw(), seg + 14 * MiB);
+    EXPECT_EQ(a.cached_bytes(), 4 * MiB);
+    t10 = Tensor();  // [0, 10) merges with the free [10, 14)
+    EXPECT_EQ(a.cached_bytes(), 14 * MiB);
+    const Tensor t4 = Tensor::empty({3 * MiB + 1}, DType::uint8);  // n = 4: bottom of [0, 14)
+    EXPECT_EQ(t4.raw(), seg);
+    const Tensor t8 = Tensor::empty({8 * MiB}, DType::uint8);  // top of [4, 14): [6, 14)
+    EXPECT_EQ(t8.raw(), seg + 6 * MiB);
+    const Tensor t2 = Tensor::empty({2 * MiB}, DType::uint8);  // the 2 MiB left, [4, 6)
+    EXPECT_EQ(t2.raw(), seg + 4 * MiB);
+    EXPECT_EQ(a.cached_bytes(), 0);
+    const Tensor t12 = Tensor::empty({11 * MiB}, DType::uint8);  // n = 12: none holds it, fresh
+    EXPECT_EQ(a.reserved_bytes() - reserved0, (20 + 24) * MiB);
+    EXPECT_EQ(a.cached_bytes(), 12 * MiB);
+    const Tensor t3 = Tensor::empty({3 * MiB}, DType::uint8);  // n = 4: the smallest that holds it
+    EXPECT_EQ(a.cached_bytes(), 8 * MiB);
   }
-  EXPECT_EQ(a.cached_bytes(), 14 * MiB);  // back at its own size
+  // Every piece back and merged: whole segments again, the first served whole.
+  EXPECT_EQ(a.cached_bytes(), 44 * MiB);
   {
-    const Tensor t = Tensor::empty({6 * MiB}, DType::uint8);  // n = 6 MiB: 10 is in [6, 12)
-    EXPECT_EQ(t.raw(), block10);
-    EXPECT_EQ(a.cached_bytes(), 4 * MiB);
+    const Tensor t = Tensor::empty({19 * MiB}, DType::uint8);  // n = 20 MiB: the first segment
+    EXPECT_EQ(t.raw(), seg);
+    EXPECT_EQ(a.cached_bytes(), 24 * MiB);
   }
-  EXPECT_EQ(a.cached_bytes(), 14 * MiB);  // 10 MiB back, not 6
-  {
-    const Tensor t = Tensor::empty({5 * MiB}, DType::uint8);  // n = 6 MiB again: the 10 MiB one
-    EXPECT_EQ(t.raw(), block10);
-    const Tensor u = Tensor::empty({2 * MiB}, DType::uint8);  // n = 2 MiB: 4 is not < 4, fresh
-    EXPECT_NE(u.raw(), block4);
-    EXPECT_EQ(a.cached_bytes(), 4 * MiB);
-    const Tensor v = Tensor::empty({11 * MiB}, DType::uint8);  // n = 12 MiB: none fits, fresh
-    EXPECT_EQ(a.cached_bytes(), 4 * MiB);
-  }
-  EXPECT_EQ(a.cached_bytes(), (4 + 10 + 2 + 12) * MiB);
   sy::release_cached_memory();
+  EXPECT_EQ(a.cached_bytes(), 0);
+  EXPECT_EQ(a.reserved_bytes(), reserved0);
 }
 
-// Steps whose buffers change size within the bound (recv_x under skewed routes) run on the first
-// step's blocks: after it, the cache holds the same bytes at every step boundary.
+// A long-lived block cut from a segment's headroom while the segment's first block is in use (the
+// dispatcher's pack scratch, made while recv_x is alive) leaves the room next to that block free:
+// the next, larger recv_x grows into it at the same address (cut from the bottom of the headroom,
+// the scratch pinned recv_x at its first size and the larger one faulted a fresh segment).
+TEST(Allocator, ALongLivedBlockInTheHeadroomLeavesTheFirstBlockRoomToGrow) {
+  sy::detail::Allocator& a = sy::detail::host_allocator();
+  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
+  constexpr int64_t MiB = int64_t{1} << 20;
+  sy::release_cached_memory();
+  const int64_t reserved0 = a.reserved_bytes();
+  const void* first = nullptr;
+  Tensor scratch;
+  {
+    const Tensor recv_x = Tensor::empty({56 * MiB}, DType::uint8);  // segment [0, 112)
+    first = recv_x.raw();
+    scratch = Tensor::empty({32 * MiB}, DType::uint8);  // [80, 112)
+  }
+  const int64_t reserved1 = a.reserved_bytes();
+  EXPECT_EQ(reserved1 - reserved0, 112 * MiB);
+  for (const int64_t size : {72 * MiB, 40 * MiB, 80 * MiB}) {
+    const Tensor recv_x = Tensor::empty({size}, DType::uint8);
+    EXPECT_EQ(recv_x.raw(), first) << size / MiB << " MiB";
+    EXPECT_EQ(a.reserved_bytes(), reserved1) << size / MiB << " MiB";
+  }
+  scratch = Tensor();
+  sy::release_cached_memory();
+  EXPECT_EQ(a.reserved_bytes(), reserved0);
+}
+
+// A segment a live tensor still uses part of is kept by release_cached_memory (its free part stays
+// cached) and freed once the tensor is.
+TEST(Allocator, ReleaseKeepsAPartlyUsedSegmentUntilItIsFree) {
+  sy::detail::Allocator& a = sy::detail::host_allocator();
+  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
+  constexpr int64_t MiB = int64_t{1} << 20;
+  sy::release_cached_memory();
+  const int64_t reserved0 = a.reserved_bytes();
+  { const Tensor big = Tensor::empty({16 * MiB}, DType::uint8); }  // a 32 MiB segment
+  {
+    const Tensor part = Tensor::empty({4 * MiB}, DType::uint8);
+    EXPECT_EQ(a.cached_bytes(), 28 * MiB);
+    sy::release_cached_memory();
+    EXPECT_EQ(a.cached_bytes(), 28 * MiB);
+    EXPECT_EQ(a.reserved_bytes() - reserved0, 32 * MiB);
+  }
+  EXPECT_EQ(a.cached_bytes(), 32 * MiB);
+  sy::release_cached_memory();
+  EXPECT_EQ(a.cached_bytes(), 0);
+  EXPECT_EQ(a.reserved_bytes(), reserved0);
+}
+
+// Steps whose buffers change size within the bound (recv_x under uniform routes) run on the first
+// step's memory: after it, the allocator holds the same bytes at every step.
 TEST(Allocator, BuffersOfChangingSizeReuseTheFirstStepsBlocks) {
   sy::detail::Allocator& a = sy::detail::host_allocator();
   if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
   sy::release_cached_memory();
+  const int64_t reserved0 = a.reserved_bytes();
   const int64_t H = 2048;
   // bf16 [rows, H]: 36.3, 32.0, 35.2, 30.9, 34.4, 35.5 MiB, in size classes (eighths of the power
   // of two) 40, 36, 36, 32, 36, 36 MiB; the first step's are the largest.
   const int64_t rows[] = {9300, 8200, 9000, 7900, 8800, 9100};
+  int64_t first = 0;
   for (const int64_t r : rows) {
     {
       const Tensor recv = Tensor::empty({r, H}, DType::bf16);
       const Tensor out = Tensor::empty({r, H}, DType::bf16);
-      EXPECT_EQ(a.cached_bytes(), 0) << "rows " << r;
+      if (first == 0) first = a.reserved_bytes();
+      EXPECT_EQ(a.reserved_bytes(), first) << "rows " << r;
     }
-    EXPECT_EQ(a.cached_bytes(), 2 * 40 * (int64_t{1} << 20)) << "rows " << r;
+    EXPECT_EQ(a.cached_bytes(), first - reserved0) << "rows " << r;
   }
   sy::release_cached_memory();
+}
+
+// Skewed routes: one rank's received rows swing by several times from step to step (a hot rank
+// gets 1.8x the mean, then 0.2x). Steps after the largest one run on its memory: a step's smaller
+// buffers are cut from the largest step's segments (the earlier allocator handed out only blocks
+// in [n, 2n) and faulted a fresh block for every step under half the largest), and the step's
+// other buffers (the rows returned to the source side, the combine output) fit beside them.
+TEST(Allocator, SkewedStepsAfterTheLargestRunOnItsMemory) {
+  sy::detail::Allocator& a = sy::detail::host_allocator();
+  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
+  sy::release_cached_memory();
+  const int64_t reserved0 = a.reserved_bytes();
+  const int64_t H = 2048, TK = 4096;  // fp32 rows of 8 KiB; TK rows return to the source side
+  // Received rows per step (bench_dispatch skew:2 at EP 2 shrunk 8x: 1.8x, 0.2x, 1.6x, 0.3x,
+  // 0.2x, 1.0x and 0.5x the mean of 4096).
+  const int64_t recv_rows[] = {7373, 819, 6554, 1229, 819, 4096, 2048};
+  int64_t after_first = 0;
+  for (const int64_t r : recv_rows) {
+    const Tensor recv_x = Tensor::empty({r, H}, DType::fp32);
+    const Tensor returned = Tensor::empty({TK, H}, DType::fp32);
+    const Tensor y = Tensor::empty({TK / 8, H}, DType::fp32);
+    if (after_first == 0) after_first = a.reserved_bytes();
+    EXPECT_EQ(a.reserved_bytes(), after_first) << "rows " << r;
+  }
+  EXPECT_GT(after_first, reserved0);
+  sy::release_cached_memory();
+  EXPECT_EQ(a.reserved_bytes(), reserved0);
+}
+
+// A buffer that grows past its high-water mark by less than its size again (a hot rank receiving
+// 471 MiB after 428 MiB) is served from the headroom of its first segment, at the same address:
+// only the growth is new memory (exact-size segments faulted a whole new block).
+TEST(Allocator, ABufferGrowingPastItsHighWaterMarkUsesItsSegmentsHeadroom) {
+  sy::detail::Allocator& a = sy::detail::host_allocator();
+  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
+  constexpr int64_t MiB = int64_t{1} << 20;
+  sy::release_cached_memory();
+  const int64_t reserved0 = a.reserved_bytes();
+  const void* first = nullptr;
+  int64_t reserved1 = 0;
+  for (const int64_t size : {56 * MiB, 40 * MiB, 62 * MiB, 100 * MiB, 70 * MiB}) {
+    const Tensor recv_x = Tensor::empty({size}, DType::uint8);
+    if (!first) {
+      first = recv_x.raw();
+      reserved1 = a.reserved_bytes();
+    }
+    EXPECT_EQ(recv_x.raw(), first) << size / MiB << " MiB";
+    EXPECT_EQ(a.reserved_bytes(), reserved1) << size / MiB << " MiB";
+  }
+  EXPECT_EQ(reserved1 - reserved0, 112 * MiB);
+  sy::release_cached_memory();
+}
+
+// Seeded random allocations and frees of large tensors (1-48 MiB, up to 12 alive): no two live
+// blocks overlap, and once all are freed every byte is back in the cache and released.
+TEST(Allocator, RandomAllocationsNeverOverlapAndAllMemoryComesBack) {
+  sy::detail::Allocator& a = sy::detail::host_allocator();
+  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
+  sy::release_cached_memory();
+  const int64_t reserved0 = a.reserved_bytes(), cached0 = a.cached_bytes();
+  std::mt19937_64 rng(20261201);
+  std::uniform_int_distribution<int64_t> bytes(int64_t{1} << 20, int64_t{48} << 20);
+  std::vector<Tensor> live;
+  for (int op = 0; op < 3000; ++op) {
+    if (live.empty() || (live.size() < 12 && rng() % 2 == 0)) {
+      Tensor t = Tensor::empty({bytes(rng)}, DType::uint8);
+      const auto* b = static_cast<const char*>(t.raw());
+      for (const Tensor& u : live) {
+        const auto* c = static_cast<const char*>(u.raw());
+        ASSERT_TRUE(b + t.numel() <= c || c + u.numel() <= b)
+            << "op " << op << ": [" << static_cast<const void*>(b) << ", +" << t.numel()
+            << ") overlaps [" << static_cast<const void*>(c) << ", +" << u.numel() << ")";
+      }
+      live.push_back(std::move(t));
+    } else {
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(rng() % live.size()));
+    }
+  }
+  live.clear();
+  EXPECT_EQ(a.cached_bytes() - cached0, a.reserved_bytes() - reserved0);
+  sy::release_cached_memory();
+  EXPECT_EQ(a.reserved_bytes(), reserved0);
 }
 
 TEST(CpuOnlyBuild, ReportsNoCuda) {
