@@ -148,6 +148,7 @@ struct Lanes {
   void store(Acc* p) const {
     for (int l = 0; l < N; ++l) p[l] = v[l];
   }
+  void stream(Acc* p) const { store(p); }
   friend Lanes fma(Lanes a, Lanes b, Lanes c) {
     for (int l = 0; l < N; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
     return c;
@@ -163,7 +164,17 @@ struct Lanes {
   }
 };
 
+/// Orders this thread's `stream` stores (non-temporal: written around the caches) before its later
+/// loads and stores.
+inline void stream_fence() {
+#ifdef SY_SIMD_AVX2
+  _mm_sfence();
+#endif
+}
+
 /// The widest vector of Acc (float or double) in this variant: kLanes lanes, IEEE lane by lane.
+/// `stream(p)` stores non-temporally (p aligned to the vector's size): for outputs much larger than
+/// the caches, whose lines would otherwise be read in from memory before being overwritten.
 #if defined(SY_SIMD_AVX512)
 template <class Acc>
 struct Vec;
@@ -179,6 +190,7 @@ struct Vec<float> {
   }
   static Vec bcast(float x) { return {_mm512_set1_ps(x)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void stream(float* p) const { _mm512_stream_ps(p, v); }
   friend Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
   /// Whether any lane is -0.
@@ -200,6 +212,7 @@ struct Vec<double> {
   }
   static Vec bcast(double x) { return {_mm512_set1_pd(x)}; }
   void store(double* p) const { _mm512_storeu_pd(p, v); }
+  void stream(double* p) const { _mm512_stream_pd(p, v); }
   friend Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_pd(a.v, b.v, c.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm512_add_pd(a.v, b.v)}; }
   bool any_negative_zero() const {
@@ -218,6 +231,7 @@ struct Vec<float> {
   static Vec load(const bf16* p) { return {load8_f32(p)}; }
   static Vec bcast(float x) { return {_mm256_set1_ps(x)}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void stream(float* p) const { _mm256_stream_ps(p, v); }
   friend Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
   bool any_negative_zero() const {
@@ -238,6 +252,7 @@ struct Vec<double> {
   }
   static Vec bcast(double x) { return {_mm256_set1_pd(x)}; }
   void store(double* p) const { _mm256_storeu_pd(p, v); }
+  void stream(double* p) const { _mm256_stream_pd(p, v); }
   friend Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_pd(a.v, b.v, c.v)}; }
   friend Vec operator+(Vec a, Vec b) { return {_mm256_add_pd(a.v, b.v)}; }
   bool any_negative_zero() const {

@@ -320,6 +320,15 @@ void sparse_backward_splits_match_chain(int threads) {
       .grad_logits_topk(4)
       .threads(threads)
       .TestBackward();
+  GateTester()  // fp32 grad_x over 8 MB: written with non-temporal stores
+      .tokens(1030)
+      .hidden(2112)
+      .experts(32)
+      .x(DType::fp32)
+      .weight(DType::fp32)
+      .grad_logits_topk(2)
+      .threads(threads)
+      .TestBackward();
   GateTester()  // E 512: segments of 512 columns
       .tokens(100)
       .hidden(700)
@@ -348,12 +357,13 @@ TEST(GateBackward, SparseWorkSplitMatchesChainTwoThreads) { sparse_backward_spli
 // The one place where skipping g = 0 terms could change a bit: a negative product that underflows
 // to -0, followed by zero terms with +0 products. The dense chain turns -0 into +0
 // (fma(0, w > 0, -0) = +0); the result must be that +0.
-TEST(Gate, BackwardOfSparseGradLogitsKeepsTheDenseSignOfZero) {
+namespace {
+void sparse_backward_keeps_the_dense_sign_of_zero(int64_t T, int64_t H) {
   struct IsaGuard {
     sy::CpuIsa saved = sy::cpu_isa();
     ~IsaGuard() { sy::set_cpu_isa(saved); }
   } guard;
-  const int64_t T = 16, H = 70, E = 16;
+  const int64_t E = 16;
   Tensor x = Tensor::empty({T, H}, DType::fp32), w = Tensor::empty({E, H}, DType::fp32);
   Tensor g = Tensor::empty({T, E}, DType::fp32);
   for (int64_t i = 0; i < T * H; ++i) x.data<float>()[i] = 1.0f;
@@ -366,7 +376,8 @@ TEST(Gate, BackwardOfSparseGradLogitsKeepsTheDenseSignOfZero) {
   g.data<float>()[0 * E + 2] = 1e-30f;
   for (sy::CpuIsa isa : {sy::CpuIsa::scalar, sy::CpuIsa::avx2, sy::CpuIsa::avx512}) {
     if (!sy::cpu_supports(isa)) continue;
-    SCOPED_TRACE(std::string("isa ") + sy::cpu_isa_name(isa));
+    SCOPED_TRACE(std::string("isa ") + sy::cpu_isa_name(isa) + " T=" + std::to_string(T) +
+                 " H=" + std::to_string(H));
     sy::set_cpu_isa(isa);
     const sy::GateGrads gr = sy::router_gating_linear_backward(g, x, w, Tensor());
     Tensor cx, cw, cb;
@@ -377,6 +388,15 @@ TEST(Gate, BackwardOfSparseGradLogitsKeepsTheDenseSignOfZero) {
     EXPECT_FALSE(std::signbit(gr.grad_x.data<float>()[0])) << "grad_x[0,0]";
     EXPECT_FALSE(std::signbit(gr.grad_weight.data<float>()[2 * H])) << "grad_weight[2,0]";
   }
+}
+}  // namespace
+
+TEST(Gate, BackwardOfSparseGradLogitsKeepsTheDenseSignOfZero) {
+  sparse_backward_keeps_the_dense_sign_of_zero(16, 70);
+}
+// grad_x of 8 MB and more is written with non-temporal stores, and the -0 fix-up reads it back.
+TEST(Gate, BackwardOfSparseGradLogitsKeepsTheDenseSignOfZeroInAStreamedGradX) {
+  sparse_backward_keeps_the_dense_sign_of_zero(1024, 2048);
 }
 
 // Gradients against central finite differences of L = Σ logits ⊙ R, all in fp64.
