@@ -51,10 +51,15 @@ std::string shape_str(const Shape& shape) {
 namespace {
 
 int64_t checked_numel(const Shape& shape) {
-  int64_t n = 1;
   for (int64_t s : shape) {
     if (s < 0) detail::fail_arg("tensor", "shape ", shape_str(shape), " has a negative size");
-    n *= s;
+  }
+  int64_t n = 1;
+  for (int64_t s : shape) {
+    if (__builtin_mul_overflow(n, s, &n)) {
+      detail::fail_arg("tensor", "shape ", shape_str(shape), " has more than ",
+                       std::numeric_limits<int64_t>::max(), " elements");
+    }
   }
   return n;
 }
@@ -83,6 +88,11 @@ Tensor Tensor::without_storage(const Shape& shape, DType dtype, const Device& de
 
 Tensor Tensor::empty_for(const char* op, const Shape& shape, DType dtype, const Device& device) {
   Tensor t = without_storage(shape, dtype, device);
+  // At most 2^62 bytes: the allocators' size classes and headroom stay far from overflowing.
+  if (t.numel_ > (int64_t{1} << 62) / static_cast<int64_t>(dtype_size(dtype))) {
+    detail::fail_arg(op, "shape ", shape_str(shape), " of ", dtype_name(dtype), " needs ",
+                     t.numel_, " x ", dtype_size(dtype), " bytes, more than 2^62");
+  }
   const size_t bytes = t.nbytes();
   detail::Allocator& a = detail::allocator_for(device, op);
   void* p = a.allocate(bytes, device);

@@ -73,6 +73,13 @@ template <class PositionsOf>
 VerlBatch fill_batch(const std::vector<RouteTable>& tables, const std::vector<int64_t>& moe_layers,
                      int64_t H, int64_t K, int64_t S, PositionsOf positions_of) {
   const int64_t B = static_cast<int64_t>(tables.size());
+  int64_t bytes = 4;  // routed_experts [B, S, H, K] int32 must be allocatable: at most 2^62 bytes
+  for (int64_t d : {B, S, H, K}) {
+    if (__builtin_mul_overflow(bytes, d, &bytes) || bytes > (int64_t{1} << 62)) {
+      fail_arg(kOp, "seq_len=", S, " makes routed_experts [", B, ", ", S, ", ", H, ", ", K,
+               "] larger than 2^62 bytes");
+    }
+  }
   VerlBatch v;
   v.routed_experts = Tensor::zeros({B, S, H, K}, DType::int32);
   v.attention_mask = Tensor::zeros({B, S}, DType::int64);

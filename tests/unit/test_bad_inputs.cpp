@@ -85,6 +85,15 @@ std::vector<Row> rows() {
        [] { Tensor::from_vector(std::vector<float>{1, 2, 3}, {2, 2}); }},
       {"Tensor::empty", "negative size", Kind::invalid_argument, "[tensor] shape [2, -1] has a negative size",
        [] { Tensor::empty({2, -1}, DType::fp32); }},
+      // found by fuzz_cli_args: `routes export --seq-len 9223372036854775807` multiplied the
+      // verl batch's shape into a signed overflow (undefined behaviour) before any check
+      {"Tensor::zeros", "element count over 2^63-1", Kind::invalid_argument,
+       "[tensor] shape [3, 9223372036854775807] has more than 9223372036854775807 elements",
+       [] { Tensor::zeros({3, std::numeric_limits<int64_t>::max()}, DType::int32); }},
+      {"Tensor::empty", "bytes over 2^62", Kind::invalid_argument,
+       "[tensor.empty] shape [2199023255552, 1048576] of fp32 needs 2305843009213693952 x 4 bytes, "
+       "more than 2^62",
+       [] { Tensor::empty({int64_t{1} << 41, int64_t{1} << 20}, DType::fp32); }},
       {"set_num_threads", "0 threads", Kind::invalid_argument, "[set_num_threads] n must be >= 1, got n=0",
        [] { set_num_threads(0); }},
       {"set_num_threads", "100000 threads (the OpenMP runtime crashed)", Kind::invalid_argument,
@@ -326,6 +335,13 @@ std::vector<Row> rows() {
        }},
       {"to_verl", "seq_len too short", Kind::invalid_argument, "[to_verl] seq_len=2 is shorter than the longest table (3 tokens)",
        [] { to_verl({RouteTable::none(3, 2, 2, 8)}, {0, 1}, VerlOptions{2, PaddingSide::left, 2}); }},
+      {"to_verl", "seq_len whose batch overflows (found by fuzz_cli_args)", Kind::invalid_argument,
+       "[to_verl] seq_len=9223372036854775807 makes routed_experts [1, 9223372036854775807, 2, 2] "
+       "larger than 2^62 bytes",
+       [] {
+         to_verl({RouteTable::none(3, 2, 2, 8)}, {0, 1},
+                 VerlOptions{2, PaddingSide::right, std::numeric_limits<int64_t>::max()});
+       }},
       {"base64_decode", "a '*' in the text", Kind::invalid_argument, "[base64] invalid character code 42 at position 3",
        [] { base64_decode("AAA*"); }},
       {"pack_thd", "tp_size 0", Kind::invalid_argument, "[pack_thd] tp_size must be >= 1, got 0",

@@ -306,6 +306,14 @@ TEST_F(CliRoutes, VllmHttpImportWithPromptStartThenVerlExport) {
   EXPECT_NE(r.err.find("[to_verl] seq_len=3 is shorter than the longest table (5 tokens)"),
             std::string::npos)
       << r.err;
+  // Found by fuzz_cli_args: the batch's element count overflowed int64 before any check.
+  r = run({"routes", "export", "--format", "verl", p("h.syr"), "-o", p("b3"), "--padding-side",
+           "right", "--seq-len", "9223372036854775807"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("[to_verl] seq_len=9223372036854775807 makes routed_experts [2, "
+                       "9223372036854775807,"),
+            std::string::npos)
+      << r.err;
 }
 
 TEST_F(CliRoutes, VllmHttpAndSglangStartLenErrors) {
