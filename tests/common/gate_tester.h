@@ -222,11 +222,6 @@ class GateTester {
   }
 
  private:
-  // Restores the thread count on scope exit.
-  struct ThreadGuard {
-    int saved = num_threads();
-    ~ThreadGuard() { set_num_threads(saved); }
-  };
   struct Inputs {
     Tensor x, w, b;
   };

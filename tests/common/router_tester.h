@@ -189,10 +189,7 @@ class RouterTester : public RouterSetup<RouterTester> {
     RouteOptions opt;
     opt.seq_length = seq_length_;
     const Tensor gw = Tensor::full({T, K}, dt, 0.3);
-    struct ThreadGuard {
-      int saved = num_threads();
-      ~ThreadGuard() { set_num_threads(saved); }
-    } guard;
+    const ThreadGuard guard;
     set_num_threads(1);
     const RouteResult r1 = topk_route(s.logits, s.in, config_, opt);
     const RouteGrads g1 = topk_route_backward(gw, r1);

@@ -16,6 +16,13 @@
 
 namespace switchyard::testing {
 
+/// Restores the engine's thread count on scope exit.
+struct ThreadGuard {
+  int saved = num_threads();
+  ~ThreadGuard() { set_num_threads(saved); }
+};
+
+
 /// Seed for a test: SY_TEST_SEED from the environment when set, else `fallback`.
 inline uint64_t test_seed(uint64_t fallback) {
   if (const char* s = std::getenv("SY_TEST_SEED")) return std::strtoull(s, nullptr, 10);

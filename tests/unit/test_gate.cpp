@@ -21,6 +21,7 @@ using sy::DType;
 using sy::GateOptions;
 using sy::Tensor;
 using sy::testing::bitwise_equal;
+using sy::testing::ThreadGuard;
 using sy::testing::randn;
 using sy::testing::repro;
 using sy::testing::test_seed;
@@ -68,11 +69,6 @@ void shapes(int64_t T, bool backward, int64_t max_work) {
 
 constexpr int64_t kForwardWork = 20'000'000, kBackwardWork = 4'000'000;
 
-// Restores the thread count on scope exit.
-struct ThreadGuard {
-  int saved = sy::num_threads();
-  ~ThreadGuard() { sy::set_num_threads(saved); }
-};
 
 }  // namespace
 
@@ -359,10 +355,7 @@ TEST(GateBackward, SparseWorkSplitMatchesChainTwoThreads) { sparse_backward_spli
 // (fma(0, w > 0, -0) = +0); the result must be that +0.
 namespace {
 void sparse_backward_keeps_the_dense_sign_of_zero(int64_t T, int64_t H) {
-  struct IsaGuard {
-    sy::CpuIsa saved = sy::cpu_isa();
-    ~IsaGuard() { sy::set_cpu_isa(saved); }
-  } guard;
+  IsaGuard guard;
   const int64_t E = 16;
   Tensor x = Tensor::empty({T, H}, DType::fp32), w = Tensor::empty({E, H}, DType::fp32);
   Tensor g = Tensor::empty({T, E}, DType::fp32);
