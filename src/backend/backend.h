@@ -80,13 +80,14 @@ inline void gate_forward(const Context& ctx, const void* x, DType x_dtype, const
                     hidden, num_experts);
 }
 
-inline void gate_backward(const Context& ctx, const void* grad_logits, const void* x, DType x_dtype,
+// Returns whether every value of weight and grad_weight is finite (cpu/gate_kernels.h).
+inline bool gate_backward(const Context& ctx, const void* grad_logits, const void* x, DType x_dtype,
                           const void* weight, DType w_dtype, void* grad_x, void* grad_weight,
                           void* grad_bias, DType acc_dtype, int64_t num_tokens, int64_t hidden,
                           int64_t num_experts) {
   if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "gate_backward", ctx.device);
-  cpu::gate_backward(grad_logits, x, x_dtype, weight, w_dtype, grad_x, grad_weight, grad_bias,
-                     acc_dtype, num_tokens, hidden, num_experts);
+  return cpu::gate_backward(grad_logits, x, x_dtype, weight, w_dtype, grad_x, grad_weight,
+                            grad_bias, acc_dtype, num_tokens, hidden, num_experts);
 }
 
 // ---- router (cpu/router_kernels.h) ----

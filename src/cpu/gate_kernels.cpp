@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "core/allocator.h"
+#include "cpu/finite_kernels.h"
 #include "cpu/simd.h"
 
 // The variant being compiled (src/cpu/simd.h): AVX2 ymm code paths, the AVX-512 zmm tiles.
@@ -273,7 +274,7 @@ void micro_panel(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a
 // Blocking: KC values of the reduced dimension per pass (the packed W block, KC x E_pad, stays in
 // L2; an A tile, MR x KC, in L1); MB tokens per parallel work item.
 constexpr int64_t kKC = 256;
-constexpr int64_t kMB = 96;  // a multiple of both kMR
+constexpr int64_t kMB = 96;     // a multiple of both kMR
 constexpr int64_t kStrip = 12;  // forward blocks: a multiple of both kMR
 // Below this many multiply-adds a call runs on one thread: a parallel region costs more than the
 // work, and much more when the other core is busy. (Results never depend on it.)
@@ -348,9 +349,9 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
   // Blocks of mb tokens, each over the whole of H in kKC steps: a step's W slice (E x kKC) stays
   // in L2 across the block's strips, and the block's logits (mb x E) with it. Where W is larger
   // than L2 (7 MB at DeepSeek-V3's H 7168, E 256) every block streams all of W from L3, so blocks
-  // are up to 384 tokens (at most 512 KB of logits), in equal shares per thread: DeepSeek-V3's forward
-  // at 1 thread 27.4 -> 25.3 ms (96-token blocks before), Qwen3's 13.9 -> 13.6. Each logit is
-  // still one chain over h ascending, whatever the block.
+  // are up to 384 tokens (at most 512 KB of logits), in equal shares per thread: DeepSeek-V3's
+  // forward at 1 thread 27.4 -> 25.3 ms (96-token blocks before), Qwen3's 13.9 -> 13.6. Each logit
+  // is still one chain over h ascending, whatever the block.
   const int64_t mb_l2 = std::clamp<int64_t>(
       (int64_t{512} << 10) / (E * static_cast<int64_t>(sizeof(Acc))) / kMB * kMB, kMB, 4 * kMB);
   const int64_t nth = omp_get_max_threads();
@@ -440,7 +441,7 @@ inline void load_row(Acc* dst, const XT* src) {
 // chain. Chosen by the density of grad_logits alone (never by thread count or batch), and either
 // path gives the same bits, so the choice is invisible.
 constexpr int64_t kStreamMin = int64_t{8} << 20;  // grad_x bytes from which it is streamed
-constexpr int64_t kSparseDensityInv = 8;  // sparse when at most one term in 8 is nonzero
+constexpr int64_t kSparseDensityInv = 8;          // sparse when at most one term in 8 is nonzero
 
 // Nonzeros of g [T,E] by token: row t's terms are (col[j], val[j]) for j in [ptr[t], ptr[t+1]),
 // e ascending.
@@ -482,8 +483,10 @@ bool collect_nonzeros(const Acc* g, int64_t T, int64_t E, int64_t cap, SparseRow
   return true;
 }
 
+// Returns whether every value of w and of grad_w is finite: w's rows are tested as each segment
+// is packed (all of w is packed, in L1 when tested), grad_w's as each row chunk is stored.
 template <class Acc, class XT, class WT>
-void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const WT* w, XT* grad_x,
+bool sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const WT* w, XT* grad_x,
                      WT* grad_w, int64_t T, int64_t H, int64_t E) {
   using V = simd::Vec<Acc>;
   constexpr int64_t L = V::kLanes;
@@ -538,7 +541,8 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
       std::clamp<int64_t>((nthreads + nseg - 1) / nseg, 1, std::max<int64_t>(T, 1));
   const int64_t tblk = (T + ntblk - 1) / ntblk;
   Scratch<int64_t> wcursors(nthreads * E);
-#pragma omp parallel if (T * H * E >= kParallelMin)
+  bool non_finite = false;
+#pragma omp parallel reduction(|| : non_finite) if (T * H * E >= kParallelMin)
   {
     const int tid = omp_get_thread_num();
     // grad_x in segments of xb columns, each segment over a block of tokens (all T unless that
@@ -552,8 +556,10 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
     for (int64_t item = 0; item < nseg * ntblk; ++item) {
       const int64_t hb = item / ntblk * xb, nb = std::min(xb, H - hb);
       const int64_t t0 = item % ntblk * tblk, t1 = std::min(T, t0 + tblk);
-      for (int64_t e = 0; e < E; ++e)
+      for (int64_t e = 0; e < E; ++e) {
         for (int64_t h = 0; h < nb; ++h) wpk[e * xb + h] = to_acc<Acc>(w[e * H + hb + h]);
+        non_finite = non_finite || simd::any_non_finite(w + e * H + hb, nb);
+      }
       for (int64_t t = t0; t < t1; ++t) {
         Acc* const out = kDirectX ? reinterpret_cast<Acc*>(grad_x + t * H + hb) : seg;
         const bool nt = stream_x && reinterpret_cast<uintptr_t>(out) % sizeof(V) == 0;
@@ -676,13 +682,16 @@ void sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
           }
         }
         store_row<WT, Acc>(grad_w + e * H + h0, arow, nv);
+        non_finite = non_finite || simd::any_non_finite(grad_w + e * H + h0, nv);
       }
     }
   }
+  return !non_finite;
 }
 
+// Returns whether every value of w and of grad_w is finite (see gate_kernels.h).
 template <class Acc, class XT, class WT>
-void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_w, Acc* grad_b,
+bool backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_w, Acc* grad_b,
                    int64_t T, int64_t H, int64_t E) {
   constexpr int NR = kNR<Acc>;
   constexpr int BW = kBW<Acc>;  // panel width over H
@@ -695,17 +704,16 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
     for (int64_t t = 0; t < T; ++t)
       for (int64_t e = 0; e < E; ++e) grad_b[e] = grad_b[e] + g[t * E + e];
   }
-  if (H == 0) return;
-  if (E == 0) {  // empty chains; grad_w has no elements
+  if (H == 0) return true;  // w and grad_w have no elements
+  if (E == 0) {             // empty chains; grad_w has no elements
     for (int64_t i = 0; i < T * H; ++i) grad_x[i] = from_acc<XT>(Acc(0));
-    return;
+    return true;
   }
   if (T > 0) {
     const int64_t cap = T * E / kSparseDensityInv;
     SparseRows<Acc> rows(T, cap);
     if (collect_nonzeros(g, T, E, cap, rows)) {
-      sparse_backward<Acc, XT, WT>(rows, g, x, w, grad_x, grad_w, T, H, E);
-      return;
+      return sparse_backward<Acc, XT, WT>(rows, g, x, w, grad_x, grad_w, T, H, E);
     }
   }
 
@@ -843,6 +851,9 @@ void backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
         store_row<WT, Acc>(grad_w + e * H + h0, acc.p + e * h_pad + h0, h1 - h0);
     }
   }
+  // The dense products are compute-bound: one scan of each afterwards costs little beside them.
+  return first_non_finite(w, dtype_of<WT>(), E * H) == E * H &&
+         first_non_finite(grad_w, dtype_of<WT>(), E * H) == E * H;
 }
 
 // ---- dtype dispatch -----------------------------------------------------------------------
@@ -904,9 +915,10 @@ void gate_forward(const void* x, DType x_dtype, const void* weight, DType w_dtyp
   });
 }
 
-void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const void* weight,
+bool gate_backward(const void* grad_logits, const void* x, DType x_dtype, const void* weight,
                    DType w_dtype, void* grad_x, void* grad_weight, void* grad_bias, DType acc_dtype,
                    int64_t num_tokens, int64_t hidden, int64_t num_experts) {
+  bool finite = true;
   with_gate_types(acc_dtype, x_dtype, w_dtype, [&](auto acc_tag, auto x_tag, auto w_tag) {
     using Acc = decltype(acc_tag);
     using XT = decltype(x_tag);
@@ -915,12 +927,13 @@ void gate_backward(const void* grad_logits, const void* x, DType x_dtype, const 
                   std::is_same_v<WT, double>) {
       return;  // rejected by the front-end
     } else {
-      backward_impl<Acc, XT, WT>(static_cast<const Acc*>(grad_logits), static_cast<const XT*>(x),
-                                 static_cast<const WT*>(weight), static_cast<XT*>(grad_x),
-                                 static_cast<WT*>(grad_weight), static_cast<Acc*>(grad_bias),
-                                 num_tokens, hidden, num_experts);
+      finite = backward_impl<Acc, XT, WT>(
+          static_cast<const Acc*>(grad_logits), static_cast<const XT*>(x),
+          static_cast<const WT*>(weight), static_cast<XT*>(grad_x), static_cast<WT*>(grad_weight),
+          static_cast<Acc*>(grad_bias), num_tokens, hidden, num_experts);
     }
   });
+  return finite;
 }
 
 }  // namespace switchyard::cpu::SY_ISA_NS

@@ -101,6 +101,39 @@ inline void store16_bf16(bf16* dst, const float* src) {
 }
 #endif
 
+/// The bits of a bf16, fp32 or fp64 value (or an unsigned integer holding them), and the mask of
+/// its exponent: all ones <=> NaN or Inf.
+inline uint16_t value_bits(bf16 v) { return v.bits; }
+inline uint32_t value_bits(float v) { return std::bit_cast<uint32_t>(v); }
+inline uint64_t value_bits(double v) { return std::bit_cast<uint64_t>(v); }
+template <class U, class = std::enable_if_t<std::is_unsigned_v<U>>>
+inline U value_bits(U v) {
+  return v;
+}
+template <class U>
+constexpr U exponent_mask() {
+  if constexpr (sizeof(U) == 2) {
+    return 0x7f80u;
+  } else if constexpr (sizeof(U) == 4) {
+    return 0x7f800000u;
+  } else {
+    return 0x7ff0000000000000ull;
+  }
+}
+
+/// Whether any of p[0, n) is NaN or Inf, branch-free over the range: an integer test on the bits
+/// (vectorises; no FP compare, so no FP exception or -ffast-math assumption is involved). The one
+/// non-finite test of the kernels: the front-ends' scan (finite_kernels.cpp) and the checks the
+/// gate backward folds into its own passes.
+template <class T>
+inline bool any_non_finite(const T* p, int64_t n) {
+  using U = decltype(value_bits(p[0]));
+  constexpr U kExp = exponent_mask<U>();
+  U bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad |= static_cast<U>((value_bits(p[i]) & kExp) == kExp);
+  return bad != 0;
+}
+
 /// dst[0:n] = float_to_bf16(src[0:n]) (vector body, scalar tail: the same bytes).
 inline void store_bf16_row(bf16* dst, const float* src, int64_t n) {
   int64_t j = 0;

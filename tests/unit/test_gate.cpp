@@ -7,6 +7,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gate_tester.h"
@@ -545,6 +546,57 @@ void non_finite_is_named(double bad) {
 TEST(GateErrors, NanIsNamedWithItsPosition) { non_finite_is_named(std::nan("")); }
 TEST(GateErrors, InfIsNamedWithItsPosition) { non_finite_is_named(INFINITY); }
 TEST(GateErrors, MinusInfIsNamedWithItsPosition) { non_finite_is_named(-double{INFINITY}); }
+
+// The sparse backward tests W as it packs it and grad_weight as it stores it, instead of a scan
+// of each afterwards: a bad W value is named wherever it sits, also in an expert no token's
+// grad_logits reaches and in the last W segment (1024 columns per segment here), on every
+// variant at 1 and 2 threads; finite inputs whose grad_weight rounds to inf in bf16 still return
+// the gradients as computed.
+TEST(GateErrors, SparseBackwardNamesABadWeightAnywhere) {
+  IsaGuard isa_guard;
+  ThreadGuard thread_guard;
+  const int64_t T = 24, H = 2100, Ex = 16;
+  std::mt19937_64 rng(test_seed(78));
+  Tensor g = Tensor::empty({T, Ex}, DType::fp32);
+  for (int64_t i = 0; i < T * Ex; ++i) g.data<float>()[i] = 0.0f;
+  for (int64_t t = 0; t < T; ++t) g.data<float>()[t * Ex + t % 4] = 0.5f;  // experts 0-3 only
+  for (sy::CpuIsa isa : {sy::CpuIsa::scalar, sy::CpuIsa::avx2, sy::CpuIsa::avx512}) {
+    if (!sy::cpu_supports(isa)) continue;
+    sy::set_cpu_isa(isa);
+    for (int threads : {1, 2}) {
+      sy::set_num_threads(threads);
+      for (DType dt : {DType::bf16, DType::fp32}) {
+        SCOPED_TRACE(std::string("isa ") + sy::cpu_isa_name(isa) + " threads " +
+                     std::to_string(threads) + " dtype " + sy::dtype_name(dt));
+        const Tensor x = randn({T, H}, dt, rng), w = randn({Ex, H}, dt, rng);
+        EXPECT_NO_THROW(sy::router_gating_linear_backward(g, x, w, Tensor()));
+        for (auto [e, h, v] : {std::tuple{9, 2090, -INFINITY}, std::tuple{15, 0, NAN},
+                               std::tuple{2, 1500, INFINITY}}) {
+          Tensor wb = w.clone();
+          if (dt == DType::bf16) {
+            wb.data<sy::bf16>()[e * H + h] = sy::float_to_bf16(v);
+          } else {
+            wb.data<float>()[e * H + h] = v;
+          }
+          const std::string name = std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf";
+          SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(g, x, wb, Tensor()),
+                              std::invalid_argument,
+                              "[router_gating_linear_backward] weight has a non-finite value " +
+                                  name + " at expert " + std::to_string(e) + ", hidden " +
+                                  std::to_string(h));
+        }
+      }
+      // 3.4e38 is finite in fp32 and past bf16's largest value (3.39e38): grad_weight[0, :]
+      // rounds to inf from finite inputs, and is returned as computed.
+      Tensor x1 = Tensor::empty({T, H}, DType::bf16), gh = g.clone();
+      for (int64_t i = 0; i < T * H; ++i) x1.data<sy::bf16>()[i] = sy::float_to_bf16(1.0f);
+      for (int64_t t = 0; t < T; ++t) gh.data<float>()[t * Ex + t % 4] = t == 0 ? 3.4e38f : 0.5f;
+      const sy::GateGrads over = sy::router_gating_linear_backward(
+          gh, x1, randn({Ex, H}, DType::bf16, rng), Tensor());
+      EXPECT_TRUE(std::isinf(sy::bf16_to_float(over.grad_weight.data<sy::bf16>()[0])));
+    }
+  }
+}
 
 TEST(GateErrors, DtypesShapesFirstNonFiniteAndBackwardArguments) {
   std::mt19937_64 rng(1);
