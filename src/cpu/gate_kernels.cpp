@@ -355,18 +355,21 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
   Scratch<Acc> wp(npanel * H * NR);
 #pragma omp parallel for schedule(static) if (E * H >= kParallelMin)
   for (int64_t p = 0; p < npanel; ++p) pack_w_panel<Acc, WT>(w, wp.p + p * H * NR, p * NR, E, H);
-  // Blocks of mb tokens, each over the whole of H in kKC steps: a step's W slice (E x kKC) stays
-  // in L2 across the block's strips, and the block's logits (mb x E) with it. Where W is larger
-  // than L2 (7 MB at DeepSeek-V3's H 7168, E 256) every block streams all of W from L3, so blocks
-  // are up to 384 tokens (at most 512 KB of logits), in equal shares per thread: DeepSeek-V3's
-  // forward at 1 thread 27.4 -> 25.3 ms (96-token blocks before), Qwen3's 13.9 -> 13.6. Each logit
-  // is still one chain over h ascending, whatever the block.
+  // Blocks of up to mb_l2 tokens, each over the whole of H in kKC steps: a step's W slice (E x kKC)
+  // stays in L2 across the block's strips, and the block's logits with it. Where W is larger than
+  // L2 (7 MB at DeepSeek-V3's H 7168, E 256) every block streams all of W from L3, so blocks are up
+  // to 384 tokens (at most 512 KB of logits), in equal shares per thread: DeepSeek-V3's forward at
+  // 1 thread 27.4 -> 25.3 ms (96-token blocks before), Qwen3's 13.9 -> 13.6. Each logit is still
+  // one chain over h ascending, whatever the block.
   const int64_t mb_l2 = std::clamp<int64_t>(
       (int64_t{512} << 10) / (E * static_cast<int64_t>(sizeof(Acc))) / kMB * kMB, kMB, 4 * kMB);
+  // nblk blocks (a multiple of the thread count), each of a whole number of kStrip-token strips,
+  // as equal as strips allow: a thread's share differs from another's by at most a strip or two
+  // (with blocks of a rounded-up size instead, DeepSeek-V3's 1024 tokens split 528/496 at 2
+  // threads).
   const int64_t nth = omp_get_max_threads();
-  const int64_t nb = nth * ((T + nth * mb_l2 - 1) / (nth * mb_l2));  // equal shares per thread
-  const int64_t mb = ((T + nb - 1) / nb + kStrip - 1) / kStrip * kStrip;
-  const int64_t nblk = (T + mb - 1) / mb;
+  const int64_t nblk = nth * ((T + nth * mb_l2 - 1) / (nth * mb_l2));
+  const int64_t nstrip = (T + kStrip - 1) / kStrip;
   // Per-thread x tiles, allocated here: an exception must not leave a parallel region.
   constexpr bool kDirect = std::is_same_v<XT, Acc>;
   Scratch<Acc> xpack_all(kDirect ? 1 : omp_get_max_threads() * kMR * kKC);
@@ -375,7 +378,9 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
     Acc* const xpack = xpack_all.p + (kDirect ? 0 : omp_get_thread_num() * kMR * kKC);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblk; ++blk) {
-      const int64_t t0 = blk * mb, t1 = std::min(T, t0 + mb);
+      const int64_t t0 = blk * nstrip / nblk * kStrip;
+      const int64_t t1 = std::min(T, (blk + 1) * nstrip / nblk * kStrip);
+      if (t0 >= t1) continue;  // fewer strips than blocks
       for (int64_t k0 = 0; k0 < H; k0 += kKC) {
         const int64_t kc = std::min(kKC, H - k0);
         const Chain chain = k0 == 0 ? Chain::start : Chain::resume;
