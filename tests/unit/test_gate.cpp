@@ -297,12 +297,12 @@ TEST(GateAvx512, BackwardOfTopKGradLogitsMatchesChain) {
 
 // The sparse backward's work split: W in segments of at most 1 MB (1024 columns at E <= 256 fp32,
 // fewer for more experts or fp64), a segment's tokens split across threads when there are fewer
-// segments than threads, x in blocks of 1024 tokens per grad_w chain. Each output is still its one
+// segments than threads, x in blocks of 512 tokens per grad_w chain. Each output is still its one
 // chain, bitwise, at 1 and 2 threads.
 namespace {
 void sparse_backward_splits_match_chain(int threads) {
   // three W segments of 1024 columns; then one segment, its tokens split across threads, and
-  // two grad_w token blocks
+  // three grad_w token blocks
   GateTester()
       .tokens(40)
       .hidden(2100)
