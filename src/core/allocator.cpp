@@ -19,7 +19,7 @@ namespace switchyard {
 namespace detail {
 namespace {
 
-constexpr size_t kLargeBytes = size_t{1} << 20;  // blocks from here on are cached
+constexpr size_t kLargeBytes = kLargeBlockBytes;  // blocks from here on are cached
 constexpr size_t kHugePage = size_t{2} << 20;
 // Cached bytes are bounded so a burst of differently sized buffers cannot pin memory forever.
 constexpr size_t kMaxCachedBytes = size_t{4} << 30;
@@ -32,64 +32,135 @@ constexpr bool kCacheEnabled = false;  // let AddressSanitizer see every use aft
 constexpr bool kCacheEnabled = true;
 #endif
 
-// Large memory comes in segments (one aligned_alloc each, advised for huge pages, with headroom:
-// see allocate) cut into pieces. A request of rounded size n takes the smallest free piece of at
-// least n bytes (best fit; among equal sizes the lowest address) and, when the piece is larger,
-// splits it (see allocate for which end is handed out); the rest stays free as its own piece. A
-// freed piece merges with free neighbours of its segment, so a segment whose pieces are all back
-// is one piece again. Sizes are multiples of the huge page, so every piece starts on one.
-//
+}  // namespace
+
+void SegmentCache::mark_free(Pieces::iterator it) {
+  free_pieces_.emplace(it->second.size, it->first);
+  cached_ += it->second.size;
+}
+
+void SegmentCache::unmark_free(Pieces::iterator it) {
+  free_pieces_.erase({it->second.size, it->first});
+  cached_ -= it->second.size;
+}
+
+void SegmentCache::trim_locked(size_t limit) {
+  for (auto it = free_pieces_.end(); it != free_pieces_.begin() && cached_ > limit;) {
+    --it;
+    const auto piece = pieces_.find(it->second);
+    if (piece->first != piece->second.segment || piece->second.size != piece->second.segment_size) {
+      continue;
+    }
+    cached_ -= it->first;
+    reserved_ -= it->first;
+    source_.free_segment(piece->first, it->first);
+    pieces_.erase(piece);
+    it = free_pieces_.erase(it);
+  }
+}
+
+void SegmentCache::trim(size_t limit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  trim_locked(limit);
+}
+
+size_t SegmentCache::cached_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return cached_;
+}
+
+size_t SegmentCache::reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reserved_;
+}
+
 // Why split instead of handing out only blocks in [n, 2n): under skewed routes a rank's recv_x
 // moves by up to 9x from step to step (one hot rank: 0.2x-1.8x the mean at EP 2). With the
 // [n, 2n) rule a step that received few rows found only blocks over twice its size and faulted a
 // fresh one (bench_dispatch skew:2, fp32 T 4096: a fresh 104-120 MiB block in 3 of 12 steps,
 // 0.7 s against 0.17 s); splitting serves it from memory the process already touched, and the
 // rest of that segment stays usable for the other buffers of the step.
-struct Piece {
-  size_t size;
-  char* segment;  // the aligned_alloc block this piece is part of
-  size_t segment_size;
-  bool free;
-};
-
-struct Cache {
-  std::mutex mutex;
-  std::map<char*, Piece> pieces;                   // every piece of every segment, by address
-  std::set<std::pair<size_t, char*>> free_pieces;  // the free ones by (size, address)
-  size_t cached_bytes = 0;                         // bytes in free pieces
-  size_t reserved_bytes = 0;                       // bytes in segments
-};
-
-// Never destroyed: tensors may be freed during static destruction.
-Cache& cache() {
-  static Cache* c = new Cache;
-  return *c;
-}
-
-void mark_free(Cache& c, std::map<char*, Piece>::iterator it) {
-  c.free_pieces.emplace(it->second.size, it->first);
-  c.cached_bytes += it->second.size;
-}
-
-void unmark_free(Cache& c, std::map<char*, Piece>::iterator it) {
-  c.free_pieces.erase({it->second.size, it->first});
-  c.cached_bytes -= it->second.size;
-}
-
-// Frees segments that are wholly free, largest first, while the cache holds more than `limit`.
-void trim_to(Cache& c, size_t limit) {
-  for (auto it = c.free_pieces.end(); it != c.free_pieces.begin() && c.cached_bytes > limit;) {
-    --it;
-    const auto piece = c.pieces.find(it->second);
-    if (piece->first != piece->second.segment || piece->second.size != piece->second.segment_size) {
-      continue;
+char* SegmentCache::allocate(size_t size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto fit = free_pieces_.lower_bound({size, nullptr});
+  if (fit != free_pieces_.end()) {
+    const auto it = pieces_.find(fit->second);
+    unmark_free(it);
+    Piece& piece = it->second;
+    if (piece.size == size) {
+      piece.free = false;
+      return it->first;
     }
-    c.cached_bytes -= it->first;
-    c.reserved_bytes -= it->first;
-    std::free(piece->first);
-    c.pieces.erase(piece);
-    it = c.free_pieces.erase(it);
+    // Split. When the piece before this one is in use (a free one would have merged), the request
+    // takes the top end, leaving the free room next to that block: it is the headroom that block
+    // grows into when it is freed and asked for again, larger. Otherwise a long-lived buffer (the
+    // dispatcher's pack scratch) cut from the headroom of recv_x's segment pinned recv_x at its
+    // first size, and the hot rank's next larger recv_x faulted a fresh segment.
+    const bool after_used = it != pieces_.begin() && std::prev(it)->second.segment == piece.segment;
+    if (after_used) {
+      piece.size -= size;
+      mark_free(it);
+      char* top = it->first + piece.size;
+      pieces_.emplace_hint(std::next(it), top,
+                           Piece{size, piece.segment, piece.segment_size, false});
+      return top;
+    }
+    piece.free = false;
+    const auto rest =
+        pieces_.emplace_hint(std::next(it), it->first + size,
+                             Piece{piece.size - size, piece.segment, piece.segment_size, true});
+    piece.size = size;
+    mark_free(rest);
+    return it->first;
   }
+  // A fresh segment: the request plus the source's headroom, which stays a free piece. On the
+  // host headroom is address space only (a page costs memory and a fault when first touched), so
+  // a buffer that later grows past its high-water mark touches only the growth: a hot rank that
+  // received 428 MiB and then 471 MiB faulted a whole new 480 MiB segment (240 huge pages, a 5 s
+  // step against 0.7 s) with exact-size segments. When the system has no memory for it: the
+  // request alone, then the same after returning the wholly free segments.
+  const size_t headroom = source_.headroom(size);
+  size_t segment = size + headroom;
+  char* p = source_.allocate_segment(segment);
+  if (!p && headroom > 0) p = source_.allocate_segment(segment = size);
+  if (!p && cached_ > 0) {
+    trim_locked(0);
+    p = source_.allocate_segment(segment = size);
+  }
+  if (!p) return nullptr;
+  const auto it = pieces_.emplace(p, Piece{size, p, segment, false}).first;
+  if (segment > size) {
+    mark_free(
+        pieces_.emplace_hint(std::next(it), p + size, Piece{segment - size, p, segment, true}));
+  }
+  reserved_ += segment;
+  return p;
+}
+
+bool SegmentCache::deallocate(void* ptr) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = pieces_.find(static_cast<char*>(ptr));
+  if (it == pieces_.end() || it->second.free) return false;
+  it->second.free = true;
+  // Merge with the free neighbours of the same segment.
+  const auto next = std::next(it);
+  if (next != pieces_.end() && next->second.free && next->second.segment == it->second.segment) {
+    unmark_free(next);
+    it->second.size += next->second.size;
+    pieces_.erase(next);
+  }
+  if (it != pieces_.begin()) {
+    const auto prev = std::prev(it);
+    if (prev->second.free && prev->second.segment == it->second.segment) {
+      unmark_free(prev);
+      prev->second.size += it->second.size;
+      pieces_.erase(it);
+      it = prev;
+    }
+  }
+  mark_free(it);
+  trim_locked(max_cached_);
+  return true;
 }
 
 // Large sizes round up to a size class: a multiple of an eighth of their power of two (at least
@@ -98,16 +169,18 @@ void trim_to(Cache& c, size_t limit) {
 // step and gets last step's block; rounding to huge pages alone made a 268 MB fp32 recv_x a new
 // size almost every step, and one of them faulted 132 fresh huge pages into a timed step (750 ms
 // against 137-153 ms; bench_dispatch fresh:1).
-size_t rounded(size_t bytes) {
-  if (bytes >= kLargeBytes) {
-    size_t pow2 = kLargeBytes;
+size_t size_class(size_t bytes, size_t small_granule) {
+  if (bytes >= kLargeBlockBytes) {
+    size_t pow2 = kLargeBlockBytes;
     while (pow2 <= bytes / 2) pow2 *= 2;  // the largest power of two <= bytes
     const size_t step = std::max(kHugePage, pow2 / 8);
     return (bytes + step - 1) / step * step;
   }
-  return bytes == 0 ? 64 : (bytes + 63) / 64 * 64;
+  return bytes == 0 ? small_granule : (bytes + small_granule - 1) / small_granule * small_granule;
 }
 
+namespace {
+size_t rounded(size_t bytes) { return size_class(bytes, 64); }
 }  // namespace
 
 void advise_huge_pages(void* p, int64_t bytes) noexcept {
@@ -125,7 +198,20 @@ void advise_huge_pages(void* p, int64_t bytes) noexcept {
 
 namespace {
 
-// Host memory, caching large blocks (see allocator.h for why).
+// Host segments: 2 MiB aligned, advised for transparent huge pages, with as much headroom as the
+// request (at most kMaxHeadroom): address space that costs nothing until touched.
+class HostSegments final : public SegmentSource {
+ public:
+  char* allocate_segment(size_t bytes) override {
+    char* p = static_cast<char*>(std::aligned_alloc(kHugePage, bytes));
+    if (p) advise_huge_pages(p, static_cast<int64_t>(bytes));
+    return p;
+  }
+  void free_segment(char* p, size_t) noexcept override { std::free(p); }
+  size_t headroom(size_t size) const override { return std::min(size, kMaxHeadroom); }
+};
+
+// Host memory, caching large blocks (see allocator.h for why) in one SegmentCache.
 class HostCachingAllocator final : public Allocator {
  public:
   void* allocate(size_t bytes, const Device&) override {
@@ -136,60 +222,8 @@ class HostCachingAllocator final : public Allocator {
       if (size >= kLargeBytes) advise_huge_pages(p, static_cast<int64_t>(size));
       return p;
     }
-    Cache& c = cache();
-    std::lock_guard<std::mutex> lock(c.mutex);
-    const auto fit = c.free_pieces.lower_bound({size, nullptr});
-    if (fit != c.free_pieces.end()) {
-      const auto it = c.pieces.find(fit->second);
-      unmark_free(c, it);
-      Piece& piece = it->second;
-      if (piece.size == size) {
-        piece.free = false;
-        return it->first;
-      }
-      // Split (both sizes are multiples of the huge page). When the piece before this one is in
-      // use (a free one would have merged), the request takes the top end, leaving the free room
-      // next to that block: it is the headroom that block grows into when it is freed and asked
-      // for again, larger. Otherwise a long-lived buffer (the dispatcher's pack scratch) cut from
-      // the headroom of recv_x's segment pinned recv_x at its first size, and the hot rank's next
-      // larger recv_x faulted a fresh segment.
-      const bool after_used =
-          it != c.pieces.begin() && std::prev(it)->second.segment == piece.segment;
-      if (after_used) {
-        piece.size -= size;
-        mark_free(c, it);
-        char* top = it->first + piece.size;
-        c.pieces.emplace_hint(std::next(it), top,
-                              Piece{size, piece.segment, piece.segment_size, false});
-        return top;
-      }
-      piece.free = false;
-      const auto rest =
-          c.pieces.emplace_hint(std::next(it), it->first + size,
-                                Piece{piece.size - size, piece.segment, piece.segment_size, true});
-      piece.size = size;
-      mark_free(c, rest);
-      return it->first;
-    }
-    // A fresh segment: the request plus as much again (at most kMaxHeadroom) of headroom, which
-    // stays a free piece. Headroom is address space only (a page costs memory and a fault when
-    // first touched), so a buffer that later grows past its high-water mark touches only the
-    // growth: a hot rank that received 428 MiB and then 471 MiB faulted a whole new 480 MiB
-    // segment (240 huge pages, a 5 s step against 0.7 s) with exact-size segments.
-    size_t segment = size + std::min(size, kMaxHeadroom);
-    char* p = static_cast<char*>(std::aligned_alloc(kHugePage, segment));
-    if (!p) {  // address space or overcommit limits: the request alone
-      segment = size;
-      p = static_cast<char*>(std::aligned_alloc(kHugePage, segment));
-      if (!p) throw std::bad_alloc();
-    }
-    advise_huge_pages(p, static_cast<int64_t>(segment));
-    const auto it = c.pieces.emplace(p, Piece{size, p, segment, false}).first;
-    if (segment > size) {
-      mark_free(c, c.pieces.emplace_hint(std::next(it), p + size,
-                                         Piece{segment - size, p, segment, true}));
-    }
-    c.reserved_bytes += segment;
+    char* p = cache_.allocate(size);
+    if (!p) throw std::bad_alloc();
     return p;
   }
 
@@ -199,50 +233,17 @@ class HostCachingAllocator final : public Allocator {
       std::free(ptr);
       return;
     }
-    Cache& c = cache();
-    std::lock_guard<std::mutex> lock(c.mutex);
-    auto it = c.pieces.find(static_cast<char*>(ptr));
-    if (it == c.pieces.end() || it->second.free) return;  // not ours: a caller's bug, leak it
-    it->second.free = true;
-    // Merge with the free neighbours of the same segment.
-    const auto next = std::next(it);
-    if (next != c.pieces.end() && next->second.free && next->second.segment == it->second.segment) {
-      unmark_free(c, next);
-      it->second.size += next->second.size;
-      c.pieces.erase(next);
-    }
-    if (it != c.pieces.begin()) {
-      const auto prev = std::prev(it);
-      if (prev->second.free && prev->second.segment == it->second.segment) {
-        unmark_free(c, prev);
-        prev->second.size += it->second.size;
-        c.pieces.erase(it);
-        it = prev;
-      }
-    }
-    mark_free(c, it);
-    trim_to(c, kMaxCachedBytes);
+    (void)cache_.deallocate(ptr);  // false: not ours, a caller's bug; leak it
   }
 
   const char* name() const override { return kCacheEnabled ? "cpu (caching)" : "cpu"; }
+  int64_t cached_bytes() const override { return static_cast<int64_t>(cache_.cached_bytes()); }
+  int64_t reserved_bytes() const override { return static_cast<int64_t>(cache_.reserved_bytes()); }
+  void release_cached() override { cache_.trim(0); }
 
-  int64_t cached_bytes() const override {
-    Cache& c = cache();
-    std::lock_guard<std::mutex> lock(c.mutex);
-    return static_cast<int64_t>(c.cached_bytes);
-  }
-
-  int64_t reserved_bytes() const override {
-    Cache& c = cache();
-    std::lock_guard<std::mutex> lock(c.mutex);
-    return static_cast<int64_t>(c.reserved_bytes);
-  }
-
-  void release_cached() override {
-    Cache& c = cache();
-    std::lock_guard<std::mutex> lock(c.mutex);
-    trim_to(c, 0);
-  }
+ private:
+  HostSegments segments_;
+  SegmentCache cache_{segments_, kMaxCachedBytes};
 };
 
 }  // namespace

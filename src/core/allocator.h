@@ -18,10 +18,87 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "switchyard/device.h"
 
 namespace switchyard::detail {
+
+/// Where a SegmentCache gets its segments: the host (aligned_alloc, huge pages) or one CUDA device
+/// (cudaMalloc).
+class SegmentSource {
+ public:
+  virtual ~SegmentSource() = default;
+  /// A fresh segment of exactly `bytes` bytes, or nullptr when the system has no memory for it
+  /// (the cache then retries without headroom, then after freeing its wholly free segments). May
+  /// throw for any other failure (a device runtime error).
+  virtual char* allocate_segment(size_t bytes) = 0;
+  /// Returns a segment from allocate_segment (same `bytes`).
+  virtual void free_segment(char* p, size_t bytes) noexcept = 0;
+  /// Bytes a fresh segment gets beyond a request of `size` bytes, kept as a free piece.
+  virtual size_t headroom(size_t size) const = 0;
+};
+
+/// The bookkeeping of a caching allocator, one per host and one per CUDA device: memory comes in
+/// segments from a SegmentSource, cut into pieces. A request takes the smallest free piece that
+/// holds it (best fit; among equal sizes the lowest address) and splits off the rest; a freed piece
+/// merges with its segment's free neighbours; wholly free segments go back to the source, largest
+/// first, while more than `max_cached_bytes` are free. Sizes are whatever the caller rounds to (a
+/// multiple of its alignment). Thread-safe.
+class SegmentCache {
+ public:
+  SegmentCache(SegmentSource& source, size_t max_cached_bytes)
+      : source_(source), max_cached_(max_cached_bytes) {}
+  SegmentCache(const SegmentCache&) = delete;
+  SegmentCache& operator=(const SegmentCache&) = delete;
+  /// A block of `size` bytes, or nullptr when the source has none even after the cache returned
+  /// its wholly free segments. No block in use changes when it returns nullptr or throws.
+  char* allocate(size_t size);
+  /// Returns a block from allocate; false (and nothing changes) when p is not a live block here.
+  bool deallocate(void* p) noexcept;
+  /// Frees wholly free segments, largest first, while more than `limit` bytes are free.
+  void trim(size_t limit);
+  /// Bytes in free pieces / in segments.
+  size_t cached_bytes() const;
+  size_t reserved_bytes() const;
+
+ private:
+  struct Piece {
+    size_t size;
+    char* segment;  // the segment this piece is part of
+    size_t segment_size;
+    bool free;
+  };
+  using Pieces = std::map<char*, Piece>;
+  void mark_free(Pieces::iterator it);
+  void unmark_free(Pieces::iterator it);
+  void trim_locked(size_t limit);
+
+  SegmentSource& source_;
+  const size_t max_cached_;
+  mutable std::mutex mutex_;
+  Pieces pieces_;                                   // every piece of every segment, by address
+  std::set<std::pair<size_t, char*>> free_pieces_;  // the free ones by (size, address)
+  size_t cached_ = 0;                               // bytes in free pieces
+  size_t reserved_ = 0;                             // bytes in segments
+};
+
+/// The size class of a request of `bytes`: below 1 MiB a multiple of `small_granule`; from 1 MiB
+/// on a multiple of an eighth of its power of two, at least one 2 MiB huge page (at most 1/8
+/// slack).
+size_t size_class(size_t bytes, size_t small_granule);
+/// Where size classes of cached blocks start.
+inline constexpr size_t kLargeBlockBytes = size_t{1} << 20;
+/// Headroom for memory that is committed when it is allocated (device memory: no lazy faulting as
+/// on the host): a request under 1 MiB gets a 2 MiB segment, shared by later small requests; a
+/// larger one gets none.
+inline size_t committed_memory_headroom(size_t size) {
+  constexpr size_t kSmallSegment = size_t{2} << 20;
+  return size < kLargeBlockBytes ? kSmallSegment - size : 0;
+}
 
 /// Allocates and frees the storage of one device kind. Implementations are thread-safe.
 class Allocator {
@@ -32,7 +109,7 @@ class Allocator {
   virtual void* allocate(size_t bytes, const Device& device) = 0;
   /// Returns a block from allocate(bytes, device) (same `bytes` and `device`).
   virtual void deallocate(void* p, size_t bytes, const Device& device) noexcept = 0;
-  /// "cpu (caching)", "cuda (cudaMalloc)", for messages and tests.
+  /// "cpu (caching)", "cuda (caching)", for messages and tests.
   virtual const char* name() const = 0;
   /// Bytes held in this allocator's cache: free, ready for the next request (0 when it does not
   /// cache).

@@ -1,10 +1,14 @@
-// The CUDA backend's memory (SWITCHYARD_CUDA=ON): device storage on cudaMalloc/cudaFree, copies
+// The CUDA backend's memory (SWITCHYARD_CUDA=ON): device storage cached over cudaMalloc, copies
 // and zero fills ordered on the context's stream, the device count. Host code against the CUDA
 // runtime API (compiled by the C++ compiler, linked with CUDA::cudart); the kernels, when they
 // come, live in .cu files beside it (ops.cu). Every runtime call's return code is checked.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
 
 #include "core/allocator.h"
 #include "core/check.h"
@@ -49,25 +53,102 @@ class DeviceGuard {
   bool restore_ = false;
 };
 
-// No cache yet: cudaMalloc/cudaFree per tensor (a caching allocator like the host one is the
-// next step once kernels make steady-state steps worth measuring).
+// One device's segments: cudaMalloc'd on that device. Device memory is committed when it is
+// allocated (no lazy faulting as on the host), so a large request gets a segment of exactly its
+// size class and no headroom; requests under 1 MiB share 2 MiB segments (a cudaMalloc per small
+// tensor costs more than the tensor's work): detail::committed_memory_headroom. Out of memory
+// returns nullptr (the cache frees its wholly free segments and retries once); any other runtime
+// error throws, naming the call.
+class CudaSegments final : public detail::SegmentSource {
+ public:
+  explicit CudaSegments(const Device& device) : device_(device) {}
+  char* allocate_segment(size_t bytes) override {
+    const DeviceGuard guard(device_, "tensor.empty");
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, bytes);
+    if (err == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    SY_CUDA_CHECK(err, "tensor.empty", device_);
+    return static_cast<char*>(p);  // 256-byte aligned
+  }
+  void free_segment(char* p, size_t) noexcept override {
+    int previous = 0;
+    if (cudaGetDevice(&previous) != cudaSuccess) previous = device_.index;
+    if (previous != device_.index) (void)cudaSetDevice(device_.index);
+    (void)cudaFree(p);  // cannot throw here; a failed free leaves the block to the driver
+    if (previous != device_.index) (void)cudaSetDevice(previous);
+  }
+  size_t headroom(size_t size) const override { return detail::committed_memory_headroom(size); }
+
+ private:
+  Device device_;
+};
+
+// Caching device memory, one SegmentCache per device (the host allocator's bookkeeping): a
+// training step asks for the same buffers every micro-batch, and cudaMalloc/cudaFree synchronise
+// the device. Reuse is safe while every op of this backend runs to completion on its stream
+// before returning (copy and fill_zero synchronise); kernels that return early will need the
+// freed block's stream recorded before it is handed out again (as PyTorch's recordStream).
+// Free blocks are kept without a bound, as PyTorch does, and returned when cudaMalloc runs out.
 class CudaAllocator final : public detail::Allocator {
  public:
   void* allocate(size_t bytes, const Device& device) override {
-    const DeviceGuard guard(device, "tensor.empty");
-    void* p = nullptr;
-    SY_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "tensor.empty", device);
-    return p;  // 256-byte aligned
+    const size_t size = detail::size_class(bytes, kGranule);
+    char* p = cache(device).allocate(size);
+    if (!p) {
+      throw BackendError(detail::cat("[tensor.empty] cudaMalloc of ", size, " bytes on ",
+                                     device_str(device),
+                                     " failed: cudaErrorMemoryAllocation: out of memory (after "
+                                     "returning the cached free segments)"));
+    }
+    return p;
   }
   void deallocate(void* p, size_t, const Device& device) noexcept override {
     if (!p) return;
-    int previous = 0;
-    if (cudaGetDevice(&previous) != cudaSuccess) previous = device.index;
-    if (previous != device.index) (void)cudaSetDevice(device.index);
-    (void)cudaFree(p);  // a destructor cannot throw; a failed free leaves the block to the driver
-    if (previous != device.index) (void)cudaSetDevice(previous);
+    detail::SegmentCache* c = nullptr;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = devices_.find(device.index);
+      if (it != devices_.end()) c = &it->second->cache;
+    }
+    if (c) (void)c->deallocate(p);  // false (or no cache): not ours, a caller's bug; leak it
   }
-  const char* name() const override { return "cuda (cudaMalloc)"; }
+  const char* name() const override { return "cuda (caching)"; }
+  int64_t cached_bytes() const override {
+    return sum([](const detail::SegmentCache& c) { return c.cached_bytes(); });
+  }
+  int64_t reserved_bytes() const override {
+    return sum([](const detail::SegmentCache& c) { return c.reserved_bytes(); });
+  }
+  void release_cached() override {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [index, d] : devices_) d->cache.trim(0);
+  }
+
+ private:
+  static constexpr size_t kGranule = 512;
+  struct PerDevice {
+    explicit PerDevice(const Device& device) : segments(device) {}
+    CudaSegments segments;
+    detail::SegmentCache cache{segments, std::numeric_limits<size_t>::max()};
+  };
+  detail::SegmentCache& cache(const Device& device) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_ptr<PerDevice>& d = devices_[device.index];
+    if (!d) d = std::make_unique<PerDevice>(device);
+    return d->cache;
+  }
+  template <class F>
+  int64_t sum(F f) const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    size_t total = 0;
+    for (const auto& [index, d] : devices_) total += f(d->cache);
+    return static_cast<int64_t>(total);
+  }
+  mutable std::mutex mutex_;
+  std::map<int, std::unique_ptr<PerDevice>> devices_;
 };
 
 }  // namespace

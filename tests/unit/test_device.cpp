@@ -4,6 +4,9 @@
 // "CUDA" tensor here is host memory borrowed under a CUDA device: every path below must throw
 // before reading it, which is what the tests check.
 #include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <random>
@@ -301,6 +304,99 @@ TEST(Allocator, RandomAllocationsNeverOverlapAndAllMemoryComesBack) {
   EXPECT_EQ(a.reserved_bytes(), reserved0);
 }
 
+// The bookkeeping the CUDA allocator shares with the host one, on host memory with the device
+// policy (committed memory: no headroom for large requests, 2 MiB segments shared by small
+// ones) and a budget standing in for the device's memory.
+namespace {
+class BudgetSegments final : public sy::detail::SegmentSource {
+ public:
+  explicit BudgetSegments(size_t budget) : budget_(budget) {}
+  char* allocate_segment(size_t bytes) override {
+    if (used_ + bytes > budget_) return nullptr;  // "out of memory"
+    used_ += bytes;
+    ++segments_;
+    return static_cast<char*>(std::aligned_alloc(256, bytes));
+  }
+  void free_segment(char* p, size_t bytes) noexcept override {
+    used_ -= bytes;
+    --segments_;
+    std::free(p);
+  }
+  size_t headroom(size_t size) const override {
+    return sy::detail::committed_memory_headroom(size);
+  }
+  size_t used_ = 0, budget_;
+  int segments_ = 0;
+};
+constexpr size_t kMiB = size_t{1} << 20;
+}  // namespace
+
+TEST(SegmentCache, DevicePolicyLargeBlocksGetExactSegmentsThatAreReused) {
+  BudgetSegments src(64 * kMiB);
+  sy::detail::SegmentCache c(src, SIZE_MAX);
+  char* a = c.allocate(4 * kMiB);
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(c.reserved_bytes(), 4 * kMiB) << "no headroom for committed memory";
+  EXPECT_EQ(c.cached_bytes(), 0u);
+  EXPECT_TRUE(c.deallocate(a));
+  EXPECT_FALSE(c.deallocate(a)) << "a block freed twice is refused";
+  EXPECT_EQ(c.cached_bytes(), 4 * kMiB) << "kept for the next step";
+  EXPECT_EQ(c.allocate(4 * kMiB), a) << "the same block again, no new segment";
+  EXPECT_EQ(src.segments_, 1);
+  char* b = c.allocate(6 * kMiB);  // does not fit the free room: a second segment
+  EXPECT_EQ(src.segments_, 2);
+  EXPECT_TRUE(c.deallocate(a));
+  EXPECT_TRUE(c.deallocate(b));
+  c.trim(0);
+  EXPECT_EQ(src.segments_, 0);
+  EXPECT_EQ(src.used_, 0u);
+  EXPECT_EQ(c.reserved_bytes(), 0u);
+}
+
+TEST(SegmentCache, DevicePolicySmallBlocksShareTwoMiBSegments) {
+  BudgetSegments src(64 * kMiB);
+  sy::detail::SegmentCache c(src, SIZE_MAX);
+  const size_t s = sy::detail::size_class(1000, 512);
+  EXPECT_EQ(s, 1024u);
+  char* p[3];
+  for (char*& q : p) q = c.allocate(s);
+  EXPECT_EQ(src.segments_, 1) << "three small tensors, one cudaMalloc";
+  EXPECT_EQ(c.reserved_bytes(), 2 * kMiB);
+  const char* lo = std::min({p[0], p[1], p[2]});
+  const char* hi = std::max({p[0], p[1], p[2]});
+  EXPECT_LE(static_cast<size_t>(hi + s - lo), 2 * kMiB) << "all three in the one segment";
+  EXPECT_TRUE(p[0] != p[1] && p[1] != p[2] && p[0] != p[2]);
+  for (char* q : p) EXPECT_TRUE(c.deallocate(q));
+  EXPECT_EQ(c.cached_bytes(), 2 * kMiB) << "merged back into one free segment";
+  c.trim(0);
+  EXPECT_EQ(src.segments_, 0);
+}
+
+// Out of device memory: the cache returns its wholly free segments to the source and retries
+// once; when that is not enough it returns nullptr and the blocks in use stay as they were.
+TEST(SegmentCache, OutOfMemoryReturnsTheFreeSegmentsAndRetries) {
+  BudgetSegments src(8 * kMiB);
+  sy::detail::SegmentCache c(src, SIZE_MAX);
+  char* a = c.allocate(4 * kMiB);
+  char* b = c.allocate(4 * kMiB);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  std::memset(b, 0x5a, 4 * kMiB);
+  ASSERT_TRUE(c.deallocate(a));
+  EXPECT_EQ(c.allocate(6 * kMiB), nullptr) << "4 MiB in use + 6 MiB > 8 MiB even after the trim";
+  EXPECT_EQ(src.segments_, 1) << "a's free segment went back to the source";
+  EXPECT_EQ(c.reserved_bytes(), 4 * kMiB);
+  EXPECT_EQ(static_cast<unsigned char>(b[4 * kMiB - 1]), 0x5au) << "b untouched";
+  ASSERT_TRUE(c.deallocate(b));
+  char* d = c.allocate(6 * kMiB);  // b's free segment is too small: returned, then a fresh one
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(src.segments_, 1);
+  EXPECT_EQ(c.reserved_bytes(), 6 * kMiB);
+  ASSERT_TRUE(c.deallocate(d));
+  c.trim(0);
+  EXPECT_EQ(src.used_, 0u);
+}
+
 TEST(CpuOnlyBuild, ReportsNoCuda) {
   SKIP_UNLESS_CPU_ONLY_BUILD();
   EXPECT_FALSE(sy::built_with_cuda());
@@ -496,7 +592,7 @@ TEST(CudaBuild, MemoryRoundTripsThroughTheDevice) {
   const Tensor h = Tensor::from_vector(std::vector<float>{1, -2, 3.5f, 4, 5, 6}, {2, 3});
   const Tensor d = h.to(sy::cuda_device());
   EXPECT_EQ(d.device(), sy::cuda_device());
-  EXPECT_EQ(std::string(sy::detail::allocator_for(d.device()).name()), "cuda (cudaMalloc)");
+  EXPECT_EQ(std::string(sy::detail::allocator_for(d.device()).name()), "cuda (caching)");
   const Tensor back = d.clone().to(kCpu);
   EXPECT_TRUE(sy::testing::bitwise_equal(back, h));
   const Tensor z = Tensor::zeros({2, 3}, DType::fp32, sy::cuda_device()).to(kCpu);
