@@ -13,7 +13,9 @@
 // step allocates the same large buffers (recv_x, combine outputs, gradients) every micro-batch, and
 // first-touch page faults on fresh memory cost more than the copies that fill it (measured in
 // bench_dispatch: a quarter of rank 0's time was the kernel zeroing pages). Large blocks are 2 MiB
-// aligned and advised for transparent huge pages.
+// aligned and advised for transparent huge pages. The bookkeeping is SegmentCache below, which the
+// CUDA allocator uses too (one per device, src/cuda/runtime.cpp), with a policy for memory that is
+// committed when allocated.
 #pragma once
 
 #include <cstddef>
