@@ -62,20 +62,30 @@ def _value(text: str, kind: type):
     return kind(text.replace("'", ""))
 
 
+def _kind(field) -> type:
+    return {"str": str, "int": int, "bool": bool, "float": float}[field.type]
+
+
 def load(header: pathlib.Path = HEADER) -> dict[str, MoeModel]:
-    """Every MoeModel of the header, by its name field. Raises ValueError on a field it cannot
-    read or a block that misses one."""
+    """Every MoeModel of the header, by its name field: the fields its block sets, the rest from
+    the struct's default member initialisers. Raises ValueError on a field it cannot read or one
+    that has neither."""
     src = header.read_text()
     fields = MoeModel.__dataclass_fields__
+    struct = re.search(r"struct MoeModel \{(.*?)\n\};", src, re.S)
+    if not struct:
+        raise ValueError(f"model_shapes.h: no struct MoeModel in {header}")
+    defaults = {m.group(1): _value(m.group(2), _kind(fields[m.group(1)]))
+                for m in re.finditer(r"^\s*[\w:]+\s+(\w+)\s*=\s*([^;]+);", struct.group(1), re.M)
+                if m.group(1) in fields}
     models = {}
     for block in re.finditer(r"inline constexpr MoeModel (\w+)\{(.*?)\};", src, re.S):
-        values = {}
+        values = dict(defaults)
         for m in re.finditer(r"\.(\w+)\s*=\s*([^,]+),", block.group(2)):
             key, text = m.group(1), m.group(2)
             if key not in fields:
                 raise ValueError(f"model_shapes.h: {block.group(1)} has unknown field {key}")
-            values[key] = _value(text, {"str": str, "int": int, "bool": bool,
-                                        "float": float}[fields[key].type])
+            values[key] = _value(text, _kind(fields[key]))
         missing = set(fields) - set(values)
         if missing:
             raise ValueError(f"model_shapes.h: {block.group(1)} misses {sorted(missing)}")

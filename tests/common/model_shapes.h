@@ -38,17 +38,19 @@ struct MoeModel {
   int64_t moe_ffn_hidden;  ///< F: one routed expert's intermediate size
   int64_t num_experts;     ///< E: routed experts
   int64_t top_k;           ///< K
-  ScoreFunction score_function;
-  int64_t num_groups;  ///< 0 = no group-limited routing
-  int64_t group_topk;
-  bool expert_bias;  ///< aux-loss-free balancing bias on the selection scores
-  double topk_scaling_factor;
-  int64_t num_shared_experts;
-  int64_t shared_expert_ffn_hidden;  ///< intermediate size of all shared experts together
-  int64_t num_layers;                ///< transformer layers
-  int64_t num_moe_layers;            ///< of which MoE
-  AuxLossType aux_loss_type;
-  double aux_loss_coeff;
+  // The rest defaults to the plain top-k softmax router (Qwen3's and Mixtral's): a model lists
+  // only what differs.
+  ScoreFunction score_function = ScoreFunction::softmax;
+  int64_t num_groups = 0;  ///< 0 = no group-limited routing
+  int64_t group_topk = 0;
+  bool expert_bias = false;  ///< aux-loss-free balancing bias on the selection scores
+  double topk_scaling_factor = 1.0;
+  int64_t num_shared_experts = 0;
+  int64_t shared_expert_ffn_hidden = 0;  ///< intermediate size of all shared experts together
+  int64_t num_layers = 0;                ///< transformer layers
+  int64_t num_moe_layers = 0;            ///< of which MoE
+  AuxLossType aux_loss_type = AuxLossType::aux_loss;
+  double aux_loss_coeff = 0.0;
 
   /// The router configuration of this model (losses as published; no capacity: all three are
   /// trained dropless in Megatron-Core's recipes).
@@ -73,16 +75,8 @@ inline constexpr MoeModel kQwen3_30B_A3B{
     .moe_ffn_hidden = 768,
     .num_experts = 128,
     .top_k = 8,
-    .score_function = ScoreFunction::softmax,
-    .num_groups = 0,
-    .group_topk = 0,
-    .expert_bias = false,
-    .topk_scaling_factor = 1.0,
-    .num_shared_experts = 0,
-    .shared_expert_ffn_hidden = 0,
     .num_layers = 48,
     .num_moe_layers = 48,
-    .aux_loss_type = AuxLossType::aux_loss,
     .aux_loss_coeff = 1e-3,
 };
 
@@ -113,16 +107,8 @@ inline constexpr MoeModel kMixtral8x7B{
     .moe_ffn_hidden = 14336,
     .num_experts = 8,
     .top_k = 2,
-    .score_function = ScoreFunction::softmax,
-    .num_groups = 0,
-    .group_topk = 0,
-    .expert_bias = false,
-    .topk_scaling_factor = 1.0,
-    .num_shared_experts = 0,
-    .shared_expert_ffn_hidden = 0,
     .num_layers = 32,
     .num_moe_layers = 32,
-    .aux_loss_type = AuxLossType::aux_loss,
     .aux_loss_coeff = 2e-2,
 };
 

@@ -99,18 +99,30 @@ TEST(Allocator, TheCpuAllocatorIsTheCachingHostOne) {
   sy::release_cached_memory();
 }
 
+// The host cache's tests: skipped under AddressSanitizer (no cache there), each starting from an
+// empty cache and releasing it at the end. reserved0 / cached0: what live large tensors of other
+// tests hold, if any.
+class HostCache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (std::string(a.name()) != "cpu (caching)")
+      GTEST_SKIP() << "AddressSanitizer build: no cache";
+    sy::release_cached_memory();
+    reserved0 = a.reserved_bytes();
+    cached0 = a.cached_bytes();
+  }
+  void TearDown() override { sy::release_cached_memory(); }
+  static constexpr int64_t MiB = int64_t{1} << 20;
+  sy::detail::Allocator& a = sy::detail::host_allocator();
+  int64_t reserved0 = 0, cached0 = 0;
+};
+
 // A fresh segment is twice its request; the rest (headroom) is a free piece. A request takes the
 // smallest free piece that holds its rounded size (best fit, the lower address among equal
 // sizes), splitting off the rest: from the piece's bottom, or from its top when the block before
 // the piece is in use (the room next to that block stays free for it to grow into). A freed piece
 // merges with its segment's free neighbours.
-TEST(Allocator, TakesTheSmallestFreePieceAndSplitsOffTheRest) {
-  sy::detail::Allocator& a = sy::detail::host_allocator();
-  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
-  constexpr int64_t MiB = int64_t{1} << 20;
-  sy::release_cached_memory();
-  ASSERT_EQ(a.cached_bytes(), 0);
-  const int64_t reserved0 = a.reserved_bytes();  // live large tensors of other tests, if any
+TEST_F(HostCache, TakesTheSmallestFreePieceAndSplitsOffTheRest) {
   const char* seg = nullptr;
   {
     Tensor t10 = Tensor::empty({10 * MiB}, DType::uint8);  // segment [0, 20): [0, 10) used
@@ -151,12 +163,7 @@ TEST(Allocator, TakesTheSmallestFreePieceAndSplitsOffTheRest) {
 // dispatcher's pack scratch, made while recv_x is alive) leaves the room next to that block free:
 // the next, larger recv_x grows into it at the same address (cut from the bottom of the headroom,
 // the scratch pinned recv_x at its first size and the larger one faulted a fresh segment).
-TEST(Allocator, ALongLivedBlockInTheHeadroomLeavesTheFirstBlockRoomToGrow) {
-  sy::detail::Allocator& a = sy::detail::host_allocator();
-  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
-  constexpr int64_t MiB = int64_t{1} << 20;
-  sy::release_cached_memory();
-  const int64_t reserved0 = a.reserved_bytes();
+TEST_F(HostCache, ALongLivedBlockInTheHeadroomLeavesTheFirstBlockRoomToGrow) {
   const void* first = nullptr;
   Tensor scratch;
   {
@@ -178,12 +185,7 @@ TEST(Allocator, ALongLivedBlockInTheHeadroomLeavesTheFirstBlockRoomToGrow) {
 
 // A segment a live tensor still uses part of is kept by release_cached_memory (its free part stays
 // cached) and freed once the tensor is.
-TEST(Allocator, ReleaseKeepsAPartlyUsedSegmentUntilItIsFree) {
-  sy::detail::Allocator& a = sy::detail::host_allocator();
-  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
-  constexpr int64_t MiB = int64_t{1} << 20;
-  sy::release_cached_memory();
-  const int64_t reserved0 = a.reserved_bytes();
+TEST_F(HostCache, ReleaseKeepsAPartlyUsedSegmentUntilItIsFree) {
   { const Tensor big = Tensor::empty({16 * MiB}, DType::uint8); }  // a 32 MiB segment
   {
     const Tensor part = Tensor::empty({4 * MiB}, DType::uint8);
@@ -200,11 +202,7 @@ TEST(Allocator, ReleaseKeepsAPartlyUsedSegmentUntilItIsFree) {
 
 // Steps whose buffers change size within the bound (recv_x under uniform routes) run on the first
 // step's memory: after it, the allocator holds the same bytes at every step.
-TEST(Allocator, BuffersOfChangingSizeReuseTheFirstStepsBlocks) {
-  sy::detail::Allocator& a = sy::detail::host_allocator();
-  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
-  sy::release_cached_memory();
-  const int64_t reserved0 = a.reserved_bytes();
+TEST_F(HostCache, BuffersOfChangingSizeReuseTheFirstStepsBlocks) {
   const int64_t H = 2048;
   // bf16 [rows, H]: 36.3, 32.0, 35.2, 30.9, 34.4, 35.5 MiB, in size classes (eighths of the power
   // of two) 40, 36, 36, 32, 36, 36 MiB; the first step's are the largest.
@@ -219,7 +217,6 @@ TEST(Allocator, BuffersOfChangingSizeReuseTheFirstStepsBlocks) {
     }
     EXPECT_EQ(a.cached_bytes(), first - reserved0) << "rows " << r;
   }
-  sy::release_cached_memory();
 }
 
 // Skewed routes: one rank's received rows swing by several times from step to step (a hot rank
@@ -227,11 +224,7 @@ TEST(Allocator, BuffersOfChangingSizeReuseTheFirstStepsBlocks) {
 // buffers are cut from the largest step's segments (the earlier allocator handed out only blocks
 // in [n, 2n) and faulted a fresh block for every step under half the largest), and the step's
 // other buffers (the rows returned to the source side, the combine output) fit beside them.
-TEST(Allocator, SkewedStepsAfterTheLargestRunOnItsMemory) {
-  sy::detail::Allocator& a = sy::detail::host_allocator();
-  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
-  sy::release_cached_memory();
-  const int64_t reserved0 = a.reserved_bytes();
+TEST_F(HostCache, SkewedStepsAfterTheLargestRunOnItsMemory) {
   const int64_t H = 2048, TK = 4096;  // fp32 rows of 8 KiB; TK rows return to the source side
   // Received rows per step (bench_dispatch skew:2 at EP 2 shrunk 8x: 1.8x, 0.2x, 1.6x, 0.3x,
   // 0.2x, 1.0x and 0.5x the mean of 4096).
@@ -252,12 +245,7 @@ TEST(Allocator, SkewedStepsAfterTheLargestRunOnItsMemory) {
 // A buffer that grows past its high-water mark by less than its size again (a hot rank receiving
 // 471 MiB after 428 MiB) is served from the headroom of its first segment, at the same address:
 // only the growth is new memory (exact-size segments faulted a whole new block).
-TEST(Allocator, ABufferGrowingPastItsHighWaterMarkUsesItsSegmentsHeadroom) {
-  sy::detail::Allocator& a = sy::detail::host_allocator();
-  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
-  constexpr int64_t MiB = int64_t{1} << 20;
-  sy::release_cached_memory();
-  const int64_t reserved0 = a.reserved_bytes();
+TEST_F(HostCache, ABufferGrowingPastItsHighWaterMarkUsesItsSegmentsHeadroom) {
   const void* first = nullptr;
   int64_t reserved1 = 0;
   for (const int64_t size : {56 * MiB, 40 * MiB, 62 * MiB, 100 * MiB, 70 * MiB}) {
@@ -270,16 +258,11 @@ TEST(Allocator, ABufferGrowingPastItsHighWaterMarkUsesItsSegmentsHeadroom) {
     EXPECT_EQ(a.reserved_bytes(), reserved1) << size / MiB << " MiB";
   }
   EXPECT_EQ(reserved1 - reserved0, 112 * MiB);
-  sy::release_cached_memory();
 }
 
 // Seeded random allocations and frees of large tensors (1-48 MiB, up to 12 alive): no two live
 // blocks overlap, and once all are freed every byte is back in the cache and released.
-TEST(Allocator, RandomAllocationsNeverOverlapAndAllMemoryComesBack) {
-  sy::detail::Allocator& a = sy::detail::host_allocator();
-  if (std::string(a.name()) != "cpu (caching)") GTEST_SKIP() << "AddressSanitizer build: no cache";
-  sy::release_cached_memory();
-  const int64_t reserved0 = a.reserved_bytes(), cached0 = a.cached_bytes();
+TEST_F(HostCache, RandomAllocationsNeverOverlapAndAllMemoryComesBack) {
   std::mt19937_64 rng(20261201);
   std::uniform_int_distribution<int64_t> bytes(int64_t{1} << 20, int64_t{48} << 20);
   std::vector<Tensor> live;
