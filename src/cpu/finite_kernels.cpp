@@ -14,9 +14,8 @@ namespace {
 
 template <class U>
 int64_t first_in(const U* u, int64_t i0, int64_t i1) {
-  constexpr U kExp = simd::exponent_mask<U>();
   for (int64_t i = i0; i < i1; ++i)
-    if ((u[i] & kExp) == kExp) return i;
+    if (simd::is_non_finite(u[i])) return i;
   return i1;
 }
 

@@ -102,11 +102,22 @@ enum class Chain { start, resume };
 
 // Software prefetch (into L2) of `rows` row segments of `seg_bytes` each, `stride` bytes apart,
 // one 64-byte line per step(): the grad_w microkernel steps it every few iterations of its
-// k loop, so the next token block's x lines arrive while this block computes, without a burst of
-// prefetches that would stall on the line-fill buffers. Moves no value into any result.
+// k loop, the forward a share before each tile (burst()), so the next data arrives while this
+// block computes, without one burst of prefetches that would stall on the line-fill buffers.
+// Moves no value into any result.
 struct LinePrefetch {
   const char* row = nullptr;
   int64_t stride = 0, seg_bytes = 0, off = 0, rows = 0;
+  static LinePrefetch of(const void* first, int64_t stride, int64_t seg_bytes, int64_t rows) {
+    return LinePrefetch{static_cast<const char*>(first), stride, seg_bytes, 0, rows};
+  }
+  // Steps per call when the lines left are spread over `calls` calls.
+  int64_t share(int64_t calls) const {
+    return (rows * ((seg_bytes + 63) / 64) + calls - 1) / calls;
+  }
+  void burst(int64_t n) {
+    for (int64_t i = 0; i < n; ++i) step();
+  }
   void step() {
     if (rows == 0) return;
     __builtin_prefetch(row + off, 0, 2);
@@ -241,22 +252,20 @@ struct EdgeTile {
 // and its first `nvalid` (1..kBW) columns, kTW columns per tile; the columns of a tile past
 // nvalid are computed in a local buffer (their B columns are zero padding) and dropped, so each
 // stored value is the same per-lane chain as in a full tile. `bias` (kBW values, or null) is added
-// after the chain; `pf` (or null) is stepped about kc/4 times, by the panel's first tile (inside
-// its k loop for a packed A tile, the grad_w case; before it otherwise). A(i,k) = a[i*a_rs +
-// k*a_cs] is either rows of a matrix (a_cs = 1) or a packed tile (a_rs = 1, a_cs = kMR).
+// after the chain; `pf` (or null; only with a packed A tile, the grad_w case) is stepped about
+// kc/4 times inside the k loop of the panel's first tile. A(i,k) = a[i*a_rs + k*a_cs] is either
+// rows of a matrix (a_cs = 1) or a packed tile (a_rs = 1, a_cs = kMR).
 template <class Acc>
 void micro_panel(int64_t mr, int64_t nvalid, int64_t kc, const Acc* a, int64_t a_rs, int64_t a_cs,
                  const Acc* b, Acc* c, int64_t ldc, Chain chain, const Acc* bias = nullptr,
                  LinePrefetch* pf = nullptr) {
-  assert(a_cs == 1 || (a_rs == 1 && a_cs == kMR));
+  assert((a_cs == 1 && !pf) || (a_rs == 1 && a_cs == kMR));
   constexpr int W = kTW<Acc>;
   for (int64_t j = 0; j < nvalid; j += W) {
     EdgeTile<Acc, W> edge(mr, std::min<int64_t>(W, nvalid - j), c + j, ldc, chain);
     const Acc* const bj = bias ? bias + j : nullptr;
     LinePrefetch* const pj = j == 0 ? pf : nullptr;
     if (a_cs == 1) {
-      if (pj)
-        for (int64_t k = 0; k < kc; k += 4) pj->step();
       micro_rows<Acc, false, ALayout::rows>(mr, kc, a, a_rs, b + j, edge.c, edge.ldc, chain, bj,
                                             nullptr);
     } else if (pj) {
@@ -394,13 +403,11 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
         LinePrefetch wpf;
         if (!last || blk + 1 < nblk) {
           const int64_t nk = last ? 0 : k0 + kc;
-          wpf.row = reinterpret_cast<const char*>(wp.p + nk * NR);
-          wpf.stride = H * NR * static_cast<int64_t>(sizeof(Acc));  // panel to panel
-          wpf.seg_bytes = std::min(kKC, H - nk) * NR * static_cast<int64_t>(sizeof(Acc));
-          wpf.rows = npanel;
+          wpf = LinePrefetch::of(wp.p + nk * NR, H * NR * static_cast<int64_t>(sizeof(Acc)),
+                                 std::min(kKC, H - nk) * NR * static_cast<int64_t>(sizeof(Acc)),
+                                 npanel);  // one segment per panel
         }
-        const int64_t ntiles = (t1 - t0 + kMR - 1) / kMR * npanel;
-        const int64_t wpf_per = (wpf.rows * ((wpf.seg_bytes + 63) / 64) + ntiles - 1) / ntiles;
+        const int64_t wpf_per = wpf.share((t1 - t0 + kMR - 1) / kMR * npanel);
         for (int64_t tt = t0; tt < t1; tt += kMR) {
           const int64_t mr = std::min<int64_t>(kMR, t1 - tt);
           // The x rows of the next strip (or the block's first strip at the next k step) are
@@ -415,13 +422,12 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
             const bool next_strip = tt + kMR < t1;
             const int64_t nt = next_strip ? tt + kMR : t0, nk = next_strip ? k0 : k0 + kc;
             if (nk < H) {
-              pf.row = reinterpret_cast<const char*>(x + nt * H + nk);
-              pf.stride = H * static_cast<int64_t>(sizeof(XT));
-              pf.seg_bytes = std::min(kKC, H - nk) * static_cast<int64_t>(sizeof(XT));
-              pf.rows = std::min<int64_t>(kMR, t1 - nt);
+              pf = LinePrefetch::of(x + nt * H + nk, H * static_cast<int64_t>(sizeof(XT)),
+                                    std::min(kKC, H - nk) * static_cast<int64_t>(sizeof(XT)),
+                                    std::min<int64_t>(kMR, t1 - nt));
             }
           }
-          const int64_t pf_per_panel = (pf.rows * ((pf.seg_bytes + 63) / 64) + npanel - 1) / npanel;
+          const int64_t pf_per_panel = pf.share(npanel);
           const Acc* a;
           int64_t a_rs;
           if constexpr (kDirect) {
@@ -438,8 +444,8 @@ void forward_impl(const XT* x, const WT* w, const BT* bias, Acc* out, int64_t T,
           }
           for (int64_t p = 0; p < npanel; ++p) {
             const int64_t nvalid = std::min<int64_t>(NR, E - p * NR);
-            for (int64_t i = 0; i < pf_per_panel; ++i) pf.step();
-            for (int64_t i = 0; i < wpf_per; ++i) wpf.step();
+            pf.burst(pf_per_panel);
+            wpf.burst(wpf_per);
             micro_panel<Acc>(mr, nvalid, kc, a, a_rs, 1, wp.p + (p * H + k0) * NR,
                              out + tt * E + p * NR, E, chain,
                              (last && bias) ? bpad.p + p * NR : nullptr);
@@ -886,10 +892,9 @@ bool backward_impl(const Acc* g, const XT* x, const WT* w, XT* grad_x, WT* grad_
         // The next token block's x segments, prefetched while this block computes.
         LinePrefetch pf;
         if (k0 + kKC < T) {
-          pf.row = reinterpret_cast<const char*>(x + (k0 + kKC) * H + h0);
-          pf.stride = H * static_cast<int64_t>(sizeof(XT));
-          pf.seg_bytes = (h1 - h0) * static_cast<int64_t>(sizeof(XT));
-          pf.rows = std::min(kKC, T - k0 - kKC);
+          pf = LinePrefetch::of(x + (k0 + kKC) * H + h0, H * static_cast<int64_t>(sizeof(XT)),
+                                (h1 - h0) * static_cast<int64_t>(sizeof(XT)),
+                                std::min(kKC, T - k0 - kKC));
         }
         for (int64_t p = p0; p < p1; ++p) {
           const Acc* b = xp + (p - p0) * kc * BW;

@@ -121,16 +121,21 @@ constexpr U exponent_mask() {
   }
 }
 
-/// Whether any of p[0, n) is NaN or Inf, branch-free over the range: an integer test on the bits
-/// (vectorises; no FP compare, so no FP exception or -ffast-math assumption is involved). The one
-/// non-finite test of the kernels: the front-ends' scan (finite_kernels.cpp) and the checks the
-/// gate backward folds into its own passes.
+/// Whether v / any of p[0, n) is NaN or Inf (the latter branch-free over the range): an integer
+/// test on the bits (vectorises; no FP compare, so no FP exception or -ffast-math assumption is
+/// involved). The one non-finite test of the kernels: the front-ends' scan (finite_kernels.cpp) and
+/// the checks the gate backward folds into its own passes.
+template <class T>
+inline bool is_non_finite(T v) {
+  using U = decltype(value_bits(v));
+  constexpr U kExp = exponent_mask<U>();
+  return (value_bits(v) & kExp) == kExp;
+}
 template <class T>
 inline bool any_non_finite(const T* p, int64_t n) {
-  using U = decltype(value_bits(p[0]));
-  constexpr U kExp = exponent_mask<U>();
+  using U = decltype(value_bits(p[0]));  // an accumulator of the element's width vectorises
   U bad = 0;
-  for (int64_t i = 0; i < n; ++i) bad |= static_cast<U>((value_bits(p[i]) & kExp) == kExp);
+  for (int64_t i = 0; i < n; ++i) bad |= static_cast<U>(is_non_finite(p[i]));
   return bad != 0;
 }
 
