@@ -317,13 +317,24 @@ void sparse_backward_splits_match_chain(int threads) {
       .grad_logits_topk(4)
       .threads(threads)
       .TestBackward();
-  GateTester()  // fp32 grad_x over 8 MB: written with non-temporal stores
+  // fp32 grad_x over 8 MB with every row on a cache line: streamed in 128-byte sub-segments, each
+  // over all tokens, the last segment's last one half used (2128 = 2·1024 + 2·32 + 16)
+  GateTester()
       .tokens(1030)
-      .hidden(2112)
+      .hidden(2128)
       .experts(32)
       .x(DType::fp32)
       .weight(DType::fp32)
       .grad_logits_topk(2)
+      .threads(threads)
+      .TestBackward();
+  GateTester()  // the same size with rows off the line grid: written through the caches, by token
+      .tokens(1030)
+      .hidden(2111)
+      .experts(32)
+      .x(DType::fp32)
+      .weight(DType::fp32)
+      .grad_logits_topk(3)
       .threads(threads)
       .TestBackward();
   GateTester()  // E 512: segments of 512 columns
@@ -388,9 +399,10 @@ void sparse_backward_keeps_the_dense_sign_of_zero(int64_t T, int64_t H) {
 TEST(Gate, BackwardOfSparseGradLogitsKeepsTheDenseSignOfZero) {
   sparse_backward_keeps_the_dense_sign_of_zero(16, 70);
 }
-// grad_x of 8 MB and more is written with non-temporal stores, and the -0 fix-up reads it back.
+// grad_x of 8 MB and more is written with non-temporal stores, and the -0 fix-up reads it back
+// (2064 = 2·1024 + 16: the last sub-segment is partial).
 TEST(Gate, BackwardOfSparseGradLogitsKeepsTheDenseSignOfZeroInAStreamedGradX) {
-  sparse_backward_keeps_the_dense_sign_of_zero(1024, 2048);
+  sparse_backward_keeps_the_dense_sign_of_zero(1024, 2064);
 }
 
 // Gradients against central finite differences of L = Σ logits ⊙ R, all in fp64.
