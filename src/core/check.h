@@ -19,6 +19,18 @@ std::string cat(const Args&... args) {
   return os.str();
 }
 
+/// `path` (a __FILE__) from its last "src/" directory on, so a message names
+/// "src/routes/route_file.cpp" whatever directory the build ran in (through ccache, whose
+/// CCACHE_BASEDIR makes the compiler see "../src/...").
+constexpr const char* source_file(const char* path) {
+  const char* from = path;
+  for (const char* p = path; *p; ++p)
+    if ((p == path || p[-1] == '/') && p[0] == 's' && p[1] == 'r' && p[2] == 'c' && p[3] == '/')
+      from = p;
+  return from;
+}
+#define SY_SOURCE_FILE (::switchyard::detail::source_file(__FILE__))
+
 /// Throw std::invalid_argument("[op] " + message parts).
 template <class... Args>
 [[noreturn]] void fail_arg(const char* op, const Args&... args) {

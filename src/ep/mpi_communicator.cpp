@@ -32,7 +32,7 @@ void check_mpi(int rc, const char* call, int rank, const char* file, int line) {
                                  " (error code ", rc, ", rank ", rank, ", ", file, ":", line, ")"));
 }
 
-#define SY_MPI_CHECK(call) check_mpi((call), #call, rank_, __FILE__, __LINE__)
+#define SY_MPI_CHECK(call) check_mpi((call), #call, rank_, SY_SOURCE_FILE, __LINE__)
 
 void require_initialized(const char* fn) {
   int init = 0, fin = 0;
@@ -41,7 +41,7 @@ void require_initialized(const char* fn) {
   if (!init || fin) {
     throw BackendError(
         detail::cat("[dist] ", fn, ": MPI is ", fin ? "finalized" : "not initialised",
-                    "; call MPI_Init (or import mpi4py) first (", __FILE__, ":", __LINE__, ")"));
+                    "; call MPI_Init (or import mpi4py) first (", SY_SOURCE_FILE, ":", __LINE__, ")"));
   }
 }
 
@@ -51,7 +51,7 @@ class RowType {
   RowType(int64_t bytes, int rank) : rank_(rank) {
     if (bytes <= 0 || bytes > INT_MAX) {
       throw BackendError(detail::cat("[dist] element size ", bytes,
-                                     " bytes is outside (0, INT_MAX] (rank ", rank, ", ", __FILE__,
+                                     " bytes is outside (0, INT_MAX] (rank ", rank, ", ", SY_SOURCE_FILE,
                                      ":", __LINE__, ")"));
     }
     if (bytes == 1) {
@@ -102,7 +102,7 @@ double collective_timeout(int rank) {
   if (end == v || *end != '\0' || !std::isfinite(t) || t < 0.0) {
     throw BackendError(detail::cat("[dist] SWITCHYARD_COLLECTIVE_TIMEOUT must be a number of ",
                                    "seconds >= 0 (0 = no timeout), got \"", v, "\" (rank ", rank,
-                                   ", ", __FILE__, ":", __LINE__, ")"));
+                                   ", ", SY_SOURCE_FILE, ":", __LINE__, ")"));
   }
   return t;
 }
@@ -232,7 +232,7 @@ class MpiCommunicator final : public Communicator {
       if (self_send.size() != self_recv.size()) {
         throw BackendError(detail::cat(
             "[dist] exchange_blocks: ", self_send.size(), " blocks to self but ", self_recv.size(),
-            " from self (rank ", rank_, ", ", __FILE__, ":", __LINE__, ")"));
+            " from self (rank ", rank_, ", ", SY_SOURCE_FILE, ":", __LINE__, ")"));
       }
       for (size_t i = 0; i < self_send.size(); ++i) {
         std::memcpy(d + self_recv[i]->offset * row_bytes, s + self_send[i]->offset * row_bytes,
@@ -274,7 +274,7 @@ class MpiCommunicator final : public Communicator {
   int to_int(int64_t v) const {
     if (v < 0 || v > INT_MAX) {
       throw BackendError(detail::cat("[dist] count ", v, " is outside the int range of MPI (rank ",
-                                     rank_, ", ", __FILE__, ":", __LINE__, ")"));
+                                     rank_, ", ", SY_SOURCE_FILE, ":", __LINE__, ")"));
     }
     return static_cast<int>(v);
   }
@@ -305,7 +305,7 @@ class MpiCommunicator final : public Communicator {
     const auto deadline = clock::now() + std::chrono::duration<double>(timeout_);
     for (int spins = 0;; ++spins) {
       int done = 0;
-      check_mpi(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), call, rank_, __FILE__, __LINE__);
+      check_mpi(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), call, rank_, SY_SOURCE_FILE, __LINE__);
       if (done) return;
       if (clock::now() > deadline) {
         broken_ = call;
@@ -313,7 +313,7 @@ class MpiCommunicator final : public Communicator {
             "[dist] ", call, " did not complete within ", timeout_,
             " s (SWITCHYARD_COLLECTIVE_TIMEOUT) on rank ", rank_, " of ", size_,
             ": another rank is not in the same collective (a different number of calls, or a ",
-            "failure outside the error agreement); this communicator is unusable now (", __FILE__,
+            "failure outside the error agreement); this communicator is unusable now (", SY_SOURCE_FILE,
             ":", __LINE__, ")"));
       }
       // Spin briefly (latency), then yield the core (ranks may share cores).
@@ -325,7 +325,7 @@ class MpiCommunicator final : public Communicator {
       throw BackendError(detail::cat(
           "[dist] the mpi communicator (rank ", rank_, " of ", size_, ") is unusable: ", broken_,
           " timed out earlier (SWITCHYARD_COLLECTIVE_TIMEOUT) and MPI ",
-          "cannot cancel it; end the job (", __FILE__, ":", __LINE__, ")"));
+          "cannot cancel it; end the job (", SY_SOURCE_FILE, ":", __LINE__, ")"));
     }
   }
 

@@ -45,7 +45,7 @@ std::string encode_header(const RouteFileInfo& info) {
 
 [[noreturn]] void io_fail(const std::string& call, const std::string& path) {
   throw BackendError(
-      cat(call, "(", path, "): ", std::strerror(errno), " (", __FILE__, ":", __LINE__, ")"));
+      cat(call, "(", path, "): ", std::strerror(errno), " (", SY_SOURCE_FILE, ":", __LINE__, ")"));
 }
 
 }  // namespace
