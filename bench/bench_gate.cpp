@@ -175,10 +175,12 @@ void BM_GateBackward(benchmark::State& state) {
 // The backward after top-k routing without aux or z loss: grad_logits has K nonzeros per row, and
 // the kernels run the chains over those terms only (bitwise the dense result). Rates count the
 // dense product's flops (4·T·H·E), so vs_peak above 1 is the sparsity at work; the peer row is
-// BM_SgemmBackwardShapes (dense sgemm does not look at zeros). Arguments: T, H, E, K, threads.
-void BM_GateBackwardTopK(benchmark::State& state) {
+// BM_SgemmBackwardShapes (dense sgemm does not look at zeros). Arguments: T, H, E, K, threads;
+// x and W bf16, or fp32 (the ...Fp32 row: grad_x is then large enough to be written around the
+// caches).
+void topk_backward(benchmark::State& state, DType dtype) {
   const int64_t T = state.range(0), H = state.range(1), E = state.range(2), K = state.range(3);
-  Inputs in = make_inputs(DType::bf16, T, H, E);
+  Inputs in = make_inputs(dtype, T, H, E);
   std::mt19937_64 rng(11);
   float* g = in.g.data<float>();
   for (int64_t t = 0; t < T; ++t) {
@@ -195,6 +197,9 @@ void BM_GateBackwardTopK(benchmark::State& state) {
       },
       T);
 }
+
+void BM_GateBackwardTopK(benchmark::State& state) { topk_backward(state, DType::bf16); }
+void BM_GateBackwardTopKFp32(benchmark::State& state) { topk_backward(state, DType::fp32); }
 
 // The backward kernel alone (src/cpu), into outputs allocated once: without the front-end's
 // argument scan and the page faults of fresh output tensors, which the row above includes.
@@ -319,6 +324,7 @@ BENCHMARK(BM_SgemmForwardShape)->Apply(thread_args);
 BENCHMARK(BM_GateBackward)->Apply(backward_args);
 BENCHMARK(BM_GateBackwardKernel)->Apply(backward_args);
 BENCHMARK(BM_GateBackwardTopK)->Apply(topk_backward_args);
+BENCHMARK(BM_GateBackwardTopKFp32)->Apply(topk_backward_args);
 BENCHMARK(BM_SgemmBackwardShapes)->Apply(backward_args);
 BENCHMARK(BM_GateForwardTokens)->Apply(token_args);
 BENCHMARK(BM_SgemmForwardTokens)->Apply(token_args);

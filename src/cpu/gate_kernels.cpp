@@ -551,12 +551,19 @@ bool sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
   const int32_t* const col = r.col.p;
   const Acc* const val = r.val.p;
   constexpr bool kDirectX = std::is_same_v<XT, Acc>;
-  // A large fp32/fp64 grad_x is written around the caches: its lines are not read in first. Its
-  // memory is usually cold (last written a step ago, the other layers ran since): in the router
-  // benchmark, which alternates with PyTorch's step, DeepSeek-V3's fp32 backward 13.1 -> 10.9 ms.
-  // Streamed only when every row starts on a cache line (torch's 64-byte-aligned tensors with H a
-  // multiple of 16 fp32 values), so each 128-byte sub-segment below is two whole lines.
-  const bool stream_x = kDirectX && T * H * static_cast<int64_t>(sizeof(XT)) >= kStreamMin &&
+  // A large grad_x is written around the caches: its lines are not read in first. Its memory is
+  // usually cold (last written a step ago, the other layers ran since): in the router benchmark,
+  // which alternates with PyTorch's step, DeepSeek-V3's fp32 backward 13.1 -> 10.9 ms. fp32/fp64
+  // rows are streamed from the registers, bf16 rows (an fp32 router) as each 32-value sub-segment
+  // is rounded. Streamed only when every row starts on a cache line (torch's 64-byte-aligned
+  // tensors, H·size a multiple of 64), so each sub-segment below is whole lines.
+#ifdef SY_SIMD_AVX2
+  constexpr bool kStreamBf16 = std::is_same_v<XT, bf16> && std::is_same_v<Acc, float>;
+#else
+  constexpr bool kStreamBf16 = false;
+#endif
+  const bool stream_x = (kDirectX || kStreamBf16) &&
+                        T * H * static_cast<int64_t>(sizeof(XT)) >= kStreamMin &&
                         reinterpret_cast<uintptr_t>(grad_x) % 64 == 0 &&
                         H * static_cast<int64_t>(sizeof(XT)) % 64 == 0;
   const int nthreads = omp_get_max_threads();
@@ -648,7 +655,7 @@ bool sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
         bool negative_zero = false;
         if (n == kGxS) {
           for (int i = 0; i < kGxV; ++i) negative_zero |= a[i].any_negative_zero();
-          if (stream_x) {
+          if (kDirectX && stream_x) {
             for (int i = 0; i < kGxV; ++i) a[i].stream(out + i * L);
             if (negative_zero) simd::stream_fence();  // read back below
           } else {
@@ -669,6 +676,16 @@ bool sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
             out[h] = d;
           }
         }
+#ifdef SY_SIMD_AVX2
+        if constexpr (kStreamBf16) {
+          if (stream_x && n == kGxS) {
+            static_assert(kGxS == 32);
+            simd::stream16_bf16(grad_x + t * H + hb + s, out);
+            simd::stream16_bf16(grad_x + t * H + hb + s + 16, out + 16);
+            return;
+          }
+        }
+#endif
         if constexpr (!kDirectX) store_row<XT, Acc>(grad_x + t * H + hb + s, out, n);
       };
       // Streamed, each sub-segment runs over all the block's tokens, so its W (E x kGxS, 32 KB at

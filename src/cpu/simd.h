@@ -93,11 +93,21 @@ inline __m256i round8_bf16(__m256 f) {
   return _mm256_blendv_epi8(r, q, nan);
 }
 
-/// dst[0:16] = float_to_bf16(src[0:16]).
-inline void store16_bf16(bf16* dst, const float* src) {
+/// float_to_bf16(src[0:16]), in order.
+inline __m256i round16_bf16(const float* src) {
   const __m256i packed =
       _mm256_packus_epi32(round8_bf16(_mm256_loadu_ps(src)), round8_bf16(_mm256_loadu_ps(src + 8)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute4x64_epi64(packed, 0xD8));
+  return _mm256_permute4x64_epi64(packed, 0xD8);
+}
+
+/// dst[0:16] = float_to_bf16(src[0:16]).
+inline void store16_bf16(bf16* dst, const float* src) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), round16_bf16(src));
+}
+
+/// The same with a non-temporal store (around the caches; dst 32-byte aligned).
+inline void stream16_bf16(bf16* dst, const float* src) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), round16_bf16(src));
 }
 #endif
 

@@ -328,6 +328,13 @@ void sparse_backward_splits_match_chain(int threads) {
       .grad_logits_topk(2)
       .threads(threads)
       .TestBackward();
+  GateTester()  // bf16 grad_x over 8 MB on the line grid: rounded and streamed per sub-segment
+      .tokens(2020)
+      .hidden(2080)
+      .experts(32)
+      .grad_logits_topk(2)
+      .threads(threads)
+      .TestBackward();
   GateTester()  // the same size with rows off the line grid: written through the caches, by token
       .tokens(1030)
       .hidden(2111)
@@ -366,19 +373,19 @@ TEST(GateBackward, SparseWorkSplitMatchesChainTwoThreads) { sparse_backward_spli
 // to -0, followed by zero terms with +0 products. The dense chain turns -0 into +0
 // (fma(0, w > 0, -0) = +0); the result must be that +0.
 namespace {
-void sparse_backward_keeps_the_dense_sign_of_zero(int64_t T, int64_t H) {
+void sparse_backward_keeps_the_dense_sign_of_zero(int64_t T, int64_t H, DType xw = DType::fp32) {
   IsaGuard guard;
   const int64_t E = 16;
-  Tensor x = Tensor::empty({T, H}, DType::fp32), w = Tensor::empty({E, H}, DType::fp32);
+  std::vector<float> xv(static_cast<size_t>(T * H), 1.0f), wv(static_cast<size_t>(E * H), 1.0f);
   Tensor g = Tensor::empty({T, E}, DType::fp32);
-  for (int64_t i = 0; i < T * H; ++i) x.data<float>()[i] = 1.0f;
-  for (int64_t i = 0; i < E * H; ++i) w.data<float>()[i] = 1.0f;
   for (int64_t i = 0; i < T * E; ++i) g.data<float>()[i] = 0.0f;
   for (int64_t h = 0; h < H; ++h) {
-    w.data<float>()[2 * H + h] = -1e-30f;  // g[0,2] · w[2,h] = -1e-60: rounds to -0
-    x.data<float>()[0 * H + h] = -1e-30f;  // g[0,2] · x[0,h] likewise
+    wv[static_cast<size_t>(2 * H + h)] = -1e-30f;  // g[0,2] · w[2,h] = -1e-60: rounds to -0
+    xv[static_cast<size_t>(0 * H + h)] = -1e-30f;  // g[0,2] · x[0,h] likewise
   }
   g.data<float>()[0 * E + 2] = 1e-30f;
+  const Tensor x = Tensor::from_vector(xv, {T, H}).to(xw);
+  const Tensor w = Tensor::from_vector(wv, {E, H}).to(xw);
   for (sy::CpuIsa isa : {sy::CpuIsa::scalar, sy::CpuIsa::avx2, sy::CpuIsa::avx512}) {
     if (!sy::cpu_supports(isa)) continue;
     SCOPED_TRACE(std::string("isa ") + sy::cpu_isa_name(isa) + " T=" + std::to_string(T) +
@@ -390,8 +397,9 @@ void sparse_backward_keeps_the_dense_sign_of_zero(int64_t T, int64_t H) {
     EXPECT_TRUE(bitwise_equal(gr.grad_x, cx)) << "grad_x";
     EXPECT_TRUE(bitwise_equal(gr.grad_weight, cw)) << "grad_weight";
     // The dense chains end at +0 (the zero terms after the underflow), not at -0.
-    EXPECT_FALSE(std::signbit(gr.grad_x.data<float>()[0])) << "grad_x[0,0]";
-    EXPECT_FALSE(std::signbit(gr.grad_weight.data<float>()[2 * H])) << "grad_weight[2,0]";
+    EXPECT_FALSE(std::signbit(gr.grad_x.to_double_vector()[0])) << "grad_x[0,0]";
+    EXPECT_FALSE(std::signbit(gr.grad_weight.to_double_vector()[static_cast<size_t>(2 * H)]))
+        << "grad_weight[2,0]";
   }
 }
 }  // namespace
@@ -403,6 +411,10 @@ TEST(Gate, BackwardOfSparseGradLogitsKeepsTheDenseSignOfZero) {
 // (2064 = 2·1024 + 16: the last sub-segment is partial).
 TEST(Gate, BackwardOfSparseGradLogitsKeepsTheDenseSignOfZeroInAStreamedGradX) {
   sparse_backward_keeps_the_dense_sign_of_zero(1024, 2064);
+}
+// bf16 x/W: the fix-up runs on the fp32 sub-segment before it is rounded and streamed.
+TEST(Gate, BackwardOfSparseGradLogitsKeepsTheDenseSignOfZeroInAStreamedBf16GradX) {
+  sparse_backward_keeps_the_dense_sign_of_zero(2048, 2080, DType::bf16);
 }
 
 // Gradients against central finite differences of L = Σ logits ⊙ R, all in fp64.
