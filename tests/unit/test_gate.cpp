@@ -344,6 +344,17 @@ void sparse_backward_splits_match_chain(int threads) {
       .grad_logits_topk(3)
       .threads(threads)
       .TestBackward();
+  // fp32 grad_weight of 4 MB and more with rows of whole lines: streamed chunk row by chunk row,
+  // the last chunk 16 columns (2064 = 4·512 + 16)
+  GateTester()
+      .tokens(300)
+      .hidden(2064)
+      .experts(512)
+      .x(DType::fp32)
+      .weight(DType::fp32)
+      .grad_logits_topk(8)
+      .threads(threads)
+      .TestBackward();
   GateTester()  // E 512: segments of 512 columns
       .tokens(100)
       .hidden(700)
