@@ -4,7 +4,7 @@ upcast to fp32, torch.mm, torch.topk, softmax over the selected logits, aux loss
 softmax), with the same thread count. Prints times and ratios (torch / switchyard: > 1 means
 switchyard is faster).
 
-    PYTHONPATH=build/python python bench/py_router_vs_torch.py [--quick] [--threads N]
+    PYTHONPATH=build/python python bench/py_router_vs_torch.py [--quick] [--threads N] [--reps N]
 """
 import argparse
 import os
@@ -77,10 +77,13 @@ def main():
     # One thread by default: on a shared 2-core machine two OpenMP pools (torch's and ours) each
     # waiting at barriers for a descheduled thread turn timings into scheduler noise.
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=0,
+                    help="alternated repetitions per row (default 9, 3 with --quick); the medians "
+                         "settle with more on a machine whose speed drifts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sy.set_num_threads(args.threads)
-    reps = 3 if args.quick else 9
+    reps = args.reps or (3 if args.quick else 9)
     # Qwen3-30B-A3B router (H 2048, E 128, K 8) and DeepSeek-V3's (H 7168, E 256, K 8, groups 8/4,
     # sigmoid) with the token count scaled to this machine.
     q, d = QWEN3_30B_A3B, DEEPSEEK_V3
