@@ -510,6 +510,14 @@ inline void load_row(Acc* dst, const XT* src) {
 constexpr int64_t kStreamMin = int64_t{8} << 20;  // grad_x bytes from which it is streamed
 constexpr int64_t kSparseDensityInv = 8;          // sparse when at most one term in 8 is nonzero
 
+// Whether an output of `rows` rows of `row_bytes` at p, at least `min_bytes` in all, is written
+// around the caches: large enough, and every row starting on a cache line, so the kernels' pieces
+// of a row are whole lines.
+inline bool streamed_rows(const void* p, int64_t rows, int64_t row_bytes, int64_t min_bytes) {
+  return rows * row_bytes >= min_bytes && reinterpret_cast<uintptr_t>(p) % 64 == 0 &&
+         row_bytes % 64 == 0;
+}
+
 // Nonzeros of g [T,E] by token: row t's terms are (col[j], val[j]) for j in [ptr[t], ptr[t+1]),
 // e ascending.
 template <class Acc>
@@ -573,9 +581,7 @@ bool sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
   constexpr bool kStreamBf16 = false;
 #endif
   const bool stream_x = (kDirectX || kStreamBf16) &&
-                        T * H * static_cast<int64_t>(sizeof(XT)) >= kStreamMin &&
-                        reinterpret_cast<uintptr_t>(grad_x) % 64 == 0 &&
-                        H * static_cast<int64_t>(sizeof(XT)) % 64 == 0;
+                        streamed_rows(grad_x, T, H * static_cast<int64_t>(sizeof(XT)), kStreamMin);
   const int nthreads = omp_get_max_threads();
   // grad_x segments of xb columns: the packed W segment (E x xb) at most 1 MB, at most 1024
   // columns (DeepSeek-V3: 1024 of fp32 for E 256; Qwen3-30B-A3B's E 128 also 1024), computed in
@@ -620,10 +626,9 @@ bool sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
   // the end, into memory as cold as grad_x's (through the caches every line was read in first).
   // DeepSeek-V3 fp32 (7 MB; kernel A/B, medians of 11): 11.51 -> 10.00 ms at 1 thread, 11.53 ->
   // 10.11 after a 256 MB write. Only when every chunk row is whole lines (hc is a multiple of 64).
-  const bool stream_w = std::is_same_v<WT, Acc> &&
-                        E * H * static_cast<int64_t>(sizeof(WT)) >= kStreamMin / 2 &&
-                        reinterpret_cast<uintptr_t>(grad_w) % 64 == 0 &&
-                        H * static_cast<int64_t>(sizeof(WT)) % 64 == 0;
+  const bool stream_w =
+      std::is_same_v<WT, Acc> &&
+      streamed_rows(grad_w, E, H * static_cast<int64_t>(sizeof(WT)), kStreamMin / 2);
   Scratch<Acc> waccs(nthreads * E * hc);                  // per-thread chains of a chunk
   Scratch<Acc> xpacks(nthreads * std::min(T, kTB) * hc);  // per-thread packed x rows of a block
   Scratch<Acc> wpacks(nthreads * E * xb);                 // per-thread packed W segment
@@ -797,7 +802,7 @@ bool sparse_backward(const SparseRows<Acc>& r, const Acc* g, const XT* x, const 
             assert(nv % L == 0);  // H·size is a multiple of 64 bytes
             for (int64_t h = 0; h < nv; h += L) V::load(arow + h).stream(dst + h);
           } else {
-            for (int64_t h = 0; h < nv; ++h) dst[h] = arow[h];
+            store_row<WT, Acc>(dst, arow, nv);
           }
         } else {  // rounded to bf16 (which can overflow to inf): tested as stored
           store_row<WT, Acc>(dst, arow, nv);

@@ -29,7 +29,8 @@ void check(cudaError_t err, const char* call, const char* op, const Device& devi
                                  " (", file, ":", line, ")"));
 }
 
-#define SY_CUDA_CHECK(call, op, device) check((call), #call, (op), (device), SY_SOURCE_FILE, __LINE__)
+#define SY_CUDA_CHECK(call, op, device) \
+  check((call), #call, (op), (device), SY_SOURCE_FILE, __LINE__)
 
 // Makes `device` current for one call and restores the caller's device after it (the caller, a
 // torch program, owns the current-device state).

@@ -39,9 +39,9 @@ void require_initialized(const char* fn) {
   MPI_Initialized(&init);
   MPI_Finalized(&fin);
   if (!init || fin) {
-    throw BackendError(
-        detail::cat("[dist] ", fn, ": MPI is ", fin ? "finalized" : "not initialised",
-                    "; call MPI_Init (or import mpi4py) first (", SY_SOURCE_FILE, ":", __LINE__, ")"));
+    throw BackendError(detail::cat(
+        "[dist] ", fn, ": MPI is ", fin ? "finalized" : "not initialised",
+        "; call MPI_Init (or import mpi4py) first (", SY_SOURCE_FILE, ":", __LINE__, ")"));
   }
 }
 
@@ -51,8 +51,8 @@ class RowType {
   RowType(int64_t bytes, int rank) : rank_(rank) {
     if (bytes <= 0 || bytes > INT_MAX) {
       throw BackendError(detail::cat("[dist] element size ", bytes,
-                                     " bytes is outside (0, INT_MAX] (rank ", rank, ", ", SY_SOURCE_FILE,
-                                     ":", __LINE__, ")"));
+                                     " bytes is outside (0, INT_MAX] (rank ", rank, ", ",
+                                     SY_SOURCE_FILE, ":", __LINE__, ")"));
     }
     if (bytes == 1) {
       type_ = MPI_BYTE;
@@ -305,7 +305,8 @@ class MpiCommunicator final : public Communicator {
     const auto deadline = clock::now() + std::chrono::duration<double>(timeout_);
     for (int spins = 0;; ++spins) {
       int done = 0;
-      check_mpi(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), call, rank_, SY_SOURCE_FILE, __LINE__);
+      check_mpi(MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE), call, rank_, SY_SOURCE_FILE,
+                __LINE__);
       if (done) return;
       if (clock::now() > deadline) {
         broken_ = call;
@@ -313,8 +314,8 @@ class MpiCommunicator final : public Communicator {
             "[dist] ", call, " did not complete within ", timeout_,
             " s (SWITCHYARD_COLLECTIVE_TIMEOUT) on rank ", rank_, " of ", size_,
             ": another rank is not in the same collective (a different number of calls, or a ",
-            "failure outside the error agreement); this communicator is unusable now (", SY_SOURCE_FILE,
-            ":", __LINE__, ")"));
+            "failure outside the error agreement); this communicator is unusable now (",
+            SY_SOURCE_FILE, ":", __LINE__, ")"));
       }
       // Spin briefly (latency), then yield the core (ranks may share cores).
       if (spins > 2000) std::this_thread::sleep_for(std::chrono::microseconds(50));

@@ -22,10 +22,10 @@ using sy::DType;
 using sy::GateOptions;
 using sy::Tensor;
 using sy::testing::bitwise_equal;
-using sy::testing::ThreadGuard;
 using sy::testing::randn;
 using sy::testing::repro;
 using sy::testing::test_seed;
+using sy::testing::ThreadGuard;
 
 namespace {
 
@@ -69,7 +69,6 @@ void shapes(int64_t T, bool backward, int64_t max_work) {
 }
 
 constexpr int64_t kForwardWork = 20'000'000, kBackwardWork = 4'000'000;
-
 
 }  // namespace
 
@@ -614,11 +613,10 @@ TEST(GateErrors, SparseBackwardNamesABadWeightAnywhere) {
             wb.data<float>()[e * H + h] = v;
           }
           const std::string name = std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf";
-          SY_EXPECT_THROW_MSG(sy::router_gating_linear_backward(g, x, wb, Tensor()),
-                              std::invalid_argument,
-                              "[router_gating_linear_backward] weight has a non-finite value " +
-                                  name + " at expert " + std::to_string(e) + ", hidden " +
-                                  std::to_string(h));
+          SY_EXPECT_THROW_MSG(
+              sy::router_gating_linear_backward(g, x, wb, Tensor()), std::invalid_argument,
+              "[router_gating_linear_backward] weight has a non-finite value " + name +
+                  " at expert " + std::to_string(e) + ", hidden " + std::to_string(h));
         }
       }
       // 3.4e38 is finite in fp32 and past bf16's largest value (3.39e38): grad_weight[0, :]
@@ -626,8 +624,8 @@ TEST(GateErrors, SparseBackwardNamesABadWeightAnywhere) {
       Tensor x1 = Tensor::empty({T, H}, DType::bf16), gh = g.clone();
       for (int64_t i = 0; i < T * H; ++i) x1.data<sy::bf16>()[i] = sy::float_to_bf16(1.0f);
       for (int64_t t = 0; t < T; ++t) gh.data<float>()[t * Ex + t % 4] = t == 0 ? 3.4e38f : 0.5f;
-      const sy::GateGrads over = sy::router_gating_linear_backward(
-          gh, x1, randn({Ex, H}, DType::bf16, rng), Tensor());
+      const sy::GateGrads over =
+          sy::router_gating_linear_backward(gh, x1, randn({Ex, H}, DType::bf16, rng), Tensor());
       EXPECT_TRUE(std::isinf(sy::bf16_to_float(over.grad_weight.data<sy::bf16>()[0])));
     }
   }
