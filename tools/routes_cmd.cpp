@@ -592,9 +592,15 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
                   "Tokens before the first returned route (vLLM: the request's "
                   "routed_experts_prompt_start; SGLang: routed_experts_start_len where meta_info "
                   "lacks it); they get -1 rows");
+  // Given, each must be >= 1 (left out, 0: vllm reads them from the arrays); an explicit 0 was
+  // taken as "left out" and the import went on.
   imp->add_option("--num-layers", ia->num_layers,
-                  "Layers per token in the input (hidden + MTP); required for sglang");
-  imp->add_option("--top-k", ia->top_k, "K; required for sglang");
+                  "Layers per token in the input (hidden + MTP); required for sglang, checked "
+                  "against the arrays for vllm")
+      ->check(CLI::Range(int64_t{1}, int64_t{65536}));
+  imp->add_option("--top-k", ia->top_k,
+                  "K; required for sglang, checked against the arrays for vllm")
+      ->check(CLI::Range(int64_t{1}, int64_t{65536}));
   imp->add_option("--zero-rows", ia->zero_rows,
                   "All-zero rows on MoE layers: keep, none (store -1) or error")
       ->check(CLI::IsMember({"keep", "none", "error"}));

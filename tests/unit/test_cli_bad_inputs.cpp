@@ -89,6 +89,8 @@ TEST_F(CliBadInputs, EveryRowExitsWithItsCodeAndMessage) {
        2, "[layer_map]"},
       {"not a .npy file", {"routes", "import", "--format", "vllm", "--num-experts", "8", "-o", "@o.syr", "@bad.npy"},
        2, "bad.npy"},
+      {"--top-k 0 (vllm infers K only when it is left out)", {"routes", "import", "--format", "vllm", "--num-experts", "8", "--top-k", "0", "-o", "@o.syr", "@ok.npy"},
+       105, "--top-k: Value 0 not in range"},
       {"sglang without --num-layers/--top-k", {"routes", "import", "--format", "sglang", "--num-experts", "8", "-o", "@o.syr", "@bad.jsonl"},
        2, "--format sglang needs --num-layers and --top-k"},
       {"sglang record without routed_experts", {"routes", "import", "--format", "sglang", "--num-experts", "8", "--num-layers", "1", "--top-k", "1", "-o", "@o.syr", "@bad.jsonl"},
