@@ -1,4 +1,6 @@
-# Shared fixtures: a seeded generator that says how to reproduce a failure.
+# Shared fixtures: a seeded generator that says how to reproduce a failure, and the `hostile`
+# marker whose rows make the README's table of careless/hostile uses (generated from the tests
+# that passed, never written by hand).
 import os
 
 import pytest
@@ -15,3 +17,28 @@ def gen(request):
 
 def pytest_configure(config):
     torch.set_num_threads(1)
+    config.addinivalue_line(
+        "markers", "hostile(tried, gets): a careless or hostile use and what switchyard does with "
+        "it; with SY_HOSTILE_TABLE=<file> the passing ones are written as a Markdown table")
+    config._sy_hostile_rows = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.passed:
+        item.config._sy_hostile_rows.extend(
+            (m.kwargs["tried"], m.kwargs["gets"], item.nodeid) for m in item.iter_markers("hostile"))
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("SY_HOSTILE_TABLE")
+    rows = getattr(session.config, "_sy_hostile_rows", [])
+    if out and rows:
+        lines = ["| what was tried | what it gets | test |", "|---|---|---|"]
+        for tried, gets, nodeid in sorted(set(rows), key=lambda r: r[2]):
+            test = nodeid.split("/")[-1]
+            lines.append(f"| {tried} | {gets} | `{test}` |")
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
