@@ -1,5 +1,5 @@
 """switchyard.demo end to end on its small configuration: the expected outcome (R3 has exactly zero
-router mismatch against the rollout and the lowest KL; the fp32 router has a lower mismatch than the
+router mismatch against the rollout and the lowest KL; the fp32 router has a mismatch no higher than the
 bf16 one; the R3 update reaches the routers), the files it writes and the keys of summary.json."""
 import json
 import os
@@ -35,7 +35,9 @@ def test_demo_expected_outcome_holds_and_exit_code_says_so(demo_run):
     assert m["r3"]["router_mismatch"] == 0.0 and m["r3"]["token_mismatch"] == 0.0
     assert m["r3"]["compared_decisions"] > 0 and m["r3"]["replayed_rows"] > 0
     assert all(m["r3"]["k3_kl"] < m[k]["k3_kl"] for k in ("bf16", "fp32", "r2"))
-    assert m["fp32"]["router_mismatch"] < m["bf16"]["router_mismatch"]
+    # <=, not <: how much the fp32 router removes depends on the CPU's torch bf16 kernels (equal
+    # with ATEN_CPU_CAPABILITY=default); that it never adds mismatch does not.
+    assert m["fp32"]["router_mismatch"] <= m["bf16"]["router_mismatch"]
     # The trainer really differs from the rollout: the bf16 router disagrees somewhere.
     assert m["bf16"]["router_mismatch"] > 0.0 and m["bf16"]["k3_kl"] > 0.0
     assert s["r3_update"]["router_grad_norm"] > 0.0
