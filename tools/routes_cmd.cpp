@@ -2,6 +2,7 @@
 // and drift statistics, and align files to a trainer's parallel layout.
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -78,11 +79,33 @@ struct ImportArgs {
   int64_t top_k = 0;
   std::string zero_rows = "keep";
   std::string invalid_rows = "error";
+  std::vector<std::string> cu_seqlens;  // flashinfer: one list per input
   std::string output;
   int level = 1;
   bool json_out = false;
   std::vector<std::string> inputs;
 };
+
+// "0,5,12" -> {0, 5, 12}: integers only, no empty entries.
+std::vector<int64_t> parse_offsets(const std::string& text) {
+  std::vector<int64_t> v;
+  size_t p = 0;
+  while (p <= text.size()) {
+    size_t q = text.find(',', p);
+    if (q == std::string::npos) q = text.size();
+    int64_t x = 0;
+    const char* b = text.data() + p;
+    const char* e = text.data() + q;
+    auto [end, ec] = std::from_chars(b, e, x);
+    if (b == e || ec != std::errc() || end != e) {
+      throw std::invalid_argument("[routes import] --cu-seqlens '" + text +
+                                  "' is not a comma-separated list of integers");
+    }
+    v.push_back(x);
+    p = q + 1;
+  }
+  return v;
+}
 
 void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   ImportOptions opt;
@@ -103,6 +126,13 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
         "[routes import] --format sglang needs --num-layers and --top-k "
         "(SGLang's routed_experts is a flat array)");
   }
+  if (!a.cu_seqlens.empty() &&
+      (a.format != "flashinfer" || a.cu_seqlens.size() != a.inputs.size())) {
+    throw std::invalid_argument(
+        "[routes import] --cu-seqlens is for --format flashinfer, once per input (" +
+        std::to_string(a.inputs.size()) + " inputs), got it " +
+        std::to_string(a.cu_seqlens.size()) + " times");
+  }
   std::unique_ptr<RouteFileWriter> writer;
   // A failed import publishes nothing: the partial output is removed and an existing file at
   // --output stays as it was (the writer only renames over it on close()).
@@ -110,17 +140,29 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   ImportReport total;
   std::vector<std::string> warnings;
   int64_t next_progress = kProgressEvery;
-  for (const std::string& path : a.inputs) {
-    // vllm: .npy files and JSON / JSONL HTTP responses, told apart by content.
-    ImportResult r =
-        a.format == "vllm" ? import_vllm_files({path}, opt) : import_sglang({path}, opt);
+  for (size_t i = 0; i < a.inputs.size(); ++i) {
+    const std::string& path = a.inputs[i];
+    ImportResult r;
+    if (a.format == "vllm") {  // .npy files and JSON / JSONL HTTP responses, told apart by content
+      r = import_vllm_files({path}, opt);
+    } else if (a.format == "sglang") {
+      r = import_sglang({path}, opt);
+    } else if (a.format == "trtllm") {
+      r = import_trtllm({path}, opt);
+    } else if (a.format == "vllm-stream") {
+      r = import_vllm_stream({path}, opt);
+    } else {  // flashinfer
+      std::vector<int64_t> cu;
+      if (!a.cu_seqlens.empty()) cu = parse_offsets(a.cu_seqlens[i]);
+      r = import_flashinfer({path}, {cu}, opt);
+    }
     if (!writer && !r.sequences.empty()) {
       RouteFileInfo info;
       info.num_experts = a.num_experts;
       info.top_k = r.report.top_k;
       info.num_moe_layers = static_cast<int64_t>(r.report.moe_layers.size());
       info.moe_layers = r.report.moe_layers;
-      info.num_hidden_layers = r.report.num_input_layers - a.mtp_layers;
+      info.num_hidden_layers = r.report.num_hidden_layers;
       // Later inputs must agree with the first one.
       opt.num_input_layers = r.report.num_input_layers;
       opt.top_k = r.report.top_k;
@@ -579,7 +621,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
       "import", "Import vLLM .npy / HTTP JSON or SGLang JSON/JSONL routes into a route file");
   imp->add_option("--format", ia->format, "Input format")
       ->required()
-      ->check(CLI::IsMember({"vllm", "sglang"}));
+      ->check(CLI::IsMember({"vllm", "sglang", "trtllm", "flashinfer", "vllm-stream"}));
   imp->add_option("--num-experts", ia->num_experts, "Experts per MoE layer (E)")->required();
   auto* fkd =
       imp->add_option("--first-k-dense", ia->first_k_dense, "The first N hidden layers are dense");
@@ -607,6 +649,9 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   imp->add_option("--invalid-rows", ia->invalid_rows,
                   "Rows that repeat an id or mix -1 with ids: error, or none (store -1)")
       ->check(CLI::IsMember({"error", "none"}));
+  imp->add_option("--cu-seqlens", ia->cu_seqlens,
+                  "flashinfer: token offsets of the sequences in the batch (0,5,12), once per "
+                  "input; left out, each input is one sequence");
   imp->add_option("--level", ia->level, "zstd level (1-19)");
   imp->add_option("-o,--output", ia->output, "Route file to write")->required();
   imp->add_flag("--json", ia->json_out, "Machine-readable output");
