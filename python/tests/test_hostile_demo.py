@@ -19,8 +19,6 @@ INT_MAX = 2**31 - 1
 @pytest.mark.parametrize("argv, message", [
     (["--train-seq-len", "4"], f"argument --train-seq-len: must be an integer in [5, {INT_MAX}], "
                                "got 4"),
-    (["--train-seq-len", "1"], f"argument --train-seq-len: must be an integer in [5, {INT_MAX}], "
-                               "got 1"),
     (["--seed", str(2**80)], f"argument --seed: must be an integer in [0, {2**32 - 1}], got "
                              f"{2**80}"),
     (["--vocab-size", "5"], f"argument --vocab-size: must be an integer in [40, {INT_MAX}], got 5"),
@@ -40,6 +38,7 @@ def test_demo_out_of_range_numbers_exit_2_naming_the_range(argv, message, tmp_pa
                            "temperature or learning rate that makes NaNs, 10**5 threads",
                      gets="exit 2 naming the option and its range, before any model is built")
 @pytest.mark.parametrize("argv, message", [
+    (["--train-seq-len", "1"], f"--train-seq-len: must be an integer in [5, {INT_MAX}], got 1"),
     (["--hidden-size", "12"], "--hidden-size: must be an integer in [8, 2147483647], a multiple "
                               "of 8, got 12"),
     (["--num-experts", str(2**40)], f"--num-experts: must be an integer in [1, {INT_MAX}]"),
