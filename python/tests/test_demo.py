@@ -133,13 +133,15 @@ def test_demo_help_explains_every_option():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-prompts", "-3"], "argument --num-prompts: must be >= 1, got -3"),
+    (["--num-prompts", "-3"], "argument --num-prompts: must be an integer in [1, 2147483647], "
+                              "got -3"),
     (["--top-k", "x"], "argument --top-k: must be an integer, got 'x'"),
-    (["--temperature", "nan"], "argument --temperature: must be a finite number > 0, got nan"),
+    (["--temperature", "nan"], "argument --temperature: must be a number in [0.01, 100], got nan"),
     (["--out", "/proc/switchyard-no-such-dir"], "--out '/proc/switchyard-no-such-dir': cannot "
                                                 "create the output folder"),
     (["--top-k", "40"], "--top-k must be <= --num-experts=32, got 40"),
-    (["--hidden-size", "30"], "--hidden-size must be a multiple of the 4 attention heads, got 30"),
+    (["--hidden-size", "30"], "argument --hidden-size: must be an integer in [8, 2147483647], a "
+                              "multiple of 8, got 30"),
 ])
 def test_bad_arguments_exit_2_naming_the_value_before_any_work(argv, message, capsys, tmp_path):
     from switchyard.demo import run
