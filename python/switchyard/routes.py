@@ -240,8 +240,8 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     import_vllm; with K = 1 a 0 is a real route and is kept); rows that repeat an id or mix -1
     with ids: invalid_rows as in import_vllm. Returns (tables [T_i, moe_layers,
     K] int32, report) with the importer's report (moe_layers, num_zero_rows, ...)."""
-    import torch
-    ids = routed_experts.to(torch.int32) if routed_experts.dtype != torch.int32 else routed_experts
+    from .torch import _ID_DTYPES, _idx32
+    ids = _idx32(routed_experts, "routes.from_verl", "routed_experts", _ID_DTYPES)
     if ids.dim() != 4:
         raise ValueError("[routes.from_verl] routed_experts must be [batch, seq, layers, K], got "
                          f"{list(ids.shape)}")
@@ -346,8 +346,8 @@ def parse_moe_layer_freq(text):
 # ---- align ------------------------------------------------------------------------------------------
 def drop_padding(topk_idx, attention_mask, num_experts=None):
     """[batch, seq, L, K] ids and a [batch, seq] mask (nonzero = real) -> one table per row."""
-    import torch
-    ids = topk_idx.to(torch.int32) if topk_idx.dtype != torch.int32 else topk_idx
+    from .torch import _ID_DTYPES, _idx32
+    ids = _idx32(topk_idx, "routes.drop_padding", "topk_idx", _ID_DTYPES)
     return _C.routes_drop_padding(ids, attention_mask, _num_experts([ids], num_experts))
 
 

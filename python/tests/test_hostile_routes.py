@@ -137,3 +137,84 @@ def test_an_empty_path_is_refused_by_every_entry_point():
     for name, call in _path_calls("").items():
         with pytest.raises(ValueError, match="path must not be empty"):
             call()
+
+
+# ---- int64 ids past int32 ------------------------------------------------------------------------------
+BIG = [2**32 + 5, 2**32 - 1, 2**31, -2**31 - 1]  # int32 casts: 5, -1, -2^31, 2^31 - 1
+
+
+def _verl_batch():
+    ids = torch.zeros(2, 5, 3, K, dtype=torch.int64)  # [batch, seq, hidden layers, K]
+    ids[..., 0], ids[..., 1] = 1, 2
+    mask = torch.ones(2, 5, dtype=torch.int64)
+    mask[1, :2] = 0
+    return ids, mask
+
+
+@pytest.mark.hostile(tried="routes.from_verl / routes.drop_padding with int64 ids 2^32+5, 2^32-1",
+                     gets="ValueError naming the value and where it is (used to be read as "
+                          "expert 5, or -1)")
+@pytest.mark.parametrize("big", BIG)
+def test_from_verl_and_drop_padding_name_an_id_outside_int32(big):
+    ids, mask = _verl_batch()
+    ids[0, 3, 1, 0] = big
+    with pytest.raises(ValueError, match=rf"\[routes.from_verl\] routed_experts holds {big} at "
+                                         r"\[0, 3, 1, 0\], outside int32"):
+        syr.from_verl(ids, mask, num_experts=8)
+    with pytest.raises(ValueError, match=rf"\[routes.drop_padding\] topk_idx holds {big} at "
+                                         r"\[0, 3, 1, 0\], outside int32"):
+        syr.drop_padding(ids, mask, num_experts=8)
+    # In range, int64 and int16 (verl's dtype) give what int32 gives.
+    ids[0, 3, 1, 0] = 3
+    want, _ = syr.from_verl(ids.to(torch.int32), mask, num_experts=8)
+    for dt in (torch.int64, torch.int16):
+        got, _ = syr.from_verl(ids.to(dt), mask, num_experts=8)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.hostile(tried="hf Patch.targets_from_tables with an int64 id 2^32+5 or 2^32-1",
+                     gets="ValueError naming the table, value and position (used to replay "
+                          "expert 5, or route natively)")
+@pytest.mark.parametrize("big", BIG[:2])
+def test_hf_targets_from_tables_names_an_id_outside_int32(big):
+    pytest.importorskip("transformers")
+    import switchyard.integrations.hf as syhf
+    from hf_models import build
+    p = syhf.patch(build("qwen3_moe"))
+    try:
+        good = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dtype=torch.int64)
+        bad = good.clone()
+        bad[1, 0, 1] = big
+        with pytest.raises(ValueError, match=rf"\[hf.targets_from_tables\] tables\[1\] holds "
+                                             rf"{big} at \[1, 0, 1\], outside int32"):
+            p.targets_from_tables([good, bad])
+        assert torch.equal(p.targets_from_tables([good, good]),
+                           torch.stack([good, good]).to(torch.int32))
+    finally:
+        p.unpatch()
+
+
+@pytest.mark.hostile(tried="megatron.set_replay_targets with an int64 id 2^32+5 or 2^32-1",
+                     gets="ValueError naming the layer, value and position (used to replay "
+                          "expert 5, or route natively)")
+@pytest.mark.parametrize("big", BIG[:2])
+def test_megatron_set_replay_targets_names_an_id_outside_int32(big):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from megatron.core.transformer.moe.router import TopKRouter
+    import switchyard.integrations.megatron as sym
+
+    # A TopKRouter shell with the attributes the replay reads, its state as attach_replay makes it
+    # (attach_replay itself needs apply(), which patches Megatron for a whole process).
+    r = TopKRouter.__new__(TopKRouter)
+    torch.nn.Module.__init__(r)
+    r.config = type("Cfg", (), {"num_moe_experts": 8, "moe_router_topk": 2})()
+    r.layer_number = 3
+    r._sy = sym._RouterState(3, r, sy.RouterReplay(top_k=2, layer=3), "error", "used", 64)
+    ids = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int64)
+    sym.set_replay_targets(r, {3: ids})
+    assert torch.equal(r._sy.targets.pop().ids, ids.to(torch.int32))
+    ids[2, 1] = big
+    with pytest.raises(ValueError, match=rf"\[megatron.set_replay_targets\] layer 3: replay ids "
+                                         rf"holds {big} at \[2, 1\], outside int32"):
+        sym.set_replay_targets(r, {3: ids})
+    assert not r._sy.targets
