@@ -578,6 +578,11 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
       app.add_subcommand("routes", "Route data: import, inspect, validate, stats, diff, align");
   routes->require_subcommand(1);
 
+  // Layer counts that 0 leaves to the file or to an even split must not be negative: align and
+  // export took a negative one as given (--first-stage-layers -1 sized the pipeline stages from
+  // it). 65536: the route file's layer limit.
+  const CLI::Range layer_count(int64_t{0}, int64_t{65536});
+
   auto ia = std::make_shared<ImportArgs>();
   CLI::App* imp = routes->add_subcommand(
       "import", "Import vLLM .npy / HTTP JSON or SGLang JSON/JSONL routes into a route file");
@@ -682,11 +687,14 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   al->add_option("--vpp", aa->vpp, "Virtual pipeline stages per rank");
   al->add_option("--vpp-rank", aa->vpp_rank, "Virtual pipeline stage");
   al->add_option("--first-stage-layers", aa->first_stage_layers,
-                 "Hidden layers of the first stage (uneven)");
+                 "Hidden layers of the first stage (uneven)")
+      ->check(layer_count);
   al->add_option("--last-stage-layers", aa->last_stage_layers,
-                 "Hidden layers of the last stage (uneven)");
+                 "Hidden layers of the last stage (uneven)")
+      ->check(layer_count);
   al->add_option("--num-hidden-layers", aa->num_hidden_layers,
-                 "Override the file's hidden layer count");
+                 "Override the file's hidden layer count")
+      ->check(layer_count);
   al->add_option("--micro-batch-size", aa->micro_batch_size,
                  "Sequences per micro-batch (default: all)");
   al->add_flag("--json", aa->json_out, "Machine-readable output");
@@ -703,7 +711,8 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
                  "Output prefix: writes OUT.routed_experts.npy and OUT.attention_mask.npy")
       ->required();
   ex->add_option("--num-hidden-layers", ea->num_hidden_layers,
-                 "Override the file's hidden layer count");
+                 "Override the file's hidden layer count")
+      ->check(layer_count);
   ex->add_option("--padding-side", ea->padding_side, "left (verl's default) or right")
       ->check(CLI::IsMember({"left", "right"}));
   ex->add_option("--seq-len", ea->seq_len, "Columns of the batch (default: the longest sequence)");

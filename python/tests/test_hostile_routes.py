@@ -218,3 +218,16 @@ def test_megatron_set_replay_targets_names_an_id_outside_int32(big):
                                          rf"holds {big} at \[2, 1\], outside int32"):
         sym.set_replay_targets(r, {3: ids})
     assert not r._sy.targets
+
+
+# ---- negative stage sizes ---------------------------------------------------------------------------
+@pytest.mark.hostile(tried="routes.pp_moe_layer_range(first_stage_layers=-1) (or last_stage_layers)",
+                     gets="ValueError naming both sizes (a negative size alone was read as an even "
+                          "split)")
+@pytest.mark.parametrize("first,last", [(-1, 0), (0, -2), (-1, -1), (2, -1)])
+def test_pp_moe_layer_range_refuses_a_negative_stage_size(first, last):
+    with pytest.raises(ValueError, match=rf"\[pp_moe_layer_range\] first_stage_layers and "
+                                         rf"last_stage_layers must be >= 0 \(0 = even split\), "
+                                         rf"got {first} and {last}"):
+        syr.pp_moe_layer_range([1, 2, 3], 4, pp_size=2, pp_rank=1, first_stage_layers=first,
+                               last_stage_layers=last)
