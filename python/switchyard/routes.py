@@ -89,7 +89,9 @@ class RouteWriter:
     at ``path`` is untouched. Leaving the ``with`` block by an exception (KeyboardInterrupt
     included) calls ``abort()``: ``path`` stays as it was and ``<path>.partial`` keeps the sequences
     appended so far, readable in recovery (``RouteFile(...).complete`` is False) until the next
-    writer of ``path``. ``moe_layers``: hidden-layer index of every MoE layer (optional)."""
+    writer of ``path``. ``moe_layers``: hidden-layer index of every MoE layer (optional).
+    One writer may be shared by threads: its calls are serialised (each append lands whole, in
+    the order the appends took the writer's lock; an append after close() raises ValueError)."""
 
     def __init__(self, path, num_experts, top_k, num_moe_layers, moe_layers=None,
                  compression_level=3):
