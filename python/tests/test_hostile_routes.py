@@ -32,7 +32,7 @@ def _key(t):
     return (tuple(t.shape), t.contiguous().numpy().tobytes())
 
 
-# ---- one writer, several threads --------------------------------------------------------------------
+# ---- one writer, several threads -----------------------------------------------------------------
 @pytest.mark.hostile(tried="one RouteWriter shared by 4 threads appending at once",
                      gets="appends serialised: every table stored exactly once, the file verifies")
 def test_route_writer_shared_by_threads_stores_every_table_once(tmp_path, gen):
@@ -101,7 +101,7 @@ def test_route_writer_closed_while_another_thread_appends(tmp_path, gen, stop):
     assert [_key(t) for t in f] == [_key(t) for t in done]
 
 
-# ---- NUL bytes and empty paths ------------------------------------------------------------------------
+# ---- NUL bytes and empty paths -------------------------------------------------------------------
 def _path_calls(p):
     t = torch.zeros(3, L, K, dtype=torch.int32)
     t[:, :, 1] = 1
@@ -139,7 +139,7 @@ def test_an_empty_path_is_refused_by_every_entry_point():
             call()
 
 
-# ---- int64 ids past int32 ------------------------------------------------------------------------------
+# ---- int64 ids past int32 ------------------------------------------------------------------------
 BIG = [2**32 + 5, 2**32 - 1, 2**31, -2**31 - 1]  # int32 casts: 5, -1, -2^31, 2^31 - 1
 
 
@@ -220,8 +220,9 @@ def test_megatron_set_replay_targets_names_an_id_outside_int32(big):
     assert not r._sy.targets
 
 
-# ---- negative stage sizes ---------------------------------------------------------------------------
-@pytest.mark.hostile(tried="routes.pp_moe_layer_range(first_stage_layers=-1) (or last_stage_layers)",
+# ---- negative stage sizes ------------------------------------------------------------------------
+@pytest.mark.hostile(tried="routes.pp_moe_layer_range(first_stage_layers=-1), or "
+                           "last_stage_layers=-2",
                      gets="ValueError naming both sizes (a negative size alone was read as an even "
                           "split)")
 @pytest.mark.parametrize("first,last", [(-1, 0), (0, -2), (-1, -1), (2, -1)])
