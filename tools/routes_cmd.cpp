@@ -6,13 +6,12 @@
 #include <cstdio>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <iomanip>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
-#include <system_error>
 
 #include "commands.h"
 #include "switchyard/error.h"
@@ -29,15 +28,13 @@ using namespace switchyard;
 
 constexpr int64_t kProgressEvery = 1000;
 
-// Discards the writer's uncommitted output when the command leaves by an exception (after a
-// successful close() there is nothing left to discard).
+// Discards a command's uncommitted output when it leaves by an exception (after a successful
+// commit there is nothing left to discard).
 struct DiscardOnFailure {
-  std::function<RouteFileWriter*()> writer;
+  std::function<void()> discard;
   int uncaught = std::uncaught_exceptions();
   ~DiscardOnFailure() {
-    if (std::uncaught_exceptions() > uncaught) {
-      if (RouteFileWriter* w = writer()) w->discard();
-    }
+    if (std::uncaught_exceptions() > uncaught) discard();
   }
 };
 
@@ -136,7 +133,9 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   std::unique_ptr<RouteFileWriter> writer;
   // A failed import publishes nothing: the partial output is removed and an existing file at
   // --output stays as it was (the writer only renames over it on close()).
-  DiscardOnFailure guard{[&] { return writer.get(); }};
+  DiscardOnFailure guard{[&] {
+    if (writer) writer->discard();
+  }};
   ImportReport total;
   std::vector<std::string> warnings;
   int64_t next_progress = kProgressEvery;
@@ -501,7 +500,7 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
     oinfo.moe_layers.assign(info.moe_layers.begin() + begin, info.moe_layers.begin() + end);
   }
   RouteFileWriter w(a.output, oinfo);
-  DiscardOnFailure guard{[&] { return &w; }};
+  DiscardOnFailure guard{[&] { w.discard(); }};
   json batches = json::array();
   std::ostringstream human;
   int64_t mb_index = 0;
@@ -552,14 +551,6 @@ struct ExportArgs {
   bool json_out = false;
 };
 
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) throw BackendError("open(" + path + "): " + std::generic_category().message(errno));
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  f.close();
-  if (!f) throw BackendError("write(" + path + "): " + std::generic_category().message(errno));
-}
-
 // verl's batch layout: OUT.routed_experts.npy (int16 [batch, seq, num_hidden_layers, K]) and
 // OUT.attention_mask.npy (int64 [batch, seq]).
 void run_export(const ExportArgs& a, std::ostream& out) {
@@ -587,9 +578,23 @@ void run_export(const ExportArgs& a, std::ostream& out) {
   const std::vector<int64_t> shape = {ids.size(0), ids.size(1), ids.size(2), ids.size(3)};
   const std::string ids_path = a.output + ".routed_experts.npy";
   const std::string mask_path = a.output + ".attention_mask.npy";
-  write_bytes(ids_path, encode_npy("<i2", shape, narrow.data(), narrow.size() * sizeof(int16_t)));
-  write_bytes(mask_path, encode_npy("<i8", {shape[0], shape[1]}, v.attention_mask.raw(),
-                                    v.attention_mask.nbytes()));
+  // Committed like a route file (PartialFile): both files are written beside their targets,
+  // synced, and only then renamed over them, so a failed export (disk full, a file size limit,
+  // an interrupt) leaves the previous export as it was, and its partial files are removed.
+  std::optional<PartialFile> ids_file, mask_file;
+  DiscardOnFailure guard{[&] {
+    if (ids_file) ids_file->discard();
+    if (mask_file) mask_file->discard();
+  }};
+  ids_file.emplace(ids_path, "routes export", "routes export");
+  mask_file.emplace(mask_path, "routes export", "routes export");
+  ids_file->write(encode_npy("<i2", shape, narrow.data(), narrow.size() * sizeof(int16_t)));
+  mask_file->write(
+      encode_npy("<i8", {shape[0], shape[1]}, v.attention_mask.raw(), v.attention_mask.nbytes()));
+  ids_file->sync();
+  mask_file->sync();
+  ids_file->publish();
+  mask_file->publish();
   if (a.json_out) {
     out << json{{"input", a.input},
                 {"format", a.format},
@@ -615,6 +620,11 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   CLI::App* routes =
       app.add_subcommand("routes", "Route data: import, inspect, validate, stats, diff, align");
   routes->require_subcommand(1);
+
+  // Layer counts that 0 leaves to the file or to an even split must not be negative: align and
+  // export took a negative one as given (--first-stage-layers -1 sized the pipeline stages from
+  // it). 65536: the route file's layer limit.
+  const CLI::Range layer_count(int64_t{0}, int64_t{65536});
 
   auto ia = std::make_shared<ImportArgs>();
   CLI::App* imp = routes->add_subcommand(
@@ -723,11 +733,14 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   al->add_option("--vpp", aa->vpp, "Virtual pipeline stages per rank");
   al->add_option("--vpp-rank", aa->vpp_rank, "Virtual pipeline stage");
   al->add_option("--first-stage-layers", aa->first_stage_layers,
-                 "Hidden layers of the first stage (uneven)");
+                 "Hidden layers of the first stage (uneven)")
+      ->check(layer_count);
   al->add_option("--last-stage-layers", aa->last_stage_layers,
-                 "Hidden layers of the last stage (uneven)");
+                 "Hidden layers of the last stage (uneven)")
+      ->check(layer_count);
   al->add_option("--num-hidden-layers", aa->num_hidden_layers,
-                 "Override the file's hidden layer count");
+                 "Override the file's hidden layer count")
+      ->check(layer_count);
   al->add_option("--micro-batch-size", aa->micro_batch_size,
                  "Sequences per micro-batch (default: all)");
   al->add_flag("--json", aa->json_out, "Machine-readable output");
@@ -744,7 +757,8 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
                  "Output prefix: writes OUT.routed_experts.npy and OUT.attention_mask.npy")
       ->required();
   ex->add_option("--num-hidden-layers", ea->num_hidden_layers,
-                 "Override the file's hidden layer count");
+                 "Override the file's hidden layer count")
+      ->check(layer_count);
   ex->add_option("--padding-side", ea->padding_side, "left (verl's default) or right")
       ->check(CLI::IsMember({"left", "right"}));
   ex->add_option("--seq-len", ea->seq_len, "Columns of the batch (default: the longest sequence)");

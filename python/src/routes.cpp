@@ -183,9 +183,10 @@ void bind_routes(py::module_& m) {
              py::gil_scoped_release nogil;
              w.append(t.table);
            })
-      .def("close", &RouteFileWriter::close)
-      .def("abort", &RouteFileWriter::abort)
-      .def("discard", &RouteFileWriter::discard)
+      // Without the GIL: close() fsyncs, and each call waits for an append of another thread.
+      .def("close", &RouteFileWriter::close, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &RouteFileWriter::abort, py::call_guard<py::gil_scoped_release>())
+      .def("discard", &RouteFileWriter::discard, py::call_guard<py::gil_scoped_release>())
       .def_static("partial_path", &RouteFileWriter::partial_path)
       .def_property_readonly("num_sequences", &RouteFileWriter::num_sequences)
       .def_property_readonly("bytes_written", &RouteFileWriter::bytes_written);

@@ -90,7 +90,9 @@ class RouteWriter:
     at ``path`` is untouched. Leaving the ``with`` block by an exception (KeyboardInterrupt
     included) calls ``abort()``: ``path`` stays as it was and ``<path>.partial`` keeps the sequences
     appended so far, readable in recovery (``RouteFile(...).complete`` is False) until the next
-    writer of ``path``. ``moe_layers``: hidden-layer index of every MoE layer (optional)."""
+    writer of ``path``. ``moe_layers``: hidden-layer index of every MoE layer (optional).
+    One writer may be shared by threads: its calls are serialised (each append lands whole, in
+    the order the appends took the writer's lock; an append after close() raises ValueError)."""
 
     def __init__(self, path, num_experts, top_k, num_moe_layers, moe_layers=None,
                  compression_level=3):
@@ -241,8 +243,8 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     import_vllm; with K = 1 a 0 is a real route and is kept); rows that repeat an id or mix -1
     with ids: invalid_rows as in import_vllm. Returns (tables [T_i, moe_layers,
     K] int32, report) with the importer's report (moe_layers, num_zero_rows, ...)."""
-    import torch
-    ids = routed_experts.to(torch.int32) if routed_experts.dtype != torch.int32 else routed_experts
+    from .torch import _ID_DTYPES, _idx32
+    ids = _idx32(routed_experts, "routes.from_verl", "routed_experts", _ID_DTYPES)
     if ids.dim() != 4:
         raise ValueError("[routes.from_verl] routed_experts must be [batch, seq, layers, K], got "
                          f"{list(ids.shape)}")
@@ -506,8 +508,8 @@ def parse_moe_layer_freq(text):
 # ---- align ------------------------------------------------------------------------------------------
 def drop_padding(topk_idx, attention_mask, num_experts=None):
     """[batch, seq, L, K] ids and a [batch, seq] mask (nonzero = real) -> one table per row."""
-    import torch
-    ids = topk_idx.to(torch.int32) if topk_idx.dtype != torch.int32 else topk_idx
+    from .torch import _ID_DTYPES, _idx32
+    ids = _idx32(topk_idx, "routes.drop_padding", "topk_idx", _ID_DTYPES)
     return _C.routes_drop_padding(ids, attention_mask, _num_experts([ids], num_experts))
 
 

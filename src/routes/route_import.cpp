@@ -255,6 +255,7 @@ void check_options(const ImportOptions& opt) {
 }
 
 std::string read_file(const std::string& path) {
+  detail::check_path(path, kOp, "path");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw BackendError(cat("open(", path, "): ", std::strerror(errno)));
   std::ostringstream ss;

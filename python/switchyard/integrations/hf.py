@@ -775,7 +775,9 @@ class Patch:
                             ) -> torch.Tensor:
         """switchyard route tables (one [n_b, moe_layers, K] per sequence, e.g. from
         switchyard.routes.read) -> [B, S, moe_layers, K] targets, -1 at padding."""
-        return self._pad([torch.as_tensor(t).to(torch.int32) for t in tables], attention_mask)
+        return self._pad([syt._idx32(torch.as_tensor(t), "hf.targets_from_tables", f"tables[{i}]",
+                                     syt._ID_DTYPES) for i, t in enumerate(tables)],
+                         attention_mask)
 
     def targets_from_vllm(self, arrays, attention_mask: torch.Tensor | None = None,
                           zero_rows: str = "keep") -> tuple[torch.Tensor, dict]:
@@ -792,7 +794,8 @@ class Patch:
         attention mask [B, S] -> ([B, S, moe_layers, K] targets, import report). Padding is dropped
         by the mask (switchyard.routes.drop_padding), the layers mapped by the vLLM importer (all
         zero rows on MoE layers become -1 with zero_rows="to_none": routed natively, counted)."""
-        ids = torch.as_tensor(routed_experts).to(torch.int32)
+        ids = syt._idx32(torch.as_tensor(routed_experts), "hf.targets_from_verl",
+                         "routed_experts", syt._ID_DTYPES)
         m = torch.as_tensor(attention_mask).to("cpu")
         seqs = syr.drop_padding(ids, m, self.num_experts)
         tables, report = self._import_vllm([s[:-1] for s in seqs], zero_rows)

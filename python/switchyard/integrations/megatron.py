@@ -321,7 +321,8 @@ def _validate(st, ids):
     if ids.dim() != 2 or ids.shape[1] != st.top_k:
         raise ValueError(f"[megatron.replay] {st.label()}: replay ids must be [num_tokens, "
                          f"{st.top_k}], got {list(ids.shape)}")
-    ids = ids.detach().to("cpu", torch.int32).contiguous()  # one host copy (a sync on CUDA)
+    ids = _syt._idx32(ids.detach().to("cpu"), "megatron.set_replay_targets",  # a sync on CUDA
+                      f"{st.label()}: replay ids", _syt._ID_DTYPES).contiguous()
     T, K, E = ids.shape[0], st.top_k, st.num_experts
     layer = st.key if isinstance(st.key, int) else -1
     merged = torch.zeros(T, dtype=torch.bool)
