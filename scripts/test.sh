@@ -63,6 +63,9 @@ stage "tests on the portable kernels: unit and python with SWITCHYARD_CPU_ISA=sc
 [ "${PIPESTATUS[0]}" -eq 0 ] || stage_failed+=("scalar-kernel tests")
 count_ctest build/ctest-scalar.log
 
+stage "docs: the README's tables are what the tests give (bad inputs, careless and hostile use)"
+check "README tables" bash scripts/readme_tables.sh --check
+
 stage "python package: wheel -> fresh venv -> import, README example, CLI on PATH"
 check "python package" bash scripts/check_package.sh
 
