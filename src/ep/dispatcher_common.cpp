@@ -41,28 +41,6 @@ void check_handle(const char* op, const DispatchHandle& h, const Communicator& c
   }
 }
 
-void raise_if_any(const char* op, const std::string& local_error,
-                  const std::vector<int64_t>& err_lens, Communicator& comm) {
-  bool any = false;
-  for (int64_t n : err_lens) any = any || n > 0;
-  if (!any) return;
-  std::vector<int64_t> counts(err_lens.begin(), err_lens.end());
-  int64_t total = 0;
-  for (int64_t n : counts) total += n;
-  std::string all(static_cast<size_t>(total), '\0');
-  comm.allgatherv(local_error.data(), static_cast<int64_t>(local_error.size()), all.data(), counts,
-                  1);
-  int64_t off = 0;
-  for (size_t r = 0; r < counts.size(); ++r) {
-    if (counts[r] > 0) {
-      throw std::invalid_argument(switchyard::detail::cat(
-          "[", op, "] on rank ", r, ": ",
-          all.substr(static_cast<size_t>(off), static_cast<size_t>(counts[r]))));
-    }
-    off += counts[r];
-  }
-}
-
 void agree(const char* op, const std::string& local_error, DType dtype, const char* what,
            WeightMode mode, uint64_t layout, Communicator& comm) {
   constexpr size_t kFields = 4;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "agreement.h"
 #include "backend/backend.h"
 #include "switchyard/dispatcher.h"
 
@@ -78,13 +79,6 @@ inline int64_t rows_at(const DispatchHandle& h, int64_t s, int64_t e) {
 /// Throws std::invalid_argument when `h` cannot be a handle of dispatch on `comm` (call it inside
 /// a try whose message goes into the agreement).
 void check_handle(const char* op, const DispatchHandle& h, const Communicator& comm);
-
-/// Collective: every rank passes its local error message ("" = none) and the result of gathering
-/// every rank's message length (`err_lens`, one per rank). When any rank failed, the messages are
-/// gathered and every rank throws the same std::invalid_argument: "[op] on rank r: <message>" for
-/// the lowest failing rank r. Returns normally when nobody failed.
-void raise_if_any(const char* op, const std::string& local_error,
-                  const std::vector<int64_t>& err_lens, Communicator& comm);
 
 /// Collective flag exchange of combine and the backwards: gathers (error length, dtype, weight
 /// mode, handle layout id) and throws on every rank when any rank failed, or when the dtypes, the
