@@ -2,7 +2,8 @@
 ctest for -np 2 and -np 4): topk_route(loss_comm=..., global_aux_loss_comm=...),
 update_expert_bias(comm=...) and update_qb_beta(comm=...) called with a num_experts, top_k,
 sequence count or loss type that differs on the last rank must raise the same ValueError on EVERY
-rank, naming the setting and both values. Before, rank 0 got BackendError MPI_ERR_TRUNCATE naming
+rank, naming the setting and both values; so must a check before the engine that fails on one
+rank only (a Python check, a binding conversion). Before, rank 0 got BackendError MPI_ERR_TRUNCATE naming
 no argument while rank 1 returned a wrong aux loss, or every rank hung. The watchdog
 (SWITCHYARD_COLLECTIVE_TIMEOUT, set here before the communicator is made) turns a regression into
 an error instead of a hang. Exit code 0 only when every rank saw every expected error.
@@ -80,6 +81,23 @@ def main():
                                               seq_length=5 if on_last else 6, loss_comm=comm),
                  f"[route] on rank {last}: [route] seq_aux_loss needs seq_length >= 1 dividing "
                  "num_tokens=12, got seq_length=5")
+
+    # A check before the engine (Python's, or the binding's conversions) failing on the last rank
+    # only: it joins the agreement, so the other ranks raise too instead of waiting.
+    expect_error("logits not a tensor",
+                 lambda: syt.topk_route(logits(6, 8).tolist() if on_last else logits(6, 8),
+                                        sy.RouterConfig(num_experts=8, top_k=2), loss_comm=comm),
+                 f"[route] on rank {last}: [topk_route] logits must be a torch.Tensor")
+    expect_error("expert_bias not a tensor",
+                 lambda: syt.topk_route(logits(6, 8), sy.RouterConfig(num_experts=8, top_k=2),
+                                        expert_bias=[0.0] * 8 if on_last else torch.zeros(8),
+                                        loss_comm=comm),
+                 f"[route] on rank {last}: [topk_route] expert_bias")
+    expect_error("counts not a tensor",
+                 lambda: syt.update_expert_bias(
+                     torch.zeros(8), [0] * 8 if on_last else torch.zeros(8, dtype=torch.int64),
+                     1e-3, comm=comm),
+                 f"[update_expert_bias] on rank {last}: [update_expert_bias] num_tokens_per_expert")
 
     # The expert-bias and quantile-balancing updates.
     E = 16 if on_last else 8

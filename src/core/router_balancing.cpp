@@ -180,4 +180,18 @@ Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_
   return qb_blend(qb_beta, avg, ema);
 }
 
+void fail_router_collective(RouterCollective op, const std::string& message,
+                            const RouteComms& comms) {
+  const std::string err = message.empty() ? std::string("failed before the call") : message;
+  if (op == RouterCollective::topk_route) {
+    detail::agree_route(comms, err, {});  // throws: this rank failed
+  } else if (comms.loss) {
+    const char* name = op == RouterCollective::update_expert_bias ? "update_expert_bias" : kQbOp;
+    agreed_values(name, *comms.loss, [&]() -> std::vector<double> {
+      throw std::invalid_argument(err);  // this rank's failure, into the agreement
+    });
+  }
+  throw std::invalid_argument(err);
+}
+
 }  // namespace switchyard

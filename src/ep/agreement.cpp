@@ -50,6 +50,7 @@ void raise_if_any(const char* op, const std::string& local_error,
 std::string agreed_error(const char* op, const char* what, const std::string& local_error,
                          bool error_agreed, const std::vector<Setting>& settings,
                          Communicator& comm) {
+  if (comm.size() == 1) return local_error;  // nobody to tell, nothing to disagree with
   const size_t n = 2 + settings.size();
   std::vector<int64_t> mine;
   mine.reserve(n);

@@ -37,7 +37,8 @@ struct Setting {
 /// every setting is the same on every rank; else the same message on every rank: the lowest
 /// failing rank's error ("[op] on rank r: <error>", or as is when `error_agreed`: a message this
 /// rank already agreed on with another communicator), or for the first setting that differs
-/// "[op] <what> ranks disagree: <name>=<value> on rank 0, <value> on rank r".
+/// "[op] <what> ranks disagree: <name>=<value> on rank 0, <value> on rank r". On a size-1
+/// communicator: the local error as is, without an exchange.
 std::string agreed_error(const char* op, const char* what, const std::string& local_error,
                          bool error_agreed, const std::vector<Setting>& settings,
                          Communicator& comm);

@@ -168,6 +168,32 @@ TEST(AgreeMpi, QbBetaNumExpertsDifferingOnOneRankRaisesEverywhere) {
                                  1, 0.5, world()));
 }
 
+// A caller's own check failing on the last rank (a binding conversion) joins the agreement in
+// place of the call: every rank throws that message, naming the rank.
+TEST(AgreeMpi, FailRouterCollectiveOnOneRankRaisesEverywhere) {
+  SY_NEEDS_SEVERAL_RANKS();
+  const RouteComms comms{&world(), &world()};
+  const std::string want = "[route] on rank " + last_rank() + ": [topk_route] logits: bad";
+  if (on_last_rank()) {
+    SY_EXPECT_THROW_MSG(
+        fail_router_collective(RouterCollective::topk_route, "[topk_route] logits: bad", comms),
+        std::invalid_argument, want);
+  } else {
+    expect_route_disagreement(aux_config(8, 2, AuxLossType::global_aux_loss), 6, 0, comms, want);
+  }
+  expect_route_still_in_step(comms);
+  const Tensor b = Tensor::zeros({8}, DType::fp32), c = Tensor::zeros({8}, DType::int64);
+  const std::string want_bias = "[update_expert_bias] on rank " + last_rank() + ": bad counts";
+  if (on_last_rank()) {
+    SY_EXPECT_THROW_MSG(fail_router_collective(RouterCollective::update_expert_bias, "bad counts",
+                                               {&world(), nullptr}),
+                        std::invalid_argument, want_bias);
+  } else {
+    SY_EXPECT_THROW_MSG(update_expert_bias(b, c, 1e-3, world()), std::invalid_argument, want_bias);
+  }
+  EXPECT_NO_THROW(update_expert_bias(b, c, 1e-3, world()));
+}
+
 // One rank: every setting agrees with itself; a collective route behaves like the local one.
 TEST(AgreeMpi, OneRankRouteOverCommsEqualsLocalRoute) {
   const RouterConfig c = aux_config(8, 2, AuxLossType::aux_loss);
