@@ -96,22 +96,6 @@ uint64_t layout_id(const DispatchHandle& h) {
   return x & 0x7fffffffffffffffull;
 }
 
-std::vector<int64_t> block_offsets(const DispatchHandle& h) {
-  const int64_t P = h.world_size, E = h.num_experts, L = h.num_local_experts;
-  std::vector<int64_t> off(static_cast<size_t>(E * P));
-  for (int64_t r = 0; r < P; ++r) {
-    int64_t run = 0;
-    for (int64_t el = 0; el < L; ++el) {
-      const int64_t e = r * L + el;
-      for (int64_t s = 0; s < P; ++s) {
-        off[static_cast<size_t>(e * P + s)] = run;
-        run += rows_at(h, s, e);
-      }
-    }
-  }
-  return off;
-}
-
 int64_t rows_of_rank(const DispatchHandle& h, int64_t r) {
   const int64_t P = h.world_size, L = h.num_local_experts;
   int64_t rows = 0;

@@ -93,11 +93,6 @@ void agree(const char* op, const std::string& local_error, DType dtype, const ch
 /// The layout fingerprint of a handle: a hash of its kind, sizes and count matrix.
 uint64_t layout_id(const DispatchHandle& h);
 
-/// Receive layout of rank `r`: block (local expert el, source s) starts at
-/// block_offset[(r*L + el) * EP + s] (its real rows first, then its padding); table over all
-/// experts (each owner's own layout).
-std::vector<int64_t> block_offsets(const DispatchHandle& h);
-
 /// Rows each rank receives, padding included (sum over its experts and all sources).
 std::vector<int64_t> rows_per_rank(const DispatchHandle& h);
 
@@ -105,7 +100,7 @@ std::vector<int64_t> rows_per_rank(const DispatchHandle& h);
 int64_t rows_of_rank(const DispatchHandle& h, int64_t r);
 
 /// Visits this rank's receive layout in its order (local expert el ascending, then source s):
-/// fn(el, s, offset) with the block's first row (block_offsets(h)[(rank*L + el) * EP + s]).
+/// fn(el, s, offset) with the block's first row in recv_x.
 /// O(L * EP) time and no table: per call, nothing of size E or larger is allocated for it.
 template <class Fn>
 void for_each_recv_block(const DispatchHandle& h, Fn fn) {
