@@ -66,7 +66,8 @@ struct DispatchHandle {
   /// [EP * E] int64, rank-major: pairs per (source rank, expert), known on every rank.
   std::vector<int64_t> rank_expert_counts;
   /// [EP * E] int64: rows per (source rank, expert) block of the receive layout, padding
-  /// included (= rank_expert_counts without padding).
+  /// included; empty without padding (the rows are then rank_expert_counts: at E = 2^24 a second
+  /// copy was 128 MiB per rank and call).
   std::vector<int64_t> rank_expert_rows;
   /// [EP] int64: tokens per rank.
   std::vector<int64_t> rank_num_tokens;

@@ -238,9 +238,13 @@ struct RouteComms {
 
 /// topk_route with cross-rank loss statistics. Collective over the given communicators (every
 /// rank must call it with the same config): sums are taken over allgathered values in rank order,
-/// so they are deterministic. A bad argument on any rank makes every rank throw (the failing rank
-/// its own error, the others "[route] rank r failed"), before any state is updated. Ids and weights
-/// stay per token; only the losses and their gradients see the other ranks.
+/// so they are deterministic. Before any reduction the ranks agree: a bad argument on any rank
+/// makes every rank throw the same std::invalid_argument ("[route] on rank r: <its message>"),
+/// and so does a setting the reductions depend on that differs between ranks ("[route] loss_comm
+/// ranks disagree: num_experts=8 on rank 0, 16 on rank 1": num_experts, top_k, the aux / seq /
+/// global aux losses, the seq_aux_loss sequence count, which communicators were given), before
+/// any state is updated. Ids and weights stay per token; only the losses and their gradients see
+/// the other ranks.
 RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const RouterConfig& config,
                        const RouteOptions& options, const RouteComms& comms);
 
@@ -305,6 +309,17 @@ Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_
 /// number of experts) throws on every rank.
 Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_t count,
                       double ema, dist::Communicator& comm);
+
+/// The comm-taking router calls whose agreement fail_router_collective joins.
+enum class RouterCollective : uint8_t { topk_route, update_expert_bias, update_qb_beta };
+
+/// For a caller (a binding, a framework adapter) whose own checks failed on this rank before it
+/// could call one of the collective router calls: joins that call's agreement in its place (over
+/// comms.loss and comms.global_aux_loss for topk_route, comms.loss for the updates), so every
+/// rank throws the same std::invalid_argument ("[route] on rank r: <message>") instead of the
+/// others waiting for this rank. Always throws (this rank's message when no communicator).
+[[noreturn]] void fail_router_collective(RouterCollective op, const std::string& message,
+                                         const RouteComms& comms);
 
 /// Input jitter (Megatron-Core `moe_input_jitter_eps`, Switch Transformer): returns x * u with
 /// u ~ Uniform(1 - eps, 1 + eps) drawn per element from a counter-based generator keyed by

@@ -209,7 +209,13 @@ void bind_dist(py::module_& m) {
                                return py_bridge::to_torch(h.recv_src_token.clone());
                              })
       .def_readonly("rank_expert_counts", &dist::DispatchHandle::rank_expert_counts)
-      .def_readonly("rank_expert_rows", &dist::DispatchHandle::rank_expert_rows)
+      .def_property_readonly("rank_expert_rows",
+                             [](const dist::DispatchHandle& h) {
+                               // Without padding the engine keeps one matrix: the rows are the
+                               // pairs.
+                               return h.rank_expert_rows.empty() ? h.rank_expert_counts
+                                                                 : h.rank_expert_rows;
+                             })
       .def_readonly("rank_num_tokens", &dist::DispatchHandle::rank_num_tokens)
       .def_property_readonly("num_pairs",
                              [](const dist::DispatchHandle& h) { return h.plan.num_pairs; })

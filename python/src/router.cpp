@@ -77,6 +77,24 @@ std::string config_repr(const RouterConfig& c) {
   return s;
 }
 
+/// Runs a collective update's conversions; one that fails on this rank joins the update's
+/// agreement over `comm` (when given), so the other ranks raise too instead of waiting.
+template <class Fn>
+void joined(RouterCollective op, dist::Communicator* comm, Fn fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    if (comm && comm->size() > 1) {
+      RouteComms comms;
+      comms.loss = comm;
+      const std::string msg = e.what();
+      py::gil_scoped_release nogil;
+      fail_router_collective(op, msg, comms);
+    }
+    throw;
+  }
+}
+
 }  // namespace
 
 void bind_router(py::module_& m) {
@@ -276,51 +294,82 @@ void bind_router(py::module_& m) {
          bool training, py::handle qb_beta, py::handle loss_comm,
          py::handle global_aux_loss_comm) {
         const char* op = "topk_route";
-        RouteOptions opt;
-        if (invalid_replay_rows == "error") {
-          opt.invalid_replay_rows = InvalidReplayRows::error;
-        } else if (invalid_replay_rows == "native") {
-          opt.invalid_replay_rows = InvalidReplayRows::native;
-        } else {
-          throw py::value_error(
-              "[topk_route] invalid_replay_rows must be 'error' or 'native', got '" +
-              invalid_replay_rows + "'");
-        }
-        opt.layer = layer;
-        opt.seq_length = seq_length;
-        opt.global_aux_loss_update = accumulate_global_aux_loss ? GlobalAuxLossUpdate::accumulate
-                                                                : GlobalAuxLossUpdate::read_only;
-        opt.force_seed = force_seed;
-        opt.training = training;
-        opt.force_bias_seed = force_bias_seed;
-        py_bridge::Arg al = py_bridge::borrow(logits, op, "logits");
-        py_bridge::Arg ab = py_bridge::borrow_optional(expert_bias, op, "expert_bias");
-        py_bridge::Arg am = py_bridge::borrow_optional(padding_mask, op, "padding_mask");
-        py_bridge::Arg ar;
-        py_bridge::Arg aq = py_bridge::borrow_optional(qb_beta, op, "qb_beta");
-        RouteInputs in;
-        in.qb_beta = aq.t;
-        in.expert_bias = ab.t;
-        in.padding_mask = am.t;
-        if (!replay_idx.is_none()) in.replay_idx = ids_int32(replay_idx, op, "replay_idx", ar);
-        in.global_aux_loss_state = global_state;
         RouteComms comms;
         comms.loss = communicator_of(loss_comm, op, "loss_comm");
         comms.global_aux_loss = communicator_of(global_aux_loss_comm, op, "global_aux_loss_comm");
-        auto out = std::make_unique<PyRoute>();
-        {
-          py::gil_scoped_release nogil;
-          out->r = comms.loss || comms.global_aux_loss ? topk_route(al.t, in, config, opt, comms)
-                                                       : topk_route(al.t, in, config, opt);
+        bool engine_called = false;
+        try {
+          RouteOptions opt;
+          if (invalid_replay_rows == "error") {
+            opt.invalid_replay_rows = InvalidReplayRows::error;
+          } else if (invalid_replay_rows == "native") {
+            opt.invalid_replay_rows = InvalidReplayRows::native;
+          } else {
+            throw py::value_error(
+                "[topk_route] invalid_replay_rows must be 'error' or 'native', got '" +
+                invalid_replay_rows + "'");
+          }
+          opt.layer = layer;
+          opt.seq_length = seq_length;
+          opt.global_aux_loss_update = accumulate_global_aux_loss ? GlobalAuxLossUpdate::accumulate
+                                                                  : GlobalAuxLossUpdate::read_only;
+          opt.force_seed = force_seed;
+          opt.training = training;
+          opt.force_bias_seed = force_bias_seed;
+          py_bridge::Arg al = py_bridge::borrow(logits, op, "logits");
+          py_bridge::Arg ab = py_bridge::borrow_optional(expert_bias, op, "expert_bias");
+          py_bridge::Arg am = py_bridge::borrow_optional(padding_mask, op, "padding_mask");
+          py_bridge::Arg ar;
+          py_bridge::Arg aq = py_bridge::borrow_optional(qb_beta, op, "qb_beta");
+          RouteInputs in;
+          in.qb_beta = aq.t;
+          in.expert_bias = ab.t;
+          in.padding_mask = am.t;
+          if (!replay_idx.is_none()) in.replay_idx = ids_int32(replay_idx, op, "replay_idx", ar);
+          in.global_aux_loss_state = global_state;
+          auto out = std::make_unique<PyRoute>();
+          {
+            py::gil_scoped_release nogil;
+            engine_called = true;
+            out->r = comms.loss || comms.global_aux_loss ? topk_route(al.t, in, config, opt, comms)
+                                                         : topk_route(al.t, in, config, opt);
+          }
+          out->keep_logits = al.keep;
+          return out;
+        } catch (const std::exception& e) {
+          // A conversion that failed on this rank only joins the route's agreement, so the other
+          // ranks raise too instead of waiting for this one (the engine call agrees by itself).
+          if (!engine_called && ((comms.loss && comms.loss->size() > 1) ||
+                                 (comms.global_aux_loss && comms.global_aux_loss->size() > 1))) {
+            const std::string msg = e.what();
+            py::gil_scoped_release nogil;
+            fail_router_collective(RouterCollective::topk_route, msg, comms);
+          }
+          throw;
         }
-        out->keep_logits = al.keep;
-        return out;
       },
       py::arg("logits"), py::arg("config"), py::arg("expert_bias"), py::arg("replay_idx"),
       py::arg("padding_mask"), py::arg("global_aux_loss_state"), py::arg("invalid_replay_rows"),
       py::arg("layer"), py::arg("seq_length"), py::arg("accumulate_global_aux_loss") = true,
       py::arg("force_seed") = 0, py::arg("force_bias_seed") = 0, py::arg("training") = true,
       py::arg("qb_beta") = py::none(), py::arg("loss_comm") = py::none(),
+      py::arg("global_aux_loss_comm") = py::none());
+  m.def(
+      "router_fail_collective",
+      [](const std::string& op, const std::string& message, py::handle loss_comm,
+         py::handle global_aux_loss_comm) {
+        const RouterCollective which = op == "topk_route" ? RouterCollective::topk_route
+                                       : op == "update_expert_bias"
+                                           ? RouterCollective::update_expert_bias
+                                           : RouterCollective::update_qb_beta;
+        RouteComms comms;
+        comms.loss = communicator_of(loss_comm, op.c_str(), "loss_comm");
+        comms.global_aux_loss =
+            communicator_of(global_aux_loss_comm, op.c_str(), "global_aux_loss_comm");
+        py::gil_scoped_release nogil;
+        fail_router_collective(which, message, comms);
+      },
+      py::arg("op"), py::arg("message"), py::arg("loss_comm") = py::none(),
       py::arg("global_aux_loss_comm") = py::none());
   m.def(
       "topk_route_backward",
@@ -354,9 +403,12 @@ void bind_router(py::module_& m) {
       "update_expert_bias",
       [](py::handle expert_bias, py::handle num_tokens_per_expert, double rate, py::handle comm) {
         const char* op = "update_expert_bias";
-        py_bridge::Arg ab = py_bridge::borrow(expert_bias, op, "expert_bias");
-        py_bridge::Arg ac = py_bridge::borrow(num_tokens_per_expert, op, "num_tokens_per_expert");
         dist::Communicator* c = communicator_of(comm, op, "comm");
+        py_bridge::Arg ab, ac;
+        joined(RouterCollective::update_expert_bias, c, [&] {
+          ab = py_bridge::borrow(expert_bias, op, "expert_bias");
+          ac = py_bridge::borrow(num_tokens_per_expert, op, "num_tokens_per_expert");
+        });
         Tensor out;
         {
           py::gil_scoped_release nogil;
@@ -369,12 +421,14 @@ void bind_router(py::module_& m) {
 
   m.def(
       "update_qb_beta",
-      [](py::handle qb_beta, py::handle qb_beta_accum, int64_t count, double ema,
-         py::handle comm) {
+      [](py::handle qb_beta, py::handle qb_beta_accum, int64_t count, double ema, py::handle comm) {
         const char* op = "update_qb_beta";
-        py_bridge::Arg ab = py_bridge::borrow(qb_beta, op, "qb_beta");
-        py_bridge::Arg aa = py_bridge::borrow(qb_beta_accum, op, "qb_beta_accum");
         dist::Communicator* c = communicator_of(comm, op, "comm");
+        py_bridge::Arg ab, aa;
+        joined(RouterCollective::update_qb_beta, c, [&] {
+          ab = py_bridge::borrow(qb_beta, op, "qb_beta");
+          aa = py_bridge::borrow(qb_beta_accum, op, "qb_beta_accum");
+        });
         Tensor out;
         {
           py::gil_scoped_release nogil;

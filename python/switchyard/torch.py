@@ -455,14 +455,26 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     int64, -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added
     to topk_weights: as in Megatron-Core, their gradients (× aux_loss_grad_scale) are added to the
     logits' gradient when topk_weights' backward runs; their values are in RouteInfo."""
-    if not isinstance(logits, torch.Tensor):
-        raise ValueError(f"[topk_route] logits must be a torch.Tensor, got {type(logits).__name__}")
-    if not isinstance(config, _C.RouterConfig):
-        raise ValueError("[topk_route] config must be a switchyard.RouterConfig, got "
-                         f"{type(config).__name__}")
-    if invalid_replay_rows not in ("error", "native"):
-        raise ValueError("[topk_route] invalid_replay_rows must be 'error' or 'native', got "
-                         f"{invalid_replay_rows!r}")
+    loss_comm, global_aux_loss_comm = _comm(loss_comm), _comm(global_aux_loss_comm)
+    try:
+        if not isinstance(logits, torch.Tensor):
+            raise ValueError("[topk_route] logits must be a torch.Tensor, got "
+                             f"{type(logits).__name__}")
+        if not isinstance(config, _C.RouterConfig):
+            raise ValueError("[topk_route] config must be a switchyard.RouterConfig, got "
+                             f"{type(config).__name__}")
+        if invalid_replay_rows not in ("error", "native"):
+            raise ValueError("[topk_route] invalid_replay_rows must be 'error' or 'native', got "
+                             f"{invalid_replay_rows!r}")
+        for name, t in (("expert_bias", expert_bias), ("qb_beta", qb_beta)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise ValueError(f"[topk_route] {name} must be a torch.Tensor or None, got "
+                                 f"{type(t).__name__}")
+    except ValueError as e:
+        # With loss communicators: the other ranks raise too instead of waiting for this one.
+        if any(c is not None and c.size > 1 for c in (loss_comm, global_aux_loss_comm)):
+            _C.router_fail_collective("topk_route", str(e), loss_comm, global_aux_loss_comm)
+        raise
     lead = logits.shape[:-1]
     if logits.dim() != 2:
         logits = logits.reshape(-1, logits.shape[-1])
@@ -472,8 +484,8 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
         invalid_replay_rows, -1 if layer is None else int(layer),
         0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale),
         bool(accumulate_global_aux_loss),
-        _force_seeds(config, force_seed, force_bias_seed) + (bool(training), _comm(loss_comm),
-                                                              _comm(global_aux_loss_comm)),
+        _force_seeds(config, force_seed, force_bias_seed) + (bool(training), loss_comm,
+                                                              global_aux_loss_comm),
         qb_beta, box)
     if len(lead) != 1:
         topk_weights = topk_weights.view(*lead, topk_weights.shape[-1])

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,11 +39,19 @@ RouteResult topk_route(const Tensor& logits, const RouteInputs& inputs, const Ro
   bool agreed = false;
   try {
     return topk_route_impl(logits, inputs, config, options, &comms, &agreed);
-  } catch (...) {
-    // A local failure before the agreement: take part in it (so no rank waits forever), then
-    // throw this rank's own error.
-    if (!agreed) agree_on_failure(comms, true);
-    throw;
+  } catch (const std::exception& e) {
+    if (agreed) throw;
+    // A local failure before the agreement: take part in it with this rank's message (so no rank
+    // waits forever), and every rank throws the same error, the lowest failing rank's. An error
+    // other than a bad argument (an allocation, the backend) stays this rank's own here.
+    const std::exception_ptr own = std::current_exception();
+    const bool bad_arg = dynamic_cast<const std::invalid_argument*>(&e) != nullptr;
+    try {
+      agree_route(comms, e.what(), {});
+    } catch (const std::invalid_argument&) {
+      if (bad_arg) throw;
+    }
+    std::rethrow_exception(own);
   }
 }
 
@@ -209,9 +219,11 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   dist::Communicator* lc = comms ? comms->loss : nullptr;
   dist::Communicator* gc = comms ? comms->global_aux_loss : nullptr;
   if (comms) {
-    const int bad = agree_on_failure(*comms, false);
+    // The settings the reductions depend on (sizes, loss types, communicators) must match on
+    // every rank: a mismatch would truncate a message on one rank and sum the wrong counts, or
+    // wait forever, on another.
     *agreed = true;
-    if (bad >= 0) detail::fail_arg(kOp, "rank ", bad, " failed (see its error)");
+    agree_route(*comms, "", route_settings(config, G, *comms));
   }
   LossSums sums{T, G, std::move(aux_psum), std::move(aux_cnt), z_sum};
   finish_losses(config, sums, lc, gc, gstate, options.global_aux_loss_update, r, *saved);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -91,23 +92,34 @@ Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_pe
                           rate);
 }
 
+namespace {
+
+/// The agreement of a collective update over `comm`: runs `local` (the local checks, returning
+/// the per-expert values), then one small exchange of {error, number of experts}; every rank
+/// throws the same std::invalid_argument when any rank failed or the expert counts differ, before
+/// the values are reduced (an allgather of different lengths would fail on one rank only).
+template <class Local>
+std::vector<double> agreed_values(const char* op, dist::Communicator& comm, Local local) {
+  std::vector<double> v;
+  std::string err;
+  try {
+    v = local();
+  } catch (const std::invalid_argument& e) {
+    err = e.what();
+  }
+  const std::string e = dist::detail::agreed_error(
+      op, "comm", err, false, {{"num_experts", static_cast<int64_t>(v.size())}}, comm);
+  if (!e.empty()) throw std::invalid_argument(e);
+  return v;
+}
+
+}  // namespace
+
 Tensor update_expert_bias(const Tensor& expert_bias, const Tensor& num_tokens_per_expert,
                           double rate, dist::Communicator& comm) {
-  std::vector<double> c;
-  bool failed = false;
-  try {
-    c = expert_bias_counts(expert_bias, num_tokens_per_expert, rate);
-  } catch (...) {
-    failed = true;
-    RouteComms rc;
-    rc.loss = &comm;
-    detail::agree_on_failure(rc, true);
-    throw;
-  }
-  RouteComms rc;
-  rc.loss = &comm;
-  const int bad = detail::agree_on_failure(rc, failed);
-  if (bad >= 0) detail::fail_arg("update_expert_bias", "rank ", bad, " failed (see its error)");
+  std::vector<double> c = agreed_values("update_expert_bias", comm, [&] {
+    return expert_bias_counts(expert_bias, num_tokens_per_expert, rate);
+  });
   // Counts are integers (exact in double below 2^53): the sum does not depend on the order.
   detail::sum_over_ranks(comm, c.data(), static_cast<int64_t>(c.size()));
   return expert_bias_step(expert_bias, c, rate);
@@ -159,30 +171,27 @@ Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_
 
 Tensor update_qb_beta(const Tensor& qb_beta, const Tensor& qb_beta_accum, int64_t count,
                       double ema, dist::Communicator& comm) {
-  std::vector<double> avg;
-  RouteComms rc;
-  rc.loss = &comm;
-  try {
-    avg = qb_local_average(qb_beta, qb_beta_accum, count, ema);
-  } catch (...) {
-    detail::agree_on_failure(rc, true);  // so no rank waits in the allgather below
-    throw;
-  }
-  const int bad = detail::agree_on_failure(rc, false);
-  if (bad >= 0) detail::fail_arg(kQbOp, "rank ", bad, " failed (see its error)");
-  // The allgather needs the same E everywhere: agree on it (max of E and of -E) first.
+  std::vector<double> avg = agreed_values(
+      kQbOp, comm, [&] { return qb_local_average(qb_beta, qb_beta_accum, count, ema); });
   const int64_t E = static_cast<int64_t>(avg.size());
-  int64_t e_range[2] = {E, -E};
-  comm.allreduce_max(e_range, 2);
-  if (e_range[0] != -e_range[1]) {
-    detail::fail_arg(kQbOp, "qb_beta must have the same number of experts on every rank, got ",
-                     E, " on rank ", comm.rank(), " and ", e_range[0] == E ? -e_range[1] : e_range[0],
-                     " elsewhere");
-  }
   // Mean over the ranks, summed in rank order (deterministic whatever MPI would do).
   detail::sum_over_ranks(comm, avg.data(), E);
   for (double& a : avg) a /= static_cast<double>(comm.size());
   return qb_blend(qb_beta, avg, ema);
+}
+
+void fail_router_collective(RouterCollective op, const std::string& message,
+                            const RouteComms& comms) {
+  const std::string err = message.empty() ? std::string("failed before the call") : message;
+  if (op == RouterCollective::topk_route) {
+    detail::agree_route(comms, err, {});  // throws: this rank failed
+  } else if (comms.loss) {
+    const char* name = op == RouterCollective::update_expert_bias ? "update_expert_bias" : kQbOp;
+    agreed_values(name, *comms.loss, [&]() -> std::vector<double> {
+      throw std::invalid_argument(err);  // this rank's failure, into the agreement
+    });
+  }
+  throw std::invalid_argument(err);
 }
 
 }  // namespace switchyard

@@ -3,8 +3,8 @@
 //   router_select.cpp     kernel parameters and the scores / selection / capacity forward
 //   router_rows.cpp       row kinds: padded, native, replayed (replay rows checked here)
 //   router_balancing.cpp  sinkhorn and quantile-balancing selection, expert-bias update
-//   router_losses.cpp     cross-rank sums and error agreement, the loss values and gradient
-//                         coefficients, the write into the caller's GlobalAuxLossState
+//   router_losses.cpp     cross-rank sums, the error / settings agreement, the loss values and
+//                         gradient coefficients, the write into the caller's GlobalAuxLossState
 //   router_noise.cpp      counter-based random numbers: forced logits, input jitter
 //   router.cpp            the topk_route / topk_route_backward front-end
 #pragma once
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "ep/agreement.h"
 #include "switchyard/router.h"
 
 namespace switchyard::detail {
@@ -81,9 +82,15 @@ Tensor quantile_balancing_rows(const Tensor& logits, const Tensor& qb_beta,
 /// Element-wise sum over the ranks of c, in rank order (deterministic whatever MPI would do).
 template <class T>
 void sum_over_ranks(dist::Communicator& c, T* v, int64_t n);
-/// Error agreement: every rank says whether it failed before the first reduction. Returns the
-/// highest failing rank, or -1.
-int agree_on_failure(const RouteComms& comms, bool failed);
+/// What the ranks of the loss communicators must agree on before the first reduction: the sizes
+/// and loss types finish_losses' collectives and values depend on (`groups`: G of seq_aux_loss).
+std::vector<dist::detail::Setting> route_settings(const RouterConfig& config, int64_t groups,
+                                                  const RouteComms& comms);
+/// Collective over comms.loss, then comms.global_aux_loss (dist::detail::agreed_error): every rank
+/// throws the same std::invalid_argument when any rank failed (`local_error`, "" = none) or a
+/// setting differs between ranks; returns normally on every rank otherwise.
+void agree_route(const RouteComms& comms, const std::string& local_error,
+                 std::vector<dist::detail::Setting> settings);
 
 /// What the forward kernels summed, for the losses.
 struct LossSums {

@@ -1,7 +1,10 @@
 // The router's losses (Megatron-Core moe_utils / router.py): cross-rank sums in rank order, the
-// error agreement before them, the loss values and gradient coefficients, and the write into the
-// caller's GlobalAuxLossState. Everything is summed in a fixed order (deterministic).
+// error and settings agreement before them, the loss values and gradient coefficients, and the
+// write into the caller's GlobalAuxLossState. Everything is summed in a fixed order
+// (deterministic).
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "check.h"
@@ -22,15 +25,39 @@ void sum_over_ranks(dist::Communicator& c, T* v, int64_t n) {
   }
 }
 
-int agree_on_failure(const RouteComms& comms, bool failed) {
-  int worst = -1;
-  for (dist::Communicator* c : {comms.loss, comms.global_aux_loss}) {
-    if (!c) continue;
-    int64_t v = failed ? c->rank() + 1 : 0;
-    c->allreduce_max(&v, 1);
-    worst = std::max(worst, static_cast<int>(v) - 1);
+std::vector<dist::detail::Setting> route_settings(const RouterConfig& config, int64_t groups,
+                                                  const RouteComms& comms) {
+  const LbCoeffs lb = lb_coeffs(config);
+  return {{"num_experts", config.num_experts},
+          {"top_k", config.top_k},
+          {"aux_loss", lb.aux > 0.0 ? 1 : 0, true},
+          {"seq_aux_loss", lb.seq > 0.0 ? 1 : 0, true},
+          {"global_aux_loss", lb.global > 0.0 ? 1 : 0, true},
+          {"num_sequences (num_tokens / seq_length)", lb.seq > 0.0 ? groups : 1},
+          {"loss_comm given", comms.loss ? 1 : 0, true},
+          {"global_aux_loss_comm given", comms.global_aux_loss ? 1 : 0, true}};
+}
+
+void agree_route(const RouteComms& comms, const std::string& local_error,
+                 std::vector<dist::detail::Setting> settings) {
+  if (!local_error.empty()) {
+    // Values are not read when a rank failed (its config may not even be valid); the count must
+    // still match everywhere.
+    settings.assign(route_settings(RouterConfig{}, 1, comms).size(), {"", 0});
   }
-  return worst;
+  // Both exchanges run before anything is thrown: a rank of the global group outside this loss
+  // group must hear of its failure too (a disagreement on loss_comm travels as an agreed error).
+  std::string e;
+  if (comms.loss) {
+    e = dist::detail::agreed_error(kRouteOp, "loss_comm", local_error, false, settings,
+                                   *comms.loss);
+  }
+  if (comms.global_aux_loss) {
+    const bool agreed = !e.empty();
+    e = dist::detail::agreed_error(kRouteOp, "global_aux_loss_comm", agreed ? e : local_error,
+                                   agreed, settings, *comms.global_aux_loss);
+  }
+  if (!e.empty()) throw std::invalid_argument(e);
 }
 
 template void sum_over_ranks<int64_t>(dist::Communicator&, int64_t*, int64_t);

@@ -13,16 +13,18 @@ namespace {
 // Source side: for each row p of this rank's plan, its row in the buffer of every rank's expert
 // outputs gathered in rank order.
 void plan_rows_in_gathered(const DispatchHandle& h, int64_t* map) {
-  const auto boff = block_offsets(h);
-  const auto per_rank = rows_per_rank(h);
-  std::vector<int64_t> rank_off(per_rank.size() + 1, 0);
-  for (size_t r = 0; r < per_rank.size(); ++r) rank_off[r + 1] = rank_off[r] + per_rank[r];
-  const int64_t P = h.world_size, L = h.num_local_experts;
+  // Walks every owner's receive layout in its order (no [E x EP] table of them): `run` is the
+  // gathered buffer's row where block (expert e, source s) starts.
+  const int64_t P = h.world_size;
   const int64_t* off = h.plan.expert_offsets.data<int64_t>();
+  int64_t run = 0;
   for (int64_t e = 0; e < h.num_experts; ++e) {
-    const int64_t base =
-        rank_off[static_cast<size_t>(e / L)] + boff[static_cast<size_t>(e * P + h.rank)];
-    for (int64_t p = off[e]; p < off[e + 1]; ++p) map[p] = base + (p - off[e]);  // pads unread
+    for (int64_t s = 0; s < P; ++s) {
+      if (s == h.rank) {
+        for (int64_t p = off[e]; p < off[e + 1]; ++p) map[p] = run + (p - off[e]);  // pads unread
+      }
+      run += rows_at(h, s, e);
+    }
   }
 }
 
@@ -42,7 +44,10 @@ void fill_handle(DispatchHandle& h, const Tensor& topk_idx, const Tensor& topk_w
   int64_t* src_token = h.recv_src_token.data<int64_t>();
   float* recv_w = h.recv_topk_weights.data<float>();
   int64_t* gi = h.recv_gather_index.data<int64_t>();
-  const auto boff = block_offsets(h);
+  // This rank's receive layout: block (local expert el, source s) starts at boff[el * P + s].
+  std::vector<int64_t> boff(static_cast<size_t>(L * P));
+  for_each_recv_block(
+      h, [&](int64_t el, int64_t s, int64_t o) { boff[static_cast<size_t>(el * P + s)] = o; });
   auto* routes = static_cast<unsigned char*>(scratch.get(Scratch::routes, N * K * 8));
   auto* all_idx = reinterpret_cast<int32_t*>(routes);
   auto* all_w = reinterpret_cast<float*>(routes + N * K * 4);
@@ -62,7 +67,7 @@ void fill_handle(DispatchHandle& h, const Tensor& topk_idx, const Tensor& topk_w
     const float* rw = ps.row_weight.data<float>();
     const int64_t* off = ps.expert_offsets.data<int64_t>();
     for (int64_t el = 0; el < L; ++el) {
-      const int64_t e = me * L + el, o = boff[static_cast<size_t>(e * P + s)];
+      const int64_t e = me * L + el, o = boff[static_cast<size_t>(el * P + s)];
       // The source's whole block, padding included (row token -1, weight 0: a zero row).
       for (int64_t j = 0; j < off[e + 1] - off[e]; ++j) {
         const int64_t t = rt[off[e] + j];

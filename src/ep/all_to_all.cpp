@@ -26,21 +26,17 @@ void plan_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out)
     }
 }
 
-// This rank's receive layout as blocks: for every source s and local expert el (ascending), the
-// real rows of (el, s), exchanged with s. Per peer, the same order as that peer's plan_blocks.
+// This rank's receive layout as blocks: for every local expert el (ascending) and source s, the
+// real rows of (el, s), exchanged with s. Per peer, the same order as that peer's plan_blocks
+// (blocks are matched per peer, in list order).
 void expert_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
-  const int64_t P = h.world_size, L = h.num_local_experts;
-  const auto boff = block_offsets(h);
+  const int64_t L = h.num_local_experts;
   out.clear();
-  for (int64_t s = 0; s < P; ++s)
-    for (int64_t el = 0; el < L; ++el) {
-      const int64_t e = h.rank * L + el;
-      const int64_t n = count_at(h, s, e);
-      if (n > 0) out.push_back({static_cast<int>(s), boff[static_cast<size_t>(e * P + s)], n});
-    }
+  for_each_recv_block(h, [&](int64_t el, int64_t s, int64_t o) {
+    const int64_t n = count_at(h, s, h.rank * L + el);
+    if (n > 0) out.push_back({static_cast<int>(s), o, n});
+  });
 }
-
-bool padded_layout(const DispatchHandle& h) { return h.rank_expert_rows != h.rank_expert_counts; }
 
 }  // namespace
 
@@ -54,7 +50,7 @@ const unsigned char* gather_for_peers(const void* src, int64_t rb, void* dst,
                                       const DispatchHandle& h, Scratch& scratch,
                                       std::vector<Communicator::Block>& send,
                                       std::vector<Communicator::Block>& recv) {
-  const int64_t P = h.world_size, L = h.num_local_experts, me = h.rank;
+  const int64_t L = h.num_local_experts, me = h.rank;
   const int64_t* off = h.plan.expert_offsets.data<int64_t>();
   const int64_t* rt = h.plan.row_token.data<int64_t>();
   const int64_t self_begin = off[me * L], self_end = off[(me + 1) * L];
@@ -71,23 +67,15 @@ const unsigned char* gather_for_peers(const void* src, int64_t rb, void* dst,
         backend::gather_rows(kHost, src, rt + off[e], n, rb, pk + off[e] * rb);
     }
   }
-  const auto boff = block_offsets(h);
   auto* out = static_cast<unsigned char*>(dst);
-  for (int64_t el = 0; el < L; ++el) {
-    const int64_t e = me * L + el, n = count_at(h, me, e);
-    if (n == 0) continue;  // a parallel region per empty expert cost 1 µs each
-    backend::gather_rows(kHost, src, rt + off[e], n, rb,
-                         out + boff[static_cast<size_t>(e * P + me)] * rb);
-  }
-  // Padding rows of the receive layout are zero rows.
-  for (int64_t el = 0; padded_layout(h) && el < L; ++el) {
-    const int64_t e = me * L + el;
-    for (int64_t s = 0; s < P; ++s) {
-      const int64_t o = boff[static_cast<size_t>(e * P + s)], n = count_at(h, s, e);
-      const int64_t pad = rows_at(h, s, e) - n;
-      if (pad > 0) std::memset(out + (o + n) * rb, 0, static_cast<size_t>(pad * rb));
-    }
-  }
+  for_each_recv_block(h, [&](int64_t el, int64_t s, int64_t o) {
+    const int64_t e = me * L + el, n = count_at(h, s, e);
+    // This rank's own rows (a parallel region per empty expert cost 1 µs each: skipped).
+    if (s == me && n > 0) backend::gather_rows(kHost, src, rt + off[e], n, rb, out + o * rb);
+    // Padding rows of the receive layout are zero rows.
+    const int64_t pad = rows_at(h, s, e) - n;
+    if (pad > 0) std::memset(out + (o + n) * rb, 0, static_cast<size_t>(pad * rb));
+  });
   plan_blocks(h, send);
   expert_blocks(h, recv);
   for (auto& b : send) {
@@ -118,7 +106,6 @@ void dispatch(const void* x, int64_t rb, void* recv_x, DispatchHandle& h, Scratc
   const float* rw = h.plan.row_weight.data<float>();
   for (int64_t p = 0; p < np; ++p) send_meta[p] = {rt[p], rw[p], 0};
   const int64_t* off = h.plan.expert_offsets.data<int64_t>();
-  const auto boff = block_offsets(h);
   std::vector<Communicator::Block> meta_send, meta_recv;
   for (int64_t r = 0; r < P; ++r)
     for (int64_t el = 0; el < L; ++el) {
@@ -126,12 +113,11 @@ void dispatch(const void* x, int64_t rb, void* recv_x, DispatchHandle& h, Scratc
       if (off[e + 1] > off[e])
         meta_send.push_back({static_cast<int>(r), off[e], off[e + 1] - off[e]});
     }
-  for (int64_t s = 0; s < P; ++s)
-    for (int64_t el = 0; el < L; ++el) {
-      const int64_t e = me * L + el, n = rows_at(h, s, e), o = boff[static_cast<size_t>(e * P + s)];
-      if (n > 0) meta_recv.push_back({static_cast<int>(s), o, n});
-      for (int64_t j = 0; j < n; ++j) src_rank[o + j] = static_cast<int32_t>(s);
-    }
+  for_each_recv_block(h, [&](int64_t el, int64_t s, int64_t o) {
+    const int64_t n = rows_at(h, s, me * L + el);
+    if (n > 0) meta_recv.push_back({static_cast<int>(s), o, n});
+    for (int64_t j = 0; j < n; ++j) src_rank[o + j] = static_cast<int32_t>(s);
+  });
   std::vector<Communicator::Block> send, recv;
   const unsigned char* pk = gather_for_peers(x, rb, recv_x, h, scratch, send, recv);
   const Communicator::Plane planes[2] = {

@@ -151,19 +151,7 @@ DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
   RoutingPlan plan;
   const std::string err = local_checks_dispatch(x, topk_idx, topk_weights, options, P, plan);
   const std::vector<int64_t> headers = exchange_header(op, err, x, topk_idx, options, comm);
-  // Pairs per expert, and with padding also the rows of each expert's (padded) block.
   const bool padded = options.plan.expert_alignment != 1 || options.plan.pad_to_capacity;
-  std::vector<int64_t> mine(static_cast<size_t>(padded ? 2 * E : E));
-  {
-    const int64_t* n = plan.num_tokens_per_expert.data<int64_t>();
-    const int64_t* off = plan.expert_offsets.data<int64_t>();
-    for (int64_t e = 0; e < E; ++e) {
-      mine[static_cast<size_t>(e)] = n[e];
-      if (padded) mine[static_cast<size_t>(E + e)] = off[e + 1] - off[e];
-    }
-  }
-  const std::vector<int64_t> gathered = comm.allgather(mine);
-  const int64_t W = static_cast<int64_t>(mine.size());
 
   DispatchHandle h;
   h.kind = options.kind;
@@ -174,23 +162,30 @@ DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
   h.num_experts = E;
   h.num_local_experts = E / P;
   h.plan = std::move(plan);
+  // The count exchange (E agrees by now): every rank's pairs per expert straight from its plan
+  // into the handle's matrix, and with padding the rows of each expert's (padded) block into the
+  // other. The only O(E) work of the call besides the plan's own arrays: no staging copies, no
+  // table over all ranks' layouts (at E = 2^24 each of those was 128 MiB per rank and call).
   h.rank_expert_counts.resize(static_cast<size_t>(P * E));
-  h.rank_expert_rows.resize(static_cast<size_t>(P * E));
-  for (int64_t r = 0; r < P; ++r) {
-    for (int64_t e = 0; e < E; ++e) {
-      const size_t i = static_cast<size_t>(r * E + e);
-      h.rank_expert_counts[i] = gathered[static_cast<size_t>(r * W + e)];
-      h.rank_expert_rows[i] = gathered[static_cast<size_t>(r * W + (padded ? E + e : e))];
-    }
-  }
+  comm.allgather(h.plan.num_tokens_per_expert.raw(), h.rank_expert_counts.data(), E,
+                 static_cast<int64_t>(sizeof(int64_t)));
+  if (padded) {
+    int64_t* rows = scratch_->get<int64_t>(Scratch::counts, E);
+    const int64_t* off = h.plan.expert_offsets.data<int64_t>();
+    for (int64_t e = 0; e < E; ++e) rows[e] = off[e + 1] - off[e];
+    h.rank_expert_rows.resize(static_cast<size_t>(P * E));
+    comm.allgather(rows, h.rank_expert_rows.data(), E, static_cast<int64_t>(sizeof(int64_t)));
+  }  // else no second matrix: the rows are the pairs (rank_expert_rows stays empty)
   h.rank_num_tokens.resize(static_cast<size_t>(P));
   for (int64_t r = 0; r < P; ++r)
     h.rank_num_tokens[static_cast<size_t>(r)] = headers[static_cast<size_t>(r * kHeader + 1)];
   const int64_t L = h.num_local_experts, H = h.hidden;
-  const int64_t R = detail::rows_per_rank(h)[static_cast<size_t>(me)];
+  const int64_t R = detail::rows_of_rank(h, me);
   h.num_recv_tokens = R;
   h.num_tokens_per_expert = Tensor::empty({L}, DType::int64);
-  h.num_unpadded_tokens_per_expert = Tensor::empty({L}, DType::int64);
+  // Without padding the unpadded counts are the counts: one tensor (read-only) for both.
+  h.num_unpadded_tokens_per_expert =
+      padded ? Tensor::empty({L}, DType::int64) : h.num_tokens_per_expert;
   h.expert_offsets = Tensor::empty({L + 1}, DType::int64);
   {
     int64_t* n = h.num_tokens_per_expert.data<int64_t>();
@@ -198,12 +193,14 @@ DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
     int64_t* o = h.expert_offsets.data<int64_t>();
     o[0] = 0;
     for (int64_t el = 0; el < L; ++el) {
-      n[el] = u[el] = 0;
+      int64_t rows = 0, pairs = 0;
       for (int64_t s = 0; s < P; ++s) {
-        n[el] += detail::rows_at(h, s, me * L + el);
-        u[el] += count_at(h, s, me * L + el);
+        rows += detail::rows_at(h, s, me * L + el);
+        pairs += count_at(h, s, me * L + el);
       }
-      o[el + 1] = o[el] + n[el];
+      n[el] = rows;
+      u[el] = pairs;  // == rows when u and n are one tensor
+      o[el + 1] = o[el] + rows;
     }
   }
   h.recv_src_rank = Tensor::empty({R}, DType::int32);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "agreement.h"
 #include "backend/backend.h"
 #include "switchyard/dispatcher.h"
 
@@ -39,6 +40,7 @@ struct Scratch {
     routes,       ///< all_gather: every rank's topk_idx and topk_weights
     recv_index,   ///< combine_backward: the expert-side plan's int64 index arrays
     recv_expert,  ///< combine_backward: the expert-side plan's row experts
+    counts,       ///< dispatch: this rank's rows per expert block [E], for the count exchange
     kCount
   };
   /// At least `bytes` bytes for `use`.
@@ -70,21 +72,17 @@ inline int64_t row_bytes(int64_t H, DType d) { return H * static_cast<int64_t>(d
 inline int64_t count_at(const DispatchHandle& h, int64_t s, int64_t e) {
   return h.rank_expert_counts[static_cast<size_t>(s * h.num_experts + e)];
 }
-/// Rows of the (expert e, source s) block, padding included.
+/// Rows of the (expert e, source s) block, padding included (without padding the handle keeps
+/// no second matrix: the rows are the pairs).
 inline int64_t rows_at(const DispatchHandle& h, int64_t s, int64_t e) {
-  return h.rank_expert_rows[static_cast<size_t>(s * h.num_experts + e)];
+  const std::vector<int64_t>& m =
+      h.rank_expert_rows.empty() ? h.rank_expert_counts : h.rank_expert_rows;
+  return m[static_cast<size_t>(s * h.num_experts + e)];
 }
 
 /// Throws std::invalid_argument when `h` cannot be a handle of dispatch on `comm` (call it inside
 /// a try whose message goes into the agreement).
 void check_handle(const char* op, const DispatchHandle& h, const Communicator& comm);
-
-/// Collective: every rank passes its local error message ("" = none) and the result of gathering
-/// every rank's message length (`err_lens`, one per rank). When any rank failed, the messages are
-/// gathered and every rank throws the same std::invalid_argument: "[op] on rank r: <message>" for
-/// the lowest failing rank r. Returns normally when nobody failed.
-void raise_if_any(const char* op, const std::string& local_error,
-                  const std::vector<int64_t>& err_lens, Communicator& comm);
 
 /// Collective flag exchange of combine and the backwards: gathers (error length, dtype, weight
 /// mode, handle layout id) and throws on every rank when any rank failed, or when the dtypes, the
@@ -95,13 +93,27 @@ void agree(const char* op, const std::string& local_error, DType dtype, const ch
 /// The layout fingerprint of a handle: a hash of its kind, sizes and count matrix.
 uint64_t layout_id(const DispatchHandle& h);
 
-/// Receive layout of rank `r`: block (local expert el, source s) starts at
-/// block_offset[(r*L + el) * EP + s] (its real rows first, then its padding); table over all
-/// experts (each owner's own layout).
-std::vector<int64_t> block_offsets(const DispatchHandle& h);
-
 /// Rows each rank receives, padding included (sum over its experts and all sources).
 std::vector<int64_t> rows_per_rank(const DispatchHandle& h);
+
+/// Rows rank `r` receives (rows_per_rank(h)[r]), O(L * EP).
+int64_t rows_of_rank(const DispatchHandle& h, int64_t r);
+
+/// Visits this rank's receive layout in its order (local expert el ascending, then source s):
+/// fn(el, s, offset) with the block's first row in recv_x.
+/// O(L * EP) time and no table: per call, nothing of size E or larger is allocated for it.
+template <class Fn>
+void for_each_recv_block(const DispatchHandle& h, Fn fn) {
+  const int64_t P = h.world_size, L = h.num_local_experts;
+  int64_t run = 0;
+  for (int64_t el = 0; el < L; ++el) {
+    const int64_t e = h.rank * L + el;
+    for (int64_t s = 0; s < P; ++s) {
+      fn(el, s, run);
+      run += rows_at(h, s, e);
+    }
+  }
+}
 
 // The two strategies. Each fills the strategy-specific part of the handle (recv_src_*,
 // recv_topk_weights, recv_gather_index) and moves rows in both directions. Collective.

@@ -282,11 +282,12 @@ class ReplayCounts:
 
 class _Target:
     """Validated replay ids of one forward: int32 CPU [T, K] plus what the host knows."""
-    __slots__ = ("ids", "native_rows", "merged_rows", "counts", "num_pairs")
+    __slots__ = ("ids", "native_rows", "merged_rows", "counts", "num_pairs", "group")
 
     def __init__(self, ids, native_rows, merged_rows, counts, num_pairs):
         self.ids, self.native_rows, self.merged_rows = ids, native_rows, merged_rows
         self.counts, self.num_pairs = counts, num_pairs
+        self.group = None  # set_replay_targets' group when the token count is checked in forward
 
 
 class _RouterState:
@@ -420,9 +421,13 @@ def _ids_for_forward(st, T):
     else:
         raise ValueError(f"[megatron.replay] {st.label()}: action 'replay_forward' but no replay "
                          "target is set (set_replay_targets) and nothing was recorded")
+    err = None
     if tgt.ids.shape[0] != T:
-        raise ValueError(f"[megatron.replay] {st.label()}: the replay tensor has "
-                         f"{tgt.ids.shape[0]} tokens, the router got {T}")
+        err = (f"[megatron.replay] {st.label()}: the replay tensor has {tgt.ids.shape[0]} tokens, "
+               f"the router got {T}")
+    # Set over a group without num_tokens: the count is known only now, and a rank raising alone
+    # here would leave the others in the dispatcher's all-to-all.
+    _raise_on_every_rank(err, tgt.group)
     if st.targets:
         st.targets.popleft()
     else:
@@ -867,7 +872,9 @@ def set_replay_targets(model, targets, *, num_tokens=None, group=None):
     see, checked here. ``group``: a torch.distributed group (e.g. the EP group): every rank
     validates its own tables, then the ranks exchange the first error, so all raise the same
     ValueError (naming the rank) and none is left waiting in an all-to-all. Collective over
-    ``group`` when given."""
+    ``group`` when given; without ``num_tokens`` the token count is checked at each layer's
+    forward instead, again over ``group`` (one small exchange per layer and forward; give
+    ``num_tokens`` to check here once)."""
     states = _states(model)
     err = None
     validated = {}
@@ -884,6 +891,16 @@ def set_replay_targets(model, targets, *, num_tokens=None, group=None):
             validated[k] = tgt
     except ValueError as e:
         err = str(e)
+    _raise_on_every_rank(err, group)
+    for k, tgt in validated.items():
+        if num_tokens is None:
+            tgt.group = group  # the token count is checked at the forward, over the group
+        states[k].targets.append(tgt)
+
+
+def _raise_on_every_rank(err, group):
+    """Raises ``err`` (None = no error here); with a torch.distributed ``group``, collective: the
+    ranks exchange their errors and all raise the lowest failing rank's."""
     if group is not None:
         import torch.distributed as dist
         errors = [None] * dist.get_world_size(group)
@@ -893,8 +910,6 @@ def set_replay_targets(model, targets, *, num_tokens=None, group=None):
                 raise ValueError(f"{e} (on rank {rank} of the group)")
     elif err is not None:
         raise ValueError(err)
-    for k, tgt in validated.items():
-        states[k].targets.append(tgt)
 
 
 def replay_counts(model, total=False):
