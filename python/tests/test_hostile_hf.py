@@ -107,9 +107,9 @@ def test_hf_r2_failed_replay_keeps_the_layers_aligned():
 
 @pytest.mark.hostile(tried="Megatron: a forward whose token count does not match the queued "
                            "replay target, then the corrected retry",
-                     gets="a ValueError naming both counts; the target stays queued and the "
-                          "retry replays it")
-def test_megatron_token_count_mismatch_leaves_the_target_queued(request):
+                     gets="a ValueError naming both counts; the failed step's target is dropped, "
+                          "and the retry replays the targets set for it")
+def test_megatron_token_count_mismatch_drops_the_step_and_the_retry_uses_its_own(request):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     import torch.distributed as dist
     import switchyard.integrations.megatron as sym
@@ -142,9 +142,13 @@ def test_megatron_token_count_mismatch_leaves_the_target_queued(request):
         g = torch.Generator().manual_seed(0)
         with pytest.raises(ValueError, match="the replay tensor has 6 tokens, the router got 8"):
             router(torch.randn(8, 1, H, generator=g))
+        assert sym.replays(router)[1].num_targets == 0  # the failed step's ids are gone
+        with pytest.raises(ValueError, match="no replay target is set"):
+            router(torch.randn(6, 1, H, generator=g))  # never the failed step's table
+        sym.set_replay_targets(router, {1: torch.tensor([[4, 1]] * 6, dtype=torch.int32)})
         _, routing_map = router(torch.randn(6, 1, H, generator=g))
         assert torch.equal(routing_map.nonzero()[:, 1].view(6, K),
-                           torch.tensor([[2, 3]] * 6))
+                           torch.tensor([[1, 4]] * 6))
         assert sym.replay_counts(router)[1].replayed == 6
         sym.detach_replay(router)
 

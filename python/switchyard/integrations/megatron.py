@@ -413,7 +413,7 @@ def _ids_for_forward(st, T):
             st.replay.replay_forward(tgt.ids)
             st.pending.append(tgt)
         return tgt
-    # Check, then take: a forward whose T does not match leaves the table queued.
+    # Check, then take (below): the table is validated before it leaves the queue.
     if st.targets:
         tgt = st.targets[0]
     elif st.replay.num_recorded:
@@ -427,11 +427,15 @@ def _ids_for_forward(st, T):
                f"the router got {T}")
     # Set over a group without num_tokens: the count is known only now, and a rank raising alone
     # here would leave the others in the dispatcher's all-to-all.
-    _raise_on_every_rank(err, tgt.group)
-    if st.targets:
-        st.targets.popleft()
-    else:
-        st.replay.pop_recorded()
+    try:
+        _raise_on_every_rank(err, tgt.group)
+    finally:
+        # Taken whether the forward goes on or fails (on any rank): a failed step's ids are never
+        # replayed by a later forward; the caller sets the retry's targets again (as in HF).
+        if st.targets:
+            st.targets.popleft()
+        else:
+            st.replay.pop_recorded()
     # Queue for the backward recompute only when one will come: inside a call of Megatron's
     # tensor_parallel.checkpoint (full and selective recompute) that a backward will follow, or,
     # outside it, a forward under no_grad whose inputs require grad (another reentrant
