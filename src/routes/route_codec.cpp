@@ -98,10 +98,13 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
       std::iota(perm.begin() + l * E, perm.begin() + (l + 1) * E, W{0});
   }
   const int64_t numel = T * L * K;
-  std::vector<W> ids(static_cast<size_t>(numel));  // aligned copy of the rank plane
-  if (numel > 0) {  // memcpy must not see the null data() of an empty vector
-    std::memcpy(ids.data(), raw + (ranked ? perm.size() * sizeof(W) : 0), ids.size() * sizeof(W));
-  }
+  // The rank plane is read in place (memcpy loads: the payload has no alignment promise).
+  const char* plane = raw + (ranked ? perm.size() * sizeof(W) : 0);
+  const auto rank_at = [plane](int64_t i) {
+    W v;
+    std::memcpy(&v, plane + i * int64_t(sizeof(W)), sizeof(W));
+    return v;
+  };
   std::vector<uint8_t> seen(static_cast<size_t>(E));
   for (int64_t l = 0; l < L && ranked; ++l) {
     const W* p = perm.data() + l * E;
@@ -115,19 +118,19 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
   }
   // Range check in one vectorisable pass, so the copy below needs no branch.
   W max_rank = 0;
-  for (int64_t i = 0; i < numel; ++i) max_rank = std::max(max_rank, ids[size_t(i)]);
+  for (int64_t i = 0; i < numel; ++i) max_rank = std::max(max_rank, rank_at(i));
   if (numel > 0 && int64_t(max_rank) >= E) {
-    const int64_t i =
-        std::find_if(ids.begin(), ids.end(), [E](W r) { return int64_t(r) >= E; }) - ids.begin();
+    int64_t i = 0;
+    while (int64_t(rank_at(i)) < E) ++i;
     return cat("token ", (i / K) % T, ", layer ", i / (T * K), ": rank ", int64_t(max_rank),
                " >= num_experts");
   }
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t l = 0; l < L; ++l) {
-      const W* src = ids.data() + (l * T + t) * K;
+      const int64_t src = (l * T + t) * K;
       const W* p = perm.data() + l * E;
       int32_t* out = idx + (t * L + l) * K;
-      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int32_t>(p[src[k]]);
+      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int32_t>(p[rank_at(src + k)]);
     }
   }
   if (none_bits) {

@@ -1,6 +1,9 @@
 // vLLM (.npy) and SGLang (JSON/JSONL + base64) route importers.
 #include "switchyard/route_import.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -8,6 +11,7 @@
 #include <sstream>
 
 #include "check.h"
+#include "route_rows.h"
 #include "switchyard/error.h"
 
 namespace switchyard {
@@ -18,7 +22,7 @@ using detail::fail_arg;
 namespace {
 
 constexpr const char* kOp = "import";
-constexpr size_t kMaxReportedZeroRows = 8;
+using detail::kMaxReportedZeroRows;
 
 // One input element type (the .npy descr, or int32 for SGLang).
 enum class Elem { i1, u1, i2, u2, i4, u4, i8 };
@@ -36,26 +40,6 @@ size_t elem_size(Elem e) {
       return 4;
     case Elem::i8:
       return 8;
-  }
-  return 0;
-}
-
-template <class T>
-int64_t load_as(const char* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return static_cast<int64_t>(v);
-}
-
-int64_t load_elem(const char* p, Elem e) {
-  switch (e) {
-    case Elem::i1: return load_as<int8_t>(p);
-    case Elem::u1: return load_as<uint8_t>(p);
-    case Elem::i2: return load_as<int16_t>(p);
-    case Elem::u2: return load_as<uint16_t>(p);
-    case Elem::i4: return load_as<int32_t>(p);
-    case Elem::u4: return load_as<uint32_t>(p);
-    case Elem::i8: return load_as<int64_t>(p);
   }
   return 0;
 }
@@ -82,94 +66,61 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
     fail_arg(kOp, source, " (sequence ", seq, "): [", layers_in, " layers, top_k ", top_k,
              "] differs from the earlier sequences' [", rep.num_input_layers, ", ", rep.top_k, "]");
   }
-  std::vector<int64_t> moe;
+  detail::RowPlan plan;
   try {
-    moe = moe_layer_indices(opt.layer_map, layers_in);
+    plan = detail::make_row_plan(opt, layers_in, top_k);
   } catch (const std::invalid_argument& e) {
     fail_arg(kOp, source, " (sequence ", seq, ", ", layers_in, " layers): ", e.what());
   }
+  const std::vector<int64_t>& moe = plan.moe;
   const int64_t M = static_cast<int64_t>(moe.size());
-  const int64_t hidden = layers_in - opt.layer_map.num_mtp_layers;
-  std::vector<uint8_t> is_moe(static_cast<size_t>(layers_in), 0);
-  for (int64_t l : moe) is_moe[size_t(l)] = 1;
-  const size_t es = elem_size(elem);
-  const int64_t E = opt.num_experts;
-
-  RouteTable t = RouteTable::none(rows + 1, M, top_k, E);  // the last token has no route
-  int32_t* out = t.topk_idx.data<int32_t>();
-  int64_t dense_nonzero = 0, first_dense_layer = -1;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t l = 0; l < layers_in; ++l) {
-      const char* row = data + ((r * layers_in + l) * top_k) * int64_t(es);
-      if (!is_moe[size_t(l)]) {
-        if (l < hidden) {
-          for (int64_t k = 0; k < top_k; ++k) {
-            if (load_elem(row + k * int64_t(es), elem) != 0) {
-              if (dense_nonzero++ == 0) first_dense_layer = l;
-              break;
-            }
-          }
-        }
-        continue;
-      }
-      bool zero = true;
-      for (int64_t k = 0; k < top_k; ++k) {
-        const int64_t v = load_elem(row + k * int64_t(es), elem);
-        if (v < -1 || v >= E) {
-          fail_arg(kOp, source, " (sequence ", seq, "): expert id ", v, " at token ", r,
-                   ", hidden layer ", l, ", slot ", k, " is outside [0, num_experts=", E, ")");
-        }
-        zero = zero && v == 0;
-      }
-      if (zero && top_k > 1) {  // K = 1: a 0 is a real route to expert 0
-        if (opt.zero_rows == ZeroRowPolicy::error) {
-          fail_arg(kOp, source, " (sequence ", seq, "): all-zero row at token ", r,
-                   ", hidden layer ", l, " (zero-filled padding?)");
-        }
-        const int64_t m = std::lower_bound(moe.begin(), moe.end(), l) - moe.begin();
-        if (rep.first_zero_rows.size() < kMaxReportedZeroRows)
-          rep.first_zero_rows.push_back({seq, r, m});
-        ++rep.num_zero_rows;
-        if (opt.zero_rows == ZeroRowPolicy::to_none) continue;  // row stays -1
-      }
-      const int64_t m = std::lower_bound(moe.begin(), moe.end(), l) - moe.begin();
-      int32_t* dst = out + (r * M + m) * top_k;
-      for (int64_t k = 0; k < top_k; ++k)
-        dst[k] = static_cast<int32_t>(load_elem(row + k * int64_t(es), elem));
-      if (!zero) {
-        // A repeated id or -1 mixed with ids is an invalid row (DESIGN.md): never stored as if
-        // valid. K is small, so the pairwise scan is cheaper than any set.
-        int64_t bad = -1, none = 0;
-        for (int64_t k = 0; k < top_k && bad < 0; ++k) {
-          none += dst[k] < 0;
-          for (int64_t j = 0; j < k && dst[k] >= 0; ++j) {
-            if (dst[j] == dst[k]) {
-              bad = k;
-              break;
-            }
-          }
-        }
-        if (bad < 0 && none > 0 && none < top_k) bad = top_k;  // mixes -1 and ids
-        if (bad >= 0) {
-          if (opt.invalid_rows == InvalidRowPolicy::error) {
-            std::string ids = "[";
-            for (int64_t k = 0; k < top_k; ++k) ids += (k ? ", " : "") + std::to_string(dst[k]);
-            ids += "]";
-            fail_arg(kOp, source, " (sequence ", seq, "): row ", ids, " at token ", r,
-                     ", hidden layer ", l,
-                     bad < top_k ? cat(" repeats expert ", dst[bad]) : std::string(" mixes -1 and ids"),
-                     " (invalid_rows='to_none' stores such rows as -1)");
-          }
-          for (int64_t k = 0; k < top_k; ++k) dst[k] = -1;
-          ++rep.num_invalid_rows;
-        }
-      }
-    }
+  RouteTable t;  // every row is written below; the last token's row is -1 (no route)
+  t.num_experts = opt.num_experts;
+  t.topk_idx = Tensor::empty({rows + 1, M, top_k}, DType::int32);
+  std::fill_n(t.topk_idx.data<int32_t>() + rows * M * top_k, M * top_k, -1);
+  detail::RowFindings f;
+  bool ok = false;
+  const int64_t row_elems = layers_in * top_k;
+  auto run = [&](auto* typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    const T* in = reinterpret_cast<const T*>(data);
+    ok = detail::import_rows<T>([&](int64_t r) { return in + r * row_elems; }, rows, plan,
+                                t.topk_idx.data<int32_t>(), f);
+  };
+  switch (elem) {
+    case Elem::i1:
+      run(static_cast<const int8_t*>(nullptr));
+      break;
+    case Elem::u1:
+      run(static_cast<const uint8_t*>(nullptr));
+      break;
+    case Elem::i2:
+      run(static_cast<const int16_t*>(nullptr));
+      break;
+    case Elem::u2:
+      run(static_cast<const uint16_t*>(nullptr));
+      break;
+    case Elem::i4:
+      run(static_cast<const int32_t*>(nullptr));
+      break;
+    case Elem::u4:
+      run(static_cast<const uint32_t*>(nullptr));
+      break;
+    case Elem::i8:
+      run(static_cast<const int64_t*>(nullptr));
+      break;
   }
-  if (dense_nonzero > 0) {
+  if (!ok) fail_arg(kOp, source, " (sequence ", seq, "): ", f.error);
+  for (const auto& z : f.first_zero_rows) {
+    if (rep.first_zero_rows.size() < kMaxReportedZeroRows)
+      rep.first_zero_rows.push_back({seq, z[0], z[1]});
+  }
+  rep.num_zero_rows += f.num_zero_rows;
+  rep.num_invalid_rows += f.num_invalid_rows;
+  if (f.dense_nonzero > 0) {
     rep.warnings.push_back(cat(
-        source, ": ", dense_nonzero, " rows on layers the map calls dense hold ",
-        "nonzero ids (first on hidden layer ", first_dense_layer, "): is the layer map right?"));
+        source, ": ", f.dense_nonzero, " rows on layers the map calls dense hold ",
+        "nonzero ids (first on hidden layer ", f.first_dense_layer, "): is the layer map right?"));
   }
   rep.num_input_layers = layers_in;
   rep.top_k = top_k;
@@ -426,8 +377,7 @@ ImportResult import_vllm(const std::vector<std::string>& paths, const ImportOpti
 
 ImportResult import_vllm_arrays(const std::vector<Tensor>& arrays, const ImportOptions& options) {
   check_options(options);
-  ImportResult r;
-  for (size_t i = 0; i < arrays.size(); ++i) {
+  auto one = [&](size_t i, ImportResult& r) {
     const Tensor& a = arrays[i];
     const std::string source = cat("arrays[", i, "]");
     if (a.dim() != 3) {
@@ -445,13 +395,50 @@ ImportResult import_vllm_arrays(const std::vector<Tensor>& arrays, const ImportO
       case DType::uint8:
         elem = Elem::u1;
         break;
+      case DType::int16:
+        elem = Elem::i2;
+        break;
+      case DType::uint16:
+        elem = Elem::u2;
+        break;
       default:
-        fail_arg(kOp, source, ": dtype must be int32, int64 or uint8, got ", dtype_name(a.dtype()));
+        fail_arg(kOp, source, ": dtype must be int32, int64, int16, uint16 or uint8, got ",
+                 dtype_name(a.dtype()));
     }
     import_array(static_cast<const char*>(a.raw()), elem, a.size(0), a.size(1), a.size(2), source,
                  options, r);
     prepend_none_rows(r, options.prompt_start, source, "prompt_start");
+  };
+  // Sequences are independent: import them on the engine's threads and merge in order. Any error
+  // (or sequences that disagree in shape) reruns the import in order, so the error raised is the
+  // first one with its sequence index, exactly as the sequential import names it.
+  const size_t n = arrays.size();
+  int64_t bytes = 0;
+  for (const Tensor& a : arrays) bytes += static_cast<int64_t>(a.nbytes());
+  if (n > 1 && bytes >= (int64_t{1} << 20) && omp_get_max_threads() > 1) {
+    std::vector<ImportResult> parts(n);
+    std::vector<char> failed(n, 0);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (size_t i = 0; i < n; ++i) {
+      try {
+        one(i, parts[i]);
+      } catch (...) {
+        failed[i] = 1;
+      }
+    }
+    bool ok = std::find(failed.begin(), failed.end(), 1) == failed.end();
+    for (size_t i = 1; ok && i < n; ++i) {
+      ok = parts[i].report.num_input_layers == parts[0].report.num_input_layers &&
+           parts[i].report.top_k == parts[0].report.top_k;
+    }
+    if (ok) {
+      ImportResult r;
+      for (size_t i = 0; i < n; ++i) merge(r, std::move(parts[i]), cat("arrays[", i, "]"));
+      return r;
+    }
   }
+  ImportResult r;
+  for (size_t i = 0; i < n; ++i) one(i, r);
   return r;
 }
 
