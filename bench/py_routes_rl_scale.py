@@ -21,8 +21,12 @@ The batch (Qwen3-30B-A3B routing: 48 MoE layers, E 128, K 8; `--sequences` rows)
 
 Every timing is the best of `--repeat` runs, switchyard and torch side by side in the same process on
 the same input, with the same thread count (switchyard.set_num_threads and torch.set_num_threads).
-MB/s is of the op's input bytes as the caller holds them. Ratio = switchyard time / torch time
-(< 1: switchyard faster). Decoding's peak memory is measured in a subprocess (ru_maxrss).
+With one thread the time is the process's CPU time (time.process_time): on a machine shared with
+other jobs, wall time also counts the time the process waits for a core (the wall time is printed
+beside it); with more threads it is wall time. MB/s is of the op's input bytes as the caller holds
+them. Ratio = switchyard time / torch time (< 1: switchyard faster). Decoding's peak memory is
+measured in a subprocess: the growth of its peak RSS (VmHWM, reset through /proc/self/clear_refs
+once the encoded bytes are loaded) while decoding, against the size of the decoded tables.
 """
 import argparse
 import os
@@ -111,13 +115,21 @@ def make_batch(B, max_prompt, max_response, seed, pool_rows=2048):
 
 
 # ---- timing -------------------------------------------------------------------------------------
-def best(fn, repeat):
+CPU_CLOCK = True  # set in main(): process CPU time with one thread, wall time with more
+WALL = {}
+
+
+def best(fn, repeat, key=None):
     fn()  # warm (allocator, page cache)
-    t = float("inf")
+    t = w = float("inf")
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        t = min(t, time.perf_counter() - t0)
+        c1, t1 = time.process_time(), time.perf_counter()
+        t = min(t, (c1 - c0) if CPU_CLOCK else (t1 - t0))
+        w = min(w, t1 - t0)
+    if key:
+        WALL[key] = w
     return t
 
 
@@ -125,28 +137,34 @@ ROWS = []
 
 
 def row(name, nbytes, sy_fn, peer_name, peer_fn, repeat):
-    ts = best(sy_fn, repeat)
-    tp = best(peer_fn, repeat)
+    ts = best(sy_fn, repeat, name)
+    tp = best(peer_fn, repeat, name + "/peer")
     ROWS.append((name, nbytes, ts, peer_name, tp))
     print(f"  {name:<22} {ts * 1e3:9.1f} ms {nbytes / ts / 1e6:8.0f} MB/s | {peer_name:<40} "
-          f"{tp * 1e3:8.1f} ms | ratio {ts / tp:5.2f}", flush=True)
+          f"{tp * 1e3:8.1f} ms | ratio {ts / tp:5.2f} | wall {WALL[name] * 1e3:.1f} / "
+          f"{WALL[name + '/peer'] * 1e3:.1f} ms", flush=True)
 
 
 def decode_peak_rss(blob_path):
     """Peak RSS growth of decoding in a fresh process (the encoded bytes already loaded)."""
     code = (
-        "import resource, sys, torch\n"
+        "import sys, torch\n"
         "import switchyard.routes as routes\n"
+        "def kb(key):\n"
+        "    for line in open('/proc/self/status'):\n"
+        "        if line.startswith(key):\n"
+        "            return int(line.split()[1])\n"
         "blob = torch.from_numpy(__import__('numpy').fromfile(sys.argv[1], dtype='uint8'))\n"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "open('/proc/self/clear_refs', 'w').write('5')  # peak RSS := current RSS\n"
+        "before = kb('VmRSS')\n"
         "tables, meta = routes.decode(blob)\n"
-        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "peak = kb('VmHWM')\n"
         "n = sum(t.numel() * t.element_size() for t in tables)\n"
-        "print(before, after, n)\n")
+        "print(before, peak, n)\n")
     out = subprocess.run([sys.executable, "-c", code, blob_path], check=True, capture_output=True,
                          text=True, env=os.environ).stdout.split()
-    before, after, n = (int(v) for v in out)
-    return (after - before) * 1024, n
+    before, peak, n = (int(v) for v in out)
+    return (peak - before) * 1024, n
 
 
 def main():
@@ -158,6 +176,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default="", help="comma-separated op names to run (default: all)")
     args = ap.parse_args()
+    global CPU_CLOCK
+    CPU_CLOCK = args.threads == 1
     sy.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     only = set(filter(None, args.only.split(",")))
@@ -255,7 +275,8 @@ def main():
               f"({i16_real / te / 1e9:.2f} GB/s of int16-equivalent input), decode "
               f"{td * 1e3:.1f} ms ({i16_real / td / 1e9:.2f} GB/s)")
         print(f"  decode peak RSS growth {grow / 1e6:.0f} MB for {nout / 1e6:.0f} MB of tables "
-              f"({grow / max(nout, 1):.2f}x the decoded size)")
+              f"({grow / max(nout, 1):.2f}x the decoded size: the tables themselves plus "
+              f"{max(grow - nout, 0) / 1e6:.0f} MB of scratch)")
         ROWS.append(("encode", i16_real, te, None, None))
         ROWS.append(("decode", i16_real, td, None, None))
         sizes = [("verl routed_experts int16 (padded, every layer)", verl_bytes),
@@ -267,7 +288,9 @@ def main():
                  ("vLLM uint8 arrays", vllm_u8), ("int32 route tables", int32_bytes)]
 
     print("\n## Markdown\n")
-    print(f"{machine_line()}; {B} sequences, {ntok} tokens, threads {args.threads}.\n")
+    clock = "process CPU time" if CPU_CLOCK else "wall time"
+    print(f"{machine_line()}; {B} sequences, {ntok} tokens, threads {args.threads}, best of "
+          f"{rep} ({clock}).\n")
     print("| op | switchyard ms | MB/s (input) | torch peer | torch ms | switchyard / torch |")
     print("| --- | ---: | ---: | --- | ---: | ---: |")
     for name, nb, ts, pn, tp in ROWS:

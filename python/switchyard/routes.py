@@ -326,6 +326,7 @@ def layer_targets(table, moe_layers, keys, batch_size=None):
         table = table.reshape(B, S, *table.shape[1:]).transpose(0, 1).reshape(S * B,
                                                                              *table.shape[1:])
     col = {int(h): i for i, h in enumerate(moe_layers)}
+    views = table.unbind(1)  # every layer's [T, K] view in one call (no copy)
     out = {}
     for k in keys:
         if not isinstance(k, int):
@@ -333,7 +334,7 @@ def layer_targets(table, moe_layers, keys, batch_size=None):
         if k - 1 not in col:
             raise ValueError(f"[routes.layer_targets] layer {k} (hidden layer {k - 1}) is not a "
                              f"MoE layer of the table (moe_layers={list(moe_layers)})")
-        out[k] = table[:, col[k - 1], :]
+        out[k] = views[col[k - 1]]
     return out
 
 
