@@ -45,11 +45,17 @@ std::string encode_header(const RouteFileInfo& info) {
 
 // Appends sequence `seq`'s block (header, zstd payload, checksums) to `out`; `raw` and `comp` are
 // scratch buffers kept between calls. The one block encoder of the file and of the wire format.
+// An id outside [-1, num_experts) is an std::invalid_argument naming `op`, `name` and the id.
 void encode_block(const RouteTable& table, int64_t seq, const RouteFileInfo& info, int level,
-                  ZSTD_CCtx* cctx, std::string& raw, std::string& comp, std::string& out) {
+                  ZSTD_CCtx* cctx, std::string& raw, std::string& comp, std::string& out,
+                  const char* op, const char* name) {
   const int64_t T = table.num_tokens();
   const uint32_t flags = detail::encode_payload(
       table.topk_idx.data<int32_t>(), T, info.num_moe_layers, info.top_k, info.num_experts, raw);
+  if (flags == detail::kBadIds) {
+    check_route_table(table, op, name);  // names the first bad id
+    detail::fail_arg(op, name, ": ids must be -1 or in [0, num_experts=", info.num_experts, ")");
+  }
   comp.resize(ZSTD_compressBound(raw.size()));
   const size_t c = ZSTD_compressCCtx(cctx, comp.data(), comp.size(), raw.data(), raw.size(), level);
   if (ZSTD_isError(c)) throw BackendError(cat("ZSTD_compressCCtx: ", ZSTD_getErrorName(c)));
@@ -121,10 +127,13 @@ void check_writer_args(const RouteFileInfo& info, const RouteFileWriterOptions& 
   }
 }
 
-// A table appended to a file of `info` (ids, layout, size); `name` names it in errors.
+// A table appended to a file of `info` (layout, size; encode_block checks the ids while encoding
+// them); `name` names it in errors.
 void check_append(const RouteTable& table, const RouteFileInfo& info, const char* op,
                   const char* name) {
-  check_route_table(table, op, name);
+  detail::check_defined(table.topk_idx, op, name);
+  detail::check_dtype(table.topk_idx, op, name, {DType::int32});
+  detail::check_dim(table.topk_idx, op, name, 3);
   if (table.num_experts != info.num_experts || table.num_moe_layers() != info.num_moe_layers ||
       table.top_k() != info.top_k) {
     detail::fail_arg(op, name, " must have num_experts=", info.num_experts,
@@ -278,7 +287,7 @@ void RouteFileWriter::append(const RouteTable& table) {
   const int64_t offset = s.offset;
   s.block.clear();
   encode_block(table, static_cast<int64_t>(s.entries.size()), s.info, s.options.compression_level,
-               s.cctx, s.raw, s.comp, s.block);
+               s.cctx, s.raw, s.comp, s.block, op, "table");
   RouteFileEntry e{offset, T, static_cast<int64_t>(s.block.size())};
   s.write(s.block);
   s.entries.push_back(e);
@@ -737,7 +746,7 @@ Tensor encode_route_file(const std::vector<RouteTable>& tables, const RouteFileI
         const std::string name = cat("tables[", i, "]");
         check_append(tables[size_t(i)], in, op, name.c_str());
         encode_block(tables[size_t(i)], i, in, options.compression_level, cctx, raw, comp,
-                     blocks[size_t(i)]);
+                     blocks[size_t(i)], op, name.c_str());
       } catch (const std::exception& e) {
         errors[size_t(i)] = e.what();
       }
