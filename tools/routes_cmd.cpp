@@ -2,16 +2,16 @@
 // and drift statistics, and align files to a trainer's parallel layout.
 #include <CLI/CLI.hpp>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <iomanip>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
-#include <system_error>
 
 #include "commands.h"
 #include "switchyard/error.h"
@@ -28,15 +28,13 @@ using namespace switchyard;
 
 constexpr int64_t kProgressEvery = 1000;
 
-// Discards the writer's uncommitted output when the command leaves by an exception (after a
-// successful close() there is nothing left to discard).
+// Discards a command's uncommitted output when it leaves by an exception (after a successful
+// commit there is nothing left to discard).
 struct DiscardOnFailure {
-  std::function<RouteFileWriter*()> writer;
+  std::function<void()> discard;
   int uncaught = std::uncaught_exceptions();
   ~DiscardOnFailure() {
-    if (std::uncaught_exceptions() > uncaught) {
-      if (RouteFileWriter* w = writer()) w->discard();
-    }
+    if (std::uncaught_exceptions() > uncaught) discard();
   }
 };
 
@@ -78,11 +76,33 @@ struct ImportArgs {
   int64_t top_k = 0;
   std::string zero_rows = "keep";
   std::string invalid_rows = "error";
+  std::vector<std::string> cu_seqlens;  // flashinfer: one list per input
   std::string output;
   int level = 1;
   bool json_out = false;
   std::vector<std::string> inputs;
 };
+
+// "0,5,12" -> {0, 5, 12}: integers only, no empty entries.
+std::vector<int64_t> parse_offsets(const std::string& text) {
+  std::vector<int64_t> v;
+  size_t p = 0;
+  while (p <= text.size()) {
+    size_t q = text.find(',', p);
+    if (q == std::string::npos) q = text.size();
+    int64_t x = 0;
+    const char* b = text.data() + p;
+    const char* e = text.data() + q;
+    auto [end, ec] = std::from_chars(b, e, x);
+    if (b == e || ec != std::errc() || end != e) {
+      throw std::invalid_argument("[routes import] --cu-seqlens '" + text +
+                                  "' is not a comma-separated list of integers");
+    }
+    v.push_back(x);
+    p = q + 1;
+  }
+  return v;
+}
 
 void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   ImportOptions opt;
@@ -103,24 +123,45 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
         "[routes import] --format sglang needs --num-layers and --top-k "
         "(SGLang's routed_experts is a flat array)");
   }
+  if (!a.cu_seqlens.empty() &&
+      (a.format != "flashinfer" || a.cu_seqlens.size() != a.inputs.size())) {
+    throw std::invalid_argument(
+        "[routes import] --cu-seqlens is for --format flashinfer, once per input (" +
+        std::to_string(a.inputs.size()) + " inputs), got it " +
+        std::to_string(a.cu_seqlens.size()) + " times");
+  }
   std::unique_ptr<RouteFileWriter> writer;
   // A failed import publishes nothing: the partial output is removed and an existing file at
   // --output stays as it was (the writer only renames over it on close()).
-  DiscardOnFailure guard{[&] { return writer.get(); }};
+  DiscardOnFailure guard{[&] {
+    if (writer) writer->discard();
+  }};
   ImportReport total;
   std::vector<std::string> warnings;
   int64_t next_progress = kProgressEvery;
-  for (const std::string& path : a.inputs) {
-    // vllm: .npy files and JSON / JSONL HTTP responses, told apart by content.
-    ImportResult r =
-        a.format == "vllm" ? import_vllm_files({path}, opt) : import_sglang({path}, opt);
+  for (size_t i = 0; i < a.inputs.size(); ++i) {
+    const std::string& path = a.inputs[i];
+    ImportResult r;
+    if (a.format == "vllm") {  // .npy files and JSON / JSONL HTTP responses, told apart by content
+      r = import_vllm_files({path}, opt);
+    } else if (a.format == "sglang") {
+      r = import_sglang({path}, opt);
+    } else if (a.format == "trtllm") {
+      r = import_trtllm({path}, opt);
+    } else if (a.format == "vllm-stream") {
+      r = import_vllm_stream({path}, opt);
+    } else {  // flashinfer
+      std::vector<int64_t> cu;
+      if (!a.cu_seqlens.empty()) cu = parse_offsets(a.cu_seqlens[i]);
+      r = import_flashinfer({path}, {cu}, opt);
+    }
     if (!writer && !r.sequences.empty()) {
       RouteFileInfo info;
       info.num_experts = a.num_experts;
       info.top_k = r.report.top_k;
       info.num_moe_layers = static_cast<int64_t>(r.report.moe_layers.size());
       info.moe_layers = r.report.moe_layers;
-      info.num_hidden_layers = r.report.num_input_layers - a.mtp_layers;
+      info.num_hidden_layers = r.report.num_hidden_layers;
       // Later inputs must agree with the first one.
       opt.num_input_layers = r.report.num_input_layers;
       opt.top_k = r.report.top_k;
@@ -459,7 +500,7 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
     oinfo.moe_layers.assign(info.moe_layers.begin() + begin, info.moe_layers.begin() + end);
   }
   RouteFileWriter w(a.output, oinfo);
-  DiscardOnFailure guard{[&] { return &w; }};
+  DiscardOnFailure guard{[&] { w.discard(); }};
   json batches = json::array();
   std::ostringstream human;
   int64_t mb_index = 0;
@@ -510,14 +551,6 @@ struct ExportArgs {
   bool json_out = false;
 };
 
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) throw BackendError("open(" + path + "): " + std::generic_category().message(errno));
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  f.close();
-  if (!f) throw BackendError("write(" + path + "): " + std::generic_category().message(errno));
-}
-
 // verl's batch layout: OUT.routed_experts.npy (int16 [batch, seq, num_hidden_layers, K]) and
 // OUT.attention_mask.npy (int64 [batch, seq]).
 void run_export(const ExportArgs& a, std::ostream& out) {
@@ -542,9 +575,23 @@ void run_export(const ExportArgs& a, std::ostream& out) {
   const std::vector<int64_t> shape = {ids.size(0), ids.size(1), ids.size(2), ids.size(3)};
   const std::string ids_path = a.output + ".routed_experts.npy";
   const std::string mask_path = a.output + ".attention_mask.npy";
-  write_bytes(ids_path, encode_npy("<i2", shape, ids.raw(), ids.nbytes()));
-  write_bytes(mask_path, encode_npy("<i8", {shape[0], shape[1]}, v.attention_mask.raw(),
-                                    v.attention_mask.nbytes()));
+  // Committed like a route file (PartialFile): both files are written beside their targets,
+  // synced, and only then renamed over them, so a failed export (disk full, a file size limit,
+  // an interrupt) leaves the previous export as it was, and its partial files are removed.
+  std::optional<PartialFile> ids_file, mask_file;
+  DiscardOnFailure guard{[&] {
+    if (ids_file) ids_file->discard();
+    if (mask_file) mask_file->discard();
+  }};
+  ids_file.emplace(ids_path, "routes export", "routes export");
+  mask_file.emplace(mask_path, "routes export", "routes export");
+  ids_file->write(encode_npy("<i2", shape, ids.raw(), ids.nbytes()));
+  mask_file->write(
+      encode_npy("<i8", {shape[0], shape[1]}, v.attention_mask.raw(), v.attention_mask.nbytes()));
+  ids_file->sync();
+  mask_file->sync();
+  ids_file->publish();
+  mask_file->publish();
   if (a.json_out) {
     out << json{{"input", a.input},
                 {"format", a.format},
@@ -571,12 +618,17 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
       app.add_subcommand("routes", "Route data: import, inspect, validate, stats, diff, align");
   routes->require_subcommand(1);
 
+  // Layer counts that 0 leaves to the file or to an even split must not be negative: align and
+  // export took a negative one as given (--first-stage-layers -1 sized the pipeline stages from
+  // it). 65536: the route file's layer limit.
+  const CLI::Range layer_count(int64_t{0}, int64_t{65536});
+
   auto ia = std::make_shared<ImportArgs>();
   CLI::App* imp = routes->add_subcommand(
       "import", "Import vLLM .npy / HTTP JSON or SGLang JSON/JSONL routes into a route file");
   imp->add_option("--format", ia->format, "Input format")
       ->required()
-      ->check(CLI::IsMember({"vllm", "sglang"}));
+      ->check(CLI::IsMember({"vllm", "sglang", "trtllm", "flashinfer", "vllm-stream"}));
   imp->add_option("--num-experts", ia->num_experts, "Experts per MoE layer (E)")->required();
   auto* fkd =
       imp->add_option("--first-k-dense", ia->first_k_dense, "The first N hidden layers are dense");
@@ -604,6 +656,9 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   imp->add_option("--invalid-rows", ia->invalid_rows,
                   "Rows that repeat an id or mix -1 with ids: error, or none (store -1)")
       ->check(CLI::IsMember({"error", "none"}));
+  imp->add_option("--cu-seqlens", ia->cu_seqlens,
+                  "flashinfer: token offsets of the sequences in the batch (0,5,12), once per "
+                  "input; left out, each input is one sequence");
   imp->add_option("--level", ia->level, "zstd level (1-19)");
   imp->add_option("-o,--output", ia->output, "Route file to write")->required();
   imp->add_flag("--json", ia->json_out, "Machine-readable output");
@@ -675,11 +730,14 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   al->add_option("--vpp", aa->vpp, "Virtual pipeline stages per rank");
   al->add_option("--vpp-rank", aa->vpp_rank, "Virtual pipeline stage");
   al->add_option("--first-stage-layers", aa->first_stage_layers,
-                 "Hidden layers of the first stage (uneven)");
+                 "Hidden layers of the first stage (uneven)")
+      ->check(layer_count);
   al->add_option("--last-stage-layers", aa->last_stage_layers,
-                 "Hidden layers of the last stage (uneven)");
+                 "Hidden layers of the last stage (uneven)")
+      ->check(layer_count);
   al->add_option("--num-hidden-layers", aa->num_hidden_layers,
-                 "Override the file's hidden layer count");
+                 "Override the file's hidden layer count")
+      ->check(layer_count);
   al->add_option("--micro-batch-size", aa->micro_batch_size,
                  "Sequences per micro-batch (default: all)");
   al->add_flag("--json", aa->json_out, "Machine-readable output");
@@ -696,7 +754,8 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
                  "Output prefix: writes OUT.routed_experts.npy and OUT.attention_mask.npy")
       ->required();
   ex->add_option("--num-hidden-layers", ea->num_hidden_layers,
-                 "Override the file's hidden layer count");
+                 "Override the file's hidden layer count")
+      ->check(layer_count);
   ex->add_option("--padding-side", ea->padding_side, "left (verl's default) or right")
       ->check(CLI::IsMember({"left", "right"}));
   ex->add_option("--seq-len", ea->seq_len, "Columns of the batch (default: the longest sequence)");

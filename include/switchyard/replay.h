@@ -71,6 +71,9 @@ class RouterReplay {
   int64_t layer() const { return options_.layer; }
   /// Drops every queued table.
   void clear();
+  /// An independent copy (Python's copy.deepcopy): the same options and a clone of every queued
+  /// table, so neither object's queues or tables change through the other.
+  RouterReplay clone() const;
 
  private:
   void check_table(const Tensor& topk_idx, const char* op) const;

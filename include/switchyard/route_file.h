@@ -44,19 +44,76 @@ struct RouteFileWriterOptions {
   int compression_level = 1;
 };
 
-/// Appends sequences to a route file, committed atomically. Everything is written to
-/// `partial_path(path)` (`<path>.partial`, same directory); `close()` writes the index and footer,
-/// fsyncs, renames the partial file over `path` and fsyncs the directory. Until then `path` is not
-/// touched: an existing file there stays as it was if the writer fails, is aborted or is killed.
-/// Each `append` writes one complete block (header, payload, checksums) to the partial file before
-/// returning, so a killed process leaves every acknowledged sequence recoverable there (the reader
-/// opens it in recovery: complete() false).
-/// One writer per path: the partial file holds an exclusive advisory lock (flock) for the writer's
-/// lifetime, and a second writer on the same path throws BackendError instead of interleaving.
-/// The destructor commits like `close()` (without throwing), except while an exception unwinds
-/// the stack past it: then it calls `abort()`, so a failed job never publishes a partial file as
-/// complete. After a failed write the writer refuses further appends and `close()` throws without
-/// committing. Not thread-safe (one thread per writer).
+/// A file committed atomically: written to `partial_path(path)` (`<path>.partial`, same
+/// directory), which holds an exclusive advisory lock (flock) while open; `commit()` fsyncs it,
+/// renames it over `path` and fsyncs the directory. Until then `path` is never opened: an existing
+/// file there stays as it was whatever happens to the writer. The commit protocol of
+/// RouteFileWriter, and of any other output that must never be left half written (the CLI's
+/// `routes export`). Not thread-safe on its own (RouteFileWriter serialises its use).
+class PartialFile {
+ public:
+  /// Opens `partial_path(path)` (created or, once locked, truncated). Throws
+  /// std::invalid_argument ("[op] ...") for an empty path, one holding a NUL byte, or one that
+  /// exists and is not a regular file; BackendError when the partial file cannot be created or
+  /// another writer (an `owner`, named in the message) holds its lock.
+  PartialFile(const std::string& path, const char* op, const char* owner);
+  /// Closes; an uncommitted partial file stays where it is (as after abort()).
+  ~PartialFile();
+  PartialFile(const PartialFile&) = delete;
+  PartialFile& operator=(const PartialFile&) = delete;
+
+  static std::string partial_path(const std::string& path) { return path + ".partial"; }
+
+  /// Appends all of `bytes` (handed to the OS before returning). BackendError on failure; the
+  /// file then refuses to commit (failed() is true).
+  void write(std::string_view bytes);
+  /// fsync of the partial file. On failure: BackendError, and the file is closed uncommitted.
+  void sync();
+  /// Renames the partial file over `path`, fsyncs the directory and closes. Call after sync().
+  /// On failure: BackendError, and the file is closed uncommitted.
+  void publish();
+  /// sync() then publish().
+  void commit() {
+    sync();
+    publish();
+  }
+  /// Closes without committing; the partial file keeps what was written (fsynced, best effort).
+  void abort() noexcept;
+  /// Closes without committing and removes the partial file (while still holding its lock).
+  void discard() noexcept;
+
+  bool is_open() const { return fd_ >= 0; }
+  /// A write, sync or publish failed: nothing will be committed.
+  bool failed() const { return failed_; }
+  /// Bytes written so far.
+  int64_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+  const std::string& partial() const { return partial_; }
+
+ private:
+  void release() noexcept;
+  int fd_ = -1;
+  std::string path_, partial_;
+  int64_t size_ = 0;
+  bool failed_ = false;
+};
+
+/// Appends sequences to a route file, committed atomically (through a PartialFile). Everything is
+/// written to `partial_path(path)` (`<path>.partial`, same directory); `close()` writes the index
+/// and footer, fsyncs, renames the partial file over `path` and fsyncs the directory. Until then
+/// `path` is not touched: an existing file there stays as it was if the writer fails, is aborted or
+/// is killed. Each `append` writes one complete block (header, payload, checksums) to the partial
+/// file before returning, so a killed process leaves every acknowledged sequence recoverable there
+/// (the reader opens it in recovery: complete() false). One writer per path: the partial file holds
+/// an exclusive advisory lock (flock) for the writer's lifetime, and a second writer on the same
+/// path throws BackendError instead of interleaving. The destructor commits like `close()` (without
+/// throwing), except while an exception unwinds the stack past it: then it calls `abort()`, so a
+/// failed job never publishes a partial file as complete. After a failed write the writer refuses
+/// further appends and `close()` throws without committing. Thread-safe: calls from several threads
+/// are serialised by a lock held for the whole call, so concurrent appends each land as one whole
+/// sequence (numbered in the order they took the lock), and a close() / abort() / discard() racing
+/// an append runs before or after it, never inside it (an append after it throws
+/// std::invalid_argument: the writer is closed).
 class RouteFileWriter {
  public:
   /// Opens `partial_path(path)` (created or, once locked, truncated). Throws
@@ -70,7 +127,9 @@ class RouteFileWriter {
   RouteFileWriter& operator=(const RouteFileWriter&) = delete;
 
   /// Where a writer of `path` writes until it commits: `path + ".partial"`.
-  static std::string partial_path(const std::string& path);
+  static std::string partial_path(const std::string& path) {
+    return PartialFile::partial_path(path);
+  }
 
   /// Appends one sequence. Throws std::invalid_argument when the table's num_experts, layers or
   /// top_k differ from the file's, an id is out of range or the table decodes to more than 4 GiB;

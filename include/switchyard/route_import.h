@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -58,6 +59,7 @@ struct ImportReport {
   int64_t num_sequences = 0;
   int64_t num_tokens = 0;  ///< tokens in the output tables (last token included)
   int64_t num_input_layers = 0;
+  int64_t num_hidden_layers = 0;  ///< the model's decoder layers (MTP excluded)
   int64_t top_k = 0;
   std::vector<int64_t> moe_layers;  ///< hidden-layer index of every kept layer
   int64_t num_zero_rows = 0;        ///< all-zero rows on MoE layers
@@ -130,6 +132,122 @@ ImportResult import_vllm_http(const std::vector<std::string>& paths, const Impor
 /// Imports vLLM files of either kind, told apart by content: .npy (magic "\x93NUMPY") or JSON /
 /// JSONL HTTP responses. What `switchyard routes import --format vllm` reads.
 ImportResult import_vllm_files(const std::vector<std::string>& paths, const ImportOptions& options);
+
+// ---- Engine layouts beyond vLLM / SGLang (issue 25) ---------------------------------------------
+//
+// TensorRT-LLM (PR NVIDIA/TensorRT-LLM#18397, RFC #17778): `CompletionOutput.routed_experts`,
+// `[seq_len - 1, num_moe_layers, K]`, the pre-EPLB logical expert ids captured in
+// `routing_method.apply()`. The layer axis holds only MoE layers, so nothing is dropped: the layer
+// map only names the hidden layer of each column (first_k_dense: columns are hidden layers
+// [first_k_dense, first_k_dense + M); moe_layer_freq: its 1 entries, which must number M) and
+// num_mtp_layers trailing columns are left out.
+
+/// Imports TensorRT-LLM arrays in memory: one `[seq_len-1, num_moe_layers(+MTP), K]` tensor per
+/// sequence (int32, int64 or uint8; the caller widens int16). A -1 row is appended for the last
+/// token and options.prompt_start -1 rows are put first, as for vLLM. Sources are "trtllm[i]".
+ImportResult import_trtllm_arrays(const std::vector<Tensor>& arrays, const ImportOptions& options);
+/// Imports one TensorRT-LLM array saved as .npy (any little-endian integer dtype, 3-D, C order).
+ImportResult import_trtllm_npy_bytes(std::string_view bytes, const std::string& source,
+                                     const ImportOptions& options);
+/// Imports TensorRT-LLM .npy files, one per sequence. What `--format trtllm` reads.
+ImportResult import_trtllm(const std::vector<std::string>& paths, const ImportOptions& options);
+
+// FlashInfer's fused MoE kernels (flashinfer-ai/flashinfer#3024, #3382, #4894) take an optional
+// `routing_replay_out`: an int16 `[N, top_k]` tensor (N >= the batch's tokens; rows past them are
+// left as they were) that the routing kernel fills with the routed (not shared) expert ids of each
+// token. One such buffer per MoE layer for one forward pass of a batch.
+
+/// Route tables of the sequences of one batch from its per-MoE-layer replay buffers (one per MoE
+/// layer, in layer order, then num_mtp_layers MTP layers, which are left out): each a 2-D
+/// `[N, K]` tensor (int32, int64 or uint8; the caller widens int16), all of one shape.
+/// `cu_seqlens` (`[0, n_0, n_0 + n_1, ...]`, non-decreasing, last <= N) splits the batch's tokens
+/// into sequences; rows past its last entry are ignored. Every token of the batch went through the
+/// router, so a table has exactly its sequence's rows (no -1 row appended). Sources are
+/// "flashinfer (batch rows b..e)". Layer map, ids and row checks as for TensorRT-LLM.
+ImportResult import_flashinfer_replay(const std::vector<Tensor>& layers,
+                                      const std::vector<int64_t>& cu_seqlens,
+                                      const ImportOptions& options);
+/// The same over raw int16 buffers as the kernel writes them, each `num_rows * top_k` values.
+ImportResult import_flashinfer_replay(const std::vector<const int16_t*>& layers, int64_t num_rows,
+                                      int64_t top_k, const std::vector<int64_t>& cu_seqlens,
+                                      const ImportOptions& options);
+
+// vLLM streamed outputs. With `stream: true`, vLLM's /inference/v1/generate SSE chunks
+// (`GenerateStreamResponse`: `request_id`, `choices[i]` with `index`, delta `token_ids`,
+// `routed_experts` = base64 .npy or null, `finish_reason`) carry routes either once, on the
+// chunk where the engine has them (vllm-project/vllm#44638: the whole
+// `[num_tokens - 1 - prompt_start, layers, K]` array), or per chunk, sliced to the tokens the chunk
+// emits (vllm-project/vllm#37094: the rows of the forward passes that produced them, appended in
+// order). Either way, after a chunk that brought the request to G generated tokens, the routes
+// received so far cover tokens [prompt_start, prompt_tokens + G - 1).
+
+/// Assembles streamed route chunks per request into route tables, validating each chunk as it
+/// arrives: its layer count and K (against the first chunk, or options.num_input_layers/top_k),
+/// ids and rows (as import_vllm), and its token positions (no gap, no overlap). A chunk that fails
+/// changes nothing. Not thread-safe.
+class VllmRouteStream {
+ public:
+  explicit VllmRouteStream(const ImportOptions& options);
+
+  /// Appends one chunk of request `request_id`: `routes` `[rows, layers, K]` (int32, int64 or
+  /// uint8), the routes of tokens [start, start + rows). `start` < 0: right after the previous
+  /// chunk (the first chunk starts at the request's prompt_start). `new_tokens` >= 0: tokens the
+  /// chunk emitted; `prompt_tokens` >= 0: the prompt's length (see the invariant above, checked
+  /// when both are known; the prompt length is otherwise inferred from the first routed chunk).
+  void add(const std::string& request_id, const Tensor& routes, int64_t start = -1,
+           int64_t new_tokens = -1, int64_t prompt_tokens = -1);
+  /// The same for a chunk given as .npy bytes (any little-endian integer dtype).
+  void add_npy(const std::string& request_id, std::string_view npy, int64_t start = -1,
+               int64_t new_tokens = -1, int64_t prompt_tokens = -1);
+  /// Tokens a chunk emitted without routes (null `routed_experts`), counted toward G.
+  void add_tokens(const std::string& request_id, int64_t new_tokens, int64_t prompt_tokens = -1);
+  /// Sets a request's prompt_start (vLLM's `routed_experts_prompt_start`) before its first chunk.
+  void set_prompt_start(const std::string& request_id, int64_t prompt_start);
+  /// One streamed response chunk: the JSON of an SSE event (a leading "data:" is dropped; "[DONE]"
+  /// and blank text do nothing). Every element of `choices` is a chunk of request
+  /// "<request_id or id>/<index>"; its `token_ids` (if present) count toward G,
+  /// `usage.prompt_tokens` or `prompt_token_ids` give the prompt length, a top-level
+  /// `routed_experts_prompt_start` (saved by the caller) sets prompt_start. Returns the requests
+  /// whose chunk carried a `finish_reason`.
+  std::vector<std::string> add_sse(std::string_view event);
+
+  /// Ends `request_id` and returns its table (sequence 0 of the result): -1 rows for tokens
+  /// [0, prompt_start), the routes, -1 for the last token. Throws std::invalid_argument when the
+  /// request has no routes or they do not cover tokens [prompt_start, prompt + G - 1) where both
+  /// are known; std::out_of_range for an unknown request.
+  ImportResult finish(const std::string& request_id);
+  /// Requests with chunks not yet finished, in order of their first chunk.
+  std::vector<std::string> pending() const;
+
+  struct State;  // the requests in flight (route_import.cpp)
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+/// FlashInfer buffers saved as one .npy `[num_moe_layers(+MTP), N, K]` (the stacked
+/// routing_replay_out of one batch, any little-endian integer dtype; int16 as written).
+/// `cu_seqlens` empty: the whole batch is one sequence of N tokens. What `--format flashinfer`
+/// reads.
+ImportResult import_flashinfer_npy_bytes(std::string_view bytes, const std::string& source,
+                                         const std::vector<int64_t>& cu_seqlens,
+                                         const ImportOptions& options);
+
+/// FlashInfer .npy files (as import_flashinfer_npy_bytes), `cu_seqlens[i]` for file i (empty
+/// list, or no list at all: the file is one sequence). BackendError when a file cannot be read.
+ImportResult import_flashinfer(const std::vector<std::string>& paths,
+                               const std::vector<std::vector<int64_t>>& cu_seqlens,
+                               const ImportOptions& options);
+
+/// A recorded vLLM stream: one SSE event per line (`data: {...}`; blank lines, `[DONE]` and SSE
+/// comment / `event:` lines are skipped), through a VllmRouteStream. One table per request, in the
+/// order they finished. Every request must end with a `finish_reason` chunk; errors name
+/// `source:line`. What `--format vllm-stream` reads.
+ImportResult import_vllm_stream_text(std::string_view text, const std::string& source,
+                                     const ImportOptions& options);
+/// Recorded vLLM streams, one file each, in order.
+ImportResult import_vllm_stream(const std::vector<std::string>& paths,
+                                const ImportOptions& options);
 
 /// The bytes of a .npy file (version 1.0, little-endian, C order) holding `array`, an int32 tensor
 /// of any shape — e.g. one sequence's vLLM `routed_experts` `[seq_len-1, num_hidden_layers, K]`.

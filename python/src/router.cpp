@@ -419,7 +419,13 @@ void bind_router(py::module_& m) {
       .def_property_readonly("num_recorded", &RouterReplay::num_recorded)
       .def_property_readonly("num_pending_backward", &RouterReplay::num_pending_backward)
       .def_property_readonly("layer", &RouterReplay::layer)
-      .def("clear", &RouterReplay::clear);
+      .def("clear", &RouterReplay::clear)
+      // copy.deepcopy of a model that holds replays (e.g. TRL's reference model): independent
+      // queues, every table cloned.
+      .def("__copy__", [](const RouterReplay& r) { return r.clone(); })
+      .def(
+          "__deepcopy__", [](const RouterReplay& r, py::dict) { return r.clone(); },
+          py::arg("memo"));
 }
 
 }  // namespace switchyard::py_bind

@@ -190,9 +190,10 @@ void bind_routes(py::module_& m) {
              py::gil_scoped_release nogil;
              w.append(t.table);
            })
-      .def("close", &RouteFileWriter::close)
-      .def("abort", &RouteFileWriter::abort)
-      .def("discard", &RouteFileWriter::discard)
+      // Without the GIL: close() fsyncs, and each call waits for an append of another thread.
+      .def("close", &RouteFileWriter::close, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &RouteFileWriter::abort, py::call_guard<py::gil_scoped_release>())
+      .def("discard", &RouteFileWriter::discard, py::call_guard<py::gil_scoped_release>())
       .def_static("partial_path", &RouteFileWriter::partial_path)
       .def_property_readonly("num_sequences", &RouteFileWriter::num_sequences)
       .def_property_readonly("bytes_written", &RouteFileWriter::bytes_written);
@@ -379,6 +380,67 @@ void bind_routes(py::module_& m) {
               import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
                              num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
         });
+  // ---- engine layouts beyond vLLM / SGLang (issue 25) ----
+#define SY_IMPORT_ARGS                                                                   \
+  int64_t num_experts, int64_t first_k_dense, const std::vector<int64_t>&moe_layer_freq, \
+      int64_t num_mtp_layers, int64_t num_input_layers, int64_t top_k,                   \
+      const std::string &zero_rows, const std::string &invalid_rows, int64_t prompt_start
+#define SY_IMPORT_OPTIONS                                                                      \
+  import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers, num_input_layers, \
+                 top_k, zero_rows, invalid_rows, prompt_start)
+  m.def("routes_import_trtllm", [](const std::vector<std::string>& paths, SY_IMPORT_ARGS) {
+    return import_result(import_trtllm(paths, SY_IMPORT_OPTIONS));
+  });
+  m.def("routes_import_trtllm_arrays", [](const py::sequence& arrays, SY_IMPORT_ARGS) {
+    std::vector<py_bridge::Arg> args;
+    std::vector<Tensor> ts;
+    args.reserve(arrays.size());
+    for (size_t i = 0; i < arrays.size(); ++i) {
+      const std::string name = "trtllm[" + std::to_string(i) + "]";
+      args.push_back(py_bridge::borrow(arrays[i], "import", name.c_str(),
+                                       {DType::int32, DType::int64, DType::uint8}));
+      ts.push_back(args.back().t);
+    }
+    return import_result(import_trtllm_arrays(ts, SY_IMPORT_OPTIONS));
+  });
+  m.def("routes_import_flashinfer_replay",
+        [](const py::sequence& layers, const std::vector<int64_t>& cu_seqlens, SY_IMPORT_ARGS) {
+          std::vector<py_bridge::Arg> args;
+          std::vector<Tensor> ts;
+          args.reserve(layers.size());
+          for (size_t i = 0; i < layers.size(); ++i) {
+            const std::string name = "layers[" + std::to_string(i) + "]";
+            args.push_back(py_bridge::borrow(layers[i], "import", name.c_str(),
+                                             {DType::int32, DType::int64, DType::uint8}));
+            ts.push_back(args.back().t);
+          }
+          return import_result(import_flashinfer_replay(ts, cu_seqlens, SY_IMPORT_OPTIONS));
+        });
+  m.def("routes_import_vllm_stream_text", [](const std::string& text, SY_IMPORT_ARGS) {
+    return import_result(import_vllm_stream_text(text, "<text>", SY_IMPORT_OPTIONS));
+  });
+  py::class_<VllmRouteStream>(m, "VllmRouteStream")
+      .def(py::init([](SY_IMPORT_ARGS) { return VllmRouteStream(SY_IMPORT_OPTIONS); }))
+      .def("add",
+           [](VllmRouteStream& s, const std::string& id, py::handle routes, int64_t start,
+              int64_t new_tokens, int64_t prompt_tokens) {
+             py_bridge::Arg a = py_bridge::borrow(routes, "import", "routes",
+                                                  {DType::int32, DType::int64, DType::uint8});
+             s.add(id, a.t, start, new_tokens, prompt_tokens);
+           })
+      .def("add_npy",
+           [](VllmRouteStream& s, const std::string& id, const py::bytes& npy, int64_t start,
+              int64_t new_tokens, int64_t prompt_tokens) {
+             s.add_npy(id, std::string(npy), start, new_tokens, prompt_tokens);
+           })
+      .def("add_tokens", &VllmRouteStream::add_tokens)
+      .def("set_prompt_start", &VllmRouteStream::set_prompt_start)
+      .def("add_sse", [](VllmRouteStream& s, const std::string& event) { return s.add_sse(event); })
+      .def("finish",
+           [](VllmRouteStream& s, const std::string& id) { return import_result(s.finish(id)); })
+      .def("pending", &VllmRouteStream::pending);
+#undef SY_IMPORT_OPTIONS
+#undef SY_IMPORT_ARGS
   m.def("routes_to_verl",
         [](const py::sequence& tables, int64_t num_experts, const std::vector<int64_t>& moe_layers,
            int64_t num_hidden_layers, py::object attention_mask, const std::string& padding_side,

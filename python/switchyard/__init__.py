@@ -91,6 +91,10 @@ class RouterReplay:
     def pop_recorded(self):
         return self._c.pop_recorded()
 
+    def peek_recorded(self):
+        """The table pop_recorded() would return, left queued (IndexError when none is)."""
+        return self._c.peek_recorded()
+
     def replay_forward(self, topk_idx):
         return self._c.replay_forward(topk_idx)
 
@@ -99,11 +103,38 @@ class RouterReplay:
 
     def set_target(self, topk_idx):
         """Queue ids [T, K] for the next forward with action "replay_forward" (R3)."""
+        self._check_target(topk_idx)
+        self._targets.append(topk_idx)
+
+    def _check_target(self, topk_idx):
         if not isinstance(topk_idx, _torch.Tensor) or topk_idx.dim() != 2 or \
                 topk_idx.shape[1] != self.top_k:
             raise ValueError(f"[replay] set_target: topk_idx must be a [T, {self.top_k}] tensor, "
                              f"got {getattr(topk_idx, 'shape', type(topk_idx).__name__)}")
-        self._targets.append(topk_idx)
+
+    @staticmethod
+    def set_step_targets(replays, tables):
+        """Queues ``tables[i]`` ([T, K] ids) on ``replays[i]`` for the next forward, all or none:
+        every table's shape is checked before any replay stores one, so a rejected table leaves no
+        layer holding a target of that step."""
+        replays, tables = list(replays), list(tables)
+        if len(replays) != len(tables):
+            raise ValueError(f"[replay] set_step_targets: {len(replays)} replays but "
+                             f"{len(tables)} tables")
+        for r, t in zip(replays, tables):
+            r._check_target(t)
+        for r, t in zip(replays, tables):
+            r._targets.append(t)
+
+    def next_target(self):
+        """The table the next "replay_forward" uses, left queued: the oldest target (set_target),
+        else the oldest recorded table. IndexError when neither is queued."""
+        return self._targets[0] if self._targets else self._c.peek_recorded()
+
+    def pop_next_target(self):
+        """Removes and returns next_target(): once its forward succeeded, or to drop the table of
+        a forward that failed (so the retry does not replay it)."""
+        return self._targets.popleft() if self._targets else self._c.pop_recorded()
 
     @property
     def num_recorded(self):
@@ -133,15 +164,14 @@ class RouterReplay:
         if self._action in (None, "record"):
             return None
         if self._action == "replay_forward":
-            return self._targets[0] if self._targets else self._c.peek_recorded()
+            return self.next_target()
         return self._c.peek_backward(int(num_tokens))
 
     def _after_forward(self, topk_idx, num_tokens):
         if self._action == "record":
             self._c.record(topk_idx)
         elif self._action == "replay_forward":
-            target = self._targets.popleft() if self._targets else self._c.pop_recorded()
-            self._c.replay_forward(target)
+            self._c.replay_forward(self.pop_next_target())
         elif self._action == "replay_backward":
             self._c.replay_backward(int(num_tokens))
 

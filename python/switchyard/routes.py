@@ -14,10 +14,20 @@ from . import _switchyard as _C
 
 __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "decode", "import_vllm",
            "import_vllm_arrays", "import_vllm_response", "from_verl", "to_verl", "layer_targets", "import_sglang",
-           "import_sglang_text", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
+           "import_sglang_text", "import_trtllm", "import_trtllm_arrays",
+           "import_flashinfer_replay", "VllmRouteStream", "import_vllm_stream", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
            "pack_thd", "unpack_thd", "cp_zigzag_split", "cp_zigzag_gather", "sp_split",
            "sp_gather", "slice_layers", "concat_layers", "concat_tokens", "pp_moe_layer_range",
            "drift", "expert_load"]
+
+
+def _engine_id_dtypes():
+    import torch
+    return tuple(getattr(torch, n) for n in ("int16", "uint16", "uint8", "int32") if hasattr(torch, n))
+
+
+# Id dtypes the engine reads as they are (verl's int16, vLLM's uint8 / uint16): no widening copy.
+_ENGINE_ID_DTYPES = _engine_id_dtypes()
 
 
 def _num_experts(tables, num_experts):
@@ -89,7 +99,9 @@ class RouteWriter:
     at ``path`` is untouched. Leaving the ``with`` block by an exception (KeyboardInterrupt
     included) calls ``abort()``: ``path`` stays as it was and ``<path>.partial`` keeps the sequences
     appended so far, readable in recovery (``RouteFile(...).complete`` is False) until the next
-    writer of ``path``. ``moe_layers``: hidden-layer index of every MoE layer (optional)."""
+    writer of ``path``. ``moe_layers``: hidden-layer index of every MoE layer (optional).
+    One writer may be shared by threads: its calls are serialised (each append lands whole, in
+    the order the appends took the writer's lock; an append after close() raises ValueError)."""
 
     def __init__(self, path, num_experts, top_k, num_moe_layers, moe_layers=None,
                  compression_level=3):
@@ -272,7 +284,11 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     with ids: invalid_rows as in import_vllm. Returns (tables [T_i, moe_layers,
     K] int32, report) with the importer's report (moe_layers, num_zero_rows, ...)."""
     import torch
+
+    from .torch import _ID_DTYPES, _idx32
     ids = routed_experts
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in _ENGINE_ID_DTYPES:
+        ids = _idx32(ids, "routes.from_verl", "routed_experts", _ID_DTYPES)  # int64 checked
     if ids.dim() != 4:
         raise ValueError("[routes.from_verl] routed_experts must be [batch, seq, layers, K], got "
                          f"{list(ids.shape)}")
@@ -344,7 +360,10 @@ def import_sglang(paths, num_experts, num_input_layers, top_k, first_k_dense=0,
     """SGLang responses (JSON / JSONL with meta_info.routed_experts, base64) -> (tables, report).
     A response with ``meta_info.routed_experts_start_len`` covers tokens [start_len, seq_len - 1):
     the tokens before it get -1 rows (one row per token); ``start_len`` is used for records
-    without that field."""
+    without that field. OpenAI-compatible /v1/completions and /v1/chat/completions responses
+    (``choices[i].sgl_ext.routed_experts``, or ``choices[i].routed_experts`` on older servers) give
+    one table per choice; their ``routed_experts_start_len`` is the request's (saved next to the
+    response as a top-level field, else ``start_len``)."""
     return _C.routes_import_sglang([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                    _freq(moe_layer_freq), int(num_mtp_layers),
                                    int(num_input_layers), int(top_k), zero_rows, invalid_rows,
@@ -361,6 +380,162 @@ def import_sglang_text(text, num_experts, num_input_layers, top_k, first_k_dense
                                         invalid_rows, int(start_len))
 
 
+# ---- engine layouts beyond vLLM / SGLang (notes/routes.md, "Engine layouts") ---------------------
+def _widened(a, name):
+    """A CPU int32/int64/uint8 tensor for the engine: int16 / uint16 / int8 widened to int32."""
+    import torch
+    t = a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
+    if t.dtype in (torch.int16, torch.uint16, torch.int8):
+        t = t.to(device="cpu", dtype=torch.int32)
+    elif t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"[routes.import] {name} must hold integer expert ids, got {t.dtype}")
+    return t.contiguous()
+
+
+def import_trtllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
+                  num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error",
+                  prompt_start=0):
+    """TensorRT-LLM ``CompletionOutput.routed_experts`` saved as .npy (one file per sequence)
+    -> (tables, report). The arrays are ``[seq_len-1, num_moe_layers, K]`` logical (pre-EPLB) ids:
+    the layer axis holds only MoE layers, so nothing is dropped; the layer map (first_k_dense or
+    moe_layer_freq) only names each column's hidden layer (report["moe_layers"]), and
+    num_mtp_layers trailing columns are left out. A -1 row is appended for the last token."""
+    return _C.routes_import_trtllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
+                                   _freq(moe_layer_freq), int(num_mtp_layers),
+                                   int(num_input_layers), int(top_k), zero_rows, invalid_rows,
+                                   int(prompt_start))
+
+
+def import_trtllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None,
+                         num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep",
+                         invalid_rows="error", prompt_start=0):
+    """The same as import_trtllm over arrays in memory (torch or numpy, any integer dtype; int16
+    is widened), e.g. ``[o.routed_experts for o in request_output.outputs]``."""
+    ts = [_widened(a, f"arrays[{i}]") for i, a in enumerate(arrays)]
+    return _C.routes_import_trtllm_arrays(ts, int(num_experts), int(first_k_dense),
+                                          _freq(moe_layer_freq), int(num_mtp_layers),
+                                          int(num_input_layers), int(top_k), zero_rows,
+                                          invalid_rows, int(prompt_start))
+
+
+def import_flashinfer_replay(layers, cu_seqlens, num_experts, first_k_dense=0,
+                             moe_layer_freq=None, num_mtp_layers=0, top_k=0, zero_rows="keep",
+                             invalid_rows="error"):
+    """FlashInfer fused-MoE ``routing_replay_out`` buffers of one batch -> (tables, report).
+
+    layers: one int16 ``[N, top_k]`` buffer per MoE layer, in layer order (then num_mtp_layers
+    MTP layers, left out), or all of them stacked as ``[num_moe_layers, N, top_k]``; CUDA
+    tensors are copied to the host. cu_seqlens: ``[0, n_0, n_0 + n_1, ...]`` splits the batch's
+    tokens into sequences (rows past its end, e.g. of an oversized buffer, are ignored). Each
+    table has exactly its sequence's rows: every token of the batch was routed. Ids, rows and
+    the layer map as in import_trtllm."""
+    import torch
+    if isinstance(layers, torch.Tensor) and layers.dim() == 3:
+        layers = list(layers.unbind(0))
+    ts = [_widened(a, f"layers[{i}]") for i, a in enumerate(layers)]
+    cu = [int(v) for v in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
+    return _C.routes_import_flashinfer_replay(ts, cu, int(num_experts), int(first_k_dense),
+                                              _freq(moe_layer_freq), int(num_mtp_layers),
+                                              len(ts), int(top_k), zero_rows, invalid_rows, 0)
+
+
+class VllmRouteStream:
+    """Assembles vLLM routes that arrive in pieces (streamed responses), per request.
+
+    vLLM's streaming ``/inference/v1/generate`` chunks carry ``choices[i].routed_experts`` (base64
+    .npy, or null) next to the chunk's delta ``token_ids``: either once, on the chunk where the
+    engine has them (the whole array), or per chunk, sliced to the tokens it emits. Each piece is
+    validated as it arrives (layer count and K against the first piece, ids and rows as
+    import_vllm, token positions: a gap or an overlap is a ValueError naming the request and the
+    chunk), and a piece that fails changes nothing.
+
+        stream = routes.VllmRouteStream(num_experts=128, first_k_dense=1)
+        for line in sse_lines:
+            for key, (table, report) in stream.add_chunk(line).items():
+                ...                                  # key = "<request_id>/<choice index>"
+
+    Layer-map arguments as in import_vllm; prompt_start: routed_experts_prompt_start of every
+    request (set_prompt_start sets one request's)."""
+
+    def __init__(self, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
+                 num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error",
+                 prompt_start=0):
+        self._s = _C.VllmRouteStream(int(num_experts), int(first_k_dense), _freq(moe_layer_freq),
+                                     int(num_mtp_layers), int(num_input_layers), int(top_k),
+                                     zero_rows, invalid_rows, int(prompt_start))
+
+    def add(self, request_id, routes, start=None, new_tokens=None, prompt_tokens=None):
+        """One piece of ``request_id``: routes ``[rows, layers, K]`` (tensor / ndarray, or a base64
+        .npy string / .npy bytes as vLLM sends them) of tokens [start, start + rows); start None:
+        right after the previous piece. new_tokens: tokens the chunk emitted; prompt_tokens: the
+        prompt length (both optional; with them the piece's end is checked against vLLM's
+        invariant: routes cover tokens [prompt_start, prompt + generated - 1))."""
+        args = (-1 if start is None else int(start), -1 if new_tokens is None else int(new_tokens),
+                -1 if prompt_tokens is None else int(prompt_tokens))
+        if isinstance(routes, str):
+            import base64
+            import binascii
+            try:
+                routes = base64.b64decode(routes, validate=True)
+            except binascii.Error as e:
+                raise ValueError(f"[import] request '{request_id}': routed_experts is not base64: "
+                                 f"{e}") from None
+        if isinstance(routes, (bytes, bytearray, memoryview)):
+            self._s.add_npy(str(request_id), bytes(routes), *args)
+        else:
+            self._s.add(str(request_id), _widened(routes, "routes"), *args)
+
+    def add_tokens(self, request_id, new_tokens, prompt_tokens=None):
+        """Tokens a chunk emitted without routes."""
+        self._s.add_tokens(str(request_id), int(new_tokens),
+                           -1 if prompt_tokens is None else int(prompt_tokens))
+
+    def set_prompt_start(self, request_id, prompt_start):
+        self._s.set_prompt_start(str(request_id), int(prompt_start))
+
+    def add_chunk(self, chunk):
+        """One streamed chunk: a parsed dict, or the SSE event text (``data: {...}``; ``[DONE]`` is
+        ignored). Returns {key: (table, report)} for the requests this chunk finished
+        (``finish_reason`` set); key = "<request_id>/<choice index>"."""
+        import json
+        if isinstance(chunk, dict):
+            chunk = json.dumps(chunk)
+        elif isinstance(chunk, (bytes, bytearray)):
+            chunk = bytes(chunk).decode()
+        done = self._s.add_sse(chunk)
+        return {key: self.finish(key) for key in done}
+
+    def finish(self, request_id):
+        """Ends a request: (table [tokens, moe_layers, K] int32, report)."""
+        tables, report = self._s.finish(str(request_id))
+        return tables[0], report
+
+    def pending(self):
+        """Requests with pieces and no finish yet."""
+        return list(self._s.pending())
+
+
+def import_vllm_stream(source, num_experts, first_k_dense=0, moe_layer_freq=None,
+                       num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep",
+                       invalid_rows="error", prompt_start=0):
+    """A recorded vLLM stream (SSE text, one ``data: {...}`` event per line; or a path to a file of
+    it) -> (tables, report), one table per request in the order they finished. Every request
+    must end with a finish_reason chunk (else ValueError: the stream is truncated)."""
+    import os
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
+                                           and os.path.isfile(source)):
+        with open(source, "rb") as f:
+            source = f.read()
+    if isinstance(source, (bytes, bytearray)):
+        source = bytes(source).decode()
+    return _C.routes_import_vllm_stream_text(source, int(num_experts), int(first_k_dense),
+                                             _freq(moe_layer_freq), int(num_mtp_layers),
+                                             int(num_input_layers), int(top_k), zero_rows,
+                                             invalid_rows, int(prompt_start))
+
+
 def moe_layer_indices(num_input_layers, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0):
     """Hidden-layer indices of the MoE layers (Megatron-Core's layer map)."""
     return _C.routes_moe_layer_indices(int(first_k_dense), _freq(moe_layer_freq),
@@ -374,13 +549,15 @@ def parse_moe_layer_freq(text):
 
 # ---- align ------------------------------------------------------------------------------------------
 def drop_padding(topk_idx, attention_mask, num_experts=None):
-    """[batch, seq, L, K] ids (int16, uint16, uint8, int32 or int64) and a [batch, seq] mask
-    (nonzero = real) -> one int32 table per row; ids must be -1 or in [0, num_experts)."""
+    """[batch, seq, L, K] ids (int16, uint16, uint8, int32 read as they are; int64 / int8
+    narrowed / widened first) and a [batch, seq] mask (nonzero = real) -> one int32 table per
+    row; ids must be -1 or in [0, num_experts)."""
     import torch
+
+    from .torch import _ID_DTYPES, _idx32
     ids = topk_idx
-    if ids.dtype not in (torch.int16, torch.int32, torch.int64, torch.uint8,
-                         getattr(torch, "uint16", torch.int16)):
-        ids = ids.to(torch.int32)
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in _ENGINE_ID_DTYPES:
+        ids = _idx32(ids, "routes.drop_padding", "topk_idx", _ID_DTYPES)
     return _C.routes_drop_padding(ids, attention_mask, _num_experts([ids], num_experts))
 
 

@@ -100,16 +100,32 @@ def input_jitter(x, eps, seed=None):
 # --------------------------------------------------------------------------------------------------
 # Expert-parallel dispatchers
 # --------------------------------------------------------------------------------------------------
-def _idx32(topk_idx, op):
-    if not isinstance(topk_idx, torch.Tensor):
-        raise ValueError(f"[{op}] topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}")
-    if topk_idx.dtype == torch.int32:
-        return topk_idx
-    if topk_idx.dtype != torch.int64:
-        raise ValueError(f"[{op}] topk_idx must have dtype int64 or int32, got {topk_idx.dtype}")
-    if topk_idx.numel() and (int(topk_idx.max()) > 2**31 - 1 or int(topk_idx.min()) < -2**31):
-        raise ValueError(f"[{op}] topk_idx holds ids outside the int32 range")
-    return topk_idx.to(torch.int32)
+_INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
+# The dtypes an id table may come in (verl stores int16, vLLM 0.22 uint8 / uint16).
+_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16)
+
+
+def _idx32(ids, op, name="topk_idx", dtypes=(torch.int64, torch.int32)):
+    """``ids`` as int32 on its device, the one narrowing of id tensors: int32 as it is, int64
+    checked first -- a value outside int32 is a ValueError naming op, argument, value and
+    position (``[op] name holds 4294967301 at [0, 3, 1, 0], outside int32``), never wrapped into
+    another id -- and the narrower integer dtypes of ``_ID_DTYPES`` widened. ``dtypes``: the
+    dtypes the caller takes (a subset of ``_ID_DTYPES``)."""
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"[{op}] {name} must be a torch.Tensor, got {type(ids).__name__}")
+    if ids.dtype == torch.int32:
+        return ids
+    if ids.dtype not in dtypes:
+        names = [str(d).replace("torch.", "") for d in dtypes]
+        names = ", ".join(names[:-1]) + " or " + names[-1]
+        raise ValueError(f"[{op}] {name} must have dtype {names}, got {ids.dtype}")
+    if ids.dtype == torch.int64 and ids.numel():
+        lo, hi = torch.aminmax(ids)
+        if int(lo) < _INT32_MIN or int(hi) > _INT32_MAX:
+            where = ((ids < _INT32_MIN) | (ids > _INT32_MAX)).nonzero()[0].tolist()
+            raise ValueError(f"[{op}] {name} holds {int(ids[tuple(where)])} at {where}, "
+                             "outside int32")
+    return ids.to(torch.int32)
 
 
 def _fail_collective(op, error, comm):

@@ -36,9 +36,14 @@ def pytest_sessionfinish(session):
     out = os.environ.get("SY_HOSTILE_TABLE")
     rows = getattr(session.config, "_sy_hostile_rows", [])
     if out and rows:
+        # One row per (tried, gets): a parametrised test's cases share their marker.
+        tests = {}
+        for tried, gets, nodeid in rows:
+            test = nodeid.split("/")[-1].split("[")[0]
+            tests.setdefault((tried, gets), set()).add(test)
         lines = ["| what was tried | what it gets | test |", "|---|---|---|"]
-        for tried, gets, nodeid in sorted(set(rows), key=lambda r: r[2]):
-            test = nodeid.split("/")[-1]
-            lines.append(f"| {tried} | {gets} | `{test}` |")
+        for (tried, gets), names in sorted(tests.items(), key=lambda kv: min(kv[1])):
+            cell = ", ".join(f"`{n}`" for n in sorted(names))
+            lines.append(f"| {tried} | {gets} | {cell} |")
         with open(out, "w") as f:
             f.write("\n".join(lines) + "\n")

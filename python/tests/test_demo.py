@@ -1,5 +1,5 @@
 """switchyard.demo end to end on its small configuration: the expected outcome (R3 has exactly zero
-router mismatch against the rollout and the lowest KL; the fp32 router has a lower mismatch than the
+router mismatch against the rollout and the lowest KL; the fp32 router has a mismatch no higher than the
 bf16 one; the R3 update reaches the routers), the files it writes and the keys of summary.json."""
 import json
 import os
@@ -35,7 +35,9 @@ def test_demo_expected_outcome_holds_and_exit_code_says_so(demo_run):
     assert m["r3"]["router_mismatch"] == 0.0 and m["r3"]["token_mismatch"] == 0.0
     assert m["r3"]["compared_decisions"] > 0 and m["r3"]["replayed_rows"] > 0
     assert all(m["r3"]["k3_kl"] < m[k]["k3_kl"] for k in ("bf16", "fp32", "r2"))
-    assert m["fp32"]["router_mismatch"] < m["bf16"]["router_mismatch"]
+    # <=, not <: how much the fp32 router removes depends on the CPU's torch bf16 kernels (equal
+    # with ATEN_CPU_CAPABILITY=default); that it never adds mismatch does not.
+    assert m["fp32"]["router_mismatch"] <= m["bf16"]["router_mismatch"]
     # The trainer really differs from the rollout: the bf16 router disagrees somewhere.
     assert m["bf16"]["router_mismatch"] > 0.0 and m["bf16"]["k3_kl"] > 0.0
     assert s["r3_update"]["router_grad_norm"] > 0.0
@@ -131,13 +133,15 @@ def test_demo_help_explains_every_option():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-prompts", "-3"], "argument --num-prompts: must be >= 1, got -3"),
+    (["--num-prompts", "-3"], "argument --num-prompts: must be an integer in [1, 2147483647], "
+                              "got -3"),
     (["--top-k", "x"], "argument --top-k: must be an integer, got 'x'"),
-    (["--temperature", "nan"], "argument --temperature: must be a finite number > 0, got nan"),
+    (["--temperature", "nan"], "argument --temperature: must be a number in [0.01, 100], got nan"),
     (["--out", "/proc/switchyard-no-such-dir"], "--out '/proc/switchyard-no-such-dir': cannot "
                                                 "create the output folder"),
     (["--top-k", "40"], "--top-k must be <= --num-experts=32, got 40"),
-    (["--hidden-size", "30"], "--hidden-size must be a multiple of the 4 attention heads, got 30"),
+    (["--hidden-size", "30"], "argument --hidden-size: must be an integer in [8, 2147483647], a "
+                              "multiple of 8, got 30"),
 ])
 def test_bad_arguments_exit_2_naming_the_value_before_any_work(argv, message, capsys, tmp_path):
     from switchyard.demo import run

@@ -231,11 +231,10 @@ def test_all_none_rows_route_natively_and_invalid_rows_are_errors_or_counted():
     bad = t.clone()
     bad[2, 1] = -1            # all -1: native
     bad[4, 1, 1] = -1         # mixes -1 and ids: invalid
-    p.set_targets(bad)
     with pytest.raises(ValueError, match=rf"\[replay\] layer {layer}, token 4: topk_idx row "
                                          r"\[\d+, -1\] mixes -1 and expert ids"):
-        with torch.no_grad():
-            model(ids)
+        p.set_targets(bad)  # every layer's rows are checked before any layer queues its table
+    assert all(r.num_targets == 0 for r in p.replays.values())
     p.unpatch()
     p = syhf.patch(model, invalid_replay_rows="native")
     bad[5, 0] = torch.tensor([3, 3])  # repeats an id
@@ -296,7 +295,7 @@ def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
 def test_set_targets_checks_the_layout():
     model = build("olmoe")
     p = syhf.patch(model)
-    p.set_targets(torch.zeros(5, 2, 2, dtype=torch.int32))
+    p.set_targets(torch.tensor([0, 1], dtype=torch.int32).expand(5, 2, 2))  # valid rows, T=5
     with pytest.raises(ValueError, match=r"\[hf\] layer 0 \(model.layers.0.mlp.gate\): "
                                          r"\[replay\] replay_idx must have shape \[6, 2\], got "
                                          r"\[5, 2\]"):

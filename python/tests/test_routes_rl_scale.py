@@ -118,10 +118,6 @@ def test_drop_padding_checks_ids_against_num_experts():
                                          rf"\[0, num_experts=64\), got 70 at batch 2, position {s}, "
                                          r"layer 4, slot 3"):
         routes.drop_padding(ids, mask, num_experts=E)
-    big = torch.zeros(1, 2, 1, 1, dtype=torch.int64)
-    big[0, 0, 0, 0] = 2**32 + 3  # narrowed it would pass as 3
-    with pytest.raises(ValueError, match="got 4294967299 at batch 0, position 0"):
-        routes.drop_padding(big, torch.ones(1, 2, dtype=torch.bool), num_experts=E)
 
 
 @pytest.mark.parametrize("n_threads", [1, 2])

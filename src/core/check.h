@@ -37,6 +37,19 @@ template <class... Args>
   throw std::invalid_argument(cat("[", op, "] ", args...));
 }
 
+/// Requires `path` to name a file the OS can be given: not empty and without a NUL byte (a C path
+/// ends at the first NUL, so "dir/model\0.syr" would open "dir/model"). Throws
+/// std::invalid_argument "[op] name holds an embedded null byte at offset i (...)".
+inline void check_path(const std::string& path, const char* op, const char* name) {
+  if (path.empty()) fail_arg(op, name, " must not be empty");
+  const size_t nul = path.find('\0');
+  if (nul == std::string::npos) return;
+  std::string shown;
+  for (char c : path) shown += c == '\0' ? std::string("\\0") : std::string(1, c);
+  fail_arg(op, name, " holds an embedded null byte at offset ", nul, " (\"", shown,
+           "\"): the OS would read it as \"", path.substr(0, nul), "\"");
+}
+
 /// Requires `t` to be defined.
 void check_defined(const Tensor& t, const char* op, const char* name);
 /// Requires t.dtype() to be one of `allowed`.

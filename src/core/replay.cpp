@@ -111,4 +111,11 @@ void RouterReplay::clear() {
   pending_backward_.clear();
 }
 
+RouterReplay RouterReplay::clone() const {
+  RouterReplay out(options_);
+  for (const Tensor& t : recorded_) out.recorded_.push_back(t.clone());
+  for (const Tensor& t : pending_backward_) out.pending_backward_.push_back(t.clone());
+  return out;
+}
+
 }  // namespace switchyard

@@ -388,14 +388,17 @@ std::pair<int64_t, int64_t> pp_moe_layer_range(const std::vector<int64_t>& moe_l
                "), got ", moe_layers[i], " at ", i);
     }
   }
+  // Checked before `uneven` below: a negative size alone used to pass as "even split".
+  if (o.first_stage_layers < 0 || o.last_stage_layers < 0) {
+    fail_arg(op, "first_stage_layers and last_stage_layers must be >= 0 (0 = even split), got ",
+             o.first_stage_layers, " and ", o.last_stage_layers);
+  }
   // Hidden layers [lo, hi) of this chunk.
   int64_t lo = 0, hi = 0;
   const bool uneven = o.first_stage_layers > 0 || o.last_stage_layers > 0;
   if (uneven) {
     if (o.vpp_size != 1)
       fail_arg(op, "first/last_stage_layers need vpp_size == 1, got vpp_size=", o.vpp_size);
-    if (o.first_stage_layers < 0 || o.last_stage_layers < 0)
-      fail_arg(op, "first/last_stage_layers must be >= 0");
     std::vector<int64_t> per(size_t(o.pp_size), 0);
     int64_t rest = num_hidden_layers;
     int64_t middle_stages = o.pp_size;

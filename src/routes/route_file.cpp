@@ -11,6 +11,8 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <mutex>
+#include <optional>
 #include <stdexcept>
 
 #include "check.h"
@@ -157,109 +159,172 @@ void check_append(const RouteTable& table, const RouteFileInfo& info, const char
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
-// Writer
+// PartialFile
 //
 // Commit protocol: everything goes to `<path>.partial` (same directory, so the rename is atomic),
-// which holds an exclusive flock for the writer's lifetime. close() writes the index, fsyncs the
-// file, renames it over `path` and fsyncs the directory. Until then `path` is never opened: an
-// existing file stays as it was, whatever happens to the writer.
+// which holds an exclusive flock while open. commit() fsyncs the file, renames it over `path` and
+// fsyncs the directory. Until then `path` is never opened.
+
+PartialFile::PartialFile(const std::string& path, const char* op, const char* owner) {
+  detail::check_path(path, op, "path");
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
+    // The rename at commit would replace it (a device, a directory): refuse up front.
+    detail::fail_arg(op, "path must be a regular file or not exist, got ", path,
+                     S_ISDIR(st.st_mode) ? " (a directory)" : " (not a regular file)");
+  }
+  path_ = path;
+  partial_ = partial_path(path);
+  // Lock, then check that the locked inode is still the one named `partial` (a writer that just
+  // committed renamed it away); only then truncate. Never O_TRUNC before holding the lock.
+  for (int attempt = 0;; ++attempt) {
+    fd_ = ::open(partial_.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) io_fail("open", partial_);
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int e = errno;
+      release();
+      if (e == EWOULDBLOCK) {
+        throw BackendError(cat("[", op, "] ", path, " is being written by another ", owner,
+                               " (lock on ", partial_, " held); one writer per path at a time"));
+      }
+      errno = e;
+      io_fail("flock", partial_);
+    }
+    struct stat held {};
+    struct stat named {};
+    if (::fstat(fd_, &held) != 0) {
+      const int e = errno;
+      release();
+      errno = e;
+      io_fail("fstat", partial_);
+    }
+    if (::stat(partial_.c_str(), &named) == 0 && named.st_ino == held.st_ino &&
+        named.st_dev == held.st_dev) {
+      break;
+    }
+    release();
+    if (attempt >= 16) {
+      throw BackendError(cat("[", op, "] ", partial_, " keeps being replaced while locking"));
+    }
+  }
+  if (::ftruncate(fd_, 0) != 0) {
+    const int e = errno;
+    release();
+    errno = e;
+    io_fail("ftruncate", partial_);
+  }
+}
+
+PartialFile::~PartialFile() { release(); }
+
+void PartialFile::release() noexcept {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
+  fd_ = -1;
+}
+
+void PartialFile::write(std::string_view bytes) {
+  if (fd_ < 0) throw BackendError(cat("write(", partial_, "): the file is closed"));
+  // One write per block, handed to the OS before returning, so a writer killed later leaves this
+  // block complete in the partial file.
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t w = ::write(fd_, bytes.data() + done, bytes.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      if (w == 0) errno = EIO;
+      // Stop here: later blocks or an index after a partial block would be misplaced. The
+      // blocks written so far stay recoverable by the reader's scan.
+      failed_ = true;
+      io_fail("write", partial_);
+    }
+    done += static_cast<size_t>(w);
+  }
+  size_ += static_cast<int64_t>(bytes.size());
+}
+
+void PartialFile::sync() {
+  if (fd_ < 0) throw BackendError(cat("fsync(", partial_, "): the file is closed"));
+  if (::fsync(fd_) != 0) {
+    const int e = errno;
+    failed_ = true;
+    release();
+    errno = e;
+    io_fail("fsync", partial_);
+  }
+}
+
+void PartialFile::publish() {
+  if (fd_ < 0) throw BackendError(cat("rename(", partial_, "): the file is closed"));
+  if (::rename(partial_.c_str(), path_.c_str()) != 0) {
+    const int e = errno;
+    failed_ = true;
+    release();
+    errno = e;
+    io_fail("rename", partial_);
+  }
+  // The rename is durable once the directory is: fsync it (best effort where unsupported).
+  const size_t slash = path_.find_last_of('/');
+  std::string dir = path_.substr(0, slash == std::string::npos ? 0 : slash + 1);
+  if (dir.empty()) dir = ".";
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int derr = dfd < 0 ? errno : (::fsync(dfd) != 0 ? errno : 0);
+  if (dfd >= 0) ::close(dfd);
+  release();  // after the rename: the lock covers the whole commit
+  if (derr != 0 && derr != EINVAL && derr != EROFS) {
+    errno = derr;
+    io_fail("fsync", dir);
+  }
+}
+
+void PartialFile::abort() noexcept {
+  if (fd_ < 0) return;
+  ::fsync(fd_);  // best effort: keep what was written for recovery
+  release();
+}
+
+void PartialFile::discard() noexcept {
+  if (fd_ < 0) return;
+  // Unlink while still holding the lock, so no other writer's file is removed.
+  ::unlink(partial_.c_str());
+  release();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writer: a PartialFile of blocks, then the index and footer. One mutex serialises every call.
 
 struct RouteFileWriter::Impl {
-  int fd = -1;
-  std::string path, partial;
+  std::mutex mu;
+  std::optional<PartialFile> file;
+  std::string path;
   RouteFileInfo info;
   RouteFileWriterOptions options;
   std::vector<RouteFileEntry> entries;
-  int64_t offset = 0;
   std::string raw, comp, block;
   ZSTD_CCtx* cctx = nullptr;
   int uncaught_at_open = 0;  // std::uncaught_exceptions() when constructed (see ~RouteFileWriter)
 
-  bool failed = false;  // a write failed: the file may end in a partial block
+  ~Impl() { ZSTD_freeCCtx(cctx); }  // accepts nullptr; ~PartialFile releases the lock
 
-  ~Impl() {
-    if (fd >= 0) ::close(fd);  // releases the lock
-    ZSTD_freeCCtx(cctx);       // accepts nullptr
-  }
-
-  void write(const std::string& bytes) {
-    // One write per block, handed to the OS before append returns, so a writer killed later
-    // leaves this block complete in the partial file.
-    size_t done = 0;
-    while (done < bytes.size()) {
-      const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) {
-        if (w == 0) errno = EIO;
-        // Stop here: later blocks or an index after a partial block would be misplaced. The
-        // blocks written so far stay recoverable by the reader's scan.
-        failed = true;
-        io_fail("write", partial);
-      }
-      done += static_cast<size_t>(w);
-    }
-    offset += static_cast<int64_t>(bytes.size());
-  }
-
-  void release() {
-    if (fd >= 0) ::close(fd);
-    fd = -1;
-  }
+  bool open() const { return file && file->is_open(); }
+  int64_t offset() const { return file ? file->size() : 0; }
 };
-
-std::string RouteFileWriter::partial_path(const std::string& path) { return path + ".partial"; }
 
 RouteFileWriter::RouteFileWriter(const std::string& path, const RouteFileInfo& info,
                                  const RouteFileWriterOptions& options)
     : impl_(std::make_unique<Impl>()) {
   const char* op = "route_file";
   check_writer_args(info, options, op);
-  if (path.empty()) detail::fail_arg(op, "path must not be empty");
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {
-    // The rename at close() would replace it (a device, a directory): refuse up front.
-    detail::fail_arg(op, "path must be a regular file or not exist, got ", path,
-                     S_ISDIR(st.st_mode) ? " (a directory)" : " (not a regular file)");
-  }
   Impl& s = *impl_;
   s.path = path;
-  s.partial = partial_path(path);
   s.info = info;
   s.info.id_width = detail::id_width_for(info.num_experts);
   s.info.version = detail::kFormatVersion;
   s.options = options;
   s.cctx = ZSTD_createCCtx();
   if (!s.cctx) throw BackendError("ZSTD_createCCtx failed");
-  // Lock, then check that the locked inode is still the one named `partial` (a writer that just
-  // committed renamed it away); only then truncate. Never O_TRUNC before holding the lock.
-  for (int attempt = 0;; ++attempt) {
-    s.fd = ::open(s.partial.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
-    if (s.fd < 0) io_fail("open", s.partial);
-    if (::flock(s.fd, LOCK_EX | LOCK_NB) != 0) {
-      const int e = errno;
-      s.release();
-      if (e == EWOULDBLOCK) {
-        throw BackendError(cat("[route_file] ", path,
-                               " is being written by another RouteFileWriter (lock on ", s.partial,
-                               " held); one writer per path at a time"));
-      }
-      errno = e;
-      io_fail("flock", s.partial);
-    }
-    struct stat held {}, named {};
-    if (::fstat(s.fd, &held) != 0) io_fail("fstat", s.partial);
-    if (::stat(s.partial.c_str(), &named) == 0 && named.st_ino == held.st_ino &&
-        named.st_dev == held.st_dev) {
-      break;
-    }
-    s.release();
-    if (attempt >= 16) {
-      throw BackendError(cat("[route_file] ", s.partial, " keeps being replaced while locking"));
-    }
-  }
-  if (::ftruncate(s.fd, 0) != 0) io_fail("ftruncate", s.partial);
+  s.file.emplace(path, op, "RouteFileWriter");
   s.uncaught_at_open = std::uncaught_exceptions();
-  s.write(encode_header(s.info));
+  s.file->write(encode_header(s.info));
 }
 
 RouteFileWriter::~RouteFileWriter() {
@@ -280,71 +345,63 @@ RouteFileWriter::~RouteFileWriter() {
 void RouteFileWriter::append(const RouteTable& table) {
   const char* op = "route_file.append";
   Impl& s = *impl_;
-  if (s.fd < 0) detail::fail_arg(op, "the writer of ", s.path, " is closed");
-  if (s.failed) throw BackendError(cat("[route_file] an earlier write to ", s.partial, " failed"));
+  // s.info is fixed at construction: the table checks need no lock (encode_block checks the ids).
   check_append(table, s.info, op, "table");
   const int64_t T = table.num_tokens();
-  const int64_t offset = s.offset;
+  // The zstd context, the buffers, the offset and the index are shared: one append at a time.
+  const std::lock_guard<std::mutex> lock(s.mu);
+  if (!s.open()) detail::fail_arg(op, "the writer of ", s.path, " is closed");
+  if (s.file->failed()) {
+    throw BackendError(cat("[route_file] an earlier write to ", s.file->partial(), " failed"));
+  }
   s.block.clear();
   encode_block(table, static_cast<int64_t>(s.entries.size()), s.info, s.options.compression_level,
                s.cctx, s.raw, s.comp, s.block, op, "table");
-  RouteFileEntry e{offset, T, static_cast<int64_t>(s.block.size())};
-  s.write(s.block);
+  RouteFileEntry e{s.offset(), T, static_cast<int64_t>(s.block.size())};
+  s.file->write(s.block);
   s.entries.push_back(e);
 }
 
 void RouteFileWriter::close() {
   Impl& s = *impl_;
-  if (s.fd < 0) return;
-  if (s.failed) {  // no index after a partial block: nothing is committed
-    s.release();
+  const std::lock_guard<std::mutex> lock(s.mu);
+  if (!s.open()) return;
+  if (s.file->failed()) {  // no index after a partial block: nothing is committed
+    const std::string partial = s.file->partial();
+    s.file->abort();
     throw BackendError(cat("[route_file] ", s.path, " was not written: an earlier write to ",
-                           s.partial, " failed (its complete blocks stay there for recovery)"));
+                           partial, " failed (its complete blocks stay there for recovery)"));
   }
-  const std::string tail = encode_index(s.entries, s.offset);
+  const std::string tail = encode_index(s.entries, s.offset());
   try {
-    s.write(tail);
-    if (::fsync(s.fd) != 0) io_fail("fsync", s.partial);
-    if (::rename(s.partial.c_str(), s.path.c_str()) != 0) io_fail("rename", s.partial);
+    s.file->write(tail);
   } catch (...) {
-    s.failed = true;
-    s.release();
+    s.file->abort();
     throw;
   }
-  // The rename is durable once the directory is: fsync it (best effort where unsupported).
-  std::string dir = s.path.substr(0, s.path.find_last_of('/') == std::string::npos
-                                         ? 0
-                                         : s.path.find_last_of('/') + 1);
-  if (dir.empty()) dir = ".";
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  const int derr = dfd < 0 ? errno : (::fsync(dfd) != 0 ? errno : 0);
-  if (dfd >= 0) ::close(dfd);
-  s.release();  // after the rename: the lock covers the whole commit
-  if (derr != 0 && derr != EINVAL && derr != EROFS) {
-    errno = derr;
-    io_fail("fsync", dir);
-  }
+  s.file->commit();  // closes the file, committed or not
 }
 
 void RouteFileWriter::abort() {
   Impl& s = *impl_;
-  if (s.fd < 0) return;
-  ::fsync(s.fd);  // best effort: keep what was appended for recovery
-  s.release();
+  const std::lock_guard<std::mutex> lock(s.mu);
+  if (s.file) s.file->abort();
 }
 
 void RouteFileWriter::discard() {
   Impl& s = *impl_;
-  if (s.fd < 0) return;
-  // Unlink while still holding the lock, so no other writer's file is removed.
-  ::unlink(s.partial.c_str());
-  s.release();
+  const std::lock_guard<std::mutex> lock(s.mu);
+  if (s.file) s.file->discard();
 }
 
 int64_t RouteFileWriter::num_sequences() const {
+  const std::lock_guard<std::mutex> lock(impl_->mu);
   return static_cast<int64_t>(impl_->entries.size());
 }
-int64_t RouteFileWriter::bytes_written() const { return impl_->offset; }
+int64_t RouteFileWriter::bytes_written() const {
+  const std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->offset();
+}
 
 // ---------------------------------------------------------------------------------------------
 // Reader
@@ -580,6 +637,7 @@ RouteFileReader& RouteFileReader::operator=(RouteFileReader&&) noexcept = defaul
 RouteFileReader::~RouteFileReader() = default;
 
 RouteFileReader RouteFileReader::open(const std::string& path) {
+  detail::check_path(path, "route_file", "path");
   auto impl = std::make_unique<Impl>();
   impl->name = path;
   impl->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

@@ -7,7 +7,9 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "check.h"
@@ -44,9 +46,65 @@ size_t elem_size(Elem e) {
   return 0;
 }
 
+// The element type of an in-memory route array.
+Elem tensor_elem(const Tensor& a, const std::string& source) {
+  switch (a.dtype()) {
+    case DType::int32:
+      return Elem::i4;
+    case DType::int64:
+      return Elem::i8;
+    case DType::uint8:
+      return Elem::u1;
+    case DType::int16:
+      return Elem::i2;
+    case DType::uint16:
+      return Elem::u2;
+    default:
+      fail_arg(kOp, source, ": dtype must be int32, int64, int16, uint16 or uint8, got ",
+               dtype_name(a.dtype()));
+  }
+}
+
+// How an input array maps to a table beyond its shape.
+struct ArrayLayout {
+  bool last_token_row = true;  // append a -1 row: the last sampled token has no route
+  int64_t token_offset = 0;    // token index of row 0 (error messages, zero-row positions)
+  bool moe_only = false;       // the layer axis holds only MoE layers (then trailing MTP layers)
+};
+
+// Hidden-layer index of each MoE column of an input whose layer axis holds only MoE layers
+// (TensorRT-LLM, FlashInfer): `layers_in` columns, the last num_mtp_layers of them MTP layers.
+// Sets `num_hidden` to the model's hidden layer count.
+std::vector<int64_t> moe_only_hidden(const LayerMap& map, int64_t layers_in,
+                                     const std::string& where, int64_t& num_hidden) {
+  const int64_t M = layers_in - map.num_mtp_layers;
+  if (map.num_mtp_layers < 0 || M < 1) {
+    fail_arg(kOp, where, ": ", layers_in,
+             " MoE layers in the input, num_mtp_layers=", map.num_mtp_layers,
+             " of them MTP: no MoE layer left");
+  }
+  if (map.first_k_dense < 0 || map.first_k_dense > 65536) {
+    fail_arg(kOp, where, ": first_k_dense must be in [0, 65536], got ", map.first_k_dense);
+  }
+  num_hidden = map.moe_layer_freq.empty() ? map.first_k_dense + M
+                                          : static_cast<int64_t>(map.moe_layer_freq.size());
+  std::vector<int64_t> hidden;
+  try {
+    hidden = moe_layer_indices(LayerMap{map.first_k_dense, map.moe_layer_freq, 0}, num_hidden);
+  } catch (const std::invalid_argument& e) {
+    fail_arg(kOp, where, ": ", e.what());
+  }
+  if (static_cast<int64_t>(hidden.size()) != M) {
+    fail_arg(kOp, where, ": the input has ", M, " MoE layers (its layer axis holds only MoE ",
+             "layers) but the layer map has ", hidden.size());
+  }
+  return hidden;
+}
+
 // Appends one sequence given as a [rows, num_input_layers, top_k] array to `result`.
 void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, int64_t top_k,
-                  const std::string& source, const ImportOptions& opt, ImportResult& result) {
+                  const std::string& source, const ImportOptions& opt, ImportResult& result,
+                  const ArrayLayout& lay = {}) {
   ImportReport& rep = result.report;
   const int64_t seq = static_cast<int64_t>(result.sequences.size());
   if (opt.num_input_layers > 0 && layers_in != opt.num_input_layers) {
@@ -66,18 +124,47 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
     fail_arg(kOp, source, " (sequence ", seq, "): [", layers_in, " layers, top_k ", top_k,
              "] differs from the earlier sequences' [", rep.num_input_layers, ", ", rep.top_k, "]");
   }
-  detail::RowPlan plan;
-  try {
-    plan = detail::make_row_plan(opt, layers_in, top_k);
-  } catch (const std::invalid_argument& e) {
-    fail_arg(kOp, source, " (sequence ", seq, ", ", layers_in, " layers): ", e.what());
+  std::vector<int64_t> moe, hidden_of_moe;
+  int64_t hidden = layers_in - opt.layer_map.num_mtp_layers;
+  if (lay.moe_only) {
+    hidden_of_moe =
+        moe_only_hidden(opt.layer_map, layers_in, cat(source, " (sequence ", seq, ")"), hidden);
+    for (int64_t m = 0; m < static_cast<int64_t>(hidden_of_moe.size()); ++m) moe.push_back(m);
+  } else {
+    try {
+      moe = moe_layer_indices(opt.layer_map, layers_in);
+    } catch (const std::invalid_argument& e) {
+      fail_arg(kOp, source, " (sequence ", seq, ", ", layers_in, " layers): ", e.what());
+    }
+    hidden_of_moe = moe;
   }
-  const std::vector<int64_t>& moe = plan.moe;
   const int64_t M = static_cast<int64_t>(moe.size());
+  // One pass per row: detail::import_rows keeps the MoE columns, checks every row (range, repeats,
+  // -1 mixed with ids, all-zero rows) and writes int32 ids; a vector test for the common valid row,
+  // the exact path for the rest.
+  detail::RowPlan plan;
+  plan.layers_in = layers_in;
+  plan.hidden = hidden;
+  plan.top_k = top_k;
+  plan.num_experts = opt.num_experts;
+  plan.moe = moe;
+  if (!lay.moe_only) {
+    std::vector<uint8_t> is_moe(static_cast<size_t>(layers_in), 0);
+    for (int64_t l : moe) is_moe[size_t(l)] = 1;
+    for (int64_t l = 0; l < hidden; ++l) {
+      if (!is_moe[size_t(l)]) plan.dense.push_back(l);
+    }
+  }
+  plan.zero_rows = opt.zero_rows;
+  plan.invalid_rows = opt.invalid_rows;
+  plan.token_offset = lay.token_offset;
+  plan.layer_word = lay.moe_only ? ", MoE layer " : ", hidden layer ";
+
+  const int64_t out_rows = rows + (lay.last_token_row ? 1 : 0);  // the last token has no route
   RouteTable t;  // every row is written below; the last token's row is -1 (no route)
   t.num_experts = opt.num_experts;
-  t.topk_idx = Tensor::empty({rows + 1, M, top_k}, DType::int32);
-  std::fill_n(t.topk_idx.data<int32_t>() + rows * M * top_k, M * top_k, -1);
+  t.topk_idx = Tensor::empty({out_rows, M, top_k}, DType::int32);
+  std::fill_n(t.topk_idx.data<int32_t>() + rows * M * top_k, (out_rows - rows) * M * top_k, -1);
   detail::RowFindings f;
   bool ok = false;
   const int64_t row_elems = layers_in * top_k;
@@ -113,7 +200,7 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
   if (!ok) fail_arg(kOp, source, " (sequence ", seq, "): ", f.error);
   for (const auto& z : f.first_zero_rows) {
     if (rep.first_zero_rows.size() < kMaxReportedZeroRows)
-      rep.first_zero_rows.push_back({seq, z[0], z[1]});
+      rep.first_zero_rows.push_back({seq, lay.token_offset + z[0], z[1]});
   }
   rep.num_zero_rows += f.num_zero_rows;
   rep.num_invalid_rows += f.num_invalid_rows;
@@ -123,10 +210,11 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
         "nonzero ids (first on hidden layer ", f.first_dense_layer, "): is the layer map right?"));
   }
   rep.num_input_layers = layers_in;
+  rep.num_hidden_layers = hidden;
   rep.top_k = top_k;
-  rep.moe_layers = moe;
+  rep.moe_layers = hidden_of_moe;
   ++rep.num_sequences;
-  rep.num_tokens += rows + 1;
+  rep.num_tokens += out_rows;
   result.sequences.push_back(std::move(t));
   result.sources.push_back(source);
 }
@@ -139,6 +227,7 @@ void check_options(const ImportOptions& opt) {
 }
 
 std::string read_file(const std::string& path) {
+  detail::check_path(path, kOp, "path");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw BackendError(cat("open(", path, "): ", std::strerror(errno)));
   std::ostringstream ss;
@@ -233,26 +322,19 @@ int64_t json_count(const nlohmann::json& obj, const char* key, int64_t fallback,
   return v.get<int64_t>();
 }
 
-// SGLang: meta_info.routed_experts_start_len (the response covers tokens [start_len, seqlen - 1),
-// start_len in [0, prompt_tokens]); -1 rows before it. Returns the start used.
-int64_t apply_sglang_start_len(const nlohmann::json& meta, ImportResult& part,
-                               const std::string& name, const ImportOptions& opt) {
-  const int64_t start = json_count(meta, "routed_experts_start_len", opt.prompt_start, name,
-                                   "meta_info.routed_experts_start_len");
-  const int64_t prompt = json_count(meta, "prompt_tokens", -1, name, "meta_info.prompt_tokens");
-  if (prompt >= 0 && start > prompt) {
-    fail_arg(kOp, name, ": meta_info.routed_experts_start_len=", start,
-             " is past the prompt (prompt_tokens=", prompt, "); SGLang allows [0, prompt_tokens]");
-  }
-  prepend_none_rows(part, start, name, "routed_experts_start_len");
-  return start;
-}
-
 }  // namespace
 
-ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& source,
-                                   const ImportOptions& options) {
-  check_options(options);
+namespace {
+
+// A 3-D integer .npy file: where its data starts, its element type and shape (checked against the
+// bytes present).
+struct Npy3 {
+  const char* data = nullptr;
+  Elem elem = Elem::i4;
+  int64_t shape[3] = {0, 0, 0};
+};
+
+Npy3 parse_npy3(std::string_view bytes, const std::string& source) {
   if (bytes.size() < 10 || std::memcmp(bytes.data(), "\x93NUMPY", 6) != 0) {
     fail_arg(kOp, source, ": not a .npy file (bad magic)");
   }
@@ -330,8 +412,22 @@ ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& so
     fail_arg(kOp, source, ": .npy data is ", have, " bytes, shape ", shape_text, " needs ",
              static_cast<double>(want));
   }
+  Npy3 out;
+  out.data = bytes.data() + data_off;
+  out.elem = elem;
+  for (int d = 0; d < 3; ++d) out.shape[d] = shape[size_t(d)];
+  return out;
+}
+
+}  // namespace
+
+ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& source,
+                                   const ImportOptions& options) {
+  check_options(options);
+  const Npy3 a = parse_npy3(bytes, source);
+  const Elem elem = a.elem;
   ImportResult r;
-  import_array(bytes.data() + data_off, elem, shape[0], shape[1], shape[2], source, options, r);
+  import_array(a.data, elem, a.shape[0], a.shape[1], a.shape[2], source, options, r);
   check_vllm_width(elem, source, options, r);
   prepend_none_rows(r, options.prompt_start, source, "prompt_start");
   return r;
@@ -358,6 +454,7 @@ void merge(ImportResult& into, ImportResult&& part, const std::string& source) {
   a.num_sequences += b.num_sequences;
   if (b.num_sequences > 0) {
     a.num_input_layers = b.num_input_layers;
+    a.num_hidden_layers = b.num_hidden_layers;
     a.top_k = b.top_k;
     a.moe_layers = b.moe_layers;
   }
@@ -384,27 +481,7 @@ ImportResult import_vllm_arrays(const std::vector<Tensor>& arrays, const ImportO
       fail_arg(kOp, source, ": expected a 3-D array [seq_len-1, num_layers, top_k], got ", a.dim(),
                " dimensions");
     }
-    Elem elem = Elem::i4;
-    switch (a.dtype()) {
-      case DType::int32:
-        elem = Elem::i4;
-        break;
-      case DType::int64:
-        elem = Elem::i8;
-        break;
-      case DType::uint8:
-        elem = Elem::u1;
-        break;
-      case DType::int16:
-        elem = Elem::i2;
-        break;
-      case DType::uint16:
-        elem = Elem::u2;
-        break;
-      default:
-        fail_arg(kOp, source, ": dtype must be int32, int64, int16, uint16 or uint8, got ",
-                 dtype_name(a.dtype()));
-    }
+    const Elem elem = tensor_elem(a, source);
     import_array(static_cast<const char*>(a.raw()), elem, a.size(0), a.size(1), a.size(2), source,
                  options, r);
     prepend_none_rows(r, options.prompt_start, source, "prompt_start");
@@ -477,6 +554,52 @@ std::vector<std::pair<std::string, nlohmann::json>> json_records(std::string_vie
 
 }  // namespace
 
+namespace {
+
+// One SGLang route payload: base64 of little-endian int32 [rows, num_input_layers, top_k] (flat),
+// covering tokens [start, seq_len - 1). `field` names it in errors.
+ImportResult import_sglang_payload(const nlohmann::json& value, const std::string& name,
+                                   const std::string& field, const char* start_field, int64_t start,
+                                   int64_t prompt, int64_t completion,
+                                   const ImportOptions& options) {
+  if (!value.is_string()) fail_arg(kOp, name, ": ", field, " must be a base64 string");
+  std::string raw;
+  try {
+    raw = base64_decode(value.get_ref<const std::string&>());
+  } catch (const std::invalid_argument& e) {
+    fail_arg(kOp, name, ": ", field, ": ", e.what());
+  }
+  const int64_t row = options.num_input_layers * options.top_k;
+  if (raw.size() % 4 != 0 || (raw.size() / 4) % size_t(row) != 0) {
+    fail_arg(kOp, name, ": routed_experts holds ", raw.size(), " bytes, not a whole number of ",
+             "int32 rows of num_input_layers*top_k=", row);
+  }
+  if (prompt >= 0 && start > prompt) {
+    fail_arg(kOp, name, ": ", start_field, "=", start,
+             " is past the prompt (prompt_tokens=", prompt, "); SGLang allows [0, prompt_tokens]");
+  }
+  const int64_t rows = static_cast<int64_t>(raw.size() / 4) / row;
+  ImportResult part;
+  import_array(raw.data(), Elem::i4, rows, options.num_input_layers, options.top_k, name, options,
+               part);
+  prepend_none_rows(part, start, name, "routed_experts_start_len");
+  if (prompt >= 0 && completion >= 0 && prompt + completion != start + rows + 1) {
+    part.report.warnings.push_back(
+        cat(name, ": prompt_tokens + completion_tokens = ", prompt + completion,
+            " but routed_experts covers ", start + rows + 1, " tokens"));
+  }
+  return part;
+}
+
+// A count field that may be absent, null or (from outside) absurd: -1 unless a sane integer.
+int64_t loose_count(const nlohmann::json& obj, const char* key) {
+  if (!obj.is_object() || !obj.contains(key) || !obj[key].is_number_integer()) return -1;
+  const double v = obj[key].get<double>();
+  return v >= 0 && v <= double(int64_t{1} << 40) ? obj[key].get<int64_t>() : -1;
+}
+
+}  // namespace
+
 ImportResult import_sglang_text(std::string_view text, const std::string& source,
                                 const ImportOptions& options) {
   check_options(options);
@@ -487,42 +610,63 @@ ImportResult import_sglang_text(std::string_view text, const std::string& source
   using nlohmann::json;
   ImportResult all;
   for (auto& [name, j] : json_records(text, source)) {
+    if (j.is_object() && !j.contains("meta_info") && j.contains("choices")) {
+      // OpenAI-compatible /v1/completions and /v1/chat/completions (sgl-project/sglang#17434):
+      // choices[i].sgl_ext.routed_experts (older servers: choices[i].routed_experts), the same
+      // base64 int32 payload. The request's routed_experts_start_len is not echoed: a
+      // routed_experts_start_len saved next to the response, else options.prompt_start.
+      const json& choices = j["choices"];
+      if (!choices.is_array() || choices.empty())
+        fail_arg(kOp, name, ": choices must be a non-empty array");
+      const int64_t start = json_count(j, "routed_experts_start_len", options.prompt_start, name,
+                                       "routed_experts_start_len");
+      const json& usage = j.contains("usage") ? j["usage"] : json();
+      const int64_t prompt = loose_count(usage, "prompt_tokens");
+      for (size_t c = 0; c < choices.size(); ++c) {
+        const json& ch = choices[c];
+        const json* re = nullptr;
+        std::string field;
+        if (ch.is_object() && ch.contains("sgl_ext") && ch["sgl_ext"].is_object() &&
+            ch["sgl_ext"].contains("routed_experts") &&
+            !ch["sgl_ext"]["routed_experts"].is_null()) {
+          re = &ch["sgl_ext"]["routed_experts"];
+          field = cat("choices[", c, "].sgl_ext.routed_experts");
+        } else if (ch.is_object() && ch.contains("routed_experts") &&
+                   !ch["routed_experts"].is_null()) {
+          re = &ch["routed_experts"];
+          field = cat("choices[", c, "].routed_experts");
+        } else {
+          fail_arg(kOp, name, ": choices[", c,
+                   "] has no sgl_ext.routed_experts (the request needs "
+                   "return_routed_experts and the server --enable-return-routed-experts)");
+        }
+        const std::string where = cat(name, " ", field);
+        // usage counts every choice's completion: compared only for a single choice.
+        const int64_t completion =
+            choices.size() == 1 ? loose_count(usage, "completion_tokens") : int64_t{-1};
+        merge(all,
+              import_sglang_payload(*re, where, field, "routed_experts_start_len", start, prompt,
+                                    completion, options),
+              where);
+      }
+      continue;
+    }
     if (!j.is_object() || !j.contains("meta_info") || !j["meta_info"].is_object()) {
-      fail_arg(kOp, name, ": record has no meta_info object");
+      fail_arg(kOp, name, ": record has no meta_info object (nor choices[i].sgl_ext)");
     }
     const json& meta = j["meta_info"];
     if (!meta.contains("routed_experts") || !meta["routed_experts"].is_string()) {
       fail_arg(kOp, name, ": meta_info.routed_experts must be a base64 string");
     }
-    std::string raw;
-    try {
-      raw = base64_decode(meta["routed_experts"].get_ref<const std::string&>());
-    } catch (const std::invalid_argument& e) {
-      fail_arg(kOp, name, ": meta_info.routed_experts: ", e.what());
-    }
-    const int64_t row = options.num_input_layers * options.top_k;
-    if (raw.size() % 4 != 0 || (raw.size() / 4) % size_t(row) != 0) {
-      fail_arg(kOp, name, ": routed_experts holds ", raw.size(), " bytes, not a whole number of ",
-               "int32 rows of num_input_layers*top_k=", row);
-    }
-    const int64_t rows = static_cast<int64_t>(raw.size() / 4) / row;
-    ImportResult part;
-    import_array(raw.data(), Elem::i4, rows, options.num_input_layers, options.top_k, name, options,
-                 part);
-    const int64_t start = apply_sglang_start_len(meta, part, name, options);
-    if (meta.contains("prompt_tokens") && meta.contains("completion_tokens") &&
-        meta["prompt_tokens"].is_number_integer() &&
-        meta["completion_tokens"].is_number_integer()) {
-      // Compared in double: the counts come from outside and may be absurd (no overflow).
-      const double len =
-          meta["prompt_tokens"].get<double>() + meta["completion_tokens"].get<double>();
-      if (len != static_cast<double>(start + rows + 1)) {
-        part.report.warnings.push_back(cat(name, ": prompt_tokens + completion_tokens = ", len,
-                                           " but routed_experts covers ", start + rows + 1,
-                                           " tokens"));
-      }
-    }
-    merge(all, std::move(part), name);
+    // meta_info.routed_experts_start_len: the response covers tokens [start_len, seqlen - 1).
+    const int64_t start = json_count(meta, "routed_experts_start_len", options.prompt_start, name,
+                                     "meta_info.routed_experts_start_len");
+    const int64_t prompt = json_count(meta, "prompt_tokens", -1, name, "meta_info.prompt_tokens");
+    merge(all,
+          import_sglang_payload(meta["routed_experts"], name, "meta_info.routed_experts",
+                                "meta_info.routed_experts_start_len", start, prompt,
+                                loose_count(meta, "completion_tokens"), options),
+          name);
   }
   return all;
 }
@@ -634,6 +778,556 @@ ImportResult import_vllm_files(const std::vector<std::string>& paths,
           p);
   }
   return all;
+}
+
+// ---- TensorRT-LLM, FlashInfer routing_replay_out, vLLM streamed chunks (issue 25) -------------
+
+ImportResult import_trtllm_arrays(const std::vector<Tensor>& arrays, const ImportOptions& options) {
+  check_options(options);
+  ImportResult r;
+  ArrayLayout lay;
+  lay.moe_only = true;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const Tensor& a = arrays[i];
+    const std::string source = cat("trtllm[", i, "]");
+    if (a.dim() != 3) {
+      fail_arg(kOp, source, ": expected a 3-D array [seq_len-1, num_moe_layers, top_k], got ",
+               a.dim(), " dimensions");
+    }
+    const Elem elem = tensor_elem(a, source);
+    import_array(static_cast<const char*>(a.raw()), elem, a.size(0), a.size(1), a.size(2), source,
+                 options, r, lay);
+    prepend_none_rows(r, options.prompt_start, source, "prompt_start");
+  }
+  return r;
+}
+
+ImportResult import_trtllm_npy_bytes(std::string_view bytes, const std::string& source,
+                                     const ImportOptions& options) {
+  check_options(options);
+  const Npy3 a = parse_npy3(bytes, source);
+  ImportResult r;
+  ArrayLayout lay;
+  lay.moe_only = true;
+  import_array(a.data, a.elem, a.shape[0], a.shape[1], a.shape[2], source, options, r, lay);
+  prepend_none_rows(r, options.prompt_start, source, "prompt_start");
+  return r;
+}
+
+ImportResult import_trtllm(const std::vector<std::string>& paths, const ImportOptions& options) {
+  check_options(options);
+  ImportResult all;
+  for (const auto& p : paths) merge(all, import_trtllm_npy_bytes(read_file(p), p, options), p);
+  return all;
+}
+
+namespace {
+
+// The shared part of both FlashInfer overloads: `layers[l]` points at `num_rows * top_k` elements.
+ImportResult import_replay_buffers(const std::vector<const char*>& layers, Elem elem,
+                                   int64_t num_rows, int64_t top_k,
+                                   const std::vector<int64_t>& cu_seqlens,
+                                   const ImportOptions& options) {
+  check_options(options);
+  const int64_t L = static_cast<int64_t>(layers.size());
+  if (L < 1) fail_arg(kOp, "flashinfer: layers must hold one routing_replay_out per MoE layer");
+  if (options.num_input_layers > 0 && L != options.num_input_layers) {
+    fail_arg(kOp, "flashinfer: expected ", options.num_input_layers, " layer buffers, got ", L);
+  }
+  if (options.top_k > 0 && top_k != options.top_k)
+    fail_arg(kOp, "flashinfer: expected top_k=", options.top_k, ", got ", top_k);
+  if (num_rows < 0 || top_k < 1 || top_k > 65536) {
+    fail_arg(kOp, "flashinfer: buffers must be [N >= 0, 1 <= top_k <= 65536], got [", num_rows,
+             ", ", top_k, "]");
+  }
+  for (int64_t l = 0; l < L; ++l)
+    if (layers[size_t(l)] == nullptr && num_rows > 0)
+      fail_arg(kOp, "flashinfer: layers[", l, "] is null");
+  if (cu_seqlens.empty() || cu_seqlens[0] != 0) {
+    fail_arg(kOp, "flashinfer: cu_seqlens must start at 0, got ",
+             cu_seqlens.empty() ? std::string("[]") : std::to_string(cu_seqlens[0]));
+  }
+  for (size_t s = 1; s < cu_seqlens.size(); ++s) {
+    if (cu_seqlens[s] < cu_seqlens[s - 1]) {
+      fail_arg(kOp, "flashinfer: cu_seqlens must be non-decreasing, got cu_seqlens[", s,
+               "]=", cu_seqlens[s], " < cu_seqlens[", s - 1, "]=", cu_seqlens[s - 1]);
+    }
+  }
+  if (cu_seqlens.back() > num_rows) {
+    fail_arg(kOp, "flashinfer: cu_seqlens ends at ", cu_seqlens.back(), " but the buffers hold ",
+             num_rows, " rows");
+  }
+  const size_t es = elem_size(elem);
+  ImportResult all;
+  ArrayLayout lay;
+  lay.moe_only = true;
+  lay.last_token_row = false;  // every token of the batch went through the router
+  std::string seq_rows;
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    const int64_t b = cu_seqlens[s], n = cu_seqlens[s + 1] - b;
+    // [n, L, K] from L buffers of [N, K]: the layout import_array reads.
+    seq_rows.resize(size_t(n * L * top_k) * es);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t l = 0; l < L; ++l)
+        std::memcpy(seq_rows.data() + size_t((r * L + l) * top_k) * es,
+                    layers[size_t(l)] + size_t((b + r) * top_k) * es, size_t(top_k) * es);
+    // Into `all` directly: "(sequence s)" in its messages is the sequence's index in the batch.
+    import_array(seq_rows.data(), elem, n, L, top_k,
+                 cat("flashinfer (batch rows ", b, "..", b + n, ")"), options, all, lay);
+  }
+  return all;
+}
+
+}  // namespace
+
+ImportResult import_flashinfer_replay(const std::vector<Tensor>& layers,
+                                      const std::vector<int64_t>& cu_seqlens,
+                                      const ImportOptions& options) {
+  std::vector<const char*> ptrs;
+  Elem elem = Elem::i4;
+  int64_t rows = 0, top_k = 0;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const Tensor& t = layers[l];
+    const std::string name = cat("flashinfer: layers[", l, "]");
+    if (t.dim() != 2)
+      fail_arg(kOp, name, ": expected a 2-D [N, top_k] buffer, got ", t.dim(), " dimensions");
+    const Elem e = tensor_elem(t, name);
+    if (l == 0) {
+      elem = e;
+      rows = t.size(0);
+      top_k = t.size(1);
+    } else if (e != elem || t.size(0) != rows || t.size(1) != top_k) {
+      fail_arg(kOp, name, ": [", t.size(0), ", ", t.size(1), "] ", dtype_name(t.dtype()),
+               " differs from layers[0]: [", rows, ", ", top_k, "] ",
+               dtype_name(layers[0].dtype()));
+    }
+    ptrs.push_back(static_cast<const char*>(t.raw()));
+  }
+  return import_replay_buffers(ptrs, elem, rows, top_k, cu_seqlens, options);
+}
+
+ImportResult import_flashinfer_replay(const std::vector<const int16_t*>& layers, int64_t num_rows,
+                                      int64_t top_k, const std::vector<int64_t>& cu_seqlens,
+                                      const ImportOptions& options) {
+  std::vector<const char*> ptrs;
+  for (const int16_t* p : layers) ptrs.push_back(reinterpret_cast<const char*>(p));
+  return import_replay_buffers(ptrs, Elem::i2, num_rows, top_k, cu_seqlens, options);
+}
+
+// ---- vLLM streamed chunks ----------------------------------------------------------------------
+
+struct VllmRouteStream::State {
+  struct Request {
+    int64_t prompt_start = -1;   // -1: options.prompt_start (fixed by the first chunk)
+    int64_t prompt_tokens = -1;  // known or inferred prompt length
+    bool prompt_inferred = false;
+    int64_t generated = 0;        // G: generated tokens seen
+    bool generated_known = true;  // every chunk told its token count
+    int64_t chunks = 0;
+    int64_t rows = 0;  // route rows received (from prompt_start on)
+    std::vector<RouteTable> pieces;
+    ImportReport report;
+  };
+  ImportOptions options;
+  int64_t num_input_layers = 0;  // fixed by the first chunk (or the options)
+  int64_t top_k = 0;
+  std::vector<int64_t> moe_layers;
+  int64_t num_hidden_layers = 0;
+  std::map<std::string, Request> requests;
+  std::vector<std::string> order;
+  std::set<std::string> finished;  // ids already finished: a later chunk for one is an error
+
+  void check_open(const std::string& id) const {
+    if (finished.count(id)) {
+      fail_arg(kOp, "request '", id,
+               "' already finished: a chunk after its finish_reason (a "
+               "repeated chunk?) or a reused request id");
+    }
+  }
+
+  Request& get(const std::string& id) {
+    auto it = requests.find(id);
+    if (it == requests.end()) {
+      order.push_back(id);
+      it = requests.emplace(id, Request{}).first;
+    }
+    return it->second;
+  }
+  // usage.completion_tokens (vLLM's continuous usage: cumulative per request) against the tokens
+  // the chunks so far emitted: a lost or repeated chunk shows here even without routes.
+  static void check_completion(const std::string& where, bool g_known, int64_t G,
+                               int64_t completion_tokens) {
+    if (g_known && completion_tokens >= 0 && completion_tokens != G) {
+      fail_arg(kOp, where, ": usage.completion_tokens=", completion_tokens,
+               " but the chunks so far ", "emitted ", G, " tokens (",
+               completion_tokens > G ? "a lost chunk?" : "a repeated chunk?", ")");
+    }
+  }
+  int64_t start_of(const Request& q) const {
+    return q.prompt_start >= 0 ? q.prompt_start : options.prompt_start;
+  }
+
+  // Validates one chunk fully, then (only then) appends it.
+  void add(const std::string& id, const char* data, Elem elem, int64_t rows, int64_t layers,
+           int64_t K, int64_t start, int64_t new_tokens, int64_t prompt_tokens,
+           int64_t completion_tokens = -1) {
+    check_open(id);
+    auto found = requests.find(id);
+    const Request empty;
+    const Request& q = found == requests.end() ? empty : found->second;
+    const std::string where = cat("request '", id, "' chunk ", q.chunks);
+    if (new_tokens < -1 || prompt_tokens < -1 || start < -1) {
+      fail_arg(kOp, where,
+               ": start, new_tokens and prompt_tokens must be >= 0 (or -1: unknown), "
+               "got ",
+               start, ", ", new_tokens, ", ", prompt_tokens);
+    }
+    const int64_t first = start_of(q);
+    const int64_t pos = first + q.rows;  // the next token without a route
+    if (start >= 0 && start != pos) {
+      fail_arg(kOp, where, ": routes start at token ", start, " but the request's routes so far ",
+               "end at token ", pos,
+               start > pos ? cat(": a gap, tokens ", pos, "..", start - 1, " have no chunk")
+                           : cat(": an overlap, tokens ", start, "..", pos - 1,
+                                 " already came (a cumulative chunk?)"));
+    }
+    if (num_input_layers > 0 && (layers != num_input_layers || K != top_k)) {
+      fail_arg(kOp, where, ": [", rows, ", ", layers, ", ", K, "] routes, but the stream's ",
+               "chunks have ", num_input_layers, " layers and top_k ", top_k);
+    }
+    ImportOptions o = options;
+    ImportResult part;
+    ArrayLayout lay;
+    lay.last_token_row = false;
+    lay.token_offset = pos;
+    import_array(data, elem, rows, layers, K, where, o, part, lay);
+    // Token positions: after this chunk the routes must cover [first, prompt + G - 1).
+    int64_t prompt = prompt_tokens >= 0 ? prompt_tokens : q.prompt_tokens;
+    const bool g_known = q.generated_known && new_tokens >= 0;
+    const int64_t G = q.generated + std::max<int64_t>(new_tokens, 0);
+    check_completion(where, g_known, G, completion_tokens);
+    const int64_t end = pos + rows;
+    bool inferred = q.prompt_inferred && prompt_tokens < 0;
+    if (prompt >= 0 && prompt_tokens >= 0 && q.prompt_tokens >= 0 && prompt != q.prompt_tokens &&
+        !q.prompt_inferred) {
+      fail_arg(kOp, where, ": prompt_tokens=", prompt_tokens, " differs from the request's ",
+               q.prompt_tokens);
+    }
+    if (g_known && rows > 0) {
+      if (prompt < 0) {  // the first routed chunk fixes the prompt length
+        prompt = end + 1 - G;
+        inferred = true;
+        if (prompt <= first && G > 0) {
+          fail_arg(kOp, where, ": ", end - first, " route rows from token ", first, " for ", G,
+                   " generated tokens leave no prompt token");
+        }
+      } else if (end != prompt + G - 1) {
+        fail_arg(kOp, where, ": routes now end at token ", end, " but ",
+                 inferred ? "the prompt inferred from the first chunk (" : "the prompt (", prompt,
+                 " tokens) and ", G, " generated tokens need routes up to token ", prompt + G - 1,
+                 end < prompt + G - 1 ? ": a gap (a chunk without its routes?)"
+                                      : ": an overlap (a chunk repeating earlier routes?)");
+      }
+    }
+    // Commit.
+    if (num_input_layers == 0) {
+      num_input_layers = layers;
+      top_k = K;
+      moe_layers = part.report.moe_layers;
+      num_hidden_layers = part.report.num_hidden_layers;
+    }
+    Request& w = get(id);
+    if (w.prompt_start < 0) w.prompt_start = first;
+    w.prompt_tokens = prompt;
+    w.prompt_inferred = inferred;
+    w.generated = G;
+    w.generated_known = g_known;
+    ++w.chunks;
+    w.rows += rows;
+    ImportReport& a = w.report;
+    const ImportReport& b = part.report;
+    for (auto z : b.first_zero_rows)
+      if (a.first_zero_rows.size() < kMaxReportedZeroRows) a.first_zero_rows.push_back(z);
+    a.num_zero_rows += b.num_zero_rows;
+    a.num_invalid_rows += b.num_invalid_rows;
+    a.warnings.insert(a.warnings.end(), b.warnings.begin(), b.warnings.end());
+    w.pieces.push_back(std::move(part.sequences[0]));
+  }
+};
+
+VllmRouteStream::VllmRouteStream(const ImportOptions& options) : state_(std::make_shared<State>()) {
+  check_options(options);
+  if (options.prompt_start < 0 || options.prompt_start > kMaxStart)
+    fail_arg(kOp, "prompt_start must be in [0, 2^24], got ", options.prompt_start);
+  state_->options = options;
+}
+
+void VllmRouteStream::add(const std::string& request_id, const Tensor& routes, int64_t start,
+                          int64_t new_tokens, int64_t prompt_tokens) {
+  const std::string where = cat("request '", request_id, "'");
+  if (routes.dim() != 3) {
+    fail_arg(kOp, where, ": a chunk's routes must be 3-D [rows, layers, top_k], got ", routes.dim(),
+             " dimensions");
+  }
+  state_->add(request_id, static_cast<const char*>(routes.raw()), tensor_elem(routes, where),
+              routes.size(0), routes.size(1), routes.size(2), start, new_tokens, prompt_tokens);
+}
+
+void VllmRouteStream::add_npy(const std::string& request_id, std::string_view npy, int64_t start,
+                              int64_t new_tokens, int64_t prompt_tokens) {
+  const Npy3 a = parse_npy3(npy, cat("request '", request_id, "'"));
+  state_->add(request_id, a.data, a.elem, a.shape[0], a.shape[1], a.shape[2], start, new_tokens,
+              prompt_tokens);
+}
+
+void VllmRouteStream::add_tokens(const std::string& request_id, int64_t new_tokens,
+                                 int64_t prompt_tokens) {
+  if (new_tokens < 0 || prompt_tokens < -1) {
+    fail_arg(kOp, "request '", request_id,
+             "': new_tokens must be >= 0 and prompt_tokens >= -1, got ", new_tokens, " and ",
+             prompt_tokens);
+  }
+  state_->check_open(request_id);
+  State::Request& q = state_->get(request_id);
+  q.generated += new_tokens;
+  if (prompt_tokens >= 0 && q.prompt_tokens < 0) q.prompt_tokens = prompt_tokens;
+  ++q.chunks;
+}
+
+void VllmRouteStream::set_prompt_start(const std::string& request_id, int64_t prompt_start) {
+  if (prompt_start < 0 || prompt_start > kMaxStart) {
+    fail_arg(kOp, "request '", request_id, "': prompt_start must be in [0, 2^24], got ",
+             prompt_start);
+  }
+  auto it = state_->requests.find(request_id);
+  if (it != state_->requests.end() && it->second.rows > 0 &&
+      state_->start_of(it->second) != prompt_start) {
+    fail_arg(kOp, "request '", request_id, "': prompt_start=", prompt_start,
+             " comes after routes that started at token ", state_->start_of(it->second));
+  }
+  state_->get(request_id).prompt_start = prompt_start;
+}
+
+std::vector<std::string> VllmRouteStream::add_sse(std::string_view event) {
+  using nlohmann::json;
+  size_t b = event.find_first_not_of(" \t\r\n");
+  if (b == std::string_view::npos) return {};
+  event = event.substr(b);
+  if (event.substr(0, 5) == "data:") event = event.substr(5);
+  b = event.find_first_not_of(" \t\r\n");
+  if (b == std::string_view::npos) return {};
+  event = event.substr(b);
+  const size_t e = event.find_last_not_of(" \t\r\n");
+  event = event.substr(0, e + 1);
+  if (event == "[DONE]") return {};
+  json j = json::parse(event.begin(), event.end(), nullptr, false);
+  if (j.is_discarded() || !j.is_object())
+    fail_arg(kOp, "stream chunk: not a JSON object: ", std::string(event.substr(0, 80)));
+  std::string id;
+  for (const char* k : {"request_id", "id"})
+    if (id.empty() && j.contains(k) && j[k].is_string()) id = j[k].get<std::string>();
+  if (id.empty()) fail_arg(kOp, "stream chunk: no request_id / id string");
+  if (!j.contains("choices") || !j["choices"].is_array())
+    fail_arg(kOp, "stream chunk of '", id, "': no choices array");
+  const json& choices = j["choices"];
+  const json& usage = j.contains("usage") && j["usage"].is_object() ? j["usage"] : json();
+  int64_t prompt = loose_count(usage, "prompt_tokens");
+  if (prompt < 0 && j.contains("prompt_token_ids") && j["prompt_token_ids"].is_array())
+    prompt = static_cast<int64_t>(j["prompt_token_ids"].size());
+  const int64_t start =
+      json_count(j, "routed_experts_prompt_start", -1, id, "routed_experts_prompt_start");
+  // Cumulative per choice: only meaningful when the chunk carries one choice.
+  const int64_t completion = choices.size() == 1 ? loose_count(usage, "completion_tokens") : -1;
+  // Validate every choice before any changes state: decode first, then add.
+  struct Piece {
+    std::string key;
+    std::string npy;
+    bool has_routes = false;
+    int64_t tokens = -1;
+    bool finished = false;
+  };
+  std::vector<Piece> pieces;
+  for (size_t c = 0; c < choices.size(); ++c) {
+    const json& ch = choices[c];
+    if (!ch.is_object())
+      fail_arg(kOp, "stream chunk of '", id, "': choices[", c, "] is not an object");
+    Piece p;
+    const int64_t index = loose_count(ch, "index");
+    p.key = cat(id, "/", index >= 0 ? index : static_cast<int64_t>(c));
+    if (ch.contains("token_ids") && ch["token_ids"].is_array())
+      p.tokens = static_cast<int64_t>(ch["token_ids"].size());
+    p.finished = ch.contains("finish_reason") && !ch["finish_reason"].is_null();
+    if (ch.contains("routed_experts") && !ch["routed_experts"].is_null()) {
+      if (!ch["routed_experts"].is_string()) {
+        fail_arg(kOp, "request '", p.key,
+                 "': routed_experts must be a base64 string of .npy bytes, "
+                 "got JSON ",
+                 ch["routed_experts"].type_name());
+      }
+      try {
+        p.npy = base64_decode(ch["routed_experts"].get_ref<const std::string&>());
+      } catch (const std::invalid_argument& ex) {
+        fail_arg(kOp, "request '", p.key, "' chunk: routed_experts: ", ex.what());
+      }
+      p.has_routes = true;
+    }
+    pieces.push_back(std::move(p));
+  }
+  std::vector<std::string> finished;
+  for (Piece& p : pieces) {
+    state_->check_open(p.key);
+    if (start >= 0) set_prompt_start(p.key, start);
+    auto it = state_->requests.find(p.key);
+    const std::string where =
+        cat("request '", p.key, "' chunk ", it == state_->requests.end() ? 0 : it->second.chunks);
+    if (p.has_routes) {
+      const Npy3 a = parse_npy3(p.npy, where);
+      state_->add(p.key, a.data, a.elem, a.shape[0], a.shape[1], a.shape[2], -1, p.tokens, prompt,
+                  completion);
+    } else if (p.tokens >= 0) {
+      const bool known = it == state_->requests.end() || it->second.generated_known;
+      State::check_completion(where, known,
+                              (it == state_->requests.end() ? 0 : it->second.generated) + p.tokens,
+                              completion);
+      add_tokens(p.key, p.tokens, prompt);
+    } else {
+      state_->get(p.key);
+    }
+    if (p.tokens < 0) state_->get(p.key).generated_known = false;
+    if (p.finished) finished.push_back(p.key);
+  }
+  return finished;
+}
+
+ImportResult VllmRouteStream::finish(const std::string& request_id) {
+  auto it = state_->requests.find(request_id);
+  if (it == state_->requests.end())
+    throw std::out_of_range(cat("[import] stream has no request '", request_id, "'"));
+  const State::Request& q = it->second;
+  const int64_t first = state_->start_of(q);
+  if (q.rows == 0) {
+    fail_arg(kOp, "request '", request_id, "': no routes arrived in its ", q.chunks,
+             " chunks (the server needs --enable-return-routed-experts)");
+  }
+  if (q.generated_known && q.prompt_tokens >= 0 &&
+      first + q.rows != q.prompt_tokens + q.generated - 1) {
+    fail_arg(kOp, "request '", request_id, "': routes cover tokens ", first, "..",
+             first + q.rows - 1, " but ", q.prompt_tokens, " prompt and ", q.generated,
+             " generated tokens need routes up to token ", q.prompt_tokens + q.generated - 2,
+             " (the stream is truncated?)");
+  }
+  const int64_t M = q.pieces[0].num_moe_layers(), K = q.pieces[0].top_k();
+  const int64_t T = first + q.rows + 1;
+  if (static_cast<double>(T) * double(M) * double(K) > double(int64_t{1} << 31))
+    fail_arg(kOp, "request '", request_id, "': ", T, " rows of ", M, "x", K,
+             " ids is more than 2^31 ids");
+  RouteTable t = RouteTable::none(T, M, K, state_->options.num_experts);
+  int32_t* dst = t.topk_idx.data<int32_t>() + first * M * K;
+  for (const RouteTable& p : q.pieces) {
+    const size_t n = static_cast<size_t>(p.num_tokens() * M * K);
+    if (n) std::memcpy(dst, p.topk_idx.data<int32_t>(), n * sizeof(int32_t));
+    dst += n;
+  }
+  ImportResult r;
+  r.report = q.report;
+  for (auto& z : r.report.first_zero_rows) z[0] = 0;
+  r.report.num_sequences = 1;
+  r.report.num_tokens = T;
+  r.report.num_input_layers = state_->num_input_layers;
+  r.report.num_hidden_layers = state_->num_hidden_layers;
+  r.report.top_k = state_->top_k;
+  r.report.moe_layers = state_->moe_layers;
+  r.sequences.push_back(std::move(t));
+  r.sources.push_back(cat("request '", request_id, "'"));
+  state_->finished.insert(request_id);
+  state_->requests.erase(it);
+  state_->order.erase(std::find(state_->order.begin(), state_->order.end(), request_id));
+  return r;
+}
+
+std::vector<std::string> VllmRouteStream::pending() const { return state_->order; }
+
+ImportResult import_flashinfer_npy_bytes(std::string_view bytes, const std::string& source,
+                                         const std::vector<int64_t>& cu_seqlens,
+                                         const ImportOptions& options) {
+  check_options(options);
+  const Npy3 a = parse_npy3(bytes, source);
+  const int64_t L = a.shape[0], N = a.shape[1], K = a.shape[2];
+  if (L < 1 || L > 65536)
+    fail_arg(kOp, source, ": expected [num_moe_layers, N, top_k] with 1..65536 layers, got ", L);
+  std::vector<const char*> layers;
+  for (int64_t l = 0; l < L; ++l) layers.push_back(a.data + size_t(l * N * K) * elem_size(a.elem));
+  try {
+    return import_replay_buffers(layers, a.elem, N, K,
+                                 cu_seqlens.empty() ? std::vector<int64_t>{0, N} : cu_seqlens,
+                                 options);
+  } catch (const std::invalid_argument& e) {
+    std::string m = e.what();
+    const std::string prefix = cat("[", kOp, "] ");
+    if (m.rfind(prefix, 0) == 0) m = m.substr(prefix.size());
+    fail_arg(kOp, source, ": ", m);
+  }
+}
+
+ImportResult import_flashinfer(const std::vector<std::string>& paths,
+                               const std::vector<std::vector<int64_t>>& cu_seqlens,
+                               const ImportOptions& options) {
+  check_options(options);
+  if (!cu_seqlens.empty() && cu_seqlens.size() != paths.size()) {
+    fail_arg(kOp, "flashinfer: cu_seqlens must hold one list per file (", paths.size(),
+             " files), got ", cu_seqlens.size());
+  }
+  ImportResult all;
+  for (size_t i = 0; i < paths.size(); ++i) {
+    const std::vector<int64_t> none;
+    merge(all,
+          import_flashinfer_npy_bytes(read_file(paths[i]), paths[i],
+                                      cu_seqlens.empty() ? none : cu_seqlens[i], options),
+          paths[i]);
+  }
+  return all;
+}
+
+ImportResult import_vllm_stream_text(std::string_view text, const std::string& source,
+                                     const ImportOptions& options) {
+  VllmRouteStream stream(options);
+  ImportResult all;
+  size_t pos = 0, line = 0;
+  std::string where;
+  try {
+    while (pos < text.size()) {
+      size_t end = text.find('\n', pos);
+      if (end == std::string_view::npos) end = text.size();
+      ++line;
+      std::string_view l = text.substr(pos, end - pos);
+      pos = end + 1;
+      const size_t b = l.find_first_not_of(" \t\r");
+      if (b == std::string_view::npos) continue;
+      l = l.substr(b);
+      if (l[0] == ':' || l.substr(0, 6) == "event:" || l.substr(0, 3) == "id:" ||
+          l.substr(0, 6) == "retry:")
+        continue;
+      where = cat(source, ":", line);
+      for (const std::string& id : stream.add_sse(l)) merge(all, stream.finish(id), where);
+    }
+  } catch (const std::invalid_argument& e) {
+    std::string m = e.what();
+    const std::string prefix = cat("[", kOp, "] ");
+    if (m.rfind(prefix, 0) == 0) m = m.substr(prefix.size());
+    fail_arg(kOp, where, ": ", m);
+  }
+  const std::vector<std::string> open = stream.pending();
+  if (!open.empty()) {
+    fail_arg(kOp, source, ": request '", open[0], "' (and ", open.size() - 1, " more) never got a ",
+             "chunk with finish_reason: the stream is truncated");
+  }
+  for (std::string& s : all.sources) s = cat(source, " ", s);
+  return all;
+}
+
+ImportResult import_vllm_stream(const std::vector<std::string>& paths,
+                                const ImportOptions& options) {
+  return import_text_files(paths, options, &import_vllm_stream_text);
 }
 
 std::string base64_decode(std::string_view text) {

@@ -35,6 +35,8 @@ struct RowPlan {
   std::vector<int64_t> dense;  ///< hidden layers that are not MoE (checked for stray ids)
   ZeroRowPolicy zero_rows = ZeroRowPolicy::keep;
   InvalidRowPolicy invalid_rows = InvalidRowPolicy::error;
+  int64_t token_offset = 0;                    ///< token number of row 0, for messages
+  const char* layer_word = ", hidden layer ";  ///< how messages name an input layer
 };
 
 /// What a sequence's rows held.
@@ -76,8 +78,8 @@ bool decide_row(const T* row, int64_t r, int64_t l, int64_t m, const RowPlan& p,
   for (int64_t k = 0; k < K; ++k) {
     const int64_t v = static_cast<int64_t>(row[k]);
     if (v < -1 || v >= E) {
-      f.error = cat("expert id ", v, " at token ", r, ", hidden layer ", l, ", slot ", k,
-                    " is outside [0, num_experts=", E, ")");
+      f.error = cat("expert id ", v, " at token ", p.token_offset + r, p.layer_word, l, ", slot ",
+                    k, " is outside [0, num_experts=", E, ")");
       f.error_token = r;
       return false;
     }
@@ -85,7 +87,8 @@ bool decide_row(const T* row, int64_t r, int64_t l, int64_t m, const RowPlan& p,
   }
   if (zero && K > 1) {  // K = 1: a 0 is a real route to expert 0
     if (p.zero_rows == ZeroRowPolicy::error) {
-      f.error = cat("all-zero row at token ", r, ", hidden layer ", l, " (zero-filled padding?)");
+      f.error = cat("all-zero row at token ", p.token_offset + r, p.layer_word, l,
+                    " (zero-filled padding?)");
       f.error_token = r;
       return false;
     }
@@ -116,7 +119,7 @@ bool decide_row(const T* row, int64_t r, int64_t l, int64_t m, const RowPlan& p,
     std::string ids = "[";
     for (int64_t k = 0; k < K; ++k) ids += (k ? ", " : "") + std::to_string(dst[k]);
     ids += "]";
-    f.error = cat("row ", ids, " at token ", r, ", hidden layer ", l,
+    f.error = cat("row ", ids, " at token ", p.token_offset + r, p.layer_word, l,
                   bad < K ? cat(" repeats expert ", dst[bad]) : std::string(" mixes -1 and ids"),
                   " (invalid_rows='to_none' stores such rows as -1)");
     f.error_token = r;

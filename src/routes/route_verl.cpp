@@ -269,6 +269,7 @@ ImportResult from_verl(const Tensor& routed_experts, const Tensor& attention_mas
   ImportReport& rep = r.report;
   rep.num_sequences = B;
   rep.num_input_layers = H;
+  rep.num_hidden_layers = plan.hidden;
   rep.top_k = K;
   rep.moe_layers = plan.moe;
   int64_t dense_nonzero = 0, first_dense_layer = -1, first_dense_seq = -1;

@@ -54,6 +54,10 @@ class CliBadInputs : public ::testing::Test {
     std::ofstream(p("ok.npy"), std::ios::binary) << npy;
     std::ofstream(p("bad.jsonl")) << "{\"meta_info\": {}}\n";
     std::ofstream(p("cut.syr"), std::ios::binary) << std::string(24, 'S');
+    // A vLLM stream recorded without its finish_reason chunk.
+    std::ofstream(p("cut.sse")) << "data: {\"request_id\": \"q\", \"choices\": [{\"index\": 0, "
+                                   "\"token_ids\": [7], \"routed_experts\": null, "
+                                   "\"finish_reason\": null}]}\n";
   }
   void TearDown() override { fs::remove_all(dir_); }
   std::string p(const std::string& name) const { return (dir_ / name).string(); }
@@ -108,8 +112,22 @@ TEST_F(CliBadInputs, EveryRowExitsWithItsCodeAndMessage) {
       {"align --pp 0", {"routes", "align", "@in.syr", "-o", "@o.syr", "--pp", "0"}, 2, "--pp and --vpp must be >= 1, got --pp 0"},
       {"align --pp -1", {"routes", "align", "@in.syr", "-o", "@o.syr", "--pp", "-1"}, 2, "--pp and --vpp must be >= 1, got --pp -1"},
       {"align --vpp 0", {"routes", "align", "@in.syr", "-o", "@o.syr", "--vpp", "0"}, 2, "--vpp 0"},
+      {"align --first-stage-layers -1", {"routes", "align", "@in.syr", "-o", "@o.syr", "--pp", "2", "--first-stage-layers", "-1"}, 105,
+       "--first-stage-layers: Value -1 not in range 0 to 65536"},
+      {"align --last-stage-layers -2", {"routes", "align", "@in.syr", "-o", "@o.syr", "--pp", "2", "--last-stage-layers", "-2"}, 105,
+       "--last-stage-layers: Value -2 not in range 0 to 65536"},
+      {"align --num-hidden-layers -4", {"routes", "align", "@in.syr", "-o", "@o.syr", "--pp", "2", "--num-hidden-layers", "-4"}, 105,
+       "--num-hidden-layers: Value -4 not in range 0 to 65536"},
+      {"export --num-hidden-layers -4", {"routes", "export", "--format", "verl", "@in.syr", "-o", "@x", "--num-hidden-layers", "-4"}, 105,
+       "--num-hidden-layers: Value -4 not in range 0 to 65536"},
       {"diff of files with different MoE layer maps", {"routes", "diff", "@in.syr", "@shifted.syr"}, 2,
        "[routes diff] files have different MoE layer maps"},
+      {"trtllm: not a .npy file", {"routes", "import", "--format", "trtllm", "--num-experts", "8", "-o", "@o.syr", "@bad.npy"},
+       2, "bad.npy: not a .npy file"},
+      {"flashinfer: --cu-seqlens not a list of integers", {"routes", "import", "--format", "flashinfer", "--num-experts", "8", "--cu-seqlens", "0,x", "-o", "@o.syr", "@ok.npy"},
+       2, "--cu-seqlens '0,x' is not a comma-separated list of integers"},
+      {"vllm-stream: a stream cut before finish_reason", {"routes", "import", "--format", "vllm-stream", "--num-experts", "8", "-o", "@o.syr", "@cut.sse"},
+       2, "never got a chunk with finish_reason: the stream is truncated"},
       {"import: a row that repeats an id", {"routes", "import", "--format", "vllm", "--num-experts", "8", "-o", "@o.syr", "@dup.npy"}, 2,
        "repeats expert"},
       {"demo --out that cannot be created", {"demo", "--hidden", "16", "--experts", "4", "--top-k", "2", "--layers", "1", "--sequences", "1", "--seq-len", "4", "--out", "@cut.syr/sub"}, 2,

@@ -219,6 +219,25 @@ TEST(Replay, QueueErrors) {
   EXPECT_EQ(replay.num_recorded(), 0);
 }
 
+// copy.deepcopy of a model holding replays (TRL's reference model): the clone has the same
+// queues, and neither object's queues or tables change through the other.
+TEST(Replay, CloneIsIndependent) {
+  sy::RouterReplay replay({.layer = 3, .top_k = 2});
+  replay.record(Tensor::from_vector<int32_t>({0, 1, 2, 3}, {2, 2}));
+  replay.replay_forward(Tensor::from_vector<int32_t>({4, 5}, {1, 2}));
+  sy::RouterReplay twin = replay.clone();
+  EXPECT_EQ(twin.layer(), 3);
+  EXPECT_EQ(twin.num_recorded(), 1);
+  EXPECT_EQ(twin.num_pending_backward(), 1);
+  Tensor mine = replay.pop_recorded();
+  mine.data<int32_t>()[0] = 7;  // the popped table is the caller's: the clone's is another buffer
+  EXPECT_EQ(twin.peek_recorded().data<int32_t>()[0], 0);
+  replay.clear();
+  EXPECT_EQ(twin.num_recorded(), 1);
+  EXPECT_EQ(twin.replay_backward(1).data<int32_t>()[1], 5);
+  EXPECT_EQ(twin.num_pending_backward(), 0);
+}
+
 TEST(Replay, EmptyBatch) {
   RouterConfig c = router_config(4, 2);
   sy::RouteInputs in;

@@ -12,7 +12,11 @@ What the patch does, per MoE decoder layer (keyed by its absolute layer number):
 * It replaces the router module's ``forward`` on the instance (``mlp.gate``, ``mlp.router`` for
   GPT-OSS, ``feed_forward.router`` for Llama-4). Module structure, parameter names, state-dict keys,
   FSDP wrapping, forward hooks (``output_router_logits``) and the router's return contract stay as
-  they are; ``unpatch()`` restores the original forward.
+  they are; ``unpatch()`` restores the original forward (the handle of an earlier Patch whose
+  routers were patched again changes nothing; ``active`` says whether the routers run this Patch).
+  ``copy.deepcopy(model)`` (TRL's reference model) gives an independent patched copy, whose Patch is
+  ``patch_of(copy)``. On the meta device (shape inference) the family's math runs on meta tensors,
+  without replay, record or capture.
 * ``router_dtype=torch.float32`` (or ``torch.float64``): the gate GEMM runs in that dtype even under
   ``torch.autocast``, and the family's routing math (softmax or sigmoid, correction bias,
   group-limited top-k, renormalisation, scaling) runs on those logits. On CPU tensors the gate is
@@ -36,7 +40,10 @@ What the patch does, per MoE decoder layer (keyed by its absolute layer number):
   repeating an id, an id outside [0, E)) is a ValueError naming the layer and token, or routed
   natively and counted with ``invalid_replay_rows="native"``. ``p.counts()`` gives per layer
   ``num_replayed_rows``, ``num_native_rows``, ``num_invalid_replay_rows``, ``num_recomputed_rows``
-  and ``num_calls``.
+  and ``num_calls``. A step is all or nothing: ``set_targets`` checks every layer's rows before any
+  layer queues its table, and a forward that fails anywhere drops that step's table (target, or
+  recorded table with R2) in every layer, so the retry never replays a failed batch's ids (set the
+  targets again).
 * Activation checkpointing (``model.gradient_checkpointing_enable()``): a forward that will be
   recomputed queues its final ids; the recompute inside backward (detected as running inside the
   autograd engine) routes with exactly those ids, first in first out per layer, and neither records
@@ -44,12 +51,14 @@ What the patch does, per MoE decoder layer (keyed by its absolute layer number):
 * Capture: ``with p.capture() as cap: model.generate(...)`` records the ids of the prefill and of
   every decode step (KV cache included); ``cap.routed_experts(attention_mask)`` gives vLLM's
   ``routed_experts`` per sequence (int32 ``[num_tokens - 1, num_hidden_layers, K]``, dense layers
-  0), ``cap.tables(...)`` switchyard route tables, ``cap.write(path, ...)`` a route file.
+  0), ``cap.tables(...)`` switchyard route tables, ``cap.write(path, ...)`` a route file. Beam
+  search (``num_beams > 1``) is refused while capturing: it reorders the beams at every step.
 """
 import collections
 import contextlib
 import os
 import re
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +67,8 @@ import switchyard as sy
 import switchyard.torch as syt
 from switchyard import routes as syr
 
-__all__ = ["patch", "Patch", "Capture", "MIN_TRANSFORMERS_VERSION", "FAMILIES", "COMBINE_DTYPE"]
+__all__ = ["patch", "patch_of", "Patch", "Capture", "MIN_TRANSFORMERS_VERSION", "FAMILIES",
+           "COMBINE_DTYPE"]
 
 #: Oldest transformers release this integration was checked against (router classes and the exact
 #: routing math of every family below were read from it).
@@ -346,21 +356,25 @@ class _Layer:
         self._orig_forward = router.__dict__.get("forward")
 
     def install(self):
-        layer = self
-
-        def forward(hidden_states):
-            return layer.forward(hidden_states)
-
-        self.router.forward = forward
+        # A bound method, not a closure: copy.deepcopy of the model copies this _Layer with it (its
+        # router, replay and Patch), so the copy's router runs its own forward.
+        self.router.forward = self.forward
         if self.decoder_layer is not None:
             self._hook = self.decoder_layer.register_forward_pre_hook(self._pre_hook,
                                                                       with_kwargs=True)
 
+    @property
+    def installed(self) -> bool:
+        """Whether the router's forward is still this layer's (not unpatched, not replaced by a
+        newer Patch)."""
+        return _owner_of(self.router.__dict__.get("forward")) is self
+
     def uninstall(self):
-        if self._had_instance_forward:
-            self.router.forward = self._orig_forward
-        else:
-            self.router.__dict__.pop("forward", None)
+        if self.installed:  # a newer Patch's forward stays where it is
+            if self._had_instance_forward:
+                self.router.forward = self._orig_forward
+            else:
+                self.router.__dict__.pop("forward", None)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -395,12 +409,13 @@ class _Layer:
         ids32 = target.to(torch.int32)  # in range: the engine checked
         return ids32, (idx.to(torch.int32) == ids32).all(dim=1), info
 
-    def _target(self, T):
+    def _target(self):
         r = self.replay
         if r.action == "replay_forward":
             # set_target queue first (R3), then the recorded tables (R2): RouterReplay's order.
-            t = r._targets.popleft() if r._targets else r.pop_recorded()
-            return t
+            # Taken before it is checked: a forward that fails never leaves it for the retry.
+            self.owner._consumed.add(self.layer)
+            return r.pop_next_target()
         if r.action == "replay_backward":
             raise ValueError(f"[hf] layer {self.layer}: action 'replay_backward' is not used with "
                              "transformers models: the checkpoint recompute is detected and "
@@ -412,8 +427,15 @@ class _Layer:
         owner, fam, r = self.owner, self.family, self.router
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         T = x.shape[0]
-        recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint replay
         native = owner.router_dtype is None
+        if x.device.type == "meta":
+            # Shape inference / deferred init: the family's math on meta tensors (autocast has no
+            # meta device, the engine needs data); no replay, record or capture.
+            logits = (fam.native_logits(r, x) if native else
+                      _gate(x, *fam.params(r), owner.router_dtype, "torch"))
+            weights, ids = fam.route(r, logits, None, None)
+            return fam.outputs(r, logits, weights, ids, hidden_states, native)
+        recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint replay
         ctx = (contextlib.nullcontext() if native
                else torch.autocast(device_type=x.device.type, enabled=False))
         with ctx:
@@ -438,7 +460,7 @@ class _Layer:
                     else:
                         self.counts["num_recomputed_native_rows"] += T
                 else:
-                    target = self._target(T)
+                    target = self._target()
                     if target is not None:
                         ids32, mask, info = self._classify(target.to("cpu").contiguous(), T)
                         replay_ids = ids32.to(device=logits.device, dtype=torch.int64)
@@ -483,6 +505,24 @@ class Capture:
         self._owner = owner
         self._steps = {l.layer: [] for l in owner._layers}
         self.active = False
+        self._had_generate = False
+        self._orig_generate = None
+
+    def _generate(self, *args, **kwargs):
+        """The model's generate() while capturing: beam search refused before any forward."""
+        model = self._owner.model
+        cfgs = [a for a in args if hasattr(a, "num_beams")]
+        cfg = kwargs.get("generation_config") or (cfgs[0] if cfgs else None) or \
+            getattr(model, "generation_config", None)
+        num_beams = kwargs.get("num_beams", getattr(cfg, "num_beams", 1))
+        if num_beams is not None and int(num_beams) > 1:
+            raise ValueError(f"[hf.capture] generate() with num_beams={int(num_beams)}: beam "
+                             "search reorders the beams at every step, so the captured routes "
+                             "would not follow the returned sequences; capture supports greedy "
+                             "search and sampling (num_beams=1)")
+        if self._orig_generate is not None:
+            return self._orig_generate(*args, **kwargs)
+        return type(model).generate(model, *args, **kwargs)
 
     def _add(self, layer, ids32, batch_shape, T):
         if batch_shape is None or len(batch_shape) != 2 or batch_shape[0] * batch_shape[1] != T:
@@ -598,12 +638,19 @@ class Patch:
         self.invalid_replay_rows = invalid_replay_rows
         self._layers = []
         self._capture = None
-        self.active = False
+        self._stack_hooks = []  # on the modules that run the decoder layers (see _install)
+        self._consumed = set()  # layers that took their replay table in the running forward
         cfg = model.config
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.num_hidden_layers = int(cfg.num_hidden_layers)
 
     # ---- what was patched ----
+    @property
+    def active(self) -> bool:
+        """Whether every patched router still runs this Patch's forward (False once unpatched,
+        also when a newer Patch took the routers over)."""
+        return bool(self._layers) and all(l.installed for l in self._layers)
+
     @property
     def family(self) -> str:
         return self._layers[0].family.title
@@ -659,7 +706,8 @@ class Patch:
         """Queues replay targets for the next forward of every MoE layer and sets the action to
         "replay_forward". ``routes``: [T, moe_layers, K] or [B, S, moe_layers, K] ids (-1 = route
         natively), tokens in the order the forward sees them (row-major over [B, S]); moe_layers
-        in the order of ``layers``."""
+        in the order of ``layers``. Every layer's rows are checked by the engine first (its
+        ValueError, naming layer and token); nothing is queued unless all pass."""
         if not isinstance(routes, torch.Tensor) or routes.dim() not in (3, 4):
             raise ValueError("[hf.set_targets] routes must be a [T, moe_layers, K] or "
                              "[B, S, moe_layers, K] tensor, got "
@@ -669,8 +717,11 @@ class Patch:
         if t.shape[1] != M or t.shape[2] != K:
             raise ValueError(f"[hf.set_targets] routes must hold {M} MoE layers and K={K}, got "
                              f"shape {list(routes.shape)}")
-        for m, l in enumerate(self._layers):
-            l.replay.set_target(t[:, m, :])
+        tables = [t[:, m, :] for m in range(M)]
+        for l, table in zip(self._layers, tables):  # every layer's rows, before any is queued
+            l._classify(table.to("cpu").contiguous(), table.shape[0])
+        sy.RouterReplay.set_step_targets([l.replay for l in self._layers], tables)
+        for l in self._layers:
             l.replay.action = "replay_forward"
 
     def counts(self) -> dict[int, dict[str, int]]:
@@ -724,7 +775,9 @@ class Patch:
                             ) -> torch.Tensor:
         """switchyard route tables (one [n_b, moe_layers, K] per sequence, e.g. from
         switchyard.routes.read) -> [B, S, moe_layers, K] targets, -1 at padding."""
-        return self._pad([torch.as_tensor(t).to(torch.int32) for t in tables], attention_mask)
+        return self._pad([syt._idx32(torch.as_tensor(t), "hf.targets_from_tables", f"tables[{i}]",
+                                     syt._ID_DTYPES) for i, t in enumerate(tables)],
+                         attention_mask)
 
     def targets_from_vllm(self, arrays, attention_mask: torch.Tensor | None = None,
                           zero_rows: str = "keep") -> tuple[torch.Tensor, dict]:
@@ -741,7 +794,8 @@ class Patch:
         attention mask [B, S] -> ([B, S, moe_layers, K] targets, import report). Padding is dropped
         by the mask (switchyard.routes.drop_padding), the layers mapped by the vLLM importer (all
         zero rows on MoE layers become -1 with zero_rows="to_none": routed natively, counted)."""
-        ids = torch.as_tensor(routed_experts).to(torch.int32)
+        ids = syt._idx32(torch.as_tensor(routed_experts), "hf.targets_from_verl",
+                         "routed_experts", syt._ID_DTYPES)
         m = torch.as_tensor(attention_mask).to("cpu")
         seqs = syr.drop_padding(ids, m, self.num_experts)
         tables, report = self._import_vllm([s[:-1] for s in seqs], zero_rows)
@@ -750,12 +804,20 @@ class Patch:
     # ---- capture ----
     def capture(self) -> "Capture":
         """Starts capturing the ids of every forward (until the returned Capture's context exits
-        or stop_capture()); recomputes inside backward are not captured."""
+        or stop_capture()); recomputes inside backward are not captured. ``generate()`` with beam
+        search (num_beams > 1) is refused while capturing: the beams are reordered at every step,
+        so the routes of a step would not follow the returned sequences."""
         if self._capture is not None:
             raise ValueError("[hf.capture] a capture is already running")
-        self._capture = Capture(self)
-        self._capture.active = True
-        return self._capture
+        cap = Capture(self)
+        m = self.model
+        if callable(getattr(m, "generate", None)):
+            cap._had_generate = "generate" in m.__dict__
+            cap._orig_generate = m.__dict__.get("generate")
+            m.generate = cap._generate  # an instance attribute, removed when the capture stops
+        self._capture = cap
+        cap.active = True
+        return cap
 
     def stop_capture(self) -> None:
         if self._capture is not None:
@@ -763,16 +825,50 @@ class Patch:
 
     def _stop_capture(self, cap):
         cap.active = False
+        m = self.model
+        if getattr(m.__dict__.get("generate"), "__self__", None) is cap:
+            if cap._had_generate:
+                m.generate = cap._orig_generate
+            else:
+                m.__dict__.pop("generate", None)
         if self._capture is cap:
             self._capture = None
 
+    # ---- a failed forward ----
+    def _install(self, stacks):
+        # On each module that runs the decoder layers (the base model): a forward that fails
+        # anywhere (a router's check, attention, an expert) drops the replay table of that step
+        # in every layer that has not taken it yet, so no layer keeps a failed batch's ids for the
+        # retry (the layers that took theirs dropped them already).
+        for l in self._layers:
+            l.install()
+        for m in stacks:
+            self._stack_hooks.append(m.register_forward_pre_hook(self._step_begins))
+            self._stack_hooks.append(m.register_forward_hook(self._step_ends, always_call=True))
+
+    def _step_begins(self, module, args):
+        self._consumed = set()
+
+    def _step_ends(self, module, args, output):
+        if output is not None or sys.exc_info()[1] is None:
+            return  # the forward succeeded
+        for l in self._layers:
+            if l.layer not in self._consumed and l.replay.action == "replay_forward" and \
+                    (l.replay.num_targets or l.replay.num_recorded):
+                l.replay.pop_next_target()
+        self._consumed = set()
+
     # ---- lifetime ----
     def unpatch(self) -> None:
-        """Restores every router's original forward and removes the hooks (idempotent)."""
+        """Restores every router's original forward and removes the hooks (idempotent). The
+        handle of an earlier Patch whose routers a newer Patch took over changes nothing."""
         for l in self._layers:
             l.uninstall()
-        self._capture = None
-        self.active = False
+        for h in self._stack_hooks:
+            h.remove()
+        self._stack_hooks = []
+        if self._capture is not None:
+            self._stop_capture(self._capture)
 
     def __enter__(self):
         return self
@@ -822,12 +918,12 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     p = Patch(model, router_dtype, gate, invalid_replay_rows)
     modules = dict(model.named_modules())
     found = []
+    stacks = {}
     for name, mod in modules.items():
         fam = _family_of(mod)
         if fam is None:
             continue
-        if "forward" in mod.__dict__ and getattr(mod.__dict__["forward"], "__qualname__",
-                                                 "").startswith("_Layer.install"):
+        if _owner_of(mod.__dict__.get("forward")) is not None:
             raise ValueError(f"[hf.patch] {name} is already patched by switchyard: unpatch() the "
                              "earlier Patch first")
         mt = list(_LAYER_RE.finditer(name))
@@ -836,6 +932,7 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
                              "'layers.<n>' in its name)")
         layer = int(mt[-1].group(1))
         dec_name = name[:mt[-1].end(1)]
+        stacks.setdefault(name[:mt[-1].start()], None)  # the module that holds `layers`
         found.append((layer, name, mod, modules.get(dec_name), fam))
     if not found:
         names = ", ".join(f.title for f in FAMILIES.values())
@@ -853,7 +950,23 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
             raise ValueError(f"[hf.patch] router {name} is in layer {layer}, beyond "
                              f"num_hidden_layers={p.num_hidden_layers}")
         p._layers.append(_Layer(p, layer, name, mod, dec, fam))
-    for l in p._layers:
-        l.install()
-    p.active = True
+    p._install([modules[s] for s in stacks if s in modules])
     return p
+
+
+def _owner_of(forward):
+    """The _Layer whose patched forward ``forward`` is (None for any other callable)."""
+    owner = getattr(forward, "__self__", None)
+    return owner if isinstance(owner, _Layer) and \
+        getattr(forward, "__func__", None) is _Layer.forward else None
+
+
+def patch_of(model: torch.nn.Module) -> "Patch | None":
+    """The active Patch of ``model`` (the one whose forwards its routers run), or None. After
+    ``copy.deepcopy(model)`` (e.g. TRL's reference model) the copy has its own Patch: same
+    settings, its own replay queues and counts, forwards bound to its own routers."""
+    for mod in model.modules():
+        layer = _owner_of(mod.__dict__.get("forward"))
+        if layer is not None:
+            return layer.owner
+    return None

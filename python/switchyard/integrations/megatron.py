@@ -321,7 +321,8 @@ def _validate(st, ids):
     if ids.dim() != 2 or ids.shape[1] != st.top_k:
         raise ValueError(f"[megatron.replay] {st.label()}: replay ids must be [num_tokens, "
                          f"{st.top_k}], got {list(ids.shape)}")
-    ids = ids.detach().to("cpu", torch.int32).contiguous()  # one host copy (a sync on CUDA)
+    ids = _syt._idx32(ids.detach().to("cpu"), "megatron.set_replay_targets",  # a sync on CUDA
+                      f"{st.label()}: replay ids", _syt._ID_DTYPES).contiguous()
     T, K, E = ids.shape[0], st.top_k, st.num_experts
     layer = st.key if isinstance(st.key, int) else -1
     merged = torch.zeros(T, dtype=torch.bool)
@@ -411,16 +412,21 @@ def _ids_for_forward(st, T):
             st.replay.replay_forward(tgt.ids)
             st.pending.append(tgt)
         return tgt
+    # Check, then take: a forward whose T does not match leaves the table queued.
     if st.targets:
-        tgt = st.targets.popleft()
+        tgt = st.targets[0]
     elif st.replay.num_recorded:
-        tgt = _validate(st, st.replay.pop_recorded())  # R2: the oldest recorded table
+        tgt = _validate(st, st.replay.peek_recorded())  # R2: the oldest recorded table
     else:
         raise ValueError(f"[megatron.replay] {st.label()}: action 'replay_forward' but no replay "
                          "target is set (set_replay_targets) and nothing was recorded")
     if tgt.ids.shape[0] != T:
         raise ValueError(f"[megatron.replay] {st.label()}: the replay tensor has "
                          f"{tgt.ids.shape[0]} tokens, the router got {T}")
+    if st.targets:
+        st.targets.popleft()
+    else:
+        st.replay.pop_recorded()
     # Queue for the backward recompute only when one will come: inside a call of Megatron's
     # tensor_parallel.checkpoint (full and selective recompute) that a backward will follow, or,
     # outside it, a forward under no_grad whose inputs require grad (another reentrant
