@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <numeric>
 #include <type_traits>
 
@@ -107,6 +108,7 @@ std::vector<RouteTable> drop_padding(const Tensor& topk_idx, const Tensor& atten
   const int64_t row = L * K;
   std::vector<RouteTable> out(static_cast<size_t>(B));
   std::vector<char> bad(static_cast<size_t>(B), 0);
+  std::vector<std::exception_ptr> thrown(static_cast<size_t>(B));
   detail::visit_id_dtype(topk_idx.dtype(), [&](auto* tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     const T* src = static_cast<const T*>(topk_idx.raw());
@@ -119,7 +121,12 @@ std::vector<RouteTable> drop_padding(const Tensor& topk_idx, const Tensor& atten
         const int64_t n = static_cast<int64_t>(pos.size());
         RouteTable& t = out[size_t(b)];
         t.num_experts = num_experts;
-        t.topk_idx = Tensor::empty({n, L, K}, DType::int32);
+        try {
+          t.topk_idx = Tensor::empty({n, L, K}, DType::int32);
+        } catch (...) {  // no exception may leave an OpenMP region: raised below
+          thrown[size_t(b)] = std::current_exception();
+          continue;
+        }
         int32_t* dst = t.topk_idx.data<int32_t>();
         bool ok = true;
         for (int64_t j = 0; j < n; ++j) {
@@ -131,6 +138,7 @@ std::vector<RouteTable> drop_padding(const Tensor& topk_idx, const Tensor& atten
     }
     // The slow path, in batch order: the first bad id, named by its place in topk_idx.
     for (int64_t b = 0; b < B; ++b) {
+      if (thrown[size_t(b)]) std::rethrow_exception(thrown[size_t(b)]);
       if (!bad[size_t(b)]) continue;
       for (int64_t s = 0; s < S; ++s) {
         for (int64_t i = 0; i < row; ++i) {

@@ -790,7 +790,7 @@ Tensor encode_route_file(const std::vector<RouteTable>& tables, const RouteFileI
   // Blocks are independent: each thread encodes whole tables with its own zstd context; the blocks
   // are then laid end to end, so the bytes do not depend on the thread count.
   std::vector<std::string> blocks(static_cast<size_t>(n));
-  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
   int64_t raw_bytes = 0;
   for (const RouteTable& t : tables) raw_bytes += static_cast<int64_t>(t.topk_idx.nbytes());
 #pragma omp parallel if (n > 1 && raw_bytes >= (int64_t{1} << 20))
@@ -805,14 +805,14 @@ Tensor encode_route_file(const std::vector<RouteTable>& tables, const RouteFileI
         check_append(tables[size_t(i)], in, op, name.c_str());
         encode_block(tables[size_t(i)], i, in, options.compression_level, cctx, raw, comp,
                      blocks[size_t(i)], op, name.c_str());
-      } catch (const std::exception& e) {
-        errors[size_t(i)] = e.what();
+      } catch (...) {  // kept as thrown (bad input, zstd, memory), raised in table order below
+        errors[size_t(i)] = std::current_exception();
       }
     }
     ZSTD_freeCCtx(cctx);
   }
-  for (const std::string& e : errors) {
-    if (!e.empty()) throw std::invalid_argument(e);
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
   }
   const std::string header = encode_header(in);
   std::vector<RouteFileEntry> entries(static_cast<size_t>(n));
@@ -844,7 +844,7 @@ std::vector<RouteTable> decode_route_file(std::string_view bytes, RouteFileInfo*
   if (!r.complete()) throw DataError(cat("[route_file] <wire>: incomplete message: ", r.status()));
   const int64_t n = r.num_sequences();
   std::vector<RouteTable> out(static_cast<size_t>(n));
-  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
   int64_t tokens = 0;
   for (int64_t i = 0; i < n; ++i) tokens += r.entry(i).num_tokens;
   const int64_t bytes_out = tokens * r.info().num_moe_layers * r.info().top_k * 4;
@@ -852,12 +852,12 @@ std::vector<RouteTable> decode_route_file(std::string_view bytes, RouteFileInfo*
   for (int64_t i = 0; i < n; ++i) {
     try {
       out[size_t(i)] = r.read(i);
-    } catch (const std::exception& e) {
-      errors[size_t(i)] = e.what();
+    } catch (...) {  // DataError naming the block (or bad_alloc), raised in sequence order below
+      errors[size_t(i)] = std::current_exception();
     }
   }
-  for (const std::string& e : errors) {
-    if (!e.empty()) throw DataError(e);
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
   }
   if (info) *info = r.info();
   return out;

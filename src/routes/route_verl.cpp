@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -232,6 +233,7 @@ ImportResult from_verl(const Tensor& routed_experts, const Tensor& attention_mas
   std::vector<detail::RowFindings> finds(static_cast<size_t>(B));
   std::vector<int64_t> bad_position(static_cast<size_t>(B), -1);
   std::vector<std::string> failures(static_cast<size_t>(B));
+  std::vector<std::exception_ptr> thrown(static_cast<size_t>(B));  // e.g. bad_alloc
   detail::visit_id_dtype(re.dtype(), [&](auto* tag) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     const T* base = static_cast<const T*>(re.raw());
@@ -253,13 +255,14 @@ ImportResult from_verl(const Tensor& routed_experts, const Tensor& attention_mas
             failures[size_t(b)] = f.error;
             bad_position[size_t(b)] = pos[size_t(f.error_token)];
           }
-        } catch (const std::exception& e) {
-          failures[size_t(b)] = e.what();
+        } catch (...) {
+          thrown[size_t(b)] = std::current_exception();
         }
       }
     }
   });
   for (int64_t b = 0; b < B; ++b) {
+    if (thrown[size_t(b)]) std::rethrow_exception(thrown[size_t(b)]);
     if (!failures[size_t(b)].empty()) {
       fail_arg(op, "routed_experts[", b, "] (sequence ", b, ", position ", bad_position[size_t(b)],
                "): ", failures[size_t(b)]);
