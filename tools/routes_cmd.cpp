@@ -571,10 +571,7 @@ void run_export(const ExportArgs& a, std::ostream& out) {
   o.padding_side = a.padding_side == "right" ? PaddingSide::right : PaddingSide::left;
   o.seq_len = a.seq_len;
   VerlBatch v = to_verl(seqs, info.moe_layers, o);
-  const Tensor& ids = v.routed_experts;
-  std::vector<int16_t> narrow(static_cast<size_t>(ids.numel()));
-  const int32_t* p = ids.data<int32_t>();
-  for (size_t i = 0; i < narrow.size(); ++i) narrow[i] = static_cast<int16_t>(p[i]);  // < 32768
+  const Tensor& ids = v.routed_experts;  // int16, as verl holds it
   const std::vector<int64_t> shape = {ids.size(0), ids.size(1), ids.size(2), ids.size(3)};
   const std::string ids_path = a.output + ".routed_experts.npy";
   const std::string mask_path = a.output + ".attention_mask.npy";
@@ -588,7 +585,7 @@ void run_export(const ExportArgs& a, std::ostream& out) {
   }};
   ids_file.emplace(ids_path, "routes export", "routes export");
   mask_file.emplace(mask_path, "routes export", "routes export");
-  ids_file->write(encode_npy("<i2", shape, narrow.data(), narrow.size() * sizeof(int16_t)));
+  ids_file->write(encode_npy("<i2", shape, ids.raw(), ids.nbytes()));
   mask_file->write(
       encode_npy("<i8", {shape[0], shape[1]}, v.attention_mask.raw(), v.attention_mask.nbytes()));
   ids_file->sync();

@@ -9,7 +9,9 @@
 namespace switchyard {
 
 /// Element type of a Tensor.
-enum class DType : uint8_t { bf16, fp32, fp64, int32, int64, uint8, boolean };
+/// int16 / uint16 hold route ids as rollout engines ship them (verl's int16 routed_experts, vLLM's
+/// uint16 arrays for more than 256 experts); no kernel computes on them.
+enum class DType : uint8_t { bf16, fp32, fp64, int32, int64, uint8, boolean, int16, uint16 };
 
 /// Bytes per element of `dtype`.
 size_t dtype_size(DType dtype);
@@ -55,7 +57,8 @@ inline bf16 double_to_bf16(double v) {
   return float_to_bf16(f);
 }
 
-/// The DType of a C++ element type (bf16, float, double, int32_t, int64_t, uint8_t, bool).
+/// The DType of a C++ element type (bf16, float, double, int32_t, int64_t, uint8_t, bool, int16_t,
+/// uint16_t).
 template <class T>
 constexpr DType dtype_of();
 template <> constexpr DType dtype_of<bf16>() { return DType::bf16; }
@@ -65,5 +68,7 @@ template <> constexpr DType dtype_of<int32_t>() { return DType::int32; }
 template <> constexpr DType dtype_of<int64_t>() { return DType::int64; }
 template <> constexpr DType dtype_of<uint8_t>() { return DType::uint8; }
 template <> constexpr DType dtype_of<bool>() { return DType::boolean; }
+template <> constexpr DType dtype_of<int16_t>() { return DType::int16; }
+template <> constexpr DType dtype_of<uint16_t>() { return DType::uint16; }
 
 }  // namespace switchyard

@@ -192,6 +192,7 @@ class RouteFileReader {
 
  private:
   struct Impl;
+  friend std::vector<RouteTable> decode_route_file(std::string_view, RouteFileInfo*);
   explicit RouteFileReader(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
@@ -210,5 +211,26 @@ struct RouteFileCheck {
 RouteFileCheck verify_route_file(const std::string& path);
 /// The same over bytes in memory.
 RouteFileCheck verify_route_bytes(std::string_view bytes);
+
+// ---- The route file in memory: switchyard's wire format for route data ------------------------
+//
+// A batch's routes travel between processes (torch.distributed, Ray) as the bytes of a complete
+// route file: the same header (version, E, K, layer map), blocks (narrowest id width, per-layer
+// rank transform, zstd, XXH3 checksums) and index (tokens of every sequence) a RouteFileWriter
+// writes, built in memory. One codec for files and messages: what reads one reads the other.
+
+/// The bytes of a complete route file holding `tables` (uint8 1-D tensor), identical to the file a
+/// RouteFileWriter with `info` and `options` writes for them. Tables are encoded on the engine's
+/// OpenMP threads (one zstd context each); the bytes do not depend on the thread count. Throws
+/// std::invalid_argument (op "routes.encode") as the writer's constructor and append do (bad
+/// info, a table whose ids, layers or top_k do not fit), naming the table.
+Tensor encode_route_file(const std::vector<RouteTable>& tables, const RouteFileInfo& info,
+                         const RouteFileWriterOptions& options = {});
+
+/// Every table of a route file in memory, decoded on the engine's threads; `bytes` is read in
+/// place (not copied). Fills `*info` when given. A message must be complete: a missing or corrupt
+/// header, block or index, a cut, trailing bytes — anything but the file a writer closed — throws
+/// switchyard::DataError naming what is wrong (block, sequence, byte offset); never a wrong table.
+std::vector<RouteTable> decode_route_file(std::string_view bytes, RouteFileInfo* info = nullptr);
 
 }  // namespace switchyard

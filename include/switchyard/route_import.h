@@ -87,8 +87,10 @@ ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& so
 ImportResult import_vllm(const std::vector<std::string>& paths, const ImportOptions& options);
 /// Imports vLLM arrays already in memory (e.g. captured by switchyard.integrations.hf, or a
 /// response decoded by the caller): one contiguous `[seq_len-1, num_layers, top_k]` tensor per
-/// sequence, int32, int64 or uint8. The same checks, layer map and report as import_vllm; sources
-/// are named "arrays[i]".
+/// sequence, int32, int64, int16, uint16 or uint8 (read as they are, no widening copy). The same
+/// checks, layer map and report as import_vllm; sources are named "arrays[i]". Sequences run on
+/// the engine's OpenMP threads; the result and the error raised (the first failing sequence) do
+/// not depend on the thread count.
 ImportResult import_vllm_arrays(const std::vector<Tensor>& arrays, const ImportOptions& options);
 
 /// Imports SGLang responses from text: one JSON object, a JSON array of objects, or JSONL (one

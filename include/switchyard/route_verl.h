@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "switchyard/route_import.h"
 #include "switchyard/routes.h"
 
 namespace switchyard {
@@ -23,10 +24,9 @@ struct VerlOptions {
   int64_t seq_len = 0;  ///< columns; 0 = the longest table. Must be >= every table's length.
 };
 
-/// A batch in verl's layout. `routed_experts` is int32 here (the engine has no int16 tensor):
-/// every value is in [0, 32767], so narrowing it to verl's int16 is exact.
+/// A batch in verl's layout.
 struct VerlBatch {
-  Tensor routed_experts;  ///< int32 [batch, seq, num_hidden_layers, K]
+  Tensor routed_experts;  ///< int16 [batch, seq, num_hidden_layers, K], as verl holds it
   Tensor attention_mask;  ///< int64 [batch, seq], 1 = real token
 };
 
@@ -44,5 +44,20 @@ VerlBatch to_verl(const std::vector<RouteTable>& tables, const std::vector<int64
 /// tables[b].num_tokens() real positions. The returned mask is the given one as int64 0/1.
 VerlBatch to_verl(const std::vector<RouteTable>& tables, const std::vector<int64_t>& moe_layers,
                   int64_t num_hidden_layers, const Tensor& attention_mask);
+
+/// verl's batch -> one route table per batch row (the inverse of to_verl; what
+/// switchyard.routes.from_verl calls). `routed_experts` `[batch, seq, num_input_layers, K]`
+/// (int16 as verl stores it; uint8, uint16, int32 or int64 too), `attention_mask` `[batch, seq]`
+/// (bool, uint8, int32 or int64; nonzero = real token, any padding pattern). Table b holds the
+/// real tokens of row b, in order, on the MoE layers of `options.layer_map`; every row is checked
+/// and handled exactly as the vLLM importer does (options.zero_rows, options.invalid_rows: verl's
+/// zero-filled last token is an all-zero row), but no row is appended: a table has one row per
+/// real token. options.num_input_layers / top_k are checked against the tensor when nonzero;
+/// options.prompt_start must be 0. The report counts every table row in num_tokens; sources
+/// are "routed_experts[b]". Rows run on the engine's OpenMP threads; the result and the error
+/// (the first failing row in batch order) do not depend on the thread count. Throws
+/// std::invalid_argument (op "from_verl") naming the batch row, token and position.
+ImportResult from_verl(const Tensor& routed_experts, const Tensor& attention_mask,
+                       const ImportOptions& options);
 
 }  // namespace switchyard

@@ -84,6 +84,8 @@ DType dtype_from_torch(py::handle torch_dtype, const char* op, const char* name)
   if (torch_dtype.is(torch.attr("int64"))) return DType::int64;
   if (torch_dtype.is(torch.attr("uint8"))) return DType::uint8;
   if (torch_dtype.is(torch.attr("bool"))) return DType::boolean;
+  if (torch_dtype.is(torch.attr("int16"))) return DType::int16;
+  if (py::hasattr(torch, "uint16") && torch_dtype.is(torch.attr("uint16"))) return DType::uint16;
   if (torch_dtype.is(torch.attr("float16"))) {
     // Decided: no fp16 kernels. Its range differs from bf16's, so it cannot be reinterpreted, and
     // a silent conversion would hide a copy; the caller casts (fp16 -> fp32 is exact).
@@ -92,7 +94,8 @@ DType dtype_from_torch(py::handle torch_dtype, const char* op, const char* name)
                 "(x.float() is exact for float16)");
   }
   value_error("[" + std::string(op) + "] " + name +
-              ": dtype must be one of bfloat16, float32, float64, int32, int64, uint8, bool, got " +
+              ": dtype must be one of bfloat16, float32, float64, int32, int64, uint8, bool, "
+              "int16, uint16, got " +
               py::str(torch_dtype).cast<std::string>());
 }
 
@@ -113,6 +116,10 @@ py::object torch_dtype(DType dtype) {
       return torch.attr("uint8");
     case DType::boolean:
       return torch.attr("bool");
+    case DType::int16:
+      return torch.attr("int16");
+    case DType::uint16:
+      return torch.attr("uint16");
   }
   throw std::logic_error("unknown dtype");
 }
@@ -203,6 +210,10 @@ DLDataType dl_dtype(DType d) {
       return {1, 8, 1};
     case DType::boolean:
       return {6, 8, 1};
+    case DType::int16:
+      return {0, 16, 1};
+    case DType::uint16:
+      return {1, 16, 1};
   }
   throw std::logic_error("unknown dtype");
 }

@@ -30,8 +30,14 @@ struct TableArg {
   py_bridge::Arg keep;
 };
 
+/// Who checks a table's ids: here (default), or the engine function it goes to, which checks them
+/// while copying them (pack_thd, cp_zigzag_split, sp_split, to_verl): one pass over the ids
+/// instead of two.
+enum class IdCheck : uint8_t { here, in_engine };
+
 /// int32 borrowed, int64 converted after a range check; validated as a route table.
-TableArg to_table(py::handle obj, int64_t num_experts, const char* op, const char* name) {
+TableArg to_table(py::handle obj, int64_t num_experts, const char* op, const char* name,
+                  IdCheck ids = IdCheck::here) {
   TableArg out;
   out.keep = py_bridge::borrow(obj, op, name, {DType::int32, DType::int64});
   const Tensor& a = out.keep.t;
@@ -50,7 +56,7 @@ TableArg to_table(py::handle obj, int64_t num_experts, const char* op, const cha
   } else {
     t.topk_idx = a;
   }
-  check_route_table(t, op, name);
+  if (ids == IdCheck::here) check_route_table(t, op, name);
   return out;
 }
 
@@ -60,13 +66,14 @@ struct TablesArg {
   std::vector<py_bridge::Arg> keep;
 };
 
-TablesArg to_tables(const py::sequence& seq, int64_t num_experts, const char* op) {
+TablesArg to_tables(const py::sequence& seq, int64_t num_experts, const char* op,
+                    IdCheck ids = IdCheck::here) {
   TablesArg out;
   out.tables.reserve(seq.size());
   out.keep.reserve(seq.size());
   for (size_t i = 0; i < seq.size(); ++i) {
     const std::string name = "tables[" + std::to_string(i) + "]";
-    TableArg a = to_table(seq[i], num_experts, op, name.c_str());
+    TableArg a = to_table(seq[i], num_experts, op, name.c_str(), ids);
     out.tables.push_back(std::move(a.table));
     out.keep.push_back(std::move(a.keep));
   }
@@ -210,6 +217,66 @@ void bind_routes(py::module_& m) {
         return py_bridge::to_torch(t.topk_idx);
       });
 
+  // ---- wire format: a complete route file in memory ----
+  m.def("routes_encode", [](const py::sequence& tables, int64_t num_experts, int64_t top_k,
+                            int64_t num_moe_layers, const std::vector<int64_t>& moe_layers,
+                            int64_t num_hidden_layers, int compression_level) {
+    RouteFileInfo info;
+    info.num_experts = num_experts;
+    info.top_k = top_k;
+    info.num_moe_layers = num_moe_layers;
+    info.moe_layers = moe_layers;
+    info.num_hidden_layers = num_hidden_layers;
+    RouteFileWriterOptions o;
+    o.compression_level = compression_level;
+    const TablesArg in = to_tables(tables, num_experts, "routes.encode", IdCheck::in_engine);
+    Tensor out;
+    {
+      py::gil_scoped_release nogil;
+      out = encode_route_file(in.tables, info, o);
+    }
+    return py_bridge::to_torch(out);
+  });
+  m.def("routes_decode", [](py::handle data) {
+    // A uint8 tensor is read in place; anything else must expose a contiguous byte buffer.
+    py_bridge::Arg arg;
+    py::buffer_info buf;
+    std::string_view bytes;
+    if (py::isinstance(data, py_bridge::torch_module().attr("Tensor"))) {
+      arg = py_bridge::borrow(data, "routes.decode", "data", {DType::uint8});
+      if (arg.t.dim() != 1) {
+        throw py::value_error("[routes.decode] data must be a 1-D uint8 tensor, got " +
+                              std::to_string(arg.t.dim()) + " dimensions");
+      }
+      bytes = std::string_view(static_cast<const char*>(arg.t.raw()), arg.t.nbytes());
+    } else {
+      if (!PyObject_CheckBuffer(data.ptr())) {
+        throw py::value_error(
+            "[routes.decode] data must be a uint8 tensor or bytes-like, got " +
+            py::str(py::type::handle_of(data).attr("__name__")).cast<std::string>());
+      }
+      buf = py::reinterpret_borrow<py::buffer>(data).request();
+      if (buf.ndim > 1 && buf.strides.back() != buf.itemsize) {
+        throw py::value_error("[routes.decode] data must be a contiguous byte buffer");
+      }
+      bytes = std::string_view(static_cast<const char*>(buf.ptr),
+                               static_cast<size_t>(buf.size * buf.itemsize));
+    }
+    RouteFileInfo info;
+    std::vector<RouteTable> tables;
+    {
+      py::gil_scoped_release nogil;
+      tables = decode_route_file(bytes, &info);
+    }
+    py::dict meta = file_info(info);
+    meta["num_hidden_layers"] = info.num_hidden_layers;
+    std::vector<int64_t> lengths;
+    lengths.reserve(tables.size());
+    for (const RouteTable& t : tables) lengths.push_back(t.num_tokens());
+    meta["num_tokens"] = lengths;
+    return py::make_tuple(from_tables(tables), meta);
+  });
+
   m.def("routes_verify", [](const std::string& path) {
     RouteFileCheck c = verify_route_file(path);
     py::dict d;
@@ -241,14 +308,38 @@ void bind_routes(py::module_& m) {
           args.reserve(arrays.size());
           for (size_t i = 0; i < arrays.size(); ++i) {
             const std::string name = "arrays[" + std::to_string(i) + "]";
-            args.push_back(py_bridge::borrow(arrays[i], "import", name.c_str(),
-                                             {DType::int32, DType::int64, DType::uint8}));
+            args.push_back(py_bridge::borrow(
+                arrays[i], "import", name.c_str(),
+                {DType::int32, DType::int64, DType::uint8, DType::int16, DType::uint16}));
             ts.push_back(args.back().t);
           }
-          return import_result(import_vllm_arrays(
-              ts, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                 num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
+          const ImportOptions o =
+              import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
+                             num_input_layers, top_k, zero_rows, invalid_rows, prompt_start);
+          ImportResult r;
+          {
+            py::gil_scoped_release nogil;
+            r = import_vllm_arrays(ts, o);
+          }
+          return import_result(r);
         });
+  m.def("routes_from_verl", [](py::handle routed_experts, py::handle attention_mask,
+                               int64_t num_experts, int64_t first_k_dense,
+                               const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+                               const std::string& zero_rows, const std::string& invalid_rows) {
+    py_bridge::Arg re =
+        py_bridge::borrow(routed_experts, "from_verl", "routed_experts",
+                          {DType::int16, DType::uint16, DType::uint8, DType::int32, DType::int64});
+    py_bridge::Arg am = py_bridge::borrow(attention_mask, "from_verl", "attention_mask");
+    const ImportOptions o = import_options(num_experts, first_k_dense, moe_layer_freq,
+                                           num_mtp_layers, 0, 0, zero_rows, invalid_rows);
+    ImportResult r;
+    {
+      py::gil_scoped_release nogil;
+      r = from_verl(re.t, am.t, o);
+    }
+    return import_result(r);
+  });
   m.def("routes_import_sglang",
         [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
            const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
@@ -354,11 +445,12 @@ void bind_routes(py::module_& m) {
         [](const py::sequence& tables, int64_t num_experts, const std::vector<int64_t>& moe_layers,
            int64_t num_hidden_layers, py::object attention_mask, const std::string& padding_side,
            int64_t seq_len) {
-          const TablesArg in = to_tables(tables, num_experts, "to_verl");
+          const TablesArg in = to_tables(tables, num_experts, "to_verl", IdCheck::in_engine);
           const std::vector<RouteTable>& ts = in.tables;
           VerlBatch v;
           if (!attention_mask.is_none()) {
             py_bridge::Arg am = py_bridge::borrow(attention_mask, "to_verl", "attention_mask");
+            py::gil_scoped_release nogil;
             v = to_verl(ts, moe_layers, num_hidden_layers, am.t);
           } else {
             if (padding_side != "left" && padding_side != "right") {
@@ -369,6 +461,7 @@ void bind_routes(py::module_& m) {
             o.num_hidden_layers = num_hidden_layers;
             o.padding_side = padding_side == "left" ? PaddingSide::left : PaddingSide::right;
             o.seq_len = seq_len;
+            py::gil_scoped_release nogil;
             v = to_verl(ts, moe_layers, o);
           }
           return py::make_tuple(py_bridge::to_torch(v.routed_experts),
@@ -386,9 +479,16 @@ void bind_routes(py::module_& m) {
 
   // ---- align ----
   m.def("routes_drop_padding", [](py::handle topk_idx, py::handle mask, int64_t num_experts) {
-    py_bridge::Arg ai = py_bridge::borrow(topk_idx, "drop_padding", "topk_idx", {DType::int32});
+    py_bridge::Arg ai =
+        py_bridge::borrow(topk_idx, "drop_padding", "topk_idx",
+                          {DType::int32, DType::int16, DType::uint16, DType::uint8, DType::int64});
     py_bridge::Arg am = py_bridge::borrow(mask, "drop_padding", "attention_mask");
-    return from_tables(drop_padding(ai.t, am.t, num_experts));
+    std::vector<RouteTable> out;
+    {
+      py::gil_scoped_release nogil;
+      out = drop_padding(ai.t, am.t, num_experts);
+    }
+    return from_tables(out);
   });
   m.def("routes_pack_thd", [](const py::sequence& tables, int64_t num_experts, int64_t tp_size,
                               int64_t cp_size, int64_t fp8_align) {
@@ -396,8 +496,12 @@ void bind_routes(py::module_& m) {
     o.tp_size = tp_size;
     o.cp_size = cp_size;
     o.fp8_align = fp8_align;
-    const TablesArg in = to_tables(tables, num_experts, "pack_thd");
-    PackedRoutes p = pack_thd(in.tables, o);
+    const TablesArg in = to_tables(tables, num_experts, "pack_thd", IdCheck::in_engine);
+    PackedRoutes p;
+    {
+      py::gil_scoped_release nogil;
+      p = pack_thd(in.tables, o);
+    }
     return py::make_tuple(py_bridge::to_torch(p.table.topk_idx), p.cu_seqlens, p.cu_seqlens_padded);
   });
   m.def("routes_unpack_thd",
@@ -412,19 +516,30 @@ void bind_routes(py::module_& m) {
         });
   m.def("routes_cp_zigzag_split", [](py::handle packed, const std::vector<int64_t>& cu_padded,
                                      int64_t cp_size, int64_t cp_rank, int64_t num_experts) {
-    const TableArg in = to_table(packed, num_experts, "cp_zigzag_split", "packed");
-    return py_bridge::to_torch(cp_zigzag_split(in.table, cu_padded, cp_size, cp_rank).topk_idx);
+    const TableArg in =
+        to_table(packed, num_experts, "cp_zigzag_split", "packed", IdCheck::in_engine);
+    RouteTable out;
+    {
+      py::gil_scoped_release nogil;
+      out = cp_zigzag_split(in.table, cu_padded, cp_size, cp_rank);
+    }
+    return py_bridge::to_torch(out.topk_idx);
   });
   m.def("routes_cp_zigzag_gather", [](const py::sequence& pieces,
                                       const std::vector<int64_t>& cu_padded, int64_t num_experts) {
     const TablesArg in = to_tables(pieces, num_experts, "cp_zigzag_gather");
     return py_bridge::to_torch(cp_zigzag_gather(in.tables, cu_padded).topk_idx);
   });
-  m.def("routes_sp_split", [](py::handle table, int64_t tp_size, int64_t tp_rank,
-                              int64_t num_experts) {
-    const TableArg in = to_table(table, num_experts, "sp_split", "table");
-    return py_bridge::to_torch(sp_split(in.table, tp_size, tp_rank).topk_idx);
-  });
+  m.def("routes_sp_split",
+        [](py::handle table, int64_t tp_size, int64_t tp_rank, int64_t num_experts) {
+          const TableArg in = to_table(table, num_experts, "sp_split", "table", IdCheck::in_engine);
+          RouteTable out;
+          {
+            py::gil_scoped_release nogil;
+            out = sp_split(in.table, tp_size, tp_rank);
+          }
+          return py_bridge::to_torch(out.topk_idx);
+        });
   m.def("routes_sp_gather", [](const py::sequence& pieces, int64_t num_experts) {
     const TablesArg in = to_tables(pieces, num_experts, "sp_gather");
     return py_bridge::to_torch(sp_gather(in.tables).topk_idx);

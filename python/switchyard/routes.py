@@ -12,13 +12,22 @@ A route table is an int32 tensor [tokens, moe_layers, K]: an expert id, or -1 fo
 """
 from . import _switchyard as _C
 
-__all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "import_vllm",
+__all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "decode", "import_vllm",
            "import_vllm_arrays", "import_vllm_response", "from_verl", "to_verl", "layer_targets", "import_sglang",
            "import_sglang_text", "import_trtllm", "import_trtllm_arrays",
            "import_flashinfer_replay", "VllmRouteStream", "import_vllm_stream", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
            "pack_thd", "unpack_thd", "cp_zigzag_split", "cp_zigzag_gather", "sp_split",
            "sp_gather", "slice_layers", "concat_layers", "concat_tokens", "pp_moe_layer_range",
            "drift", "expert_load"]
+
+
+def _engine_id_dtypes():
+    import torch
+    return tuple(getattr(torch, n) for n in ("int16", "uint16", "uint8", "int32") if hasattr(torch, n))
+
+
+# Id dtypes the engine reads as they are (verl's int16, vLLM's uint8 / uint16): no widening copy.
+_ENGINE_ID_DTYPES = _engine_id_dtypes()
 
 
 def _num_experts(tables, num_experts):
@@ -158,6 +167,37 @@ def write(path, tables, num_experts, moe_layers=None, compression_level=3):
     return w.bytes_written
 
 
+# ---- wire format ------------------------------------------------------------------------------------
+def encode(tables, num_experts, moe_layers=None, num_hidden_layers=0, compression_level=1,
+           top_k=None, num_moe_layers=None):
+    """Route tables -> one ``torch.uint8`` 1-D tensor to send (torch.distributed, Ray, a queue).
+
+    tables: [T_i, moe_layers, K] int32/int64 (-1 = no route), same layers and K. The bytes are a
+    complete route file built in memory (the file's codec: ids in the narrowest width, per-layer
+    popularity ranks, zstd, XXH3 checksums; versioned): self-describing (num_experts, K, the layer
+    map ``moe_layers`` / ``num_hidden_layers`` when given, every sequence's length), readable by
+    ``decode``, ``RouteFile.from_bytes`` and, saved to disk, by ``read`` and the CLI. Tables are
+    encoded on the engine's threads (switchyard.set_num_threads); the bytes do not depend on the
+    thread count. ``top_k`` / ``num_moe_layers`` are only needed when ``tables`` is empty."""
+    tables = list(tables)
+    if tables:
+        num_moe_layers, top_k = int(tables[0].shape[1]), int(tables[0].shape[2])
+    elif top_k is None or num_moe_layers is None:
+        raise ValueError("[routes.encode] an empty batch needs top_k and num_moe_layers")
+    return _C.routes_encode(tables, int(num_experts), int(top_k), int(num_moe_layers),
+                            [int(m) for m in (moe_layers or [])], int(num_hidden_layers),
+                            int(compression_level))
+
+
+def decode(data):
+    """The inverse of ``encode``: ``data`` is the uint8 tensor (read in place, CPU) or bytes-like.
+    Returns (tables, meta): the int32 tables [T_i, moe_layers, K] exactly as encoded, and meta
+    {num_experts, top_k, num_moe_layers, moe_layers, num_hidden_layers, id_width, version,
+    num_tokens (per sequence)}. Anything but a complete, intact message (a flipped byte, a cut,
+    trailing bytes, an unknown version) raises switchyard.DataError naming what is wrong."""
+    return _C.routes_decode(data)
+
+
 def verify(path):
     """Decodes every block; returns {ok, num_sequences, num_readable, num_tokens, problems}."""
     return _C.routes_verify(str(path))
@@ -221,8 +261,8 @@ def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None
     ts = []
     for a in arrays:
         t = a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
-        if t.dtype in (torch.int16, torch.uint16, torch.int8):
-            t = t.to(torch.int32)  # verl's int16, vLLM's uint16: the engine reads them widened
+        if t.dtype == torch.int8:
+            t = t.to(torch.int32)  # the engine reads int16, uint16, uint8, int32 and int64 as they are
         ts.append(t.contiguous())
     return _C.routes_import_vllm_arrays(ts, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
@@ -243,21 +283,23 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     import_vllm; with K = 1 a 0 is a real route and is kept); rows that repeat an id or mix -1
     with ids: invalid_rows as in import_vllm. Returns (tables [T_i, moe_layers,
     K] int32, report) with the importer's report (moe_layers, num_zero_rows, ...)."""
+    import torch
+
     from .torch import _ID_DTYPES, _idx32
-    ids = _idx32(routed_experts, "routes.from_verl", "routed_experts", _ID_DTYPES)
+    ids = routed_experts
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in _ENGINE_ID_DTYPES:
+        ids = _idx32(ids, "routes.from_verl", "routed_experts", _ID_DTYPES)  # int64 checked
     if ids.dim() != 4:
         raise ValueError("[routes.from_verl] routed_experts must be [batch, seq, layers, K], got "
                          f"{list(ids.shape)}")
-    per_seq = drop_padding(ids, attention_mask, num_experts)
-    # Each sequence's rows are every real token's route; the vLLM importer takes seq_len-1 rows
-    # and appends a -1 row for the last token, so its appended row is dropped again here.
-    tables, report = import_vllm_arrays(per_seq, num_experts, first_k_dense, moe_layer_freq,
-                                        num_mtp_layers, num_input_layers=ids.shape[2],
-                                        top_k=ids.shape[3], zero_rows=zero_rows,
-                                        invalid_rows=invalid_rows)
-    tables = [t[:-1] for t in tables]
-    report["num_tokens"] -= len(tables)
-    return tables, report
+    if ids.dtype not in (torch.int16, torch.int32, torch.int64, torch.uint8,
+                         getattr(torch, "uint16", torch.int16)):
+        ids = ids.to(torch.int32)
+    # One engine call for the batch: padding dropped by the mask, MoE layers kept, every row
+    # checked (drop_padding + the vLLM importer's rules, without its appended last-token row).
+    return _C.routes_from_verl(ids.contiguous(), attention_mask, int(num_experts),
+                               int(first_k_dense), _freq(moe_layer_freq), int(num_mtp_layers),
+                               zero_rows, invalid_rows)
 
 
 def to_verl(tables, moe_layers, num_hidden_layers, attention_mask=None, padding_side="left",
@@ -274,13 +316,12 @@ def to_verl(tables, moe_layers, num_hidden_layers, attention_mask=None, padding_
     row mixing -1 with ids has no place in verl's layout (ValueError). from_verl(to_verl(t)) == t
     for tables whose rows are valid top-k rows or all -1; with K = 1 a -1 row comes back as a
     route to expert 0 (verl's 0 cannot tell them apart)."""
-    import torch
     tables = list(tables)
     ids, mask = _C.routes_to_verl(tables, _num_experts(tables, num_experts),
                                   [int(m) for m in moe_layers], int(num_hidden_layers),
                                   attention_mask, str(padding_side),
                                   0 if seq_len is None else int(seq_len))
-    return ids.to(torch.int16), mask
+    return ids, mask  # int16 from the engine
 
 
 def layer_targets(table, moe_layers, keys, batch_size=None):
@@ -301,6 +342,7 @@ def layer_targets(table, moe_layers, keys, batch_size=None):
         table = table.reshape(B, S, *table.shape[1:]).transpose(0, 1).reshape(S * B,
                                                                              *table.shape[1:])
     col = {int(h): i for i, h in enumerate(moe_layers)}
+    views = table.unbind(1)  # every layer's [T, K] view in one call (no copy)
     out = {}
     for k in keys:
         if not isinstance(k, int):
@@ -308,7 +350,7 @@ def layer_targets(table, moe_layers, keys, batch_size=None):
         if k - 1 not in col:
             raise ValueError(f"[routes.layer_targets] layer {k} (hidden layer {k - 1}) is not a "
                              f"MoE layer of the table (moe_layers={list(moe_layers)})")
-        out[k] = table[:, col[k - 1], :]
+        out[k] = views[col[k - 1]]
     return out
 
 
@@ -507,9 +549,15 @@ def parse_moe_layer_freq(text):
 
 # ---- align ------------------------------------------------------------------------------------------
 def drop_padding(topk_idx, attention_mask, num_experts=None):
-    """[batch, seq, L, K] ids and a [batch, seq] mask (nonzero = real) -> one table per row."""
+    """[batch, seq, L, K] ids (int16, uint16, uint8, int32 read as they are; int64 / int8
+    narrowed / widened first) and a [batch, seq] mask (nonzero = real) -> one int32 table per
+    row; ids must be -1 or in [0, num_experts)."""
+    import torch
+
     from .torch import _ID_DTYPES, _idx32
-    ids = _idx32(topk_idx, "routes.drop_padding", "topk_idx", _ID_DTYPES)
+    ids = topk_idx
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in _ENGINE_ID_DTYPES:
+        ids = _idx32(ids, "routes.drop_padding", "topk_idx", _ID_DTYPES)
     return _C.routes_drop_padding(ids, attention_mask, _num_experts([ids], num_experts))
 
 

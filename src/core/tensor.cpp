@@ -23,6 +23,10 @@ size_t dtype_size(DType dtype) {
     case DType::int64: return 8;
     case DType::uint8: return 1;
     case DType::boolean: return 1;
+    case DType::int16:
+      return 2;
+    case DType::uint16:
+      return 2;
   }
   return 0;
 }
@@ -36,6 +40,10 @@ const char* dtype_name(DType dtype) {
     case DType::int64: return "int64";
     case DType::uint8: return "uint8";
     case DType::boolean: return "bool";
+    case DType::int16:
+      return "int16";
+    case DType::uint16:
+      return "uint16";
   }
   return "?";
 }
@@ -124,6 +132,12 @@ Tensor Tensor::full(const Shape& shape, DType dtype, double value, Device device
     case DType::int64: fill_as<int64_t>(t.data_, t.numel_, value); break;
     case DType::uint8: fill_as<uint8_t>(t.data_, t.numel_, value); break;
     case DType::boolean: fill_as<bool>(t.data_, t.numel_, value != 0.0); break;
+    case DType::int16:
+      fill_as<int16_t>(t.data_, t.numel_, value);
+      break;
+    case DType::uint16:
+      fill_as<uint16_t>(t.data_, t.numel_, value);
+      break;
   }
   return t;
 }
@@ -191,6 +205,10 @@ double Tensor::item_as_double(int64_t i) const {
     case DType::int64: return static_cast<double>(static_cast<const int64_t*>(data_)[i]);
     case DType::uint8: return static_cast<const uint8_t*>(data_)[i];
     case DType::boolean: return static_cast<const bool*>(data_)[i] ? 1.0 : 0.0;
+    case DType::int16:
+      return static_cast<const int16_t*>(data_)[i];
+    case DType::uint16:
+      return static_cast<const uint16_t*>(data_)[i];
   }
   return 0.0;
 }
@@ -226,6 +244,12 @@ Tensor Tensor::to(DType dtype) const {
       case DType::int64: static_cast<int64_t*>(t.data_)[i] = static_cast<int64_t>(v); break;
       case DType::uint8: static_cast<uint8_t*>(t.data_)[i] = static_cast<uint8_t>(v); break;
       case DType::boolean: static_cast<bool*>(t.data_)[i] = v != 0.0; break;
+      case DType::int16:
+        static_cast<int16_t*>(t.data_)[i] = static_cast<int16_t>(v);
+        break;
+      case DType::uint16:
+        static_cast<uint16_t*>(t.data_)[i] = static_cast<uint16_t>(v);
+        break;
     }
   }
   return t;

@@ -5,10 +5,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <numeric>
+#include <type_traits>
 
 #include "check.h"
 #include "route_codec.h"
+#include "route_rows.h"
 
 namespace switchyard {
 
@@ -61,13 +64,39 @@ void check_cu(const std::vector<int64_t>& cu, const char* op, int64_t total) {
 
 int64_t gcd64(int64_t a, int64_t b) { return b == 0 ? a : gcd64(b, a % b); }
 
+// Inputs at least this large go to the engine's threads (below it a fork costs more).
+constexpr int64_t kParallelBytes = int64_t{1} << 20;
+
+// Tokens [begin, begin + n) of a table, copied on the engine's threads with every id checked on
+// the way (check_route_table names the first bad one).
+RouteTable checked_copy(const RouteTable& t, int64_t begin, int64_t n, const char* op) {
+  RouteTable out;
+  out.num_experts = t.num_experts;
+  out.topk_idx = Tensor::empty({n, t.num_moe_layers(), t.top_k()}, DType::int32);
+  const int64_t row = t.num_moe_layers() * t.top_k();
+  const int64_t total = n * row;
+  const int32_t* src = t.topk_idx.data<int32_t>() + begin * row;
+  int32_t* dst = out.topk_idx.data<int32_t>();
+  constexpr int64_t kChunk = int64_t{1} << 16;  // ids per task
+  const int64_t chunks = (total + kChunk - 1) / kChunk;
+  bool ok = true;
+#pragma omp parallel for schedule(static) reduction(&& : ok) if (total * 4 >= kParallelBytes)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t lo = c * kChunk, len = std::min(kChunk, total - lo);
+    ok = detail::copy_ids_checked(dst + lo, src + lo, len, t.num_experts) && ok;
+  }
+  if (!ok) check_route_table(t, op, "table");
+  return out;
+}
+
 }  // namespace
 
 std::vector<RouteTable> drop_padding(const Tensor& topk_idx, const Tensor& attention_mask,
                                      int64_t num_experts) {
   const char* op = "drop_padding";
   detail::check_defined(topk_idx, op, "topk_idx");
-  detail::check_dtype(topk_idx, op, "topk_idx", {DType::int32});
+  detail::check_dtype(topk_idx, op, "topk_idx",
+                      {DType::int32, DType::int16, DType::uint16, DType::uint8, DType::int64});
   detail::check_dim(topk_idx, op, "topk_idx", 4);
   detail::check_defined(attention_mask, op, "attention_mask");
   detail::check_dtype(attention_mask, op, "attention_mask",
@@ -76,24 +105,52 @@ std::vector<RouteTable> drop_padding(const Tensor& topk_idx, const Tensor& atten
   if (num_experts < 1) fail_arg(op, "num_experts must be >= 1, got ", num_experts);
   const int64_t B = topk_idx.size(0), S = topk_idx.size(1), L = topk_idx.size(2),
                 K = topk_idx.size(3);
-  std::vector<RouteTable> out;
-  out.reserve(static_cast<size_t>(B));
-  const auto* src = topk_idx.data<int32_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t n = 0;
-    for (int64_t s = 0; s < S; ++s) n += attention_mask.item_as_double(b * S + s) != 0.0;
-    RouteTable t;
-    t.num_experts = num_experts;
-    t.topk_idx = Tensor::empty({n, L, K}, DType::int32);
-    int32_t* dst = t.topk_idx.data<int32_t>();
-    int64_t j = 0;
-    for (int64_t s = 0; s < S; ++s) {
-      if (attention_mask.item_as_double(b * S + s) == 0.0) continue;
-      std::memcpy(dst + j * L * K, src + (b * S + s) * L * K, size_t(L * K) * sizeof(int32_t));
-      ++j;
+  const int64_t row = L * K;
+  std::vector<RouteTable> out(static_cast<size_t>(B));
+  std::vector<char> bad(static_cast<size_t>(B), 0);
+  std::vector<std::exception_ptr> thrown(static_cast<size_t>(B));
+  detail::visit_id_dtype(topk_idx.dtype(), [&](auto* tag) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+    const T* src = static_cast<const T*>(topk_idx.raw());
+#pragma omp parallel if (B > 1 && static_cast <int64_t>(topk_idx.nbytes()) >= kParallelBytes)
+    {
+      std::vector<int64_t> pos;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t b = 0; b < B; ++b) {
+        detail::mask_positions(attention_mask, b, pos);
+        const int64_t n = static_cast<int64_t>(pos.size());
+        RouteTable& t = out[size_t(b)];
+        t.num_experts = num_experts;
+        try {
+          t.topk_idx = Tensor::empty({n, L, K}, DType::int32);
+        } catch (...) {  // no exception may leave an OpenMP region: raised below
+          thrown[size_t(b)] = std::current_exception();
+          continue;
+        }
+        int32_t* dst = t.topk_idx.data<int32_t>();
+        bool ok = true;
+        for (int64_t j = 0; j < n; ++j) {
+          ok &= detail::widen_ids_checked(dst + j * row, src + (b * S + pos[size_t(j)]) * row, row,
+                                          num_experts);
+        }
+        bad[size_t(b)] = !ok;
+      }
     }
-    out.push_back(std::move(t));
-  }
+    // The slow path, in batch order: the first bad id, named by its place in topk_idx.
+    for (int64_t b = 0; b < B; ++b) {
+      if (thrown[size_t(b)]) std::rethrow_exception(thrown[size_t(b)]);
+      if (!bad[size_t(b)]) continue;
+      for (int64_t s = 0; s < S; ++s) {
+        for (int64_t i = 0; i < row; ++i) {
+          const int64_t v = static_cast<int64_t>(src[(b * S + s) * row + i]);
+          if ((v < -1 || v >= num_experts) && attention_mask.item_as_double(b * S + s) != 0.0) {
+            fail_arg(op, "topk_idx: ids must be -1 or in [0, num_experts=", num_experts, "), got ",
+                     v, " at batch ", b, ", position ", s, ", layer ", i / K, ", slot ", i % K);
+          }
+        }
+      }
+    }
+  });
   return out;
 }
 
@@ -130,14 +187,27 @@ PackedRoutes pack_thd(const std::vector<RouteTable>& sequences, const PackOption
     p.cu_seqlens.push_back(p.cu_seqlens.back() + n);
     p.cu_seqlens_padded.push_back(p.cu_seqlens_padded.back() + (n + m - 1) / m * m);
   }
+  // Every byte is written once: the rows copied (their ids checked on the way), the alignment
+  // padding -1. Sequences go to the engine's threads.
   const RouteTable& s0 = sequences[0];
-  p.table =
-      RouteTable::none(p.cu_seqlens_padded.back(), s0.num_moe_layers(), s0.top_k(), s0.num_experts);
-  auto* dst = static_cast<char*>(p.table.topk_idx.raw());
-  const size_t tb = token_bytes(s0);
+  p.table.num_experts = s0.num_experts;
+  p.table.topk_idx =
+      Tensor::empty({p.cu_seqlens_padded.back(), s0.num_moe_layers(), s0.top_k()}, DType::int32);
+  int32_t* dst = p.table.topk_idx.data<int32_t>();
+  const int64_t row = s0.num_moe_layers() * s0.top_k();
+  const int64_t n = static_cast<int64_t>(sequences.size());
+  std::vector<char> bad(sequences.size(), 0);
+#pragma omp parallel for schedule( \
+    dynamic, 1) if (n > 1 && p.table.topk_idx.nbytes() >= size_t(kParallelBytes))
+  for (int64_t i = 0; i < n; ++i) {
+    const RouteTable& t = sequences[size_t(i)];
+    int32_t* d = dst + p.cu_seqlens_padded[size_t(i)] * row;
+    bad[size_t(i)] = !detail::copy_ids_checked(d, t.topk_idx.data<int32_t>(), t.num_tokens() * row,
+                                               t.num_experts);
+    std::fill(d + t.num_tokens() * row, dst + p.cu_seqlens_padded[size_t(i) + 1] * row, -1);
+  }
   for (size_t i = 0; i < sequences.size(); ++i) {
-    std::memcpy(dst + size_t(p.cu_seqlens_padded[i]) * tb, sequences[i].topk_idx.raw(),
-                size_t(sequences[i].num_tokens()) * tb);
+    if (bad[i]) check_route_table(sequences[i], op, detail::cat("sequences[", i, "]").c_str());
   }
   return p;
 }
@@ -183,7 +253,7 @@ RouteTable cp_zigzag_split(const RouteTable& packed, const std::vector<int64_t>&
   if (cp_rank < 0 || cp_rank >= cp_size)
     fail_arg(op, "cp_rank must be in [0, ", cp_size, "), got ", cp_rank);
   check_cu(cu_seqlens_padded, op, packed.num_tokens());
-  if (cp_size == 1) return RouteTable{packed.topk_idx.clone(), packed.num_experts};  // no split
+  if (cp_size == 1) return checked_copy(packed, 0, packed.num_tokens(), op);  // no split
   for (size_t i = 0; i + 1 < cu_seqlens_padded.size(); ++i) {
     const int64_t len = cu_seqlens_padded[i + 1] - cu_seqlens_padded[i];
     if (len % (2 * cp_size) != 0) {
@@ -195,18 +265,26 @@ RouteTable cp_zigzag_split(const RouteTable& packed, const std::vector<int64_t>&
   out.num_experts = packed.num_experts;
   out.topk_idx = Tensor::empty(
       {packed.num_tokens() / cp_size, packed.num_moe_layers(), packed.top_k()}, DType::int32);
-  const size_t tb = token_bytes(packed);
-  const auto* src = static_cast<const char*>(packed.topk_idx.raw());
-  auto* dst = static_cast<char*>(out.topk_idx.raw());
-  for (size_t i = 0; i + 1 < cu_seqlens_padded.size(); ++i) {
-    const int64_t start = cu_seqlens_padded[i];
-    const int64_t chunk = (cu_seqlens_padded[i + 1] - start) / (2 * cp_size);
+  const int64_t row = packed.num_moe_layers() * packed.top_k();
+  const int32_t* src = packed.topk_idx.data<int32_t>();
+  int32_t* dst = out.topk_idx.data<int32_t>();
+  const int64_t n = static_cast<int64_t>(cu_seqlens_padded.size()) - 1;
+  bool ok = true;
+  // Sequence i's two chunks land at cu_seqlens_padded[i] / cp_size of the piece.
+#pragma omp parallel for schedule(dynamic, 16) reduction(&& : ok) \
+    if (n > 1 && packed.topk_idx.nbytes() >= size_t(kParallelBytes))
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t start = cu_seqlens_padded[size_t(i)];
+    const int64_t chunk = (cu_seqlens_padded[size_t(i) + 1] - start) / (2 * cp_size);
+    int32_t* d = dst + start / cp_size * row;
     for (int64_t c : {cp_rank, 2 * cp_size - 1 - cp_rank}) {
-      const size_t bytes = size_t(chunk) * tb;
-      std::memcpy(dst, src + size_t(start + c * chunk) * tb, bytes);
-      dst += bytes;
+      ok = detail::copy_ids_checked(d, src + (start + c * chunk) * row, chunk * row,
+                                    packed.num_experts) &&
+           ok;
+      d += chunk * row;
     }
   }
+  if (!ok) check_route_table(packed, op, "packed");
   return out;
 }
 
@@ -264,14 +342,7 @@ RouteTable sp_split(const RouteTable& table, int64_t tp_size, int64_t tp_rank) {
              table.num_tokens());
   }
   const int64_t n = table.num_tokens() / tp_size;
-  RouteTable out;
-  out.num_experts = table.num_experts;
-  out.topk_idx = Tensor::empty({n, table.num_moe_layers(), table.top_k()}, DType::int32);
-  const size_t tb = token_bytes(table);
-  std::memcpy(out.topk_idx.raw(),
-              static_cast<const char*>(table.topk_idx.raw()) + size_t(tp_rank * n) * tb,
-              size_t(n) * tb);
-  return out;
+  return checked_copy(table, tp_rank * n, n, op);
 }
 
 RouteTable concat_tokens(const std::vector<RouteTable>& pieces) {

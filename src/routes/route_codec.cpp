@@ -27,27 +27,49 @@ int64_t payload_size(int64_t num_tokens, int64_t num_layers, int64_t top_k, int6
 
 namespace {
 
-// Returns true when any entry is -1. Counts and ranks are indexed by id + 1 so that -1 needs no
-// branch (slot 0 counts the -1 entries and maps to stored value 0). Without `ranked`, ids are
-// stored as they are (rank = id).
+// Tokens between two counted ones in the rank pass: ranks only need the layer's popular experts
+// in order (any permutation decodes, the block stores it), and about 16 ids per expert find them.
+int64_t rank_stride(int64_t T, int64_t K, int64_t E) {
+  return std::clamp<int64_t>(T * K / (16 * E), 1, 16);
+}
+
+// Range of one token's ids (L*K of them, a vectorisable pass over data about to be used).
+inline void token_range(const int32_t* v, int64_t n, int32_t& lo, int32_t& hi) {
+  int32_t a = 0, b = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    a = std::min(a, v[i]);
+    b = std::max(b, v[i]);
+  }
+  lo = a;
+  hi = b;
+}
+
+// Writes the block's ids (and, when `bits`, the -1 bitmap of the input's flat order) in one pass
+// over the input after a sampled counting pass. Every token's ids are range-checked before they
+// index anything; returns -1 on an id outside [-1, E) (the caller names it), else whether any
+// entry is -1. Counts and ranks are indexed by id + 1 so that -1 needs no branch (slot 0 counts
+// the -1 entries and maps to stored value 0). Without `ranked`, ids are stored as they are.
 template <class W>
-bool encode_as(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, bool ranked,
-               char* out) {
+int encode_as(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, bool ranked,
+              char* out, uint8_t* bits) {
   W* perm_out = reinterpret_cast<W*>(out);
   W* ids_out = ranked ? perm_out + L * E : perm_out;
-  const int64_t E1 = E + 1;
+  const int64_t E1 = E + 1, row = L * K;
   std::vector<W> rank(static_cast<size_t>(L * E1), W{0});
-  bool any_none = false;
   if (ranked) {
-    // Pass 1, token-major (the input's order): per-layer expert counts.
+    // Pass 1, token-major (the input's order), every stride-th token: per-layer expert counts.
     // uint32: a block holds < 2^32 ids per layer (kMaxRawBlockBytes), and 48 x 129 counters then
     // stay in L1.
     std::vector<uint32_t> count(static_cast<size_t>(L * E1), 0);
-    for (int64_t t = 0; t < T; ++t) {
+    const int64_t stride = rank_stride(T, K, E);
+    for (int64_t t = 0; t < T; t += stride) {
+      const int32_t* tok = idx + t * row;
+      int32_t lo, hi;
+      token_range(tok, row, lo, hi);
+      if (lo < -1 || hi >= E) return -1;
       for (int64_t l = 0; l < L; ++l) {
-        const int32_t* row = idx + (t * L + l) * K;
         uint32_t* c = count.data() + l * E1 + 1;
-        for (int64_t k = 0; k < K; ++k) ++c[row[k]];
+        for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
       }
     }
     // Ranks: most used expert first, ties to the lower id (a total, deterministic order). One
@@ -55,7 +77,6 @@ bool encode_as(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, b
     std::vector<uint64_t> key(static_cast<size_t>(E));
     for (int64_t l = 0; l < L; ++l) {
       const uint32_t* c = count.data() + l * E1 + 1;
-      any_none = any_none || c[-1] > 0;
       for (int64_t e = 0; e < E; ++e) {
         key[size_t(e)] = (uint64_t(c[e]) << 32) | uint64_t(0xffffffffu - uint32_t(e));
       }
@@ -70,21 +91,33 @@ bool encode_as(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, b
     for (int64_t l = 0; l < L; ++l) {
       for (int64_t e = 0; e < E; ++e) rank[size_t(l * E1 + 1 + e)] = static_cast<W>(e);
     }
-    const int64_t numel = T * L * K;
-    int32_t mn = 0;
-    for (int64_t i = 0; i < numel; ++i) mn = std::min(mn, idx[i]);
-    any_none = mn < 0;
   }
-  // Pass 2, token-major reads, layer-major writes ([layers, tokens, K]).
+  // Pass 2, token-major reads, layer-major writes ([layers, tokens, K]); a token whose L*K ids
+  // fill whole bytes of the bitmap writes them here too.
+  const bool bits_here = bits != nullptr && row % 8 == 0;
+  bool any_none = false;
   for (int64_t t = 0; t < T; ++t) {
+    const int32_t* tok = idx + t * row;
+    int32_t lo, hi;
+    token_range(tok, row, lo, hi);
+    if (lo < -1 || hi >= E) return -1;
+    any_none = any_none || lo < 0;
     for (int64_t l = 0; l < L; ++l) {
-      const int32_t* row = idx + (t * L + l) * K;
+      const int32_t* src = tok + l * K;
       const W* rk = rank.data() + l * E1 + 1;
       W* dst = ids_out + (l * T + t) * K;
-      for (int64_t k = 0; k < K; ++k) dst[k] = rk[row[k]];
+      for (int64_t k = 0; k < K; ++k) dst[k] = rk[src[k]];
+    }
+    if (bits_here) {
+      uint8_t* b = bits + t * (row / 8);
+      for (int64_t j = 0; j < row / 8; ++j) {
+        unsigned byte = 0;
+        for (int i = 0; i < 8; ++i) byte |= unsigned(tok[j * 8 + i] < 0) << i;
+        b[j] = static_cast<uint8_t>(byte);
+      }
     }
   }
-  return any_none;
+  return any_none ? 1 : 0;
 }
 
 template <class W>
@@ -98,10 +131,13 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
       std::iota(perm.begin() + l * E, perm.begin() + (l + 1) * E, W{0});
   }
   const int64_t numel = T * L * K;
-  std::vector<W> ids(static_cast<size_t>(numel));  // aligned copy of the rank plane
-  if (numel > 0) {  // memcpy must not see the null data() of an empty vector
-    std::memcpy(ids.data(), raw + (ranked ? perm.size() * sizeof(W) : 0), ids.size() * sizeof(W));
-  }
+  // The rank plane is read in place (memcpy loads: the payload has no alignment promise).
+  const char* plane = raw + (ranked ? perm.size() * sizeof(W) : 0);
+  const auto rank_at = [plane](int64_t i) {
+    W v;
+    std::memcpy(&v, plane + i * int64_t(sizeof(W)), sizeof(W));
+    return v;
+  };
   std::vector<uint8_t> seen(static_cast<size_t>(E));
   for (int64_t l = 0; l < L && ranked; ++l) {
     const W* p = perm.data() + l * E;
@@ -115,19 +151,19 @@ std::string decode_as(const char* raw, int64_t T, int64_t L, int64_t K, int64_t 
   }
   // Range check in one vectorisable pass, so the copy below needs no branch.
   W max_rank = 0;
-  for (int64_t i = 0; i < numel; ++i) max_rank = std::max(max_rank, ids[size_t(i)]);
+  for (int64_t i = 0; i < numel; ++i) max_rank = std::max(max_rank, rank_at(i));
   if (numel > 0 && int64_t(max_rank) >= E) {
-    const int64_t i =
-        std::find_if(ids.begin(), ids.end(), [E](W r) { return int64_t(r) >= E; }) - ids.begin();
+    int64_t i = 0;
+    while (int64_t(rank_at(i)) < E) ++i;
     return cat("token ", (i / K) % T, ", layer ", i / (T * K), ": rank ", int64_t(max_rank),
                " >= num_experts");
   }
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t l = 0; l < L; ++l) {
-      const W* src = ids.data() + (l * T + t) * K;
+      const int64_t src = (l * T + t) * K;
       const W* p = perm.data() + l * E;
       int32_t* out = idx + (t * L + l) * K;
-      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int32_t>(p[src[k]]);
+      for (int64_t k = 0; k < K; ++k) out[k] = static_cast<int32_t>(p[rank_at(src + k)]);
     }
   }
   if (none_bits) {
@@ -148,30 +184,32 @@ uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num
   const int64_t numel = num_tokens * num_layers * top_k;
   const bool ranked = num_tokens * top_k >= kRankMinIdsPerExpert * num_experts;
   const uint32_t rank_flag = ranked ? kBlockRanked : 0u;
-  // Sized for the bitmap too; trimmed below when there is no -1.
-  out.resize(static_cast<size_t>(
-      payload_size(num_tokens, num_layers, top_k, num_experts, kBlockHasNone | rank_flag)));
+  // Sized for the bitmap too (written while encoding); trimmed below when there is no -1.
+  const int64_t full =
+      payload_size(num_tokens, num_layers, top_k, num_experts, kBlockHasNone | rank_flag);
+  out.resize(static_cast<size_t>(full));
   char* p = out.data();
-  bool any_none = false;
+  auto* bits = reinterpret_cast<uint8_t*>(p + full - (numel + 7) / 8);
+  int any_none = 0;
   const int64_t T = num_tokens, L = num_layers, K = top_k, E = num_experts;
   switch (id_width_for(num_experts)) {
     case 1:
-      any_none = encode_as<uint8_t>(topk_idx, T, L, K, E, ranked, p);
+      any_none = encode_as<uint8_t>(topk_idx, T, L, K, E, ranked, p, bits);
       break;
     case 2:
-      any_none = encode_as<uint16_t>(topk_idx, T, L, K, E, ranked, p);
+      any_none = encode_as<uint16_t>(topk_idx, T, L, K, E, ranked, p, bits);
       break;
     default:
-      any_none = encode_as<uint32_t>(topk_idx, T, L, K, E, ranked, p);
+      any_none = encode_as<uint32_t>(topk_idx, T, L, K, E, ranked, p, bits);
       break;
   }
+  if (any_none < 0) return kBadIds;
   const uint32_t flags = (any_none ? kBlockHasNone : 0u) | rank_flag;
   const int64_t n = payload_size(num_tokens, num_layers, top_k, num_experts, flags);
   out.resize(static_cast<size_t>(n));
-  if (any_none) {
-    auto* bits = reinterpret_cast<uint8_t*>(out.data() + n - (numel + 7) / 8);
-    const int64_t full = numel / 8;
-    for (int64_t b = 0; b < full; ++b) {
+  if (any_none && (num_layers * top_k) % 8 != 0) {  // the bitmap was not written on the way
+    const int64_t whole = numel / 8;
+    for (int64_t b = 0; b < whole; ++b) {
       const int32_t* v = topk_idx + b * 8;
       unsigned byte = 0;
       for (int j = 0; j < 8; ++j) byte |= unsigned(v[j] < 0) << j;
@@ -179,8 +217,8 @@ uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num
     }
     if (numel % 8) {
       unsigned byte = 0;
-      for (int64_t j = 0; j < numel % 8; ++j) byte |= unsigned(topk_idx[full * 8 + j] < 0) << j;
-      bits[full] = static_cast<uint8_t>(byte);
+      for (int64_t j = 0; j < numel % 8; ++j) byte |= unsigned(topk_idx[whole * 8 + j] < 0) << j;
+      bits[whole] = static_cast<uint8_t>(byte);
     }
   }
   return flags;

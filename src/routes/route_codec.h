@@ -58,9 +58,13 @@ inline uint64_t get_u64(const char* p) {
 /// Checksum of the format (XXH3 64-bit).
 uint64_t checksum(const void* data, size_t n);
 
+/// What encode_payload returns for an id outside [-1, num_experts) (never a valid flag set).
+inline constexpr uint32_t kBadIds = 0xffffffffu;
+
 /// Raw (uncompressed) payload of one block: [ranked: per-layer rank permutation], ids (as per-layer
 /// popularity ranks when ranked) in [layers, tokens, K] order, then a bitmap of -1 entries when
-/// any. Returns the flags.
+/// any. Returns the flags, or kBadIds (checking every id on the way: callers need no pass of
+/// their own; check_route_table names the bad one).
 uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num_layers,
                         int64_t top_k, int64_t num_experts, std::string& out);
 /// Raw payload size for a block.

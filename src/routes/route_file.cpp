@@ -45,6 +45,112 @@ std::string encode_header(const RouteFileInfo& info) {
   return h;
 }
 
+// Appends sequence `seq`'s block (header, zstd payload, checksums) to `out`; `raw` and `comp` are
+// scratch buffers kept between calls. The one block encoder of the file and of the wire format.
+// An id outside [-1, num_experts) is an std::invalid_argument naming `op`, `name` and the id.
+void encode_block(const RouteTable& table, int64_t seq, const RouteFileInfo& info, int level,
+                  ZSTD_CCtx* cctx, std::string& raw, std::string& comp, std::string& out,
+                  const char* op, const char* name) {
+  const int64_t T = table.num_tokens();
+  const uint32_t flags = detail::encode_payload(
+      table.topk_idx.data<int32_t>(), T, info.num_moe_layers, info.top_k, info.num_experts, raw);
+  if (flags == detail::kBadIds) {
+    check_route_table(table, op, name);  // names the first bad id
+    detail::fail_arg(op, name, ": ids must be -1 or in [0, num_experts=", info.num_experts, ")");
+  }
+  comp.resize(ZSTD_compressBound(raw.size()));
+  const size_t c = ZSTD_compressCCtx(cctx, comp.data(), comp.size(), raw.data(), raw.size(), level);
+  if (ZSTD_isError(c)) throw BackendError(cat("ZSTD_compressCCtx: ", ZSTD_getErrorName(c)));
+  const size_t at = out.size();
+  put_u32(out, detail::kBlockMagic);
+  put_u32(out, flags);
+  put_u64(out, static_cast<uint64_t>(seq));
+  put_u64(out, static_cast<uint64_t>(T));
+  put_u64(out, static_cast<uint64_t>(raw.size()));
+  put_u64(out, static_cast<uint64_t>(c));
+  put_u64(out, detail::checksum(comp.data(), c));
+  put_u64(out, detail::checksum(out.data() + at, out.size() - at));
+  out.append(comp.data(), c);
+}
+
+// The trailing index (offset, tokens and size of every block) and the footer, for blocks that
+// end at byte `end`.
+std::string encode_index(const std::vector<RouteFileEntry>& entries, int64_t end) {
+  std::string ix;
+  put_u32(ix, detail::kIndexMagic);
+  put_u32(ix, 0);
+  put_u64(ix, static_cast<uint64_t>(entries.size()));
+  for (const auto& e : entries) {
+    put_u64(ix, static_cast<uint64_t>(e.offset));
+    put_u64(ix, static_cast<uint64_t>(e.num_tokens));
+    put_u64(ix, static_cast<uint64_t>(e.stored_bytes));
+  }
+  put_u64(ix, detail::checksum(ix.data(), ix.size()));
+  put_u64(ix, static_cast<uint64_t>(end));
+  put_u64(ix, detail::checksum(ix.data() + ix.size() - 8, 8));
+  ix.append(detail::kFooterMagic, 8);
+  return ix;
+}
+
+// The writer's arguments (the file's and the wire format's: one set of rules).
+void check_writer_args(const RouteFileInfo& info, const RouteFileWriterOptions& options,
+                       const char* op) {
+  if (info.num_experts < 1 || info.num_experts > detail::kMaxExperts) {
+    detail::fail_arg(op, "num_experts must be in [1, ", detail::kMaxExperts, "], got ",
+                     info.num_experts);
+  }
+  if (info.top_k < 1 || info.top_k > detail::kMaxTopK) {
+    detail::fail_arg(op, "top_k must be in [1, ", detail::kMaxTopK, "], got ", info.top_k);
+  }
+  if (info.num_moe_layers < 1 || info.num_moe_layers > detail::kMaxLayers) {
+    detail::fail_arg(op, "num_moe_layers must be in [1, ", detail::kMaxLayers, "], got ",
+                     info.num_moe_layers);
+  }
+  if (!info.moe_layers.empty() &&
+      static_cast<int64_t>(info.moe_layers.size()) != info.num_moe_layers) {
+    detail::fail_arg(op, "moe_layers must be empty or have num_moe_layers=", info.num_moe_layers,
+                     " entries, got ", info.moe_layers.size());
+  }
+  if (info.num_hidden_layers < 0 || info.num_hidden_layers > detail::kMaxLayers) {
+    detail::fail_arg(op, "num_hidden_layers must be in [0, ", detail::kMaxLayers, "], got ",
+                     info.num_hidden_layers);
+  }
+  for (size_t i = 0; i < info.moe_layers.size(); ++i) {
+    const int64_t l = info.moe_layers[i];
+    if (l < 0 || (info.num_hidden_layers > 0 && l >= info.num_hidden_layers) ||
+        (i > 0 && l <= info.moe_layers[i - 1]) || l > detail::kMaxLayers) {
+      detail::fail_arg(op,
+                       "moe_layers must be ascending hidden-layer indices below num_hidden_layers=",
+                       info.num_hidden_layers, ", got ", l, " at ", i);
+    }
+  }
+  if (options.compression_level < 1 || options.compression_level > 19) {
+    detail::fail_arg(op, "compression_level must be in [1, 19], got ", options.compression_level);
+  }
+}
+
+// A table appended to a file of `info` (layout, size; encode_block checks the ids while encoding
+// them); `name` names it in errors.
+void check_append(const RouteTable& table, const RouteFileInfo& info, const char* op,
+                  const char* name) {
+  detail::check_defined(table.topk_idx, op, name);
+  detail::check_dtype(table.topk_idx, op, name, {DType::int32});
+  detail::check_dim(table.topk_idx, op, name, 3);
+  if (table.num_experts != info.num_experts || table.num_moe_layers() != info.num_moe_layers ||
+      table.top_k() != info.top_k) {
+    detail::fail_arg(op, name, " must have num_experts=", info.num_experts,
+                     ", num_moe_layers=", info.num_moe_layers, ", top_k=", info.top_k,
+                     " like the file, got num_experts=", table.num_experts,
+                     ", num_moe_layers=", table.num_moe_layers(), ", top_k=", table.top_k());
+  }
+  const int64_t T = table.num_tokens();
+  if (T > detail::kMaxTableBytes / (4 * info.num_moe_layers * info.top_k)) {
+    detail::fail_arg(op, name, " must decode to at most ", detail::kMaxTableBytes,
+                     " bytes per sequence (the reader's limit), got ", T, " tokens x ",
+                     info.num_moe_layers, " layers x top_k ", info.top_k, " x 4 bytes");
+  }
+}
+
 [[noreturn]] void io_fail(const std::string& call, const std::string& path) {
   throw BackendError(
       cat(call, "(", path, "): ", std::strerror(errno), " (", SY_SOURCE_FILE, ":", __LINE__, ")"));
@@ -207,38 +313,7 @@ RouteFileWriter::RouteFileWriter(const std::string& path, const RouteFileInfo& i
                                  const RouteFileWriterOptions& options)
     : impl_(std::make_unique<Impl>()) {
   const char* op = "route_file";
-  if (info.num_experts < 1 || info.num_experts > detail::kMaxExperts) {
-    detail::fail_arg(op, "num_experts must be in [1, ", detail::kMaxExperts, "], got ",
-                     info.num_experts);
-  }
-  if (info.top_k < 1 || info.top_k > detail::kMaxTopK) {
-    detail::fail_arg(op, "top_k must be in [1, ", detail::kMaxTopK, "], got ", info.top_k);
-  }
-  if (info.num_moe_layers < 1 || info.num_moe_layers > detail::kMaxLayers) {
-    detail::fail_arg(op, "num_moe_layers must be in [1, ", detail::kMaxLayers, "], got ",
-                     info.num_moe_layers);
-  }
-  if (!info.moe_layers.empty() &&
-      static_cast<int64_t>(info.moe_layers.size()) != info.num_moe_layers) {
-    detail::fail_arg(op, "moe_layers must be empty or have num_moe_layers=", info.num_moe_layers,
-                     " entries, got ", info.moe_layers.size());
-  }
-  if (info.num_hidden_layers < 0 || info.num_hidden_layers > detail::kMaxLayers) {
-    detail::fail_arg(op, "num_hidden_layers must be in [0, ", detail::kMaxLayers, "], got ",
-                     info.num_hidden_layers);
-  }
-  for (size_t i = 0; i < info.moe_layers.size(); ++i) {
-    const int64_t l = info.moe_layers[i];
-    if (l < 0 || (info.num_hidden_layers > 0 && l >= info.num_hidden_layers) ||
-        (i > 0 && l <= info.moe_layers[i - 1]) || l > detail::kMaxLayers) {
-      detail::fail_arg(op,
-                       "moe_layers must be ascending hidden-layer indices below num_hidden_layers=",
-                       info.num_hidden_layers, ", got ", l, " at ", i);
-    }
-  }
-  if (options.compression_level < 1 || options.compression_level > 19) {
-    detail::fail_arg(op, "compression_level must be in [1, 19], got ", options.compression_level);
-  }
+  check_writer_args(info, options, op);
   Impl& s = *impl_;
   s.path = path;
   s.info = info;
@@ -270,48 +345,20 @@ RouteFileWriter::~RouteFileWriter() {
 void RouteFileWriter::append(const RouteTable& table) {
   const char* op = "route_file.append";
   Impl& s = *impl_;
-  // s.info is fixed at construction: the table checks need no lock.
-  check_route_table(table, op, "table");
-  if (table.num_experts != s.info.num_experts || table.num_moe_layers() != s.info.num_moe_layers ||
-      table.top_k() != s.info.top_k) {
-    detail::fail_arg(op, "table must have num_experts=", s.info.num_experts,
-                     ", num_moe_layers=", s.info.num_moe_layers, ", top_k=", s.info.top_k,
-                     " like the file, got num_experts=", table.num_experts,
-                     ", num_moe_layers=", table.num_moe_layers(), ", top_k=", table.top_k());
-  }
+  // s.info is fixed at construction: the table checks need no lock (encode_block checks the ids).
+  check_append(table, s.info, op, "table");
   const int64_t T = table.num_tokens();
-  if (T > detail::kMaxTableBytes / (4 * s.info.num_moe_layers * s.info.top_k)) {
-    detail::fail_arg(op, "table must decode to at most ", detail::kMaxTableBytes,
-                     " bytes per sequence (the reader's limit), got ", T, " tokens x ",
-                     s.info.num_moe_layers, " layers x top_k ", s.info.top_k, " x 4 bytes");
-  }
   // The zstd context, the buffers, the offset and the index are shared: one append at a time.
   const std::lock_guard<std::mutex> lock(s.mu);
   if (!s.open()) detail::fail_arg(op, "the writer of ", s.path, " is closed");
   if (s.file->failed()) {
     throw BackendError(cat("[route_file] an earlier write to ", s.file->partial(), " failed"));
   }
-  const uint32_t flags =
-      detail::encode_payload(table.topk_idx.data<int32_t>(), T, s.info.num_moe_layers, s.info.top_k,
-                             s.info.num_experts, s.raw);
-  s.comp.resize(ZSTD_compressBound(s.raw.size()));
-  const size_t c = ZSTD_compressCCtx(s.cctx, s.comp.data(), s.comp.size(), s.raw.data(),
-                                     s.raw.size(), s.options.compression_level);
-  if (ZSTD_isError(c)) throw BackendError(cat("ZSTD_compressCCtx: ", ZSTD_getErrorName(c)));
-  s.comp.resize(c);
-  std::string& b = s.block;
-  b.clear();
-  put_u32(b, detail::kBlockMagic);
-  put_u32(b, flags);
-  put_u64(b, static_cast<uint64_t>(s.entries.size()));
-  put_u64(b, static_cast<uint64_t>(T));
-  put_u64(b, static_cast<uint64_t>(s.raw.size()));
-  put_u64(b, static_cast<uint64_t>(c));
-  put_u64(b, detail::checksum(s.comp.data(), c));
-  put_u64(b, detail::checksum(b.data(), b.size()));
-  b += s.comp;
-  RouteFileEntry e{s.offset(), T, static_cast<int64_t>(b.size())};
-  s.file->write(b);
+  s.block.clear();
+  encode_block(table, static_cast<int64_t>(s.entries.size()), s.info, s.options.compression_level,
+               s.cctx, s.raw, s.comp, s.block, op, "table");
+  RouteFileEntry e{s.offset(), T, static_cast<int64_t>(s.block.size())};
+  s.file->write(s.block);
   s.entries.push_back(e);
 }
 
@@ -325,22 +372,9 @@ void RouteFileWriter::close() {
     throw BackendError(cat("[route_file] ", s.path, " was not written: an earlier write to ",
                            partial, " failed (its complete blocks stay there for recovery)"));
   }
-  std::string ix;
-  put_u32(ix, detail::kIndexMagic);
-  put_u32(ix, 0);
-  put_u64(ix, static_cast<uint64_t>(s.entries.size()));
-  for (const auto& e : s.entries) {
-    put_u64(ix, static_cast<uint64_t>(e.offset));
-    put_u64(ix, static_cast<uint64_t>(e.num_tokens));
-    put_u64(ix, static_cast<uint64_t>(e.stored_bytes));
-  }
-  put_u64(ix, detail::checksum(ix.data(), ix.size()));
-  std::string footer;
-  put_u64(footer, static_cast<uint64_t>(s.offset()));
-  put_u64(footer, detail::checksum(footer.data(), 8));
-  footer.append(detail::kFooterMagic, 8);
+  const std::string tail = encode_index(s.entries, s.offset());
   try {
-    s.file->write(ix + footer);
+    s.file->write(tail);
   } catch (...) {
     s.file->abort();
     throw;
@@ -374,7 +408,8 @@ int64_t RouteFileWriter::bytes_written() const {
 
 struct RouteFileReader::Impl {
   std::string name;  // path or "<memory>", for messages
-  std::string mem;
+  std::string mem;   // the bytes of from_bytes (a copy)
+  std::string_view view;  // the bytes read when fd < 0: mem, or the caller's (decode_route_file)
   int fd = -1;
   int64_t size = 0;
   RouteFileInfo info;
@@ -395,7 +430,7 @@ struct RouteFileReader::Impl {
   bool read_at(int64_t offset, int64_t n, char* dst) const {
     if (offset < 0 || n < 0 || offset > size || n > size - offset) return false;
     if (fd < 0) {
-      std::memcpy(dst, mem.data() + offset, static_cast<size_t>(n));
+      std::memcpy(dst, view.data() + offset, static_cast<size_t>(n));
       return true;
     }
     int64_t done = 0;
@@ -618,6 +653,7 @@ RouteFileReader RouteFileReader::from_bytes(std::string_view bytes) {
   auto impl = std::make_unique<Impl>();
   impl->name = "<memory>";
   impl->mem.assign(bytes.data(), bytes.size());
+  impl->view = impl->mem;
   impl->size = static_cast<int64_t>(bytes.size());
   impl->open();
   return RouteFileReader(std::move(impl));
@@ -654,9 +690,17 @@ RouteTable RouteFileReader::read(int64_t sequence) const {
     s.fail(where() + "block header disagrees with the index");
   }
   const int64_t comp_size = e.stored_bytes - detail::kBlockHeaderSize;
-  std::string comp(static_cast<size_t>(comp_size), '\0');
-  if (!s.read_at(e.offset + detail::kBlockHeaderSize, comp_size, comp.data())) {
-    s.fail(where() + "truncated payload");
+  std::string comp_buf;
+  std::string_view comp;  // in memory: the bytes themselves, no copy
+  if (s.fd < 0 && e.offset + e.stored_bytes <= s.size) {
+    comp = s.view.substr(static_cast<size_t>(e.offset + detail::kBlockHeaderSize),
+                         static_cast<size_t>(comp_size));
+  } else {
+    comp_buf.resize(static_cast<size_t>(comp_size));
+    if (!s.read_at(e.offset + detail::kBlockHeaderSize, comp_size, comp_buf.data())) {
+      s.fail(where() + "truncated payload");
+    }
+    comp = comp_buf;
   }
   if (detail::checksum(comp.data(), comp.size()) != payload_sum) {
     s.fail(where() + cat("payload checksum mismatch (bytes ", e.offset + detail::kBlockHeaderSize,
@@ -666,15 +710,17 @@ RouteTable RouteFileReader::read(int64_t sequence) const {
   if (content != static_cast<unsigned long long>(raw_size)) {
     s.fail(where() + "compressed frame does not declare the block's payload size");
   }
-  std::string raw(static_cast<size_t>(raw_size), '\0');
-  const size_t got = ZSTD_decompress(raw.data(), raw.size(), comp.data(), comp.size());
+  // Not zero-filled: zstd writes every byte it reports (checked below).
+  std::unique_ptr<char[]> raw(new char[static_cast<size_t>(std::max<int64_t>(raw_size, 1))]);
+  const size_t got =
+      ZSTD_decompress(raw.get(), static_cast<size_t>(raw_size), comp.data(), comp.size());
   if (ZSTD_isError(got)) s.fail(where() + cat("zstd: ", ZSTD_getErrorName(got)));
   if (static_cast<int64_t>(got) != raw_size)
     s.fail(where() + "payload decompressed to the wrong size");
   RouteTable t;
   t.num_experts = s.info.num_experts;
   t.topk_idx = Tensor::empty({e.num_tokens, s.info.num_moe_layers, s.info.top_k}, DType::int32);
-  err = detail::decode_payload(raw.data(), raw_size, e.num_tokens, s.info.num_moe_layers,
+  err = detail::decode_payload(raw.get(), raw_size, e.num_tokens, s.info.num_moe_layers,
                                s.info.top_k, s.info.num_experts, flags, t.topk_idx.data<int32_t>());
   if (!err.empty()) s.fail(where() + err);
   return t;
@@ -721,6 +767,100 @@ RouteFileCheck verify_route_file(const std::string& path) {
 
 RouteFileCheck verify_route_bytes(std::string_view bytes) {
   return verify_opened([&] { return RouteFileReader::from_bytes(bytes); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The file in memory (switchyard.routes.encode / decode)
+
+Tensor encode_route_file(const std::vector<RouteTable>& tables, const RouteFileInfo& info,
+                         const RouteFileWriterOptions& options) {
+  const char* op = "routes.encode";
+  check_writer_args(info, options, op);
+  RouteFileInfo in = info;
+  in.id_width = detail::id_width_for(info.num_experts);
+  in.version = detail::kFormatVersion;
+  const int64_t n = static_cast<int64_t>(tables.size());
+  for (int64_t i = 0; i < n; ++i) {  // layout first (cheap); ids are checked while encoding
+    const RouteTable& t = tables[size_t(i)];
+    const std::string name = cat("tables[", i, "]");
+    detail::check_defined(t.topk_idx, op, name.c_str());
+    detail::check_dtype(t.topk_idx, op, name.c_str(), {DType::int32});
+    detail::check_dim(t.topk_idx, op, name.c_str(), 3);
+  }
+  // Blocks are independent: each thread encodes whole tables with its own zstd context; the blocks
+  // are then laid end to end, so the bytes do not depend on the thread count.
+  std::vector<std::string> blocks(static_cast<size_t>(n));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+  int64_t raw_bytes = 0;
+  for (const RouteTable& t : tables) raw_bytes += static_cast<int64_t>(t.topk_idx.nbytes());
+#pragma omp parallel if (n > 1 && raw_bytes >= (int64_t{1} << 20))
+  {
+    ZSTD_CCtx* cctx = ZSTD_createCCtx();
+    std::string raw, comp;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      try {
+        if (!cctx) throw BackendError("ZSTD_createCCtx failed");
+        const std::string name = cat("tables[", i, "]");
+        check_append(tables[size_t(i)], in, op, name.c_str());
+        encode_block(tables[size_t(i)], i, in, options.compression_level, cctx, raw, comp,
+                     blocks[size_t(i)], op, name.c_str());
+      } catch (...) {  // kept as thrown (bad input, zstd, memory), raised in table order below
+        errors[size_t(i)] = std::current_exception();
+      }
+    }
+    ZSTD_freeCCtx(cctx);
+  }
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  const std::string header = encode_header(in);
+  std::vector<RouteFileEntry> entries(static_cast<size_t>(n));
+  int64_t offset = static_cast<int64_t>(header.size());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t size = static_cast<int64_t>(blocks[size_t(i)].size());
+    entries[size_t(i)] = {offset, tables[size_t(i)].num_tokens(), size};
+    offset += size;
+  }
+  const std::string tail = encode_index(entries, offset);
+  Tensor out = Tensor::empty({offset + static_cast<int64_t>(tail.size())}, DType::uint8);
+  auto* p = static_cast<char*>(out.raw());
+  std::memcpy(p, header.data(), header.size());
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(p + entries[size_t(i)].offset, blocks[size_t(i)].data(), blocks[size_t(i)].size());
+  }
+  std::memcpy(p + offset, tail.data(), tail.size());
+  return out;
+}
+
+std::vector<RouteTable> decode_route_file(std::string_view bytes, RouteFileInfo* info) {
+  auto impl = std::make_unique<RouteFileReader::Impl>();
+  impl->name = "<wire>";
+  impl->view = bytes;  // borrowed for this call: no copy
+  impl->size = static_cast<int64_t>(bytes.size());
+  impl->open();
+  RouteFileReader r(std::move(impl));
+  // A message is whole or wrong: a cut or a missing index is an error here, never a recovery.
+  if (!r.complete()) throw DataError(cat("[route_file] <wire>: incomplete message: ", r.status()));
+  const int64_t n = r.num_sequences();
+  std::vector<RouteTable> out(static_cast<size_t>(n));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+  int64_t tokens = 0;
+  for (int64_t i = 0; i < n; ++i) tokens += r.entry(i).num_tokens;
+  const int64_t bytes_out = tokens * r.info().num_moe_layers * r.info().top_k * 4;
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && bytes_out >= (int64_t{1} << 20))
+  for (int64_t i = 0; i < n; ++i) {
+    try {
+      out[size_t(i)] = r.read(i);
+    } catch (...) {  // DataError naming the block (or bad_alloc), raised in sequence order below
+      errors[size_t(i)] = std::current_exception();
+    }
+  }
+  for (const std::exception_ptr& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  if (info) *info = r.info();
+  return out;
 }
 
 }  // namespace switchyard

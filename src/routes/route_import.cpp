@@ -1,6 +1,8 @@
 // vLLM (.npy) and SGLang (JSON/JSONL + base64) route importers.
 #include "switchyard/route_import.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -11,6 +13,7 @@
 #include <sstream>
 
 #include "check.h"
+#include "route_rows.h"
 #include "switchyard/error.h"
 
 namespace switchyard {
@@ -21,7 +24,7 @@ using detail::fail_arg;
 namespace {
 
 constexpr const char* kOp = "import";
-constexpr size_t kMaxReportedZeroRows = 8;
+using detail::kMaxReportedZeroRows;
 
 // One input element type (the .npy descr, or int32 for SGLang).
 enum class Elem { i1, u1, i2, u2, i4, u4, i8 };
@@ -52,30 +55,14 @@ Elem tensor_elem(const Tensor& a, const std::string& source) {
       return Elem::i8;
     case DType::uint8:
       return Elem::u1;
+    case DType::int16:
+      return Elem::i2;
+    case DType::uint16:
+      return Elem::u2;
     default:
-      fail_arg(kOp, source, ": dtype must be int32, int64 or uint8, got ", dtype_name(a.dtype()),
-               " (widen int16 / uint16 first)");
+      fail_arg(kOp, source, ": dtype must be int32, int64, int16, uint16 or uint8, got ",
+               dtype_name(a.dtype()));
   }
-}
-
-template <class T>
-int64_t load_as(const char* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return static_cast<int64_t>(v);
-}
-
-int64_t load_elem(const char* p, Elem e) {
-  switch (e) {
-    case Elem::i1: return load_as<int8_t>(p);
-    case Elem::u1: return load_as<uint8_t>(p);
-    case Elem::i2: return load_as<int16_t>(p);
-    case Elem::u2: return load_as<uint16_t>(p);
-    case Elem::i4: return load_as<int32_t>(p);
-    case Elem::u4: return load_as<uint32_t>(p);
-    case Elem::i8: return load_as<int64_t>(p);
-  }
-  return 0;
 }
 
 // How an input array maps to a table beyond its shape.
@@ -152,90 +139,75 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
     hidden_of_moe = moe;
   }
   const int64_t M = static_cast<int64_t>(moe.size());
-  const char* layer_word = lay.moe_only ? ", MoE layer " : ", hidden layer ";
-  const int64_t t0 = lay.token_offset;
-  std::vector<uint8_t> is_moe(static_cast<size_t>(layers_in), 0);
-  for (int64_t l : moe) is_moe[size_t(l)] = 1;
-  const size_t es = elem_size(elem);
-  const int64_t E = opt.num_experts;
-
-  const int64_t out_rows = rows + (lay.last_token_row ? 1 : 0);  // the last token has no route
-  RouteTable t = RouteTable::none(out_rows, M, top_k, E);
-  int32_t* out = t.topk_idx.data<int32_t>();
-  int64_t dense_nonzero = 0, first_dense_layer = -1;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t l = 0; l < layers_in; ++l) {
-      const char* row = data + ((r * layers_in + l) * top_k) * int64_t(es);
-      if (!is_moe[size_t(l)]) {
-        if (!lay.moe_only && l < hidden) {
-          for (int64_t k = 0; k < top_k; ++k) {
-            if (load_elem(row + k * int64_t(es), elem) != 0) {
-              if (dense_nonzero++ == 0) first_dense_layer = l;
-              break;
-            }
-          }
-        }
-        continue;
-      }
-      bool zero = true;
-      for (int64_t k = 0; k < top_k; ++k) {
-        const int64_t v = load_elem(row + k * int64_t(es), elem);
-        if (v < -1 || v >= E) {
-          fail_arg(kOp, source, " (sequence ", seq, "): expert id ", v, " at token ", t0 + r,
-                   layer_word, l, ", slot ", k, " is outside [0, num_experts=", E, ")");
-        }
-        zero = zero && v == 0;
-      }
-      if (zero && top_k > 1) {  // K = 1: a 0 is a real route to expert 0
-        if (opt.zero_rows == ZeroRowPolicy::error) {
-          fail_arg(kOp, source, " (sequence ", seq, "): all-zero row at token ", t0 + r, layer_word,
-                   l, " (zero-filled padding?)");
-        }
-        const int64_t m = std::lower_bound(moe.begin(), moe.end(), l) - moe.begin();
-        if (rep.first_zero_rows.size() < kMaxReportedZeroRows)
-          rep.first_zero_rows.push_back({seq, t0 + r, m});
-        ++rep.num_zero_rows;
-        if (opt.zero_rows == ZeroRowPolicy::to_none) continue;  // row stays -1
-      }
-      const int64_t m = std::lower_bound(moe.begin(), moe.end(), l) - moe.begin();
-      int32_t* dst = out + (r * M + m) * top_k;
-      for (int64_t k = 0; k < top_k; ++k)
-        dst[k] = static_cast<int32_t>(load_elem(row + k * int64_t(es), elem));
-      if (!zero) {
-        // A repeated id or -1 mixed with ids is an invalid row (DESIGN.md): never stored as if
-        // valid. K is small, so the pairwise scan is cheaper than any set.
-        int64_t bad = -1, none = 0;
-        for (int64_t k = 0; k < top_k && bad < 0; ++k) {
-          none += dst[k] < 0;
-          for (int64_t j = 0; j < k && dst[k] >= 0; ++j) {
-            if (dst[j] == dst[k]) {
-              bad = k;
-              break;
-            }
-          }
-        }
-        if (bad < 0 && none > 0 && none < top_k) bad = top_k;  // mixes -1 and ids
-        if (bad >= 0) {
-          if (opt.invalid_rows == InvalidRowPolicy::error) {
-            std::string ids = "[";
-            for (int64_t k = 0; k < top_k; ++k) ids += (k ? ", " : "") + std::to_string(dst[k]);
-            ids += "]";
-            fail_arg(
-                kOp, source, " (sequence ", seq, "): row ", ids, " at token ", t0 + r, layer_word,
-                l,
-                bad < top_k ? cat(" repeats expert ", dst[bad]) : std::string(" mixes -1 and ids"),
-                " (invalid_rows='to_none' stores such rows as -1)");
-          }
-          for (int64_t k = 0; k < top_k; ++k) dst[k] = -1;
-          ++rep.num_invalid_rows;
-        }
-      }
+  // One pass per row: detail::import_rows keeps the MoE columns, checks every row (range, repeats,
+  // -1 mixed with ids, all-zero rows) and writes int32 ids; a vector test for the common valid row,
+  // the exact path for the rest.
+  detail::RowPlan plan;
+  plan.layers_in = layers_in;
+  plan.hidden = hidden;
+  plan.top_k = top_k;
+  plan.num_experts = opt.num_experts;
+  plan.moe = moe;
+  if (!lay.moe_only) {
+    std::vector<uint8_t> is_moe(static_cast<size_t>(layers_in), 0);
+    for (int64_t l : moe) is_moe[size_t(l)] = 1;
+    for (int64_t l = 0; l < hidden; ++l) {
+      if (!is_moe[size_t(l)]) plan.dense.push_back(l);
     }
   }
-  if (dense_nonzero > 0) {
+  plan.zero_rows = opt.zero_rows;
+  plan.invalid_rows = opt.invalid_rows;
+  plan.token_offset = lay.token_offset;
+  plan.layer_word = lay.moe_only ? ", MoE layer " : ", hidden layer ";
+
+  const int64_t out_rows = rows + (lay.last_token_row ? 1 : 0);  // the last token has no route
+  RouteTable t;  // every row is written below; the last token's row is -1 (no route)
+  t.num_experts = opt.num_experts;
+  t.topk_idx = Tensor::empty({out_rows, M, top_k}, DType::int32);
+  std::fill_n(t.topk_idx.data<int32_t>() + rows * M * top_k, (out_rows - rows) * M * top_k, -1);
+  detail::RowFindings f;
+  bool ok = false;
+  const int64_t row_elems = layers_in * top_k;
+  auto run = [&](auto* typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    const T* in = reinterpret_cast<const T*>(data);
+    ok = detail::import_rows<T>([&](int64_t r) { return in + r * row_elems; }, rows, plan,
+                                t.topk_idx.data<int32_t>(), f);
+  };
+  switch (elem) {
+    case Elem::i1:
+      run(static_cast<const int8_t*>(nullptr));
+      break;
+    case Elem::u1:
+      run(static_cast<const uint8_t*>(nullptr));
+      break;
+    case Elem::i2:
+      run(static_cast<const int16_t*>(nullptr));
+      break;
+    case Elem::u2:
+      run(static_cast<const uint16_t*>(nullptr));
+      break;
+    case Elem::i4:
+      run(static_cast<const int32_t*>(nullptr));
+      break;
+    case Elem::u4:
+      run(static_cast<const uint32_t*>(nullptr));
+      break;
+    case Elem::i8:
+      run(static_cast<const int64_t*>(nullptr));
+      break;
+  }
+  if (!ok) fail_arg(kOp, source, " (sequence ", seq, "): ", f.error);
+  for (const auto& z : f.first_zero_rows) {
+    if (rep.first_zero_rows.size() < kMaxReportedZeroRows)
+      rep.first_zero_rows.push_back({seq, lay.token_offset + z[0], z[1]});
+  }
+  rep.num_zero_rows += f.num_zero_rows;
+  rep.num_invalid_rows += f.num_invalid_rows;
+  if (f.dense_nonzero > 0) {
     rep.warnings.push_back(cat(
-        source, ": ", dense_nonzero, " rows on layers the map calls dense hold ",
-        "nonzero ids (first on hidden layer ", first_dense_layer, "): is the layer map right?"));
+        source, ": ", f.dense_nonzero, " rows on layers the map calls dense hold ",
+        "nonzero ids (first on hidden layer ", f.first_dense_layer, "): is the layer map right?"));
   }
   rep.num_input_layers = layers_in;
   rep.num_hidden_layers = hidden;
@@ -502,8 +474,7 @@ ImportResult import_vllm(const std::vector<std::string>& paths, const ImportOpti
 
 ImportResult import_vllm_arrays(const std::vector<Tensor>& arrays, const ImportOptions& options) {
   check_options(options);
-  ImportResult r;
-  for (size_t i = 0; i < arrays.size(); ++i) {
+  auto one = [&](size_t i, ImportResult& r) {
     const Tensor& a = arrays[i];
     const std::string source = cat("arrays[", i, "]");
     if (a.dim() != 3) {
@@ -514,7 +485,37 @@ ImportResult import_vllm_arrays(const std::vector<Tensor>& arrays, const ImportO
     import_array(static_cast<const char*>(a.raw()), elem, a.size(0), a.size(1), a.size(2), source,
                  options, r);
     prepend_none_rows(r, options.prompt_start, source, "prompt_start");
+  };
+  // Sequences are independent: import them on the engine's threads and merge in order. Any error
+  // (or sequences that disagree in shape) reruns the import in order, so the error raised is the
+  // first one with its sequence index, exactly as the sequential import names it.
+  const size_t n = arrays.size();
+  int64_t bytes = 0;
+  for (const Tensor& a : arrays) bytes += static_cast<int64_t>(a.nbytes());
+  if (n > 1 && bytes >= (int64_t{1} << 20) && omp_get_max_threads() > 1) {
+    std::vector<ImportResult> parts(n);
+    std::vector<char> failed(n, 0);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (size_t i = 0; i < n; ++i) {
+      try {
+        one(i, parts[i]);
+      } catch (...) {
+        failed[i] = 1;
+      }
+    }
+    bool ok = std::find(failed.begin(), failed.end(), 1) == failed.end();
+    for (size_t i = 1; ok && i < n; ++i) {
+      ok = parts[i].report.num_input_layers == parts[0].report.num_input_layers &&
+           parts[i].report.top_k == parts[0].report.top_k;
+    }
+    if (ok) {
+      ImportResult r;
+      for (size_t i = 0; i < n; ++i) merge(r, std::move(parts[i]), cat("arrays[", i, "]"));
+      return r;
+    }
   }
+  ImportResult r;
+  for (size_t i = 0; i < n; ++i) one(i, r);
   return r;
 }
 

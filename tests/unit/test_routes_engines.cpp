@@ -130,7 +130,7 @@ TEST(RouteEngines, TrtllmBadInputsNameSourceTokenLayerAndValue) {
   EXPECT_ERROR(import_trtllm_arrays({Tensor::from_vector(v, {rows, L * K})}, opts(E)),
                "trtllm[0]: expected a 3-D array [seq_len-1, num_moe_layers, top_k]");
   EXPECT_ERROR(import_trtllm_arrays({Tensor::zeros({2, 2, 2}, DType::fp32)}, opts(E)),
-               "trtllm[0]: dtype must be int32, int64 or uint8, got fp32");
+               "trtllm[0]: dtype must be int32, int64, int16, uint16 or uint8, got fp32");
   EXPECT_ERROR(import_trtllm_npy_bytes("nope", "x.npy", opts(E)), "x.npy: not a .npy file");
   EXPECT_ERROR(import_trtllm_arrays({t3(v, rows, L, K)}, opts(E, 0, 3)), "no MoE layer left");
 }

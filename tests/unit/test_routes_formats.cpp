@@ -206,7 +206,8 @@ TEST(RouteFormats, ToVerlLayoutAndInverse) {
     o.padding_side = side;
     VerlBatch v = to_verl(tables, moe, o);
     ASSERT_EQ(v.routed_experts.shape(), (Shape{2, 6, 4, 2}));
-    const int32_t* ids = v.routed_experts.data<int32_t>();
+    ASSERT_EQ(v.routed_experts.dtype(), DType::int16);  // verl's dtype
+    const int16_t* ids = v.routed_experts.data<int16_t>();
     const int64_t* mask = v.attention_mask.data<int64_t>();
     for (int64_t b = 0; b < 2; ++b) {
       const RouteTable& t = tables[size_t(b)];

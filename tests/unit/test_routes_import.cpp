@@ -330,7 +330,8 @@ TEST(RouteImport, VllmArraysInMemoryMatchTheNpyImport) {
                       "[import] arrays[0]: expected a 3-D array [seq_len-1, num_layers, top_k], "
                       "got 2 dimensions");
   SY_EXPECT_THROW_MSG(import_vllm_arrays({Tensor::zeros({3, 4, 2}, DType::fp32)}, opt),
-                      std::invalid_argument, "arrays[0]: dtype must be int32, int64 or uint8");
+                      std::invalid_argument,
+                      "arrays[0]: dtype must be int32, int64, int16, uint16 or uint8");
 }
 
 }  // namespace
