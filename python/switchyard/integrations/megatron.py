@@ -490,40 +490,50 @@ def _native(self, logits):
 class _GivenIds:
     """Megatron's replay hook (``router_replay.get_replay_topk``, the same call its own
     RouterReplay answers in REPLAY_FORWARD) handing over ids switchyard validated: Megatron's
-    score function then computes the weights at those ids, on every version from 0.16."""
+    score function then computes the weights at those ids, on every version from 0.16.
+
+    It answers with the scores at the ids but names the slots 0..K-1 as their "experts", so the
+    [T, E] output Megatron scatters holds each slot's weight in its own column (distinct columns:
+    nothing is overwritten, and the scatter's backward hands each slot its own gradient). A row
+    that repeats an id keeps all its slots; ``_replayed`` adds them up at their experts."""
 
     def __init__(self, ids):
         self.ids = ids
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
                         default_compute_topk=None):
-        return scores.gather(1, self.ids), self.ids
+        slots = torch.arange(self.ids.shape[1], device=self.ids.device).expand_as(self.ids)
+        return scores.gather(1, self.ids), slots
 
 
 def _replayed(self, logits, ids):
     """(probs [T, E], routing_map [T, E]) at given ids [T, K] with Megatron's score function
     (unfused math: the fused kernel cannot take given ids). A repeated id is one pair whose
-    weight is the sum over its slots."""
+    weight is the sum over its slots: the K slot weights are scatter-added into [T, E], so the
+    backward gives each slot the gradient at its expert once (the derivative of that sum)."""
     cfg = self.config
     T, E = logits.shape
-    mult = torch.zeros(T, E, dtype=torch.int32, device=logits.device).scatter_add(
-        1, ids, torch.ones_like(ids, dtype=torch.int32))
-    routing_map = mult > 0
+    K = ids.shape[1]
     if self.routing_type == "sinkhorn":
         # Megatron's sinkhorn weights: sigmoid for K = 1, softmax over all experts otherwise
         # (its _sinkhorn_activation), at the ids.
         act = torch.sigmoid(logits) if self.topk == 1 else \
             torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-        return act * mult.to(act.dtype), routing_map
-    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
-    probs, _ = topk_routing_with_score_function(
-        logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax,
-        scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=self.score_function,
-        expert_bias=self.expert_bias, fused=False, router_replay=_GivenIds(ids))
-    # Megatron scatters the K slot weights into [T, E], so a repeated id keeps one slot; its
-    # slots gather the same score and so carry the same weight: multiplying by the multiplicity
-    # gives the sum (y = sum_k p_k * Expert_{e_k}(x) stays exact).
-    return probs * mult.to(probs.dtype), routing_map
+        slot_w = act.gather(1, ids)
+    else:
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+        # No expert_bias: it only selects, and with it Megatron would gather the scores at the
+        # returned indices (here the slot numbers) instead of taking the hook's scores.
+        probs, _ = topk_routing_with_score_function(
+            logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax,
+            scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=self.score_function,
+            expert_bias=None, fused=False, router_replay=_GivenIds(ids))
+        slot_w = probs[:, :K]  # slot k's weight sits in column k (see _GivenIds)
+    # A repeated id's slots gather the same score and so carry equal weights: their sum does not
+    # depend on the order scatter_add adds them in.
+    probs = torch.zeros_like(logits).scatter_add(1, ids, slot_w.type_as(logits))
+    routing_map = torch.zeros(T, E, dtype=torch.bool, device=logits.device).scatter(1, ids, True)
+    return probs, routing_map
 
 
 def _make_router_routing(orig):
