@@ -102,8 +102,9 @@ struct RouterConfig {
 };
 
 /// Whether a topk_route call with global_aux_loss adds its batch to the GlobalAuxLossState.
-/// Megatron-Core accumulates only on training forwards with grad enabled: a no_grad, eval or
-/// checkpoint-recompute forward must pass `read_only`. Either way the loss is computed from the
+/// Megatron-Core accumulates only on training forwards with grad enabled: a no_grad or
+/// checkpoint-recompute forward must pass `read_only` (an eval forward, RouteOptions::training
+/// false, computes no loss and never touches the state). Either way the loss is computed from the
 /// state plus this batch (mean over steps + 1), so a read-only call returns the value an
 /// accumulating call on the same state would.
 enum class GlobalAuxLossUpdate : uint8_t { accumulate, read_only };
@@ -151,10 +152,12 @@ struct RouteOptions {
   /// seq_aux_loss only: tokens are laid out [seq_length, num_sequences] flattened (Megatron's
   /// [s, b] order: token t belongs to sequence t % num_sequences); T % seq_length == 0.
   int64_t seq_length = 0;
-  /// sinkhorn: training selects on the Sinkhorn-normalised scores (Megatron's training path),
-  /// else on the logits (its eval path). Sinkhorn normalises over the batch, so it is not batch
-  /// invariant. quantile_balancing: training also computes RouteResult::qb_beta_local (needs
-  /// num_tokens * top_k divisible by num_experts).
+  /// Megatron-Core's module training flag. false is its eval path: no aux, seq, global or z loss
+  /// (values 0, no loss gradient, no reduction over the loss communicators, the
+  /// GlobalAuxLossState untouched). sinkhorn: training selects on the Sinkhorn-normalised scores
+  /// (Megatron's training path), else on the logits (its eval path). Sinkhorn normalises over the
+  /// batch, so it is not batch invariant. quantile_balancing: training also computes
+  /// RouteResult::qb_beta_local (needs num_tokens * top_k divisible by num_experts).
   bool training = true;
   /// Seeds of force_load_balancing / force_biased (counter-based: a value depends only on its
   /// seed and position, so the draws are thread-count invariant).

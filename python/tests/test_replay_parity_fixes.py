@@ -140,3 +140,157 @@ def test_merged_replay_rows_backward_is_the_derivative_of_the_summed_weight(mcor
     assert bool((err_x <= tol_x).all()), f"input grad off by {float(err_x.max()):.3g}"
     assert bool((err_w <= tol_w).all()), f"router weight grad off by {float(err_w.max()):.3g}"
 
+
+# --------------------------------------------------------------------------------------------------
+# 2. eval mode: no loss, no loss gradient, no loss-state change (as Megatron's `self.training`)
+# --------------------------------------------------------------------------------------------------
+EVAL_CASES = {
+    "aux+seq+global+z": dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss",
+                                                             "global_aux_loss"],
+                             moe_aux_loss_coeff=[0.01, 0.02, 0.03], moe_z_loss_coeff=0.01),
+    "sinkhorn+z": dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0,
+                       moe_z_loss_coeff=0.01),
+    "quantile balancing+z": dict(moe_router_load_balancing_type="quantile_balancing",
+                                 moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.01),
+    "sigmoid bias+aux": dict(moe_router_score_function="sigmoid",
+                             moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.02,
+                             moe_z_loss_coeff=0.01),
+}
+
+
+def _dense_of(probs, idx, E):
+    return torch.zeros(probs.shape[0], E, dtype=probs.dtype).scatter(1, idx, probs)
+
+
+def _loss_state(r):
+    """The loss state of either library's router, as comparable numbers."""
+    st = {}
+    if isinstance(r, syt.TopKRouter):
+        g = r.global_aux_loss_state
+        if g is not None:
+            st["steps"] = g.steps
+            st["global counts"] = g.num_tokens_per_expert.tolist() if g.steps else None
+        if r.qb_beta is not None:
+            st["qb"] = (r.qb_beta_accum.tolist(), int(r.qb_beta_count))
+        if r.local_tokens_per_expert is not None:
+            st["bias counts"] = r.local_tokens_per_expert.tolist()
+        return st
+    if r.ga_steps is not None:
+        st["steps"] = int(r.ga_steps)
+        st["global counts"] = r.global_tokens_per_expert.tolist() if int(r.ga_steps) else None
+    if getattr(r, "qb_beta", None) is not None:
+        st["qb"] = (r.qb_beta_accum.tolist(), int(r.qb_beta_count))
+    if r.local_tokens_per_expert is not None:
+        st["bias counts"] = r.local_tokens_per_expert.double().tolist()
+    return st
+
+
+@pytest.mark.hostile(tried="syt.TopKRouter(...).eval() (or topk_route(training=False)) with "
+                           "grad enabled, aux/z losses configured",
+                     gets="no aux or z loss: values 0, no loss gradient, no loss state change; "
+                          "expert-bias counts as Megatron's eval")
+@pytest.mark.parametrize("case", EVAL_CASES, ids=list(EVAL_CASES))
+def test_eval_router_applies_no_loss_like_megatron(mcore, gen, case):
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    from switchyard.integrations import megatron as sym
+    H, E, K, s, b = 16, 8, 2, 8, 4
+    m = mcore(H, num_moe_experts=E, moe_router_topk=K, **EVAL_CASES[case])
+    with torch.no_grad():
+        m.weight[:, :2] += 0.05
+        if m.expert_bias is not None:
+            m.expert_bias.copy_(torch.randn(E, generator=gen) * 0.1)
+    srt = sym.topk_router(m)
+    m.eval()
+    srt.eval()
+    before_m, before_s = _loss_state(m), _loss_state(srt)
+    x = torch.randn(s, b, H, generator=gen) * 2
+    for g_scale in (0.0, 1.0):  # (p * 0).sum(): only a loss could reach x; then a real gradient
+        xm, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        pm, mm = m(xm)
+        ps, idx = srt(xs, seq_length=s)
+        ps, idx = ps.reshape(-1, K), idx.reshape(-1, K)
+        assert torch.equal(torch.zeros(s * b, E, dtype=torch.bool).scatter(1, idx, True), mm)
+        g = g_scale * torch.linspace(-1, 1, s * b * E).view(s * b, E)
+        (pm * g).sum().backward()
+        (_dense_of(ps, idx, E) * g).sum().backward()
+        if g_scale == 0.0:
+            assert float(xm.grad.abs().max()) == 0.0  # Megatron: no loss in eval
+            assert float(xs.grad.abs().max()) == 0.0
+        else:
+            torch.testing.assert_close(xs.grad, xm.grad, rtol=1e-5, atol=1e-6)
+        info = srt.last_info
+        assert info.aux_loss == 0.0 and info.z_loss == 0.0
+        assert info.qb_beta_local is None
+    assert not get_moe_metrics_tracker().metrics  # Megatron logged nothing either
+    after_m, after_s = _loss_state(m), _loss_state(srt)
+    for key in ("steps", "global counts", "qb"):
+        assert after_m.get(key) == before_m.get(key), key
+        assert after_s.get(key) == before_s.get(key), key
+    # Megatron's _apply_expert_bias counts every forward with grad enabled, eval included.
+    assert after_s.get("bias counts") == after_m.get("bias counts")
+    if "bias counts" in after_m:
+        assert sum(after_m["bias counts"]) == 2 * s * b * K
+
+
+@pytest.mark.parametrize("case", EVAL_CASES, ids=list(EVAL_CASES))
+def test_eval_topk_route_computes_no_loss(gen, case):
+    """topk_route(training=False), the engine's eval path: the weights' gradient alone (as a route
+    without losses), loss values 0, the global aux-loss state untouched, even when asked to
+    accumulate."""
+    kw = EVAL_CASES[case]
+    lb = kw.get("moe_router_load_balancing_type", "aux_loss")
+    E, K, T = 8, 2, 32
+    extra = dict(aux_loss_type=lb if lb != "none" else None,
+                 z_loss_coeff=kw.get("moe_z_loss_coeff") or 0.0,
+                 score_function=kw.get("moe_router_score_function", "softmax"))
+    if isinstance(lb, list):
+        extra["aux_loss_coeff"] = kw["moe_aux_loss_coeff"]
+    elif lb not in ("sinkhorn", "quantile_balancing"):
+        extra["aux_loss_coeff"] = kw["moe_aux_loss_coeff"]
+    cfg = _cfg(E, K, **extra)
+    # The same router without losses (sinkhorn and quantile balancing select, they are no loss).
+    plain = _cfg(E, K, score_function=extra["score_function"],
+                 aux_loss_type=lb if lb in ("sinkhorn", "quantile_balancing") else None)
+    state = sy.GlobalAuxLossState()
+    z = torch.randn(T, E, generator=gen, dtype=torch.float64)
+    g = torch.randn(T, K, generator=gen, dtype=torch.float64)
+    grads = []
+    for c, more in ((cfg, dict(training=False, global_aux_loss_state=state, seq_length=8,
+                               accumulate_global_aux_loss=True)), (plain, dict(training=False))):
+        zz = z.clone().requires_grad_(True)
+        w, idx, info = syt.topk_route(zz, c, return_info=True, **more)
+        (w * g).sum().backward()
+        grads.append(zz.grad)
+        assert info.aux_loss == 0.0 and info.z_loss == 0.0
+    assert state.steps == 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. topk_route under torch.no_grad: the global aux-loss state follows Megatron's rule by default
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.hostile(tried="syt.topk_route(..., global_aux_loss_state=s) under torch.no_grad()",
+                     gets="the state is left alone (Megatron counts only training forwards "
+                          "with grad); accumulate_global_aux_loss=True still counts")
+def test_topk_route_under_no_grad_leaves_global_aux_loss_state_like_megatron(mcore, gen):
+    H, E, K = 16, 8, 2
+    m = mcore(H, num_moe_experts=E, moe_router_topk=K,
+              moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.1)
+    cfg = _cfg(E, K, aux_loss_type="global_aux_loss", aux_loss_coeff=0.1)
+    state = sy.GlobalAuxLossState()
+    x = torch.randn(12, 1, H, generator=gen)
+    with torch.no_grad():
+        m(x)
+        logits = m.gating(x).view(-1, E)
+        _, _, info = syt.topk_route(logits, cfg, global_aux_loss_state=state, return_info=True)
+    assert int(m.ga_steps) == 0 and state.steps == 0
+    assert info.aux_loss > 0  # read-only: the loss of the state plus this batch
+    with torch.no_grad():  # the explicit choice stays available
+        syt.topk_route(logits, cfg, global_aux_loss_state=state, accumulate_global_aux_loss=True)
+    assert state.steps == 1
+    m(x)  # a training forward with grad: both count it
+    syt.topk_route(logits.clone().requires_grad_(True), cfg, global_aux_loss_state=state)
+    assert int(m.ga_steps) == 1 and state.steps == 2
+    syt.topk_route(logits, cfg, global_aux_loss_state=state, training=False)  # eval: never
+    assert state.steps == 2
+

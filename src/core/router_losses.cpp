@@ -26,10 +26,11 @@ void sum_over_ranks(dist::Communicator& c, T* v, int64_t n) {
 }
 
 std::vector<dist::detail::Setting> route_settings(const RouterConfig& config, int64_t groups,
-                                                  const RouteComms& comms) {
+                                                  bool training, const RouteComms& comms) {
   const LbCoeffs lb = lb_coeffs(config);
   return {{"num_experts", config.num_experts},
           {"top_k", config.top_k},
+          {"training", training ? 1 : 0, true},  // eval computes no loss: no reduction at all
           {"aux_loss", lb.aux > 0.0 ? 1 : 0, true},
           {"seq_aux_loss", lb.seq > 0.0 ? 1 : 0, true},
           {"global_aux_loss", lb.global > 0.0 ? 1 : 0, true},
@@ -43,7 +44,7 @@ void agree_route(const RouteComms& comms, const std::string& local_error,
   if (!local_error.empty()) {
     // Values are not read when a rank failed (its config may not even be valid); the count must
     // still match everywhere.
-    settings.assign(route_settings(RouterConfig{}, 1, comms).size(), {"", 0});
+    settings.assign(route_settings(RouterConfig{}, 1, true, comms).size(), {"", 0});
   }
   // Both exchanges run before anything is thrown: a rank of the global group outside this loss
   // group must hear of its failure too (a disagreement on loss_comm travels as an agreed error).
