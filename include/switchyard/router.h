@@ -87,7 +87,8 @@ struct RouterConfig {
   bool calculate_per_token_loss = false;
   /// Megatron MTP layers: with is_mtp_layer and mtp_use_repeated_layer, the one MTP layer runs
   /// mtp_num_layers times, so its load-balancing losses (value and gradient) are divided by
-  /// mtp_num_layers. The z-loss is not (Megatron divides only its logged value).
+  /// mtp_num_layers. The z-loss gradient is not; its value (RouteResult::z_loss) is, as Megatron
+  /// logs it.
   bool is_mtp_layer = false;
   bool mtp_use_repeated_layer = false;
   int64_t mtp_num_layers = 0;
@@ -198,8 +199,10 @@ struct RouteResult {
   /// z - qb_beta per token. Undefined otherwise. Not differentiable.
   Tensor qb_beta_local{};
 
-  /// Loss values, coefficients included (0 when off). aux_loss is the sum of the load-balancing
-  /// losses, aux_loss_parts each of them (Megatron logs them apart).
+  /// Loss values, coefficients included (0 when off and in eval), as Megatron logs them per
+  /// layer (times the coefficient; an MTP layer run mtp_num_layers times logs its share).
+  /// aux_loss is the sum of the load-balancing losses, aux_loss_parts each of them (Megatron logs
+  /// them apart).
   double aux_loss = 0.0;
   struct AuxLossParts {
     double aux_loss = 0.0, seq_aux_loss = 0.0, global_aux_loss = 0.0;

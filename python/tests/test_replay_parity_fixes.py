@@ -294,3 +294,46 @@ def test_topk_route_under_no_grad_leaves_global_aux_loss_state_like_megatron(mco
     syt.topk_route(logits, cfg, global_aux_loss_state=state, training=False)  # eval: never
     assert state.steps == 2
 
+
+# --------------------------------------------------------------------------------------------------
+# 4. A repeated MTP layer: every loss value is Megatron's logged value (its share per call)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.hostile(tried="read RouteInfo.z_loss of a repeated MTP layer (mtp_num_layers=3) as "
+                           "the per-layer log",
+                     gets="Megatron's logged value (divided by the repeat count), like the "
+                          "aux losses; the gradient unchanged")
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_mtp_repeated_layer_loss_values_are_megatrons_logged_values(mcore, gen, repeats):
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    H, E, K, s, b = 16, 8, 2, 8, 4
+    types, coeffs, zc = ["aux_loss", "global_aux_loss"], [0.02, 0.01], 0.01
+    m = mcore(H, num_moe_experts=E, moe_router_topk=K, moe_router_load_balancing_type=types,
+              moe_aux_loss_coeff=coeffs, moe_z_loss_coeff=zc, mtp_num_layers=3,
+              mtp_use_repeated_layer=repeats > 1)
+    m.is_mtp_layer = True  # the constructor argument of an MTP layer's router
+    cfg = _cfg(E, K, aux_loss_type=types, aux_loss_coeff=coeffs, z_loss_coeff=zc,
+               is_mtp_layer=True, mtp_use_repeated_layer=repeats > 1, mtp_num_layers=3)
+    state = sy.GlobalAuxLossState()
+    # The same logits for both: only the loss arithmetic is compared.
+    z = torch.randn(s, b, E, generator=gen) * 2
+    zm = z.clone().requires_grad_(True)
+    pm, _ = m.routing(zm)
+    zs = z.view(-1, E).clone().requires_grad_(True)
+    ps, idx, info = syt.topk_route(zs, cfg, global_aux_loss_state=state, return_info=True)
+    logged = {n: float(e.values[m.layer_number + m.config.num_layers - 1])
+              for n, e in get_moe_metrics_tracker().metrics.items()}
+    # Megatron logs loss / coefficient; RouteInfo carries the coefficient. fp32 sums over the T
+    # tokens (Megatron) against double ones: (T + 16) u relative.
+    T = s * b
+    rel = (T + E + 16) * U32
+    for ours, name, c in ((info.z_loss, "z_loss", zc),
+                          (info.aux_loss_parts["aux_loss"], "load_balancing_loss", coeffs[0]),
+                          (info.aux_loss_parts["global_aux_loss"], "global_load_balancing_loss",
+                           coeffs[1])):
+        assert math.isclose(ours, logged[name] * c, rel_tol=rel), (name, ours, logged[name] * c)
+    # Gradients agree (the z-loss gradient is not divided, as in Megatron).
+    G = torch.linspace(-1, 1, T * E).view(T, E)
+    (pm * G).sum().backward()
+    (_dense_of(ps, idx, E) * G).sum().backward()
+    torch.testing.assert_close(zs.grad, zm.grad.view(-1, E), rtol=1e-5, atol=1e-7)
+

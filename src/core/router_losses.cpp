@@ -96,7 +96,8 @@ void finish_losses(const RouterConfig& config, LossSums& sums, dist::Communicato
   const double loss_comm_size = loss_comm ? static_cast<double>(loss_comm->size()) : 1.0;
   // Megatron's calculate_per_token_loss attaches loss * num_local_tokens (valid tokens) to the
   // gradient and logs the loss itself; an MTP layer run mtp_num_layers times divides its
-  // load-balancing losses by that count (value and gradient; the z-loss only in Megatron's log).
+  // load-balancing losses by that count (value and gradient) and its z-loss in the log only (the
+  // value here, not the gradient).
   const double per_token =
       config.calculate_per_token_loss ? static_cast<double>(num_valid_local) * loss_comm_size : 1.0;
   const double mtp =
@@ -178,7 +179,7 @@ void finish_losses(const RouterConfig& config, LossSums& sums, dist::Communicato
     // Megatron: the mean over this rank's tokens with coefficient / tp_cp size.
     const double nz = static_cast<double>(std::max<int64_t>(num_valid_local, 1));
     const double zc = config.z_loss_coeff / loss_comm_size;
-    r.z_loss = zc * sums.z_sum / nz;
+    r.z_loss = zc * sums.z_sum / nz * mtp;
     saved.z_grad_coeff = 2.0 * zc / nz * per_token;
   }
 }

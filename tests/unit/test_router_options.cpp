@@ -231,7 +231,8 @@ TEST(RouterOptions, SeveralLoadBalancingLossesAddUp) {
 }
 
 // calculate_per_token_loss multiplies the loss gradients by the valid-token count (values stay);
-// an MTP layer run mtp_num_layers times divides its load-balancing losses, not its z-loss.
+// an MTP layer run mtp_num_layers times divides its load-balancing losses (value and gradient) and
+// its z-loss value (Megatron's logged value), not the z-loss gradient.
 TEST(RouterOptions, PerTokenLossAndMtpScaling) {
   std::mt19937_64 rng(sy::testing::test_seed(1424));
   const int64_t T = 16, E = 8, K = 2;
@@ -260,7 +261,7 @@ TEST(RouterOptions, PerTokenLossAndMtpScaling) {
     mtp.mtp_num_layers = 4;
     const Routed m = route_with_grad(z, none, mtp, mask, 0);
     EXPECT_NEAR(m.r.aux_loss, a.r.aux_loss / 4, 1e-15);
-    EXPECT_EQ(m.r.z_loss, a.r.z_loss);
+    EXPECT_EQ(m.r.z_loss, a.r.z_loss / 4);
     if (c0 == &base) {
       want = a.grad.to_double_vector();
       for (double& v : want) v /= 4.0;
