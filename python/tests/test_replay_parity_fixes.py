@@ -337,3 +337,34 @@ def test_mtp_repeated_layer_loss_values_are_megatrons_logged_values(mcore, gen, 
     (_dense_of(ps, idx, E) * G).sum().backward()
     torch.testing.assert_close(zs.grad, zm.grad.view(-1, E), rtol=1e-5, atol=1e-7)
 
+
+# --------------------------------------------------------------------------------------------------
+# 5. Sinkhorn with a padding mask normalises over the unpadded rows (a README deviation)
+# --------------------------------------------------------------------------------------------------
+def test_sinkhorn_with_padding_mask_balances_the_unpadded_rows_only(mu_sinkhorn, gen):
+    """Megatron runs its Sinkhorn iteration over every row, padded ones included (its
+    sinkhorn_load_balancing never sees the mask), so padding shifts the real tokens' experts.
+    switchyard balances the real rows only: their ids are Megatron's Sinkhorn over those rows
+    alone (run here in float64, as switchyard runs it), and padded rows are -1."""
+    T, E, K = 24, 8, 2
+    z = torch.randn(T, E, generator=gen)
+    pad = torch.zeros(T, dtype=torch.bool)
+    pad[16:] = True
+    z[16:, 0] += 6.0  # padded rows crowd expert 0: balancing over all rows pushes real rows away
+    cfg = _cfg(E, K, aux_loss_type="sinkhorn")
+    _, idx = syt.topk_route(z, cfg, padding_mask=pad)
+    assert bool((idx[pad] == -1).all())
+
+    def sinkhorn_ids(rows):
+        return torch.topk(mu_sinkhorn(rows.double()), k=K, dim=1).indices
+    want = sinkhorn_ids(z[~pad])
+    assert torch.equal(idx[~pad].sort(1).values, want.sort(1).values)
+    megatron_all_rows = sinkhorn_ids(z)[~pad]
+    assert not torch.equal(megatron_all_rows.sort(1).values, want.sort(1).values)
+
+
+@pytest.fixture(scope="module")
+def mu_sinkhorn(mcore):
+    from megatron.core.transformer.moe.moe_utils import sinkhorn
+    return sinkhorn
+
