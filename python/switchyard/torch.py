@@ -76,6 +76,17 @@ def router_gating_linear(x, weight, bias=None, router_dtype=torch.float32):
     return _RouterGatingLinear.apply(x, weight, bias, router_dtype)
 
 
+def _router_logits(x, weight, bias, router_dtype):
+    """The router gate of TopKRouter and of the Megatron integration's engine path, one meaning of
+    ``router_dtype`` for both: None is the input's dtype (Megatron's moe_router_dtype=None); bf16
+    logits come from the fp32-accumulated gate rounded once (routing on bf16 logits, as Megatron
+    with bf16 activations and an inference engine do)."""
+    rd = x.dtype if router_dtype is None else router_dtype
+    if rd == torch.bfloat16:
+        return router_gating_linear(x, weight, bias, router_dtype=torch.float32).to(torch.bfloat16)
+    return router_gating_linear(x, weight, bias, router_dtype=rd)
+
+
 class _InputJitter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, eps, seed):
@@ -672,14 +683,7 @@ class TopKRouter(torch.nn.Module):
         if self.input_jitter_eps is not None:
             # Megatron applies it on every forward (training or not), before the gate.
             x = input_jitter(x, self.input_jitter_eps)
-        rd = x.dtype if self.router_dtype is None else self.router_dtype
-        if rd == torch.bfloat16:
-            # Routing on bf16 logits (Megatron's moe_router_dtype=None with bf16 activations, and
-            # what an inference engine does): the gate accumulates in fp32 and rounds once.
-            logits = router_gating_linear(x, self.weight, self.bias,
-                                          router_dtype=torch.float32).to(torch.bfloat16)
-        else:
-            logits = router_gating_linear(x, self.weight, self.bias, router_dtype=rd)
+        logits = _router_logits(x, self.weight, self.bias, self.router_dtype)
         replay = self.replay if replay is None else replay
         T = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
         replay_idx = None

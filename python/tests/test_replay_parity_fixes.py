@@ -368,3 +368,36 @@ def mu_sinkhorn(mcore):
     from megatron.core.transformer.moe.moe_utils import sinkhorn
     return sinkhorn
 
+
+# --------------------------------------------------------------------------------------------------
+# 6. moe_router_dtype=None means the input's dtype on both of the integration's paths
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.hostile(tried="Megatron moe_router_dtype=None with bf16 activations through "
+                           "apply(engine='cpu') and through topk_router()",
+                     gets="bf16 logits on both paths (Megatron's meaning of None: the input's "
+                          "dtype), the same ids and weights")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_dtype_none_means_the_input_dtype_on_both_megatron_paths(mcore, gen, dtype):
+    from switchyard.integrations import megatron as sym
+    H, E, K, T = 16, 8, 2, 24
+    m = mcore(H, num_moe_experts=E, moe_router_topk=K, moe_router_dtype=None)
+    with torch.no_grad():  # bf16 values in the fp32 weight: every path sees the same weight
+        m.weight.copy_(m.weight.to(torch.bfloat16).float())
+    kw = sym.topk_router_kwargs(m.config)
+    assert kw["router_dtype"] is None
+    srt = sym.topk_router(m)
+    x = (torch.randn(T, 1, H, generator=gen) * 2).to(dtype)
+    with torch.no_grad():
+        logits_megatron = m.gating(x)  # Megatron's own: the input's dtype
+        ps, idx = srt(x)
+        with sym.patched(engine="cpu"):
+            sym.attach_replay(m)
+            logits_engine = m.gating(x)
+            pe, me = m(x)
+            sym.detach_replay(m)
+    assert logits_megatron.dtype == logits_engine.dtype == dtype
+    assert ps.dtype == pe.dtype == dtype
+    ps, idx = ps.view(-1, K), idx.view(-1, K)
+    assert torch.equal(torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True), me)
+    # One gate (switchyard's) and one router on both paths: the same weights, bitwise.
+    assert torch.equal(_dense_of(ps, idx, E), pe)

@@ -41,8 +41,9 @@ by ``remove()``):
 * ``tensor_parallel.checkpoint``: notes whether a backward (so a recompute) will follow the call.
 
 On CUDA tensors everything above is Megatron's math plus these fixes. ``apply(engine="cpu")``
-additionally runs, for attached routers on CPU tensors, switchyard's FP32 batch-invariant gate
-(``switchyard.torch.router_gating_linear``, also patching ``Router.gating``) and
+additionally runs, for attached routers on CPU tensors, switchyard's FP32-accumulated
+batch-invariant gate (``switchyard.torch.router_gating_linear``, also patching ``Router.gating``;
+logits in moe_router_dtype, None = the input's dtype as in Megatron and ``topk_router_kwargs``) and
 ``switchyard.torch.topk_route`` with Megatron's option names mapped; token dropping, aux losses
 and expert-bias counting stay Megatron's functions. See notes/megatron.md for versions.
 """
@@ -120,8 +121,8 @@ def apply(*, engine=None):
     """Patches megatron.core in place (idempotent: a second call returns the first report).
 
     ``engine``: None (Megatron's own math everywhere, plus the fixes) or ``"cpu"`` (on CPU tensors
-    the router gate of routers with a replay attached runs switchyard's FP32 batch-invariant
-    ``router_gating_linear``; CUDA tensors keep Megatron's math). Raises ImportError without
+    the router gate of routers with a replay attached runs switchyard's FP32-accumulated
+    batch-invariant ``router_gating_linear``; CUDA tensors keep Megatron's math). Raises ImportError without
     megatron-core and RuntimeError outside the supported versions (0.16 to newest)."""
     if engine not in (None, "cpu"):
         raise ValueError(f"[megatron.apply] engine must be None or 'cpu', got {engine!r}")
@@ -638,7 +639,9 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
                           num_groups=cfg.moe_router_num_groups,
                           group_topk=cfg.moe_router_group_topk,
                           topk_scaling_factor=cfg.moe_router_topk_scaling_factor)
-    lg = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    # bf16 logits (moe_router_dtype=None with bf16 activations) route as Megatron routes them.
+    lg = logits if logits.dtype in (torch.bfloat16, torch.float32, torch.float64) else \
+        logits.float()
     replay_idx = None
     if tgt is not None:
         replay_idx = tgt.ids.masked_fill(tgt.merged_rows[:, None], -1)
@@ -667,7 +670,16 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
 # --------------------------------------------------------------------------------------------------
 # Megatron-Core's TransformerConfig -> switchyard's router options
 # --------------------------------------------------------------------------------------------------
+# moe_router_dtype -> the router dtype of switchyard's gate; None is the input's dtype, as in
+# Megatron's Router.gating. The one map of topk_router_kwargs and the engine="cpu" gate.
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def _router_dtype(config):
+    if config.moe_router_dtype not in _ROUTER_DTYPES:
+        raise ValueError("[megatron.router_config] moe_router_dtype must be None, 'fp32' or "
+                         f"'fp64', got {config.moe_router_dtype!r}")
+    return _ROUTER_DTYPES[config.moe_router_dtype]
 
 
 def router_config(config, *, is_mtp_layer=False):
@@ -727,10 +739,7 @@ def topk_router_kwargs(config):
     (moe_input_jitter_eps). moe_router_bias_update_rate and moe_router_quantile_balancing_ema are
     arguments of ``update_expert_bias(rate)`` / ``update_qb_beta(ema)``: pass
     ``config.moe_router_bias_update_rate`` / ``config.moe_router_quantile_balancing_ema``."""
-    if config.moe_router_dtype not in _ROUTER_DTYPES:
-        raise ValueError("[megatron.router_config] moe_router_dtype must be None, 'fp32' or "
-                         f"'fp64', got {config.moe_router_dtype!r}")
-    return dict(router_dtype=_ROUTER_DTYPES[config.moe_router_dtype],
+    return dict(router_dtype=_router_dtype(config),
                 bias=bool(config.add_bias_linear), params_dtype=config.params_dtype,
                 enable_expert_bias=bool(config.moe_router_enable_expert_bias),
                 input_jitter_eps=config.moe_input_jitter_eps)
@@ -767,9 +776,7 @@ def _make_engine_gating(orig):
         st = getattr(self, "_sy", None)
         if st is None or input.is_cuda or self.weight.is_cuda:
             return orig(self, input)
-        rd = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
-                                                              torch.float32)
-        return _syt.router_gating_linear(input, self.weight, self.bias, router_dtype=rd)
+        return _syt._router_logits(input, self.weight, self.bias, _router_dtype(self.config))
     return gating
 
 
