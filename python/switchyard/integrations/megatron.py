@@ -122,8 +122,9 @@ def apply(*, engine=None):
 
     ``engine``: None (Megatron's own math everywhere, plus the fixes) or ``"cpu"`` (on CPU tensors
     the router gate of routers with a replay attached runs switchyard's FP32-accumulated
-    batch-invariant ``router_gating_linear``; CUDA tensors keep Megatron's math). Raises ImportError without
-    megatron-core and RuntimeError outside the supported versions (0.16 to newest)."""
+    batch-invariant ``router_gating_linear``; CUDA tensors keep Megatron's math). Raises
+    ImportError without megatron-core and RuntimeError outside the supported versions (0.16 to
+    newest)."""
     if engine not in (None, "cpu"):
         raise ValueError(f"[megatron.apply] engine must be None or 'cpu', got {engine!r}")
     if _STATE["report"] is not None:
