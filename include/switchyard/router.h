@@ -87,7 +87,8 @@ struct RouterConfig {
   bool calculate_per_token_loss = false;
   /// Megatron MTP layers: with is_mtp_layer and mtp_use_repeated_layer, the one MTP layer runs
   /// mtp_num_layers times, so its load-balancing losses (value and gradient) are divided by
-  /// mtp_num_layers. The z-loss is not (Megatron divides only its logged value).
+  /// mtp_num_layers. The z-loss gradient is not; its value (RouteResult::z_loss) is, as Megatron
+  /// logs it.
   bool is_mtp_layer = false;
   bool mtp_use_repeated_layer = false;
   int64_t mtp_num_layers = 0;
@@ -102,8 +103,9 @@ struct RouterConfig {
 };
 
 /// Whether a topk_route call with global_aux_loss adds its batch to the GlobalAuxLossState.
-/// Megatron-Core accumulates only on training forwards with grad enabled: a no_grad, eval or
-/// checkpoint-recompute forward must pass `read_only`. Either way the loss is computed from the
+/// Megatron-Core accumulates only on training forwards with grad enabled: a no_grad or
+/// checkpoint-recompute forward must pass `read_only` (an eval forward, RouteOptions::training
+/// false, computes no loss and never touches the state). Either way the loss is computed from the
 /// state plus this batch (mean over steps + 1), so a read-only call returns the value an
 /// accumulating call on the same state would.
 enum class GlobalAuxLossUpdate : uint8_t { accumulate, read_only };
@@ -151,10 +153,12 @@ struct RouteOptions {
   /// seq_aux_loss only: tokens are laid out [seq_length, num_sequences] flattened (Megatron's
   /// [s, b] order: token t belongs to sequence t % num_sequences); T % seq_length == 0.
   int64_t seq_length = 0;
-  /// sinkhorn: training selects on the Sinkhorn-normalised scores (Megatron's training path),
-  /// else on the logits (its eval path). Sinkhorn normalises over the batch, so it is not batch
-  /// invariant. quantile_balancing: training also computes RouteResult::qb_beta_local (needs
-  /// num_tokens * top_k divisible by num_experts).
+  /// Megatron-Core's module training flag. false is its eval path: no aux, seq, global or z loss
+  /// (values 0, no loss gradient, no reduction over the loss communicators, the
+  /// GlobalAuxLossState untouched). sinkhorn: training selects on the Sinkhorn-normalised scores
+  /// (Megatron's training path), else on the logits (its eval path). Sinkhorn normalises over the
+  /// batch, so it is not batch invariant. quantile_balancing: training also computes
+  /// RouteResult::qb_beta_local (needs num_tokens * top_k divisible by num_experts).
   bool training = true;
   /// Seeds of force_load_balancing / force_biased (counter-based: a value depends only on its
   /// seed and position, so the draws are thread-count invariant).
@@ -195,8 +199,10 @@ struct RouteResult {
   /// z - qb_beta per token. Undefined otherwise. Not differentiable.
   Tensor qb_beta_local{};
 
-  /// Loss values, coefficients included (0 when off). aux_loss is the sum of the load-balancing
-  /// losses, aux_loss_parts each of them (Megatron logs them apart).
+  /// Loss values, coefficients included (0 when off and in eval), as Megatron logs them per
+  /// layer (times the coefficient; an MTP layer run mtp_num_layers times logs its share).
+  /// aux_loss is the sum of the load-balancing losses, aux_loss_parts each of them (Megatron logs
+  /// them apart).
   double aux_loss = 0.0;
   struct AuxLossParts {
     double aux_loss = 0.0, seq_aux_loss = 0.0, global_aux_loss = 0.0;

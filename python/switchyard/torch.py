@@ -76,6 +76,17 @@ def router_gating_linear(x, weight, bias=None, router_dtype=torch.float32):
     return _RouterGatingLinear.apply(x, weight, bias, router_dtype)
 
 
+def _router_logits(x, weight, bias, router_dtype):
+    """The router gate of TopKRouter and of the Megatron integration's engine path, one meaning of
+    ``router_dtype`` for both: None is the input's dtype (Megatron's moe_router_dtype=None); bf16
+    logits come from the fp32-accumulated gate rounded once (routing on bf16 logits, as Megatron
+    with bf16 activations and an inference engine do)."""
+    rd = x.dtype if router_dtype is None else router_dtype
+    if rd == torch.bfloat16:
+        return router_gating_linear(x, weight, bias, router_dtype=torch.float32).to(torch.bfloat16)
+    return router_gating_linear(x, weight, bias, router_dtype=rd)
+
+
 class _InputJitter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, eps, seed):
@@ -425,7 +436,7 @@ def _force_seeds(config, force_seed, force_bias_seed):
 
 def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay_rows="error", *,
                padding_mask=None, seq_length=None, global_aux_loss_state=None, layer=None,
-               aux_loss_grad_scale=1.0, accumulate_global_aux_loss=True, force_seed=None,
+               aux_loss_grad_scale=1.0, accumulate_global_aux_loss=None, force_seed=None,
                force_bias_seed=None, training=True, qb_beta=None, loss_comm=None,
                global_aux_loss_comm=None, return_info=False):
     """Route T tokens to K of E experts from router logits (Megatron-Core's TopKRouter semantics).
@@ -441,12 +452,14 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
     seq_length: tokens per sequence for seq_aux_loss ([s, b] layout, token t in sequence t % b).
     global_aux_loss_state: a switchyard.GlobalAuxLossState, required by global_aux_loss.
     accumulate_global_aux_loss: add this batch to that state (True), or only read it (False: the
-    loss is still computed from the state plus this batch). Megatron-Core accumulates only on
-    training forwards with grad enabled; TopKRouter decides this itself.
+    loss is still computed from the state plus this batch); None (default): Megatron-Core's rule,
+    only training forwards with grad enabled (not under torch.no_grad, not the recompute of a
+    non-reentrant checkpoint).
     force_seed / force_bias_seed: seeds of config.force_load_balancing / force_biased (None: drawn
-    from torch's default generator). training: sinkhorn routing selects on the Sinkhorn-
-    normalised batch when True (Megatron's training path), on the logits when False (its eval);
-    quantile_balancing computes RouteInfo.qb_beta_local when True. qb_beta [E] fp32: the
+    from torch's default generator). training: Megatron's module training flag; False is its
+    eval path: no aux or z loss (values 0 in RouteInfo, no loss gradient, the global aux-loss
+    state untouched), sinkhorn selects on the logits instead of the Sinkhorn-normalised batch,
+    no RouteInfo.qb_beta_local. qb_beta [E] fp32: the
     quantile-balancing bias (None = zeros). loss_comm / global_aux_loss_comm: Megatron's tp_cp /
     tp_dp_cp groups (switchyard.dist.Communicator or mpi4py communicators; None = local): the loss
     statistics are summed over them (collective; every rank must call with the same config).
@@ -475,6 +488,8 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
         if any(c is not None and c.size > 1 for c in (loss_comm, global_aux_loss_comm)):
             _C.router_fail_collective("topk_route", str(e), loss_comm, global_aux_loss_comm)
         raise
+    if accumulate_global_aux_loss is None:
+        accumulate_global_aux_loss = _trained_forward(training)
     lead = logits.shape[:-1]
     if logits.dim() != 2:
         logits = logits.reshape(-1, logits.shape[-1])
@@ -590,6 +605,15 @@ def _in_non_reentrant_recompute():
     return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
 
 
+def _trained_forward(training):
+    """Megatron-Core's rule for the loss state (global aux-loss counts, the quantile-balancing
+    accumulators): a training forward with grad enabled. A reentrant checkpoint runs its forward
+    under no_grad (not counted) and its recompute with grad (counted: its graph carries the loss
+    gradient); a non-reentrant checkpoint counts its forward, so its recompute must not (see
+    notes/router-parity.md)."""
+    return bool(training) and torch.is_grad_enabled() and not _in_non_reentrant_recompute()
+
+
 class TopKRouter(torch.nn.Module):
     """A drop-in MoE router: gate (syt.router_gating_linear in router_dtype) then topk_route.
 
@@ -602,8 +626,11 @@ class TopKRouter(torch.nn.Module):
     ``router_dtype``: None (the input's dtype: Megatron's default moe_router_dtype=None),
     torch.bfloat16, float32 or float64. ``input_jitter_eps`` (Megatron moe_input_jitter_eps):
     jitter the gate input on every forward (syt.input_jitter; replayed ids are unaffected).
-    The global aux-loss state advances only on training forwards with grad enabled (Megatron's
-    rule; a non-reentrant checkpoint's recompute does not count, see notes/router-parity.md)."""
+    The global aux-loss state and the quantile-balancing accumulators advance only on training
+    forwards with grad enabled (Megatron's rule; a non-reentrant checkpoint's recompute does not
+    count, see notes/router-parity.md); in eval (``.eval()``) no aux or z loss is computed, as in
+    Megatron. Expert-bias token counts grow on every forward with grad enabled, eval included
+    (Megatron's _apply_expert_bias)."""
 
     def __init__(self, hidden_size, config, router_dtype=torch.float32, *, bias=False,
                  params_dtype=torch.float32, init_std=0.02, enable_expert_bias=False,
@@ -656,14 +683,7 @@ class TopKRouter(torch.nn.Module):
         if self.input_jitter_eps is not None:
             # Megatron applies it on every forward (training or not), before the gate.
             x = input_jitter(x, self.input_jitter_eps)
-        rd = x.dtype if self.router_dtype is None else self.router_dtype
-        if rd == torch.bfloat16:
-            # Routing on bf16 logits (Megatron's moe_router_dtype=None with bf16 activations, and
-            # what an inference engine does): the gate accumulates in fp32 and rounds once.
-            logits = router_gating_linear(x, self.weight, self.bias,
-                                          router_dtype=torch.float32).to(torch.bfloat16)
-        else:
-            logits = router_gating_linear(x, self.weight, self.bias, router_dtype=rd)
+        logits = _router_logits(x, self.weight, self.bias, self.router_dtype)
         replay = self.replay if replay is None else replay
         T = logits.numel() // logits.shape[-1] if logits.shape[-1] else 0
         replay_idx = None
@@ -674,12 +694,9 @@ class TopKRouter(torch.nn.Module):
             replay_idx = replay._ids_for_forward(T)
             invalid = replay.invalid_replay_rows
         gstate = self.global_aux_loss_state
-        # Megatron-Core advances the global aux-loss state once per trained micro-batch: on
-        # training forwards with grad enabled. A reentrant checkpoint runs its forward under
-        # no_grad (not counted) and its recompute with grad (counted: its graph carries the loss
-        # gradient); a non-reentrant checkpoint counts its forward, so its recompute must not.
-        accumulate = (self.training and torch.is_grad_enabled()
-                      and not _in_non_reentrant_recompute())
+        # Megatron-Core advances the loss state once per trained micro-batch (_trained_forward).
+        # In eval the engine computes no loss at all (training=False), as Megatron.
+        accumulate = _trained_forward(self.training)
         snapshot = None
         driven = replay is not None and not isinstance(replay, torch.Tensor)
         if gstate is not None and driven:
@@ -717,10 +734,10 @@ class TopKRouter(torch.nn.Module):
             elif gstate is not None and replay.action == "replay_backward" and \
                     self._gstate_snapshots:
                 self._gstate_snapshots.popleft()
-        if self.local_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
+        if self.local_tokens_per_expert is not None and torch.is_grad_enabled():
+            # Megatron's _apply_expert_bias counts every forward with grad enabled, eval included.
             self.local_tokens_per_expert += info.num_tokens_per_expert.to(torch.float64)
-        if (self.qb_beta is not None and self.training and torch.is_grad_enabled()
-                and not _in_non_reentrant_recompute()):
+        if self.qb_beta is not None and _trained_forward(self.training):
             self.qb_beta_accum += info.qb_beta_local
             self.qb_beta_count += 1
         self.last_info = info

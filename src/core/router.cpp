@@ -138,7 +138,9 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
                      static_cast<int>(options.global_aux_loss_update));
   }
   const LbCoeffs lb = lb_coeffs(config);
-  const bool need_aux = lb.any();
+  // Megatron-Core's eval path (training=false) computes no loss at all: no value, no gradient, no
+  // global aux-loss state change (it gates every loss on self.training).
+  const bool need_aux = options.training && lb.any();
   int64_t G = 1;
   if (lb.seq > 0.0) {
     if (options.seq_length < 1 || T % options.seq_length != 0) {
@@ -186,7 +188,7 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
   backend::RouteKernelParams p = kernel_params(config, T);
   p.need_aux = need_aux;
   p.aux_groups = G;
-  p.need_z = config.z_loss_coeff > 0.0;
+  p.need_z = options.training && config.z_loss_coeff > 0.0;
   std::vector<double> aux_psum(need_aux ? static_cast<size_t>(G * E) : 0);
   std::vector<int64_t> aux_cnt(need_aux ? static_cast<size_t>(G * E) : 0);
   double z_sum = 0.0;
@@ -223,10 +225,12 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
     // every rank: a mismatch would truncate a message on one rank and sum the wrong counts, or
     // wait forever, on another.
     *agreed = true;
-    agree_route(*comms, "", route_settings(config, G, *comms));
+    agree_route(*comms, "", route_settings(config, G, options.training, *comms));
   }
-  LossSums sums{T, G, std::move(aux_psum), std::move(aux_cnt), z_sum};
-  finish_losses(config, sums, lc, gc, gstate, options.global_aux_loss_update, r, *saved);
+  if (options.training) {
+    LossSums sums{T, G, std::move(aux_psum), std::move(aux_cnt), z_sum};
+    finish_losses(config, sums, lc, gc, gstate, options.global_aux_loss_update, r, *saved);
+  }
   r.saved = std::move(saved);
   return r;
 }

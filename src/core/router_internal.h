@@ -83,9 +83,10 @@ Tensor quantile_balancing_rows(const Tensor& logits, const Tensor& qb_beta,
 template <class T>
 void sum_over_ranks(dist::Communicator& c, T* v, int64_t n);
 /// What the ranks of the loss communicators must agree on before the first reduction: the sizes
-/// and loss types finish_losses' collectives and values depend on (`groups`: G of seq_aux_loss).
+/// and loss types finish_losses' collectives and values depend on (`groups`: G of seq_aux_loss;
+/// `training`: whether finish_losses runs at all).
 std::vector<dist::detail::Setting> route_settings(const RouterConfig& config, int64_t groups,
-                                                  const RouteComms& comms);
+                                                  bool training, const RouteComms& comms);
 /// Collective over comms.loss, then comms.global_aux_loss (dist::detail::agreed_error): every rank
 /// throws the same std::invalid_argument when any rank failed (`local_error`, "" = none) or a
 /// setting differs between ranks; returns normally on every rank otherwise.

@@ -26,10 +26,11 @@ void sum_over_ranks(dist::Communicator& c, T* v, int64_t n) {
 }
 
 std::vector<dist::detail::Setting> route_settings(const RouterConfig& config, int64_t groups,
-                                                  const RouteComms& comms) {
+                                                  bool training, const RouteComms& comms) {
   const LbCoeffs lb = lb_coeffs(config);
   return {{"num_experts", config.num_experts},
           {"top_k", config.top_k},
+          {"training", training ? 1 : 0, true},  // eval computes no loss: no reduction at all
           {"aux_loss", lb.aux > 0.0 ? 1 : 0, true},
           {"seq_aux_loss", lb.seq > 0.0 ? 1 : 0, true},
           {"global_aux_loss", lb.global > 0.0 ? 1 : 0, true},
@@ -43,7 +44,7 @@ void agree_route(const RouteComms& comms, const std::string& local_error,
   if (!local_error.empty()) {
     // Values are not read when a rank failed (its config may not even be valid); the count must
     // still match everywhere.
-    settings.assign(route_settings(RouterConfig{}, 1, comms).size(), {"", 0});
+    settings.assign(route_settings(RouterConfig{}, 1, true, comms).size(), {"", 0});
   }
   // Both exchanges run before anything is thrown: a rank of the global group outside this loss
   // group must hear of its failure too (a disagreement on loss_comm travels as an agreed error).
@@ -95,7 +96,8 @@ void finish_losses(const RouterConfig& config, LossSums& sums, dist::Communicato
   const double loss_comm_size = loss_comm ? static_cast<double>(loss_comm->size()) : 1.0;
   // Megatron's calculate_per_token_loss attaches loss * num_local_tokens (valid tokens) to the
   // gradient and logs the loss itself; an MTP layer run mtp_num_layers times divides its
-  // load-balancing losses by that count (value and gradient; the z-loss only in Megatron's log).
+  // load-balancing losses by that count (value and gradient) and its z-loss in the log only (the
+  // value here, not the gradient).
   const double per_token =
       config.calculate_per_token_loss ? static_cast<double>(num_valid_local) * loss_comm_size : 1.0;
   const double mtp =
@@ -177,7 +179,7 @@ void finish_losses(const RouterConfig& config, LossSums& sums, dist::Communicato
     // Megatron: the mean over this rank's tokens with coefficient / tp_cp size.
     const double nz = static_cast<double>(std::max<int64_t>(num_valid_local, 1));
     const double zc = config.z_loss_coeff / loss_comm_size;
-    r.z_loss = zc * sums.z_sum / nz;
+    r.z_loss = zc * sums.z_sum / nz * mtp;
     saved.z_grad_coeff = 2.0 * zc / nz * per_token;
   }
 }

@@ -231,7 +231,8 @@ TEST(RouterOptions, SeveralLoadBalancingLossesAddUp) {
 }
 
 // calculate_per_token_loss multiplies the loss gradients by the valid-token count (values stay);
-// an MTP layer run mtp_num_layers times divides its load-balancing losses, not its z-loss.
+// an MTP layer run mtp_num_layers times divides its load-balancing losses (value and gradient) and
+// its z-loss value (Megatron's logged value), not the z-loss gradient.
 TEST(RouterOptions, PerTokenLossAndMtpScaling) {
   std::mt19937_64 rng(sy::testing::test_seed(1424));
   const int64_t T = 16, E = 8, K = 2;
@@ -260,7 +261,7 @@ TEST(RouterOptions, PerTokenLossAndMtpScaling) {
     mtp.mtp_num_layers = 4;
     const Routed m = route_with_grad(z, none, mtp, mask, 0);
     EXPECT_NEAR(m.r.aux_loss, a.r.aux_loss / 4, 1e-15);
-    EXPECT_EQ(m.r.z_loss, a.r.z_loss);
+    EXPECT_EQ(m.r.z_loss, a.r.z_loss / 4);
     if (c0 == &base) {
       want = a.grad.to_double_vector();
       for (double& v : want) v /= 4.0;
@@ -271,6 +272,47 @@ TEST(RouterOptions, PerTokenLossAndMtpScaling) {
     mtp.mtp_use_repeated_layer = false;  // Megatron scales only the repeated layer
     EXPECT_EQ(route_with_grad(z, none, mtp, mask, 0).r.aux_loss, a.r.aux_loss);
   }
+}
+
+// Eval (training=false, Megatron's `self.training` False) computes no loss: values 0, the
+// gradient of the weights alone (as a route without losses), the global aux-loss state untouched;
+// ids and weights are the training route's.
+TEST(RouterOptions, EvalComputesNoLoss) {
+  std::mt19937_64 rng(sy::testing::test_seed(1426));
+  const int64_t T = 12, E = 8, K = 2;
+  RouterConfig c = router_config(E, K, ScoreFunction::softmax);
+  c.aux_loss_types = {AuxLossType::aux_loss, AuxLossType::seq_aux_loss,
+                      AuxLossType::global_aux_loss};
+  c.aux_loss_coeffs = {0.1, 0.2, 0.3};
+  c.z_loss_coeff = 0.05;
+  const Tensor z = sy::testing::randn({T, E}, DType::fp64, rng);
+  const Tensor gw = sy::testing::randn({T, K}, DType::fp64, rng);
+  sy::GlobalAuxLossState g;
+  sy::RouteInputs in;
+  in.global_aux_loss_state = &g;
+  sy::RouteOptions opt;
+  opt.seq_length = 4;
+  const auto tr = sy::topk_route(z, in, c, opt);
+  ASSERT_EQ(g.steps, 1);
+  EXPECT_GT(tr.aux_loss, 0.0);
+  EXPECT_GT(tr.z_loss, 0.0);
+  const std::vector<double> counts = g.num_tokens_per_expert.to_double_vector();
+  opt.training = false;
+  const auto ev = sy::topk_route(z, in, c, opt);
+  EXPECT_EQ(g.steps, 1);
+  EXPECT_EQ(g.num_tokens_per_expert.to_double_vector(), counts);
+  EXPECT_EQ(ev.aux_loss, 0.0);
+  EXPECT_EQ(ev.aux_loss_parts.aux_loss + ev.aux_loss_parts.seq_aux_loss +
+                ev.aux_loss_parts.global_aux_loss,
+            0.0);
+  EXPECT_EQ(ev.z_loss, 0.0);
+  EXPECT_TRUE(bitwise_equal(ev.topk_idx, tr.topk_idx));
+  EXPECT_TRUE(bitwise_equal(ev.topk_weights, tr.topk_weights));
+  const auto plain = sy::topk_route(z, {}, router_config(E, K, ScoreFunction::softmax));
+  EXPECT_TRUE(bitwise_equal(sy::topk_route_backward(gw, ev).grad_logits,
+                            sy::topk_route_backward(gw, plain).grad_logits));
+  EXPECT_FALSE(bitwise_equal(sy::topk_route_backward(gw, tr).grad_logits,
+                             sy::topk_route_backward(gw, plain).grad_logits));
 }
 
 // force_load_balancing / force_biased (benchmarking): routing ignores the given logits' values

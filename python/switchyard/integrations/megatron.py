@@ -41,8 +41,9 @@ by ``remove()``):
 * ``tensor_parallel.checkpoint``: notes whether a backward (so a recompute) will follow the call.
 
 On CUDA tensors everything above is Megatron's math plus these fixes. ``apply(engine="cpu")``
-additionally runs, for attached routers on CPU tensors, switchyard's FP32 batch-invariant gate
-(``switchyard.torch.router_gating_linear``, also patching ``Router.gating``) and
+additionally runs, for attached routers on CPU tensors, switchyard's FP32-accumulated
+batch-invariant gate (``switchyard.torch.router_gating_linear``, also patching ``Router.gating``;
+logits in moe_router_dtype, None = the input's dtype as in Megatron and ``topk_router_kwargs``) and
 ``switchyard.torch.topk_route`` with Megatron's option names mapped; token dropping, aux losses
 and expert-bias counting stay Megatron's functions. See notes/megatron.md for versions.
 """
@@ -120,9 +121,10 @@ def apply(*, engine=None):
     """Patches megatron.core in place (idempotent: a second call returns the first report).
 
     ``engine``: None (Megatron's own math everywhere, plus the fixes) or ``"cpu"`` (on CPU tensors
-    the router gate of routers with a replay attached runs switchyard's FP32 batch-invariant
-    ``router_gating_linear``; CUDA tensors keep Megatron's math). Raises ImportError without
-    megatron-core and RuntimeError outside the supported versions (0.16 to newest)."""
+    the router gate of routers with a replay attached runs switchyard's FP32-accumulated
+    batch-invariant ``router_gating_linear``; CUDA tensors keep Megatron's math). Raises
+    ImportError without megatron-core and RuntimeError outside the supported versions (0.16 to
+    newest)."""
     if engine not in (None, "cpu"):
         raise ValueError(f"[megatron.apply] engine must be None or 'cpu', got {engine!r}")
     if _STATE["report"] is not None:
@@ -494,40 +496,50 @@ def _native(self, logits):
 class _GivenIds:
     """Megatron's replay hook (``router_replay.get_replay_topk``, the same call its own
     RouterReplay answers in REPLAY_FORWARD) handing over ids switchyard validated: Megatron's
-    score function then computes the weights at those ids, on every version from 0.16."""
+    score function then computes the weights at those ids, on every version from 0.16.
+
+    It answers with the scores at the ids but names the slots 0..K-1 as their "experts", so the
+    [T, E] output Megatron scatters holds each slot's weight in its own column (distinct columns:
+    nothing is overwritten, and the scatter's backward hands each slot its own gradient). A row
+    that repeats an id keeps all its slots; ``_replayed`` adds them up at their experts."""
 
     def __init__(self, ids):
         self.ids = ids
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
                         default_compute_topk=None):
-        return scores.gather(1, self.ids), self.ids
+        slots = torch.arange(self.ids.shape[1], device=self.ids.device).expand_as(self.ids)
+        return scores.gather(1, self.ids), slots
 
 
 def _replayed(self, logits, ids):
     """(probs [T, E], routing_map [T, E]) at given ids [T, K] with Megatron's score function
     (unfused math: the fused kernel cannot take given ids). A repeated id is one pair whose
-    weight is the sum over its slots."""
+    weight is the sum over its slots: the K slot weights are scatter-added into [T, E], so the
+    backward gives each slot the gradient at its expert once (the derivative of that sum)."""
     cfg = self.config
     T, E = logits.shape
-    mult = torch.zeros(T, E, dtype=torch.int32, device=logits.device).scatter_add(
-        1, ids, torch.ones_like(ids, dtype=torch.int32))
-    routing_map = mult > 0
+    K = ids.shape[1]
     if self.routing_type == "sinkhorn":
         # Megatron's sinkhorn weights: sigmoid for K = 1, softmax over all experts otherwise
         # (its _sinkhorn_activation), at the ids.
         act = torch.sigmoid(logits) if self.topk == 1 else \
             torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-        return act * mult.to(act.dtype), routing_map
-    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
-    probs, _ = topk_routing_with_score_function(
-        logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax,
-        scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=self.score_function,
-        expert_bias=self.expert_bias, fused=False, router_replay=_GivenIds(ids))
-    # Megatron scatters the K slot weights into [T, E], so a repeated id keeps one slot; its
-    # slots gather the same score and so carry the same weight: multiplying by the multiplicity
-    # gives the sum (y = sum_k p_k * Expert_{e_k}(x) stays exact).
-    return probs * mult.to(probs.dtype), routing_map
+        slot_w = act.gather(1, ids)
+    else:
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+        # No expert_bias: it only selects, and with it Megatron would gather the scores at the
+        # returned indices (here the slot numbers) instead of taking the hook's scores.
+        probs, _ = topk_routing_with_score_function(
+            logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax,
+            scaling_factor=cfg.moe_router_topk_scaling_factor, score_function=self.score_function,
+            expert_bias=None, fused=False, router_replay=_GivenIds(ids))
+        slot_w = probs[:, :K]  # slot k's weight sits in column k (see _GivenIds)
+    # A repeated id's slots gather the same score and so carry equal weights: their sum does not
+    # depend on the order scatter_add adds them in.
+    probs = torch.zeros_like(logits).scatter_add(1, ids, slot_w.type_as(logits))
+    routing_map = torch.zeros(T, E, dtype=torch.bool, device=logits.device).scatter(1, ids, True)
+    return probs, routing_map
 
 
 def _make_router_routing(orig):
@@ -632,7 +644,9 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
                           num_groups=cfg.moe_router_num_groups,
                           group_topk=cfg.moe_router_group_topk,
                           topk_scaling_factor=cfg.moe_router_topk_scaling_factor)
-    lg = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    # bf16 logits (moe_router_dtype=None with bf16 activations) route as Megatron routes them.
+    lg = logits if logits.dtype in (torch.bfloat16, torch.float32, torch.float64) else \
+        logits.float()
     replay_idx = None
     if tgt is not None:
         replay_idx = tgt.ids.masked_fill(tgt.merged_rows[:, None], -1)
@@ -661,7 +675,16 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
 # --------------------------------------------------------------------------------------------------
 # Megatron-Core's TransformerConfig -> switchyard's router options
 # --------------------------------------------------------------------------------------------------
+# moe_router_dtype -> the router dtype of switchyard's gate; None is the input's dtype, as in
+# Megatron's Router.gating. The one map of topk_router_kwargs and the engine="cpu" gate.
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def _router_dtype(config):
+    if config.moe_router_dtype not in _ROUTER_DTYPES:
+        raise ValueError("[megatron.router_config] moe_router_dtype must be None, 'fp32' or "
+                         f"'fp64', got {config.moe_router_dtype!r}")
+    return _ROUTER_DTYPES[config.moe_router_dtype]
 
 
 def router_config(config, *, is_mtp_layer=False):
@@ -721,10 +744,7 @@ def topk_router_kwargs(config):
     (moe_input_jitter_eps). moe_router_bias_update_rate and moe_router_quantile_balancing_ema are
     arguments of ``update_expert_bias(rate)`` / ``update_qb_beta(ema)``: pass
     ``config.moe_router_bias_update_rate`` / ``config.moe_router_quantile_balancing_ema``."""
-    if config.moe_router_dtype not in _ROUTER_DTYPES:
-        raise ValueError("[megatron.router_config] moe_router_dtype must be None, 'fp32' or "
-                         f"'fp64', got {config.moe_router_dtype!r}")
-    return dict(router_dtype=_ROUTER_DTYPES[config.moe_router_dtype],
+    return dict(router_dtype=_router_dtype(config),
                 bias=bool(config.add_bias_linear), params_dtype=config.params_dtype,
                 enable_expert_bias=bool(config.moe_router_enable_expert_bias),
                 input_jitter_eps=config.moe_input_jitter_eps)
@@ -761,9 +781,7 @@ def _make_engine_gating(orig):
         st = getattr(self, "_sy", None)
         if st is None or input.is_cuda or self.weight.is_cuda:
             return orig(self, input)
-        rd = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype,
-                                                              torch.float32)
-        return _syt.router_gating_linear(input, self.weight, self.bias, router_dtype=rd)
+        return _syt._router_logits(input, self.weight, self.bias, _router_dtype(self.config))
     return gating
 
 
