@@ -29,3 +29,27 @@ def expert_weights(seed, num_experts, hidden):
     """One [H,H] matrix per expert (the 'expert' of the tests is a linear map)."""
     g = torch.Generator().manual_seed(seed + 77)
     return torch.randn(num_experts, hidden, hidden, generator=g) / hidden**0.5
+
+
+def expect_error(what, fn, piece):
+    """Runs fn on this rank and asserts it raises a ValueError whose message holds `piece` (the
+    mpirun hostile tests: every rank must see the same error, none may pass or hang)."""
+    try:
+        fn()
+    except ValueError as e:
+        if piece not in str(e):
+            raise AssertionError(f"{what}: message {str(e)!r} lacks {piece!r}") from e
+        return
+    raise AssertionError(f"{what}: no error on this rank")
+
+
+def run_mpi_main(main):
+    """The mpirun scripts' entry point: a failure prints its traceback and exits 1 on that rank."""
+    import sys
+    import traceback
+    try:
+        main()
+    except Exception:  # noqa: BLE001 - reported through the exit code
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.exit(1)

@@ -11,26 +11,19 @@ Run: mpirun -np 2 --oversubscribe env PYTHONPATH=build/python python3 python/tes
 """
 import os
 import sys
-import traceback
 
 os.environ.setdefault("SWITCHYARD_COLLECTIVE_TIMEOUT", "30")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import expect_error, run_mpi_main  # noqa: E402
 
 import switchyard as sy  # noqa: E402
 import switchyard.torch as syt  # noqa: E402
 
 torch.set_num_threads(1)
 
-
-def expect_error(what, fn, want):
-    try:
-        fn()
-    except ValueError as e:
-        if want not in str(e):
-            raise AssertionError(f"{what}: message {str(e)!r} lacks {want!r}") from e
-        return
-    raise AssertionError(f"{what}: no error on this rank")
 
 
 def logits(T, E):
@@ -125,9 +118,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.exit(1)
+    run_mpi_main(main)

@@ -35,6 +35,15 @@ def _fails_once(module):
 
 
 # ---- 1. a step's replay targets are all or nothing -----------------------------------------------
+def _retry_replays_its_own_targets(p, model, ids):
+    """After a failed step no layer holds any of its ids; a retry's targets are used everywhere."""
+    assert all(r.num_targets == 0 for r in p.replays.values())
+    p.set_targets(_const_targets(p, 6, [2, 3]))
+    used = _used(p, model, ids)
+    assert bool((used.sort(dim=-1).values == torch.tensor([2, 3], dtype=torch.int32)).all()), used
+    p.unpatch()
+
+
 @pytest.mark.hostile(tried="HF R3: set_targets with a bad row in layer 0, then a corrected retry",
                      gets="the bad step is refused at set_targets, no layer stores any of it; the "
                           "retry replays its own ids in every layer")
@@ -48,11 +57,7 @@ def test_hf_retry_after_a_rejected_step_replays_its_own_targets():
         p.set_targets(bad)
         with torch.no_grad():
             model(ids)
-    assert all(r.num_targets == 0 for r in p.replays.values())
-    p.set_targets(_const_targets(p, 6, [2, 3]))
-    used = _used(p, model, ids)
-    assert bool((used.sort(dim=-1).values == torch.tensor([2, 3], dtype=torch.int32)).all()), used
-    p.unpatch()
+    _retry_replays_its_own_targets(p, model, ids)
 
 
 @pytest.mark.hostile(tried="HF R3: a forward that fails mid-model (targets of the wrong T; an "
@@ -73,11 +78,7 @@ def test_hf_failed_forward_drops_the_step_in_every_layer(failure):
         err, match = RuntimeError, "injected failure"
     with pytest.raises(err, match=match), torch.no_grad():
         model(ids)
-    assert all(r.num_targets == 0 for r in p.replays.values())
-    p.set_targets(_const_targets(p, 6, [2, 3]))
-    used = _used(p, model, ids)
-    assert bool((used.sort(dim=-1).values == torch.tensor([2, 3], dtype=torch.int32)).all()), used
-    p.unpatch()
+    _retry_replays_its_own_targets(p, model, ids)
 
 
 @pytest.mark.hostile(tried="HF R2: a replay forward of micro-batch A fails in layer 1's attention, "

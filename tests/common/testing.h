@@ -3,10 +3,12 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <random>
 #include <sstream>
 #include <string>
@@ -127,5 +129,21 @@ inline ::testing::AssertionResult bitwise_equal(const Tensor& a, const Tensor& b
           << "message: " << e_.what() << "\nwanted substring: " << (substr);              \
     }                                                                                     \
   } while (0)
+
+// A fixture with a fresh folder per test (removed after it): <tmp>/sy_<suite>_<pid>_<test>.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = std::filesystem::temp_directory_path() /
+           ("sy_" + std::string(info->test_suite_name()) + "_" + std::to_string(::getpid()) + "_" +
+            info->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string p(const std::string& name) const { return (dir_ / name).string(); }
+  std::filesystem::path dir_;
+};
 
 }  // namespace switchyard::testing

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "cli_testing.h"
+#include "testing.h"
 #include "switchyard/route_file.h"
 
 namespace {
@@ -23,13 +24,10 @@ namespace fs = std::filesystem;
 using switchyard::testing::CliRun;
 using switchyard::testing::run;
 
-class CliExportAtomic : public ::testing::Test {
+class CliExportAtomic : public switchyard::testing::TempDirTest {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("sy_cli_export_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    TempDirTest::SetUp();
     fs::create_directories(dir_ / "out");
     // 2 hidden layers, layer 1 MoE, K 1: the ids file (4 bytes a token) is smaller than the mask
     // (8 bytes a token), so a limit between their sizes fails the second file after the first
@@ -39,8 +37,6 @@ class CliExportAtomic : public ::testing::Test {
     for (int s = 0; s < 3; ++s) w.append(switchyard::RouteTable::none(40 + s, 1, 1, 8));
     w.close();
   }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string p(const std::string& name) const { return (dir_ / name).string(); }
   std::string out(const std::string& name) const { return (dir_ / "out" / name).string(); }
   static std::string slurp(const std::string& path) {
     std::ifstream f(path, std::ios::binary);
@@ -83,7 +79,6 @@ class CliExportAtomic : public ::testing::Test {
     ::waitpid(pid, &status, 0);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   }
-  fs::path dir_;
 };
 
 TEST_F(CliExportAtomic, ExportPastAFileSizeLimitLeavesThePreviousExport) {

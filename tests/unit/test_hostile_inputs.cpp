@@ -54,18 +54,7 @@ namespace fs = std::filesystem;
 using testing::repro;
 using testing::test_seed;
 
-class Hostile : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("sy_hostile_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string p(const std::string& name) const { return (dir_ / name).string(); }
-  fs::path dir_;
+class Hostile : public switchyard::testing::TempDirTest {
 };
 
 RouteFileInfo info3() { return RouteFileInfo{8, 2, 3, {1, 2, 3}, 4, 0, 0}; }

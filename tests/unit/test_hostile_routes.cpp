@@ -26,18 +26,7 @@ using testing::test_seed;
 
 constexpr int64_t kE = 64, kL = 4, kK = 2;
 
-class HostileRoutes : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("sy_hostile_routes_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string p(const std::string& name) const { return (dir_ / name).string(); }
-  fs::path dir_;
+class HostileRoutes : public switchyard::testing::TempDirTest {
 };
 
 RouteFileInfo info() { return RouteFileInfo{kE, kK, kL, {}, 0, 0, 0}; }
