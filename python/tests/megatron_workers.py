@@ -448,11 +448,18 @@ def case_block(rank, world, res):
 CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
 
 
-def _worker(rank, world, port, cases, out_dir):
+def init_gloo(rank, world, out_dir, **kw):
+    """A gloo group through a file store in the test's own folder: no TCP rendezvous port, which a
+    port picked by bind-and-close could lose to a concurrent test (ctest -j2 runs the MPI tests,
+    whose Open MPI and gloo connections take ephemeral ports, beside pytest)."""
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'pg_store')}",
+                            rank=rank, world_size=world, **kw)
+
+
+def _worker(rank, world, cases, out_dir):
     sys.path.insert(0, HERE)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_gloo(rank, world, out_dir)
     import megatron_shims
     megatron_shims.install()
     out = {}
@@ -467,10 +474,10 @@ def _worker(rank, world, port, cases, out_dir):
     dist.destroy_process_group()
 
 
-def spawn(cases, world, out_dir, port):
+def spawn(cases, world, out_dir):
     """Runs ``cases`` (names of case_* functions) on ``world`` gloo ranks; returns, per rank,
     {case: findings}."""
     import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(world, port, list(cases), out_dir), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, list(cases), out_dir), nprocs=world, join=True)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(world)]

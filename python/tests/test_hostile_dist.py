@@ -47,7 +47,7 @@ def test_dispatch_memory_does_not_grow_beyond_the_count_exchange_with_huge_num_e
 
 
 # ---- Megatron: a replay table of the wrong length, set over a group without num_tokens ---------
-def _wrong_length_worker(rank, world, port, out_dir):
+def _wrong_length_worker(rank, world, out_dir):
     """Every rank sets a replay table over the EP group without num_tokens (the README recipe);
     the last rank's has 2 tokens too few. Records what the layer's forward raises on each rank."""
     import datetime
@@ -62,11 +62,9 @@ def _wrong_length_worker(rank, world, port, out_dir):
     import megatron_workers as mw
 
     import switchyard.integrations.megatron as sym
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     # A short timeout: before the fix the other ranks waited in the dispatcher's all-to-all.
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    mw.init_gloo(rank, world, out_dir, timeout=datetime.timedelta(seconds=60))
     megatron_shims.install()
     res = {}
     try:
@@ -98,16 +96,10 @@ def _wrong_length_worker(rank, world, port, out_dir):
                           "others stuck in the all-to-all)")
 def test_megatron_replay_of_the_wrong_length_fails_on_every_rank(tmp_path):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    import socket
-
     import torch
     import torch.multiprocessing as mp
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
     world = 2
-    mp.spawn(_wrong_length_worker, args=(world, port, str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_wrong_length_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     want = ("ValueError: [megatron.replay] layer 1: the replay tensor has 10 tokens, the router "
             "got 12 (on rank 1 of the group)")

@@ -8,7 +8,6 @@ Megatron's SequentialMLP, whose GEMMs see different row counts per expert at dif
 and torch's CPU GEMM is not batch invariant.
 """
 import os
-import socket
 import sys
 import types
 
@@ -26,17 +25,9 @@ ATOL, RTOL = 1e-6, 1e-5
 E, K = mw.E, mw.K
 
 
-def _port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 def _run(cases, world, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"megatron_ep{world}")
-    res = mw.spawn(cases, world, str(d), _port())
+    res = mw.spawn(cases, world, str(d))
     for rank, per_case in enumerate(res):
         for case, r in per_case.items():
             assert "worker_error" not in r, f"rank {rank}, case {case}:\n{r['worker_error']}"
