@@ -53,3 +53,14 @@ def run_mpi_main(main):
         traceback.print_exc()
         sys.stdout.flush()
         sys.exit(1)
+
+
+def single_rank_gloo():
+    """A one-rank gloo group for the tests that build Megatron-Core objects in this process (their
+    process-group collection needs one): a file store in a fresh folder, so no TCP port is taken
+    (a fixed or pid-derived port can collide with a concurrent test's)."""
+    import tempfile
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        store = f"file://{tempfile.mkdtemp(prefix='sy_gloo_')}/store"
+        dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)

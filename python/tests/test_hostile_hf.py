@@ -3,7 +3,6 @@ models: a retry after a rejected replay step, an old Patch handle, beam search u
 copy.deepcopy of a patched model (TRL's reference model), a patched model on the meta device; and
 the Megatron integration's retry after a token-count mismatch (real megatron-core on the CPU)."""
 import copy
-import os
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 pytest.importorskip("transformers")  # an optional dependency of switchyard
 
 import switchyard.integrations.hf as syhf  # noqa: E402
+from helpers import single_rank_gloo  # noqa: E402
 from hf_models import FAMILIES, build, tokens  # noqa: E402
 
 
@@ -114,10 +114,7 @@ def test_megatron_token_count_mismatch_drops_the_step_and_the_retry_uses_its_own
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     import torch.distributed as dist
     import switchyard.integrations.megatron as sym
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    single_rank_gloo()
     saved = torch.cuda.current_device  # Megatron's router buffers: the current device = the CPU
     torch.cuda.current_device = lambda: "cpu"
     request.addfinalizer(lambda: setattr(torch.cuda, "current_device", saved))

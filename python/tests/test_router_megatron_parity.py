@@ -6,12 +6,12 @@ Megatron's TopKRouter allocates its buffers on torch.cuda.current_device(); the 
 points that at the CPU (a test-only shim, there is no GPU here) and builds a one-rank gloo group
 for its process-group collection. No Megatron code is copied: it is imported and called."""
 import math
-import os
 
 import pytest
 import torch
 import torch.utils.checkpoint as tcp
 
+from helpers import single_rank_gloo
 import switchyard as sy
 import switchyard.torch as syt
 
@@ -26,10 +26,7 @@ def _cfg(E, K, **kw):
 def mcore(request):
     """Megatron-Core's TopKRouter factory on the CPU (one-rank gloo group)."""
     import torch.distributed as dist
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    single_rank_gloo()
     # Megatron puts its router buffers on the current CUDA device; on this CPU-only machine that
     # device is the CPU (the shim is restored when the module's tests end).
     saved = torch.cuda.current_device
