@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -171,6 +172,16 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
   auto run = [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     const T* in = reinterpret_cast<const T*>(data);
+    // .npy bytes in a caller's buffer (a file read, an HTTP body, base64-decoded text) can place
+    // the data at any offset; the row kernel loads whole T values, so a misaligned array is
+    // copied once into aligned storage (found by fuzz_import_vllm under UBSan). Tensors are
+    // aligned and take no copy.
+    std::vector<T> aligned;
+    if (reinterpret_cast<std::uintptr_t>(data) % alignof(T) != 0) {
+      aligned.resize(static_cast<size_t>(rows * row_elems));
+      std::memcpy(aligned.data(), data, aligned.size() * sizeof(T));
+      in = aligned.data();
+    }
     ok = detail::import_rows<T>([&](int64_t r) { return in + r * row_elems; }, rows, plan,
                                 t.topk_idx.data<int32_t>(), f);
   };

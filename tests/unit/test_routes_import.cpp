@@ -95,6 +95,14 @@ TEST(RouteImport, VllmFirstKDenseWithMtp) {
   std::vector<int64_t> v64(v.begin(), v.end());
   ImportResult r64 = import_vllm_npy_bytes(npy(v64, {rows, layers, K}, "<i8"), "seq0.npy", opt);
   EXPECT_TRUE(route_tables_equal(r64.sequences[0], r.sequences[0]));
+  // .npy bytes at any offset of the caller's buffer (an HTTP body, a file slice): the int64 data
+  // is then misaligned and must be read as bytes (UBSan found a typed load here), same table.
+  for (size_t shift = 1; shift < 8; ++shift) {
+    const std::string bytes = std::string(shift, ' ') + npy(v64, {rows, layers, K}, "<i8");
+    ImportResult moved = import_vllm_npy_bytes(std::string_view(bytes).substr(shift), "seq0.npy",
+                                               opt);
+    EXPECT_TRUE(route_tables_equal(moved.sequences[0], r.sequences[0])) << "shift " << shift;
+  }
   // A wrong map (every layer MoE) sees the dense zeros as zero rows.
   opt.layer_map = LayerMap{};
   ImportResult wrong = import_vllm_npy_bytes(npy(v, {rows, layers, K}, "<i4"), "seq0.npy", opt);
