@@ -18,6 +18,7 @@
 #include <iterator>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commands.h"
@@ -84,6 +85,32 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   return 0;
 }
 
+// Options that size what the CLI allocates and compresses: --seq-len the export's batch
+// ([B, seq_len, 6, 2] int32), --tp/--cp/--fp8-align the alignment padding of every packed sequence
+// (2·tp·cp or lcm(.., fp8_align) tokens). A legitimate value of a few hundred thousand asks for
+// gigabytes or minutes (the CLI reports out of memory; libFuzzer's 2 GB malloc limit and 10 s
+// timeout count it as a finding: --seq-len millions, then --tp 461904). So fuzzed values stay
+// small (or hold no digit at all, for the parse errors); the overflow and huge-value cases are
+// rows of test_bad_inputs and test_cli_bad_inputs.
+bool sizes_small(const std::vector<std::string>& args) {
+  static const std::pair<const char*, long> kLimits[] = {
+      {"--seq-len", 65536}, {"--tp", 64}, {"--cp", 64}, {"--fp8-align", 256}};
+  for (size_t i = 0; i < args.size(); ++i) {
+    for (const auto& [name, limit] : kLimits) {
+      const std::string opt(name), eq = opt + "=";
+      std::string v;
+      if (args[i] == opt && i + 1 < args.size()) v = args[i + 1];
+      if (args[i].rfind(eq, 0) == 0) v = args[i].substr(eq.size());
+      if (v.find_first_of("0123456789") == std::string::npos) continue;
+      const bool small = !v.empty() && v.size() <= 6 &&
+                         v.find_first_not_of("0123456789") == std::string::npos &&
+                         std::stol(v) <= limit;
+      if (!small) return false;
+    }
+  }
+  return true;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const std::string text(reinterpret_cast<const char*>(data + 1), size - 1);
@@ -107,21 +134,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     while (std::getline(ss, a, '\n') && n++ < 24) {
       if (a.find('/') == std::string::npos && a != "-o" && a != "--output") args.push_back(a);
     }
-    // --seq-len sizes the export's batch ([B, seq_len, 6, 2] int32): a legitimate value of a few
-    // million asks for gigabytes, which the CLI reports as out of memory on a machine without
-    // them, but libFuzzer's 2 GB malloc/RSS limit counts it as a crash. So the fuzzed values stay
-    // <= 65536 (or hold no digit at all, for the parse errors); the int64 overflow at the top of
-    // the range is tested in test_bad_inputs and CliRoutes.
-    for (size_t i = 0; i < args.size(); ++i) {
-      std::string v;
-      if (args[i] == "--seq-len" && i + 1 < args.size()) v = args[i + 1];
-      if (args[i].rfind("--seq-len=", 0) == 0) v = args[i].substr(10);
-      if (v.find_first_of("0123456789") == std::string::npos) continue;
-      const bool small = !v.empty() && v.size() <= 5 &&
-                         v.find_first_not_of("0123456789") == std::string::npos &&
-                         std::stol(v) <= 65536;
-      if (!small) return 0;
-    }
+    if (!sizes_small(args)) return 0;
     std::ostringstream out, err;
     const int code = run_cli(args, out, err);
     // Exit 0 also comes from --help (a fuzzed "-h..."): check the files when the export says so.
@@ -149,6 +162,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     while (std::getline(ss, a, '\n') && n++ < 24) {
       if (a.find('/') == std::string::npos && a != "-o" && a != "--output") args.push_back(a);
     }
+    if (!sizes_small(args)) return 0;
     std::ostringstream out, err;
     const int code = run_cli(args, out, err);
     std::ifstream in("in.syr", std::ios::binary);
@@ -172,6 +186,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (a.find('/') != std::string::npos) continue;
     args.push_back(a);
   }
+  if (!sizes_small(args)) return 0;
   std::ostringstream out, err;
   (void)run_cli(args, out, err);
   return 0;

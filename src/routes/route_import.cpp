@@ -177,7 +177,7 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
     // copied once into aligned storage (found by fuzz_import_vllm under UBSan). Tensors are
     // aligned and take no copy.
     std::vector<T> aligned;
-    if (reinterpret_cast<std::uintptr_t>(data) % alignof(T) != 0) {
+    if (reinterpret_cast<std::uintptr_t>(data) % alignof(T) != 0 && rows * row_elems > 0) {
       aligned.resize(static_cast<size_t>(rows * row_elems));
       std::memcpy(aligned.data(), data, aligned.size() * sizeof(T));
       in = aligned.data();
