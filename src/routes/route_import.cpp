@@ -30,21 +30,30 @@ using detail::kMaxReportedZeroRows;
 // One input element type (the .npy descr, or int32 for SGLang).
 enum class Elem { i1, u1, i2, u2, i4, u4, i8 };
 
-size_t elem_size(Elem e) {
+// Calls f with a null `const T*` of the element's C++ type (the one place Elem meets a type).
+template <class F>
+decltype(auto) visit_elem(Elem e, F&& f) {
   switch (e) {
     case Elem::i1:
+      return f(static_cast<const int8_t*>(nullptr));
     case Elem::u1:
-      return 1;
+      return f(static_cast<const uint8_t*>(nullptr));
     case Elem::i2:
+      return f(static_cast<const int16_t*>(nullptr));
     case Elem::u2:
-      return 2;
+      return f(static_cast<const uint16_t*>(nullptr));
     case Elem::i4:
+      return f(static_cast<const int32_t*>(nullptr));
     case Elem::u4:
-      return 4;
+      return f(static_cast<const uint32_t*>(nullptr));
     case Elem::i8:
-      return 8;
+      break;
   }
-  return 0;
+  return f(static_cast<const int64_t*>(nullptr));
+}
+
+size_t elem_size(Elem e) {
+  return visit_elem(e, [](auto* typed) { return sizeof(*typed); });
 }
 
 // The element type of an in-memory route array.
@@ -185,29 +194,7 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
     ok = detail::import_rows<T>([&](int64_t r) { return in + r * row_elems; }, rows, plan,
                                 t.topk_idx.data<int32_t>(), f);
   };
-  switch (elem) {
-    case Elem::i1:
-      run(static_cast<const int8_t*>(nullptr));
-      break;
-    case Elem::u1:
-      run(static_cast<const uint8_t*>(nullptr));
-      break;
-    case Elem::i2:
-      run(static_cast<const int16_t*>(nullptr));
-      break;
-    case Elem::u2:
-      run(static_cast<const uint16_t*>(nullptr));
-      break;
-    case Elem::i4:
-      run(static_cast<const int32_t*>(nullptr));
-      break;
-    case Elem::u4:
-      run(static_cast<const uint32_t*>(nullptr));
-      break;
-    case Elem::i8:
-      run(static_cast<const int64_t*>(nullptr));
-      break;
-  }
+  visit_elem(elem, run);
   if (!ok) fail_arg(kOp, source, " (sequence ", seq, "): ", f.error);
   for (const auto& z : f.first_zero_rows) {
     if (rep.first_zero_rows.size() < kMaxReportedZeroRows)
