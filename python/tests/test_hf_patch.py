@@ -248,7 +248,8 @@ def test_patch_errors():
 
 
 def test_patch_refuses_an_old_transformers(monkeypatch):
-    monkeypatch.setattr(syhf, "_transformers_version", lambda: "5.12.0")
+    import transformers
+    monkeypatch.setattr(transformers, "__version__", "5.12.0")
     with pytest.raises(RuntimeError, match=r"needs transformers >= 5\.24\.0, found 5\.12\.0"):
         syhf.patch(build("olmoe"))
 
