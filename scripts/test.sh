@@ -63,8 +63,13 @@ stage "tests on the portable kernels: unit and python with SWITCHYARD_CPU_ISA=sc
 [ "${PIPESTATUS[0]}" -eq 0 ] || stage_failed+=("scalar-kernel tests")
 count_ctest build/ctest-scalar.log
 
-stage "docs: the README's tables are what the tests give (bad inputs, careless and hostile use)"
-check "README tables" bash scripts/readme_tables.sh --check
+stage "docs: the tables in docs/ are what the tests give (bad inputs, careless and hostile use)"
+check "docs tables" bash scripts/readme_tables.sh --check
+
+# The site's own environment (requirements/docs.lock.txt) is made on the first run, like the main
+# venv; the build reads the Python API from the sources (no import), so it needs no build tree.
+stage "docs: site builds (mkdocs --strict)"
+check "docs site" bash scripts/docs.sh
 
 stage "python package: wheel -> fresh venv -> import, README example, CLI on PATH"
 check "python package" bash scripts/check_package.sh
