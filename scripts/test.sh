@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing (Debian packages, the Python venv), builds everything
 # and runs every test (unit, MPI at 1-4 ranks, Python) on the auto-chosen kernels and again on the
-# portable ones, checks the pip package, the CMake package and the CUDA build (compile, link and
+# portable ones, checks the generated tables and the strict build of the documentation site
+# (scripts/docs.sh), the pip package, the CMake package and the CUDA build (compile, link and
 # the device test; skipped without nvcc), then the AddressSanitizer+UBSan
 # build of the unit and MPI tests, then bounded fuzz runs. Ends with one summary line:
 # "summary: N passed, M failed".
