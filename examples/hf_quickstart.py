@@ -1,6 +1,7 @@
 """switchyard with a Hugging Face transformers MoE model: FP32 router, R2, capture during
-generate(), R3 from the captured routes, checkpointing. The README's transformers example is this
-file; the test suite runs it (test_hf_replay.py). A tiny Qwen3-MoE from a config: no download."""
+generate(), R3 from the captured routes, checkpointing. The Hugging Face guide's example
+(docs/guides/hf.md) is this file; the test suite runs it (test_hf_replay.py). A tiny Qwen3-MoE
+from a config: no download."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -1,5 +1,6 @@
 """switchyard in one page: FP32 router, router replay (R2), expert-parallel dispatch and a route file.
-The README's Python example is this file; CI runs it against an installed wheel."""
+The PyTorch guide's example (docs/guides/pytorch.md) is this file; CI runs it against an
+installed wheel."""
 import os
 import tempfile
 

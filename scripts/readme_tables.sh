@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates the tables that the docs take from the tests, and splices them into every file that
-# marks their place (<!-- table:NAME --> ... <!-- /table:NAME -->): README.md, notes/reliability.md.
+# marks their place (<!-- table:NAME --> ... <!-- /table:NAME -->): README.md and the pages under
+# docs/ and notes/ (the tables live in docs/reliability.md; the README keeps none of them).
 #   bad-inputs-cpp     tests/unit/test_bad_inputs.cpp          (SY_BAD_INPUT_TABLE)
 #   bad-inputs-cli     tests/unit/test_cli_bad_inputs.cpp      (SY_BAD_INPUT_TABLE_CLI)
 #   bad-inputs-python  python/tests/test_bad_inputs.py         (SY_BAD_INPUT_TABLE_PY)
@@ -30,8 +31,12 @@ import difflib, pathlib, re, sys
 out, check = pathlib.Path(sys.argv[1]), "--check" in sys.argv[2:]
 tables = {p.stem: p.read_text().rstrip("\n") for p in out.glob("*.md")}
 bad = 0
-for doc in (pathlib.Path("README.md"), pathlib.Path("notes/reliability.md")):
+docs = [pathlib.Path("README.md"), *sorted(pathlib.Path("docs").rglob("*.md")),
+        *sorted(pathlib.Path("notes").rglob("*.md"))]
+for doc in docs:
     text = doc.read_text()
+    if "<!-- table:" not in text:
+        continue
     def put(m):
         name = m.group(1)
         if name not in tables:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing (Debian packages, the Python venv), builds everything
 # and runs every test (unit, MPI at 1-4 ranks, Python) on the auto-chosen kernels and again on the
-# portable ones, checks the pip package, the CMake package and the CUDA build (compile, link and
+# portable ones, checks the generated tables and the strict build of the documentation site
+# (scripts/docs.sh), the pip package, the CMake package and the CUDA build (compile, link and
 # the device test; skipped without nvcc), then the AddressSanitizer+UBSan
 # build of the unit and MPI tests, then bounded fuzz runs. Ends with one summary line:
 # "summary: N passed, M failed".
@@ -63,8 +64,13 @@ stage "tests on the portable kernels: unit and python with SWITCHYARD_CPU_ISA=sc
 [ "${PIPESTATUS[0]}" -eq 0 ] || stage_failed+=("scalar-kernel tests")
 count_ctest build/ctest-scalar.log
 
-stage "docs: the README's tables are what the tests give (bad inputs, careless and hostile use)"
-check "README tables" bash scripts/readme_tables.sh --check
+stage "docs: the tables in docs/ are what the tests give (bad inputs, careless and hostile use)"
+check "docs tables" bash scripts/readme_tables.sh --check
+
+# The site's own environment (requirements/docs.lock.txt) is made on the first run, like the main
+# venv; the build reads the Python API from the sources (no import), so it needs no build tree.
+stage "docs: site builds (mkdocs --strict)"
+check "docs site" bash scripts/docs.sh
 
 stage "python package: wheel -> fresh venv -> import, README example, CLI on PATH"
 check "python package" bash scripts/check_package.sh

@@ -22,8 +22,8 @@ class RouterConfig(_C.RouterConfig):
     ``RouterConfig(num_experts=E, top_k=K, score_function="softmax", pre_softmax=False,
     num_groups=None, group_topk=None, topk_scaling_factor=None, capacity_factor=None,
     token_drop_policy="probs", pad_to_capacity=False, aux_loss_type=None, aux_loss_coeff=0.0,
-    z_loss_coeff=0.0, ...)``; the full list with each Megatron name is in the README. The engine
-    validates every field (ValueError naming it)."""
+    z_loss_coeff=0.0, ...)``; the full list with each Megatron name is in
+    docs/megatron-options.md. The engine validates every field (ValueError naming it)."""
 
     def __init__(self, **kwargs):
         _names.check_kwargs("RouterConfig", kwargs)

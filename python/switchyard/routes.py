@@ -51,6 +51,8 @@ class RouteFile:
 
     @classmethod
     def from_bytes(cls, data):
+        """A route file held in memory (bytes-like, or a ``routes.encode`` message as bytes);
+        corrupt data raises switchyard.DataError."""
         self = cls.__new__(cls)
         self._r = _C.RouteFileReader.from_bytes(bytes(data))
         return self
@@ -70,18 +72,24 @@ class RouteFile:
 
     @property
     def info(self):
+        """The header: num_experts, top_k, num_moe_layers, moe_layers (hidden-layer index of each
+        MoE layer), num_hidden_layers, id_width (bytes per stored id), version."""
         return self._r.info
 
     @property
     def complete(self):
+        """False for a file whose writer did not commit (opened in recovery)."""
         return self._r.complete
 
     @property
     def status(self):
+        """What the reader found: complete, or what is missing (a partial block and its byte
+        offset) in recovery."""
         return self._r.status
 
     @property
     def file_size(self):
+        """Size of the file in bytes."""
         return self._r.file_size
 
 
@@ -115,6 +123,8 @@ class RouteWriter:
         return _C.RouteFileWriter.partial_path(str(path))
 
     def append(self, table):
+        """Appends one sequence: ``table`` [T, num_moe_layers, top_k] int32/int64, ids in
+        [0, num_experts) or -1 (no route); durable on its own once it returns."""
         self._w.append(table, self.num_experts)
 
     def close(self):
@@ -131,10 +141,12 @@ class RouteWriter:
 
     @property
     def num_sequences(self):
+        """Sequences appended so far."""
         return self._w.num_sequences
 
     @property
     def bytes_written(self):
+        """Bytes written so far (the file's size once closed)."""
         return self._w.bytes_written
 
     def __enter__(self):
@@ -493,6 +505,8 @@ class VllmRouteStream:
                            -1 if prompt_tokens is None else int(prompt_tokens))
 
     def set_prompt_start(self, request_id, prompt_start):
+        """The request's ``routed_experts_prompt_start``: its routes begin at that token, and the
+        tokens before it get -1 rows in the finished table."""
         self._s.set_prompt_start(str(request_id), int(prompt_start))
 
     def add_chunk(self, chunk):
@@ -537,7 +551,10 @@ def import_vllm_stream(source, num_experts, first_k_dense=0, moe_layer_freq=None
 
 
 def moe_layer_indices(num_input_layers, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0):
-    """Hidden-layer indices of the MoE layers (Megatron-Core's layer map)."""
+    """Hidden-layer indices of the MoE layers (Megatron-Core's layer map), a list of ints.
+    ``num_input_layers``: the routes' layer count (the hidden layers, then ``num_mtp_layers`` MTP
+    layers, which are never included); a hidden layer is MoE when ``moe_layer_freq`` (a 0/1 per
+    hidden layer, or "3x0,45x1") says 1, else when its index is >= ``first_k_dense``."""
     return _C.routes_moe_layer_indices(int(first_k_dense), _freq(moe_layer_freq),
                                        int(num_mtp_layers), int(num_input_layers))
 
@@ -563,58 +580,78 @@ def drop_padding(topk_idx, attention_mask, num_experts=None):
 
 def pack_thd(tables, tp_size=1, cp_size=1, fp8_align=0, num_experts=None):
     """Packs tables end to end (THD), each padded with -1 rows to Megatron-Core's alignment.
-    Returns (packed [sum padded, L, K], cu_seqlens, cu_seqlens_padded)."""
+
+    tables: [T_i, L, K] int32/int64. The per-sequence padding multiple is ``tp_size`` (cp 1) or
+    ``2 * tp_size * cp_size``, then the lcm with ``fp8_align`` (0 = none, 16 or 128). Returns
+    (packed int32 [sum of padded T_i, L, K], cu_seqlens, cu_seqlens_padded): the cumulative real and
+    padded lengths, lists of len(tables) + 1 ints starting at 0."""
     tables = list(tables)
     return _C.routes_pack_thd(tables, _num_experts(tables, num_experts), int(tp_size),
                               int(cp_size), int(fp8_align))
 
 
 def unpack_thd(packed, cu_seqlens, cu_seqlens_padded, num_experts=None):
-    """Inverse of pack_thd: the real rows of each sequence."""
+    """Inverse of pack_thd: packed [N, L, K] and its cu_seqlens / cu_seqlens_padded -> the real
+    rows of each sequence, a list of int32 [T_i, L, K]."""
     return _C.routes_unpack_thd(packed, list(cu_seqlens), list(cu_seqlens_padded),
                                 _num_experts([packed], num_experts))
 
 
 def cp_zigzag_split(packed, cu_seqlens_padded, cp_size, cp_rank, num_experts=None):
-    """Context-parallel zigzag piece of a packed table for cp_rank."""
+    """Context-parallel zigzag piece of a packed table for cp_rank: each padded sequence of
+    ``packed`` [N, L, K] (cu_seqlens_padded from pack_thd) is cut into 2 * cp_size chunks and rank r
+    keeps chunks r and 2 * cp_size - 1 - r. Returns int32 [N / cp_size, L, K]."""
     return _C.routes_cp_zigzag_split(packed, list(cu_seqlens_padded), int(cp_size), int(cp_rank),
                                      _num_experts([packed], num_experts))
 
 
 def cp_zigzag_gather(pieces, cu_seqlens_padded, num_experts=None):
-    """Inverse of cp_zigzag_split (pieces indexed by cp rank)."""
+    """Inverse of cp_zigzag_split: pieces (int32 [N / cp, L, K], indexed by cp rank) -> the packed
+    table int32 [N, L, K]."""
     pieces = list(pieces)
     return _C.routes_cp_zigzag_gather(pieces, list(cu_seqlens_padded),
                                       _num_experts(pieces, num_experts))
 
 
 def sp_split(table, tp_size, tp_rank, num_experts=None):
-    """Sequence-parallel piece: the tp_rank-th contiguous block of tokens."""
+    """Sequence-parallel piece: the tp_rank-th of tp_size contiguous blocks of the tokens of
+    ``table`` [T, L, K] (T divisible by tp_size, as pack_thd pads). Returns int32 [T / tp_size, L,
+    K]."""
     return _C.routes_sp_split(table, int(tp_size), int(tp_rank), _num_experts([table], num_experts))
 
 
 def sp_gather(pieces, num_experts=None):
+    """Inverse of sp_split: the pieces ([T / tp, L, K], in tp-rank order) end to end, int32
+    [T, L, K]."""
     pieces = list(pieces)
     return _C.routes_sp_gather(pieces, _num_experts(pieces, num_experts))
 
 
 def slice_layers(table, begin, end, num_experts=None):
+    """MoE layers [begin, end) of ``table`` [T, L, K] (e.g. from pp_moe_layer_range): int32
+    [T, end - begin, K]."""
     return _C.routes_slice_layers(table, int(begin), int(end), _num_experts([table], num_experts))
 
 
 def concat_layers(pieces, num_experts=None):
+    """Inverse of slice_layers: pieces [T, L_i, K] of the same tokens side by side, int32
+    [T, sum L_i, K]."""
     pieces = list(pieces)
     return _C.routes_concat_layers(pieces, _num_experts(pieces, num_experts))
 
 
 def concat_tokens(pieces, num_experts=None):
+    """Tables [T_i, L, K] end to end (no padding): int32 [sum T_i, L, K]."""
     pieces = list(pieces)
     return _C.routes_concat_tokens(pieces, _num_experts(pieces, num_experts))
 
 
 def pp_moe_layer_range(moe_layers, num_hidden_layers, pp_size=1, pp_rank=0, vpp_size=1,
                        vpp_rank=0, first_stage_layers=0, last_stage_layers=0):
-    """MoE-layer range [begin, end) a (virtual) pipeline chunk owns."""
+    """MoE-layer range (begin, end) that a (virtual) pipeline chunk owns: the hidden layers are
+    split evenly over pp_size * vpp_size chunks (chunk vpp_rank * pp_size + pp_rank; or uneven
+    first / last stage sizes), and a chunk owns the MoE layers among its hidden layers.
+    ``moe_layers``: hidden-layer index of each MoE layer. Use with slice_layers."""
     return _C.routes_pp_moe_layer_range(list(moe_layers), int(num_hidden_layers), int(pp_size),
                                         int(pp_rank), int(vpp_size), int(vpp_rank),
                                         int(first_stage_layers), int(last_stage_layers))
@@ -622,15 +659,19 @@ def pp_moe_layer_range(moe_layers, num_hidden_layers, pp_size=1, pp_rank=0, vpp_
 
 # ---- statistics -------------------------------------------------------------------------------------
 def drift(a, b, num_experts=None):
-    """Mismatch between two routings of the same tokens (tables, or lists of tables): shares of
-    decisions and tokens that differ, mean differing layers per token, per-layer mismatch."""
+    """Mismatch between two routings of the same tokens: ``a`` and ``b`` are tables [T, L, K] (or
+    lists of them) of the same shape. Rows compare as sets where both have a route. Returns a
+    dict: num_tokens, num_rows, num_decisions, num_differing_decisions / rows / tokens,
+    num_skipped_rows, decision_mismatch, token_mismatch (floats in [0, 1]),
+    mean_differing_layers, layer_mismatch (one float per layer)."""
     if isinstance(a, (list, tuple)):
         return _C.routes_drift_many(list(a), list(b), _num_experts(list(a) + list(b), num_experts))
     return _C.routes_drift(a, b, _num_experts([a, b], num_experts))
 
 
 def expert_load(tables, num_experts=None):
-    """Per-layer expert load: (counts [L, E] int64, all -1 rows per layer, max/mean per layer)."""
+    """Per-layer expert load of tables [T_i, L, K]: (counts int64 [L, E], all -1 rows per layer,
+    max/mean load per layer)."""
     if not isinstance(tables, (list, tuple)):
         tables = [tables]
     return _C.routes_expert_load(list(tables), _num_experts(tables, num_experts))

@@ -680,6 +680,13 @@ class TopKRouter(torch.nn.Module):
         self.last_info = None
 
     def forward(self, x, replay=None, *, padding_mask=None, seq_length=None):
+        """Routes x [..., hidden] (bf16/fp32; T = the product of the leading dims). Returns
+        (topk_weights [T, K] in the logits' dtype (the router dtype), differentiable; topk_idx
+        [T, K] int64, -1 = none); the RouteInfo is in ``self.last_info``. ``replay``: a
+        switchyard.RouterReplay whose ``action`` decides record / replay, or a [T, K] id tensor to
+        force (default ``self.replay``). ``padding_mask`` [T] bool: True = padded token (row all
+        -1, left out of counts, capacity and losses). ``seq_length``: tokens per sequence for
+        seq_aux_loss."""
         if self.input_jitter_eps is not None:
             # Megatron applies it on every forward (training or not), before the gate.
             x = input_jitter(x, self.input_jitter_eps)

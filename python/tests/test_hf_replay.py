@@ -314,16 +314,16 @@ def test_set_targets_checks_the_layout():
     p.unpatch()
 
 
-def test_the_readme_example_is_the_example_file_and_runs():
+def test_the_hf_guide_example_is_the_example_file_and_runs():
     import os
     import runpy
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "examples", "hf_quickstart.py")
     with open(path) as f:
         example = f.read()
-    with open(os.path.join(root, "README.md")) as f:
-        readme = f.read()
-    assert "```python\n" + example + "```" in readme
+    with open(os.path.join(root, "docs", "guides", "hf.md")) as f:
+        guide = f.read()
+    assert "```python\n" + example + "```" in guide
     runpy.run_path(path, run_name="__main__")
 
 
