@@ -1,5 +1,7 @@
 """switchyard.integrations.hf: FP32 routers, router replay and route capture for Hugging Face MoE
-models (transformers >= 5.24, an optional dependency: it comes with the model you pass).
+models (transformers 5.24.x, an optional dependency: it comes with the model you pass; ``patch()``
+refuses other releases, a newer one passes with a warning under
+SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
 
     import switchyard.integrations.hf as syhf
     p = syhf.patch(model, router_dtype=torch.float32)   # every MoE router of the model, in place
@@ -59,7 +61,8 @@ the replay queues, ``Patch``), ``capture`` (recording during generate).
 """
 from .capture import Capture
 from .families import COMBINE_DTYPE, FAMILIES
-from .patch import MIN_TRANSFORMERS_VERSION, Patch, patch, patch_of
+from .patch import (MIN_TRANSFORMERS_VERSION, SUPPORTED_TRANSFORMERS_VERSIONS, Patch, patch,
+                    patch_of)
 
-__all__ = ["patch", "patch_of", "Patch", "Capture", "MIN_TRANSFORMERS_VERSION", "FAMILIES",
-           "COMBINE_DTYPE"]
+__all__ = ["patch", "patch_of", "Patch", "Capture", "MIN_TRANSFORMERS_VERSION",
+           "SUPPORTED_TRANSFORMERS_VERSIONS", "FAMILIES", "COMBINE_DTYPE"]

@@ -79,25 +79,8 @@ class Capture:
         (prompt + new tokens, S_out = fed tokens + 1) or of the fed tokens; None = every token is
         real. A sequence that ended early fed its last token too: that row is dropped, as vLLM never
         routes the last token."""
-        ids = self.ids()
-        B, S = ids.shape[:2]
-        if attention_mask is None:
-            return [ids[b] for b in range(B)]
-        m = torch.as_tensor(attention_mask).to("cpu")
-        if m.dim() != 2 or m.shape[0] != B or m.shape[1] not in (S, S + 1):
-            raise ValueError(f"[hf.Capture] attention_mask must be [{B}, {S + 1}] (generated "
-                             f"sequences) or [{B}, {S}] (fed tokens), got {list(m.shape)}")
-        m = m.bool()
-        generated = m.shape[1] == S + 1
-        out = []
-        for b in range(B):
-            rows = ids[b][m[b, :S]]
-            # vLLM has no route for a sequence's last token: drop the last fed real token's route
-            # unless the sequence's last token is the unfed final one.
-            if not (generated and bool(m[b, S])):
-                rows = rows[:-1]
-            out.append(rows.contiguous())
-        return out
+        # One implementation of vLLM's layout: switchyard.routes.routed_experts.
+        return syr.routed_experts(self.ids(), attention_mask)
 
     def to_verl(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """verl's ``routed_experts`` batch layout: int16 [B, S_out, num_hidden_layers, K] over the

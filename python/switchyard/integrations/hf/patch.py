@@ -13,12 +13,17 @@ import switchyard as sy
 import switchyard.torch as syt
 from switchyard import routes as syr
 
+from .._versions import check_version
 from .capture import Capture
 from .families import FAMILIES, _family_of, _gate
 
 #: Oldest transformers release this integration was checked against (router classes and the exact
 #: routing math of every family in families.py were read from it).
 MIN_TRANSFORMERS_VERSION = "5.24.0"
+#: Supported transformers releases, (major, minor) oldest and newest, any patch release: 5.24.x.
+#: ``patch()`` refuses others (a newer one passes, with a warning, under
+#: SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
+SUPPORTED_TRANSFORMERS_VERSIONS = ((5, 24), (5, 24))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -310,33 +315,13 @@ class Patch:
                                       num_input_layers=self.num_hidden_layers, top_k=self.top_k,
                                       zero_rows=zero_rows)
 
-    def _pad(self, tables, attention_mask):
-        if attention_mask is None:
-            if len({t.shape[0] for t in tables}) != 1:
-                raise ValueError("[hf] sequences of different lengths need an attention_mask "
-                                 "[B, S] to place them")
-            return torch.stack(tables)
-        m = torch.as_tensor(attention_mask).to("cpu").bool()
-        if m.dim() != 2 or m.shape[0] != len(tables):
-            raise ValueError(f"[hf] attention_mask must be [{len(tables)}, S], got "
-                             f"{list(m.shape)}")
-        out = torch.full((m.shape[0], m.shape[1], len(self._layers), self.top_k), -1,
-                         dtype=torch.int32)
-        for b, t in enumerate(tables):
-            n = int(m[b].sum())
-            if n != t.shape[0]:
-                raise ValueError(f"[hf] sequence {b}: the attention mask has {n} real tokens, the "
-                                 f"routes {t.shape[0]}")
-            out[b][m[b]] = t
-        return out
-
     def targets_from_tables(self, tables, attention_mask: torch.Tensor | None = None
                             ) -> torch.Tensor:
         """switchyard route tables (one [n_b, moe_layers, K] per sequence, e.g. from
         switchyard.routes.read) -> [B, S, moe_layers, K] targets, -1 at padding."""
-        return self._pad([syt._idx32(torch.as_tensor(t), "hf.targets_from_tables", f"tables[{i}]",
-                                     syt._ID_DTYPES) for i, t in enumerate(tables)],
-                         attention_mask)
+        tables = [syt._idx32(torch.as_tensor(t), "hf.targets_from_tables", f"tables[{i}]",
+                             syt._ID_DTYPES) for i, t in enumerate(tables)]
+        return syr.add_padding(tables, attention_mask)
 
     def targets_from_vllm(self, arrays, attention_mask: torch.Tensor | None = None,
                           zero_rows: str = "keep") -> tuple[torch.Tensor, dict]:
@@ -344,7 +329,7 @@ class Patch:
         dense layers 0) -> ([B, S, moe_layers, K] targets with -1 at padding and last tokens,
         import report), through switchyard's vLLM importer and this model's layer map."""
         tables, report = self._import_vllm(list(arrays), zero_rows)
-        return self._pad(tables, attention_mask), report
+        return syr.add_padding(tables, attention_mask), report
 
     def targets_from_verl(self, routed_experts: torch.Tensor, attention_mask: torch.Tensor,
                           zero_rows: str = "to_none") -> tuple[torch.Tensor, dict]:
@@ -358,7 +343,7 @@ class Patch:
         m = torch.as_tensor(attention_mask).to("cpu")
         seqs = syr.drop_padding(ids, m, self.num_experts)
         tables, report = self._import_vllm([s[:-1] for s in seqs], zero_rows)
-        return self._pad(tables, m), report
+        return syr.add_padding(tables, m), report
 
     # ---- capture ----
     def capture(self) -> "Capture":
@@ -442,12 +427,8 @@ def _transformers_version():
 
 
 def _check_version():
-    from packaging.version import Version
-    found = _transformers_version()
-    if Version(found) < Version(MIN_TRANSFORMERS_VERSION):
-        raise RuntimeError(f"[hf.patch] needs transformers >= {MIN_TRANSFORMERS_VERSION}, found "
-                           f"{found} (the router modules and their routing math were checked "
-                           "against that release)")
+    check_version("hf.patch", "transformers", _transformers_version(),
+                  *SUPPORTED_TRANSFORMERS_VERSIONS)
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -461,7 +442,9 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     (also under autocast); None: the family's own dtypes (bitwise the unpatched outputs).
     gate: "auto" (switchyard's engine on CPU tensors, torch GEMM on CUDA) or "torch".
     invalid_replay_rows: "error" or "native" (see switchyard.RouterReplay).
-    Raises ValueError when the model has no supported router, RuntimeError for an old transformers.
+    Raises ValueError when the model has no supported router, RuntimeError for a transformers
+    release outside SUPPORTED_TRANSFORMERS_VERSIONS (5.24.x; a newer one is let through, with a
+    warning, when the environment sets SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
     """
     if router_dtype not in (None, torch.float32, torch.float64):
         raise ValueError("[hf.patch] router_dtype must be None (the family's own), torch.float32 "

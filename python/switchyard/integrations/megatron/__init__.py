@@ -1,5 +1,6 @@
 """switchyard.integrations.megatron: router replay and expert-parallel dispatch fixed inside
-Megatron-Core, in place.
+Megatron-Core (0.16 to 0.19.x: ``apply()`` refuses other releases, a newer one passes with a
+warning under SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1), in place.
 
     import switchyard.integrations.megatron as sym
     sym.apply()                                   # patches megatron.core; returns a PatchReport

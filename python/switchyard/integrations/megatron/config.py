@@ -24,6 +24,17 @@ def _router_dtype(config):
     return _ROUTER_DTYPES[config.moe_router_dtype]
 
 
+def _topk_options(config):
+    """Megatron's top-k selection and weight options under switchyard's names: the one option map
+    of ``router_config`` and of the engine="cpu" routing (which leaves capacity, aux losses and
+    the expert bias to Megatron's own functions)."""
+    return dict(num_experts=config.num_moe_experts, top_k=config.moe_router_topk,
+                score_function=config.moe_router_score_function,
+                pre_softmax=bool(config.moe_router_pre_softmax),
+                num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
+                topk_scaling_factor=config.moe_router_topk_scaling_factor)
+
+
 def router_config(config, *, is_mtp_layer=False):
     """A ``switchyard.RouterConfig`` with every router option switchyard has, read from Megatron-Core's
     ``TransformerConfig`` under its names: num_moe_experts, moe_router_topk,
@@ -57,11 +68,7 @@ def router_config(config, *, is_mtp_layer=False):
         kw.update(padding_for_quantization=True,
                   padding_align_size=int(get_align_size_for_quantization(config)))
     return _sy.RouterConfig(
-        num_experts=config.num_moe_experts, top_k=config.moe_router_topk,
-        score_function=config.moe_router_score_function,
-        pre_softmax=bool(config.moe_router_pre_softmax),
-        num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
-        topk_scaling_factor=config.moe_router_topk_scaling_factor,
+        **_topk_options(config),
         capacity_factor=config.moe_expert_capacity_factor,
         token_drop_policy=config.moe_token_drop_policy,
         pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity),

@@ -5,10 +5,14 @@ was patched (``PatchReport``). See the package docstring."""
 import contextlib
 import dataclasses
 
+from .._versions import check_version
 from .config import _make_engine_gating
 from .fixes import _make_a2a_preprocess, _make_ep_setup_metadata, _make_layer_route
 
-SUPPORTED_VERSIONS = ((0, 16), None)  # from 0.16 (router replay appeared) to newest
+#: Supported megatron-core releases, (major, minor) oldest and newest, any patch release: 0.16
+#: (router replay appeared) to 0.19.x. ``apply()`` refuses others (a newer one passes, with a
+#: warning, under SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
+SUPPORTED_VERSIONS = ((0, 16), (0, 19))
 TESTED_VERSIONS = ("0.19.2",)
 
 
@@ -21,8 +25,7 @@ def _megatron_version():
     except ImportError as e:  # optional dependency
         raise ImportError("[megatron.apply] megatron-core is not installed (pip install "
                           "megatron-core)") from e
-    return tuple(int(v) for v in package_info.__shortversion__.split(".")[:3]), \
-        package_info.__version__
+    return package_info.__version__
 
 
 @dataclasses.dataclass
@@ -67,8 +70,9 @@ def apply(*, engine=None):
     ``engine``: None (Megatron's own math everywhere, plus the fixes) or ``"cpu"`` (on CPU tensors
     the router gate of routers with a replay attached runs switchyard's FP32-accumulated
     batch-invariant ``router_gating_linear``; CUDA tensors keep Megatron's math). Raises
-    ImportError without megatron-core and RuntimeError outside the supported versions (0.16 to
-    newest)."""
+    ImportError without megatron-core and RuntimeError outside SUPPORTED_VERSIONS (0.16 to
+    0.19.x; a newer release is let through, with a warning, when the environment sets
+    SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1)."""
     if engine not in (None, "cpu"):
         raise ValueError(f"[megatron.apply] engine must be None or 'cpu', got {engine!r}")
     if _STATE["report"] is not None:
@@ -77,9 +81,8 @@ def apply(*, engine=None):
                              f"remove() first to apply with engine={engine!r}")
         return _STATE["report"]
     from .replay import _make_checkpoint, _make_router_forward, _make_router_routing
-    ver, ver_str = _megatron_version()
-    if ver[:2] < SUPPORTED_VERSIONS[0]:
-        raise RuntimeError(f"[megatron.apply] megatron-core must be >= 0.16, got {ver_str}")
+    ver_str = _megatron_version()
+    ver = check_version("megatron.apply", "megatron-core", ver_str, *SUPPORTED_VERSIONS)
     from megatron.core.transformer.moe import moe_layer, router, token_dispatcher as td
 
     report = PatchReport(version=ver_str, patched=[], skipped=[], engine=engine,

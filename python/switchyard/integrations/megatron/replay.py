@@ -12,6 +12,7 @@ import torch
 import switchyard as _sy
 import switchyard.torch as _syt
 
+from .config import _topk_options
 from .patch import _STATE, is_applied
 
 
@@ -393,11 +394,7 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
     if padding_mask is not None:
         padding_mask = padding_mask.reshape(-1)
     logits = self.apply_z_loss(logits, padding_mask=padding_mask)
-    rc = _sy.RouterConfig(num_experts=E, top_k=K, score_function=self.score_function,
-                          pre_softmax=bool(cfg.moe_router_pre_softmax),
-                          num_groups=cfg.moe_router_num_groups,
-                          group_topk=cfg.moe_router_group_topk,
-                          topk_scaling_factor=cfg.moe_router_topk_scaling_factor)
+    rc = _sy.RouterConfig(**_topk_options(cfg))  # the one option map (config.py)
     # bf16 logits (moe_router_dtype=None with bf16 activations) route as Megatron routes them.
     lg = logits if logits.dtype in (torch.bfloat16, torch.float32, torch.float64) else \
         logits.float()
