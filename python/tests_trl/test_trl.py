@@ -280,3 +280,46 @@ def test_rollout_routes_with_an_expert_id_out_of_range_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"the rollout's routes \('routed_experts'\)"):
         tr.train()
     assert tr.switchyard_records == []
+
+
+# ---- multi-turn: TRL's tool-call loop -----------------------------------------------------------
+def test_tool_call_turns_give_each_sequence_the_routes_of_its_latest_turn(tmp_path, monkeypatch):
+    # TRL's own _tool_call_loop, driven with a tool call in sequences 1 and 3 (a tiny random model
+    # emits none): the tool turn re-feeds prompt + completion + tool result and generates more;
+    # those sequences' routes must come from that turn (the first turn's cannot cover them).
+    import trl.trainer.grpo_trainer as grpo
+    tr = _trainer(tmp_path, max_steps=1)
+
+    def add(a: int) -> int:
+        return a + 1
+    B, calls = 4, (1, 3)
+    tr.tools = [add]
+    tr._sync_tool_dicts, tr._async_tool_dicts = [{"add": add}] * B, [{}] * B
+    tr._get_tool_suffix_ids = lambda messages: [40, 41, 42]  # the tool result's tokens
+    monkeypatch.setattr(grpo, "parse_response",  # the post-tool turn calls no further tool
+                        lambda tokenizer, ids, prefix=None, tools=None: {"role": "assistant"})
+    prompt_ids = [[5, 6], [7, 8, 9], [10], [11, 12, 13, 14]]
+    tr._sy_gen = sytrl._GenState()
+    with torch.no_grad():
+        completion_ids, _ = tr._generate_single_turn(prompt_ids, None, {}, 1)
+    first = [r.clone() for _, r in tr._sy_gen.seqs]
+    completions = [[{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
+        if i in calls else None}] for i in range(B)]
+    tr.max_completion_length = 40  # room for the tool result and the post-tool turn
+    tool_mask, _, completion_ids, _, n_calls, n_fail, _ = tr._tool_call_loop(
+        [[{"role": "user", "content": "q"}] for _ in range(B)], prompt_ids,
+        [list(c) for c in completion_ids], completions, None, None, {})
+    assert (n_calls, n_fail) == (2, 0)
+    routes = tr._sy_batch_routes(prompt_ids, completion_ids)
+    P = max(len(p) for p in prompt_ids)
+    for i in range(B):
+        n = len(prompt_ids[i]) + len(completion_ids[i])
+        rows = routes[i][P - len(prompt_ids[i]):P - len(prompt_ids[i]) + n]
+        assert bool((rows[:-1] >= 0).all()) and bool((rows[-1] < 0).all())
+        assert int((routes[i] >= 0).all(-1).all(-1).sum()) == n - 1
+        if i in calls:
+            assert 0 in tool_mask[i] and n - 1 > first[i].shape[0]
+        else:
+            assert torch.equal(rows[:-1], first[i][:n - 1])
+    tr._sy_gen = None
