@@ -37,7 +37,7 @@ def _trainer(tmp_path, cls=_Checked, model=None, **kw):
 
 _CONFIG_KEYS = {"num_iterations", "steps_per_generation", "max_steps", "beta", "num_generations",
                 "per_device_train_batch_size", "gradient_accumulation_steps", "use_vllm",
-                "max_completion_length", "learning_rate"}
+                "max_completion_length", "learning_rate", "pad_to_multiple_of"}
 
 
 def _kinds(tr):
@@ -58,11 +58,14 @@ def _real_rows(inputs):
 
 
 # ---- R3 on TRL's own generate() ---------------------------------------------------------------
-def test_r3_replays_captured_routes_in_old_and_policy_forwards_with_zero_mismatch(tmp_path):
+@pytest.mark.parametrize("pad_to", [None, 8])
+def test_r3_replays_captured_routes_in_old_and_policy_forwards_with_zero_mismatch(tmp_path,
+                                                                                  pad_to):
     # steps_per_generation=2: a generation batch of 8 rows (4 prompts of different lengths) is
-    # shuffled and split over two steps; num_iterations=2: TRL runs the old-log-prob pass.
+    # shuffled and split over two steps; num_iterations=2: TRL runs the old-log-prob pass;
+    # pad_to_multiple_of=8: more left padding in generate() and in TRL's rows.
     tr = _trainer(tmp_path, num_generations=2, steps_per_generation=2, num_iterations=2,
-                  max_steps=4)
+                  max_steps=4, pad_to_multiple_of=pad_to)
     tr.train()
     kinds = _kinds(tr)
     assert set(kinds) == {"old", "policy"}
@@ -182,15 +185,18 @@ def _rollout_func(lengths=(1, 3, 2, 4), broken=None):
     return rollout
 
 
-def test_rollout_func_routes_follow_their_sequence_through_padding_and_shuffle(tmp_path):
+@pytest.mark.parametrize("pad_to", [None, 8])
+def test_rollout_func_routes_follow_their_sequence_through_padding_and_shuffle(tmp_path, pad_to):
     # 4 prompts of 2..5 words, completions of 1..4 tokens: TRL left-pads prompts and right-pads
     # completions, then shuffles 8 rows and splits them over 2 steps. Every carried route must
     # still be the one the rollout gave that token at that place (a right-padded prompt, or routes
     # left unshuffled, breaks it), and the replayed forward routes with exactly those ids.
     tr = _trainer(tmp_path, rollout_func=_rollout_func(), num_generations=2,
-                  steps_per_generation=2, num_iterations=2, max_steps=4)
+                  steps_per_generation=2, num_iterations=2, max_steps=4, pad_to_multiple_of=pad_to)
     tr.train()
     assert len(tr.seen) == 4
+    if pad_to:
+        assert all(b["prompt_ids"].shape[1] % pad_to == 0 for b in tr.seen)
     for b in tr.seen:
         ids = torch.cat([b["prompt_ids"], b["completion_ids"]], dim=1)
         real, routed = _real_rows(b)
@@ -212,6 +218,16 @@ def test_rollout_func_routes_are_measured_without_replay(tmp_path):
     tr.train()
     (r,) = tr.switchyard_records
     assert r["replayed_rows"] == 0 and r["mismatch_rows"] > 0
+
+
+def test_after_switchyard_unpatch_the_trainer_is_trls_own(tmp_path):
+    tr = _trainer(tmp_path, rollout_func=_rollout_func(), max_steps=1)
+    tr.switchyard_unpatch()
+    assert syhf.patch_of(tr.model) is None
+    tr.train()
+    assert tr.switchyard_records == []
+    assert sytrl.ROLLOUT_ROUTES_KEY not in tr.seen[0]
+    assert not any(k.startswith("switchyard/") for h in tr.state.log_history for k in h)
 
 
 # ---- bad input --------------------------------------------------------------------------------
@@ -323,3 +339,13 @@ def test_tool_call_turns_give_each_sequence_the_routes_of_its_latest_turn(tmp_pa
         else:
             assert torch.equal(rows[:-1], first[i][:n - 1])
     tr._sy_gen = None
+
+
+@pytest.mark.hostile(tried="TRL: switchyard's GRPOTrainer with a trl older than 1.16",
+                     gets="RuntimeError naming the version needed and found")
+def test_an_older_trl_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(sytrl._trl, "__version__", "1.15.2")
+    model = tm.model()
+    with pytest.raises(RuntimeError, match=r"needs trl >= 1.16.0, found 1.15.2"):
+        _trainer(tmp_path, model=model)
+    assert syhf.patch_of(model) is None

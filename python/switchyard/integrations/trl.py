@@ -52,6 +52,9 @@ Metrics (TRL's ``_metrics``, logged with TRL's own; ``kind`` is ``old``, ``ref``
 * ``trainer.switchyard_records``: one dict per forward pass (kind, mode, global_step,
   mismatch_rows, compared_rows, replayed_rows, native_rows, invalid_rows).
 
+``trainer.switchyard_patch`` is the policy model's ``hf.Patch``; ``trainer.switchyard_unpatch()``
+restores the original routers of both models, after which the trainer is trl's own.
+
 Not covered: vision-language models (refused with replay), PEFT reference models (the adapter-off
 pass is told from the old pass by order), Liger kernels (their loss runs its own forward: refused).
 """
@@ -66,12 +69,16 @@ except ImportError as e:  # an optional dependency
     raise ImportError("switchyard.integrations.trl needs the `trl` package (>= 1.16)") from e
 
 __all__ = ["GRPOTrainer", "SwitchyardGRPOTrainer", "ROLLOUT_ROUTES_KEY", "R2_ROUTES_KEY",
-           "REPLAY_MODES", "METRIC_NAMES"]
+           "REPLAY_MODES", "METRIC_NAMES", "MIN_TRL_VERSION"]
 
 #: Batch keys of the routes carried through TRL's shuffling and splitting.
 ROLLOUT_ROUTES_KEY = "switchyard_rollout_routes"
 R2_ROUTES_KEY = "switchyard_r2_routes"
 REPLAY_MODES = (None, "R2", "R3")
+#: Oldest trl release whose GRPOTrainer internals (_generate_single_turn, _tool_call_loop,
+#: _generate, _generate_and_score_completions, _get_per_token_logps_and_entropies, _compute_loss)
+#: this subclass was written against.
+MIN_TRL_VERSION = "1.16.0"
 #: Metric names, per forward kind (old, ref, policy).
 METRIC_NAMES = ("switchyard/{kind}/router_mismatch", "switchyard/{kind}/replayed_rows",
                 "switchyard/{kind}/native_rows")
@@ -80,6 +87,13 @@ _WHO = "[trl.GRPOTrainer]"
 _MM_ARGS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
             "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids",
             "image_position_ids")
+
+
+def _check_version():
+    from packaging.version import Version
+    if Version(_trl.__version__) < Version(MIN_TRL_VERSION):
+        raise RuntimeError(f"{_WHO} needs trl >= {MIN_TRL_VERSION}, found {_trl.__version__} "
+                           "(its GRPOTrainer hook points were read from that release)")
 
 
 def _check_args(replay, router_dtype, routes_field, gate, args, rollout_func):
@@ -133,8 +147,13 @@ class _GenState:
 class GRPOTrainer(_trl.GRPOTrainer):
     """TRL's GRPOTrainer with switchyard's FP32 router and R3/R2 (see the module docstring)."""
 
-    def __init__(self, *args, router_dtype=torch.float32, replay="R3",
-                 routes_field="routed_experts", gate="auto", **kwargs):
+    def __init__(self, *args, router_dtype: torch.dtype | None = torch.float32,
+                 replay: str | None = "R3", routes_field: str = "routed_experts",
+                 gate: str = "auto", **kwargs):
+        """TRL's arguments (positional or keyword) plus switchyard's, keyword only (see the
+        module docstring). ValueError for a bad switchyard argument or a model without a
+        supported MoE router, raised before the model is patched; RuntimeError for an old trl."""
+        _check_version()
         model = kwargs.get("model", args[0] if args else None)
         targs = kwargs.get("args", args[2] if len(args) > 2 else None)
         rollout_func = kwargs.get("rollout_func")
@@ -146,6 +165,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self.switchyard_routes_field = routes_field
         self.switchyard_gate = gate
         self.switchyard_records = []
+        self._sy_active = True
         self._sy_gen = None         # _GenState of the running _generate()
         self._sy_phase = None       # "score" (inside _generate_and_score_completions), "policy"
         self._sy_rollout = None     # [B, P+C, M, K] rollout routes of the batch being scored
@@ -164,13 +184,24 @@ class GRPOTrainer(_trl.GRPOTrainer):
         if self.rollout_func is not None:
             self.rollout_func = self._sy_wrap_rollout(self.rollout_func)
 
+    def switchyard_unpatch(self) -> None:
+        """Restores the original routers of the policy and reference models (idempotent); the
+        trainer then trains exactly like trl's own (no capture, replay or metrics)."""
+        self._sy_active = False
+        for m in (self.model, self.ref_model):
+            p = syhf.patch_of(self.accelerator.unwrap_model(m)) if m is not None else None
+            if p is not None:
+                p.unpatch()
+
     # ---- where the rollout's routes come from ------------------------------------------------
     def _sy_wrap_rollout(self, fn):
         def rollout_func(prompts, trainer):
             out = fn(prompts, trainer)
-            if not isinstance(out, dict):
-                return out  # TRL's own error
-            routes = out.pop(self.switchyard_routes_field, None) if isinstance(out, dict) else None
+            if not isinstance(out, dict) or self._sy_gen is None:
+                return out  # not a dict: TRL's own error; outside _generate: not a rollout
+            routes = out.pop(self.switchyard_routes_field, None)
+            if not self._sy_active:
+                return out
             if routes is None:
                 if self.switchyard_replay == "R3":
                     raise ValueError(f"{_WHO} replay='R3' needs the rollout's routes: rollout_func "
@@ -215,7 +246,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                               has_tool_images=False):
-        if self.use_vllm or self.use_transformers_continuous_batching or self._sy_gen is None:
+        if self.use_vllm or self.use_transformers_continuous_batching or self._sy_gen is None \
+                or not self._sy_active:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                  num_generations, has_tool_images)
         with self.switchyard_patch.capture() as cap:
@@ -254,6 +286,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
     def _sy_batch_routes(self, prompt_ids, completion_ids):
         """[B, P+C, M, K] int32 rollout routes in TRL's rows, or None (no routes)."""
         st = self._sy_gen
+        if not self._sy_active:
+            return None
         if st is None or st.seqs is None:
             if self.switchyard_replay == "R3":
                 raise RuntimeError(f"{_WHO} replay='R3': this generation gave no routes")
@@ -305,6 +339,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
                     (self.use_vllm and self.vllm_importance_sampling_correction))
 
     def _sy_kind(self, model):
+        if not self._sy_active:
+            return None
         if self._sy_phase == "policy":
             return "policy"
         if self._sy_phase != "score":
@@ -334,9 +370,10 @@ class GRPOTrainer(_trl.GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **mm)
-        if any(mm.get(k) is not None for k in _MM_ARGS):
-            raise ValueError(f"{_WHO} multimodal inputs ({sorted(k for k in mm if mm[k] is not None)})"
-                             " are not supported with switchyard")
+        given = sorted(k for k in _MM_ARGS if mm.get(k) is not None)
+        if given:
+            raise ValueError(f"{_WHO} multimodal inputs ({given}) are not supported with "
+                             "switchyard")
         if kind == "policy":
             rollout = self._sy_inputs.get(ROLLOUT_ROUTES_KEY)
             r2 = self._sy_inputs.get(R2_ROUTES_KEY)
