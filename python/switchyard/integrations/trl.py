@@ -49,8 +49,9 @@ Metrics (TRL's ``_metrics``, logged with TRL's own; ``kind`` is ``old``, ``ref``
 * ``switchyard/{kind}/replayed_rows`` and ``switchyard/{kind}/native_rows``: rows routed with
   replayed ids / natively in that forward, summed over MoE layers (padding and last tokens are
   native).
-* ``trainer.switchyard_records``: one dict per forward pass (kind, mode, global_step,
-  mismatch_rows, compared_rows, replayed_rows, native_rows, invalid_rows).
+* ``trainer.switchyard_records``: one dict per forward pass (kind, mode, split ("train" or
+  "eval"), global_step, mismatch_rows, compared_rows, replayed_rows, native_rows, invalid_rows).
+  In evaluation TRL prefixes the metrics with ``eval_``.
 
 ``trainer.switchyard_patch`` is the policy model's ``hf.Patch``; ``trainer.switchyard_unpatch()``
 restores the original routers of both models, after which the trainer is trl's own.
@@ -397,8 +398,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
         B = input_ids.size(0)
         bs = batch_size or B
         logps, ents, auxs = [], [], []
-        rec = dict(kind=kind, mode=mode, global_step=int(self.state.global_step), mismatch_rows=0,
-                   compared_rows=0, replayed_rows=0, native_rows=0, invalid_rows=0)
+        rec = dict(kind=kind, mode=mode, split="train" if self.model.training else "eval",
+                   global_step=int(self.state.global_step), mismatch_rows=0, compared_rows=0,
+                   replayed_rows=0, native_rows=0, invalid_rows=0)
         ids_all = []
         for s in range(0, B, bs):
             e = min(s + bs, B)
@@ -448,7 +450,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
 
     def _sy_log(self, rec):
         self.switchyard_records.append(rec)
-        m = self._metrics["train" if self.model.training else "eval"]
+        m = self._metrics[rec["split"]]
         k = rec["kind"]
         if rec["compared_rows"]:
             m[f"switchyard/{k}/router_mismatch"].append(rec["mismatch_rows"] /
