@@ -38,7 +38,7 @@ def _trainer(tmp_path, cls=_Checked, model=None, train_kw=None, **kw):
 _CONFIG_KEYS = {"num_iterations", "steps_per_generation", "max_steps", "beta", "num_generations",
                 "per_device_train_batch_size", "gradient_accumulation_steps", "use_vllm",
                 "max_completion_length", "learning_rate", "pad_to_multiple_of",
-                "eval_strategy", "eval_steps", "per_device_eval_batch_size"}
+                "eval_strategy", "eval_steps", "per_device_eval_batch_size", "sync_ref_model"}
 
 
 def _kinds(tr):
@@ -273,6 +273,22 @@ def test_r3_with_trl_vllm_and_no_rollout_func_is_refused(tmp_path):
     with pytest.raises(ValueError, match="replay='R3' with use_vllm=True"):
         _trainer(tmp_path, model=model, use_vllm=True)
     assert syhf.patch_of(model) is None
+
+
+def test_a_model_trl_refuses_is_left_unpatched(tmp_path):
+    model = tm.model()
+    # TRL's own check, late in its __init__: no reference model (beta=0) to synchronise
+    with pytest.raises(ValueError, match="sync_ref_model=True"):
+        _trainer(tmp_path, model=model, sync_ref_model=True)
+    assert syhf.patch_of(model) is None
+
+
+def test_trl_arguments_given_positionally_reach_the_checks(tmp_path):
+    from trl import GRPOConfig
+    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, use_cpu=True, bf16=False,
+                      report_to=[])
+    with pytest.raises(ValueError, match="replay='R3' with use_vllm=True"):
+        sytrl.GRPOTrainer(tm.model(), tm.reward_len, args)
 
 
 def _drop_last_row(out):

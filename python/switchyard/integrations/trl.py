@@ -59,6 +59,8 @@ restores the original routers of both models, after which the trainer is trl's o
 Not covered: vision-language models (refused with replay), PEFT reference models (the adapter-off
 pass is told from the old pass by order), Liger kernels (their loss runs its own forward: refused).
 """
+import inspect
+
 import torch
 
 import switchyard.integrations.hf as syhf
@@ -155,12 +157,15 @@ class GRPOTrainer(_trl.GRPOTrainer):
         module docstring). ValueError for a bad switchyard argument or a model without a
         supported MoE router, raised before the model is patched; RuntimeError for an old trl."""
         _check_version()
-        model = kwargs.get("model", args[0] if args else None)
-        targs = kwargs.get("args", args[2] if len(args) > 2 else None)
-        rollout_func = kwargs.get("rollout_func")
-        _check_args(replay, router_dtype, routes_field, gate, targs, rollout_func)
+        given = inspect.signature(_trl.GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        model = given.get("model")
+        _check_args(replay, router_dtype, routes_field, gate, given.get("args"),
+                    given.get("rollout_func"))
+        new_patch = None
         if isinstance(model, torch.nn.Module):  # refuse a non-MoE model before TRL builds anything
-            _patch_model(model, router_dtype, gate, "model")
+            had = syhf.patch_of(model)
+            p = _patch_model(model, router_dtype, gate, "model")
+            new_patch = p if had is None else None
         self.switchyard_replay = replay
         self.switchyard_router_dtype = router_dtype
         self.switchyard_routes_field = routes_field
@@ -173,7 +178,12 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._sy_r2 = None          # routes of the old-log-prob pass of that batch (R2)
         self._sy_old_done = False
         self._sy_inputs = None      # the batch _compute_loss runs on
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            if new_patch is not None:  # TRL refused: leave the model as it was given
+                new_patch.unpatch()
+            raise
         if self._is_vlm and replay is not None:
             raise ValueError(f"{_WHO} replay={replay!r} with a vision-language model: not "
                              "supported (text-only MoE models)")
