@@ -25,7 +25,7 @@ py() {
     { tail -30 "$out/pytest.log"; echo "[readme_tables] the tests that write the tables failed"; exit 1; }
 }
 SY_BAD_INPUT_TABLE_PY=$out/bad-inputs-python.md py python/tests/test_bad_inputs.py
-SY_HOSTILE_TABLE=$out/hostile.md py -m hostile python/tests
+SY_HOSTILE_TABLE=$out/hostile.md py -m hostile python/tests python/tests_trl
 "$venv/bin/python" - "$out" "$@" <<'PY'
 import difflib, pathlib, re, sys
 out, check = pathlib.Path(sys.argv[1]), "--check" in sys.argv[2:]
