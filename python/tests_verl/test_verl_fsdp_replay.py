@@ -15,6 +15,7 @@ import verl_cpu
 NUM_LAYERS, E, K = 2, 8, 2
 PROMPTS = [[5, 6, 7], [8, 9], [11, 12, 13, 14], [15, 16]]
 RESPONSES = [[20, 21, 22, 23], [24, 25], [26, 27, 28], [29, 30, 31, 32, 33]]
+TOKENS = sum(len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -183,15 +184,24 @@ def test_r3_update_forward_replays_and_trains(model_path, use_remove_padding):
     assert_close_lists(engine_log_probs(out), ref, ATOL)
     routed_rows = int((m & ~last).sum())
     assert sum(out["metrics"]["router_replay/replayed_rows"]) == routed_rows * NUM_LAYERS
+    # verl's default activation checkpointing: the last micro-batch's backward recomputed every
+    # row it fed with the ids its forward used (switchyard.integrations.hf's recompute queue).
+    lens = [len(p) + len(r) for p, r in zip(PROMPTS[2:], RESPONSES[2:])]
+    fed = sum(lens) if use_remove_padding else len(lens) * max(lens)
+    assert sum(c["num_recomputed_rows"] for c in eng.router_patch.counts().values()) == \
+        fed * NUM_LAYERS
     after = eng.module.state_dict()
     gate = [k for k in before if k.endswith("mlp.gate.weight")]
     assert gate and all(not torch.equal(_full(before[k]), _full(after[k]))
                         for k in gate)  # the routers' gradients flowed through replayed ids
 
 
-def test_r2_log_prob_pass_returns_its_routes_and_the_update_replays_them(model_path):
-    eng = make_engine(model_path, "switchyard", mode="R2", cache=False)
-    td, _ = verl_batch()
+@pytest.mark.parametrize("use_remove_padding", [True, False], ids=["packed", "padded"])
+def test_r2_log_prob_pass_returns_its_routes_and_the_update_replays_them(model_path,
+                                                                         use_remove_padding):
+    eng = make_engine(model_path, "switchyard", mode="R2", use_remove_padding=use_remove_padding,
+                      cache=False)
+    td, _ = verl_batch(use_remove_padding=use_remove_padding)
     with eng.eval_mode():
         out = eng.infer_batch(td)
     rec = out["model_output"]["routed_experts"]
@@ -202,13 +212,14 @@ def test_r2_log_prob_pass_returns_its_routes_and_the_update_replays_them(model_p
     assert torch.equal(rec.values().to(torch.int64).sort(-1).values,
                        native.to(torch.int64).sort(-1).values)
     assert_close_lists(engine_log_probs(out), ref, ATOL)
+    assert sum(out["metrics"]["router_replay/recorded_rows"]) == TOKENS * NUM_LAYERS
 
     # The trainer merges model_output["routed_experts"] into the batch; the update replays them.
-    td, _ = verl_batch(return_model_output=True)
+    td, _ = verl_batch(use_remove_padding=use_remove_padding, return_model_output=True)
     td["routed_experts"] = rec
     with eng.train_mode():
         upd = eng.train_batch(td, loss_function=_loss)
-    n_rows = sum(len(r) - 1 + len(p) for p, r in zip(PROMPTS, RESPONSES))
+    n_rows = TOKENS - len(PROMPTS)  # each sequence's last token: no route in verl's layout
     assert sum(upd["metrics"]["router_replay/replayed_rows"]) == n_rows * NUM_LAYERS
     assert_close_lists(engine_log_probs(upd), engine_log_probs(out), 1e-5)
 

@@ -96,7 +96,7 @@ def tiny_qwen3_moe(path, seed=0, num_hidden_layers=2):
 
 
 def engine(model_path, *, use_remove_padding=True, micro_batch_size=2, lr=1e-2, forward_only=False,
-           router_replay_mode=None, gradient_checkpointing=False):
+           router_replay_mode=None, gradient_checkpointing=True):
     """verl's language-model engine for ``model_path``, chosen by verl's EngineRegistry (so by
     VERL_ENGINE_VENDOR), built and initialised: fsdp2, fp32, sdpa attention."""
     from verl.trainer.config import CheckpointConfig

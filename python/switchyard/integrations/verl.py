@@ -136,10 +136,11 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
     # ---- per micro-batch ----
     def prepare_model_inputs(self, micro_batch):
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+        # rows the forward feeds beyond the real tokens (padded layout, verl's static pad)
+        self._pad_rows = model_inputs["input_ids"].numel() - int(
+            micro_batch["input_ids"].offsets()[-1])
         if self._call == "replay":
             targets = self._targets(micro_batch, model_inputs)  # every check before any state
-            self._pad_rows = model_inputs["input_ids"].numel() - int(
-                micro_batch["input_ids"].offsets()[-1])
             self.router_patch.reset_counts()
             self.router_patch.set_targets(targets)
         elif self._call == "record":
@@ -163,13 +164,12 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
             if self._call == "replay":
                 m["router_replay/replayed_rows"] = float(
                     sum(v["num_replayed_rows"] for v in c.values()))
-                # padding fed to the forward (padded layout, verl's static pad) is not counted
                 m["router_replay/native_rows"] = float(
                     sum(v["num_native_rows"] + v["num_invalid_replay_rows"] for v in c.values())
                     - self._pad_rows * len(c))
             else:
                 m["router_replay/recorded_rows"] = float(
-                    sum(v["num_native_rows"] for v in c.values()))
+                    sum(v["num_native_rows"] for v in c.values()) - self._pad_rows * len(c))
         return loss, output
 
     def _layout(self, micro_batch):
