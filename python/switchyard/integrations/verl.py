@@ -44,7 +44,12 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-__all__ = ["VENDOR", "MODES", "ENV_MODE", "ENV_ROUTER_DTYPE", "SwitchyardFSDPEngine"]
+__all__ = ["VENDOR", "MODES", "ENV_MODE", "ENV_ROUTER_DTYPE", "MIN_VERL_VERSION",
+           "SwitchyardFSDPEngine"]
+
+#: Oldest verl release this plugin was checked against (its FSDP engine's prepare_model_inputs /
+#: prepare_model_outputs / forward_step contract and the jagged routed_experts layout).
+MIN_VERL_VERSION = "0.9.1"
 
 #: The vendor name the engine is registered under (``VERL_ENGINE_VENDOR=switchyard``).
 VENDOR = "switchyard"
@@ -56,6 +61,14 @@ ENV_MODE = "SWITCHYARD_VERL_ROUTER_REPLAY"
 ENV_ROUTER_DTYPE = "SWITCHYARD_VERL_ROUTER_DTYPE"
 
 _ROUTER_DTYPES = {"native": None, "float32": torch.float32, "fp32": torch.float32}
+
+
+def _check_version():
+    import verl
+    from packaging.version import Version
+    if Version(verl.__version__) < Version(MIN_VERL_VERSION):
+        raise RuntimeError(f"[verl] switchyard's verl plugin needs verl >= {MIN_VERL_VERSION}, "
+                           f"found {verl.__version__}")
 
 
 def _mode_of(engine_config) -> str:
@@ -83,6 +96,7 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
     """verl's FSDP engine for HF causal LMs, with switchyard's router replay (see the module)."""
 
     def __init__(self, *args, **kwargs):
+        _check_version()
         super().__init__(*args, **kwargs)
         mode = _mode_of(self.engine_config)
         # The reference policy's engine is forward-only: verl never replays into it.
