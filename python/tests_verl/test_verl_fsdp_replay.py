@@ -282,6 +282,12 @@ def test_routed_experts_of_the_wrong_shape_is_refused_before_any_forward(model_p
     assert "routed_experts" in msg and "num_hidden_layers=2" in msg and f"[{mb0}, 3, 2]" in msg
     msg = _bad(routed[..., :1].contiguous(), model_path, train)  # K=1 for a top-2 model
     assert "routed_experts" in msg and "K=2" in msg and f"[{mb0}, 2, 1]" in msg
+    # the retry with good routes replays them, nothing of the refused batch left behind
+    eng = make_engine(model_path, "switchyard")
+    td, _ = verl_batch(routed)
+    with eng.eval_mode():
+        out = eng.infer_batch(td)
+    assert_close_lists(engine_log_probs(out), hf_log_probs(model_path, routed)[0], ATOL)
 
 
 @pytest.mark.hostile(tried="verl batch whose routed_experts holds an expert id >= num_experts",
