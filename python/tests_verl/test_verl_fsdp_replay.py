@@ -356,3 +356,26 @@ def test_verl_loads_the_plugin_through_the_entry_point_switchyard_declares(tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == \
         "switchyard.integrations.verl.SwitchyardFSDPEngine"
+
+
+def test_dynamic_batch_size_reorders_sequences_and_routes_together(model_path):
+    """verl's default use_dynamic_bsz packs sequences into token-budget micro-batches in another
+    order and restores it after: R3 targets and R2 records follow their sequences."""
+    from verl.utils import tensordict_utils as tu
+    routed, m, _ = forced_routes()
+    eng = make_engine(model_path, "switchyard")
+    td, _ = verl_batch(routed)
+    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=12)
+    with eng.eval_mode():
+        out = eng.infer_batch(td)
+    assert len(out["metrics"]["router_replay/replayed_rows"]) > 2  # more, reordered micro-batches
+    assert_close_lists(engine_log_probs(out), hf_log_probs(model_path, routed)[0], ATOL)
+
+    r2 = make_engine(model_path, "switchyard", mode="R2", cache=False)
+    td, _ = verl_batch()
+    tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=12)
+    with r2.eval_mode():
+        rec = r2.infer_batch(td)["model_output"]["routed_experts"]
+    _, used = hf_log_probs(model_path)
+    assert torch.equal(rec.values().to(torch.int64).sort(-1).values,
+                       used[m].to(torch.int64).sort(-1).values)
