@@ -25,7 +25,7 @@ count_ctest() {
 # Adds the counts of one pytest log (its last "N passed, M failed, E errors" line) to the totals.
 count_pytest() {
   local line p f e
-  line=$(grep -E "[0-9]+ (passed|failed|errors?) in " "$1" | tail -1)
+  line=$(grep -E "[0-9]+ (passed|failed|errors?)(,.*)? in [0-9.]+s" "$1" | tail -1)
   if [ -z "$line" ]; then failed=$((failed + 1)); return; fi
   p=$(grep -oE "[0-9]+ passed" <<<"$line" | cut -d' ' -f1)
   f=$(grep -oE "[0-9]+ failed" <<<"$line" | cut -d' ' -f1)
