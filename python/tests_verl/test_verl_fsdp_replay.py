@@ -379,3 +379,17 @@ def test_dynamic_batch_size_reorders_sequences_and_routes_together(model_path):
     _, used = hf_log_probs(model_path)
     assert torch.equal(rec.values().to(torch.int64).sort(-1).values,
                        used[m].to(torch.int64).sort(-1).values)
+
+
+def test_the_engine_configs_router_replay_mode_selects_the_mode(model_path, monkeypatch):
+    """verl's own config field (engine router_replay.mode, the one its Megatron / VeOmni engines
+    read) wins over SWITCHYARD_VERL_ROUTER_REPLAY; "disabled" there defers to the variable."""
+    monkeypatch.setenv("VERL_ENGINE_VENDOR", "switchyard")
+    monkeypatch.setenv("SWITCHYARD_VERL_ROUTER_REPLAY", "R3")
+    eng = verl_cpu.engine(model_path, router_replay_mode="R2")
+    assert eng.router_replay_mode == "R2" and eng.router_patch is not None
+    eng = verl_cpu.engine(model_path, router_replay_mode="disabled")
+    assert eng.router_replay_mode == "R3"
+    monkeypatch.setenv("SWITCHYARD_VERL_ROUTER_REPLAY", "disabled")
+    eng = verl_cpu.engine(model_path)
+    assert eng.router_replay_mode == "disabled" and eng.router_patch is None
