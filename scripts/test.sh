@@ -23,6 +23,17 @@ count_ctest() {
   passed=$((passed + n - f)); failed=$((failed + f))
 }
 
+# Adds the counts of one pytest log (its last "N passed, M failed, E errors" line) to the totals.
+count_pytest() {
+  local line p f e
+  line=$(grep -E "[0-9]+ (passed|failed|errors?)(,.*)? in [0-9.]+s" "$1" | tail -1)
+  if [ -z "$line" ]; then failed=$((failed + 1)); return; fi
+  p=$(grep -oE "[0-9]+ passed" <<<"$line" | cut -d' ' -f1)
+  f=$(grep -oE "[0-9]+ failed" <<<"$line" | cut -d' ' -f1)
+  e=$(grep -oE "[0-9]+ errors?" <<<"$line" | cut -d' ' -f1)
+  passed=$((passed + ${p:-0})); failed=$((failed + ${f:-0} + ${e:-0}))
+}
+
 # Each stage prints its start; the closing lines list every stage's time (issue 22: the command's
 # time from a bare machine is dominated by a few stages, and CI's limit is 90 min).
 stage_names=(); stage_secs=(); stage_t0=$SECONDS
@@ -63,6 +74,21 @@ stage "tests on the portable kernels: unit and python with SWITCHYARD_CPU_ISA=sc
   2>&1 | tee build/ctest-scalar.log
 [ "${PIPESTATUS[0]}" -eq 0 ] || stage_failed+=("scalar-kernel tests")
 count_ctest build/ctest-scalar.log
+
+# verl pins transformers < 5.11 and imports its own dependency set, so its integration runs in its
+# own venv (requirements/verl.lock.txt, made once per machine by scripts/env.sh verl) with the
+# switchyard module built above; each test counts, and examples/verl_r3.py as one check.
+stage "verl integration (own venv): python/tests_verl and examples/verl_r3.py against verl on the CPU"
+if VERL_VENV=$(bash scripts/env.sh verl); then
+  PYTHONPATH="$root/build/python" OMP_NUM_THREADS=1 "$VERL_VENV/bin/python" -m pytest -q \
+    -p no:cacheprovider python/tests_verl 2>&1 | tee build/pytest-verl.log
+  [ "${PIPESTATUS[0]}" -eq 0 ] || stage_failed+=("verl integration tests")
+  count_pytest build/pytest-verl.log
+  check "verl example" env PYTHONPATH="$root/build/python" OMP_NUM_THREADS=1 \
+    "$VERL_VENV/bin/python" examples/verl_r3.py
+else
+  stage_failed+=("verl environment"); failed=$((failed + 1))
+fi
 
 stage "docs: the tables in docs/ are what the tests give (bad inputs, careless and hostile use)"
 check "docs tables" bash scripts/readme_tables.sh --check

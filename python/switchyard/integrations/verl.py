@@ -1,0 +1,251 @@
+"""switchyard.integrations.verl: router replay (R3 and R2) on verl's FSDP engine for Hugging Face
+MoE models, as a verl plugin (verl >= 0.9.1; no change to verl's source).
+
+Turn it on with one environment variable on every verl process (Ray workers included):
+
+    VERL_ENGINE_VENDOR=switchyard        # R3: the rollout's routes replayed in log-prob + update
+
+verl imports this module through the ``verl.plugins`` entry point switchyard declares (or
+``VERL_USE_EXTERNAL_MODULES=switchyard.integrations.verl`` when switchyard is not pip-installed),
+which registers :class:`SwitchyardFSDPEngine` in verl's ``EngineRegistry`` for the
+``language_model`` model type, the ``fsdp`` and ``fsdp2`` backends, vendor ``switchyard``;
+``VERL_ENGINE_VENDOR`` makes verl pick it instead of ``FSDPEngineWithLMHead``, which it subclasses.
+
+Modes (the engine config's ``router_replay.mode`` when not "disabled", else
+``SWITCHYARD_VERL_ROUTER_REPLAY``, default "R3"):
+
+* ``R3``: every log-prob and update forward of the actor replays the micro-batch's
+  ``routed_experts`` (verl's layout, set by the rollout: int16 [B, tokens, num_hidden_layers, K],
+  jagged after verl's ``left_right_2_no_padding``; a sequence's last token and all-zero rows have no
+  route and are routed natively, counted). A micro-batch without ``routed_experts`` is an error:
+  replay never silently does nothing.
+* ``R2``: the actor's log-prob pass records its own routes and returns them as
+  ``model_output["routed_experts"]`` (verl's ``_compute_old_log_prob`` merges them into the batch);
+  the update forwards replay them.
+* ``disabled``: the plain FSDP engine.
+
+The reference model's engine (``forward_only``) and calls whose batch says
+``enable_routing_replay=False`` route natively. Both packing modes are served: packed
+(``use_remove_padding=True``, the (1, total_tokens) forward, with verl's static pad routed natively)
+and padded (right-padded [B, max_len]). ``SWITCHYARD_VERL_ROUTER_DTYPE=float32`` also runs the
+routers in fp32 (switchyard.integrations.hf's FP32 router); the default keeps the model's own.
+Per forward, the metrics get ``router_replay/replayed_rows``, ``router_replay/native_rows`` (real
+tokens routed natively: each sequence's last token, all-zero rows; padding not counted) and
+``router_replay/recorded_rows`` (R2's log-prob pass), summed over MoE layers. Not supported (refused when replay is on):
+Ulysses sequence parallelism (untested on CPU).
+"""
+import os
+
+import torch
+
+import switchyard.integrations.hf as syhf
+
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+__all__ = ["VENDOR", "MODES", "ENV_MODE", "ENV_ROUTER_DTYPE", "MIN_VERL_VERSION",
+           "SwitchyardFSDPEngine"]
+
+#: Oldest verl release this plugin was checked against (its FSDP engine's prepare_model_inputs /
+#: prepare_model_outputs / forward_step contract and the jagged routed_experts layout).
+MIN_VERL_VERSION = "0.9.1"
+
+#: The vendor name the engine is registered under (``VERL_ENGINE_VENDOR=switchyard``).
+VENDOR = "switchyard"
+#: Replay modes, as verl's ``router_replay.mode`` spells them.
+MODES = ("R3", "R2", "disabled")
+#: Environment variable choosing the mode when the engine config leaves it "disabled".
+ENV_MODE = "SWITCHYARD_VERL_ROUTER_REPLAY"
+#: Environment variable choosing the routers' dtype: "native" (default) or "float32".
+ENV_ROUTER_DTYPE = "SWITCHYARD_VERL_ROUTER_DTYPE"
+
+_ROUTER_DTYPES = {"native": None, "float32": torch.float32, "fp32": torch.float32}
+
+
+def _check_version():
+    import verl
+    from packaging.version import Version
+    if Version(verl.__version__) < Version(MIN_VERL_VERSION):
+        raise RuntimeError(f"[verl] switchyard's verl plugin needs verl >= {MIN_VERL_VERSION}, "
+                           f"found {verl.__version__}")
+
+
+def _mode_of(engine_config) -> str:
+    rr = getattr(engine_config, "router_replay", None)
+    mode = getattr(rr, "mode", "disabled") if rr is not None else "disabled"
+    source = "router_replay.mode"
+    if mode == "disabled":
+        mode, source = os.environ.get(ENV_MODE, "R3"), ENV_MODE
+    if mode not in MODES:
+        raise ValueError(f"[verl] {source} must be one of {list(MODES)}, got {mode!r}")
+    return mode
+
+
+def _router_dtype() -> "torch.dtype | None":
+    name = os.environ.get(ENV_ROUTER_DTYPE, "native")
+    if name not in _ROUTER_DTYPES:
+        raise ValueError(f"[verl] {ENV_ROUTER_DTYPE} must be one of {sorted(_ROUTER_DTYPES)}, got "
+                         f"{name!r}")
+    return _ROUTER_DTYPES[name]
+
+
+@EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"],
+                         device=["cuda", "npu", "cpu"], vendor=VENDOR)
+class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
+    """verl's FSDP engine for HF causal LMs, with switchyard's router replay (see the module)."""
+
+    def __init__(self, *args, **kwargs):
+        _check_version()
+        super().__init__(*args, **kwargs)
+        mode = _mode_of(self.engine_config)
+        # The reference policy's engine is forward-only: verl never replays into it.
+        self.router_replay_mode = "disabled" if self.engine_config.forward_only else mode
+        self.router_dtype = _router_dtype()
+        if self.router_replay_mode != "disabled" and self.use_ulysses_sp:
+            raise ValueError("[verl] switchyard router replay does not support Ulysses sequence "
+                             "parallelism yet, got ulysses_sequence_parallel_size="
+                             f"{self.engine_config.ulysses_sequence_parallel_size}")
+        self.router_patch = None  # switchyard.integrations.hf.Patch, once the model is built
+        self._call = None  # None, "replay" or "record": what the running forward_backward does
+        self._capture = None
+        self._packed = True
+        self._pad_rows = 0
+
+    # ---- the model ----
+    def initialize(self):
+        super().initialize()
+        if self.router_replay_mode == "disabled" and self.router_dtype is None:
+            return
+        self.router_patch = syhf.patch_of(self.module) or \
+            syhf.patch(self.module, router_dtype=self.router_dtype)
+
+    # ---- per call ----
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        flag = tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=None)
+        if self.router_patch is None or self.router_replay_mode == "disabled" or flag is False:
+            call = None
+        elif self.router_replay_mode == "R2" and forward_only:
+            call = "record"
+        else:
+            call = "replay"
+        self._call = call
+        try:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        except BaseException:
+            if self.router_patch is not None:
+                self.router_patch.clear()  # no failed call's ids survive into the next one
+            raise
+        finally:
+            self._call = None
+            self._stop_capture()
+            if self.router_patch is not None:
+                self.router_patch.set_action(None)
+
+    def _stop_capture(self):
+        if self._capture is not None:
+            self.router_patch.stop_capture()
+            self._capture = None
+
+    # ---- per micro-batch ----
+    def prepare_model_inputs(self, micro_batch):
+        model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+        # rows the forward feeds beyond the real tokens (padded layout, verl's static pad)
+        self._pad_rows = model_inputs["input_ids"].numel() - int(
+            micro_batch["input_ids"].offsets()[-1])
+        if self._call == "replay":
+            targets = self._targets(micro_batch, model_inputs)  # every check before any state
+            self.router_patch.reset_counts()
+            self.router_patch.set_targets(targets)
+        elif self._call == "record":
+            self.router_patch.reset_counts()
+            self._packed = model_inputs.get("attention_mask") is None
+            self._capture = self.router_patch.capture()
+        return model_inputs, output_args
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        model_output = super().prepare_model_outputs(output, output_args, micro_batch,
+                                                     logits_processor_func)
+        if self._call == "record":
+            model_output["routed_experts"] = self._recorded(micro_batch)
+        return model_output
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        loss, output = super().forward_step(micro_batch, loss_function, forward_only)
+        if self._call is not None:
+            c = self.router_patch.counts()
+            m = output.setdefault("metrics", {})
+            if self._call == "replay":
+                m["router_replay/replayed_rows"] = float(
+                    sum(v["num_replayed_rows"] for v in c.values()))
+                m["router_replay/native_rows"] = float(
+                    sum(v["num_native_rows"] + v["num_invalid_replay_rows"] for v in c.values())
+                    - self._pad_rows * len(c))
+            else:
+                m["router_replay/recorded_rows"] = float(
+                    sum(v["num_native_rows"] for v in c.values()) - self._pad_rows * len(c))
+        return loss, output
+
+    def _layout(self, micro_batch):
+        """(offsets [B+1], lengths [B], mask [B, max_len]) of the micro-batch's jagged tokens."""
+        offsets = micro_batch["input_ids"].offsets().to("cpu", torch.int64)
+        lengths = offsets.diff()
+        max_len = int(lengths.max()) if lengths.numel() else 0
+        mask = torch.arange(max_len).unsqueeze(0) < lengths.unsqueeze(1)
+        return offsets, lengths, mask
+
+    def _targets(self, micro_batch, model_inputs) -> torch.Tensor:
+        """The micro-batch's routed_experts as replay targets in the forward's token order."""
+        p = self.router_patch
+        routed = micro_batch.get("routed_experts", None)
+        if routed is None:
+            raise ValueError(f"[verl] router replay {self.router_replay_mode}: the micro-batch has "
+                             "no 'routed_experts' (R3: the rollout must return them, e.g. "
+                             "actor_rollout_ref.rollout.enable_rollout_routing_replay=True; R2: "
+                             "the log-prob pass of this engine records them)")
+        offsets, lengths, mask = self._layout(micro_batch)
+        B, total = len(lengths), int(offsets[-1]) if len(offsets) else 0
+        L, K = p.num_hidden_layers, p.top_k
+        want = f"[B={B}, tokens (as input_ids), num_hidden_layers={L}, K={K}]"
+        if not isinstance(routed, torch.Tensor) or not routed.is_nested:
+            raise ValueError(f"[verl] routed_experts must be a jagged nested tensor {want} (verl's "
+                             "left_right_2_no_padding layout), got "
+                             f"{getattr(routed, 'shape', type(routed).__name__)}")
+        values = routed.values()
+        if values.dim() != 3 or values.shape[0] != total or values.shape[1] != L or \
+                values.shape[2] != K or not torch.equal(routed.offsets().to("cpu", torch.int64),
+                                                        offsets):
+            raise ValueError(f"[verl] routed_experts must be {want}, got {routed.size(0)} "
+                             f"sequences with values {list(values.shape)} (lengths "
+                             f"{routed.offsets().diff().tolist()}, input_ids lengths "
+                             f"{lengths.tolist()})")
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise ValueError(f"[verl] routed_experts must hold integer expert ids, got dtype "
+                             f"{values.dtype}")
+        # Right-padded [B, max_len, L, K] (zeros at padding) + its mask: verl's own batch layout,
+        # read by the hf integration's verl importer (the last token and zero rows: no route).
+        dense = values.new_zeros((B, mask.shape[1], L, K))
+        dense[mask.to(values.device)] = values
+        t, _ = p.targets_from_verl(dense.to("cpu"), mask)  # [B, max_len, M, K], -1 at padding
+        ids = model_inputs["input_ids"]
+        if model_inputs.get("attention_mask") is None:  # packed: (1, total + verl's static pad)
+            t = t[mask]
+            pad = ids.shape[-1] - total
+            if pad:
+                t = torch.cat([t, t.new_full((pad, *t.shape[1:]), -1)])
+        if t.shape[0] * (t.shape[1] if t.dim() == 4 else 1) != ids.numel():
+            raise ValueError(f"[verl] routed_experts cover {total} tokens but the forward feeds "
+                             f"{list(ids.shape)}")
+        return t
+
+    def _recorded(self, micro_batch):
+        """This forward's routes in verl's layout: jagged int16 [B, tokens, num_hidden_layers, K]."""
+        ids = self._capture.ids()  # [b, S, L, K] int32 of the one forward, dense layers 0
+        self._stop_capture()
+        offsets, lengths, mask = self._layout(micro_batch)
+        total = int(offsets[-1])
+        # packed: (1, total + verl's static pad, dropped); padded: [B, max_len]
+        values = ids[0, :total] if self._packed else ids[mask]
+        dev = micro_batch["input_ids"].values().device
+        return torch.nested.nested_tensor_from_jagged(values.to(dev, torch.int16),
+                                                      offsets.to(dev))

@@ -1,0 +1,166 @@
+"""Runs verl's real FSDP engine on the CPU, in this one process, for switchyard's verl tests and
+examples/verl_r3.py. Each shim says why verl needs it here; none changes verl's source, and none
+touches a path the tests check (the engine's model inputs, forward, log-probs, loss, backward).
+
+Call ``setup()`` BEFORE importing verl: it sets the environment verl reads at import time, then
+imports verl with the CPU platform (verl_cpu_platform) and ``external_modules`` loaded."""
+import contextlib
+import os
+import socket
+
+import torch
+
+
+def setup(external_modules=()):
+    # verl resolves its platform once, from VERL_PLATFORM or by probing CUDA / NPU / ROCm; there is
+    # no CPU platform in verl 0.9.1, so verl_cpu_platform registers one.
+    os.environ["VERL_PLATFORM"] = "cpu"
+    # EngineRegistry only has FSDP engines for device "cuda" / "npu"; the lookup honours
+    # VERL_ENGINE_DEVICE, so the CUDA entries (plain and vendor) are the ones the tests get.
+    os.environ["VERL_ENGINE_DEVICE"] = "cuda"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VERL_LOGGING_LEVEL", "ERROR")
+    _stub_cpu_memory_metrics()
+    # verl resolves its platform when its engine module is imported, and switchyard's plugin
+    # imports that module: the CPU platform must be registered first. verl imports the modules of
+    # VERL_USE_EXTERNAL_MODULES in order while it is imported, before its entry-point plugins.
+    mods = ["verl_cpu_platform"] + [m for m in external_modules if m]
+    os.environ["VERL_USE_EXTERNAL_MODULES"] = ",".join(mods)
+    import verl  # noqa: F401
+    _unpinned_cpu_offload()
+    init_process_group()
+
+
+def _stub_cpu_memory_metrics():
+    # verl calls get_torch_device().memory_allocated() / max_memory_allocated() / mem_get_info()
+    # in its logging helpers (log_gpu_memory_usage, TrainingWorker metrics); torch.cpu has none.
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated",
+                 "max_memory_reserved"):
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, lambda *a, **k: 0)
+    if not hasattr(torch.cpu, "mem_get_info"):
+        torch.cpu.mem_get_info = lambda *a, **k: (0, 0)
+    if not hasattr(torch.cpu, "reset_peak_memory_stats"):
+        torch.cpu.reset_peak_memory_stats = lambda *a, **k: None
+    if not hasattr(torch.cpu, "empty_cache"):
+        torch.cpu.empty_cache = lambda *a, **k: None
+
+
+def _unpinned_cpu_offload():
+    # A forward-only engine (the reference policy) is built with FSDP2's
+    # CPUOffloadPolicy(pin_memory=True); pinned host memory needs a CUDA driver. The same policy,
+    # unpinned, is what a CPU-only process can hold.
+    import verl.workers.engine.fsdp.transformer_impl as ti
+    if getattr(ti.CPUOffloadPolicy, "_unpinned", False):
+        return
+    policy = ti.CPUOffloadPolicy
+
+    def unpinned(pin_memory=True):
+        return policy(pin_memory=False)
+    unpinned._unpinned = True
+    ti.CPUOffloadPolicy = unpinned
+
+
+def init_process_group():
+    # The FSDP engine calls torch.distributed.get_rank() and builds a device mesh: a one-process
+    # gloo group (what torchrun / Ray would set up on a real cluster).
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def tiny_qwen3_moe(path, seed=0, num_hidden_layers=2):
+    """Saves a tiny random Qwen3-MoE (8 experts, top-2, vocab 97) and a tokenizer-free config at
+    ``path``; returns the path (verl's HFModelConfig loads models from a path)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=97, max_position_embeddings=128,
+        head_dim=8, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+        initializer_range=0.2)  # large enough that the routes chosen change the log-probs
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def engine(model_path, *, use_remove_padding=True, micro_batch_size=2, lr=1e-2, forward_only=False,
+           router_replay_mode=None, gradient_checkpointing=True):
+    """verl's language-model engine for ``model_path``, chosen by verl's EngineRegistry (so by
+    VERL_ENGINE_VENDOR), built and initialised: fsdp2, fp32, sdpa attention."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+    from verl.workers.engine import EngineRegistry
+
+    model_config = HFModelConfig(
+        path=model_path, use_remove_padding=use_remove_padding, load_tokenizer=False,
+        # verl's default attention is flash_attention_2 (CUDA only); sdpa runs on the CPU.
+        override_config={"attn_implementation": "sdpa"},
+        enable_gradient_checkpointing=gradient_checkpointing)
+    kw = {}
+    if router_replay_mode is not None:
+        from verl.workers.config import EngineRouterReplayConfig
+        kw["router_replay"] = EngineRouterReplayConfig(mode=router_replay_mode)
+    engine_config = FSDPEngineConfig(
+        # FSDP1 refuses CPU parameters; fsdp2 (fully_shard) shards them on a gloo mesh.
+        strategy="fsdp2", model_dtype="fp32", forward_only=forward_only,
+        # fp32 end to end (verl defaults to bf16 params under autocast): the tests compare with a
+        # plain fp32 transformers forward.
+        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
+        infer_micro_batch_size_per_gpu=micro_batch_size, use_torch_compile=False,
+        use_remove_padding=use_remove_padding, **kw)
+    optim_config = FSDPOptimizerConfig(lr=lr, lr_warmup_steps=0, total_training_steps=10,
+                                       weight_decay=0.0, clip_grad=1e9)
+    eng = EngineRegistry.new(model_type="language_model", backend="fsdp2",
+                             model_config=model_config, engine_config=engine_config,
+                             optimizer_config=optim_config, checkpoint_config=CheckpointConfig())
+    eng.initialize()
+    return eng
+
+
+def batch(prompts, responses, *, num_hidden_layers, top_k, routed_experts=None, pad_id=0,
+          micro_batch_size=2, use_remove_padding=True, temperature=1.0, **non_tensor):
+    """A verl batch as the PPO trainer hands it to the engine: DataProto's layout (left-padded
+    prompts | right-padded responses, attention_mask, response_mask, position_ids and, when given,
+    ``routed_experts`` int16 [B, S, num_hidden_layers, K] over those positions) converted by verl's
+    own ``left_right_2_no_padding`` to the jagged layout, plus the keys TrainingWorker sets."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    B = len(prompts)
+    P = max(len(p) for p in prompts)
+    R = max(len(r) for r in responses)
+    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, P + R, dtype=torch.long)
+    response_mask = torch.zeros(B, R, dtype=torch.long)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[b, P - len(p):P] = torch.tensor(p)
+        input_ids[b, P:P + len(r)] = torch.tensor(r)
+        attention_mask[b, P - len(p):P + len(r)] = 1
+        response_mask[b, :len(r)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    fields = dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+                  position_ids=position_ids, responses=input_ids[:, P:])
+    if routed_experts is not None:
+        fields["routed_experts"] = routed_experts
+    td = TensorDict(fields, batch_size=[B])
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, use_remove_padding=use_remove_padding, use_dynamic_bsz=False,
+                         micro_batch_size_per_gpu=micro_batch_size, use_fused_kernels=False,
+                         temperature=temperature, pad_token_id=pad_id, global_batch_size=B,
+                         **non_tensor)
+    return td, dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    prompt_len=P)
