@@ -187,8 +187,9 @@ def encode(tables, num_experts, moe_layers=None, num_hidden_layers=0, compressio
     """Route tables -> one ``torch.uint8`` 1-D tensor to send (torch.distributed, Ray, a queue).
 
     tables: [T_i, moe_layers, K] int32/int64 (-1 = no route), same layers and K. The bytes are a
-    complete route file built in memory (the file's codec: ids in the narrowest width, per-layer
-    popularity ranks, zstd, XXH3 checksums; versioned): self-describing (num_experts, K, the layer
+    complete route file built in memory (the file's codec: ids in the narrowest width, one match bit
+    per id for "same as the previous token's", the others as per-layer popularity ranks, zstd,
+    XXH3 checksums; versioned, older versions still decode): self-describing (num_experts, K, the layer
     map ``moe_layers`` / ``num_hidden_layers`` when given, every sequence's length), readable by
     ``decode``, ``RouteFile.from_bytes`` and, saved to disk, by ``read`` and the CLI. Tables are
     encoded on the engine's threads (switchyard.set_num_threads); the bytes do not depend on the

@@ -12,13 +12,22 @@ inline constexpr char kFileMagic[8] = {'S', 'Y', 'R', 'O', 'U', 'T', 'E', 'S'};
 inline constexpr char kFooterMagic[8] = {'S', 'Y', 'R', 'T', 'E', 'N', 'D', '1'};
 inline constexpr uint32_t kBlockMagic = 0x4b425953u;  // "SYBK"
 inline constexpr uint32_t kIndexMagic = 0x58495953u;  // "SYIX"
-inline constexpr uint32_t kFormatVersion = 1;
+// Version 2: token-delta blocks (kBlockTokenDelta). Version 1 files and messages still read.
+inline constexpr uint32_t kFormatVersion = 2;
+inline constexpr uint32_t kFormatVersionMin = 1;
 inline constexpr int64_t kBlockHeaderSize = 56;
 inline constexpr int64_t kFooterSize = 24;
 inline constexpr int64_t kIndexEntrySize = 24;
 inline constexpr uint32_t kBlockHasNone = 1u;  // payload carries a bitmap of -1 entries
 inline constexpr uint32_t kBlockRanked = 2u;   // ids stored as per-layer popularity ranks + perm
-inline constexpr uint32_t kBlockKnownFlags = kBlockHasNone | kBlockRanked;
+inline constexpr uint32_t kBlockTokenDelta = 4u;  // version 2: match bits + literals (see below)
+/// The block flags a file of `version` may carry (every version 2 block is a token-delta one).
+inline uint32_t block_flags_known(uint32_t version) {
+  return kBlockHasNone | kBlockRanked | (version >= 2 ? kBlockTokenDelta : 0u);
+}
+inline uint32_t block_flags_required(uint32_t version) {
+  return version >= 2 ? kBlockTokenDelta : 0u;
+}
 // The rank transform pays for its permutation (num_experts ids per layer) once a layer holds about
 // this many ids per expert (bench_routes, short sequences); below it ids are stored as they are.
 inline constexpr int64_t kRankMinIdsPerExpert = 8;
@@ -61,16 +70,36 @@ uint64_t checksum(const void* data, size_t n);
 /// What encode_payload returns for an id outside [-1, num_experts) (never a valid flag set).
 inline constexpr uint32_t kBadIds = 0xffffffffu;
 
-/// Raw (uncompressed) payload of one block: [ranked: per-layer rank permutation], ids (as per-layer
-/// popularity ranks when ranked) in [layers, tokens, K] order, then a bitmap of -1 entries when
-/// any. Returns the flags, or kBadIds (checking every id on the way: callers need no pass of
+/// Raw (uncompressed) payload of one block. Version 1 (flags without kBlockTokenDelta):
+/// [ranked: per-layer rank permutation], every id (as its layer's popularity rank when ranked) in
+/// [layers, tokens, K] order, then a bitmap of -1 entries when any. Version 2 (kBlockTokenDelta):
+/// [ranked: permutation], a match bitmap (bit i, in the table's flat [tokens, layers, K] order:
+/// id i equals the id one token earlier in the same layer and slot; zero for the first token),
+/// the literals (the ids, as ranks when ranked, of the entries whose bit is 0, in flat order),
+/// then the -1 bitmap when any (a -1 entry stores rank 0 and its bit there restores it).
+/// The pieces a version 2 encoder compresses as separate zstd frames (their concatenation is the
+/// raw payload; an empty literal or -1 piece gets no frame).
+struct PayloadPieces {
+  int64_t head_size = 0;   // permutation + match bitmap, at offset 0 of the buffer
+  int64_t lit_offset = 0;  // literals in the buffer (== head_size)
+  int64_t lit_size = 0;
+  int64_t none_offset = 0;  // the -1 bitmap in the buffer (not after the literals: see encode)
+  int64_t none_size = 0;
+};
+/// Encodes one table as a version 2 payload into `out` (scratch, pieces as described by
+/// `pieces`). Returns the flags, or kBadIds (checking every id on the way: callers need no pass of
 /// their own; check_route_table names the bad one).
 uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num_layers,
-                        int64_t top_k, int64_t num_experts, std::string& out);
-/// Raw payload size for a block.
-int64_t payload_size(int64_t num_tokens, int64_t num_layers, int64_t top_k, int64_t num_experts,
-                     uint32_t flags);
-/// Inverse of encode_payload; returns an empty string on success, else what is wrong.
+                        int64_t top_k, int64_t num_experts, std::string& out,
+                        PayloadPieces& pieces);
+/// Whether `raw_size` is a possible payload size for a block of these dimensions and flags
+/// (version 2: any literal count in [0, tokens*layers*K]).
+bool payload_size_ok(int64_t num_tokens, int64_t num_layers, int64_t top_k, int64_t num_experts,
+                     uint32_t flags, int64_t raw_size);
+/// Bytes after a payload that decode_payload may read (and ignore): the caller allocates them.
+inline constexpr int64_t kPayloadSlack = 8;
+/// Inverse of encode_payload (either version); returns an empty string on success, else what is
+/// wrong. `raw` must have kPayloadSlack readable bytes after raw_size.
 std::string decode_payload(const char* raw, int64_t raw_size, int64_t num_tokens,
                            int64_t num_layers, int64_t top_k, int64_t num_experts, uint32_t flags,
                            int32_t* topk_idx);

@@ -5,6 +5,7 @@
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#define ZSTD_STATIC_LINKING_ONLY  // ZSTD_c_literalCompressionMode (the literal frame at level 1)
 #include <zstd.h>
 
 #include <cerrno>
@@ -45,28 +46,59 @@ std::string encode_header(const RouteFileInfo& info) {
   return h;
 }
 
+// Compresses `n` bytes at `src` as one zstd frame appended to `comp` (sized by the caller) at
+// `at`; returns the new end. Level 1 (routes.encode's default) Huffman-codes the frame without a
+// match search (zstd level -1000 with literal compression on): the token delta already removed
+// the repeats that matter, and the search was half of zstd's time for 4% of the bytes
+// (notes/routes.md). Levels 2-19 are zstd's own.
+size_t compress_frame(ZSTD_CCtx* cctx, const char* src, size_t n, int level, std::string& comp,
+                      size_t at) {
+  ZSTD_CCtx_reset(cctx, ZSTD_reset_session_and_parameters);
+  const bool fast = level == 1;
+  size_t r = ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, fast ? -1000 : level);
+  if (!ZSTD_isError(r) && fast) {
+    // Negative levels store literals raw unless told: Huffman them (an older libzstd without the
+    // parameter still writes a valid, larger frame).
+    (void)ZSTD_CCtx_setParameter(cctx, ZSTD_c_literalCompressionMode, ZSTD_ps_enable);
+  }
+  if (!ZSTD_isError(r)) {
+    ZSTD_CCtx_setPledgedSrcSize(cctx, n);
+    r = ZSTD_compress2(cctx, comp.data() + at, comp.size() - at, src, n);
+  }
+  if (ZSTD_isError(r)) throw BackendError(cat("ZSTD_compress2: ", ZSTD_getErrorName(r)));
+  return at + r;
+}
+
 // Appends sequence `seq`'s block (header, zstd payload, checksums) to `out`; `raw` and `comp` are
 // scratch buffers kept between calls. The one block encoder of the file and of the wire format.
+// The payload is up to three zstd frames (permutation + match bits, literals, -1 bitmap; see
+// route_codec.h) whose decompressed concatenation is the raw payload.
 // An id outside [-1, num_experts) is an std::invalid_argument naming `op`, `name` and the id.
 void encode_block(const RouteTable& table, int64_t seq, const RouteFileInfo& info, int level,
                   ZSTD_CCtx* cctx, std::string& raw, std::string& comp, std::string& out,
                   const char* op, const char* name) {
   const int64_t T = table.num_tokens();
-  const uint32_t flags = detail::encode_payload(
-      table.topk_idx.data<int32_t>(), T, info.num_moe_layers, info.top_k, info.num_experts, raw);
+  detail::PayloadPieces pc;
+  const uint32_t flags =
+      detail::encode_payload(table.topk_idx.data<int32_t>(), T, info.num_moe_layers, info.top_k,
+                             info.num_experts, raw, pc);
   if (flags == detail::kBadIds) {
     check_route_table(table, op, name);  // names the first bad id
     detail::fail_arg(op, name, ": ids must be -1 or in [0, num_experts=", info.num_experts, ")");
   }
-  comp.resize(ZSTD_compressBound(raw.size()));
-  const size_t c = ZSTD_compressCCtx(cctx, comp.data(), comp.size(), raw.data(), raw.size(), level);
-  if (ZSTD_isError(c)) throw BackendError(cat("ZSTD_compressCCtx: ", ZSTD_getErrorName(c)));
+  const auto head = static_cast<size_t>(pc.head_size);
+  const auto lits = static_cast<size_t>(pc.lit_size);
+  const auto none = static_cast<size_t>(pc.none_size);
+  comp.resize(ZSTD_compressBound(head) + ZSTD_compressBound(lits) + ZSTD_compressBound(none));
+  size_t c = compress_frame(cctx, raw.data(), head, level, comp, 0);
+  if (lits) c = compress_frame(cctx, raw.data() + pc.lit_offset, lits, level, comp, c);
+  if (none) c = compress_frame(cctx, raw.data() + pc.none_offset, none, level, comp, c);
   const size_t at = out.size();
   put_u32(out, detail::kBlockMagic);
   put_u32(out, flags);
   put_u64(out, static_cast<uint64_t>(seq));
   put_u64(out, static_cast<uint64_t>(T));
-  put_u64(out, static_cast<uint64_t>(raw.size()));
+  put_u64(out, static_cast<uint64_t>(head + lits + none));
   put_u64(out, static_cast<uint64_t>(c));
   put_u64(out, detail::checksum(comp.data(), c));
   put_u64(out, detail::checksum(out.data() + at, out.size() - at));
@@ -457,9 +489,9 @@ struct RouteFileReader::Impl {
     if (std::memcmp(fixed, detail::kFileMagic, 8) != 0)
       fail("not a route file (bad magic at byte offset 0)");
     const uint32_t version = get_u32(fixed + 8);
-    if (version != detail::kFormatVersion) {
-      fail(cat("unsupported format version ", version, " (this build reads version ",
-               detail::kFormatVersion, ")"));
+    if (version < detail::kFormatVersionMin || version > detail::kFormatVersion) {
+      fail(cat("unsupported format version ", version, " (this build reads versions ",
+               detail::kFormatVersionMin, " to ", detail::kFormatVersion, ")"));
     }
     const int64_t hsize = get_u32(fixed + 12);
     const int64_t n_layers = get_u32(fixed + 32);
@@ -513,12 +545,16 @@ struct RouteFileReader::Impl {
     if (seq != static_cast<uint64_t>(expected_seq)) {
       return cat("block holds sequence ", seq, ", expected ", expected_seq);
     }
-    if ((flags & ~detail::kBlockKnownFlags) != 0) return cat("unknown block flags ", flags);
+    if ((flags & ~detail::block_flags_known(info.version)) != 0 ||
+        (flags & detail::block_flags_required(info.version)) !=
+            detail::block_flags_required(info.version)) {
+      return cat("unknown block flags ", flags, " for format version ", info.version);
+    }
     const uint64_t row = static_cast<uint64_t>(info.num_moe_layers * info.top_k);
     if (tokens > static_cast<uint64_t>(detail::kMaxRawBlockBytes) / row ||
         raw_size > detail::kMaxRawBlockBytes ||
-        raw_size != detail::payload_size(static_cast<int64_t>(tokens), info.num_moe_layers,
-                                         info.top_k, info.num_experts, flags)) {
+        !detail::payload_size_ok(static_cast<int64_t>(tokens), info.num_moe_layers, info.top_k,
+                                 info.num_experts, flags, raw_size)) {
       return cat("inconsistent sizes: ", tokens, " tokens, payload ", raw_size, " bytes");
     }
     if (tokens * row > static_cast<uint64_t>(detail::kMaxTableBytes) / 4) {
@@ -706,12 +742,15 @@ RouteTable RouteFileReader::read(int64_t sequence) const {
     s.fail(where() + cat("payload checksum mismatch (bytes ", e.offset + detail::kBlockHeaderSize,
                          "..", e.offset + e.stored_bytes, ")"));
   }
-  const unsigned long long content = ZSTD_getFrameContentSize(comp.data(), comp.size());
+  // Version 2 payloads are several frames: their declared sizes must add up to the block's.
+  const unsigned long long content = ZSTD_findDecompressedSize(comp.data(), comp.size());
   if (content != static_cast<unsigned long long>(raw_size)) {
-    s.fail(where() + "compressed frame does not declare the block's payload size");
+    s.fail(where() + "compressed frames do not declare the block's payload size");
   }
   // Not zero-filled: zstd writes every byte it reports (checked below).
-  std::unique_ptr<char[]> raw(new char[static_cast<size_t>(std::max<int64_t>(raw_size, 1))]);
+  // (plus the decoder's kPayloadSlack bytes, zeroed).
+  std::unique_ptr<char[]> raw(new char[static_cast<size_t>(raw_size + detail::kPayloadSlack)]);
+  std::memset(raw.get() + raw_size, 0, size_t(detail::kPayloadSlack));
   const size_t got =
       ZSTD_decompress(raw.get(), static_cast<size_t>(raw_size), comp.data(), comp.size());
   if (ZSTD_isError(got)) s.fail(where() + cat("zstd: ", ZSTD_getErrorName(got)));

@@ -164,7 +164,8 @@ std::string crafted_file(int64_t tokens) {
   fs::remove(path);
   const int64_t off = RouteFileReader::from_bytes(f).entry(0).offset;
   f.resize(size_t(off));  // header only; the crafted block follows (no index: recovery scan)
-  const uint64_t raw = uint64_t(tokens);  // 1 byte per id, no -1 bitmap, not ranked
+  // Version 2 token-delta block: match bits, then 1 byte per id, no -1 bitmap, not ranked.
+  const uint64_t raw = uint64_t(tokens) + (uint64_t(tokens) + 7) / 8;
   std::string frame;
   auto put = [&](std::string& s, uint64_t v, int n) {
     for (int i = 0; i < n; ++i) s += char((v >> (8 * i)) & 0xff);
@@ -176,7 +177,7 @@ std::string crafted_file(int64_t tokens) {
   frame += char(0);
   std::string b;
   put(b, 0x4b425953u, 4);  // block magic
-  put(b, 0, 4);            // flags
+  put(b, 4, 4);            // flags: kBlockTokenDelta
   put(b, 0, 8);            // sequence 0
   put(b, uint64_t(tokens), 8);
   put(b, raw, 8);
