@@ -246,13 +246,13 @@ def case_recompute(rank, world, res):
         sym.set_replay_targets(rc, {1: ids})
         with torch.no_grad():
             rc(x)
-        res["pending_after_forward_only"] = sym.replays(rc)[1].num_pending_backward
+        res["pending_after_forward_only"] = sym.replays(rc)[1].num_pending_recompute
         sym.set_replay_targets(rc, {1: ids})
         sym.set_replay_targets(plain, {1: ids})
         rc.train()
         res["rc_out"], res["rc_grad"] = _fwd_bwd(rc, x)
         res["plain_out"], res["plain_grad"] = _fwd_bwd(plain, x)
-        res["pending_after_backward"] = sym.replays(rc)[1].num_pending_backward
+        res["pending_after_backward"] = sym.replays(rc)[1].num_pending_recompute
         res["router_calls"] = len(seen)
         res["maps"] = seen[1:]  # [training forward under checkpoint, recompute in backward]
         res["rc_total"] = vars(sym.replay_counts(rc, total=True)[1])
@@ -265,9 +265,9 @@ def case_recompute(rank, world, res):
             sym.set_replay_targets(rc, {1: ids})
             errs.append(_err(lambda: rc(x.clone().requires_grad_(True))))
         res["bound_errors"] = errs
-        res["pending_at_bound"] = sym.replays(rc)[1].num_pending_backward
+        res["pending_at_bound"] = sym.replays(rc)[1].num_pending_recompute
         sym.clear_replay(rc)
-        res["pending_after_clear"] = sym.replays(rc)[1].num_pending_backward
+        res["pending_after_clear"] = sym.replays(rc)[1].num_pending_recompute
     res["ids"] = ids
 
 
@@ -436,7 +436,7 @@ def case_block(rank, world, res):
                 out = blk(xi, attention_mask=am)
                 out.sum().backward()
                 res[f"{name}_out"], res[f"{name}_grad"] = out.detach(), xi.grad
-                res[f"{name}_pending"] = {k: r.num_pending_backward
+                res[f"{name}_pending"] = {k: r.num_pending_recompute
                                           for k, r in sym.replays(blk).items()}
                 res[f"{name}_counts"] = {k: vars(c) for k, c in
                                          sym.replay_counts(blk, total=True).items()}

@@ -284,7 +284,7 @@ def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
     for layer, c in p.counts().items():
         want = (T - 1, 1) if replay else (0, T)
         assert c == _counts(replayed=want[0], native=want[1], recomputed=T)
-        assert p.replays[layer].num_pending_backward == 0
+        assert p.replays[layer].num_pending_recompute == 0
     assert ref.keys() == got.keys()
     for n in ref:
         assert torch.equal(got[n], ref[n]), n

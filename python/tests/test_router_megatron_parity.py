@@ -165,7 +165,7 @@ def test_global_aux_loss_state_with_router_replay(gen):
     r(x, replay=rep)
     loss_fwd = r.last_info.aux_loss
     assert r.global_aux_loss_state.steps == 1
-    rep.action = "replay_backward"
+    rep.action = "recompute"
     r(x, replay=rep)
     assert r.global_aux_loss_state.steps == 1
     assert r.last_info.aux_loss == loss_fwd
@@ -176,7 +176,7 @@ def test_global_aux_loss_state_with_router_replay(gen):
     with torch.no_grad():
         r(x, replay=rep)
     assert r.global_aux_loss_state.steps == 2
-    rep.action = "replay_backward"
+    rep.action = "recompute"
     r(x, replay=rep)
     assert r.global_aux_loss_state.steps == 3
 
