@@ -8,6 +8,7 @@ A route table is an int32 tensor [tokens, moe_layers, K]: an expert id, or -1 fo
     sy.routes.write("routes.syr", tables, num_experts=128)
     tables, report = sy.routes.import_vllm(["seq0.npy"], num_experts=128, first_k_dense=1)
     packed, cu, cu_padded = sy.routes.pack_thd(tables, tp_size=2, cp_size=2)
+    targets = sy.routes.add_padding(tables, attention_mask)     # [B, S, L, K], -1 at padding
     stats = sy.routes.drift(rollout_table, trainer_table)       # decision / token mismatch
 """
 from . import _switchyard as _C
@@ -16,6 +17,7 @@ __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "dec
            "import_vllm_arrays", "import_vllm_response", "from_verl", "to_verl", "layer_targets", "import_sglang",
            "import_sglang_text", "import_trtllm", "import_trtllm_arrays",
            "import_flashinfer_replay", "VllmRouteStream", "import_vllm_stream", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
+           "add_padding", "routed_experts",
            "pack_thd", "unpack_thd", "cp_zigzag_split", "cp_zigzag_gather", "sp_split",
            "sp_gather", "slice_layers", "concat_layers", "concat_tokens", "pp_moe_layer_range",
            "drift", "expert_load"]
@@ -559,6 +561,111 @@ def drop_padding(topk_idx, attention_mask, num_experts=None):
     if not isinstance(ids, torch.Tensor) or ids.dtype not in _ENGINE_ID_DTYPES:
         ids = _idx32(ids, "routes.drop_padding", "topk_idx", _ID_DTYPES)
     return _C.routes_drop_padding(ids, attention_mask, _num_experts([ids], num_experts))
+
+
+# ---- batch layout (trainer-side targets, captured routes) -----------------------------------------
+def add_padding(tables, attention_mask=None, padding_side=None, seq_len=None):
+    """Route tables -> one padded batch, the inverse of drop_padding: int32 [batch, seq, L, K],
+    -1 (no route: the router routes natively) at padding.
+
+    ``tables``: one [T_b, L, K] table per sequence (int32, or int64 / int16 / uint8 checked and
+    narrowed or widened; every table the same L and K), in batch order. With ``attention_mask``
+    ([batch, seq], nonzero = real token, any pattern: left, right or inner padding) row b's real
+    positions, which must number T_b, receive table b's rows in order; the mask decides where the
+    padding is, so ``padding_side`` and ``seq_len`` must be None. Without it, ``padding_side``
+    "left" or "right" pads every row to ``seq_len`` columns (None = the longest table), and
+    ``padding_side=None`` (default) takes tables of one length as they are (stacked)."""
+    import torch
+
+    from .torch import _ID_DTYPES, _idx32
+    op = "routes.add_padding"
+    tables = [_idx32(t, op, f"tables[{i}]", _ID_DTYPES).to("cpu") for i, t in enumerate(tables)]
+    if not tables:
+        raise ValueError(f"[{op}] tables must hold at least one table, got none")
+    for i, t in enumerate(tables):
+        if t.dim() != 3 or t.shape[1:] != tables[0].shape[1:]:
+            raise ValueError(f"[{op}] tables must be [T, L, K] with the L and K of tables[0] "
+                             f"({list(tables[0].shape[1:])}), got tables[{i}] of shape "
+                             f"{list(t.shape)}")
+    L, K = tables[0].shape[1:]
+    lengths = [t.shape[0] for t in tables]
+    if attention_mask is not None:
+        if padding_side is not None or seq_len is not None:
+            raise ValueError(f"[{op}] with an attention_mask the mask places the rows: "
+                             f"padding_side and seq_len must be None, got padding_side="
+                             f"{padding_side!r}, seq_len={seq_len!r}")
+        m = torch.as_tensor(attention_mask).to("cpu").bool()
+        if m.dim() != 2 or m.shape[0] != len(tables):
+            raise ValueError(f"[{op}] attention_mask must be [{len(tables)}, S], got "
+                             f"{list(m.shape)}")
+        out = torch.full((m.shape[0], m.shape[1], L, K), -1, dtype=torch.int32)
+        for b, t in enumerate(tables):
+            n = int(m[b].sum())
+            if n != t.shape[0]:
+                raise ValueError(f"[{op}] sequence {b}: the attention mask has {n} real tokens, "
+                                 f"the routes {t.shape[0]}")
+            out[b][m[b]] = t
+        return out
+    if padding_side is None:
+        if seq_len is not None or len(set(lengths)) != 1:
+            raise ValueError(f"[{op}] sequences of different lengths {sorted(set(lengths))} (or "
+                             "a seq_len) need an attention_mask [B, S] or a padding_side "
+                             "('left' / 'right') to place them")
+        return torch.stack(tables)
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"[{op}] padding_side must be None, 'left' or 'right', got "
+                         f"{padding_side!r}")
+    S = max(lengths) if seq_len is None else int(seq_len)
+    if S < max(lengths):
+        raise ValueError(f"[{op}] seq_len={S} is shorter than the longest table "
+                         f"({max(lengths)} rows)")
+    out = torch.full((len(tables), S, L, K), -1, dtype=torch.int32)
+    for b, t in enumerate(tables):
+        n = t.shape[0]
+        if padding_side == "left":
+            out[b, S - n:] = t
+        else:
+            out[b, :n] = t
+    return out
+
+
+def routed_experts(ids, attention_mask=None):
+    """Routes of every fed token -> vLLM's ``routed_experts`` per sequence: a list of int32
+    tensors [num_tokens - 1, num_hidden_layers, K] (vLLM routes every token but the last).
+
+    ``ids``: [B, S, num_hidden_layers, K] int32 (int64 checked), row b's s-th fed token at
+    [b, s] (what a capture over ``generate()`` holds: the prefill, then one column per decode
+    step), dense layers 0. ``attention_mask`` (nonzero = real token): [B, S + 1] over the
+    generated sequences (prompt + new tokens; the last token was never fed), or [B, S] over the
+    fed tokens (a sequence that ended early fed its last token too: that row is dropped, as vLLM
+    never routes a sequence's last token); None = every fed token is real and the final token of
+    each sequence was not fed (all S rows)."""
+    import torch
+
+    from .torch import _idx32
+    op = "routes.routed_experts"
+    ids = _idx32(ids, op, "ids").to("cpu")
+    if ids.dim() != 4:
+        raise ValueError(f"[{op}] ids must be [B, S, num_hidden_layers, K], got "
+                         f"{list(ids.shape)}")
+    B, S = ids.shape[:2]
+    if attention_mask is None:
+        return [ids[b] for b in range(B)]
+    m = torch.as_tensor(attention_mask).to("cpu")
+    if m.dim() != 2 or m.shape[0] != B or m.shape[1] not in (S, S + 1):
+        raise ValueError(f"[{op}] attention_mask must be [{B}, {S + 1}] (generated sequences) "
+                         f"or [{B}, {S}] (fed tokens), got {list(m.shape)}")
+    m = m.bool()
+    generated = m.shape[1] == S + 1
+    out = []
+    for b in range(B):
+        rows = ids[b][m[b, :S]]
+        # No route for a sequence's last token: drop the last fed real token's route unless the
+        # sequence's last token is the unfed final one.
+        if not (generated and bool(m[b, S])):
+            rows = rows[:-1]
+        out.append(rows.contiguous())
+    return out
 
 
 def pack_thd(tables, tp_size=1, cp_size=1, fp8_align=0, num_experts=None):

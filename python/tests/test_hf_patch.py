@@ -248,9 +248,11 @@ def test_patch_errors():
 
 
 def test_patch_refuses_an_old_transformers(monkeypatch):
-    monkeypatch.setattr(syhf, "_transformers_version", lambda: "5.12.0")
-    with pytest.raises(RuntimeError, match=r"needs transformers >= 5\.24\.0, found 5\.12\.0"):
-        syhf.patch(build("olmoe"))
+    import sys
+    model = build("olmoe")  # transformers replaces its lazy module in sys.modules on first use
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.12.0")
+    with pytest.raises(RuntimeError, match=r"needs transformers 5\.24\.x, found 5\.12\.0"):
+        syhf.patch(model)
 
 
 def test_patch_under_fsdp2_keeps_outputs_and_gradients(tmp_path):

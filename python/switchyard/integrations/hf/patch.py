@@ -1,335 +1,29 @@
-"""switchyard.integrations.hf: FP32 routers, router replay and route capture for Hugging Face MoE
-models (transformers >= 5.24, an optional dependency: it comes with the model you pass).
-
-    import switchyard.integrations.hf as syhf
-    p = syhf.patch(model, router_dtype=torch.float32)   # every MoE router of the model, in place
-    print(p)                                            # family, router dtype, gate, patched layers
-    ...train / generate as usual...
-    p.unpatch()                                         # or: with syhf.patch(model): ...
-
-What the patch does, per MoE decoder layer (keyed by its absolute layer number):
-
-* It replaces the router module's ``forward`` on the instance (``mlp.gate``, ``mlp.router`` for
-  GPT-OSS, ``feed_forward.router`` for Llama-4). Module structure, parameter names, state-dict keys,
-  FSDP wrapping, forward hooks (``output_router_logits``) and the router's return contract stay as
-  they are; ``unpatch()`` restores the original forward (the handle of an earlier Patch whose
-  routers were patched again changes nothing; ``active`` says whether the routers run this Patch).
-  ``copy.deepcopy(model)`` (TRL's reference model) gives an independent patched copy, whose Patch is
-  ``patch_of(copy)``. On the meta device (shape inference) the family's math runs on meta tensors,
-  without replay, record or capture.
-* ``router_dtype=torch.float32`` (or ``torch.float64``): the gate GEMM runs in that dtype even under
-  ``torch.autocast``, and the family's routing math (softmax or sigmoid, correction bias,
-  group-limited top-k, renormalisation, scaling) runs on those logits. On CPU tensors the gate is
-  switchyard's engine (``switchyard.torch.router_gating_linear``: bf16/fp32 inputs, fp32
-  accumulation in a fixed order, batch invariant, exact backward). On CUDA tensors it is a torch
-  GEMM in router_dtype with autocast off: the same routing semantics, but NOT batch invariant
-  (cuBLAS picks its reduction order by shape). ``gate="torch"`` asks for the torch GEMM on CPU too.
-* ``router_dtype=None``: the family's own dtypes and GEMM, bitwise the same outputs as unpatched;
-  use it for replay and capture without a precision change.
-* Combine weights (what the router hands to the experts), per family, with router_dtype set:
-  router_dtype for Qwen3-MoE, Qwen2-MoE, Qwen3-Next, OLMoE, HunYuan (their code casts the weights to
-  the logits' dtype), Mixtral, DeepSeek-V3, GLM4-MoE (their code keeps them fp32) and GPT-OSS
-  (softmax in the logits' dtype); the hidden-states dtype for ERNIE-4.5 (its code casts to it) and
-  Llama-4 (its scores scale the experts' input, whose GEMM needs the experts' dtype).
-  ``COMBINE_DTYPE`` says the same in code.
-* Replay (R2 / R3): ``p.replays[layer]`` is a ``switchyard.RouterReplay``. Action ``"record"``
-  records the ids of every forward; ``"replay_forward"`` replays the next target
-  (``p.set_targets``) or else the oldest recorded table. Only ids are replayed: the weights are
-  recomputed from the live logits at those ids with the family's formula, so gradients reach the
-  router. A row of all -1 is routed natively and counted; an invalid row (mixing -1 and ids,
-  repeating an id, an id outside [0, E)) is a ValueError naming the layer and token, or routed
-  natively and counted with ``invalid_replay_rows="native"``. ``p.counts()`` gives per layer
-  ``num_replayed_rows``, ``num_native_rows``, ``num_invalid_replay_rows``, ``num_recomputed_rows``
-  and ``num_calls``. A step is all or nothing: ``set_targets`` checks every layer's rows before any
-  layer queues its table, and a forward that fails anywhere drops that step's table (target, or
-  recorded table with R2) in every layer, so the retry never replays a failed batch's ids (set the
-  targets again).
-* Activation checkpointing (``model.gradient_checkpointing_enable()``): a forward that will be
-  recomputed queues its final ids; the recompute inside backward (detected as running inside the
-  autograd engine) routes with exactly those ids, first in first out per layer, and neither records
-  nor captures.
-* Capture: ``with p.capture() as cap: model.generate(...)`` records the ids of the prefill and of
-  every decode step (KV cache included); ``cap.routed_experts(attention_mask)`` gives vLLM's
-  ``routed_experts`` per sequence (int32 ``[num_tokens - 1, num_hidden_layers, K]``, dense layers
-  0), ``cap.tables(...)`` switchyard route tables, ``cap.write(path, ...)`` a route file. Beam
-  search (``num_beams > 1``) is refused while capturing: it reorders the beams at every step.
-"""
+"""switchyard.integrations.hf.patch: ``patch()`` installs switchyard's router forward on every MoE
+router of a transformers model (``_Layer``: one patched MoE layer, its replay queue and counts),
+``Patch`` drives replay and capture and undoes the patch; the transformers version check. See the
+package docstring."""
 import collections
 import contextlib
-import os
 import re
 import sys
 
 import torch
-import torch.nn.functional as F
 
 import switchyard as sy
 import switchyard.torch as syt
 from switchyard import routes as syr
 
-__all__ = ["patch", "patch_of", "Patch", "Capture", "MIN_TRANSFORMERS_VERSION", "FAMILIES",
-           "COMBINE_DTYPE"]
+from .._versions import check_version
+from .capture import Capture
+from .families import FAMILIES, _family_of, _gate
 
 #: Oldest transformers release this integration was checked against (router classes and the exact
-#: routing math of every family below were read from it).
+#: routing math of every family in families.py were read from it).
 MIN_TRANSFORMERS_VERSION = "5.24.0"
-
-
-def _sdt(logits):
-    """The dtype the routing math runs in: fp32, or fp64 for fp64 logits (the families' code says
-    ``dtype=torch.float``, which would round fp64 logits)."""
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
-def _ids(select, replay_ids, replay_mask):
-    """The final ids: the family's live selection (run without autograd: ids are never
-    differentiable, and the recompute of a replayed forward must save the same tensors as the
-    forward did) for the rows not replayed, replay_ids for the replayed rows."""
-    if replay_ids is not None and bool(replay_mask.all()):
-        return replay_ids
-    with torch.no_grad():
-        ids = select()
-    return ids if replay_ids is None else torch.where(replay_mask[:, None], replay_ids, ids)
-
-
-# --------------------------------------------------------------------------------------------------
-# Families: where the router is, its gate parameters, and its routing math (written from the
-# semantics of each family's router in transformers 5.24; the ops and their order are the family's,
-# so that router_dtype=None reproduces the unpatched outputs bitwise). The weights are always the
-# scores gathered at the final ids, which for live rows is bitwise the family's top-k values (and
-# the gradient of a gather is the gradient of a top-k), so live and replayed rows share one graph.
-# --------------------------------------------------------------------------------------------------
-class _Family:
-    name = ""            # model_type
-    title = ""           # how people write it
-    router_class = ""    # class name in transformers.models.<name>.modeling_<name>
-    combine_dtype = "router_dtype"
-
-    @property
-    def module(self):
-        return f"transformers.models.{self.name}.modeling_{self.name}"
-
-    def params(self, r):
-        return r.weight, None
-
-    def num_experts(self, r):
-        return int(r.num_experts)
-
-    def top_k(self, r):
-        return int(r.top_k)
-
-    def native_context(self, r, x):
-        return contextlib.nullcontext()
-
-    def native_logits(self, r, x):
-        return F.linear(x, r.weight)
-
-    def route(self, r, logits, replay_ids, replay_mask):
-        """-> (weights [T, K], ids [T, K] int64); replayed rows take replay_ids."""
-        raise NotImplementedError
-
-    def outputs(self, r, logits, weights, ids, x, native):
-        return logits, weights, ids
-
-
-class _SoftmaxTopK(_Family):
-    """softmax over all experts, top-k, optional renormalisation, weights cast to the logits' dtype
-    (Qwen3-MoE, Qwen2-MoE, Qwen3-Next, OLMoE; HunYuan and Mixtral below)."""
-    always_normalize = False
-    cast_to_logits_dtype = True
-
-    def _normalize(self, r):
-        return self.always_normalize or bool(r.norm_topk_prob)
-
-    def route(self, r, logits, replay_ids, replay_mask):
-        probs = F.softmax(logits, dtype=_sdt(logits), dim=-1)
-        ids = _ids(lambda: torch.topk(probs.detach(), self.top_k(r), dim=-1)[1], replay_ids,
-                   replay_mask)
-        weights = probs.gather(1, ids)
-        if self._normalize(r):
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.cast_to_logits_dtype:
-            weights = weights.to(logits.dtype)
-        return weights, ids
-
-
-class _Qwen3Moe(_SoftmaxTopK):
-    name, title, router_class = "qwen3_moe", "Qwen3-MoE", "Qwen3MoeTopKRouter"
-
-
-class _Qwen2Moe(_SoftmaxTopK):
-    name, title, router_class = "qwen2_moe", "Qwen2-MoE", "Qwen2MoeTopKRouter"
-
-
-class _Qwen3Next(_SoftmaxTopK):
-    name, title, router_class = "qwen3_next", "Qwen3-Next", "Qwen3NextTopKRouter"
-
-
-class _Olmoe(_SoftmaxTopK):
-    name, title, router_class = "olmoe", "OLMoE", "OlmoeTopKRouter"
-
-
-class _Mixtral(_SoftmaxTopK):
-    """Always renormalised; weights stay fp32. The training-time jitter multiplies the hidden states
-    in the MoE block before the router is called, so it is untouched by the patch."""
-    name, title, router_class = "mixtral", "Mixtral", "MixtralTopKRouter"
-    always_normalize = True
-    cast_to_logits_dtype = False
-
-
-class _HunYuan(_SoftmaxTopK):
-    """The gate is ``wg`` (an nn.Linear, fp32 at init); the input is cast to fp32 when wg is."""
-    name, title, router_class = "hunyuan_v1_moe", "HunYuan-MoE-V1", "HunYuanMoEV1Gate"
-    always_normalize = True
-
-    def params(self, r):
-        return r.wg.weight, r.wg.bias
-
-    def native_logits(self, r, x):
-        if r.wg.weight.dtype == torch.float32:
-            x = x.float()
-        return r.wg(x)
-
-
-class _SigmoidGroupLimited(_Family):
-    """DeepSeek-V3 / GLM4-MoE: sigmoid scores; selection on scores + e_score_correction_bias,
-    restricted to the topk_group best of n_group groups (a group scores the sum of its top 2), the
-    other groups masked with -inf; weights = the scores at the ids, renormalised (+1e-20) when
-    norm_topk_prob, times routed_scaling_factor. The family's gate is fp32 (x and W cast)."""
-    combine_dtype = "router_dtype (fp32 unpatched too)"
-
-    def native_logits(self, r, x):
-        return F.linear(x.type(torch.float32), r.weight.type(torch.float32))
-
-    def _select(self, r, scores):
-        E, G = self.num_experts(r), int(r.num_group)
-        choice = scores + r.e_score_correction_bias
-        group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=int(r.topk_group), dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores)
-        group_mask.scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
-        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-        return torch.topk(choice, k=self.top_k(r), dim=-1, sorted=False)[1]
-
-    def route(self, r, logits, replay_ids, replay_mask):
-        scores = logits.sigmoid()
-        ids = _ids(lambda: self._select(r, scores.detach()), replay_ids, replay_mask)
-        weights = scores.gather(1, ids)
-        if r.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        weights = weights * r.routed_scaling_factor
-        return weights, ids
-
-
-class _DeepseekV3(_SigmoidGroupLimited):
-    name, title, router_class = "deepseek_v3", "DeepSeek-V3", "DeepseekV3TopkRouter"
-
-
-class _Glm4Moe(_SigmoidGroupLimited):
-    name, title, router_class = "glm4_moe", "GLM4-MoE", "Glm4MoeTopkRouter"
-
-
-class _GptOss(_Family):
-    """Top-k on the logits (router bias included), then softmax over the K selected logits."""
-    name, title, router_class = "gpt_oss", "GPT-OSS", "GptOssTopKRouter"
-
-    def params(self, r):
-        return r.weight, r.bias
-
-    def native_logits(self, r, x):
-        return F.linear(x, r.weight, r.bias)
-
-    def route(self, r, logits, replay_ids, replay_mask):
-        ids = _ids(lambda: torch.topk(logits.detach(), self.top_k(r), dim=-1)[1], replay_ids,
-                   replay_mask)
-        top = logits.gather(1, ids)
-        return F.softmax(top, dim=1, dtype=top.dtype), ids
-
-
-class _Llama4(_Family):
-    """Top-k on the logits; the router returns dense scores [T, E]: sigmoid of the selected
-    logits, 0 elsewhere (sigmoid of -inf), and the logits."""
-    name, title, router_class = "llama4", "Llama-4", "Llama4Router"
-    combine_dtype = "hidden dtype"
-
-    def params(self, r):
-        return r.weight, r.bias
-
-    def native_logits(self, r, x):
-        return F.linear(x, r.weight, r.bias)
-
-    def route(self, r, logits, replay_ids, replay_mask):
-        ids = _ids(lambda: torch.topk(logits.detach(), self.top_k(r), dim=1)[1], replay_ids,
-                   replay_mask)
-        return logits.gather(1, ids), ids
-
-    def outputs(self, r, logits, weights, ids, x, native):
-        scores = torch.full_like(logits, float("-inf")).scatter_(1, ids, weights)
-        # Unpatched: sigmoid in fp32, back to the logits' dtype. Patched, the scores multiply the
-        # experts' input, so they come back in the hidden states' dtype.
-        out_dtype = scores.dtype if native else x.dtype
-        return torch.sigmoid(scores.to(_sdt(scores))).to(out_dtype), logits
-
-
-class _Ernie45(_Family):
-    """softmax; selection on probs + e_score_correction_bias (moe_statics); weights = probs at the
-    ids / clamp(sum, min=moe_norm_min), cast to the hidden dtype. Gate and routing in fp32 with
-    autocast off (as the family does)."""
-    name, title, router_class = "ernie4_5_moe", "ERNIE-4.5-MoE", "Ernie4_5_MoeTopKRouter"
-    combine_dtype = "hidden dtype"
-
-    def native_context(self, r, x):
-        return torch.autocast(device_type=x.device.type, enabled=False)
-
-    def native_logits(self, r, x):
-        return F.linear(x.float(), r.weight.float())
-
-    def route(self, r, logits, replay_ids, replay_mask):
-        probs = F.softmax(logits, dim=1, dtype=_sdt(logits))
-        ids = _ids(lambda: torch.topk(r.moe_statics(probs.detach()), self.top_k(r), dim=-1)[1],
-                   replay_ids, replay_mask)
-        weights = torch.gather(probs, dim=-1, index=ids)
-        weights = weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=r.norm_min)
-        return weights, ids
-
-    def outputs(self, r, logits, weights, ids, x, native):
-        return logits, weights.to(x.dtype), ids
-
-
-FAMILIES = {f.name: f for f in (_Qwen3Moe(), _Qwen2Moe(), _Qwen3Next(), _Olmoe(), _Mixtral(),
-                                _DeepseekV3(), _Glm4Moe(), _GptOss(), _Llama4(), _Ernie45(),
-                                _HunYuan())}
-#: Dtype of the combine weights each family's patched router returns (router_dtype set).
-COMBINE_DTYPE = {f.title: f.combine_dtype for f in FAMILIES.values()}
-
-
-def _family_of(module):
-    for cls in type(module).__mro__:  # FSDP2 subclasses the module's class: look through it
-        for fam in FAMILIES.values():
-            if cls.__name__ == fam.router_class and cls.__module__ == fam.module:
-                return fam
-    return None
-
-
-# --------------------------------------------------------------------------------------------------
-# The gate
-# --------------------------------------------------------------------------------------------------
-_ENGINE_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def _gate(x, weight, bias, router_dtype, gate):
-    # The engine takes bf16/fp32 weights (an fp64 model's gate, a reference, goes through torch).
-    if x.device.type == "cpu" and gate == "auto" and weight.dtype in _ENGINE_DTYPES:
-        if router_dtype == torch.float64:
-            x = x.double()
-        elif x.dtype not in _ENGINE_DTYPES:
-            x = x.to(weight.dtype)
-        if bias is not None and bias.dtype != weight.dtype:
-            bias = bias.to(weight.dtype)
-        return syt.router_gating_linear(x, weight, bias, router_dtype=router_dtype)
-    return F.linear(x.to(router_dtype), weight.to(router_dtype),
-                    None if bias is None else bias.to(router_dtype))
+#: Supported transformers releases, (major, minor) oldest and newest, any patch release: 5.24.x.
+#: ``patch()`` refuses others (a newer one passes, with a warning, under
+#: SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
+SUPPORTED_TRANSFORMERS_VERSIONS = ((5, 24), (5, 24))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -492,136 +186,6 @@ class _Layer:
             self.owner._capture._add(self.layer, ids32, batch_shape, T)
 
 
-# --------------------------------------------------------------------------------------------------
-# Capture
-# --------------------------------------------------------------------------------------------------
-class Capture:
-    """Route capture over forwards (a whole ``generate()``: prefill and every decode step).
-
-    Every forward of a MoE layer appends its ids as [B, S, K]; the steps are concatenated along S,
-    so token s of row b is the s-th token that row fed to the model."""
-
-    def __init__(self, owner):
-        self._owner = owner
-        self._steps = {l.layer: [] for l in owner._layers}
-        self.active = False
-        self._had_generate = False
-        self._orig_generate = None
-
-    def _generate(self, *args, **kwargs):
-        """The model's generate() while capturing: beam search refused before any forward."""
-        model = self._owner.model
-        cfgs = [a for a in args if hasattr(a, "num_beams")]
-        cfg = kwargs.get("generation_config") or (cfgs[0] if cfgs else None) or \
-            getattr(model, "generation_config", None)
-        num_beams = kwargs.get("num_beams", getattr(cfg, "num_beams", 1))
-        if num_beams is not None and int(num_beams) > 1:
-            raise ValueError(f"[hf.capture] generate() with num_beams={int(num_beams)}: beam "
-                             "search reorders the beams at every step, so the captured routes "
-                             "would not follow the returned sequences; capture supports greedy "
-                             "search and sampling (num_beams=1)")
-        if self._orig_generate is not None:
-            return self._orig_generate(*args, **kwargs)
-        return type(model).generate(model, *args, **kwargs)
-
-    def _add(self, layer, ids32, batch_shape, T):
-        if batch_shape is None or len(batch_shape) != 2 or batch_shape[0] * batch_shape[1] != T:
-            batch_shape = (1, T)
-        self._steps[layer].append(ids32.view(batch_shape[0], batch_shape[1], -1))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self._owner._stop_capture(self)
-
-    @property
-    def num_forwards(self) -> int:
-        return max((len(v) for v in self._steps.values()), default=0)
-
-    def ids(self) -> torch.Tensor:
-        """[B, S_fed, num_hidden_layers, K] int32: every fed token's ids, dense layers 0."""
-        o = self._owner
-        per = {}
-        for layer, steps in self._steps.items():
-            if not steps:
-                raise ValueError("[hf.Capture] nothing was captured (no forward ran while "
-                                 "capturing)")
-            if len({s.shape[0] for s in steps}) != 1:
-                raise ValueError("[hf.Capture] the captured forwards have different batch sizes "
-                                 f"{sorted({s.shape[0] for s in steps})}: capture one generate() "
-                                 "call at a time")
-            per[layer] = torch.cat(steps, dim=1)
-        first = next(iter(per.values()))
-        B, S, K = first.shape
-        out = torch.zeros(B, S, o.num_hidden_layers, K, dtype=torch.int32)
-        for layer, t in per.items():
-            out[:, :, layer, :] = t
-        return out
-
-    def routed_experts(self, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """vLLM's ``routed_experts`` per sequence: a list of int32 tensors
-        [num_tokens - 1, num_hidden_layers, K] (dense layers 0; the last token, never fed, has no
-        route). ``attention_mask`` [B, S_out] (nonzero = real token) of the generated sequences
-        (prompt + new tokens, S_out = fed tokens + 1) or of the fed tokens; None = every token is
-        real. A sequence that ended early fed its last token too: that row is dropped, as vLLM never
-        routes the last token."""
-        ids = self.ids()
-        B, S = ids.shape[:2]
-        if attention_mask is None:
-            return [ids[b] for b in range(B)]
-        m = torch.as_tensor(attention_mask).to("cpu")
-        if m.dim() != 2 or m.shape[0] != B or m.shape[1] not in (S, S + 1):
-            raise ValueError(f"[hf.Capture] attention_mask must be [{B}, {S + 1}] (generated "
-                             f"sequences) or [{B}, {S}] (fed tokens), got {list(m.shape)}")
-        m = m.bool()
-        generated = m.shape[1] == S + 1
-        out = []
-        for b in range(B):
-            rows = ids[b][m[b, :S]]
-            # vLLM has no route for a sequence's last token: drop the last fed real token's route
-            # unless the sequence's last token is the unfed final one.
-            if not (generated and bool(m[b, S])):
-                rows = rows[:-1]
-            out.append(rows.contiguous())
-        return out
-
-    def to_verl(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        """verl's ``routed_experts`` batch layout: int16 [B, S_out, num_hidden_layers, K] over the
-        generated sequences' positions (``attention_mask`` [B, S_out]), zero filled at padding, on
-        dense layers and at each sequence's last token (which has no route), vLLM's routes at the
-        other real tokens. ``Patch.targets_from_verl`` reads it back."""
-        m = torch.as_tensor(attention_mask).to("cpu").bool()
-        tables, rep = self.tables(m)
-        # One implementation of verl's layout: switchyard.routes.to_verl (from_verl's inverse).
-        out, _ = syr.to_verl(tables, rep["moe_layers"], self._owner.num_hidden_layers,
-                             attention_mask=m, num_experts=self._owner.num_experts)
-        return out
-
-    def save_npy(self, directory: str | os.PathLike, attention_mask: torch.Tensor | None = None,
-                 prefix: str = "seq") -> list[str]:
-        """Writes one .npy per sequence (vLLM's routed_experts, int32), the files the vLLM
-        importer and ``switchyard routes import-vllm`` read; returns their paths."""
-        import numpy as np
-        os.makedirs(directory, exist_ok=True)
-        paths = []
-        for i, a in enumerate(self.routed_experts(attention_mask)):
-            paths.append(os.path.join(str(directory), f"{prefix}{i}.npy"))
-            np.save(paths[-1], a.numpy())
-        return paths
-
-    def tables(self, attention_mask: torch.Tensor | None = None) -> tuple[list[torch.Tensor], dict]:
-        """switchyard route tables ([num_tokens, moe_layers, K], last token -1), through the vLLM
-        importer with the model's layer map. Returns (tables, report)."""
-        return self._owner._import_vllm(self.routed_experts(attention_mask), zero_rows="keep")
-
-    def write(self, path: str | os.PathLike, attention_mask: torch.Tensor | None = None,
-              compression_level: int = 3) -> int:
-        """Writes the captured sequences to a route file; returns the bytes written."""
-        tables, _ = self.tables(attention_mask)
-        return syr.write(path, tables, self._owner.num_experts, moe_layers=self._owner.layers,
-                         compression_level=compression_level)
-
 
 # --------------------------------------------------------------------------------------------------
 # The patch
@@ -751,33 +315,13 @@ class Patch:
                                       num_input_layers=self.num_hidden_layers, top_k=self.top_k,
                                       zero_rows=zero_rows)
 
-    def _pad(self, tables, attention_mask):
-        if attention_mask is None:
-            if len({t.shape[0] for t in tables}) != 1:
-                raise ValueError("[hf] sequences of different lengths need an attention_mask "
-                                 "[B, S] to place them")
-            return torch.stack(tables)
-        m = torch.as_tensor(attention_mask).to("cpu").bool()
-        if m.dim() != 2 or m.shape[0] != len(tables):
-            raise ValueError(f"[hf] attention_mask must be [{len(tables)}, S], got "
-                             f"{list(m.shape)}")
-        out = torch.full((m.shape[0], m.shape[1], len(self._layers), self.top_k), -1,
-                         dtype=torch.int32)
-        for b, t in enumerate(tables):
-            n = int(m[b].sum())
-            if n != t.shape[0]:
-                raise ValueError(f"[hf] sequence {b}: the attention mask has {n} real tokens, the "
-                                 f"routes {t.shape[0]}")
-            out[b][m[b]] = t
-        return out
-
     def targets_from_tables(self, tables, attention_mask: torch.Tensor | None = None
                             ) -> torch.Tensor:
         """switchyard route tables (one [n_b, moe_layers, K] per sequence, e.g. from
         switchyard.routes.read) -> [B, S, moe_layers, K] targets, -1 at padding."""
-        return self._pad([syt._idx32(torch.as_tensor(t), "hf.targets_from_tables", f"tables[{i}]",
-                                     syt._ID_DTYPES) for i, t in enumerate(tables)],
-                         attention_mask)
+        tables = [syt._idx32(torch.as_tensor(t), "hf.targets_from_tables", f"tables[{i}]",
+                             syt._ID_DTYPES) for i, t in enumerate(tables)]
+        return syr.add_padding(tables, attention_mask)
 
     def targets_from_vllm(self, arrays, attention_mask: torch.Tensor | None = None,
                           zero_rows: str = "keep") -> tuple[torch.Tensor, dict]:
@@ -785,7 +329,7 @@ class Patch:
         dense layers 0) -> ([B, S, moe_layers, K] targets with -1 at padding and last tokens,
         import report), through switchyard's vLLM importer and this model's layer map."""
         tables, report = self._import_vllm(list(arrays), zero_rows)
-        return self._pad(tables, attention_mask), report
+        return syr.add_padding(tables, attention_mask), report
 
     def targets_from_verl(self, routed_experts: torch.Tensor, attention_mask: torch.Tensor,
                           zero_rows: str = "to_none") -> tuple[torch.Tensor, dict]:
@@ -799,7 +343,7 @@ class Patch:
         m = torch.as_tensor(attention_mask).to("cpu")
         seqs = syr.drop_padding(ids, m, self.num_experts)
         tables, report = self._import_vllm([s[:-1] for s in seqs], zero_rows)
-        return self._pad(tables, m), report
+        return syr.add_padding(tables, m), report
 
     # ---- capture ----
     def capture(self) -> "Capture":
@@ -883,12 +427,8 @@ def _transformers_version():
 
 
 def _check_version():
-    from packaging.version import Version
-    found = _transformers_version()
-    if Version(found) < Version(MIN_TRANSFORMERS_VERSION):
-        raise RuntimeError(f"[hf.patch] needs transformers >= {MIN_TRANSFORMERS_VERSION}, found "
-                           f"{found} (the router modules and their routing math were checked "
-                           "against that release)")
+    check_version("hf.patch", "transformers", _transformers_version(),
+                  *SUPPORTED_TRANSFORMERS_VERSIONS)
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -902,7 +442,9 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     (also under autocast); None: the family's own dtypes (bitwise the unpatched outputs).
     gate: "auto" (switchyard's engine on CPU tensors, torch GEMM on CUDA) or "torch".
     invalid_replay_rows: "error" or "native" (see switchyard.RouterReplay).
-    Raises ValueError when the model has no supported router, RuntimeError for an old transformers.
+    Raises ValueError when the model has no supported router, RuntimeError for a transformers
+    release outside SUPPORTED_TRANSFORMERS_VERSIONS (5.24.x; a newer one is let through, with a
+    warning, when the environment sets SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
     """
     if router_dtype not in (None, torch.float32, torch.float64):
         raise ValueError("[hf.patch] router_dtype must be None (the family's own), torch.float32 "

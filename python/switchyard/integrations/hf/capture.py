@@ -1,0 +1,119 @@
+"""switchyard.integrations.hf.capture: recording the routes of every forward while capturing
+(a whole ``generate()``: prefill and every decode step), and turning them into vLLM's
+``routed_experts``, switchyard route tables, route files or verl's batch layout."""
+import os
+
+import torch
+
+from switchyard import routes as syr
+
+
+class Capture:
+    """Route capture over forwards (a whole ``generate()``: prefill and every decode step).
+
+    Every forward of a MoE layer appends its ids as [B, S, K]; the steps are concatenated along S,
+    so token s of row b is the s-th token that row fed to the model."""
+
+    def __init__(self, owner):
+        self._owner = owner
+        self._steps = {l.layer: [] for l in owner._layers}
+        self.active = False
+        self._had_generate = False
+        self._orig_generate = None
+
+    def _generate(self, *args, **kwargs):
+        """The model's generate() while capturing: beam search refused before any forward."""
+        model = self._owner.model
+        cfgs = [a for a in args if hasattr(a, "num_beams")]
+        cfg = kwargs.get("generation_config") or (cfgs[0] if cfgs else None) or \
+            getattr(model, "generation_config", None)
+        num_beams = kwargs.get("num_beams", getattr(cfg, "num_beams", 1))
+        if num_beams is not None and int(num_beams) > 1:
+            raise ValueError(f"[hf.capture] generate() with num_beams={int(num_beams)}: beam "
+                             "search reorders the beams at every step, so the captured routes "
+                             "would not follow the returned sequences; capture supports greedy "
+                             "search and sampling (num_beams=1)")
+        if self._orig_generate is not None:
+            return self._orig_generate(*args, **kwargs)
+        return type(model).generate(model, *args, **kwargs)
+
+    def _add(self, layer, ids32, batch_shape, T):
+        if batch_shape is None or len(batch_shape) != 2 or batch_shape[0] * batch_shape[1] != T:
+            batch_shape = (1, T)
+        self._steps[layer].append(ids32.view(batch_shape[0], batch_shape[1], -1))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._owner._stop_capture(self)
+
+    @property
+    def num_forwards(self) -> int:
+        return max((len(v) for v in self._steps.values()), default=0)
+
+    def ids(self) -> torch.Tensor:
+        """[B, S_fed, num_hidden_layers, K] int32: every fed token's ids, dense layers 0."""
+        o = self._owner
+        per = {}
+        for layer, steps in self._steps.items():
+            if not steps:
+                raise ValueError("[hf.Capture] nothing was captured (no forward ran while "
+                                 "capturing)")
+            if len({s.shape[0] for s in steps}) != 1:
+                raise ValueError("[hf.Capture] the captured forwards have different batch sizes "
+                                 f"{sorted({s.shape[0] for s in steps})}: capture one generate() "
+                                 "call at a time")
+            per[layer] = torch.cat(steps, dim=1)
+        first = next(iter(per.values()))
+        B, S, K = first.shape
+        out = torch.zeros(B, S, o.num_hidden_layers, K, dtype=torch.int32)
+        for layer, t in per.items():
+            out[:, :, layer, :] = t
+        return out
+
+    def routed_experts(self, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """vLLM's ``routed_experts`` per sequence: a list of int32 tensors
+        [num_tokens - 1, num_hidden_layers, K] (dense layers 0; the last token, never fed, has no
+        route). ``attention_mask`` [B, S_out] (nonzero = real token) of the generated sequences
+        (prompt + new tokens, S_out = fed tokens + 1) or of the fed tokens; None = every token is
+        real. A sequence that ended early fed its last token too: that row is dropped, as vLLM never
+        routes the last token."""
+        # One implementation of vLLM's layout: switchyard.routes.routed_experts.
+        return syr.routed_experts(self.ids(), attention_mask)
+
+    def to_verl(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """verl's ``routed_experts`` batch layout: int16 [B, S_out, num_hidden_layers, K] over the
+        generated sequences' positions (``attention_mask`` [B, S_out]), zero filled at padding, on
+        dense layers and at each sequence's last token (which has no route), vLLM's routes at the
+        other real tokens. ``Patch.targets_from_verl`` reads it back."""
+        m = torch.as_tensor(attention_mask).to("cpu").bool()
+        tables, rep = self.tables(m)
+        # One implementation of verl's layout: switchyard.routes.to_verl (from_verl's inverse).
+        out, _ = syr.to_verl(tables, rep["moe_layers"], self._owner.num_hidden_layers,
+                             attention_mask=m, num_experts=self._owner.num_experts)
+        return out
+
+    def save_npy(self, directory: str | os.PathLike, attention_mask: torch.Tensor | None = None,
+                 prefix: str = "seq") -> list[str]:
+        """Writes one .npy per sequence (vLLM's routed_experts, int32), the files the vLLM
+        importer and ``switchyard routes import-vllm`` read; returns their paths."""
+        import numpy as np
+        os.makedirs(directory, exist_ok=True)
+        paths = []
+        for i, a in enumerate(self.routed_experts(attention_mask)):
+            paths.append(os.path.join(str(directory), f"{prefix}{i}.npy"))
+            np.save(paths[-1], a.numpy())
+        return paths
+
+    def tables(self, attention_mask: torch.Tensor | None = None) -> tuple[list[torch.Tensor], dict]:
+        """switchyard route tables ([num_tokens, moe_layers, K], last token -1), through the vLLM
+        importer with the model's layer map. Returns (tables, report)."""
+        return self._owner._import_vllm(self.routed_experts(attention_mask), zero_rows="keep")
+
+    def write(self, path: str | os.PathLike, attention_mask: torch.Tensor | None = None,
+              compression_level: int = 3) -> int:
+        """Writes the captured sequences to a route file; returns the bytes written."""
+        tables, _ = self.tables(attention_mask)
+        return syr.write(path, tables, self._owner.num_experts, moe_layers=self._owner.layers,
+                         compression_level=compression_level)

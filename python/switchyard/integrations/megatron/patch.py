@@ -1,0 +1,145 @@
+"""switchyard.integrations.megatron.patch: ``apply()`` / ``remove()`` / ``patched()`` wrap
+Megatron-Core's functions with the dispatcher fixes (``fixes``), the replay router patches
+(``replay``) and the engine gate (``config``), check the megatron-core version and report what
+was patched (``PatchReport``). See the package docstring."""
+import contextlib
+import dataclasses
+
+from .._versions import check_version
+from .config import _make_engine_gating
+from .fixes import _make_a2a_preprocess, _make_ep_setup_metadata, _make_layer_route
+
+#: Supported megatron-core releases, (major, minor) oldest and newest, any patch release: 0.16
+#: (router replay appeared) to 0.19.x. ``apply()`` refuses others (a newer one passes, with a
+#: warning, under SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
+SUPPORTED_VERSIONS = ((0, 16), (0, 19))
+TESTED_VERSIONS = ("0.19.2",)
+
+
+# --------------------------------------------------------------------------------------------------
+# Version and patch bookkeeping
+# --------------------------------------------------------------------------------------------------
+def _megatron_version():
+    try:
+        from megatron.core import package_info
+    except ImportError as e:  # optional dependency
+        raise ImportError("[megatron.apply] megatron-core is not installed (pip install "
+                          "megatron-core)") from e
+    return package_info.__version__
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What ``apply()`` patched: ``version`` of megatron-core (``tested``: one of
+    TESTED_VERSIONS), ``patched`` as a list of (``"module.Class.method"``, why) and ``skipped``
+    (targets this version lacks, with why)."""
+    version: str
+    patched: list
+    skipped: list
+    engine: str
+    tested: bool = False
+
+    def __str__(self):
+        lines = [f"switchyard.integrations.megatron on megatron-core {self.version} "
+                 f"({'tested' if self.tested else 'supported, not tested'}; "
+                 f"engine={self.engine!r}):"]
+        lines += [f"  patched {t}: {w}" for t, w in self.patched]
+        lines += [f"  skipped {t}: {w}" for t, w in self.skipped]
+        return "\n".join(lines)
+
+
+_STATE = {"originals": [], "report": None, "engine": None}
+
+
+def is_applied():
+    return _STATE["report"] is not None
+
+
+def _patch(owner, name, make, report, why):
+    orig = owner.__dict__[name]
+    setattr(owner, name, make(orig))
+    _STATE["originals"].append((owner, name, orig))
+    where = owner.__name__ if isinstance(owner, type(contextlib)) else \
+        f"{owner.__module__}.{owner.__qualname__}"
+    report.patched.append((f"{where}.{name}", why))
+
+
+def apply(*, engine=None):
+    """Patches megatron.core in place (idempotent: a second call returns the first report).
+
+    ``engine``: None (Megatron's own math everywhere, plus the fixes) or ``"cpu"`` (on CPU tensors
+    the router gate of routers with a replay attached runs switchyard's FP32-accumulated
+    batch-invariant ``router_gating_linear``; CUDA tensors keep Megatron's math). Raises
+    ImportError without megatron-core and RuntimeError outside SUPPORTED_VERSIONS (0.16 to
+    0.19.x; a newer release is let through, with a warning, when the environment sets
+    SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1)."""
+    if engine not in (None, "cpu"):
+        raise ValueError(f"[megatron.apply] engine must be None or 'cpu', got {engine!r}")
+    if _STATE["report"] is not None:
+        if _STATE["engine"] != engine:
+            raise ValueError(f"[megatron.apply] already applied with engine={_STATE['engine']!r}; "
+                             f"remove() first to apply with engine={engine!r}")
+        return _STATE["report"]
+    from .replay import _make_checkpoint, _make_router_forward, _make_router_routing
+    ver_str = _megatron_version()
+    ver = check_version("megatron.apply", "megatron-core", ver_str, *SUPPORTED_VERSIONS)
+    from megatron.core.transformer.moe import moe_layer, router, token_dispatcher as td
+
+    report = PatchReport(version=ver_str, patched=[], skipped=[], engine=engine,
+                         tested=".".join(map(str, ver)) in TESTED_VERSIONS)
+    try:
+        _patch(td.MoEAlltoAllTokenDispatcher, "preprocess", _make_a2a_preprocess, report,
+               "dropless output size from the routing map's pair count (was T*topk)")
+        for cls_name in ("_DeepepManager", "_NCCLEPManager"):
+            cls = getattr(td, cls_name, None)
+            if cls is None:
+                report.skipped.append((f"{td.__name__}.{cls_name}.setup_metadata",
+                                       "not in this version"))
+                continue
+            _patch(cls, "setup_metadata", _make_ep_setup_metadata, report,
+                   "indices rebuilt from the routing map (-1 slots, no zero-weight experts)")
+        _patch(router.TopKRouter, "forward", _make_router_forward, report,
+               "replay/record state per call (attached routers only)")
+        _patch(router.TopKRouter, "routing", _make_router_routing, report,
+               "validated, keyed replay and record on every router path (attached routers only)")
+        _patch(moe_layer.MoELayer, "route", _make_layer_route, report,
+               "hands the router's host-known pair count to the dispatcher")
+        import megatron.core.tensor_parallel as tensor_parallel
+        _patch(tensor_parallel, "checkpoint", _make_checkpoint, report,
+               "notes whether a recompute will follow, so replay queues ids only then")
+        if engine == "cpu":
+            _patch(router.Router, "gating", _make_engine_gating, report,
+                   "CPU tensors: switchyard's FP32 batch-invariant gate (attached routers only)")
+    except BaseException:
+        _restore()
+        raise
+    _STATE["report"] = report
+    _STATE["engine"] = engine
+    return report
+
+
+def _restore():
+    while _STATE["originals"]:
+        owner, name, orig = _STATE["originals"].pop()
+        setattr(owner, name, orig)
+
+
+def remove():
+    """Puts every patched Megatron-Core function back. Replays attached to routers stay attached
+    (and unused) until ``detach_replay``."""
+    _restore()
+    _STATE["report"] = None
+    _STATE["engine"] = None
+
+
+@contextlib.contextmanager
+def patched(*, engine=None):
+    """``with patched(): ...`` applies for the block and removes afterwards (only if this block
+    applied it). Yields the PatchReport."""
+    was = is_applied()
+    report = apply(engine=engine)
+    try:
+        yield report
+    finally:
+        if not was:
+            remove()
