@@ -46,8 +46,9 @@ enum class ReplayRowPolicy : uint8_t {
   error,   ///< std::invalid_argument naming layer, token and row (default)
   native,  ///< the row is routed natively and counted (num_invalid_replay_rows)
   /// A row whose only fault is a repeated id is replayed with that id's slots merged (one
-  /// (token, expert) pair, the slots' weights summed); its other invalid rows are errors. Only
-  /// where the dispatcher merges pairs (Megatron's [T, E] probs); topk_route refuses it.
+  /// (token, expert) pair, the slots' weights summed); other invalid rows are errors. topk_route
+  /// keeps the repeated slots in topk_idx, each with its weight (a combine over the slots adds
+  /// them up); Megatron's [T, E] probs hold the sum.
   merge,
 };
 
@@ -155,7 +156,7 @@ struct RouteInputs {
 
 /// Options of topk_route.
 struct RouteOptions {
-  ReplayRowPolicy invalid_replay_rows = ReplayRowPolicy::error;  ///< error or native
+  ReplayRowPolicy invalid_replay_rows = ReplayRowPolicy::error;
   /// MoE layer number, used only in error messages (-1 = unknown, left out of messages).
   int64_t layer = -1;
   /// seq_aux_loss only: tokens are laid out [seq_length, num_sequences] flattened (Megatron's

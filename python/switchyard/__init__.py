@@ -78,7 +78,8 @@ class RouterReplay:
         self.num_experts = None if num_experts is None else int(num_experts)
         self.invalid_replay_rows = invalid_replay_rows
         self._action = None
-        self._targets = _collections.deque()
+        self._targets = _collections.deque()  # (step, table) of set_step_targets / set_target
+        self._last_step = 0  # the step of the last target a forward took
 
     @property
     def action(self):
@@ -131,35 +132,30 @@ class RouterReplay:
 
     @staticmethod
     def set_step_targets(replays, tables):
-        """Queues ``tables[i]`` ([T, K] ids) on ``replays[i]`` for the next forward, all or none
-        (switchyard.replay.ReplayDriver.set_step_targets when every replay knows num_experts;
-        else each table's shape is checked, its rows at the forward)."""
-        replays, tables = list(replays), list(tables)
-        if len(replays) != len(tables):
-            raise ValueError(f"[replay] set_step_targets: {len(replays)} replays but "
-                             f"{len(tables)} tables")
-        if all(r.num_experts is not None for r in replays):
-            _replay.ReplayDriver(dict(enumerate(replays)),
-                                 label=lambda i: f"layer {replays[i].layer}"
-                                 ).set_step_targets(tables)
-            return
-        for r, t in zip(replays, tables):
-            r._check_target(t)
-        for r, t in zip(replays, tables):
-            r._targets.append(t)
+        """Queues ``tables[i]`` ([T, K] ids) on ``replays[i]`` for the next forward, all or none:
+        switchyard.replay.ReplayDriver.set_step_targets (rows classified now when every replay
+        knows num_experts, else at the forward by topk_route; a step that some of these layers
+        took and others did not is dropped first)."""
+        replays = list(replays)
+        _replay.ReplayDriver(dict(enumerate(replays)),
+                             label=lambda i: f"layer {replays[i].layer}"
+                             ).set_step_targets(list(tables))
 
     def next_target(self):
         """The table the next "replay_forward" uses, left queued: the oldest target (set_target),
         else the oldest recorded table. IndexError when neither is queued."""
         if self._targets:
-            t = self._targets[0]
+            t = self._targets[0][1]
             return t.ids if isinstance(t, _replay.ReplayRows) else t
         return self._c.peek_recorded()
 
     def pop_next_target(self):
         """Removes and returns the next target (a ReplayRows when it was classified as set, else
         the table): once its forward succeeded, or to drop the table of a forward that failed."""
-        return self._targets.popleft() if self._targets else self._c.pop_recorded()
+        if self._targets:
+            self._last_step, t = self._targets.popleft()
+            return t
+        return self._c.pop_recorded()
 
     @property
     def num_recorded(self):
@@ -199,12 +195,13 @@ class RouterReplay:
             return self.next_target()
         return self._c.peek_recompute(int(num_tokens))
 
-    def _after_forward(self, topk_idx, num_tokens):
+    def _after_forward(self, topk_idx, num_tokens, will_recompute=True):
         if self._action == "record":
             self._c.record(topk_idx)
         elif self._action == "replay_forward":
             t = self.pop_next_target()
-            self._c.replay_forward(t.ids if isinstance(t, _replay.ReplayRows) else t)
+            if will_recompute:  # only a forward whose recompute will come queues its table
+                self._c.replay_forward(t.ids if isinstance(t, _replay.ReplayRows) else t)
         elif self._action == "recompute":
             self._c.recompute(int(num_tokens))
 

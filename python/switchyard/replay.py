@@ -10,7 +10,7 @@ adapters). It holds
   (the re-run of a forward inside backward; torch has no public API for it);
 * ``ReplayDriver``: the per-layer queues of one model, all or nothing.
 """
-import warnings
+import itertools
 
 import torch
 
@@ -71,7 +71,7 @@ class ReplayRows:
         return self.ids.masked_fill(~self.replayed[:, None], -1)
 
 
-_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16)
 
 
 def classify_rows(ids, num_experts, policy="error", layer=None, op="replay"):
@@ -86,17 +86,13 @@ def classify_rows(ids, num_experts, policy="error", layer=None, op="replay"):
                          f"{type(ids).__name__}")
     if ids.dtype not in _ID_DTYPES:
         raise ValueError(f"[{op}] {where}replay ids must have an integer dtype (int64, int32, "
-                         f"int16, int8, uint8), got {ids.dtype}")
+                         f"int16, int8, uint8, uint16), got {ids.dtype}")
     if ids.dim() != 2:
         raise ValueError(f"[{op}] {where}replay ids must be [num_tokens, top_k], got "
                          f"{list(ids.shape)}")
-    ids = ids.detach().to("cpu")  # a device sync on CUDA: validation needs the values
-    if ids.dtype != torch.int32:
-        lo, hi = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
-        if lo < -1 or hi >= 2**31:
-            raise ValueError(f"[{op}] {where}replay ids must be in [-1, 2^31), got "
-                             f"{lo if lo < -1 else hi}")
-        ids = ids.to(torch.int32)
+    from . import torch as _syt  # the one narrowing of id tensors (torch.py imports this module)
+    ids = _syt._idx32(ids.detach().to("cpu"), op,  # a device sync on CUDA: needs the values
+                      f"{where}replay ids", _syt._ID_DTYPES)
     ids = ids.contiguous()
     core = _C.classify_replay_rows(ids, int(num_experts), policy,
                                    -1 if layer is None else int(layer))
@@ -116,6 +112,21 @@ def recompute_kind():
     if hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False)):
         return "non_reentrant"
     return "reentrant"
+
+
+def will_recompute(input_requires_grad):
+    """Whether a forward running now will be recomputed inside backward (so its replay ids must be
+    queued for that recompute): inside torch.utils.checkpoint(use_reentrant=False)'s forward
+    (exact: its saved-tensor hooks), or, with grad disabled, a forward whose input requires grad
+    (a reentrant checkpoint's forward: torch's, Megatron's, Transformer Engine's; the layers of a
+    reentrant block after its first see inputs that do not require grad, so checkpoint them one by
+    one or non-reentrantly). A forward that keeps its graph, or a forward-only pass, is not."""
+    if torch._C._current_graph_task_id() != -1:
+        return False  # a recompute itself (an adapter that nests checkpoints queues again)
+    if torch.is_grad_enabled():
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
+    return bool(input_requires_grad)
 
 
 def in_recompute():
@@ -138,6 +149,9 @@ def raise_on_every_rank(err, group):
         raise ValueError(err)
 
 
+_STEPS = itertools.count(1)  # step numbers of set_step_targets calls (all drivers: comparable)
+
+
 class ReplayDriver:
     """The replay queues of one model's MoE layers, all or nothing.
 
@@ -157,9 +171,7 @@ class ReplayDriver:
     def __init__(self, replays, label=None):
         self.replays = dict(replays)
         for k, r in self.replays.items():
-            if r.num_experts is None:
-                raise ValueError(f"[replay.driver] the RouterReplay of {k!r} needs num_experts")
-        self._label = label or (lambda k: f"layer {k}")
+            self._label = label or (lambda k: f"layer {k}")
         self._taken = set()     # keys that took their target in the running step
         self._queued = {}       # key -> recompute tables queued in the running step
 
@@ -168,7 +180,13 @@ class ReplayDriver:
 
     # ---- targets ----
     def classify(self, key, ids):
+        """ids -> ReplayRows by the engine's rule and the layer's policy; a RouterReplay without
+        num_experts only has the table's shape checked (its router's topk_route checks the rows
+        at the forward) and gets the table back."""
         r = self.replays[key]
+        if r.num_experts is None:
+            r._check_target(ids)
+            return ids
         if isinstance(ids, torch.Tensor) and ids.dtype in _ID_DTYPES and \
                 (ids.dim() != 2 or ids.shape[1] != r.top_k):
             raise ValueError(f"[replay] {self.label(key)}: replay ids must be [num_tokens, "
@@ -190,6 +208,7 @@ class ReplayDriver:
                 raise ValueError(f"[replay.set_step_targets] {len(self.replays)} layers but "
                                  f"{len(tables)} tables")
             tables = dict(zip(self.replays, tables))
+        self._drop_failed_steps()
         err, rows = None, {}
         try:
             for k, ids in tables.items():
@@ -197,17 +216,28 @@ class ReplayDriver:
                     raise ValueError(f"[replay.set_step_targets] no layer has the key {k!r} "
                                      f"(layers: {sorted(self.replays, key=str)})")
                 rows[k] = self.classify(k, ids)
-                if num_tokens is not None and rows[k].num_tokens != int(num_tokens):
+                n = rows[k].shape[0] if isinstance(rows[k], torch.Tensor) else rows[k].num_tokens
+                if num_tokens is not None and n != int(num_tokens):
                     raise ValueError(f"[replay] {self.label(k)}: the replay tensor has "
-                                     f"{rows[k].num_tokens} tokens, the router gets "
-                                     f"{int(num_tokens)}")
+                                     f"{n} tokens, the router gets {int(num_tokens)}")
         except ValueError as e:
             err = str(e)
         raise_on_every_rank(err, group)
+        step = next(_STEPS)
         for k, r in rows.items():
-            r.group = None if num_tokens is not None else group
-            self.replays[k]._targets.append(r)
+            if isinstance(r, ReplayRows):
+                r.group = None if num_tokens is not None else group
+            self.replays[k]._targets.append((step, r))
         return rows
+
+    def _drop_failed_steps(self):
+        """A step some layers took and others did not failed between them (an error outside any
+        hook the adapter has): its tables still queued are dropped, so every layer is at the same
+        step again. Tables queued ahead for later steps stay."""
+        last = max((r._last_step for r in self.replays.values()), default=0)
+        for r in self.replays.values():
+            while r._targets and r._targets[0][0] <= last:
+                r._targets.popleft()
 
     # ---- one step ----
     def begin_step(self, keys=None):

@@ -669,6 +669,9 @@ class TopKRouter(torch.nn.Module):
         self.last_info = None
 
     def forward(self, x, replay=None, *, padding_mask=None, seq_length=None):
+        # Whether this forward's recompute will come (checkpointed): only then does a replayed
+        # forward queue its ids for it (switchyard.replay.will_recompute).
+        will_recompute = _replay.will_recompute(x.requires_grad)
         if self.input_jitter_eps is not None:
             # Megatron applies it on every forward (training or not), before the gate.
             x = input_jitter(x, self.input_jitter_eps)
@@ -695,7 +698,7 @@ class TopKRouter(torch.nn.Module):
             # live state advances once per micro-batch; if it did not (no_grad forward, reentrant
             # checkpointing), the recompute counts. The snapshot queue, like the replay queues,
             # changes only after routing succeeded.
-            if replay.action == "replay_forward":
+            if replay.action == "replay_forward" and will_recompute:
                 snapshot = (gstate.copy(), accumulate)
             elif replay.action == "recompute" and self._gstate_snapshots:
                 snap, counted = self._gstate_snapshots[0]
@@ -713,7 +716,7 @@ class TopKRouter(torch.nn.Module):
                              if (self.config.force_biased or 0) < 0 else None),
             return_info=True)
         if driven:
-            replay._after_forward(topk_idx, T)
+            replay._after_forward(topk_idx, T, will_recompute)
             if snapshot is not None:
                 # One snapshot per table still queued for recompute (the replay may have been
                 # cleared, or earlier forwards never recomputed).

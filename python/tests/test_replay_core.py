@@ -58,12 +58,16 @@ def test_old_policy_spelling_names_the_new_one(where):
             sy.classify_replay_rows(_ids([[0, 1]]), 4, "to_none")
 
 
-@pytest.mark.hostile(tried="topk_route(invalid_replay_rows='merge') (it returns [T, K] slots)",
-                     gets="ValueError: merge needs a dispatcher that merges pairs")
-def test_topk_route_refuses_merge():
-    with pytest.raises(ValueError, match="got merge.*cannot merge a repeated id"):
-        syt.topk_route(torch.zeros(2, 4), sy.RouterConfig(num_experts=4, top_k=2),
-                       replay_idx=_ids([[1, 1], [0, 2]]), invalid_replay_rows="merge")
+@pytest.mark.hostile(tried="topk_route(invalid_replay_rows='merge') with a row [1, 1]",
+                     gets="the row is replayed: both slots keep id 1, each with its weight")
+def test_topk_route_merge_keeps_repeated_slots():
+    w, idx, info = syt.topk_route(torch.zeros(2, 4, dtype=torch.float64),
+                                  sy.RouterConfig(num_experts=4, top_k=2),
+                                  replay_idx=_ids([[1, 1], [0, 2]]), invalid_replay_rows="merge",
+                                  return_info=True)
+    assert idx.tolist() == [[1, 1], [0, 2]]
+    assert w.tolist() == [[0.5, 0.5], [0.5, 0.5]]
+    assert (info.num_replayed_rows, info.num_invalid_replay_rows) == (2, 0)
 
 
 # ---------------------------------------------------------------- the driver: all or nothing

@@ -59,7 +59,13 @@ void classify_rows(const Tensor& replay, const Tensor& mask, int64_t T, int64_t 
                                                      : mask.defined() ? mask.device()
                                                                       : kCpu,
                                                      nullptr, kRouteOp},
-                                    rp, pad, T, K, E, kind);
+                                    rp, pad, T, K, E, kind,
+                                    options.invalid_replay_rows == ReplayRowPolicy::merge);
+  // A merged row routes as a replayed one: its slots keep their (repeated) ids, each with its
+  // weight, so the combine adds them up and each slot's gradient is its own.
+  for (int64_t t = 0; t < T && rows.num_merged > 0; ++t) {
+    if (kind[t] == backend::kRowMerged) kind[t] = backend::kRowReplayed;
+  }
   check_invalid_rows(rows, rp, K, E, options.invalid_replay_rows, options.layer);
   r.num_padded_rows = rows.num_padded;
   r.num_native_rows = rows.num_native;

@@ -310,11 +310,20 @@ TEST(Replay, ClassifyRowsNamesEveryKindAndCountsPairs) {
                       std::invalid_argument, "names expert 9 outside [0, 8)");
 }
 
-TEST(Replay, TopkRouteRefusesMergeItCannotDispatch) {
+TEST(Replay, TopkRouteMergeKeepsRepeatedSlotsWithTheirWeights) {
   RouterConfig c = router_config(4, 2, ScoreFunction::softmax);
   std::mt19937_64 rng(sy::testing::test_seed(5));
+  const Tensor z = sy::testing::randn({2, 4}, DType::fp64, rng);
+  sy::RouteInputs in;
+  in.replay_idx = Tensor::from_vector<int32_t>({1, 1, 0, 2}, {2, 2});
   sy::RouteOptions o;
   o.invalid_replay_rows = sy::ReplayRowPolicy::merge;
-  SY_EXPECT_THROW_MSG(sy::topk_route(sy::testing::randn({2, 4}, DType::fp32, rng), {}, c, o),
-                      std::invalid_argument, "got merge");
+  const auto r = sy::topk_route(z, in, c, o);
+  EXPECT_EQ(r.num_replayed_rows, 2);
+  EXPECT_EQ(r.num_invalid_replay_rows, 0);
+  EXPECT_EQ(r.topk_idx.data<int32_t>()[0], 1);
+  EXPECT_EQ(r.topk_idx.data<int32_t>()[1], 1);
+  // softmax over the K selected logits: two equal slots of 1/2 each (their sum is 1).
+  EXPECT_NEAR(r.topk_weights.data<double>()[0], 0.5, 1e-15);
+  EXPECT_NEAR(r.topk_weights.data<double>()[1], 0.5, 1e-15);
 }
