@@ -539,7 +539,7 @@ TEST(Router, EnumAndStateErrors) {
   sy::RouteOptions o;
   o.invalid_replay_rows = static_cast<sy::ReplayRowPolicy>(3);
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, router_config(8, 2), o), std::invalid_argument,
-                      "[route] invalid_replay_rows must be error or native, got value 3");
+                      "[route] invalid_replay_rows must be error, native or merge, got value 3");
   c = router_config(8, 2);
   c.aux_loss_type = AuxLossType::global_aux_loss;
   c.aux_loss_coeff = 0.1;

@@ -1,6 +1,7 @@
-"""switchyard.integrations.megatron.replay: router replay inside Megatron-Core's TopKRouter --
-per-router state (``_RouterState``), validated targets (``_Target``), the forward / recompute queues,
-the patched ``TopKRouter.forward`` / ``routing`` and ``tensor_parallel.checkpoint``, and the public
+"""switchyard.integrations.megatron.replay: router replay inside Megatron-Core's TopKRouter, an
+adapter over the replay core (switchyard.replay: the row rule, the all-or-nothing ReplayDriver that
+owns the queues, the recompute detector) -- per-router state (``_RouterState``: key, options,
+counts), the patched ``TopKRouter.forward`` / ``routing`` and ``tensor_parallel.checkpoint``, and the public
 replay API (attach_replay, set_replay_targets, set_replay_action, replay_counts, ...). See the
 package docstring."""
 import dataclasses
