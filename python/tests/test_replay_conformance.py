@@ -4,7 +4,9 @@
   hf        switchyard.integrations.hf.patch on a tiny OLMoE (python/tests/hf_models.py), two MoE
             layers;
   megatron  switchyard.integrations.megatron.apply + attach_replay on two Megatron-Core
-            TopKRouters (layer numbers 1 and 2, one-rank gloo group, EP 1),
+            TopKRouters (layer numbers 1 and 2, one-rank gloo group, EP 1); at EP 2, real MoE
+            layers on two spawned gloo ranks (replay_conformance_workers.py: merged rows against
+            EP 1, an error mid-step then a retry),
 
 each through its PUBLIC API: record -> replay (R2), targets with -1 and invalid rows (R3) and the
 replayed / native / invalid counts, the activation-checkpoint recompute, an error mid-step then a
@@ -564,3 +566,37 @@ def test_gradients_of_merged_repeated_rows_match_float64(make, path):
     t = _targets(28, rows_minus1=(4,), rows_repeated=(1, 2))
     _check_gradients(m, t, seed=9)
     assert m.counts() == [(T - 1, 1, 0)] * 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Megatron at EP 2: real MoE layers (alltoall dispatcher) on two gloo ranks, one process start for
+# both cases (python/tests/replay_conformance_workers.py)
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ep2(tmp_path_factory):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    import replay_conformance_workers as rw
+    res = rw.spawn(["merge_grad", "mid_step"], 2, str(tmp_path_factory.mktemp("conformance_ep2")))
+    for rank, per_case in enumerate(res):
+        for case, r in per_case.items():
+            assert "worker_error" not in r, f"rank {rank}, case {case}:\n{r['worker_error']}"
+    return res
+
+
+def test_megatron_ep2_merged_rows_match_ep1(ep2):
+    """Partially repeated rows under merge, a -1 row, K = 3: the EP 2 layer's outputs, input and
+    router weight gradients are the EP 1 layer's (whose router gradients the float64 test above
+    checks); atol 1e-6, rtol 1e-5 as test_megatron (the experts' CPU GEMMs see different row
+    counts at EP 1 and 2)."""
+    for r in (rank["merge_grad"] for rank in ep2):
+        assert r["ep_counts"] == r["ref_counts"] == (11, 3, 1, 0)
+        for k in ("out", "xgrad", "wgrad"):
+            torch.testing.assert_close(r[f"ep_{k}"], r[f"ref_{k}"], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.xfail(strict=True, reason=DRIVER)
+def test_megatron_ep2_error_mid_step_then_retry_replays_the_new_targets_in_every_layer(ep2):
+    for r in (rank["mid_step"] for rank in ep2):
+        assert r["error"] == "injected failure"
+        for n, rmap in zip((1, 2), r["retry_maps"]):
+            assert torch.equal(rmap, _map(r["new"][n])), f"layer {n} replayed other ids"
