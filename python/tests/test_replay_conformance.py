@@ -298,7 +298,7 @@ class _Megatron(_HiddenPath):
         self.sym = sym
         self._cm = sym.patched()
         self._cm.__enter__()
-        sym.attach_replay(self.model, repeated_ids=policy)
+        sym.attach_replay(self.model, invalid_replay_rows=policy)
 
     @property
     def routers(self):
@@ -594,7 +594,6 @@ def test_megatron_ep2_merged_rows_match_ep1(ep2):
             torch.testing.assert_close(r[f"ep_{k}"], r[f"ref_{k}"], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=DRIVER)
 def test_megatron_ep2_error_mid_step_then_retry_replays_the_new_targets_in_every_layer(ep2):
     for r in (rank["mid_step"] for rank in ep2):
         assert r["error"] == "injected failure"
