@@ -11,18 +11,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import switchyard.integrations.hf as syhf  # noqa: E402
 from hf_models import build, tokens  # noqa: E402
+from test_hostile_hf import _fails_once  # noqa: E402
 
 try:  # Megatron's TopKRouter factory (a fixture); the Megatron test skips without megatron-core
     from test_router_megatron_parity import mcore  # noqa: E402,F401
 except (ImportError, pytest.skip.Exception):
     mcore = None
-
-
-def _fails_once(module):
-    def hook(mod, args):
-        h.remove()
-        raise RuntimeError("injected failure")
-    h = module.register_forward_pre_hook(hook)
 
 
 def _const(p, T, ids):
