@@ -71,7 +71,7 @@ def _merge_ids(T, E, K, gen):
     return ids
 
 
-@pytest.mark.hostile(tried="Megatron replay with repeated_ids='merge' and rows like [5, 5, 2], "
+@pytest.mark.hostile(tried="Megatron replay with invalid_replay_rows='merge' and rows like [5, 5, 2], "
                            "then backward",
                      gets="input and router-weight gradients of the summed weight (float64 "
                           "reference), not multiplied by the multiplicity")
