@@ -70,7 +70,7 @@ def main():
 
     def sy_validate():
         sym.set_replay_targets(router, {1: ids})
-        router._sy.targets.clear()
+        router._sy.replay.clear()
 
     def sy_replay():
         sym.set_replay_targets(router, {1: ids})
@@ -89,7 +89,7 @@ def main():
                                   ("cpu", ("sy_engine_replay",))):
                 with sym.patched(engine=engine):
                     router.router_replay = None
-                    sym.attach_replay(router, repeated_ids="merge")
+                    sym.attach_replay(router, invalid_replay_rows="merge")
                     sym.set_replay_action(router, "replay_forward")
                     for name in names:
                         fn = sy_validate if name == "sy_validate" else sy_replay

@@ -335,7 +335,7 @@ void Demo::replay() {
     replayed_ids.push_back(fwd.topk_idx);
     // Activation-checkpoint recompute inside backward: the same ids come back from the queue.
     sy::RouteInputs rin;
-    rin.replay_idx = replay.replay_backward(T);
+    rin.replay_idx = replay.recompute(T);
     const sy::RouteResult re = sy::topk_route(logits32[li], rin, cfg, ro);
     recompute_equal = recompute_equal && same_bytes(re.topk_idx, fwd.topk_idx) &&
                       same_bytes(re.topk_weights, fwd.topk_weights);

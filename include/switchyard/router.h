@@ -39,9 +39,18 @@ enum class AuxLossType : uint8_t {
   quantile_balancing
 };
 
-/// What to do with a replay row that is neither all ids nor all -1 (mixes -1 and ids, repeats an
-/// id, or names an id outside [0, E)): throw (default), or route that row natively and count it.
-enum class InvalidReplayRows : uint8_t { error, native };
+/// What a replay row that is neither K distinct ids in [0, E) nor all -1 becomes (it mixes -1 and
+/// ids, repeats an id, or names an id outside [0, E)); one vocabulary for C++ and Python
+/// ("error" / "native" / "merge"), the rule itself is classify_replay_rows (replay.h).
+enum class ReplayRowPolicy : uint8_t {
+  error,   ///< std::invalid_argument naming layer, token and row (default)
+  native,  ///< the row is routed natively and counted (num_invalid_replay_rows)
+  /// A row whose only fault is a repeated id is replayed with that id's slots merged (one
+  /// (token, expert) pair, the slots' weights summed); other invalid rows are errors. topk_route
+  /// keeps the repeated slots in topk_idx, each with its weight (a combine over the slots adds
+  /// them up); Megatron's [T, E] probs hold the sum.
+  merge,
+};
 
 /// Router configuration; names are Megatron-Core's (`moe_router_*`, `moe_*`). The router dtype
 /// (`router_dtype`) is the dtype of the logits passed to topk_route: fp32 or fp64.
@@ -135,7 +144,7 @@ struct RouteInputs {
   /// [T] bool: true = padded token; its row is all -1 and it is left out of counts and losses.
   Tensor padding_mask{};
   /// [T, K] int32: ids to use instead of the live top-k (router replay). A row of all -1 is
-  /// routed natively. See InvalidReplayRows for bad rows.
+  /// routed natively. See ReplayRowPolicy for bad rows.
   Tensor replay_idx{};
   /// [E] fp32: quantile_balancing's per-expert bias (subtracted for selection only); undefined =
   /// zeros.
@@ -147,7 +156,7 @@ struct RouteInputs {
 
 /// Options of topk_route.
 struct RouteOptions {
-  InvalidReplayRows invalid_replay_rows = InvalidReplayRows::error;
+  ReplayRowPolicy invalid_replay_rows = ReplayRowPolicy::error;
   /// MoE layer number, used only in error messages (-1 = unknown, left out of messages).
   int64_t layer = -1;
   /// seq_aux_loss only: tokens are laid out [seq_length, num_sequences] flattened (Megatron's
@@ -210,7 +219,7 @@ struct RouteResult {
   double z_loss = 0.0;
 
   /// Row counts: replayed + native + padded == T. Invalid replay rows routed natively (with
-  /// InvalidReplayRows::native) count as native and also in num_invalid_replay_rows.
+  /// ReplayRowPolicy::native) count as native and also in num_invalid_replay_rows.
   int64_t num_replayed_rows = 0;
   int64_t num_native_rows = 0;
   int64_t num_padded_rows = 0;

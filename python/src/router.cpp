@@ -13,6 +13,23 @@
 namespace switchyard::py_bind {
 
 namespace {
+// The one spelling of ReplayRowPolicy in Python: "error", "native", "merge". Old spellings name the
+// new one ("to_none" was route import's word for "native").
+ReplayRowPolicy replay_row_policy(const std::string& s, const char* op, const char* name) {
+  if (s == "error") return ReplayRowPolicy::error;
+  if (s == "native") return ReplayRowPolicy::native;
+  if (s == "merge") return ReplayRowPolicy::merge;
+  if (s == "to_none") {
+    throw py::value_error(std::string("[") + op + "] " + name +
+                          "='to_none' is now spelled 'native' (the row is routed natively and "
+                          "counted)");
+  }
+  throw py::value_error(std::string("[") + op + "] " + name +
+                        " must be 'error', 'native' or 'merge', got '" + s + "'");
+}
+}  // namespace
+
+namespace {
 
 /// A RouteResult plus the Python objects whose storage it borrows (the logits): backward reads
 /// them, so they live as long as the result.
@@ -300,15 +317,7 @@ void bind_router(py::module_& m) {
         bool engine_called = false;
         try {
           RouteOptions opt;
-          if (invalid_replay_rows == "error") {
-            opt.invalid_replay_rows = InvalidReplayRows::error;
-          } else if (invalid_replay_rows == "native") {
-            opt.invalid_replay_rows = InvalidReplayRows::native;
-          } else {
-            throw py::value_error(
-                "[topk_route] invalid_replay_rows must be 'error' or 'native', got '" +
-                invalid_replay_rows + "'");
-          }
+          opt.invalid_replay_rows = replay_row_policy(invalid_replay_rows, op, "invalid_replay_rows");
           opt.layer = layer;
           opt.seq_length = seq_length;
           opt.global_aux_loss_update = accumulate_global_aux_loss ? GlobalAuxLossUpdate::accumulate
@@ -460,19 +469,21 @@ void bind_router(py::module_& m) {
              return py_bridge::to_torch(
                  r.replay_forward(ids_int32(ids, "replay.replay_forward", "topk_idx", a)));
            })
-      .def("replay_backward",
+      .def("recompute",
            [](RouterReplay& r, int64_t num_tokens) {
-             return py_bridge::to_torch(r.replay_backward(num_tokens));
+             return py_bridge::to_torch(r.recompute(num_tokens));
            })
       .def("peek_recorded",
            [](const RouterReplay& r) { return py_bridge::to_torch(r.peek_recorded().clone()); })
-      .def("peek_backward",
+      .def("peek_recompute",
            [](const RouterReplay& r, int64_t num_tokens) {
-             return py_bridge::to_torch(r.peek_backward(num_tokens).clone());
+             return py_bridge::to_torch(r.peek_recompute(num_tokens).clone());
            })
       .def_property_readonly("num_recorded", &RouterReplay::num_recorded)
-      .def_property_readonly("num_pending_backward", &RouterReplay::num_pending_backward)
+      .def_property_readonly("num_pending_recompute", &RouterReplay::num_pending_recompute)
       .def_property_readonly("layer", &RouterReplay::layer)
+      .def("drop_newest_recompute", &RouterReplay::drop_newest_recompute, py::arg("n"))
+      .def_property_readonly("top_k", &RouterReplay::top_k)
       .def("clear", &RouterReplay::clear)
       // copy.deepcopy of a model that holds replays (e.g. TRL's reference model): independent
       // queues, every table cloned.
@@ -480,6 +491,25 @@ void bind_router(py::module_& m) {
       .def(
           "__deepcopy__", [](const RouterReplay& r, py::dict) { return r.clone(); },
           py::arg("memo"));
+
+  py::class_<ReplayRows>(m, "ReplayRowsCore", "Row kinds of a replay table (engine object).")
+      .def_property_readonly("kind",
+                             [](const ReplayRows& r) { return py_bridge::to_torch(r.kind); })
+      .def_readonly("num_replayed", &ReplayRows::num_replayed)
+      .def_readonly("num_merged", &ReplayRows::num_merged)
+      .def_readonly("num_native", &ReplayRows::num_native)
+      .def_readonly("num_invalid", &ReplayRows::num_invalid)
+      .def_readonly("num_pairs", &ReplayRows::num_pairs);
+  m.def(
+      "classify_replay_rows",
+      [](py::handle topk_idx, int64_t num_experts, const std::string& policy, int64_t layer) {
+        const char* op = "replay.classify_rows";
+        const ReplayRowPolicy p = replay_row_policy(policy, op, "policy");
+        py_bridge::Arg a;
+        return classify_replay_rows(ids_int32(topk_idx, op, "topk_idx", a), num_experts, p, layer);
+      },
+      py::arg("topk_idx"), py::arg("num_experts"), py::arg("policy") = "error",
+      py::arg("layer") = -1);
 }
 
 }  // namespace switchyard::py_bind

@@ -8,11 +8,13 @@ RuntimeError (switchyard.BackendError, switchyard.DataError and other failures),
 messages.
 """
 import collections as _collections
+import warnings as _warnings
 
 import torch as _torch  # noqa: F401  (libtorch is loaded before the extension hands tensors to it)
 
 from . import _switchyard as _C
 from . import _names
+from . import replay as _replay
 from ._switchyard import (BackendError, DataError, GlobalAuxLossState, built_with_cuda, cpu_isa,
                           cuda_device_count, num_threads, set_cpu_isa, set_num_threads)
 
@@ -41,15 +43,16 @@ GlobalAuxLossState.__getattr__ = _state_getattr
 
 __all__ = ["BackendError", "DataError", "GlobalAuxLossState", "RouterConfig", "RouterReplay",
            "built_with_cuda", "cpu_isa", "cuda_device_count", "num_threads", "set_cpu_isa",
-           "set_num_threads", "dist", "routes"]
+           "set_num_threads", "classify_replay_rows", "dist", "replay", "routes"]
 
 
 class RouterReplay:
     """Router replay of one MoE layer (R2 and R3), first in first out, as in the engine.
 
     Direct use (engine calls): ``record(topk_idx)``, ``pop_recorded()``,
-    ``replay_forward(topk_idx) -> ids`` (queues a copy for the backward recompute) and
-    ``replay_backward(num_tokens) -> ids``.
+    ``replay_forward(topk_idx) -> ids`` (queues a copy for the recompute) and
+    ``recompute(num_tokens) -> ids``. "Recompute" is the activation-checkpoint re-run of a forward
+    inside backward.
 
     Driven by a router (``syt.TopKRouter(...).forward(x, replay=this)``), ``action`` decides:
       None              route natively;
@@ -57,22 +60,26 @@ class RouterReplay:
       "replay_forward"  replay the next target (``set_target``, e.g. a route-table slice for R3) or,
                         when none is set, the oldest recorded table (R2), and queue it for
                         recompute;
-      "replay_backward" replay the oldest table queued by replay_forward (activation-checkpoint
-                        recompute inside backward: set it before calling backward).
-    ``invalid_replay_rows``: "error" (default) or "native" for rows that mix -1 and ids, repeat an
-    id or name an id outside [0, E). Tables come back as int32 [T, K] tensors."""
+      "recompute"       replay the oldest table queued by replay_forward (the checkpoint
+                        recompute: set it before calling backward). "replay_backward" is its
+                        deprecated old name.
+    ``invalid_replay_rows``: "error" (default), "native" or "merge" (switchyard.replay.POLICIES)
+    for rows that mix -1 and ids, repeat an id or name an id outside [0, E); "merge" only where the
+    dispatcher merges pairs (the Megatron adapter; topk_route refuses it). ``num_experts``: when
+    given, targets are classified by the engine's row rule as they are set (required by
+    switchyard.replay.ReplayDriver). Tables come back as int32 [T, K] tensors."""
 
-    ACTIONS = (None, "record", "replay_forward", "replay_backward")
+    ACTIONS = (None, "record", "replay_forward", "recompute")
 
-    def __init__(self, top_k, layer=None, invalid_replay_rows="error"):
-        if invalid_replay_rows not in ("error", "native"):
-            raise ValueError("[replay] invalid_replay_rows must be 'error' or 'native', got "
-                             f"{invalid_replay_rows!r}")
+    def __init__(self, top_k, layer=None, invalid_replay_rows="error", num_experts=None):
+        _replay.check_policy(invalid_replay_rows, "replay")
         self._c = _C.RouterReplayCore(int(top_k), -1 if layer is None else int(layer))
         self.top_k = int(top_k)
+        self.num_experts = None if num_experts is None else int(num_experts)
         self.invalid_replay_rows = invalid_replay_rows
         self._action = None
-        self._targets = _collections.deque()
+        self._targets = _collections.deque()  # (step, table) of set_step_targets / set_target
+        self._last_step = 0  # the step of the last target a forward took
 
     @property
     def action(self):
@@ -80,6 +87,10 @@ class RouterReplay:
 
     @action.setter
     def action(self, value):
+        if value == "replay_backward":
+            _warnings.warn("RouterReplay action 'replay_backward' is now 'recompute'",
+                           DeprecationWarning, stacklevel=2)
+            value = "recompute"
         if value not in self.ACTIONS:
             raise ValueError(f"[replay] action must be one of {self.ACTIONS}, got {value!r}")
         self._action = value
@@ -98,13 +109,20 @@ class RouterReplay:
     def replay_forward(self, topk_idx):
         return self._c.replay_forward(topk_idx)
 
+    def recompute(self, num_tokens):
+        """Removes and returns the oldest table queued by replay_forward (for its recompute)."""
+        return self._c.recompute(int(num_tokens))
+
     def replay_backward(self, num_tokens):
-        return self._c.replay_backward(int(num_tokens))
+        """Deprecated name of recompute()."""
+        _warnings.warn("RouterReplay.replay_backward is now RouterReplay.recompute",
+                       DeprecationWarning, stacklevel=2)
+        return self.recompute(num_tokens)
 
     def set_target(self, topk_idx):
-        """Queue ids [T, K] for the next forward with action "replay_forward" (R3)."""
-        self._check_target(topk_idx)
-        self._targets.append(topk_idx)
+        """Queue ids [T, K] for the next forward with action "replay_forward" (R3); with
+        num_experts known, classified now (the engine's ValueError for an invalid row)."""
+        self.set_step_targets([self], [topk_idx])
 
     def _check_target(self, topk_idx):
         if not isinstance(topk_idx, _torch.Tensor) or topk_idx.dim() != 2 or \
@@ -115,34 +133,44 @@ class RouterReplay:
     @staticmethod
     def set_step_targets(replays, tables):
         """Queues ``tables[i]`` ([T, K] ids) on ``replays[i]`` for the next forward, all or none:
-        every table's shape is checked before any replay stores one, so a rejected table leaves no
-        layer holding a target of that step."""
-        replays, tables = list(replays), list(tables)
-        if len(replays) != len(tables):
-            raise ValueError(f"[replay] set_step_targets: {len(replays)} replays but "
-                             f"{len(tables)} tables")
-        for r, t in zip(replays, tables):
-            r._check_target(t)
-        for r, t in zip(replays, tables):
-            r._targets.append(t)
+        switchyard.replay.ReplayDriver.set_step_targets (rows classified now when every replay
+        knows num_experts, else at the forward by topk_route; a step that some of these layers
+        took and others did not is dropped first)."""
+        replays = list(replays)
+        _replay.ReplayDriver(dict(enumerate(replays)),
+                             label=lambda i: f"layer {replays[i].layer}"
+                             ).set_step_targets(list(tables))
 
     def next_target(self):
         """The table the next "replay_forward" uses, left queued: the oldest target (set_target),
         else the oldest recorded table. IndexError when neither is queued."""
-        return self._targets[0] if self._targets else self._c.peek_recorded()
+        if self._targets:
+            t = self._targets[0][1]
+            return t.ids if isinstance(t, _replay.ReplayRows) else t
+        return self._c.peek_recorded()
 
     def pop_next_target(self):
-        """Removes and returns next_target(): once its forward succeeded, or to drop the table of
-        a forward that failed (so the retry does not replay it)."""
-        return self._targets.popleft() if self._targets else self._c.pop_recorded()
+        """Removes and returns the next target (a ReplayRows when it was classified as set, else
+        the table): once its forward succeeded, or to drop the table of a forward that failed."""
+        if self._targets:
+            self._last_step, t = self._targets.popleft()
+            return t
+        return self._c.pop_recorded()
 
     @property
     def num_recorded(self):
         return self._c.num_recorded
 
     @property
+    def num_pending_recompute(self):
+        return self._c.num_pending_recompute
+
+    @property
     def num_pending_backward(self):
-        return self._c.num_pending_backward
+        """Deprecated name of num_pending_recompute."""
+        _warnings.warn("RouterReplay.num_pending_backward is now num_pending_recompute",
+                       DeprecationWarning, stacklevel=2)
+        return self._c.num_pending_recompute
 
     @property
     def num_targets(self):
@@ -153,7 +181,7 @@ class RouterReplay:
         return None if self._c.layer < 0 else self._c.layer
 
     def clear(self):
-        """Drop every queued table (recorded, pending backward and targets)."""
+        """Drop every queued table (recorded, pending recompute and targets)."""
         self._c.clear()
         self._targets.clear()
 
@@ -165,21 +193,25 @@ class RouterReplay:
             return None
         if self._action == "replay_forward":
             return self.next_target()
-        return self._c.peek_backward(int(num_tokens))
+        return self._c.peek_recompute(int(num_tokens))
 
-    def _after_forward(self, topk_idx, num_tokens):
+    def _after_forward(self, topk_idx, num_tokens, will_recompute=True):
         if self._action == "record":
             self._c.record(topk_idx)
         elif self._action == "replay_forward":
-            self._c.replay_forward(self.pop_next_target())
-        elif self._action == "replay_backward":
-            self._c.replay_backward(int(num_tokens))
+            t = self.pop_next_target()
+            if will_recompute:  # only a forward whose recompute will come queues its table
+                self._c.replay_forward(t.ids if isinstance(t, _replay.ReplayRows) else t)
+        elif self._action == "recompute":
+            self._c.recompute(int(num_tokens))
 
     def __repr__(self):
         return (f"RouterReplay(top_k={self.top_k}, layer={self.layer}, action={self._action!r}, "
-                f"recorded={self.num_recorded}, pending_backward={self.num_pending_backward}, "
+                f"recorded={self.num_recorded}, pending_recompute={self.num_pending_recompute}, "
                 f"targets={self.num_targets})")
 
 
 from . import dist  # noqa: E402
 from . import routes  # noqa: E402
+from . import replay  # noqa: E402,F811
+from .replay import classify_rows as classify_replay_rows  # noqa: E402

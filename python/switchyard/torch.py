@@ -13,6 +13,7 @@ import torch
 
 from . import _names
 from . import _switchyard as _C
+from . import replay as _replay
 
 __all__ = ["router_gating_linear", "input_jitter", "topk_route", "RouteInfo", "TopKRouter",
            "routing_plan", "permute", "unpermute",
@@ -476,9 +477,7 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
         if not isinstance(config, _C.RouterConfig):
             raise ValueError("[topk_route] config must be a switchyard.RouterConfig, got "
                              f"{type(config).__name__}")
-        if invalid_replay_rows not in ("error", "native"):
-            raise ValueError("[topk_route] invalid_replay_rows must be 'error' or 'native', got "
-                             f"{invalid_replay_rows!r}")
+        _replay.check_policy(invalid_replay_rows, "topk_route")
         for name, t in (("expert_bias", expert_bias), ("qb_beta", qb_beta)):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise ValueError(f"[topk_route] {name} must be a torch.Tensor or None, got "
@@ -594,24 +593,14 @@ def update_expert_bias(expert_bias, num_tokens_per_expert, rate, comm=None):
     return _C.update_expert_bias(expert_bias, num_tokens_per_expert, float(rate), _comm(comm))
 
 
-def _in_non_reentrant_recompute():
-    """True while torch.utils.checkpoint (use_reentrant=False) recomputes a forward during
-    backward: inside an autograd graph task, under checkpoint's own saved-tensor hooks. The
-    reentrant variant pushes no hooks (and its forward ran under no_grad), so it reads False.
-    Private torch API (the one torch.utils.checkpoint itself uses); the tests pin the behaviour."""
-    if torch._C._current_graph_task_id() == -1:
-        return False
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
-
-
 def _trained_forward(training):
     """Megatron-Core's rule for the loss state (global aux-loss counts, the quantile-balancing
     accumulators): a training forward with grad enabled. A reentrant checkpoint runs its forward
     under no_grad (not counted) and its recompute with grad (counted: its graph carries the loss
     gradient); a non-reentrant checkpoint counts its forward, so its recompute must not (see
     notes/router-parity.md)."""
-    return bool(training) and torch.is_grad_enabled() and not _in_non_reentrant_recompute()
+    return bool(training) and torch.is_grad_enabled() and \
+        _replay.recompute_kind() != "non_reentrant"
 
 
 class TopKRouter(torch.nn.Module):
@@ -621,7 +610,7 @@ class TopKRouter(torch.nn.Module):
     ``bias=True``; buffer ``expert_bias`` [E] fp32 when ``enable_expert_bias=True`` (updated by
     ``update_expert_bias(rate)`` from the counts accumulated since the last update).
     ``forward(x, replay=None) -> (topk_weights, topk_idx)``: ``replay`` is a switchyard.RouterReplay
-    (its ``action`` decides record / replay_forward / replay_backward) or a [T, K] id tensor;
+    (its ``action`` decides record / replay_forward / recompute) or a [T, K] id tensor;
     ``self.replay`` is used when not given. ``last_info`` holds the RouteInfo of the last call.
     ``router_dtype``: None (the input's dtype: Megatron's default moe_router_dtype=None),
     torch.bfloat16, float32 or float64. ``input_jitter_eps`` (Megatron moe_input_jitter_eps):
@@ -687,6 +676,9 @@ class TopKRouter(torch.nn.Module):
         force (default ``self.replay``). ``padding_mask`` [T] bool: True = padded token (row all
         -1, left out of counts, capacity and losses). ``seq_length``: tokens per sequence for
         seq_aux_loss."""
+        # Whether this forward's recompute will come (checkpointed): only then does a replayed
+        # forward queue its ids for it (switchyard.replay.will_recompute).
+        will_recompute = _replay.will_recompute(x.requires_grad)
         if self.input_jitter_eps is not None:
             # Megatron applies it on every forward (training or not), before the gate.
             x = input_jitter(x, self.input_jitter_eps)
@@ -707,15 +699,15 @@ class TopKRouter(torch.nn.Module):
         snapshot = None
         driven = replay is not None and not isinstance(replay, torch.Tensor)
         if gstate is not None and driven:
-            # With a RouterReplay the recompute is known exactly: replay_backward pairs with a
+            # With a RouterReplay the recompute is known exactly: "recompute" pairs with a
             # replay_forward (FIFO, like the replay queue). If that forward counted, the recompute
             # routes on a snapshot taken before it, so it reproduces the forward's loss and the
             # live state advances once per micro-batch; if it did not (no_grad forward, reentrant
             # checkpointing), the recompute counts. The snapshot queue, like the replay queues,
             # changes only after routing succeeded.
-            if replay.action == "replay_forward":
+            if replay.action == "replay_forward" and will_recompute:
                 snapshot = (gstate.copy(), accumulate)
-            elif replay.action == "replay_backward" and self._gstate_snapshots:
+            elif replay.action == "recompute" and self._gstate_snapshots:
                 snap, counted = self._gstate_snapshots[0]
                 if counted:
                     gstate = snap.copy()  # the queued one stays intact if routing fails
@@ -731,14 +723,14 @@ class TopKRouter(torch.nn.Module):
                              if (self.config.force_biased or 0) < 0 else None),
             return_info=True)
         if driven:
-            replay._after_forward(topk_idx, T)
+            replay._after_forward(topk_idx, T, will_recompute)
             if snapshot is not None:
                 # One snapshot per table still queued for recompute (the replay may have been
                 # cleared, or earlier forwards never recomputed).
-                while len(self._gstate_snapshots) > max(replay.num_pending_backward - 1, 0):
+                while len(self._gstate_snapshots) > max(replay.num_pending_recompute - 1, 0):
                     self._gstate_snapshots.popleft()
                 self._gstate_snapshots.append(snapshot)
-            elif gstate is not None and replay.action == "replay_backward" and \
+            elif gstate is not None and replay.action == "recompute" and \
                     self._gstate_snapshots:
                 self._gstate_snapshots.popleft()
         if self.local_tokens_per_expert is not None and torch.is_grad_enabled():

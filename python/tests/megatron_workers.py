@@ -129,7 +129,7 @@ def case_seed(rank, world, res):
         # switchyard's replay: merged zero rows, host-known pair count.
         layer, ref = layer_sy, ref_sy
         for m in (layer, ref):
-            sym.attach_replay(m, repeated_ids="merge")
+            sym.attach_replay(m, invalid_replay_rows="merge")
             sym.set_replay_targets(m, {1: ids}, num_tokens=ids.shape[0])
             sym.set_replay_action(m, "replay_forward")
         res["sy_out"], res["sy_grad"] = _fwd_bwd(layer, x)
@@ -238,36 +238,36 @@ def case_recompute(rank, world, res):
     seen = []
     rc.router.register_forward_hook(lambda m, i, o: seen.append(o[1].clone()))
     with sym.patched():
-        sym.attach_replay(rc, repeated_ids="merge")
-        sym.attach_replay(plain, repeated_ids="merge")
+        sym.attach_replay(rc, invalid_replay_rows="merge")
+        sym.attach_replay(plain, invalid_replay_rows="merge")
         for m in (rc, plain):
             sym.set_replay_action(m, "replay_forward")
         # A forward-only pass first (old-log-prob style): it must not grow the queue.
         sym.set_replay_targets(rc, {1: ids})
         with torch.no_grad():
             rc(x)
-        res["pending_after_forward_only"] = sym.replays(rc)[1].num_pending_backward
+        res["pending_after_forward_only"] = sym.replays(rc)[1].num_pending_recompute
         sym.set_replay_targets(rc, {1: ids})
         sym.set_replay_targets(plain, {1: ids})
         rc.train()
         res["rc_out"], res["rc_grad"] = _fwd_bwd(rc, x)
         res["plain_out"], res["plain_grad"] = _fwd_bwd(plain, x)
-        res["pending_after_backward"] = sym.replays(rc)[1].num_pending_backward
+        res["pending_after_backward"] = sym.replays(rc)[1].num_pending_recompute
         res["router_calls"] = len(seen)
         res["maps"] = seen[1:]  # [training forward under checkpoint, recompute in backward]
         res["rc_total"] = vars(sym.replay_counts(rc, total=True)[1])
         # Checkpointed forwards whose backward never comes hit the bound, with a clear error.
         sym.detach_replay(rc)
-        sym.attach_replay(rc, repeated_ids="merge", max_pending_backward=2)
+        sym.attach_replay(rc, invalid_replay_rows="merge", max_pending_backward=2)
         sym.set_replay_action(rc, "replay_forward")
         errs = []
         for _ in range(3):
             sym.set_replay_targets(rc, {1: ids})
             errs.append(_err(lambda: rc(x.clone().requires_grad_(True))))
         res["bound_errors"] = errs
-        res["pending_at_bound"] = sym.replays(rc)[1].num_pending_backward
+        res["pending_at_bound"] = sym.replays(rc)[1].num_pending_recompute
         sym.clear_replay(rc)
-        res["pending_after_clear"] = sym.replays(rc)[1].num_pending_backward
+        res["pending_after_clear"] = sym.replays(rc)[1].num_pending_recompute
     res["ids"] = ids
 
 
@@ -296,7 +296,7 @@ def case_bad(rank, world, res):
                 layer, {1: mine}, num_tokens=x.shape[0], group=w))
         # An all -1 row is routed natively and counted; no target queued by the failures above.
         res["queued_after_errors"] = sym.replays(layer)[1].num_targets + \
-            len(layer.router._sy.targets)
+            layer.router._sy.replay.num_targets
         nat = good.clone()
         nat[0] = -1
         sym.set_replay_targets(layer, {1: nat}, group=w)
@@ -308,7 +308,7 @@ def case_bad(rank, world, res):
         res["err_forward_tokens"] = _err(lambda: layer.router(x))
         # repeated_ids="native": invalid rows are routed natively and counted as invalid.
         sym.clear_replay(layer)
-        sym.attach_replay(layer, repeated_ids="native")
+        sym.attach_replay(layer, invalid_replay_rows="native")
         sym.set_replay_action(layer, "replay_forward")
         sym.set_replay_targets(layer, {1: bad["repeat"]}, group=w)
         _, rm = layer.router(x)
@@ -328,14 +328,14 @@ def case_engine(rank, world, res):
     with torch.no_grad():
         res["megatron_probs"], res["megatron_map"] = layer.router(x)
     with sym.patched():
-        sym.attach_replay(layer, repeated_ids="merge")
+        sym.attach_replay(layer, invalid_replay_rows="merge")
         sym.set_replay_targets(layer, {1: ids})
         sym.set_replay_action(layer, "replay_forward")
         res["megatron_out"], res["megatron_grad"] = _fwd_bwd(layer, x)
     sym.detach_replay(layer)
     with sym.patched(engine="cpu") as report:
         res["report"] = str(report)
-        sym.attach_replay(layer, repeated_ids="merge")
+        sym.attach_replay(layer, invalid_replay_rows="merge")
         with torch.no_grad():
             res["engine_probs"], res["engine_map"] = layer.router(x)
             res["engine_probs_first5"], _ = layer.router(x[:5])
@@ -436,7 +436,7 @@ def case_block(rank, world, res):
                 out = blk(xi, attention_mask=am)
                 out.sum().backward()
                 res[f"{name}_out"], res[f"{name}_grad"] = out.detach(), xi.grad
-                res[f"{name}_pending"] = {k: r.num_pending_backward
+                res[f"{name}_pending"] = {k: r.num_pending_recompute
                                           for k, r in sym.replays(blk).items()}
                 res[f"{name}_counts"] = {k: vars(c) for k, c in
                                          sym.replay_counts(blk, total=True).items()}

@@ -25,7 +25,7 @@ def _targets(rank, K, seed, repeated=(), minus1=()):
 
 
 def case_merge_grad(rank, world, res):
-    """K = 3, repeated_ids='merge', rows [a, a, c] and a -1 row: outputs, input and router weight
+    """K = 3, invalid_replay_rows='merge', rows [a, a, c] and a -1 row: outputs, input and router weight
     gradients of the EP 2 layer against the EP 1 layer with the same weights and ids."""
     import megatron_workers as mw
 
@@ -37,7 +37,7 @@ def case_merge_grad(rank, world, res):
     ids = _targets(rank, 3, 60, repeated=(1, 4, 7), minus1=(2,))
     with sym.patched():
         for name, m in (("ep", layer), ("ref", ref)):
-            sym.attach_replay(m, repeated_ids="merge")
+            sym.attach_replay(m, invalid_replay_rows="merge")
             sym.set_replay_targets(m, {1: ids}, num_tokens=T)
             sym.set_replay_action(m, "replay_forward")
             xg = x.clone().requires_grad_(True)

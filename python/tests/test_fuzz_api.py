@@ -267,11 +267,11 @@ def test_router_replay_queues_match_a_fifo_model(K, ops):
             assert torch.equal(got, t)
             pending.append(t)
         else:
-            ok, got = expect_ok_or_documented_error(lambda: r.replay_backward(T))
+            ok, got = expect_ok_or_documented_error(lambda: r.recompute(T))
             assert ok == (bool(pending) and pending[0].shape[0] == T)
             if ok:
                 assert torch.equal(got, pending.popleft())
-        assert (r.num_recorded, r.num_pending_backward) == (len(recorded), len(pending))
+        assert (r.num_recorded, r.num_pending_recompute) == (len(recorded), len(pending))
 
 
 @FUZZ

@@ -284,7 +284,7 @@ def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
     for layer, c in p.counts().items():
         want = (T - 1, 1) if replay else (0, T)
         assert c == _counts(replayed=want[0], native=want[1], recomputed=T)
-        assert p.replays[layer].num_pending_backward == 0
+        assert p.replays[layer].num_pending_recompute == 0
     assert ref.keys() == got.keys()
     for n in ref:
         assert torch.equal(got[n], ref[n]), n
@@ -296,13 +296,14 @@ def test_set_targets_checks_the_layout():
     model = build("olmoe")
     p = syhf.patch(model)
     p.set_targets(torch.tensor([0, 1], dtype=torch.int32).expand(5, 2, 2))  # valid rows, T=5
-    with pytest.raises(ValueError, match=r"\[hf\] layer 0 \(model.layers.0.mlp.gate\): "
-                                         r"\[replay\] replay_idx must have shape \[6, 2\], got "
-                                         r"\[5, 2\]"):
+    with pytest.raises(ValueError, match=r"\[replay\] layer 0 \(model.layers.0.mlp.gate\): the "
+                                         r"replay tensor has 5 tokens, the router got 6"):
         model(tokens(1, 6))
     p.clear()
     p.set_action("replay_forward")  # nothing recorded, no targets
-    with pytest.raises(IndexError, match=r"layer 0: no recorded table is queued"):
+    with pytest.raises(ValueError, match=r"layer 0 \(model.layers.0.mlp.gate\): action "
+                                         r"'replay_forward' but no replay target is set and "
+                                         r"nothing was recorded"):
         model(tokens(1, 6))
     p.set_action(None)
     with pytest.raises(ValueError, match=r"routes must hold 2 MoE layers and K=2, got shape "

@@ -101,7 +101,7 @@ def test_megatron_replay_of_the_wrong_length_fails_on_every_rank(tmp_path):
     world = 2
     mp.spawn(_wrong_length_worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     res = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    want = ("ValueError: [megatron.replay] layer 1: the replay tensor has 10 tokens, the router "
+    want = ("ValueError: [replay] layer 1: the replay tensor has 10 tokens, the router "
             "got 12 (on rank 1 of the group)")
     for rank, r in enumerate(res):
         assert "worker_error" not in r, f"rank {rank}: {r['worker_error']}"

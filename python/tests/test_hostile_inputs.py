@@ -117,16 +117,19 @@ def test_failed_replay_forward_keeps_the_queue(gen):
     replay.record(mb0)
     replay.record(mb1)
     replay.action = "replay_forward"
-    with pytest.raises(ValueError):  # 5 tokens for a 3-row table
-        router(torch.randn(5, H, generator=gen), replay=replay)
-    assert (replay.num_recorded, replay.num_pending_backward) == (2, 0)
-    _, ids = router(torch.randn(3, H, generator=gen), replay=replay)
+    # The forwards of a reentrant checkpoint (no_grad, an input that requires grad): each queues
+    # its ids for the recompute once it succeeded.
+    with pytest.raises(ValueError), torch.no_grad():  # 5 tokens for a 3-row table
+        router(torch.randn(5, H, generator=gen).requires_grad_(), replay=replay)
+    assert (replay.num_recorded, replay.num_pending_recompute) == (2, 0)
+    with torch.no_grad():
+        _, ids = router(torch.randn(3, H, generator=gen).requires_grad_(), replay=replay)
     assert torch.equal(ids.to(torch.int32), mb0)  # the retry replays micro-batch 0, not 1
-    assert (replay.num_recorded, replay.num_pending_backward) == (1, 1)
-    replay.action = "replay_backward"
+    assert (replay.num_recorded, replay.num_pending_recompute) == (1, 1)
+    replay.action = "recompute"
     with pytest.raises(ValueError):
         router(torch.randn(4, H, generator=gen), replay=replay)
-    assert replay.num_pending_backward == 1
+    assert replay.num_pending_recompute == 1
     _, ids = router(torch.randn(3, H, generator=gen), replay=replay)
     assert torch.equal(ids.to(torch.int32), mb0)
     # R3 target with an id outside [0, E): rejected, still queued, nothing pending.
@@ -135,7 +138,7 @@ def test_failed_replay_forward_keeps_the_queue(gen):
     replay.set_target(torch.tensor([[0, 9], [1, 2]]))
     with pytest.raises(ValueError, match="outside"):
         router(torch.randn(2, H, generator=gen), replay=replay)
-    assert (replay.num_targets, replay.num_pending_backward) == (1, 0)
+    assert (replay.num_targets, replay.num_pending_recompute) == (1, 0)
 
 
 # ---- silent wrong results and crashes ------------------------------------------------------------

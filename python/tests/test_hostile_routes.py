@@ -209,15 +209,17 @@ def test_megatron_set_replay_targets_names_an_id_outside_int32(big):
     torch.nn.Module.__init__(r)
     r.config = type("Cfg", (), {"num_moe_experts": 8, "moe_router_topk": 2})()
     r.layer_number = 3
-    r._sy = sym._RouterState(3, r, sy.RouterReplay(top_k=2, layer=3), "error", "used", 64)
+    rep = sy.RouterReplay(top_k=2, layer=3, num_experts=8)
+    r._sy = sym._RouterState(3, r, rep, "used", 64)
+    r._sy.driver = sy.replay.ReplayDriver({3: rep})
     ids = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int64)
     sym.set_replay_targets(r, {3: ids})
-    assert torch.equal(r._sy.targets.pop().ids, ids.to(torch.int32))
+    assert torch.equal(rep.pop_next_target().ids, ids.to(torch.int32))
     ids[2, 1] = big
-    with pytest.raises(ValueError, match=rf"\[megatron.set_replay_targets\] layer 3: replay ids "
+    with pytest.raises(ValueError, match=rf"\[replay\] layer 3, replay ids "
                                          rf"holds {big} at \[2, 1\], outside int32"):
         sym.set_replay_targets(r, {3: ids})
-    assert not r._sy.targets
+    assert rep.num_targets == 0
 
 
 # ---- negative stage sizes ------------------------------------------------------------------------

@@ -81,12 +81,12 @@ def test_replay_queue_engine_ops():
     assert r.num_recorded == 2
     assert torch.equal(r.pop_recorded().long(), a)
     assert torch.equal(r.replay_forward(b).long(), b)
-    assert r.num_pending_backward == 1
+    assert r.num_pending_recompute == 1
     with pytest.raises(ValueError):
-        r.replay_backward(5)  # wrong token count: stays queued
-    assert torch.equal(r.replay_backward(1).long(), b)
+        r.recompute(5)  # wrong token count: stays queued
+    assert torch.equal(r.recompute(1).long(), b)
     with pytest.raises(IndexError):
-        r.replay_backward(1)
+        r.recompute(1)
     r.clear()
     with pytest.raises(IndexError):
         r.pop_recorded()
@@ -126,8 +126,8 @@ def test_r2_record_then_replay_with_checkpoint_recompute(gen):
         assert router.last_info.num_replayed_rows == T
         assert torch.equal(router.last_info.num_tokens_per_expert,
                            torch.bincount(recorded[len(outs) - 1].flatten(), minlength=E))
-    assert replay.num_recorded == 0 and replay.num_pending_backward == 3
-    replay.action = "replay_backward"
+    assert replay.num_recorded == 0 and replay.num_pending_recompute == 3
+    replay.action = "recompute"
     for i, (xi, out) in enumerate(outs):
         router.weight.grad = None
         out.sum().backward()
@@ -141,7 +141,7 @@ def test_r2_record_then_replay_with_checkpoint_recompute(gen):
         ((pr * scale[ir]).sum(-1, keepdim=True) * xr.double()).sum().backward()
         torch.testing.assert_close(xi.grad.double(), xr.grad.double(), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(router.weight.grad.double(), wr.grad.double(), rtol=1e-4, atol=1e-5)
-    assert replay.num_pending_backward == 0
+    assert replay.num_pending_recompute == 0
 
 
 def test_r3_replay_rollout_routes_with_checkpoint(gen, tmp_path):
@@ -168,13 +168,13 @@ def test_r3_replay_rollout_routes_with_checkpoint(gen, tmp_path):
         replays[l].action = "replay_forward"
         replays[l].set_target(read[:, l, :])
         routers[l].replay = replays[l]
-    out = ckpt.checkpoint(model, x)
+    out = ckpt.checkpoint(model, x, use_reentrant=False)  # the inner layers see it exactly
     for l in range(L):
         info = routers[l].last_info
         assert (info.num_replayed_rows, info.num_native_rows) == (T - 1, 1)
-        replays[l].action = "replay_backward"
+        replays[l].action = "recompute"
     out.sum().backward()
-    assert all(r.num_pending_backward == 0 for r in replays)
+    assert all(r.num_pending_recompute == 0 for r in replays)
     for l in range(L):
         assert routers[l].weight.grad is not None and float(routers[l].weight.grad.abs().sum()) > 0
 
@@ -199,7 +199,7 @@ def test_global_aux_loss_recompute_sees_its_forward_state(gen):
         replay.action = "replay_forward"
         xg = [x.clone().requires_grad_(True) for x in xs]
         outs = [ckpt.checkpoint(_layer, router, x) if use_ckpt else _layer(router, x) for x in xg]
-        replay.action = "replay_backward"
+        replay.action = "recompute"
         g = []
         for out in outs:
             router.weight.grad = None

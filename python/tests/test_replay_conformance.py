@@ -14,9 +14,8 @@ retry with new targets (no layer may keep the failed batch's ids), a rejected st
 and the gradients against a float64 reference (native rows, -1 rows, and partially repeated rows
 under the merge policy).
 
-Cases the current code fails are xfail(strict=True, reason="replay driver (h/replay)"): the replay
-driver of issue 23 (all-or-nothing across layers, one invalid-row policy error / native / merge on
-every path) removes them. Integers are compared exactly; gradients within a bound derived from the
+Every path runs on the one replay core (switchyard.replay: the engine's row rule, the
+all-or-nothing ReplayDriver, one invalid-row policy error / native / merge on every path). Integers are compared exactly; gradients within a bound derived from the
 fp32 computation (see _grad_tolerance)."""
 import pytest
 import torch
@@ -26,13 +25,6 @@ import switchyard.torch as syt
 
 E, K, T = 8, 3, 6  # K = 3: a partially repeated row [a, a, c] has a weight that moves
 U32 = 2.0**-24
-DRIVER = "replay driver (h/replay)"
-
-
-def _xfail(*paths):
-    """Marks the cases of ``paths`` xfail (strict): the replay driver makes them pass."""
-    return [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=DRIVER))
-            if p in paths else p for p in PATHS]
 
 
 def _sorted(ids):
@@ -152,15 +144,15 @@ class _Engine(_HiddenPath):
 
     def checkpointed_loss_backward(self, x, G):
         """Both routers under torch.utils.checkpoint (non-reentrant); the recompute replays the
-        queued ids with action "replay_backward" (the engine path's documented way)."""
+        queued ids with action "recompute" (the engine path's documented way)."""
         def fn(x):
             return torch.stack([d for d, _ in self._route(x)])
         dense = torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)
-        self.set_action("replay_backward")
+        self.set_action("recompute")
         (dense * G).sum().backward()
 
     def pending(self):
-        return [r.num_pending_backward for r in self.replays]
+        return [r.num_pending_recompute for r in self.replays]
 
     @staticmethod
     def weights64(z, ids, router):
@@ -254,7 +246,7 @@ class _HF:
         return [w.grad.clone() for w in self.router_weights()]
 
     def pending(self):
-        return [r.num_pending_backward for r in self.p.replays.values()]
+        return [r.num_pending_recompute for r in self.p.replays.values()]
 
     @staticmethod
     def weights64(z, ids, router):
@@ -306,7 +298,7 @@ class _Megatron(_HiddenPath):
         self.sym = sym
         self._cm = sym.patched()
         self._cm.__enter__()
-        sym.attach_replay(self.model, repeated_ids=policy)
+        sym.attach_replay(self.model, invalid_replay_rows=policy)
 
     @property
     def routers(self):
@@ -363,7 +355,7 @@ class _Megatron(_HiddenPath):
         (dense * G).sum().backward()
 
     def pending(self):
-        return [r.num_pending_backward for r in self.sym.replays(self.model).values()]
+        return [r.num_pending_recompute for r in self.sym.replays(self.model).values()]
 
     @staticmethod
     def weights64(z, ids, router):
@@ -467,7 +459,7 @@ def test_checkpoint_recompute_replays_the_forward_ids(make, path):
     assert not torch.equal(native, _sorted(t))
 
 
-@pytest.mark.parametrize("path", _xfail("engine"))
+@pytest.mark.parametrize("path", PATHS)
 def test_a_replayed_step_without_recompute_leaves_nothing_queued(make, path):
     """A replayed forward and backward without activation checkpointing queues no table for a
     recompute that will never come (the engine path's replay_forward queues one every time)."""
@@ -479,7 +471,7 @@ def test_a_replayed_step_without_recompute_leaves_nothing_queued(make, path):
 # --------------------------------------------------------------------------------------------------
 # an error mid-step, then a retry with new targets
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("path", _xfail("engine", "megatron"))
+@pytest.mark.parametrize("path", PATHS)
 def test_error_mid_step_then_retry_replays_the_new_targets_in_every_layer(make, path):
     m = make(path)
     x = m.inputs(6)
@@ -493,7 +485,7 @@ def test_error_mid_step_then_retry_replays_the_new_targets_in_every_layer(make, 
     assert m.counts() == [(T, 0, 0)] * 2
 
 
-@pytest.mark.parametrize("path", _xfail("engine"))
+@pytest.mark.parametrize("path", PATHS)
 def test_rejected_step_then_retry_replays_the_new_targets_in_every_layer(make, path):
     m = make(path)
     x = m.inputs(7)
@@ -565,7 +557,7 @@ def test_gradients_of_replayed_native_and_minus1_rows_match_float64(make, path):
     _check_gradients(m, _targets(27, rows_minus1=(0, 3)), seed=8)
 
 
-@pytest.mark.parametrize("path", _xfail("engine", "hf"))
+@pytest.mark.parametrize("path", PATHS)
 def test_gradients_of_merged_repeated_rows_match_float64(make, path):
     """Rows that repeat an id under the merge policy: the pair is sent once with the summed
     weight, and the gradient is the derivative of that sum (Megatron since the merge fix; the
@@ -602,7 +594,6 @@ def test_megatron_ep2_merged_rows_match_ep1(ep2):
             torch.testing.assert_close(r[f"ep_{k}"], r[f"ref_{k}"], atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=DRIVER)
 def test_megatron_ep2_error_mid_step_then_retry_replays_the_new_targets_in_every_layer(ep2):
     for r in (rank["mid_step"] for rank in ep2):
         assert r["error"] == "injected failure"

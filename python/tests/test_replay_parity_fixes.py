@@ -71,7 +71,7 @@ def _merge_ids(T, E, K, gen):
     return ids
 
 
-@pytest.mark.hostile(tried="Megatron replay with repeated_ids='merge' and rows like [5, 5, 2], "
+@pytest.mark.hostile(tried="Megatron replay with invalid_replay_rows='merge' and rows like [5, 5, 2], "
                            "then backward",
                      gets="input and router-weight gradients of the summed weight (float64 "
                           "reference), not multiplied by the multiplicity")
@@ -91,7 +91,7 @@ def test_merged_replay_rows_backward_is_the_derivative_of_the_summed_weight(mcor
     x = torch.randn(T, 1, H, generator=gen)
     G = torch.randn(T, E, generator=gen)  # dL/dprobs
     with sym.patched(engine=engine):
-        sym.attach_replay(m, repeated_ids="merge")
+        sym.attach_replay(m, invalid_replay_rows="merge")
         sym.set_replay_targets(m, {1: ids})
         sym.set_replay_action(m, "replay_forward")
         xm = x.clone().requires_grad_(True)

@@ -146,7 +146,7 @@ def test_non_reentrant_checkpoint_counts_once(mcore, gen):
 
 
 def test_global_aux_loss_state_with_router_replay(gen):
-    """RouterReplay pairs each recompute (replay_backward) with its forward: a forward that counted
+    """RouterReplay pairs each recompute ("recompute") with its forward: a forward that counted
     makes the recompute route on a snapshot (same loss, live state unchanged); a forward under
     no_grad (reentrant checkpointing, Megatron's own recompute) leaves the count to the
     recompute."""
@@ -160,23 +160,28 @@ def test_global_aux_loss_state_with_router_replay(gen):
         r(x, replay=rep)  # an old-log-prob pass in training mode: not counted
     assert r.global_aux_loss_state.steps == 0
     rep.set_target(rep.pop_recorded())
-    # grad-enabled forward counts, its recompute does not (and sees the same loss)
+    # a non-reentrant checkpoint: its grad-enabled forward counts, its recompute does not (and
+    # sees the same loss)
     rep.action = "replay_forward"
-    r(x, replay=rep)
+    xg = x.clone().requires_grad_(True)
+    torch.utils.checkpoint.checkpoint(lambda x: r(x, replay=rep), xg, use_reentrant=False)
     loss_fwd = r.last_info.aux_loss
     assert r.global_aux_loss_state.steps == 1
-    rep.action = "replay_backward"
-    r(x, replay=rep)
+    assert rep.num_pending_recompute == 1  # queued for the recompute
+    rep.action = "recompute"
+    r(x, replay=rep)  # the recompute (called directly: the state it sees is the point)
+    assert rep.num_pending_recompute == 0
     assert r.global_aux_loss_state.steps == 1
     assert r.last_info.aux_loss == loss_fwd
-    # forward under no_grad, recompute with grad: counted once, at the recompute
+    # a reentrant checkpoint's forward (no_grad, an input that requires grad), then its
+    # recompute with grad: counted once, at the recompute
     rep.set_target(r(x)[1].detach())
     assert r.global_aux_loss_state.steps == 2
     rep.action = "replay_forward"
     with torch.no_grad():
-        r(x, replay=rep)
+        r(xg, replay=rep)
     assert r.global_aux_loss_state.steps == 2
-    rep.action = "replay_backward"
+    rep.action = "recompute"
     r(x, replay=rep)
     assert r.global_aux_loss_state.steps == 3
 

@@ -37,9 +37,10 @@ int64_t first_id_out_of_range(const Context& ctx, const int32_t* ids, int64_t n,
 
 ReplayRowSummary classify_replay_rows(const Context& ctx, const int32_t* replay_idx,
                                       const bool* padding_mask, int64_t T, int64_t K, int64_t E,
-                                      uint8_t* row_kind) {
+                                      uint8_t* row_kind, bool merge_repeated, bool mark_invalid) {
   if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "classify_replay_rows", ctx.device);
-  return cpu::classify_replay_rows(replay_idx, padding_mask, T, K, E, row_kind);
+  return cpu::classify_replay_rows(replay_idx, padding_mask, T, K, E, row_kind, merge_repeated,
+                                   mark_invalid);
 }
 
 }  // namespace switchyard::backend

@@ -39,6 +39,8 @@ inline Context context_of(const Tensor& t, const char* op = nullptr) {
 // Kernel-interface types shared by every backend (defined with the CPU kernels).
 using cpu::by_row_dtype;
 using cpu::kLossChunk;
+using cpu::kRowInvalid;
+using cpu::kRowMerged;
 using cpu::kRowNative;
 using cpu::kRowPadded;
 using cpu::kRowReplayed;
@@ -68,7 +70,8 @@ int64_t first_id_out_of_range(const Context& ctx, const int32_t* ids, int64_t n,
 /// See cpu::classify_replay_rows.
 ReplayRowSummary classify_replay_rows(const Context& ctx, const int32_t* replay_idx,
                                       const bool* padding_mask, int64_t T, int64_t K, int64_t E,
-                                      uint8_t* row_kind);
+                                      uint8_t* row_kind, bool merge_repeated = false,
+                                      bool mark_invalid = false);
 
 // ---- gate (cpu/gate_kernels.h) ----
 
@@ -146,13 +149,6 @@ void route_backward(const Context& ctx, const S* logits, const int32_t* selected
   if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "route_backward", ctx.device);
   cpu::route_backward<S>(logits, selected_idx, topk_idx, row_kind, grad_w, p, aux_grad, z_coeff,
                          grad_logits);
-}
-
-template <class S>
-void sinkhorn_select(const Context& ctx, const S* logits, const uint8_t* use_row, int64_t T,
-                     int64_t E, int64_t K, double tol, int32_t* ids) {
-  if (!ctx.device.is_cpu()) cuda::no_kernel(ctx.op, "sinkhorn_select", ctx.device);
-  cpu::sinkhorn_select<S>(logits, use_row, T, E, K, tol, ids);
 }
 
 // ---- row movement: permute / unpermute / combine (cpu/permute_kernels.h) ----

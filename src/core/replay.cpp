@@ -41,14 +41,14 @@ Tensor RouterReplay::pop_recorded() {
 Tensor RouterReplay::replay_forward(const Tensor& topk_idx) {
   check_table(topk_idx, "replay.replay_forward");
   Tensor copy = topk_idx.clone();
-  pending_backward_.push_back(copy);
+  pending_recompute_.push_back(copy);
   return copy;
 }
 
-Tensor RouterReplay::replay_backward(int64_t num_tokens) {
-  peek_backward(num_tokens);  // the checks and their errors live in one place
-  Tensor t = std::move(pending_backward_.front());
-  pending_backward_.pop_front();
+Tensor RouterReplay::recompute(int64_t num_tokens) {
+  peek_recompute(num_tokens);  // the checks and their errors live in one place
+  Tensor t = std::move(pending_recompute_.front());
+  pending_recompute_.pop_front();
   return t;
 }
 
@@ -61,60 +61,34 @@ const Tensor& RouterReplay::peek_recorded() const {
   return recorded_.front();
 }
 
-const Tensor& RouterReplay::peek_backward(int64_t num_tokens) const {
-  if (pending_backward_.empty()) {
-    throw std::out_of_range(detail::cat("[replay.replay_backward] ", where(options_.layer),
-                                        "no forward table is queued (replay_backward() called ",
+const Tensor& RouterReplay::peek_recompute(int64_t num_tokens) const {
+  if (pending_recompute_.empty()) {
+    throw std::out_of_range(detail::cat("[replay.recompute] ", where(options_.layer),
+                                        "no forward table is queued (recompute() called ",
                                         "more often than replay_forward())"));
   }
-  const Tensor& front = pending_backward_.front();
+  const Tensor& front = pending_recompute_.front();
   if (front.size(0) != num_tokens) {
-    detail::fail_arg("replay.replay_backward", where(options_.layer),
+    detail::fail_arg("replay.recompute", where(options_.layer),
                      "num_tokens must match the oldest queued forward table (", front.size(0),
                      " rows), got num_tokens=", num_tokens);
   }
   return front;
 }
 
-RouteResult RouterReplay::route_forward(const Tensor& logits, const Tensor& topk_idx,
-                                        RouteInputs inputs, const RouterConfig& config,
-                                        const RouteOptions& options) {
-  check_table(topk_idx, "replay.replay_forward");
-  Tensor copy = topk_idx.clone();  // the caller may reuse its buffer
-  inputs.replay_idx = copy;
-  RouteResult r = topk_route(logits, inputs, config, options);  // throws before any queue change
-  pending_backward_.push_back(std::move(copy));
-  return r;
-}
-
-RouteResult RouterReplay::route_forward_recorded(const Tensor& logits, RouteInputs inputs,
-                                                 const RouterConfig& config,
-                                                 const RouteOptions& options) {
-  inputs.replay_idx = peek_recorded();
-  RouteResult r = topk_route(logits, inputs, config, options);
-  pending_backward_.push_back(std::move(recorded_.front()));
-  recorded_.pop_front();
-  return r;
-}
-
-RouteResult RouterReplay::route_backward(const Tensor& logits, RouteInputs inputs,
-                                         const RouterConfig& config, const RouteOptions& options) {
-  const int64_t T = logits.dim() >= 1 ? logits.size(0) : 0;
-  inputs.replay_idx = peek_backward(T);
-  RouteResult r = topk_route(logits, inputs, config, options);
-  pending_backward_.pop_front();
-  return r;
+void RouterReplay::drop_newest_recompute(int64_t n) {
+  for (; n > 0 && !pending_recompute_.empty(); --n) pending_recompute_.pop_back();
 }
 
 void RouterReplay::clear() {
   recorded_.clear();
-  pending_backward_.clear();
+  pending_recompute_.clear();
 }
 
 RouterReplay RouterReplay::clone() const {
   RouterReplay out(options_);
   for (const Tensor& t : recorded_) out.recorded_.push_back(t.clone());
-  for (const Tensor& t : pending_backward_) out.pending_backward_.push_back(t.clone());
+  for (const Tensor& t : pending_recompute_) out.pending_recompute_.push_back(t.clone());
   return out;
 }
 

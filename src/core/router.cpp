@@ -127,9 +127,10 @@ RouteResult topk_route_impl(const Tensor& logits_in, const RouteInputs& inputs,
     detail::check_device(replay, "replay", "replay_idx", logits.device());
     detail::check_shape(replay, "replay", "replay_idx", {T, K});
   }
-  if (options.invalid_replay_rows != InvalidReplayRows::error &&
-      options.invalid_replay_rows != InvalidReplayRows::native) {
-    detail::fail_arg(kOp, "invalid_replay_rows must be error or native, got value ",
+  if (options.invalid_replay_rows != ReplayRowPolicy::error &&
+      options.invalid_replay_rows != ReplayRowPolicy::native &&
+      options.invalid_replay_rows != ReplayRowPolicy::merge) {
+    detail::fail_arg(kOp, "invalid_replay_rows must be error, native or merge, got value ",
                      static_cast<int>(options.invalid_replay_rows));
   }
   if (options.global_aux_loss_update != GlobalAuxLossUpdate::accumulate &&

@@ -20,7 +20,8 @@ int64_t first_id_out_of_range(const int32_t* ids, int64_t n, int64_t lo, int64_t
 }
 
 ReplayRowSummary classify_replay_rows(const int32_t* replay_idx, const bool* padding_mask,
-                                      int64_t T, int64_t K, int64_t E, uint8_t* row_kind) {
+                                      int64_t T, int64_t K, int64_t E, uint8_t* row_kind,
+                                      bool merge_repeated, bool mark_invalid) {
   ReplayRowSummary s;
   // `seen[e] == t` marks expert e as used earlier in row t (one E-sized array for all rows).
   std::vector<int64_t> seen(replay_idx ? static_cast<size_t>(E) : 0, -1);
@@ -44,19 +45,26 @@ ReplayRowSummary classify_replay_rows(const int32_t* replay_idx, const bool* pad
     }
     ReplayRowProblem problem = ReplayRowProblem::none;
     int32_t id = -1;
+    int64_t repeats = 0;
     if (num_none > 0) {
       problem = ReplayRowProblem::mixes_none_and_ids;
     } else {
-      for (int64_t k = 0; k < K && problem == ReplayRowProblem::none; ++k) {
+      int32_t repeated = -1;
+      for (int64_t k = 0; k < K; ++k) {
         if (row[k] < 0 || row[k] >= E) {
           problem = ReplayRowProblem::id_out_of_range;
           id = row[k];
-        } else if (seen[static_cast<size_t>(row[k])] == t) {
-          problem = ReplayRowProblem::repeated_id;
-          id = row[k];
+          break;
+        }
+        if (seen[static_cast<size_t>(row[k])] == t) {
+          if (repeats++ == 0) repeated = row[k];
         } else {
           seen[static_cast<size_t>(row[k])] = t;
         }
+      }
+      if (problem == ReplayRowProblem::none && repeats > 0) {
+        problem = ReplayRowProblem::repeated_id;
+        id = repeated;
       }
     }
     if (problem == ReplayRowProblem::none) {
@@ -64,6 +72,14 @@ ReplayRowSummary classify_replay_rows(const int32_t* replay_idx, const bool* pad
       ++s.num_replayed;
       continue;
     }
+    if (problem == ReplayRowProblem::repeated_id && merge_repeated) {
+      row_kind[t] = kRowMerged;
+      ++s.num_replayed;
+      ++s.num_merged;
+      s.num_merged_slots += repeats;
+      continue;
+    }
+    if (mark_invalid) row_kind[t] = kRowInvalid;
     ++s.num_native;
     ++s.num_invalid;
     if (s.first_invalid_row < 0) {

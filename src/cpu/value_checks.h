@@ -22,17 +22,27 @@ struct ReplayRowSummary {
   int64_t num_native = 0;  // no replay table, an all -1 row, or an invalid row
   int64_t num_replayed = 0;
   int64_t num_invalid = 0;
-  int64_t first_invalid_row = -1;  // -1: every row is valid
+  int64_t num_merged = 0;          // rows of kind kRowMerged (counted in num_replayed)
+  int64_t num_merged_slots = 0;    // slots of merged rows that repeat an earlier slot's id
+  int64_t first_invalid_row = -1;  // -1: every row is valid (merged rows are valid)
   ReplayRowProblem first_problem = ReplayRowProblem::none;
   int32_t first_problem_id = -1;  // the out-of-range or repeated id
 };
 
-/// Row kinds (kRowPadded / kRowNative / kRowReplayed of router_kernels.h as 2 / 0 / 1) of T rows:
-/// padded when padding_mask[t] (null: none is); else, with a replay table replay_idx [T,K] (null:
-/// none), replayed when the row holds K distinct ids in [0, E), native when it is all -1 or
-/// invalid (mixes -1 and ids, names an id outside [0, E), repeats an id; checked slot by slot in
-/// k order). Writes row_kind [T].
+/// Row kinds beyond router_kernels.h's kRowNative / kRowReplayed / kRowPadded (0 / 1 / 2), written
+/// only when asked (the routing kernels never see them): an invalid row, a row merged.
+inline constexpr uint8_t kRowInvalid = 3;
+inline constexpr uint8_t kRowMerged = 4;
+
+/// Row kinds of T rows, THE replay row rule: padded when padding_mask[t] (null: none is); else,
+/// with a replay table replay_idx [T,K] (null: none), replayed when the row holds K distinct ids
+/// in [0, E), native when it is all -1, invalid when it mixes -1 and ids, names an id outside
+/// [0, E) or repeats an id (the first problem in that order of precedence, then slot order).
+/// A row whose only problem is a repeated id is kRowMerged (counted replayed) when merge_repeated.
+/// Invalid rows are written kRowInvalid when mark_invalid, else kRowNative (what the kernels
+/// route). Writes row_kind [T].
 ReplayRowSummary classify_replay_rows(const int32_t* replay_idx, const bool* padding_mask,
-                                      int64_t T, int64_t K, int64_t E, uint8_t* row_kind);
+                                      int64_t T, int64_t K, int64_t E, uint8_t* row_kind,
+                                      bool merge_repeated = false, bool mark_invalid = false);
 
 }  // namespace switchyard::cpu

@@ -499,7 +499,6 @@ TEST(BackendSeam, EveryEntryPointSelectsByDevice) {
        }},
       {"route_backward",
        [&] { be::route_backward<float>(cuda, f, ids, ids, kinds, nullptr, p, nullptr, 0.0, f); }},
-      {"sinkhorn_select", [&] { be::sinkhorn_select<float>(cuda, f, kinds, 1, 1, 1, 1e-4, ids); }},
       {"gather_rows", [&] { be::gather_rows(cuda, f, rows, 1, 4, f); }},
       {"combine_rows", [&] { be::combine_rows<float>(cuda, f, nullptr, rows, rows, 1, 1, f); }},
       {"gather_scale_rows", [&] { be::gather_scale_rows<float>(cuda, f, nullptr, rows, 1, 1, f); }},

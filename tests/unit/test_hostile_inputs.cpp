@@ -284,6 +284,7 @@ TEST_F(Hostile, CliTurnsEveryExceptionIntoAnExitCode) {
 // ---------------------------------------------------------------- replay: no mutation on failure
 
 TEST(HostileReplay, FailedReplayForwardConsumesNothing) {
+  // The queue protocol: peek, route, take only once routing succeeded.
   RouterConfig cfg;
   cfg.num_experts = 4;
   cfg.top_k = 2;
@@ -296,23 +297,27 @@ TEST(HostileReplay, FailedReplayForwardConsumesNothing) {
   const Tensor good = testing::randn({3, 4}, DType::fp32, rng);
   const Tensor wrong_t = testing::randn({5, 4}, DType::fp32, rng);
   // Logits of the wrong micro-batch (5 tokens for a 3-row table): rejected, queues unchanged.
-  EXPECT_THROW(replay.route_forward_recorded(wrong_t, {}, cfg), std::invalid_argument);
+  EXPECT_THROW(topk_route(wrong_t, {.replay_idx = replay.peek_recorded()}, cfg),
+               std::invalid_argument);
   EXPECT_EQ(replay.num_recorded(), 2);
-  EXPECT_EQ(replay.num_pending_backward(), 0);
+  EXPECT_EQ(replay.num_pending_recompute(), 0);
   // The corrected retry replays micro-batch 0, not 1.
-  const RouteResult r = replay.route_forward_recorded(good, {}, cfg);
+  const RouteResult r = topk_route(good, {.replay_idx = replay.peek_recorded()}, cfg);
+  replay.replay_forward(replay.pop_recorded());
   EXPECT_TRUE(testing::bitwise_equal(r.topk_idx, mb0)) << repro(test_seed(9));
   EXPECT_EQ(replay.num_recorded(), 1);
-  EXPECT_EQ(replay.num_pending_backward(), 1);
+  EXPECT_EQ(replay.num_pending_recompute(), 1);
   // Recompute with the wrong T: rejected and still queued; then the right one.
-  EXPECT_THROW(replay.route_backward(wrong_t, {}, cfg), std::invalid_argument);
-  EXPECT_EQ(replay.num_pending_backward(), 1);
-  EXPECT_TRUE(testing::bitwise_equal(replay.route_backward(good, {}, cfg).topk_idx, mb0));
-  EXPECT_EQ(replay.num_pending_backward(), 0);
-  // R3 with a bad id: nothing queued.
+  EXPECT_THROW(replay.peek_recompute(5), std::invalid_argument);
+  EXPECT_EQ(replay.num_pending_recompute(), 1);
+  EXPECT_TRUE(testing::bitwise_equal(
+      topk_route(good, {.replay_idx = replay.peek_recompute(3)}, cfg).topk_idx, mb0));
+  replay.recompute(3);
+  EXPECT_EQ(replay.num_pending_recompute(), 0);
+  // R3 with a bad id: the classifier rejects it before anything is queued.
   const Tensor bad = Tensor::from_vector(std::vector<int32_t>{0, 9, 1, 2, 2, 3}, {3, 2});
-  EXPECT_THROW(replay.route_forward(good, bad, {}, cfg), std::invalid_argument);
-  EXPECT_EQ(replay.num_pending_backward(), 0);
+  EXPECT_THROW(classify_replay_rows(bad, 4), std::invalid_argument);
+  EXPECT_EQ(replay.num_pending_recompute(), 0);
 }
 
 

@@ -126,7 +126,7 @@ TEST(Replay, InvalidRowsRouteNativelyOnRequestAndAreCounted) {
   sy::RouteInputs in;
   in.replay_idx = ids;
   sy::RouteOptions o;
-  o.invalid_replay_rows = sy::InvalidReplayRows::native;
+  o.invalid_replay_rows = sy::ReplayRowPolicy::native;
   const auto r = sy::topk_route(z, in, c, o);
   const auto native = sy::topk_route(z, {}, c);
   EXPECT_EQ(r.num_replayed_rows, 2);  // rows 0 and 5
@@ -175,19 +175,19 @@ TEST(Replay, QueueIsFifoUnderRecomputeOrder) {
   };
   auto backward = [&](int mb) {
     sy::RouteInputs in;
-    in.replay_idx = replay.replay_backward(5 + mb);
+    in.replay_idx = replay.recompute(5 + mb);
     const auto again = sy::topk_route(live[mb], in, c);
     EXPECT_TRUE(bitwise_equal(again.topk_idx, recorded[mb])) << "recompute mb " << mb;
     EXPECT_TRUE(bitwise_equal(again.topk_weights, fwd[mb].topk_weights)) << "recompute mb " << mb;
   };
   forward(0);
   forward(1);
-  EXPECT_EQ(replay.num_pending_backward(), 2);
+  EXPECT_EQ(replay.num_pending_recompute(), 2);
   backward(0);
   forward(2);
   backward(1);
   backward(2);
-  EXPECT_EQ(replay.num_pending_backward(), 0);
+  EXPECT_EQ(replay.num_pending_recompute(), 0);
   EXPECT_EQ(replay.num_recorded(), 0);
 }
 
@@ -197,8 +197,8 @@ TEST(Replay, QueueErrors) {
   sy::RouterReplay replay({.layer = 4, .top_k = 2});
   SY_EXPECT_THROW_MSG(replay.pop_recorded(), std::out_of_range,
                       "[replay.pop_recorded] layer 4: no recorded table is queued");
-  SY_EXPECT_THROW_MSG(replay.replay_backward(3), std::out_of_range,
-                      "[replay.replay_backward] layer 4: no forward table is queued");
+  SY_EXPECT_THROW_MSG(replay.recompute(3), std::out_of_range,
+                      "[replay.recompute] layer 4: no forward table is queued");
   SY_EXPECT_THROW_MSG(replay.record(Tensor::zeros({3, 3}, DType::int32)), std::invalid_argument,
                       "[replay.record] topk_idx must have shape [*, 2], got [3, 3]");
   SY_EXPECT_THROW_MSG(replay.replay_forward(Tensor::zeros({3, 2}, DType::int64)),
@@ -208,11 +208,11 @@ TEST(Replay, QueueErrors) {
   Tensor ids = Tensor::from_vector<int32_t>({0, 1, 2, 3, 4, 5}, {3, 2});
   replay.replay_forward(ids);
   ids.data<int32_t>()[0] = 7;
-  SY_EXPECT_THROW_MSG(replay.replay_backward(4), std::invalid_argument,
-                      "[replay.replay_backward] layer 4: num_tokens must match the oldest queued "
+  SY_EXPECT_THROW_MSG(replay.recompute(4), std::invalid_argument,
+                      "[replay.recompute] layer 4: num_tokens must match the oldest queued "
                       "forward table (3 rows), got num_tokens=4");
-  EXPECT_EQ(replay.num_pending_backward(), 1);  // still queued after the mismatch
-  const Tensor back = replay.replay_backward(3);
+  EXPECT_EQ(replay.num_pending_recompute(), 1);  // still queued after the mismatch
+  const Tensor back = replay.recompute(3);
   EXPECT_EQ(back.data<int32_t>()[0], 0);
   replay.record(ids);
   replay.clear();
@@ -228,14 +228,14 @@ TEST(Replay, CloneIsIndependent) {
   sy::RouterReplay twin = replay.clone();
   EXPECT_EQ(twin.layer(), 3);
   EXPECT_EQ(twin.num_recorded(), 1);
-  EXPECT_EQ(twin.num_pending_backward(), 1);
+  EXPECT_EQ(twin.num_pending_recompute(), 1);
   Tensor mine = replay.pop_recorded();
   mine.data<int32_t>()[0] = 7;  // the popped table is the caller's: the clone's is another buffer
   EXPECT_EQ(twin.peek_recorded().data<int32_t>()[0], 0);
   replay.clear();
   EXPECT_EQ(twin.num_recorded(), 1);
-  EXPECT_EQ(twin.replay_backward(1).data<int32_t>()[1], 5);
-  EXPECT_EQ(twin.num_pending_backward(), 0);
+  EXPECT_EQ(twin.recompute(1).data<int32_t>()[1], 5);
+  EXPECT_EQ(twin.num_pending_recompute(), 0);
 }
 
 TEST(Replay, EmptyBatch) {
@@ -268,7 +268,7 @@ TEST(Replay, ReadmeFlowWithDesignatedInitialisers) {
   EXPECT_EQ(r.num_replayed_rows, T);
   EXPECT_TRUE(bitwise_equal(r.topk_idx, rollout_ids));
   const sy::RouteResult again =
-      sy::topk_route(logits, {.replay_idx = replay.replay_backward(T)}, cfg, {.layer = 3});
+      sy::topk_route(logits, {.replay_idx = replay.recompute(T)}, cfg, {.layer = 3});
   EXPECT_TRUE(bitwise_equal(again.topk_weights, r.topk_weights));
   const sy::RouteGrads g = sy::topk_route_backward(Tensor::full({T, 8}, DType::fp32, 1.0), again);
   EXPECT_EQ(g.grad_logits.shape(), (sy::Shape{T, 128}));
@@ -277,4 +277,53 @@ TEST(Replay, ReadmeFlowWithDesignatedInitialisers) {
       sy::topk_route(logits, {.replay_idx = replay.replay_forward(replay.pop_recorded())}, cfg);
   EXPECT_EQ(upd.num_replayed_rows, T);
   EXPECT_TRUE(bitwise_equal(upd.topk_weights, sy::topk_route(logits, {}, cfg).topk_weights));
+}
+
+// The one row rule: classify_replay_rows, the same for topk_route and every adapter.
+TEST(Replay, ClassifyRowsNamesEveryKindAndCountsPairs) {
+  const int64_t E = 8, K = 3;
+  //                                 replayed   all -1       mixed        repeated   out of range
+  Tensor ids = Tensor::from_vector<int32_t>(
+      {1, 2, 3, -1, -1, -1, 4, -1, -1, 5, 5, 2, 1, 9, 1, 7, 3, 7}, {6, K});
+  const auto n = sy::classify_replay_rows(ids, E, sy::ReplayRowPolicy::native, 2);
+  const std::vector<uint8_t> want = {1, 0, 3, 3, 3, 3};
+  for (int64_t t = 0; t < 6; ++t) EXPECT_EQ(n.kind.data<uint8_t>()[t], want[t]) << t;
+  EXPECT_EQ(n.num_replayed, 1);
+  EXPECT_EQ(n.num_native, 5);
+  EXPECT_EQ(n.num_invalid, 4);
+  EXPECT_EQ(n.num_pairs, 3);
+  // merge: a row whose only fault is a repeated id is merged; an out-of-range id wins over a
+  // repeat ([1, 9, 1] names 9), so it stays an error.
+  SY_EXPECT_THROW_MSG(
+      sy::classify_replay_rows(ids, E, sy::ReplayRowPolicy::merge, 2), std::invalid_argument,
+      "[replay] layer 2, token 2: topk_idx row [4, -1, -1] mixes -1 and expert ids");
+  Tensor rep = Tensor::from_vector<int32_t>({5, 5, 2, 7, 3, 7, 4, 4, 4, 0, 1, 2}, {4, K});
+  const auto m = sy::classify_replay_rows(rep, E, sy::ReplayRowPolicy::merge);
+  EXPECT_EQ(m.num_merged, 3);
+  EXPECT_EQ(m.num_replayed, 4);
+  EXPECT_EQ(m.num_pairs, 2 + 2 + 1 + 3);
+  EXPECT_EQ(m.kind.data<uint8_t>()[2], 4);
+  SY_EXPECT_THROW_MSG(sy::classify_replay_rows(rep, E), std::invalid_argument,
+                      "[replay] token 0: topk_idx row [5, 5, 2] repeats expert 5");
+  Tensor oor = Tensor::from_vector<int32_t>({1, 9, 1}, {1, K});
+  SY_EXPECT_THROW_MSG(sy::classify_replay_rows(oor, E, sy::ReplayRowPolicy::merge),
+                      std::invalid_argument, "names expert 9 outside [0, 8)");
+}
+
+TEST(Replay, TopkRouteMergeKeepsRepeatedSlotsWithTheirWeights) {
+  RouterConfig c = router_config(4, 2, ScoreFunction::softmax);
+  std::mt19937_64 rng(sy::testing::test_seed(5));
+  const Tensor z = sy::testing::randn({2, 4}, DType::fp64, rng);
+  sy::RouteInputs in;
+  in.replay_idx = Tensor::from_vector<int32_t>({1, 1, 0, 2}, {2, 2});
+  sy::RouteOptions o;
+  o.invalid_replay_rows = sy::ReplayRowPolicy::merge;
+  const auto r = sy::topk_route(z, in, c, o);
+  EXPECT_EQ(r.num_replayed_rows, 2);
+  EXPECT_EQ(r.num_invalid_replay_rows, 0);
+  EXPECT_EQ(r.topk_idx.data<int32_t>()[0], 1);
+  EXPECT_EQ(r.topk_idx.data<int32_t>()[1], 1);
+  // softmax over the K selected logits: two equal slots of 1/2 each (their sum is 1).
+  EXPECT_NEAR(r.topk_weights.data<double>()[0], 0.5, 1e-15);
+  EXPECT_NEAR(r.topk_weights.data<double>()[1], 0.5, 1e-15);
 }

@@ -537,9 +537,9 @@ TEST(Router, EnumAndStateErrors) {
                       "[route] aux_loss_type must be none, aux_loss, seq_aux_loss, "
                       "global_aux_loss, sinkhorn or quantile_balancing, got value 6");
   sy::RouteOptions o;
-  o.invalid_replay_rows = static_cast<sy::InvalidReplayRows>(3);
+  o.invalid_replay_rows = static_cast<sy::ReplayRowPolicy>(3);
   SY_EXPECT_THROW_MSG(sy::topk_route(z, {}, router_config(8, 2), o), std::invalid_argument,
-                      "[route] invalid_replay_rows must be error or native, got value 3");
+                      "[route] invalid_replay_rows must be error, native or merge, got value 3");
   c = router_config(8, 2);
   c.aux_loss_type = AuxLossType::global_aux_loss;
   c.aux_loss_coeff = 0.1;

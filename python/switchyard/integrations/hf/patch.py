@@ -11,6 +11,7 @@ import torch
 
 import switchyard as sy
 import switchyard.torch as syt
+from switchyard import replay as _replay
 from switchyard import routes as syr
 
 from .._versions import check_version
@@ -40,8 +41,8 @@ class _Layer:
         self.num_experts = family.num_experts(router)
         self.top_k = family.top_k(router)
         self.replay = sy.RouterReplay(self.top_k, layer=layer,
-                                      invalid_replay_rows=owner.invalid_replay_rows)
-        self._config = None
+                                      invalid_replay_rows=owner.invalid_replay_rows,
+                                      num_experts=self.num_experts)
         self.will_recompute = False
         self.batch_shape = None
         self.counts = collections.Counter()
@@ -81,41 +82,6 @@ class _Layer:
         h = args[0] if args else kwargs.get("hidden_states")
         self.batch_shape = tuple(h.shape[:-1]) if isinstance(h, torch.Tensor) else None
 
-    # ---- replay ----
-    def _classify(self, target, T):
-        """Engine check of replay rows ([T, K] int32/int64 on the CPU): which rows are replayed.
-        The engine keeps a valid row as given and routes all -1 rows (and, with "native", invalid
-        rows) natively; a natively routed row never equals its invalid or all -1 replay row. It
-        raises its ValueError (naming layer, token and row) on an invalid row by default, and on a
-        table whose shape is not [T, K]. The logits are zeros: only the row kinds are used."""
-        if self._config is None:
-            self._config = sy.RouterConfig(num_experts=self.num_experts, top_k=self.top_k)
-        try:
-            with torch.no_grad():
-                _, idx, info = syt.topk_route(
-                    torch.zeros(T, self.num_experts, dtype=torch.float32), self._config,
-                    replay_idx=target, invalid_replay_rows=self.owner.invalid_replay_rows,
-                    layer=self.layer, return_info=True)
-        except ValueError as e:  # the engine's message, with the layer where it does not say it
-            if f"layer {self.layer}" in str(e):
-                raise
-            raise ValueError(f"[hf] layer {self.layer} ({self.name}): {e}") from e
-        ids32 = target.to(torch.int32)  # in range: the engine checked
-        return ids32, (idx.to(torch.int32) == ids32).all(dim=1), info
-
-    def _target(self):
-        r = self.replay
-        if r.action == "replay_forward":
-            # set_target queue first (R3), then the recorded tables (R2): RouterReplay's order.
-            # Taken before it is checked: a forward that fails never leaves it for the retry.
-            self.owner._consumed.add(self.layer)
-            return r.pop_next_target()
-        if r.action == "replay_backward":
-            raise ValueError(f"[hf] layer {self.layer}: action 'replay_backward' is not used with "
-                             "transformers models: the checkpoint recompute is detected and "
-                             "replayed automatically; use 'replay_forward'")
-        return None
-
     # ---- the patched router forward ----
     def forward(self, hidden_states):
         owner, fam, r = self.owner, self.family, self.router
@@ -129,7 +95,7 @@ class _Layer:
                       _gate(x, *fam.params(r), owner.router_dtype, "torch"))
             weights, ids = fam.route(r, logits, None, None)
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
-        recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint replay
+        recompute = _replay.in_recompute()  # the checkpoint recompute of this forward
         ctx = (contextlib.nullcontext() if native
                else torch.autocast(device_type=x.device.type, enabled=False))
         with ctx:
@@ -139,32 +105,32 @@ class _Layer:
                 else:
                     w, b = fam.params(r)
                     logits = _gate(x, w, b, owner.router_dtype, owner.gate)
-                replay_ids = replay_mask = None
+                rows = None
                 if recompute:
-                    if self.replay.num_pending_backward:
-                        ids32 = self.replay.replay_backward(T)
-                        replay_ids = ids32.to(device=logits.device, dtype=torch.int64)
-                        replay_mask = torch.ones(T, dtype=torch.bool, device=logits.device)
+                    if self.replay.num_pending_recompute or \
+                            self.replay.action == "replay_forward":
+                        rows = owner.driver.take_recompute(self.layer, T)
                         self.counts["num_recomputed_rows"] += T
-                    elif self.replay.action == "replay_forward":
-                        raise RuntimeError(
-                            f"[hf] layer {self.layer}: a checkpoint recompute found no queued ids "
-                            "(the layer was checkpointed by something other than transformers' "
-                            "gradient_checkpointing_enable, so its forward did not queue them)")
                     else:
                         self.counts["num_recomputed_native_rows"] += T
                 else:
-                    target = self._target()
-                    if target is not None:
-                        ids32, mask, info = self._classify(target.to("cpu").contiguous(), T)
-                        replay_ids = ids32.to(device=logits.device, dtype=torch.int64)
-                        replay_mask = mask.to(logits.device)
-                        self.counts["num_replayed_rows"] += info.num_replayed_rows
-                        self.counts["num_native_rows"] += info.num_native_rows
-                        self.counts["num_invalid_replay_rows"] += info.num_invalid_replay_rows
+                    if self.replay.action == "recompute":
+                        raise ValueError(
+                            f"[hf] layer {self.layer}: action 'recompute' is not used with "
+                            "transformers models: the checkpoint recompute is detected and "
+                            "replayed automatically; use 'replay_forward'")
+                    rows = owner.driver.take_forward(self.layer, T)
+                    if rows is not None:
+                        self.counts["num_replayed_rows"] += rows.num_replayed
+                        self.counts["num_native_rows"] += rows.num_native
+                        self.counts["num_invalid_replay_rows"] += rows.num_invalid
                     else:
                         self.counts["num_native_rows"] += T
                     self.counts["num_calls"] += 1
+                replay_ids = replay_mask = None
+                if rows is not None:  # the core's rows -> the family's (ids, mask) on the device
+                    replay_ids = rows.ids.to(device=logits.device, dtype=torch.int64)
+                    replay_mask = rows.replayed.to(logits.device)
                 weights, ids = fam.route(r, logits, replay_ids, replay_mask)
             if not recompute:
                 self._after_forward(ids, T)
@@ -181,7 +147,7 @@ class _Layer:
         if self.replay.action == "record":
             self.replay.record(ids32)
         if will_recompute:
-            self.replay.replay_forward(ids32)  # queued for the recompute inside backward
+            self.owner.driver.queue_recompute(self.layer, ids32)  # for the recompute
         if self.owner._capture is not None:
             self.owner._capture._add(self.layer, ids32, batch_shape, T)
 
@@ -203,7 +169,7 @@ class Patch:
         self._layers = []
         self._capture = None
         self._stack_hooks = []  # on the modules that run the decoder layers (see _install)
-        self._consumed = set()  # layers that took their replay table in the running forward
+        self.driver = None  # the replay core's driver over the layers' queues (_install)
         cfg = model.config
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.num_hidden_layers = int(cfg.num_hidden_layers)
@@ -281,10 +247,7 @@ class Patch:
         if t.shape[1] != M or t.shape[2] != K:
             raise ValueError(f"[hf.set_targets] routes must hold {M} MoE layers and K={K}, got "
                              f"shape {list(routes.shape)}")
-        tables = [t[:, m, :] for m in range(M)]
-        for l, table in zip(self._layers, tables):  # every layer's rows, before any is queued
-            l._classify(table.to("cpu").contiguous(), table.shape[0])
-        sy.RouterReplay.set_step_targets([l.replay for l in self._layers], tables)
+        self.driver.set_step_targets([t[:, m, :] for m in range(M)])  # all or none
         for l in self._layers:
             l.replay.action = "replay_forward"
 
@@ -301,8 +264,8 @@ class Patch:
 
     def clear(self) -> None:
         """Drops every queued table (recorded, targets, pending recompute) and the counts."""
+        self.driver.clear()
         for l in self._layers:
-            l.replay.clear()
             l.counts.clear()
 
     # ---- route sources (R3) ----
@@ -384,6 +347,9 @@ class Patch:
         # anywhere (a router's check, attention, an expert) drops the replay table of that step
         # in every layer that has not taken it yet, so no layer keeps a failed batch's ids for the
         # retry (the layers that took theirs dropped them already).
+        names = {l.layer: l.name for l in self._layers}
+        self.driver = _replay.ReplayDriver({l.layer: l.replay for l in self._layers},
+                                           label=lambda k: f"layer {k} ({names[k]})")
         for l in self._layers:
             l.install()
         for m in stacks:
@@ -391,16 +357,10 @@ class Patch:
             self._stack_hooks.append(m.register_forward_hook(self._step_ends, always_call=True))
 
     def _step_begins(self, module, args):
-        self._consumed = set()
+        self.driver.begin_step()
 
     def _step_ends(self, module, args, output):
-        if output is not None or sys.exc_info()[1] is None:
-            return  # the forward succeeded
-        for l in self._layers:
-            if l.layer not in self._consumed and l.replay.action == "replay_forward" and \
-                    (l.replay.num_targets or l.replay.num_recorded):
-                l.replay.pop_next_target()
-        self._consumed = set()
+        self.driver.end_step(failed=output is None and sys.exc_info()[1] is not None)
 
     # ---- lifetime ----
     def unpatch(self) -> None:
@@ -441,7 +401,9 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     router_dtype: torch.float32 (default) or torch.float64: gate GEMM and routing math in that dtype
     (also under autocast); None: the family's own dtypes (bitwise the unpatched outputs).
     gate: "auto" (switchyard's engine on CPU tensors, torch GEMM on CUDA) or "torch".
-    invalid_replay_rows: "error" or "native" (see switchyard.RouterReplay).
+    invalid_replay_rows: "error", "native" or "merge" (switchyard.replay.POLICIES; with "merge" a
+    row that repeats an id keeps its slots, each with the family's weight at that id: the experts
+    add them up).
     Raises ValueError when the model has no supported router, RuntimeError for a transformers
     release outside SUPPORTED_TRANSFORMERS_VERSIONS (5.24.x; a newer one is let through, with a
     warning, when the environment sets SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
@@ -451,9 +413,7 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
                          f"or torch.float64, got {router_dtype}")
     if gate not in ("auto", "torch"):
         raise ValueError(f"[hf.patch] gate must be 'auto' or 'torch', got {gate!r}")
-    if invalid_replay_rows not in ("error", "native"):
-        raise ValueError("[hf.patch] invalid_replay_rows must be 'error' or 'native', got "
-                         f"{invalid_replay_rows!r}")
+    _replay.check_policy(invalid_replay_rows, "hf.patch")
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"[hf.patch] model must be a torch.nn.Module, got {type(model).__name__}")
     _check_version()

@@ -1,15 +1,17 @@
-"""switchyard.integrations.megatron.replay: router replay inside Megatron-Core's TopKRouter --
-per-router state (``_RouterState``), validated targets (``_Target``), the forward / recompute queues,
-the patched ``TopKRouter.forward`` / ``routing`` and ``tensor_parallel.checkpoint``, and the public
+"""switchyard.integrations.megatron.replay: router replay inside Megatron-Core's TopKRouter, an
+adapter over the replay core (switchyard.replay: the row rule, the all-or-nothing ReplayDriver that
+owns the queues, the recompute detector) -- per-router state (``_RouterState``: key, options,
+counts), the patched ``TopKRouter.forward`` / ``routing`` and ``tensor_parallel.checkpoint``, and the public
 replay API (attach_replay, set_replay_targets, set_replay_action, replay_counts, ...). See the
 package docstring."""
-import collections
 import dataclasses
 import functools
+import sys
 
 import torch
 
 import switchyard as _sy
+import switchyard.replay as _syr
 import switchyard.torch as _syt
 
 from .config import _topk_options
@@ -37,27 +39,18 @@ class ReplayCounts:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-class _Target:
-    """Validated replay ids of one forward: int32 CPU [T, K] plus what the host knows."""
-    __slots__ = ("ids", "native_rows", "merged_rows", "counts", "num_pairs", "group")
-
-    def __init__(self, ids, native_rows, merged_rows, counts, num_pairs):
-        self.ids, self.native_rows, self.merged_rows = ids, native_rows, merged_rows
-        self.counts, self.num_pairs = counts, num_pairs
-        self.group = None  # set_replay_targets' group when the token count is checked in forward
-
-
 class _RouterState:
-    def __init__(self, key, router, replay, repeated_ids, aux_loss_routes, max_pending_backward):
+    """What the adapter keeps per router besides the core's queues: the key, the shared
+    switchyard.replay.ReplayDriver, options and counts."""
+
+    def __init__(self, key, router, replay, aux_loss_routes, max_pending_backward):
         self.key = key
         self.replay = replay
+        self.driver = None  # set by attach_replay: one driver for the model's routers
         self.num_experts = router.config.num_moe_experts
         self.top_k = router.config.moe_router_topk
-        self.repeated_ids = repeated_ids
         self.aux_loss_routes = aux_loss_routes
         self.max_pending_backward = max_pending_backward
-        self.targets = collections.deque()
-        self.pending = collections.deque()  # _Target per queued backward table (FIFO)
         self.last = ReplayCounts()
         self.total = ReplayCounts()
         self.last_num_pairs = None
@@ -68,58 +61,16 @@ class _RouterState:
         return f"mtp layer {k[1]}" if isinstance(k, tuple) else f"layer {k}"
 
 
-def _validate(st, ids):
-    """Engine validation of one replay table -> _Target (errors are the engine's ValueErrors)."""
-    if not isinstance(ids, torch.Tensor):
-        raise ValueError(f"[megatron.replay] {st.label()}: replay ids must be a torch.Tensor, got "
-                         f"{type(ids).__name__}")
-    if ids.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
-        raise ValueError(f"[megatron.replay] {st.label()}: replay ids must have an integer dtype "
-                         f"(int64, int32, int16, uint8), got {ids.dtype}")
-    if ids.dim() != 2 or ids.shape[1] != st.top_k:
-        raise ValueError(f"[megatron.replay] {st.label()}: replay ids must be [num_tokens, "
-                         f"{st.top_k}], got {list(ids.shape)}")
-    ids = _syt._idx32(ids.detach().to("cpu"), "megatron.set_replay_targets",  # a sync on CUDA
-                      f"{st.label()}: replay ids", _syt._ID_DTYPES).contiguous()
-    T, K, E = ids.shape[0], st.top_k, st.num_experts
-    layer = st.key if isinstance(st.key, int) else -1
-    merged = torch.zeros(T, dtype=torch.bool)
-    checked = ids
-    if st.repeated_ids == "merge" and K > 1:
-        s = ids.sort(dim=1).values
-        merged = (s[:, 1:] == s[:, :-1]).any(dim=1) & (s[:, 0] >= 0) & (s[:, -1] < E)
-        if bool(merged.any()):
-            checked = ids.masked_fill(merged[:, None], -1)  # the engine checks every other row
-    invalid = "native" if st.repeated_ids == "native" else "error"
-    cfg = _sy.RouterConfig(num_experts=E, top_k=K)
-    try:
-        _, used, info = _syt.topk_route(torch.zeros(T, E), cfg, replay_idx=checked,
-                                        invalid_replay_rows=invalid, layer=layer,
-                                        return_info=True)
-    except ValueError as e:
-        if layer < 0:
-            raise ValueError(f"{e} ({st.label()})") from None
-        raise
-    num_merged = int(merged.sum())
-    # Rows routed natively: all -1 rows and (with "native") invalid rows. The engine's
-    # topk_idx holds the replayed ids for replayed rows; compare to find the native ones.
-    native_rows = ~(used.to(torch.int32) == checked).all(dim=1) | (checked < 0).all(dim=1)
-    native_rows &= ~merged
-    counts = ReplayCounts(calls=1, tokens=T, replayed=info.num_replayed_rows + num_merged,
-                          merged=num_merged, native=info.num_native_rows - num_merged,
-                          invalid=info.num_invalid_replay_rows)
-    missing = 0
-    if num_merged:
-        s = ids[merged].sort(dim=1).values
-        missing = int((s[:, 1:] == s[:, :-1]).sum())
-    ids = torch.where(native_rows[:, None], torch.full_like(ids, -1), ids)
-    return _Target(ids, native_rows, merged, counts, T * K - missing)
+def _counts(rows):
+    """ReplayCounts of one forward replaying ``rows`` (a switchyard.replay.ReplayRows)."""
+    return ReplayCounts(calls=1, tokens=rows.num_tokens, replayed=rows.num_replayed,
+                        merged=rows.num_merged, native=rows.num_native, invalid=rows.num_invalid)
 
 
-def _in_backward():
-    # Activation-checkpoint recompute (Megatron's reentrant CheckpointFunction) runs the forward
-    # inside the autograd engine's backward, with grad enabled.
-    return torch._C._current_graph_task_id() != -1
+def _num_pairs(rows, K):
+    """(token, expert) pairs routed: the replayed rows' (merged rows count each id once) plus K
+    per natively routed row."""
+    return rows.num_pairs + K * rows.num_native
 
 
 # One entry per active call of Megatron's tensor_parallel.checkpoint: whether a backward (and so
@@ -153,47 +104,19 @@ def _make_checkpoint(orig):
 
 
 def _ids_for_forward(st, T):
-    """The _Target this forward replays (None: route natively); queues it for the backward
-    recompute when one will follow, pops it when this forward is that recompute."""
+    """The ReplayRows this forward replays (None: route natively), from the replay core: queued
+    for the recompute when one will follow, taken back when this forward is that recompute."""
     action = st.replay.action
     if action in (None, "record"):
         return None
-    backward = action == "replay_backward" or (_in_backward() and torch.is_grad_enabled())
-    if backward:
-        if not st.pending:
-            raise ValueError(f"[megatron.replay] {st.label()}: a recompute inside backward found "
-                             "no ids queued by a checkpointed replay_forward (non-reentrant "
-                             "checkpointing is not supported)")
-        st.replay.replay_backward(T)  # the engine's FIFO: checks T against the queued table
-        tgt = st.pending.popleft()
+    d = st.driver
+    if action == "recompute" or (_syr.in_recompute() and torch.is_grad_enabled()):
+        rows = d.take_recompute(st.key, T)  # the engine's FIFO checks T against the table
         if _will_recompute():  # a checkpoint nested in the one being recomputed: queue again
-            st.replay.replay_forward(tgt.ids)
-            st.pending.append(tgt)
-        return tgt
-    # Check, then take (below): the table is validated before it leaves the queue.
-    if st.targets:
-        tgt = st.targets[0]
-    elif st.replay.num_recorded:
-        tgt = _validate(st, st.replay.peek_recorded())  # R2: the oldest recorded table
-    else:
-        raise ValueError(f"[megatron.replay] {st.label()}: action 'replay_forward' but no replay "
-                         "target is set (set_replay_targets) and nothing was recorded")
-    err = None
-    if tgt.ids.shape[0] != T:
-        err = (f"[megatron.replay] {st.label()}: the replay tensor has {tgt.ids.shape[0]} tokens, "
-               f"the router got {T}")
-    # Set over a group without num_tokens: the count is known only now, and a rank raising alone
-    # here would leave the others in the dispatcher's all-to-all.
-    try:
-        _raise_on_every_rank(err, tgt.group)
-    finally:
-        # Taken whether the forward goes on or fails (on any rank): a failed step's ids are never
-        # replayed by a later forward; the caller sets the retry's targets again (as in HF).
-        if st.targets:
-            st.targets.popleft()
-        else:
-            st.replay.pop_recorded()
-    # Queue for the backward recompute only when one will come: inside a call of Megatron's
+            d.queue_recompute(st.key, rows.ids)
+        return rows
+    rows = d.take_forward(st.key, T)  # taken whether the forward goes on or fails
+    # Queue for the recompute only when one will come: inside a call of Megatron's
     # tensor_parallel.checkpoint (full and selective recompute) that a backward will follow, or,
     # outside it, a forward under no_grad whose inputs require grad (another reentrant
     # checkpoint, e.g. Transformer Engine's). Forward-only passes, also through a checkpoint under
@@ -201,15 +124,15 @@ def _ids_for_forward(st, T):
     if _CKPT_STACK:
         will = _will_recompute()
     else:
-        will = st.input_requires_grad and not torch.is_grad_enabled()
+        will = _syr.will_recompute(st.input_requires_grad)
     if will:
-        if len(st.pending) >= st.max_pending_backward:
-            raise ValueError(f"[megatron.replay] {st.label()}: {len(st.pending)} checkpointed "
+        n = st.replay.num_pending_recompute
+        if n >= st.max_pending_backward:
+            raise ValueError(f"[megatron.replay] {st.label()}: {n} checkpointed "
                              f"forwards are waiting for their backward (max_pending_backward="
                              f"{st.max_pending_backward}); call clear_replay between steps")
-        st.replay.replay_forward(tgt.ids)
-        st.pending.append(tgt)
-    return tgt
+        d.queue_recompute(st.key, rows.ids)
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,27 +244,27 @@ def _make_router_routing(orig):
         if padding_mask is not None:
             padding_mask = padding_mask.reshape(-1)
         logits = self.apply_z_loss(logits, padding_mask=padding_mask)
-        need_native = tgt is None or tgt.counts.native > 0 or action == "record"
+        need_native = tgt is None or tgt.num_native > 0 or action == "record"
         probs_n = map_n = None
         if need_native:
             probs_n, map_n = _native(self, logits)
-        if action == "record" and not _in_backward():  # a recompute does not record twice
+        if action == "record" and not _syr.in_recompute():  # a recompute does not record twice
             st.replay.record(_ids_from_map(map_n, K).to("cpu", torch.int32))
         if tgt is None:
             probs, routing_map = probs_n, map_n
             counts = ReplayCounts(calls=1, tokens=T, native=T)
             st.last_num_pairs = T * K
         else:
-            dev_ids = tgt.ids.to(logits.device, torch.int64, non_blocking=True)
-            native_rows = tgt.native_rows.to(logits.device, non_blocking=True)
+            dev_ids = tgt.resolved_ids().to(logits.device, torch.int64, non_blocking=True)
+            native_rows = (~tgt.replayed).to(logits.device, non_blocking=True)
             if map_n is not None:  # native rows take the native ids, so weights are defined
                 dev_ids = torch.where(native_rows[:, None], _ids_from_map(map_n, K), dev_ids)
             probs, routing_map = _replayed(self, logits, dev_ids)
             if map_n is not None:
                 probs = torch.where(native_rows[:, None], probs_n, probs)
                 routing_map = torch.where(native_rows[:, None], map_n, routing_map)
-            counts = tgt.counts
-            st.last_num_pairs = tgt.num_pairs
+            counts = _counts(tgt)
+            st.last_num_pairs = _num_pairs(tgt, K)
         return _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask,
                        seq_length, bsz)
     return routing
@@ -370,7 +293,7 @@ def _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask, seq
         if tgt is not None and st.aux_loss_routes == "used":
             # The load-balancing loss counts the experts the tokens were sent to: replayed
             # rows count their replayed ids, native rows Megatron's own aux-loss map.
-            rep = (~tgt.native_rows).to(logits.device)[:, None]
+            rep = tgt.replayed.to(logits.device)[:, None]
             used = routing_map if padding_mask is None else routing_map & ~padding_mask[:, None]
             map_aux = torch.where(rep, used, map_aux)
         wpm = padding_mask is not None
@@ -400,25 +323,26 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
         logits.float()
     replay_idx = None
     if tgt is not None:
-        replay_idx = tgt.ids.masked_fill(tgt.merged_rows[:, None], -1)
+        replay_idx = tgt.resolved_ids().masked_fill(tgt.merged[:, None], -1)
     w, idx, info = _syt.topk_route(lg, rc, expert_bias=self.expert_bias, replay_idx=replay_idx,
                                    layer=st.key if isinstance(st.key, int) else None,
                                    return_info=True)
-    if st.replay.action == "record" and not _in_backward():
+    if st.replay.action == "record" and not _syr.in_recompute():
         st.replay.record(idx.to(torch.int32))
     probs = torch.zeros_like(lg).scatter_add(1, idx, w).type_as(logits)
     routing_map = torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True)
-    if tgt is not None and bool(tgt.merged_rows.any()):
-        ids = torch.where(tgt.merged_rows[:, None], tgt.ids.to(torch.int64), idx)
+    if tgt is not None and tgt.num_merged:
+        merged = tgt.merged[:, None]
+        ids = torch.where(merged, tgt.ids.to(torch.int64), idx)
         p_m, map_m = _replayed(self, logits, ids)
-        probs = torch.where(tgt.merged_rows[:, None], p_m, probs)
-        routing_map = torch.where(tgt.merged_rows[:, None], map_m, routing_map)
+        probs = torch.where(merged, p_m, probs)
+        routing_map = torch.where(merged, map_m, routing_map)
     if tgt is None:
         counts = ReplayCounts(calls=1, tokens=T, native=T)
         st.last_num_pairs = T * K
     else:
-        counts = tgt.counts
-        st.last_num_pairs = tgt.num_pairs
+        counts = _counts(tgt)
+        st.last_num_pairs = _num_pairs(tgt, K)
     return _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask, seq_length,
                    bsz)
 
@@ -442,24 +366,33 @@ def _key(router):
     return ("mtp", n) if getattr(router, "is_mtp_layer", False) else n
 
 
-def attach_replay(model, *, repeated_ids="error", aux_loss_routes="used",
-                  max_pending_backward=64):
+def attach_replay(model, *, invalid_replay_rows="error", aux_loss_routes="used",
+                  max_pending_backward=64, repeated_ids=None):
     """Gives every TopKRouter of ``model`` (a module, or a list of VPP chunks) its own
     ``switchyard.RouterReplay``, keyed by layer number: ``int`` for decoder layers (Megatron's
     global 1-based ``layer_number``, so pipeline stages and VPP chunks keep their keys), ``("mtp",
     n)`` for MTP layers. Returns ``{key: RouterReplay}``; the replay's ``action`` is None (route
     natively) until ``set_replay_action``.
 
-    ``repeated_ids``: rows of a replay tensor that repeat an id -- "error" (default: a ValueError
-    naming layer, token and row), "merge" (the pair is sent once, its weights summed: what
-    zero-filled padding rows from a rollout become) or "native" (routed natively and counted,
-    like every other invalid row). Rows that mix -1 and ids or name ids outside [0, E) are an
-    error, or routed natively with "native". ``aux_loss_routes``: "used" (default: replayed rows
+    The replay queues are one switchyard.replay.ReplayDriver for all of the model's routers: all
+    or nothing (set_replay_targets classifies every layer's table before any is queued; a forward
+    of ``model`` -- or of a VPP chunk -- that fails drops, in each of its layers, the target not
+    yet taken and the recompute tables queued during it).
+
+    ``invalid_replay_rows`` (switchyard.replay.POLICIES): "error" (default: a ValueError naming
+    layer, token and row), "merge" (a row whose only fault is a repeated id sends that pair once,
+    its weights summed: what zero-filled padding rows from a rollout become; other invalid rows
+    are errors) or "native" (every invalid row -- repeated id, -1 mixed with ids, id outside
+    [0, E) -- routed natively and counted). ``repeated_ids`` is its deprecated old name.
+    ``aux_loss_routes``: "used" (default: replayed rows
     count their replayed experts in the load-balancing loss) or "native" (Megatron's own map).
     ``max_pending_backward``: bound on checkpointed forwards waiting for their recompute."""
-    if repeated_ids not in ("error", "merge", "native"):
-        raise ValueError("[megatron.attach_replay] repeated_ids must be 'error', 'merge' or "
-                         f"'native', got {repeated_ids!r}")
+    if repeated_ids is not None:
+        import warnings
+        warnings.warn("megatron.attach_replay(repeated_ids=...) is now invalid_replay_rows=... "
+                      "(same values)", DeprecationWarning, stacklevel=2)
+        invalid_replay_rows = repeated_ids
+    _syr.check_policy(invalid_replay_rows, "megatron.attach_replay")
     if aux_loss_routes not in ("used", "native"):
         raise ValueError("[megatron.attach_replay] aux_loss_routes must be 'used' or 'native', "
                          f"got {aux_loss_routes!r}")
@@ -467,25 +400,46 @@ def attach_replay(model, *, repeated_ids="error", aux_loss_routes="used",
         raise RuntimeError("[megatron.attach_replay] call switchyard.integrations.megatron.apply() "
                            "first")
     routers = _routers(model)
-    out = {}
+    out, states = {}, {}
     for r in routers:
         k = _key(r)
         if k in out:
             raise ValueError(f"[megatron.attach_replay] two routers have the key {k!r}")
-        replay = _sy.RouterReplay(top_k=r.config.moe_router_topk,
+        out[k] = _sy.RouterReplay(top_k=r.config.moe_router_topk,
                                   layer=k if isinstance(k, int) else None,
-                                  invalid_replay_rows="native" if repeated_ids == "native"
-                                  else "error")
-        r._sy = _RouterState(k, r, replay, repeated_ids, aux_loss_routes,
-                             int(max_pending_backward))
-        out[k] = replay
+                                  invalid_replay_rows=invalid_replay_rows,
+                                  num_experts=r.config.num_moe_experts)
+        states[k] = _RouterState(k, r, out[k], aux_loss_routes, int(max_pending_backward))
+    detach_replay(model)
+    driver = _syr.ReplayDriver(out, label=_label)
+    for r in routers:
+        st = states[_key(r)]
+        st.driver = driver
+        r._sy = st
+    # A step is one forward of the model (of each VPP chunk): begin, and end (failed or not).
+    chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
+    for c in chunks:
+        keys = [_key(r) for r in _routers(c)]
+        c._sy_step_hooks = (
+            c.register_forward_pre_hook(lambda m, a, keys=keys: driver.begin_step(keys)),
+            c.register_forward_hook(
+                lambda m, a, out, keys=keys: driver.end_step(
+                    keys, failed=out is None and sys.exc_info()[1] is not None),
+                always_call=True))
     return out
+
+
+def _label(k):
+    return f"mtp layer {k[1]}" if isinstance(k, tuple) else f"layer {k}"
 
 
 def detach_replay(model):
     for r in _routers(model):
         if getattr(r, "_sy", None) is not None:
             r._sy = None
+    for c in [model] if isinstance(model, torch.nn.Module) else list(model):
+        for h in c.__dict__.pop("_sy_step_hooks", ()):
+            h.remove()
 
 
 def _states(model):
@@ -503,8 +457,8 @@ def replays(model):
 
 
 def set_replay_action(model, action, keys=None):
-    """Sets ``action`` (None, "record", "replay_forward", "replay_backward") on the attached
-    routers named by ``keys`` (default: all). "replay_backward" is optional: a recompute inside
+    """Sets ``action`` (None, "record", "replay_forward", "recompute") on the attached
+    routers named by ``keys`` (default: all). "recompute" is optional: a recompute inside
     backward is detected. A router in "replay_forward" without a target (and nothing recorded)
     raises; leave layers the rollout has no routes for (MTP) at None."""
     states = _states(model)
@@ -518,8 +472,6 @@ def clear_replay(model):
     """Drops every queued table (targets, recorded, pending backward) and the counts."""
     for st in _states(model).values():
         st.replay.clear()
-        st.targets.clear()
-        st.pending.clear()
         st.last = ReplayCounts()
         st.total = ReplayCounts()
 
@@ -537,40 +489,22 @@ def set_replay_targets(model, targets, *, num_tokens=None, group=None):
     forward instead, again over ``group`` (one small exchange per layer and forward; give
     ``num_tokens`` to check here once)."""
     states = _states(model)
+    unknown = [k for k in targets if k not in states]
     err = None
-    validated = {}
-    try:
-        for k, ids in targets.items():
-            if k not in states:
-                raise ValueError(f"[megatron.set_replay_targets] no attached router has the key "
-                                 f"{k!r} (attached: {sorted(states, key=str)})")
-            st = states[k]
-            tgt = _validate(st, ids)
-            if num_tokens is not None and tgt.ids.shape[0] != int(num_tokens):
-                raise ValueError(f"[megatron.replay] {st.label()}: the replay tensor has "
-                                 f"{tgt.ids.shape[0]} tokens, the router gets {int(num_tokens)}")
-            validated[k] = tgt
-    except ValueError as e:
-        err = str(e)
-    _raise_on_every_rank(err, group)
-    for k, tgt in validated.items():
-        if num_tokens is None:
-            tgt.group = group  # the token count is checked at the forward, over the group
-        states[k].targets.append(tgt)
-
-
-def _raise_on_every_rank(err, group):
-    """Raises ``err`` (None = no error here); with a torch.distributed ``group``, collective: the
-    ranks exchange their errors and all raise the lowest failing rank's."""
-    if group is not None:
-        import torch.distributed as dist
-        errors = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, err, group=group)
-        for rank, e in enumerate(errors):
-            if e is not None:
-                raise ValueError(f"{e} (on rank {rank} of the group)")
-    elif err is not None:
-        raise ValueError(err)
+    if unknown:
+        err = (f"[megatron.set_replay_targets] no attached router has the key {unknown[0]!r} "
+               f"(attached: {sorted(states, key=str)})")
+    elif states:
+        drivers = {id(st.driver) for st in states.values()}
+        if len(drivers) != 1:
+            err = ("[megatron.set_replay_targets] the routers were attached by several "
+                   "attach_replay calls: set the targets of each attached model separately")
+    if err is not None:
+        _syr.raise_on_every_rank(err, group)
+    if not states:
+        return
+    next(iter(states.values())).driver.set_step_targets(dict(targets), num_tokens=num_tokens,
+                                                        group=group)
 
 
 def replay_counts(model, total=False):
