@@ -1,0 +1,94 @@
+"""Overhead of switchyard.integrations.trl on TRL's GRPOTrainer: the same training steps (HF
+generate, old log-probs with num_iterations=2, loss and backward, optimizer) with trl's own
+GRPOTrainer, with switchyard's subclass and the fp32 router only (replay=None: capture and the
+mismatch metric still run), and with fp32 router + R3. Runs round-robin in one process on the CPU;
+prints the CPU model, the best time per variant and the ratios (1.00 = no overhead).
+
+    PYTHONPATH=build/python python bench/py_trl_overhead.py [--quick] [--threads N]
+        [--hidden 128] [--layers 4] [--experts 16] [--batch 8] [--completion 16] [--steps 4]
+
+A tiny Qwen3-MoE (no download) in fp32 where the routers are a large share of the work, so the
+ratio is an upper bound of the overhead on real model sizes.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+_threads = next((a.split("=", 1)[1] if "=" in a else sys.argv[i + 2]
+                 for i, a in enumerate(sys.argv[1:]) if a.startswith("--threads")), "1")
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = _threads
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore")
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(here, "..", "python", "tests_trl"))
+
+import torch  # noqa: E402
+import trl  # noqa: E402
+
+from bench_machine import machine_line  # noqa: E402
+import switchyard.integrations.trl as sytrl  # noqa: E402
+import trl_models as tm  # noqa: E402  (the TRL tests' tiny model, tokenizer and dataset)
+
+
+def run(variant, a, out):
+    """Seconds for a.steps training steps of a fresh trainer (construction not timed)."""
+    torch.manual_seed(0)
+    model = tm.model(hidden_size=a.hidden, num_hidden_layers=a.layers, num_experts=a.experts,
+                     moe_intermediate_size=a.hidden // 2, intermediate_size=2 * a.hidden,
+                     head_dim=a.hidden // 4)
+    args = tm.config(out, per_device_train_batch_size=a.batch, num_generations=a.batch // 2,
+                     max_completion_length=a.completion, max_steps=a.steps, num_iterations=2,
+                     logging_steps=10**6)
+    kw = dict(model=model, reward_funcs=tm.reward_len, args=args, train_dataset=tm.dataset(64),
+              processing_class=tm.tokenizer())
+    if variant == "trl":
+        tr = trl.GRPOTrainer(**kw)
+    else:
+        tr = sytrl.GRPOTrainer(**kw, router_dtype=torch.float32,
+                               replay="R3" if variant == "fp32+R3" else None)
+    t = time.perf_counter()
+    tr.train()
+    dt = time.perf_counter() - t
+    if variant == "fp32+R3":
+        assert max(r["mismatch_rows"] for r in tr.switchyard_records) == 0
+    return dt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller model, 2 rounds")
+    ap.add_argument("--threads", default="1")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--completion", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    if a.quick:
+        a.hidden, a.layers, a.steps, a.rounds = 64, 2, 2, 2
+    torch.set_num_threads(int(a.threads))
+    print(machine_line())
+    print(f"trl {trl.__version__}; Qwen3-MoE hidden {a.hidden}, {a.layers} layers, {a.experts} "
+          f"experts top-2, fp32; batch {a.batch}, completion {a.completion} tokens, {a.steps} "
+          f"steps (num_iterations=2), {a.threads} thread(s), best of {a.rounds} round-robin")
+    variants = ["trl", "fp32", "fp32+R3"]
+    best = {v: float("inf") for v in variants}
+    with tempfile.TemporaryDirectory() as out:
+        run("trl", a, out)  # warm-up: imports, allocator, first-call costs
+        for _ in range(a.rounds):
+            for v in variants:
+                best[v] = min(best[v], run(v, a, out))
+    base = best["trl"]
+    for v in variants:
+        print(f"  {v:<8} {best[v] / a.steps * 1e3:8.1f} ms/step   ratio {best[v] / base:5.2f}")
+
+
+if __name__ == "__main__":
+    main()

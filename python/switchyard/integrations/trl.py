@@ -1,0 +1,460 @@
+"""switchyard.integrations.trl: TRL's ``GRPOTrainer`` with switchyard's FP32 router and router
+replay (R3 / R2) on a transformers MoE model (trl >= 1.16, an optional dependency).
+
+    from switchyard.integrations.trl import GRPOTrainer     # instead of trl's; same arguments
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), train_dataset=...,
+                          router_dtype=torch.float32,     # FP32 router (None: the family's own)
+                          replay="R3")                    # "R3", "R2" or None
+    trainer.train()
+
+Constructor arguments (keyword only, after TRL's own, which pass through unchanged):
+
+* ``router_dtype``: torch.float32 (default), torch.float64 or None (the family's own dtypes, e.g.
+  a bf16 router in a bf16 model). The policy model and the reference model are patched with
+  ``switchyard.integrations.hf.patch`` (a model patched beforehand keeps its Patch; its
+  router_dtype must agree).
+* ``replay``: ``"R3"`` (default): the rollout's routes are replayed in every log-prob forward
+  (old log-probs, reference model, policy/loss). ``"R2"``: the routes of the old-log-prob pass
+  (TRL runs it when it takes several updates per generation: ``num_iterations > 1`` or
+  ``steps_per_generation > gradient_accumulation_steps``) are replayed in the updates; where TRL
+  runs no such pass each batch is trained once and the update's own forward is the first.
+  ``None``: no replay (the router mismatch is still measured).
+* ``routes_field``: the key of the rollout's routes in ``rollout_func``'s output (default
+  ``"routed_experts"``).
+* ``gate``: passed to ``hf.patch`` ("auto" or "torch").
+
+Where the rollout's routes come from:
+
+* TRL's own generation (``transformers`` ``generate``: ``_generate_single_turn``, also each turn of
+  the tool-call loop): captured with ``Patch.capture()``. With tools, a sequence's routes are those
+  of its latest generation call (which re-fed the whole history), cut to its final length.
+* ``rollout_func``: its output dict carries ``routes_field`` (default ``"routed_experts"``): one
+  array per sequence, in ``completion_ids``' order, in vLLM's per-sequence ``routed_experts``
+  layout: integer ``[len(prompt_ids[i]) + len(completion_ids[i]) - 1, num_hidden_layers, K]``
+  (dense layers 0; the last token has no route), numpy or torch. The field is removed before TRL
+  sees the output. With ``replay="R3"`` it is required.
+* TRL's vLLM and continuous-batching paths return no routes: ``replay="R3"`` with them is refused
+  (use a ``rollout_func`` that returns the routes).
+
+The routes travel in the batch as int32 tensors ``[B, P + C, moe_layers, K]`` aligned to TRL's
+rows ([left-padded prompt | right-padded completion]; -1 at padding and at each sequence's last
+token, which are routed natively), under the keys ``ROLLOUT_ROUTES_KEY`` and (R2) ``R2_ROUTES_KEY``,
+so TRL's shuffling and splitting move them with their sequences.
+
+Metrics (TRL's ``_metrics``, logged with TRL's own; ``kind`` is ``old``, ``ref`` or ``policy``):
+
+* ``switchyard/{kind}/router_mismatch``: share of the (token, MoE layer) rows that have a rollout
+  route whose top-k expert set in this forward differs from the rollout's (exactly 0 under R3);
+  absent when there are no rollout routes.
+* ``switchyard/{kind}/replayed_rows`` and ``switchyard/{kind}/native_rows``: rows routed with
+  replayed ids / natively in that forward, summed over MoE layers (padding and last tokens are
+  native).
+* ``trainer.switchyard_records``: one dict per forward pass (kind, mode, global_step,
+  mismatch_rows, compared_rows, replayed_rows, native_rows, invalid_rows).
+
+``trainer.switchyard_patch`` is the policy model's ``hf.Patch``; ``trainer.switchyard_unpatch()``
+restores the original routers of both models, after which the trainer is trl's own.
+
+Not covered: vision-language models (refused with replay), PEFT reference models (the adapter-off
+pass is told from the old pass by order), Liger kernels (their loss runs its own forward: refused).
+"""
+import torch
+
+import switchyard.integrations.hf as syhf
+
+try:
+    import trl as _trl
+    from trl.trainer.utils import pad as _trl_pad
+except ImportError as e:  # an optional dependency
+    raise ImportError("switchyard.integrations.trl needs the `trl` package (>= 1.16)") from e
+
+__all__ = ["GRPOTrainer", "SwitchyardGRPOTrainer", "ROLLOUT_ROUTES_KEY", "R2_ROUTES_KEY",
+           "REPLAY_MODES", "METRIC_NAMES", "MIN_TRL_VERSION"]
+
+#: Batch keys of the routes carried through TRL's shuffling and splitting.
+ROLLOUT_ROUTES_KEY = "switchyard_rollout_routes"
+R2_ROUTES_KEY = "switchyard_r2_routes"
+REPLAY_MODES = (None, "R2", "R3")
+#: Oldest trl release whose GRPOTrainer internals (_generate_single_turn, _tool_call_loop,
+#: _generate, _generate_and_score_completions, _get_per_token_logps_and_entropies, _compute_loss)
+#: this subclass was written against.
+MIN_TRL_VERSION = "1.16.0"
+#: Metric names, per forward kind (old, ref, policy).
+METRIC_NAMES = ("switchyard/{kind}/router_mismatch", "switchyard/{kind}/replayed_rows",
+                "switchyard/{kind}/native_rows")
+
+_WHO = "[trl.GRPOTrainer]"
+_MM_ARGS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
+            "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids",
+            "image_position_ids")
+
+
+def _check_version():
+    from packaging.version import Version
+    if Version(_trl.__version__) < Version(MIN_TRL_VERSION):
+        raise RuntimeError(f"{_WHO} needs trl >= {MIN_TRL_VERSION}, found {_trl.__version__} "
+                           "(its GRPOTrainer hook points were read from that release)")
+
+
+def _check_args(replay, router_dtype, routes_field, gate, args, rollout_func):
+    if replay not in REPLAY_MODES:
+        raise ValueError(f"{_WHO} replay must be 'R3', 'R2' or None, got replay={replay!r}")
+    if router_dtype not in (None, torch.float32, torch.float64):
+        raise ValueError(f"{_WHO} router_dtype must be torch.float32, torch.float64 or None, got "
+                         f"router_dtype={router_dtype}")
+    if not isinstance(routes_field, str) or not routes_field:
+        raise ValueError(f"{_WHO} routes_field must be a non-empty str, got "
+                         f"routes_field={routes_field!r}")
+    if gate not in ("auto", "torch"):
+        raise ValueError(f"{_WHO} gate must be 'auto' or 'torch', got gate={gate!r}")
+    if args is None:
+        return
+    if replay == "R3" and rollout_func is None:
+        if getattr(args, "use_vllm", False):
+            raise ValueError(f"{_WHO} replay='R3' with use_vllm=True and no rollout_func: TRL's "
+                             "vLLM path returns no routes; pass a rollout_func whose output "
+                             f"carries {routes_field!r}, or replay='R2' / None")
+        if getattr(args, "use_transformers_continuous_batching", False):
+            raise ValueError(f"{_WHO} replay='R3' with use_transformers_continuous_batching=True: "
+                             "that path returns no routes; use generate() or a rollout_func")
+    if replay is not None and getattr(args, "use_liger_kernel", False):
+        raise ValueError(f"{_WHO} replay={replay!r} with use_liger_kernel=True: the Liger loss "
+                         "runs its own forward, which switchyard cannot replay")
+
+
+def _patch_model(model, router_dtype, gate, what):
+    """The model's Patch: the existing one (settings must agree) or a new one. ValueError (the
+    model is untouched) when the model has no MoE router switchyard supports."""
+    p = syhf.patch_of(model)
+    if p is not None:
+        if p.router_dtype != router_dtype:
+            raise ValueError(f"{_WHO} {what} is already patched with router_dtype="
+                             f"{p.router_dtype}, but router_dtype={router_dtype} was asked for")
+        return p
+    try:
+        return syhf.patch(model, router_dtype=router_dtype, gate=gate)
+    except ValueError as e:
+        raise ValueError(f"{_WHO} {what}: switchyard needs a transformers MoE model ({e})") from e
+
+
+class _GenState:
+    """The routes of one _generate() call: per sequence (tokens, routes [n - 1, L, K])."""
+
+    def __init__(self):
+        self.seqs = None
+
+
+class GRPOTrainer(_trl.GRPOTrainer):
+    """TRL's GRPOTrainer with switchyard's FP32 router and R3/R2 (see the module docstring)."""
+
+    def __init__(self, *args, router_dtype: torch.dtype | None = torch.float32,
+                 replay: str | None = "R3", routes_field: str = "routed_experts",
+                 gate: str = "auto", **kwargs):
+        """TRL's arguments (positional or keyword) plus switchyard's, keyword only (see the
+        module docstring). ValueError for a bad switchyard argument or a model without a
+        supported MoE router, raised before the model is patched; RuntimeError for an old trl."""
+        _check_version()
+        model = kwargs.get("model", args[0] if args else None)
+        targs = kwargs.get("args", args[2] if len(args) > 2 else None)
+        rollout_func = kwargs.get("rollout_func")
+        _check_args(replay, router_dtype, routes_field, gate, targs, rollout_func)
+        if isinstance(model, torch.nn.Module):  # refuse a non-MoE model before TRL builds anything
+            _patch_model(model, router_dtype, gate, "model")
+        self.switchyard_replay = replay
+        self.switchyard_router_dtype = router_dtype
+        self.switchyard_routes_field = routes_field
+        self.switchyard_gate = gate
+        self.switchyard_records = []
+        self._sy_active = True
+        self._sy_gen = None         # _GenState of the running _generate()
+        self._sy_phase = None       # "score" (inside _generate_and_score_completions), "policy"
+        self._sy_rollout = None     # [B, P+C, M, K] rollout routes of the batch being scored
+        self._sy_r2 = None          # routes of the old-log-prob pass of that batch (R2)
+        self._sy_old_done = False
+        self._sy_inputs = None      # the batch _compute_loss runs on
+        super().__init__(*args, **kwargs)
+        if self._is_vlm and replay is not None:
+            raise ValueError(f"{_WHO} replay={replay!r} with a vision-language model: not "
+                             "supported (text-only MoE models)")
+        self.switchyard_patch = _patch_model(self.accelerator.unwrap_model(self.model),
+                                             router_dtype, gate, "model")
+        if self.ref_model is not None:
+            _patch_model(self.accelerator.unwrap_model(self.ref_model), router_dtype, gate,
+                         "ref_model")
+        if self.rollout_func is not None:
+            self.rollout_func = self._sy_wrap_rollout(self.rollout_func)
+
+    def switchyard_unpatch(self) -> None:
+        """Restores the original routers of the policy and reference models (idempotent); the
+        trainer then trains exactly like trl's own (no capture, replay or metrics)."""
+        self._sy_active = False
+        for m in (self.model, self.ref_model):
+            p = syhf.patch_of(self.accelerator.unwrap_model(m)) if m is not None else None
+            if p is not None:
+                p.unpatch()
+
+    # ---- where the rollout's routes come from ------------------------------------------------
+    def _sy_wrap_rollout(self, fn):
+        def rollout_func(prompts, trainer):
+            out = fn(prompts, trainer)
+            if not isinstance(out, dict) or self._sy_gen is None:
+                return out  # not a dict: TRL's own error; outside _generate: not a rollout
+            routes = out.pop(self.switchyard_routes_field, None)
+            if not self._sy_active:
+                return out
+            if routes is None:
+                if self.switchyard_replay == "R3":
+                    raise ValueError(f"{_WHO} replay='R3' needs the rollout's routes: rollout_func "
+                                     f"returned no {self.switchyard_routes_field!r} field (keys "
+                                     f"{sorted(out)})")
+                return out
+            self._sy_gen.seqs = self._sy_check_rollout_routes(out, routes)
+            return out
+        rollout_func.__wrapped__ = fn
+        return rollout_func
+
+    def _sy_check_rollout_routes(self, out, routes):
+        p, f = self.switchyard_patch, self.switchyard_routes_field
+        prompt_ids, completion_ids = out.get("prompt_ids"), out.get("completion_ids")
+        if prompt_ids is None or completion_ids is None:
+            return None  # TRL raises for the missing keys
+        if not isinstance(routes, (list, tuple)) or len(routes) != len(completion_ids):
+            n = len(routes) if isinstance(routes, (list, tuple)) else type(routes).__name__
+            raise ValueError(f"{_WHO} rollout_func's {f!r} must be a list with one array per "
+                             f"sequence ({len(completion_ids)}), got {n}")
+        seqs = []
+        for i, (pi, ci, r) in enumerate(zip(prompt_ids, completion_ids, routes)):
+            t = torch.as_tensor(r)
+            want = [len(pi) + len(ci) - 1, p.num_hidden_layers, p.top_k]
+            if list(t.shape) != want or t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise ValueError(f"{_WHO} rollout_func's {f!r}[{i}] must be an integer array "
+                                 f"[len(prompt_ids[{i}]) + len(completion_ids[{i}]) - 1, "
+                                 f"num_hidden_layers, K] = {want}, got {list(t.shape)} "
+                                 f"{t.dtype}")
+            seqs.append((list(pi) + list(ci), t.to(torch.int32)))
+        return seqs
+
+    def _generate(self, prompts):
+        self._sy_gen = _GenState()
+        try:
+            res = super()._generate(prompts)
+            prompt_ids, completion_ids = res[0], res[1]
+            self._sy_rollout = self._sy_batch_routes(prompt_ids, completion_ids)
+        finally:
+            self._sy_gen = None
+        return res
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                              has_tool_images=False):
+        if self.use_vllm or self.use_transformers_continuous_batching or self._sy_gen is None \
+                or not self._sy_active:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields,
+                                                 num_generations, has_tool_images)
+        with self.switchyard_patch.capture() as cap:
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        self._sy_record_generation(cap, prompt_ids, completion_ids)
+        return completion_ids, logprobs
+
+    def _sy_record_generation(self, cap, prompt_ids, completion_ids):
+        ones = [torch.ones(len(x), dtype=torch.long) for x in prompt_ids]
+        pm = _trl_pad(ones, 0, "left", self.pad_to_multiple_of)
+        S_fed = cap.ids().shape[1]
+        G = S_fed - pm.shape[1] + 1  # generated steps (the last token is never fed)
+        if G < max((len(c) for c in completion_ids), default=0):
+            raise RuntimeError(f"{_WHO} captured {S_fed} fed tokens, fewer than the prompts "
+                               f"({pm.shape[1]}) and completions need")
+        cm = torch.zeros(len(completion_ids), G, dtype=torch.long)
+        for b, c in enumerate(completion_ids):
+            cm[b, :len(c)] = 1
+        routes = cap.routed_experts(torch.cat([pm, cm], dim=1))
+        new = [(list(p) + list(c), r) for p, c, r in zip(prompt_ids, completion_ids, routes)]
+        st = self._sy_gen
+        if st.seqs is None:  # the first turn: one row per sequence, in order
+            st.seqs = new
+            return
+        # A tool-call turn: each new prompt extends one sequence's history (in batch order).
+        j = 0
+        for i, (tokens, _) in enumerate(st.seqs):
+            if j < len(new) and new[j][0][:len(tokens)] == tokens:
+                st.seqs[i] = new[j]
+                j += 1
+        if j != len(new):
+            raise RuntimeError(f"{_WHO} a tool-call turn's prompt {j} extends no sequence of the "
+                               "batch: its routes cannot be placed")
+
+    def _sy_batch_routes(self, prompt_ids, completion_ids):
+        """[B, P+C, M, K] int32 rollout routes in TRL's rows, or None (no routes)."""
+        st = self._sy_gen
+        if not self._sy_active:
+            return None
+        if st is None or st.seqs is None:
+            if self.switchyard_replay == "R3":
+                raise RuntimeError(f"{_WHO} replay='R3': this generation gave no routes")
+            return None
+        arrays = []
+        for i, (pi, ci) in enumerate(zip(prompt_ids, completion_ids)):
+            tokens, r = st.seqs[i]
+            full = list(pi) + list(ci)
+            if tokens[:len(full)] != full or r.shape[0] < len(full) - 1:
+                raise RuntimeError(f"{_WHO} sequence {i}: the routes were taken for other tokens "
+                                   "than TRL trains on")
+            arrays.append(r[:len(full) - 1])
+        pm = _trl_pad([torch.ones(len(x), dtype=torch.long) for x in prompt_ids], 0, "left",
+                      self.pad_to_multiple_of)
+        cm = _trl_pad([torch.ones(len(x), dtype=torch.long) for x in completion_ids], 0, "right",
+                      self.pad_to_multiple_of)
+        try:
+            t, _ = self.switchyard_patch.targets_from_vllm(arrays, torch.cat([pm, cm], dim=1))
+        except ValueError as e:
+            raise ValueError(f"{_WHO} the rollout's routes ({self.switchyard_routes_field!r}): "
+                             f"{e}") from e
+        return t.to(self.accelerator.device)
+
+    # ---- carried through TRL's batch ---------------------------------------------------------
+    def _generate_and_score_completions(self, inputs):
+        self._sy_phase, self._sy_rollout, self._sy_r2 = "score", None, None
+        self._sy_old_done = False
+        try:
+            out = super()._generate_and_score_completions(inputs)
+            if self._sy_rollout is not None:
+                out[ROLLOUT_ROUTES_KEY] = self._sy_rollout
+            if self._sy_r2 is not None:
+                out[R2_ROUTES_KEY] = self._sy_r2
+        finally:
+            self._sy_phase, self._sy_rollout, self._sy_r2 = None, None, None
+        return out
+
+    def _compute_loss(self, model, inputs):
+        self._sy_phase, self._sy_inputs = "policy", inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._sy_phase, self._sy_inputs = None, None
+
+    # ---- replayed in the log-prob forwards ---------------------------------------------------
+    def _sy_old_expected(self):
+        every = self.args.steps_per_generation * self.num_iterations
+        return bool(self.args.gradient_accumulation_steps % every != 0 or
+                    (self.use_vllm and self.vllm_importance_sampling_correction))
+
+    def _sy_kind(self, model):
+        if not self._sy_active:
+            return None
+        if self._sy_phase == "policy":
+            return "policy"
+        if self._sy_phase != "score":
+            return None
+        if self.ref_model is not None and model is self.ref_model:
+            return "ref"
+        if self._sy_old_expected() and not self._sy_old_done:
+            return "old"
+        return "ref"  # PEFT: the adapter-off pass on the policy model
+
+    def _sy_patch_for(self, model, kind):
+        m = self.accelerator.unwrap_model(model)
+        p = syhf.patch_of(m)
+        if p is None:
+            if kind != "ref":
+                raise RuntimeError(f"{_WHO} the policy model's routers are not patched (was the "
+                                   "Patch undone?)")
+            # a reference model set after construction (e.g. a deep copy of an unpatched model)
+            p = _patch_model(m, self.switchyard_router_dtype, self.switchyard_gate, "ref_model")
+        return p
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size=None, compute_entropy=False,
+                                           compute_aux_loss=False, **mm):
+        kind = self._sy_kind(model)
+        if kind is None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **mm)
+        given = sorted(k for k in _MM_ARGS if mm.get(k) is not None)
+        if given:
+            raise ValueError(f"{_WHO} multimodal inputs ({given}) are not supported with "
+                             "switchyard")
+        if kind == "policy":
+            rollout = self._sy_inputs.get(ROLLOUT_ROUTES_KEY)
+            r2 = self._sy_inputs.get(R2_ROUTES_KEY)
+        else:
+            rollout, r2 = self._sy_rollout, None
+        mode = self.switchyard_replay
+        target = None
+        if mode == "R3":
+            if rollout is None:
+                raise RuntimeError(f"{_WHO} replay='R3': the {kind} forward's batch carries no "
+                                   f"rollout routes ({ROLLOUT_ROUTES_KEY!r} missing)")
+            target = rollout
+        elif mode == "R2" and kind == "policy":
+            target = r2  # None when TRL ran no old-log-prob pass: the first forward routes
+        for name, t in (("rollout routes", rollout), ("R2 routes", target)):
+            if t is not None and tuple(t.shape[:2]) != tuple(input_ids.shape):
+                raise RuntimeError(f"{_WHO} the {kind} forward's {name} are "
+                                   f"{list(t.shape[:2])}, its input_ids {list(input_ids.shape)}: "
+                                   "routes and rows are not aligned")
+        p = self._sy_patch_for(model, kind)
+        B = input_ids.size(0)
+        bs = batch_size or B
+        logps, ents, auxs = [], [], []
+        rec = dict(kind=kind, mode=mode, global_step=int(self.state.global_step), mismatch_rows=0,
+                   compared_rows=0, replayed_rows=0, native_rows=0, invalid_rows=0)
+        ids_all = []
+        for s in range(0, B, bs):
+            e = min(s + bs, B)
+            p.reset_counts()
+            try:
+                if target is not None:
+                    p.set_targets(target[s:e])
+                with p.capture() as cap:
+                    lp, en, ax = super()._get_per_token_logps_and_entropies(
+                        model, input_ids[s:e], attention_mask[s:e], logits_to_keep, e - s,
+                        compute_entropy, compute_aux_loss)
+            except BaseException:
+                p.clear()  # no queued target may outlive its forward
+                raise
+            finally:
+                p.set_action(None)
+            counts = p.counts()
+            if not counts or min(c["num_calls"] for c in counts.values()) < 1:
+                p.clear()
+                raise RuntimeError(f"{_WHO} the {kind} forward did not run the patched routers")
+            for c in counts.values():
+                rec["replayed_rows"] += c["num_replayed_rows"]
+                rec["native_rows"] += c["num_native_rows"]
+                rec["invalid_rows"] += c["num_invalid_replay_rows"]
+            ids = cap.ids()[:, :, p.layers, :]  # [b, S, M, K]
+            ids_all.append(ids)
+            if rollout is not None:
+                r = rollout[s:e].to("cpu")
+                valid = (r >= 0).all(-1) & attention_mask[s:e].to("cpu").bool()[:, :, None]
+                differ = (ids.sort(-1).values != r.sort(-1).values).any(-1) & valid
+                rec["mismatch_rows"] += int(differ.sum())
+                rec["compared_rows"] += int(valid.sum())
+            logps.append(lp)
+            if compute_entropy:
+                ents.append(en)
+            if compute_aux_loss:
+                auxs.append(ax)
+        if kind == "old":
+            self._sy_old_done = True
+            if mode == "R2":
+                r2 = torch.cat(ids_all).to(torch.int32)
+                r2[~attention_mask.to("cpu").bool()] = -1
+                self._sy_r2 = r2.to(input_ids.device)
+        self._sy_log(rec)
+        return (torch.cat(logps), torch.cat(ents) if compute_entropy else None,
+                torch.stack(auxs).mean() if compute_aux_loss else None)
+
+    def _sy_log(self, rec):
+        self.switchyard_records.append(rec)
+        m = self._metrics["train" if self.model.training else "eval"]
+        k = rec["kind"]
+        if rec["compared_rows"]:
+            m[f"switchyard/{k}/router_mismatch"].append(rec["mismatch_rows"] /
+                                                        rec["compared_rows"])
+        m[f"switchyard/{k}/replayed_rows"].append(float(rec["replayed_rows"]))
+        m[f"switchyard/{k}/native_rows"].append(float(rec["native_rows"]))
+
+
+SwitchyardGRPOTrainer = GRPOTrainer
