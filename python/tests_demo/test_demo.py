@@ -23,15 +23,7 @@ torch.set_num_threads(1)
 ARGS = ["--preset", "small", "--threads", "1", "--no-progress"]
 
 
-def _has_trl_integration():
-    try:
-        from switchyard.integrations import trl  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
-MODES = ["bf16", "fp32", "r3", "r2"] if _has_trl_integration() else ["bf16", "fp32"]
+MODES = ["bf16", "fp32", "r3", "r2"]
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +52,22 @@ def test_demo_trains_every_mode_with_a_stale_engine_and_passes_its_check(demo_ru
         assert [g["staleness"] for g in m["generations"]] == [
             0 if i % cfg["sync_every"] == 0 else
             cfg["num_iterations"] * (i % cfg["sync_every"]) for i in range(gens)], mode
+        assert [p["step"] for p in m["policy"]] == list(range(1, cfg["steps"] + 1)), mode
         for g in m["generations"]:
-            assert g["compared_decisions"] > 0
+            assert g["compared_rows"] > 0 and g["mismatch_rows"] <= g["compared_rows"]
             assert 0.0 <= g["router_mismatch"] <= 1.0 and g["train_rollout_k3_kl"] >= 0.0
     for mode in ("bf16", "fp32"):
         g = s["modes"][mode]["generations"]
         # The engine's numerics differ from the trainer's and it goes stale: its routes differ.
         assert any(x["router_mismatch"] > 0.0 for x in g), mode
         assert all(x["replayed_rows"] == 0 and x["native_rows"] > 0 for x in g), mode
-    if "r3" in MODES:
-        assert all(x["router_mismatch"] == 0.0 and x["replayed_rows"] > 0
-                   for x in s["modes"]["r3"]["generations"])
+    r3 = s["modes"]["r3"]
+    assert all(x["mismatch_rows"] == 0 and x["replayed_rows"] > 0
+               for x in r3["generations"] + r3["policy"])
+    # R2 replays the old pass's routes in the updates: its loss forwards route like its old pass.
+    r2 = s["modes"]["r2"]
+    assert all(p["replayed_rows"] > 0 for p in r2["policy"])
+    assert all(g["replayed_rows"] == 0 for g in r2["generations"])
     assert s["ok"] is True and code == 0
 
 
@@ -100,9 +97,9 @@ def test_demo_r3_check_fails_when_routes_are_not_replayed(demo_run):
     _, _, out = demo_run
     code, s = demo.run(ARGS + ["--out", str(out), "--modes", "r3", "--steps", "4"],
                        _disable_replay=True)
-    g = s["modes"]["r3"]["generations"]
+    g = s["modes"]["r3"]["generations"] + s["modes"]["r3"]["policy"]
     assert all(x["replayed_rows"] == 0 for x in g)
-    assert any(x["router_mismatch"] > 0.0 for x in g)
+    assert any(x["mismatch_rows"] > 0 for x in g)
     assert s["pretrain"]["cached"] is True  # the module's first run trained it
     assert s["ok"] is False and code == 1
     assert list(s["checks"].values()) == [False]

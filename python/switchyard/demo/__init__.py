@@ -187,7 +187,7 @@ _STEP_KEYS = ("reward", "reward_std", "loss", "clip_ratio/region_mean", "entropy
               "completions/mean_length", "step_time")
 
 
-def _final(rows, steps, k=3):
+def _final(rows, policy, steps, k=3):
     """A mode's headline numbers: reward over the first and the last k generations, the means of
     the per-generation measurements, TRL's clip ratio mean."""
     rewards = [s["reward"] for s in steps if "reward" in s]
@@ -207,6 +207,8 @@ def _final(rows, steps, k=3):
         "rollout_ratio_outside_clip_mean": mean([r["rollout_ratio_outside_clip"] for r in rows]),
         "trl_clip_ratio_mean": mean([s["clip_ratio/region_mean"] for s in steps
                                      if "clip_ratio/region_mean" in s]),
+        "policy_router_mismatch_max": max((r["router_mismatch"] for r in policy),
+                                          default=float("nan")),
         "replayed_rows": int(sum(r["replayed_rows"] for r in rows)),
         "native_rows": int(sum(r["native_rows"] for r in rows)),
     }
@@ -260,12 +262,13 @@ def run(argv: "list[str] | None" = None, _disable_replay: bool = False) -> "tupl
         log(f"[demo] {mode}: GRPO, {rlcfg.steps} steps ({rlcfg.prompts_per_step} prompts x "
             f"{rlcfg.num_generations} completions per generation, {rlcfg.num_iterations} updates "
             f"each, engine synced every {rlcfg.sync_every} generations)")
-        rows, steps, sec, eng, cpu = rl.run_mode(mode, model, corpus, mcfg, rlcfg, out,
+        rows, policy, steps, sec, eng, cpu = rl.run_mode(mode, model, corpus, mcfg, rlcfg, out,
                                             progress=progress, disable_replay=_disable_replay)
         steps = [{"step": s["step"], **{k: float(s[k]) for k in _STEP_KEYS if k in s}}
                  for s in steps]
-        fin = _final(rows, steps)
-        modes[mode] = {"final": fin, "generations": rows, "steps": steps, "seconds": sec,
+        fin = _final(rows, policy, steps)
+        modes[mode] = {"final": fin, "generations": rows, "policy": policy, "steps": steps,
+                       "seconds": sec,
                        "engine_seconds": eng, "seconds_per_step": sec / rlcfg.steps,
                        "cpu_seconds": cpu, "cpu_seconds_per_step": cpu / rlcfg.steps}
         timings[f"mode {mode}"] = sec
@@ -278,10 +281,13 @@ def run(argv: "list[str] | None" = None, _disable_replay: bool = False) -> "tupl
 
     checks = {}
     if "r3" in modes:
-        g = modes["r3"]["generations"]
-        checks["R3: router mismatch against the rollout exactly 0 on every step"] = bool(g) and all(
-            r["router_mismatch"] == 0.0 and r["compared_decisions"] > 0 and r["replayed_rows"] > 0
-            for r in g)
+        # Every forward that scores the rollout's tokens: the old-log-prob pass of each
+        # generation and the loss forward of each optimizer step.
+        passes = modes["r3"]["generations"] + modes["r3"]["policy"]
+        checks["R3: router mismatch against the rollout exactly 0 on every step"] = (
+            len(modes["r3"]["policy"]) == rlcfg.steps and all(
+                r["mismatch_rows"] == 0 and r["compared_rows"] > 0 and r["replayed_rows"] > 0
+                for r in passes))
     summary = {
         "model": dict(dataclasses.asdict(mcfg), moe_layers=mcfg.moe_layers,
                       num_parameters=int(sum(x.numel() for x in model.parameters())),

@@ -48,19 +48,20 @@ def markdown_table(summary: dict) -> str:
 
 
 def charts(summary: dict, out_dir: str) -> "list[str]":
-    """curves.png: six panels over the optimizer steps, one line per mode. Returns file names."""
+    """curves.png: six panels over the optimizer steps, one line per mode (the per-generation
+    measurements at the step of their generation). Returns the file names."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = [
-        ("reward (mean over the generation)", "steps", "reward", False),
-        ("train/rollout k3 KL (old-log-prob pass vs engine)", "gen", "train_rollout_k3_kl", True),
-        ("router mismatch vs the rollout (%)", "gen", "router_mismatch", False),
+        ("reward (mean over the generation)", "steps", "reward", None),
+        ("train/rollout k3 KL (old-log-prob pass vs engine)", "gen", "train_rollout_k3_kl", 1e-6),
+        ("router mismatch vs the rollout (%, symlog)", "gen", "router_mismatch", 1e-2),
         ("tokens with pi_train/pi_rollout outside the clip range (%)", "gen",
-         "rollout_ratio_outside_clip", False),
-        ("TRL clip ratio (policy vs old, %)", "steps", "clip_ratio/region_mean", False),
-        ("replayed router rows per generation", "gen", "replayed_rows", False),
+         "rollout_ratio_outside_clip", None),
+        ("TRL clip ratio (policy vs old, %)", "steps", "clip_ratio/region_mean", None),
+        ("replayed router rows per generation", "gen", "replayed_rows", None),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), dpi=100)
     for ax, (title, src, key, log) in zip(axes.flat, panels):
@@ -73,8 +74,8 @@ def charts(summary: dict, out_dir: str) -> "list[str]":
                 ys = [100 * y for y in ys]
             any_pos |= any(y > 0 for y in ys)
             ax.plot(xs, ys, marker="o", ms=3, lw=1.2, color=COLORS[mode], label=MODE_TITLES[mode])
-        if log and any_pos:
-            ax.set_yscale("symlog", linthresh=1e-6)
+        if log and any_pos:  # symlog: the zeros (R3) stay on the axis
+            ax.set_yscale("symlog", linthresh=log)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("optimizer step", fontsize=8)
         ax.tick_params(labelsize=7)
@@ -113,11 +114,12 @@ def _reading(summary):
                "differences in reward BETWEEN modes here are within noise (one seed, "
                f"{summary['config']['seed']}); they say nothing about which mode learns better.")
     if "r3" in f:
-        out.append(f"- R3: the trainer's routes equal the rollout's on every step "
-                   f"(max mismatch {_pct(f['r3']['router_mismatch_max'])}), with "
+        out.append(f"- R3: the trainer's routes equal the rollout's on every step, in the "
+                   f"old-log-prob pass (max mismatch {_pct(f['r3']['router_mismatch_max'])}) and "
+                   f"in every loss forward (max {_pct(f['r3']['policy_router_mismatch_max'])}), "
+                   f"with "
                    f"{f['r3']['replayed_rows']} rows replayed and {f['r3']['native_rows']} routed "
-                   "natively (each sequence's last token, which the engine never routes, and the "
-                   "padding). This is the run's check.")
+                   "natively. This is the run's check.")
     base = [m for m in ("bf16", "fp32") if m in f]
     for m in base:
         out.append(f"- {m}: the trainer's router disagrees with the rollout's on "
@@ -185,13 +187,15 @@ def write_markdown(summary: dict, chart_names: "list[str]", out_dir: str) -> str
         "",
         markdown_table(s),
         "",
-        "Router mismatch: share of the rollout's (token, layer, expert) decisions that the "
-        "trainer's old-log-prob forward did not make (every token with a rollout route, prompt "
-        "included). k3 KL and the clip range (1 +- clip) are over completion tokens, ratio = "
+        "Router mismatch (switchyard.integrations.trl's metric): share of the (token, MoE layer) "
+        "rows with a rollout route whose top-k expert set in the trainer's old-log-prob forward "
+        "differs from the rollout's (prompt tokens included; synced = generations sampled right "
+        "after the engine loaded the trainer's weights, stale = the others). k3 KL and the clip range (1 +- clip) are over completion tokens, ratio = "
         "pi_trainer(old pass) / pi_engine. TRL clip ratio: TRL's clip_ratio/region_mean (policy vs "
         "its old log-probs, non-zero from the second update of a generation). Replayed / native "
         "rows: router rows (token x MoE layer) replayed or routed live in the old-log-prob pass, "
-        "summed over generations.",
+        "summed over generations (native: padding and each sequence's last token, which the "
+        "engine never routes, plus everything in the modes without replay).",
         "",
         "## What the curves show, and what they do not",
         "",

@@ -17,13 +17,13 @@ Pieces (one room each):
   ``routed_experts`` shape.
 * ``rollout_func``: TRL's hook; returns prompt/completion ids, the engine's log-probs and the
   engine's routes (``ROUTES_FIELD``).
-* ``trainer_class(mode)``: the seam where switchyard plugs into TRL. bf16 and fp32 are TRL's own
-  trainer (fp32: the model's routers patched to FP32 before TRL sees it); R3 and R2 need
-  ``switchyard.integrations.trl``.
-* ``Probe``: the measurements that do not belong to any trainer: per generation, the trainer's
-  routes in its old-log-prob forward against the rollout's (router mismatch), the trainer's
-  old log-probs against the engine's (train/rollout KL, ratios outside the clip range), replayed
-  and native rows; per optimizer step, TRL's own metrics (reward, clip ratio, loss)."""
+* ``trainer_class(mode)``: the seam where switchyard plugs into TRL:
+  ``switchyard.integrations.trl.GRPOTrainer`` with the mode's router dtype and replay (bf16 and
+  fp32 without replay, R3, R2). Route capture, carrying and replay live there, not here.
+* ``Probe``: per generation, the integration's record of TRL's old-log-prob forward (router
+  mismatch against the rollout, replayed and native rows) and the trainer's old log-probs against
+  the engine's (train/rollout KL, ratios outside the clip range); per optimizer step, the record
+  of the loss forward and TRL's own metrics (reward, clip ratio, loss)."""
 import copy
 import os
 import dataclasses
@@ -169,7 +169,6 @@ def make_rollout_func(engine, sync_every, log_staleness):
         log_staleness(step - engine.synced_at)
         ids = [decode(p) for p in prompts]
         comps, lps, routes = engine.generate(ids)
-        engine.last = {"prompt_ids": ids, "completion_ids": comps, "routes": routes}
         return {"prompt_ids": ids, "completion_ids": comps, "logprobs": lps,
                 ROUTES_FIELD: routes}
 
@@ -177,99 +176,85 @@ def make_rollout_func(engine, sync_every, log_staleness):
 
 
 # ---- the trainer seam ----------------------------------------------------------------------------
-def trainer_class(mode):
-    """TRL's GRPOTrainer for bf16 / fp32; switchyard's for R3 / R2 (route capture and replay live
-    in switchyard.integrations.trl, never here)."""
-    from trl import GRPOTrainer
-    if mode in ("bf16", "fp32"):
-        return GRPOTrainer, {}
-    try:
-        from switchyard.integrations import trl as sytrl
-    except ImportError as e:
-        raise RuntimeError(f"[demo] mode {mode!r} needs switchyard.integrations.trl, which this "
-                           f"build lacks ({e})") from None
-    return sytrl.GRPOTrainer, {"replay": mode}
+#: Per mode: switchyard.integrations.trl.GRPOTrainer's router_dtype and replay. bf16 is TRL's own
+#: routing (router_dtype=None is bitwise transformers' router), measured but not replayed.
+MODE_ARGS = {"bf16": dict(router_dtype=None, replay=None),
+             "fp32": dict(router_dtype=torch.float32, replay=None),
+             "r3": dict(router_dtype=None, replay="R3"),
+             "r2": dict(router_dtype=None, replay="R2")}
+
+
+def trainer_class(mode, disable_replay=False):
+    """switchyard's GRPOTrainer (TRL's, with route capture, carrying and replay: all of it lives in
+    switchyard.integrations.trl, never here) and its switchyard arguments for ``mode``.
+    ``disable_replay`` (tests only): the mode's router, no replay."""
+    from switchyard.integrations import trl as sytrl
+    kw = dict(MODE_ARGS[mode], routes_field=ROUTES_FIELD)
+    if disable_replay:
+        kw["replay"] = None
+    return sytrl.GRPOTrainer, kw
 
 
 def _k3(lr):
     return float((torch.exp(lr) - 1 - lr).mean()) if lr.numel() else 0.0
 
 
-class Probe:
-    """Measures one generation (see the module docstring); ``rows`` holds one dict per
-    generation, ``steps`` TRL's logs per optimizer step."""
+def _share(rec):
+    return rec["mismatch_rows"] / rec["compared_rows"] if rec["compared_rows"] else 0.0
 
-    def __init__(self, model_config, moe_layers, clip):
-        self.num_experts = model_config.num_experts
-        self.moe_layers = list(moe_layers)
-        self.num_hidden_layers = model_config.num_layers
+
+class Probe:
+    """Per generation: the integration's record of TRL's old-log-prob forward (router mismatch
+    against the rollout, replayed and native rows) and the trainer's old log-probs against the
+    engine's (train/rollout KL, ratios outside the clip range). ``rows`` holds one dict per
+    generation."""
+
+    def __init__(self, clip):
         self.clip = clip
-        self.rows, self.steps = [], []
+        self.rows = []
         self.staleness = None
 
-    def measure(self, out, rollout, trainer_ids, counts, step):
-        """out: TRL's generation batch (rows in rollout order); rollout: the engine's last call;
-        trainer_ids: [B, P+C, layers, K] routes of the trainer's old-log-prob forward; counts:
-        the patch's per-layer counts of that forward."""
-        from switchyard import routes as syr
-        pm, cm = out["prompt_mask"], out["completion_mask"]
-        P = pm.shape[1]
-        ref, got, lr = [], [], []
+    def measure(self, out, record, step):
         old, samp = out.get("old_per_token_logps"), out.get("sampling_per_token_logps")
-        for b, (p, c, r) in enumerate(zip(rollout["prompt_ids"], rollout["completion_ids"],
-                                          rollout["routes"])):
-            n = len(p) + len(c)
-            cols = torch.arange(P - len(p), P + len(c))[: n - 1]
-            ref.append(self._table(r))
-            got.append(self._table(trainer_ids[b, cols]))
-            if old is not None and samp is not None:
-                k = int(cm[b].sum())
-                lr.append((old[b, :k] - samp[b, :k]).double())
-        d = syr.drift(ref, got, self.num_experts)
-        lr = torch.cat(lr) if lr else torch.zeros(0, dtype=torch.float64)
+        if old is None or samp is None:
+            raise RuntimeError("[demo] TRL returned no old-log-prob pass or no rollout log-probs "
+                               "(num_iterations must be > 1)")
+        m = out["completion_mask"].bool()
+        lr = (old - samp)[m].double()
         ratio = torch.exp(lr)
         row = {
             "step": step,
-            "router_mismatch": float(d["decision_mismatch"]),
-            "token_mismatch": float(d["token_mismatch"]),
-            "compared_decisions": int(d["num_decisions"]),
+            "router_mismatch": _share(record),
+            "mismatch_rows": int(record["mismatch_rows"]),
+            "compared_rows": int(record["compared_rows"]),
             "train_rollout_k3_kl": _k3(lr),
             "train_rollout_max_abs_log_ratio": float(lr.abs().max()) if lr.numel() else 0.0,
             "rollout_ratio_outside_clip": float(((ratio < 1 - self.clip) |
                                                  (ratio > 1 + self.clip)).double().mean())
             if lr.numel() else 0.0,
-            "replayed_rows": int(sum(c["num_replayed_rows"] for c in counts.values())),
-            "native_rows": int(sum(c["num_native_rows"] for c in counts.values())),
+            "replayed_rows": int(record["replayed_rows"]),
+            "native_rows": int(record["native_rows"]),
             "staleness": self.staleness,
         }
         self.rows.append(row)
         return row
 
-    def _table(self, vllm_rows):
-        """vLLM rows [n - 1, hidden layers, K] -> a route table [n, moe_layers, K] (last row -1)."""
-        t = vllm_rows[:, self.moe_layers, :].to(torch.int32)
-        return torch.cat([t, torch.full((1, *t.shape[1:]), -1, dtype=torch.int32)])
 
-
-def instrumented(base, probe, engine):
-    """``base`` (a GRPOTrainer class) with the probe around each generation's scoring: the
-    trainer's routes are captured during TRL's old-log-prob forward (the only forward of the
-    policy inside ``_generate_and_score_completions``: generation runs in the engine)."""
-    import switchyard.integrations.hf as syhf
+def instrumented(base, probe):
+    """``base`` with the probe after each generation's scoring (TRL's old-log-prob pass, whose
+    record the integration has just added)."""
 
     class Instrumented(base):
         def _generate_and_score_completions(self, inputs):
-            p = syhf.patch_of(self.model)
-            p.reset_counts()
-            with p.capture() as cap:
-                out = super()._generate_and_score_completions(inputs)
-            if cap.num_forwards != 1:
-                raise RuntimeError(f"[demo] expected one old-log-prob forward of the policy per "
-                                   f"generation, captured {cap.num_forwards}")
-            row = probe.measure(out, engine.last, cap.ids(), p.counts(), self.state.global_step)
-            for k in ("router_mismatch", "train_rollout_k3_kl", "rollout_ratio_outside_clip",
-                      "replayed_rows", "native_rows"):
-                self._metrics["train"][f"switchyard/{k}"].append(float(row[k]))
+            n = len(self.switchyard_records)
+            out = super()._generate_and_score_completions(inputs)
+            old = [r for r in self.switchyard_records[n:] if r["kind"] == "old"]
+            if len(old) != 1:
+                raise RuntimeError(f"[demo] expected one old-log-prob forward per generation, "
+                                   f"the integration recorded {len(old)}")
+            row = probe.measure(out, old[0], self.state.global_step)
+            for k in ("train_rollout_k3_kl", "rollout_ratio_outside_clip"):
+                self._metrics["train"][f"demo/{k}"].append(float(row[k]))
             return out
 
     return Instrumented
@@ -295,8 +280,8 @@ def run_mode(mode, model_fp32, corpus, mcfg, cfg: RLConfig, out_dir, progress=Tr
              disable_replay=False):
     """Trains a fresh copy of the pretrained model for cfg.steps optimizer steps in ``mode``.
     ``disable_replay`` (tests only): R3 / R2 on TRL's plain trainer, whose routes are not replayed.
-    Returns (per-generation probe rows, per-step TRL logs, seconds, engine seconds)."""
-    import switchyard.integrations.hf as syhf
+    Returns (per-generation probe rows, per-step records of the policy (loss) forward, per-step
+    TRL logs, seconds, engine seconds, CPU seconds)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig
@@ -308,12 +293,10 @@ def run_mode(mode, model_fp32, corpus, mcfg, cfg: RLConfig, out_dir, progress=Tr
         p.requires_grad_(True)
     model.set_attn_implementation("sdpa")
     model.set_experts_implementation(os.environ.get("SY_DEMO_TRAIN_EXPERTS", "grouped_mm"))
-    router_dtype = torch.float32 if mode == "fp32" else None
-    # The trainer's routers: FP32 in fp32 mode, else transformers' own math (patched for capture).
-    syhf.patch(model, router_dtype=router_dtype)
+    router_dtype = MODE_ARGS[mode]["router_dtype"]  # the engine's router is the trainer's
     engine = Engine(model_fp32, router_dtype, cfg.engine_batch, cfg.max_new_tokens,
                     cfg.temperature, cfg.seed)
-    probe = Probe(mcfg, mcfg.moe_layers, cfg.clip)
+    probe = Probe(cfg.clip)
     task = Task(corpus)
     gens = math.ceil(cfg.steps / cfg.num_iterations)
     prompts = task.prompts(gens * cfg.prompts_per_step, cfg.seed)
@@ -327,7 +310,7 @@ def run_mode(mode, model_fp32, corpus, mcfg, cfg: RLConfig, out_dir, progress=Tr
     def set_staleness(s):
         probe.staleness = s
 
-    base, extra = trainer_class("bf16" if disable_replay else mode)
+    base, extra = trainer_class(mode, disable_replay)
     batch = cfg.prompts_per_step * cfg.num_generations
     args = GRPOConfig(
         output_dir=os.path.join(out_dir, "trl"), use_cpu=True, bf16=True, report_to=[],
@@ -345,7 +328,7 @@ def run_mode(mode, model_fp32, corpus, mcfg, cfg: RLConfig, out_dir, progress=Tr
             if logs is not None and "loss" in logs:
                 steps_log.append(dict(logs, step=state.global_step))
 
-    cls = instrumented(base, probe, engine)
+    cls = instrumented(base, probe)
     trainer = cls(model=model, reward_funcs=[reward_fn], args=args, train_dataset=ds,
                   processing_class=make_tokenizer(mcfg.vocab_size),
                   rollout_func=make_rollout_func(engine, cfg.sync_every, set_staleness),
@@ -361,5 +344,10 @@ def run_mode(mode, model_fp32, corpus, mcfg, cfg: RLConfig, out_dir, progress=Tr
     if trainer.pop_callback(ProgressCallback) is not None:
         trainer.add_callback(Bar())
     trainer.train()
-    return (probe.rows, steps_log, time.perf_counter() - t0, engine.seconds,
+    policy = [dict(step=r["global_step"] + 1, router_mismatch=_share(r),
+                   mismatch_rows=r["mismatch_rows"], compared_rows=r["compared_rows"],
+                   replayed_rows=r["replayed_rows"], native_rows=r["native_rows"])
+              for r in trainer.switchyard_records if r["kind"] == "policy"]
+    trainer.switchyard_unpatch()
+    return (probe.rows, policy, steps_log, time.perf_counter() - t0, engine.seconds,
             time.process_time() - c0)
