@@ -211,6 +211,8 @@ def _final(rows, policy, steps, k=3):
                                           default=float("nan")),
         "replayed_rows": int(sum(r["replayed_rows"] for r in rows)),
         "native_rows": int(sum(r["native_rows"] for r in rows)),
+        "policy_replayed_rows": int(sum(r["replayed_rows"] for r in policy)),
+        "policy_native_rows": int(sum(r["native_rows"] for r in policy)),
     }
 
 

@@ -6,13 +6,17 @@ MODE_TITLES = {"bf16": "bf16 router (HF default)", "fp32": "fp32 router (switchy
                "r3": "R3 replay (rollout routes)", "r2": "R2 replay (old-log-prob routes)"}
 COLORS = {"bf16": "#d62728", "fp32": "#ff7f0e", "r2": "#9467bd", "r3": "#2ca02c"}
 
-HEADER = ["mode", "reward first->last", "router mismatch synced / stale (max)",
-          "train/rollout k3 KL synced / stale", "rollout ratio outside clip", "TRL clip ratio",
-          "replayed rows", "native rows", "s/step"]
+HEADER = ["mode", "reward first->last", "router mismatch synced/stale (max)",
+          "k3 KL synced/stale", "outside clip", "TRL clip", "replayed old/loss",
+          "native old/loss", "s/step"]
 
 
 def _pct(x):
     return f"{100 * x:.3f}%"
+
+
+def _pct2(x):
+    return f"{100 * x:.2f}%"
 
 
 def table_rows(summary):
@@ -20,12 +24,14 @@ def table_rows(summary):
     for mode, m in summary["modes"].items():
         f = m["final"]
         rows.append([mode, f"{f['reward_first']:.3f} -> {f['reward_last']:.3f}",
-                     f"{_pct(f['router_mismatch_synced_mean'])} / "
-                     f"{_pct(f['router_mismatch_stale_mean'])} ({_pct(f['router_mismatch_max'])})",
-                     f"{f['train_rollout_k3_kl_synced_mean']:.2e} / "
-                     f"{f['train_rollout_k3_kl_stale_mean']:.2e}",
-                     _pct(f["rollout_ratio_outside_clip_mean"]), _pct(f["trl_clip_ratio_mean"]),
-                     str(f["replayed_rows"]), str(f["native_rows"]),
+                     f"{_pct2(f['router_mismatch_synced_mean'])}/"
+                     f"{_pct2(f['router_mismatch_stale_mean'])} "
+                     f"({_pct2(f['router_mismatch_max'])})",
+                     f"{f['train_rollout_k3_kl_synced_mean']:.1e}/"
+                     f"{f['train_rollout_k3_kl_stale_mean']:.1e}",
+                     _pct2(f["rollout_ratio_outside_clip_mean"]), _pct2(f["trl_clip_ratio_mean"]),
+                     f"{f['replayed_rows']}/{f['policy_replayed_rows']}",
+                     f"{f['native_rows']}/{f['policy_native_rows']}",
                      f"{m['seconds_per_step']:.1f}"])
     return rows
 
@@ -61,13 +67,13 @@ def charts(summary: dict, out_dir: str) -> "list[str]":
         ("tokens with pi_train/pi_rollout outside the clip range (%)", "gen",
          "rollout_ratio_outside_clip", None),
         ("TRL clip ratio (policy vs old, %)", "steps", "clip_ratio/region_mean", None),
-        ("replayed router rows per generation", "gen", "replayed_rows", None),
+        ("replayed router rows per loss forward", "policy", "replayed_rows", None),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), dpi=100)
     for ax, (title, src, key, log) in zip(axes.flat, panels):
         any_pos = False
         for mode, m in summary["modes"].items():
-            pts = m["steps"] if src == "steps" else m["generations"]
+            pts = m[{"steps": "steps", "gen": "generations", "policy": "policy"}[src]]
             xs = [p["step"] for p in pts if key in p]
             ys = [p[key] for p in pts if key in p]
             if "%" in title:
@@ -123,7 +129,8 @@ def _reading(summary):
     base = [m for m in ("bf16", "fp32") if m in f]
     for m in base:
         out.append(f"- {m}: the trainer's router disagrees with the rollout's on "
-                   f"{_pct(f[m]['router_mismatch_synced_mean'])} of decisions right after a sync "
+                   f"{_pct(f[m]['router_mismatch_synced_mean'])} of router rows right after a "
+                   "sync "
                    f"(numerics only) and {_pct(f[m]['router_mismatch_stale_mean'])} when the "
                    f"engine is stale (older weights too); train/rollout k3 KL "
                    f"{f[m]['train_rollout_k3_kl_synced_mean']:.2e} and "
@@ -137,17 +144,22 @@ def _reading(summary):
                    "runs train different weights, so the later steps compare different models.")
     if "r3" in f and base:
         b = base[0]
-        out.append(f"- Train/rollout KL under R3: {f['r3']['train_rollout_k3_kl_synced_mean']:.2e} "
-                   f"synced / {f['r3']['train_rollout_k3_kl_stale_mean']:.2e} stale, against "
-                   f"{b}'s {f[b]['train_rollout_k3_kl_synced_mean']:.2e} / "
-                   f"{f[b]['train_rollout_k3_kl_stale_mean']:.2e}. Replaying the routes removes "
-                   "the part of the mismatch that flipped experts cause (on stale steps, the part the "
-                   "older routers cause); the rest (attention, GEMM order, fused kernels, and the "
-                   "staleness of every other weight) stays.")
+        kl = "train_rollout_k3_kl_"
+        r3s, bs = f["r3"][kl + "synced_mean"], f[b][kl + "synced_mean"]
+        r3t, bt = f["r3"][kl + "stale_mean"], f[b][kl + "stale_mean"]
+        out.append(f"- Train/rollout KL, R3 against {b}: {r3s:.2e} against {bs:.2e} right after a "
+                   f"sync ({'lower' if r3s < bs else 'NOT lower'}: replay removes the share of the "
+                   f"numerics mismatch that flipped experts cause), {r3t:.2e} against {bt:.2e} on "
+                   "stale generations, where the weights' age dominates and replaying the old "
+                   "routers' choices cannot undo the change of every other weight. Only the first "
+                   "generation compares identical models; later ones compare runs that have "
+                   "trained apart.")
     if "r2" in f:
-        out.append("- R2: replays the routes of TRL's old-log-prob pass in its later updates of "
-                   "the same generation; it does not target the rollout, so its mismatch against "
-                   "the rollout is of the bf16 router's kind.")
+        out.append(f"- R2: replays the routes of TRL's old-log-prob pass in the updates of the "
+                   f"same generation ({f['r2']['policy_replayed_rows']} rows in the loss "
+                   "forwards), so the updates route like the pass their ratio is taken "
+                   "against; it does not target the rollout, so its mismatch against the "
+                   "rollout is of the bf16 router's kind.")
     out.append("- Not shown: that any mode reaches a higher reward or a more stable run at this "
                "size. The effect the FP32-router and R3 papers report (collapse avoided over "
                "hundreds of steps on models with 48 MoE layers and 128 experts) needs a scale "
@@ -190,12 +202,14 @@ def write_markdown(summary: dict, chart_names: "list[str]", out_dir: str) -> str
         "Router mismatch (switchyard.integrations.trl's metric): share of the (token, MoE layer) "
         "rows with a rollout route whose top-k expert set in the trainer's old-log-prob forward "
         "differs from the rollout's (prompt tokens included; synced = generations sampled right "
-        "after the engine loaded the trainer's weights, stale = the others). k3 KL and the clip range (1 +- clip) are over completion tokens, ratio = "
-        "pi_trainer(old pass) / pi_engine. TRL clip ratio: TRL's clip_ratio/region_mean (policy vs "
-        "its old log-probs, non-zero from the second update of a generation). Replayed / native "
-        "rows: router rows (token x MoE layer) replayed or routed live in the old-log-prob pass, "
-        "summed over generations (native: padding and each sequence's last token, which the "
-        "engine never routes, plus everything in the modes without replay).",
+        "after the engine loaded the trainer's weights, stale = the others). k3 KL (train/rollout) "
+        "and outside clip (share of tokens whose ratio leaves [1 - clip, 1 + clip]) are over "
+        "completion tokens, ratio = pi_trainer(old pass) / pi_engine. "
+        "TRL clip ratio: TRL's clip_ratio/region_mean (policy vs its old log-probs, non-zero "
+        "from the second update of a generation). Replayed / native "
+        "rows: router rows (token x MoE layer) replayed or routed live in the old-log-prob passes "
+        "and in the loss forwards, summed over the run (native: padding and each sequence's last "
+        "token, which the engine never routes, plus everything in the modes without replay).",
         "",
         "## What the curves show, and what they do not",
         "",
