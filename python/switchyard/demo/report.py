@@ -12,11 +12,15 @@ HEADER = ["mode", "reward first->last", "router mismatch synced/stale (max)",
 
 
 def _pct(x):
-    return f"{100 * x:.3f}%"
+    return "-" if x != x else f"{100 * x:.3f}%"  # NaN: no such generation (e.g. none was stale)
 
 
 def _pct2(x):
-    return f"{100 * x:.2f}%"
+    return "-" if x != x else f"{100 * x:.2f}%"
+
+
+def _e1(x):
+    return "-" if x != x else f"{x:.1e}"
 
 
 def table_rows(summary):
@@ -27,8 +31,8 @@ def table_rows(summary):
                      f"{_pct2(f['router_mismatch_synced_mean'])}/"
                      f"{_pct2(f['router_mismatch_stale_mean'])} "
                      f"({_pct2(f['router_mismatch_max'])})",
-                     f"{f['train_rollout_k3_kl_synced_mean']:.1e}/"
-                     f"{f['train_rollout_k3_kl_stale_mean']:.1e}",
+                     f"{_e1(f['train_rollout_k3_kl_synced_mean'])}/"
+                     f"{_e1(f['train_rollout_k3_kl_stale_mean'])}",
                      _pct2(f["rollout_ratio_outside_clip_mean"]), _pct2(f["trl_clip_ratio_mean"]),
                      f"{f['replayed_rows']}/{f['policy_replayed_rows']}",
                      f"{f['native_rows']}/{f['policy_native_rows']}",
@@ -96,10 +100,21 @@ def charts(summary: dict, out_dir: str) -> "list[str]":
     return ["curves.png"]
 
 
+def _json(x):
+    """NaN (a mean over no generation) as null: summary.json stays standard JSON."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json(v) for v in x]
+    return x
+
+
 def write_summary(summary: dict, out_dir: str) -> str:
     path = os.path.join(out_dir, "summary.json")
     with open(path, "w") as f:
-        json.dump(summary, f, indent=2, sort_keys=False)
+        json.dump(_json(summary), f, indent=2, sort_keys=False, allow_nan=False)
     return path
 
 
