@@ -1,8 +1,11 @@
 """Overhead of switchyard.integrations.trl on TRL's GRPOTrainer: the same training steps (HF
 generate, old log-probs with num_iterations=2, loss and backward, optimizer) with trl's own
-GRPOTrainer, with switchyard's subclass and the fp32 router only (replay=None: capture and the
-mismatch metric still run), and with fp32 router + R3. Runs round-robin in one process on the CPU;
-prints the CPU model, the best time per variant and the ratios (1.00 = no overhead).
+GRPOTrainer ("trl"); trl's GRPOTrainer on a model patched with hf.patch (fp32 router, nothing
+else: "patch"); switchyard's subclass with the fp32 router only (replay=None: route capture in
+generation and the mismatch metric still run: "fp32"); and with fp32 router + R3 ("fp32+R3").
+Runs round-robin (order rotated each round) in one process on the CPU; prints the CPU model, the
+best process CPU time (the steadier measure on a shared machine: one thread) and wall time per
+variant, and the ratios (1.00 = no overhead).
 
     PYTHONPATH=build/python python bench/py_trl_overhead.py [--quick] [--threads N]
         [--hidden 128] [--layers 4] [--experts 16] [--batch 8] [--completion 16] [--steps 4]
@@ -31,12 +34,14 @@ import torch  # noqa: E402
 import trl  # noqa: E402
 
 from bench_machine import machine_line  # noqa: E402
+import switchyard.integrations.hf as syhf  # noqa: E402
 import switchyard.integrations.trl as sytrl  # noqa: E402
 import trl_models as tm  # noqa: E402  (the TRL tests' tiny model, tokenizer and dataset)
 
 
 def run(variant, a, out):
-    """Seconds for a.steps training steps of a fresh trainer (construction not timed)."""
+    """(wall, process CPU) seconds for a.steps training steps of a fresh trainer (construction
+    not timed)."""
     torch.manual_seed(0)
     model = tm.model(hidden_size=a.hidden, num_hidden_layers=a.layers, num_experts=a.experts,
                      moe_intermediate_size=a.hidden // 2, intermediate_size=2 * a.hidden,
@@ -46,14 +51,16 @@ def run(variant, a, out):
                      logging_steps=10**6)
     kw = dict(model=model, reward_funcs=tm.reward_len, args=args, train_dataset=tm.dataset(64),
               processing_class=tm.tokenizer())
-    if variant == "trl":
+    if variant in ("trl", "patch"):
+        if variant == "patch":  # the routers alone: hf.patch, no capture, replay or metrics
+            syhf.patch(model, router_dtype=torch.float32)
         tr = trl.GRPOTrainer(**kw)
     else:
         tr = sytrl.GRPOTrainer(**kw, router_dtype=torch.float32,
                                replay="R3" if variant == "fp32+R3" else None)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     tr.train()
-    dt = time.perf_counter() - t
+    dt = (time.perf_counter() - t, time.process_time() - c)
     if variant == "fp32+R3":
         assert max(r["mismatch_rows"] for r in tr.switchyard_records) == 0
     return dt
@@ -69,7 +76,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--completion", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     a = ap.parse_args()
     if a.quick:
         a.hidden, a.layers, a.steps, a.rounds = 64, 2, 2, 2
@@ -77,17 +84,21 @@ def main():
     print(machine_line())
     print(f"trl {trl.__version__}; Qwen3-MoE hidden {a.hidden}, {a.layers} layers, {a.experts} "
           f"experts top-2, fp32; batch {a.batch}, completion {a.completion} tokens, {a.steps} "
-          f"steps (num_iterations=2), {a.threads} thread(s), best of {a.rounds} round-robin")
-    variants = ["trl", "fp32", "fp32+R3"]
-    best = {v: float("inf") for v in variants}
+          f"steps (num_iterations=2), {a.threads} thread(s), best of {a.rounds} rounds")
+    variants = ["trl", "patch", "fp32", "fp32+R3"]
+    best = {v: (float("inf"), float("inf")) for v in variants}
     with tempfile.TemporaryDirectory() as out:
         run("trl", a, out)  # warm-up: imports, allocator, first-call costs
-        for _ in range(a.rounds):
-            for v in variants:
-                best[v] = min(best[v], run(v, a, out))
-    base = best["trl"]
+        for r in range(a.rounds):  # the order rotates each round: no variant always runs last
+            for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+                w, c = run(v, a, out)
+                best[v] = (min(best[v][0], w), min(best[v][1], c))
+    (bw, bc) = best["trl"]
+    print("  variant    CPU ms/step  ratio   wall ms/step  ratio")
     for v in variants:
-        print(f"  {v:<8} {best[v] / a.steps * 1e3:8.1f} ms/step   ratio {best[v] / base:5.2f}")
+        w, c = best[v]
+        print(f"  {v:<8} {c / a.steps * 1e3:11.1f} {c / bc:6.2f} {w / a.steps * 1e3:14.1f} "
+              f"{w / bw:6.2f}")
 
 
 if __name__ == "__main__":

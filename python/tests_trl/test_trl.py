@@ -28,16 +28,17 @@ class _Checked(sytrl.GRPOTrainer):
         return super()._compute_loss(model, inputs)
 
 
-def _trainer(tmp_path, cls=_Checked, model=None, **kw):
+def _trainer(tmp_path, cls=_Checked, model=None, train_kw=None, **kw):
     targs = {k: kw.pop(k) for k in list(kw) if k in _CONFIG_KEYS}
     return cls(model=tm.model() if model is None else model, reward_funcs=tm.reward_len,
                args=tm.config(tmp_path, **targs), train_dataset=tm.dataset(),
-               processing_class=tm.tokenizer(), **kw)
+               processing_class=tm.tokenizer(), **(train_kw or {}), **kw)
 
 
 _CONFIG_KEYS = {"num_iterations", "steps_per_generation", "max_steps", "beta", "num_generations",
                 "per_device_train_batch_size", "gradient_accumulation_steps", "use_vllm",
-                "max_completion_length", "learning_rate", "pad_to_multiple_of"}
+                "max_completion_length", "learning_rate", "pad_to_multiple_of",
+                "eval_strategy", "eval_steps", "per_device_eval_batch_size", "sync_ref_model"}
 
 
 def _kinds(tr):
@@ -93,6 +94,20 @@ def test_without_replay_the_mismatch_is_measured_and_nothing_is_replayed(tmp_pat
     (r,) = tr.switchyard_records
     assert r["kind"] == "policy" and r["replayed_rows"] == 0 and r["compared_rows"] > 0
     assert r["native_rows"] > r["compared_rows"]
+
+
+def test_r3_in_evaluation_and_with_gradient_accumulation(tmp_path):
+    # TRL's eval loop generates and scores its own batches (no buffering); the metrics go to the
+    # eval split. gradient_accumulation_steps=2: two micro-batches per optimizer step.
+    tr = _trainer(tmp_path, max_steps=1, gradient_accumulation_steps=2,
+                  train_kw=dict(eval_dataset=tm.dataset(4)),
+                  eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
+    tr.train()
+    splits = {r["split"] for r in tr.switchyard_records}
+    assert splits == {"train", "eval"}
+    for r in tr.switchyard_records:
+        assert r["mismatch_rows"] == 0 and r["replayed_rows"] == r["compared_rows"] > 0
+    assert any("eval_switchyard/policy/router_mismatch" in h for h in tr.state.log_history)
 
 
 def _save(tmp_path):
@@ -258,6 +273,22 @@ def test_r3_with_trl_vllm_and_no_rollout_func_is_refused(tmp_path):
     with pytest.raises(ValueError, match="replay='R3' with use_vllm=True"):
         _trainer(tmp_path, model=model, use_vllm=True)
     assert syhf.patch_of(model) is None
+
+
+def test_a_model_trl_refuses_is_left_unpatched(tmp_path):
+    model = tm.model()
+    # TRL's own check, late in its __init__: no reference model (beta=0) to synchronise
+    with pytest.raises(ValueError, match="sync_ref_model=True"):
+        _trainer(tmp_path, model=model, sync_ref_model=True)
+    assert syhf.patch_of(model) is None
+
+
+def test_trl_arguments_given_positionally_reach_the_checks(tmp_path):
+    from trl import GRPOConfig
+    args = GRPOConfig(output_dir=str(tmp_path), use_vllm=True, use_cpu=True, bf16=False,
+                      report_to=[])
+    with pytest.raises(ValueError, match="replay='R3' with use_vllm=True"):
+        sytrl.GRPOTrainer(tm.model(), tm.reward_len, args)
 
 
 def _drop_last_row(out):

@@ -49,8 +49,9 @@ Metrics (TRL's ``_metrics``, logged with TRL's own; ``kind`` is ``old``, ``ref``
 * ``switchyard/{kind}/replayed_rows`` and ``switchyard/{kind}/native_rows``: rows routed with
   replayed ids / natively in that forward, summed over MoE layers (padding and last tokens are
   native).
-* ``trainer.switchyard_records``: one dict per forward pass (kind, mode, global_step,
-  mismatch_rows, compared_rows, replayed_rows, native_rows, invalid_rows).
+* ``trainer.switchyard_records``: one dict per forward pass (kind, mode, split ("train" or
+  "eval"), global_step, mismatch_rows, compared_rows, replayed_rows, native_rows, invalid_rows).
+  In evaluation TRL prefixes the metrics with ``eval_``.
 
 ``trainer.switchyard_patch`` is the policy model's ``hf.Patch``; ``trainer.switchyard_unpatch()``
 restores the original routers of both models, after which the trainer is trl's own.
@@ -58,6 +59,8 @@ restores the original routers of both models, after which the trainer is trl's o
 Not covered: vision-language models (refused with replay), PEFT reference models (the adapter-off
 pass is told from the old pass by order), Liger kernels (their loss runs its own forward: refused).
 """
+import inspect
+
 import torch
 
 import switchyard.integrations.hf as syhf
@@ -154,12 +157,15 @@ class GRPOTrainer(_trl.GRPOTrainer):
         module docstring). ValueError for a bad switchyard argument or a model without a
         supported MoE router, raised before the model is patched; RuntimeError for an old trl."""
         _check_version()
-        model = kwargs.get("model", args[0] if args else None)
-        targs = kwargs.get("args", args[2] if len(args) > 2 else None)
-        rollout_func = kwargs.get("rollout_func")
-        _check_args(replay, router_dtype, routes_field, gate, targs, rollout_func)
+        given = inspect.signature(_trl.GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
+        model = given.get("model")
+        _check_args(replay, router_dtype, routes_field, gate, given.get("args"),
+                    given.get("rollout_func"))
+        new_patch = None
         if isinstance(model, torch.nn.Module):  # refuse a non-MoE model before TRL builds anything
-            _patch_model(model, router_dtype, gate, "model")
+            had = syhf.patch_of(model)
+            p = _patch_model(model, router_dtype, gate, "model")
+            new_patch = p if had is None else None
         self.switchyard_replay = replay
         self.switchyard_router_dtype = router_dtype
         self.switchyard_routes_field = routes_field
@@ -172,7 +178,12 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._sy_r2 = None          # routes of the old-log-prob pass of that batch (R2)
         self._sy_old_done = False
         self._sy_inputs = None      # the batch _compute_loss runs on
-        super().__init__(*args, **kwargs)
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            if new_patch is not None:  # TRL refused: leave the model as it was given
+                new_patch.unpatch()
+            raise
         if self._is_vlm and replay is not None:
             raise ValueError(f"{_WHO} replay={replay!r} with a vision-language model: not "
                              "supported (text-only MoE models)")
@@ -397,8 +408,9 @@ class GRPOTrainer(_trl.GRPOTrainer):
         B = input_ids.size(0)
         bs = batch_size or B
         logps, ents, auxs = [], [], []
-        rec = dict(kind=kind, mode=mode, global_step=int(self.state.global_step), mismatch_rows=0,
-                   compared_rows=0, replayed_rows=0, native_rows=0, invalid_rows=0)
+        rec = dict(kind=kind, mode=mode, split="train" if self.model.training else "eval",
+                   global_step=int(self.state.global_step), mismatch_rows=0, compared_rows=0,
+                   replayed_rows=0, native_rows=0, invalid_rows=0)
         ids_all = []
         for s in range(0, B, bs):
             e = min(s + bs, B)
@@ -448,7 +460,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
 
     def _sy_log(self, rec):
         self.switchyard_records.append(rec)
-        m = self._metrics["train" if self.model.training else "eval"]
+        m = self._metrics[rec["split"]]
         k = rec["kind"]
         if rec["compared_rows"]:
             m[f"switchyard/{k}/router_mismatch"].append(rec["mismatch_rows"] /
