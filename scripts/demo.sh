@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The main job: installs what is missing (Debian packages, the project's Python venv), builds the
-# Python module and runs `python -m switchyard.demo` (the rollout-trainer routing experiment on a
-# small Qwen3-MoE; options are passed through, see --help). Output: switchyard-demo/ (report.md,
-# summary.json, charts, the route file, the cached checkpoint). Exit code 0 only if the expected
-# outcome holds. The C++ engine's own quick check is `./build/tools/switchyard demo`.
+# Python module and runs `python -m switchyard.demo` (a multi-step GRPO run with TRL's GRPOTrainer on a
+# small Qwen3-MoE in each router mode: bf16, fp32, R3, R2; options are passed through, see --help).
+# Output: switchyard-demo/ (report.md, summary.json, curves.png, the cached checkpoint). Exit code 0
+# only if R3's router mismatch against the rollout is exactly 0 on every step. The C++ engine's own
+# quick check is `./build/tools/switchyard demo`.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

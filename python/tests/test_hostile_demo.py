@@ -49,8 +49,12 @@ def test_demo_out_of_range_numbers_exit_2_naming_the_range(argv, message, tmp_pa
     (["--seed", "-1"], f"--seed: must be an integer in [0, {2**32 - 1}], got -1"),
     (["--temperature", "1e-300"], "--temperature: must be a number in [0.01, 100], got 1e-300"),
     (["--train-lr", "1e10"], "--train-lr: must be a number in (0, 1], got 1e10"),
-    (["--update-lr", "0"], "--update-lr: must be a number in (0, 1], got 0"),
-    (["--pack-align", "inf"], "--pack-align: must be an integer, got 'inf'"),
+    (["--lr", "0"], "--lr: must be a number in (0, 1], got 0"),
+    (["--sync-every", "inf"], "--sync-every: must be an integer, got 'inf'"),
+    (["--num-generations", "1"], f"--num-generations: must be an integer in [2, {INT_MAX}], "
+                                 "got 1"),
+    (["--modes", "r3,bogus"], "--modes: must be a comma-separated list of distinct modes from "
+                              "bf16,fp32,r3,r2, got 'r3,bogus'"),
 ])
 def test_demo_every_numeric_option_has_a_range(argv, message, capsys, tmp_path):
     out = tmp_path / "out"
@@ -64,5 +68,5 @@ def test_demo_every_numeric_option_has_a_range(argv, message, capsys, tmp_path):
 def test_demo_help_states_each_numeric_range():
     p = demo.build_parser()
     for action in p._actions:
-        if action.option_strings and action.type not in (None, str):
+        if action.option_strings and action.type not in (None, str, demo._modes):
             assert "(range " in action.help, action.option_strings

@@ -1,16 +1,21 @@
-"""switchyard.demo: the rollout-trainer routing experiment end to end on a Hugging Face MoE model.
+"""switchyard.demo: a multi-step GRPO run (TRL's GRPOTrainer) on a Hugging Face MoE model, per
+router mode.
 
-    python -m switchyard.demo [--out DIR] [--preset small] ...
+    python -m switchyard.demo [--out DIR] [--steps N] [--modes bf16,fp32,r3,r2] [--seed S] ...
 
-A small Qwen3-MoE (transformers' own class, embedded config, no download) is trained briefly on
-synthetic token grammars (routers peaked; checkpoint cached in the output folder), rolled out like
-an inference server (bf16, KV cache, sampling, routes captured in vLLM's shape into a route file), and
-re-scored like verl's trainer (packed micro-batches) with four router modes: bf16, fp32, R2, R3.
-It prints a table, writes report.md, summary.json and charts, and exits 0 only when the expected
-outcome holds: R3 has exactly zero router mismatch against the rollout and the lowest KL of the four
-modes, and the fp32 router's mismatch is not higher than the bf16 one's."""
+A small Qwen3-MoE (transformers' own class, embedded config, no download) is pretrained briefly on
+synthetic token grammars (routers peaked; checkpoint cached in the output folder), then trained with
+TRL's GRPOTrainer on a verifiable reward (stay in the prompt's grammar with even token ids) for
+--steps optimizer steps in each router mode: bf16 (transformers' router), fp32 (switchyard's FP32
+router in the engine and the trainer), r3 (the rollout's routes replayed) and r2 (the old-log-prob
+pass's routes replayed in TRL's later updates). Rollouts come from an inference engine with other
+numerics (bf16 weights, KV cache, fused RMSNorm / SiLU kernels) holding a stale policy copy synced
+every --sync-every generations. Per step it logs the reward, the train/rollout KL, clip fractions,
+the router mismatch against the rollout and the replayed rows; it writes curves, summary.json and
+report.md, and exits 1 if R3's router mismatch is not exactly zero on every step."""
 import argparse
 import dataclasses
+import json
 import math
 import os
 import time
@@ -19,17 +24,16 @@ from .model import GRAMMARS, NUM_SPECIAL
 
 __all__ = ["main", "run", "build_parser", "PRESETS"]
 
-#: Named sizes. "default" is the README's run (under 3 minutes on 2 cores, first run included);
-#: "small" is the test suite's (well under a minute).
+#: Named sizes. "default" is the README's run; "small" is the test suite's (seconds).
 PRESETS = {
     "default": dict(hidden_size=256, num_layers=6, num_experts=32, top_k=4,
                     moe_intermediate_size=128, vocab_size=1024, train_steps=120, train_batch=16,
-                    train_seq_len=48, num_prompts=16, group_size=4, rollout_batch=16,
-                    max_new_tokens=32, micro_batch_tokens=640),
+                    train_seq_len=48, steps=24, prompts_per_step=8, num_generations=4,
+                    max_new_tokens=16),
     "small": dict(hidden_size=128, num_layers=4, num_experts=16, top_k=4,
                   moe_intermediate_size=64, vocab_size=256, train_steps=40, train_batch=16,
-                  train_seq_len=40, num_prompts=16, group_size=4, rollout_batch=16,
-                  max_new_tokens=24, micro_batch_tokens=384),
+                  train_seq_len=40, steps=4, prompts_per_step=4, num_generations=4,
+                  max_new_tokens=12),
 }
 
 
@@ -67,19 +71,37 @@ _count = _Range(int, 1, _INT_MAX)
 _lr = _Range(float, 0.0, 1.0, lo_open=True)
 
 
+#: Sizes and counts without a tighter limit: every index type on the way (int32 included) holds
+#: them, so no value reaches torch as an overflow.
+_INT_MAX = 2**31 - 1
+_count = _Range(int, 1, _INT_MAX)
+_lr = _Range(float, 0.0, 1.0, lo_open=True)
+
+
+def _modes(text):
+    from .rl import MODES
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in MODES]
+    if not names or bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of distinct modes from "
+                                         f"{','.join(MODES)}, got {text!r}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m switchyard.demo",
         description=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="switchyard-demo",
-                   help="output folder: report.md, summary.json, charts, the route file and the "
-                        "cached checkpoint (reused by a rerun with the same model, training and "
-                        "seed)")
+                   help="output folder: report.md, summary.json, the curves and the cached "
+                        "checkpoint (reused by a rerun with the same model, pretraining and seed)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default",
                    help="named sizes; the options below override single values of it")
     p.add_argument("--seed", type=_Range(int, 0, 2**32 - 1), default=0,
-                   help="seed of the initialisation, corpus, prompts, sampling and packing")
+                   help="seed of the initialisation, corpus, prompts, sampling and TRL")
+    p.add_argument("--modes", type=_modes, default=["bf16", "fp32", "r3", "r2"],
+                   help="router modes to train, in order (comma-separated: bf16, fp32, r3, r2)")
     p.add_argument("--threads", type=_Range(int, 1, 1024), default=argparse.SUPPRESS,
                    help="torch CPU threads (default: OMP_NUM_THREADS if set, else 1: the "
                         "model's ops are small, and two OpenMP threads on a shared 2-core machine "
@@ -96,28 +118,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=_Range(int, NUM_SPECIAL + 8 * len(GRAMMARS), _INT_MAX),
                    help=f"vocabulary ({NUM_SPECIAL} special tokens, then {len(GRAMMARS)} grammars "
                         "of at least 8 tokens each)")
-    g = p.add_argument_group("training on the synthetic corpus (makes the routers peaked)")
+    g = p.add_argument_group("pretraining on the synthetic corpus (makes the routers peaked)")
     g.add_argument("--train-steps", type=_Range(int, 0, _INT_MAX),
                    help="AdamW steps (0 = untrained routers)")
     g.add_argument("--train-batch", type=_count, help="sequences per step")
     g.add_argument("--train-seq-len", type=_Range(int, 5, _INT_MAX),
                    help="tokens per training sequence (BOS, tag, content, EOS: at least 5)")
     g.add_argument("--train-lr", type=_lr, default=3e-3, help="peak learning rate (cosine)")
-    g = p.add_argument_group("rollout (an inference server: bf16, KV cache, sampling)")
-    g.add_argument("--num-prompts", type=_count, help="prompts (one GRPO group each)")
-    g.add_argument("--group-size", type=_count, help="samples per prompt")
-    g.add_argument("--rollout-batch", type=_count, help="sequences per generate() call")
-    g.add_argument("--max-new-tokens", type=_count, help="longest response")
+    g = p.add_argument_group("GRPO (TRL's GRPOTrainer; rollouts from the bf16 engine)")
+    g.add_argument("--steps", type=_count, help="optimizer steps per mode")
+    g.add_argument("--prompts-per-step", type=_count,
+                   help="prompts per generation (one GRPO group each)")
+    g.add_argument("--num-generations", type=_Range(int, 2, _INT_MAX),
+                   help="completions per prompt (the GRPO group)")
+    g.add_argument("--num-iterations", type=_Range(int, 1, 64), default=2,
+                   help="TRL updates per generation, the same in every mode (R2 replays the "
+                        "old-log-prob pass's routes in them; it needs 2 or more)")
+    g.add_argument("--sync-every", type=_Range(int, 1, _INT_MAX), default=2,
+                   help="the engine loads the trainer's weights every this many generations (1 = "
+                        "on-policy up to numerics; more = a stale, off-policy engine)")
+    g.add_argument("--max-new-tokens", type=_count, help="longest completion")
     # Below 0.01 the scaled logits overflow fp32 and sampling meets NaN probabilities.
     g.add_argument("--temperature", type=_Range(float, 0.01, 100.0), default=1.0,
                    help="sampling temperature")
-    g = p.add_argument_group("trainer (verl-like: packed THD micro-batches, bf16 weights)")
-    g.add_argument("--micro-batch-tokens", type=_count,
-                   help="token budget of one packed micro-batch")
-    g.add_argument("--pack-align", type=_count, default=8,
-                   help="pad each packed sequence to a multiple of this (pack_thd's tp_size)")
-    g.add_argument("--update-lr", type=_lr, default=1e-4,
-                   help="AdamW learning rate of the R2 and R3 update steps")
+    g.add_argument("--lr", type=_lr, default=1e-3, help="AdamW learning rate (constant)")
     for action in p._actions:
         if isinstance(action.type, _Range):
             action.help += f" (range {action.type.range})"
@@ -137,8 +161,7 @@ def _usage_error(message):
 
 def _resolve(args):
     from .model import ModelConfig, TrainConfig
-    from .rollout import RolloutConfig
-    from .trainer import TrainerConfig
+    from .rl import RLConfig
     v = dict(PRESETS[args.preset])
     for k in list(v):
         a = getattr(args, k, None)
@@ -147,38 +170,55 @@ def _resolve(args):
     h = v["hidden_size"]
     # Sizes that only make sense together (each alone is checked by argparse).
     if v["top_k"] > v["num_experts"]:
-        _usage_error(f"--top-k must be <= --num-experts="
-                         f"{v['num_experts']}, got {v['top_k']}")
+        _usage_error(f"--top-k must be <= --num-experts={v['num_experts']}, got {v['top_k']}")
     mcfg = ModelConfig(vocab_size=v["vocab_size"], hidden_size=h, num_layers=v["num_layers"],
                        intermediate_size=2 * h, num_experts=v["num_experts"], top_k=v["top_k"],
                        moe_intermediate_size=v["moe_intermediate_size"])
     tcfg = TrainConfig(steps=v["train_steps"], batch_size=v["train_batch"],
                        seq_len=v["train_seq_len"], lr=args.train_lr, seed=args.seed)
-    rcfg = RolloutConfig(num_prompts=v["num_prompts"], group_size=v["group_size"],
-                         batch_size=v["rollout_batch"], max_new_tokens=v["max_new_tokens"],
-                         temperature=args.temperature, seed=args.seed)
-    trcfg = TrainerConfig(micro_batch_tokens=v["micro_batch_tokens"], pack_align=args.pack_align,
-                          update_lr=args.update_lr, seed=args.seed)
-    return mcfg, tcfg, rcfg, trcfg
+    rl = RLConfig(steps=v["steps"], prompts_per_step=v["prompts_per_step"],
+                  num_generations=v["num_generations"], num_iterations=args.num_iterations,
+                  sync_every=args.sync_every, max_new_tokens=v["max_new_tokens"],
+                  temperature=args.temperature, lr=args.lr, seed=args.seed)
+    return mcfg, tcfg, rl
+
+#: What each mode's summary keeps of TRL's per-step logs.
+_STEP_KEYS = ("reward", "reward_std", "loss", "clip_ratio/region_mean", "entropy", "grad_norm",
+              "completions/mean_length", "step_time")
 
 
-RESIDUAL = (
-    "With the rollout's experts replayed, the router is out of the picture; what is left is the "
-    "rest of the numerics, which differ between the engine and the trainer exactly as in real "
-    "stacks: the rollout computes each token once, incrementally, against a KV cache (attention "
-    "of one query over cached bf16 keys and values, GEMMs with as many rows as sequences in the "
-    "batch, left-padded batches), while the trainer recomputes every token in one forward over a "
-    "packed row (block-diagonal causal attention over the whole sequence, GEMMs with as many rows "
-    "as the micro-batch has tokens), runs the experts with transformers' per-expert loop instead "
-    "of the engine's grouped GEMM, and rounds to bf16 inside RMSNorm and SiLU-and-mul where the "
-    "engine's fused kernels keep fp32 and round once. In bf16 these give different roundings of the "
-    "same hidden states, hence slightly different logits and log-probs even with identical experts. "
-    "The KL left under R3 is that attention/GEMM/reduction-order mismatch; the part the router "
-    "adds on top (bf16, fp32, R2) comes from tokens whose experts flip.")
+def _final(rows, policy, steps, k=3):
+    """A mode's headline numbers: reward over the first and the last k generations, the means of
+    the per-generation measurements, TRL's clip ratio mean."""
+    rewards = [s["reward"] for s in steps if "reward" in s]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    synced = [r for r in rows if r["staleness"] == 0]
+    stale = [r for r in rows if r["staleness"] != 0]
+    return {
+        "reward_first": mean(rewards[:k]), "reward_last": mean(rewards[-k:]),
+        # Right after a sync the engine holds the trainer's weights: only numerics differ.
+        "router_mismatch_synced_mean": mean([r["router_mismatch"] for r in synced]),
+        "router_mismatch_stale_mean": mean([r["router_mismatch"] for r in stale]),
+        "train_rollout_k3_kl_synced_mean": mean([r["train_rollout_k3_kl"] for r in synced]),
+        "train_rollout_k3_kl_stale_mean": mean([r["train_rollout_k3_kl"] for r in stale]),
+        "router_mismatch_mean": mean([r["router_mismatch"] for r in rows]),
+        "router_mismatch_max": max((r["router_mismatch"] for r in rows), default=float("nan")),
+        "train_rollout_k3_kl_mean": mean([r["train_rollout_k3_kl"] for r in rows]),
+        "rollout_ratio_outside_clip_mean": mean([r["rollout_ratio_outside_clip"] for r in rows]),
+        "trl_clip_ratio_mean": mean([s["clip_ratio/region_mean"] for s in steps
+                                     if "clip_ratio/region_mean" in s]),
+        "policy_router_mismatch_max": max((r["router_mismatch"] for r in policy),
+                                          default=float("nan")),
+        "replayed_rows": int(sum(r["replayed_rows"] for r in rows)),
+        "native_rows": int(sum(r["native_rows"] for r in rows)),
+        "policy_replayed_rows": int(sum(r["replayed_rows"] for r in policy)),
+        "policy_native_rows": int(sum(r["native_rows"] for r in policy)),
+    }
 
 
-def run(argv: "list[str] | None" = None) -> "tuple[int, dict]":
-    """Runs the demo; returns (exit code, summary dict)."""
+def run(argv: "list[str] | None" = None, _disable_replay: bool = False) -> "tuple[int, dict]":
+    """Runs the demo; returns (exit code, summary dict). ``_disable_replay`` (tests only) runs R3
+    and R2 on TRL's plain trainer, so the R3 check must fail."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:  # before any work: an output folder that cannot be made is a usage error, not a traceback
@@ -189,241 +229,93 @@ def run(argv: "list[str] | None" = None) -> "tuple[int, dict]":
         parser.error(f"--out {args.out!r}: the output folder is not writable")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
+    import warnings
+    warnings.filterwarnings("ignore", module=r"(trl|transformers|accelerate)(\.|$)")
     import torch
-    threads = getattr(args, "threads", None) or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or 1
+    threads = (getattr(args, "threads", None) or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+               or 1)
     torch.set_num_threads(threads)
     import transformers
+    import trl
     transformers.logging.set_verbosity_error()
-
-    import switchyard.integrations.hf as syhf
-    from switchyard import routes as syr
 
     from . import model as dm
     from . import report as rep
-    from . import rollout as ro
-    from . import trainer as tr
+    from . import rl
 
-    mcfg, tcfg, rcfg, trcfg = _resolve(args)
+    mcfg, tcfg, rlcfg = _resolve(args)
     out = args.out
-    os.makedirs(out, exist_ok=True)
     progress = not args.no_progress
     log = print
-    timings = {}
     t_all = time.perf_counter()
+    timings = {}
 
-    # 1. The model, trained briefly so that the routers are peaked (cached).
     t = time.perf_counter()
     model, corpus, minfo = dm.train_or_load(mcfg, tcfg, out, progress=progress, log=log)
-    timings["model (train or load)"] = time.perf_counter() - t
+    timings["model (pretrain or load)"] = time.perf_counter() - t
     ent = minfo["entropy"]
     ent_mean = sum(ent.values()) / len(ent)
-    ent_init = sum(minfo["entropy_init"].values()) / len(minfo["entropy_init"])
-    log(f"[demo] routing entropy {ent_mean:.3f} nats (initialisation {ent_init:.3f}, uniform "
-        f"log E = {math.log(mcfg.num_experts):.3f})")
-    model = model.to(torch.bfloat16)
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    moe_layers = mcfg.moe_layers
+    log(f"[demo] routing entropy {ent_mean:.3f} nats (uniform log E = "
+        f"{math.log(mcfg.num_experts):.3f})")
 
-    # 2. The rollout.
-    t = time.perf_counter()
-    route_path = os.path.join(out, "rollout.syr")
-    samples, rinfo = ro.run_rollout(model, corpus, rcfg, moe_layers, route_path, progress)
-    timings["rollout (generate + capture + route file)"] = time.perf_counter() - t
-    log(f"[demo] rollout: {rinfo['num_sequences']} sequences, {rinfo['response_tokens']} "
-        f"response tokens, {rinfo['fed_tokens'] / rinfo['seconds']:.0f} tokens/s; routes -> "
-        f"{route_path} ({rinfo['route_file_bytes']} bytes)")
-
-    # 3. The trainer: the rollout's routes read back from the route file, packed micro-batches.
-    # The FP32 router is a remedy for both engines: the rollout engine's own computation (same
-    # batches, KV cache, decode steps) over the same tokens, with switchyard's FP32 router.
-    t = time.perf_counter()
-    fp32_samples, fp32_arrays, fp32_info = ro.engine_pass(
-        model, corpus, rcfg, torch.float32, forced=samples, progress=progress,
-        desc="rollout fp32 router (teacher forced)")
-    fp32_tables = ro.import_routes(model, fp32_arrays, moe_layers)
-    timings["rollout with the fp32 router (teacher forced)"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    tables = syr.read(route_path)
-    mbs = tr.make_micro_batches(samples, tables, mcfg.num_experts, trcfg)
-    model.set_attn_implementation("sdpa")
-    model.set_experts_implementation("eager")
-    order = [s.index for mb in mbs for s in mb.samples]
-    rollout_tables = [tables[i] for i in order]
-    rollout_lp = [samples[i].rollout_logprobs for i in order]
-    fp32_ref_tables = [fp32_tables[i] for i in order]
-    fp32_ref_lp = [fp32_samples[i].rollout_logprobs for i in order]
-    results = {}
-
-    def measure(mode, lp, routes, seconds, tokens, counts, ref_tables=None, ref_lp=None):
-        ref_tables = rollout_tables if ref_tables is None else ref_tables
-        ref_lp = rollout_lp if ref_lp is None else ref_lp
-        d = syr.drift(ref_tables, routes, mcfg.num_experts)
-        lr = torch.cat([a - b for a, b in zip(lp, ref_lp)]).double()
-        ratio = torch.exp(lr)
-        res = {
-            "router_mismatch": float(d["decision_mismatch"]),
-            "token_mismatch": float(d["token_mismatch"]),
-            "mean_differing_layers": float(d["mean_differing_layers"]),
-            "layer_mismatch": [float(x) for x in d["layer_mismatch"]],
-            "k3_kl": float((ratio - 1 - lr).mean()),
-            "max_abs_log_ratio": float(lr.abs().max()),
-            "ratio_outside_clip": float(((ratio < 0.8) | (ratio > 1.2)).double().mean()),
-            "replayed_rows": int(sum(c["num_replayed_rows"] for c in counts.values())),
-            "native_rows": int(sum(c["num_native_rows"] for c in counts.values())),
-            "compared_decisions": int(d["num_decisions"]),
-            "response_tokens": int(lr.numel()),
-            "tokens_per_s": tokens / seconds,
-            "seconds": seconds,
-        }
-        if mode in tr.MODES:
-            results[mode] = res
-        return res
-
-    def patched(router_dtype):
-        p = syhf.patch(model, router_dtype=router_dtype)
-        p.reset_counts()
-        return p
-
-    with torch.no_grad():
-        # One untimed pass first (oneDNN builds its kernels per shape on first use), so that the
-        # first timed mode does not pay for it.
-        for mb in mbs:
-            model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False)
-        # bf16: transformers' router, unchanged (router_dtype=None patches only for capture).
-        p = patched(None)
-        lp, routes, sec, tok = tr.trainer_pass(model, p, mbs, moe_layers, progress=progress,
-                                               desc="trainer bf16 (HF router)")
-        measure("bf16", lp, routes, sec, tok, p.counts())
-        bf16_routes = routes
-        p.unpatch()
-        # fp32: switchyard's FP32 router.
-        p = patched(torch.float32)
-        lp, routes, sec, tok = tr.trainer_pass(model, p, mbs, moe_layers, progress=progress,
-                                               desc="trainer fp32 (switchyard router)")
-        res = measure("fp32", lp, routes, sec, tok, p.counts(), fp32_ref_tables, fp32_ref_lp)
-        only = measure("fp32_trainer_only", lp, routes, sec, tok, p.counts())
-        res["trainer_only"] = {k: only[k] for k in ("router_mismatch", "token_mismatch",
-                                                     "k3_kl", "max_abs_log_ratio",
-                                                     "ratio_outside_clip", "layer_mismatch")}
-        p.unpatch()
-    timings["trainer bf16 + fp32 passes"] = time.perf_counter() - t
-
-    # R2: record in the old-log-prob pass, one optimizer step, replay in the update pass.
-    t = time.perf_counter()
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
-    p = patched(None)
-    with torch.no_grad():
-        old_lp, old_routes, _, _, recorded = tr.record_pass(model, p, mbs, progress=progress)
-    r2_step = tr.grpo_step(model, p, mbs, old_lp, recorded, trcfg.update_lr, trcfg.clip,
-                           progress=progress, desc="trainer r2   (update step)")
-    p.reset_counts()
-    with torch.no_grad():
-        lp, routes, sec, tok = tr.trainer_pass(model, p, mbs, moe_layers, targets=recorded,
-                                               progress=progress,
-                                               desc="trainer r2   (update pass, replay)")
-        counts = p.counts()
-        native_lp, native_routes, _, _ = tr.trainer_pass(model, p, mbs, moe_layers,
-                                                         progress=progress,
-                                                         desc="trainer r2   (same, no replay)")
-    res = measure("r2", lp, routes, sec, tok, counts)
-    res["old_pass_equals_bf16"] = all(bool(torch.equal(a, b)) for a, b in
-                                      zip(old_routes, bf16_routes))
-    res["step_drift_native"] = float(syr.drift(old_routes, native_routes,
-                                               mcfg.num_experts)["decision_mismatch"])
-    res["step_drift_replayed"] = float(syr.drift(old_routes, routes,
-                                                 mcfg.num_experts)["decision_mismatch"])
-    lrn = torch.cat([a - b for a, b in zip(native_lp, old_lp)]).double()
-    lrr = torch.cat([a - b for a, b in zip(lp, old_lp)]).double()
-    res["step_k3_kl_native"] = float((torch.exp(lrn) - 1 - lrn).mean())
-    res["step_k3_kl_replayed"] = float((torch.exp(lrr) - 1 - lrr).mean())
-    res["step_router_grad_norm"] = r2_step[1]
-    p.unpatch()
-    model.load_state_dict(saved)
-    timings["trainer r2 (record, step, replay)"] = time.perf_counter() - t
-
-    # R3: the rollout's routes from the route file.
-    t = time.perf_counter()
-    p = patched(None)
-    targets = [mb.targets for mb in mbs]
-    with torch.no_grad():
-        lp, routes, sec, tok = tr.trainer_pass(model, p, mbs, moe_layers, targets=targets,
-                                               progress=progress,
-                                               desc="trainer r3   (rollout routes)")
-    measure("r3", lp, routes, sec, tok, p.counts())
-    r3_lp = lp
-    loss, router_norm, all_norm, per_layer = tr.grpo_step(
-        model, p, mbs, r3_lp, targets, trcfg.update_lr, trcfg.clip, progress=progress,
-        desc="trainer r3   (GRPO update step)")
-    p.unpatch()
-    timings["trainer r3 (replay + GRPO step)"] = time.perf_counter() - t
+    modes = {}
+    for mode in args.modes:
+        log(f"[demo] {mode}: GRPO, {rlcfg.steps} steps ({rlcfg.prompts_per_step} prompts x "
+            f"{rlcfg.num_generations} completions per generation, {rlcfg.num_iterations} updates "
+            f"each, engine synced every {rlcfg.sync_every} generations)")
+        rows, policy, steps, sec, eng, cpu = rl.run_mode(mode, model, corpus, mcfg, rlcfg, out,
+                                            progress=progress, disable_replay=_disable_replay)
+        steps = [{"step": s["step"], **{k: float(s[k]) for k in _STEP_KEYS if k in s}}
+                 for s in steps]
+        fin = _final(rows, policy, steps)
+        modes[mode] = {"final": fin, "generations": rows, "policy": policy, "steps": steps,
+                       "seconds": sec,
+                       "engine_seconds": eng, "seconds_per_step": sec / rlcfg.steps,
+                       "cpu_seconds": cpu, "cpu_seconds_per_step": cpu / rlcfg.steps}
+        timings[f"mode {mode}"] = sec
+        log(f"[demo] {mode}: reward {fin['reward_first']:.3f} -> {fin['reward_last']:.3f}, router "
+            f"mismatch mean {100 * fin['router_mismatch_mean']:.3f}% (max "
+            f"{100 * fin['router_mismatch_max']:.3f}%), train/rollout k3 KL mean "
+            f"{fin['train_rollout_k3_kl_mean']:.2e}, {sec:.0f} s ({sec / rlcfg.steps:.1f} s/step, "
+            f"CPU {cpu / rlcfg.steps:.1f} s/step)")
     timings["total"] = time.perf_counter() - t_all
 
-    # 4. Outcome, outputs.
-    kl = {m: results[m]["k3_kl"] for m in tr.MODES}
-    checks = {
-        "R3 has exactly zero router mismatch against the rollout":
-            results["r3"]["router_mismatch"] == 0.0 and results["r3"]["compared_decisions"] > 0,
-        "R3 has the lowest k3 KL of the four modes":
-            all(kl["r3"] < kl[m] for m in tr.MODES if m != "r3"),
-        # Not "lower": how much of the mismatch the fp32 router removes depends on how the CPU's
-        # torch kernels round the bf16 gate (with ATen's generic kernels the bf16 gate already
-        # rounds once, and the two modes measured the same 0.26%); never higher is the invariant.
-        "fp32 router (rollout and trainer) mismatch is not higher than bf16's":
-            results["fp32"]["router_mismatch"] <= results["bf16"]["router_mismatch"],
-        "the R3 update step has a non-zero router gradient": router_norm > 0.0,
-    }
-    load_counts, _, imbalance = syr.expert_load(list(tables), mcfg.num_experts)
+    checks = {}
+    if "r3" in modes:
+        # Every forward that scores the rollout's tokens: the old-log-prob pass of each
+        # generation and the loss forward of each optimizer step.
+        passes = modes["r3"]["generations"] + modes["r3"]["policy"]
+        checks["R3: router mismatch against the rollout exactly 0 on every step"] = (
+            len(modes["r3"]["policy"]) == rlcfg.steps and all(
+                r["mismatch_rows"] == 0 and r["compared_rows"] > 0 and r["replayed_rows"] > 0
+                for r in passes))
     summary = {
-        "model": dict(dataclasses.asdict(mcfg), moe_layers=moe_layers,
+        "model": dict(dataclasses.asdict(mcfg), moe_layers=mcfg.moe_layers,
                       num_parameters=int(sum(x.numel() for x in model.parameters())),
                       family="Qwen3-MoE (transformers Qwen3MoeForCausalLM)",
-                      transformers=transformers.__version__, torch=torch.__version__),
+                      transformers=transformers.__version__, torch=torch.__version__,
+                      trl=trl.__version__),
         "config": {"preset": args.preset, "seed": args.seed, "threads": threads,
-                   "train": dataclasses.asdict(tcfg), "rollout": dataclasses.asdict(rcfg),
-                   "trainer": dataclasses.asdict(trcfg)},
-        "train": {"steps": tcfg.steps, "cached": minfo["cached"],
-                  "seconds": minfo["train_seconds"],
-                  "loss_first": minfo["train_losses"][0] if minfo["train_losses"] else None,
-                  "loss_last": minfo["train_losses"][-1] if minfo["train_losses"] else None,
-                  "checkpoint": minfo["checkpoint"]},
-        "routing_entropy": {"trained_per_layer": ent, "init_per_layer": minfo["entropy_init"],
-                            "trained_mean": ent_mean, "init_mean": ent_init,
-                            "uniform": math.log(mcfg.num_experts)},
-        "rollout": rinfo,
-        "rollout_fp32_router": fp32_info,
-        "trainer": {"num_micro_batches": len(mbs),
-                    "micro_batch_tokens": [mb.num_tokens for mb in mbs],
-                    "rollout_batches": math.ceil(rinfo["num_sequences"] / rcfg.batch_size)},
-        "modes": results,
-        "r3_update": {"loss": loss, "router_grad_norm": router_norm, "grad_norm": all_norm,
-                      "router_grad_norm_per_layer": {str(k): v for k, v in per_layer.items()}},
-        "expert_load_imbalance": list(imbalance),
-        "residual_explanation": RESIDUAL,
+                   "modes": list(args.modes), "pretrain": dataclasses.asdict(tcfg),
+                   "grpo": dataclasses.asdict(rlcfg)},
+        "pretrain": {"steps": tcfg.steps, "cached": minfo["cached"],
+                     "seconds": minfo["train_seconds"], "checkpoint": minfo["checkpoint"],
+                     "routing_entropy_mean": ent_mean},
+        "modes": modes,
         "checks": checks,
         "ok": all(checks.values()),
         "timings": timings,
     }
-    chart_names = rep.charts(summary, load_counts, out)
+    charts = rep.charts(summary, out)
     rep.write_summary(summary, out)
-    rep.write_markdown(summary, chart_names, out)
+    rep.write_markdown(summary, charts, out)
     log("")
     log(rep.terminal_table(summary))
     log("")
-    only = results["fp32"]["trainer_only"]
-    log(f"fp32 router in the trainer only (the engine keeps bf16): router mismatch "
-        f"{100 * only['router_mismatch']:.2f}%, token mismatch {100 * only['token_mismatch']:.2f}%,"
-        f" k3 KL {only['k3_kl']:.2e}")
-    log(f"R3 GRPO update step: loss {loss:.4f}, router grad norm {router_norm:.3e} (all "
-        f"{all_norm:.3e})")
-    log(f"R2: the step would change {100 * results['r2']['step_drift_native']:.2f}% of the "
-        f"recorded decisions without replay, {100 * results['r2']['step_drift_replayed']:.2f}% "
-        "with it")
     for name, ok in checks.items():
         log(f"[{'PASS' if ok else 'FAIL'}] {name}")
-    log(f"[demo] wrote {out}/report.md, summary.json, {', '.join(chart_names)} in "
+    log(f"[demo] wrote {out}/report.md, summary.json, {', '.join(charts)} in "
         f"{timings['total']:.1f} s")
     return (0 if summary["ok"] else 1), summary
 
