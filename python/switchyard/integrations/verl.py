@@ -249,3 +249,164 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         dev = micro_batch["input_ids"].values().device
         return torch.nested.nested_tensor_from_jagged(values.to(dev, torch.int16),
                                                       offsets.to(dev))
+
+
+# ---- verl's Megatron engine -------------------------------------------------------------------
+def megatron_replay_targets(routed_experts, input_ids, *, num_experts, num_layers, moe_layer_freq,
+                            keys, tp_size=1, tp_rank=0, sequence_parallel=False, cp_size=1,
+                            cp_rank=0):
+    """One verl Megatron micro-batch's ``routed_experts`` -> ``{layer_number: ids [T_local, K]}``
+    for ``switchyard.integrations.megatron.set_replay_targets``, in the order this rank's routers
+    see the tokens.
+
+    routed_experts: jagged [B, tokens, num_layers, K] integers (verl's layout; a sequence may have
+    one row fewer than its input_ids: the rollout never routes the last token), input_ids: jagged
+    [B, tokens]. The tokens are packed as verl's ``preprocess_thd_engine`` packs input_ids (each
+    sequence padded to ``tp_size`` or ``2 * tp_size * cp_size``), cut to this context-parallel
+    rank's zigzag piece and, under sequence parallelism, to this tensor-parallel rank's block.
+    All-zero rows, missing last rows and padding are -1 (routed natively, counted). ``keys``: the
+    layer numbers of this (virtual) pipeline chunk's routers (``attach_replay``'s keys), so
+    pipeline stages take their own layers. ``moe_layer_freq``: Megatron's (int or per-layer list)."""
+    import switchyard as sy
+    want = f"[B, tokens (as input_ids), num_layers={num_layers}, K]"
+    if not isinstance(routed_experts, torch.Tensor) or not routed_experts.is_nested or \
+            not isinstance(input_ids, torch.Tensor) or not input_ids.is_nested:
+        raise ValueError(f"[verl] routed_experts must be a jagged nested tensor {want} (verl's "
+                         "no-padding layout), got "
+                         f"{getattr(routed_experts, 'shape', type(routed_experts).__name__)}")
+    values = routed_experts.values()
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        raise ValueError(f"[verl] routed_experts must hold integer expert ids, got dtype "
+                         f"{values.dtype}")
+    lengths = input_ids.offsets().diff().to("cpu", torch.int64)
+    rlen = routed_experts.offsets().diff().to("cpu", torch.int64)
+    if values.dim() != 3 or values.shape[1] != num_layers or len(rlen) != len(lengths) or \
+            bool(((rlen != lengths) & (rlen != lengths - 1)).any()):
+        raise ValueError(f"[verl] routed_experts must be {want}, got {len(rlen)} sequences with "
+                         f"values {list(values.shape)} (lengths {rlen.tolist()}, input_ids "
+                         f"lengths {lengths.tolist()})")
+    B, S = len(lengths), int(lengths.max()) if len(lengths) else 0
+    mask = torch.arange(S).unsqueeze(0) < lengths.unsqueeze(1)
+    rmask = torch.arange(S).unsqueeze(0) < rlen.unsqueeze(1)
+    dense = values.new_zeros((B, S, *values.shape[1:]))
+    dense[rmask.to(values.device)] = values  # a missing last row stays 0: no route
+    if isinstance(moe_layer_freq, int):
+        freq = [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
+    else:
+        freq = [int(v) for v in moe_layer_freq]
+    tables, rep = sy.routes.from_verl(dense.to("cpu"), mask.to(torch.int64), num_experts,
+                                      moe_layer_freq=freq)
+    packed, _, cu_padded = sy.routes.pack_thd(tables, tp_size=tp_size, cp_size=cp_size)
+    if cp_size > 1:
+        packed = sy.routes.cp_zigzag_split(packed, cu_padded, cp_size, cp_rank)
+    if sequence_parallel and tp_size > 1:
+        packed = sy.routes.sp_split(packed, tp_size, tp_rank)
+    return sy.routes.layer_targets(packed, rep["moe_layers"], keys)
+
+
+try:
+    from megatron.core import parallel_state as _mpu
+    from verl.utils.megatron_utils import unwrap_model as _unwrap_model
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+except ImportError:  # no megatron-core: the FSDP engine alone
+    MegatronEngineWithLMHead = None
+
+if MegatronEngineWithLMHead is not None:
+    import switchyard.integrations.megatron as sym
+
+    __all__.append("SwitchyardMegatronEngine")
+
+    @EngineRegistry.register(model_type="language_model", backend="megatron",
+                             device=["cuda", "npu", "cpu"], vendor=VENDOR)
+    class SwitchyardMegatronEngine(MegatronEngineWithLMHead):
+        """verl's Megatron engine with switchyard.integrations.megatron in place of verl's
+        router_replay_patch: Megatron-Core patched by ``sym.apply()`` (the dropless all-to-all
+        sized from the validated replay's pair count, no ``.item()``), one keyed, validated
+        ``RouterReplay`` per router (``attach_replay``), R3 targets per micro-batch from its
+        ``routed_experts`` (``megatron_replay_targets``)."""
+
+        # verl's own replay (its TopKRouter patch, moe_enable_routing_replay in the config, its
+        # per-micro-batch set_router_replay_data) stays off: every use of this flag in verl's
+        # engine reads False, whatever its __init__ assigns.
+        @property
+        def enable_routing_replay(self):
+            return False
+
+        @enable_routing_replay.setter
+        def enable_routing_replay(self, value):
+            pass
+
+        def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+            _check_version()
+            mode = _mode_of(engine_config)
+            self.router_replay_mode = "disabled" if engine_config.forward_only else mode
+            if self.router_replay_mode == "R2":
+                raise ValueError("[verl] switchyard's Megatron engine serves router_replay mode "
+                                 "R3 (or disabled), got R2 (its log-prob pass does not record "
+                                 "routes yet; the FSDP engine does)")
+            if self.router_replay_mode != "disabled":
+                if engine_config.dynamic_context_parallel:
+                    raise ValueError("[verl] switchyard router replay does not support "
+                                     "dynamic_context_parallel, got True")
+                if not model_config.use_remove_padding:
+                    raise ValueError("[verl] switchyard's Megatron router replay needs the packed "
+                                     "(THD) layout, got use_remove_padding=False")
+                sym.apply()  # before the model is built; idempotent
+            super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+            self._replaying = False
+            self.router_replays = {}
+
+        def initialize(self):
+            super().initialize()
+            if self.router_replay_mode != "disabled":
+                if getattr(self.tf_config, "fp8", None):
+                    raise ValueError("[verl] switchyard's Megatron router replay does not support "
+                                     f"fp8 padding yet, got fp8={self.tf_config.fp8!r}")
+                self.router_replays = sym.attach_replay(self.module, invalid_replay_rows="merge")
+
+        def forward_backward_batch(self, data, loss_function, forward_only=False):
+            flag = tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=None)
+            self._replaying = bool(self.router_replays) and flag is not False
+            # verl's own R2 recording (forward_backward_batch reads this key) stays off.
+            tu.assign_non_tensor(data, enable_routing_replay=False)
+            try:
+                return super().forward_backward_batch(data, loss_function,
+                                                      forward_only=forward_only)
+            finally:
+                if flag is not None:
+                    tu.assign_non_tensor(data, enable_routing_replay=flag)
+                if self.router_replays:
+                    sym.set_replay_action(self.module, None)
+                    sym.clear_replay(self.module)
+                self._replaying = False
+
+        def forward_step(self, batch_iter, model, logits_processor_func,
+                         postprocess_micro_batch_func):
+            batch = next(batch_iter)
+            if self._replaying:
+                self.set_micro_batch_targets(batch, model)
+            return super().forward_step(iter([batch]), model, logits_processor_func,
+                                        postprocess_micro_batch_func)
+
+        def set_micro_batch_targets(self, batch, model):
+            """Validates the micro-batch's routes and queues them for ``model``'s routers (one
+            VPP chunk), every check before any state changes."""
+            routed = batch.get("routed_experts", None)
+            if routed is None:
+                raise ValueError("[verl] router replay R3: the micro-batch has no "
+                                 "'routed_experts' (the rollout must return them, e.g. "
+                                 "actor_rollout_ref.rollout.enable_rollout_routing_replay=True)")
+            chunk = _unwrap_model(model)
+            keys = [k for k in sym.replays(chunk) if isinstance(k, int)]
+            cfg = self.tf_config
+            targets = megatron_replay_targets(
+                routed, batch["input_ids"], num_experts=cfg.num_moe_experts,
+                num_layers=cfg.num_layers, moe_layer_freq=cfg.moe_layer_freq, keys=keys,
+                tp_size=_mpu.get_tensor_model_parallel_world_size(),
+                tp_rank=_mpu.get_tensor_model_parallel_rank(),
+                sequence_parallel=bool(cfg.sequence_parallel),
+                cp_size=_mpu.get_context_parallel_world_size(),
+                cp_rank=_mpu.get_context_parallel_rank())
+            sym.set_replay_targets(chunk, targets,
+                                   group=_mpu.get_expert_model_parallel_group())
+            sym.set_replay_action(chunk, "replay_forward", keys=keys)

@@ -1,0 +1,158 @@
+"""switchyard's verl Megatron engine (SwitchyardMegatronEngine): verl's Megatron micro-batch
+(jagged routed_experts, THD packing) -> switchyard.integrations.megatron's keyed, validated replay
+targets, applied to real Megatron-Core MoE layers on the CPU.
+
+verl 0.9.1's Megatron engine itself cannot be initialised here: its initialize() builds the model
+through Megatron-Bridge (`from megatron.bridge import AutoBridge`; use_mbridge must be True), which
+is not installed (it needs Transformer Engine / CUDA). Its construction (device mesh on gloo) and
+registry lookup are tested; the forward path is tested from the micro-batch on."""
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # megatron_shims / megatron_workers
+
+import megatron_shims  # noqa: E402
+import megatron_workers as mw  # noqa: E402
+
+import switchyard.integrations.megatron as sym  # noqa: E402
+import switchyard.integrations.verl as syverl  # noqa: E402
+
+E, K, L = mw.E, mw.K, 2
+
+
+@pytest.fixture(scope="module")
+def layers():
+    megatron_shims.install()  # Megatron-Core's MoE layer on CPU tensors (each shim says why)
+    sym.apply()
+    pg, _, _ = mw._groups(0, 1)
+    cfg = mw._config(1, num_layers=L)
+    ls = [mw._layer(cfg, pg, layer_number=n) for n in (1, 2)]
+    sym.attach_replay(ls, invalid_replay_rows="merge")
+    yield ls
+    sym.detach_replay(ls)
+
+
+def micro_batch(lengths=(5, 7, 4), short=(1,), seed=3):
+    """verl's jagged micro-batch: input_ids and routed_experts int16 [B, tokens, L, K]; the
+    sequences in ``short`` have one route row fewer (the rollout's unrouted last token), and one
+    zero row (a token the rollout never routed)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, routes = [], []
+    for b, n in enumerate(lengths):
+        ids.append(torch.randint(3, 97, (n,), generator=g))
+        r = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n * L)]).view(n, L, K)
+        r[1] = 0
+        routes.append(r[:n - 1] if b in short else r)
+    nest = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+    return nest(ids), nest([r.to(torch.int16) for r in routes]), routes
+
+
+def _targets(input_ids, routed, **kw):
+    return syverl.megatron_replay_targets(routed, input_ids, num_experts=E, num_layers=L,
+                                          moe_layer_freq=1, keys=[1, 2], **kw)
+
+
+def test_megatron_targets_are_the_micro_batchs_routes_in_thd_order():
+    input_ids, routed, routes = micro_batch()
+    t = _targets(input_ids, routed, tp_size=2)  # THD: each sequence padded to a multiple of 2
+    want = []
+    for r, n in zip(routes, input_ids.offsets().diff().tolist()):
+        rows = torch.full((n + n % 2, L, K), -1, dtype=torch.int32)
+        rows[:len(r)] = r.to(torch.int32)
+        rows[1] = -1  # the zero row: no route
+        want.append(rows)
+    want = torch.cat(want)
+    assert set(t) == {1, 2}
+    for k in (1, 2):
+        assert torch.equal(t[k], want[:, k - 1])
+
+
+def test_megatron_targets_split_for_sequence_and_context_parallel_ranks():
+    input_ids, routed, _ = micro_batch()
+    # the whole packed micro-batch, each sequence padded to 2 * tp * cp = 8 rows as verl pads it
+    full = _targets(input_ids, routed, tp_size=8)
+    pieces = [_targets(input_ids, routed, tp_size=2, cp_size=2, cp_rank=c, sequence_parallel=True,
+                       tp_rank=r) for c in range(2) for r in range(2)]
+    n = full[1].shape[0]
+    assert all(p[1].shape[0] == n // 4 for p in pieces)
+    # the CP ranks' zigzag pieces, each cut in SP blocks, cover every packed row once
+    import switchyard as sy
+    cu = [0]
+    for m in input_ids.offsets().diff().tolist():
+        cu.append(cu[-1] + -(-m // 8) * 8)
+    for k in (1, 2):
+        cps = [sy.routes.sp_gather([pieces[2 * c + r][k].unsqueeze(1) for r in range(2)])
+               for c in range(2)]
+        assert torch.equal(sy.routes.cp_zigzag_gather(cps, cu)[:, 0], full[k])
+
+
+def test_replayed_ids_on_megatron_moe_layers_equal_the_micro_batchs_routes(layers):
+    input_ids, routed, routes = micro_batch()
+    t = _targets(input_ids, routed)
+    T = t[1].shape[0]
+    sym.set_replay_targets(layers, t)
+    sym.set_replay_action(layers, "replay_forward")
+    x = mw._tokens(0, T)
+    try:
+        for n, layer in zip((1, 2), layers):
+            _, routing_map = layer.router(x.view(T, -1))
+            used = routing_map.nonzero()
+            got = torch.full((T, K), -1, dtype=torch.int64)
+            for row in range(T):
+                got[row] = routing_map[row].nonzero().view(-1)
+            rows = t[n][:, 0] >= 0
+            assert rows.sum() == T - 3 - 1  # a zero row in 3 sequences, 1 missing last row
+            # mismatch exactly 0: every replayed row routes to the rollout's experts
+            assert torch.equal(got[rows].sort(1).values, t[n][rows].long().sort(1).values)
+            assert used.shape[0] == T * K
+        counts = sym.replay_counts(layers)
+        assert counts[1].replayed == T - 4 and counts[1].native == 4
+    finally:
+        sym.set_replay_action(layers, None)
+        sym.clear_replay(layers)
+
+
+@pytest.mark.hostile(tried="verl Megatron micro-batch whose routed_experts has an expert id >= "
+                     "num_experts", gets="ValueError naming the layer and row before any router "
+                     "runs; the next micro-batch replays normally")
+def test_megatron_routes_with_an_id_out_of_range_are_refused_before_any_state(layers):
+    input_ids, routed, _ = micro_batch()
+    bad = routed.values().clone()
+    bad[4, 1, 0] = E
+    bad = torch.nested.nested_tensor_from_jagged(bad, routed.offsets())
+    with pytest.raises(ValueError, match=r"\[0, 8\)|num_experts|out of range"):
+        sym.set_replay_targets(layers, _targets(input_ids, bad))
+    # nothing was queued: the next micro-batch's forward takes its own targets, not the bad ones
+    test_replayed_ids_on_megatron_moe_layers_equal_the_micro_batchs_routes(layers)
+
+
+@pytest.mark.hostile(tried="verl Megatron micro-batch whose routed_experts has the wrong layer "
+                     "count or one token too many", gets="ValueError naming routed_experts and "
+                     "the shapes, before any target is queued")
+def test_megatron_routes_of_the_wrong_shape_are_refused():
+    input_ids, routed, routes = micro_batch()
+    with pytest.raises(ValueError, match=r"routed_experts must be .*num_layers=3"):
+        syverl.megatron_replay_targets(routed, input_ids, num_experts=E, num_layers=3,
+                                       moe_layer_freq=1, keys=[1, 2])
+    longer = torch.nested.as_nested_tensor(
+        [torch.cat([r, r[:2]]).to(torch.int16) for r in routes], layout=torch.jagged)
+    with pytest.raises(ValueError, match=r"routed_experts must be .*lengths"):
+        _targets(input_ids, longer)
+    with pytest.raises(ValueError, match=r"integer expert ids"):
+        _targets(input_ids, torch.nested.nested_tensor_from_jagged(
+            routed.values().float(), routed.offsets()))
+
+
+def test_the_registry_gives_switchyards_megatron_engine_without_verls_replay_patch(monkeypatch):
+    from verl.workers.engine import EngineRegistry
+    monkeypatch.setenv("VERL_ENGINE_VENDOR", "switchyard")
+    cls = EngineRegistry.get_engine_cls("language_model", "megatron")
+    assert cls is syverl.SwitchyardMegatronEngine
+    # verl's own replay flag reads False whatever verl's __init__ assigns to it
+    obj = cls.__new__(cls)
+    obj.enable_routing_replay = True
+    assert obj.enable_routing_replay is False
