@@ -33,6 +33,13 @@ Per forward, the metrics get ``router_replay/replayed_rows``, ``router_replay/na
 tokens routed natively: each sequence's last token, all-zero rows; padding not counted) and
 ``router_replay/recorded_rows`` (R2's log-prob pass), summed over MoE layers. Not supported (refused when replay is on):
 Ulysses sequence parallelism (untested on CPU).
+
+With megatron-core installed the same vendor also gives :class:`SwitchyardMegatronEngine` for
+verl's ``megatron`` backend: verl's own router_replay_patch stays off, Megatron-Core is patched by
+``switchyard.integrations.megatron.apply()`` (the dropless dispatcher sized without ``.item()``)
+and each micro-batch's ``routed_experts`` become keyed, validated targets
+(:func:`megatron_replay_targets`: THD packing, CP zigzag, SP split, this pipeline chunk's layers).
+R3 only, packed layout only; see docs/guides/verl.md for what is tested.
 """
 import os
 
