@@ -156,3 +156,51 @@ def test_the_registry_gives_switchyards_megatron_engine_without_verls_replay_pat
     obj = cls.__new__(cls)
     obj.enable_routing_replay = True
     assert obj.enable_routing_replay is False
+
+
+def test_the_engine_replays_a_micro_batchs_routes_without_verls_replay_patch(layers, monkeypatch,
+                                                                            tmp_path):
+    """SwitchyardMegatronEngine built by verl's registry (R3; construction runs verl's own
+    __init__: device mesh on gloo) does not apply verl's router_replay_patch, and its per-micro-
+    batch step (what forward_step runs before verl's forward) queues the micro-batch's routes on
+    the forwarded chunk's routers. initialize() needs Megatron-Bridge (see the module), so the
+    model is the two Megatron-Core MoE layers of the fixture, given as the engine's config and
+    chunk."""
+    import verl_cpu
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import (EngineRouterReplayConfig, HFModelConfig, McoreEngineConfig,
+                                     McoreOptimizerConfig)
+    from verl.workers.engine import EngineRegistry
+    monkeypatch.setenv("VERL_ENGINE_VENDOR", "switchyard")
+    path = verl_cpu.tiny_qwen3_moe(tmp_path / "m", num_hidden_layers=L)
+    eng = EngineRegistry.new(
+        model_type="language_model", backend="megatron",
+        model_config=HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=True),
+        engine_config=McoreEngineConfig(strategy="megatron",
+                                        router_replay=EngineRouterReplayConfig(mode="R3")),
+        optimizer_config=McoreOptimizerConfig(lr=1e-2), checkpoint_config=CheckpointConfig())
+    assert type(eng) is syverl.SwitchyardMegatronEngine
+    assert eng.router_replay_mode == "R3" and eng.enable_routing_replay is False
+    # verl's .item() dispatcher patch (and its TopKRouter patch) were never applied
+    assert not hasattr(MoEAlltoAllTokenDispatcher, "_preprocess_patched")
+    eng.tf_config = layers[0].config
+    input_ids, routed, _ = micro_batch()
+    from tensordict import TensorDict
+    batch = TensorDict({"input_ids": input_ids, "routed_experts": routed}, batch_size=[3])
+    eng.set_micro_batch_targets(batch, layers)
+    want = _targets(input_ids, routed)
+    T = want[1].shape[0]
+    x = mw._tokens(0, T)
+    try:
+        for n, layer in zip((1, 2), layers):
+            _, routing_map = layer.router(x.view(T, -1))
+            rows = want[n][:, 0] >= 0
+            got = torch.stack([routing_map[r].nonzero().view(-1) for r in range(T)])
+            assert torch.equal(got[rows].sort(1).values, want[n][rows].long().sort(1).values)
+        del batch["routed_experts"]
+        with pytest.raises(ValueError, match="no 'routed_experts'"):
+            eng.set_micro_batch_targets(batch, layers)
+    finally:
+        sym.set_replay_action(layers, None)
+        sym.clear_replay(layers)
