@@ -204,3 +204,161 @@ def test_the_engine_replays_a_micro_batchs_routes_without_verls_replay_patch(lay
     finally:
         sym.set_replay_action(layers, None)
         sym.clear_replay(layers)
+
+
+# ---- verl's Megatron engine end to end (infer_batch -> forward_backward_batch -> forward_step) --
+NL, HID, VOCAB = 2, 32, 97
+
+
+def _cpu_engine(tmp_path, monkeypatch):
+    """SwitchyardMegatronEngine from verl's registry (R3, padded layout), with a Megatron-Core
+    GPT MoE model built here in place of initialize() (which needs Megatron-Bridge). Shims, each
+    needed on the CPU only: the schedule's token counter is allocated on "cuda"; the model turns
+    verl's [B, S] padding mask (read by TE's attention) into the [B, 1, S, S] mask Megatron-Core's
+    local attention takes; a tokenizer-less config gets the pad id verl reads from a tokenizer."""
+    import types
+
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import verl_cpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import (EngineRouterReplayConfig, HFModelConfig, McoreEngineConfig,
+                                     McoreOptimizerConfig)
+    from verl.workers.engine import EngineRegistry
+
+    class _CpuTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def zeros(self, *a, **k):
+            if k.get("device") == "cuda":
+                k["device"] = "cpu"
+            return torch.zeros(*a, **k)
+    monkeypatch.setattr(schedules, "torch", _CpuTorch())
+
+    class CpuGPT(GPTModel):
+        def forward(self, input_ids, position_ids, attention_mask, **kw):
+            S = attention_mask.shape[1]
+            causal = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
+            mask = causal[None, None] | ~attention_mask[:, None, None, :].bool()
+            return super().forward(input_ids, position_ids, mask, **kw)
+
+    monkeypatch.setenv("VERL_ENGINE_VENDOR", "switchyard")
+    path = verl_cpu.tiny_qwen3_moe(tmp_path / "m", num_hidden_layers=NL)
+    mc = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=False)
+    eng = EngineRegistry.new(
+        model_type="language_model", backend="megatron", model_config=mc,
+        engine_config=McoreEngineConfig(strategy="megatron", use_remove_padding=False,
+                                        router_replay=EngineRouterReplayConfig(mode="R3")),
+        optimizer_config=McoreOptimizerConfig(lr=1e-2), checkpoint_config=CheckpointConfig())
+    object.__setattr__(mc, "tokenizer", types.SimpleNamespace(pad_token_id=0))
+    cfg = TransformerConfig(
+        num_layers=NL, hidden_size=HID, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+        ffn_hidden_size=64, moe_ffn_hidden_size=16, num_moe_experts=E, moe_router_topk=K,
+        moe_token_dispatcher_type="alltoall", add_bias_linear=False, use_cpu_initialization=True,
+        moe_permute_fusion=False, params_dtype=torch.float32, moe_router_dtype="fp32",
+        moe_aux_loss_coeff=0.0, normalization="RMSNorm", gated_linear_unit=True,
+        qk_layernorm=True, init_method_std=0.2)
+    torch.manual_seed(0)
+    model = CpuGPT(cfg, get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False,
+                                                 qk_layernorm=True),
+                   vocab_size=VOCAB, max_sequence_length=128, position_embedding_type="rope")
+    model.eval()
+    eng.tf_config, eng.module, eng.is_value_model = cfg, [model], False
+    eng.router_replays = sym.attach_replay(eng.module, invalid_replay_rows="merge")
+    maps = {}
+    for r in sym.replays(eng.module):
+        router = next(m for m in model.modules() if getattr(m, "_sy", None) is not None and
+                      m._sy.key == r)
+        router.register_forward_hook(lambda m, a, out, r=r: maps.__setitem__(r, out[1].clone()))
+    return eng, maps
+
+
+PROMPTS = [[5, 6, 7], [8, 9]]
+RESPONSES = [[10, 11, 12], [13]]
+
+
+def _used(maps, B, S, lengths):
+    """The routes the engine's routers used, as verl's dense [B, S, L, K] (rows of real tokens)."""
+    out = torch.zeros(B, S, NL, K, dtype=torch.int16)
+    for n, m in maps.items():  # m: [S_pad * B, E], sequence-first
+        Sp = m.shape[0] // B
+        ids = torch.stack([r.nonzero().view(-1) for r in m]).view(Sp, B, K).transpose(0, 1)
+        for b, length in enumerate(lengths):
+            out[b, :length, n - 1] = ids[b, :length].to(torch.int16)
+    return out
+
+
+def _run(eng, maps, routed=None, **kw):
+    import verl_cpu
+    td, dense = verl_cpu.batch(PROMPTS, RESPONSES, num_hidden_layers=NL, top_k=K,
+                               routed_experts=routed, use_remove_padding=False, **kw)
+    maps.clear()
+    out = eng.infer_batch(td)
+    return out, dense
+
+
+def test_megatron_engine_r3_replays_the_rollouts_routes_end_to_end(tmp_path, monkeypatch):
+    """verl's Megatron engine (its forward_backward_batch, schedule, BSHD preprocessing and
+    forward) with switchyard's replay: router mismatch exactly 0 against the routes given, and
+    the log-probs of a replay of the native routes equal the native forward's."""
+    eng, maps = _cpu_engine(tmp_path, monkeypatch)
+    native, dense = _run(eng, maps, enable_routing_replay=False)
+    mask = dense["attention_mask"]
+    B, S = mask.shape
+    lengths = mask.sum(1).tolist()
+    used = _used(maps, B, S, lengths)  # routes of the native forward, per real token
+    # as a rollout returns them: left-padded like the batch, zero at each sequence's last token
+    routed = torch.zeros(B, S, NL, K, dtype=torch.int16)
+    for b in range(B):
+        real = mask[b].bool().nonzero().view(-1)
+        routed[b, real[:-1]] = used[b, :lengths[b] - 1]
+    same, _ = _run(eng, maps, routed)
+    for a, b in zip(native["model_output"]["log_probs"].unbind(),
+                    same["model_output"]["log_probs"].unbind()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    # forced routes: every replayed token's experts are the given ones (mismatch 0)
+    g = torch.Generator().manual_seed(5)
+    forced = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * S * NL)]).view(
+        B, S, NL, K).to(torch.int16)
+    forced[routed.eq(0).all(-1)] = 0  # padding and last tokens: no route
+    out, _ = _run(eng, maps, forced)
+    got = _used(maps, B, S, lengths)
+    for b in range(B):
+        n = lengths[b] - 1
+        want = forced[b][mask[b].bool()][:n].long().sort(-1).values
+        assert torch.equal(got[b, :n].long().sort(-1).values, want)
+    # replay matters here: the forced routes change the log-probs
+    assert any(not torch.allclose(a, c, atol=1e-3) for a, c in zip(
+        native["model_output"]["log_probs"].unbind(), out["model_output"]["log_probs"].unbind()))
+
+
+@pytest.mark.hostile(tried="verl Megatron engine fed a micro-batch whose routed_experts has an "
+                     "expert id >= num_experts", gets="ValueError before any router runs; the "
+                     "next batch replays its own routes")
+def test_megatron_engine_refuses_bad_routes_before_any_forward(tmp_path, monkeypatch):
+    eng, maps = _cpu_engine(tmp_path, monkeypatch)
+    import verl_cpu
+    _, dense = verl_cpu.batch(PROMPTS, RESPONSES, num_hidden_layers=NL, top_k=K,
+                              use_remove_padding=False)
+    mask = dense["attention_mask"].bool()
+    B, S = mask.shape
+    routed = torch.zeros(B, S, NL, K, dtype=torch.int16)
+    routed[mask] = torch.tensor([[0, 1], [2, 3]], dtype=torch.int16)
+    bad = routed.clone()
+    bad[0, mask[0].nonzero()[0, 0], 1] = torch.tensor([E, 1], dtype=torch.int16)
+    with pytest.raises(ValueError, match=r"\[0, 8\)|out of range|num_experts"):
+        _run(eng, maps, bad)
+    assert maps == {}  # no router ran
+    with pytest.raises(ValueError, match="no 'routed_experts'"):
+        _run(eng, maps)
+    assert maps == {}
+    _run(eng, maps, routed)  # the next batch replays its own routes
+    lengths = mask.sum(1).tolist()
+    got = _used(maps, B, S, lengths)
+    for b in range(B):
+        n = lengths[b] - 1  # the last token: routed natively
+        assert torch.equal(got[b, :n].long().sort(-1).values,
+                           routed[b][mask[b]][:n].long().sort(-1).values)

@@ -39,7 +39,7 @@ verl's ``megatron`` backend: verl's own router_replay_patch stays off, Megatron-
 ``switchyard.integrations.megatron.apply()`` (the dropless dispatcher sized without ``.item()``)
 and each micro-batch's ``routed_experts`` become keyed, validated targets
 (:func:`megatron_replay_targets`: THD packing, CP zigzag, SP split, this pipeline chunk's layers).
-R3 only, packed layout only; see docs/guides/verl.md for what is tested.
+R3 only; see docs/guides/verl.md for what is tested.
 """
 import os
 
@@ -261,7 +261,7 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
 # ---- verl's Megatron engine -------------------------------------------------------------------
 def megatron_replay_targets(routed_experts, input_ids, *, num_experts, num_layers, moe_layer_freq,
                             keys, tp_size=1, tp_rank=0, sequence_parallel=False, cp_size=1,
-                            cp_rank=0):
+                            cp_rank=0, bshd_seq_len=None):
     """One verl Megatron micro-batch's ``routed_experts`` -> ``{layer_number: ids [T_local, K]}``
     for ``switchyard.integrations.megatron.set_replay_targets``, in the order this rank's routers
     see the tokens.
@@ -273,7 +273,12 @@ def megatron_replay_targets(routed_experts, input_ids, *, num_experts, num_layer
     rank's zigzag piece and, under sequence parallelism, to this tensor-parallel rank's block.
     All-zero rows, missing last rows and padding are -1 (routed natively, counted). ``keys``: the
     layer numbers of this (virtual) pipeline chunk's routers (``attach_replay``'s keys), so
-    pipeline stages take their own layers. ``moe_layer_freq``: Megatron's (int or per-layer list)."""
+    pipeline stages take their own layers. ``moe_layer_freq``: Megatron's (int or per-layer list).
+    ``bshd_seq_len``: the padded layout instead (verl's ``preprocess_bshd_engine``, padding off):
+    every sequence right-padded to this length (the micro-batch's longest, or verl's
+    ``forced_max_seqlen``, aligned to ``tp_size`` or ``2 * tp_size * cp_size``), zigzag-cut per
+    sequence under CP, the sequence dimension cut under SP, in Megatron's sequence-first token
+    order (token s of sequence b is row s * B + b)."""
     import switchyard as sy
     want = f"[B, tokens (as input_ids), num_layers={num_layers}, K]"
     if not isinstance(routed_experts, torch.Tensor) or not routed_experts.is_nested or \
@@ -303,12 +308,31 @@ def megatron_replay_targets(routed_experts, input_ids, *, num_experts, num_layer
         freq = [int(v) for v in moe_layer_freq]
     tables, rep = sy.routes.from_verl(dense.to("cpu"), mask.to(torch.int64), num_experts,
                                       moe_layer_freq=freq)
-    packed, _, cu_padded = sy.routes.pack_thd(tables, tp_size=tp_size, cp_size=cp_size)
-    if cp_size > 1:
-        packed = sy.routes.cp_zigzag_split(packed, cu_padded, cp_size, cp_rank)
-    if sequence_parallel and tp_size > 1:
-        packed = sy.routes.sp_split(packed, tp_size, tp_rank)
-    return sy.routes.layer_targets(packed, rep["moe_layers"], keys)
+    if bshd_seq_len is None:
+        packed, _, cu_padded = sy.routes.pack_thd(tables, tp_size=tp_size, cp_size=cp_size)
+        if cp_size > 1:
+            packed = sy.routes.cp_zigzag_split(packed, cu_padded, cp_size, cp_rank)
+        if sequence_parallel and tp_size > 1:
+            packed = sy.routes.sp_split(packed, tp_size, tp_rank)
+        return sy.routes.layer_targets(packed, rep["moe_layers"], keys)
+    Sp = int(bshd_seq_len)
+    align = 2 * tp_size * cp_size if cp_size > 1 else tp_size
+    if Sp < S or Sp % align:
+        raise ValueError(f"[verl] bshd_seq_len must be >= the longest sequence ({S}) and a "
+                         f"multiple of {align}, got bshd_seq_len={bshd_seq_len}")
+    M = len(rep["moe_layers"])
+    padded = torch.full((B, Sp, M, values.shape[2]), -1, dtype=torch.int32)
+    for b, t in enumerate(tables):
+        padded[b, :t.shape[0]] = t
+    if cp_size > 1:  # each sequence cut in 2 * cp chunks; rank r keeps chunks r and 2cp-1-r
+        padded = sy.routes.cp_zigzag_split(padded.reshape(B * Sp, M, -1),
+                                           [b * Sp for b in range(B + 1)], cp_size, cp_rank)
+        padded = padded.reshape(B, Sp // cp_size, M, -1)
+    if sequence_parallel and tp_size > 1:  # Megatron scatters [S, B, H] along S
+        n = padded.shape[1] // tp_size
+        padded = padded[:, tp_rank * n:(tp_rank + 1) * n]
+    return sy.routes.layer_targets(padded.reshape(-1, M, padded.shape[-1]).contiguous(),
+                                   rep["moe_layers"], keys, batch_size=B)
 
 
 try:
@@ -355,9 +379,6 @@ if MegatronEngineWithLMHead is not None:
                 if engine_config.dynamic_context_parallel:
                     raise ValueError("[verl] switchyard router replay does not support "
                                      "dynamic_context_parallel, got True")
-                if not model_config.use_remove_padding:
-                    raise ValueError("[verl] switchyard's Megatron router replay needs the packed "
-                                     "(THD) layout, got use_remove_padding=False")
                 sym.apply()  # before the model is built; idempotent
             super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
             self._replaying = False
@@ -406,14 +427,23 @@ if MegatronEngineWithLMHead is not None:
             chunk = _unwrap_model(model)
             keys = [k for k in sym.replays(chunk) if isinstance(k, int)]
             cfg = self.tf_config
+            tp, cp = (_mpu.get_tensor_model_parallel_world_size(),
+                      _mpu.get_context_parallel_world_size())
+            seq_len = None
+            if not self.engine_config.use_remove_padding:  # verl's preprocess_bshd_engine
+                lengths = batch["input_ids"].offsets().diff()
+                seq_len = tu.get_non_tensor_data(data=batch, key="forced_max_seqlen", default=None)
+                seq_len = int(lengths.max()) if seq_len is None else int(seq_len)
+                align = 2 * tp * cp if cp > 1 else tp
+                seq_len += (align - seq_len % align) % align
             targets = megatron_replay_targets(
                 routed, batch["input_ids"], num_experts=cfg.num_moe_experts,
                 num_layers=cfg.num_layers, moe_layer_freq=cfg.moe_layer_freq, keys=keys,
-                tp_size=_mpu.get_tensor_model_parallel_world_size(),
+                tp_size=tp,
                 tp_rank=_mpu.get_tensor_model_parallel_rank(),
                 sequence_parallel=bool(cfg.sequence_parallel),
-                cp_size=_mpu.get_context_parallel_world_size(),
-                cp_rank=_mpu.get_context_parallel_rank())
+                cp_size=cp,
+                cp_rank=_mpu.get_context_parallel_rank(), bshd_seq_len=seq_len)
             sym.set_replay_targets(chunk, targets,
                                    group=_mpu.get_expert_model_parallel_group())
             sym.set_replay_action(chunk, "replay_forward", keys=keys)
