@@ -173,6 +173,7 @@ def test_the_engine_replays_a_micro_batchs_routes_without_verls_replay_patch(lay
                                      McoreOptimizerConfig)
     from verl.workers.engine import EngineRegistry
     monkeypatch.setenv("VERL_ENGINE_VENDOR", "switchyard")
+    megatron_shims.install()  # the engine's __init__ seeds Megatron's CUDA RNG tracker
     path = verl_cpu.tiny_qwen3_moe(tmp_path / "m", num_hidden_layers=L)
     eng = EngineRegistry.new(
         model_type="language_model", backend="megatron",
@@ -237,6 +238,7 @@ def _cpu_engine(tmp_path, monkeypatch):
                 k["device"] = "cpu"
             return torch.zeros(*a, **k)
     monkeypatch.setattr(schedules, "torch", _CpuTorch())
+    megatron_shims.install()  # the engine's __init__ seeds Megatron's CUDA RNG tracker
 
     class CpuGPT(GPTModel):
         def forward(self, input_ids, position_ids, attention_mask, **kw):
@@ -362,3 +364,40 @@ def test_megatron_engine_refuses_bad_routes_before_any_forward(tmp_path, monkeyp
         n = lengths[b] - 1  # the last token: routed natively
         assert torch.equal(got[b, :n].long().sort(-1).values,
                            routed[b][mask[b]][:n].long().sort(-1).values)
+
+
+def test_megatron_engine_update_forward_replays_and_the_router_gets_gradients(tmp_path,
+                                                                              monkeypatch):
+    """The update pass (forward_backward_batch, forward_only=False: verl's schedule runs the
+    backward) replays the routes too, and the routers' gradients flow through the replayed ids;
+    the replay queues are empty afterwards (nothing left for the next call)."""
+    eng, maps = _cpu_engine(tmp_path, monkeypatch)
+    import verl_cpu
+    td, dense = verl_cpu.batch(PROMPTS, RESPONSES, num_hidden_layers=NL, top_k=K,
+                               use_remove_padding=False)
+    mask = dense["attention_mask"].bool()
+    B, S = mask.shape
+    g = torch.Generator().manual_seed(9)
+    routed = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * S * NL)]).view(
+        B, S, NL, K).to(torch.int16)
+    routed[~mask] = 0
+    td, _ = verl_cpu.batch(PROMPTS, RESPONSES, num_hidden_layers=NL, top_k=K,
+                           routed_experts=routed, use_remove_padding=False)
+    model = eng.module[0]
+    model.train()
+    model.zero_grad()
+
+    def loss_fn(model_output, data, dp_group=None):
+        return -model_output["log_probs"].values().mean(), {}
+    maps.clear()
+    eng.forward_backward_batch(td, loss_function=loss_fn, forward_only=False)
+    lengths = mask.sum(1).tolist()
+    got = _used(maps, B, S, lengths)
+    for b in range(B):
+        n = lengths[b]  # every row has a route here (none zero): all replayed
+        assert torch.equal(got[b, :n].long().sort(-1).values,
+                           routed[b][mask[b]][:n].long().sort(-1).values)
+    grads = [m.weight.grad for m in model.modules() if getattr(m, "_sy", None) is not None]
+    assert len(grads) == NL and all(gr is not None and gr.abs().sum() > 0 for gr in grads)
+    counts = sym.replay_counts(eng.module, total=True)
+    assert counts == {} or all(c.calls == 0 for c in counts.values())  # cleared after the call
