@@ -45,7 +45,7 @@ def torch_router(x, w, K, aux_coeff):
 
 def sy_router(x, w, cfg):
     logits = syt.router_gating_linear(x, w, router_dtype=torch.float32)
-    probs, idx = syt.topk_route(logits, cfg)
+    probs, idx, _ = syt.topk_route(logits, cfg)
     return probs, idx, None
 
 

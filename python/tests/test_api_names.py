@@ -24,7 +24,7 @@ def test_router_config_uses_top_k():
 
 def test_results_use_num_tokens_per_expert():
     cfg = sy.RouterConfig(num_experts=8, top_k=2)
-    w, idx, info = syt.topk_route(torch.randn(5, 8), cfg, return_info=True)
+    w, idx, info = syt.topk_route(torch.randn(5, 8), cfg)
     assert int(info.num_tokens_per_expert.sum()) == 10
     with pytest.raises(AttributeError, match="'tokens_per_expert' was renamed "
                                              "'num_tokens_per_expert'"):
@@ -42,7 +42,7 @@ def test_results_use_num_tokens_per_expert():
 def test_dispatch_keywords_are_topk_weights_and_apply_weights():
     cfg = sy.RouterConfig(num_experts=4, top_k=2)
     x = torch.randn(6, 3)
-    w, idx = syt.topk_route(torch.randn(6, 4), cfg)
+    w, idx, _ = syt.topk_route(torch.randn(6, 4), cfg)
     disp = syt.AllGatherDispatcher(num_experts=4)
     recv_x, recv_w, h = disp.dispatch(x, topk_weights=w, topk_idx=idx)
     y = disp.combine(recv_x * recv_w[:, None], h, apply_weights=False)

@@ -46,9 +46,10 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"\[topk_route\] logits: dtype must be one of .*complex"):
         syt.topk_route(torch.zeros(2, 4, dtype=torch.complex64), cfg)
     with pytest.raises(ValueError, match=r"replay_idx.*int32 or int64|replay_idx"):
-        syt.topk_route(torch.zeros(2, 4), cfg, replay_idx=torch.zeros(2, 2))
+        syt.topk_route(torch.zeros(2, 4), cfg, inputs=syt.RouteInputs(replay_idx=torch.zeros(2, 2)))
     with pytest.raises(ValueError, match=r"replay_idx holds 4294967296"):
-        syt.topk_route(torch.zeros(2, 4), cfg, replay_idx=torch.full((2, 2), 2**32))
+        syt.topk_route(torch.zeros(2, 4), cfg,
+                       inputs=syt.RouteInputs(replay_idx=torch.full((2, 2), 2**32)))
 
 
 def test_exception_mapping():

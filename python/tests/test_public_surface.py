@@ -1,0 +1,78 @@
+"""The public surface (issue 26, docs/deprecations.md): one result type for topk_route, its options
+grouped as the engine's structs, old call forms refused with an error that names the new form."""
+import pytest
+import torch
+
+import switchyard as sy
+import switchyard.torch as syt
+
+
+def _cfg():
+    return sy.RouterConfig(num_experts=8, top_k=2)
+
+
+def test_topk_route_returns_one_result_type_whatever_the_options():
+    z = torch.randn(5, 8, dtype=torch.float64)
+    plain = syt.topk_route(z, _cfg())
+    grouped = syt.topk_route(z, _cfg(), syt.RouteInputs(padding_mask=torch.zeros(5, dtype=bool)),
+                             syt.RouteOptions(layer=3, training=False), syt.RouteComms())
+    for r in (plain, grouped):
+        assert isinstance(r, syt.TopKRoute) and len(r) == 3
+        assert r.weights.shape == (5, 2) and r.weights.dtype == torch.float64
+        assert r.idx.shape == (5, 2) and r.idx.dtype == torch.int64
+        assert isinstance(r.info, syt.RouteInfo) and r.info.num_native_rows == 5
+    assert torch.equal(plain.idx, grouped.idx)
+    w, idx, info = plain  # a named tuple: unpacks as (weights, idx, info)
+    assert w is plain.weights and idx is plain.idx and info is plain.info
+
+
+def test_topk_route_keeps_leading_dims():
+    r = syt.topk_route(torch.randn(2, 3, 8), _cfg())
+    assert r.weights.shape == (2, 3, 2) and r.idx.shape == (2, 3, 2)
+
+
+@pytest.mark.hostile(tried="topk_route(logits, cfg, replay_idx=ids) (the old flat keywords)",
+                     gets="TypeError naming the group: inputs=switchyard.torch.RouteInputs("
+                          "replay_idx=...)")
+@pytest.mark.parametrize("kw,group,cls,field", [
+    ("replay_idx", "inputs", "RouteInputs", "replay_idx"),
+    ("expert_bias", "inputs", "RouteInputs", "expert_bias"),
+    ("seq_length", "options", "RouteOptions", "seq_length"),
+    ("aux_loss_grad_scale", "options", "RouteOptions", "aux_loss_grad_scale"),
+    ("loss_comm", "comms", "RouteComms", "loss"),
+    ("global_aux_loss_comm", "comms", "RouteComms", "global_aux_loss"),
+])
+def test_topk_route_old_flat_keyword_names_its_group(kw, group, cls, field):
+    with pytest.raises(TypeError, match=rf"\[topk_route\] keyword '{kw}' moved into the {group} "
+                                        rf"group: pass {group}=switchyard.torch.{cls}\({field}="):
+        syt.topk_route(torch.zeros(2, 8), _cfg(), **{kw: None})
+
+
+@pytest.mark.hostile(tried="topk_route(..., return_info=True)",
+                     gets="TypeError: return_info was removed, the result is always "
+                          "TopKRoute(weights, idx, info)")
+def test_topk_route_return_info_is_refused():
+    with pytest.raises(TypeError, match=r"return_info was removed: topk_route always returns a "
+                                        r"TopKRoute\(weights, idx, info\)"):
+        syt.topk_route(torch.zeros(2, 8), _cfg(), return_info=True)
+
+
+@pytest.mark.hostile(tried="topk_route(logits, cfg, expert_bias, replay_idx) (the old positional "
+                           "form)",
+                     gets="TypeError: inputs must be a RouteInputs, naming the new form")
+def test_topk_route_old_positional_form_is_refused():
+    with pytest.raises(TypeError, match=r"\[topk_route\] inputs must be a switchyard.torch."
+                                        r"RouteInputs or None, got Tensor"):
+        syt.topk_route(torch.zeros(2, 8), _cfg(), torch.zeros(8))
+    with pytest.raises(TypeError, match=r"options must be a switchyard.torch.RouteOptions or "
+                                        r"None, got Tensor"):
+        syt.topk_route(torch.zeros(2, 8), _cfg(), None, torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"comms must be a switchyard.torch.RouteComms or None, "
+                                        r"got str"):
+        syt.topk_route(torch.zeros(2, 8), _cfg(), None, None, "native")
+
+
+def test_route_groups_are_frozen():
+    o = syt.RouteOptions(layer=2)
+    with pytest.raises(Exception):
+        o.layer = 3
