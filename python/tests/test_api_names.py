@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import switchyard as sy
+import switchyard._testing as sy_testing
 import switchyard.torch as syt
 
 
@@ -86,7 +87,7 @@ def test_cpu_isa_environment_variable_is_checked():
                                    torch.int64, torch.uint8, torch.bool])
 def test_results_come_back_through_dlpack_without_numpy(dtype):
     # Engine-owned results reach torch through DLPack: right dtype, writable, contiguous.
-    out = sy._C._full([3, 2], dtype, 1.0)
+    out = sy_testing.full([3, 2], dtype, 1.0)
     assert out.dtype == dtype and out.is_contiguous() and out.shape == (3, 2)
     assert bool((out == torch.ones(3, 2, dtype=dtype)).all())
     out[0, 0] = 0

@@ -76,3 +76,12 @@ def test_route_groups_are_frozen():
     o = syt.RouteOptions(layer=2)
     with pytest.raises(Exception):
         o.layer = 3
+
+
+def test_public_modules_hold_no_test_hooks():
+    import switchyard._testing as sy_testing
+    for hook in ("_borrow_device", "_borrow_info", "_clone", "_full"):
+        assert not hasattr(sy._C, hook), hook
+    for probe in ("borrow_device", "borrow_info", "clone", "full"):
+        assert callable(getattr(sy_testing, probe)), probe
+        assert not hasattr(sy, probe) and not hasattr(syt, probe), probe
