@@ -165,10 +165,43 @@ def _agree_requires_grad(op, comm, flags):
                              f"False on others (rank {comm.rank}: {bool(flags[i])})")
 
 
+def _handle_accessor(name, doc):
+    return property(lambda self: getattr(self._c, name), doc=doc)
+
+
 class DispatchHandle:
-    """What combine and the backwards need, returned by ``dispatch``. ``num_tokens_per_expert`` [L]
-    int64 (rows per local expert, ascending), ``expert_offsets`` [L+1], ``recv_src_rank`` /
-    ``recv_src_token`` [R]: the source of every received row. Integers, never differentiable."""
+    """What ``combine`` and the backwards need, returned by ``dispatch``: opaque (as DeepEP's
+    handle), read through the accessors below. Integers, never differentiable; the tensors are
+    copies (editing them cannot corrupt a later combine or backward).
+
+    R = num_recv_tokens (rows of recv_x, padding rows included), L = num_local_experts."""
+
+    __slots__ = ("_c", "_topk_weights", "_comm")
+
+    kind = _handle_accessor("kind", "'all_to_all' or 'all_gather': the dispatcher that made it.")
+    rank = _handle_accessor("rank", "This rank in the ep communicator.")
+    world_size = _handle_accessor("world_size", "The ep size.")
+    num_tokens = _handle_accessor("num_tokens", "T: tokens this rank dispatched.")
+    hidden = _handle_accessor("hidden", "H: the hidden size (the same on every rank).")
+    num_experts = _handle_accessor("num_experts", "E: experts over all ranks.")
+    num_local_experts = _handle_accessor("num_local_experts", "L = E / ep size.")
+    num_recv_tokens = _handle_accessor("num_recv_tokens",
+                                       "R: rows of recv_x on this rank, padding rows included.")
+    num_tokens_per_expert = _handle_accessor(
+        "num_tokens_per_expert", "[L] int64: rows per local expert in recv_x (ascending expert), "
+        "padding included (sum = R): what a grouped GEMM iterates over.")
+    num_unpadded_tokens_per_expert = _handle_accessor(
+        "num_unpadded_tokens_per_expert", "[L] int64: real (unpadded) received rows per local "
+        "expert; equal to num_tokens_per_expert without padding.")
+    expert_offsets = _handle_accessor(
+        "expert_offsets", "[L+1] int64: where each local expert's rows start in recv_x.")
+    recv_src_rank = _handle_accessor(
+        "recv_src_rank", "[R] int64: the source rank of every received row (-1: padding row).")
+    recv_src_token = _handle_accessor(
+        "recv_src_token", "[R] int64: the source token (on its rank) of every received row "
+        "(-1: padding row).")
+    num_dropped = _handle_accessor("num_dropped",
+                                   "(token, expert) pairs this rank dropped by capacity.")
 
     def __init__(self, c_handle, topk_weights, comm):
         self._c = c_handle
@@ -176,11 +209,8 @@ class DispatchHandle:
         self._comm = comm
 
     def __getattr__(self, name):
-        if name.startswith("_"):  # not set yet (copy, unpickling): no recursion through _c
-            raise AttributeError(name)
-        if name in _names.RENAMED:
-            raise _names.old_attribute(self, name)
-        return getattr(self._c, name)
+        # Only reached for names that are not accessors: old names say what replaced them.
+        raise _names.old_attribute(self, name)
 
     def __repr__(self):
         h = self._c

@@ -85,3 +85,29 @@ def test_public_modules_hold_no_test_hooks():
     for probe in ("borrow_device", "borrow_info", "clone", "full"):
         assert callable(getattr(sy_testing, probe)), probe
         assert not hasattr(sy, probe) and not hasattr(syt, probe), probe
+
+
+@pytest.mark.hostile(tried="handle.rank_expert_counts / handle.plan on a DispatchHandle (engine "
+                           "internals)",
+                     gets="AttributeError: the handle is opaque, read through its documented "
+                          "accessors")
+def test_dispatch_handle_is_opaque_with_documented_accessors():
+    E, K, T, H = 4, 2, 6, 3
+    z = torch.randn(T, E)
+    w, idx, _ = syt.topk_route(z, sy.RouterConfig(num_experts=E, top_k=K))
+    disp = syt.AllGatherDispatcher(num_experts=E)
+    recv_x, recv_w, h = disp.dispatch(torch.randn(T, H), topk_weights=w, topk_idx=idx)
+    assert h.num_recv_tokens == recv_x.shape[0] == T * K and h.num_tokens == T
+    assert h.num_tokens_per_expert.dtype == torch.int64 and h.num_tokens_per_expert.shape == (E,)
+    assert int(h.num_tokens_per_expert.sum()) == h.num_recv_tokens
+    assert h.expert_offsets.shape == (E + 1,) and h.recv_src_token.shape == (T * K,)
+    assert (h.kind, h.rank, h.world_size, h.num_local_experts) == ("all_gather", 0, 1, E)
+    for internal in ("rank_expert_counts", "rank_expert_rows", "rank_num_tokens", "plan",
+                     "num_pairs", "recv_gather_index", "layout_id"):
+        with pytest.raises(AttributeError, match=f"'DispatchHandle' object has no attribute "
+                                                 f"'{internal}'"):
+            getattr(h, internal)
+    with pytest.raises(AttributeError, match="'tokens_per_expert' was renamed"):
+        h.tokens_per_expert
+    with pytest.raises(AttributeError):
+        h.num_recv_tokens = 3
