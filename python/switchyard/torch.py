@@ -381,9 +381,10 @@ class AllGatherDispatcher(_Dispatcher):
 # Top-k routing (scores, top-k or replay, capacity, auxiliary losses)
 # --------------------------------------------------------------------------------------------------
 class RouteInfo:
-    """Readable results of one routing call beside (topk_weights, topk_idx): loss values (coefficients
-    included, 0 when off), per-expert counts, capacity, and the replayed / native / padded row
-    counts (replayed + native + padded == T), so replay can never silently do nothing."""
+    """Readable results of one routing call (``TopKRoute.info``, ``TopKRouter.last_info``): loss
+    values (Python floats, coefficients included, 0 when off), ``num_tokens_per_expert`` [E] int64,
+    capacity, and the replayed / native / padded row counts (replayed + native + padded == T), so
+    replay can never silently do nothing."""
 
     __slots__ = ("aux_loss", "aux_loss_parts", "z_loss", "num_tokens_per_expert", "qb_beta_local",
                  "expert_capacity", "pad_to_capacity", "expert_alignment", "num_dropped",

@@ -59,7 +59,8 @@ def test_old_policy_spelling_names_the_new_one(where):
             sy.classify_replay_rows(_ids([[0, 1]]), 4, "to_none")
 
 
-@pytest.mark.hostile(tried="topk_route(invalid_replay_rows='merge') with a row [1, 1]",
+@pytest.mark.hostile(tried="topk_route(options=RouteOptions(invalid_replay_rows='merge')) with a row "
+                           "[1, 1]",
                      gets="the row is replayed: both slots keep id 1, each with its weight")
 def test_topk_route_merge_keeps_repeated_slots():
     w, idx, info = syt.topk_route(torch.zeros(2, 4, dtype=torch.float64),

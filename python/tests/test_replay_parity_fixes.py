@@ -185,7 +185,7 @@ def _loss_state(r):
     return st
 
 
-@pytest.mark.hostile(tried="syt.TopKRouter(...).eval() (or topk_route(training=False)) with "
+@pytest.mark.hostile(tried="syt.TopKRouter(...).eval() (or RouteOptions(training=False)) with "
                            "grad enabled, aux/z losses configured",
                      gets="no aux or z loss: values 0, no loss gradient, no loss state change; "
                           "expert-bias counts as Megatron's eval")
@@ -234,9 +234,9 @@ def test_eval_router_applies_no_loss_like_megatron(mcore, gen, case):
 
 @pytest.mark.parametrize("case", EVAL_CASES, ids=list(EVAL_CASES))
 def test_eval_topk_route_computes_no_loss(gen, case):
-    """topk_route(training=False), the engine's eval path: the weights' gradient alone (as a route
-    without losses), loss values 0, the global aux-loss state untouched, even when asked to
-    accumulate."""
+    """topk_route(options=RouteOptions(training=False)), the engine's eval path: the weights'
+    gradient alone (as a route without losses), loss values 0, the global aux-loss state
+    untouched, even when asked to accumulate."""
     kw = EVAL_CASES[case]
     lb = kw.get("moe_router_load_balancing_type", "aux_loss")
     E, K, T = 8, 2, 32
@@ -271,7 +271,8 @@ def test_eval_topk_route_computes_no_loss(gen, case):
 # --------------------------------------------------------------------------------------------------
 # 3. topk_route under torch.no_grad: the global aux-loss state follows Megatron's rule by default
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.hostile(tried="syt.topk_route(..., global_aux_loss_state=s) under torch.no_grad()",
+@pytest.mark.hostile(tried="syt.topk_route(..., RouteInputs(global_aux_loss_state=s)) under "
+                           "torch.no_grad()",
                      gets="the state is left alone (Megatron counts only training forwards "
                           "with grad); accumulate_global_aux_loss=True still counts")
 def test_topk_route_under_no_grad_leaves_global_aux_loss_state_like_megatron(mcore, gen):
