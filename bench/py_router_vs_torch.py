@@ -143,7 +143,7 @@ def main():
 
             def route_only(impl):
                 lg = lg0.detach().requires_grad_(True)
-                p, _ = impl(lg)
+                p = impl(lg)[0]
                 (p * gp).sum().backward()
 
             if extra:
