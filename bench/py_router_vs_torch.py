@@ -45,7 +45,7 @@ def torch_router(x, w, K, aux_coeff):
 
 def sy_router(x, w, cfg):
     logits = syt.router_gating_linear(x, w, router_dtype=torch.float32)
-    probs, idx = syt.topk_route(logits, cfg)
+    probs, idx, _ = syt.topk_route(logits, cfg)
     return probs, idx, None
 
 
@@ -143,7 +143,7 @@ def main():
 
             def route_only(impl):
                 lg = lg0.detach().requires_grad_(True)
-                p, _ = impl(lg)
+                p = impl(lg)[0]
                 (p * gp).sum().backward()
 
             if extra:

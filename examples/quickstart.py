@@ -17,7 +17,7 @@ weight = (torch.randn(E, H) * 0.05).to(torch.bfloat16).requires_grad_(True)
 logits = syt.router_gating_linear(x, weight, router_dtype=torch.float32)      # [T, E] fp32
 cfg = sy.RouterConfig(num_experts=E, top_k=K, score_function="softmax",
                       aux_loss_type="aux_loss", aux_loss_coeff=1e-3)
-topk_weights, topk_idx, info = syt.topk_route(logits, cfg, return_info=True)  # [T, K], [T, K]
+topk_weights, topk_idx, info = syt.topk_route(logits, cfg)  # [T, K], [T, K] int64, RouteInfo
 
 # 2. Router replay (R2): record the experts of one pass, force them in the next.
 router = syt.TopKRouter(hidden_size=H, config=cfg, router_dtype=torch.float32)

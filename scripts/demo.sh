@@ -4,7 +4,7 @@
 # small Qwen3-MoE in each router mode: bf16, fp32, R3, R2; options are passed through, see --help).
 # Output: switchyard-demo/ (report.md, summary.json, curves.png, the cached checkpoint). Exit code 0
 # only if R3's router mismatch against the rollout is exactly 0 on every step. The C++ engine's own
-# quick check is `./build/tools/switchyard demo`.
+# quick check is `./build/tools/switchyard quickcheck`.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

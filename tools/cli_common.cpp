@@ -29,7 +29,7 @@ void run_guarded(std::ostream& err, const std::function<void()>& body) {
     err << "error: " << e.what() << "\n";
     throw CLI::RuntimeError(kExitUsage);
   } catch (const std::bad_alloc&) {
-    // Sizes the machine cannot hold (demo sizes, a huge table): a message, never an abort.
+    // Sizes the machine cannot hold (quickcheck sizes, a huge table): a message, never an abort.
     err << "error: out of memory: the sizes asked for cannot be allocated on this machine\n";
     throw CLI::RuntimeError(kExitUsage);
   } catch (const std::filesystem::filesystem_error& e) {
@@ -46,11 +46,11 @@ void run_guarded(std::ostream& err, const std::function<void()>& body) {
 
 
 int run_cli(const std::vector<std::string>& args, std::ostream& out, std::ostream& err) {
-  CLI::App app{"switchyard: MoE routing engine for RL post-training (route data, replay, demo)",
+  CLI::App app{"switchyard: MoE routing engine for RL post-training (route data, replay, quick check)",
                "switchyard"};
   app.require_subcommand(1);
   register_routes_commands(app, out, err);
-  register_demo_command(app, out, err);
+  register_quickcheck_command(app, out, err);
   std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 parses from the back
   try {
     app.parse(reversed);

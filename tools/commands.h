@@ -23,10 +23,11 @@ void run_guarded(std::ostream& err, const std::function<void()>& body);
 void register_routes_commands(CLI::App& app, std::ostream& out = std::cout,
                               std::ostream& err = std::cerr);
 
-/// `switchyard demo`: the main job on its embedded default (see tools/demo_cmd.cpp). Exit code 0
-/// when every check of the run passed, 1 otherwise, 2 for bad arguments.
-void register_demo_command(CLI::App& app, std::ostream& out = std::cout,
-                           std::ostream& err = std::cerr);
+/// `switchyard quickcheck`: the engine's quick check on its embedded default (see
+/// tools/quickcheck_cmd.cpp). Exit code 0 when every check of the run passed, 1 otherwise, 2 for
+/// bad arguments. Also registers the old name `demo`, which only says where it went (exit code 2).
+void register_quickcheck_command(CLI::App& app, std::ostream& out = std::cout,
+                                 std::ostream& err = std::cerr);
 
 /// The whole `switchyard` program on `args` (without the program name): builds the app with every
 /// subcommand, parses, runs, and returns the exit code; usage errors print CLI11's message on `err`.

@@ -106,10 +106,11 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
 
 /// Return expert outputs to their tokens: y[t] = sum over t's pairs (slot order, k ascending) of
 /// w * expert_y[row], fp32 accumulation, written in expert_y's dtype. `expert_y` [R,H] fp32|bf16 in
-/// recv_x's layout -> [T,H]. With WeightMode::skip the weights are not applied. Collective;
-/// deterministic and bitwise independent of EP and of the dispatcher.
-Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
-               const UnpermuteOptions& options, Communicator& comm);
+/// recv_x's layout -> [T,H]. With `weights` WeightMode::skip the weights are not applied (the
+/// experts already applied recv_topk_weights). Collective; deterministic and bitwise independent
+/// of EP and of the dispatcher.
+Tensor combine(const Tensor& expert_y, const DispatchHandle& handle, WeightMode weights,
+               Communicator& comm);
 
 /// Backward of dispatch (= combine without weights): grad_x[t] = sum of grad_recv_x over t's rows.
 /// `grad_recv_x` [R,H] fp32|bf16 -> [T,H]. Collective, deterministic.
@@ -138,8 +139,7 @@ struct CombineGrads {
 /// Backward of combine (= dispatch of grad_y reusing the handle, plus the weight gradients).
 /// `grad_y` [T,H]; `expert_y` the forward's [R,H] input. Collective, deterministic.
 CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
-                              const DispatchHandle& handle, const UnpermuteOptions& options,
-                              Communicator& comm);
+                              const DispatchHandle& handle, WeightMode weights, Communicator& comm);
 
 namespace detail {
 struct Scratch;
@@ -173,7 +173,7 @@ class Dispatcher {
                           const DispatchOptions& options);
   /// See dist::combine.
   Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
-                 const UnpermuteOptions& options = {});
+                 WeightMode weights = WeightMode::apply);
   /// See dist::dispatch_backward.
   Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle);
   /// See dist::dispatch_weights_backward.
@@ -181,11 +181,12 @@ class Dispatcher {
                                    const DispatchHandle& handle);
   /// See dist::combine_backward.
   CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
-                                const DispatchHandle& handle, const UnpermuteOptions& options = {});
+                                const DispatchHandle& handle,
+                                WeightMode weights = WeightMode::apply);
 
  private:
   Tensor combine_impl(const char* op, const char* name, const Tensor& expert_y,
-                      const DispatchHandle& h, const UnpermuteOptions& options);
+                      const DispatchHandle& h, WeightMode weights);
   std::shared_ptr<Communicator> comm_;
   std::unique_ptr<detail::Scratch> scratch_;
 };

@@ -41,31 +41,35 @@ void bind_core(py::module_& m) {
         "Whether this build has the CUDA backend (SWITCHYARD_CUDA=ON).");
   m.def("cuda_device_count", &switchyard::cuda_device_count,
         "CUDA devices visible to the engine (0 without the CUDA backend, a GPU or a driver).");
-  m.def(
-      "_borrow_device",
+  // Bridge probes for the tests and the bridge benchmark: not public API (switchyard._testing).
+  py::module_ testing = m.def_submodule("_testing", "Bridge probes for tests; not public API.");
+  testing.def(
+      "borrow_device",
       [](py::handle t) { return device_str(py_bridge::borrow(t, "borrow", "t").t.device()); },
-      py::arg("t"), "The device of the engine's view of `t`: 'cpu' or 'cuda:N' (tests).");
-  m.def(
-      "_borrow_info",
+      py::arg("t"), "The device of the engine's view of `t`: 'cpu' or 'cuda:N'.");
+  testing.def(
+      "borrow_info",
       [](py::handle t) {
         py_bridge::Arg a = py_bridge::borrow(t, "borrow", "t");
         return py::make_tuple(reinterpret_cast<uintptr_t>(a.t.raw()), a.t.shape(),
                               std::string(dtype_name(a.t.dtype())));
       },
-      py::arg("t"), "(address, shape, dtype) of the engine's view of `t` (tests).");
-  m.def(
-      "_clone",
+      py::arg("t"), "(address, shape, dtype) of the engine's view of `t`.");
+  testing.def(
+      "clone",
       [](py::handle t) {
         return py_bridge::to_torch(py_bridge::borrow(t, "clone", "t").t.clone());
       },
-      py::arg("t"), "An engine-owned copy of `t`, returned through the zero-copy path (tests).");
-  m.def(
-      "_full",
+      py::arg("t"), "An engine-owned copy of `t`, returned through the zero-copy path.");
+  testing.def(
+      "full",
       [](const Shape& shape, py::handle dtype, double value) {
         return py_bridge::to_torch(
             Tensor::full(shape, py_bridge::dtype_from_torch(dtype, "full", "dtype"), value));
       },
-      py::arg("shape"), py::arg("dtype"), py::arg("value"));
+      py::arg("shape"), py::arg("dtype"), py::arg("value"),
+      "An engine-owned tensor of `shape` filled with `value`, returned through the zero-copy "
+      "path.");
 }
 
 }  // namespace switchyard::py_bind

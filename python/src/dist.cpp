@@ -116,10 +116,8 @@ TokenDropPolicy drop_policy_from_str(const std::string& s) {
                         "'");
 }
 
-UnpermuteOptions weights_opt(bool apply_probs) {
-  UnpermuteOptions o;
-  o.weights = apply_probs ? WeightMode::apply : WeightMode::skip;
-  return o;
+WeightMode weights_opt(bool apply_weights) {
+  return apply_weights ? WeightMode::apply : WeightMode::skip;
 }
 
 }  // namespace

@@ -7,7 +7,9 @@ Tensors cross into the engine without copies when they are contiguous CPU tensor
 made contiguous once. A CUDA tensor or a wrong dtype raises ValueError naming the argument.
 """
 import collections
+import dataclasses
 import math
+import typing
 
 import torch
 
@@ -15,7 +17,8 @@ from . import _names
 from . import _switchyard as _C
 from . import replay as _replay
 
-__all__ = ["router_gating_linear", "input_jitter", "topk_route", "RouteInfo", "TopKRouter",
+__all__ = ["router_gating_linear", "input_jitter", "topk_route", "TopKRoute", "RouteInputs", "RouteOptions",
+           "RouteComms", "RouteInfo", "TopKRouter",
            "routing_plan", "permute", "unpermute",
            "update_expert_bias", "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
 
@@ -162,10 +165,43 @@ def _agree_requires_grad(op, comm, flags):
                              f"False on others (rank {comm.rank}: {bool(flags[i])})")
 
 
+def _handle_accessor(name, doc):
+    return property(lambda self: getattr(self._c, name), doc=doc)
+
+
 class DispatchHandle:
-    """What combine and the backwards need, returned by ``dispatch``. ``num_tokens_per_expert`` [L]
-    int64 (rows per local expert, ascending), ``expert_offsets`` [L+1], ``recv_src_rank`` /
-    ``recv_src_token`` [R]: the source of every received row. Integers, never differentiable."""
+    """What ``combine`` and the backwards need, returned by ``dispatch``: opaque (as DeepEP's
+    handle), read through the accessors below. Integers, never differentiable; the tensors are
+    copies (editing them cannot corrupt a later combine or backward).
+
+    R = num_recv_tokens (rows of recv_x, padding rows included), L = num_local_experts."""
+
+    __slots__ = ("_c", "_topk_weights", "_comm")
+
+    kind = _handle_accessor("kind", "'all_to_all' or 'all_gather': the dispatcher that made it.")
+    rank = _handle_accessor("rank", "This rank in the ep communicator.")
+    world_size = _handle_accessor("world_size", "The ep size.")
+    num_tokens = _handle_accessor("num_tokens", "T: tokens this rank dispatched.")
+    hidden = _handle_accessor("hidden", "H: the hidden size (the same on every rank).")
+    num_experts = _handle_accessor("num_experts", "E: experts over all ranks.")
+    num_local_experts = _handle_accessor("num_local_experts", "L = E / ep size.")
+    num_recv_tokens = _handle_accessor("num_recv_tokens",
+                                       "R: rows of recv_x on this rank, padding rows included.")
+    num_tokens_per_expert = _handle_accessor(
+        "num_tokens_per_expert", "[L] int64: rows per local expert in recv_x (ascending expert), "
+        "padding included (sum = R): what a grouped GEMM iterates over.")
+    num_unpadded_tokens_per_expert = _handle_accessor(
+        "num_unpadded_tokens_per_expert", "[L] int64: real (unpadded) received rows per local "
+        "expert; equal to num_tokens_per_expert without padding.")
+    expert_offsets = _handle_accessor(
+        "expert_offsets", "[L+1] int64: where each local expert's rows start in recv_x.")
+    recv_src_rank = _handle_accessor(
+        "recv_src_rank", "[R] int64: the source rank of every received row (-1: padding row).")
+    recv_src_token = _handle_accessor(
+        "recv_src_token", "[R] int64: the source token (on its rank) of every received row "
+        "(-1: padding row).")
+    num_dropped = _handle_accessor("num_dropped",
+                                   "(token, expert) pairs this rank dropped by capacity.")
 
     def __init__(self, c_handle, topk_weights, comm):
         self._c = c_handle
@@ -173,11 +209,8 @@ class DispatchHandle:
         self._comm = comm
 
     def __getattr__(self, name):
-        if name.startswith("_"):  # not set yet (copy, unpickling): no recursion through _c
-            raise AttributeError(name)
-        if name in _names.RENAMED:
-            raise _names.old_attribute(self, name)
-        return getattr(self._c, name)
+        # Only reached for names that are not accessors: old names say what replaced them.
+        raise _names.old_attribute(self, name)
 
     def __repr__(self):
         h = self._c
@@ -348,9 +381,10 @@ class AllGatherDispatcher(_Dispatcher):
 # Top-k routing (scores, top-k or replay, capacity, auxiliary losses)
 # --------------------------------------------------------------------------------------------------
 class RouteInfo:
-    """Readable results of one routing call beside (topk_weights, topk_idx): loss values (coefficients
-    included, 0 when off), per-expert counts, capacity, and the replayed / native / padded row
-    counts (replayed + native + padded == T), so replay can never silently do nothing."""
+    """Readable results of one routing call (``TopKRoute.info``, ``TopKRouter.last_info``): loss
+    values (Python floats, coefficients included, 0 when off), ``num_tokens_per_expert`` [E] int64,
+    capacity, and the replayed / native / padded row counts (replayed + native + padded == T), so
+    replay can never silently do nothing."""
 
     __slots__ = ("aux_loss", "aux_loss_parts", "z_loss", "num_tokens_per_expert", "qb_beta_local",
                  "expert_capacity", "pad_to_capacity", "expert_alignment", "num_dropped",
@@ -435,41 +469,132 @@ def _force_seeds(config, force_seed, force_bias_seed):
             draw() if force_bias_seed is None else int(force_bias_seed))
 
 
-def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay_rows="error", *,
-               padding_mask=None, seq_length=None, global_aux_loss_state=None, layer=None,
-               aux_loss_grad_scale=1.0, accumulate_global_aux_loss=None, force_seed=None,
-               force_bias_seed=None, training=True, qb_beta=None, loss_comm=None,
-               global_aux_loss_comm=None, return_info=False):
+@dataclasses.dataclass(frozen=True)
+class RouteInputs:
+    """Optional tensors of ``topk_route`` (the engine's RouteInputs). None = not given.
+
+    expert_bias [E] fp32/fp64: aux-loss-free balancing bias, selection only.
+    replay_idx [T, K] int64/int32: ids to use instead of the live top-k (weights from the live
+    logits at those ids); an all -1 row is routed natively; an invalid row (mixing -1 and ids,
+    repeating an id, id outside [0, E)) follows ``RouteOptions.invalid_replay_rows``.
+    padding_mask [T] bool: True = padded token (row all -1, left out of counts and losses).
+    qb_beta [E] fp32: the quantile-balancing bias (None = zeros).
+    global_aux_loss_state: a switchyard.GlobalAuxLossState, required by global_aux_loss."""
+    expert_bias: "torch.Tensor | None" = None
+    replay_idx: "torch.Tensor | None" = None
+    padding_mask: "torch.Tensor | None" = None
+    qb_beta: "torch.Tensor | None" = None
+    global_aux_loss_state: "object | None" = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteOptions:
+    """Options of ``topk_route`` (the engine's RouteOptions, plus RouteBackwardOptions'
+    ``loss_grad_scale`` as ``aux_loss_grad_scale``).
+
+    invalid_replay_rows: "error" (ValueError naming the token) or "native" (routed natively).
+    layer: MoE layer number, used only in error messages. seq_length: tokens per sequence for
+    seq_aux_loss ([s, b] layout, token t in sequence t % b). training: Megatron's module training
+    flag; False is its eval path: no aux or z loss (values 0 in RouteInfo, no loss gradient, the
+    global aux-loss state untouched), sinkhorn selects on the logits, no RouteInfo.qb_beta_local.
+    force_seed / force_bias_seed: seeds of config.force_load_balancing / force_biased (None: drawn
+    from torch's default generator). accumulate_global_aux_loss: add this batch to the global
+    aux-loss state (True), or only read it (False); None: Megatron-Core's rule, only training
+    forwards with grad enabled (not under torch.no_grad, not the recompute of a non-reentrant
+    checkpoint). aux_loss_grad_scale: multiplies the aux- and z-loss gradients."""
+    invalid_replay_rows: str = "error"
+    layer: "int | None" = None
+    seq_length: "int | None" = None
+    training: bool = True
+    force_seed: "int | None" = None
+    force_bias_seed: "int | None" = None
+    accumulate_global_aux_loss: "bool | None" = None
+    aux_loss_grad_scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteComms:
+    """Communicators of the cross-rank loss statistics (the engine's RouteComms):
+    switchyard.dist.Communicator or mpi4py communicators, None = local. ``loss``: Megatron's tp_cp
+    group; ``global_aux_loss``: its tp_dp_cp group. With either, topk_route is collective (every
+    rank must call it with the same config)."""
+    loss: object = None
+    global_aux_loss: object = None
+
+
+class TopKRoute(typing.NamedTuple):
+    """The result of ``topk_route``, the same whatever the options.
+
+    weights [T, K] (T = the logits' leading dims) in the logits' dtype, differentiable to the
+    logits; idx [T, K] int64, -1 = none; info: the RouteInfo (losses, counts, row kinds)."""
+    weights: torch.Tensor
+    idx: torch.Tensor
+    info: RouteInfo
+
+
+# The flat keywords of topk_route before the options were grouped -> where each went.
+_OLD_ROUTE_KWARGS = {
+    "expert_bias": "inputs", "replay_idx": "inputs", "padding_mask": "inputs",
+    "qb_beta": "inputs", "global_aux_loss_state": "inputs",
+    "invalid_replay_rows": "options", "layer": "options", "seq_length": "options",
+    "training": "options", "force_seed": "options", "force_bias_seed": "options",
+    "accumulate_global_aux_loss": "options", "aux_loss_grad_scale": "options",
+    "loss_comm": "comms", "global_aux_loss_comm": "comms",
+}
+_GROUP_CLASS = {"inputs": "RouteInputs", "options": "RouteOptions", "comms": "RouteComms"}
+
+
+def _old_route_call(kwargs, positional):
+    """TypeError naming the new form for a call in topk_route's old flat form."""
+    for name in kwargs:
+        if name == "return_info":
+            return TypeError("[topk_route] return_info was removed: topk_route always returns a "
+                             "TopKRoute(weights, idx, info)")
+        group = _OLD_ROUTE_KWARGS.get(name)
+        if group is not None:
+            field = {"loss_comm": "loss", "global_aux_loss_comm": "global_aux_loss"}.get(name, name)
+            return TypeError(f"[topk_route] keyword '{name}' moved into the {group} group: pass "
+                             f"{group}=switchyard.torch.{_GROUP_CLASS[group]}({field}=...)")
+    if kwargs:
+        return TypeError(f"[topk_route] unexpected keyword arguments {sorted(kwargs)}")
+    for group, value in positional:
+        cls = {"inputs": RouteInputs, "options": RouteOptions, "comms": RouteComms}[group]
+        if value is not None and not isinstance(value, cls):
+            return TypeError(f"[topk_route] {group} must be a switchyard.torch."
+                             f"{_GROUP_CLASS[group]} or None, got {type(value).__name__} (the "
+                             f"old positional form topk_route(logits, config, expert_bias, "
+                             f"replay_idx, invalid_replay_rows) became topk_route(logits, config, "
+                             f"RouteInputs(expert_bias=..., replay_idx=...), "
+                             f"RouteOptions(invalid_replay_rows=...)))")
+    return None
+
+
+def topk_route(logits, config, inputs=None, options=None, comms=None, **old):
     """Route T tokens to K of E experts from router logits (Megatron-Core's TopKRouter semantics).
 
-    logits [T, E] fp32 or fp64 (the router dtype), or bf16 (Megatron's moe_router_dtype=None:
+    logits [..., E] fp32 or fp64 (the router dtype), or bf16 (Megatron's moe_router_dtype=None:
     scores and weights in fp32 from the bf16 logits, weights returned in bf16, gradient in bf16);
-    config a switchyard.RouterConfig.
-    expert_bias [E]: aux-loss-free balancing bias, selection only. replay_idx [T, K] int64/int32:
-    ids to use instead of the live top-k (weights from the live logits at those ids); an all -1 row
-    is routed natively; an invalid row (mixing -1 and ids, repeating an id, id outside [0, E)) is a
-    ValueError naming the token, or routed natively with invalid_replay_rows="native".
-    padding_mask [T] bool: True = padded token (row all -1, left out of counts and losses).
-    seq_length: tokens per sequence for seq_aux_loss ([s, b] layout, token t in sequence t % b).
-    global_aux_loss_state: a switchyard.GlobalAuxLossState, required by global_aux_loss.
-    accumulate_global_aux_loss: add this batch to that state (True), or only read it (False: the
-    loss is still computed from the state plus this batch); None (default): Megatron-Core's rule,
-    only training forwards with grad enabled (not under torch.no_grad, not the recompute of a
-    non-reentrant checkpoint).
-    force_seed / force_bias_seed: seeds of config.force_load_balancing / force_biased (None: drawn
-    from torch's default generator). training: Megatron's module training flag; False is its
-    eval path: no aux or z loss (values 0 in RouteInfo, no loss gradient, the global aux-loss
-    state untouched), sinkhorn selects on the logits instead of the Sinkhorn-normalised batch,
-    no RouteInfo.qb_beta_local. qb_beta [E] fp32: the
-    quantile-balancing bias (None = zeros). loss_comm / global_aux_loss_comm: Megatron's tp_cp /
-    tp_dp_cp groups (switchyard.dist.Communicator or mpi4py communicators; None = local): the loss
-    statistics are summed over them (collective; every rank must call with the same config).
+    T = the product of the leading dims. config: a switchyard.RouterConfig. inputs: a RouteInputs
+    (expert bias, replay ids, padding mask, quantile-balancing bias, global aux-loss state);
+    options: a RouteOptions (replay-row policy, layer, seq_length, training, seeds, global
+    aux-loss accumulation, loss-gradient scale); comms: a RouteComms (loss communicators:
+    collective). None = the defaults.
 
-    Returns (topk_weights [T, K] in the logits' dtype, differentiable to logits; topk_idx [T, K]
-    int64, -1 = none), plus a RouteInfo with return_info=True. Auxiliary and z losses are not added
-    to topk_weights: as in Megatron-Core, their gradients (× aux_loss_grad_scale) are added to the
-    logits' gradient when topk_weights' backward runs; their values are in RouteInfo."""
-    loss_comm, global_aux_loss_comm = _comm(loss_comm), _comm(global_aux_loss_comm)
+    Returns a TopKRoute(weights [..., K] in the logits' dtype, differentiable to logits;
+    idx [..., K] int64, -1 = none; info: RouteInfo). Auxiliary and z losses are not added to the
+    weights: as in Megatron-Core, their gradients (× aux_loss_grad_scale) are added to the logits'
+    gradient when the weights' backward runs; their values are in info.
+
+    The flat keywords of earlier releases (expert_bias=, replay_idx=, loss_comm=, return_info=,
+    ...) raise a TypeError naming the group they moved to (docs/deprecations.md)."""
+    err = _old_route_call(old, (("inputs", inputs), ("options", options), ("comms", comms)))
+    if err is not None:
+        raise err
+    inputs = RouteInputs() if inputs is None else inputs
+    options = RouteOptions() if options is None else options
+    comms = RouteComms() if comms is None else comms
+    loss_comm, global_aux_loss_comm = _comm(comms.loss), _comm(comms.global_aux_loss)
+    expert_bias, qb_beta = inputs.expert_bias, inputs.qb_beta
     try:
         if not isinstance(logits, torch.Tensor):
             raise ValueError("[topk_route] logits must be a torch.Tensor, got "
@@ -477,7 +602,7 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
         if not isinstance(config, _C.RouterConfig):
             raise ValueError("[topk_route] config must be a switchyard.RouterConfig, got "
                              f"{type(config).__name__}")
-        _replay.check_policy(invalid_replay_rows, "topk_route")
+        _replay.check_policy(options.invalid_replay_rows, "topk_route")
         for name, t in (("expert_bias", expert_bias), ("qb_beta", qb_beta)):
             if t is not None and not isinstance(t, torch.Tensor):
                 raise ValueError(f"[topk_route] {name} must be a torch.Tensor or None, got "
@@ -487,26 +612,26 @@ def topk_route(logits, config, expert_bias=None, replay_idx=None, invalid_replay
         if any(c is not None and c.size > 1 for c in (loss_comm, global_aux_loss_comm)):
             _C.router_fail_collective("topk_route", str(e), loss_comm, global_aux_loss_comm)
         raise
-    if accumulate_global_aux_loss is None:
-        accumulate_global_aux_loss = _trained_forward(training)
+    accumulate = options.accumulate_global_aux_loss
+    if accumulate is None:
+        accumulate = _trained_forward(options.training)
     lead = logits.shape[:-1]
     if logits.dim() != 2:
         logits = logits.reshape(-1, logits.shape[-1])
     box = []
+    layer, seq_length = options.layer, options.seq_length
     topk_weights, topk_idx = _TopKRoute.apply(
-        logits, config, expert_bias, replay_idx, padding_mask, global_aux_loss_state,
-        invalid_replay_rows, -1 if layer is None else int(layer),
-        0 if seq_length is None else int(seq_length), float(aux_loss_grad_scale),
-        bool(accumulate_global_aux_loss),
-        _force_seeds(config, force_seed, force_bias_seed) + (bool(training), loss_comm,
-                                                              global_aux_loss_comm),
+        logits, config, expert_bias, inputs.replay_idx, inputs.padding_mask,
+        inputs.global_aux_loss_state, options.invalid_replay_rows,
+        -1 if layer is None else int(layer), 0 if seq_length is None else int(seq_length),
+        float(options.aux_loss_grad_scale), bool(accumulate),
+        _force_seeds(config, options.force_seed, options.force_bias_seed) + (
+            bool(options.training), loss_comm, global_aux_loss_comm),
         qb_beta, box)
     if len(lead) != 1:
         topk_weights = topk_weights.view(*lead, topk_weights.shape[-1])
         topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
-    if return_info:
-        return topk_weights, topk_idx, RouteInfo(box[0])
-    return topk_weights, topk_idx
+    return TopKRoute(topk_weights, topk_idx, RouteInfo(box[0]))
 
 
 def routing_plan(topk_idx, topk_weights, num_experts, *, expert_alignment=1, capacity_factor=None,
@@ -713,15 +838,18 @@ class TopKRouter(torch.nn.Module):
                     gstate = snap.copy()  # the queued one stays intact if routing fails
                     accumulate = True  # on the private copy
         topk_weights, topk_idx, info = topk_route(
-            logits, self.config, self.expert_bias, replay_idx, invalid, padding_mask=padding_mask,
-            seq_length=seq_length, global_aux_loss_state=gstate,
-            layer=self.layer_number, aux_loss_grad_scale=self.aux_loss_grad_scale,
-            accumulate_global_aux_loss=accumulate, training=self.training, qb_beta=self.qb_beta,
-            loss_comm=self.loss_comm, global_aux_loss_comm=self.global_aux_loss_comm,
-            # force_biased < 0: Megatron draws the bias once per layer and reuses it.
-            force_bias_seed=((0x5EED0000 + (self.layer_number or 0)) & (2**62 - 1)
-                             if (self.config.force_biased or 0) < 0 else None),
-            return_info=True)
+            logits, self.config,
+            RouteInputs(expert_bias=self.expert_bias, replay_idx=replay_idx,
+                        padding_mask=padding_mask, qb_beta=self.qb_beta,
+                        global_aux_loss_state=gstate),
+            RouteOptions(invalid_replay_rows=invalid, layer=self.layer_number,
+                         seq_length=seq_length, training=self.training,
+                         accumulate_global_aux_loss=accumulate,
+                         aux_loss_grad_scale=self.aux_loss_grad_scale,
+                         # force_biased < 0: Megatron draws the bias once per layer and reuses it.
+                         force_bias_seed=((0x5EED0000 + (self.layer_number or 0)) & (2**62 - 1)
+                                          if (self.config.force_biased or 0) < 0 else None)),
+            RouteComms(loss=self.loss_comm, global_aux_loss=self.global_aux_loss_comm))
         if driven:
             replay._after_forward(topk_idx, T, will_recompute)
             if snapshot is not None:

@@ -1,5 +1,5 @@
 """Cross-rank config mismatches in the comm-taking router APIs under mpirun (issue 22; registered in
-ctest for -np 2 and -np 4): topk_route(loss_comm=..., global_aux_loss_comm=...),
+ctest for -np 2 and -np 4): topk_route(comms=RouteComms(loss=..., global_aux_loss=...)),
 update_expert_bias(comm=...) and update_qb_beta(comm=...) called with a num_experts, top_k,
 sequence count or loss type that differs on the last rank must raise the same ValueError on EVERY
 rank, naming the setting and both values; so must a check before the engine that fails on one
@@ -30,10 +30,12 @@ def logits(T, E):
     return (torch.arange(T * E, dtype=torch.float32).reshape(T, E) % 37) * 0.01
 
 
-def route(E, K, aux, T=6, seq_length=None, **comms):
+def route(E, K, aux, T=6, seq_length=None, loss_comm=None, global_aux_loss_comm=None):
     cfg = sy.RouterConfig(num_experts=E, top_k=K, aux_loss_type=aux, aux_loss_coeff=0.01)
-    return syt.topk_route(logits(T, E), cfg, seq_length=seq_length,
-                          global_aux_loss_state=sy.GlobalAuxLossState(), return_info=True, **comms)
+    return syt.topk_route(logits(T, E), cfg,
+                          syt.RouteInputs(global_aux_loss_state=sy.GlobalAuxLossState()),
+                          syt.RouteOptions(seq_length=seq_length),
+                          syt.RouteComms(loss=loss_comm, global_aux_loss=global_aux_loss_comm))
 
 
 def main():
@@ -79,12 +81,14 @@ def main():
     # only: it joins the agreement, so the other ranks raise too instead of waiting.
     expect_error("logits not a tensor",
                  lambda: syt.topk_route(logits(6, 8).tolist() if on_last else logits(6, 8),
-                                        sy.RouterConfig(num_experts=8, top_k=2), loss_comm=comm),
+                                        sy.RouterConfig(num_experts=8, top_k=2),
+                                        comms=syt.RouteComms(loss=comm)),
                  f"[route] on rank {last}: [topk_route] logits must be a torch.Tensor")
     expect_error("expert_bias not a tensor",
                  lambda: syt.topk_route(logits(6, 8), sy.RouterConfig(num_experts=8, top_k=2),
-                                        expert_bias=[0.0] * 8 if on_last else torch.zeros(8),
-                                        loss_comm=comm),
+                                        inputs=syt.RouteInputs(
+                                            expert_bias=[0.0] * 8 if on_last else torch.zeros(8)),
+                                        comms=syt.RouteComms(loss=comm)),
                  f"[route] on rank {last}: [topk_route] expert_bias")
     expect_error("counts not a tensor",
                  lambda: syt.update_expert_bias(

@@ -36,10 +36,11 @@ def main():
     s_one, s_part = sy.GlobalAuxLossState(), sy.GlobalAuxLossState()
     for _ in range(2):
         z1 = z.clone().requires_grad_(True)
-        w1, i1, info1 = syt.topk_route(z1, cfg, global_aux_loss_state=s_one, return_info=True)
+        w1, i1, info1 = syt.topk_route(z1, cfg, inputs=syt.RouteInputs(global_aux_loss_state=s_one))
         zp = z[b:e].clone().requires_grad_(True)
-        wp, ip, infop = syt.topk_route(zp, cfg, global_aux_loss_state=s_part, loss_comm=comm,
-                                       global_aux_loss_comm=comm, return_info=True)
+        wp, ip, infop = syt.topk_route(zp, cfg,
+                                       inputs=syt.RouteInputs(global_aux_loss_state=s_part),
+                                       comms=syt.RouteComms(loss=comm, global_aux_loss=comm))
         assert torch.equal(ip, i1[b:e]) and torch.equal(wp, w1[b:e])
         (w1 * gw).sum().backward()
         (wp * gw[b:e]).sum().backward()
@@ -74,13 +75,16 @@ def main():
     if rank == 0:
         bad[1, 2] = float("nan")
     try:
-        syt.topk_route(bad, cfg, global_aux_loss_state=sy.GlobalAuxLossState(), loss_comm=comm)
+        syt.topk_route(bad, cfg,
+                       inputs=syt.RouteInputs(global_aux_loss_state=sy.GlobalAuxLossState()),
+                       comms=syt.RouteComms(loss=comm))
         raise AssertionError(f"rank {rank}: no error")
     except ValueError as err:
         want = "[route] on rank 0: [route] logits must be finite"  # the same on every rank
         assert want in str(err), str(err)
-    syt.topk_route(torch.zeros(4, E), cfg, global_aux_loss_state=sy.GlobalAuxLossState(),
-                   loss_comm=comm)
+    syt.topk_route(torch.zeros(4, E), cfg,
+                   inputs=syt.RouteInputs(global_aux_loss_state=sy.GlobalAuxLossState()),
+                   comms=syt.RouteComms(loss=comm))
 
 
 def check_qb_beta_over_ranks(comm, rank, size):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import switchyard as sy
+import switchyard._testing as sy_testing
 import switchyard.torch as syt
 
 
@@ -24,7 +25,7 @@ def test_router_config_uses_top_k():
 
 def test_results_use_num_tokens_per_expert():
     cfg = sy.RouterConfig(num_experts=8, top_k=2)
-    w, idx, info = syt.topk_route(torch.randn(5, 8), cfg, return_info=True)
+    w, idx, info = syt.topk_route(torch.randn(5, 8), cfg)
     assert int(info.num_tokens_per_expert.sum()) == 10
     with pytest.raises(AttributeError, match="'tokens_per_expert' was renamed "
                                              "'num_tokens_per_expert'"):
@@ -42,7 +43,7 @@ def test_results_use_num_tokens_per_expert():
 def test_dispatch_keywords_are_topk_weights_and_apply_weights():
     cfg = sy.RouterConfig(num_experts=4, top_k=2)
     x = torch.randn(6, 3)
-    w, idx = syt.topk_route(torch.randn(6, 4), cfg)
+    w, idx, _ = syt.topk_route(torch.randn(6, 4), cfg)
     disp = syt.AllGatherDispatcher(num_experts=4)
     recv_x, recv_w, h = disp.dispatch(x, topk_weights=w, topk_idx=idx)
     y = disp.combine(recv_x * recv_w[:, None], h, apply_weights=False)
@@ -86,7 +87,7 @@ def test_cpu_isa_environment_variable_is_checked():
                                    torch.int64, torch.uint8, torch.bool])
 def test_results_come_back_through_dlpack_without_numpy(dtype):
     # Engine-owned results reach torch through DLPack: right dtype, writable, contiguous.
-    out = sy._C._full([3, 2], dtype, 1.0)
+    out = sy_testing.full([3, 2], dtype, 1.0)
     assert out.dtype == dtype and out.is_contiguous() and out.shape == (3, 2)
     assert bool((out == torch.ones(3, 2, dtype=dtype)).all())
     out[0, 0] = 0

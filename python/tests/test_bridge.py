@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import switchyard as sy
+import switchyard._testing as sy_testing
 import switchyard.torch as syt
 
 
@@ -14,28 +15,28 @@ import switchyard.torch as syt
                                    torch.int64, torch.uint8, torch.bool])
 def test_borrow_is_zero_copy(dtype):
     t = torch.zeros(3, 5, dtype=dtype)
-    addr, shape, _ = sy._C._borrow_info(t)
+    addr, shape, _ = sy_testing.borrow_info(t)
     assert addr == t.data_ptr() and shape == [3, 5]
     view = t[1:]  # contiguous view with an offset: still borrowed in place
-    assert sy._C._borrow_info(view)[0] == view.data_ptr()
+    assert sy_testing.borrow_info(view)[0] == view.data_ptr()
 
 
 def test_non_contiguous_made_contiguous():
     t = torch.randn(4, 6).t()
-    addr, shape, _ = sy._C._borrow_info(t)
+    addr, shape, _ = sy_testing.borrow_info(t)
     assert addr != t.data_ptr() and shape == [6, 4]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
 def test_results_share_engine_storage(dtype):
     src = (torch.randn(7, 3) * 10).to(dtype)
-    out = sy._C._clone(src)
+    out = sy_testing.clone(src)
     assert out.dtype == dtype and torch.equal(out, src)
     # The result is writable and stays valid after the engine's handle is gone.
     gc.collect()
     out.view(-1)[0] = out.view(-1)[1]
     assert out.shape == (7, 3)
-    empty = sy._C._full([0, 4], torch.float32, 1.0)
+    empty = sy_testing.full([0, 4], torch.float32, 1.0)
     assert empty.shape == (0, 4)
 
 
@@ -46,9 +47,10 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"\[topk_route\] logits: dtype must be one of .*complex"):
         syt.topk_route(torch.zeros(2, 4, dtype=torch.complex64), cfg)
     with pytest.raises(ValueError, match=r"replay_idx.*int32 or int64|replay_idx"):
-        syt.topk_route(torch.zeros(2, 4), cfg, replay_idx=torch.zeros(2, 2))
+        syt.topk_route(torch.zeros(2, 4), cfg, inputs=syt.RouteInputs(replay_idx=torch.zeros(2, 2)))
     with pytest.raises(ValueError, match=r"replay_idx holds 4294967296"):
-        syt.topk_route(torch.zeros(2, 4), cfg, replay_idx=torch.full((2, 2), 2**32))
+        syt.topk_route(torch.zeros(2, 4), cfg,
+                       inputs=syt.RouteInputs(replay_idx=torch.full((2, 2), 2**32)))
 
 
 def test_exception_mapping():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import switchyard as sy
+import switchyard._testing as sy_testing
 import switchyard.torch as syt
 
 
@@ -24,8 +25,8 @@ class _ClaimsCuda1(_ClaimsCuda):
 
 
 def test_cpu_tensors_are_borrowed_on_the_cpu():
-    assert sy._C._borrow_device(torch.zeros(2, 3)) == "cpu"
-    assert sy._C._clone(torch.ones(2)).device.type == "cpu"
+    assert sy_testing.borrow_device(torch.zeros(2, 3)) == "cpu"
+    assert sy_testing.clone(torch.ones(2)).device.type == "cpu"
 
 
 def test_build_reports_its_cuda_backend():
@@ -43,7 +44,7 @@ def test_cuda_tensor_in_a_cpu_build_names_the_argument_and_the_fix(cls, name):
             rf"\[borrow\] t is a CUDA tensor \(device {name}\), but this switchyard was built "
             r"without CUDA: pass a CPU tensor \(tensor.cpu\(\)\) or rebuild with "
             r"-DSWITCHYARD_CUDA=ON")):
-        sy._C._borrow_device(x)
+        sy_testing.borrow_device(x)
 
 
 @pytest.mark.skipif(sy.built_with_cuda(), reason="this build has the CUDA backend")
@@ -57,4 +58,4 @@ def test_public_ops_refuse_a_cuda_argument_by_name():
 
 def test_a_device_without_dlpack_is_refused():
     with pytest.raises(ValueError, match=r"\[borrow\] t must be a CPU tensor, got device meta"):
-        sy._C._borrow_device(torch.zeros(2, device="meta"))
+        sy_testing.borrow_device(torch.zeros(2, device="meta"))

@@ -111,9 +111,11 @@ def test_topk_route_any_logits_and_replay(data, T, E, K, score, replay):
     if not cfg[0]:
         return
     ok, out = expect_ok_or_documented_error(
-        lambda: syt.topk_route(logits, cfg[1], replay_idx=ids, invalid_replay_rows="native"))
+        lambda: syt.topk_route(logits, cfg[1],
+                               inputs=syt.RouteInputs(replay_idx=ids),
+                               options=syt.RouteOptions(invalid_replay_rows="native")))
     if ok:
-        w, idx = out
+        w, idx, _ = out
         assert w.shape == (T, K) and idx.shape == (T, K)
         valid = idx >= 0
         assert ((idx < E) | ~valid).all()

@@ -27,7 +27,7 @@ def test_replay_weights_from_live_logits(gen, kw):
     cfg = sy.RouterConfig(num_experts=E, top_k=K, **kw)
     z = torch.randn(T, E, generator=gen, dtype=torch.float64, requires_grad=True)
     ids = _replay_table(gen, T, E, K)
-    probs, idx, info = syt.topk_route(z, cfg, replay_idx=ids, return_info=True)
+    probs, idx, info = syt.topk_route(z, cfg, inputs=syt.RouteInputs(replay_idx=ids))
     zr = z.detach().clone().requires_grad_(True)
     pr, ir, _, _, rinfo = ref.topk_route(zr, E, K, **kw, replay_idx=ids)
     assert torch.equal(idx[torch.arange(T) != 2], ids[torch.arange(T) != 2])  # order kept
@@ -42,7 +42,9 @@ def test_replay_weights_from_live_logits(gen, kw):
     assert float(z.grad[0].abs().sum()) > 0
     cfg2 = sy.RouterConfig(num_experts=E, top_k=K, **kw)
     assert torch.autograd.gradcheck(
-        lambda z: syt.topk_route(z, cfg2, replay_idx=ids[:6])[0], (z.detach()[:6].requires_grad_(),))
+        lambda z: syt.topk_route(z, cfg2,
+                                 inputs=syt.RouteInputs(replay_idx=ids[:6]))[0],
+        (z.detach()[:6].requires_grad_(),))
 
 
 def test_recorded_routes_replay_bitwise(gen):
@@ -50,8 +52,8 @@ def test_recorded_routes_replay_bitwise(gen):
     T, E, K = 33, 32, 8
     cfg = sy.RouterConfig(num_experts=E, top_k=K, score_function="sigmoid")
     z = torch.randn(T, E, generator=gen)
-    p0, i0 = syt.topk_route(z, cfg)
-    p1, i1, info = syt.topk_route(z, cfg, replay_idx=i0, return_info=True)
+    p0, i0, _ = syt.topk_route(z, cfg)
+    p1, i1, info = syt.topk_route(z, cfg, inputs=syt.RouteInputs(replay_idx=i0))
     assert torch.equal(i0, i1) and torch.equal(p0, p1) and info.num_replayed_rows == T
 
 
@@ -64,9 +66,12 @@ def test_invalid_rows(gen, row, why):
     ids = _replay_table(gen, T, E, K)
     ids[7] = torch.tensor(row)
     with pytest.raises(ValueError, match=rf"layer 4, token 7: topk_idx row .*{why}"):
-        syt.topk_route(z, cfg, replay_idx=ids, layer=4)
-    probs, idx, info = syt.topk_route(z, cfg, replay_idx=ids, invalid_replay_rows="native",
-                                      return_info=True)
+        syt.topk_route(z, cfg,
+                       inputs=syt.RouteInputs(replay_idx=ids),
+                       options=syt.RouteOptions(layer=4))
+    probs, idx, info = syt.topk_route(z, cfg,
+                                      inputs=syt.RouteInputs(replay_idx=ids),
+                                      options=syt.RouteOptions(invalid_replay_rows="native"))
     assert info.num_invalid_replay_rows == 1 and info.num_native_rows == 2
     native = syt.topk_route(z[7:8], cfg)[1]
     assert torch.equal(idx[7:8], native)

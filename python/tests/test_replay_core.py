@@ -26,7 +26,8 @@ def test_classify_replay_rows_is_the_engines_rule():
     assert (rows.num_replayed, rows.num_native, rows.num_invalid, rows.num_pairs) == (1, 4, 3, 3)
     # the same rule as topk_route's (its counts agree row for row)
     _, _, info = syt.topk_route(torch.zeros(5, 8), sy.RouterConfig(num_experts=8, top_k=3),
-                                replay_idx=ids, invalid_replay_rows="native", return_info=True)
+                                inputs=syt.RouteInputs(replay_idx=ids),
+                                options=syt.RouteOptions(invalid_replay_rows="native"))
     assert (info.num_replayed_rows, info.num_native_rows, info.num_invalid_replay_rows) == \
         (rows.num_replayed, rows.num_native, rows.num_invalid)
     with pytest.raises(ValueError, match=r"\[replay\] layer 3, token 2: topk_idx row \[4, -1, -1\] "
@@ -53,18 +54,19 @@ def test_old_policy_spelling_names_the_new_one(where):
             sy.RouterReplay(2, invalid_replay_rows="to_none")
         elif where == "topk_route":
             syt.topk_route(torch.zeros(1, 4), sy.RouterConfig(num_experts=4, top_k=2),
-                           invalid_replay_rows="to_none")
+                           options=syt.RouteOptions(invalid_replay_rows="to_none"))
         else:
             sy.classify_replay_rows(_ids([[0, 1]]), 4, "to_none")
 
 
-@pytest.mark.hostile(tried="topk_route(invalid_replay_rows='merge') with a row [1, 1]",
+@pytest.mark.hostile(tried="topk_route(options=RouteOptions(invalid_replay_rows='merge')) with a row "
+                           "[1, 1]",
                      gets="the row is replayed: both slots keep id 1, each with its weight")
 def test_topk_route_merge_keeps_repeated_slots():
     w, idx, info = syt.topk_route(torch.zeros(2, 4, dtype=torch.float64),
                                   sy.RouterConfig(num_experts=4, top_k=2),
-                                  replay_idx=_ids([[1, 1], [0, 2]]), invalid_replay_rows="merge",
-                                  return_info=True)
+                                  inputs=syt.RouteInputs(replay_idx=_ids([[1, 1], [0, 2]])),
+                                  options=syt.RouteOptions(invalid_replay_rows="merge"))
     assert idx.tolist() == [[1, 1], [0, 2]]
     assert w.tolist() == [[0.5, 0.5], [0.5, 0.5]]
     assert (info.num_replayed_rows, info.num_invalid_replay_rows) == (2, 0)

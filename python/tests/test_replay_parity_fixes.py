@@ -185,7 +185,7 @@ def _loss_state(r):
     return st
 
 
-@pytest.mark.hostile(tried="syt.TopKRouter(...).eval() (or topk_route(training=False)) with "
+@pytest.mark.hostile(tried="syt.TopKRouter(...).eval() (or RouteOptions(training=False)) with "
                            "grad enabled, aux/z losses configured",
                      gets="no aux or z loss: values 0, no loss gradient, no loss state change; "
                           "expert-bias counts as Megatron's eval")
@@ -234,9 +234,9 @@ def test_eval_router_applies_no_loss_like_megatron(mcore, gen, case):
 
 @pytest.mark.parametrize("case", EVAL_CASES, ids=list(EVAL_CASES))
 def test_eval_topk_route_computes_no_loss(gen, case):
-    """topk_route(training=False), the engine's eval path: the weights' gradient alone (as a route
-    without losses), loss values 0, the global aux-loss state untouched, even when asked to
-    accumulate."""
+    """topk_route(options=RouteOptions(training=False)), the engine's eval path: the weights'
+    gradient alone (as a route without losses), loss values 0, the global aux-loss state
+    untouched, even when asked to accumulate."""
     kw = EVAL_CASES[case]
     lb = kw.get("moe_router_load_balancing_type", "aux_loss")
     E, K, T = 8, 2, 32
@@ -255,10 +255,12 @@ def test_eval_topk_route_computes_no_loss(gen, case):
     z = torch.randn(T, E, generator=gen, dtype=torch.float64)
     g = torch.randn(T, K, generator=gen, dtype=torch.float64)
     grads = []
-    for c, more in ((cfg, dict(training=False, global_aux_loss_state=state, seq_length=8,
-                               accumulate_global_aux_loss=True)), (plain, dict(training=False))):
+    for c, inputs, options in (
+            (cfg, syt.RouteInputs(global_aux_loss_state=state),
+             syt.RouteOptions(training=False, seq_length=8, accumulate_global_aux_loss=True)),
+            (plain, None, syt.RouteOptions(training=False))):
         zz = z.clone().requires_grad_(True)
-        w, idx, info = syt.topk_route(zz, c, return_info=True, **more)
+        w, idx, info = syt.topk_route(zz, c, inputs, options)
         (w * g).sum().backward()
         grads.append(zz.grad)
         assert info.aux_loss == 0.0 and info.z_loss == 0.0
@@ -269,7 +271,8 @@ def test_eval_topk_route_computes_no_loss(gen, case):
 # --------------------------------------------------------------------------------------------------
 # 3. topk_route under torch.no_grad: the global aux-loss state follows Megatron's rule by default
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.hostile(tried="syt.topk_route(..., global_aux_loss_state=s) under torch.no_grad()",
+@pytest.mark.hostile(tried="syt.topk_route(..., RouteInputs(global_aux_loss_state=s)) under "
+                           "torch.no_grad()",
                      gets="the state is left alone (Megatron counts only training forwards "
                           "with grad); accumulate_global_aux_loss=True still counts")
 def test_topk_route_under_no_grad_leaves_global_aux_loss_state_like_megatron(mcore, gen):
@@ -282,16 +285,22 @@ def test_topk_route_under_no_grad_leaves_global_aux_loss_state_like_megatron(mco
     with torch.no_grad():
         m(x)
         logits = m.gating(x).view(-1, E)
-        _, _, info = syt.topk_route(logits, cfg, global_aux_loss_state=state, return_info=True)
+        _, _, info = syt.topk_route(logits, cfg,
+                                    inputs=syt.RouteInputs(global_aux_loss_state=state))
     assert int(m.ga_steps) == 0 and state.steps == 0
     assert info.aux_loss > 0  # read-only: the loss of the state plus this batch
     with torch.no_grad():  # the explicit choice stays available
-        syt.topk_route(logits, cfg, global_aux_loss_state=state, accumulate_global_aux_loss=True)
+        syt.topk_route(logits, cfg,
+                       inputs=syt.RouteInputs(global_aux_loss_state=state),
+                       options=syt.RouteOptions(accumulate_global_aux_loss=True))
     assert state.steps == 1
     m(x)  # a training forward with grad: both count it
-    syt.topk_route(logits.clone().requires_grad_(True), cfg, global_aux_loss_state=state)
+    syt.topk_route(logits.clone().requires_grad_(True), cfg,
+                   inputs=syt.RouteInputs(global_aux_loss_state=state))
     assert int(m.ga_steps) == 1 and state.steps == 2
-    syt.topk_route(logits, cfg, global_aux_loss_state=state, training=False)  # eval: never
+    syt.topk_route(logits, cfg,
+                   inputs=syt.RouteInputs(global_aux_loss_state=state),
+                   options=syt.RouteOptions(training=False))  # eval: never
     assert state.steps == 2
 
 
@@ -319,7 +328,7 @@ def test_mtp_repeated_layer_loss_values_are_megatrons_logged_values(mcore, gen, 
     zm = z.clone().requires_grad_(True)
     pm, _ = m.routing(zm)
     zs = z.view(-1, E).clone().requires_grad_(True)
-    ps, idx, info = syt.topk_route(zs, cfg, global_aux_loss_state=state, return_info=True)
+    ps, idx, info = syt.topk_route(zs, cfg, inputs=syt.RouteInputs(global_aux_loss_state=state))
     logged = {n: float(e.values[m.layer_number + m.config.num_layers - 1])
               for n, e in get_moe_metrics_tracker().metrics.items()}
     # Megatron logs loss / coefficient; RouteInfo carries the coefficient. fp32 sums over the T
@@ -352,7 +361,7 @@ def test_sinkhorn_with_padding_mask_balances_the_unpadded_rows_only(mu_sinkhorn,
     pad[16:] = True
     z[16:, 0] += 6.0  # padded rows crowd expert 0: balancing over all rows pushes real rows away
     cfg = _cfg(E, K, aux_loss_type="sinkhorn")
-    _, idx = syt.topk_route(z, cfg, padding_mask=pad)
+    _, idx, _ = syt.topk_route(z, cfg, inputs=syt.RouteInputs(padding_mask=pad))
     assert bool((idx[pad] == -1).all())
 
     def sinkhorn_ids(rows):

@@ -27,9 +27,11 @@ def _cfg(E, K, **kw):
 def _check(logits, E, K, kw, rtol=1e-5, **extra):
     cfg = _cfg(E, K, **kw)
     lg = logits.detach().clone().requires_grad_(True)
-    probs, idx, info = syt.topk_route(lg, cfg, return_info=True, **{
-        k: v for k, v in extra.items() if k in ("expert_bias", "replay_idx", "invalid_replay_rows",
-                                              "padding_mask", "seq_length")})
+    probs, idx, info = syt.topk_route(
+        lg, cfg, syt.RouteInputs(**{k: v for k, v in extra.items()
+                                    if k in ("expert_bias", "replay_idx", "padding_mask")}),
+        syt.RouteOptions(**{k: v for k, v in extra.items()
+                            if k in ("invalid_replay_rows", "seq_length")}))
     lr = logits.detach().double().requires_grad_(True)
     pr, ir, aux, zl, rinfo = ref.topk_route(lr, E, K, **kw, **extra)
     assert probs.dtype == logits.dtype and idx.dtype == torch.int64
@@ -115,11 +117,11 @@ def test_loss_gradient_finite_differences(gen):
     g = torch.randn(T, K, generator=gen, dtype=torch.float64)
 
     def L(z):
-        p, _, info = syt.topk_route(z, cfg, return_info=True)
+        p, _, info = syt.topk_route(z, cfg)
         return float((p * g).sum()) + info.aux_loss + info.z_loss
 
     z = z0.clone().requires_grad_(True)
-    p, _ = syt.topk_route(z, cfg)
+    p, _, _ = syt.topk_route(z, cfg)
     (p * g).sum().backward()
     h = 1e-6
     for (t, e) in [(0, 0), (3, 5), (9, 7), (4, 2)]:
@@ -137,7 +139,7 @@ def test_aux_loss_grad_scale(gen):
     grads = []
     for scale in (1.0, 0.0, 2.0):
         zz = z.clone().requires_grad_(True)
-        p, _ = syt.topk_route(zz, cfg, aux_loss_grad_scale=scale)
+        p, _, _ = syt.topk_route(zz, cfg, options=syt.RouteOptions(aux_loss_grad_scale=scale))
         (p * 0).sum().backward()  # probs unused: only the aux loss reaches the logits
         grads.append(zz.grad)
     assert float(grads[0].abs().sum()) > 0 and float(grads[1].abs().sum()) == 0
@@ -151,7 +153,7 @@ def test_global_aux_loss_accumulates(gen):
     counts = {}
     for step in range(3):
         z = torch.randn(T, E, generator=gen, dtype=torch.float64)
-        _, _, info = syt.topk_route(z, cfg, global_aux_loss_state=state, return_info=True)
+        _, _, info = syt.topk_route(z, cfg, inputs=syt.RouteInputs(global_aux_loss_state=state))
         _, _, aux, _, _ = ref.topk_route(z, E, K, aux_loss_type="global_aux_loss",
                                          aux_loss_coeff=0.1, global_counts=counts)
         assert math.isclose(info.aux_loss, float(aux), rel_tol=1e-10)
@@ -186,7 +188,8 @@ def test_autocast_router(gen):
     with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
         probs, idx = router(x)
     assert probs.dtype == torch.float32
-    want_p, want_i, *_ = ref.topk_route(ref.gating_linear(x.detach(), router.weight.detach()), 16, 4)
+    want_p, want_i, *_ = ref.topk_route(ref.gating_linear(x.detach(), router.weight.detach()),
+                                        16, 4)
     assert torch.equal(idx, want_i)
     torch.testing.assert_close(probs.double(), want_p, rtol=1e-5, atol=1e-5)
     probs.sum().backward()
@@ -229,14 +232,14 @@ def test_errors():
     with pytest.raises(ValueError, match=r"score_function"):
         sy.RouterConfig(num_experts=8, top_k=2, score_function="relu")
     with pytest.raises(ValueError, match=r"expert_bias"):
-        syt.topk_route(torch.randn(4, 8), cfg, expert_bias=torch.randn(7))
+        syt.topk_route(torch.randn(4, 8), cfg, inputs=syt.RouteInputs(expert_bias=torch.randn(7)))
     bad = torch.randn(4, 8)
     bad[1, 3] = float("inf")
     with pytest.raises(ValueError, match=r"token 1, expert 3"):
         syt.topk_route(bad, cfg)
     cfg_seq = _cfg(8, 2, aux_loss_type="seq_aux_loss", aux_loss_coeff=0.1)
     with pytest.raises(ValueError, match=r"seq_length"):
-        syt.topk_route(torch.randn(6, 8), cfg_seq, seq_length=4)
+        syt.topk_route(torch.randn(6, 8), cfg_seq, options=syt.RouteOptions(seq_length=4))
 
 
 @pytest.mark.parametrize("pad_to_capacity,align", [(False, 1), (True, 1), (False, 8), (True, 8)])
@@ -253,7 +256,7 @@ def test_single_process_moe_with_capacity_padding(gen, pad_to_capacity, align):
     cfg = _cfg(E, K, capacity_factor=1.0, pad_to_capacity=pad_to_capacity,
                padding_for_quantization=align > 1, padding_align_size=align if align > 1 else None)
     zs, xs, Ws = (t.clone().requires_grad_(True) for t in (z, x, W))
-    w, idx, info = syt.topk_route(zs, cfg, return_info=True)
+    w, idx, info = syt.topk_route(zs, cfg)
     assert info.num_dropped > 0
     plan = syt.routing_plan(idx, w, E, **info.routing_plan_options)
     rows = (plan.expert_offsets[1:] - plan.expert_offsets[:-1]).tolist()
@@ -269,7 +272,7 @@ def test_single_process_moe_with_capacity_padding(gen, pad_to_capacity, align):
     y = syt.unpermute(out, plan, w)
     # float64 reference: y_t = sum over kept slots of w_tk * x_t W_e
     zd, xd, Wd = (t.double().requires_grad_(True) for t in (z, x, W))
-    wd, idd = syt.topk_route(zd, cfg)
+    wd, idd, _ = syt.topk_route(zd, cfg)
     assert torch.equal(idd, idx)
     yd = torch.zeros(T, H, dtype=torch.float64)
     for k in range(K):
@@ -307,7 +310,7 @@ def test_padding_for_fp8_is_the_alias_of_padding_for_quantization(gen):
     assert a.padding_for_quantization and a.padding_align_size == 32
     assert repr(a) == repr(b)
     z = torch.randn(40, 8, generator=gen)
-    _, _, ia = syt.topk_route(z, a, return_info=True)
+    _, _, ia = syt.topk_route(z, a)
     assert ia.expert_alignment == 32 and ia.routing_plan_options["expert_alignment"] == 32
     with pytest.raises(ValueError, match=r"\[route\] padding_align_size must be >= 1 with "
                                          r"padding_for_quantization, got padding_align_size=0"):

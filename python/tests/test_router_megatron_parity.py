@@ -191,13 +191,14 @@ def test_read_only_global_aux_loss_matches_accumulating_loss(gen):
     cfg = _cfg(E, K, aux_loss_type="global_aux_loss", aux_loss_coeff=0.1)
     acc, ro = sy.GlobalAuxLossState(), sy.GlobalAuxLossState()
     z0 = torch.randn(T, E, generator=gen, dtype=torch.float64)
-    syt.topk_route(z0, cfg, global_aux_loss_state=acc)
-    syt.topk_route(z0, cfg, global_aux_loss_state=ro)
+    syt.topk_route(z0, cfg, inputs=syt.RouteInputs(global_aux_loss_state=acc))
+    syt.topk_route(z0, cfg, inputs=syt.RouteInputs(global_aux_loss_state=ro))
     z = torch.randn(T, E, generator=gen, dtype=torch.float64, requires_grad=True)
-    _, _, info_ro = syt.topk_route(z, cfg, global_aux_loss_state=ro,
-                                   accumulate_global_aux_loss=False, return_info=True)
+    _, _, info_ro = syt.topk_route(z, cfg,
+                                   inputs=syt.RouteInputs(global_aux_loss_state=ro),
+                                   options=syt.RouteOptions(accumulate_global_aux_loss=False))
     assert ro.steps == 1
-    _, _, info_acc = syt.topk_route(z, cfg, global_aux_loss_state=acc, return_info=True)
+    _, _, info_acc = syt.topk_route(z, cfg, inputs=syt.RouteInputs(global_aux_loss_state=acc))
     assert acc.steps == 2
     assert math.isclose(info_ro.aux_loss, info_acc.aux_loss, rel_tol=0, abs_tol=0)
 
@@ -255,7 +256,7 @@ def test_bf16_logits_like_megatron_router_dtype_none(mu, gen, kw):
         group_topk=kw.get("group_topk"), scaling_factor=kw.get("topk_scaling_factor"),
         score_function=kw["score_function"], expert_bias=bias)
     zs = z.clone().requires_grad_(True)
-    ps, idx = syt.topk_route(zs, _cfg(E, K, **kw), expert_bias=bias)
+    ps, idx, _ = syt.topk_route(zs, _cfg(E, K, **kw), inputs=syt.RouteInputs(expert_bias=bias))
     assert ps.dtype == torch.bfloat16 and pm.dtype == torch.bfloat16
     ms = torch.zeros(T, E, dtype=torch.bool).scatter(1, idx, True)
     if kw["score_function"] == "softmax":
@@ -495,7 +496,7 @@ def test_capacity_and_padding_like_megatron(mu, gen, policy, pad_to_capacity, al
     cfg = _cfg(E, K, capacity_factor=cf, token_drop_policy=policy,
                pad_to_capacity=pad_to_capacity, padding_for_quantization=align > 1,
                padding_align_size=align if align > 1 else None)
-    ps, idx, info = syt.topk_route(z, cfg, return_info=True)
+    ps, idx, info = syt.topk_route(z, cfg)
     assert info.expert_capacity == mu.get_capacity(T * K, E, cf)
     assert info.num_dropped > 0
     kept_s = _dense_of(torch.ones_like(ps), idx, E).bool()

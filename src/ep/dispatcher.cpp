@@ -289,7 +289,7 @@ RoutingPlan recv_plan(const DispatchHandle& h, Scratch& scratch) {
 
 // `name`: the caller's name of expert_y, for messages ("expert_y", "grad_recv_x").
 Tensor Dispatcher::combine_impl(const char* op, const char* name, const Tensor& expert_y,
-                                const DispatchHandle& h, const UnpermuteOptions& options) {
+                                const DispatchHandle& h, WeightMode weights) {
   Communicator& comm = *comm_;
   const Communicator::Exclusive busy(comm, op);
   std::string err;
@@ -305,25 +305,24 @@ Tensor Dispatcher::combine_impl(const char* op, const char* name, const Tensor& 
   } catch (const std::invalid_argument& e) {
     err = e.what();
   }
-  detail::agree(op, err, err.empty() ? expert_y.dtype() : DType::fp32, name, options.weights,
-                h.layout_id, comm);
+  detail::agree(op, err, err.empty() ? expert_y.dtype() : DType::fp32, name, weights, h.layout_id,
+                comm);
   const DType dt = expert_y.dtype();
   // The returned rows are scratch (reused step after step); only y is a fresh result.
   const int64_t rb = row_bytes(h.hidden, dt);
   Tensor rows = Tensor::borrow(scratch_->get(Scratch::rows, h.plan.num_rows * rb),
                                {h.plan.num_rows, h.hidden}, dt);
   return_rows(expert_y.raw(), rb, rows.raw(), h, *scratch_, comm);
-  return unpermute(rows, h.plan, options);
+  return unpermute(rows, h.plan, UnpermuteOptions{weights});
 }
 
 Tensor Dispatcher::combine(const Tensor& expert_y, const DispatchHandle& handle,
-                           const UnpermuteOptions& options) {
-  return combine_impl("combine", "expert_y", expert_y, handle, options);
+                           WeightMode weights) {
+  return combine_impl("combine", "expert_y", expert_y, handle, weights);
 }
 
 Tensor Dispatcher::dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle) {
-  return combine_impl("dispatch_backward", "grad_recv_x", grad_recv_x, handle,
-                      UnpermuteOptions{WeightMode::skip});
+  return combine_impl("dispatch_backward", "grad_recv_x", grad_recv_x, handle, WeightMode::skip);
 }
 
 Tensor Dispatcher::dispatch_weights_backward(const Tensor& grad_recv_topk_weights,
@@ -351,12 +350,11 @@ Tensor Dispatcher::dispatch_weights_backward(const Tensor& grad_recv_topk_weight
 }
 
 CombineGrads Dispatcher::combine_backward(const Tensor& grad_y, const Tensor& expert_y,
-                                          const DispatchHandle& h,
-                                          const UnpermuteOptions& options) {
+                                          const DispatchHandle& h, WeightMode weights) {
   const char* op = "combine_backward";
   Communicator& comm = *comm_;
   const Communicator::Exclusive busy(comm, op);
-  const bool apply = options.weights == WeightMode::apply;
+  const bool apply = weights == WeightMode::apply;
   std::string err;
   try {
     detail::check_handle(op, h, comm);
@@ -376,8 +374,8 @@ CombineGrads Dispatcher::combine_backward(const Tensor& grad_y, const Tensor& ex
   } catch (const std::invalid_argument& e) {
     err = e.what();
   }
-  detail::agree(op, err, err.empty() ? grad_y.dtype() : DType::fp32, "grad_y", options.weights,
-                h.layout_id, comm);
+  detail::agree(op, err, err.empty() ? grad_y.dtype() : DType::fp32, "grad_y", weights, h.layout_id,
+                comm);
   const DType dt = grad_y.dtype();
   const int64_t R = h.num_recv_tokens, H = h.hidden, rb = row_bytes(H, dt);
   // Dispatch of grad_y; with weights it is an intermediate (scratch), without it is the result.
@@ -392,7 +390,8 @@ CombineGrads Dispatcher::combine_backward(const Tensor& grad_y, const Tensor& ex
   }
   // The expert side is unpermute's backward on the received rows: grad_expert_y = w * g and the
   // per-row dots <expert_y, g>, which go back to the source rows and then to the slots.
-  UnpermuteGrads u = unpermute_backward(g_recv, expert_y, recv_plan(h, *scratch_), options);
+  UnpermuteGrads u =
+      unpermute_backward(g_recv, expert_y, recv_plan(h, *scratch_), UnpermuteOptions{weights});
   out.grad_expert_y = std::move(u.grad_permuted);
   Tensor plan_dots = Tensor::borrow(scratch_->get<float>(Scratch::floats_back, h.plan.num_rows),
                                     {h.plan.num_rows}, DType::fp32);
@@ -414,9 +413,9 @@ DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& t
   return temporary(comm).dispatch(x, topk_idx, topk_weights, options);
 }
 
-Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
-               const UnpermuteOptions& options, Communicator& comm) {
-  return temporary(comm).combine(expert_y, handle, options);
+Tensor combine(const Tensor& expert_y, const DispatchHandle& handle, WeightMode weights,
+               Communicator& comm) {
+  return temporary(comm).combine(expert_y, handle, weights);
 }
 
 Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
@@ -430,8 +429,8 @@ Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const Dis
 }
 
 CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,
-                              const UnpermuteOptions& options, Communicator& comm) {
-  return temporary(comm).combine_backward(grad_y, expert_y, h, options);
+                              WeightMode weights, Communicator& comm) {
+  return temporary(comm).combine_backward(grad_y, expert_y, h, weights);
 }
 
 void fail_collective(CollectiveOp op, const std::string& message, Communicator& comm) {

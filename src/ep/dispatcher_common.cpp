@@ -68,7 +68,7 @@ void agree(const char* op, const std::string& local_error, DType dtype, const ch
                                    " on rank ", r);
     }
     if (all[kFields * r + 2] != all[2]) {
-      switchyard::detail::fail_arg(op, "options.weights must be the same on every rank, got ",
+      switchyard::detail::fail_arg(op, "weights must be the same on every rank, got ",
                                    mode_name(all[2]), " on rank 0 and ",
                                    mode_name(all[kFields * r + 2]), " on rank ", r);
     }

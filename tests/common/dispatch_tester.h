@@ -493,8 +493,8 @@ class DispatchTester {
     }
     // Experts run locally; combine back; compare bitwise with EP = 1.
     const Tensor Y = expert_fn(d.recv_x, expert_of_row);
-    EXPECT_TRUE(bitwise_equal(dist::combine(Y, h, uo, c), rows(gy, b, e_))) << "combine";
-    const dist::CombineGrads cg = dist::combine_backward(rows(ggrad, b, e_), Y, h, uo, c);
+    EXPECT_TRUE(bitwise_equal(dist::combine(Y, h, mode_, c), rows(gy, b, e_))) << "combine";
+    const dist::CombineGrads cg = dist::combine_backward(rows(ggrad, b, e_), Y, h, mode_, c);
     EXPECT_TRUE(bitwise_equal(cg.grad_expert_y, rows(gg.grad_permuted, r0, r1)))
         << "combine_backward";
     EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, rows(gg.grad_topk_weights, b, e_)))

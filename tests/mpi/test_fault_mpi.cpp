@@ -137,10 +137,9 @@ SY_FAULT_BOTH_KINDS(DispatchBackwardGradExtraRowOnOneRankRaisesEverywhere)
 void CombineWeightModeDifferingOnOneRankRaisesEverywhere(DispatcherKind kind) {
   SY_NEEDS_SEVERAL_RANKS();
   const dist::DispatchResult d = good_dispatch(6, 12, kind);
-  UnpermuteOptions uo;
-  uo.weights = on_last_rank() ? WeightMode::skip : WeightMode::apply;
-  SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, d.handle, uo, world()), std::invalid_argument,
-                      "options.weights must be the same on every rank");
+  const WeightMode weights = on_last_rank() ? WeightMode::skip : WeightMode::apply;
+  SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, d.handle, weights, world()), std::invalid_argument,
+                      "weights must be the same on every rank");
   expect_still_in_step();
 }
 SY_FAULT_BOTH_KINDS(CombineWeightModeDifferingOnOneRankRaisesEverywhere)

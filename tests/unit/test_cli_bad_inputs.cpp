@@ -130,8 +130,9 @@ TEST_F(CliBadInputs, EveryRowExitsWithItsCodeAndMessage) {
        2, "never got a chunk with finish_reason: the stream is truncated"},
       {"import: a row that repeats an id", {"routes", "import", "--format", "vllm", "--num-experts", "8", "-o", "@o.syr", "@dup.npy"}, 2,
        "repeats expert"},
-      {"demo --out that cannot be created", {"demo", "--hidden", "16", "--experts", "4", "--top-k", "2", "--layers", "1", "--sequences", "1", "--seq-len", "4", "--out", "@cut.syr/sub"}, 2,
-       "[demo] --out"},
+      {"quickcheck --out that cannot be created", {"quickcheck", "--hidden", "16", "--experts", "4", "--top-k", "2", "--layers", "1", "--sequences", "1", "--seq-len", "4", "--out", "@cut.syr/sub"}, 2,
+       "[quickcheck] --out"},
+      {"the old name demo", {"demo"}, 2, "`switchyard demo` was renamed `switchyard quickcheck`"},
       {"align --tp huge (2*tp*cp overflows)", {"routes", "align", "@in.syr", "-o", "@o.syr", "--tp", "4611686018427387904", "--cp", "2"}, 2, "tp"},
       {"align --fp8-align huge (lcm overflows)", {"routes", "align", "@in.syr", "-o", "@o.syr", "--tp", "3", "--fp8-align", "9223372036854775807"}, 2, "fp8_align"},
   };

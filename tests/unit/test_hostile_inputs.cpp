@@ -263,10 +263,10 @@ TEST_F(Hostile, FailedMultiFileImportLeavesNoFileMarkedComplete) {
 TEST_F(Hostile, CliTurnsEveryExceptionIntoAnExitCode) {
   // A --out that cannot be created (a file in the way): a message and exit 2, before any work.
   std::ofstream(p("file")) << "x";
-  CliRun r = run({"demo", "--hidden", "16", "--experts", "4", "--top-k", "2", "--layers", "1",
+  CliRun r = run({"quickcheck", "--hidden", "16", "--experts", "4", "--top-k", "2", "--layers", "1",
                   "--sequences", "1", "--seq-len", "4", "--out", p("file") + "/sub"});
   EXPECT_EQ(r.code, 2) << r.err;
-  EXPECT_NE(r.err.find("[demo] --out"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("[quickcheck] --out"), std::string::npos) << r.err;
 #if defined(__SANITIZE_ADDRESS__)
   GTEST_SKIP() << "ASan aborts on allocations past its maximum instead of throwing bad_alloc";
 #elif defined(__has_feature)
@@ -275,10 +275,20 @@ TEST_F(Hostile, CliTurnsEveryExceptionIntoAnExitCode) {
 #endif
 #endif
   // Sizes inside --help's ranges that no machine can hold: 2^36 tokens x 2^20 hidden.
-  r = run({"demo", "--hidden", "1048576", "--sequences", "65536", "--seq-len", "1048576",
-           "--out", p("demo")});
+  r = run({"quickcheck", "--hidden", "1048576", "--sequences", "65536", "--seq-len", "1048576",
+           "--out", p("quickcheck")});
   EXPECT_TRUE(r.code == 1 || r.code == 2) << r.code << " " << r.err;
   EXPECT_NE(r.err.find("error:"), std::string::npos) << r.err;
+}
+
+TEST_F(Hostile, CliOldDemoNamePointsAtQuickcheckAndTheMainJob) {
+  // `switchyard demo` was the engine's quick check; the main job is the Python demo.
+  CliRun r = run({"demo", "--hidden", "16"});
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(r.err,
+            "error: `switchyard demo` was renamed `switchyard quickcheck` (the engine's quick "
+            "check); the main job is `python -m switchyard.demo`\n");
+  EXPECT_TRUE(r.out.empty()) << r.out;
 }
 
 // ---------------------------------------------------------------- replay: no mutation on failure

@@ -324,9 +324,9 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
     replay_idx = None
     if tgt is not None:
         replay_idx = tgt.resolved_ids().masked_fill(tgt.merged[:, None], -1)
-    w, idx, info = _syt.topk_route(lg, rc, expert_bias=self.expert_bias, replay_idx=replay_idx,
-                                   layer=st.key if isinstance(st.key, int) else None,
-                                   return_info=True)
+    w, idx, info = _syt.topk_route(
+        lg, rc, _syt.RouteInputs(expert_bias=self.expert_bias, replay_idx=replay_idx),
+        _syt.RouteOptions(layer=st.key if isinstance(st.key, int) else None))
     if st.replay.action == "record" and not _syr.in_recompute():
         st.replay.record(idx.to(torch.int32))
     probs = torch.zeros_like(lg).scatter_add(1, idx, w).type_as(logits)

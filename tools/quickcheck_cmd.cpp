@@ -1,4 +1,5 @@
-// `switchyard demo`: the main job on an embedded default. It plays one RL step's routing story on a
+// `switchyard quickcheck`: the engine's quick check on an embedded default (the main job is
+// `python -m switchyard.demo`). It plays one RL step's routing story on a
 // Qwen3-30B-A3B-shaped router (H 2048, E 128, K 8) with synthetic RMS-normalised bf16 hidden states:
 //
 //  1. the rollout engine routes with bf16 logits (what inference stacks do by default), the trainer
@@ -43,7 +44,7 @@ using sy::Tensor;
 
 namespace {
 
-struct DemoConfig {
+struct QuickcheckConfig {
   int64_t hidden = 2048;
   int64_t num_experts = 128;
   int64_t top_k = 8;
@@ -161,9 +162,9 @@ std::string pct(double share) {
   return os.str();
 }
 
-// State shared by the demo's steps.
-struct Demo {
-  const DemoConfig& c;
+// State shared by the quick check's steps.
+struct Quickcheck {
+  const QuickcheckConfig& c;
   std::ostream& out;
   std::ostream& err;
   nlohmann::json report;
@@ -175,7 +176,7 @@ struct Demo {
   sy::RouteTable stored;                 // the rollout's routes after export, import and storage
   bool ok = true;
 
-  Demo(const DemoConfig& config, std::ostream& o, std::ostream& e)
+  Quickcheck(const QuickcheckConfig& config, std::ostream& o, std::ostream& e)
       : c(config), out(o), err(e), T(config.num_sequences * config.seq_len), H(config.hidden),
         E(config.num_experts), K(config.top_k), L(config.num_moe_layers) {
     cfg.num_experts = E;
@@ -184,7 +185,7 @@ struct Demo {
   void say(const std::string& s) {
     if (!c.json) out << s << "\n";
   }
-  void progress(const std::string& s) { err << "[demo] " << s << "\n"; }
+  void progress(const std::string& s) { err << "[quickcheck] " << s << "\n"; }
   void check(bool passed) { ok = ok && passed; }
 
   void routers();
@@ -195,7 +196,7 @@ struct Demo {
 };
 
 // 1. Three routers on the same tokens: bf16 logits (rollout engine), fp32 (trainer), fp64.
-void Demo::routers() {
+void Quickcheck::routers() {
   std::mt19937_64 rng(c.seed);
   std::vector<Tensor> rollout_ids, trainer_ids, ref_ids;
   double gate_ms = 0;
@@ -244,11 +245,11 @@ void Demo::routers() {
 }
 
 // 2. The rollout's routes leave the engine as vLLM arrays, are imported and stored.
-void Demo::route_data() {
+void Quickcheck::route_data() {
   namespace fs = std::filesystem;
   progress("exporting vLLM arrays, importing, writing the route file");
   const fs::path dir =
-      c.out_dir.empty() ? fs::temp_directory_path() / "switchyard-demo" : fs::path(c.out_dir);
+      c.out_dir.empty() ? fs::temp_directory_path() / "switchyard-quickcheck" : fs::path(c.out_dir);
   fs::create_directories(dir);
   std::vector<std::string> npys;
   int64_t raw_bytes = 0;
@@ -258,7 +259,7 @@ void Demo::route_data() {
         vllm_routed_experts(rollout, s * c.seq_len, c.seq_len, c.first_k_dense));
     std::ofstream f(p, std::ios::binary);
     f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    if (!f) throw sy::BackendError("[demo] cannot write " + p.string());
+    if (!f) throw sy::BackendError("[quickcheck] cannot write " + p.string());
     raw_bytes += static_cast<int64_t>(bytes.size());
     npys.push_back(p.string());
   }
@@ -315,7 +316,7 @@ void Demo::route_data() {
 
 // 3. The trainer replays the stored routes (R3), recomputes under activation checkpointing and
 // sends gradients into the gate.
-void Demo::replay() {
+void Quickcheck::replay() {
   progress("replaying (R3) with recompute and backward");
   std::vector<Tensor> replayed_ids;
   int64_t n_replayed = 0, n_native = 0;
@@ -377,7 +378,7 @@ void Demo::replay() {
 
 // 4. Tokens go to toy experts (expert e scales its rows by 1 + e/E) through both dispatchers and
 // come back weighted; checked against a direct fp64 computation.
-void Demo::dispatch() {
+void Quickcheck::dispatch() {
   progress("dispatch and combine (all-to-all and all-gather)");
   sy::RouteInputs in;
   in.replay_idx = layer_ids(stored, 0);
@@ -444,7 +445,7 @@ void Demo::dispatch() {
 }
 
 // 5. A token's logits alone, inside the batch and on one thread are bitwise the same.
-void Demo::batch_invariance() {
+void Quickcheck::batch_invariance() {
   progress("batch invariance");
   const int64_t probe = std::min<int64_t>(T - 1, 5);
   Tensor alone_x = Tensor::empty({1, H}, DType::bf16);
@@ -464,20 +465,20 @@ void Demo::batch_invariance() {
   report["batch_invariance"] = {{"alone_vs_batch", inv_alone}, {"threads", inv_threads}};
 }
 
-int run_demo(const DemoConfig& c, std::ostream& out, std::ostream& err) {
+int run_quickcheck(const QuickcheckConfig& c, std::ostream& out, std::ostream& err) {
   {
     // The output folder is checked before any work (a clear error, not an exception minutes in).
     namespace fs = std::filesystem;
     const fs::path dir =
-        c.out_dir.empty() ? fs::temp_directory_path() / "switchyard-demo" : fs::path(c.out_dir);
+        c.out_dir.empty() ? fs::temp_directory_path() / "switchyard-quickcheck" : fs::path(c.out_dir);
     std::error_code ec;
     fs::create_directories(dir, ec);
     if (ec || !fs::is_directory(dir)) {
-      throw sy::BackendError("[demo] --out " + dir.string() + ": cannot create the folder (" +
+      throw sy::BackendError("[quickcheck] --out " + dir.string() + ": cannot create the folder (" +
                              (ec ? ec.message() : std::string("not a directory")) + ")");
     }
   }
-  Demo d(c, out, err);
+  Quickcheck d(c, out, err);
   d.report["config"] = {{"hidden", d.H},
                         {"num_experts", d.E},
                         {"top_k", d.K},
@@ -488,7 +489,7 @@ int run_demo(const DemoConfig& c, std::ostream& out, std::ostream& err) {
                         {"num_tokens", d.T},
                         {"seed", c.seed},
                         {"threads", sy::num_threads()}};
-  d.say("switchyard demo: " + std::to_string(d.T) + " tokens (" +
+  d.say("switchyard quickcheck: " + std::to_string(d.T) + " tokens (" +
         std::to_string(c.num_sequences) + " sequences x " + std::to_string(c.seq_len) +
         "), router H=" + std::to_string(d.H) + " E=" + std::to_string(d.E) +
         " K=" + std::to_string(d.K) + ", " + std::to_string(d.L) + " MoE layers after " +
@@ -502,17 +503,26 @@ int run_demo(const DemoConfig& c, std::ostream& out, std::ostream& err) {
   if (c.json) {
     out << d.report.dump(2) << "\n";
   } else {
-    d.say(std::string("\n") + (d.ok ? "demo: all checks passed" : "demo: A CHECK FAILED"));
+    d.say(std::string("\n") + (d.ok ? "quickcheck: all checks passed" : "quickcheck: A CHECK FAILED"));
   }
   return d.ok ? 0 : 1;
 }
 
 }  // namespace
 
-void register_demo_command(CLI::App& app, std::ostream& out, std::ostream& err) {
-  auto c = std::make_shared<DemoConfig>();
+void register_quickcheck_command(CLI::App& app, std::ostream& out, std::ostream& err) {
+  auto c = std::make_shared<QuickcheckConfig>();
+  // The old name: one line saying where each job went (docs/deprecations.md), exit code 2.
+  CLI::App* old = app.add_subcommand("demo", "renamed: see `switchyard quickcheck`");
+  old->allow_extras();
+  old->group("");  // not listed in --help
+  old->callback([&err] {
+    err << "error: `switchyard demo` was renamed `switchyard quickcheck` (the engine's quick "
+           "check); the main job is `python -m switchyard.demo`\n";
+    throw CLI::RuntimeError(kExitUsage);
+  });
   CLI::App* cmd = app.add_subcommand(
-      "demo",
+      "quickcheck",
       "Routing drift, route import/storage, replay, dispatch and batch invariance on a "
       "Qwen3-30B-A3B-shaped router (embedded default)");
   cmd->add_option("--hidden", c->hidden, "hidden size H")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
@@ -536,7 +546,7 @@ void register_demo_command(CLI::App& app, std::ostream& out, std::ostream& err) 
                                               std::to_string(c->top_k));
     }
     run_guarded(err, [&] {
-      if (run_demo(*c, out, err) != 0) throw CLI::RuntimeError(kExitBad);
+      if (run_quickcheck(*c, out, err) != 0) throw CLI::RuntimeError(kExitBad);
     });
   });
 }
