@@ -456,17 +456,19 @@ def init_gloo(rank, world, out_dir, **kw):
                             rank=rank, world_size=world, **kw)
 
 
-def _worker(rank, world, cases, out_dir):
+def _worker(rank, world, cases, out_dir, module):
     sys.path.insert(0, HERE)
     torch.set_num_threads(1)
     init_gloo(rank, world, out_dir)
+    import importlib
     import megatron_shims
     megatron_shims.install()
+    table = importlib.import_module(module).CASES
     out = {}
     for case in cases:  # one process start (Megatron's import takes seconds) serves every case
         res = out[case] = {}
         try:
-            CASES[case](rank, world, res)
+            table[case](rank, world, res)
         except Exception:  # noqa: BLE001 (reported to the test)
             res["worker_error"] = traceback.format_exc()
         dist.barrier()
@@ -474,10 +476,10 @@ def _worker(rank, world, cases, out_dir):
     dist.destroy_process_group()
 
 
-def spawn(cases, world, out_dir):
-    """Runs ``cases`` (names of case_* functions) on ``world`` gloo ranks; returns, per rank,
-    {case: findings}."""
+def spawn(cases, world, out_dir, module="megatron_workers"):
+    """Runs ``cases`` (names of the case_* functions of ``module``, a module of python/tests with a
+    CASES table) on ``world`` gloo ranks; returns, per rank, {case: findings}."""
     import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(world, list(cases), out_dir), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, list(cases), out_dir, module), nprocs=world, join=True)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(world)]

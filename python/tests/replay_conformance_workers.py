@@ -3,11 +3,8 @@ two gloo ranks, built with megatron_workers' helpers (same shapes, seeded weight
 id, an EP 1 reference layer with the same weights in the same process; the CPU shims of
 megatron_shims). Each case writes its findings to ``out_dir/rank{r}.pt``."""
 import os
-import sys
-import traceback
 
 import torch
-import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 T = 12
@@ -97,27 +94,7 @@ def case_mid_step(rank, world, res):
 CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}
 
 
-def _worker(rank, world, cases, out_dir):
-    sys.path.insert(0, HERE)
-    torch.set_num_threads(1)
-    import megatron_shims
-    import megatron_workers as mw
-    mw.init_gloo(rank, world, out_dir)
-    megatron_shims.install()
-    out = {}
-    for case in cases:  # one process start (Megatron's import takes seconds) serves every case
-        res = out[case] = {}
-        try:
-            CASES[case](rank, world, res)
-        except Exception:  # noqa: BLE001 (reported to the test)
-            res["worker_error"] = traceback.format_exc()
-        dist.barrier()
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-
-
 def spawn(cases, world, out_dir):
-    import torch.multiprocessing as mp
-    mp.spawn(_worker, args=(world, list(cases), out_dir), nprocs=world, join=True)
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
-            for r in range(world)]
+    """Runs ``cases`` on ``world`` gloo ranks with megatron_workers' runner."""
+    import megatron_workers as mw
+    return mw.spawn(cases, world, out_dir, module=__name__)
