@@ -79,16 +79,19 @@ def init_process_group():
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
-def tiny_qwen3_moe(path, seed=0, num_hidden_layers=2):
-    """Saves a tiny random Qwen3-MoE (8 experts, top-2, vocab 97) and a tokenizer-free config at
-    ``path``; returns the path (verl's HFModelConfig loads models from a path)."""
+def tiny_qwen3_moe(path, seed=0, num_hidden_layers=2, **overrides):
+    """Saves a tiny random Qwen3-MoE (8 experts, top-2, vocab 97; ``overrides`` replace any of
+    these config fields, e.g. bench/py_verl_overhead.py's larger sizes) and a tokenizer-free
+    config at ``path``; returns the path (verl's HFModelConfig loads models from a path)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.for_model(
-        "qwen3_moe", hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
+    fields = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=97, max_position_embeddings=128,
         head_dim=8, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False,
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
         initializer_range=0.2)  # large enough that the routes chosen change the log-probs
+    fields.update(overrides)
+    cfg = AutoConfig.for_model("qwen3_moe", **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(str(path))

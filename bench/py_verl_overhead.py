@@ -1,0 +1,174 @@
+"""Overhead of switchyard.integrations.verl on verl's FSDP engine: the same trainer step (the
+old-log-prob pass, infer_batch, then the update, train_batch: forward, loss, backward with verl's
+default activation checkpointing, optimizer) on the same micro-batches carrying the rollout's
+routed_experts, with verl's own FSDPEngineWithLMHead ("verl", native routing: routed_experts
+unused); switchyard's SwitchyardFSDPEngine with R3 ("R3": both passes replay routed_experts);
+and with SWITCHYARD_VERL_ROUTER_DTYPE=float32 too ("fp32+R3").
+Runs round-robin (order rotated each round) in one process on the CPU, verl's real engine (fsdp2,
+one gloo process) through the CPU shims of python/tests_verl/verl_cpu.py; prints the CPU model, the
+best process CPU time (the steadier measure on a shared machine: one thread) and wall time per
+variant, and the ratios (1.00 = no overhead).
+
+    VV=$(bash scripts/env.sh verl)
+    PYTHONPATH=build/python $VV/bin/python bench/py_verl_overhead.py [--quick] [--threads N]
+        [--hidden 128] [--layers 4] [--experts 16] [--batch 8] [--prompt 8] [--response 24]
+        [--steps 4]
+
+A tiny Qwen3-MoE (no download) in fp32 (verl_cpu's engine: fp32 parameters and compute) where the
+routers are a large share of the work, so the ratio is an upper bound of the overhead on real
+model sizes. The model is fp32 already, so "fp32+R3" differs from "R3" by the gate GEMM alone (no
+cast): on CPU tensors the fp32 router runs switchyard's batch-invariant gate kernel
+(switchyard.torch.router_gating_linear) where "R3" keeps the model's own torch GEMM.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+_threads = next((a.split("=", 1)[1] if "=" in a else sys.argv[i + 2]
+                 for i, a in enumerate(sys.argv[1:]) if a.startswith("--threads")), "1")
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = _threads
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore")
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(here, "..", "python", "tests_verl"))
+
+import verl_cpu  # noqa: E402  (the verl tests' CPU shims, engine and batch builders)
+
+verl_cpu.setup(external_modules=["switchyard.integrations.verl"])  # before verl is imported
+
+import torch  # noqa: E402
+import verl  # noqa: E402
+
+from bench_machine import machine_line  # noqa: E402
+
+VARIANTS = {  # name: (VERL_ENGINE_VENDOR, SWITCHYARD_VERL_ROUTER_REPLAY, ..._ROUTER_DTYPE)
+    "verl": (None, None, None),
+    "R3": ("switchyard", "R3", None),
+    "fp32+R3": ("switchyard", "R3", "float32"),
+}
+_ENV = ("VERL_ENGINE_VENDOR", "SWITCHYARD_VERL_ROUTER_REPLAY", "SWITCHYARD_VERL_ROUTER_DTYPE")
+
+
+def make_engine(variant, model_path, a):
+    """An initialised engine from verl's EngineRegistry for ``variant`` (construction not timed)."""
+    old = {k: os.environ.get(k) for k in _ENV}
+    try:
+        for k, v in zip(_ENV, VARIANTS[variant]):
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.manual_seed(0)
+        eng = verl_cpu.engine(model_path, micro_batch_size=a.micro, lr=1e-4)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    want = "FSDPEngineWithLMHead" if variant == "verl" else "SwitchyardFSDPEngine"
+    assert type(eng).__name__ == want, (variant, type(eng).__name__)
+    return eng
+
+
+def make_batches(a):
+    """(log-prob batch, update batch): ``a.batch`` sequences of ``a.prompt`` (varied) prompt and
+    ``a.response`` (varied) response tokens, with random routed_experts as the rollout reports
+    them (distinct ids at every real token but each sequence's last, zeros elsewhere)."""
+    g = torch.Generator().manual_seed(0)
+    def seqs(longest):  # a.batch sequences of longest // 2 .. longest random tokens
+        lens = torch.randint(longest // 2, longest + 1, (a.batch,), generator=g).tolist()
+        return [torch.randint(3, 97, (n,), generator=g).tolist() for n in lens]
+    prompts, responses = seqs(a.prompt), seqs(a.response)
+    kw = dict(num_hidden_layers=a.layers, top_k=2, micro_batch_size=a.micro)
+    _, dense = verl_cpu.batch(prompts, responses, **kw)
+    m = dense["attention_mask"].bool()
+    B, S = m.shape
+    ids = torch.rand(B * S * a.layers, a.experts, generator=g).argsort(-1)[:, :2]
+    routed = ids.view(B, S, a.layers, 2).to(torch.int16)
+    last = m.long().cumsum(1).eq(m.sum(1, keepdim=True)) & m
+    routed[~m | last] = 0
+    infer, _ = verl_cpu.batch(prompts, responses, routed_experts=routed, **kw)
+    update, _ = verl_cpu.batch(prompts, responses, routed_experts=routed,
+                               return_model_output=True, **kw)
+    return infer, update, int((m & ~last).sum()) * a.layers
+
+
+def _loss(model_output, data, dp_group=None):
+    return -model_output["log_probs"].values().mean(), {}
+
+
+def step(eng, infer, update):
+    """One trainer step of the actor: the old-log-prob pass, then the update."""
+    with eng.eval_mode():
+        old = eng.infer_batch(infer)
+    with eng.train_mode():
+        upd = eng.train_batch(update, loss_function=_loss)
+    return old, upd
+
+
+def run(eng, variant, infer, update, routed_rows, steps):
+    """(wall, process CPU) seconds for ``steps`` trainer steps."""
+    t, c = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        old, upd = step(eng, infer, update)
+    dt = (time.perf_counter() - t, time.process_time() - c)
+    if variant != "verl":  # every routed row of both passes replayed the rollout's ids
+        for out in (old, upd):
+            assert sum(out["metrics"]["router_replay/replayed_rows"]) == routed_rows
+    return dt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller model, 2 rounds")
+    ap.add_argument("--threads", default="1")
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--micro", type=int, default=4, help="micro-batch size")
+    ap.add_argument("--prompt", type=int, default=8)
+    ap.add_argument("--response", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=4)
+    a = ap.parse_args()
+    if a.quick:
+        a.hidden, a.layers, a.steps, a.rounds = 64, 2, 2, 2
+    torch.set_num_threads(int(a.threads))
+    print(machine_line())
+    print(f"verl {verl.__version__} FSDP engine (fsdp2, 1 gloo process); Qwen3-MoE hidden "
+          f"{a.hidden}, {a.layers} layers, {a.experts} experts top-2, fp32; batch {a.batch} "
+          f"(micro {a.micro}), prompts <= {a.prompt}, responses <= {a.response} tokens; step = "
+          f"log-prob pass + update; {a.steps} steps, {a.threads} thread(s), best of {a.rounds} "
+          "rounds")
+    tmp = tempfile.TemporaryDirectory()  # kept until the end: verl holds the model's path
+    path = verl_cpu.tiny_qwen3_moe(
+        tmp.name, num_hidden_layers=a.layers, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
+        head_dim=a.hidden // 4, num_experts=a.experts, moe_intermediate_size=a.hidden // 2,
+        initializer_range=0.02)
+    engines = {v: make_engine(v, path, a) for v in VARIANTS}
+    infer, update, routed_rows = make_batches(a)
+    variants = list(VARIANTS)
+    for v in variants:  # warm-up: first-call costs of each engine
+        run(engines[v], v, infer, update, routed_rows, 1)
+    best = {v: (float("inf"), float("inf")) for v in variants}
+    for r in range(a.rounds):  # the order rotates each round: no variant always runs last
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            w, c = run(engines[v], v, infer, update, routed_rows, a.steps)
+            best[v] = (min(best[v][0], w), min(best[v][1], c))
+    (bw, bc) = best["verl"]
+    print("  variant    CPU ms/step  ratio   wall ms/step  ratio")
+    for v in variants:
+        w, c = best[v]
+        print(f"  {v:<8} {c / a.steps * 1e3:11.1f} {c / bc:6.2f} {w / a.steps * 1e3:14.1f} "
+              f"{w / bw:6.2f}")
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
