@@ -1,0 +1,37 @@
+"""The route importers and the replay core share one row rule (src/cpu/row_rule.h) and one
+invalid-row vocabulary (error / native, with merge refused): a row the replay core calls invalid
+is invalid to every importer, for the same reason."""
+import pytest
+import torch
+
+import switchyard as sy
+import switchyard.routes as syr
+
+ROWS = [[1, 2, 3], [-1, -1, -1], [4, -1, -1], [5, 5, 2], [-1, 3, 3], [1, 6, 1]]
+
+
+def _import(rows, **kw):
+    return syr.import_vllm_arrays([torch.tensor(rows, dtype=torch.int32)[:, None, :]],
+                                  num_experts=8, **kw)
+
+
+@pytest.mark.hostile(tried="imported a row that mixes -1 and a repeated id ([-1, 3, 3])",
+                     gets="the replay core's verdict (mixes -1 and ids), not a second rule's")
+def test_importer_and_replay_core_name_the_same_problem():
+    for row in ROWS:
+        rows = sy.classify_replay_rows(torch.tensor([row], dtype=torch.int32), 8, "native")
+        if rows.num_invalid == 0:
+            tables, _ = _import([row])
+            assert tables[0][0].tolist() == [row]  # (the last token has no route: -1)
+            continue
+        why = "mixes -1 and" if -1 in row else "repeats expert"
+        with pytest.raises(ValueError, match=why):
+            sy.classify_replay_rows(torch.tensor([row], dtype=torch.int32), 8)
+        with pytest.raises(ValueError, match=why):
+            _import([row])
+
+
+def test_importer_counts_invalid_rows_as_the_replay_core_does():
+    rows = sy.classify_replay_rows(torch.tensor(ROWS, dtype=torch.int32), 8, "native")
+    _, rep = _import(ROWS, invalid_rows="to_none")
+    assert rep["num_invalid_rows"] == rows.num_invalid == 4
