@@ -11,6 +11,8 @@ A route table is an int32 tensor [tokens, moe_layers, K]: an expert id, or -1 fo
     targets = sy.routes.add_padding(tables, attention_mask)     # [B, S, L, K], -1 at padding
     stats = sy.routes.drift(rollout_table, trainer_table)       # decision / token mismatch
 """
+import warnings
+
 from . import _switchyard as _C
 
 __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "decode", "import_vllm",
@@ -227,6 +229,18 @@ def _freq(moe_layer_freq):
     return [int(v) for v in moe_layer_freq]
 
 
+def _invalid_rows(policy):
+    """The importers' invalid_rows in the replay core's vocabulary (switchyard.replay.POLICIES):
+    "error" or "native" ("merge" is refused by the engine). "to_none", the old word for "native",
+    still works with a DeprecationWarning."""
+    if policy == "to_none":
+        warnings.warn("invalid_rows='to_none' is deprecated, spell it 'native' (the same meaning: "
+                      "the row is stored as -1 and replay routes it natively)", DeprecationWarning,
+                      stacklevel=3)
+        return "native"
+    return policy
+
+
 def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
                 num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error",
                 prompt_start=0):
@@ -235,14 +249,17 @@ def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mt
     (``choices[i].routed_experts``, base64 of .npy bytes), told apart by content. Keeps the MoE
     layers of the layer map, appends a -1 row for the last token. zero_rows: "keep", "to_none" or
     "error" for all-zero rows on MoE layers (counted in the report either way). invalid_rows:
-    "error" (default) or "to_none" for rows that repeat an id or mix -1 with ids (stored as -1 and
-    counted in report["num_invalid_rows"]), never stored as if valid. prompt_start: the
+    the replay core's policy vocabulary (switchyard.replay.POLICIES) for rows that repeat an id or
+    mix -1 with ids: "error" (default) or "native" (stored as -1, so replay routes them natively,
+    and counted in report["num_invalid_rows"]); never stored as if valid. "merge" is refused (a
+    table keeps K ids per row: replay such rows with merge instead); "to_none" is a deprecated
+    alias of "native". prompt_start: the
     request's ``routed_experts_prompt_start`` (routes start at that token; the tokens before it
     get -1 rows, so a table has one row per token); a response record's own
     ``routed_experts_prompt_start`` field overrides it."""
     return _C.routes_import_vllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                  _freq(moe_layer_freq), int(num_mtp_layers),
-                                 int(num_input_layers), int(top_k), zero_rows, invalid_rows,
+                                 int(num_input_layers), int(top_k), zero_rows, _invalid_rows(invalid_rows),
                                  int(prompt_start))
 
 
@@ -254,7 +271,7 @@ def import_vllm_response(response, num_experts, first_k_dense=0, moe_layer_freq=
     ``routed_experts`` string itself (base64 of .npy bytes). prompt_start as in import_vllm."""
     import json
     args = (int(num_experts), int(first_k_dense), _freq(moe_layer_freq), int(num_mtp_layers),
-            int(num_input_layers), int(top_k), zero_rows, invalid_rows, int(prompt_start))
+            int(num_input_layers), int(top_k), zero_rows, _invalid_rows(invalid_rows), int(prompt_start))
     if isinstance(response, (dict, list, tuple)):
         return _C.routes_import_vllm_http_text(json.dumps(response), *args)
     if isinstance(response, bytes):
@@ -282,7 +299,7 @@ def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None
     return _C.routes_import_vllm_arrays(ts, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
                                         int(num_input_layers), int(top_k), zero_rows,
-                                        invalid_rows, int(prompt_start))
+                                        _invalid_rows(invalid_rows), int(prompt_start))
 
 
 def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_layer_freq=None,
@@ -314,7 +331,7 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     # checked (drop_padding + the vLLM importer's rules, without its appended last-token row).
     return _C.routes_from_verl(ids.contiguous(), attention_mask, int(num_experts),
                                int(first_k_dense), _freq(moe_layer_freq), int(num_mtp_layers),
-                               zero_rows, invalid_rows)
+                               zero_rows, _invalid_rows(invalid_rows))
 
 
 def to_verl(tables, moe_layers, num_hidden_layers, attention_mask=None, padding_side="left",
@@ -381,7 +398,7 @@ def import_sglang(paths, num_experts, num_input_layers, top_k, first_k_dense=0,
     response as a top-level field, else ``start_len``)."""
     return _C.routes_import_sglang([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                    _freq(moe_layer_freq), int(num_mtp_layers),
-                                   int(num_input_layers), int(top_k), zero_rows, invalid_rows,
+                                   int(num_input_layers), int(top_k), zero_rows, _invalid_rows(invalid_rows),
                                    int(start_len))
 
 
@@ -392,7 +409,7 @@ def import_sglang_text(text, num_experts, num_input_layers, top_k, first_k_dense
     return _C.routes_import_sglang_text(text, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
                                         int(num_input_layers), int(top_k), zero_rows,
-                                        invalid_rows, int(start_len))
+                                        _invalid_rows(invalid_rows), int(start_len))
 
 
 # ---- engine layouts beyond vLLM / SGLang (notes/routes.md, "Engine layouts") ---------------------
@@ -419,7 +436,7 @@ def import_trtllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_
     num_mtp_layers trailing columns are left out. A -1 row is appended for the last token."""
     return _C.routes_import_trtllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                    _freq(moe_layer_freq), int(num_mtp_layers),
-                                   int(num_input_layers), int(top_k), zero_rows, invalid_rows,
+                                   int(num_input_layers), int(top_k), zero_rows, _invalid_rows(invalid_rows),
                                    int(prompt_start))
 
 
@@ -432,7 +449,7 @@ def import_trtllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=No
     return _C.routes_import_trtllm_arrays(ts, int(num_experts), int(first_k_dense),
                                           _freq(moe_layer_freq), int(num_mtp_layers),
                                           int(num_input_layers), int(top_k), zero_rows,
-                                          invalid_rows, int(prompt_start))
+                                          _invalid_rows(invalid_rows), int(prompt_start))
 
 
 def import_flashinfer_replay(layers, cu_seqlens, num_experts, first_k_dense=0,
@@ -453,7 +470,7 @@ def import_flashinfer_replay(layers, cu_seqlens, num_experts, first_k_dense=0,
     cu = [int(v) for v in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
     return _C.routes_import_flashinfer_replay(ts, cu, int(num_experts), int(first_k_dense),
                                               _freq(moe_layer_freq), int(num_mtp_layers),
-                                              len(ts), int(top_k), zero_rows, invalid_rows, 0)
+                                              len(ts), int(top_k), zero_rows, _invalid_rows(invalid_rows), 0)
 
 
 class VllmRouteStream:
@@ -479,7 +496,7 @@ class VllmRouteStream:
                  prompt_start=0):
         self._s = _C.VllmRouteStream(int(num_experts), int(first_k_dense), _freq(moe_layer_freq),
                                      int(num_mtp_layers), int(num_input_layers), int(top_k),
-                                     zero_rows, invalid_rows, int(prompt_start))
+                                     zero_rows, _invalid_rows(invalid_rows), int(prompt_start))
 
     def add(self, request_id, routes, start=None, new_tokens=None, prompt_tokens=None):
         """One piece of ``request_id``: routes ``[rows, layers, K]`` (tensor / ndarray, or a base64
@@ -550,7 +567,7 @@ def import_vllm_stream(source, num_experts, first_k_dense=0, moe_layer_freq=None
     return _C.routes_import_vllm_stream_text(source, int(num_experts), int(first_k_dense),
                                              _freq(moe_layer_freq), int(num_mtp_layers),
                                              int(num_input_layers), int(top_k), zero_rows,
-                                             invalid_rows, int(prompt_start))
+                                             _invalid_rows(invalid_rows), int(prompt_start))
 
 
 def moe_layer_indices(num_input_layers, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0):

@@ -33,5 +33,38 @@ def test_importer_and_replay_core_name_the_same_problem():
 
 def test_importer_counts_invalid_rows_as_the_replay_core_does():
     rows = sy.classify_replay_rows(torch.tensor(ROWS, dtype=torch.int32), 8, "native")
-    _, rep = _import(ROWS, invalid_rows="to_none")
+    _, rep = _import(ROWS, invalid_rows="native")
     assert rep["num_invalid_rows"] == rows.num_invalid == 4
+
+
+@pytest.mark.hostile(tried="invalid_rows='native' on an importer (the replay core's word)",
+                     gets="rows stored as -1 and counted; the importers speak replay's vocabulary")
+def test_importers_take_the_replay_cores_policy_words():
+    tables, rep = _import([[5, 5, 2], [1, 2, 3]], invalid_rows="native")
+    assert tables[0][:2].tolist() == [[[-1, -1, -1]], [[1, 2, 3]]]
+    assert rep["num_invalid_rows"] == 1
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    verl = torch.tensor([[[[5, 5, 2]], [[1, 2, 3]]]], dtype=torch.int16)
+    tables, rep = syr.from_verl(verl, mask, num_experts=8, invalid_rows="native")
+    assert tables[0].tolist() == [[[-1, -1, -1]], [[1, 2, 3]]] and rep["num_invalid_rows"] == 1
+
+
+@pytest.mark.hostile(tried="invalid_rows='to_none' (the importers' old word)",
+                     gets="DeprecationWarning naming 'native'; the same result as 'native'")
+def test_old_invalid_rows_spelling_warns_and_means_native():
+    with pytest.warns(DeprecationWarning, match="spell it 'native'"):
+        tables, rep = _import([[5, 5, 2]], invalid_rows="to_none")
+    assert tables[0][0].tolist() == [[-1, -1, -1]] and rep["num_invalid_rows"] == 1
+
+
+@pytest.mark.hostile(tried="invalid_rows='merge' on an importer",
+                     gets="ValueError: a table keeps K ids per row, import with error/native")
+def test_importers_refuse_merge_with_the_reason():
+    with pytest.raises(ValueError, match=r"\[import\] invalid_rows must be error or native, got "
+                                         r"merge \(a route table keeps K ids per row"):
+        _import([[5, 5, 2]], invalid_rows="merge")
+    with pytest.raises(ValueError, match="invalid_rows must be error or native, got merge"):
+        syr.from_verl(torch.zeros(1, 1, 1, 2, dtype=torch.int16), torch.ones(1, 1, dtype=torch.bool),
+                      num_experts=8, invalid_rows="merge")
+    with pytest.raises(ValueError, match="invalid_rows must be 'error' or 'native', got 'drop'"):
+        _import([[5, 5, 2]], invalid_rows="drop")

@@ -222,6 +222,7 @@ void check_options(const ImportOptions& opt) {
   if (opt.num_input_layers < 0)
     fail_arg(kOp, "num_input_layers must be >= 0, got ", opt.num_input_layers);
   if (opt.top_k < 0) fail_arg(kOp, "top_k must be >= 0, got ", opt.top_k);
+  detail::check_invalid_rows_policy(kOp, opt.invalid_rows);
 }
 
 std::string read_file(const std::string& path) {

@@ -35,7 +35,7 @@ struct RowPlan {
   std::vector<int64_t> moe;    ///< hidden-layer index of each kept layer, ascending
   std::vector<int64_t> dense;  ///< hidden layers that are not MoE (checked for stray ids)
   ZeroRowPolicy zero_rows = ZeroRowPolicy::keep;
-  InvalidRowPolicy invalid_rows = InvalidRowPolicy::error;
+  ReplayRowPolicy invalid_rows = ReplayRowPolicy::error;
   int64_t token_offset = 0;                    ///< token number of row 0, for messages
   const char* layer_word = ", hidden layer ";  ///< how messages name an input layer
 };
@@ -50,6 +50,19 @@ struct RowFindings {
   std::string error;               ///< the first error ("" = none), without op and source
   int64_t error_token = -1;        ///< its token
 };
+
+/// Refuses an invalid-row policy an importer cannot apply (ReplayRowPolicy::merge: a table stores
+/// K ids per row, so a merged row cannot be stored).
+inline void check_invalid_rows_policy(const char* op, ReplayRowPolicy policy) {
+  if (policy == ReplayRowPolicy::error || policy == ReplayRowPolicy::native) return;
+  fail_arg(op, "invalid_rows must be error or native, got ",
+           policy == ReplayRowPolicy::merge ? std::string("merge")
+                                            : std::to_string(static_cast<int>(policy)),
+           policy == ReplayRowPolicy::merge
+               ? " (a route table keeps K ids per row: import with error or native, replay with "
+                 "merge)"
+               : "");
+}
 
 /// A plan for `layers_in` input layers of `top_k` ids under `options` (throws like
 /// moe_layer_indices, message prefixed by the caller).
@@ -109,7 +122,7 @@ bool decide_row(const T* row, int64_t r, int64_t l, int64_t m, const RowPlan& p,
     return true;
   }
   // A repeated id or -1 mixed with ids is an invalid row: never stored as if valid.
-  if (p.invalid_rows == InvalidRowPolicy::error) {
+  if (p.invalid_rows != ReplayRowPolicy::native) {
     std::string ids = "[";
     for (int64_t k = 0; k < K; ++k) ids += (k ? ", " : "") + std::to_string(int64_t(row[k]));
     ids += "]";
@@ -117,7 +130,7 @@ bool decide_row(const T* row, int64_t r, int64_t l, int64_t m, const RowPlan& p,
         cat("row ", ids, " at token ", p.token_offset + r, p.layer_word, l,
             v.problem == cpu::ReplayRowProblem::repeated_id ? cat(" repeats expert ", v.repeated_id)
                                                             : std::string(" mixes -1 and ids"),
-            " (invalid_rows='to_none' stores such rows as -1)");
+            " (invalid_rows='native' stores such rows as -1)");
     f.error_token = r;
     return false;
   }
