@@ -129,10 +129,9 @@ ImportResult import_vllm_npy_base64(std::string_view text, const std::string& so
 /// name the source, the record / line, the choice and the field.
 ImportResult import_vllm_http_text(std::string_view text, const std::string& source,
                                    const ImportOptions& options);
-/// Imports vLLM HTTP response files (JSON / JSONL), in order.
-ImportResult import_vllm_http(const std::vector<std::string>& paths, const ImportOptions& options);
-/// Imports vLLM files of either kind, told apart by content: .npy (magic "\x93NUMPY") or JSON /
-/// JSONL HTTP responses. What `switchyard routes import --format vllm` reads.
+/// Imports vLLM files of any kind, told apart by content: .npy (magic "\x93NUMPY"), a recorded
+/// stream (SSE text, starting "data:"; see import_vllm_stream_text) or JSON / JSONL HTTP
+/// responses. What `switchyard routes import --format vllm` reads.
 ImportResult import_vllm_files(const std::vector<std::string>& paths, const ImportOptions& options);
 
 // ---- Engine layouts beyond vLLM / SGLang (issue 25) ---------------------------------------------

@@ -68,3 +68,35 @@ def test_importers_refuse_merge_with_the_reason():
                       num_experts=8, invalid_rows="merge")
     with pytest.raises(ValueError, match="invalid_rows must be 'error' or 'native', got 'drop'"):
         _import([[5, 5, 2]], invalid_rows="drop")
+
+
+# ---------------------------------------------------------------- one vLLM entry point per kind
+def _sse(num_experts=8):
+    import base64
+    import io
+    import json
+
+    import numpy as np
+    buf = io.BytesIO()
+    np.save(buf, np.array([[[1, 2]], [[3, 4]]], dtype=np.uint8))
+    chunk = {"request_id": "r", "choices": [{"index": 0, "token_ids": [7, 8],
+                                             "routed_experts": base64.b64encode(buf.getvalue())
+                                             .decode(), "finish_reason": "stop"}],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 2}}
+    return "data: " + json.dumps(chunk) + "\n\ndata: [DONE]\n"
+
+
+@pytest.mark.hostile(tried="a recorded vLLM stream (SSE) given to import_vllm / import_vllm_response",
+                     gets="the same tables as the deprecated import_vllm_stream, which now warns")
+def test_a_recorded_stream_is_one_more_kind_of_file_or_response(tmp_path):
+    pytest.importorskip("numpy")
+    text = _sse()
+    (tmp_path / "s.sse").write_text(text)
+    from_file, _ = syr.import_vllm([tmp_path / "s.sse"], num_experts=8)
+    from_text, _ = syr.import_vllm_response(text, num_experts=8)
+    with pytest.warns(DeprecationWarning, match="import_vllm_stream is deprecated"):
+        old, _ = syr.import_vllm_stream(text, num_experts=8)
+    assert [t.tolist() for t in from_file] == [t.tolist() for t in from_text] == \
+        [t.tolist() for t in old]
+    assert from_file[0][:2].tolist() == [[[1, 2]], [[3, 4]]]
+    assert "import_vllm_stream" not in syr.__all__

@@ -761,10 +761,6 @@ ImportResult import_vllm_http_text(std::string_view text, const std::string& sou
   return all;
 }
 
-ImportResult import_vllm_http(const std::vector<std::string>& paths, const ImportOptions& options) {
-  return import_text_files(paths, options, &import_vllm_http_text);
-}
-
 ImportResult import_vllm_files(const std::vector<std::string>& paths,
                                const ImportOptions& options) {
   check_options(options);
@@ -772,8 +768,12 @@ ImportResult import_vllm_files(const std::vector<std::string>& paths,
   for (const auto& p : paths) {
     const std::string bytes = read_file(p);
     const bool npy = bytes.size() >= 6 && std::memcmp(bytes.data(), "\x93NUMPY", 6) == 0;
+    const size_t first = bytes.find_first_not_of(" \t\r\n");
+    const bool sse = !npy && first != std::string::npos && bytes.compare(first, 5, "data:") == 0;
     merge(all,
-          npy ? import_vllm_npy_bytes(bytes, p, options) : import_vllm_http_text(bytes, p, options),
+          npy   ? import_vllm_npy_bytes(bytes, p, options)
+          : sse ? import_vllm_stream_text(bytes, p, options)
+                : import_vllm_http_text(bytes, p, options),
           p);
   }
   return all;
