@@ -10,6 +10,30 @@ A route table is an int32 tensor [tokens, moe_layers, K]: an expert id, or -1 fo
     packed, cu, cu_padded = sy.routes.pack_thd(tables, tp_size=2, cp_size=2)
     targets = sy.routes.add_padding(tables, attention_mask)     # [B, S, L, K], -1 at padding
     stats = sy.routes.drift(rollout_table, trainer_table)       # decision / token mismatch
+
+vLLM route data, one entry point per input kind: files on disk (.npy, JSON / JSONL responses, a
+recorded stream) -> ``import_vllm``; a response in memory (dict, JSON / JSONL / SSE text, a base64
+``routed_experts`` string) -> ``import_vllm_response``; arrays in memory -> ``import_vllm_arrays``;
+chunks of a live stream, as they arrive -> ``VllmRouteStream``. They share these options:
+
+Options: num_experts E (every id must be -1 or in [0, E)); first_k_dense, moe_layer_freq,
+num_mtp_layers: the layer map (which input layers are MoE, as Megatron-Core's options);
+num_input_layers, top_k: checked against the data when given (0: taken from it); zero_rows:
+"keep" (default), "to_none" or "error" for all-zero rows on MoE layers (zero-filled padding;
+counted in the report either way); invalid_rows: the replay core's policy vocabulary
+(switchyard.replay.POLICIES) for rows that repeat an id or mix -1 with ids: "error" (default)
+or "native" (stored as -1, so replay routes them natively; counted in
+report["num_invalid_rows"]), never stored as if valid; "merge" is refused (a table keeps K
+ids per row: replay such rows with merge instead); "to_none" is a deprecated alias of
+"native". prompt_start: the request's ``routed_experts_prompt_start`` (routes start at that
+token; the tokens before it get -1 rows, so a table has one row per token); a response
+record's own ``routed_experts_prompt_start`` field overrides it.
+
+Returns (tables, report): one int32 tensor [seq_len, moe_layers, K] per sequence (the MoE
+layers of the layer map; -1 rows for the tokens before prompt_start and for the last token,
+which has no route) and a dict (num_sequences, num_tokens, num_input_layers, top_k,
+moe_layers, num_zero_rows, first_zero_rows, num_invalid_rows, warnings, sources). Bad input:
+ValueError naming the source, sequence, token, layer and value; nothing is returned.
 """
 import warnings
 
@@ -241,34 +265,6 @@ def _invalid_rows(policy):
     return policy
 
 
-# vLLM route data: one entry point per input kind.
-#   files on disk (.npy, JSON / JSONL responses, a recorded stream) -> import_vllm
-#   a response in memory (dict, JSON / JSONL / SSE text, a base64 routed_experts string)
-#                                                                   -> import_vllm_response
-#   arrays in memory (what vLLM's Python API returns)               -> import_vllm_arrays
-#   chunks of a live stream, as they arrive                         -> VllmRouteStream
-# Options shared by all of them:
-_VLLM_OPTIONS = """
-    Options: num_experts E (every id must be -1 or in [0, E)); first_k_dense, moe_layer_freq,
-    num_mtp_layers: the layer map (which input layers are MoE, as Megatron-Core's options);
-    num_input_layers, top_k: checked against the data when given (0: taken from it); zero_rows:
-    "keep" (default), "to_none" or "error" for all-zero rows on MoE layers (zero-filled padding;
-    counted in the report either way); invalid_rows: the replay core's policy vocabulary
-    (switchyard.replay.POLICIES) for rows that repeat an id or mix -1 with ids: "error" (default)
-    or "native" (stored as -1, so replay routes them natively; counted in
-    report["num_invalid_rows"]), never stored as if valid; "merge" is refused (a table keeps K
-    ids per row: replay such rows with merge instead); "to_none" is a deprecated alias of
-    "native". prompt_start: the request's ``routed_experts_prompt_start`` (routes start at that
-    token; the tokens before it get -1 rows, so a table has one row per token); a response
-    record's own ``routed_experts_prompt_start`` field overrides it.
-
-    Returns (tables, report): one int32 tensor [seq_len, moe_layers, K] per sequence (the MoE
-    layers of the layer map; -1 rows for the tokens before prompt_start and for the last token,
-    which has no route) and a dict (num_sequences, num_tokens, num_input_layers, top_k,
-    moe_layers, num_zero_rows, first_zero_rows, num_invalid_rows, warnings, sources). Bad input:
-    ValueError naming the source, sequence, token, layer and value; nothing is returned."""
-
-
 def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
                 num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error",
                 prompt_start=0):
@@ -277,7 +273,11 @@ def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mt
     int32, or uint8 / uint16 from vLLM 0.22 on), a JSON / JSONL file of HTTP responses (every
     ``choices[i].routed_experts``, base64 of .npy bytes, is one sequence), or a recorded stream
     (SSE text, one ``data: {...}`` chunk per line; one table per request, in the order they
-    finished; a request without its finish_reason chunk is a ValueError)."""
+    finished; a request without its finish_reason chunk is a ValueError).
+
+    Returns (tables, report): one int32 tensor [seq_len, moe_layers, K] per sequence (-1 = no
+    route) and a dict of counts; options (layer map, zero_rows, invalid_rows, prompt_start) as in
+    the module docstring."""
     return _C.routes_import_vllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                  _freq(moe_layer_freq), int(num_mtp_layers),
                                  int(num_input_layers), int(top_k), zero_rows,
@@ -291,7 +291,11 @@ def import_vllm_response(response, num_experts, first_k_dense=0, moe_layer_freq=
     or a list of them, their JSON / JSONL text (str or bytes; one table per choice), a recorded
     stream's SSE text (``data: {...}`` lines; one table per request), or one choice's
     ``routed_experts`` string itself (base64 of .npy bytes, [seq_len-1-prompt_start, layers, K]
-    uint8 / uint16 / int32)."""
+    uint8 / uint16 / int32).
+
+    Returns (tables, report): one int32 tensor [seq_len, moe_layers, K] per sequence (-1 = no
+    route) and a dict of counts; options (layer map, zero_rows, invalid_rows, prompt_start) as in
+    the module docstring."""
     import json
     args = (int(num_experts), int(first_k_dense), _freq(moe_layer_freq), int(num_mtp_layers),
             int(num_input_layers), int(top_k), zero_rows, _invalid_rows(invalid_rows),
@@ -317,7 +321,11 @@ def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None
     """vLLM route arrays in memory -> (tables, report): one ``routed_experts`` array per sequence,
     [seq_len-1-prompt_start, num_hidden_layers(+MTP), K], a torch tensor or numpy array of int32,
     int64, int16, uint16 or uint8 (int8 is widened). Validation included, at memory speed (one
-    pass; threads across sequences)."""
+    pass; threads across sequences).
+
+    Returns (tables, report): one int32 tensor [seq_len, moe_layers, K] per sequence (-1 = no
+    route) and a dict of counts; options (layer map, zero_rows, invalid_rows, prompt_start) as in
+    the module docstring."""
     import torch
     ts = []
     for a in arrays:
@@ -831,9 +839,3 @@ def expert_load(tables, num_experts=None):
     if not isinstance(tables, (list, tuple)):
         tables = [tables]
     return _C.routes_expert_load(list(tables), _num_experts(tables, num_experts))
-
-
-for _f in (import_vllm, import_vllm_response, import_vllm_arrays):
-    _f.__doc__ += "\n" + _VLLM_OPTIONS
-VllmRouteStream.__doc__ += "\n" + _VLLM_OPTIONS
-del _f
