@@ -124,7 +124,7 @@ typedef int16_t I16x8 __attribute__((vector_size(16)));
 /// lane), in 16-bit lanes for 8- and 16-bit ids (one SSE register), 32-bit lanes otherwise.
 /// `e_max` = E - 1.
 template <class T>
-inline bool row_is_valid8(const T* row, int32_t e_max, I32x8& out) {
+__attribute__((always_inline)) inline bool row_is_valid8(const T* row, int32_t e_max, I32x8& out) {
   typedef T Tx8 __attribute__((vector_size(8 * sizeof(T))));
   Tx8 raw;
   std::memcpy(&raw, row, sizeof raw);

@@ -142,7 +142,9 @@ bool decide_row(const T* row, int64_t r, int64_t l, int64_t m, const RowPlan& p,
 /// Imports `rows` tokens: token r's input is `src_row(r)` (`[layers_in, K]` of T); writes
 /// `[rows, moe.size(), K]` int32 to `out`. Returns false with f.error set on the first error.
 template <class T, class SrcRow>
-bool import_rows(SrcRow src_row, int64_t rows, const RowPlan& p, int32_t* out, RowFindings& f) {
+__attribute__((always_inline)) inline bool import_rows(SrcRow src_row, int64_t rows,
+                                                       const RowPlan& p, int32_t* out,
+                                                       RowFindings& f) {
   const int64_t M = static_cast<int64_t>(p.moe.size()), K = p.top_k;
   const int64_t* moe = p.moe.data();
   // int64 input is narrowed only after the exact path has seen it (an id of 2^32 + 3 must not
