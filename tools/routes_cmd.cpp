@@ -113,8 +113,11 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   if (!a.moe_layers.empty()) opt.layer_map.moe_layer_freq = parse_moe_layer_freq(a.moe_layers);
   opt.num_input_layers = a.num_layers;
   opt.top_k = a.top_k;
-  opt.invalid_rows =
-      a.invalid_rows == "none" ? InvalidRowPolicy::to_none : InvalidRowPolicy::error;
+  if (a.invalid_rows == "none") {
+    err << "[routes import] warning: --invalid-rows none is deprecated, spell it --invalid-rows "
+           "native (the same meaning)\n";
+  }
+  opt.invalid_rows = a.invalid_rows == "error" ? ReplayRowPolicy::error : ReplayRowPolicy::native;
   opt.zero_rows = a.zero_rows == "none"    ? ZeroRowPolicy::to_none
                   : a.zero_rows == "error" ? ZeroRowPolicy::error
                                            : ZeroRowPolicy::keep;
@@ -654,8 +657,9 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
                   "All-zero rows on MoE layers: keep, none (store -1) or error")
       ->check(CLI::IsMember({"keep", "none", "error"}));
   imp->add_option("--invalid-rows", ia->invalid_rows,
-                  "Rows that repeat an id or mix -1 with ids: error, or none (store -1)")
-      ->check(CLI::IsMember({"error", "none"}));
+                  "Rows that repeat an id or mix -1 with ids: error, or native (store -1: replay "
+                  "routes them natively); none is a deprecated spelling of native")
+      ->check(CLI::IsMember({"error", "native", "none"}));
   imp->add_option("--cu-seqlens", ia->cu_seqlens,
                   "flashinfer: token offsets of the sequences in the batch (0,5,12), once per "
                   "input; left out, each input is one sequence");

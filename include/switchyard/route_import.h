@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "switchyard/router.h"
 #include "switchyard/routes.h"
 
 namespace switchyard {
@@ -28,13 +29,14 @@ enum class ZeroRowPolicy : uint8_t {
   error,    ///< throw std::invalid_argument naming the first one
 };
 
-/// What to do with an invalid row on a MoE layer (DESIGN.md's replay rules): one that repeats an
-/// id (other than the all-zero rows of ZeroRowPolicy) or mixes -1 with ids. Storing it as if valid
-/// would make replay reject it later, far from its source.
-enum class InvalidRowPolicy : uint8_t {
-  error,    ///< throw std::invalid_argument naming sequence, token, layer and row (default)
-  to_none,  ///< store the row as -1 ("no route": replay routes it natively and counts it)
-};
+// What to do with an invalid row on a MoE layer (the replay row rule, replay.h): one that
+// repeats an id (other than the all-zero rows of ZeroRowPolicy) or mixes -1 with ids. Storing it
+// as if valid would make replay reject it later, far from its source. ImportOptions::invalid_rows
+// is the replay core's ReplayRowPolicy: error (throw std::invalid_argument naming sequence, token,
+// layer and row; default) or native (store the row as -1, "no route": replay routes it natively
+// and counts it). merge is refused (std::invalid_argument): a route table stores K ids per row,
+// so a merged row could not be stored; keep repeated rows with error/native and replay them with
+// merge. An id outside [-1, num_experts) is refused under every policy.
 
 /// Options of the importers.
 struct ImportOptions {
@@ -51,7 +53,7 @@ struct ImportOptions {
   /// K. vLLM: 0 = from the array. SGLang: required.
   int64_t top_k = 0;
   ZeroRowPolicy zero_rows = ZeroRowPolicy::keep;
-  InvalidRowPolicy invalid_rows = InvalidRowPolicy::error;
+  ReplayRowPolicy invalid_rows = ReplayRowPolicy::error;
 };
 
 /// Counts and findings of an import.
@@ -65,7 +67,7 @@ struct ImportReport {
   int64_t num_zero_rows = 0;        ///< all-zero rows on MoE layers
   /// The first few zero rows as {sequence, token, moe layer}.
   std::vector<std::array<int64_t, 3>> first_zero_rows;
-  /// Rows stored as -1 by InvalidRowPolicy::to_none (repeated id, or -1 mixed with ids).
+  /// Rows stored as -1 by ReplayRowPolicy::native (repeated id, or -1 mixed with ids).
   int64_t num_invalid_rows = 0;
   std::vector<std::string> warnings;
 };
@@ -127,10 +129,9 @@ ImportResult import_vllm_npy_base64(std::string_view text, const std::string& so
 /// name the source, the record / line, the choice and the field.
 ImportResult import_vllm_http_text(std::string_view text, const std::string& source,
                                    const ImportOptions& options);
-/// Imports vLLM HTTP response files (JSON / JSONL), in order.
-ImportResult import_vllm_http(const std::vector<std::string>& paths, const ImportOptions& options);
-/// Imports vLLM files of either kind, told apart by content: .npy (magic "\x93NUMPY") or JSON /
-/// JSONL HTTP responses. What `switchyard routes import --format vllm` reads.
+/// Imports vLLM files of any kind, told apart by content: .npy (magic "\x93NUMPY"), a recorded
+/// stream (SSE text, starting "data:"; see import_vllm_stream_text) or JSON / JSONL HTTP
+/// responses. What `switchyard routes import --format vllm` reads.
 ImportResult import_vllm_files(const std::vector<std::string>& paths, const ImportOptions& options);
 
 // ---- Engine layouts beyond vLLM / SGLang (issue 25) ---------------------------------------------

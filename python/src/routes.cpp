@@ -94,10 +94,13 @@ ZeroRowPolicy zero_policy(const std::string& s) {
                         s + "'");
 }
 
-InvalidRowPolicy invalid_policy(const std::string& s) {
-  if (s == "error") return InvalidRowPolicy::error;
-  if (s == "to_none") return InvalidRowPolicy::to_none;
-  throw py::value_error("[routes.import] invalid_rows must be 'error' or 'to_none', got '" + s +
+// The replay core's vocabulary (switchyard.replay.POLICIES); the engine refuses merge with its
+// reason. "to_none" (the old word for native) is mapped in switchyard/routes.py.
+ReplayRowPolicy invalid_policy(const std::string& s) {
+  if (s == "error") return ReplayRowPolicy::error;
+  if (s == "native") return ReplayRowPolicy::native;
+  if (s == "merge") return ReplayRowPolicy::merge;
+  throw py::value_error("[routes.import] invalid_rows must be 'error' or 'native', got '" + s +
                         "'");
 }
 

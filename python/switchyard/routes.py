@@ -10,13 +10,39 @@ A route table is an int32 tensor [tokens, moe_layers, K]: an expert id, or -1 fo
     packed, cu, cu_padded = sy.routes.pack_thd(tables, tp_size=2, cp_size=2)
     targets = sy.routes.add_padding(tables, attention_mask)     # [B, S, L, K], -1 at padding
     stats = sy.routes.drift(rollout_table, trainer_table)       # decision / token mismatch
+
+vLLM route data, one entry point per input kind: files on disk (.npy, JSON / JSONL responses, a
+recorded stream) -> ``import_vllm``; a response in memory (dict, JSON / JSONL / SSE text, a base64
+``routed_experts`` string) -> ``import_vllm_response``; arrays in memory -> ``import_vllm_arrays``;
+chunks of a live stream, as they arrive -> ``VllmRouteStream``. They share these options:
+
+Options: num_experts E (every id must be -1 or in [0, E)); first_k_dense, moe_layer_freq,
+num_mtp_layers: the layer map (which input layers are MoE, as Megatron-Core's options);
+num_input_layers, top_k: checked against the data when given (0: taken from it); zero_rows:
+"keep" (default), "to_none" or "error" for all-zero rows on MoE layers (zero-filled padding;
+counted in the report either way); invalid_rows: the replay core's policy vocabulary
+(switchyard.replay.POLICIES) for rows that repeat an id or mix -1 with ids: "error" (default)
+or "native" (stored as -1, so replay routes them natively; counted in
+report["num_invalid_rows"]), never stored as if valid; "merge" is refused (a table keeps K
+ids per row: replay such rows with merge instead); "to_none" is a deprecated alias of
+"native". prompt_start: the request's ``routed_experts_prompt_start`` (routes start at that
+token; the tokens before it get -1 rows, so a table has one row per token); a response
+record's own ``routed_experts_prompt_start`` field overrides it.
+
+Returns (tables, report): one int32 tensor [seq_len, moe_layers, K] per sequence (the MoE
+layers of the layer map; -1 rows for the tokens before prompt_start and for the last token,
+which has no route) and a dict (num_sequences, num_tokens, num_input_layers, top_k,
+moe_layers, num_zero_rows, first_zero_rows, num_invalid_rows, warnings, sources). Bad input:
+ValueError naming the source, sequence, token, layer and value; nothing is returned.
 """
+import warnings
+
 from . import _switchyard as _C
 
 __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "decode", "import_vllm",
            "import_vllm_arrays", "import_vllm_response", "from_verl", "to_verl", "layer_targets", "import_sglang",
            "import_sglang_text", "import_trtllm", "import_trtllm_arrays",
-           "import_flashinfer_replay", "VllmRouteStream", "import_vllm_stream", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
+           "import_flashinfer_replay", "VllmRouteStream", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
            "add_padding", "routed_experts",
            "pack_thd", "unpack_thd", "cp_zigzag_split", "cp_zigzag_gather", "sp_split",
            "sp_gather", "slice_layers", "concat_layers", "concat_tokens", "pp_moe_layer_range",
@@ -227,51 +253,79 @@ def _freq(moe_layer_freq):
     return [int(v) for v in moe_layer_freq]
 
 
+def _invalid_rows(policy):
+    """The importers' invalid_rows in the replay core's vocabulary (switchyard.replay.POLICIES):
+    "error" or "native" ("merge" is refused by the engine). "to_none", the old word for "native",
+    still works with a DeprecationWarning."""
+    if policy == "to_none":
+        warnings.warn("invalid_rows='to_none' is deprecated, spell it 'native' (the same meaning: "
+                      "the row is stored as -1 and replay routes it natively)", DeprecationWarning,
+                      stacklevel=3)
+        return "native"
+    return policy
+
+
 def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
                 num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error",
                 prompt_start=0):
-    """vLLM ``routed_experts`` -> (tables, report). Each path is a .npy file ([seq_len-1, layers,
-    K]; int32, or uint8/uint16 from vLLM 0.22 on) or a JSON / JSONL file of HTTP responses
-    (``choices[i].routed_experts``, base64 of .npy bytes), told apart by content. Keeps the MoE
-    layers of the layer map, appends a -1 row for the last token. zero_rows: "keep", "to_none" or
-    "error" for all-zero rows on MoE layers (counted in the report either way). invalid_rows:
-    "error" (default) or "to_none" for rows that repeat an id or mix -1 with ids (stored as -1 and
-    counted in report["num_invalid_rows"]), never stored as if valid. prompt_start: the
-    request's ``routed_experts_prompt_start`` (routes start at that token; the tokens before it
-    get -1 rows, so a table has one row per token); a response record's own
-    ``routed_experts_prompt_start`` field overrides it."""
+    """vLLM route files -> (tables, report). Each path is, told apart by content: a .npy file
+    (one sequence's ``routed_experts`` [seq_len-1-prompt_start, num_hidden_layers(+MTP), K]:
+    int32, or uint8 / uint16 from vLLM 0.22 on), a JSON / JSONL file of HTTP responses (every
+    ``choices[i].routed_experts``, base64 of .npy bytes, is one sequence), or a recorded stream
+    (SSE text, one ``data: {...}`` chunk per line; one table per request, in the order they
+    finished; a request without its finish_reason chunk is a ValueError).
+
+    Returns (tables, report): one int32 tensor [seq_len, moe_layers, K] per sequence (-1 = no
+    route) and a dict of counts; options (layer map, zero_rows, invalid_rows, prompt_start) as in
+    the module docstring."""
     return _C.routes_import_vllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                  _freq(moe_layer_freq), int(num_mtp_layers),
-                                 int(num_input_layers), int(top_k), zero_rows, invalid_rows,
-                                 int(prompt_start))
+                                 int(num_input_layers), int(top_k), zero_rows,
+                                 _invalid_rows(invalid_rows), int(prompt_start))
 
 
 def import_vllm_response(response, num_experts, first_k_dense=0, moe_layer_freq=None,
                          num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep",
                          invalid_rows="error", prompt_start=0):
-    """vLLM HTTP responses (>= 0.22) -> (tables, report), one table per choice. ``response``: a
-    parsed response (dict), a list of them, their JSON / JSONL text, or one choice's
-    ``routed_experts`` string itself (base64 of .npy bytes). prompt_start as in import_vllm."""
+    """vLLM responses in memory -> (tables, report). ``response``: a parsed HTTP response (dict)
+    or a list of them, their JSON / JSONL text (str or bytes; one table per choice), a recorded
+    stream's SSE text (``data: {...}`` lines; one table per request), or one choice's
+    ``routed_experts`` string itself (base64 of .npy bytes, [seq_len-1-prompt_start, layers, K]
+    uint8 / uint16 / int32).
+
+    Returns (tables, report): one int32 tensor [seq_len, moe_layers, K] per sequence (-1 = no
+    route) and a dict of counts; options (layer map, zero_rows, invalid_rows, prompt_start) as in
+    the module docstring."""
     import json
     args = (int(num_experts), int(first_k_dense), _freq(moe_layer_freq), int(num_mtp_layers),
-            int(num_input_layers), int(top_k), zero_rows, invalid_rows, int(prompt_start))
+            int(num_input_layers), int(top_k), zero_rows, _invalid_rows(invalid_rows),
+            int(prompt_start))
     if isinstance(response, (dict, list, tuple)):
         return _C.routes_import_vllm_http_text(json.dumps(response), *args)
-    if isinstance(response, bytes):
-        response = response.decode()
+    if isinstance(response, (bytes, bytearray)):
+        response = bytes(response).decode()
     if not isinstance(response, str):
         raise ValueError("[routes.import_vllm_response] response must be a dict, a list, JSON text "
                          f"or a base64 routed_experts string, got {type(response).__name__}")
-    if response.lstrip()[:1] in ("{", "["):
+    head = response.lstrip()
+    if head[:1] in ("{", "["):
         return _C.routes_import_vllm_http_text(response, *args)
+    if not head or head.startswith("data:"):  # a recorded stream (empty: nothing recorded)
+        return _C.routes_import_vllm_stream_text(response, *args)
     return _C.routes_import_vllm_npy_base64(response, *args)
 
 
 def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None,
                        num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep",
                        invalid_rows="error", prompt_start=0):
-    """The same as import_vllm over arrays in memory: one [seq_len-1-prompt_start, layers, K]
-    tensor (int32, int64, uint8 or uint16; numpy arrays are taken too) per sequence."""
+    """vLLM route arrays in memory -> (tables, report): one ``routed_experts`` array per sequence,
+    [seq_len-1-prompt_start, num_hidden_layers(+MTP), K], a torch tensor or numpy array of int32,
+    int64, int16, uint16 or uint8 (int8 is widened). Validation included, at memory speed (one
+    pass; threads across sequences).
+
+    Returns (tables, report): one int32 tensor [seq_len, moe_layers, K] per sequence (-1 = no
+    route) and a dict of counts; options (layer map, zero_rows, invalid_rows, prompt_start) as in
+    the module docstring."""
     import torch
     ts = []
     for a in arrays:
@@ -282,7 +336,7 @@ def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None
     return _C.routes_import_vllm_arrays(ts, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
                                         int(num_input_layers), int(top_k), zero_rows,
-                                        invalid_rows, int(prompt_start))
+                                        _invalid_rows(invalid_rows), int(prompt_start))
 
 
 def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_layer_freq=None,
@@ -314,7 +368,7 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     # checked (drop_padding + the vLLM importer's rules, without its appended last-token row).
     return _C.routes_from_verl(ids.contiguous(), attention_mask, int(num_experts),
                                int(first_k_dense), _freq(moe_layer_freq), int(num_mtp_layers),
-                               zero_rows, invalid_rows)
+                               zero_rows, _invalid_rows(invalid_rows))
 
 
 def to_verl(tables, moe_layers, num_hidden_layers, attention_mask=None, padding_side="left",
@@ -381,7 +435,7 @@ def import_sglang(paths, num_experts, num_input_layers, top_k, first_k_dense=0,
     response as a top-level field, else ``start_len``)."""
     return _C.routes_import_sglang([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                    _freq(moe_layer_freq), int(num_mtp_layers),
-                                   int(num_input_layers), int(top_k), zero_rows, invalid_rows,
+                                   int(num_input_layers), int(top_k), zero_rows, _invalid_rows(invalid_rows),
                                    int(start_len))
 
 
@@ -392,7 +446,7 @@ def import_sglang_text(text, num_experts, num_input_layers, top_k, first_k_dense
     return _C.routes_import_sglang_text(text, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
                                         int(num_input_layers), int(top_k), zero_rows,
-                                        invalid_rows, int(start_len))
+                                        _invalid_rows(invalid_rows), int(start_len))
 
 
 # ---- engine layouts beyond vLLM / SGLang (notes/routes.md, "Engine layouts") ---------------------
@@ -419,7 +473,7 @@ def import_trtllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_
     num_mtp_layers trailing columns are left out. A -1 row is appended for the last token."""
     return _C.routes_import_trtllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
                                    _freq(moe_layer_freq), int(num_mtp_layers),
-                                   int(num_input_layers), int(top_k), zero_rows, invalid_rows,
+                                   int(num_input_layers), int(top_k), zero_rows, _invalid_rows(invalid_rows),
                                    int(prompt_start))
 
 
@@ -432,7 +486,7 @@ def import_trtllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=No
     return _C.routes_import_trtllm_arrays(ts, int(num_experts), int(first_k_dense),
                                           _freq(moe_layer_freq), int(num_mtp_layers),
                                           int(num_input_layers), int(top_k), zero_rows,
-                                          invalid_rows, int(prompt_start))
+                                          _invalid_rows(invalid_rows), int(prompt_start))
 
 
 def import_flashinfer_replay(layers, cu_seqlens, num_experts, first_k_dense=0,
@@ -453,7 +507,7 @@ def import_flashinfer_replay(layers, cu_seqlens, num_experts, first_k_dense=0,
     cu = [int(v) for v in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
     return _C.routes_import_flashinfer_replay(ts, cu, int(num_experts), int(first_k_dense),
                                               _freq(moe_layer_freq), int(num_mtp_layers),
-                                              len(ts), int(top_k), zero_rows, invalid_rows, 0)
+                                              len(ts), int(top_k), zero_rows, _invalid_rows(invalid_rows), 0)
 
 
 class VllmRouteStream:
@@ -479,7 +533,7 @@ class VllmRouteStream:
                  prompt_start=0):
         self._s = _C.VllmRouteStream(int(num_experts), int(first_k_dense), _freq(moe_layer_freq),
                                      int(num_mtp_layers), int(num_input_layers), int(top_k),
-                                     zero_rows, invalid_rows, int(prompt_start))
+                                     zero_rows, _invalid_rows(invalid_rows), int(prompt_start))
 
     def add(self, request_id, routes, start=None, new_tokens=None, prompt_tokens=None):
         """One piece of ``request_id``: routes ``[rows, layers, K]`` (tensor / ndarray, or a base64
@@ -534,23 +588,25 @@ class VllmRouteStream:
         return list(self._s.pending())
 
 
-def import_vllm_stream(source, num_experts, first_k_dense=0, moe_layer_freq=None,
-                       num_mtp_layers=0, num_input_layers=0, top_k=0, zero_rows="keep",
-                       invalid_rows="error", prompt_start=0):
-    """A recorded vLLM stream (SSE text, one ``data: {...}`` event per line; or a path to a file of
-    it) -> (tables, report), one table per request in the order they finished. Every request
-    must end with a finish_reason chunk (else ValueError: the stream is truncated)."""
+def import_vllm_stream(source, num_experts, **options):
+    """Deprecated: a recorded stream is one more kind of file / response. Use
+    ``import_vllm([path], ...)`` for a file and ``import_vllm_response(text, ...)`` for SSE text
+    in memory (same tables, same report, same errors)."""
     import os
+    warnings.warn("switchyard.routes.import_vllm_stream is deprecated: use import_vllm([path]) "
+                  "for a file, import_vllm_response(text) for SSE text in memory",
+                  DeprecationWarning, stacklevel=2)
     if isinstance(source, os.PathLike) or (isinstance(source, str) and "\n" not in source
                                            and os.path.isfile(source)):
-        with open(source, "rb") as f:
-            source = f.read()
+        return import_vllm([source], num_experts, **options)
     if isinstance(source, (bytes, bytearray)):
         source = bytes(source).decode()
-    return _C.routes_import_vllm_stream_text(source, int(num_experts), int(first_k_dense),
-                                             _freq(moe_layer_freq), int(num_mtp_layers),
-                                             int(num_input_layers), int(top_k), zero_rows,
-                                             invalid_rows, int(prompt_start))
+    args = (int(num_experts), int(options.get("first_k_dense", 0)),
+            _freq(options.get("moe_layer_freq")), int(options.get("num_mtp_layers", 0)),
+            int(options.get("num_input_layers", 0)), int(options.get("top_k", 0)),
+            options.get("zero_rows", "keep"), _invalid_rows(options.get("invalid_rows", "error")),
+            int(options.get("prompt_start", 0)))
+    return _C.routes_import_vllm_stream_text(source, *args)
 
 
 def moe_layer_indices(num_input_layers, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0):

@@ -180,7 +180,7 @@ def test_import_never_stores_a_row_that_repeats_an_id(tmp_path):
     np.save(tmp_path / "d.npy", np.array([[[1, 2]], [[3, 3]]], dtype=np.int32))
     with pytest.raises(ValueError, match=r"row \[3, 3\] at token 1, hidden layer 0 repeats"):
         syr.import_vllm([tmp_path / "d.npy"], num_experts=8)
-    tables, rep = syr.import_vllm([tmp_path / "d.npy"], num_experts=8, invalid_rows="to_none")
+    tables, rep = syr.import_vllm([tmp_path / "d.npy"], num_experts=8, invalid_rows="native")
     assert rep["num_invalid_rows"] == 1
     assert tables[0][1].tolist() == [[-1, -1]]
 

@@ -189,7 +189,7 @@ def test_vllm_stream_chunks_round_trip(case, data):
         same([got], [t])
     assert stream.pending() == []
     text = "\n".join("data: " + json.dumps(c) for c in sse) + "\ndata: [DONE]\n"
-    got, rep = routes.import_vllm_stream(text, **kw)
+    got, rep = routes.import_vllm_response(text, **kw)
     same(got, list(want.values()))
 
 
@@ -261,7 +261,7 @@ def test_corrupt_or_truncated_engine_payloads_raise_or_say_so(case, data):
             kept = lines[:drop]
         else:
             kept = lines[:drop + 1] + [lines[drop]] + lines[drop + 1:]
-        res, err = import_or_error(lambda: routes.import_vllm_stream("\n".join(kept) + "\n", **kw))
+        res, err = import_or_error(lambda: routes.import_vllm_response("\n".join(kept) + "\n", **kw))
         if kept == lines:
             same(res[0], [t])
         elif kept:
@@ -303,7 +303,7 @@ def test_truncated_recorded_stream():
              "finish_reason": None}]}
     with pytest.raises(ValueError, match=r"request 'q/0' \(and 0 more\) never got a chunk with "
                                          r"finish_reason: the stream is truncated"):
-        routes.import_vllm_stream("data: " + json.dumps(chunk) + "\n", num_experts=4)
+        routes.import_vllm_response("data: " + json.dumps(chunk) + "\n", num_experts=4)
 
 
 def test_stream_chunks_as_vllm_sends_them_and_add_chunk_returns_finished_tables():

@@ -72,7 +72,7 @@ def test_from_verl_names_the_first_bad_sequence_whatever_the_threads(threads):
     with pytest.raises(ValueError, match=r"routed_experts\[4\] .* repeats expert"):
         routes.from_verl(ids, mask, num_experts=E, first_k_dense=1)
     tables, rep = routes.from_verl(ids, mask, num_experts=E, first_k_dense=1,
-                                   invalid_rows="to_none")
+                                   invalid_rows="native")
     assert rep["num_invalid_rows"] == 1 and bool((tables[4][0, 2] == -1).all())
 
 

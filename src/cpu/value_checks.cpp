@@ -1,7 +1,8 @@
 // CPU value checks (see value_checks.h). Built once (not per ISA): they run at memory speed.
 #include "cpu/value_checks.h"
 
-#include <vector>
+#include <algorithm>
+#include <climits>
 
 #include "cpu/router_kernels.h"
 
@@ -23,8 +24,9 @@ ReplayRowSummary classify_replay_rows(const int32_t* replay_idx, const bool* pad
                                       int64_t T, int64_t K, int64_t E, uint8_t* row_kind,
                                       bool merge_repeated, bool mark_invalid) {
   ReplayRowSummary s;
-  // `seen[e] == t` marks expert e as used earlier in row t (one E-sized array for all rows).
-  std::vector<int64_t> seen(replay_idx ? static_cast<size_t>(E) : 0, -1);
+  RowScratch scratch;
+  const bool vec8 = K == 8 && E >= 1;
+  const int32_t e_max = static_cast<int32_t>(std::min<int64_t>(E, INT32_MAX) - 1);
   for (int64_t t = 0; t < T; ++t) {
     if (padding_mask && padding_mask[t]) {
       row_kind[t] = kRowPadded;
@@ -37,46 +39,28 @@ ReplayRowSummary classify_replay_rows(const int32_t* replay_idx, const bool* pad
       continue;
     }
     const int32_t* row = replay_idx + t * K;
-    int64_t num_none = 0;
-    for (int64_t k = 0; k < K; ++k) num_none += row[k] == -1;
-    if (num_none == K) {
-      ++s.num_native;
-      continue;
-    }
-    ReplayRowProblem problem = ReplayRowProblem::none;
-    int32_t id = -1;
-    int64_t repeats = 0;
-    if (num_none > 0) {
-      problem = ReplayRowProblem::mixes_none_and_ids;
-    } else {
-      int32_t repeated = -1;
-      for (int64_t k = 0; k < K; ++k) {
-        if (row[k] < 0 || row[k] >= E) {
-          problem = ReplayRowProblem::id_out_of_range;
-          id = row[k];
-          break;
-        }
-        if (seen[static_cast<size_t>(row[k])] == t) {
-          if (repeats++ == 0) repeated = row[k];
-        } else {
-          seen[static_cast<size_t>(row[k])] = t;
-        }
-      }
-      if (problem == ReplayRowProblem::none && repeats > 0) {
-        problem = ReplayRowProblem::repeated_id;
-        id = repeated;
-      }
-    }
-    if (problem == ReplayRowProblem::none) {
+    I32x8 unused;
+    if (vec8 ? row_is_valid8(row, e_max, unused)
+             : K <= kPairwiseMaxK && row_is_valid(row, K, static_cast<uint64_t>(E))) {
       row_kind[t] = kRowReplayed;
       ++s.num_replayed;
       continue;
     }
-    if (problem == ReplayRowProblem::repeated_id && merge_repeated) {
+    const RowVerdict v = classify_row(row, K, E, scratch);
+    if (v.native) {
+      ++s.num_native;
+      continue;
+    }
+    if (v.problem == ReplayRowProblem::none) {
+      row_kind[t] = kRowReplayed;
+      ++s.num_replayed;
+      continue;
+    }
+    if (v.problem == ReplayRowProblem::repeated_id && merge_repeated) {
       row_kind[t] = kRowMerged;
       ++s.num_replayed;
       ++s.num_merged;
-      s.num_merged_slots += repeats;
+      s.num_merged_slots += v.repeats;
       continue;
     }
     if (mark_invalid) row_kind[t] = kRowInvalid;
@@ -84,8 +68,11 @@ ReplayRowSummary classify_replay_rows(const int32_t* replay_idx, const bool* pad
     ++s.num_invalid;
     if (s.first_invalid_row < 0) {
       s.first_invalid_row = t;
-      s.first_problem = problem;
-      s.first_problem_id = id;
+      s.first_problem = v.problem;
+      s.first_problem_id =
+          static_cast<int32_t>(v.problem == ReplayRowProblem::repeated_id       ? v.repeated_id
+                               : v.problem == ReplayRowProblem::id_out_of_range ? v.bad_id
+                                                                                : -1);
     }
   }
   return s;

@@ -1,20 +1,19 @@
 // CPU kernels of the value checks the front-ends run before any work: the id-range scan and the
-// classification of replayed top-k rows (the non-finite scan is src/cpu/finite_kernels.h). Raw pointers, int64_t sizes; they
-// report where the first bad value is and leave the message to the front-end (which names the op,
-// the argument and the coordinate). Every result is the lowest index whatever the thread count.
+// classification of replayed top-k rows (the non-finite scan is src/cpu/finite_kernels.h). Raw
+// pointers, int64_t sizes; they report where the first bad value is and leave the message to the
+// front-end (which names the op, the argument and the coordinate). Every result is the lowest index
+// whatever the thread count.
 #pragma once
 
 #include <cstdint>
 
+#include "cpu/row_rule.h"
 #include "switchyard/dtype.h"
 
 namespace switchyard::cpu {
 
 /// Flat index of the first id outside [lo, hi) in ids[0, n), or n when there is none.
 int64_t first_id_out_of_range(const int32_t* ids, int64_t n, int64_t lo, int64_t hi);
-
-/// Why a replayed row is invalid (DESIGN.md, Replay).
-enum class ReplayRowProblem : uint8_t { none, mixes_none_and_ids, id_out_of_range, repeated_id };
 
 /// Counts of classify_replay_rows, and the first invalid row.
 struct ReplayRowSummary {
@@ -34,13 +33,13 @@ struct ReplayRowSummary {
 inline constexpr uint8_t kRowInvalid = 3;
 inline constexpr uint8_t kRowMerged = 4;
 
-/// Row kinds of T rows, THE replay row rule: padded when padding_mask[t] (null: none is); else,
-/// with a replay table replay_idx [T,K] (null: none), replayed when the row holds K distinct ids
-/// in [0, E), native when it is all -1, invalid when it mixes -1 and ids, names an id outside
-/// [0, E) or repeats an id (the first problem in that order of precedence, then slot order).
-/// A row whose only problem is a repeated id is kRowMerged (counted replayed) when merge_repeated.
-/// Invalid rows are written kRowInvalid when mark_invalid, else kRowNative (what the kernels
-/// route). Writes row_kind [T].
+/// Row kinds of T rows by the row rule (cpu/row_rule.h): padded when padding_mask[t] (null: none
+/// is); else, with a replay table replay_idx [T,K] (null: none), replayed when the row holds K
+/// distinct ids in [0, E), native when it is all -1, invalid when it mixes -1 and ids, names an id
+/// outside [0, E) or repeats an id (the first problem in that order of precedence, then slot
+/// order). A row whose only problem is a repeated id is kRowMerged (counted replayed) when
+/// merge_repeated. Invalid rows are written kRowInvalid when mark_invalid, else kRowNative (what
+/// the kernels route). Writes row_kind [T].
 ReplayRowSummary classify_replay_rows(const int32_t* replay_idx, const bool* padding_mask,
                                       int64_t T, int64_t K, int64_t E, uint8_t* row_kind,
                                       bool merge_repeated = false, bool mark_invalid = false);

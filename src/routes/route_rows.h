@@ -2,12 +2,12 @@
 // verl's batch layout (route_verl.cpp) and the alignment functions (route_align.cpp).
 //
 // import_rows is one pass over a sequence's `[rows, layers_in, K]` input (any integer type) that
-// keeps the MoE layers, validates every row (range, repeated ids, -1 mixed with ids, all-zero
-// rows) and writes int32 ids. Every row takes a branch-free fast check — for K = 8 eight lanes
-// compared with their rotations, an unsigned compare for the range — and only a row that fails it
-// (an all-zero or -1 row, a bad id, a repeat) goes to the exact per-element path that decides and
-// names the problem. Errors are returned, not thrown, so callers can run sequences on OpenMP
-// threads and report the first failing sequence deterministically.
+// keeps the MoE layers, validates every row by the row rule the replay core uses
+// (src/cpu/row_rule.h: range, repeated ids, -1 mixed with ids; plus the importers' all-zero rows)
+// and writes int32 ids. Every row takes the rule's branch-free fast test and only a row that fails
+// it (an all-zero or -1 row, a bad id, a repeat) goes to the exact path (classify_row) that
+// decides, and decide_row names the problem. Errors are returned, not thrown, so callers can run
+// sequences on OpenMP threads and report the first failing sequence deterministically.
 #pragma once
 
 #include <algorithm>
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "check.h"
+#include "cpu/row_rule.h"
 #include "switchyard/route_import.h"
 
 namespace switchyard::detail {
@@ -34,7 +35,7 @@ struct RowPlan {
   std::vector<int64_t> moe;    ///< hidden-layer index of each kept layer, ascending
   std::vector<int64_t> dense;  ///< hidden layers that are not MoE (checked for stray ids)
   ZeroRowPolicy zero_rows = ZeroRowPolicy::keep;
-  InvalidRowPolicy invalid_rows = InvalidRowPolicy::error;
+  ReplayRowPolicy invalid_rows = ReplayRowPolicy::error;
   int64_t token_offset = 0;                    ///< token number of row 0, for messages
   const char* layer_word = ", hidden layer ";  ///< how messages name an input layer
 };
@@ -49,6 +50,19 @@ struct RowFindings {
   std::string error;               ///< the first error ("" = none), without op and source
   int64_t error_token = -1;        ///< its token
 };
+
+/// Refuses an invalid-row policy an importer cannot apply (ReplayRowPolicy::merge: a table stores
+/// K ids per row, so a merged row cannot be stored).
+inline void check_invalid_rows_policy(const char* op, ReplayRowPolicy policy) {
+  if (policy == ReplayRowPolicy::error || policy == ReplayRowPolicy::native) return;
+  fail_arg(op, "invalid_rows must be error or native, got ",
+           policy == ReplayRowPolicy::merge ? std::string("merge")
+                                            : std::to_string(static_cast<int>(policy)),
+           policy == ReplayRowPolicy::merge
+               ? " (a route table keeps K ids per row: import with error or native, replay with "
+                 "merge)"
+               : "");
+}
 
 /// A plan for `layers_in` input layers of `top_k` ids under `options` (throws like
 /// moe_layer_indices, message prefixed by the caller).
@@ -69,23 +83,25 @@ inline RowPlan make_row_plan(const ImportOptions& options, int64_t layers_in, in
   return p;
 }
 
-/// The exact path for one row (DESIGN.md's row rules); returns false with f.error set.
+/// The exact path for one row: the row rule (cpu::classify_row) decides, the import's policies
+/// act. An id outside [-1, E) is refused under every policy (it means a wrong num_experts or layer
+/// map, not a bad row); then an all-zero row (K > 1) follows zero_rows; then a row that mixes -1
+/// and ids or repeats an id follows invalid_rows. Returns false with f.error set.
 template <class T>
 bool decide_row(const T* row, int64_t r, int64_t l, int64_t m, const RowPlan& p, int32_t* dst,
-                RowFindings& f) {
+                RowFindings& f, cpu::RowScratch& scratch) {
   const int64_t K = p.top_k, E = p.num_experts;
-  bool zero = true;
-  for (int64_t k = 0; k < K; ++k) {
-    const int64_t v = static_cast<int64_t>(row[k]);
-    if (v < -1 || v >= E) {
-      f.error = cat("expert id ", v, " at token ", p.token_offset + r, p.layer_word, l, ", slot ",
-                    k, " is outside [0, num_experts=", E, ")");
-      f.error_token = r;
-      return false;
-    }
-    zero = zero && v == 0;
+  const cpu::RowVerdict v = cpu::classify_row(row, K, E, scratch);
+  if (v.bad_slot >= 0) {
+    f.error = cat("expert id ", v.bad_id, " at token ", p.token_offset + r, p.layer_word, l,
+                  ", slot ", v.bad_slot, " is outside [0, num_experts=", E, ")");
+    f.error_token = r;
+    return false;
   }
-  if (zero && K > 1) {  // K = 1: a 0 is a real route to expert 0
+  // All zero: the rule's "repeats expert 0", told apart because engines zero-fill padding and
+  // dense layers. K = 1: a 0 is a real route to expert 0.
+  if (K > 1 && v.problem == cpu::ReplayRowProblem::repeated_id && v.repeats == K - 1 &&
+      v.repeated_id == 0 && row[0] == 0) {
     if (p.zero_rows == ZeroRowPolicy::error) {
       f.error = cat("all-zero row at token ", p.token_offset + r, p.layer_word, l,
                     " (zero-filled padding?)");
@@ -96,32 +112,25 @@ bool decide_row(const T* row, int64_t r, int64_t l, int64_t m, const RowPlan& p,
     ++f.num_zero_rows;
     if (p.zero_rows == ZeroRowPolicy::to_none) {
       std::fill(dst, dst + K, -1);
-      return true;
+    } else {
+      std::fill(dst, dst + K, 0);
     }
+    return true;
   }
-  for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<int32_t>(row[k]);
-  if (zero) return true;
-  // A repeated id or -1 mixed with ids is an invalid row: never stored as if valid. K is small,
-  // so the pairwise scan is cheaper than any set.
-  int64_t bad = -1, none = 0;
-  for (int64_t k = 0; k < K && bad < 0; ++k) {
-    none += dst[k] < 0;
-    for (int64_t j = 0; j < k && dst[k] >= 0; ++j) {
-      if (dst[j] == dst[k]) {
-        bad = k;
-        break;
-      }
-    }
+  if (v.native || v.problem == cpu::ReplayRowProblem::none) {
+    for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<int32_t>(row[k]);
+    return true;
   }
-  if (bad < 0 && none > 0 && none < K) bad = K;  // mixes -1 and ids
-  if (bad < 0) return true;
-  if (p.invalid_rows == InvalidRowPolicy::error) {
+  // A repeated id or -1 mixed with ids is an invalid row: never stored as if valid.
+  if (p.invalid_rows != ReplayRowPolicy::native) {
     std::string ids = "[";
-    for (int64_t k = 0; k < K; ++k) ids += (k ? ", " : "") + std::to_string(dst[k]);
+    for (int64_t k = 0; k < K; ++k) ids += (k ? ", " : "") + std::to_string(int64_t(row[k]));
     ids += "]";
-    f.error = cat("row ", ids, " at token ", p.token_offset + r, p.layer_word, l,
-                  bad < K ? cat(" repeats expert ", dst[bad]) : std::string(" mixes -1 and ids"),
-                  " (invalid_rows='to_none' stores such rows as -1)");
+    f.error =
+        cat("row ", ids, " at token ", p.token_offset + r, p.layer_word, l,
+            v.problem == cpu::ReplayRowProblem::repeated_id ? cat(" repeats expert ", v.repeated_id)
+                                                            : std::string(" mixes -1 and ids"),
+            " (invalid_rows='native' stores such rows as -1)");
     f.error_token = r;
     return false;
   }
@@ -130,63 +139,19 @@ bool decide_row(const T* row, int64_t r, int64_t l, int64_t m, const RowPlan& p,
   return true;
 }
 
-typedef int32_t I32x8 __attribute__((vector_size(32)));
-typedef int16_t I16x8 __attribute__((vector_size(16)));
-
-/// K = 8: widens the row into `out` and returns true when it may be stored as it is (every id in
-/// [0, E), no id twice): eight lanes against their rotations by 1..4 cover every pair. Only signed
-/// compares (the baseline ISA has no unsigned ones: they would be done lane by lane), in 16-bit
-/// lanes for 8- and 16-bit ids (one SSE register), 32-bit lanes otherwise. `e_max` = E - 1.
-template <class T>
-inline bool fast_row8(const T* row, int32_t e_max, I32x8& out) {
-  typedef T Tx8 __attribute__((vector_size(8 * sizeof(T))));
-  Tx8 raw;
-  std::memcpy(&raw, row, sizeof raw);
-  uint64_t lanes[4] = {0, 0, 0, 0};
-  if constexpr (sizeof(T) == 1 || std::is_same_v<T, int16_t>) {
-    const I16x8 v = __builtin_convertvector(raw, I16x8);
-    const int16_t hi = static_cast<int16_t>(std::min<int32_t>(e_max, INT16_MAX));
-    const I16x8 bad = (v == __builtin_shufflevector(v, v, 1, 2, 3, 4, 5, 6, 7, 0)) |
-                      (v == __builtin_shufflevector(v, v, 2, 3, 4, 5, 6, 7, 0, 1)) |
-                      (v == __builtin_shufflevector(v, v, 3, 4, 5, 6, 7, 0, 1, 2)) |
-                      (v == __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3)) | (v < 0) |
-                      (v > hi);
-    std::memcpy(lanes, &bad, sizeof bad);
-    out = __builtin_convertvector(v, I32x8);
-  } else {
-    const I32x8 v = __builtin_convertvector(raw, I32x8);
-    const I32x8 bad = (v == __builtin_shufflevector(v, v, 1, 2, 3, 4, 5, 6, 7, 0)) |
-                      (v == __builtin_shufflevector(v, v, 2, 3, 4, 5, 6, 7, 0, 1)) |
-                      (v == __builtin_shufflevector(v, v, 3, 4, 5, 6, 7, 0, 1, 2)) |
-                      (v == __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3)) | (v < 0) |
-                      (v > e_max);
-    std::memcpy(lanes, &bad, sizeof bad);
-    out = v;
-  }
-  return (lanes[0] | lanes[1] | lanes[2] | lanes[3]) == 0;
-}
-
-/// Any K: the same test in scalar form.
-template <class T>
-inline bool fast_row(const T* row, int64_t K, uint64_t E) {
-  bool ok = true;
-  for (int64_t k = 0; k < K; ++k) {
-    ok &= static_cast<uint64_t>(static_cast<int64_t>(row[k])) < E;
-    for (int64_t j = 0; j < k; ++j) ok &= row[j] != row[k];
-  }
-  return ok;
-}
-
 /// Imports `rows` tokens: token r's input is `src_row(r)` (`[layers_in, K]` of T); writes
 /// `[rows, moe.size(), K]` int32 to `out`. Returns false with f.error set on the first error.
 template <class T, class SrcRow>
-bool import_rows(SrcRow src_row, int64_t rows, const RowPlan& p, int32_t* out, RowFindings& f) {
+__attribute__((always_inline)) inline bool import_rows(SrcRow src_row, int64_t rows,
+                                                       const RowPlan& p, int32_t* out,
+                                                       RowFindings& f) {
   const int64_t M = static_cast<int64_t>(p.moe.size()), K = p.top_k;
   const int64_t* moe = p.moe.data();
   // int64 input is narrowed only after the exact path has seen it (an id of 2^32 + 3 must not
   // pass as 3), so it always takes the scalar test.
   const bool vec8 = K == 8 && sizeof(T) <= 4 && !std::is_same_v<T, uint32_t>;
   const int32_t e_max = static_cast<int32_t>(std::min<int64_t>(p.num_experts, INT32_MAX) - 1);
+  cpu::RowScratch scratch;
   for (int64_t r = 0; r < rows; ++r) {
     const T* in = src_row(r);
     for (int64_t l : p.dense) {  // a dense layer holding ids: the layer map may be off by one
@@ -200,17 +165,18 @@ bool import_rows(SrcRow src_row, int64_t rows, const RowPlan& p, int32_t* out, R
       const T* row = in + moe[m] * K;
       if constexpr (sizeof(T) <= 4) {
         if (vec8) {
-          I32x8 v;
-          if (fast_row8(row, e_max, v)) {
+          cpu::I32x8 v;
+          if (cpu::row_is_valid8(row, e_max, v)) {
             std::memcpy(dst, &v, sizeof v);
             continue;
           }
-        } else if (fast_row(row, K, static_cast<uint64_t>(p.num_experts))) {
+        } else if (K <= cpu::kPairwiseMaxK &&
+                   cpu::row_is_valid(row, K, static_cast<uint64_t>(p.num_experts))) {
           for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<int32_t>(row[k]);
           continue;
         }
       }
-      if (!decide_row(row, r, moe[m], m, p, dst, f)) return false;
+      if (!decide_row(row, r, moe[m], m, p, dst, f, scratch)) return false;
     }
   }
   return true;

@@ -205,6 +205,7 @@ ImportResult from_verl(const Tensor& routed_experts, const Tensor& attention_mas
                       {DType::boolean, DType::uint8, DType::int32, DType::int64});
   detail::check_shape(attention_mask, op, "attention_mask", {re.size(0), re.size(1)});
   if (options.num_experts < 1) fail_arg(op, "num_experts must be >= 1, got ", options.num_experts);
+  detail::check_invalid_rows_policy(op, options.invalid_rows);
   if (options.prompt_start != 0) {
     fail_arg(op, "prompt_start must be 0 (verl's tensor has a row for every token), got ",
              options.prompt_start);

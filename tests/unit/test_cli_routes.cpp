@@ -338,3 +338,26 @@ TEST_F(CliRoutes, VllmHttpAndSglangStartLenErrors) {
 }
 
 }  // namespace
+
+namespace {
+
+// --invalid-rows speaks the replay core's vocabulary: native stores an invalid row as -1; none,
+// the old word, still works with a warning naming native.
+TEST_F(CliRoutes, InvalidRowsNativeAndTheOldSpelling) {
+  std::vector<int32_t> v{1, 2, 3, 3};  // two tokens, one layer, K 2: the second repeats 3
+  std::ofstream(p("dup.npy"), std::ios::binary)
+      << switchyard::encode_npy_int32(switchyard::Tensor::from_vector(v, {2, 1, 2}));
+  for (const char* word : {"native", "none"}) {
+    CliRun r = run({"routes", "import", "--format", "vllm", "--num-experts", "8",
+                    "--invalid-rows", word, "--json", "-o", p(std::string(word) + ".syr"),
+                    p("dup.npy")});
+    ASSERT_EQ(r.code, 0) << word << ": " << r.err;
+    EXPECT_EQ(r.err.find("deprecated") != std::string::npos, std::string(word) == "none") << r.err;
+    EXPECT_EQ(json::parse(r.out)["num_invalid_rows"], 1) << r.out;
+  }
+  CliRun r = run({"routes", "import", "--format", "vllm", "--num-experts", "8", "--invalid-rows",
+                  "merge", "-o", p("m.syr"), p("dup.npy")});
+  EXPECT_NE(r.code, 0);
+}
+
+}  // namespace

@@ -400,7 +400,7 @@ TEST(HostileImport, RowsThatRepeatAnIdAreNeverStoredAsValid) {
   SY_EXPECT_THROW_MSG(import_vllm_npy_bytes(npy, "x.npy", o), std::invalid_argument,
                       "[import] x.npy (sequence 0): row [3, 3] at token 1, hidden layer 0 repeats "
                       "expert 3");
-  o.invalid_rows = InvalidRowPolicy::to_none;
+  o.invalid_rows = ReplayRowPolicy::native;
   const ImportResult r = import_vllm_npy_bytes(npy, "x.npy", o);
   EXPECT_EQ(r.report.num_invalid_rows, 1);
   const int32_t* t = r.sequences.at(0).topk_idx.data<int32_t>();

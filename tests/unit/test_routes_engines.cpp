@@ -120,7 +120,7 @@ TEST(RouteEngines, TrtllmBadInputsNameSourceTokenLayerAndValue) {
   EXPECT_ERROR(import_trtllm_arrays({t3(dup, rows, L, K)}, opts(E)),
                "at token 2, MoE layer 0 repeats expert");
   ImportOptions none = opts(E);
-  none.invalid_rows = InvalidRowPolicy::to_none;
+  none.invalid_rows = ReplayRowPolicy::native;
   ImportResult r = import_trtllm_arrays({t3(dup, rows, L, K)}, none);
   EXPECT_EQ(r.report.num_invalid_rows, 1);
   EXPECT_EQ(r.sequences[0].topk_idx.data<int32_t>()[(2 * L + 0) * K], -1);
@@ -194,7 +194,7 @@ TEST(RouteEngines, FlashinferBadInputsNameTheSequenceTokenLayerAndValue) {
   b[5] = 5;  // row [5, 5]: repeats expert 5
   EXPECT_ERROR(run({0, 2, 4}, opts(E)), "row [5, 5] at token 0, MoE layer 1 repeats expert 5");
   ImportOptions none = opts(E);
-  none.invalid_rows = InvalidRowPolicy::to_none;
+  none.invalid_rows = ReplayRowPolicy::native;
   EXPECT_EQ(run({0, 2, 4}, none).report.num_invalid_rows, 1);
   EXPECT_ERROR(import_flashinfer_replay(std::vector<Tensor>{Tensor::zeros({4, 2}, DType::int32),
                                                             Tensor::zeros({4, 3}, DType::int32)},
