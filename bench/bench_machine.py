@@ -28,3 +28,24 @@ def machine_line():
     except ImportError:
         peer = ""
     return f"CPU: {cpu_model()}; kernel ISA {isa}{peer}"
+
+
+def best_of_rotated_rounds(variants, rounds, run):
+    """Runs every variant ``rounds`` times, rotating the order each round so that no variant always
+    runs last (machine state, caches); ``run(variant)`` returns (wall, process CPU) seconds.
+    Returns {variant: (best wall, best CPU)}."""
+    best = {v: (float("inf"), float("inf")) for v in variants}
+    for r in range(rounds):
+        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+            w, c = run(v)
+            best[v] = (min(best[v][0], w), min(best[v][1], c))
+    return best
+
+
+def print_step_ratios(best, steps, peer):
+    """The per-step table of best_of_rotated_rounds' result, each ratio against ``peer``."""
+    bw, bc = best[peer]
+    print("  variant    CPU ms/step  ratio   wall ms/step  ratio")
+    for v, (w, c) in best.items():
+        print(f"  {v:<8} {c / steps * 1e3:11.1f} {c / bc:6.2f} {w / steps * 1e3:14.1f} "
+              f"{w / bw:6.2f}")

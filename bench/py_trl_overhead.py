@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(here, "..", "python", "tests_trl"))
 import torch  # noqa: E402
 import trl  # noqa: E402
 
-from bench_machine import machine_line  # noqa: E402
+from bench_machine import best_of_rotated_rounds, machine_line, print_step_ratios  # noqa: E402
 import switchyard.integrations.hf as syhf  # noqa: E402
 import switchyard.integrations.trl as sytrl  # noqa: E402
 import trl_models as tm  # noqa: E402  (the TRL tests' tiny model, tokenizer and dataset)
@@ -86,19 +86,10 @@ def main():
           f"experts top-2, fp32; batch {a.batch}, completion {a.completion} tokens, {a.steps} "
           f"steps (num_iterations=2), {a.threads} thread(s), best of {a.rounds} rounds")
     variants = ["trl", "patch", "fp32", "fp32+R3"]
-    best = {v: (float("inf"), float("inf")) for v in variants}
     with tempfile.TemporaryDirectory() as out:
         run("trl", a, out)  # warm-up: imports, allocator, first-call costs
-        for r in range(a.rounds):  # the order rotates each round: no variant always runs last
-            for v in variants[r % len(variants):] + variants[:r % len(variants)]:
-                w, c = run(v, a, out)
-                best[v] = (min(best[v][0], w), min(best[v][1], c))
-    (bw, bc) = best["trl"]
-    print("  variant    CPU ms/step  ratio   wall ms/step  ratio")
-    for v in variants:
-        w, c = best[v]
-        print(f"  {v:<8} {c / a.steps * 1e3:11.1f} {c / bc:6.2f} {w / a.steps * 1e3:14.1f} "
-              f"{w / bw:6.2f}")
+        best = best_of_rotated_rounds(variants, a.rounds, lambda v: run(v, a, out))
+    print_step_ratios(best, a.steps, "trl")
 
 
 if __name__ == "__main__":

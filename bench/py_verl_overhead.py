@@ -43,7 +43,7 @@ verl_cpu.setup(external_modules=["switchyard.integrations.verl"])  # before verl
 import torch  # noqa: E402
 import verl  # noqa: E402
 
-from bench_machine import machine_line  # noqa: E402
+from bench_machine import best_of_rotated_rounds, machine_line, print_step_ratios  # noqa: E402
 
 VARIANTS = {  # name: (VERL_ENGINE_VENDOR, SWITCHYARD_VERL_ROUTER_REPLAY, ..._ROUTER_DTYPE)
     "verl": (None, None, None),
@@ -156,17 +156,9 @@ def main():
     variants = list(VARIANTS)
     for v in variants:  # warm-up: first-call costs of each engine
         run(engines[v], v, infer, update, routed_rows, 1)
-    best = {v: (float("inf"), float("inf")) for v in variants}
-    for r in range(a.rounds):  # the order rotates each round: no variant always runs last
-        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
-            w, c = run(engines[v], v, infer, update, routed_rows, a.steps)
-            best[v] = (min(best[v][0], w), min(best[v][1], c))
-    (bw, bc) = best["verl"]
-    print("  variant    CPU ms/step  ratio   wall ms/step  ratio")
-    for v in variants:
-        w, c = best[v]
-        print(f"  {v:<8} {c / a.steps * 1e3:11.1f} {c / bc:6.2f} {w / a.steps * 1e3:14.1f} "
-              f"{w / bw:6.2f}")
+    best = best_of_rotated_rounds(
+        variants, a.rounds, lambda v: run(engines[v], v, infer, update, routed_rows, a.steps))
+    print_step_ratios(best, a.steps, "verl")
     tmp.cleanup()
 
 
