@@ -12,6 +12,9 @@ import atexit
 from . import _switchyard as _C
 
 Communicator = _C.Communicator
+"""An expert-parallel communicator (engine object): ``rank`` and ``size`` (ints), ``name``,
+``barrier()`` and ``allreduce_max(values)`` (a list of ints -> their element-wise max over the
+ranks, collective). Made by ``world()``, ``local()``, ``from_mpi4py()``, not directly."""
 
 __all__ = ["Communicator", "world", "local", "from_mpi4py", "as_communicator", "mpi_built"]
 
@@ -19,14 +22,15 @@ _world = None
 
 
 def mpi_built():
-    """True when the engine was built with MPI."""
+    """True when the engine was built with MPI (``-DSWITCHYARD_MPI=ON``), else False."""
     return _C.dist_mpi_built()
 
 
 def world():
     """The MPI world communicator (one duplicate of MPI_COMM_WORLD per process, cached).
-    Initialises MPI (MPI_Init_thread, MPI_THREAD_MULTIPLE) if nobody has. Raises
-    switchyard.BackendError when the engine was built without MPI."""
+    Initialises MPI (MPI_Init_thread, MPI_THREAD_MULTIPLE) if nobody has. Returns a Communicator.
+    Raises switchyard.BackendError when the engine was built without MPI, MPI was already
+    finalised in this process, or MPI_Init_thread fails."""
     global _world
     if _world is None:
         _world = _C.dist_world()
@@ -34,17 +38,21 @@ def world():
 
 
 def local():
-    """A size-1 communicator (rank 0 of 1): collectives are local copies."""
+    """A new size-1 Communicator (rank 0 of 1): collectives are local copies. Always available
+    (no MPI needed)."""
     return _C.dist_local()
 
 
 def from_mpi4py(comm):
-    """A duplicate of an mpi4py communicator (through its Fortran handle, comm.py2f())."""
+    """A Communicator duplicating the mpi4py communicator ``comm`` (through its Fortran handle,
+    ``comm.py2f()``). Raises switchyard.BackendError when the engine was built without MPI or MPI
+    is not initialised, ValueError for MPI_COMM_NULL."""
     return _C.dist_from_mpi_fortran(int(comm.py2f()))
 
 
 def as_communicator(obj, what="ep_comm"):
-    """None -> local(); a switchyard Communicator as is; an mpi4py communicator -> from_mpi4py."""
+    """None -> local(); a switchyard Communicator as is; an mpi4py communicator -> from_mpi4py.
+    Anything else: ValueError naming ``what`` (the caller's argument) and the type given."""
     if obj is None:
         return local()
     if isinstance(obj, Communicator):

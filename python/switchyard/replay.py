@@ -9,6 +9,9 @@ adapters). It holds
 * ``recompute_kind`` / ``in_recompute``: the one detector of an activation-checkpoint recompute
   (the re-run of a forward inside backward; torch has no public API for it);
 * ``ReplayDriver``: the per-layer queues of one model, all or nothing.
+
+Row kinds (``ReplayRows.kind``, uint8): ``NATIVE`` = 0 (all -1: routed natively), ``REPLAYED`` = 1,
+``INVALID`` = 3 (routed natively under policy "native"), ``MERGED`` = 4 (a repeated id merged).
 """
 import itertools
 
@@ -17,14 +20,16 @@ import torch
 from . import _switchyard as _C
 
 POLICIES = ("error", "native", "merge")
+"""The invalid-replay-row policies, in the order of switchyard::ReplayRowPolicy."""
 
 # Old spellings of ReplayRowPolicy values -> the new one.
 _OLD_POLICIES = {"to_none": "native"}
 
 
 def check_policy(policy, op, name="invalid_replay_rows", allowed=POLICIES):
-    """Returns ``policy`` when it is one of ``allowed``; ValueError naming op, argument and value
-    otherwise (an old spelling names the new one)."""
+    """Returns ``policy`` (a str) when it is one of ``allowed`` (default POLICIES); otherwise
+    ValueError naming ``op``, the argument ``name`` and the value (an old spelling, "to_none",
+    names the new one, "native")."""
     if policy in _OLD_POLICIES and _OLD_POLICIES[policy] in allowed:
         raise ValueError(f"[{op}] {name}={policy!r} is now spelled {_OLD_POLICIES[policy]!r}")
     if not isinstance(policy, str) or policy not in allowed:
@@ -41,7 +46,9 @@ class ReplayRows:
     """A classified replay table: ``ids`` [T, K] int32 on the CPU as given, ``kind`` [T] uint8
     (NATIVE all -1, REPLAYED, INVALID routed natively, MERGED), the counts ``num_replayed`` (merged
     included), ``num_merged``, ``num_native`` (invalid included), ``num_invalid`` and
-    ``num_pairs`` ((token, expert) pairs the replayed rows send)."""
+    ``num_pairs`` ((token, expert) pairs the replayed rows send). Made by ``classify_rows`` /
+    ``ReplayDriver``, not directly; ``group``: the torch.distributed group a forward checks the
+    token count over (None: local)."""
     _COUNTS = ("num_replayed", "num_merged", "num_native", "num_invalid", "num_pairs")
     __slots__ = ("ids", "kind", "group") + _COUNTS
 
@@ -54,6 +61,7 @@ class ReplayRows:
 
     @property
     def num_tokens(self):
+        """T, the rows of ``ids``."""
         return self.ids.shape[0]
 
     @property
@@ -63,11 +71,13 @@ class ReplayRows:
 
     @property
     def merged(self):
+        """[T] bool: rows whose repeated id was merged (policy "merge")."""
         return self.kind == MERGED
 
     def resolved_ids(self):
-        """ids with every natively routed row (all -1 or invalid) as -1: what a recompute replays
-        (classified again with the same policy it gives the same kinds, invalid rows native)."""
+        """int32 [T, K]: ids with every natively routed row (all -1 or invalid) as -1: what a
+        recompute replays (classified again with the same policy it gives the same kinds, invalid
+        rows native)."""
         return self.ids.masked_fill(~self.replayed[:, None], -1)
 
 
@@ -75,10 +85,14 @@ _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, to
 
 
 def classify_rows(ids, num_experts, policy="error", layer=None, op="replay"):
-    """The replay row rule (the engine's): ``ids`` [T, K] integer tensor (any device) ->
-    ReplayRows. policy "error": the engine's ValueError naming layer, token and row for an
-    invalid row; "native": invalid rows are kind INVALID (routed natively); "merge": a row whose
-    only fault is a repeated id is MERGED, other invalid rows are the error."""
+    """The replay row rule (the engine's): ``ids`` [T, K] int64/int32/int16/int8/uint8/uint16
+    (any device; copied to the CPU as int32, -1 = route natively), ``num_experts`` E (valid ids
+    are in [0, E)) -> ReplayRows. policy "error": the engine's ValueError naming layer, token and
+    row for an invalid row (-1 mixed with ids, a repeated id, an id outside [0, E)); "native":
+    invalid rows are kind INVALID (routed natively); "merge": a row whose only fault is a repeated
+    id is MERGED, other invalid rows are the error. ``layer`` / ``op`` name the caller in
+    messages. ValueError also for a non-tensor, a float / bool dtype, ids that are not 2-D, an
+    id that does not fit int32 and an unknown policy."""
     check_policy(policy, op)
     where = "" if layer is None else f"layer {layer}, "
     if not isinstance(ids, torch.Tensor):
@@ -135,7 +149,8 @@ def in_recompute():
 
 
 def raise_on_every_rank(err, group):
-    """Raises ValueError(err) (None = no error here); with a torch.distributed ``group``,
+    """Raises ValueError(err) (``err``: a str, or None = no error here); returns None when no
+    rank failed. With a torch.distributed ``group``,
     collective: the ranks exchange their errors and all raise the lowest failing rank's, so no
     rank is left waiting in a later all-to-all."""
     if group is not None:
@@ -166,23 +181,29 @@ class ReplayDriver:
     * ``take_forward(key, num_tokens)``: the ReplayRows this forward replays (None: route
       natively), taken from the queue whether the forward then succeeds or not;
     * ``queue_recompute(key, ids)`` / ``take_recompute(key, num_tokens)``: the ids a checkpointed
-      forward used, handed back to its recompute (FIFO)."""
+      forward used, handed back to its recompute (FIFO).
+
+    ValueError from any of them names the layer (``label``); a key that is not in ``replays`` is
+    a KeyError."""
 
     def __init__(self, replays, label=None):
         self.replays = dict(replays)
+        """{key: switchyard.RouterReplay}, the layers this driver queues for."""
         for k, r in self.replays.items():
             self._label = label or (lambda k: f"layer {k}")
         self._taken = set()     # keys that took their target in the running step
         self._queued = {}       # key -> recompute tables queued in the running step
 
     def label(self, key):
+        """How messages name the layer ``key`` (default "layer <key>")."""
         return self._label(key)
 
     # ---- targets ----
     def classify(self, key, ids):
-        """ids -> ReplayRows by the engine's rule and the layer's policy; a RouterReplay without
-        num_experts only has the table's shape checked (its router's topk_route checks the rows
-        at the forward) and gets the table back."""
+        """``ids`` [T, K] integer tensor -> ReplayRows by the engine's rule and the layer's policy
+        (classify_rows; its ValueError). A RouterReplay without num_experts only has the table's
+        shape checked (ValueError unless [T, top_k]; its router's topk_route checks the rows at
+        the forward) and gets the table back unchanged."""
         r = self.replays[key]
         if r.num_experts is None:
             r._check_target(ids)
@@ -200,8 +221,13 @@ class ReplayDriver:
             raise ValueError(f"{e} ({self.label(key)})") from None
 
     def set_step_targets(self, tables, *, num_tokens=None, group=None):
-        """Queues tables[key] ([T, K] ids) for the next forward of each named layer, all or none
-        (over ``group``: the same error on every rank). Returns {key: ReplayRows}."""
+        """Queues tables[key] ([T, K] integer ids, -1 = native) for the next forward of each named
+        layer, all or none (over ``group``: the same error on every rank, collective). ``tables``:
+        {key: ids}, or a list with one table per layer in the order of ``replays``.
+        ``num_tokens``: every table must have that many rows (checked now; else at the forward).
+        Returns {key: ReplayRows} (the table itself for a layer without num_experts). ValueError,
+        nothing queued, for a list of the wrong length, an unknown key, an invalid row (by each
+        layer's policy) or a token count that is not ``num_tokens``."""
         if not isinstance(tables, dict):
             tables = list(tables)
             if len(tables) != len(self.replays):
@@ -241,11 +267,14 @@ class ReplayDriver:
 
     # ---- one step ----
     def begin_step(self, keys=None):
+        """Marks the start of a (chunk) forward over the layers ``keys`` (None: all)."""
         for k in self.replays if keys is None else keys:
             self._taken.discard(k)
             self._queued[k] = 0
 
     def end_step(self, keys=None, failed=False):
+        """Marks its end; ``failed=True`` drops, in each layer of ``keys``, the step's target it has
+        not taken and the recompute tables queued during the step."""
         keys = list(self.replays if keys is None else keys)
         if failed:
             for k in keys:
@@ -280,13 +309,15 @@ class ReplayDriver:
         return rows
 
     def queue_recompute(self, key, ids):
-        """Queues ``ids`` (the ids this checkpointed forward used) for its recompute."""
+        """Queues ``ids`` (int32 [T, K] on the CPU: the ids this checkpointed forward used) for its
+        recompute."""
         self.replays[key].replay_forward(ids)
         self._queued[key] = self._queued.get(key, 0) + 1
 
     def take_recompute(self, key, num_tokens):
         """The ReplayRows the recompute of ``key``'s oldest checkpointed forward replays (the
-        engine's FIFO checks num_tokens). ValueError when none is queued."""
+        engine's FIFO checks num_tokens). ValueError when none is queued or its token count is
+        not ``num_tokens``."""
         r = self.replays[key]
         if not r.num_pending_recompute:
             raise ValueError(f"[replay] {self.label(key)}: a checkpoint recompute found no ids "
@@ -300,6 +331,7 @@ class ReplayDriver:
         return rows
 
     def clear(self):
+        """Drops every queued table of every layer (recorded, targets, pending recompute)."""
         for r in self.replays.values():
             r.clear()
         self._taken.clear()
