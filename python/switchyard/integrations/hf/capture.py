@@ -12,12 +12,16 @@ class Capture:
     """Route capture over forwards (a whole ``generate()``: prefill and every decode step).
 
     Every forward of a MoE layer appends its ids as [B, S, K]; the steps are concatenated along S,
-    so token s of row b is the s-th token that row fed to the model."""
+    so token s of row b is the s-th token that row fed to the model. Made by ``Patch.capture()``
+    (use it as a context manager), not directly. ``ids()`` and the methods built on it raise
+    ValueError when nothing was captured or the captured forwards have different batch sizes (capture one
+    ``generate()`` call at a time)."""
 
     def __init__(self, owner):
         self._owner = owner
         self._steps = {l.layer: [] for l in owner._layers}
         self.active = False
+        """True while capturing (between Patch.capture() and the end of the ``with`` block)."""
         self._had_generate = False
         self._orig_generate = None
 
@@ -50,6 +54,7 @@ class Capture:
 
     @property
     def num_forwards(self) -> int:
+        """Forwards captured so far (the prefill and each decode step of a generate())."""
         return max((len(v) for v in self._steps.values()), default=0)
 
     def ids(self) -> torch.Tensor:
@@ -75,7 +80,8 @@ class Capture:
     def routed_experts(self, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """vLLM's ``routed_experts`` per sequence: a list of int32 tensors
         [num_tokens - 1, num_hidden_layers, K] (dense layers 0; the last token, never fed, has no
-        route). ``attention_mask`` [B, S_out] (nonzero = real token) of the generated sequences
+        route). ``attention_mask`` [B, S_out] (any integer / bool dtype, nonzero = real token) of
+        the generated sequences
         (prompt + new tokens, S_out = fed tokens + 1) or of the fed tokens; None = every token is
         real. A sequence that ended early fed its last token too: that row is dropped, as vLLM never
         routes the last token."""
@@ -86,7 +92,8 @@ class Capture:
         """verl's ``routed_experts`` batch layout: int16 [B, S_out, num_hidden_layers, K] over the
         generated sequences' positions (``attention_mask`` [B, S_out]), zero filled at padding, on
         dense layers and at each sequence's last token (which has no route), vLLM's routes at the
-        other real tokens. ``Patch.targets_from_verl`` reads it back."""
+        other real tokens. ``Patch.targets_from_verl`` reads it back. ValueError when the mask's
+        real tokens do not match the captured sequences."""
         m = torch.as_tensor(attention_mask).to("cpu").bool()
         tables, rep = self.tables(m)
         # One implementation of verl's layout: switchyard.routes.to_verl (from_verl's inverse).
@@ -97,7 +104,9 @@ class Capture:
     def save_npy(self, directory: str | os.PathLike, attention_mask: torch.Tensor | None = None,
                  prefix: str = "seq") -> list[str]:
         """Writes one .npy per sequence (vLLM's routed_experts, int32), the files the vLLM
-        importer and ``switchyard routes import-vllm`` read; returns their paths."""
+        importer and ``switchyard routes import-vllm`` read (``<directory>/<prefix><i>.npy``, the
+        directory created if missing); returns their paths. ``attention_mask`` as
+        ``routed_experts``."""
         import numpy as np
         os.makedirs(directory, exist_ok=True)
         paths = []
@@ -107,13 +116,15 @@ class Capture:
         return paths
 
     def tables(self, attention_mask: torch.Tensor | None = None) -> tuple[list[torch.Tensor], dict]:
-        """switchyard route tables ([num_tokens, moe_layers, K], last token -1), through the vLLM
-        importer with the model's layer map. Returns (tables, report)."""
+        """switchyard route tables (int32 [num_tokens, moe_layers, K], last token -1), through the
+        vLLM importer with the model's layer map. Returns (tables, report dict);
+        ``attention_mask`` as ``routed_experts``."""
         return self._owner._import_vllm(self.routed_experts(attention_mask), zero_rows="keep")
 
     def write(self, path: str | os.PathLike, attention_mask: torch.Tensor | None = None,
               compression_level: int = 3) -> int:
-        """Writes the captured sequences to a route file; returns the bytes written."""
+        """Writes the captured sequences (``tables(attention_mask)``) to a route file at ``path``,
+        committed atomically (switchyard.routes.write); returns the bytes written."""
         tables, _ = self.tables(attention_mask)
         return syr.write(path, tables, self._owner.num_experts, moe_layers=self._owner.layers,
                          compression_level=compression_level)

@@ -234,8 +234,11 @@ class _Ernie45(_Family):
 FAMILIES = {f.name: f for f in (_Qwen3Moe(), _Qwen2Moe(), _Qwen3Next(), _Olmoe(), _Mixtral(),
                                 _DeepseekV3(), _Glm4Moe(), _GptOss(), _Llama4(), _Ernie45(),
                                 _HunYuan())}
-#: Dtype of the combine weights each family's patched router returns (router_dtype set).
+"""The supported families: {transformers model_type: family} (each family knows its router
+class, where the router sits and its routing math)."""
 COMBINE_DTYPE = {f.title: f.combine_dtype for f in FAMILIES.values()}
+"""Dtype of the combine weights each family's patched router returns (router_dtype set):
+{family name: "router_dtype", "router_dtype (fp32 unpatched too)" or "hidden dtype"}."""
 
 
 def _family_of(module):

@@ -18,13 +18,13 @@ from .._versions import check_version
 from .capture import Capture
 from .families import FAMILIES, _family_of, _gate
 
-#: Oldest transformers release this integration was checked against (router classes and the exact
-#: routing math of every family in families.py were read from it).
 MIN_TRANSFORMERS_VERSION = "5.24.0"
-#: Supported transformers releases, (major, minor) oldest and newest, any patch release: 5.24.x.
-#: ``patch()`` refuses others (a newer one passes, with a warning, under
-#: SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
+"""Oldest transformers release this integration was checked against (router classes and the exact
+routing math of every family in families.py were read from it)."""
 SUPPORTED_TRANSFORMERS_VERSIONS = ((5, 24), (5, 24))
+"""Supported transformers releases, (major, minor) oldest and newest, any patch release: 5.24.x.
+``patch()`` refuses others (a newer one passes, with a warning, under
+SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,20 +159,29 @@ class _Layer:
 class Patch:
     """What ``patch()`` did, and the handle to drive replay and capture. ``family`` (the family's
     name), ``layers`` (absolute decoder-layer numbers of the patched MoE layers, ascending),
-    ``modules`` (layer -> router module name), ``replays`` (layer -> switchyard.RouterReplay)."""
+    ``modules`` (layer -> router module name), ``replays`` (layer -> switchyard.RouterReplay).
+    Made by ``patch()`` (and found again by ``patch_of``), not directly. Route tensors in and out
+    are laid out per MoE layer in the order of ``layers`` (``moe_layers`` = len(layers)) with
+    K = ``top_k``; -1 = no route (routed natively)."""
 
     def __init__(self, model, router_dtype, gate, invalid_replay_rows):
         self.model = model
+        """The patched model (torch.nn.Module)."""
         self.router_dtype = router_dtype
+        """torch.float32, torch.float64 or None (the family's own dtypes), as given to patch()."""
         self.gate = gate
+        """"auto" or "torch", as given to patch()."""
         self.invalid_replay_rows = invalid_replay_rows
+        """The replay policy of every layer: "error", "native" or "merge"."""
         self._layers = []
         self._capture = None
         self._stack_hooks = []  # on the modules that run the decoder layers (see _install)
         self.driver = None  # the replay core's driver over the layers' queues (_install)
+        """The switchyard.replay.ReplayDriver over the layers' replay queues."""
         cfg = model.config
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.num_hidden_layers = int(cfg.num_hidden_layers)
+        """The model's decoder layers (dense and MoE): the layer dimension of vLLM / verl data."""
 
     # ---- what was patched ----
     @property
@@ -183,26 +192,33 @@ class Patch:
 
     @property
     def family(self) -> str:
+        """The family's name as people write it, e.g. "Qwen3-MoE" (a key of COMBINE_DTYPE)."""
         return self._layers[0].family.title
 
     @property
     def layers(self) -> list[int]:
+        """Absolute decoder-layer numbers of the patched MoE layers, ascending."""
         return [l.layer for l in self._layers]
 
     @property
     def modules(self) -> dict[int, str]:
+        """{layer: qualified name of its router module}."""
         return {l.layer: l.name for l in self._layers}
 
     @property
     def replays(self) -> dict[int, sy.RouterReplay]:
+        """{layer: switchyard.RouterReplay} (each with num_experts, so targets are classified as
+        they are set)."""
         return {l.layer: l.replay for l in self._layers}
 
     @property
     def num_experts(self) -> int:
+        """E, the routed experts per MoE layer (the largest, for a model whose layers differ)."""
         return max(l.num_experts for l in self._layers)
 
     @property
     def top_k(self) -> int:
+        """K, the experts each token is routed to."""
         return self._layers[0].top_k
 
     @property
@@ -213,6 +229,7 @@ class Patch:
         return self._layers[0].family.combine_dtype
 
     def gate_description(self) -> str:
+        """What computes the router logits, in words (shown by ``repr``)."""
         if self.router_dtype is None:
             return "the family's own (unchanged)"
         if self.gate == "torch":
@@ -228,16 +245,21 @@ class Patch:
 
     # ---- replay ----
     def set_action(self, action: str | None) -> None:
-        """Sets every layer's RouterReplay action: None, "record" or "replay_forward"."""
+        """Sets every layer's RouterReplay action: None, "record" or "replay_forward" (ValueError
+        for another value; "recompute" is refused at the next forward: the checkpoint recompute
+        is detected by itself)."""
         for l in self._layers:
             l.replay.action = action
 
     def set_targets(self, routes: torch.Tensor) -> None:
         """Queues replay targets for the next forward of every MoE layer and sets the action to
-        "replay_forward". ``routes``: [T, moe_layers, K] or [B, S, moe_layers, K] ids (-1 = route
-        natively), tokens in the order the forward sees them (row-major over [B, S]); moe_layers
-        in the order of ``layers``. Every layer's rows are checked by the engine first (its
-        ValueError, naming layer and token); nothing is queued unless all pass."""
+        "replay_forward". ``routes``: [T, moe_layers, K] or [B, S, moe_layers, K] ids (int64,
+        int32, int16, int8, uint8 or uint16, any device; -1 = route natively), tokens in the order
+        the forward sees them (row-major over [B, S]); moe_layers in the order of ``layers``.
+        ValueError for another rank or another moe_layers / K; every layer's rows are checked by
+        the engine first (its ValueError, naming layer and token, by ``invalid_replay_rows``);
+        nothing is queued unless all pass. The next forward must see T (= B * S) tokens (else its
+        ValueError)."""
         if not isinstance(routes, torch.Tensor) or routes.dim() not in (3, 4):
             raise ValueError("[hf.set_targets] routes must be a [T, moe_layers, K] or "
                              "[B, S, moe_layers, K] tensor, got "
@@ -252,13 +274,16 @@ class Patch:
             l.replay.action = "replay_forward"
 
     def counts(self) -> dict[int, dict[str, int]]:
-        """Per layer: rows replayed / routed natively / invalid (routed natively) in forwards, rows
-        recomputed with queued ids inside backward, and forward calls, since reset_counts()."""
+        """{layer: {"num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
+        "num_recomputed_rows", "num_calls": int}}: rows replayed / routed natively / invalid
+        (routed natively, also counted as native) in forwards, rows recomputed with queued ids
+        inside backward, and forward calls, since reset_counts()."""
         keys = ("num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
                 "num_recomputed_rows", "num_calls")
         return {l.layer: {k: int(l.counts[k]) for k in keys} for l in self._layers}
 
     def reset_counts(self) -> None:
+        """Zeroes the counts of every layer (the queues stay)."""
         for l in self._layers:
             l.counts.clear()
 
@@ -280,25 +305,33 @@ class Patch:
 
     def targets_from_tables(self, tables, attention_mask: torch.Tensor | None = None
                             ) -> torch.Tensor:
-        """switchyard route tables (one [n_b, moe_layers, K] per sequence, e.g. from
-        switchyard.routes.read) -> [B, S, moe_layers, K] targets, -1 at padding."""
+        """switchyard route tables (one [n_b, moe_layers, K] per sequence, int32 / int64 / int16 /
+        int8 / uint8 / uint16, e.g. from switchyard.routes.read) and ``attention_mask`` [B, S]
+        (nonzero = real token; None: tables of one length, stacked) -> int32 [B, S, moe_layers, K]
+        targets for ``set_targets``, -1 at padding (switchyard.routes.add_padding). ValueError
+        for another dtype, tables of different layers / K, or a mask row whose real tokens are not
+        n_b."""
         tables = [syt._idx32(torch.as_tensor(t), "hf.targets_from_tables", f"tables[{i}]",
                              syt._ID_DTYPES) for i, t in enumerate(tables)]
         return syr.add_padding(tables, attention_mask)
 
     def targets_from_vllm(self, arrays, attention_mask: torch.Tensor | None = None,
                           zero_rows: str = "keep") -> tuple[torch.Tensor, dict]:
-        """vLLM / SGLang routed_experts arrays (one [n_b - 1, num_hidden_layers, K] per sequence,
-        dense layers 0) -> ([B, S, moe_layers, K] targets with -1 at padding and last tokens,
-        import report), through switchyard's vLLM importer and this model's layer map."""
+        """vLLM / SGLang routed_experts arrays (one integer [n_b - 1, num_hidden_layers, K] per
+        sequence, numpy or torch, dense layers 0) and ``attention_mask`` [B, S] (None: sequences of
+        one length) -> (int32 [B, S, moe_layers, K] targets with -1 at padding and last tokens,
+        import report dict), through switchyard's vLLM importer and this model's layer map
+        (``zero_rows`` as there: "keep", "to_none" or "error"). ValueError (the importer's, naming
+        sequence, token, layer and value) for a wrong shape or an id outside [0, num_experts)."""
         tables, report = self._import_vllm(list(arrays), zero_rows)
         return syr.add_padding(tables, attention_mask), report
 
     def targets_from_verl(self, routed_experts: torch.Tensor, attention_mask: torch.Tensor,
                           zero_rows: str = "to_none") -> tuple[torch.Tensor, dict]:
         """verl's ``routed_experts`` ([B, S, num_hidden_layers, K], int16, padded, zero filled;
-        each row holds vLLM's routes of its real tokens, the last real token having none) and its
-        attention mask [B, S] -> ([B, S, moe_layers, K] targets, import report). Padding is dropped
+        each row holds vLLM's routes of its real tokens, the last real token having none; any
+        integer dtype) and its attention mask [B, S] -> (int32 [B, S, moe_layers, K] targets,
+        import report dict); ValueError as ``targets_from_vllm``. Padding is dropped
         by the mask (switchyard.routes.drop_padding), the layers mapped by the vLLM importer (all
         zero rows on MoE layers become -1 with zero_rows="to_none": routed natively, counted)."""
         ids = syt._idx32(torch.as_tensor(routed_experts), "hf.targets_from_verl",
@@ -313,7 +346,8 @@ class Patch:
         """Starts capturing the ids of every forward (until the returned Capture's context exits
         or stop_capture()); recomputes inside backward are not captured. ``generate()`` with beam
         search (num_beams > 1) is refused while capturing: the beams are reordered at every step,
-        so the routes of a step would not follow the returned sequences."""
+        so the routes of a step would not follow the returned sequences. Returns the Capture;
+        ValueError when a capture is already running."""
         if self._capture is not None:
             raise ValueError("[hf.capture] a capture is already running")
         cap = Capture(self)
@@ -327,6 +361,7 @@ class Patch:
         return cap
 
     def stop_capture(self) -> None:
+        """Stops the running capture, if any (what leaving its ``with`` block does)."""
         if self._capture is not None:
             self._stop_capture(self._capture)
 
@@ -404,7 +439,9 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     invalid_replay_rows: "error", "native" or "merge" (switchyard.replay.POLICIES; with "merge" a
     row that repeats an id keeps its slots, each with the family's weight at that id: the experts
     add them up).
-    Raises ValueError when the model has no supported router, RuntimeError for a transformers
+    Raises ValueError (the model untouched) for another router_dtype / gate / policy, a model that
+    is not a torch.nn.Module, has no supported router, has routers already patched (unpatch the
+    earlier Patch first) or of several families, and RuntimeError for a transformers
     release outside SUPPORTED_TRANSFORMERS_VERSIONS (5.24.x; a newer one is let through, with a
     warning, when the environment sets SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
     """
