@@ -48,7 +48,9 @@ def router_config(config, *, is_mtp_layer=False):
     moe_router_padding_for_quantization / moe_router_padding_for_fp8 (the alignment from
     Megatron's own get_align_size_for_quantization). The options that live on the router module
     (moe_router_dtype, moe_input_jitter_eps, moe_router_enable_expert_bias,
-    moe_router_quantile_balancing_ema) are in ``topk_router_kwargs``."""
+    moe_router_quantile_balancing_ema) are in ``topk_router_kwargs``. ``config``: any object with
+    those attributes. ValueError (the engine's, naming the switchyard option) for a value the
+    engine refuses."""
     lb, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
     kw = {}
     if isinstance(lb, (list, tuple)):
@@ -87,7 +89,8 @@ def topk_router_kwargs(config):
     params_dtype, enable_expert_bias (moe_router_enable_expert_bias), input_jitter_eps
     (moe_input_jitter_eps). moe_router_bias_update_rate and moe_router_quantile_balancing_ema are
     arguments of ``update_expert_bias(rate)`` / ``update_qb_beta(ema)``: pass
-    ``config.moe_router_bias_update_rate`` / ``config.moe_router_quantile_balancing_ema``."""
+    ``config.moe_router_bias_update_rate`` / ``config.moe_router_quantile_balancing_ema``.
+    Returns a dict; ValueError for a moe_router_dtype other than None, "fp32" or "fp64"."""
     return dict(router_dtype=_router_dtype(config),
                 bias=bool(config.add_bias_linear), params_dtype=config.params_dtype,
                 enable_expert_bias=bool(config.moe_router_enable_expert_bias),
@@ -98,7 +101,9 @@ def topk_router(router, **kwargs):
     """A ``switchyard.torch.TopKRouter`` equivalent to a Megatron-Core ``TopKRouter``: its config
     mapped by ``router_config`` / ``topk_router_kwargs``, and a copy of its state (weight, bias,
     expert bias and its token counts, qb_beta and its accumulators, layer number). ``kwargs`` go to
-    TopKRouter (e.g. loss_comm=, global_aux_loss_comm= for Megatron's tp_cp / tp_dp_cp groups)."""
+    TopKRouter (e.g. loss_comm=, global_aux_loss_comm= for Megatron's tp_cp / tp_dp_cp groups).
+    The copy is independent of ``router`` (its parameters are new tensors). ValueError as
+    ``router_config`` / ``topk_router_kwargs``."""
     cfg = router.config
     kw = topk_router_kwargs(cfg)
     kw.update(kwargs)

@@ -9,11 +9,12 @@ from .._versions import check_version
 from .config import _make_engine_gating
 from .fixes import _make_a2a_preprocess, _make_ep_setup_metadata, _make_layer_route
 
-#: Supported megatron-core releases, (major, minor) oldest and newest, any patch release: 0.16
-#: (router replay appeared) to 0.19.x. ``apply()`` refuses others (a newer one passes, with a
-#: warning, under SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
 SUPPORTED_VERSIONS = ((0, 16), (0, 19))
+"""Supported megatron-core releases, (major, minor) oldest and newest, any patch release: 0.16
+(router replay appeared) to 0.19.x. ``apply()`` refuses others (a newer one passes, with a
+warning, under SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1)."""
 TESTED_VERSIONS = ("0.19.2",)
+"""megatron-core releases the tests ran against (``PatchReport.tested``)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -32,12 +33,17 @@ def _megatron_version():
 class PatchReport:
     """What ``apply()`` patched: ``version`` of megatron-core (``tested``: one of
     TESTED_VERSIONS), ``patched`` as a list of (``"module.Class.method"``, why) and ``skipped``
-    (targets this version lacks, with why)."""
+    (targets this version lacks, with why). ``str(report)`` lists them, one per line."""
     version: str
+    """megatron-core's version string."""
     patched: list
+    """[(``"module.Class.method"``, why)] of every function wrapped."""
     skipped: list
+    """[(target, why)] of the targets this version lacks."""
     engine: str
+    """The ``engine`` apply() was called with: None or "cpu"."""
     tested: bool = False
+    """Whether ``version`` is one of TESTED_VERSIONS."""
 
     def __str__(self):
         lines = [f"switchyard.integrations.megatron on megatron-core {self.version} "
@@ -52,6 +58,7 @@ _STATE = {"originals": [], "report": None, "engine": None}
 
 
 def is_applied():
+    """True between ``apply()`` and ``remove()``."""
     return _STATE["report"] is not None
 
 
@@ -69,10 +76,11 @@ def apply(*, engine=None):
 
     ``engine``: None (Megatron's own math everywhere, plus the fixes) or ``"cpu"`` (on CPU tensors
     the router gate of routers with a replay attached runs switchyard's FP32-accumulated
-    batch-invariant ``router_gating_linear``; CUDA tensors keep Megatron's math). Raises
-    ImportError without megatron-core and RuntimeError outside SUPPORTED_VERSIONS (0.16 to
-    0.19.x; a newer release is let through, with a warning, when the environment sets
-    SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1)."""
+    batch-invariant ``router_gating_linear``; CUDA tensors keep Megatron's math). Returns the
+    PatchReport. Raises ValueError for another ``engine`` or one that differs from the already
+    applied one (remove() first), ImportError without megatron-core and RuntimeError outside
+    SUPPORTED_VERSIONS (0.16 to 0.19.x; a newer release is let through, with a warning, when the
+    environment sets SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1); nothing stays patched on an error."""
     if engine not in (None, "cpu"):
         raise ValueError(f"[megatron.apply] engine must be None or 'cpu', got {engine!r}")
     if _STATE["report"] is not None:
@@ -135,7 +143,7 @@ def remove():
 @contextlib.contextmanager
 def patched(*, engine=None):
     """``with patched(): ...`` applies for the block and removes afterwards (only if this block
-    applied it). Yields the PatchReport."""
+    applied it). Yields the PatchReport; raises as ``apply``."""
     was = is_applied()
     report = apply(engine=engine)
     try:

@@ -28,13 +28,20 @@ class ReplayCounts:
     (live top-k: all -1 rows, no replay, or invalid rows with invalid_replay_rows="native"),
     ``invalid`` (of those native rows, the invalid ones). replayed + native == tokens."""
     calls: int = 0
+    """Routing calls counted."""
     tokens: int = 0
+    """Tokens (rows) routed."""
     replayed: int = 0
+    """Rows that used their replay ids (merged rows included)."""
     merged: int = 0
+    """Replayed rows that repeated an id (one pair, weights summed)."""
     native: int = 0
+    """Rows routed by the live top-k (all -1, no replay, or invalid under "native")."""
     invalid: int = 0
+    """Native rows that were invalid replay rows."""
 
     def add(self, other):
+        """Adds ``other``'s counts (a ReplayCounts) to these, in place."""
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -386,7 +393,11 @@ def attach_replay(model, *, invalid_replay_rows="error", aux_loss_routes="used",
     [0, E) -- routed natively and counted). ``repeated_ids`` is its deprecated old name.
     ``aux_loss_routes``: "used" (default: replayed rows
     count their replayed experts in the load-balancing loss) or "native" (Megatron's own map).
-    ``max_pending_backward``: bound on checkpointed forwards waiting for their recompute."""
+    ``max_pending_backward``: bound on checkpointed forwards waiting for their recompute.
+
+    Raises RuntimeError before ``apply()``, ValueError for another policy or aux_loss_routes, a
+    TopKRouter without layer_number, or two routers with one key (attaching again replaces the
+    earlier replays)."""
     if repeated_ids is not None:
         import warnings
         warnings.warn("megatron.attach_replay(repeated_ids=...) is now invalid_replay_rows=... "
@@ -434,6 +445,8 @@ def _label(k):
 
 
 def detach_replay(model):
+    """Removes the replays ``attach_replay`` gave ``model``'s routers (module or list of VPP
+    chunks): they route with Megatron's code again. Idempotent."""
     for r in _routers(model):
         if getattr(r, "_sy", None) is not None:
             r._sy = None
@@ -452,7 +465,7 @@ def _states(model):
 
 
 def replays(model):
-    """{key: RouterReplay} of the attached routers."""
+    """{key: switchyard.RouterReplay} of ``model``'s attached routers (empty when none is)."""
     return {k: st.replay for k, st in _states(model).items()}
 
 
@@ -460,7 +473,8 @@ def set_replay_action(model, action, keys=None):
     """Sets ``action`` (None, "record", "replay_forward", "recompute") on the attached
     routers named by ``keys`` (default: all). "recompute" is optional: a recompute inside
     backward is detected. A router in "replay_forward" without a target (and nothing recorded)
-    raises; leave layers the rollout has no routes for (MTP) at None."""
+    raises at its forward; leave layers the rollout has no routes for (MTP) at None. ValueError
+    for a key that names no attached router, or another action."""
     states = _states(model)
     for k in (states if keys is None else keys):
         if k not in states:
@@ -479,15 +493,18 @@ def clear_replay(model):
 def set_replay_targets(model, targets, *, num_tokens=None, group=None):
     """Queues one replay table per layer for the next forward (R3), validated by the engine.
 
-    ``targets``: {key: ids [T, K]} (keys as ``attach_replay``; any integer dtype; -1 = route
-    natively). Every key must name an attached router of this model (pipeline stage).
+    ``targets``: {key: ids [T, K]} (keys as ``attach_replay``; int64, int32, int16, int8, uint8
+    or uint16, any device; -1 = route natively; K = moe_router_topk). Every key must name an
+    attached router of this model (pipeline stage); keys left out queue nothing.
     ``num_tokens``: the tokens the router will
     see, checked here. ``group``: a torch.distributed group (e.g. the EP group): every rank
     validates its own tables, then the ranks exchange the first error, so all raise the same
     ValueError (naming the rank) and none is left waiting in an all-to-all. Collective over
     ``group`` when given; without ``num_tokens`` the token count is checked at each layer's
     forward instead, again over ``group`` (one small exchange per layer and forward; give
-    ``num_tokens`` to check here once)."""
+    ``num_tokens`` to check here once). Returns None. ValueError (nothing queued on any layer)
+    for an unknown key, a table that is not [T, K], an invalid row (by ``invalid_replay_rows``)
+    or a token count that is not ``num_tokens``, or routers attached by several calls."""
     states = _states(model)
     unknown = [k for k in targets if k not in states]
     err = None
@@ -509,6 +526,7 @@ def set_replay_targets(model, targets, *, num_tokens=None, group=None):
 
 def replay_counts(model, total=False):
     """{key: ReplayCounts} of the last routing call per layer (or summed since attach / clear
-    with total=True), so a replay that did nothing is visible."""
+    with total=True), so a replay that did nothing is visible. Copies: changing them changes
+    nothing."""
     return {k: dataclasses.replace(st.total if total else st.last)
             for k, st in _states(model).items()}
