@@ -74,17 +74,20 @@ except ImportError as e:  # an optional dependency
 __all__ = ["GRPOTrainer", "SwitchyardGRPOTrainer", "ROLLOUT_ROUTES_KEY", "R2_ROUTES_KEY",
            "REPLAY_MODES", "METRIC_NAMES", "MIN_TRL_VERSION"]
 
-#: Batch keys of the routes carried through TRL's shuffling and splitting.
 ROLLOUT_ROUTES_KEY = "switchyard_rollout_routes"
+"""Batch key of the rollout's routes carried through TRL's shuffling and splitting: int32
+[B, P + C, moe_layers, K] aligned to TRL's rows, -1 at padding and last tokens."""
 R2_ROUTES_KEY = "switchyard_r2_routes"
+"""Batch key of the old-log-prob pass's routes (replay="R2"), same layout as ROLLOUT_ROUTES_KEY."""
 REPLAY_MODES = (None, "R2", "R3")
-#: Oldest trl release whose GRPOTrainer internals (_generate_single_turn, _tool_call_loop,
-#: _generate, _generate_and_score_completions, _get_per_token_logps_and_entropies, _compute_loss)
-#: this subclass was written against.
+"""The values of GRPOTrainer's ``replay``."""
 MIN_TRL_VERSION = "1.16.0"
-#: Metric names, per forward kind (old, ref, policy).
+"""Oldest trl release whose GRPOTrainer internals (_generate_single_turn, _tool_call_loop,
+_generate, _generate_and_score_completions, _get_per_token_logps_and_entropies, _compute_loss)
+this subclass was written against."""
 METRIC_NAMES = ("switchyard/{kind}/router_mismatch", "switchyard/{kind}/replayed_rows",
                 "switchyard/{kind}/native_rows")
+"""Metric names, per forward kind (old, ref, policy); floats, logged with TRL's own."""
 
 _WHO = "[trl.GRPOTrainer]"
 _MM_ARGS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
@@ -148,14 +151,25 @@ class _GenState:
 
 
 class GRPOTrainer(_trl.GRPOTrainer):
-    """TRL's GRPOTrainer with switchyard's FP32 router and R3/R2 (see the module docstring)."""
+    """TRL's GRPOTrainer with switchyard's FP32 router and R3/R2 (see the module docstring).
+
+    Errors while training: ValueError when a ``rollout_func``'s routes are not one integer array
+    [len(prompt_ids[i]) + len(completion_ids[i]) - 1, num_hidden_layers, K] per sequence (or
+    missing under R3), hold an id outside [0, E) or an invalid row (the vLLM importer's message),
+    or multimodal inputs reach a replayed forward; RuntimeError when the routes cannot be aligned
+    with TRL's rows (routes taken for other tokens, a tool-call turn that extends no sequence) or
+    the policy model's routers were unpatched behind the trainer's back."""
 
     def __init__(self, *args, router_dtype: torch.dtype | None = torch.float32,
                  replay: str | None = "R3", routes_field: str = "routed_experts",
                  gate: str = "auto", **kwargs):
         """TRL's arguments (positional or keyword) plus switchyard's, keyword only (see the
         module docstring). ValueError for a bad switchyard argument or a model without a
-        supported MoE router, raised before the model is patched; RuntimeError for an old trl."""
+        supported MoE router (replay / router_dtype / routes_field / gate out of range; R3 with
+        use_vllm or continuous batching and no rollout_func; replay with Liger kernels or a
+        vision-language model; a model patched beforehand with another router_dtype), raised
+        before the model is patched (a model this call patched is unpatched again if TRL's own
+        constructor fails); RuntimeError for trl < MIN_TRL_VERSION."""
         _check_version()
         given = inspect.signature(_trl.GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
         model = given.get("model")
@@ -167,10 +181,17 @@ class GRPOTrainer(_trl.GRPOTrainer):
             p = _patch_model(model, router_dtype, gate, "model")
             new_patch = p if had is None else None
         self.switchyard_replay = replay
+        """"R3", "R2" or None, as given."""
         self.switchyard_router_dtype = router_dtype
+        """torch.float32, torch.float64 or None, as given."""
         self.switchyard_routes_field = routes_field
+        """The key of the routes in rollout_func's output, as given."""
         self.switchyard_gate = gate
+        """"auto" or "torch", as given (hf.patch's gate)."""
         self.switchyard_records = []
+        """One dict per log-prob forward: kind, mode, split, global_step, mismatch_rows,
+        compared_rows, replayed_rows, native_rows, invalid_rows (kind, mode, split: str or None;
+        the others ints)."""
         self._sy_active = True
         self._sy_gen = None         # _GenState of the running _generate()
         self._sy_phase = None       # "score" (inside _generate_and_score_completions), "policy"
@@ -189,11 +210,14 @@ class GRPOTrainer(_trl.GRPOTrainer):
                              "supported (text-only MoE models)")
         self.switchyard_patch = _patch_model(self.accelerator.unwrap_model(self.model),
                                              router_dtype, gate, "model")
+        """The policy model's switchyard.integrations.hf.Patch."""
         if self.ref_model is not None:
             _patch_model(self.accelerator.unwrap_model(self.ref_model), router_dtype, gate,
                          "ref_model")
         if self.rollout_func is not None:
             self.rollout_func = self._sy_wrap_rollout(self.rollout_func)
+            """TRL's rollout_func, wrapped: the routes field is taken out (and checked) before TRL
+            sees the output; the given function is its ``__wrapped__``."""
 
     def switchyard_unpatch(self) -> None:
         """Restores the original routers of the policy and reference models (idempotent); the
@@ -470,3 +494,4 @@ class GRPOTrainer(_trl.GRPOTrainer):
 
 
 SwitchyardGRPOTrainer = GRPOTrainer
+"""Another name of GRPOTrainer (for code that imports trl's GRPOTrainer too)."""
