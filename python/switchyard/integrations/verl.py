@@ -54,18 +54,20 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 __all__ = ["VENDOR", "MODES", "ENV_MODE", "ENV_ROUTER_DTYPE", "MIN_VERL_VERSION",
            "SwitchyardFSDPEngine"]
 
-#: Oldest verl release this plugin was checked against (its FSDP engine's prepare_model_inputs /
-#: prepare_model_outputs / forward_step contract and the jagged routed_experts layout).
 MIN_VERL_VERSION = "0.9.1"
+"""Oldest verl release this plugin was checked against (its FSDP engine's prepare_model_inputs /
+prepare_model_outputs / forward_step contract and the jagged routed_experts layout)."""
 
-#: The vendor name the engine is registered under (``VERL_ENGINE_VENDOR=switchyard``).
 VENDOR = "switchyard"
-#: Replay modes, as verl's ``router_replay.mode`` spells them.
+"""The vendor name the engines are registered under (``VERL_ENGINE_VENDOR=switchyard``)."""
 MODES = ("R3", "R2", "disabled")
-#: Environment variable choosing the mode when the engine config leaves it "disabled".
+"""Replay modes, as verl's ``router_replay.mode`` spells them."""
 ENV_MODE = "SWITCHYARD_VERL_ROUTER_REPLAY"
-#: Environment variable choosing the routers' dtype: "native" (default) or "float32".
+"""Environment variable choosing the mode when the engine config leaves it "disabled" (default
+"R3"; another value than MODES: ValueError when the engine is built)."""
 ENV_ROUTER_DTYPE = "SWITCHYARD_VERL_ROUTER_DTYPE"
+"""Environment variable choosing the routers' dtype: "native" (default) or "float32" ("fp32");
+another value: ValueError when the engine is built."""
 
 _ROUTER_DTYPES = {"native": None, "float32": torch.float32, "fp32": torch.float32}
 
@@ -100,7 +102,12 @@ def _router_dtype() -> "torch.dtype | None":
 @EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"],
                          device=["cuda", "npu", "cpu"], vendor=VENDOR)
 class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
-    """verl's FSDP engine for HF causal LMs, with switchyard's router replay (see the module)."""
+    """verl's FSDP engine for HF causal LMs, with switchyard's router replay (see the module).
+
+    Built by verl (same arguments as FSDPEngineWithLMHead). Raises RuntimeError for verl <
+    MIN_VERL_VERSION, ValueError for a mode or router dtype outside MODES / ENV_ROUTER_DTYPE's
+    values, and for replay with Ulysses sequence parallelism. The methods below are verl's engine
+    hooks, called by verl."""
 
     def __init__(self, *args, **kwargs):
         _check_version()
@@ -108,12 +115,16 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         mode = _mode_of(self.engine_config)
         # The reference policy's engine is forward-only: verl never replays into it.
         self.router_replay_mode = "disabled" if self.engine_config.forward_only else mode
+        """"R3", "R2" or "disabled" (always "disabled" for a forward-only engine: the reference)."""
         self.router_dtype = _router_dtype()
+        """torch.float32, or None (the model's own router dtype), from ENV_ROUTER_DTYPE."""
         if self.router_replay_mode != "disabled" and self.use_ulysses_sp:
             raise ValueError("[verl] switchyard router replay does not support Ulysses sequence "
                              "parallelism yet, got ulysses_sequence_parallel_size="
                              f"{self.engine_config.ulysses_sequence_parallel_size}")
         self.router_patch = None  # switchyard.integrations.hf.Patch, once the model is built
+        """The model's switchyard.integrations.hf.Patch once ``initialize()`` built it (None while
+        replay is disabled and the router dtype is the model's own)."""
         self._call = None  # None, "replay" or "record": what the running forward_backward does
         self._capture = None
         self._packed = True
@@ -121,6 +132,8 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
 
     # ---- the model ----
     def initialize(self):
+        """verl's initialize(), then patches the model's MoE routers (hf.patch; its ValueError /
+        RuntimeError for a model without a supported router or another transformers)."""
         super().initialize()
         if self.router_replay_mode == "disabled" and self.router_dtype is None:
             return
@@ -129,6 +142,9 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
 
     # ---- per call ----
     def forward_backward_batch(self, data, loss_function, forward_only=False):
+        """verl's forward_backward_batch, replaying (R3; R2 updates) or recording (R2's
+        forward-only log-prob pass) unless the batch says ``enable_routing_replay=False``; a call
+        that fails leaves no queued ids behind."""
         flag = tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=None)
         if self.router_patch is None or self.router_replay_mode == "disabled" or flag is False:
             call = None
@@ -156,6 +172,10 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
 
     # ---- per micro-batch ----
     def prepare_model_inputs(self, micro_batch):
+        """verl's model inputs; when replaying, the micro-batch's ``routed_experts`` (jagged
+        integer [B, tokens, num_hidden_layers, K], the lengths of input_ids) become the forward's
+        targets: ValueError when they are missing, not jagged, of another shape or lengths, not
+        integers, or hold invalid rows (hf.Patch.set_targets), before anything is queued."""
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
         # rows the forward feeds beyond the real tokens (padded layout, verl's static pad)
         self._pad_rows = model_inputs["input_ids"].numel() - int(
@@ -171,6 +191,8 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         return model_inputs, output_args
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        """verl's model outputs; when recording (R2), plus ``model_output["routed_experts"]``:
+        jagged int16 [B, tokens, num_hidden_layers, K] (dense layers 0), the layout R3 reads."""
         model_output = super().prepare_model_outputs(output, output_args, micro_batch,
                                                      logits_processor_func)
         if self._call == "record":
@@ -178,6 +200,8 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         return model_output
 
     def forward_step(self, micro_batch, loss_function, forward_only):
+        """verl's forward_step, plus the float metrics router_replay/replayed_rows and
+        router_replay/native_rows (replay) or router_replay/recorded_rows (R2 recording)."""
         loss, output = super().forward_step(micro_batch, loss_function, forward_only)
         if self._call is not None:
             c = self.router_patch.counts()
@@ -278,7 +302,13 @@ def megatron_replay_targets(routed_experts, input_ids, *, num_experts, num_layer
     every sequence right-padded to this length (the micro-batch's longest, or verl's
     ``forced_max_seqlen``, aligned to ``tp_size`` or ``2 * tp_size * cp_size``), zigzag-cut per
     sequence under CP, the sequence dimension cut under SP, in Megatron's sequence-first token
-    order (token s of sequence b is row s * B + b)."""
+    order (token s of sequence b is row s * B + b).
+
+    Returns {layer_number: int32 [T_local, K]} (views of one table; -1 = route natively) for the
+    int keys among ``keys``. ValueError when routed_experts / input_ids are not jagged tensors,
+    routed_experts is not integer [B, tokens, num_layers, K] with each sequence's length (or one
+    fewer), an id is outside [0, num_experts), bshd_seq_len is shorter than the longest sequence
+    or not aligned, or a key is not a MoE layer."""
     import switchyard as sy
     want = f"[B, tokens (as input_ids), num_layers={num_layers}, K]"
     if not isinstance(routed_experts, torch.Tensor) or not routed_experts.is_nested or \
@@ -354,13 +384,18 @@ if MegatronEngineWithLMHead is not None:
         router_replay_patch: Megatron-Core patched by ``sym.apply()`` (the dropless all-to-all
         sized from the validated replay's pair count, no ``.item()``), one keyed, validated
         ``RouterReplay`` per router (``attach_replay``), R3 targets per micro-batch from its
-        ``routed_experts`` (``megatron_replay_targets``)."""
+        ``routed_experts`` (``megatron_replay_targets``).
+
+        Built by verl (same arguments as MegatronEngineWithLMHead). R3 or disabled: ValueError
+        for R2, for dynamic_context_parallel, or (at ``initialize()``) fp8 padding with replay on;
+        RuntimeError for verl < MIN_VERL_VERSION. The methods below are verl's engine hooks."""
 
         # verl's own replay (its TopKRouter patch, moe_enable_routing_replay in the config, its
         # per-micro-batch set_router_replay_data) stays off: every use of this flag in verl's
         # engine reads False, whatever its __init__ assigns.
         @property
         def enable_routing_replay(self):
+            """Always False: verl's own router replay stays off (assignments are ignored)."""
             return False
 
         @enable_routing_replay.setter
@@ -371,6 +406,7 @@ if MegatronEngineWithLMHead is not None:
             _check_version()
             mode = _mode_of(engine_config)
             self.router_replay_mode = "disabled" if engine_config.forward_only else mode
+            """"R3" or "disabled" (always "disabled" for a forward-only engine)."""
             if self.router_replay_mode == "R2":
                 raise ValueError("[verl] switchyard's Megatron engine serves router_replay mode "
                                  "R3 (or disabled), got R2 (its log-prob pass does not record "
@@ -383,8 +419,12 @@ if MegatronEngineWithLMHead is not None:
             super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
             self._replaying = False
             self.router_replays = {}
+            """{layer_number or ("mtp", n): switchyard.RouterReplay} once initialize() attached
+            them (empty while replay is disabled)."""
 
         def initialize(self):
+            """verl's initialize(), then ``attach_replay(invalid_replay_rows="merge")`` on the
+            model (ValueError for fp8 padding with replay on)."""
             super().initialize()
             if self.router_replay_mode != "disabled":
                 if getattr(self.tf_config, "fp8", None):
@@ -393,6 +433,9 @@ if MegatronEngineWithLMHead is not None:
                 self.router_replays = sym.attach_replay(self.module, invalid_replay_rows="merge")
 
         def forward_backward_batch(self, data, loss_function, forward_only=False):
+            """verl's forward_backward_batch, replaying each micro-batch's routes unless the batch
+            says ``enable_routing_replay=False``; the queues are cleared afterwards, failed or
+            not."""
             flag = tu.get_non_tensor_data(data=data, key="enable_routing_replay", default=None)
             self._replaying = bool(self.router_replays) and flag is not False
             # verl's own R2 recording (forward_backward_batch reads this key) stays off.
@@ -410,6 +453,8 @@ if MegatronEngineWithLMHead is not None:
 
         def forward_step(self, batch_iter, model, logits_processor_func,
                          postprocess_micro_batch_func):
+            """verl's forward_step, the micro-batch's targets set first (set_micro_batch_targets)
+            when replaying."""
             batch = next(batch_iter)
             if self._replaying:
                 self.set_micro_batch_targets(batch, model)
@@ -417,8 +462,11 @@ if MegatronEngineWithLMHead is not None:
                                         postprocess_micro_batch_func)
 
         def set_micro_batch_targets(self, batch, model):
-            """Validates the micro-batch's routes and queues them for ``model``'s routers (one
-            VPP chunk), every check before any state changes."""
+            """Validates the micro-batch's routes (``routed_experts``: jagged integer [B, tokens,
+            num_layers, K]) and queues them for ``model``'s routers (one VPP chunk), every check
+            before any state changes, collective over the expert-parallel group (the same
+            ValueError on every rank): ValueError when routed_experts is missing or fails
+            ``megatron_replay_targets`` / ``set_replay_targets``."""
             routed = batch.get("routed_experts", None)
             if routed is None:
                 raise ValueError("[verl] router replay R3: the micro-batch has no "
