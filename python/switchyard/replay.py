@@ -54,8 +54,11 @@ class ReplayRows:
 
     def __init__(self, ids, core):
         self.ids = ids
+        """int32 [T, K] on the CPU: the ids as given (-1 = no route)."""
         self.kind = core.kind
+        """uint8 [T]: each row's kind (NATIVE, REPLAYED, INVALID, MERGED)."""
         self.group = None  # the torch.distributed group a forward checks the token count over
+        """The torch.distributed group a forward checks the token count over (None: local)."""
         for f in self._COUNTS:
             setattr(self, f, getattr(core, f))
 
