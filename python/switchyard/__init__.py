@@ -70,19 +70,24 @@ class RouterReplay:
     switchyard.replay.ReplayDriver). Tables come back as int32 [T, K] tensors."""
 
     ACTIONS = (None, "record", "replay_forward", "recompute")
+    """The values of ``action``."""
 
     def __init__(self, top_k, layer=None, invalid_replay_rows="error", num_experts=None):
         _replay.check_policy(invalid_replay_rows, "replay")
         self._c = _C.RouterReplayCore(int(top_k), -1 if layer is None else int(layer))
         self.top_k = int(top_k)
+        """K, the ids per row (ValueError at construction unless >= 1)."""
         self.num_experts = None if num_experts is None else int(num_experts)
+        """E (ids in [0, E)), or None: targets are then classified at the forward."""
         self.invalid_replay_rows = invalid_replay_rows
+        """"error", "native" or "merge" (ValueError at construction for another value)."""
         self._action = None
         self._targets = _collections.deque()  # (step, table) of set_step_targets / set_target
         self._last_step = 0  # the step of the last target a forward took
 
     @property
     def action(self):
+        """One of ACTIONS (default None); setting another value is a ValueError."""
         return self._action
 
     @action.setter
@@ -97,9 +102,13 @@ class RouterReplay:
 
     # Engine operations.
     def record(self, topk_idx):
+        """Queues a copy of ``topk_idx`` (int32 or int64 [T, top_k]) as a recorded table (R2).
+        ValueError for another dtype or shape, or an int64 value outside int32."""
         self._c.record(topk_idx)
 
     def pop_recorded(self):
+        """Removes and returns the oldest recorded table (int32 [T, K]); IndexError when none is
+        queued."""
         return self._c.pop_recorded()
 
     def peek_recorded(self):
@@ -107,10 +116,14 @@ class RouterReplay:
         return self._c.peek_recorded()
 
     def replay_forward(self, topk_idx):
+        """Queues a copy of ``topk_idx`` (int32 or int64 [T, top_k]) for the recompute of this
+        forward and returns it (int32 [T, K]). ValueError as ``record``."""
         return self._c.replay_forward(topk_idx)
 
     def recompute(self, num_tokens):
-        """Removes and returns the oldest table queued by replay_forward (for its recompute)."""
+        """Removes and returns the oldest table queued by replay_forward (int32 [T, K], for its
+        recompute). IndexError when none is queued; ValueError when its T is not
+        ``num_tokens``."""
         return self._c.recompute(int(num_tokens))
 
     def replay_backward(self, num_tokens):
@@ -159,10 +172,12 @@ class RouterReplay:
 
     @property
     def num_recorded(self):
+        """Recorded tables queued."""
         return self._c.num_recorded
 
     @property
     def num_pending_recompute(self):
+        """Tables queued by replay_forward, waiting for their recompute."""
         return self._c.num_pending_recompute
 
     @property
@@ -174,10 +189,12 @@ class RouterReplay:
 
     @property
     def num_targets(self):
+        """Targets queued (set_target / set_step_targets)."""
         return len(self._targets)
 
     @property
     def layer(self):
+        """The layer named in messages (an int), or None."""
         return None if self._c.layer < 0 else self._c.layer
 
     def clear(self):
