@@ -92,41 +92,6 @@ struct DispatchResult {
   DispatchHandle handle;
 };
 
-/// Send each distinct valid (token, expert) pair of this rank to the expert's rank (on a temporary
-/// Dispatcher: keep a dist::Dispatcher across steps instead to reuse its scratch memory).
-/// With padding options, recv_x holds zero padding rows (weight 0, source -1) at the end of each
-/// (local expert, source) block; handle.num_tokens_per_expert counts them.
-/// `x` [T,H] fp32|bf16 (T may differ per rank, may be 0), `topk_idx` [T,K] int32 (-1 = none),
-/// `topk_weights` [T,K] fp32. Collective. Data errors on any rank (an id outside [-1,E), a hidden
-/// size or dtype that differs between ranks, a bad shape) throw the same std::invalid_argument on
-/// every rank, with the message of the lowest failing rank; no rank hangs. E not divisible by EP
-/// (or any bad option) is rejected the same way, before any payload moves. Deterministic.
-DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
-                        const DispatchOptions& options, Communicator& comm);
-
-/// Return expert outputs to their tokens: y[t] = sum over t's pairs (slot order, k ascending) of
-/// w * expert_y[row], fp32 accumulation, written in expert_y's dtype. `expert_y` [R,H] fp32|bf16 in
-/// recv_x's layout -> [T,H]. With `weights` WeightMode::skip the weights are not applied (the
-/// experts already applied recv_topk_weights). Collective; deterministic and bitwise independent
-/// of EP and of the dispatcher.
-Tensor combine(const Tensor& expert_y, const DispatchHandle& handle, WeightMode weights,
-               Communicator& comm);
-
-/// Backward of dispatch (= combine without weights): grad_x[t] = sum of grad_recv_x over t's rows.
-/// `grad_recv_x` [R,H] fp32|bf16 -> [T,H]. Collective, deterministic.
-Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
-                         Communicator& comm);
-
-/// Backward of dispatch's `recv_topk_weights` output (for experts that apply the weights
-/// themselves): each received row's weight gradient goes back to its source rank and to every slot
-/// of that pair (a merged repeated id gives the row's gradient to each of its slots, since the
-/// row's weight is their sum). `grad_recv_topk_weights` [R] fp32 -> grad_topk_weights [T,K] fp32, 0
-/// for
-/// `-1` and dropped slots. Collective (a bad argument on one rank raises on every rank);
-/// deterministic.
-Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const DispatchHandle& handle,
-                                 Communicator& comm);
-
 /// Gradients of combine.
 struct CombineGrads {
   /// [R,H], grad_y's dtype: w_row * grad_y[token(row)] (grad_y[token(row)] with WeightMode::skip).
@@ -135,11 +100,6 @@ struct CombineGrads {
   /// each slot); 0 for `-1` slots and with WeightMode::skip.
   Tensor grad_topk_weights;
 };
-
-/// Backward of combine (= dispatch of grad_y reusing the handle, plus the weight gradients).
-/// `grad_y` [T,H]; `expert_y` the forward's [R,H] input. Collective, deterministic.
-CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
-                              const DispatchHandle& handle, WeightMode weights, Communicator& comm);
 
 namespace detail {
 struct Scratch;
@@ -150,9 +110,10 @@ struct Scratch;
 /// metadata), grown to the high-water mark and reused, so that steady-state steps never fault
 /// fresh pages (first-touch zeroing of multi-MiB buffers cost about a third of a step when every
 /// step allocated them). Results that outlive the call (recv_x, y, gradients, the handle) are
-/// Tensors; their storage comes from the tensor allocator's cache. The free functions below are
-/// the same operations on a temporary Dispatcher (scratch allocated per call). Not thread-safe;
-/// one dispatcher and its communicator serve one thread at a time (std::logic_error otherwise).
+/// Tensors; their storage comes from the tensor allocator's cache. This class is the C++ API of
+/// dispatch and combine (there is no free-function form); a one-off call may use a temporary,
+/// `Dispatcher(comm).dispatch(...)`, at the cost of fresh scratch. Not thread-safe; one dispatcher
+/// and its communicator serve one thread at a time (std::logic_error otherwise).
 class Dispatcher {
  public:
   explicit Dispatcher(std::shared_ptr<Communicator> comm);
@@ -164,22 +125,37 @@ class Dispatcher {
   /// Bytes of scratch memory held now (grows to the largest step seen; never shrinks).
   int64_t scratch_bytes() const;
 
-  // The operations, as the free functions below document them (shapes, dtypes, errors), on this
-  // dispatcher's communicator. Each is collective and deterministic; a handle may be used with
-  // any Dispatcher on the same communicator (the handle holds no scratch).
+  // The operations, on this dispatcher's communicator. Each is collective and deterministic; a
+  // handle may be used with any Dispatcher on the same communicator (the handle holds no scratch).
 
-  /// See dist::dispatch.
+  /// Send each distinct valid (token, expert) pair of this rank to the expert's rank.
+  /// With padding options, recv_x holds zero padding rows (weight 0, source -1) at the end of each
+  /// (local expert, source) block; handle.num_tokens_per_expert counts them.
+  /// `x` [T,H] fp32|bf16 (T may differ per rank, may be 0), `topk_idx` [T,K] int32 (-1 = none),
+  /// `topk_weights` [T,K] fp32. Data errors on any rank (an id outside [-1,E), a hidden size or
+  /// dtype that differs between ranks, a bad shape) throw the same std::invalid_argument on every
+  /// rank, with the message of the lowest failing rank; no rank hangs. E not divisible by EP (or
+  /// any bad option) is rejected the same way, before any payload moves.
   DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                           const DispatchOptions& options);
-  /// See dist::combine.
+  /// Return expert outputs to their tokens: y[t] = sum over t's pairs (slot order, k ascending) of
+  /// w * expert_y[row], fp32 accumulation, written in expert_y's dtype. `expert_y` [R,H] fp32|bf16
+  /// in recv_x's layout -> [T,H]. With `weights` WeightMode::skip the weights are not applied (the
+  /// experts already applied recv_topk_weights). Bitwise independent of EP and of the dispatcher.
   Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
                  WeightMode weights = WeightMode::apply);
-  /// See dist::dispatch_backward.
+  /// Backward of dispatch (= combine without weights): grad_x[t] = sum of grad_recv_x over t's
+  /// rows. `grad_recv_x` [R,H] fp32|bf16 -> [T,H].
   Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle);
-  /// See dist::dispatch_weights_backward.
+  /// Backward of dispatch's `recv_topk_weights` output (for experts that apply the weights
+  /// themselves): each received row's weight gradient goes back to its source rank and to every
+  /// slot of that pair (a merged repeated id gives the row's gradient to each of its slots, since
+  /// the row's weight is their sum). `grad_recv_topk_weights` [R] fp32 -> grad_topk_weights [T,K]
+  /// fp32, 0 for `-1` and dropped slots. A bad argument on one rank raises on every rank.
   Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights,
                                    const DispatchHandle& handle);
-  /// See dist::combine_backward.
+  /// Backward of combine (= dispatch of grad_y reusing the handle, plus the weight gradients).
+  /// `grad_y` [T,H]; `expert_y` the forward's [R,H] input.
   CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
                                 const DispatchHandle& handle,
                                 WeightMode weights = WeightMode::apply);

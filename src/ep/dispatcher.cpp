@@ -1,4 +1,4 @@
-// The Dispatcher object and the free functions on top of it. Shape of every exchange:
+// The Dispatcher: the C++ API of dispatch, combine and the backwards. Shape of every exchange:
 //   1. local validation and the routing plan; errors are caught, not thrown yet;
 //   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, kind, padding},
 //      then
@@ -398,39 +398,6 @@ CombineGrads Dispatcher::combine_backward(const Tensor& grad_y, const Tensor& ex
   return_rows(u.grad_topk_weights.raw(), sizeof(float), plan_dots.raw(), h, *scratch_, comm);
   out.grad_topk_weights = rows_to_slots(plan_dots, h.plan);
   return out;
-}
-
-// The free functions: the same operations on a temporary Dispatcher over the caller's
-// communicator (scratch allocated per call; keep a Dispatcher across steps instead).
-namespace {
-Dispatcher temporary(Communicator& comm) {
-  return Dispatcher(std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
-}
-}  // namespace
-
-DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
-                        const DispatchOptions& options, Communicator& comm) {
-  return temporary(comm).dispatch(x, topk_idx, topk_weights, options);
-}
-
-Tensor combine(const Tensor& expert_y, const DispatchHandle& handle, WeightMode weights,
-               Communicator& comm) {
-  return temporary(comm).combine(expert_y, handle, weights);
-}
-
-Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
-                         Communicator& comm) {
-  return temporary(comm).dispatch_backward(grad_recv_x, handle);
-}
-
-Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const DispatchHandle& h,
-                                 Communicator& comm) {
-  return temporary(comm).dispatch_weights_backward(grad_recv_topk_weights, h);
-}
-
-CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,
-                              WeightMode weights, Communicator& comm) {
-  return temporary(comm).combine_backward(grad_y, expert_y, h, weights);
 }
 
 void fail_collective(CollectiveOp op, const std::string& message, Communicator& comm) {

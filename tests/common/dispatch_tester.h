@@ -193,12 +193,11 @@ class DispatchTester {
     const uint64_t seed = seed_for("combine_double");
     SCOPED_TRACE(context(seed));
     const GlobalBatch g = batch(seed);
-    dist::Communicator& c = world();
-    const int64_t me = c.rank(), b = g.begin(me), T = g.T[static_cast<size_t>(me)];
+    dist::Dispatcher disp(world_ptr());
+    const int64_t me = world().rank(), b = g.begin(me), T = g.T[static_cast<size_t>(me)];
     const GlobalBatch::Rows mine = g.of(me);
-    const dist::DispatchResult d = dist::dispatch(mine.x, mine.idx, mine.w, options(), c);
-    const Tensor y =
-        dist::combine(expert_fn(d.recv_x, received_experts(d.handle)), d.handle, {mode_}, c);
+    const dist::DispatchResult d = disp.dispatch(mine.x, mine.idx, mine.w, options());
+    const Tensor y = disp.combine(expert_fn(d.recv_x, received_experts(d.handle)), d.handle, mode_);
     std::vector<int32_t> idx(g.idx.data<int32_t>() + b * g.K,
                              g.idx.data<int32_t>() + (b + T) * g.K);
     std::vector<float> w(g.w.data<float>() + b * g.K, g.w.data<float>() + (b + T) * g.K);
@@ -222,19 +221,19 @@ class DispatchTester {
     const uint64_t seed = seed_for("adjoints");
     SCOPED_TRACE(context(seed));
     const GlobalBatch g = batch(seed);
-    dist::Communicator& c = world();
-    const int64_t me = c.rank(), b = g.begin(me), e = g.end(me);
+    dist::Dispatcher disp(world_ptr());
+    const int64_t me = world().rank(), b = g.begin(me), e = g.end(me);
     const GlobalBatch::Rows mine = g.of(me);
-    const dist::DispatchResult d = dist::dispatch(mine.x, mine.idx, mine.w, options(), c);
+    const dist::DispatchResult d = disp.dispatch(mine.x, mine.idx, mine.w, options());
     std::mt19937_64 rng(seed + 100 + static_cast<uint64_t>(me));
     const Tensor Y = randn({d.handle.num_recv_tokens, g.H}, g.dtype, rng);
     const Tensor gy = randn({e - b, g.H}, g.dtype, rng);
     const double l1 = sum_over_ranks(local_dot(d.recv_x, Y));
-    const double r1 = sum_over_ranks(local_dot(mine.x, dist::dispatch_backward(Y, d.handle, c)));
+    const double r1 = sum_over_ranks(local_dot(mine.x, disp.dispatch_backward(Y, d.handle)));
     EXPECT_NEAR(l1, r1, 1e-4 * (1 + std::fabs(l1)));
-    const double l2 = sum_over_ranks(local_dot(dist::combine(Y, d.handle, {mode_}, c), gy));
-    const double r2 = sum_over_ranks(
-        local_dot(Y, dist::combine_backward(gy, Y, d.handle, {mode_}, c).grad_expert_y));
+    const double l2 = sum_over_ranks(local_dot(disp.combine(Y, d.handle, mode_), gy));
+    const double r2 =
+        sum_over_ranks(local_dot(Y, disp.combine_backward(gy, Y, d.handle, mode_).grad_expert_y));
     EXPECT_NEAR(l2, r2, 1e-4 * (1 + std::fabs(l2)));
   }
 
@@ -246,14 +245,14 @@ class DispatchTester {
     const uint64_t seed = seed_for("weights_backward");
     SCOPED_TRACE(context(seed));
     const GlobalBatch g = batch(seed);
-    dist::Communicator& c = world();
-    const int64_t me = c.rank(), b = g.begin(me), e = g.end(me);
+    dist::Dispatcher disp(world_ptr());
+    const int64_t me = world().rank(), b = g.begin(me), e = g.end(me);
     const GlobalBatch::Rows mine = g.of(me);
     const Tensor &w = mine.w, &my_idx = mine.idx;
-    const dist::DispatchResult d = dist::dispatch(mine.x, my_idx, w, options(), c);
+    const dist::DispatchResult d = disp.dispatch(mine.x, my_idx, w, options());
     std::mt19937_64 rng(seed + 200 + static_cast<uint64_t>(me));
     const Tensor gr = randn({d.handle.num_recv_tokens}, DType::fp32, rng);
-    const Tensor gw = dist::dispatch_weights_backward(gr, d.handle, c);
+    const Tensor gw = disp.dispatch_weights_backward(gr, d.handle);
     EXPECT_EQ(gw.shape(), (Shape{e - b, g.K}));
     const double lhs = sum_over_ranks(local_dot(d.recv_topk_weights, gr));
     const double rhs = sum_over_ranks(local_dot(w, gw));
@@ -266,26 +265,26 @@ class DispatchTester {
     }
   }
 
-  /// A kept Dispatcher gives the free functions' bits over three steps, and its scratch stops
-  /// growing once it has seen the largest step (steady state: no fresh buffers).
+  /// A kept Dispatcher gives the bits of a fresh Dispatcher per call over three steps, and its
+  /// scratch stops growing once it has seen the largest step (steady state: no fresh buffers).
   void TestDispatcherReusesItsScratch() const {
     const uint64_t seed = seed_for("scratch");
     SCOPED_TRACE(context(seed));
     const GlobalBatch g = batch(seed);
-    dist::Communicator& c = world();
     dist::Dispatcher disp(world_ptr());
-    const GlobalBatch::Rows mine = g.of(c.rank());
+    const GlobalBatch::Rows mine = g.of(world().rank());
     const dist::DispatchOptions opt = options();
     int64_t scratch = -1;
     for (int step = 0; step < 3; ++step) {
       const dist::DispatchResult d = disp.dispatch(mine.x, mine.idx, mine.w, opt);
-      const dist::DispatchResult f = dist::dispatch(mine.x, mine.idx, mine.w, opt, c);
+      const dist::DispatchResult f = fresh_dispatcher().dispatch(mine.x, mine.idx, mine.w, opt);
       EXPECT_TRUE(bitwise_equal(d.recv_x, f.recv_x)) << "step " << step;
       const Tensor y = disp.combine(d.recv_x, d.handle, {mode_});
-      EXPECT_TRUE(bitwise_equal(y, dist::combine(f.recv_x, f.handle, {mode_}, c)))
+      EXPECT_TRUE(bitwise_equal(y, fresh_dispatcher().combine(f.recv_x, f.handle, mode_)))
           << "step " << step;
       const dist::CombineGrads cg = disp.combine_backward(y, d.recv_x, d.handle, {mode_});
-      const dist::CombineGrads fg = dist::combine_backward(y, f.recv_x, f.handle, {mode_}, c);
+      const dist::CombineGrads fg =
+          fresh_dispatcher().combine_backward(y, f.recv_x, f.handle, mode_);
       EXPECT_TRUE(bitwise_equal(cg.grad_expert_y, fg.grad_expert_y)) << "step " << step;
       EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, fg.grad_topk_weights)) << "step " << step;
       if (step > 0) {
@@ -438,6 +437,7 @@ class DispatchTester {
   // output bitwise against the EP = 1 computation on the global batch.
   void run_and_check(const GlobalBatch& g, dist::DispatcherKind kind, uint64_t seed) const {
     dist::Communicator& c = world();
+    dist::Dispatcher disp(world_ptr());
     const int64_t P = c.size(), me = c.rank(), E = g.E, L = E / P, H = g.H, K = g.K;
     SCOPED_TRACE(kind_name(kind));
     // EP = 1, locally, on the global batch.
@@ -460,7 +460,7 @@ class DispatchTester {
     opt.num_experts = E;
     opt.kind = kind;
     const GlobalBatch::Rows mine = g.of(me);
-    const dist::DispatchResult d = dist::dispatch(mine.x, mine.idx, mine.w, opt, c);
+    const dist::DispatchResult d = disp.dispatch(mine.x, mine.idx, mine.w, opt);
     const dist::DispatchHandle& h = d.handle;
     const int64_t* goff = gp.expert_offsets.data<int64_t>();
     const int64_t r0 = goff[me * L], r1 = goff[(me + 1) * L];
@@ -493,13 +493,13 @@ class DispatchTester {
     }
     // Experts run locally; combine back; compare bitwise with EP = 1.
     const Tensor Y = expert_fn(d.recv_x, expert_of_row);
-    EXPECT_TRUE(bitwise_equal(dist::combine(Y, h, mode_, c), rows(gy, b, e_))) << "combine";
-    const dist::CombineGrads cg = dist::combine_backward(rows(ggrad, b, e_), Y, h, mode_, c);
+    EXPECT_TRUE(bitwise_equal(disp.combine(Y, h, mode_), rows(gy, b, e_))) << "combine";
+    const dist::CombineGrads cg = disp.combine_backward(rows(ggrad, b, e_), Y, h, mode_);
     EXPECT_TRUE(bitwise_equal(cg.grad_expert_y, rows(gg.grad_permuted, r0, r1)))
         << "combine_backward";
     EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, rows(gg.grad_topk_weights, b, e_)))
         << "grad_topk_weights";
-    EXPECT_TRUE(bitwise_equal(dist::dispatch_backward(cg.grad_expert_y, h, c), rows(ggx, b, e_)))
+    EXPECT_TRUE(bitwise_equal(disp.dispatch_backward(cg.grad_expert_y, h), rows(ggx, b, e_)))
         << "dispatch_backward";
   }
 
