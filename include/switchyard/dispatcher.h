@@ -39,9 +39,14 @@ struct DispatchOptions {
   RoutingPlanOptions plan;
 };
 
-/// What combine and the backwards need; returned by dispatch. Integer members are not
-/// differentiable.
-struct DispatchHandle {
+class DispatchHandle;
+
+namespace detail {
+struct Scratch;
+
+/// The layout behind a DispatchHandle: what combine and the backwards read (src/ep/ only; users
+/// read a handle through its accessors).
+struct HandleState {
   DispatcherKind kind = DispatcherKind::all_to_all;
   int rank = 0;
   int world_size = 1;
@@ -83,6 +88,53 @@ struct DispatchHandle {
   uint64_t layout_id = 0;
 };
 
+/// The state of a handle, for the dispatch implementation (src/ep/).
+HandleState& state(DispatchHandle& h);
+const HandleState& state(const DispatchHandle& h);
+}  // namespace detail
+
+/// What combine and the backwards need; returned by dispatch. Opaque, as DeepEP's handle: read it
+/// through the accessors below (integers, not differentiable); only a handle that came from
+/// dispatch on the same communicator is accepted by combine and the backwards (a
+/// default-constructed one is rejected with std::invalid_argument on every rank).
+class DispatchHandle {
+ public:
+  DispatcherKind kind() const { return s_.kind; }
+  int rank() const { return s_.rank; }
+  int world_size() const { return s_.world_size; }
+  int64_t num_tokens() const { return s_.num_tokens; }                ///< T of this rank
+  int64_t hidden() const { return s_.hidden; }                        ///< H (same on every rank)
+  int64_t num_experts() const { return s_.num_experts; }              ///< E
+  int64_t num_local_experts() const { return s_.num_local_experts; }  ///< L = E / EP
+  /// R: rows of recv_x, padding rows included.
+  int64_t num_recv_tokens() const { return s_.num_recv_tokens; }
+  /// [L] int64: rows per local expert in recv_x, padding included (sum = R): what a grouped GEMM
+  /// iterates over.
+  const Tensor& num_tokens_per_expert() const { return s_.num_tokens_per_expert; }
+  /// [L] int64: real (unpadded) received pairs per local expert; equal to num_tokens_per_expert
+  /// without padding.
+  const Tensor& num_unpadded_tokens_per_expert() const { return s_.num_unpadded_tokens_per_expert; }
+  /// [L+1] int64: exclusive prefix sum of num_tokens_per_expert (where each local expert's rows
+  /// start in recv_x).
+  const Tensor& expert_offsets() const { return s_.expert_offsets; }
+  /// [R] int32: source rank of each received row (-1 for padding).
+  const Tensor& recv_src_rank() const { return s_.recv_src_rank; }
+  /// [R] int64: source token (on its rank) of each received row (-1 for padding).
+  const Tensor& recv_src_token() const { return s_.recv_src_token; }
+  /// (token, expert) pairs this rank dropped by capacity.
+  int64_t num_dropped() const { return s_.plan.num_dropped; }
+
+ private:
+  friend detail::HandleState& detail::state(DispatchHandle& h);
+  friend const detail::HandleState& detail::state(const DispatchHandle& h);
+  detail::HandleState s_;
+};
+
+namespace detail {
+inline HandleState& state(DispatchHandle& h) { return h.s_; }
+inline const HandleState& state(const DispatchHandle& h) { return h.s_; }
+}  // namespace detail
+
 /// Result of dispatch.
 struct DispatchResult {
   /// [R, H], x's dtype: rows grouped by local expert ascending, then source rank, then token.
@@ -100,10 +152,6 @@ struct CombineGrads {
   /// each slot); 0 for `-1` slots and with WeightMode::skip.
   Tensor grad_topk_weights;
 };
-
-namespace detail {
-struct Scratch;
-}
 
 /// DeepEP's `Buffer` for this engine: the object a training loop keeps across steps. It owns the
 /// scratch memory of dispatch, combine and the backwards (pack buffers, rows coming back, row
@@ -130,7 +178,7 @@ class Dispatcher {
 
   /// Send each distinct valid (token, expert) pair of this rank to the expert's rank.
   /// With padding options, recv_x holds zero padding rows (weight 0, source -1) at the end of each
-  /// (local expert, source) block; handle.num_tokens_per_expert counts them.
+  /// (local expert, source) block; handle.num_tokens_per_expert() counts them.
   /// `x` [T,H] fp32|bf16 (T may differ per rank, may be 0), `topk_idx` [T,K] int32 (-1 = none),
   /// `topk_weights` [T,K] fp32. Data errors on any rank (an id outside [-1,E), a hidden size or
   /// dtype that differs between ranks, a bad shape) throw the same std::invalid_argument on every
@@ -162,7 +210,7 @@ class Dispatcher {
 
  private:
   Tensor combine_impl(const char* op, const char* name, const Tensor& expert_y,
-                      const DispatchHandle& h, WeightMode weights);
+                      const detail::HandleState& h, WeightMode weights);
   std::shared_ptr<Communicator> comm_;
   std::unique_ptr<detail::Scratch> scratch_;
 };

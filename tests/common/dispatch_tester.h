@@ -122,19 +122,19 @@ inline Tensor expert_fn(const Tensor& x, const std::vector<int64_t>& expert_of_r
 
 /// The global expert of every received row (padding rows included), from the handle's offsets.
 inline std::vector<int64_t> received_experts(const dist::DispatchHandle& h) {
-  std::vector<int64_t> out(static_cast<size_t>(h.num_recv_tokens));
-  const int64_t* off = h.expert_offsets.data<int64_t>();
-  const int64_t L = h.num_local_experts;
+  std::vector<int64_t> out(static_cast<size_t>(h.num_recv_tokens()));
+  const int64_t* off = h.expert_offsets().data<int64_t>();
+  const int64_t L = h.num_local_experts();
   for (int64_t el = 0; el < L; ++el)
-    for (int64_t i = off[el]; i < off[el + 1]; ++i) out[static_cast<size_t>(i)] = h.rank * L + el;
+    for (int64_t i = off[el]; i < off[el + 1]; ++i) out[static_cast<size_t>(i)] = h.rank() * L + el;
   return out;
 }
 
 /// The rows of `t` [R, ...] whose received row is real (source rank >= 0), in order.
 inline Tensor real_rows(const Tensor& t, const dist::DispatchHandle& h) {
-  const int32_t* src = h.recv_src_rank.data<int32_t>();
+  const int32_t* src = h.recv_src_rank().data<int32_t>();
   std::vector<int64_t> keep;
-  for (int64_t i = 0; i < h.num_recv_tokens; ++i) {
+  for (int64_t i = 0; i < h.num_recv_tokens(); ++i) {
     if (src[i] >= 0) keep.push_back(i);
   }
   const int64_t n = static_cast<int64_t>(keep.size());
@@ -211,8 +211,8 @@ class DispatchTester {
               (mode_ == WeightMode::apply ? p.weight : 1.0) *
               (xv[static_cast<size_t>(t * g.H + q)] * (1.0 + p.expert / 8.0) + p.expert / 4.0);
     EXPECT_TRUE(all_close(y, want, 1e-5, 1e-5));
-    for (int64_t el = 0; el < d.handle.num_local_experts; ++el)
-      EXPECT_EQ(d.handle.num_tokens_per_expert.data<int64_t>()[el] % alignment_, 0);
+    for (int64_t el = 0; el < d.handle.num_local_experts(); ++el)
+      EXPECT_EQ(d.handle.num_tokens_per_expert().data<int64_t>()[el] % alignment_, 0);
   }
 
   /// <dispatch(x), Y> = <x, dispatch_backward(Y)> and <combine(Y), g> = <Y, combine_backward(g)>,
@@ -226,7 +226,7 @@ class DispatchTester {
     const GlobalBatch::Rows mine = g.of(me);
     const dist::DispatchResult d = disp.dispatch(mine.x, mine.idx, mine.w, options());
     std::mt19937_64 rng(seed + 100 + static_cast<uint64_t>(me));
-    const Tensor Y = randn({d.handle.num_recv_tokens, g.H}, g.dtype, rng);
+    const Tensor Y = randn({d.handle.num_recv_tokens(), g.H}, g.dtype, rng);
     const Tensor gy = randn({e - b, g.H}, g.dtype, rng);
     const double l1 = sum_over_ranks(local_dot(d.recv_x, Y));
     const double r1 = sum_over_ranks(local_dot(mine.x, disp.dispatch_backward(Y, d.handle)));
@@ -251,7 +251,7 @@ class DispatchTester {
     const Tensor &w = mine.w, &my_idx = mine.idx;
     const dist::DispatchResult d = disp.dispatch(mine.x, my_idx, w, options());
     std::mt19937_64 rng(seed + 200 + static_cast<uint64_t>(me));
-    const Tensor gr = randn({d.handle.num_recv_tokens}, DType::fp32, rng);
+    const Tensor gr = randn({d.handle.num_recv_tokens()}, DType::fp32, rng);
     const Tensor gw = disp.dispatch_weights_backward(gr, d.handle);
     EXPECT_EQ(gw.shape(), (Shape{e - b, g.K}));
     const double lhs = sum_over_ranks(local_dot(d.recv_topk_weights, gr));
@@ -344,36 +344,36 @@ class DispatchTester {
         n_rows += off[e + 1] - off[e];
         n_real += n;
       }
-      EXPECT_EQ(h.num_tokens_per_expert.data<int64_t>()[el], n_rows);
-      EXPECT_EQ(h.num_tokens_per_expert.data<int64_t>()[el] % alignment_, 0);
-      EXPECT_EQ(h.num_unpadded_tokens_per_expert.data<int64_t>()[el], n_real);
-      EXPECT_EQ(h.num_unpadded_tokens_per_expert.data<int64_t>()[el],
-                u.handle.num_tokens_per_expert.data<int64_t>()[el]);
+      EXPECT_EQ(h.num_tokens_per_expert().data<int64_t>()[el], n_rows);
+      EXPECT_EQ(h.num_tokens_per_expert().data<int64_t>()[el] % alignment_, 0);
+      EXPECT_EQ(h.num_unpadded_tokens_per_expert().data<int64_t>()[el], n_real);
+      EXPECT_EQ(h.num_unpadded_tokens_per_expert().data<int64_t>()[el],
+                u.handle.num_tokens_per_expert().data<int64_t>()[el]);
     }
     // A wrong row count is reported, and the layout checks below are skipped (they would read
     // past the received rows); the collectives after them still run on every rank.
-    const bool layout_ok = static_cast<int64_t>(want_src.size()) == h.num_recv_tokens;
+    const bool layout_ok = static_cast<int64_t>(want_src.size()) == h.num_recv_tokens();
     EXPECT_TRUE(layout_ok) << "want " << want_src.size() << " received rows, got "
-                           << h.num_recv_tokens;
+                           << h.num_recv_tokens();
     if (layout_ok) {
       int64_t at = 0;
       for (size_t i = 0; i < want_x.size(); ++i) {
         const int64_t n = want_x[i].size(0);
         EXPECT_TRUE(bitwise_equal(rows(d.recv_x, at, at + n), want_x[i])) << "block " << i;
         EXPECT_TRUE(bitwise_equal(
-            rows(d.recv_topk_weights.reshape({h.num_recv_tokens, 1}), at, at + n), want_w[i]))
+            rows(d.recv_topk_weights.reshape({h.num_recv_tokens(), 1}), at, at + n), want_w[i]))
             << "block " << i;
         at += n;
       }
-      for (int64_t i = 0; i < h.num_recv_tokens; ++i) {
-        EXPECT_EQ(h.recv_src_rank.data<int32_t>()[i], want_src[static_cast<size_t>(i)])
+      for (int64_t i = 0; i < h.num_recv_tokens(); ++i) {
+        EXPECT_EQ(h.recv_src_rank().data<int32_t>()[i], want_src[static_cast<size_t>(i)])
             << "row " << i;
       }
     }
     // Real rows are the unpadded dispatch's, bit for bit.
     EXPECT_TRUE(bitwise_equal(real_rows(d.recv_x, h), u.recv_x));
-    EXPECT_TRUE(bitwise_equal(real_rows(h.recv_src_token.reshape({h.num_recv_tokens, 1}), h),
-                              u.handle.recv_src_token.reshape({u.handle.num_recv_tokens, 1})));
+    EXPECT_TRUE(bitwise_equal(real_rows(h.recv_src_token().reshape({h.num_recv_tokens(), 1}), h),
+                              u.handle.recv_src_token().reshape({u.handle.num_recv_tokens(), 1})));
 
     // Experts that give padding rows non-zero outputs: combine and the backwards must not read
     // them. Every result equals the unpadded path's bitwise.
@@ -388,15 +388,15 @@ class DispatchTester {
     EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, ug.grad_topk_weights));
     EXPECT_TRUE(bitwise_equal(real_rows(cg.grad_expert_y, h), ug.grad_expert_y));
     const auto ge = cg.grad_expert_y.to_double_vector();
-    for (int64_t i = 0; i < h.num_recv_tokens; ++i) {
-      if (h.recv_src_rank.data<int32_t>()[i] >= 0) continue;
+    for (int64_t i = 0; i < h.num_recv_tokens(); ++i) {
+      if (h.recv_src_rank().data<int32_t>()[i] >= 0) continue;
       for (int64_t q = 0; q < H; ++q)
         EXPECT_EQ(ge[static_cast<size_t>(i * H + q)], 0.0) << "padding row " << i;
     }
     EXPECT_TRUE(bitwise_equal(disp.dispatch_backward(cg.grad_expert_y, h),
                               disp.dispatch_backward(ug.grad_expert_y, u.handle)));
-    const Tensor gr = Tensor::full({h.num_recv_tokens}, DType::fp32, 0.5);
-    const Tensor ugr = Tensor::full({u.handle.num_recv_tokens}, DType::fp32, 0.5);
+    const Tensor gr = Tensor::full({h.num_recv_tokens()}, DType::fp32, 0.5);
+    const Tensor ugr = Tensor::full({u.handle.num_recv_tokens()}, DType::fp32, 0.5);
     EXPECT_TRUE(bitwise_equal(disp.dispatch_weights_backward(gr, h),
                               disp.dispatch_weights_backward(ugr, u.handle)));
   }
@@ -464,13 +464,13 @@ class DispatchTester {
     const dist::DispatchHandle& h = d.handle;
     const int64_t* goff = gp.expert_offsets.data<int64_t>();
     const int64_t r0 = goff[me * L], r1 = goff[(me + 1) * L];
-    EXPECT_EQ(h.num_recv_tokens, r1 - r0);
+    EXPECT_EQ(h.num_recv_tokens(), r1 - r0);
     EXPECT_TRUE(bitwise_equal(d.recv_x, rows(gperm, r0, r1)));
     EXPECT_TRUE(
         bitwise_equal(d.recv_topk_weights,
                       rows(gp.row_weight.reshape({gp.num_rows, 1}), r0, r1).reshape({r1 - r0})));
     for (int64_t el = 0; el < L; ++el) {
-      EXPECT_EQ(h.num_tokens_per_expert.data<int64_t>()[el],
+      EXPECT_EQ(h.num_tokens_per_expert().data<int64_t>()[el],
                 gp.num_tokens_per_expert.data<int64_t>()[me * L + el])
           << "local expert " << el;
     }
@@ -478,9 +478,10 @@ class DispatchTester {
     // rank's expert.
     const int64_t* grt = gp.row_token.data<int64_t>();
     const int32_t* gidx = g.idx.data<int32_t>();
-    std::vector<int64_t> expert_of_row(static_cast<size_t>(h.num_recv_tokens));
-    for (int64_t i = 0; i < h.num_recv_tokens && r0 + i < r1; ++i) {
-      const int64_t s = h.recv_src_rank.data<int32_t>()[i], t = h.recv_src_token.data<int64_t>()[i];
+    std::vector<int64_t> expert_of_row(static_cast<size_t>(h.num_recv_tokens()));
+    for (int64_t i = 0; i < h.num_recv_tokens() && r0 + i < r1; ++i) {
+      const int64_t s = h.recv_src_rank().data<int32_t>()[i],
+                    t = h.recv_src_token().data<int64_t>()[i];
       EXPECT_EQ(d.recv_x.item_as_double(i * H + 0), s) << "row " << i;
       EXPECT_EQ(d.recv_x.item_as_double(i * H + 1), t) << "row " << i;
       EXPECT_EQ(g.begin(s) + t, grt[r0 + i]) << "row " << i;

@@ -33,13 +33,13 @@ using testing::world;
 
 // Toy expert e: y = x * (1 + e/8) + e/16 in fp32; backward multiplies by (1 + e/8).
 Tensor toy(const Tensor& in, const dist::DispatchHandle& h, bool backward) {
-  const int64_t H = in.size(1), L = h.num_local_experts;
+  const int64_t H = in.size(1), L = h.num_local_experts();
   Tensor out = Tensor::empty(in.shape(), DType::fp32);
   const float* a = in.data<float>();
   float* y = out.data<float>();
-  const int64_t* off = h.expert_offsets.data<int64_t>();
+  const int64_t* off = h.expert_offsets().data<int64_t>();
   for (int64_t el = 0; el < L; ++el) {
-    const int64_t e = h.rank * L + el;
+    const int64_t e = h.rank() * L + el;
     const float s = 1.0f + float(e) / 8.0f, c = float(e) / 16.0f;
     for (int64_t r = off[el]; r < off[el + 1]; ++r)
       for (int64_t j = 0; j < H; ++j)

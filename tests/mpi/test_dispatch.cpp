@@ -213,12 +213,12 @@ TEST(DispatchRejectsOnEveryRank, CombineHiddenSizeWrongOnLastRank) {
       Tensor::zeros({2, 8}, DType::fp32), two_tokens_idx(), two_tokens_w(), experts12());
   const int64_t HY = on_last_rank() ? 7 : 8;
   SY_EXPECT_THROW_MSG(fresh_dispatcher().combine(
-                          Tensor::zeros({d.handle.num_recv_tokens, HY}, DType::fp32), d.handle),
+                          Tensor::zeros({d.handle.num_recv_tokens(), HY}, DType::fp32), d.handle),
                       std::invalid_argument,
                       "[combine] on rank " + last_rank() + ": [combine] expert_y");
   // The handle still works.
   const Tensor y = fresh_dispatcher().combine(
-      Tensor::zeros({d.handle.num_recv_tokens, 8}, DType::fp32), d.handle);
+      Tensor::zeros({d.handle.num_recv_tokens(), 8}, DType::fp32), d.handle);
   EXPECT_EQ(y.shape(), (Shape{2, 8}));
 }
 
@@ -228,7 +228,7 @@ TEST(DispatchRejectsOnEveryRank, WeightsBackwardLengthWrongOnLastRank) {
   const testing::GlobalBatch::Rows mine = g.of(world().rank());
   const dist::DispatchResult d = fresh_dispatcher().dispatch(mine.x, mine.idx, mine.w, experts12());
   const Tensor bad =
-      Tensor::zeros({d.handle.num_recv_tokens + (on_last_rank() ? 1 : 0)}, DType::fp32);
+      Tensor::zeros({d.handle.num_recv_tokens() + (on_last_rank() ? 1 : 0)}, DType::fp32);
   SY_EXPECT_THROW_MSG(fresh_dispatcher().dispatch_weights_backward(bad, d.handle),
                       std::invalid_argument,
                       "[dispatch_weights_backward] on rank " + last_rank() +
@@ -291,7 +291,7 @@ class DispatchBadHandle : public ::testing::Test {
   void TearDown() override {
     for (const dist::DispatchResult* d : {&d1_, &d2_}) {
       const Tensor y = disp_.combine(d->recv_x, d->handle, {WeightMode::skip});
-      EXPECT_EQ(y.size(0), d->handle.num_tokens);
+      EXPECT_EQ(y.size(0), d->handle.num_tokens());
     }
   }
 
@@ -359,7 +359,7 @@ TEST_F(DispatchBadHandle, OtherStepsHandleOnLastRankInCombineBackward) {
   SY_NEEDS_SEVERAL_RANKS();
   const dist::DispatchResult& mine = other_step_on_last();
   SY_EXPECT_THROW_MSG(
-      disp_.combine_backward(Tensor::zeros({mine.handle.num_tokens, 8}, DType::fp32), mine.recv_x,
+      disp_.combine_backward(Tensor::zeros({mine.handle.num_tokens(), 8}, DType::fp32), mine.recv_x,
                              mine.handle),
       std::invalid_argument, "[combine_backward] handle must come from the same dispatch call");
 }

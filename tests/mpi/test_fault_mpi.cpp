@@ -129,7 +129,7 @@ SY_FAULT_BOTH_KINDS(CombineBackwardGradBf16OnOneRankRaisesEverywhere)
 void DispatchBackwardGradExtraRowOnOneRankRaisesEverywhere(DispatcherKind kind) {
   const dist::DispatchResult d = good_dispatch(6, 12, kind);
   const Tensor g =
-      Tensor::zeros({d.handle.num_recv_tokens + (on_last_rank() ? 1 : 0), 8}, DType::fp32);
+      Tensor::zeros({d.handle.num_recv_tokens() + (on_last_rank() ? 1 : 0), 8}, DType::fp32);
   SY_EXPECT_THROW_MSG(
       fresh_dispatcher().dispatch_backward(g, d.handle), std::invalid_argument,
       "[dispatch_backward] on rank " + last_rank() + ": [dispatch_backward] grad_recv_x");
@@ -155,7 +155,7 @@ void EveryRankWithZeroTokens(DispatcherKind kind) {
   const dist::DispatchResult d =
       disp.dispatch(Tensor::zeros({0, 8}, DType::bf16), Tensor::zeros({0, 2}, DType::int32),
                     Tensor::zeros({0, 2}, DType::fp32), opt);
-  EXPECT_EQ(d.handle.num_recv_tokens, 0);
+  EXPECT_EQ(d.handle.num_recv_tokens(), 0);
   EXPECT_EQ(d.recv_x.shape(), (Shape{0, 8}));
   const Tensor y = disp.combine(d.recv_x, d.handle);
   EXPECT_EQ(y.shape(), (Shape{0, 8}));

@@ -158,7 +158,7 @@ TEST(Permute, LocalCommunicatorDispatchIsPermute) {
                                            Tensor::from_vector(s.w, {c.T, c.K}), opt);
     EXPECT_TRUE(bitwise_equal(d.recv_x, permute(x, s.plan)));
     EXPECT_TRUE(bitwise_equal(d.recv_topk_weights, s.plan.row_weight));
-    EXPECT_TRUE(bitwise_equal(d.handle.num_tokens_per_expert, s.plan.num_tokens_per_expert));
+    EXPECT_TRUE(bitwise_equal(d.handle.num_tokens_per_expert(), s.plan.num_tokens_per_expert));
     EXPECT_TRUE(bitwise_equal(disp.combine(d.recv_x, d.handle), unpermute(d.recv_x, s.plan)));
     Tensor g = randn({c.T, c.H}, c.dtype, rng);
     dist::CombineGrads cg = disp.combine_backward(g, d.recv_x, d.handle);
