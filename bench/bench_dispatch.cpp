@@ -245,8 +245,11 @@ FloorCounts floor_counts(const std::vector<int64_t>& rank_expert_counts, int P, 
   return f;
 }
 
+// The traffic matrix is engine state (not one of the handle's accessors): the bench reads it
+// through detail::state, as the dispatch implementation does.
 FloorCounts floor_counts(const dist::DispatchHandle& h) {
-  return floor_counts(h.rank_expert_counts, h.world_size, h.rank, h.num_experts);
+  const dist::detail::HandleState& s = dist::detail::state(h);
+  return floor_counts(s.rank_expert_counts, s.world_size, s.rank, s.num_experts);
 }
 
 // The same counts straight from a route set (every rank's per-expert counts, all-gathered), for

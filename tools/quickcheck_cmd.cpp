@@ -401,9 +401,9 @@ void Quickcheck::dispatch() {
     auto t0 = Clock::now();
     sy::dist::DispatchResult d = disp.dispatch(x0, r0.topk_idx, r0.topk_weights, dopt);
     Tensor& expert_y = d.recv_x;  // the toy experts work in place
-    const int64_t* off = d.handle.expert_offsets.data<int64_t>();
+    const int64_t* off = d.handle.expert_offsets().data<int64_t>();
     float* py = expert_y.data<float>();
-    for (int64_t e = 0; e < d.handle.num_local_experts; ++e) {
+    for (int64_t e = 0; e < d.handle.num_local_experts(); ++e) {
       const float s = 1.0f + static_cast<float>(e) / static_cast<float>(E);
       for (int64_t i = off[e] * H; i < off[e + 1] * H; ++i) py[i] *= s;
     }
@@ -411,7 +411,7 @@ void Quickcheck::dispatch() {
     if (step == 0) first_ms = ms_since(t0);
     if (step == 1) {
       dispatch_ms = ms_since(t0);
-      recv_rows = d.handle.num_recv_tokens;
+      recv_rows = d.handle.num_recv_tokens();
     }
   }
   std::vector<double> y_ref(static_cast<size_t>(T * H), 0.0);

@@ -39,9 +39,14 @@ struct DispatchOptions {
   RoutingPlanOptions plan;
 };
 
-/// What combine and the backwards need; returned by dispatch. Integer members are not
-/// differentiable.
-struct DispatchHandle {
+class DispatchHandle;
+
+namespace detail {
+struct Scratch;
+
+/// The layout behind a DispatchHandle: what combine and the backwards read (src/ep/ only; users
+/// read a handle through its accessors).
+struct HandleState {
   DispatcherKind kind = DispatcherKind::all_to_all;
   int rank = 0;
   int world_size = 1;
@@ -83,6 +88,53 @@ struct DispatchHandle {
   uint64_t layout_id = 0;
 };
 
+/// The state of a handle, for the dispatch implementation (src/ep/).
+HandleState& state(DispatchHandle& h);
+const HandleState& state(const DispatchHandle& h);
+}  // namespace detail
+
+/// What combine and the backwards need; returned by dispatch. Opaque, as DeepEP's handle: read it
+/// through the accessors below (integers, not differentiable); only a handle that came from
+/// dispatch on the same communicator is accepted by combine and the backwards (a
+/// default-constructed one is rejected with std::invalid_argument on every rank).
+class DispatchHandle {
+ public:
+  DispatcherKind kind() const { return s_.kind; }
+  int rank() const { return s_.rank; }
+  int world_size() const { return s_.world_size; }
+  int64_t num_tokens() const { return s_.num_tokens; }                ///< T of this rank
+  int64_t hidden() const { return s_.hidden; }                        ///< H (same on every rank)
+  int64_t num_experts() const { return s_.num_experts; }              ///< E
+  int64_t num_local_experts() const { return s_.num_local_experts; }  ///< L = E / EP
+  /// R: rows of recv_x, padding rows included.
+  int64_t num_recv_tokens() const { return s_.num_recv_tokens; }
+  /// [L] int64: rows per local expert in recv_x, padding included (sum = R): what a grouped GEMM
+  /// iterates over.
+  const Tensor& num_tokens_per_expert() const { return s_.num_tokens_per_expert; }
+  /// [L] int64: real (unpadded) received pairs per local expert; equal to num_tokens_per_expert
+  /// without padding.
+  const Tensor& num_unpadded_tokens_per_expert() const { return s_.num_unpadded_tokens_per_expert; }
+  /// [L+1] int64: exclusive prefix sum of num_tokens_per_expert (where each local expert's rows
+  /// start in recv_x).
+  const Tensor& expert_offsets() const { return s_.expert_offsets; }
+  /// [R] int32: source rank of each received row (-1 for padding).
+  const Tensor& recv_src_rank() const { return s_.recv_src_rank; }
+  /// [R] int64: source token (on its rank) of each received row (-1 for padding).
+  const Tensor& recv_src_token() const { return s_.recv_src_token; }
+  /// (token, expert) pairs this rank dropped by capacity.
+  int64_t num_dropped() const { return s_.plan.num_dropped; }
+
+ private:
+  friend detail::HandleState& detail::state(DispatchHandle& h);
+  friend const detail::HandleState& detail::state(const DispatchHandle& h);
+  detail::HandleState s_;
+};
+
+namespace detail {
+inline HandleState& state(DispatchHandle& h) { return h.s_; }
+inline const HandleState& state(const DispatchHandle& h) { return h.s_; }
+}  // namespace detail
+
 /// Result of dispatch.
 struct DispatchResult {
   /// [R, H], x's dtype: rows grouped by local expert ascending, then source rank, then token.
@@ -91,41 +143,6 @@ struct DispatchResult {
   Tensor recv_topk_weights;
   DispatchHandle handle;
 };
-
-/// Send each distinct valid (token, expert) pair of this rank to the expert's rank (on a temporary
-/// Dispatcher: keep a dist::Dispatcher across steps instead to reuse its scratch memory).
-/// With padding options, recv_x holds zero padding rows (weight 0, source -1) at the end of each
-/// (local expert, source) block; handle.num_tokens_per_expert counts them.
-/// `x` [T,H] fp32|bf16 (T may differ per rank, may be 0), `topk_idx` [T,K] int32 (-1 = none),
-/// `topk_weights` [T,K] fp32. Collective. Data errors on any rank (an id outside [-1,E), a hidden
-/// size or dtype that differs between ranks, a bad shape) throw the same std::invalid_argument on
-/// every rank, with the message of the lowest failing rank; no rank hangs. E not divisible by EP
-/// (or any bad option) is rejected the same way, before any payload moves. Deterministic.
-DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
-                        const DispatchOptions& options, Communicator& comm);
-
-/// Return expert outputs to their tokens: y[t] = sum over t's pairs (slot order, k ascending) of
-/// w * expert_y[row], fp32 accumulation, written in expert_y's dtype. `expert_y` [R,H] fp32|bf16 in
-/// recv_x's layout -> [T,H]. With `weights` WeightMode::skip the weights are not applied (the
-/// experts already applied recv_topk_weights). Collective; deterministic and bitwise independent
-/// of EP and of the dispatcher.
-Tensor combine(const Tensor& expert_y, const DispatchHandle& handle, WeightMode weights,
-               Communicator& comm);
-
-/// Backward of dispatch (= combine without weights): grad_x[t] = sum of grad_recv_x over t's rows.
-/// `grad_recv_x` [R,H] fp32|bf16 -> [T,H]. Collective, deterministic.
-Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
-                         Communicator& comm);
-
-/// Backward of dispatch's `recv_topk_weights` output (for experts that apply the weights
-/// themselves): each received row's weight gradient goes back to its source rank and to every slot
-/// of that pair (a merged repeated id gives the row's gradient to each of its slots, since the
-/// row's weight is their sum). `grad_recv_topk_weights` [R] fp32 -> grad_topk_weights [T,K] fp32, 0
-/// for
-/// `-1` and dropped slots. Collective (a bad argument on one rank raises on every rank);
-/// deterministic.
-Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const DispatchHandle& handle,
-                                 Communicator& comm);
 
 /// Gradients of combine.
 struct CombineGrads {
@@ -136,23 +153,15 @@ struct CombineGrads {
   Tensor grad_topk_weights;
 };
 
-/// Backward of combine (= dispatch of grad_y reusing the handle, plus the weight gradients).
-/// `grad_y` [T,H]; `expert_y` the forward's [R,H] input. Collective, deterministic.
-CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
-                              const DispatchHandle& handle, WeightMode weights, Communicator& comm);
-
-namespace detail {
-struct Scratch;
-}
-
 /// DeepEP's `Buffer` for this engine: the object a training loop keeps across steps. It owns the
 /// scratch memory of dispatch, combine and the backwards (pack buffers, rows coming back, row
 /// metadata), grown to the high-water mark and reused, so that steady-state steps never fault
 /// fresh pages (first-touch zeroing of multi-MiB buffers cost about a third of a step when every
 /// step allocated them). Results that outlive the call (recv_x, y, gradients, the handle) are
-/// Tensors; their storage comes from the tensor allocator's cache. The free functions below are
-/// the same operations on a temporary Dispatcher (scratch allocated per call). Not thread-safe;
-/// one dispatcher and its communicator serve one thread at a time (std::logic_error otherwise).
+/// Tensors; their storage comes from the tensor allocator's cache. This class is the C++ API of
+/// dispatch and combine (there is no free-function form); a one-off call may use a temporary,
+/// `Dispatcher(comm).dispatch(...)`, at the cost of fresh scratch. Not thread-safe; one dispatcher
+/// and its communicator serve one thread at a time (std::logic_error otherwise).
 class Dispatcher {
  public:
   explicit Dispatcher(std::shared_ptr<Communicator> comm);
@@ -164,29 +173,44 @@ class Dispatcher {
   /// Bytes of scratch memory held now (grows to the largest step seen; never shrinks).
   int64_t scratch_bytes() const;
 
-  // The operations, as the free functions below document them (shapes, dtypes, errors), on this
-  // dispatcher's communicator. Each is collective and deterministic; a handle may be used with
-  // any Dispatcher on the same communicator (the handle holds no scratch).
+  // The operations, on this dispatcher's communicator. Each is collective and deterministic; a
+  // handle may be used with any Dispatcher on the same communicator (the handle holds no scratch).
 
-  /// See dist::dispatch.
+  /// Send each distinct valid (token, expert) pair of this rank to the expert's rank.
+  /// With padding options, recv_x holds zero padding rows (weight 0, source -1) at the end of each
+  /// (local expert, source) block; handle.num_tokens_per_expert() counts them.
+  /// `x` [T,H] fp32|bf16 (T may differ per rank, may be 0), `topk_idx` [T,K] int32 (-1 = none),
+  /// `topk_weights` [T,K] fp32. Data errors on any rank (an id outside [-1,E), a hidden size or
+  /// dtype that differs between ranks, a bad shape) throw the same std::invalid_argument on every
+  /// rank, with the message of the lowest failing rank; no rank hangs. E not divisible by EP (or
+  /// any bad option) is rejected the same way, before any payload moves.
   DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                           const DispatchOptions& options);
-  /// See dist::combine.
+  /// Return expert outputs to their tokens: y[t] = sum over t's pairs (slot order, k ascending) of
+  /// w * expert_y[row], fp32 accumulation, written in expert_y's dtype. `expert_y` [R,H] fp32|bf16
+  /// in recv_x's layout -> [T,H]. With `weights` WeightMode::skip the weights are not applied (the
+  /// experts already applied recv_topk_weights). Bitwise independent of EP and of the dispatcher.
   Tensor combine(const Tensor& expert_y, const DispatchHandle& handle,
                  WeightMode weights = WeightMode::apply);
-  /// See dist::dispatch_backward.
+  /// Backward of dispatch (= combine without weights): grad_x[t] = sum of grad_recv_x over t's
+  /// rows. `grad_recv_x` [R,H] fp32|bf16 -> [T,H].
   Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle);
-  /// See dist::dispatch_weights_backward.
+  /// Backward of dispatch's `recv_topk_weights` output (for experts that apply the weights
+  /// themselves): each received row's weight gradient goes back to its source rank and to every
+  /// slot of that pair (a merged repeated id gives the row's gradient to each of its slots, since
+  /// the row's weight is their sum). `grad_recv_topk_weights` [R] fp32 -> grad_topk_weights [T,K]
+  /// fp32, 0 for `-1` and dropped slots. A bad argument on one rank raises on every rank.
   Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights,
                                    const DispatchHandle& handle);
-  /// See dist::combine_backward.
+  /// Backward of combine (= dispatch of grad_y reusing the handle, plus the weight gradients).
+  /// `grad_y` [T,H]; `expert_y` the forward's [R,H] input.
   CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y,
                                 const DispatchHandle& handle,
                                 WeightMode weights = WeightMode::apply);
 
  private:
   Tensor combine_impl(const char* op, const char* name, const Tensor& expert_y,
-                      const DispatchHandle& h, WeightMode weights);
+                      const detail::HandleState& h, WeightMode weights);
   std::shared_ptr<Communicator> comm_;
   std::unique_ptr<detail::Scratch> scratch_;
 };

@@ -176,49 +176,38 @@ void bind_dist(py::module_& m) {
                                    "What combine and the backwards need (returned by dispatch).")
       .def_property_readonly("kind",
                              [](const dist::DispatchHandle& h) {
-                               return h.kind == DispatcherKind::all_to_all ? "all_to_all"
-                                                                           : "all_gather";
+                               return h.kind() == DispatcherKind::all_to_all ? "all_to_all"
+                                                                             : "all_gather";
                              })
-      .def_readonly("rank", &dist::DispatchHandle::rank)
-      .def_readonly("world_size", &dist::DispatchHandle::world_size)
-      .def_readonly("num_tokens", &dist::DispatchHandle::num_tokens)
-      .def_readonly("hidden", &dist::DispatchHandle::hidden)
-      .def_readonly("num_experts", &dist::DispatchHandle::num_experts)
-      .def_readonly("num_local_experts", &dist::DispatchHandle::num_local_experts)
-      .def_readonly("num_recv_tokens", &dist::DispatchHandle::num_recv_tokens)
+      .def_property_readonly("rank", &dist::DispatchHandle::rank)
+      .def_property_readonly("world_size", &dist::DispatchHandle::world_size)
+      .def_property_readonly("num_tokens", &dist::DispatchHandle::num_tokens)
+      .def_property_readonly("hidden", &dist::DispatchHandle::hidden)
+      .def_property_readonly("num_experts", &dist::DispatchHandle::num_experts)
+      .def_property_readonly("num_local_experts", &dist::DispatchHandle::num_local_experts)
+      .def_property_readonly("num_recv_tokens", &dist::DispatchHandle::num_recv_tokens)
       .def_property_readonly("num_tokens_per_expert",
                              [](const dist::DispatchHandle& h) {
-                               return py_bridge::to_torch(h.num_tokens_per_expert.clone());
+                               return py_bridge::to_torch(h.num_tokens_per_expert().clone());
                              })
-      .def_property_readonly("num_unpadded_tokens_per_expert",
-                             [](const dist::DispatchHandle& h) {
-                               return py_bridge::to_torch(h.num_unpadded_tokens_per_expert.clone());
-                             })
+      .def_property_readonly(
+          "num_unpadded_tokens_per_expert",
+          [](const dist::DispatchHandle& h) {
+            return py_bridge::to_torch(h.num_unpadded_tokens_per_expert().clone());
+          })
       .def_property_readonly("expert_offsets",
                              [](const dist::DispatchHandle& h) {
-                               return py_bridge::to_torch(h.expert_offsets.clone());
+                               return py_bridge::to_torch(h.expert_offsets().clone());
                              })
       .def_property_readonly("recv_src_rank",
                              [](const dist::DispatchHandle& h) {
-                               return py_bridge::to_torch(h.recv_src_rank.clone());
+                               return py_bridge::to_torch(h.recv_src_rank().clone());
                              })
       .def_property_readonly("recv_src_token",
                              [](const dist::DispatchHandle& h) {
-                               return py_bridge::to_torch(h.recv_src_token.clone());
+                               return py_bridge::to_torch(h.recv_src_token().clone());
                              })
-      .def_readonly("rank_expert_counts", &dist::DispatchHandle::rank_expert_counts)
-      .def_property_readonly("rank_expert_rows",
-                             [](const dist::DispatchHandle& h) {
-                               // Without padding the engine keeps one matrix: the rows are the
-                               // pairs.
-                               return h.rank_expert_rows.empty() ? h.rank_expert_counts
-                                                                 : h.rank_expert_rows;
-                             })
-      .def_readonly("rank_num_tokens", &dist::DispatchHandle::rank_num_tokens)
-      .def_property_readonly("num_pairs",
-                             [](const dist::DispatchHandle& h) { return h.plan.num_pairs; })
-      .def_property_readonly("num_dropped",
-                             [](const dist::DispatchHandle& h) { return h.plan.num_dropped; });
+      .def_property_readonly("num_dropped", &dist::DispatchHandle::num_dropped);
 
   m.def(
       "dispatch",

@@ -12,7 +12,7 @@ namespace {
 
 // Source side: for each row p of this rank's plan, its row in the buffer of every rank's expert
 // outputs gathered in rank order.
-void plan_rows_in_gathered(const DispatchHandle& h, int64_t* map) {
+void plan_rows_in_gathered(const HandleState& h, int64_t* map) {
   // Walks every owner's receive layout in its order (no [E x EP] table of them): `run` is the
   // gathered buffer's row where block (expert e, source s) starts.
   const int64_t P = h.world_size;
@@ -36,7 +36,7 @@ int64_t total(const std::vector<int64_t>& v) {
 
 }  // namespace
 
-void fill_handle(DispatchHandle& h, const Tensor& topk_idx, const Tensor& topk_weights,
+void fill_handle(HandleState& h, const Tensor& topk_idx, const Tensor& topk_weights,
                  const RoutingPlanOptions& plan_options, Scratch& scratch, Communicator& comm) {
   const int64_t P = h.world_size, L = h.num_local_experts, me = h.rank, E = h.num_experts;
   const int64_t K = topk_idx.size(1), N = total(h.rank_num_tokens);
@@ -81,14 +81,14 @@ void fill_handle(DispatchHandle& h, const Tensor& topk_idx, const Tensor& topk_w
   }
 }
 
-void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& scratch,
+void send_rows(const void* src, int64_t rb, void* dst, const HandleState& h, Scratch& scratch,
                Communicator& comm) {
   void* all = scratch.get(Scratch::staging, total(h.rank_num_tokens) * rb);
   comm.allgatherv(src, h.num_tokens, all, h.rank_num_tokens, rb);
   backend::gather_rows(kHost, all, h.recv_gather_index.data<int64_t>(), h.num_recv_tokens, rb, dst);
 }
 
-void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& scratch,
+void return_rows(const void* src, int64_t rb, void* dst, const HandleState& h, Scratch& scratch,
                  Communicator& comm) {
   const auto per_rank = rows_per_rank(h);
   void* all = scratch.get(Scratch::staging, total(per_rank) * rb);

@@ -15,7 +15,7 @@ namespace {
 // This rank's plan rows as blocks: for every peer r and its local expert el (ascending), the real
 // rows of expert r*L+el (its block's first rows; padding is never sent), exchanged with r. Empty
 // blocks are left out (both sides skip them), so the work per call follows the pairs, not E.
-void plan_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
+void plan_blocks(const HandleState& h, std::vector<Communicator::Block>& out) {
   const int64_t P = h.world_size, L = h.num_local_experts;
   const int64_t* off = h.plan.expert_offsets.data<int64_t>();
   out.clear();
@@ -29,7 +29,7 @@ void plan_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out)
 // This rank's receive layout as blocks: for every local expert el (ascending) and source s, the
 // real rows of (el, s), exchanged with s. Per peer, the same order as that peer's plan_blocks
 // (blocks are matched per peer, in list order).
-void expert_blocks(const DispatchHandle& h, std::vector<Communicator::Block>& out) {
+void expert_blocks(const HandleState& h, std::vector<Communicator::Block>& out) {
   const int64_t L = h.num_local_experts;
   out.clear();
   for_each_recv_block(h, [&](int64_t el, int64_t s, int64_t o) {
@@ -46,9 +46,8 @@ namespace {
 // receive-layout place in `dst` (at EP=2 that is half of the rows, one copy instead of two), the
 // others into the pack buffer in plan order; zero-fills the receive layout's padding rows; fills
 // the blocks that still have to travel. Returns the pack buffer.
-const unsigned char* gather_for_peers(const void* src, int64_t rb, void* dst,
-                                      const DispatchHandle& h, Scratch& scratch,
-                                      std::vector<Communicator::Block>& send,
+const unsigned char* gather_for_peers(const void* src, int64_t rb, void* dst, const HandleState& h,
+                                      Scratch& scratch, std::vector<Communicator::Block>& send,
                                       std::vector<Communicator::Block>& recv) {
   const int64_t L = h.num_local_experts, me = h.rank;
   const int64_t* off = h.plan.expert_offsets.data<int64_t>();
@@ -89,7 +88,7 @@ const unsigned char* gather_for_peers(const void* src, int64_t rb, void* dst,
 
 }  // namespace
 
-void dispatch(const void* x, int64_t rb, void* recv_x, DispatchHandle& h, Scratch& scratch,
+void dispatch(const void* x, int64_t rb, void* recv_x, HandleState& h, Scratch& scratch,
               Communicator& comm) {
   const int64_t P = h.world_size, L = h.num_local_experts, me = h.rank, R = h.num_recv_tokens;
   int32_t* src_rank = h.recv_src_rank.data<int32_t>();
@@ -132,14 +131,14 @@ void dispatch(const void* x, int64_t rb, void* recv_x, DispatchHandle& h, Scratc
   }
 }
 
-void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& scratch,
+void send_rows(const void* src, int64_t rb, void* dst, const HandleState& h, Scratch& scratch,
                Communicator& comm) {
   std::vector<Communicator::Block> send, recv;
   const unsigned char* pk = gather_for_peers(src, rb, dst, h, scratch, send, recv);
   comm.exchange_blocks(pk, send, dst, recv, rb);
 }
 
-void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch&,
+void return_rows(const void* src, int64_t rb, void* dst, const HandleState& h, Scratch&,
                  Communicator& comm) {
   // Each (local expert, source) block of the receive layout goes back as one message, straight
   // into the source's plan rows: no packing on either side.

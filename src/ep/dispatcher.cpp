@@ -1,4 +1,4 @@
-// The Dispatcher object and the free functions on top of it. Shape of every exchange:
+// The Dispatcher: the C++ API of dispatch, combine and the backwards. Shape of every exchange:
 //   1. local validation and the routing plan; errors are caught, not thrown yet;
 //   2. one allgather of a small header per rank {error length, T, H, dtype, K, E, kind, padding},
 //      then
@@ -21,6 +21,7 @@ namespace switchyard::dist {
 namespace {
 
 using detail::count_at;
+using detail::HandleState;
 using detail::row_bytes;
 using detail::Scratch;
 using switchyard::detail::check_defined;
@@ -153,7 +154,8 @@ DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
   const std::vector<int64_t> headers = exchange_header(op, err, x, topk_idx, options, comm);
   const bool padded = options.plan.expert_alignment != 1 || options.plan.pad_to_capacity;
 
-  DispatchHandle h;
+  DispatchResult out;
+  HandleState& h = detail::state(out.handle);
   h.kind = options.kind;
   h.rank = static_cast<int>(me);
   h.world_size = static_cast<int>(P);
@@ -208,7 +210,6 @@ DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
   h.recv_topk_weights = Tensor::empty({R}, DType::fp32);
   h.recv_gather_index = Tensor::empty({R}, DType::int64);
   h.layout_id = detail::layout_id(h);
-  DispatchResult out;
   out.recv_x = Tensor::empty({R, H}, x.dtype());
   const int64_t rb = row_bytes(H, x.dtype());
   if (options.kind == DispatcherKind::all_to_all) {
@@ -218,13 +219,12 @@ DispatchResult Dispatcher::dispatch(const Tensor& x, const Tensor& topk_idx,
     detail::all_gather::send_rows(x.raw(), rb, out.recv_x.raw(), h, *scratch_, comm);
   }
   out.recv_topk_weights = h.recv_topk_weights;
-  out.handle = std::move(h);
   return out;
 }
 
 namespace {
 
-void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& s,
+void send_rows(const void* src, int64_t rb, void* dst, const HandleState& h, Scratch& s,
                Communicator& comm) {
   if (h.kind == DispatcherKind::all_to_all) {
     detail::all_to_all::send_rows(src, rb, dst, h, s, comm);
@@ -233,7 +233,7 @@ void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, 
   }
 }
 
-void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& s,
+void return_rows(const void* src, int64_t rb, void* dst, const HandleState& h, Scratch& s,
                  Communicator& comm) {
   if (h.kind == DispatcherKind::all_to_all) {
     detail::all_to_all::return_rows(src, rb, dst, h, s, comm);
@@ -250,7 +250,7 @@ namespace {
 // needs it, so dispatch allocates nothing for it): row i is "token" i with one slot, routed to
 // its local expert, weight recv_topk_weights[i]; a padding row is a token without a row (row
 // token and slot -1), so unpermute's backward gives it zeros.
-RoutingPlan recv_plan(const DispatchHandle& h, Scratch& scratch) {
+RoutingPlan recv_plan(const HandleState& h, Scratch& scratch) {
   const int64_t R = h.num_recv_tokens, L = h.num_local_experts;
   RoutingPlan p;
   p.num_tokens = R;
@@ -289,7 +289,7 @@ RoutingPlan recv_plan(const DispatchHandle& h, Scratch& scratch) {
 
 // `name`: the caller's name of expert_y, for messages ("expert_y", "grad_recv_x").
 Tensor Dispatcher::combine_impl(const char* op, const char* name, const Tensor& expert_y,
-                                const DispatchHandle& h, WeightMode weights) {
+                                const HandleState& h, WeightMode weights) {
   Communicator& comm = *comm_;
   const Communicator::Exclusive busy(comm, op);
   std::string err;
@@ -318,15 +318,17 @@ Tensor Dispatcher::combine_impl(const char* op, const char* name, const Tensor& 
 
 Tensor Dispatcher::combine(const Tensor& expert_y, const DispatchHandle& handle,
                            WeightMode weights) {
-  return combine_impl("combine", "expert_y", expert_y, handle, weights);
+  return combine_impl("combine", "expert_y", expert_y, detail::state(handle), weights);
 }
 
 Tensor Dispatcher::dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle) {
-  return combine_impl("dispatch_backward", "grad_recv_x", grad_recv_x, handle, WeightMode::skip);
+  return combine_impl("dispatch_backward", "grad_recv_x", grad_recv_x, detail::state(handle),
+                      WeightMode::skip);
 }
 
 Tensor Dispatcher::dispatch_weights_backward(const Tensor& grad_recv_topk_weights,
-                                             const DispatchHandle& h) {
+                                             const DispatchHandle& handle) {
+  const HandleState& h = detail::state(handle);
   const char* op = "dispatch_weights_backward";
   const char* name = "grad_recv_topk_weights";
   Communicator& comm = *comm_;
@@ -350,7 +352,8 @@ Tensor Dispatcher::dispatch_weights_backward(const Tensor& grad_recv_topk_weight
 }
 
 CombineGrads Dispatcher::combine_backward(const Tensor& grad_y, const Tensor& expert_y,
-                                          const DispatchHandle& h, WeightMode weights) {
+                                          const DispatchHandle& handle, WeightMode weights) {
+  const HandleState& h = detail::state(handle);
   const char* op = "combine_backward";
   Communicator& comm = *comm_;
   const Communicator::Exclusive busy(comm, op);
@@ -398,39 +401,6 @@ CombineGrads Dispatcher::combine_backward(const Tensor& grad_y, const Tensor& ex
   return_rows(u.grad_topk_weights.raw(), sizeof(float), plan_dots.raw(), h, *scratch_, comm);
   out.grad_topk_weights = rows_to_slots(plan_dots, h.plan);
   return out;
-}
-
-// The free functions: the same operations on a temporary Dispatcher over the caller's
-// communicator (scratch allocated per call; keep a Dispatcher across steps instead).
-namespace {
-Dispatcher temporary(Communicator& comm) {
-  return Dispatcher(std::shared_ptr<Communicator>(&comm, [](Communicator*) {}));
-}
-}  // namespace
-
-DispatchResult dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
-                        const DispatchOptions& options, Communicator& comm) {
-  return temporary(comm).dispatch(x, topk_idx, topk_weights, options);
-}
-
-Tensor combine(const Tensor& expert_y, const DispatchHandle& handle, WeightMode weights,
-               Communicator& comm) {
-  return temporary(comm).combine(expert_y, handle, weights);
-}
-
-Tensor dispatch_backward(const Tensor& grad_recv_x, const DispatchHandle& handle,
-                         Communicator& comm) {
-  return temporary(comm).dispatch_backward(grad_recv_x, handle);
-}
-
-Tensor dispatch_weights_backward(const Tensor& grad_recv_topk_weights, const DispatchHandle& h,
-                                 Communicator& comm) {
-  return temporary(comm).dispatch_weights_backward(grad_recv_topk_weights, h);
-}
-
-CombineGrads combine_backward(const Tensor& grad_y, const Tensor& expert_y, const DispatchHandle& h,
-                              WeightMode weights, Communicator& comm) {
-  return temporary(comm).combine_backward(grad_y, expert_y, h, weights);
 }
 
 void fail_collective(CollectiveOp op, const std::string& message, Communicator& comm) {

@@ -32,7 +32,7 @@ int64_t Scratch::bytes() const {
   return n;
 }
 
-void check_handle(const char* op, const DispatchHandle& h, const Communicator& comm) {
+void check_handle(const char* op, const HandleState& h, const Communicator& comm) {
   if (h.world_size != comm.size() || h.rank != comm.rank() || !h.plan.row_token.defined() ||
       !h.recv_src_rank.defined()) {
     switchyard::detail::fail_arg(op, "handle must come from dispatch on this communicator (rank ",
@@ -75,7 +75,7 @@ void agree(const char* op, const std::string& local_error, DType dtype, const ch
   }
 }
 
-uint64_t layout_id(const DispatchHandle& h) {
+uint64_t layout_id(const HandleState& h) {
   // FNV-1a-style over the fields every rank shares, a word at a time (the count matrices hold
   // EP * E words: byte-wise it cost 0.3 s at E = 2^24); the top bit is cleared so the id survives
   // the int64 exchange unchanged. Only compared between ranks of one build.
@@ -96,7 +96,7 @@ uint64_t layout_id(const DispatchHandle& h) {
   return x & 0x7fffffffffffffffull;
 }
 
-int64_t rows_of_rank(const DispatchHandle& h, int64_t r) {
+int64_t rows_of_rank(const HandleState& h, int64_t r) {
   const int64_t P = h.world_size, L = h.num_local_experts;
   int64_t rows = 0;
   for (int64_t s = 0; s < P; ++s)
@@ -104,7 +104,7 @@ int64_t rows_of_rank(const DispatchHandle& h, int64_t r) {
   return rows;
 }
 
-std::vector<int64_t> rows_per_rank(const DispatchHandle& h) {
+std::vector<int64_t> rows_per_rank(const HandleState& h) {
   const int64_t P = h.world_size, E = h.num_experts, L = h.num_local_experts;
   std::vector<int64_t> rows(static_cast<size_t>(P), 0);
   for (int64_t s = 0; s < P; ++s)

@@ -69,12 +69,12 @@ struct RowMeta {
 inline int64_t row_bytes(int64_t H, DType d) { return H * static_cast<int64_t>(dtype_size(d)); }
 
 /// Real pairs of source s for expert e.
-inline int64_t count_at(const DispatchHandle& h, int64_t s, int64_t e) {
+inline int64_t count_at(const HandleState& h, int64_t s, int64_t e) {
   return h.rank_expert_counts[static_cast<size_t>(s * h.num_experts + e)];
 }
 /// Rows of the (expert e, source s) block, padding included (without padding the handle keeps
 /// no second matrix: the rows are the pairs).
-inline int64_t rows_at(const DispatchHandle& h, int64_t s, int64_t e) {
+inline int64_t rows_at(const HandleState& h, int64_t s, int64_t e) {
   const std::vector<int64_t>& m =
       h.rank_expert_rows.empty() ? h.rank_expert_counts : h.rank_expert_rows;
   return m[static_cast<size_t>(s * h.num_experts + e)];
@@ -82,7 +82,7 @@ inline int64_t rows_at(const DispatchHandle& h, int64_t s, int64_t e) {
 
 /// Throws std::invalid_argument when `h` cannot be a handle of dispatch on `comm` (call it inside
 /// a try whose message goes into the agreement).
-void check_handle(const char* op, const DispatchHandle& h, const Communicator& comm);
+void check_handle(const char* op, const HandleState& h, const Communicator& comm);
 
 /// Collective flag exchange of combine and the backwards: gathers (error length, dtype, weight
 /// mode, handle layout id) and throws on every rank when any rank failed, or when the dtypes, the
@@ -91,19 +91,19 @@ void agree(const char* op, const std::string& local_error, DType dtype, const ch
            WeightMode mode, uint64_t layout_id, Communicator& comm);
 
 /// The layout fingerprint of a handle: a hash of its kind, sizes and count matrix.
-uint64_t layout_id(const DispatchHandle& h);
+uint64_t layout_id(const HandleState& h);
 
 /// Rows each rank receives, padding included (sum over its experts and all sources).
-std::vector<int64_t> rows_per_rank(const DispatchHandle& h);
+std::vector<int64_t> rows_per_rank(const HandleState& h);
 
 /// Rows rank `r` receives (rows_per_rank(h)[r]), O(L * EP).
-int64_t rows_of_rank(const DispatchHandle& h, int64_t r);
+int64_t rows_of_rank(const HandleState& h, int64_t r);
 
 /// Visits this rank's receive layout in its order (local expert el ascending, then source s):
 /// fn(el, s, offset) with the block's first row in recv_x.
 /// O(L * EP) time and no table: per call, nothing of size E or larger is allocated for it.
 template <class Fn>
-void for_each_recv_block(const DispatchHandle& h, Fn fn) {
+void for_each_recv_block(const HandleState& h, Fn fn) {
   const int64_t P = h.world_size, L = h.num_local_experts;
   int64_t run = 0;
   for (int64_t el = 0; el < L; ++el) {
@@ -121,21 +121,21 @@ namespace all_to_all {
 /// The forward: fills recv_src_*, recv_topk_weights, recv_gather_index (identity) and moves the
 /// token rows [T, rb] of `x` into the receive layout `recv_x` [R, rb], rows and their metadata in
 /// one round.
-void dispatch(const void* x, int64_t rb, void* recv_x, DispatchHandle& h, Scratch& scratch,
+void dispatch(const void* x, int64_t rb, void* recv_x, HandleState& h, Scratch& scratch,
               Communicator& comm);
 /// Source side -> expert side: token rows [T, rb] to the receive layout [R, rb], one per pair.
-void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& scratch,
+void send_rows(const void* src, int64_t rb, void* dst, const HandleState& h, Scratch& scratch,
                Communicator& comm);
 /// Expert side -> source side: rows [R, rb] back as this rank's plan rows [num_rows, rb].
-void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& scratch,
+void return_rows(const void* src, int64_t rb, void* dst, const HandleState& h, Scratch& scratch,
                  Communicator& comm);
 }  // namespace all_to_all
 namespace all_gather {
-void fill_handle(DispatchHandle& h, const Tensor& topk_idx, const Tensor& topk_weights,
+void fill_handle(HandleState& h, const Tensor& topk_idx, const Tensor& topk_weights,
                  const RoutingPlanOptions& plan_options, Scratch& scratch, Communicator& comm);
-void send_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& scratch,
+void send_rows(const void* src, int64_t rb, void* dst, const HandleState& h, Scratch& scratch,
                Communicator& comm);
-void return_rows(const void* src, int64_t rb, void* dst, const DispatchHandle& h, Scratch& scratch,
+void return_rows(const void* src, int64_t rb, void* dst, const HandleState& h, Scratch& scratch,
                  Communicator& comm);
 }  // namespace all_gather
 

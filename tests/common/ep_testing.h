@@ -22,6 +22,9 @@ inline const std::shared_ptr<dist::Communicator>& world_ptr() {
   return c;
 }
 inline dist::Communicator& world() { return *world_ptr(); }
+/// A Dispatcher over the world communicator with fresh scratch memory, for one-off calls (a case
+/// that runs several steps keeps one instead).
+inline dist::Dispatcher fresh_dispatcher() { return dist::Dispatcher(world_ptr()); }
 
 inline const char* kind_name(dist::DispatcherKind k) {
   return k == dist::DispatcherKind::all_to_all ? "all_to_all" : "all_gather";

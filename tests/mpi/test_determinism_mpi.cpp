@@ -33,13 +33,13 @@ using testing::world;
 
 // Toy expert e: y = x * (1 + e/8) + e/16 in fp32; backward multiplies by (1 + e/8).
 Tensor toy(const Tensor& in, const dist::DispatchHandle& h, bool backward) {
-  const int64_t H = in.size(1), L = h.num_local_experts;
+  const int64_t H = in.size(1), L = h.num_local_experts();
   Tensor out = Tensor::empty(in.shape(), DType::fp32);
   const float* a = in.data<float>();
   float* y = out.data<float>();
-  const int64_t* off = h.expert_offsets.data<int64_t>();
+  const int64_t* off = h.expert_offsets().data<int64_t>();
   for (int64_t el = 0; el < L; ++el) {
-    const int64_t e = h.rank * L + el;
+    const int64_t e = h.rank() * L + el;
     const float s = 1.0f + float(e) / 8.0f, c = float(e) / 16.0f;
     for (int64_t r = off[el]; r < off[el + 1]; ++r)
       for (int64_t j = 0; j < H; ++j)
@@ -53,7 +53,7 @@ struct LayerOut {
 };
 
 LayerOut run_layer(const Tensor& x, const Tensor& gy, const Tensor& w, const RouterConfig& cfg,
-                   DispatcherKind kind, dist::Communicator& comm) {
+                   DispatcherKind kind, dist::Dispatcher& disp) {
   LayerOut o;
   o.logits = router_gating_linear(x, w, Tensor());
   RouteResult rr = topk_route(o.logits, {}, cfg);
@@ -62,12 +62,11 @@ LayerOut run_layer(const Tensor& x, const Tensor& gy, const Tensor& w, const Rou
   dist::DispatchOptions opt;
   opt.num_experts = cfg.num_experts;
   opt.kind = kind;
-  dist::DispatchResult d = dist::dispatch(x, rr.topk_idx, rr.topk_weights, opt, comm);
+  dist::DispatchResult d = disp.dispatch(x, rr.topk_idx, rr.topk_weights, opt);
   const Tensor Y = toy(d.recv_x, d.handle, false);
-  o.y = dist::combine(Y, d.handle, {}, comm);
-  dist::CombineGrads cg = dist::combine_backward(gy, Y, d.handle, {}, comm);
-  o.grad_x_dispatch =
-      dist::dispatch_backward(toy(cg.grad_expert_y, d.handle, true), d.handle, comm);
+  o.y = disp.combine(Y, d.handle);
+  dist::CombineGrads cg = disp.combine_backward(gy, Y, d.handle);
+  o.grad_x_dispatch = disp.dispatch_backward(toy(cg.grad_expert_y, d.handle, true), d.handle);
   o.grad_logits = topk_route_backward(cg.grad_topk_weights, rr).grad_logits;
   GateGrads gg = router_gating_linear_backward(o.grad_logits, x, w, Tensor());
   o.grad_x_gate = gg.grad_x;
@@ -110,14 +109,15 @@ class LayerTester : public testing::RouterSetup<LayerTester> {
     const Tensor x = rows(gx, b, e), gy = rows(ggy, b, e);
     const int saved = num_threads();
     set_num_threads(1);
-    auto local = dist::local();
-    const LayerOut ref = run_layer(gx, ggy, w, config_, DispatcherKind::all_to_all, *local);
+    dist::Dispatcher local(dist::local());
+    const LayerOut ref = run_layer(gx, ggy, w, config_, DispatcherKind::all_to_all, local);
     // grad_weight is a reduction over this rank's own tokens: the gate backward of the EP = 1
     // gradient rows of those tokens.
     const Tensor mine_grad_weight =
         router_gating_linear_backward(rows(ref.grad_logits, b, e), x, w, Tensor()).grad_weight;
     set_num_threads(threads_);
-    const LayerOut o = run_layer(x, gy, w, config_, kind_, c);
+    dist::Dispatcher disp(testing::world_ptr());
+    const LayerOut o = run_layer(x, gy, w, config_, kind_, disp);
     set_num_threads(saved);
     EXPECT_TRUE(bitwise_equal(o.logits, rows(ref.logits, b, e))) << "logits";
     EXPECT_TRUE(bitwise_equal(o.topk_idx, rows(ref.topk_idx, b, e))) << "topk_idx";

@@ -21,6 +21,7 @@ namespace {
 
 using dist::DispatcherKind;
 using testing::DispatchTester;
+using testing::fresh_dispatcher;
 using testing::Routes;
 using testing::test_seed;
 using testing::world;
@@ -136,8 +137,9 @@ void expect_id_out_of_range_on_last_rank_raises_everywhere(DispatcherKind kind) 
   std::vector<int32_t> idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
   if (on_last_rank()) idx[6] = 12;  // only the last rank is wrong
   SY_EXPECT_THROW_MSG(
-      dist::dispatch(Tensor::zeros({T, 8}, DType::fp32), Tensor::from_vector(idx, {T, 4}),
-                     Tensor::full({T, 4}, DType::fp32, 0.25), experts12(kind), world()),
+      fresh_dispatcher().dispatch(Tensor::zeros({T, 8}, DType::fp32),
+                                  Tensor::from_vector(idx, {T, 4}),
+                                  Tensor::full({T, 4}, DType::fp32, 0.25), experts12(kind)),
       std::invalid_argument,
       "[dispatch] on rank " + last_rank() +
           ": [routing_plan] topk_idx must hold ids in [0, num_experts=12) or -1, got "
@@ -163,8 +165,8 @@ const Tensor& two_tokens_w() {
 TEST(DispatchRejectsOnEveryRank, HiddenSizeDifferingOnRank1) {
   SY_NEEDS_SEVERAL_RANKS();
   const int64_t H = world().rank() == 1 ? 9 : 8;
-  SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, H}, DType::fp32), two_tokens_idx(),
-                                     two_tokens_w(), experts12(), world()),
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().dispatch(Tensor::zeros({2, H}, DType::fp32),
+                                                  two_tokens_idx(), two_tokens_w(), experts12()),
                       std::invalid_argument,
                       "[dispatch] x must have the same hidden size on every rank, got hidden=8 on "
                       "rank 0 and hidden=9 on rank 1");
@@ -173,8 +175,8 @@ TEST(DispatchRejectsOnEveryRank, HiddenSizeDifferingOnRank1) {
 TEST(DispatchRejectsOnEveryRank, DtypeDifferingOnLastRank) {
   SY_NEEDS_SEVERAL_RANKS();
   const DType dt = on_last_rank() ? DType::bf16 : DType::fp32;
-  SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, dt), two_tokens_idx(), two_tokens_w(),
-                                     experts12(), world()),
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().dispatch(Tensor::zeros({2, 8}, dt), two_tokens_idx(),
+                                                  two_tokens_w(), experts12()),
                       std::invalid_argument, "x must have the same dtype on every rank");
 }
 
@@ -182,8 +184,8 @@ TEST(DispatchRejectsOnEveryRank, NumExpertsDifferingOnLastRank) {
   SY_NEEDS_SEVERAL_RANKS();
   dist::DispatchOptions other = experts12();
   if (on_last_rank()) other.num_experts = 24;
-  SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), two_tokens_idx(),
-                                     two_tokens_w(), other, world()),
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().dispatch(Tensor::zeros({2, 8}, DType::fp32),
+                                                  two_tokens_idx(), two_tokens_w(), other),
                       std::invalid_argument,
                       "[dispatch] num_experts must be the same on every rank, got 12 on rank 0 "
                       "and 24 on rank " +
@@ -193,30 +195,30 @@ TEST(DispatchRejectsOnEveryRank, NumExpertsDifferingOnLastRank) {
 TEST(DispatchRejectsOnEveryRank, KindDifferingOnLastRank) {
   SY_NEEDS_SEVERAL_RANKS();
   const dist::DispatchOptions kind = experts12(on_last_rank() ? kAllGather : kAllToAll);
-  SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), two_tokens_idx(),
-                                     two_tokens_w(), kind, world()),
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().dispatch(Tensor::zeros({2, 8}, DType::fp32),
+                                                  two_tokens_idx(), two_tokens_w(), kind),
                       std::invalid_argument, "options.kind must be the same on every rank");
 }
 
 TEST(DispatchRejectsOnEveryRank, WeightsShapeNotTopkIdxsOnLastRank) {
   const Tensor bad_w = on_last_rank() ? Tensor::zeros({2, 3}, DType::fp32) : two_tokens_w();
-  SY_EXPECT_THROW_MSG(dist::dispatch(Tensor::zeros({2, 8}, DType::fp32), two_tokens_idx(), bad_w,
-                                     experts12(), world()),
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().dispatch(Tensor::zeros({2, 8}, DType::fp32),
+                                                  two_tokens_idx(), bad_w, experts12()),
                       std::invalid_argument,
                       "[dispatch] on rank " + last_rank() + ": [dispatch] topk_weights");
 }
 
 TEST(DispatchRejectsOnEveryRank, CombineHiddenSizeWrongOnLastRank) {
-  const dist::DispatchResult d = dist::dispatch(
-      Tensor::zeros({2, 8}, DType::fp32), two_tokens_idx(), two_tokens_w(), experts12(), world());
+  const dist::DispatchResult d = fresh_dispatcher().dispatch(
+      Tensor::zeros({2, 8}, DType::fp32), two_tokens_idx(), two_tokens_w(), experts12());
   const int64_t HY = on_last_rank() ? 7 : 8;
-  SY_EXPECT_THROW_MSG(dist::combine(Tensor::zeros({d.handle.num_recv_tokens, HY}, DType::fp32),
-                                    d.handle, {}, world()),
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().combine(
+                          Tensor::zeros({d.handle.num_recv_tokens(), HY}, DType::fp32), d.handle),
                       std::invalid_argument,
                       "[combine] on rank " + last_rank() + ": [combine] expert_y");
   // The handle still works.
-  const Tensor y = dist::combine(Tensor::zeros({d.handle.num_recv_tokens, 8}, DType::fp32),
-                                 d.handle, {}, world());
+  const Tensor y = fresh_dispatcher().combine(
+      Tensor::zeros({d.handle.num_recv_tokens(), 8}, DType::fp32), d.handle);
   EXPECT_EQ(y.shape(), (Shape{2, 8}));
 }
 
@@ -224,20 +226,20 @@ TEST(DispatchRejectsOnEveryRank, WeightsBackwardLengthWrongOnLastRank) {
   const testing::GlobalBatch g = testing::make_global_batch(world().size(), 12, 4, 5, DType::fp32,
                                                             Routes::replay, test_seed(6100));
   const testing::GlobalBatch::Rows mine = g.of(world().rank());
-  const dist::DispatchResult d = dist::dispatch(mine.x, mine.idx, mine.w, experts12(), world());
+  const dist::DispatchResult d = fresh_dispatcher().dispatch(mine.x, mine.idx, mine.w, experts12());
   const Tensor bad =
-      Tensor::zeros({d.handle.num_recv_tokens + (on_last_rank() ? 1 : 0)}, DType::fp32);
-  SY_EXPECT_THROW_MSG(dist::dispatch_weights_backward(bad, d.handle, world()),
+      Tensor::zeros({d.handle.num_recv_tokens() + (on_last_rank() ? 1 : 0)}, DType::fp32);
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().dispatch_weights_backward(bad, d.handle),
                       std::invalid_argument,
                       "[dispatch_weights_backward] on rank " + last_rank() +
                           ": [dispatch_weights_backward] grad_recv_topk_weights must have shape");
 }
 
 void expect_dispatch_raises(const dist::DispatchOptions& opt, const std::string& want) {
-  SY_EXPECT_THROW_MSG(
-      dist::dispatch(Tensor::zeros({1, 4}, DType::fp32), Tensor::zeros({1, 1}, DType::int32),
-                     Tensor::zeros({1, 1}, DType::fp32), opt, world()),
-      std::invalid_argument, want);
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().dispatch(Tensor::zeros({1, 4}, DType::fp32),
+                                                  Tensor::zeros({1, 1}, DType::int32),
+                                                  Tensor::zeros({1, 1}, DType::fp32), opt),
+                      std::invalid_argument, want);
 }
 
 TEST(DispatchRejectsOnEveryRank, ExpertsNotDivisibleByEpUpFront) {
@@ -289,7 +291,7 @@ class DispatchBadHandle : public ::testing::Test {
   void TearDown() override {
     for (const dist::DispatchResult* d : {&d1_, &d2_}) {
       const Tensor y = disp_.combine(d->recv_x, d->handle, {WeightMode::skip});
-      EXPECT_EQ(y.size(0), d->handle.num_tokens);
+      EXPECT_EQ(y.size(0), d->handle.num_tokens());
     }
   }
 
@@ -357,7 +359,7 @@ TEST_F(DispatchBadHandle, OtherStepsHandleOnLastRankInCombineBackward) {
   SY_NEEDS_SEVERAL_RANKS();
   const dist::DispatchResult& mine = other_step_on_last();
   SY_EXPECT_THROW_MSG(
-      disp_.combine_backward(Tensor::zeros({mine.handle.num_tokens, 8}, DType::fp32), mine.recv_x,
+      disp_.combine_backward(Tensor::zeros({mine.handle.num_tokens(), 8}, DType::fp32), mine.recv_x,
                              mine.handle),
       std::invalid_argument, "[combine_backward] handle must come from the same dispatch call");
 }

@@ -20,6 +20,7 @@ namespace switchyard {
 namespace {
 
 using dist::DispatcherKind;
+using testing::fresh_dispatcher;
 using testing::world;
 
 // A small good dispatch: T tokens, K 2, ids spread over all experts.
@@ -33,8 +34,9 @@ dist::DispatchResult good_dispatch(int64_t T, int64_t E, DispatcherKind kind) {
   dist::DispatchOptions opt;
   opt.num_experts = E;
   opt.kind = kind;
-  return dist::dispatch(Tensor::full({T, 8}, DType::fp32, 1.0), Tensor::from_vector(idx, {T, 2}),
-                        Tensor::full({T, 2}, DType::fp32, 0.5), opt, c);
+  return fresh_dispatcher().dispatch(Tensor::full({T, 8}, DType::fp32, 1.0),
+                                     Tensor::from_vector(idx, {T, 2}),
+                                     Tensor::full({T, 2}, DType::fp32, 0.5), opt);
 }
 
 // The communicator still works: a good round trip of ones gives 0.5 + 0.5 = 1 per token (a
@@ -42,7 +44,7 @@ dist::DispatchResult good_dispatch(int64_t T, int64_t E, DispatcherKind kind) {
 void expect_still_in_step() {
   for (DispatcherKind kind : {DispatcherKind::all_to_all, DispatcherKind::all_gather}) {
     const dist::DispatchResult d = good_dispatch(5, 12, kind);
-    const Tensor y = dist::combine(d.recv_x, d.handle, {}, world());
+    const Tensor y = fresh_dispatcher().combine(d.recv_x, d.handle);
     for (int64_t t = 0; t < 5; ++t) EXPECT_EQ(y.item_as_double(t * 8), 1.0) << "token " << t;
   }
 }
@@ -89,8 +91,9 @@ TEST(FaultMpi, TopKDifferingOnOneRankRaisesEverywhere) {
   dist::DispatchOptions opt;
   opt.num_experts = 12;
   SY_EXPECT_THROW_MSG(
-      dist::dispatch(Tensor::zeros({3, 8}, DType::fp32), Tensor::zeros({3, K}, DType::int32),
-                     Tensor::zeros({3, K}, DType::fp32), opt, world()),
+      fresh_dispatcher().dispatch(Tensor::zeros({3, 8}, DType::fp32),
+                                  Tensor::zeros({3, K}, DType::int32),
+                                  Tensor::zeros({3, K}, DType::fp32), opt),
       std::invalid_argument,
       "[dispatch] topk_idx must have the same top_k on every rank, got top_k=2 on rank 0 and "
       "top_k=3 on rank " +
@@ -102,7 +105,7 @@ TEST(FaultMpi, TopKDifferingOnOneRankRaisesEverywhere) {
 void CombineBackwardGradWrongHiddenOnOneRankRaisesEverywhere(DispatcherKind kind) {
   const dist::DispatchResult d = good_dispatch(6, 12, kind);
   const Tensor gy = Tensor::zeros({6, on_last_rank() ? 7 : 8}, DType::fp32);
-  SY_EXPECT_THROW_MSG(dist::combine_backward(gy, d.recv_x, d.handle, {}, world()),
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().combine_backward(gy, d.recv_x, d.handle),
                       std::invalid_argument,
                       "[combine_backward] on rank " + last_rank() + ": [combine_backward] grad_y");
   expect_still_in_step();
@@ -115,7 +118,7 @@ void CombineBackwardGradBf16OnOneRankRaisesEverywhere(DispatcherKind kind) {
   SY_NEEDS_SEVERAL_RANKS();
   const dist::DispatchResult d = good_dispatch(6, 12, kind);
   const Tensor gy = Tensor::zeros({6, 8}, on_last_rank() ? DType::bf16 : DType::fp32);
-  SY_EXPECT_THROW_MSG(dist::combine_backward(gy, d.recv_x, d.handle, {}, world()),
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().combine_backward(gy, d.recv_x, d.handle),
                       std::invalid_argument,
                       "[combine_backward] on rank " + last_rank() +
                           ": [combine_backward] expert_y must have grad_y's dtype bf16, got fp32");
@@ -126,9 +129,9 @@ SY_FAULT_BOTH_KINDS(CombineBackwardGradBf16OnOneRankRaisesEverywhere)
 void DispatchBackwardGradExtraRowOnOneRankRaisesEverywhere(DispatcherKind kind) {
   const dist::DispatchResult d = good_dispatch(6, 12, kind);
   const Tensor g =
-      Tensor::zeros({d.handle.num_recv_tokens + (on_last_rank() ? 1 : 0), 8}, DType::fp32);
+      Tensor::zeros({d.handle.num_recv_tokens() + (on_last_rank() ? 1 : 0), 8}, DType::fp32);
   SY_EXPECT_THROW_MSG(
-      dist::dispatch_backward(g, d.handle, world()), std::invalid_argument,
+      fresh_dispatcher().dispatch_backward(g, d.handle), std::invalid_argument,
       "[dispatch_backward] on rank " + last_rank() + ": [dispatch_backward] grad_recv_x");
   expect_still_in_step();
 }
@@ -138,28 +141,28 @@ void CombineWeightModeDifferingOnOneRankRaisesEverywhere(DispatcherKind kind) {
   SY_NEEDS_SEVERAL_RANKS();
   const dist::DispatchResult d = good_dispatch(6, 12, kind);
   const WeightMode weights = on_last_rank() ? WeightMode::skip : WeightMode::apply;
-  SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, d.handle, weights, world()), std::invalid_argument,
-                      "weights must be the same on every rank");
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().combine(d.recv_x, d.handle, weights),
+                      std::invalid_argument, "weights must be the same on every rank");
   expect_still_in_step();
 }
 SY_FAULT_BOTH_KINDS(CombineWeightModeDifferingOnOneRankRaisesEverywhere)
 
 void EveryRankWithZeroTokens(DispatcherKind kind) {
-  dist::Communicator& c = world();
+  dist::Dispatcher disp = fresh_dispatcher();
   dist::DispatchOptions opt;
   opt.num_experts = 12;
   opt.kind = kind;
   const dist::DispatchResult d =
-      dist::dispatch(Tensor::zeros({0, 8}, DType::bf16), Tensor::zeros({0, 2}, DType::int32),
-                     Tensor::zeros({0, 2}, DType::fp32), opt, c);
-  EXPECT_EQ(d.handle.num_recv_tokens, 0);
+      disp.dispatch(Tensor::zeros({0, 8}, DType::bf16), Tensor::zeros({0, 2}, DType::int32),
+                    Tensor::zeros({0, 2}, DType::fp32), opt);
+  EXPECT_EQ(d.handle.num_recv_tokens(), 0);
   EXPECT_EQ(d.recv_x.shape(), (Shape{0, 8}));
-  const Tensor y = dist::combine(d.recv_x, d.handle, {}, c);
+  const Tensor y = disp.combine(d.recv_x, d.handle);
   EXPECT_EQ(y.shape(), (Shape{0, 8}));
   const dist::CombineGrads g =
-      dist::combine_backward(Tensor::zeros({0, 8}, DType::bf16), d.recv_x, d.handle, {}, c);
+      disp.combine_backward(Tensor::zeros({0, 8}, DType::bf16), d.recv_x, d.handle);
   EXPECT_EQ(g.grad_topk_weights.shape(), (Shape{0, 2}));
-  EXPECT_EQ(dist::dispatch_backward(g.grad_expert_y, d.handle, c).shape(), (Shape{0, 8}));
+  EXPECT_EQ(disp.dispatch_backward(g.grad_expert_y, d.handle).shape(), (Shape{0, 8}));
   expect_still_in_step();
 }
 SY_FAULT_BOTH_KINDS(EveryRankWithZeroTokens)
@@ -173,10 +176,10 @@ void AllMinusOneRoutesOnOneRank(DispatcherKind kind) {
   const bool empty = on_last_rank();
   const std::vector<int32_t> idx =
       empty ? std::vector<int32_t>(8, -1) : std::vector<int32_t>{0, 11, 5, 6, 1, 2, 3, 4};
-  const dist::DispatchResult d =
-      dist::dispatch(Tensor::full({4, 8}, DType::fp32, 2.0), Tensor::from_vector(idx, {4, 2}),
-                     Tensor::full({4, 2}, DType::fp32, 0.25), opt, world());
-  const Tensor y = dist::combine(d.recv_x, d.handle, {}, world());
+  const dist::DispatchResult d = fresh_dispatcher().dispatch(
+      Tensor::full({4, 8}, DType::fp32, 2.0), Tensor::from_vector(idx, {4, 2}),
+      Tensor::full({4, 2}, DType::fp32, 0.25), opt);
+  const Tensor y = fresh_dispatcher().combine(d.recv_x, d.handle);
   for (int64_t t = 0; t < 4; ++t) {
     EXPECT_EQ(y.item_as_double(t * 8 + 3), empty ? 0.0 : 1.0) << "token " << t;
   }
@@ -189,7 +192,7 @@ SY_FAULT_BOTH_KINDS(AllMinusOneRoutesOnOneRank)
 TEST(FaultMpi, BadHandleOnOneRankInCombineRaisesEverywhere) {
   const dist::DispatchResult d = good_dispatch(5, 12, DispatcherKind::all_to_all);
   const dist::DispatchHandle bad;  // never dispatched
-  SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, on_last_rank() ? bad : d.handle, {}, world()),
+  SY_EXPECT_THROW_MSG(fresh_dispatcher().combine(d.recv_x, on_last_rank() ? bad : d.handle),
                       std::invalid_argument,
                       "[combine] on rank " + last_rank() +
                           ": [combine] handle must come from dispatch on this communicator");
@@ -199,9 +202,10 @@ TEST(FaultMpi, BadHandleOnOneRankInCombineRaisesEverywhere) {
 TEST(FaultMpi, BadHandleOnOneRankInCombineBackwardRaisesEverywhere) {
   const dist::DispatchResult d = good_dispatch(5, 12, DispatcherKind::all_to_all);
   const dist::DispatchHandle bad;  // never dispatched
-  SY_EXPECT_THROW_MSG(dist::combine_backward(Tensor::zeros({5, 8}, DType::fp32), d.recv_x,
-                                             on_last_rank() ? bad : d.handle, {}, world()),
-                      std::invalid_argument, "[combine_backward] on rank " + last_rank());
+  SY_EXPECT_THROW_MSG(
+      fresh_dispatcher().combine_backward(Tensor::zeros({5, 8}, DType::fp32), d.recv_x,
+                                          on_last_rank() ? bad : d.handle),
+      std::invalid_argument, "[combine_backward] on rank " + last_rank());
   expect_still_in_step();
 }
 
@@ -227,7 +231,7 @@ TEST(FaultMpi, FailCollectiveOnOneRankInCombineRaisesEverywhere) {
     SY_EXPECT_THROW_MSG(dist::fail_collective(dist::CollectiveOp::combine, "not a handle", world()),
                         std::invalid_argument, want);
   } else {
-    SY_EXPECT_THROW_MSG(dist::combine(d.recv_x, d.handle, {}, world()), std::invalid_argument,
+    SY_EXPECT_THROW_MSG(fresh_dispatcher().combine(d.recv_x, d.handle), std::invalid_argument,
                         want);
   }
   expect_still_in_step();

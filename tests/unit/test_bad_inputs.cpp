@@ -181,63 +181,66 @@ std::vector<Row> rows() {
          unpermute(Tensor::zeros({p.num_rows, 8}, DType::fp64), p);
        }},
       // ---- dispatch (size-1 communicator)
-      {"dist::dispatch", "num_experts 0", Kind::invalid_argument, "[dispatch] num_experts must be >= 1, got num_experts=0",
+      {"dist::Dispatcher::dispatch", "num_experts 0", Kind::invalid_argument, "[dispatch] num_experts must be >= 1, got num_experts=0",
        [] {
          dist::DispatchOptions o;
-         dist::dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o, *dist::local());
+         dist::Dispatcher(dist::local()).dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o);
        }},
-      {"dist::dispatch", "pad_to_capacity without a capacity", Kind::invalid_argument, "[routing_plan] pad_to_capacity needs a capacity (capacity_factor > 0 or expert_capacity >= 0), got neither",
+      {"dist::Dispatcher::dispatch", "pad_to_capacity without a capacity", Kind::invalid_argument, "[routing_plan] pad_to_capacity needs a capacity (capacity_factor > 0 or expert_capacity >= 0), got neither",
        [] {
          dist::DispatchOptions o;
          o.num_experts = 4;
          o.plan.pad_to_capacity = true;
-         dist::dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o, *dist::local());
+         dist::Dispatcher(dist::local()).dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o);
        }},
-      {"dist::dispatch", "NaN in x", Kind::invalid_argument,
+      {"dist::Dispatcher::dispatch", "NaN in x", Kind::invalid_argument,
        "[dispatch] on rank 0: [dispatch] x has a non-finite value nan at token 0, hidden 1",
        [] {
          dist::DispatchOptions o;
          o.num_experts = 4;
          Tensor x = f32({1, 4});
          x.data<float>()[1] = std::numeric_limits<float>::quiet_NaN();
-         dist::dispatch(x, i32({0}, {1, 1}), f32({1, 1}), o, *dist::local());
+         dist::Dispatcher(dist::local()).dispatch(x, i32({0}, {1, 1}), f32({1, 1}), o);
        }},
-      {"dist::dispatch", "inf in topk_weights", Kind::invalid_argument,
+      {"dist::Dispatcher::dispatch", "inf in topk_weights", Kind::invalid_argument,
        "[dispatch] on rank 0: [dispatch] topk_weights has a non-finite value inf at token 0, slot 0",
        [] {
          dist::DispatchOptions o;
          o.num_experts = 4;
-         dist::dispatch(f32({1, 4}), i32({0}, {1, 1}),
-                        f32({1, 1}, std::numeric_limits<double>::infinity()), o, *dist::local());
+         dist::Dispatcher(dist::local())
+             .dispatch(f32({1, 4}), i32({0}, {1, 1}),
+                       f32({1, 1}, std::numeric_limits<double>::infinity()), o);
        }},
-      {"dist::dispatch", "capacity_factor -1 (meant no capacity)", Kind::invalid_argument,
+      {"dist::Dispatcher::dispatch", "capacity_factor -1 (meant no capacity)",
+       Kind::invalid_argument,
        "capacity_factor must be finite and >= 0 (0 = no capacity), got capacity_factor=-1",
        [] {
          dist::DispatchOptions o;
          o.num_experts = 4;
          o.plan.capacity_factor = -1;
-         dist::dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o, *dist::local());
+         dist::Dispatcher(dist::local()).dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o);
        }},
-      {"dist::combine", "a handle that never came from dispatch", Kind::invalid_argument,
+      {"dist::Dispatcher::combine", "a handle that never came from dispatch",
+       Kind::invalid_argument,
        "[combine] on rank 0: [combine] handle must come from dispatch on this communicator",
-       [] { dist::combine(f32({0, 4}), dist::DispatchHandle{}, {}, *dist::local()); }},
-      {"dist::combine", "NaN in expert_y", Kind::invalid_argument,
+       [] { dist::Dispatcher(dist::local()).combine(f32({0, 4}), dist::DispatchHandle{}); }},
+      {"dist::Dispatcher::combine", "NaN in expert_y", Kind::invalid_argument,
        "[combine] on rank 0: [combine] expert_y has a non-finite value nan at row 0, hidden 0",
        [] {
          dist::DispatchOptions o;
          o.num_experts = 4;
-         auto c = dist::local();
-         dist::DispatchResult d = dist::dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o, *c);
-         dist::combine(f32({1, 4}, std::numeric_limits<double>::quiet_NaN()), d.handle, {}, *c);
+         dist::Dispatcher disp(dist::local());
+         dist::DispatchResult d = disp.dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o);
+         disp.combine(f32({1, 4}, std::numeric_limits<double>::quiet_NaN()), d.handle);
        }},
-      {"dist::dispatch", "a communicator another thread is using", Kind::logic_error,
+      {"dist::Dispatcher::dispatch", "a communicator another thread is using", Kind::logic_error,
        "[dispatch] the local communicator (rank 0 of 1) is in use by another thread (combine)",
        [] {
          dist::DispatchOptions o;
          o.num_experts = 4;
          auto c = dist::local();
          const dist::Communicator::Exclusive other(*c, "combine");
-         dist::dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o, *c);
+         dist::Dispatcher(c).dispatch(f32({1, 4}), i32({0}, {1, 1}), f32({1, 1}), o);
        }},
       // ---- routes
       {"parse_moe_layer_freq", "entry 2", Kind::invalid_argument, "[layer_map] moe_layer_freq item must be 0, 1 or NxV with V in {0,1}, got \"2\"",

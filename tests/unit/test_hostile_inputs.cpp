@@ -334,24 +334,24 @@ TEST(HostileReplay, FailedReplayForwardConsumesNothing) {
 // ---------------------------------------------------------------- silent wrong results
 
 TEST(HostileDispatch, NonFiniteValuesAreRejectedBeforeAnyExchange) {
-  auto comm = dist::local();
+  dist::Dispatcher disp(dist::local());
   dist::DispatchOptions o;
   o.num_experts = 4;
   const Tensor idx = Tensor::from_vector(std::vector<int32_t>{0, 1, 2, 3, 1, -1}, {3, 2});
   Tensor w = Tensor::from_vector(std::vector<float>{0.5f, 0.5f, 0.7f, 0.3f, 1.0f, 0.0f}, {3, 2});
   Tensor x = Tensor::zeros({3, 4}, DType::fp32);
   x.data<float>()[6] = std::numeric_limits<float>::quiet_NaN();
-  SY_EXPECT_THROW_MSG(dist::dispatch(x, idx, w, o, *comm), std::invalid_argument,
+  SY_EXPECT_THROW_MSG(disp.dispatch(x, idx, w, o), std::invalid_argument,
                       "x has a non-finite value nan at token 1, hidden 2");
   x.data<float>()[6] = 0.0f;
   w.data<float>()[3] = std::numeric_limits<float>::infinity();
-  SY_EXPECT_THROW_MSG(dist::dispatch(x, idx, w, o, *comm), std::invalid_argument,
+  SY_EXPECT_THROW_MSG(disp.dispatch(x, idx, w, o), std::invalid_argument,
                       "topk_weights has a non-finite value inf at token 1, slot 1");
   w.data<float>()[3] = 0.3f;
-  dist::DispatchResult r = dist::dispatch(x, idx, w, o, *comm);
+  dist::DispatchResult r = disp.dispatch(x, idx, w, o);
   Tensor y = r.recv_x.clone();
   y.data<float>()[1] = -std::numeric_limits<float>::infinity();
-  SY_EXPECT_THROW_MSG(dist::combine(y, r.handle, {}, *comm), std::invalid_argument,
+  SY_EXPECT_THROW_MSG(disp.combine(y, r.handle), std::invalid_argument,
                       "expert_y has a non-finite value -inf at row 0, hidden 1");
 }
 
@@ -366,22 +366,22 @@ TEST(HostileDispatch, NegativeCapacityFactorIsAnError) {
 }
 
 TEST(HostileDispatch, ConcurrentUseOfOneCommunicatorIsAClearError) {
-  auto comm = dist::local();
+  dist::Dispatcher disp(dist::local());
   dist::DispatchOptions o;
   o.num_experts = 2;
   const Tensor idx = Tensor::from_vector(std::vector<int32_t>{0, 1}, {1, 2});
   const Tensor w = Tensor::from_vector(std::vector<float>{0.5f, 0.5f}, {1, 2});
   const Tensor x = Tensor::zeros({1, 4}, DType::fp32);
-  dist::DispatchResult r = dist::dispatch(x, idx, w, o, *comm);
+  dist::DispatchResult r = disp.dispatch(x, idx, w, o);
   {
     // What another thread inside combine looks like to this one.
-    const dist::Communicator::Exclusive other(*comm, "combine");
-    SY_EXPECT_THROW_MSG(dist::dispatch(x, idx, w, o, *comm), std::logic_error,
+    const dist::Communicator::Exclusive other(disp.comm(), "combine");
+    SY_EXPECT_THROW_MSG(disp.dispatch(x, idx, w, o), std::logic_error,
                         "is in use by another thread (combine)");
-    SY_EXPECT_THROW_MSG(dist::combine(r.recv_x, r.handle, {}, *comm), std::logic_error,
+    SY_EXPECT_THROW_MSG(disp.combine(r.recv_x, r.handle), std::logic_error,
                         "[combine] the local communicator (rank 0 of 1) is in use");
   }
-  EXPECT_NO_THROW(dist::combine(r.recv_x, r.handle, {}, *comm));  // released again
+  EXPECT_NO_THROW(disp.combine(r.recv_x, r.handle));  // released again
 }
 
 TEST(HostileThreads, SetNumThreadsIsBounded) {

@@ -150,23 +150,22 @@ TEST(Permute, LocalCommunicatorDispatchIsPermute) {
     std::mt19937_64 rng(test_seed(17));
     Routed s = make_routed(c.T, c.E, c.K, rng);
     Tensor x = randn({c.T, c.H}, c.dtype, rng);
-    auto comm = dist::local();
+    dist::Dispatcher disp(dist::local());
     dist::DispatchOptions opt;
     opt.num_experts = c.E;
     opt.kind = kind;
-    dist::DispatchResult d = dist::dispatch(x, Tensor::from_vector(s.idx, {c.T, c.K}),
-                                            Tensor::from_vector(s.w, {c.T, c.K}), opt, *comm);
+    dist::DispatchResult d = disp.dispatch(x, Tensor::from_vector(s.idx, {c.T, c.K}),
+                                           Tensor::from_vector(s.w, {c.T, c.K}), opt);
     EXPECT_TRUE(bitwise_equal(d.recv_x, permute(x, s.plan)));
     EXPECT_TRUE(bitwise_equal(d.recv_topk_weights, s.plan.row_weight));
-    EXPECT_TRUE(bitwise_equal(d.handle.num_tokens_per_expert, s.plan.num_tokens_per_expert));
-    EXPECT_TRUE(
-        bitwise_equal(dist::combine(d.recv_x, d.handle, {}, *comm), unpermute(d.recv_x, s.plan)));
+    EXPECT_TRUE(bitwise_equal(d.handle.num_tokens_per_expert(), s.plan.num_tokens_per_expert));
+    EXPECT_TRUE(bitwise_equal(disp.combine(d.recv_x, d.handle), unpermute(d.recv_x, s.plan)));
     Tensor g = randn({c.T, c.H}, c.dtype, rng);
-    dist::CombineGrads cg = dist::combine_backward(g, d.recv_x, d.handle, {}, *comm);
+    dist::CombineGrads cg = disp.combine_backward(g, d.recv_x, d.handle);
     UnpermuteGrads ug = unpermute_backward(g, d.recv_x, s.plan);
     EXPECT_TRUE(bitwise_equal(cg.grad_expert_y, ug.grad_permuted));
     EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, ug.grad_topk_weights));
-    EXPECT_TRUE(bitwise_equal(dist::dispatch_backward(ug.grad_permuted, d.handle, *comm),
+    EXPECT_TRUE(bitwise_equal(disp.dispatch_backward(ug.grad_permuted, d.handle),
                               permute_backward(ug.grad_permuted, s.plan)));
   }
 }
