@@ -120,13 +120,19 @@ struct BitReader {
   }
 };
 
+// Stores `v` as the i-th W of a byte buffer without an alignment promise (one plain store on x86).
+template <class W, class B>
+inline void store_unaligned(B* bytes, int64_t i, W v) {
+  std::memcpy(reinterpret_cast<char*>(bytes) + i * int64_t(sizeof(W)), &v, sizeof(W));
+}
+
 // The rank tables of a ranked block from a counting pass over its first tokens: writes the
 // permutation (rank -> id per layer) to `perm_out` and fills `rank` ([L, E + 1], indexed by id + 1
 // so that -1 needs no branch: slot 0 maps to stored value 0). Without `ranked`, rank is the
 // identity. Returns false on a sampled id outside [-1, E).
 template <class W>
 bool build_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, bool ranked,
-                 W* perm_out, std::vector<W>& rank) {
+                 char* perm_out, std::vector<W>& rank) {
   const int64_t E1 = E + 1, row = L * K;
   rank.assign(static_cast<size_t>(L * E1), W{0});
   if (!ranked) {
@@ -172,7 +178,7 @@ bool build_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
     }
     for (int64_t r = 0; r < E; ++r) {
       const int64_t e = order[size_t(r)];
-      perm_out[l * E + r] = static_cast<W>(e);
+      store_unaligned(perm_out, l * E + r, static_cast<W>(e));
       rank[size_t(l * E1 + 1 + e)] = static_cast<W>(r);
     }
   }
@@ -293,14 +299,15 @@ template <class W>
 int encode_delta(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, bool ranked,
                  char* out, uint8_t* none_bits, int64_t& n_lit) {
   const int64_t E1 = E + 1, row = L * K, numel = T * row;
-  W* perm_out = reinterpret_cast<W*>(out);
+  // `out` has no alignment promise (a payload inside a message): wider ids are stored with memcpy.
+  char* perm_out = out;
   uint8_t* match = reinterpret_cast<uint8_t*>(out) + (ranked ? L * E * int64_t(sizeof(W)) : 0);
-  W* lit = reinterpret_cast<W*>(match + (numel + 7) / 8);
+  uint8_t* lit_bytes = match + (numel + 7) / 8;
   std::vector<W> rank;
   if (!build_ranks<W>(idx, T, L, K, E, ranked, perm_out, rank)) return -1;
   if constexpr (sizeof(W) == 1) {
     if (K % 4 == 0 && row % 8 == 0) {
-      return encode_delta_u8(idx, T, L, K, E, rank, match, lit, none_bits, n_lit);
+      return encode_delta_u8(idx, T, L, K, E, rank, match, lit_bytes, none_bits, n_lit);
     }
   }
   // rank row of each position of a token's row (its layer's table, shifted for id + 1).
@@ -317,13 +324,13 @@ int encode_delta(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
     if (lo < -1 || hi >= E) return -1;
     any_none = any_none || lo < 0;
     if (t == 0) {  // no previous token: every id is a literal, its bit 0
-      for (int64_t j = 0; j < row; ++j) lit[m++] = rk[size_t(j)][tok[j]];
+      for (int64_t j = 0; j < row; ++j) store_unaligned(lit_bytes, m++, rk[size_t(j)][tok[j]]);
       for (int64_t j = 0; j < row; j += 8) bw.put(0, int(std::min<int64_t>(8, row - j)));
     } else {
       const int32_t* prev = tok - row;
       for (int64_t j = 0; j < row; ++j) {
         const unsigned eq = tok[j] == prev[j];
-        lit[m] = rk[size_t(j)][tok[j]];
+        store_unaligned(lit_bytes, m, rk[size_t(j)][tok[j]]);
         m += int64_t(eq ^ 1u);
         bw.put(eq, 1);
       }

@@ -279,10 +279,10 @@ class DispatchTester {
       const dist::DispatchResult d = disp.dispatch(mine.x, mine.idx, mine.w, opt);
       const dist::DispatchResult f = fresh_dispatcher().dispatch(mine.x, mine.idx, mine.w, opt);
       EXPECT_TRUE(bitwise_equal(d.recv_x, f.recv_x)) << "step " << step;
-      const Tensor y = disp.combine(d.recv_x, d.handle, {mode_});
+      const Tensor y = disp.combine(d.recv_x, d.handle, mode_);
       EXPECT_TRUE(bitwise_equal(y, fresh_dispatcher().combine(f.recv_x, f.handle, mode_)))
           << "step " << step;
-      const dist::CombineGrads cg = disp.combine_backward(y, d.recv_x, d.handle, {mode_});
+      const dist::CombineGrads cg = disp.combine_backward(y, d.recv_x, d.handle, mode_);
       const dist::CombineGrads fg =
           fresh_dispatcher().combine_backward(y, f.recv_x, f.handle, mode_);
       EXPECT_TRUE(bitwise_equal(cg.grad_expert_y, fg.grad_expert_y)) << "step " << step;
@@ -379,12 +379,12 @@ class DispatchTester {
     // them. Every result equals the unpadded path's bitwise.
     const Tensor Y = expert_fn(d.recv_x, received_experts(h));
     const Tensor UY = expert_fn(u.recv_x, received_experts(u.handle));
-    const Tensor y = disp.combine(Y, h, {mode_});
-    EXPECT_TRUE(bitwise_equal(y, disp.combine(UY, u.handle, {mode_})));
+    const Tensor y = disp.combine(Y, h, mode_);
+    EXPECT_TRUE(bitwise_equal(y, disp.combine(UY, u.handle, mode_)));
     std::mt19937_64 rng(seed + 9 + static_cast<uint64_t>(me));
     const Tensor gy = randn({g.end(me) - g.begin(me), H}, g.dtype, rng);
-    const dist::CombineGrads cg = disp.combine_backward(gy, Y, h, {mode_});
-    const dist::CombineGrads ug = disp.combine_backward(gy, UY, u.handle, {mode_});
+    const dist::CombineGrads cg = disp.combine_backward(gy, Y, h, mode_);
+    const dist::CombineGrads ug = disp.combine_backward(gy, UY, u.handle, mode_);
     EXPECT_TRUE(bitwise_equal(cg.grad_topk_weights, ug.grad_topk_weights));
     EXPECT_TRUE(bitwise_equal(real_rows(cg.grad_expert_y, h), ug.grad_expert_y));
     const auto ge = cg.grad_expert_y.to_double_vector();

@@ -290,7 +290,7 @@ class DispatchBadHandle : public ::testing::Test {
 
   void TearDown() override {
     for (const dist::DispatchResult* d : {&d1_, &d2_}) {
-      const Tensor y = disp_.combine(d->recv_x, d->handle, {WeightMode::skip});
+      const Tensor y = disp_.combine(d->recv_x, d->handle, WeightMode::skip);
       EXPECT_EQ(y.size(0), d->handle.num_tokens());
     }
   }
