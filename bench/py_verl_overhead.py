@@ -55,21 +55,9 @@ _ENV = ("VERL_ENGINE_VENDOR", "SWITCHYARD_VERL_ROUTER_REPLAY", "SWITCHYARD_VERL_
 
 def make_engine(variant, model_path, a):
     """An initialised engine from verl's EngineRegistry for ``variant`` (construction not timed)."""
-    old = {k: os.environ.get(k) for k in _ENV}
-    try:
-        for k, v in zip(_ENV, VARIANTS[variant]):
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with verl_cpu.env(**dict(zip(_ENV, VARIANTS[variant]))):
         torch.manual_seed(0)
         eng = verl_cpu.engine(model_path, micro_batch_size=a.micro, lr=1e-4)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     want = "FSDPEngineWithLMHead" if variant == "verl" else "SwitchyardFSDPEngine"
     assert type(eng).__name__ == want, (variant, type(eng).__name__)
     return eng

@@ -33,22 +33,9 @@ def make_engine(model_path, vendor, *, mode=None, use_remove_padding=True, forwa
     key = (vendor, mode, use_remove_padding, forward_only)
     if cache and key in _ENGINES:
         return _ENGINES[key]
-    env = {"VERL_ENGINE_VENDOR": vendor, "SWITCHYARD_VERL_ROUTER_REPLAY": mode}
-    old = {k: os.environ.get(k) for k in env}
-    try:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with verl_cpu.env(VERL_ENGINE_VENDOR=vendor, SWITCHYARD_VERL_ROUTER_REPLAY=mode):
         eng = verl_cpu.engine(model_path, use_remove_padding=use_remove_padding,
                               forward_only=forward_only)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     if cache:
         _ENGINES[key] = eng
     return eng

@@ -98,6 +98,25 @@ def tiny_qwen3_moe(path, seed=0, num_hidden_layers=2, **overrides):
     return str(path)
 
 
+@contextlib.contextmanager
+def env(**variables):
+    """Sets environment variables (None: unset) for the block and restores the previous values:
+    verl reads VERL_ENGINE_VENDOR and the plugin its SWITCHYARD_VERL_* variables when an engine is
+    made."""
+    old = {k: os.environ.get(k) for k in variables}
+    def put(values):
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    put(variables)
+    try:
+        yield
+    finally:
+        put(old)
+
+
 def engine(model_path, *, use_remove_padding=True, micro_batch_size=2, lr=1e-2, forward_only=False,
            router_replay_mode=None, gradient_checkpointing=True):
     """verl's language-model engine for ``model_path``, chosen by verl's EngineRegistry (so by
