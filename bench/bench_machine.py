@@ -49,3 +49,24 @@ def print_step_ratios(best, steps, peer):
     for v, (w, c) in best.items():
         print(f"  {v:<8} {c / steps * 1e3:11.1f} {c / bc:6.2f} {w / steps * 1e3:14.1f} "
               f"{w / bw:6.2f}")
+
+
+def trainer_step_parser(**defaults):
+    """The options every trainer-overhead bench shares (tiny Qwen3-MoE shape, steps, rounds,
+    threads, --quick); a bench adds its own to the returned parser. ``trainer_step_args`` parses."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller model, 2 rounds")
+    ap.add_argument("--threads", default="1")
+    for name, default in {"hidden": 128, "layers": 4, "experts": 16, "batch": 8, "steps": 4,
+                          "rounds": 4, **defaults}.items():
+        ap.add_argument(f"--{name}", type=int, default=default)
+    return ap
+
+
+def trainer_step_args(ap):
+    """Parses ``ap`` (from trainer_step_parser); --quick shrinks the model and the run."""
+    a = ap.parse_args()
+    if a.quick:
+        a.hidden, a.layers, a.steps, a.rounds = 64, 2, 2, 2
+    return a

@@ -13,7 +13,6 @@ variant, and the ratios (1.00 = no overhead).
 A tiny Qwen3-MoE (no download) in fp32 where the routers are a large share of the work, so the
 ratio is an upper bound of the overhead on real model sizes.
 """
-import argparse
 import os
 import sys
 import tempfile
@@ -33,7 +32,8 @@ sys.path.insert(0, os.path.join(here, "..", "python", "tests_trl"))
 import torch  # noqa: E402
 import trl  # noqa: E402
 
-from bench_machine import best_of_rotated_rounds, machine_line, print_step_ratios  # noqa: E402
+from bench_machine import (best_of_rotated_rounds, machine_line, print_step_ratios,  # noqa: E402
+                           trainer_step_args, trainer_step_parser)
 import switchyard.integrations.hf as syhf  # noqa: E402
 import switchyard.integrations.trl as sytrl  # noqa: E402
 import trl_models as tm  # noqa: E402  (the TRL tests' tiny model, tokenizer and dataset)
@@ -67,19 +67,8 @@ def run(variant, a, out):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smaller model, 2 rounds")
-    ap.add_argument("--threads", default="1")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--completion", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=4)
-    a = ap.parse_args()
-    if a.quick:
-        a.hidden, a.layers, a.steps, a.rounds = 64, 2, 2, 2
+    ap = trainer_step_parser(completion=16)
+    a = trainer_step_args(ap)
     torch.set_num_threads(int(a.threads))
     print(machine_line())
     print(f"trl {trl.__version__}; Qwen3-MoE hidden {a.hidden}, {a.layers} layers, {a.experts} "

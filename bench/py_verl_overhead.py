@@ -20,7 +20,6 @@ model sizes. The model is fp32 already, so "fp32+R3" differs from "R3" by the ga
 cast): on CPU tensors the fp32 router runs switchyard's batch-invariant gate kernel
 (switchyard.torch.router_gating_linear) where "R3" keeps the model's own torch GEMM.
 """
-import argparse
 import os
 import sys
 import tempfile
@@ -43,7 +42,8 @@ verl_cpu.setup(external_modules=["switchyard.integrations.verl"])  # before verl
 import torch  # noqa: E402
 import verl  # noqa: E402
 
-from bench_machine import best_of_rotated_rounds, machine_line, print_step_ratios  # noqa: E402
+from bench_machine import (best_of_rotated_rounds, machine_line, print_step_ratios,  # noqa: E402
+                           trainer_step_args, trainer_step_parser)
 
 VARIANTS = {  # name: (VERL_ENGINE_VENDOR, SWITCHYARD_VERL_ROUTER_REPLAY, ..._ROUTER_DTYPE)
     "verl": (None, None, None),
@@ -112,21 +112,8 @@ def run(eng, variant, infer, update, routed_rows, steps):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smaller model, 2 rounds")
-    ap.add_argument("--threads", default="1")
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--micro", type=int, default=4, help="micro-batch size")
-    ap.add_argument("--prompt", type=int, default=8)
-    ap.add_argument("--response", type=int, default=24)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=4)
-    a = ap.parse_args()
-    if a.quick:
-        a.hidden, a.layers, a.steps, a.rounds = 64, 2, 2, 2
+    ap = trainer_step_parser(micro=4, prompt=8, response=24)
+    a = trainer_step_args(ap)
     torch.set_num_threads(int(a.threads))
     print(machine_line())
     print(f"verl {verl.__version__} FSDP engine (fsdp2, 1 gloo process); Qwen3-MoE hidden "
