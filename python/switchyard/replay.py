@@ -17,6 +17,7 @@ import itertools
 
 import torch
 
+from . import _ids
 from . import _switchyard as _C
 
 POLICIES = ("error", "native", "merge")
@@ -84,32 +85,34 @@ class ReplayRows:
         return self.ids.masked_fill(~self.replayed[:, None], -1)
 
 
-_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16)
+_ID_DTYPES = _ids.ID_DTYPES
 
 
 def classify_rows(ids, num_experts, policy="error", layer=None, op="replay"):
-    """The replay row rule (the engine's): ``ids`` [T, K] int64/int32/int16/int8/uint8/uint16
+    """The replay row rule (the engine's): ``ids`` [T, K] of any integer dtype (switchyard._ids)
     (any device; copied to the CPU as int32, -1 = route natively), ``num_experts`` E (valid ids
     are in [0, E)) -> ReplayRows. policy "error": the engine's ValueError naming layer, token and
     row for an invalid row (-1 mixed with ids, a repeated id, an id outside [0, E)); "native":
     invalid rows are kind INVALID (routed natively); "merge": a row whose only fault is a repeated
     id is MERGED, other invalid rows are the error. ``layer`` / ``op`` name the caller in
     messages. ValueError also for a non-tensor, a float / bool dtype, ids that are not 2-D, an
-    id that does not fit int32 and an unknown policy."""
+    id that does not fit int32 (never wrapped; under "native" its row is a counted invalid row)
+    and an unknown policy."""
     check_policy(policy, op)
     where = "" if layer is None else f"layer {layer}, "
     if not isinstance(ids, torch.Tensor):
         raise ValueError(f"[{op}] {where}replay ids must be a torch.Tensor, got "
                          f"{type(ids).__name__}")
     if ids.dtype not in _ID_DTYPES:
-        raise ValueError(f"[{op}] {where}replay ids must have an integer dtype (int64, int32, "
-                         f"int16, int8, uint8, uint16), got {ids.dtype}")
+        raise ValueError(f"[{op}] {where}replay ids must have an integer dtype ({_ids.ACCEPTED}), "
+                         f"got {ids.dtype}")
     if ids.dim() != 2:
         raise ValueError(f"[{op}] {where}replay ids must be [num_tokens, top_k], got "
                          f"{list(ids.shape)}")
-    from . import torch as _syt  # the one narrowing of id tensors (torch.py imports this module)
-    ids = _syt._idx32(ids.detach().to("cpu"), op,  # a device sync on CUDA: needs the values
-                      f"{where}replay ids", _syt._ID_DTYPES)
+    # The one narrowing of id tensors (a device sync on CUDA: needs the values). Under "native" an
+    # id outside int32 saturates (outside [0, E) for every E), so its row is a counted invalid row.
+    ids = _ids.to_int32(ids.detach().to("cpu"), op, f"{where}replay ids",
+                        saturate=policy == "native")
     ids = ids.contiguous()
     core = _C.classify_replay_rows(ids, int(num_experts), policy,
                                    -1 if layer is None else int(layer))

@@ -37,6 +37,7 @@ ValueError naming the source, sequence, token, layer and value; nothing is retur
 """
 import warnings
 
+from . import _ids
 from . import _switchyard as _C
 
 __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "decode", "import_vllm",
@@ -49,13 +50,8 @@ __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "dec
            "drift", "expert_load"]
 
 
-def _engine_id_dtypes():
-    import torch
-    return tuple(getattr(torch, n) for n in ("int16", "uint16", "uint8", "int32") if hasattr(torch, n))
-
-
 # Id dtypes the engine reads as they are (verl's int16, vLLM's uint8 / uint16): no widening copy.
-_ENGINE_ID_DTYPES = _engine_id_dtypes()
+_ENGINE_ID_DTYPES = _ids.ENGINE_ID_DTYPES
 
 
 def _num_experts(tables, num_experts):
@@ -354,10 +350,9 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
     K] int32, report) with the importer's report (moe_layers, num_zero_rows, ...)."""
     import torch
 
-    from .torch import _ID_DTYPES, _idx32
     ids = routed_experts
     if not isinstance(ids, torch.Tensor) or ids.dtype not in _ENGINE_ID_DTYPES:
-        ids = _idx32(ids, "routes.from_verl", "routed_experts", _ID_DTYPES)  # int64 checked
+        ids = _ids.to_int32(ids, "routes.from_verl", "routed_experts")  # int64 checked
     if ids.dim() != 4:
         raise ValueError("[routes.from_verl] routed_experts must be [batch, seq, layers, K], got "
                          f"{list(ids.shape)}")
@@ -630,10 +625,9 @@ def drop_padding(topk_idx, attention_mask, num_experts=None):
     row; ids must be -1 or in [0, num_experts)."""
     import torch
 
-    from .torch import _ID_DTYPES, _idx32
     ids = topk_idx
     if not isinstance(ids, torch.Tensor) or ids.dtype not in _ENGINE_ID_DTYPES:
-        ids = _idx32(ids, "routes.drop_padding", "topk_idx", _ID_DTYPES)
+        ids = _ids.to_int32(ids, "routes.drop_padding", "topk_idx")
     return _C.routes_drop_padding(ids, attention_mask, _num_experts([ids], num_experts))
 
 
@@ -651,9 +645,8 @@ def add_padding(tables, attention_mask=None, padding_side=None, seq_len=None):
     ``padding_side=None`` (default) takes tables of one length as they are (stacked)."""
     import torch
 
-    from .torch import _ID_DTYPES, _idx32
     op = "routes.add_padding"
-    tables = [_idx32(t, op, f"tables[{i}]", _ID_DTYPES).to("cpu") for i, t in enumerate(tables)]
+    tables = [_ids.to_int32(t, op, f"tables[{i}]").to("cpu") for i, t in enumerate(tables)]
     if not tables:
         raise ValueError(f"[{op}] tables must hold at least one table, got none")
     for i, t in enumerate(tables):
@@ -716,9 +709,8 @@ def routed_experts(ids, attention_mask=None):
     each sequence was not fed (all S rows)."""
     import torch
 
-    from .torch import _idx32
     op = "routes.routed_experts"
-    ids = _idx32(ids, op, "ids").to("cpu")
+    ids = _ids.to_int32(ids, op, "ids", (torch.int64, torch.int32)).to("cpu")
     if ids.dim() != 4:
         raise ValueError(f"[{op}] ids must be [B, S, num_hidden_layers, K], got "
                          f"{list(ids.shape)}")

@@ -13,6 +13,7 @@ import typing
 
 import torch
 
+from . import _ids
 from . import _names
 from . import _switchyard as _C
 from . import replay as _replay
@@ -115,32 +116,15 @@ def input_jitter(x, eps, seed=None):
 # --------------------------------------------------------------------------------------------------
 # Expert-parallel dispatchers
 # --------------------------------------------------------------------------------------------------
-_INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
-# The dtypes an id table may come in (verl stores int16, vLLM 0.22 uint8 / uint16).
-_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16)
+# The dtypes an id table may come in and the one narrowing of id tensors live in switchyard._ids.
+_ID_DTYPES = _ids.ID_DTYPES
 
 
 def _idx32(ids, op, name="topk_idx", dtypes=(torch.int64, torch.int32)):
-    """``ids`` as int32 on its device, the one narrowing of id tensors: int32 as it is, int64
-    checked first -- a value outside int32 is a ValueError naming op, argument, value and
-    position (``[op] name holds 4294967301 at [0, 3, 1, 0], outside int32``), never wrapped into
-    another id -- and the narrower integer dtypes of ``_ID_DTYPES`` widened. ``dtypes``: the
-    dtypes the caller takes (a subset of ``_ID_DTYPES``)."""
-    if not isinstance(ids, torch.Tensor):
-        raise ValueError(f"[{op}] {name} must be a torch.Tensor, got {type(ids).__name__}")
-    if ids.dtype == torch.int32:
-        return ids
-    if ids.dtype not in dtypes:
-        names = [str(d).replace("torch.", "") for d in dtypes]
-        names = ", ".join(names[:-1]) + " or " + names[-1]
-        raise ValueError(f"[{op}] {name} must have dtype {names}, got {ids.dtype}")
-    if ids.dtype == torch.int64 and ids.numel():
-        lo, hi = torch.aminmax(ids)
-        if int(lo) < _INT32_MIN or int(hi) > _INT32_MAX:
-            where = ((ids < _INT32_MIN) | (ids > _INT32_MAX)).nonzero()[0].tolist()
-            raise ValueError(f"[{op}] {name} holds {int(ids[tuple(where)])} at {where}, "
-                             "outside int32")
-    return ids.to(torch.int32)
+    """``ids`` as int32 on its device (switchyard._ids.to_int32: a value outside int32 is a
+    ValueError naming op, argument, value and position, never wrapped into another id).
+    ``dtypes``: the dtypes the caller takes (a subset of ``_ID_DTYPES``)."""
+    return _ids.to_int32(ids, op, name, dtypes)
 
 
 def _fail_collective(op, error, comm):

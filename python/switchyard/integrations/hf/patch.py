@@ -10,7 +10,7 @@ import sys
 import torch
 
 import switchyard as sy
-import switchyard.torch as syt
+from switchyard import _ids
 from switchyard import replay as _replay
 from switchyard import routes as syr
 
@@ -311,8 +311,9 @@ class Patch:
         targets for ``set_targets``, -1 at padding (switchyard.routes.add_padding). ValueError
         for another dtype, tables of different layers / K, or a mask row whose real tokens are not
         n_b."""
-        tables = [syt._idx32(torch.as_tensor(t), "hf.targets_from_tables", f"tables[{i}]",
-                             syt._ID_DTYPES) for i, t in enumerate(tables)]
+        op = "hf.targets_from_tables"
+        tables = [_ids.to_int32(_ids.as_tensor(t, op, f"tables[{i}]"), op, f"tables[{i}]")
+                  for i, t in enumerate(tables)]
         return syr.add_padding(tables, attention_mask)
 
     def targets_from_vllm(self, arrays, attention_mask: torch.Tensor | None = None,
@@ -334,8 +335,9 @@ class Patch:
         import report dict); ValueError as ``targets_from_vllm``. Padding is dropped
         by the mask (switchyard.routes.drop_padding), the layers mapped by the vLLM importer (all
         zero rows on MoE layers become -1 with zero_rows="to_none": routed natively, counted)."""
-        ids = syt._idx32(torch.as_tensor(routed_experts), "hf.targets_from_verl",
-                         "routed_experts", syt._ID_DTYPES)
+        op = "hf.targets_from_verl"
+        ids = _ids.to_int32(_ids.as_tensor(routed_experts, op, "routed_experts"), op,
+                            "routed_experts")
         m = torch.as_tensor(attention_mask).to("cpu")
         seqs = syr.drop_padding(ids, m, self.num_experts)
         tables, report = self._import_vllm([s[:-1] for s in seqs], zero_rows)

@@ -1,0 +1,90 @@
+"""Hostile ids (issue 35 item 1): one id-range rule for every integer dtype at every Python entry
+point (switchyard._ids). An id outside [0, E) is an error naming where it is and its value as
+given, in whatever dtype it came (int8 ... int64, uint8 ... uint64, torch or numpy), never wrapped
+into range by a narrowing cast; under the "native" policy it is a counted invalid row."""
+import numpy as np
+import pytest
+import torch
+
+import switchyard as sy
+import switchyard.routes as syr
+
+E, K = 8, 2
+SIGNED = [torch.int8, torch.int16, torch.int32, torch.int64]
+UNSIGNED = [torch.uint8, torch.uint16, torch.uint32, torch.uint64]
+# Values that a cast to int32 (or to the narrower dtype) turns into an id in range or into -1.
+WRAPPING = {torch.int64: [2**32 + 5, 2**32 - 1, -2**32 + 3], torch.uint32: [2**32 - 1, 2**31 + 5],
+            torch.uint64: [2**64 - 1, 2**63 + 5, 2**32 + 5]}
+
+
+def _table(dtype, T=3, L=2):
+    t = torch.tensor([[[(t + m) % E, (t + m + 1) % E] for m in range(L)] for t in range(T)])
+    return t.to(dtype)
+
+
+def _np(dtype):
+    return {torch.int64: np.int64, torch.uint32: np.uint32, torch.uint64: np.uint64}[dtype]
+
+
+@pytest.mark.parametrize("dtype", SIGNED + UNSIGNED)
+def test_every_integer_dtype_in_range_gives_the_int32_table(dtype):
+    """The same ids in any integer dtype, torch or numpy, give the int32 table."""
+    want = _table(torch.int32)
+    got = syr.add_padding([_table(dtype)])
+    assert torch.equal(got[0], want)
+    rows = sy.classify_replay_rows(_table(dtype)[:, 0], E)
+    assert torch.equal(rows.ids, want[:, 0]) and rows.num_replayed == 3
+
+
+@pytest.mark.hostile(tried="an id that wraps into range when narrowed (int64 2^32+5, uint32 "
+                           "2^32-1, uint64 2^64-1 ...) given to routes.add_padding, "
+                           "hf Patch.targets_from_tables or the replay row rule",
+                     gets="ValueError naming the argument, the position and the value as given "
+                          "(never read as expert 5 or -1)")
+@pytest.mark.parametrize("dtype,big", [(d, v) for d, vs in WRAPPING.items() for v in vs])
+def test_an_id_that_wraps_when_narrowed_is_an_error_in_every_dtype(dtype, big):
+    a = _table(torch.int64).numpy().astype(_np(dtype))
+    a[2, 1, 0] = big  # numpy holds the value exactly in its own dtype
+    t = torch.from_numpy(a)
+    assert t.dtype == dtype
+    with pytest.raises(ValueError, match=rf"\[routes.add_padding\] tables\[0\] holds {big} at "
+                                         r"\[2, 1, 0\], outside int32"):
+        syr.add_padding([t])
+    with pytest.raises(ValueError, match=rf"\[replay\] layer 4, replay ids holds {big} at "
+                                         r"\[2, 0\], outside int32"):
+        sy.classify_replay_rows(t[:, 1], E, layer=4)
+
+
+@pytest.mark.hostile(tried="the replay row rule under invalid_replay_rows='native' with an id "
+                           "outside int32 (int64 2^32+5, uint64 2^64-1)",
+                     gets="the row is a counted invalid row, routed natively (as an id outside "
+                          "[0, E) in range of int32 is); the other rows replay")
+@pytest.mark.parametrize("dtype,big", [(torch.int64, 2**32 + 5), (torch.int64, -2**40),
+                                       (torch.uint64, 2**64 - 1), (torch.uint32, 2**32 - 1)])
+def test_native_policy_counts_an_id_outside_int32_as_an_invalid_row(dtype, big):
+    a = _table(torch.int64)[:, 0].numpy().astype(_np(dtype))
+    a[1, 1] = big
+    rows = sy.classify_replay_rows(torch.from_numpy(a), E, policy="native")
+    assert rows.num_invalid == 1 and rows.num_replayed == 2
+    assert rows.kind.tolist() == [sy.replay.REPLAYED, sy.replay.INVALID, sy.replay.REPLAYED]
+    assert rows.resolved_ids()[1].tolist() == [-1, -1]
+
+
+@pytest.mark.hostile(tried="replay ids as bool, float or complex tensors",
+                     gets="ValueError listing the accepted integer dtypes (not the refused ones)")
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.float64, torch.complex64])
+def test_a_non_integer_dtype_error_lists_what_is_accepted(dtype):
+    with pytest.raises(ValueError, match=r"\[replay\] replay ids must have an integer dtype "
+                                         r"\(int8, int16, int32, int64, uint8, uint16, uint32 or "
+                                         rf"uint64\), got {dtype}"):
+        sy.classify_replay_rows(torch.zeros(3, K, dtype=dtype), E)
+
+
+def test_uint8_255_is_an_id_not_a_missing_route():
+    """An unsigned dtype has no -1: 255 in uint8 (what -1 becomes when cast) is an id outside
+    [0, E), an invalid row, never "route natively"."""
+    t = torch.tensor([[0, 1], [255, 255]], dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"\[replay\] token 1: .*255"):
+        sy.classify_replay_rows(t, E)
+    rows = sy.classify_replay_rows(t, E, policy="native")
+    assert rows.num_invalid == 1 and rows.num_native == 1
