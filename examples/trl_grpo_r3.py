@@ -57,7 +57,9 @@ for h in trainer.state.log_history:  # TRL's logs, with switchyard's metrics amo
                f"{h['switchyard/old/router_mismatch']:.3f}, " if "reward" in h else "")
         print(f"step {h['step']}: {gen}policy mismatch {h['switchyard/policy/router_mismatch']:.3f}"
               f", replayed rows {h['switchyard/policy/replayed_rows']:.0f}")
-worst = max(r["mismatch_rows"] for r in trainer.switchyard_records)
-print(f"R3: largest router mismatch against the rollout over {len(trainer.switchyard_records)} "
-      f"forwards: {worst} rows")
+# The experts received the rollout's ids in every forward (router_mismatch above is what the
+# routers would have chosen themselves: the mismatch R3 removes, large once the policy moved).
+worst = max(r["used_mismatch_rows"] for r in trainer.switchyard_records)
+print(f"R3: largest mismatch between the experts used and the rollout's routes over "
+      f"{len(trainer.switchyard_records)} forwards: {worst} rows")
 sys.exit(1 if worst else 0)

@@ -64,8 +64,10 @@ class RouterReplay:
                         recompute: set it before calling backward). "replay_backward" is its
                         deprecated old name.
     ``invalid_replay_rows``: "error" (default), "native" or "merge" (switchyard.replay.POLICIES)
-    for rows that mix -1 and ids, repeat an id or name an id outside [0, E); "merge" only where the
-    dispatcher merges pairs (the Megatron adapter; topk_route refuses it). ``num_experts``: when
+    for rows that mix -1 and ids, repeat an id or name an id outside [0, E); "merge" replays a row
+    whose only fault is a repeated id with its slots as given (topk_route accepts it: each slot
+    gets its share of the weights, which add up where the dispatcher or the experts sum a
+    repeated expert's slots; other invalid rows stay errors). ``num_experts``: when
     given, targets are classified by the engine's row rule as they are set (required by
     switchyard.replay.ReplayDriver). Tables come back as int32 [T, K] tensors."""
 

@@ -11,8 +11,8 @@ Nothing here depends on the rest of the package (it needs torch only), so every 
 """
 import torch
 
-__all__ = ["ID_DTYPES", "ENGINE_ID_DTYPES", "ACCEPTED", "as_tensor", "to_int32", "check_range",
-           "first_outside"]
+__all__ = ["ID_DTYPES", "ENGINE_ID_DTYPES", "ACCEPTED", "as_tensor", "table_list", "to_int32",
+           "check_range", "first_outside"]
 
 ID_DTYPES = tuple(getattr(torch, n) for n in ("int64", "int32", "int16", "int8", "uint8",
                                               "uint16", "uint32", "uint64") if hasattr(torch, n))
@@ -58,6 +58,20 @@ def as_tensor(ids, op, name):
     if t.dtype not in ID_DTYPES:
         raise ValueError(f"[{op}] {name} must have an integer dtype ({ACCEPTED}), got {t.dtype}")
     return t
+
+
+def table_list(tables, op, name="tables"):
+    """``tables`` (a list, tuple or other iterable of per-sequence tables) as a list. ValueError
+    naming ``op`` for one table given alone (a tensor or array, whose rows would be read as
+    tables: pass ``[table]``) and for a str, bytes, dict or non-iterable."""
+    if hasattr(tables, "shape") and hasattr(tables, "dtype"):
+        raise ValueError(f"[{op}] {name} must be a list with one table per sequence, got one "
+                         f"{type(tables).__name__} of shape {list(tables.shape)}: pass [table] "
+                         "for a single sequence")
+    if isinstance(tables, (str, bytes, bytearray, dict)) or not hasattr(tables, "__iter__"):
+        raise ValueError(f"[{op}] {name} must be a list with one table per sequence, got "
+                         f"{type(tables).__name__}")
+    return list(tables)
 
 
 def _int64(t):

@@ -188,7 +188,7 @@ def write(path, tables, num_experts, moe_layers=None, compression_level=3):
     """Writes tables ([T_i, L, K] int32/int64, same L and K) to a route file, committed
     atomically (see RouteWriter); returns the number of bytes written. On any error the file at
     ``path`` is untouched and no partial file is left behind."""
-    tables = list(tables)
+    tables = _ids.table_list(tables, "routes.write")
     if not tables:
         raise ValueError("[routes.write] tables must hold at least one table")
     L, K = tables[0].shape[1], tables[0].shape[2]
@@ -216,7 +216,10 @@ def encode(tables, num_experts, moe_layers=None, num_hidden_layers=0, compressio
     ``decode``, ``RouteFile.from_bytes`` and, saved to disk, by ``read`` and the CLI. Tables are
     encoded on the engine's threads (switchyard.set_num_threads); the bytes do not depend on the
     thread count. ``top_k`` / ``num_moe_layers`` are only needed when ``tables`` is empty."""
-    tables = list(tables)
+    tables = _ids.table_list(tables, "routes.encode")
+    if tables and getattr(tables[0], "dim", lambda: 3)() != 3:
+        raise ValueError(f"[routes.encode] tables[0] must be [T, moe_layers, K], got shape "
+                         f"{list(tables[0].shape)}")
     if tables:
         num_moe_layers, top_k = int(tables[0].shape[1]), int(tables[0].shape[2])
     elif top_k is None or num_moe_layers is None:
@@ -324,10 +327,12 @@ def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None
     the module docstring."""
     import torch
     ts = []
-    for a in arrays:
-        t = a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
-        if t.dtype == torch.int8:
-            t = t.to(torch.int32)  # the engine reads int16, uint16, uint8, int32 and int64 as they are
+    for i, a in enumerate(_ids.table_list(arrays, "import", "arrays")):
+        t = _ids.as_tensor(a, "import", f"arrays[{i}]")
+        # The engine reads int16, uint16, uint8, int32 and int64 as they are (and checks their
+        # range itself); int8 is widened, uint32 / uint64 narrowed by the one checked narrowing.
+        if t.dtype not in _ENGINE_ID_DTYPES and t.dtype != torch.int64:
+            t = _ids.to_int32(t, "import", f"arrays[{i}]")
         ts.append(t.contiguous())
     return _C.routes_import_vllm_arrays(ts, int(num_experts), int(first_k_dense),
                                         _freq(moe_layer_freq), int(num_mtp_layers),
@@ -448,13 +453,11 @@ def import_sglang_text(text, num_experts, num_input_layers, top_k, first_k_dense
 def _widened(a, name):
     """A CPU int32/int64/uint8 tensor for the engine: int16 / uint16 / int8 widened to int32."""
     import torch
-    t = a if isinstance(a, torch.Tensor) else torch.from_numpy(a)
-    if t.dtype in (torch.int16, torch.uint16, torch.int8):
-        t = t.to(device="cpu", dtype=torch.int32)
+    t = _ids.as_tensor(a, "routes.import", name)
+    if t.dtype not in (torch.int32, torch.int64, torch.uint8):
+        t = _ids.to_int32(t.to("cpu"), "routes.import", name)  # checked, never wrapped
     elif t.device.type != "cpu":
         t = t.cpu()
-    if t.dtype.is_floating_point or t.dtype == torch.bool:
-        raise ValueError(f"[routes.import] {name} must hold integer expert ids, got {t.dtype}")
     return t.contiguous()
 
 
@@ -646,7 +649,8 @@ def add_padding(tables, attention_mask=None, padding_side=None, seq_len=None):
     import torch
 
     op = "routes.add_padding"
-    tables = [_ids.to_int32(t, op, f"tables[{i}]").to("cpu") for i, t in enumerate(tables)]
+    tables = [_ids.to_int32(_ids.as_tensor(t, op, f"tables[{i}]"), op, f"tables[{i}]").to("cpu")
+              for i, t in enumerate(_ids.table_list(tables, op))]
     if not tables:
         raise ValueError(f"[{op}] tables must hold at least one table, got none")
     for i, t in enumerate(tables):
@@ -696,17 +700,24 @@ def add_padding(tables, attention_mask=None, padding_side=None, seq_len=None):
     return out
 
 
-def routed_experts(ids, attention_mask=None):
+def routed_experts(ids, attention_mask=None, final_token_fed=False):
     """Routes of every fed token -> vLLM's ``routed_experts`` per sequence: a list of int32
     tensors [num_tokens - 1, num_hidden_layers, K] (vLLM routes every token but the last).
 
     ``ids``: [B, S, num_hidden_layers, K] int32 (int64 checked), row b's s-th fed token at
     [b, s] (what a capture over ``generate()`` holds: the prefill, then one column per decode
     step), dense layers 0. ``attention_mask`` (nonzero = real token): [B, S + 1] over the
-    generated sequences (prompt + new tokens; the last token was never fed), or [B, S] over the
-    fed tokens (a sequence that ended early fed its last token too: that row is dropped, as vLLM
-    never routes a sequence's last token); None = every fed token is real and the final token of
-    each sequence was not fed (all S rows)."""
+    generated sequences (prompt + new tokens; the last column was never fed), or [B, S] over the
+    fed tokens; None = every fed token is real and the final token of each sequence was not fed
+    (all S rows).
+
+    Which row is a sequence's last token (no route, dropped): with the [B, S + 1] mask, a sequence
+    real at the last column has its final token there (never fed: every fed real row is kept); one
+    that ended earlier fed its last token too, and that row is dropped. With the [B, S] mask and
+    ``final_token_fed=False`` (a generate() capture: the final column's token was generated, never
+    fed), a sequence real at the last fed column goes on past it (every real row kept) and one
+    that ended earlier drops its last real row. ``final_token_fed=True`` (a capture of plain
+    forwards over whole sequences) drops every sequence's last real row."""
     import torch
 
     op = "routes.routed_experts"
@@ -727,8 +738,9 @@ def routed_experts(ids, attention_mask=None):
     for b in range(B):
         rows = ids[b][m[b, :S]]
         # No route for a sequence's last token: drop the last fed real token's route unless the
-        # sequence's last token is the unfed final one.
-        if not (generated and bool(m[b, S])):
+        # sequence goes on to the unfed final column.
+        goes_on = bool(m[b, S]) if generated else (not final_token_fed and bool(m[b, S - 1]))
+        if not goes_on:
             rows = rows[:-1]
         out.append(rows.contiguous())
     return out

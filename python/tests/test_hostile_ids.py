@@ -88,3 +88,47 @@ def test_uint8_255_is_an_id_not_a_missing_route():
         sy.classify_replay_rows(t, E)
     rows = sy.classify_replay_rows(t, E, policy="native")
     assert rows.num_invalid == 1 and rows.num_native == 1
+
+
+# ---- route writers given one table; importers given arrays that are not id arrays ---------------
+@pytest.mark.hostile(tried="routes.encode / routes.write given one [T, L, K] table instead of a "
+                           "list of tables (torch or numpy)",
+                     gets="ValueError saying to pass [table] (used to be an IndexError from "
+                          "reading the table's rows as tables); no file written")
+@pytest.mark.parametrize("as_numpy", [False, True])
+def test_a_single_table_given_as_the_list_of_tables_is_refused(tmp_path, as_numpy):
+    t = _table(torch.int32)
+    one = t.numpy() if as_numpy else t
+    kind = "ndarray" if as_numpy else "Tensor"
+    for op, call in (("routes.encode", lambda: syr.encode(one, E)),
+                     ("routes.write", lambda: syr.write(tmp_path / "r.syr", one, E))):
+        with pytest.raises(ValueError, match=rf"\[{op}\] tables must be a list with one table "
+                                             rf"per sequence, got one {kind} of shape "
+                                             r"\[3, 2, 2\]: pass \[table\] for a single sequence"):
+            call()
+    assert not list(tmp_path.iterdir())
+    assert torch.equal(syr.decode(syr.encode([t], E))[0][0], t)
+
+
+@pytest.mark.hostile(tried="routes.import_vllm_arrays / import_trtllm_arrays with float, bool or "
+                           "None arrays, or uint32 / uint64 ids",
+                     gets="ValueError listing the accepted integer dtypes (used to list the dtypes "
+                          "the bridge knows, floats and bool included); uint32 / uint64 ids in "
+                          "range import as int32 ids")
+def test_importers_name_the_accepted_dtypes_and_take_every_integer_dtype():
+    acc = r"\(int8, int16, int32, int64, uint8, uint16, uint32 or uint64\)"
+    for bad, got in ((torch.zeros(3, 2, K), "torch.float32"), (np.zeros((3, 2, K), bool),
+                                                               "torch.bool")):
+        with pytest.raises(ValueError, match=rf"\[import\] arrays\[0\] must have an integer dtype "
+                                             rf"{acc}, got {got}"):
+            syr.import_vllm_arrays([bad], E)
+        with pytest.raises(ValueError, match=rf"\[routes.import\] arrays\[0\] must have an "
+                                             rf"integer dtype {acc}, got {got}"):
+            syr.import_trtllm_arrays([bad], E)
+    with pytest.raises(ValueError, match=r"\[import\] arrays\[0\] is None: expected an integer "
+                                         r"array of expert ids"):
+        syr.import_vllm_arrays([None], E)
+    want, _ = syr.import_vllm_arrays([_table(torch.int32)], E)
+    for dtype in UNSIGNED + SIGNED:
+        got, _ = syr.import_vllm_arrays([_table(dtype)], E)
+        assert torch.equal(got[0], want[0]), dtype

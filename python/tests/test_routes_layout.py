@@ -113,11 +113,32 @@ def test_routed_experts_over_generated_sequences():
     assert torch.equal(out[1], ids[1, 0:3])
 
 
-def test_routed_experts_over_fed_tokens_drops_each_last_token():
+@pytest.mark.hostile(tried="routes.routed_experts(ids, mask) with a [B, S] mask over a generate() "
+                           "capture's fed tokens, a sequence real at the last fed column",
+                     gets="that sequence keeps every fed row (its final token was generated, never "
+                          "fed); used to drop its last fed row, a real route")
+def test_routed_experts_over_fed_tokens_keeps_a_sequence_that_goes_on():
+    # Row 0 is real at the last fed column: its final (generated) token was never fed, so its
+    # last fed row is a real route. Row 1 ended early: its last real token (fed) has no route.
     ids = _fed(2, 4)
     mask = torch.tensor([[1, 1, 1, 1],
                          [0, 1, 1, 0]])
     out = sy.routes.routed_experts(ids, mask)
+    assert torch.equal(out[0], ids[0, 0:4])
+    assert torch.equal(out[1], ids[1, 1:2])
+    # the same as the mask over the generated sequences, whose final column row 0 reaches
+    gen = torch.tensor([[1, 1, 1, 1, 1],
+                        [0, 1, 1, 0, 0]])
+    assert all(torch.equal(a, b) for a, b in zip(out, sy.routes.routed_experts(ids, gen)))
+
+
+def test_routed_experts_of_plain_forwards_drops_each_last_token():
+    # final_token_fed=True (a capture of forwards over whole sequences): every sequence fed its
+    # last token, which vLLM never routes.
+    ids = _fed(2, 4)
+    mask = torch.tensor([[1, 1, 1, 1],
+                         [0, 1, 1, 0]])
+    out = sy.routes.routed_experts(ids, mask, final_token_fed=True)
     assert torch.equal(out[0], ids[0, 0:3])
     assert torch.equal(out[1], ids[1, 1:2])
 

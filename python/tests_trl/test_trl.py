@@ -17,6 +17,10 @@ import trl_models as tm  # noqa: E402
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 E, K, L = 8, 2, 2  # the tiny model: experts, top-k, hidden layers (all MoE)
+# The share of rows whose top-k may flip between the rollout's forward (KV cache, other shapes)
+# and the trainer's on the same weights: near-ties of fp32 logits computed by different torch
+# kernels (0 on the CPUs seen; a bound, not a value, since the kernels differ across CPUs).
+_NEAR_TIES = 0.05
 
 
 class _Checked(sytrl.GRPOTrainer):
@@ -38,7 +42,8 @@ def _trainer(tmp_path, cls=_Checked, model=None, train_kw=None, **kw):
 _CONFIG_KEYS = {"num_iterations", "steps_per_generation", "max_steps", "beta", "num_generations",
                 "per_device_train_batch_size", "gradient_accumulation_steps", "use_vllm",
                 "max_completion_length", "learning_rate", "pad_to_multiple_of",
-                "eval_strategy", "eval_steps", "per_device_eval_batch_size", "sync_ref_model"}
+                "eval_strategy", "eval_steps", "per_device_eval_batch_size", "sync_ref_model",
+                "generation_kwargs"}
 
 
 def _kinds(tr):
@@ -60,8 +65,7 @@ def _real_rows(inputs):
 
 # ---- R3 on TRL's own generate() ---------------------------------------------------------------
 @pytest.mark.parametrize("pad_to", [None, 8])
-def test_r3_replays_captured_routes_in_old_and_policy_forwards_with_zero_mismatch(tmp_path,
-                                                                                  pad_to):
+def test_r3_replays_captured_routes_in_old_and_policy_forwards(tmp_path, pad_to):
     # steps_per_generation=2: a generation batch of 8 rows (4 prompts of different lengths) is
     # shuffled and split over two steps; num_iterations=2: TRL runs the old-log-prob pass;
     # pad_to_multiple_of=8: more left padding in generate() and in TRL's rows.
@@ -73,9 +77,11 @@ def test_r3_replays_captured_routes_in_old_and_policy_forwards_with_zero_mismatc
     assert len(kinds["policy"]) == 4
     for r in tr.switchyard_records:
         assert r["mode"] == "R3" and r["compared_rows"] > 0
-        assert r["mismatch_rows"] == 0
+        assert r["used_mismatch_rows"] == 0  # the experts received the rollout's ids
         assert r["replayed_rows"] == r["compared_rows"]  # every routed real token replayed
         assert r["invalid_rows"] == 0
+    for r in kinds["old"]:  # the weights that generated: the router's own choice agrees
+        assert r["mismatch_rows"] <= _NEAR_TIES * r["compared_rows"]
     for b in tr.seen:  # the routes are -1 exactly where TRL's rows have no routed token
         routes = b[sytrl.ROLLOUT_ROUTES_KEY]
         assert routes.shape[:2] == torch.cat([b["prompt_ids"], b["completion_ids"]], 1).shape
@@ -84,7 +90,7 @@ def test_r3_replays_captured_routes_in_old_and_policy_forwards_with_zero_mismatc
         assert torch.equal(has, routed)
         assert torch.equal((routes < 0).all(-1).all(-1), ~routed)
     logged = [h for h in tr.state.log_history if "switchyard/policy/router_mismatch" in h]
-    assert logged and all(h["switchyard/policy/router_mismatch"] == 0 for h in logged)
+    assert logged and all(0 <= h["switchyard/policy/router_mismatch"] <= 1 for h in logged)
     assert all(h["switchyard/policy/replayed_rows"] > 0 for h in logged)
 
 
@@ -106,7 +112,7 @@ def test_r3_in_evaluation_and_with_gradient_accumulation(tmp_path):
     splits = {r["split"] for r in tr.switchyard_records}
     assert splits == {"train", "eval"}
     for r in tr.switchyard_records:
-        assert r["mismatch_rows"] == 0 and r["replayed_rows"] == r["compared_rows"] > 0
+        assert r["used_mismatch_rows"] == 0 and r["replayed_rows"] == r["compared_rows"] > 0
     assert any("eval_switchyard/policy/router_mismatch" in h for h in tr.state.log_history)
 
 
@@ -126,7 +132,7 @@ def test_r3_replays_the_reference_model_reloaded_by_trl(tmp_path):
     kinds = _kinds(tr)
     assert len(kinds["ref"]) == 2 and len(kinds["policy"]) == 2
     for r in kinds["ref"] + kinds["policy"]:
-        assert r["mismatch_rows"] == 0 and r["replayed_rows"] == r["compared_rows"] > 0
+        assert r["used_mismatch_rows"] == 0 and r["replayed_rows"] == r["compared_rows"] > 0
 
 
 def test_r3_replays_a_deep_copied_reference_model(tmp_path):
@@ -139,7 +145,9 @@ def test_r3_replays_a_deep_copied_reference_model(tmp_path):
                 prm.mul_(-1)
     tr.train()
     (ref,) = _kinds(tr)["ref"]
-    assert ref["mismatch_rows"] == 0 and ref["replayed_rows"] == ref["compared_rows"] > 0
+    assert ref["used_mismatch_rows"] == 0 and ref["replayed_rows"] == ref["compared_rows"] > 0
+    # the copy's own choice differs from the rollout's (negated gate): the metric says so
+    assert ref["mismatch_rows"] > ref["compared_rows"] // 2
 
 
 def test_a_reference_model_unpatched_after_construction_is_patched_on_first_use(tmp_path):
@@ -149,7 +157,7 @@ def test_a_reference_model_unpatched_after_construction_is_patched_on_first_use(
     tr.train()
     assert syhf.patch_of(tr.ref_model) is not None
     (ref,) = _kinds(tr)["ref"]
-    assert ref["mismatch_rows"] == 0 and ref["replayed_rows"] == ref["compared_rows"] > 0
+    assert ref["used_mismatch_rows"] == 0 and ref["replayed_rows"] == ref["compared_rows"] > 0
 
 
 # ---- R2 ---------------------------------------------------------------------------------------
@@ -165,7 +173,7 @@ def test_r2_replays_the_old_pass_routes_in_every_update(tmp_path):
             # every real token of the batch replayed with the old pass's ids (the last token
             # too: R2 recorded it), so the mismatch against the rollout is the old pass's
             assert pol["replayed_rows"] >= old["compared_rows"] > 0
-            assert pol["mismatch_rows"] == old["mismatch_rows"]
+            assert pol["used_mismatch_rows"] == old["mismatch_rows"]
     for b in tr.seen:
         r2 = b[sytrl.R2_ROUTES_KEY]
         real, _ = _real_rows(b)
@@ -223,7 +231,9 @@ def test_rollout_func_routes_follow_their_sequence_through_padding_and_shuffle(t
                     [_route(int(ids[row, s]), j, l) for l in range(L)]
                 assert routes[row, s].tolist() == want, (row, s)
     for r in tr.switchyard_records:
-        assert r["mismatch_rows"] == 0 and r["replayed_rows"] == r["compared_rows"] > 0
+        assert r["used_mismatch_rows"] == 0 and r["replayed_rows"] == r["compared_rows"] > 0
+        # the synthetic routes are far from the model's own choice: the mismatch shows it
+        assert r["mismatch_rows"] > r["compared_rows"] // 2
     assert {r["kind"] for r in tr.switchyard_records} == {"old", "policy"}
 
 
@@ -307,7 +317,8 @@ def _missing(out):
                      gets="ValueError naming the field, the sequence and the shape wanted")
 @pytest.mark.parametrize("broken,msg", [
     (_drop_last_row, r"'routed_experts'\[1\] must be an integer array .* = \[\d+, 2, 2\], got"),
-    (_float_routes, r"'routed_experts'\[0\] must be an integer array .*torch.float32"),
+    (_float_routes, r"'routed_experts'\[0\] must have an integer dtype \(int8, int16, int32, "
+                    r"int64, uint8, uint16, uint32 or uint64\), got torch.float32"),
     (_missing, r"replay='R3' needs the rollout's routes: rollout_func returned no "
                r"'routed_experts' field")])
 def test_bad_rollout_routes_are_refused_before_any_replay(tmp_path, broken, msg):
@@ -319,12 +330,14 @@ def test_bad_rollout_routes_are_refused_before_any_replay(tmp_path, broken, msg)
 
 
 @pytest.mark.hostile(tried="TRL rollout_func: an out-of-range expert id in the routes",
-                     gets="ValueError from switchyard's vLLM importer, naming the field")
+                     gets="ValueError naming the field, sequence, token, layer and value")
 def test_rollout_routes_with_an_expert_id_out_of_range_are_refused(tmp_path):
     def bad(out):
         out["routed_experts"][2][0, 1, 0] = E
     tr = _trainer(tmp_path, rollout_func=_rollout_func(broken=bad), max_steps=1)
-    with pytest.raises(ValueError, match=r"the rollout's routes \('routed_experts'\)"):
+    with pytest.raises(ValueError, match=r"\[trl.GRPOTrainer\] rollout_func's 'routed_experts'\[2\] "
+                                         r"\(sequence 2\): token 0, layer 1, slot 0 holds expert id "
+                                         r"8 \(int32\), outside \[0, 8\) or -1 \(no route\)"):
         tr.train()
     assert tr.switchyard_records == []
 

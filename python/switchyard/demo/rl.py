@@ -200,7 +200,10 @@ def _k3(lr):
 
 
 def _share(rec):
-    return rec["mismatch_rows"] / rec["compared_rows"] if rec["compared_rows"] else 0.0
+    # The ids the trainer's routers used (replayed ones included) against the rollout's: what the
+    # demo compares across modes (the integration's router_mismatch metric is each router's own
+    # choice, which R3 then overrides).
+    return rec["used_mismatch_rows"] / rec["compared_rows"] if rec["compared_rows"] else 0.0
 
 
 class Probe:
@@ -225,7 +228,7 @@ class Probe:
         row = {
             "step": step,
             "router_mismatch": _share(record),
-            "mismatch_rows": int(record["mismatch_rows"]),
+            "mismatch_rows": int(record["used_mismatch_rows"]),
             "compared_rows": int(record["compared_rows"]),
             "train_rollout_k3_kl": _k3(lr),
             "train_rollout_max_abs_log_ratio": float(lr.abs().max()) if lr.numel() else 0.0,
@@ -346,7 +349,7 @@ def run_mode(mode, model_fp32, corpus, mcfg, cfg: RLConfig, out_dir, progress=Tr
         trainer.add_callback(Bar())
     trainer.train()
     policy = [dict(step=r["global_step"] + 1, router_mismatch=_share(r),
-                   mismatch_rows=r["mismatch_rows"], compared_rows=r["compared_rows"],
+                   mismatch_rows=r["used_mismatch_rows"], compared_rows=r["compared_rows"],
                    replayed_rows=r["replayed_rows"], native_rows=r["native_rows"])
               for r in trainer.switchyard_records if r["kind"] == "policy"]
     trainer.switchyard_unpatch()

@@ -44,13 +44,19 @@ so TRL's shuffling and splitting move them with their sequences.
 Metrics (TRL's ``_metrics``, logged with TRL's own; ``kind`` is ``old``, ``ref`` or ``policy``):
 
 * ``switchyard/{kind}/router_mismatch``: share of the (token, MoE layer) rows that have a rollout
-  route whose top-k expert set in this forward differs from the rollout's (exactly 0 under R3);
-  absent when there are no rollout routes.
+  route where the expert set the router chooses itself in this forward (its live top-k, also when
+  the row is replayed) differs from the rollout's route at that token: the train / rollout router
+  mismatch that R3 removes (the replayed rows use the rollout's ids whatever this says; see
+  ``replayed_rows``). Routes placed at the wrong tokens show as a large mismatch, never as 0.
+  Absent when there are no rollout routes.
 * ``switchyard/{kind}/replayed_rows`` and ``switchyard/{kind}/native_rows``: rows routed with
   replayed ids / natively in that forward, summed over MoE layers (padding and last tokens are
   native).
 * ``trainer.switchyard_records``: one dict per forward pass (kind, mode, split ("train" or
-  "eval"), global_step, mismatch_rows, compared_rows, replayed_rows, native_rows, invalid_rows).
+  "eval"), global_step, mismatch_rows, used_mismatch_rows, compared_rows, replayed_rows,
+  native_rows, invalid_rows). ``mismatch_rows`` is the router mismatch above (rows of
+  ``compared_rows``); ``used_mismatch_rows`` compares the ids the experts received instead (0
+  under R3, the old pass's drift under R2, ``mismatch_rows`` without replay).
   In evaluation TRL prefixes the metrics with ``eval_``.
 
 ``trainer.switchyard_patch`` is the policy model's ``hf.Patch``; ``trainer.switchyard_unpatch()``
@@ -64,6 +70,7 @@ import inspect
 import torch
 
 import switchyard.integrations.hf as syhf
+from switchyard import _ids
 
 try:
     import trl as _trl
@@ -90,6 +97,10 @@ METRIC_NAMES = ("switchyard/{kind}/router_mismatch", "switchyard/{kind}/replayed
 """Metric names, per forward kind (old, ref, policy); floats, logged with TRL's own."""
 
 _WHO = "[trl.GRPOTrainer]"
+_OP = "trl.GRPOTrainer"
+# Keys of rollout_func's output that TRL reads itself: routes_field must not take one of them.
+_TRL_ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs", "env_mask")
+_INT32_MAX = 2**31 - 1  # an id outside [0, E) for every E: a counted invalid row under "native"
 _MM_ARGS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
             "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids",
             "image_position_ids")
@@ -111,6 +122,10 @@ def _check_args(replay, router_dtype, routes_field, gate, args, rollout_func):
     if not isinstance(routes_field, str) or not routes_field:
         raise ValueError(f"{_WHO} routes_field must be a non-empty str, got "
                          f"routes_field={routes_field!r}")
+    if routes_field in _TRL_ROLLOUT_KEYS:
+        raise ValueError(f"{_WHO} routes_field={routes_field!r} is a key TRL reads from "
+                         f"rollout_func's output ({', '.join(_TRL_ROLLOUT_KEYS)}): name the routes "
+                         "field something else (default 'routed_experts')")
     if gate not in ("auto", "torch"):
         raise ValueError(f"{_WHO} gate must be 'auto' or 'torch', got gate={gate!r}")
     if args is None:
@@ -190,7 +205,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         """"auto" or "torch", as given (hf.patch's gate)."""
         self.switchyard_records = []
         """One dict per log-prob forward: kind, mode, split, global_step, mismatch_rows,
-        compared_rows, replayed_rows, native_rows, invalid_rows (kind, mode, split: str or None;
+        used_mismatch_rows, compared_rows, replayed_rows, native_rows, invalid_rows (kind, mode, split: str or None;
         the others ints)."""
         self._sy_active = True
         self._sy_gen = None         # _GenState of the running _generate()
@@ -249,24 +264,40 @@ class GRPOTrainer(_trl.GRPOTrainer):
         return rollout_func
 
     def _sy_check_rollout_routes(self, out, routes):
+        """rollout_func's routes -> [(tokens, int32 [n - 1, H, K] on the CPU)] per sequence, every
+        one checked against its sequence (shape, dtype, ids) before anything is used."""
         p, f = self.switchyard_patch, self.switchyard_routes_field
         prompt_ids, completion_ids = out.get("prompt_ids"), out.get("completion_ids")
         if prompt_ids is None or completion_ids is None:
             return None  # TRL raises for the missing keys
         if not isinstance(routes, (list, tuple)) or len(routes) != len(completion_ids):
-            n = len(routes) if isinstance(routes, (list, tuple)) else type(routes).__name__
+            n = (f"{len(routes)} entries" if isinstance(routes, (list, tuple)) else
+                 f"a {type(routes).__name__}" + (f" of shape {list(routes.shape)}"
+                                                 if hasattr(routes, "shape") else ""))
             raise ValueError(f"{_WHO} rollout_func's {f!r} must be a list with one array per "
-                             f"sequence ({len(completion_ids)}), got {n}")
+                             f"sequence ({len(completion_ids)}, in completion_ids' order), got "
+                             f"{n}")
         seqs = []
         for i, (pi, ci, r) in enumerate(zip(prompt_ids, completion_ids, routes)):
-            t = torch.as_tensor(r)
-            want = [len(pi) + len(ci) - 1, p.num_hidden_layers, p.top_k]
-            if list(t.shape) != want or t.dtype.is_floating_point or t.dtype == torch.bool:
-                raise ValueError(f"{_WHO} rollout_func's {f!r}[{i}] must be an integer array "
+            name = f"rollout_func's {f!r}[{i}]"
+            n = len(pi) + len(ci)
+            if n < 2:
+                if r is None or (hasattr(r, "__len__") and len(r) == 0):
+                    seqs.append((list(pi) + list(ci), None))  # nothing to route: no row
+                    continue
+            t = _ids.as_tensor(r, _OP, name)
+            want = [max(n - 1, 0), p.num_hidden_layers, p.top_k]
+            if list(t.shape) != want:
+                raise ValueError(f"{_WHO} {name} must be an integer array "
                                  f"[len(prompt_ids[{i}]) + len(completion_ids[{i}]) - 1, "
                                  f"num_hidden_layers, K] = {want}, got {list(t.shape)} "
                                  f"{t.dtype}")
-            seqs.append((list(pi) + list(ci), t.to(torch.int32)))
+            t = t.detach().to("cpu")
+            if p.invalid_replay_rows != "native":
+                # The id-range rule before any narrowing: int64 2**32 + 5 is not expert 5.
+                _ids.check_range(t, p.num_experts, _OP, f"{name} (sequence {i})",
+                                 axes=("token", "layer", "slot"))
+            seqs.append((list(pi) + list(ci), _ids.to_int32(t, _OP, name, saturate=True)))
         return seqs
 
     def _generate(self, prompts):
@@ -327,23 +358,43 @@ class GRPOTrainer(_trl.GRPOTrainer):
             if self.switchyard_replay == "R3":
                 raise RuntimeError(f"{_WHO} replay='R3': this generation gave no routes")
             return None
-        arrays = []
+        arrays, invalid = [], []
+        E = self.switchyard_patch.num_experts
         for i, (pi, ci) in enumerate(zip(prompt_ids, completion_ids)):
             tokens, r = st.seqs[i]
             full = list(pi) + list(ci)
+            if r is None:  # a sequence of fewer than 2 tokens: no routed token
+                r = torch.zeros(0, self.switchyard_patch.num_hidden_layers,
+                                self.switchyard_patch.top_k, dtype=torch.int32)
             if tokens[:len(full)] != full or r.shape[0] < len(full) - 1:
                 raise RuntimeError(f"{_WHO} sequence {i}: the routes were taken for other tokens "
                                    "than TRL trains on")
-            arrays.append(r[:len(full) - 1])
+            r = r[:max(len(full) - 1, 0)]
+            # Under invalid_replay_rows="native" a row holding an id outside [0, E) is replayed
+            # as an invalid row (routed natively, counted): kept out of the importer, put back
+            # below as an id outside every range.
+            bad = ((r < -1) | (r >= E)).any(-1)  # [n - 1, H]
+            if bool(bad.any()):
+                r = r.masked_fill(bad[..., None], -1)
+            invalid.append(bad)
+            arrays.append(r)
         pm = _trl_pad([torch.ones(len(x), dtype=torch.long) for x in prompt_ids], 0, "left",
                       self.pad_to_multiple_of)
         cm = _trl_pad([torch.ones(len(x), dtype=torch.long) for x in completion_ids], 0, "right",
                       self.pad_to_multiple_of)
+        mask = torch.cat([pm, cm], dim=1)
         try:
-            t, _ = self.switchyard_patch.targets_from_vllm(arrays, torch.cat([pm, cm], dim=1))
+            t, _ = self.switchyard_patch.targets_from_vllm(arrays, mask)
         except ValueError as e:
             raise ValueError(f"{_WHO} the rollout's routes ({self.switchyard_routes_field!r}): "
                              f"{e}") from e
+        cols = self.switchyard_patch.layers  # hidden layer of each MoE column
+        for b, bad in enumerate(invalid):
+            if bad.numel() and bool(bad[:, cols].any()):
+                pos = mask[b].bool().nonzero().flatten()[:bad.shape[0]]
+                sub = t[b, pos]
+                sub[bad[:, cols]] = _INT32_MAX
+                t[b, pos] = sub
         return t.to(self.accelerator.device)
 
     # ---- carried through TRL's batch ---------------------------------------------------------
@@ -433,7 +484,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
         bs = batch_size or B
         logps, ents, auxs = [], [], []
         rec = dict(kind=kind, mode=mode, split="train" if self.model.training else "eval",
-                   global_step=int(self.state.global_step), mismatch_rows=0, compared_rows=0,
+                   global_step=int(self.state.global_step), mismatch_rows=0,
+                   used_mismatch_rows=0, compared_rows=0,
                    replayed_rows=0, native_rows=0, invalid_rows=0)
         ids_all = []
         for s in range(0, B, bs):
@@ -459,13 +511,19 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 rec["replayed_rows"] += c["num_replayed_rows"]
                 rec["native_rows"] += c["num_native_rows"]
                 rec["invalid_rows"] += c["num_invalid_replay_rows"]
-            ids = cap.ids()[:, :, p.layers, :]  # [b, S, M, K]
+            ids = cap.ids()[:, :, p.layers, :]  # [b, S, M, K]: what the experts received
             ids_all.append(ids)
             if rollout is not None:
+                # The mismatch is the routers' own choice (live top-k) against the rollout's route
+                # at each token position, never the replayed ids against themselves: routes
+                # placed at the wrong tokens show up here even when they are replayed.
+                own = cap.native_ids()[:, :, p.layers, :]
                 r = rollout[s:e].to("cpu")
                 valid = (r >= 0).all(-1) & attention_mask[s:e].to("cpu").bool()[:, :, None]
-                differ = (ids.sort(-1).values != r.sort(-1).values).any(-1) & valid
+                differ = (own.sort(-1).values != r.sort(-1).values).any(-1) & valid
                 rec["mismatch_rows"] += int(differ.sum())
+                used = (ids.sort(-1).values != r.sort(-1).values).any(-1) & valid
+                rec["used_mismatch_rows"] += int(used.sum())
                 rec["compared_rows"] += int(valid.sum())
             logps.append(lp)
             if compute_entropy:

@@ -20,31 +20,68 @@ class Capture:
     def __init__(self, owner):
         self._owner = owner
         self._steps = {l.layer: [] for l in owner._layers}
+        self._native = {l.layer: [] for l in owner._layers}  # the routers' own choices
         self.active = False
         """True while capturing (between Patch.capture() and the end of the ``with`` block)."""
         self._had_generate = False
         self._orig_generate = None
+        self._refeed = False  # inside generate(use_cache=False): each forward re-feeds all tokens
+        self._generated = False  # a generate() ran under this capture (its final token unfed)
 
     def _generate(self, *args, **kwargs):
-        """The model's generate() while capturing: beam search refused before any forward."""
+        """The model's generate() while capturing: beam search and the generate paths whose
+        forwards do not follow the returned sequences refused before any forward; without a KV
+        cache (use_cache=False) every step re-feeds the whole sequence, and only the columns it
+        adds are kept (``_add``)."""
         model = self._owner.model
         cfgs = [a for a in args if hasattr(a, "num_beams")]
         cfg = kwargs.get("generation_config") or (cfgs[0] if cfgs else None) or \
             getattr(model, "generation_config", None)
-        num_beams = kwargs.get("num_beams", getattr(cfg, "num_beams", 1))
+
+        def setting(name, default=None):
+            v = kwargs.get(name)
+            return v if v is not None else getattr(cfg, name, default)
+        num_beams = setting("num_beams", 1)
         if num_beams is not None and int(num_beams) > 1:
             raise ValueError(f"[hf.capture] generate() with num_beams={int(num_beams)}: beam "
                              "search reorders the beams at every step, so the captured routes "
                              "would not follow the returned sequences; capture supports greedy "
                              "search and sampling (num_beams=1)")
-        if self._orig_generate is not None:
-            return self._orig_generate(*args, **kwargs)
-        return type(model).generate(model, *args, **kwargs)
+        for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit",
+                     "custom_generate"):
+            if setting(name) is not None:
+                raise ValueError(f"[hf.capture] generate() with {name}={setting(name)!r}: "
+                                 "assisted / speculative decoding runs forwards over tokens it "
+                                 "then drops (and custom decoding loops are unknown to capture), "
+                                 "so the captured routes would not follow the returned "
+                                 "sequences; capture supports greedy search and sampling, with "
+                                 "or without a KV cache (use_cache)")
+        self._refeed = setting("use_cache", True) is False
+        self._generated = True
+        try:
+            if self._orig_generate is not None:
+                return self._orig_generate(*args, **kwargs)
+            return type(model).generate(model, *args, **kwargs)
+        finally:
+            self._refeed = False
 
-    def _add(self, layer, ids32, batch_shape, T):
+    def _add(self, layer, ids32, batch_shape, T, native32=None):
         if batch_shape is None or len(batch_shape) != 2 or batch_shape[0] * batch_shape[1] != T:
             batch_shape = (1, T)
-        self._steps[layer].append(ids32.view(batch_shape[0], batch_shape[1], -1))
+        step = ids32.view(batch_shape[0], batch_shape[1], -1)
+        nat = step if native32 is None else native32.view(step.shape)
+        steps = self._steps[layer]
+        if self._refeed and steps:
+            # generate(use_cache=False): this forward re-fed the whole sequence so far; its new
+            # columns are those past the ones captured (the earlier ones were routed before).
+            have = sum(s.shape[1] for s in steps)
+            if step.shape[0] != steps[0].shape[0] or step.shape[1] <= have:
+                raise ValueError(f"[hf.capture] generate(use_cache=False): a step fed "
+                                 f"{list(step.shape[:2])} tokens after {have} were captured: "
+                                 "it does not extend the sequences, the routes cannot be placed")
+            step, nat = step[:, have:], nat[:, have:]
+        steps.append(step)
+        self._native[layer].append(nat)
 
     def __enter__(self):
         return self
@@ -59,9 +96,18 @@ class Capture:
 
     def ids(self) -> torch.Tensor:
         """[B, S_fed, num_hidden_layers, K] int32: every fed token's ids, dense layers 0."""
+        return self._stacked(self._steps)
+
+    def native_ids(self) -> torch.Tensor:
+        """[B, S_fed, num_hidden_layers, K] int32: the ids each router chose itself (its live
+        top-k), also where a replayed row used other ids (``ids()``); equal to ``ids()`` where
+        nothing was replayed. What a router mismatch is measured against."""
+        return self._stacked(self._native)
+
+    def _stacked(self, per_layer):
         o = self._owner
         per = {}
-        for layer, steps in self._steps.items():
+        for layer, steps in per_layer.items():
             if not steps:
                 raise ValueError("[hf.Capture] nothing was captured (no forward ran while "
                                  "capturing)")
@@ -81,12 +127,18 @@ class Capture:
         """vLLM's ``routed_experts`` per sequence: a list of int32 tensors
         [num_tokens - 1, num_hidden_layers, K] (dense layers 0; the last token, never fed, has no
         route). ``attention_mask`` [B, S_out] (any integer / bool dtype, nonzero = real token) of
-        the generated sequences
-        (prompt + new tokens, S_out = fed tokens + 1) or of the fed tokens; None = every token is
-        real. A sequence that ended early fed its last token too: that row is dropped, as vLLM never
-        routes the last token."""
-        # One implementation of vLLM's layout: switchyard.routes.routed_experts.
-        return syr.routed_experts(self.ids(), attention_mask)
+        the generated sequences (prompt + new tokens, S_out = fed tokens + 1) or of the fed tokens
+        (S_out = fed tokens); None = every fed token is real, all rows kept. A sequence that ended
+        early fed its last token too: that row is dropped, as vLLM never routes the last token.
+        With a mask of the fed tokens, a capture over ``generate()`` keeps the last fed row of a
+        sequence real at the last column (its final token was generated, never fed), and a
+        capture of plain forwards drops every sequence's last real row (it was fed)
+        (switchyard.routes.routed_experts with ``final_token_fed``)."""
+        # One implementation of vLLM's layout: switchyard.routes.routed_experts. A capture of
+        # plain forwards fed each sequence's last token; one over generate() never fed the final
+        # generated token.
+        return syr.routed_experts(self.ids(), attention_mask,
+                                  final_token_fed=not self._generated)
 
     def to_verl(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """verl's ``routed_experts`` batch layout: int16 [B, S_out, num_hidden_layers, K] over the

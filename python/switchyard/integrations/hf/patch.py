@@ -6,6 +6,7 @@ import collections
 import contextlib
 import re
 import sys
+import threading
 
 import torch
 
@@ -132,11 +133,15 @@ class _Layer:
                     replay_ids = rows.ids.to(device=logits.device, dtype=torch.int64)
                     replay_mask = rows.replayed.to(logits.device)
                 weights, ids = fam.route(r, logits, replay_ids, replay_mask)
+                native_ids = None
+                if rows is not None and not recompute and owner._capture is not None:
+                    with torch.no_grad():  # the router's own choice, for the mismatch metric
+                        native_ids = fam.route(r, logits.detach(), None, None)[1]
             if not recompute:
-                self._after_forward(ids, T)
+                self._after_forward(ids, T, native_ids)
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
 
-    def _after_forward(self, ids, T):
+    def _after_forward(self, ids, T, native_ids=None):
         # The decoder layer's pre-hook state belongs to this one router call.
         will_recompute, batch_shape = self.will_recompute, self.batch_shape
         self.will_recompute, self.batch_shape = False, None
@@ -149,7 +154,9 @@ class _Layer:
         if will_recompute:
             self.owner.driver.queue_recompute(self.layer, ids32)  # for the recompute
         if self.owner._capture is not None:
-            self.owner._capture._add(self.layer, ids32, batch_shape, T)
+            nat = None if native_ids is None else \
+                native_ids.detach().to(device="cpu", dtype=torch.int32).contiguous()
+            self.owner._capture._add(self.layer, ids32, batch_shape, T, nat)
 
 
 
@@ -176,6 +183,8 @@ class Patch:
         self._layers = []
         self._capture = None
         self._stack_hooks = []  # on the modules that run the decoder layers (see _install)
+        self._targets_thread = None  # (ident, name) of the thread whose targets are queued
+        self._running = collections.Counter()  # thread ident -> forwards of it in progress
         self.driver = None  # the replay core's driver over the layers' queues (_install)
         """The switchyard.replay.ReplayDriver over the layers' replay queues."""
         cfg = model.config
@@ -259,19 +268,55 @@ class Patch:
         ValueError for another rank or another moe_layers / K; every layer's rows are checked by
         the engine first (its ValueError, naming layer and token, by ``invalid_replay_rows``);
         nothing is queued unless all pass. The next forward must see T (= B * S) tokens (else its
-        ValueError)."""
+        ValueError).
+
+        Threads: the targets are taken by the model's next forward, so one patched model replays
+        for one thread at a time. While targets one thread set are queued (not yet all taken),
+        ``set_targets`` from another thread, and a forward started by another thread, raise
+        ValueError naming both threads (nothing queued or taken); so does ``set_targets`` while
+        another thread's forward is running. Give each thread its own model (e.g. a
+        ``copy.deepcopy``, which has its own Patch), or hand the batches to one thread."""
+        if routes is not None and not isinstance(routes, torch.Tensor) and hasattr(routes, "dtype"):
+            routes = _ids.as_tensor(routes, "hf.set_targets", "routes")  # a numpy array
         if not isinstance(routes, torch.Tensor) or routes.dim() not in (3, 4):
+            got = (f"shape {list(routes.shape)}" if isinstance(routes, torch.Tensor) else
+                   type(routes).__name__)
             raise ValueError("[hf.set_targets] routes must be a [T, moe_layers, K] or "
-                             "[B, S, moe_layers, K] tensor, got "
-                             f"{getattr(routes, 'shape', type(routes).__name__)}")
+                             f"[B, S, moe_layers, K] tensor (or numpy array), got {got}")
         t = routes.reshape(-1, routes.shape[-2], routes.shape[-1])
         M, K = len(self._layers), self.top_k
         if t.shape[1] != M or t.shape[2] != K:
             raise ValueError(f"[hf.set_targets] routes must hold {M} MoE layers and K={K}, got "
                              f"shape {list(routes.shape)}")
-        self.driver.set_step_targets([t[:, m, :] for m in range(M)])  # all or none
-        for l in self._layers:
-            l.replay.action = "replay_forward"
+        me = threading.current_thread()
+        with _THREADS_LOCK:
+            self._check_thread(me, "[hf.set_targets] from")
+            others = [i for i, n in self._running.items() if n and i != me.ident]
+            if others:
+                raise ValueError(f"[hf.set_targets] a forward of another thread ({_thread(others[0])})"
+                                 f" is running on this model: targets set now would be taken by "
+                                 f"it; one patched model replays for one thread at a time (give "
+                                 f"each thread its own model, or set the targets from the thread "
+                                 f"that runs the forwards)")
+            self.driver.set_step_targets([t[:, m, :] for m in range(M)])  # all or none
+            self._targets_thread = (me.ident, me.name)
+            for l in self._layers:
+                l.replay.action = "replay_forward"
+
+    def _check_thread(self, me, who):
+        """ValueError when targets another thread set are still queued (called under
+        _THREADS_LOCK)."""
+        owner = self._targets_thread
+        if owner is None or owner[0] == me.ident:
+            return
+        if not any(l.replay.num_targets for l in self._layers):
+            self._targets_thread = None  # all taken: the model is free again
+            return
+        raise ValueError(f"{who} thread {me.name!r}: replay targets that thread {owner[1]!r} "
+                         "set are still queued (no forward has taken them yet): one "
+                         "patched model replays for one thread at a time (its next forward takes "
+                         "the targets, whichever thread runs it); give each thread its own model "
+                         "(copy.deepcopy has its own Patch), or run the batches from one thread")
 
     def counts(self) -> dict[int, dict[str, int]]:
         """{layer: {"num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
@@ -313,7 +358,7 @@ class Patch:
         n_b."""
         op = "hf.targets_from_tables"
         tables = [_ids.to_int32(_ids.as_tensor(t, op, f"tables[{i}]"), op, f"tables[{i}]")
-                  for i, t in enumerate(tables)]
+                  for i, t in enumerate(_ids.table_list(tables, op))]
         return syr.add_padding(tables, attention_mask)
 
     def targets_from_vllm(self, arrays, attention_mask: torch.Tensor | None = None,
@@ -324,7 +369,8 @@ class Patch:
         import report dict), through switchyard's vLLM importer and this model's layer map
         (``zero_rows`` as there: "keep", "to_none" or "error"). ValueError (the importer's, naming
         sequence, token, layer and value) for a wrong shape or an id outside [0, num_experts)."""
-        tables, report = self._import_vllm(list(arrays), zero_rows)
+        tables, report = self._import_vllm(_ids.table_list(arrays, "hf.targets_from_vllm",
+                                                           "arrays"), zero_rows)
         return syr.add_padding(tables, attention_mask), report
 
     def targets_from_verl(self, routed_experts: torch.Tensor, attention_mask: torch.Tensor,
@@ -394,9 +440,21 @@ class Patch:
             self._stack_hooks.append(m.register_forward_hook(self._step_ends, always_call=True))
 
     def _step_begins(self, module, args):
+        me = threading.current_thread()
+        with _THREADS_LOCK:
+            self._check_thread(me, "[hf] a forward from")
+            self._running[me.ident] += 1
         self.driver.begin_step()
 
     def _step_ends(self, module, args, output):
+        with _THREADS_LOCK:
+            me = threading.get_ident()
+            if not self._running[me]:  # _step_begins refused this forward: it took nothing
+                self._running.pop(me, None)
+                return
+            self._running[me] -= 1
+            if not self._running[me]:
+                del self._running[me]
         self.driver.end_step(failed=output is None and sys.exc_info()[1] is not None)
 
     # ---- lifetime ----
@@ -493,6 +551,16 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
         p._layers.append(_Layer(p, layer, name, mod, dec, fam))
     p._install([modules[s] for s in stacks if s in modules])
     return p
+
+
+# Guards every Patch's thread bookkeeping (a few dict operations per forward; one lock for all
+# Patches so that copy.deepcopy of a patched model, which copies its Patch, needs no lock copied).
+_THREADS_LOCK = threading.Lock()
+
+
+def _thread(ident):
+    t = next((t for t in threading.enumerate() if t.ident == ident), None)
+    return repr(t.name) if t is not None else f"ident {ident}"
 
 
 def _owner_of(forward):
