@@ -132,3 +132,51 @@ def test_importers_name_the_accepted_dtypes_and_take_every_integer_dtype():
     for dtype in UNSIGNED + SIGNED:
         got, _ = syr.import_vllm_arrays([_table(dtype)], E)
         assert torch.equal(got[0], want[0]), dtype
+
+
+# ---- generated ids: the rule holds for every dtype and value (hypothesis, bounded) --------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_NP = {torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+       torch.uint8: np.uint8, torch.uint16: np.uint16, torch.uint32: np.uint32,
+       torch.uint64: np.uint64}
+
+
+@st.composite
+def _id_arrays(draw):
+    """A [T, L, K] numpy array of any integer dtype, ids mostly in range, some anywhere in the
+    dtype (its extremes included), some -1 rows for signed dtypes."""
+    dtype = draw(st.sampled_from(list(_NP)))
+    info = np.iinfo(_NP[dtype])
+    T, L = draw(st.integers(1, 5)), draw(st.integers(1, 3))
+    vals = st.one_of(st.integers(0, E - 1), st.integers(0, E - 1), st.integers(0, E - 1),
+                     st.integers(int(info.min), int(info.max)),
+                     st.sampled_from([int(info.min), int(info.max), E]))
+    a = np.array(draw(st.lists(vals, min_size=T * L * K, max_size=T * L * K)),
+                 dtype=object).reshape(T, L, K)
+    if info.min < 0 and draw(st.booleans()):
+        a[draw(st.integers(0, T - 1))] = -1
+    return dtype, a.astype(_NP[dtype])
+
+
+@settings(derandomize=True, max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_id_arrays())
+def test_the_vllm_importer_takes_every_dtype_and_never_wraps_an_id(case):
+    """import_vllm_arrays of any integer array: the tables of the same values as int64 when
+    every id is -1 or in [0, E), else a ValueError that names the op -- never tables with a
+    value that was not in the input."""
+    dtype, a = case
+    values = [int(v) for v in a.reshape(-1).tolist()]
+    in_range = all(0 <= v < E or (v == -1 and dtype not in UNSIGNED) for v in values)
+    try:
+        tables, _ = syr.import_vllm_arrays([a], E)
+    except ValueError as e:
+        assert str(e).startswith("[import]"), e
+        if in_range:  # only a row rule (-1 mixed with ids, a repeated id) may refuse it
+            assert "repeats" in str(e) or "mixes" in str(e), e
+        return
+    assert in_range, (values, tables)
+    ref, _ = syr.import_vllm_arrays([torch.tensor(values, dtype=torch.int64).view(a.shape)], E)
+    assert torch.equal(tables[0], ref[0])
