@@ -102,6 +102,17 @@ def test_a_route_entry_that_is_not_an_id_array_is_refused_clearly(tmp_path, brok
     assert tr.switchyard_records == []
 
 
+@pytest.mark.hostile(tried="TRL rollout_func: an empty completion (completion_ids[0] == [])",
+                     gets="ValueError naming the sequence and what TRL needs (TRL itself raised an "
+                          "IndexError reading the last token)")
+def test_an_empty_completion_is_refused_clearly(tmp_path):
+    tr = _trainer(tmp_path, rollout_func=_rollout_func(lengths=(0, 3, 2, 4)), max_steps=1)
+    with pytest.raises(ValueError, match=WHO + r"rollout_func's completion_ids\[0\] is empty: "
+                                         r"TRL's GRPOTrainer needs at least one completion token"):
+        tr.train()
+    assert tr.switchyard_records == []
+
+
 def test_non_contiguous_and_numpy_routes_replay_like_int32_tensors(tmp_path):
     def strided(t):  # the same ids as a non-contiguous view of a wider int64 array
         wide = torch.stack([t.to(torch.int64), t.to(torch.int64)], dim=-1)

@@ -280,6 +280,10 @@ class GRPOTrainer(_trl.GRPOTrainer):
         seqs = []
         for i, (pi, ci, r) in enumerate(zip(prompt_ids, completion_ids, routes)):
             name = f"rollout_func's {f!r}[{i}]"
+            if len(ci) == 0:  # TRL reads each completion's last token (an IndexError there)
+                raise ValueError(f"{_WHO} rollout_func's completion_ids[{i}] is empty: TRL's "
+                                 "GRPOTrainer needs at least one completion token per sequence "
+                                 "(end an empty completion with the EOS token)")
             n = len(pi) + len(ci)
             if n < 2:
                 if r is None or (hasattr(r, "__len__") and len(r) == 0):
