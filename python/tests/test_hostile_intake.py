@@ -96,6 +96,34 @@ def test_a_second_thread_is_refused_while_the_first_threads_targets_are_queued()
     p.unpatch()
 
 
+def test_set_targets_while_another_threads_forward_runs_is_refused():
+    """A forward of thread B is inside the model (held at its second decoder layer) when thread A
+    sets targets: they would be taken by B's remaining layers, so A gets the error and B's forward
+    routes natively to its end."""
+    model = build("qwen3_moe")
+    p = syhf.patch(model)
+    inside, release = threading.Event(), threading.Event()
+    hold = model.model.layers[1].register_forward_pre_hook(
+        lambda mod, args: (inside.set(), release.wait()) and None)
+    x = tokens(1, 5, seed=2)
+
+    def forward():
+        with torch.no_grad():
+            model(x)
+    tb = threading.Thread(target=forward, name="B")
+    tb.start()
+    inside.wait()
+    with pytest.raises(ValueError, match=r"\[hf.set_targets\] a forward of another thread "
+                                         r"\('B'\) is running on this model"):
+        p.set_targets(_targets(p, 5, 0))
+    release.set()
+    tb.join()
+    hold.remove()
+    assert all(r.num_targets == 0 for r in p.replays.values())
+    assert all(c["num_replayed_rows"] == 0 for c in p.counts().values())
+    p.unpatch()
+
+
 @pytest.mark.hostile(tried="HF: two threads each looping set_targets + forward on one patched "
                            "model (two data loaders)",
                      gets="every forward replays exactly its own thread's batch (a refused call is "

@@ -335,9 +335,10 @@ def test_rollout_routes_with_an_expert_id_out_of_range_are_refused(tmp_path):
     def bad(out):
         out["routed_experts"][2][0, 1, 0] = E
     tr = _trainer(tmp_path, rollout_func=_rollout_func(broken=bad), max_steps=1)
-    with pytest.raises(ValueError, match=r"\[trl.GRPOTrainer\] rollout_func's 'routed_experts'\[2\] "
-                                         r"\(sequence 2\): token 0, layer 1, slot 0 holds expert id "
-                                         r"8 \(int32\), outside \[0, 8\) or -1 \(no route\)"):
+    with pytest.raises(ValueError, match=r"\[trl.GRPOTrainer\] rollout_func's "
+                                         r"'routed_experts'\[2\] \(sequence 2\): token 0, layer "
+                                         r"1, slot 0 holds expert id 8 \(int32\), outside "
+                                         r"\[0, 8\) or -1 \(no route\)"):
         tr.train()
     assert tr.switchyard_records == []
 

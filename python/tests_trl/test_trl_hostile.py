@@ -31,7 +31,7 @@ def _npy_bytes(t):
     return buf.getvalue()
 
 
-# ---- ids that a cast would wrap into range ---------------------------------------------------------
+# ---- ids that a cast would wrap into range ------------------------------------------------------
 def _wide(dtype, big):
     def value(t):
         a = t.numpy().astype(dtype)
@@ -74,7 +74,7 @@ def test_under_the_native_policy_an_id_outside_the_experts_is_a_counted_invalid_
     assert r["replayed_rows"] == r["compared_rows"] - 1
 
 
-# ---- entries that are not arrays, odd shapes ------------------------------------------------------
+# ---- entries that are not arrays, odd shapes ---------------------------------------------------
 @pytest.mark.hostile(tried="TRL rollout_func: a route entry that is None, a base64 string, .npy "
                            "bytes, a bool tensor, the wrong K or layer count, or one tensor for "
                            "the whole batch",

@@ -216,7 +216,8 @@ def write_markdown(summary: dict, chart_names: "list[str]", out_dir: str) -> str
         "",
         "Router mismatch (switchyard.integrations.trl's used_mismatch_rows): share of the (token, "
         "MoE layer) rows with a rollout route whose top-k expert set used in the trainer's "
-        "old-log-prob forward (replayed ids included) differs from the rollout's (prompt tokens included; synced = generations sampled right "
+        "old-log-prob forward (replayed ids included) differs from the rollout's (prompt tokens "
+        "included; synced = generations sampled right "
         "after the engine loaded the trainer's weights, stale = the others). k3 KL (train/rollout) "
         "and outside clip (share of tokens whose ratio leaves [1 - clip, 1 + clip]) are over "
         "completion tokens, ratio = pi_trainer(old pass) / pi_engine. "

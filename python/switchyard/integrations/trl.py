@@ -205,7 +205,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
         """"auto" or "torch", as given (hf.patch's gate)."""
         self.switchyard_records = []
         """One dict per log-prob forward: kind, mode, split, global_step, mismatch_rows,
-        used_mismatch_rows, compared_rows, replayed_rows, native_rows, invalid_rows (kind, mode, split: str or None;
+        used_mismatch_rows, compared_rows, replayed_rows, native_rows, invalid_rows (kind, mode,
+        split: str or None;
         the others ints)."""
         self._sy_active = True
         self._sy_gen = None         # _GenState of the running _generate()

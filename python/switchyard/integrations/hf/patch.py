@@ -293,8 +293,9 @@ class Patch:
             self._check_thread(me, "[hf.set_targets] from")
             others = [i for i, n in self._running.items() if n and i != me.ident]
             if others:
-                raise ValueError(f"[hf.set_targets] a forward of another thread ({_thread(others[0])})"
-                                 f" is running on this model: targets set now would be taken by "
+                raise ValueError(f"[hf.set_targets] a forward of another thread "
+                                 f"({_thread(others[0])}) is running on this model: targets set "
+                                 f"now would be taken by "
                                  f"it; one patched model replays for one thread at a time (give "
                                  f"each thread its own model, or set the targets from the thread "
                                  f"that runs the forwards)")
@@ -316,7 +317,8 @@ class Patch:
                          "set are still queued (no forward has taken them yet): one "
                          "patched model replays for one thread at a time (its next forward takes "
                          "the targets, whichever thread runs it); give each thread its own model "
-                         "(copy.deepcopy has its own Patch), or run the batches from one thread")
+                         "(copy.deepcopy has its own Patch), or run the batches from one thread "
+                         "(Patch.clear() drops targets no forward will take)")
 
     def counts(self) -> dict[int, dict[str, int]]:
         """{layer: {"num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
