@@ -14,11 +14,8 @@ using switchyard::RouteTable;
 
 void add_route_input_options(CLI::App* cmd, RouteInputOptions& o) {
   cmd->add_flag("--salvage", o.salvage,
-                "Read what is readable of a damaged route file (cut, writer killed, corrupt "
-                "blocks), say what was recovered and lost, and still exit 1");
-  cmd->add_option("--max-decoded-bytes", o.max_decoded_bytes,
-                  "Most bytes one sequence may decode to (0: the larger of 64 MiB and 1024 x "
-                  "the file size)")
+                "Use the readable sequences of a damaged file, report the lost ones, exit 1");
+  cmd->add_option("--max-decoded-bytes", o.max_decoded_bytes, kMaxDecodedBytesHelp)
       ->check(CLI::NonNegativeNumber);
 }
 

@@ -23,6 +23,10 @@ struct RouteInputOptions {
   int64_t max_decoded_bytes = 0;
 };
 
+/// The help text of --max-decoded-bytes (validate takes the option without --salvage).
+inline constexpr const char* kMaxDecodedBytesHelp =
+    "Decode limit of one sequence in bytes (0: max(64 MiB, 1024 x file size))";
+
 /// Adds --salvage and --max-decoded-bytes to `cmd`, stored in `o`.
 void add_route_input_options(CLI::App* cmd, RouteInputOptions& o);
 

@@ -727,9 +727,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
       routes->add_subcommand("validate", "Decode every block; exit 0 only for an intact file");
   val->add_option("file", va->path)->required();
   val->add_flag("--json", va->json_out, "Machine-readable output");
-  val->add_option("--max-decoded-bytes", va->read_opts.max_decoded_bytes,
-                  "Most bytes one sequence may decode to (0: the larger of 64 MiB and 1024 x "
-                  "the file size)")
+  val->add_option("--max-decoded-bytes", va->read_opts.max_decoded_bytes, kMaxDecodedBytesHelp)
       ->check(CLI::NonNegativeNumber);
   val->callback([va, &out, &err] {
     run_guarded(err, [&] { run_validate(va->path, va->json_out, va->read_opts, out); });

@@ -128,8 +128,15 @@ class RouteFile:
 
 def read(path, max_decoded_bytes=None):
     """Every sequence of a route file, as a list of int32 tensors [T_i, moe_layers, K].
-    ``max_decoded_bytes`` bounds each sequence, as for ``RouteFile``."""
-    return list(RouteFile(path, max_decoded_bytes))
+    ``max_decoded_bytes`` bounds each sequence, as for ``RouteFile``. A file that is not complete
+    (cut, its writer killed, its index damaged) raises switchyard.DataError naming the file and
+    what the reader found, as a damaged sequence does: never some of the sequences. ``RouteFile``
+    reads what is readable of such a file (``complete`` False)."""
+    f = RouteFile(path, max_decoded_bytes)
+    if not f.complete:
+        raise _C.DataError(f"[routes.read] {path} is damaged ({len(f)} sequences readable before "
+                           f"the damage): {f.status}; RouteFile(path) reads the readable ones")
+    return list(f)
 
 
 class RouteWriter:

@@ -262,3 +262,17 @@ def test_salvage_keeps_the_readable_sequences_and_still_exits_1(damaged):
     assert "lost sequence 1: [route_file]" in r.stderr
     import numpy as np
     assert np.load(d / "out.routed_experts.npy").shape == (2, 7, 4, 2)
+
+
+@pytest.mark.hostile(tried="routes.read of a .syr cut inside its last block",
+                     gets="DataError naming the file and the damaged block, pointing to RouteFile "
+                          "for the readable sequences (it used to return 2 of the 3 tables)")
+def test_routes_read_of_a_cut_file_raises_instead_of_returning_part_of_it(damaged):
+    d, blocks = damaged
+    with pytest.raises(sy.DataError, match=rf"\[routes.read\] .*cut.syr is damaged \(2 sequences "
+                                           rf"readable before the damage\): .*block 2 at byte "
+                                           rf"offset {blocks[2][0]}: truncated block"):
+        routes.read(d / "cut.syr")
+    f = routes.RouteFile(d / "cut.syr")  # the recovery reader: what is complete, said so
+    assert not f.complete and len(f) == 2
+    assert len(routes.read(d / "in.syr")) == 3
