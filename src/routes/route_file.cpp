@@ -939,9 +939,10 @@ std::vector<RouteTable> decode_route_file(std::string_view bytes, RouteFileInfo*
   }
   // The whole message against the limit, from every block's checked header, before any block is
   // decompressed or any table allocated (each read() checks its own block again).
+  int64_t decoded = 0;  // from the checked block headers: the index's token counts may lie
   {
     const RouteFileReader::Impl& s = *impl;
-    int64_t decoded = 0, tokens = 0, raw_total = 0;
+    int64_t tokens = 0, raw_total = 0;
     for (size_t i = 0; i < s.entries.size(); ++i) {
       RouteFileEntry e;
       uint32_t flags = 0;
@@ -969,10 +970,7 @@ std::vector<RouteTable> decode_route_file(std::string_view bytes, RouteFileInfo*
   const int64_t n = r.num_sequences();
   std::vector<RouteTable> out(static_cast<size_t>(n));
   std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
-  int64_t tokens = 0;
-  for (int64_t i = 0; i < n; ++i) tokens += r.entry(i).num_tokens;
-  const int64_t bytes_out = tokens * r.info().num_moe_layers * r.info().top_k * 4;
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && bytes_out >= (int64_t{1} << 20))
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && decoded >= (int64_t{1} << 20))
   for (int64_t i = 0; i < n; ++i) {
     try {
       out[size_t(i)] = r.read(i);
