@@ -16,7 +16,7 @@ void add_route_input_options(CLI::App* cmd, RouteInputOptions& o) {
   cmd->add_flag("--salvage", o.salvage,
                 "Use the readable sequences of a damaged file, report the lost ones, exit 1");
   cmd->add_option("--max-decoded-bytes", o.max_decoded_bytes, kMaxDecodedBytesHelp)
-      ->check(CLI::NonNegativeNumber);
+      ->check(kMaxDecodedBytesRange);
 }
 
 namespace {

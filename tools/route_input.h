@@ -8,6 +8,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -26,6 +27,9 @@ struct RouteInputOptions {
 /// The help text of --max-decoded-bytes (validate takes the option without --salvage).
 inline constexpr const char* kMaxDecodedBytesHelp =
     "Decode limit of one sequence in bytes (0: max(64 MiB, 1024 x file size))";
+
+/// Its range (CLI::NonNegativeNumber printed the double range, up to 1.8e308).
+inline const CLI::Range kMaxDecodedBytesRange(int64_t{0}, std::numeric_limits<int64_t>::max());
 
 /// Adds --salvage and --max-decoded-bytes to `cmd`, stored in `o`.
 void add_route_input_options(CLI::App* cmd, RouteInputOptions& o);

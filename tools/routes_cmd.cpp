@@ -728,7 +728,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   val->add_option("file", va->path)->required();
   val->add_flag("--json", va->json_out, "Machine-readable output");
   val->add_option("--max-decoded-bytes", va->read_opts.max_decoded_bytes, kMaxDecodedBytesHelp)
-      ->check(CLI::NonNegativeNumber);
+      ->check(kMaxDecodedBytesRange);
   val->callback([va, &out, &err] {
     run_guarded(err, [&] { run_validate(va->path, va->json_out, va->read_opts, out); });
   });
