@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "commands.h"
+#include "route_input.h"
 #include "switchyard/error.h"
 #include "switchyard/route_align.h"
 #include "switchyard/route_file.h"
@@ -241,8 +242,10 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
 
 // ----------------------------------------------------------------------------- inspect / validate
 
-void run_inspect(const std::string& path, bool json_out, bool list, std::ostream& out) {
-  RouteFileReader r = RouteFileReader::open(path);
+void run_inspect(const std::string& path, bool json_out, bool list, const RouteInputOptions& io,
+                 std::ostream& out, std::ostream& err) {
+  RouteInput in(path, io, "routes inspect");  // header and index; blocks are not decoded here
+  const RouteFileReader& r = in.reader();
   const RouteFileInfo& info = r.info();
   int64_t tokens = 0;
   for (int64_t i = 0; i < r.num_sequences(); ++i) tokens += r.entry(i).num_tokens;
@@ -266,6 +269,7 @@ void run_inspect(const std::string& path, bool json_out, bool list, std::ostream
       j["sequences"] = seqs;
     }
     out << j.dump(2) << "\n";
+    in.finish(err);
     return;
   }
   out << path << ": route file v" << info.version << ", "
@@ -285,10 +289,12 @@ void run_inspect(const std::string& path, bool json_out, bool list, std::ostream
           << r.entry(i).stored_bytes << " bytes at offset " << r.entry(i).offset << "\n";
     }
   }
+  in.finish(err);
 }
 
-void run_validate(const std::string& path, bool json_out, std::ostream& out) {
-  const RouteFileCheck c = verify_route_file(path);
+void run_validate(const std::string& path, bool json_out, const RouteInputOptions& io,
+                  std::ostream& out) {
+  const RouteFileCheck c = verify_route_file(path, RouteDecodeOptions{io.max_decoded_bytes});
   if (json_out) {
     out << json{{"file", path},
                 {"ok", c.ok},
@@ -310,15 +316,18 @@ void run_validate(const std::string& path, bool json_out, std::ostream& out) {
 
 // --------------------------------------------------------------------------------- stats / diff
 
-void run_stats(const std::string& path, bool json_out, int64_t top, std::ostream& out,
-               std::ostream& err) {
-  RouteFileReader r = RouteFileReader::open(path);
+void run_stats(const std::string& path, bool json_out, int64_t top, const RouteInputOptions& io,
+               std::ostream& out, std::ostream& err) {
+  RouteInput in(path, io, "routes stats");
+  const RouteFileReader& r = in.reader();
   ExpertLoad load;
-  int64_t tokens = 0;
+  int64_t tokens = 0, used = 0;
   for (int64_t i = 0; i < r.num_sequences(); ++i) {
-    const RouteTable t = r.read(i);
-    tokens += t.num_tokens();
-    accumulate_expert_load(t, load);
+    const std::optional<RouteTable> t = in.read(i);
+    if (!t) continue;
+    ++used;
+    tokens += t->num_tokens();
+    accumulate_expert_load(*t, load);
     if ((i + 1) % kProgressEvery == 0) err << "[routes stats] " << i + 1 << " sequences\n";
   }
   const RouteFileInfo& info = r.info();
@@ -358,21 +367,24 @@ void run_stats(const std::string& path, bool json_out, int64_t top, std::ostream
   if (json_out) {
     out << json{{"file", path},
                 {"info", info_json(info)},
-                {"num_sequences", r.num_sequences()},
+                {"num_sequences", used},
                 {"num_tokens", tokens},
                 {"layers", layers}}
                .dump(2)
         << "\n";
+    in.finish(err);
     return;
   }
-  out << path << ": " << r.num_sequences() << " sequences, " << tokens << " tokens, "
-      << info.num_experts << " experts, top_k " << info.top_k << "\n"
+  out << path << ": " << used << " sequences, " << tokens << " tokens, " << info.num_experts
+      << " experts, top_k " << info.top_k << "\n"
       << human.str();
+  in.finish(err);
 }
 
-void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::ostream& out,
-              std::ostream& err) {
-  RouteFileReader a = RouteFileReader::open(pa), b = RouteFileReader::open(pb);
+void run_diff(const std::string& pa, const std::string& pb, bool json_out,
+              const RouteInputOptions& io, std::ostream& out, std::ostream& err) {
+  RouteInput ina(pa, io, "routes diff"), inb(pb, io, "routes diff");
+  const RouteFileReader &a = ina.reader(), &b = inb.reader();
   const RouteFileInfo &ia = a.info(), &ib = b.info();
   if (ia.num_experts != ib.num_experts || ia.top_k != ib.top_k ||
       ia.num_moe_layers != ib.num_moe_layers) {
@@ -396,14 +408,21 @@ void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::
                                 " hidden layers, " + pb + " has " +
                                 std::to_string(ib.num_hidden_layers));
   }
-  if (a.num_sequences() != b.num_sequences()) {
+  // Under --salvage a cut file holds fewer sequences: the pairs both files still have are
+  // compared (finish_inputs reports the rest as lost).
+  if (a.num_sequences() != b.num_sequences() && !(io.salvage && (ina.damaged() || inb.damaged()))) {
     throw std::invalid_argument("[routes diff] " + pa + " holds " +
                                 std::to_string(a.num_sequences()) + " sequences, " + pb +
                                 " holds " + std::to_string(b.num_sequences()));
   }
+  const int64_t n = std::min(a.num_sequences(), b.num_sequences());
   RouteDrift d;
-  for (int64_t i = 0; i < a.num_sequences(); ++i) {
-    const RouteTable ta = a.read(i), tb = b.read(i);
+  int64_t compared = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const std::optional<RouteTable> oa = ina.read(i), ob = inb.read(i);
+    if (!oa || !ob) continue;
+    const RouteTable &ta = *oa, &tb = *ob;
+    ++compared;
     if (ta.num_tokens() != tb.num_tokens()) {
       throw std::invalid_argument("[routes diff] sequence " + std::to_string(i) + " has " +
                                   std::to_string(ta.num_tokens()) + " tokens in " + pa + " and " +
@@ -421,7 +440,7 @@ void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::
   if (json_out) {
     out << json{{"a", pa},
                 {"b", pb},
-                {"num_sequences", a.num_sequences()},
+                {"num_sequences", compared},
                 {"num_tokens", d.num_tokens},
                 {"num_rows", d.num_rows},
                 {"num_skipped_rows", d.num_skipped_rows},
@@ -435,9 +454,10 @@ void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::
                 {"layer_mismatch", per_layer}}
                .dump(2)
         << "\n";
+    finish_inputs(err, {&ina, &inb});
     return;
   }
-  out << "compared " << a.num_sequences() << " sequences, " << d.num_tokens << " tokens, "
+  out << "compared " << compared << " sequences, " << d.num_tokens << " tokens, "
       << d.num_rows << " rows (" << d.num_skipped_rows << " rows skipped: no route on a side)\n";
   out << "  router decisions that differ:   " << percent(d.decision_mismatch()) << " ("
       << d.num_differing_decisions << " of " << d.num_decisions << ")\n";
@@ -447,6 +467,7 @@ void run_diff(const std::string& pa, const std::string& pb, bool json_out, std::
   out << "  per layer:";
   for (size_t l = 0; l < per_layer.size(); ++l) out << " " << l << ":" << percent(per_layer[l]);
   out << "\n";
+  finish_inputs(err, {&ina, &inb});
 }
 
 // ----------------------------------------------------------------------------------------- align
@@ -459,6 +480,7 @@ struct AlignArgs {
   int64_t num_hidden_layers = 0;
   int64_t micro_batch_size = 0;
   bool json_out = false;
+  RouteInputOptions read_opts;
 };
 
 void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
@@ -471,8 +493,8 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
         "[routes align] --micro-batch-size must be >= 0 (0 = all sequences), got " +
         std::to_string(a.micro_batch_size));
   }
-  RouteFileReader r = RouteFileReader::open(a.input);
-  const RouteFileInfo& info = r.info();
+  RouteInput in(a.input, a.read_opts, "routes align");
+  const RouteFileInfo& info = in.info();
   // Pipeline slice over MoE layers.
   int64_t begin = 0, end = info.num_moe_layers;
   if (a.pp > 1 || a.vpp > 1) {
@@ -492,9 +514,12 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
                                 std::to_string(a.pp_rank) + ", vpp_rank " +
                                 std::to_string(a.vpp_rank) + ") owns no MoE layer");
   }
-  std::vector<RouteTable> seqs;
-  for (int64_t i = 0; i < r.num_sequences(); ++i) seqs.push_back(r.read(i));
-  if (seqs.empty()) throw std::invalid_argument("[routes align] " + a.input + " holds no sequence");
+  // Every sequence is read and verified before the output is opened.
+  const std::vector<RouteTable> seqs = in.read_all();
+  if (seqs.empty()) {
+    if (in.damaged()) in.finish(err);  // nothing readable: say what was lost
+    throw std::invalid_argument("[routes align] " + a.input + " holds no sequence");
+  }
   const int64_t mbs =
       a.micro_batch_size > 0 ? a.micro_batch_size : static_cast<int64_t>(seqs.size());
   RouteFileInfo oinfo = info;
@@ -532,6 +557,7 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
                 {"micro_batches", batches}}
                .dump(2)
         << "\n";
+    in.finish(err);
     return;
   }
   out << "aligned " << seqs.size() << " sequences of " << a.input << " into " << mb_index
@@ -540,6 +566,7 @@ void run_align(const AlignArgs& a, std::ostream& out, std::ostream& err) {
       << ", cp " << a.cp << ", fp8 " << a.fp8_align << "); cp rank " << a.cp_rank;
   if (a.sequence_parallel) out << ", sp over tp rank " << a.tp_rank;
   out << "; MoE layers [" << begin << ", " << end << ")\n" << human.str();
+  in.finish(err);
 }
 
 // ------------------------------------------------------------------------------------------ export
@@ -552,13 +579,14 @@ struct ExportArgs {
   std::string padding_side = "left";
   int64_t seq_len = 0;
   bool json_out = false;
+  RouteInputOptions read_opts;
 };
 
 // verl's batch layout: OUT.routed_experts.npy (int16 [batch, seq, num_hidden_layers, K]) and
 // OUT.attention_mask.npy (int64 [batch, seq]).
-void run_export(const ExportArgs& a, std::ostream& out) {
-  RouteFileReader r = RouteFileReader::open(a.input);
-  const RouteFileInfo& info = r.info();
+void run_export(const ExportArgs& a, std::ostream& out, std::ostream& err) {
+  RouteInput in(a.input, a.read_opts, "routes export");
+  const RouteFileInfo& info = in.info();
   const int64_t hidden = a.num_hidden_layers > 0 ? a.num_hidden_layers : info.num_hidden_layers;
   if (info.moe_layers.empty() || hidden < 1) {
     throw std::invalid_argument(
@@ -566,9 +594,12 @@ void run_export(const ExportArgs& a, std::ostream& out) {
         " does not record it; import with --first-k-dense or --moe-layers (and pass "
         "--num-hidden-layers if the file lacks the layer count)");
   }
-  std::vector<RouteTable> seqs;
-  for (int64_t i = 0; i < r.num_sequences(); ++i) seqs.push_back(r.read(i));
-  if (seqs.empty()) throw std::invalid_argument("[routes export] " + a.input + " holds no sequence");
+  // Every sequence is read and verified before any output file is opened.
+  const std::vector<RouteTable> seqs = in.read_all();
+  if (seqs.empty()) {
+    if (in.damaged()) in.finish(err);
+    throw std::invalid_argument("[routes export] " + a.input + " holds no sequence");
+  }
   VerlOptions o;
   o.num_hidden_layers = hidden;
   o.padding_side = a.padding_side == "right" ? PaddingSide::right : PaddingSide::left;
@@ -605,6 +636,7 @@ void run_export(const ExportArgs& a, std::ostream& out) {
                 {"moe_layers", info.moe_layers}}
                .dump(2)
         << "\n";
+    in.finish(err);
     return;
   }
   out << "exported " << shape[0] << " sequences of " << a.input << " in verl's layout ("
@@ -612,6 +644,7 @@ void run_export(const ExportArgs& a, std::ostream& out) {
       << "  " << ids_path << ": int16 " << list_str(shape) << " (dense layers, padding and tokens "
       << "without a route are 0)\n"
       << "  " << mask_path << ": int64 " << list_str({shape[0], shape[1]}) << "\n";
+  in.finish(err);
 }
 
 }  // namespace
@@ -676,6 +709,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
     bool json_out = false;
     bool list = false;
     int64_t top = 5;
+    RouteInputOptions read_opts;
   };
   auto fa = std::make_shared<FileArgs>();
   CLI::App* ins =
@@ -683,8 +717,9 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   ins->add_option("file", fa->path)->required();
   ins->add_flag("--json", fa->json_out, "Machine-readable output");
   ins->add_flag("--list", fa->list, "List every sequence");
+  add_route_input_options(ins, fa->read_opts);
   ins->callback([fa, &out, &err] {
-    run_guarded(err, [&] { run_inspect(fa->path, fa->json_out, fa->list, out); });
+    run_guarded(err, [&] { run_inspect(fa->path, fa->json_out, fa->list, fa->read_opts, out, err); });
   });
 
   auto va = std::make_shared<FileArgs>();
@@ -692,29 +727,36 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
       routes->add_subcommand("validate", "Decode every block; exit 0 only for an intact file");
   val->add_option("file", va->path)->required();
   val->add_flag("--json", va->json_out, "Machine-readable output");
-  val->callback(
-      [va, &out, &err] { run_guarded(err, [&] { run_validate(va->path, va->json_out, out); }); });
+  val->add_option("--max-decoded-bytes", va->read_opts.max_decoded_bytes, kMaxDecodedBytesHelp)
+      ->check(kMaxDecodedBytesRange);
+  val->callback([va, &out, &err] {
+    run_guarded(err, [&] { run_validate(va->path, va->json_out, va->read_opts, out); });
+  });
 
   auto sa = std::make_shared<FileArgs>();
   CLI::App* st = routes->add_subcommand("stats", "Expert load per layer and hot experts");
   st->add_option("file", sa->path)->required();
   st->add_option("--top", sa->top, "Hot experts to show per layer");
   st->add_flag("--json", sa->json_out, "Machine-readable output");
+  add_route_input_options(st, sa->read_opts);
   st->callback([sa, &out, &err] {
-    run_guarded(err, [&] { run_stats(sa->path, sa->json_out, sa->top, out, err); });
+    run_guarded(err, [&] { run_stats(sa->path, sa->json_out, sa->top, sa->read_opts, out, err); });
   });
 
   struct DiffArgs {
     std::string a, b;
     bool json_out = false;
+    RouteInputOptions read_opts;
   };
   auto da = std::make_shared<DiffArgs>();
   CLI::App* df = routes->add_subcommand("diff", "Drift between two route files of the same tokens");
   df->add_option("a", da->a)->required();
   df->add_option("b", da->b)->required();
   df->add_flag("--json", da->json_out, "Machine-readable output");
-  df->callback(
-      [da, &out, &err] { run_guarded(err, [&] { run_diff(da->a, da->b, da->json_out, out, err); }); });
+  add_route_input_options(df, da->read_opts);
+  df->callback([da, &out, &err] {
+    run_guarded(err, [&] { run_diff(da->a, da->b, da->json_out, da->read_opts, out, err); });
+  });
 
   auto aa = std::make_shared<AlignArgs>();
   CLI::App* al =
@@ -745,6 +787,7 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
   al->add_option("--micro-batch-size", aa->micro_batch_size,
                  "Sequences per micro-batch (default: all)");
   al->add_flag("--json", aa->json_out, "Machine-readable output");
+  add_route_input_options(al, aa->read_opts);
   al->callback([aa, &out, &err] { run_guarded(err, [&] { run_align(*aa, out, err); }); });
 
   auto ea = std::make_shared<ExportArgs>();
@@ -764,5 +807,6 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
       ->check(CLI::IsMember({"left", "right"}));
   ex->add_option("--seq-len", ea->seq_len, "Columns of the batch (default: the longest sequence)");
   ex->add_flag("--json", ea->json_out, "Machine-readable output");
-  ex->callback([ea, &out, &err] { run_guarded(err, [&] { run_export(*ea, out); }); });
+  add_route_input_options(ex, ea->read_opts);
+  ex->callback([ea, &out, &err] { run_guarded(err, [&] { run_export(*ea, out, err); }); });
 }

@@ -153,6 +153,31 @@ class RouteFileWriter {
   std::unique_ptr<Impl> impl_;
 };
 
+/// Limits of a decode (RouteFileReader, verify_route_file / verify_route_bytes, decode_route_file).
+/// Every size a header declares (a block's tokens and payload, its zstd frames, the index's token
+/// counts) is checked against the bytes actually present and against this limit before anything
+/// is allocated, so a small crafted file or message cannot ask for gigabytes (the format's best
+/// ratio is about 10^6: zstd turns 4 bytes into 128 KiB of payload, and one match bit into a 4-byte
+/// id). Past the limit: switchyard::DataError naming the declared size, the bytes present, the
+/// limit and how to raise it.
+struct RouteDecodeOptions {
+  /// Most bytes one decode may produce: the decompressed payloads plus the int32 tables, per
+  /// sequence for RouteFileReader::read (and verify), for the whole message for
+  /// decode_route_file. 0 (default): the larger of kDefaultMinDecodedBytes (64 MiB) and
+  /// kDefaultDecodedRatio (1024) x the size of the file or message, which every route file a
+  /// rollout produces stays far below (real routes decode to ~20x their stored size; a sequence
+  /// whose routes repeat the same experts token after token, or are all -1, can go past it: raise
+  /// the limit for such data). A positive value is the limit itself; negative values are refused
+  /// (std::invalid_argument). Never above the format's own bound of 4 GiB of ids per sequence.
+  int64_t max_decoded_bytes = 0;
+};
+/// The default limit's floor and ratio (RouteDecodeOptions::max_decoded_bytes = 0).
+inline constexpr int64_t kDefaultMinDecodedBytes = int64_t{64} << 20;
+inline constexpr int64_t kDefaultDecodedRatio = 1024;
+/// The limit `options` sets for a decode of `input_bytes` bytes (resolves the default; throws
+/// std::invalid_argument for a negative max_decoded_bytes, naming `op`).
+int64_t decode_limit(const RouteDecodeOptions& options, int64_t input_bytes, const char* op);
+
 /// Where one stored sequence lives.
 struct RouteFileEntry {
   int64_t offset = 0;        ///< byte offset of its block header
@@ -167,10 +192,12 @@ class RouteFileReader {
   /// Opens a file on disk. Throws BackendError when it cannot be opened and DataError when the
   /// header is corrupt or truncated. A file without a valid trailing index (writer killed, file
   /// cut) opens in recovery: complete() is false, status() says why, and every complete block
-  /// found by scanning is readable.
-  static RouteFileReader open(const std::string& path);
+  /// found by scanning is readable. `options` bounds what each read() may decode (the default
+  /// limit is derived from the file's size).
+  static RouteFileReader open(const std::string& path, const RouteDecodeOptions& options = {});
   /// The same over bytes in memory (copied).
-  static RouteFileReader from_bytes(std::string_view bytes);
+  static RouteFileReader from_bytes(std::string_view bytes,
+                                    const RouteDecodeOptions& options = {});
 
   RouteFileReader(RouteFileReader&&) noexcept;
   RouteFileReader& operator=(RouteFileReader&&) noexcept;
@@ -187,12 +214,14 @@ class RouteFileReader {
   int64_t file_size() const;
 
   /// Decodes one sequence. Throws std::out_of_range for an index beyond num_sequences() and
-  /// DataError when its block is corrupt (message names block, sequence and byte offset).
+  /// DataError when its block is corrupt (message names block, sequence and byte offset) or
+  /// declares more than the reader's max_decoded_bytes (checked before allocating).
   RouteTable read(int64_t sequence) const;
 
  private:
   struct Impl;
-  friend std::vector<RouteTable> decode_route_file(std::string_view, RouteFileInfo*);
+  friend std::vector<RouteTable> decode_route_file(std::string_view, RouteFileInfo*,
+                                                  const RouteDecodeOptions&);
   explicit RouteFileReader(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
@@ -207,10 +236,11 @@ struct RouteFileCheck {
 };
 
 /// Opens and fully decodes a file, collecting every problem instead of throwing on the first
-/// (BackendError still propagates when the file cannot be opened at all).
-RouteFileCheck verify_route_file(const std::string& path);
+/// (BackendError still propagates when the file cannot be opened at all). A block past the
+/// decode limit of `options` is one problem (its sequence is not readable).
+RouteFileCheck verify_route_file(const std::string& path, const RouteDecodeOptions& options = {});
 /// The same over bytes in memory.
-RouteFileCheck verify_route_bytes(std::string_view bytes);
+RouteFileCheck verify_route_bytes(std::string_view bytes, const RouteDecodeOptions& options = {});
 
 // ---- The route file in memory: switchyard's wire format for route data ------------------------
 //
@@ -231,6 +261,9 @@ Tensor encode_route_file(const std::vector<RouteTable>& tables, const RouteFileI
 /// place (not copied). Fills `*info` when given. A message must be complete: a missing or corrupt
 /// header, block or index, a cut, trailing bytes — anything but the file a writer closed — throws
 /// switchyard::DataError naming what is wrong (block, sequence, byte offset); never a wrong table.
-std::vector<RouteTable> decode_route_file(std::string_view bytes, RouteFileInfo* info = nullptr);
+/// A message whose blocks declare more than `options.max_decoded_bytes` in all (payloads + tables;
+/// the default is derived from `bytes.size()`) is a DataError before any block is decompressed.
+std::vector<RouteTable> decode_route_file(std::string_view bytes, RouteFileInfo* info = nullptr,
+                                          const RouteDecodeOptions& options = {});
 
 }  // namespace switchyard

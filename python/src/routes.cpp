@@ -202,10 +202,17 @@ void bind_routes(py::module_& m) {
       .def_property_readonly("bytes_written", &RouteFileWriter::bytes_written);
 
   py::class_<RouteFileReader>(m, "RouteFileReader")
-      .def(py::init([](const std::string& path) { return RouteFileReader::open(path); }),
-           py::arg("path"))
-      .def_static("from_bytes",
-                  [](const py::bytes& b) { return RouteFileReader::from_bytes(std::string(b)); })
+      .def(py::init([](const std::string& path, int64_t max_decoded_bytes) {
+             return RouteFileReader::open(path, RouteDecodeOptions{max_decoded_bytes});
+           }),
+           py::arg("path"), py::arg("max_decoded_bytes") = 0)
+      .def_static(
+          "from_bytes",
+          [](const py::bytes& b, int64_t max_decoded_bytes) {
+            return RouteFileReader::from_bytes(std::string(b),
+                                               RouteDecodeOptions{max_decoded_bytes});
+          },
+          py::arg("data"), py::arg("max_decoded_bytes") = 0)
       .def_property_readonly("info", [](const RouteFileReader& r) { return file_info(r.info()); })
       .def("__len__", &RouteFileReader::num_sequences)
       .def_property_readonly("complete", &RouteFileReader::complete)
@@ -240,7 +247,7 @@ void bind_routes(py::module_& m) {
     }
     return py_bridge::to_torch(out);
   });
-  m.def("routes_decode", [](py::handle data) {
+  m.def("routes_decode", [](py::handle data, int64_t max_decoded_bytes) {
     // A uint8 tensor is read in place; anything else must expose a contiguous byte buffer.
     py_bridge::Arg arg;
     py::buffer_info buf;
@@ -269,7 +276,7 @@ void bind_routes(py::module_& m) {
     std::vector<RouteTable> tables;
     {
       py::gil_scoped_release nogil;
-      tables = decode_route_file(bytes, &info);
+      tables = decode_route_file(bytes, &info, RouteDecodeOptions{max_decoded_bytes});
     }
     py::dict meta = file_info(info);
     meta["num_hidden_layers"] = info.num_hidden_layers;
@@ -278,10 +285,10 @@ void bind_routes(py::module_& m) {
     for (const RouteTable& t : tables) lengths.push_back(t.num_tokens());
     meta["num_tokens"] = lengths;
     return py::make_tuple(from_tables(tables), meta);
-  });
+  }, py::arg("data"), py::arg("max_decoded_bytes") = 0);
 
-  m.def("routes_verify", [](const std::string& path) {
-    RouteFileCheck c = verify_route_file(path);
+  m.def("routes_verify", [](const std::string& path, int64_t max_decoded_bytes) {
+    RouteFileCheck c = verify_route_file(path, RouteDecodeOptions{max_decoded_bytes});
     py::dict d;
     d["ok"] = c.ok;
     d["num_sequences"] = c.num_sequences;
@@ -289,7 +296,7 @@ void bind_routes(py::module_& m) {
     d["num_tokens"] = c.num_tokens;
     d["problems"] = c.problems;
     return d;
-  });
+  }, py::arg("path"), py::arg("max_decoded_bytes") = 0);
 
   // ---- import ----
   m.def("routes_import_vllm",

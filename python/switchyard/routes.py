@@ -68,17 +68,22 @@ def _num_experts(tables, num_experts):
 class RouteFile:
     """Random access to a route file: ``len(f)``, ``f[i]`` ([T_i, L, K] int32), ``f.info``
     (num_experts, top_k, num_moe_layers, moe_layers, id_width, version), ``f.complete`` and
-    ``f.status`` (a file whose writer died opens in recovery with every complete sequence)."""
+    ``f.status`` (a file whose writer died opens in recovery with every complete sequence).
 
-    def __init__(self, path):
-        self._r = _C.RouteFileReader(str(path))
+    ``max_decoded_bytes``: the most bytes one sequence (``f[i]``) may decode to (payloads + int32 tables),
+    checked against every size a header declares before anything is allocated; None (default): the
+    larger of 64 MiB and 1024 x the file's size (real routes decode to ~20x their stored size).
+    Past it: switchyard.DataError naming the declared size, the bytes present and the limit."""
+
+    def __init__(self, path, max_decoded_bytes=None):
+        self._r = _C.RouteFileReader(str(path), _decode_limit(max_decoded_bytes))
 
     @classmethod
-    def from_bytes(cls, data):
+    def from_bytes(cls, data, max_decoded_bytes=None):
         """A route file held in memory (bytes-like, or a ``routes.encode`` message as bytes);
-        corrupt data raises switchyard.DataError."""
+        corrupt data raises switchyard.DataError. ``max_decoded_bytes`` as for ``RouteFile``."""
         self = cls.__new__(cls)
-        self._r = _C.RouteFileReader.from_bytes(bytes(data))
+        self._r = _C.RouteFileReader.from_bytes(bytes(data), _decode_limit(max_decoded_bytes))
         return self
 
     def __len__(self):
@@ -117,9 +122,17 @@ class RouteFile:
         return self._r.file_size
 
 
-def read(path):
-    """Every sequence of a route file, as a list of int32 tensors [T_i, moe_layers, K]."""
-    return list(RouteFile(path))
+def read(path, max_decoded_bytes=None):
+    """Every sequence of a route file, as a list of int32 tensors [T_i, moe_layers, K].
+    ``max_decoded_bytes`` bounds each sequence, as for ``RouteFile``. A file that is not complete
+    (cut, its writer killed, its index damaged) raises switchyard.DataError naming the file and
+    what the reader found, as a damaged sequence does: never some of the sequences. ``RouteFile``
+    reads what is readable of such a file (``complete`` False)."""
+    f = RouteFile(path, max_decoded_bytes)
+    if not f.complete:
+        raise _C.DataError(f"[routes.read] {path} is damaged ({len(f)} sequences readable before "
+                           f"the damage): {f.status}; RouteFile(path) reads the readable ones")
+    return list(f)
 
 
 class RouteWriter:
@@ -229,18 +242,30 @@ def encode(tables, num_experts, moe_layers=None, num_hidden_layers=0, compressio
                             int(compression_level))
 
 
-def decode(data):
+def decode(data, max_decoded_bytes=None):
     """The inverse of ``encode``: ``data`` is the uint8 tensor (read in place, CPU) or bytes-like.
     Returns (tables, meta): the int32 tables [T_i, moe_layers, K] exactly as encoded, and meta
     {num_experts, top_k, num_moe_layers, moe_layers, num_hidden_layers, id_width, version,
     num_tokens (per sequence)}. Anything but a complete, intact message (a flipped byte, a cut,
-    trailing bytes, an unknown version) raises switchyard.DataError naming what is wrong."""
-    return _C.routes_decode(data)
+    trailing bytes, an unknown version) raises switchyard.DataError naming what is wrong.
+
+    ``max_decoded_bytes``: the most bytes the whole message may decode to (payloads + int32 tables),
+    checked against every size a header declares before anything is allocated; None (default): the
+    larger of 64 MiB and 1024 x the message's size (real routes decode to ~20x their stored size).
+    Past it: switchyard.DataError naming the declared size, the bytes present and the limit."""
+    return _C.routes_decode(data, _decode_limit(max_decoded_bytes))
 
 
-def verify(path):
-    """Decodes every block; returns {ok, num_sequences, num_readable, num_tokens, problems}."""
-    return _C.routes_verify(str(path))
+def verify(path, max_decoded_bytes=None):
+    """Decodes every block; returns {ok, num_sequences, num_readable, num_tokens, problems}.
+    ``max_decoded_bytes`` bounds each sequence, as for ``RouteFile`` (a block past it is a
+    problem)."""
+    return _C.routes_verify(str(path), _decode_limit(max_decoded_bytes))
+
+
+def _decode_limit(max_decoded_bytes):
+    """None -> 0, the engine's word for its default limit; the engine checks the rest."""
+    return 0 if max_decoded_bytes is None else max_decoded_bytes
 
 
 # ---- import -----------------------------------------------------------------------------------------

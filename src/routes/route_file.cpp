@@ -8,10 +8,12 @@
 #define ZSTD_STATIC_LINKING_ONLY  // ZSTD_c_literalCompressionMode (the literal frame at level 1)
 #include <zstd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -440,6 +442,10 @@ int64_t RouteFileWriter::bytes_written() const {
 
 struct RouteFileReader::Impl {
   std::string name;  // path or "<memory>", for messages
+  // The decode limit (RouteDecodeOptions: bytes of payload + table one read may produce, or a
+  // whole message for decode_route_file) and whether it is the default one (for the message).
+  int64_t limit = 0;
+  bool default_limit = true;
   std::string mem;   // the bytes of from_bytes (a copy)
   std::string_view view;  // the bytes read when fd < 0: mem, or the caller's (decode_route_file)
   int fd = -1;
@@ -456,6 +462,28 @@ struct RouteFileReader::Impl {
 
   [[noreturn]] void fail(const std::string& what) const {
     throw DataError(cat("[route_file] ", name, ": ", what));
+  }
+
+  void set_limit(const RouteDecodeOptions& options) {
+    limit = decode_limit(options, size, "route_file");
+    default_limit = options.max_decoded_bytes == 0;
+  }
+
+  // "more than max_decoded_bytes=N (...); how to raise it": the tail of every size-limit error.
+  std::string over_limit() const {
+    return cat(", more than max_decoded_bytes=", limit,
+               default_limit ? cat(" (the default: the larger of ", kDefaultMinDecodedBytes,
+                                   " bytes and ", kDefaultDecodedRatio, " x the ", size,
+                                   " bytes present)")
+                             : std::string(),
+               "; if the data is trusted, raise the limit (C++ RouteDecodeOptions::"
+               "max_decoded_bytes, Python max_decoded_bytes=, CLI --max-decoded-bytes)");
+  }
+
+  // Bytes a block decodes to: its payload (raw_size) plus its int32 table. The header's sizes
+  // are already bounded (parse_block_header), so this does not overflow.
+  int64_t decoded_bytes(int64_t tokens, int64_t raw_size) const {
+    return raw_size + tokens * info.num_moe_layers * info.top_k * 4;
   }
 
   // Reads exactly n bytes at offset, or returns false when the file is shorter.
@@ -672,8 +700,9 @@ RouteFileReader::RouteFileReader(RouteFileReader&&) noexcept = default;
 RouteFileReader& RouteFileReader::operator=(RouteFileReader&&) noexcept = default;
 RouteFileReader::~RouteFileReader() = default;
 
-RouteFileReader RouteFileReader::open(const std::string& path) {
+RouteFileReader RouteFileReader::open(const std::string& path, const RouteDecodeOptions& options) {
   detail::check_path(path, "route_file", "path");
+  (void)decode_limit(options, 0, "route_file");  // a bad option before the file is touched
   auto impl = std::make_unique<Impl>();
   impl->name = path;
   impl->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -681,16 +710,19 @@ RouteFileReader RouteFileReader::open(const std::string& path) {
   const off_t end = ::lseek(impl->fd, 0, SEEK_END);
   if (end < 0) io_fail("lseek", path);
   impl->size = static_cast<int64_t>(end);
+  impl->set_limit(options);
   impl->open();
   return RouteFileReader(std::move(impl));
 }
 
-RouteFileReader RouteFileReader::from_bytes(std::string_view bytes) {
+RouteFileReader RouteFileReader::from_bytes(std::string_view bytes,
+                                            const RouteDecodeOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->name = "<memory>";
+  impl->size = static_cast<int64_t>(bytes.size());
+  impl->set_limit(options);
   impl->mem.assign(bytes.data(), bytes.size());
   impl->view = impl->mem;
-  impl->size = static_cast<int64_t>(bytes.size());
   impl->open();
   return RouteFileReader(std::move(impl));
 }
@@ -724,6 +756,15 @@ RouteTable RouteFileReader::read(int64_t sequence) const {
   if (!err.empty()) s.fail(where() + err);
   if (e.num_tokens != want.num_tokens || e.stored_bytes != want.stored_bytes) {
     s.fail(where() + "block header disagrees with the index");
+  }
+  // The decode limit, before the compressed bytes are read or anything is allocated.
+  if (s.decoded_bytes(e.num_tokens, raw_size) > s.limit) {
+    s.fail(where() + cat("declares ", e.num_tokens, " tokens x ", s.info.num_moe_layers,
+                         " layers x top_k ", s.info.top_k, " (",
+                         e.num_tokens * s.info.num_moe_layers * s.info.top_k * 4,
+                         " bytes of int32 ids) and a payload of ", raw_size, " bytes: ",
+                         s.decoded_bytes(e.num_tokens, raw_size), " bytes decoded from ",
+                         e.stored_bytes, " bytes stored", s.over_limit()));
   }
   const int64_t comp_size = e.stored_bytes - detail::kBlockHeaderSize;
   std::string comp_buf;
@@ -800,12 +841,24 @@ RouteFileCheck verify_opened(Open open) {
 
 }  // namespace
 
-RouteFileCheck verify_route_file(const std::string& path) {
-  return verify_opened([&] { return RouteFileReader::open(path); });
+RouteFileCheck verify_route_file(const std::string& path, const RouteDecodeOptions& options) {
+  return verify_opened([&] { return RouteFileReader::open(path, options); });
 }
 
-RouteFileCheck verify_route_bytes(std::string_view bytes) {
-  return verify_opened([&] { return RouteFileReader::from_bytes(bytes); });
+RouteFileCheck verify_route_bytes(std::string_view bytes, const RouteDecodeOptions& options) {
+  return verify_opened([&] { return RouteFileReader::from_bytes(bytes, options); });
+}
+
+int64_t decode_limit(const RouteDecodeOptions& options, int64_t input_bytes, const char* op) {
+  if (options.max_decoded_bytes < 0) {
+    detail::fail_arg(op, "max_decoded_bytes must be > 0 (or 0 for the default limit), got ",
+                     options.max_decoded_bytes);
+  }
+  if (options.max_decoded_bytes > 0) return options.max_decoded_bytes;
+  const int64_t scaled = input_bytes > std::numeric_limits<int64_t>::max() / kDefaultDecodedRatio
+                             ? std::numeric_limits<int64_t>::max()
+                             : std::max<int64_t>(input_bytes, 0) * kDefaultDecodedRatio;
+  return std::max(kDefaultMinDecodedBytes, scaled);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -872,22 +925,52 @@ Tensor encode_route_file(const std::vector<RouteTable>& tables, const RouteFileI
   return out;
 }
 
-std::vector<RouteTable> decode_route_file(std::string_view bytes, RouteFileInfo* info) {
+std::vector<RouteTable> decode_route_file(std::string_view bytes, RouteFileInfo* info,
+                                          const RouteDecodeOptions& options) {
   auto impl = std::make_unique<RouteFileReader::Impl>();
   impl->name = "<wire>";
   impl->view = bytes;  // borrowed for this call: no copy
   impl->size = static_cast<int64_t>(bytes.size());
+  impl->set_limit(options);
   impl->open();
-  RouteFileReader r(std::move(impl));
   // A message is whole or wrong: a cut or a missing index is an error here, never a recovery.
-  if (!r.complete()) throw DataError(cat("[route_file] <wire>: incomplete message: ", r.status()));
+  if (!impl->complete) {
+    throw DataError(cat("[route_file] <wire>: incomplete message: ", impl->status));
+  }
+  // The whole message against the limit, from every block's checked header, before any block is
+  // decompressed or any table allocated (each read() checks its own block again).
+  int64_t decoded = 0;  // from the checked block headers: the index's token counts may lie
+  {
+    const RouteFileReader::Impl& s = *impl;
+    int64_t tokens = 0, raw_total = 0;
+    for (size_t i = 0; i < s.entries.size(); ++i) {
+      RouteFileEntry e;
+      uint32_t flags = 0;
+      int64_t raw_size = 0;
+      uint64_t sum = 0;
+      if (!s.parse_block_header(s.entries[i].offset, static_cast<int64_t>(i), e, flags, raw_size,
+                                sum)
+               .empty()) {
+        continue;  // read(i) names what is wrong with this block, in sequence order
+      }
+      tokens += e.num_tokens;
+      raw_total += raw_size;
+      decoded += s.decoded_bytes(e.num_tokens, raw_size);  // <= 2^33 a block, < 2^63 in all
+      if (decoded > s.limit) {
+        throw DataError(cat(
+            "[route_file] <wire>: blocks 0..", i, " of ", s.entries.size(), " declare ", tokens,
+            " tokens x ", s.info.num_moe_layers, " layers x top_k ", s.info.top_k, " (",
+            tokens * s.info.num_moe_layers * s.info.top_k * 4, " bytes of int32 ids) and ",
+            raw_total, " bytes of payload: ", decoded, " bytes decoded from a message of ",
+            s.size, " bytes", s.over_limit()));
+      }
+    }
+  }
+  RouteFileReader r(std::move(impl));
   const int64_t n = r.num_sequences();
   std::vector<RouteTable> out(static_cast<size_t>(n));
   std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
-  int64_t tokens = 0;
-  for (int64_t i = 0; i < n; ++i) tokens += r.entry(i).num_tokens;
-  const int64_t bytes_out = tokens * r.info().num_moe_layers * r.info().top_k * 4;
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && bytes_out >= (int64_t{1} << 20))
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && decoded >= (int64_t{1} << 20))
   for (int64_t i = 0; i < n; ++i) {
     try {
       out[size_t(i)] = r.read(i);

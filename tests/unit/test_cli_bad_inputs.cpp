@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "cli_testing.h"
@@ -54,6 +55,13 @@ class CliBadInputs : public ::testing::Test {
     std::ofstream(p("ok.npy"), std::ios::binary) << npy;
     std::ofstream(p("bad.jsonl")) << "{\"meta_info\": {}}\n";
     std::ofstream(p("cut.syr"), std::ios::binary) << std::string(24, 'S');
+    {  // in.syr cut 3 bytes before the end of its last block
+      std::ifstream f(p("in.syr"), std::ios::binary);
+      const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      const auto r = switchyard::RouteFileReader::from_bytes(bytes);
+      std::ofstream(p("trunc.syr"), std::ios::binary)
+          << bytes.substr(0, size_t(r.entry(2).offset + r.entry(2).stored_bytes - 3));
+    }
     // A vLLM stream recorded without its finish_reason chunk.
     std::ofstream(p("cut.sse")) << "data: {\"request_id\": \"q\", \"choices\": [{\"index\": 0, "
                                    "\"token_ids\": [7], \"routed_experts\": null, "
@@ -103,6 +111,14 @@ TEST_F(CliBadInputs, EveryRowExitsWithItsCodeAndMessage) {
       {"inspect a 24-byte file", {"routes", "inspect", "@cut.syr"}, 1, "not a route file"},
       {"validate a 24-byte file", {"routes", "validate", "@cut.syr"}, 1, "not a route file"},
       {"stats --top -1", {"routes", "stats", "@in.syr", "--top", "-1"}, 2, "[hot_experts] n must be >= 0, got -1"},
+      {"stats of a route file cut inside its last block", {"routes", "stats", "@trunc.syr"}, 1,
+       "is damaged (2 sequences readable before the damage)"},
+      {"align a route file cut inside its last block (used to write 2 of 3 sequences and exit 0)", {"routes", "align", "@trunc.syr", "-o", "@o.syr"}, 1,
+       "block 2 at byte offset"},
+      {"export --format verl a route file cut inside its last block (used to write 2 of 3 sequences and exit 0)", {"routes", "export", "--format", "verl", "@trunc.syr", "-o", "@x"}, 1,
+       "nothing was written; rerun with --salvage"},
+      {"stats --max-decoded-bytes -1", {"routes", "stats", "@in.syr", "--max-decoded-bytes", "-1"}, 105,
+       "--max-decoded-bytes"},
       {"align --tp 0", {"routes", "align", "@in.syr", "-o", "@o.syr", "--tp", "0"}, 2, "tp_size must be >= 1, got 0"},
       {"align --cp-rank out of range", {"routes", "align", "@in.syr", "-o", "@o.syr", "--cp", "2", "--cp-rank", "2"}, 2, "cp_rank"},
       {"align --pp-rank out of range", {"routes", "align", "@in.syr", "-o", "@o.syr", "--pp", "2", "--pp-rank", "5"}, 2, "pp_rank"},

@@ -128,8 +128,14 @@ TEST_F(CliRoutes, ValidateFailsOnDamage) {
   r = run({"routes", "validate", p("cut.syr")});
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.out.find("no index footer"), std::string::npos) << r.out;
+  // inspect verifies what it reads too (issue 35): an incomplete file exits 1; --salvage shows
+  // what is readable and still exits 1.
   r = run({"routes", "inspect", p("cut.syr")});
-  EXPECT_EQ(r.code, 0);
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("is damaged (2 sequences readable before the damage): no index footer"),
+            std::string::npos) << r.err;
+  r = run({"routes", "inspect", p("cut.syr"), "--salvage"});
+  EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.out.find("INCOMPLETE"), std::string::npos);
   // Not a file at all.
   r = run({"routes", "validate", p("missing.syr")});
