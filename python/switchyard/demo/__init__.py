@@ -288,7 +288,7 @@ def run(argv: "list[str] | None" = None, _disable_replay: bool = False) -> "tupl
         passes = modes["r3"]["generations"] + modes["r3"]["policy"]
         checks["R3: router mismatch against the rollout exactly 0 on every step"] = (
             len(modes["r3"]["policy"]) == rlcfg.steps and all(
-                r["used_mismatch_rows"] == 0 and r["compared_rows"] > 0 and r["replayed_rows"] > 0
+                r["mismatch_rows"] == 0 and r["compared_rows"] > 0 and r["replayed_rows"] > 0
                 for r in passes))
     summary = {
         "model": dict(dataclasses.asdict(mcfg), moe_layers=mcfg.moe_layers,
