@@ -1,5 +1,7 @@
 """Test data shared by the single-process and the mpirun tests: every rank can rebuild every rank's
 inputs from the seed, so each rank checks its own results against a global reference."""
+import struct
+
 import torch
 
 
@@ -64,3 +66,24 @@ def single_rank_gloo():
     if not dist.is_initialized():
         store = f"file://{tempfile.mkdtemp(prefix='sy_gloo_')}/store"
         dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+
+
+def route_message(header, blocks):
+    """A complete route file from the encoder's own header and (flags, tokens, raw, comp) blocks."""
+    import xxhash  # only the route-file tests need it (they importorskip it)
+
+    out = bytearray(header)
+    entries = []
+    for seq, (flags, tokens, raw_size, comp) in enumerate(blocks):
+        h = struct.pack("<IIQQQQQ", 0x4B425953, flags, seq, tokens, raw_size, len(comp),
+                        xxhash.xxh3_64_intdigest(comp))
+        h += struct.pack("<Q", xxhash.xxh3_64_intdigest(h))
+        entries.append((len(out), tokens, len(h) + len(comp)))
+        out += h + comp
+    ix = struct.pack("<IIQ", 0x58495953, 0, len(entries))
+    for e in entries:
+        ix += struct.pack("<QQQ", *e)
+    ix += struct.pack("<Q", xxhash.xxh3_64_intdigest(ix))
+    end = struct.pack("<Q", len(out))
+    out += ix + end + struct.pack("<Q", xxhash.xxh3_64_intdigest(end)) + b"SYRTEND1"
+    return bytes(out)

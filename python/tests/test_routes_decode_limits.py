@@ -22,6 +22,7 @@ import torch
 
 import switchyard as sy
 import switchyard.routes as routes
+from helpers import route_message
 
 xxhash = pytest.importorskip("xxhash")
 
@@ -46,20 +47,7 @@ def _bomb(tokens, blocks=1):
         frame += block(1, n, False) + b"\xff"  # RLE: every later id matches
         left -= n
     frame += block(0, L * K, True) + bytes(range(L * K))  # token 0's literals
-    entries = []
-    for seq in range(blocks):
-        h = struct.pack("<IIQQQQQ", 0x4B425953, 4, seq, tokens, raw_size, len(frame),
-                        xxhash.xxh3_64_intdigest(frame))
-        h += struct.pack("<Q", xxhash.xxh3_64_intdigest(h))
-        entries.append((len(out), tokens, len(h) + len(frame)))
-        out += h + frame
-    ix = struct.pack("<IIQ", 0x58495953, 0, len(entries))
-    for e in entries:
-        ix += struct.pack("<QQQ", *e)
-    ix += struct.pack("<Q", xxhash.xxh3_64_intdigest(ix))
-    end = struct.pack("<Q", len(out))
-    out += ix + end + struct.pack("<Q", xxhash.xxh3_64_intdigest(end)) + b"SYRTEND1"
-    return bytes(out)
+    return route_message(bytes(out), [(4, tokens, raw_size, bytes(frame))] * blocks)
 
 
 def _decode_under_cap(path, headroom):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import switchyard as sy
 import switchyard.routes as routes
+from helpers import route_message as _message
 
 xxhash = pytest.importorskip("xxhash")
 
@@ -78,25 +79,6 @@ def _zstd_raw_frames(raw, pieces=1):
             h = (len(c) << 3) | int(i == len(chunks) - 1)  # raw block, last flag
             out += struct.pack("<I", h)[:3] + c
     return out
-
-
-def _message(header, blocks):
-    """A complete route file from the encoder's own header and (flags, tokens, raw, comp) blocks."""
-    out = bytearray(header)
-    entries = []
-    for seq, (flags, tokens, raw_size, comp) in enumerate(blocks):
-        h = struct.pack("<IIQQQQQ", 0x4B425953, flags, seq, tokens, raw_size, len(comp),
-                        xxhash.xxh3_64_intdigest(comp))
-        h += struct.pack("<Q", xxhash.xxh3_64_intdigest(h))
-        entries.append((len(out), tokens, len(h) + len(comp)))
-        out += h + comp
-    ix = struct.pack("<IIQ", 0x58495953, 0, len(entries))
-    for e in entries:
-        ix += struct.pack("<QQQ", *e)
-    ix += struct.pack("<Q", xxhash.xxh3_64_intdigest(ix))
-    end = struct.pack("<Q", len(out))
-    out += ix + end + struct.pack("<Q", xxhash.xxh3_64_intdigest(end)) + b"SYRTEND1"
-    return bytes(out)
 
 
 def _header(E, M, K):
