@@ -1,5 +1,5 @@
-"""switchyard.replay: the one replay core every path uses (the engine's router, the HF and Megatron
-adapters). It holds
+"""switchyard.replay: the one replay core every path uses (the engine's router, the HF, Megatron,
+TRL and verl adapters). It holds
 
 * ``POLICIES`` / ``check_policy``: the one vocabulary for invalid replay rows, "error" (default),
   "native" (routed natively and counted) and "merge" (a repeated id is one pair with its slots'
@@ -8,12 +8,18 @@ adapters). It holds
   id, out of range), bound from C++ (switchyard::classify_replay_rows);
 * ``recompute_kind`` / ``in_recompute``: the one detector of an activation-checkpoint recompute
   (the re-run of a forward inside backward; torch has no public API for it);
-* ``ReplayDriver``: the per-layer queues of one model, all or nothing.
+* ``RouterReplay``: the replay queues of one MoE layer (record, targets, recompute);
+* ``ReplayDriver``: the step transaction over the per-layer queues of one model, all or nothing;
+* ``ReplayCounts``: the rows one routing call (or a sum of calls) replayed and routed natively,
+  the one count record every integration reports.
 
 Row kinds (``ReplayRows.kind``, uint8): ``NATIVE`` = 0 (all -1: routed natively), ``REPLAYED`` = 1,
 ``INVALID`` = 3 (routed natively under policy "native"), ``MERGED`` = 4 (a repeated id merged).
 """
+import collections
+import dataclasses
 import itertools
+import warnings
 
 import torch
 
@@ -131,15 +137,32 @@ def recompute_kind():
     return "reentrant"
 
 
-def will_recompute(input_requires_grad):
+def will_recompute(input_requires_grad=False, checkpoint=None):
     """Whether a forward running now will be recomputed inside backward (so its replay ids must be
-    queued for that recompute): inside torch.utils.checkpoint(use_reentrant=False)'s forward
-    (exact: its saved-tensor hooks), or, with grad disabled, a forward whose input requires grad
-    (a reentrant checkpoint's forward: torch's, Megatron's, Transformer Engine's; the layers of a
-    reentrant block after its first see inputs that do not require grad, so checkpoint them one by
-    one or non-reentrantly). A forward that keeps its graph, or a forward-only pass, is not."""
+    queued for that recompute): the one decision every router path (``switchyard.torch``, the HF
+    and Megatron adapters) takes it from.
+
+    Args:
+        input_requires_grad: whether the router's input requires grad (a reentrant checkpoint runs
+            its forward under no_grad with such an input).
+        checkpoint: what the adapter's framework said at the entry of the checkpoint call that
+            runs this forward (transformers' ``gradient_checkpointing`` on a training layer with
+            grad enabled; Megatron's ``tensor_parallel.checkpoint`` with grad enabled and an input
+            that requires grad, outside CUDA-graph capture): True or False is taken as the
+            answer; None (no such call known) lets torch's state decide.
+
+    Returns:
+        bool. With ``checkpoint`` None: False inside a recompute; inside
+        torch.utils.checkpoint(use_reentrant=False)'s forward True (exact: its saved-tensor
+        hooks); with grad disabled, ``input_requires_grad`` (a reentrant checkpoint's forward:
+        torch's, Megatron's, Transformer Engine's; the layers of a reentrant block after its first
+        see inputs that do not require grad, so checkpoint them one by one or non-reentrantly). A
+        forward that keeps its graph, or a forward-only pass, is not recomputed.
+    """
+    if checkpoint is not None:
+        return bool(checkpoint)
     if torch._C._current_graph_task_id() != -1:
-        return False  # a recompute itself (an adapter that nests checkpoints queues again)
+        return False  # a recompute itself (an adapter that nests checkpoints says so itself)
     if torch.is_grad_enabled():
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
         return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
@@ -147,7 +170,12 @@ def will_recompute(input_requires_grad):
 
 
 def in_recompute():
-    """True inside an activation-checkpoint recompute (recompute_kind() is not None)."""
+    """Whether the running forward is an activation-checkpoint recompute.
+
+    Returns:
+        bool: ``recompute_kind() is not None`` (a forward run by the autograd engine during
+        backward).
+    """
     return torch._C._current_graph_task_id() != -1
 
 
@@ -167,13 +195,374 @@ def raise_on_every_rank(err, group):
         raise ValueError(err)
 
 
+@dataclasses.dataclass
+class ReplayCounts:
+    """The rows of one routing call (or summed over calls): what every integration reports, so a
+    replay that did nothing is visible. ``replayed + native == tokens``.
+
+    Made by ``of_rows`` / ``of_native`` (one call) and summed with ``add``; the Megatron adapter's
+    ``replay_counts`` returns these, the HF adapter's ``Patch.counts()`` their fields as
+    ``num_*`` keys.
+    """
+    calls: int = 0
+    """Routing calls counted."""
+    tokens: int = 0
+    """Tokens (rows) routed."""
+    replayed: int = 0
+    """Rows that used their replay ids (merged rows included)."""
+    merged: int = 0
+    """Replayed rows that repeated an id (one pair, weights summed)."""
+    native: int = 0
+    """Rows routed by the live top-k (all -1, no replay, or invalid under "native")."""
+    invalid: int = 0
+    """Native rows that were invalid replay rows."""
+
+    @classmethod
+    def of_rows(cls, rows):
+        """The counts of one forward replaying ``rows``.
+
+        Args:
+            rows: a ReplayRows (from classify_rows or a ReplayDriver).
+
+        Returns:
+            ReplayCounts with ``calls`` 1.
+        """
+        return cls(calls=1, tokens=rows.num_tokens, replayed=rows.num_replayed,
+                   merged=rows.num_merged, native=rows.num_native, invalid=rows.num_invalid)
+
+    @classmethod
+    def of_native(cls, num_tokens):
+        """The counts of one forward that routed all its ``num_tokens`` rows natively.
+
+        Args:
+            num_tokens: T, the rows routed.
+
+        Returns:
+            ReplayCounts with ``calls`` 1 and ``native`` T.
+        """
+        return cls(calls=1, tokens=int(num_tokens), native=int(num_tokens))
+
+    def add(self, other):
+        """Adds ``other``'s counts to these, in place.
+
+        Args:
+            other: a ReplayCounts.
+        """
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class RouterReplay:
+    """Router replay of one MoE layer (R2 and R3), first in first out, as in the engine.
+
+    Direct use (engine calls): ``record(topk_idx)``, ``pop_recorded()``,
+    ``replay_forward(topk_idx) -> ids`` (queues a copy for the recompute) and
+    ``recompute(num_tokens) -> ids``. "Recompute" is the activation-checkpoint re-run of a forward
+    inside backward.
+
+    Driven by a router (``syt.TopKRouter(...).forward(x, replay=this)``), ``action`` decides:
+      None              route natively;
+      "record"          route natively and record the ids (R2, old-log-prob pass);
+      "replay_forward"  replay the next target (``set_target``, e.g. a route-table slice for R3) or,
+                        when none is set, the oldest recorded table (R2), and queue it for
+                        recompute;
+      "recompute"       replay the oldest table queued by replay_forward (the checkpoint
+                        recompute: set it before calling backward). "replay_backward" is its
+                        deprecated old name.
+    Tables come back as int32 [T, K] tensors.
+
+    Args:
+        top_k: K, the ids per row (ValueError unless >= 1).
+        layer: the layer named in messages (an int), or None.
+        invalid_replay_rows: "error" (default), "native" or "merge" (POLICIES) for rows that mix
+            -1 and ids, repeat an id or name an id outside [0, E); "merge" only where the
+            dispatcher merges pairs (the Megatron adapter; topk_route refuses it).
+        num_experts: E; when given, targets are classified by the engine's row rule as they are
+            set (required by ReplayDriver).
+
+    Raises:
+        ValueError: for a top_k below 1 or another policy.
+    """
+
+    ACTIONS = (None, "record", "replay_forward", "recompute")
+    """The values of ``action``."""
+
+    def __init__(self, top_k, layer=None, invalid_replay_rows="error", num_experts=None):
+        check_policy(invalid_replay_rows, "replay")
+        self._c = _C.RouterReplayCore(int(top_k), -1 if layer is None else int(layer))
+        self.top_k = int(top_k)
+        """K, the ids per row."""
+        self.num_experts = None if num_experts is None else int(num_experts)
+        """E (ids in [0, E)), or None: targets are then classified at the forward."""
+        self.invalid_replay_rows = invalid_replay_rows
+        """"error", "native" or "merge"."""
+        self._action = None
+        self._targets = collections.deque()  # (step, table) of set_step_targets / set_target
+        self._last_step = 0  # the step of the last target a forward took
+
+    @property
+    def action(self):
+        """One of ACTIONS (default None); setting another value is a ValueError."""
+        return self._action
+
+    @action.setter
+    def action(self, value):
+        if value == "replay_backward":
+            warnings.warn("RouterReplay action 'replay_backward' is now 'recompute'",
+                          DeprecationWarning, stacklevel=2)
+            value = "recompute"
+        if value not in self.ACTIONS:
+            raise ValueError(f"[replay] action must be one of {self.ACTIONS}, got {value!r}")
+        self._action = value
+
+    # Engine operations.
+    def record(self, topk_idx):
+        """Queues a copy of ``topk_idx`` as a recorded table (R2).
+
+        Args:
+            topk_idx: int32 or int64 [T, top_k] ids.
+
+        Raises:
+            ValueError: for another dtype or shape, or an int64 value outside int32.
+        """
+        self._c.record(topk_idx)
+
+    def pop_recorded(self):
+        """Removes and returns the oldest recorded table.
+
+        Returns:
+            int32 [T, K].
+
+        Raises:
+            IndexError: when none is queued.
+        """
+        return self._c.pop_recorded()
+
+    def peek_recorded(self):
+        """The table pop_recorded() would return, left queued.
+
+        Returns:
+            int32 [T, K].
+
+        Raises:
+            IndexError: when none is queued.
+        """
+        return self._c.peek_recorded()
+
+    def replay_forward(self, topk_idx):
+        """Queues a copy of ``topk_idx`` for the recompute of this forward and returns it.
+
+        Args:
+            topk_idx: int32 or int64 [T, top_k] ids.
+
+        Returns:
+            int32 [T, K].
+
+        Raises:
+            ValueError: as ``record``.
+        """
+        return self._c.replay_forward(topk_idx)
+
+    def peek_recompute(self, num_tokens):
+        """The table recompute(num_tokens) would return, left queued.
+
+        Args:
+            num_tokens: T the recompute routes.
+
+        Returns:
+            int32 [T, K].
+
+        Raises:
+            IndexError: when none is queued.
+            ValueError: when its T is not ``num_tokens``.
+        """
+        return self._c.peek_recompute(int(num_tokens))
+
+    def recompute(self, num_tokens):
+        """Removes and returns the oldest table queued by replay_forward (for its recompute).
+
+        Args:
+            num_tokens: T the recompute routes.
+
+        Returns:
+            int32 [T, K].
+
+        Raises:
+            IndexError: when none is queued.
+            ValueError: when its T is not ``num_tokens``.
+        """
+        return self._c.recompute(int(num_tokens))
+
+    def drop_newest_recompute(self, count):
+        """Drops the ``count`` newest tables queued for recompute (those of a failed forward).
+
+        Args:
+            count: tables to drop (at most num_pending_recompute are).
+        """
+        self._c.drop_newest_recompute(int(count))
+
+    def replay_backward(self, num_tokens):
+        """Deprecated name of recompute()."""
+        warnings.warn("RouterReplay.replay_backward is now RouterReplay.recompute",
+                      DeprecationWarning, stacklevel=2)
+        return self.recompute(num_tokens)
+
+    def set_target(self, topk_idx):
+        """Queues ids for the next forward with action "replay_forward" (R3).
+
+        Args:
+            topk_idx: [T, K] integer ids (-1 = route natively).
+
+        Raises:
+            ValueError: for another shape, or (with num_experts known, classified now) the
+                engine's error for an invalid row.
+        """
+        self.set_step_targets([self], [topk_idx])
+
+    @staticmethod
+    def set_step_targets(replays, tables):
+        """Queues ``tables[i]`` on ``replays[i]`` for the next forward, all or none.
+
+        ReplayDriver.set_step_targets over these replays: rows classified now when every replay
+        knows num_experts, else at the forward by topk_route; a step that some of these layers
+        took and others did not is dropped first.
+
+        Args:
+            replays: RouterReplay objects.
+            tables: one [T, K] id table per replay.
+
+        Raises:
+            ValueError: nothing queued, as ReplayDriver.set_step_targets.
+        """
+        replays = list(replays)
+        ReplayDriver(dict(enumerate(replays)),
+                     label=lambda i: f"layer {replays[i].layer}").set_step_targets(list(tables))
+
+    def next_target(self):
+        """The table the next "replay_forward" uses, left queued.
+
+        Returns:
+            The oldest target (set_target), else the oldest recorded table: int32 [T, K].
+
+        Raises:
+            IndexError: when neither is queued.
+        """
+        if self._targets:
+            t = self._targets[0][1]
+            return t.ids if isinstance(t, ReplayRows) else t
+        return self._c.peek_recorded()
+
+    def pop_next_target(self):
+        """Removes and returns the next target: once its forward succeeded, or to drop the table
+        of a forward that failed.
+
+        Returns:
+            A ReplayRows when it was classified as set, else the table.
+
+        Raises:
+            IndexError: when nothing is queued.
+        """
+        if self._targets:
+            self._last_step, t = self._targets.popleft()
+            return t
+        return self._c.pop_recorded()
+
+    @property
+    def num_recorded(self):
+        """Recorded tables queued."""
+        return self._c.num_recorded
+
+    @property
+    def num_pending_recompute(self):
+        """Tables queued by replay_forward, waiting for their recompute."""
+        return self._c.num_pending_recompute
+
+    @property
+    def num_pending_backward(self):
+        """Deprecated name of num_pending_recompute."""
+        warnings.warn("RouterReplay.num_pending_backward is now num_pending_recompute",
+                      DeprecationWarning, stacklevel=2)
+        return self._c.num_pending_recompute
+
+    @property
+    def num_targets(self):
+        """Targets queued (set_target / set_step_targets)."""
+        return len(self._targets)
+
+    @property
+    def layer(self):
+        """The layer named in messages (an int), or None."""
+        return None if self._c.layer < 0 else self._c.layer
+
+    def clear(self):
+        """Drops every queued table (recorded, pending recompute and targets)."""
+        self._c.clear()
+        self._targets.clear()
+
+    # Router hooks (switchyard.torch.TopKRouter). Validation never mutates: forward_ids only looks
+    # at the queues, and forward_done (called once topk_route succeeded) consumes them, so a
+    # forward that fails (bad ids, a T that does not match) leaves every queue as it was for the
+    # corrected retry.
+    def forward_ids(self, num_tokens):
+        """The ids a router's forward replays under ``action``, left queued.
+
+        Args:
+            num_tokens: T the forward routes.
+
+        Returns:
+            None (action None / "record": route natively), the next target ("replay_forward")
+            or the oldest table queued for recompute ("recompute").
+
+        Raises:
+            IndexError: when the action's queue is empty.
+            ValueError: for a recompute table whose T is not ``num_tokens``.
+        """
+        if self._action in (None, "record"):
+            return None
+        if self._action == "replay_forward":
+            return self.next_target()
+        return self._c.peek_recompute(int(num_tokens))
+
+    def forward_done(self, topk_idx, num_tokens, will_recompute=True):
+        """Consumes the queues after a router's forward succeeded: records ``topk_idx``
+        ("record"), takes the target and, when ``will_recompute``, queues it for the recompute
+        ("replay_forward"), or takes the recompute table ("recompute").
+
+        Args:
+            topk_idx: the ids the forward routed, [T, K].
+            num_tokens: T.
+            will_recompute: whether this forward's recompute will come (will_recompute()).
+        """
+        if self._action == "record":
+            self._c.record(topk_idx)
+        elif self._action == "replay_forward":
+            t = self.pop_next_target()
+            if will_recompute:  # only a forward whose recompute will come queues its table
+                self._c.replay_forward(t.ids if isinstance(t, ReplayRows) else t)
+        elif self._action == "recompute":
+            self._c.recompute(int(num_tokens))
+
+    # The step bookkeeping of ReplayDriver (same module).
+    def _queue_target(self, step, rows):
+        self._targets.append((step, rows))
+
+    def _drop_targets_through(self, step):
+        while self._targets and self._targets[0][0] <= step:
+            self._targets.popleft()
+
+    def __repr__(self):
+        return (f"RouterReplay(top_k={self.top_k}, layer={self.layer}, action={self._action!r}, "
+                f"recorded={self.num_recorded}, pending_recompute={self.num_pending_recompute}, "
+                f"targets={self.num_targets})")
+
+
 _STEPS = itertools.count(1)  # step numbers of set_step_targets calls (all drivers: comparable)
 
 
 class ReplayDriver:
     """The replay queues of one model's MoE layers, all or nothing.
 
-    ``replays``: {key: switchyard.RouterReplay} (each with ``num_experts``); ``label(key)`` names a
+    ``replays``: {key: RouterReplay} (each with ``num_experts``); ``label(key)`` names a
     layer in messages. The driver is the only protocol: adapters call
 
     * ``set_step_targets(tables)``: every table is classified (the engine's rule, each layer's
@@ -192,8 +581,7 @@ class ReplayDriver:
     def __init__(self, replays, label=None):
         self.replays = dict(replays)
         """{key: switchyard.RouterReplay}, the layers this driver queues for."""
-        for k, r in self.replays.items():
-            self._label = label or (lambda k: f"layer {k}")
+        self._label = label or (lambda k: f"layer {k}")
         self._taken = set()     # keys that took their target in the running step
         self._queued = {}       # key -> recompute tables queued in the running step
 
@@ -209,7 +597,9 @@ class ReplayDriver:
         the forward) and gets the table back unchanged."""
         r = self.replays[key]
         if r.num_experts is None:
-            r._check_target(ids)
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != r.top_k:
+                raise ValueError(f"[replay] set_target: topk_idx must be a [T, {r.top_k}] "
+                                 f"tensor, got {getattr(ids, 'shape', type(ids).__name__)}")
             return ids
         if isinstance(ids, torch.Tensor) and ids.dtype in _ID_DTYPES and \
                 (ids.dim() != 2 or ids.shape[1] != r.top_k):
@@ -256,7 +646,7 @@ class ReplayDriver:
         for k, r in rows.items():
             if isinstance(r, ReplayRows):
                 r.group = None if num_tokens is not None else group
-            self.replays[k]._targets.append((step, r))
+            self.replays[k]._queue_target(step, r)
         return rows
 
     def _drop_failed_steps(self):
@@ -265,8 +655,7 @@ class ReplayDriver:
         step again. Tables queued ahead for later steps stay."""
         last = max((r._last_step for r in self.replays.values()), default=0)
         for r in self.replays.values():
-            while r._targets and r._targets[0][0] <= last:
-                r._targets.popleft()
+            r._drop_targets_through(last)
 
     # ---- one step ----
     def begin_step(self, keys=None):
@@ -285,7 +674,7 @@ class ReplayDriver:
                 if k not in self._taken and r.action == "replay_forward" and \
                         (r.num_targets or r.num_recorded):
                     r.pop_next_target()
-                r._c.drop_newest_recompute(self._queued.get(k, 0))
+                r.drop_newest_recompute(self._queued.get(k, 0))
         for k in keys:
             self._taken.discard(k)
             self._queued[k] = 0
@@ -326,9 +715,9 @@ class ReplayDriver:
             raise ValueError(f"[replay] {self.label(key)}: a checkpoint recompute found no ids "
                              "queued by its forward (the layer was checkpointed by a mechanism "
                              "the adapter does not see, so its forward did not queue them)")
-        ids = r._c.peek_recompute(int(num_tokens))
+        ids = r.peek_recompute(num_tokens)
         rows = self.classify(key, ids)
-        r._c.recompute(int(num_tokens))
+        r.recompute(num_tokens)
         if self._queued.get(key):
             self._queued[key] -= 1
         return rows

@@ -2,7 +2,6 @@
 router of a transformers model (``_Layer``: one patched MoE layer, its replay queue and counts),
 ``Patch`` drives replay and capture and undoes the patch; the transformers version check. See the
 package docstring."""
-import collections
 import contextlib
 import re
 import sys
@@ -45,10 +44,15 @@ class _Layer:
                                       num_experts=self.num_experts)
         self.will_recompute = False
         self.batch_shape = None
-        self.counts = collections.Counter()
+        self.counts = _replay.ReplayCounts()  # forwards (the replay core's one count record)
+        self.num_recomputed_rows = 0  # rows a recompute inside backward replayed
         self._hook = None
         self._had_instance_forward = "forward" in router.__dict__
         self._orig_forward = router.__dict__.get("forward")
+
+    def reset_counts(self):
+        self.counts = _replay.ReplayCounts()
+        self.num_recomputed_rows = 0
 
     def install(self):
         # A bound method, not a closure: copy.deepcopy of the model copies this _Layer with it (its
@@ -77,8 +81,9 @@ class _Layer:
     def _pre_hook(self, module, args, kwargs):
         # Runs in the decoder layer's __call__, outside the checkpointed forward, so once per real
         # forward: the condition under which transformers checkpoints the layer.
-        self.will_recompute = bool(getattr(module, "gradient_checkpointing", False) and
-                                   module.training and torch.is_grad_enabled())
+        self.will_recompute = _replay.will_recompute(checkpoint=bool(
+            getattr(module, "gradient_checkpointing", False) and module.training and
+            torch.is_grad_enabled()))
         h = args[0] if args else kwargs.get("hidden_states")
         self.batch_shape = tuple(h.shape[:-1]) if isinstance(h, torch.Tensor) else None
 
@@ -110,9 +115,7 @@ class _Layer:
                     if self.replay.num_pending_recompute or \
                             self.replay.action == "replay_forward":
                         rows = owner.driver.take_recompute(self.layer, T)
-                        self.counts["num_recomputed_rows"] += T
-                    else:
-                        self.counts["num_recomputed_native_rows"] += T
+                        self.num_recomputed_rows += T
                 else:
                     if self.replay.action == "recompute":
                         raise ValueError(
@@ -120,13 +123,8 @@ class _Layer:
                             "transformers models: the checkpoint recompute is detected and "
                             "replayed automatically; use 'replay_forward'")
                     rows = owner.driver.take_forward(self.layer, T)
-                    if rows is not None:
-                        self.counts["num_replayed_rows"] += rows.num_replayed
-                        self.counts["num_native_rows"] += rows.num_native
-                        self.counts["num_invalid_replay_rows"] += rows.num_invalid
-                    else:
-                        self.counts["num_native_rows"] += T
-                    self.counts["num_calls"] += 1
+                    self.counts.add(_replay.ReplayCounts.of_native(T) if rows is None else
+                                    _replay.ReplayCounts.of_rows(rows))
                 replay_ids = replay_mask = None
                 if rows is not None:  # the core's rows -> the family's (ids, mask) on the device
                     replay_ids = rows.ids.to(device=logits.device, dtype=torch.int64)
@@ -278,20 +276,22 @@ class Patch:
         "num_recomputed_rows", "num_calls": int}}: rows replayed / routed natively / invalid
         (routed natively, also counted as native) in forwards, rows recomputed with queued ids
         inside backward, and forward calls, since reset_counts()."""
-        keys = ("num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
-                "num_recomputed_rows", "num_calls")
-        return {l.layer: {k: int(l.counts[k]) for k in keys} for l in self._layers}
+        return {l.layer: {"num_replayed_rows": l.counts.replayed,
+                          "num_native_rows": l.counts.native,
+                          "num_invalid_replay_rows": l.counts.invalid,
+                          "num_recomputed_rows": l.num_recomputed_rows,
+                          "num_calls": l.counts.calls} for l in self._layers}
 
     def reset_counts(self) -> None:
         """Zeroes the counts of every layer (the queues stay)."""
         for l in self._layers:
-            l.counts.clear()
+            l.reset_counts()
 
     def clear(self) -> None:
         """Drops every queued table (recorded, targets, pending recompute) and the counts."""
         self.driver.clear()
         for l in self._layers:
-            l.counts.clear()
+            l.reset_counts()
 
     # ---- route sources (R3) ----
     def _layer_freq(self):

@@ -14,6 +14,8 @@ import switchyard as _sy
 import switchyard.replay as _syr
 import switchyard.torch as _syt
 
+from switchyard.replay import ReplayCounts
+
 from .config import _topk_options
 from .patch import _STATE, is_applied
 
@@ -21,31 +23,6 @@ from .patch import _STATE, is_applied
 # --------------------------------------------------------------------------------------------------
 # Replay state per router
 # --------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class ReplayCounts:
-    """Rows of one routing call (or summed over calls): ``replayed`` (ids used as given, merged
-    rows included), ``merged`` (replayed rows that repeated an id, weights summed), ``native``
-    (live top-k: all -1 rows, no replay, or invalid rows with invalid_replay_rows="native"),
-    ``invalid`` (of those native rows, the invalid ones). replayed + native == tokens."""
-    calls: int = 0
-    """Routing calls counted."""
-    tokens: int = 0
-    """Tokens (rows) routed."""
-    replayed: int = 0
-    """Rows that used their replay ids (merged rows included)."""
-    merged: int = 0
-    """Replayed rows that repeated an id (one pair, weights summed)."""
-    native: int = 0
-    """Rows routed by the live top-k (all -1, no replay, or invalid under "native")."""
-    invalid: int = 0
-    """Native rows that were invalid replay rows."""
-
-    def add(self, other):
-        """Adds ``other``'s counts (a ReplayCounts) to these, in place."""
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-
 class _RouterState:
     """What the adapter keeps per router besides the core's queues: the key, the shared
     switchyard.replay.ReplayDriver, options and counts."""
@@ -68,12 +45,6 @@ class _RouterState:
         return f"mtp layer {k[1]}" if isinstance(k, tuple) else f"layer {k}"
 
 
-def _counts(rows):
-    """ReplayCounts of one forward replaying ``rows`` (a switchyard.replay.ReplayRows)."""
-    return ReplayCounts(calls=1, tokens=rows.num_tokens, replayed=rows.num_replayed,
-                        merged=rows.num_merged, native=rows.num_native, invalid=rows.num_invalid)
-
-
 def _num_pairs(rows, K):
     """(token, expert) pairs routed: the replayed rows' (merged rows count each id once) plus K
     per natively routed row."""
@@ -86,8 +57,10 @@ def _num_pairs(rows, K):
 _CKPT_STACK = []
 
 
-def _will_recompute():
-    return any(_CKPT_STACK)
+def _checkpoint_says():
+    """What the innermost active tensor_parallel.checkpoint calls said (any of them: a backward
+    follows), or None outside them (switchyard.replay.will_recompute's ``checkpoint``)."""
+    return any(_CKPT_STACK) if _CKPT_STACK else None
 
 
 def _make_checkpoint(orig):
@@ -119,7 +92,7 @@ def _ids_for_forward(st, T):
     d = st.driver
     if action == "recompute" or (_syr.in_recompute() and torch.is_grad_enabled()):
         rows = d.take_recompute(st.key, T)  # the engine's FIFO checks T against the table
-        if _will_recompute():  # a checkpoint nested in the one being recomputed: queue again
+        if _syr.will_recompute(checkpoint=_checkpoint_says()):  # a nested checkpoint: queue again
             d.queue_recompute(st.key, rows.ids)
         return rows
     rows = d.take_forward(st.key, T)  # taken whether the forward goes on or fails
@@ -128,11 +101,7 @@ def _ids_for_forward(st, T):
     # outside it, a forward under no_grad whose inputs require grad (another reentrant
     # checkpoint, e.g. Transformer Engine's). Forward-only passes, also through a checkpoint under
     # no_grad, and forwards that keep their graph queue nothing.
-    if _CKPT_STACK:
-        will = _will_recompute()
-    else:
-        will = _syr.will_recompute(st.input_requires_grad)
-    if will:
+    if _syr.will_recompute(st.input_requires_grad, checkpoint=_checkpoint_says()):
         n = st.replay.num_pending_recompute
         if n >= st.max_pending_backward:
             raise ValueError(f"[megatron.replay] {st.label()}: {n} checkpointed "
@@ -243,7 +212,7 @@ def _make_router_routing(orig):
                 self.routing_type not in ("sinkhorn", "quantile_balancing"):
             return _engine_routing(self, st, tgt, logits, padding_mask)
         if tgt is None and action is None:  # native: Megatron's routing, unchanged
-            st.last = ReplayCounts(calls=1, tokens=T, native=T)
+            st.last = ReplayCounts.of_native(T)
             st.total.add(st.last)
             st.last_num_pairs = T * K  # every native path selects K distinct experts per row
             return orig(self, logits, padding_mask)
@@ -259,7 +228,7 @@ def _make_router_routing(orig):
             st.replay.record(_ids_from_map(map_n, K).to("cpu", torch.int32))
         if tgt is None:
             probs, routing_map = probs_n, map_n
-            counts = ReplayCounts(calls=1, tokens=T, native=T)
+            counts = ReplayCounts.of_native(T)
             st.last_num_pairs = T * K
         else:
             dev_ids = tgt.resolved_ids().to(logits.device, torch.int64, non_blocking=True)
@@ -270,7 +239,7 @@ def _make_router_routing(orig):
             if map_n is not None:
                 probs = torch.where(native_rows[:, None], probs_n, probs)
                 routing_map = torch.where(native_rows[:, None], map_n, routing_map)
-            counts = _counts(tgt)
+            counts = ReplayCounts.of_rows(tgt)
             st.last_num_pairs = _num_pairs(tgt, K)
         return _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask,
                        seq_length, bsz)
@@ -345,10 +314,10 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
         probs = torch.where(merged, p_m, probs)
         routing_map = torch.where(merged, map_m, routing_map)
     if tgt is None:
-        counts = ReplayCounts(calls=1, tokens=T, native=T)
+        counts = ReplayCounts.of_native(T)
         st.last_num_pairs = T * K
     else:
-        counts = _counts(tgt)
+        counts = ReplayCounts.of_rows(tgt)
         st.last_num_pairs = _num_pairs(tgt, K)
     return _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask, seq_length,
                    bsz)
