@@ -14,10 +14,9 @@ from ._switchyard import (BackendError, DataError, built_with_cuda, cpu_isa, cud
 from ._engine import GlobalAuxLossState, RouterConfig
 from . import replay
 from .replay import RouterReplay
-from .replay import classify_rows as classify_replay_rows
 from . import dist
 from . import routes
 
 __all__ = ["BackendError", "DataError", "GlobalAuxLossState", "RouterConfig", "RouterReplay",
            "built_with_cuda", "cpu_isa", "cuda_device_count", "num_threads", "set_cpu_isa",
-           "set_num_threads", "classify_replay_rows", "dist", "replay", "routes"]
+           "set_num_threads", "dist", "replay", "routes"]

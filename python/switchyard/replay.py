@@ -19,11 +19,15 @@ Row kinds (``ReplayRows.kind``, uint8): ``NATIVE`` = 0 (all -1: routed natively)
 import collections
 import dataclasses
 import itertools
-import warnings
 
 import torch
 
+from . import _names
 from . import _switchyard as _C
+
+__all__ = ["POLICIES", "check_policy", "NATIVE", "REPLAYED", "INVALID", "MERGED", "ReplayRows",
+           "classify_rows", "ReplayCounts", "RouterReplay", "ReplayDriver", "recompute_kind",
+           "in_recompute", "will_recompute", "raise_on_every_rank"]
 
 POLICIES = ("error", "native", "merge")
 """The invalid-replay-row policies, in the order of switchyard::ReplayRowPolicy."""
@@ -33,9 +37,21 @@ _OLD_POLICIES = {"to_none": "native"}
 
 
 def check_policy(policy, op, name="invalid_replay_rows", allowed=POLICIES):
-    """Returns ``policy`` (a str) when it is one of ``allowed`` (default POLICIES); otherwise
-    ValueError naming ``op``, the argument ``name`` and the value (an old spelling, "to_none",
-    names the new one, "native")."""
+    """Checks an invalid-replay-row policy.
+
+    Args:
+        policy: the value given.
+        op: the calling operation, named in the message.
+        name: the argument's name, named in the message.
+        allowed: the values accepted (default POLICIES).
+
+    Returns:
+        ``policy`` (a str).
+
+    Raises:
+        ValueError: naming ``op``, ``name`` and the value when it is not one of ``allowed`` (an
+            old spelling, "to_none", names the new one, "native").
+    """
     if policy in _OLD_POLICIES and _OLD_POLICIES[policy] in allowed:
         raise ValueError(f"[{op}] {name}={policy!r} is now spelled {_OLD_POLICIES[policy]!r}")
     if not isinstance(policy, str) or policy not in allowed:
@@ -54,7 +70,12 @@ class ReplayRows:
     included), ``num_merged``, ``num_native`` (invalid included), ``num_invalid`` and
     ``num_pairs`` ((token, expert) pairs the replayed rows send). Made by ``classify_rows`` /
     ``ReplayDriver``, not directly; ``group``: the torch.distributed group a forward checks the
-    token count over (None: local)."""
+    token count over (None: local).
+
+    Args:
+        ids: int32 [T, K] on the CPU, the table classified.
+        core: the engine's classification of ``ids`` (kinds and counts).
+    """
     _COUNTS = ("num_replayed", "num_merged", "num_native", "num_invalid", "num_pairs")
     __slots__ = ("ids", "kind", "group") + _COUNTS
 
@@ -84,9 +105,13 @@ class ReplayRows:
         return self.kind == MERGED
 
     def resolved_ids(self):
-        """int32 [T, K]: ids with every natively routed row (all -1 or invalid) as -1: what a
-        recompute replays (classified again with the same policy it gives the same kinds, invalid
-        rows native)."""
+        """The ids a recompute replays.
+
+        Returns:
+            int32 [T, K]: ids with every natively routed row (all -1 or invalid) as -1
+            (classified again with the same policy it gives the same kinds, invalid rows
+            native).
+        """
         return self.ids.masked_fill(~self.replayed[:, None], -1)
 
 
@@ -94,14 +119,26 @@ _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, to
 
 
 def classify_rows(ids, num_experts, policy="error", layer=None, op="replay"):
-    """The replay row rule (the engine's): ``ids`` [T, K] int64/int32/int16/int8/uint8/uint16
-    (any device; copied to the CPU as int32, -1 = route natively), ``num_experts`` E (valid ids
-    are in [0, E)) -> ReplayRows. policy "error": the engine's ValueError naming layer, token and
-    row for an invalid row (-1 mixed with ids, a repeated id, an id outside [0, E)); "native":
-    invalid rows are kind INVALID (routed natively); "merge": a row whose only fault is a repeated
-    id is MERGED, other invalid rows are the error. ``layer`` / ``op`` name the caller in
-    messages. ValueError also for a non-tensor, a float / bool dtype, ids that are not 2-D, an
-    id that does not fit int32 and an unknown policy."""
+    """The replay row rule (the engine's): sorts every row of a replay table by kind.
+
+    Args:
+        ids: [T, K] int64/int32/int16/int8/uint8/uint16 ids (any device; copied to the CPU as
+            int32; -1 = route natively).
+        num_experts: E (valid ids are in [0, E)).
+        policy: "error": an invalid row (-1 mixed with ids, a repeated id, an id outside
+            [0, E)) is the engine's ValueError naming layer, token and row; "native": invalid
+            rows are kind INVALID (routed natively); "merge": a row whose only fault is a
+            repeated id is MERGED, other invalid rows are the error.
+        layer: the layer named in messages, or None.
+        op: the operation named in messages.
+
+    Returns:
+        ReplayRows.
+
+    Raises:
+        ValueError: for an invalid row (by ``policy``), a non-tensor, a float / bool dtype, ids
+            that are not 2-D, an id that does not fit int32 and an unknown policy.
+    """
     check_policy(policy, op)
     where = "" if layer is None else f"layer {layer}, "
     if not isinstance(ids, torch.Tensor):
@@ -123,12 +160,18 @@ def classify_rows(ids, num_experts, policy="error", layer=None, op="replay"):
 
 
 def recompute_kind():
-    """None outside an activation-checkpoint recompute; inside one (a forward run by the autograd
-    engine during backward) "non_reentrant" for torch.utils.checkpoint(use_reentrant=False) (its
-    forward ran with grad and was counted) or "reentrant" (any other: torch's reentrant
-    checkpoint, Megatron's CheckpointFunction, Transformer Engine's; their forward ran under
-    no_grad). The one recompute detector of switchyard: torch has no public API for it, so this
-    reads torch.utils.checkpoint's own private state (pinned by the tests)."""
+    """The one recompute detector of switchyard: which activation-checkpoint recompute runs now.
+
+    torch has no public API for it, so this reads torch.utils.checkpoint's own private state
+    (pinned by the tests).
+
+    Returns:
+        None outside an activation-checkpoint recompute; inside one (a forward run by the
+        autograd engine during backward) "non_reentrant" for
+        torch.utils.checkpoint(use_reentrant=False) (its forward ran with grad and was counted)
+        or "reentrant" (any other: torch's reentrant checkpoint, Megatron's CheckpointFunction,
+        Transformer Engine's; their forward ran under no_grad).
+    """
     if torch._C._current_graph_task_id() == -1:
         return None
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -180,10 +223,18 @@ def in_recompute():
 
 
 def raise_on_every_rank(err, group):
-    """Raises ValueError(err) (``err``: a str, or None = no error here); returns None when no
-    rank failed. With a torch.distributed ``group``,
-    collective: the ranks exchange their errors and all raise the lowest failing rank's, so no
-    rank is left waiting in a later all-to-all."""
+    """Raises the same error on every rank of ``group`` when any rank has one.
+
+    Collective over ``group``: the ranks exchange their errors and all raise the lowest failing
+    rank's, so no rank is left waiting in a later all-to-all.
+
+    Args:
+        err: this rank's error message (a str), or None (no error here).
+        group: a torch.distributed group, or None (local: raise ``err`` if any).
+
+    Raises:
+        ValueError: ``err``, or the lowest failing rank's (naming that rank).
+    """
     if group is not None:
         import torch.distributed as dist
         errors = [None] * dist.get_world_size(group)
@@ -242,6 +293,21 @@ class ReplayCounts:
         """
         return cls(calls=1, tokens=int(num_tokens), native=int(num_tokens))
 
+    @classmethod
+    def summed(cls, counts):
+        """The sum of several counts (e.g. over a model's layers).
+
+        Args:
+            counts: an iterable of ReplayCounts.
+
+        Returns:
+            ReplayCounts, a new one.
+        """
+        total = cls()
+        for c in counts:
+            total.add(c)
+        return total
+
     def add(self, other):
         """Adds ``other``'s counts to these, in place.
 
@@ -267,8 +333,7 @@ class RouterReplay:
                         when none is set, the oldest recorded table (R2), and queue it for
                         recompute;
       "recompute"       replay the oldest table queued by replay_forward (the checkpoint
-                        recompute: set it before calling backward). "replay_backward" is its
-                        deprecated old name.
+                          recompute: set it before calling backward).
     Tables come back as int32 [T, K] tensors.
 
     Args:
@@ -308,9 +373,8 @@ class RouterReplay:
     @action.setter
     def action(self, value):
         if value == "replay_backward":
-            warnings.warn("RouterReplay action 'replay_backward' is now 'recompute'",
-                          DeprecationWarning, stacklevel=2)
-            value = "recompute"
+            raise ValueError("[replay] action 'replay_backward' was renamed 'recompute' (the old "
+                             "name was removed in 0.3.0)")
         if value not in self.ACTIONS:
             raise ValueError(f"[replay] action must be one of {self.ACTIONS}, got {value!r}")
         self._action = value
@@ -401,12 +465,6 @@ class RouterReplay:
         """
         self._c.drop_newest_recompute(int(count))
 
-    def replay_backward(self, num_tokens):
-        """Deprecated name of recompute()."""
-        warnings.warn("RouterReplay.replay_backward is now RouterReplay.recompute",
-                      DeprecationWarning, stacklevel=2)
-        return self.recompute(num_tokens)
-
     def set_target(self, topk_idx):
         """Queues ids for the next forward with action "replay_forward" (R3).
 
@@ -478,13 +536,6 @@ class RouterReplay:
         return self._c.num_pending_recompute
 
     @property
-    def num_pending_backward(self):
-        """Deprecated name of num_pending_recompute."""
-        warnings.warn("RouterReplay.num_pending_backward is now num_pending_recompute",
-                      DeprecationWarning, stacklevel=2)
-        return self._c.num_pending_recompute
-
-    @property
     def num_targets(self):
         """Targets queued (set_target / set_step_targets)."""
         return len(self._targets)
@@ -550,6 +601,9 @@ class RouterReplay:
         while self._targets and self._targets[0][0] <= step:
             self._targets.popleft()
 
+    def __getattr__(self, name):
+        raise _names.old_attribute(self, name)  # an old name says the new one
+
     def __repr__(self):
         return (f"RouterReplay(top_k={self.top_k}, layer={self.layer}, action={self._action!r}, "
                 f"recorded={self.num_recorded}, pending_recompute={self.num_pending_recompute}, "
@@ -560,10 +614,9 @@ _STEPS = itertools.count(1)  # step numbers of set_step_targets calls (all drive
 
 
 class ReplayDriver:
-    """The replay queues of one model's MoE layers, all or nothing.
+    """The replay queues of one model's MoE layers, all or nothing: the step transaction.
 
-    ``replays``: {key: RouterReplay} (each with ``num_experts``); ``label(key)`` names a
-    layer in messages. The driver is the only protocol: adapters call
+    The driver is the only protocol: adapters call
 
     * ``set_step_targets(tables)``: every table is classified (the engine's rule, each layer's
       policy) and its token count checked before any layer queues one;
@@ -576,7 +629,12 @@ class ReplayDriver:
       forward used, handed back to its recompute (FIFO).
 
     ValueError from any of them names the layer (``label``); a key that is not in ``replays`` is
-    a KeyError."""
+    a KeyError.
+
+    Args:
+        replays: {key: RouterReplay} (each with ``num_experts``).
+        label: key -> how messages name that layer (default "layer <key>").
+    """
 
     def __init__(self, replays, label=None):
         self.replays = dict(replays)
@@ -586,15 +644,32 @@ class ReplayDriver:
         self._queued = {}       # key -> recompute tables queued in the running step
 
     def label(self, key):
-        """How messages name the layer ``key`` (default "layer <key>")."""
+        """How messages name a layer.
+
+        Args:
+            key: the layer's key in ``replays``.
+
+        Returns:
+            str (default "layer <key>").
+        """
         return self._label(key)
 
     # ---- targets ----
     def classify(self, key, ids):
-        """``ids`` [T, K] integer tensor -> ReplayRows by the engine's rule and the layer's policy
-        (classify_rows; its ValueError). A RouterReplay without num_experts only has the table's
-        shape checked (ValueError unless [T, top_k]; its router's topk_route checks the rows at
-        the forward) and gets the table back unchanged."""
+        """Classifies one layer's table by the engine's rule and the layer's policy.
+
+        Args:
+            key: the layer's key in ``replays``.
+            ids: [T, K] integer ids (-1 = route natively).
+
+        Returns:
+            ReplayRows (classify_rows); for a RouterReplay without num_experts the table itself,
+            unchanged (its router's topk_route checks the rows at the forward).
+
+        Raises:
+            ValueError: classify_rows', or, without num_experts, a table that is not
+                [T, top_k].
+        """
         r = self.replays[key]
         if r.num_experts is None:
             if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != r.top_k:
@@ -614,13 +689,25 @@ class ReplayDriver:
             raise ValueError(f"{e} ({self.label(key)})") from None
 
     def set_step_targets(self, tables, *, num_tokens=None, group=None):
-        """Queues tables[key] ([T, K] integer ids, -1 = native) for the next forward of each named
-        layer, all or none (over ``group``: the same error on every rank, collective). ``tables``:
-        {key: ids}, or a list with one table per layer in the order of ``replays``.
-        ``num_tokens``: every table must have that many rows (checked now; else at the forward).
-        Returns {key: ReplayRows} (the table itself for a layer without num_experts). ValueError,
-        nothing queued, for a list of the wrong length, an unknown key, an invalid row (by each
-        layer's policy) or a token count that is not ``num_tokens``."""
+        """Queues one table per named layer for its next forward, all or none.
+
+        Collective over ``group`` when given: the same error on every rank.
+
+        Args:
+            tables: {key: ids} or a list with one table per layer in the order of ``replays``;
+                ids [T, K] integers, -1 = route natively.
+            num_tokens: every table must have that many rows (checked now; None: at the
+                forward).
+            group: a torch.distributed group, or None (local).
+
+        Returns:
+            {key: ReplayRows} (the table itself for a layer without num_experts).
+
+        Raises:
+            ValueError: nothing queued, for a list of the wrong length, an unknown key, an
+                invalid row (by each layer's policy) or a token count that is not
+                ``num_tokens``.
+        """
         if not isinstance(tables, dict):
             tables = list(tables)
             if len(tables) != len(self.replays):
@@ -659,14 +746,23 @@ class ReplayDriver:
 
     # ---- one step ----
     def begin_step(self, keys=None):
-        """Marks the start of a (chunk) forward over the layers ``keys`` (None: all)."""
+        """Marks the start of a (chunk) forward.
+
+        Args:
+            keys: the layers the forward runs (None: all).
+        """
         for k in self.replays if keys is None else keys:
             self._taken.discard(k)
             self._queued[k] = 0
 
     def end_step(self, keys=None, failed=False):
-        """Marks its end; ``failed=True`` drops, in each layer of ``keys``, the step's target it has
-        not taken and the recompute tables queued during the step."""
+        """Marks the end of a (chunk) forward.
+
+        Args:
+            keys: the layers the forward ran (None: all).
+            failed: True drops, in each of those layers, the step's target it has not taken and
+                the recompute tables queued during the step.
+        """
         keys = list(self.replays if keys is None else keys)
         if failed:
             for k in keys:
@@ -680,10 +776,21 @@ class ReplayDriver:
             self._queued[k] = 0
 
     def take_forward(self, key, num_tokens):
-        """The ReplayRows the forward of ``key`` replays: None for action None / "record"; for
-        "replay_forward" the oldest target, else the oldest recorded table (R2), taken now (a
-        forward that fails does not leave it for the retry). ValueError when none is queued or
-        its token count is not ``num_tokens`` (over the group the targets were set with)."""
+        """The rows a layer's forward replays, taken from its queue now (a forward that fails
+        does not leave them for the retry).
+
+        Args:
+            key: the layer's key.
+            num_tokens: T the forward routes.
+
+        Returns:
+            None for action None / "record"; for "replay_forward" the oldest target as
+            ReplayRows, else the oldest recorded table's (R2).
+
+        Raises:
+            ValueError: when none is queued or its token count is not ``num_tokens`` (over the
+                group the targets were set with).
+        """
         r = self.replays[key]
         if r.action != "replay_forward":
             return None
@@ -701,15 +808,29 @@ class ReplayDriver:
         return rows
 
     def queue_recompute(self, key, ids):
-        """Queues ``ids`` (int32 [T, K] on the CPU: the ids this checkpointed forward used) for its
-        recompute."""
+        """Queues the ids a checkpointed forward used, for its recompute.
+
+        Args:
+            key: the layer's key.
+            ids: int32 [T, K] on the CPU.
+        """
         self.replays[key].replay_forward(ids)
         self._queued[key] = self._queued.get(key, 0) + 1
 
     def take_recompute(self, key, num_tokens):
-        """The ReplayRows the recompute of ``key``'s oldest checkpointed forward replays (the
-        engine's FIFO checks num_tokens). ValueError when none is queued or its token count is
-        not ``num_tokens``."""
+        """The rows the recompute of a layer's oldest checkpointed forward replays, taken from
+        its queue (first in, first out).
+
+        Args:
+            key: the layer's key.
+            num_tokens: T the recompute routes.
+
+        Returns:
+            ReplayRows.
+
+        Raises:
+            ValueError: when none is queued or its token count is not ``num_tokens``.
+        """
         r = self.replays[key]
         if not r.num_pending_recompute:
             raise ValueError(f"[replay] {self.label(key)}: a checkpoint recompute found no ids "

@@ -17,8 +17,22 @@ def _range(oldest, newest):
 
 
 def check_version(op, package, found, oldest, newest):
-    """Raises RuntimeError when ``found`` (a version string) is outside [oldest, newest] by
-    (major, minor), any patch release of ``newest`` included; returns found's release tuple."""
+    """The supported-range rule (transformers, megatron-core).
+
+    Args:
+        op: the calling operation, named in messages.
+        package: the package's name.
+        found: its installed version string.
+        oldest: (major, minor) of the oldest supported release.
+        newest: (major, minor) of the newest supported release (any patch release of it).
+
+    Returns:
+        found's release tuple.
+
+    Raises:
+        RuntimeError: when ``found`` is unreadable or outside [oldest, newest] by (major, minor)
+            (a newer one passes, with a warning, under SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
+    """
     from packaging.version import InvalidVersion, Version
     try:
         release = Version(str(found)).release
@@ -35,3 +49,21 @@ def check_version(op, package, found, oldest, newest):
             raise RuntimeError(f"{msg}; set {ALLOW_ENV}=1 to patch it anyway")
         warnings.warn(f"{msg}; patching anyway ({ALLOW_ENV}=1)", stacklevel=3)
     return release
+
+
+def check_minimum_version(op, package, found, minimum, why):
+    """The minimum-version rule (trl, verl: extension points that newer releases keep).
+
+    Args:
+        op: the calling operation, named in messages.
+        package: the package's name.
+        found: its installed version string.
+        minimum: the oldest release supported, a version string.
+        why: what was read from ``minimum``, said in the message.
+
+    Raises:
+        RuntimeError: when ``found`` is older than ``minimum``.
+    """
+    from packaging.version import Version
+    if Version(str(found)) < Version(minimum):
+        raise RuntimeError(f"[{op}] needs {package} >= {minimum}, found {found} ({why})")

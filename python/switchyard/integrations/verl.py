@@ -46,6 +46,7 @@ import os
 import torch
 
 import switchyard.integrations.hf as syhf
+from switchyard.integrations._adapter import check_minimum_version
 
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import EngineRegistry
@@ -74,10 +75,8 @@ _ROUTER_DTYPES = {"native": None, "float32": torch.float32, "fp32": torch.float3
 
 def _check_version():
     import verl
-    from packaging.version import Version
-    if Version(verl.__version__) < Version(MIN_VERL_VERSION):
-        raise RuntimeError(f"[verl] switchyard's verl plugin needs verl >= {MIN_VERL_VERSION}, "
-                           f"found {verl.__version__}")
+    check_minimum_version("verl", "verl", verl.__version__, MIN_VERL_VERSION,
+                          "switchyard's verl engine plugins were written against it")
 
 
 def _mode_of(engine_config) -> str:

@@ -19,11 +19,35 @@ class Capture:
 
     def __init__(self, owner):
         self._owner = owner
-        self._steps = {l.layer: [] for l in owner._layers}
+        self._steps = {layer: [] for layer in owner.layers}
         self.active = False
         """True while capturing (between Patch.capture() and the end of the ``with`` block)."""
         self._had_generate = False
         self._orig_generate = None
+
+    def start(self):
+        """Starts capturing: the model's ``generate()`` is wrapped (beam search refused) until
+        ``stop()``. Called by ``Patch.capture()``."""
+        m = self._owner.model
+        if callable(getattr(m, "generate", None)):
+            self._had_generate = "generate" in m.__dict__
+            self._orig_generate = m.__dict__.get("generate")
+            m.generate = self._generate  # an instance attribute, removed when the capture stops
+        self.active = True
+
+    def stop(self):
+        """Stops capturing (idempotent): the model's ``generate()`` is restored and the Patch
+        runs no capture any more if this was its running one. What leaving the ``with`` block
+        does."""
+        self.active = False
+        m = self._owner.model
+        if getattr(m.__dict__.get("generate"), "__self__", None) is self:
+            if self._had_generate:
+                m.generate = self._orig_generate
+            else:
+                m.__dict__.pop("generate", None)
+        if self._owner.running_capture is self:
+            self._owner.stop_capture()
 
     def _generate(self, *args, **kwargs):
         """The model's generate() while capturing: beam search refused before any forward."""
@@ -41,7 +65,16 @@ class Capture:
             return self._orig_generate(*args, **kwargs)
         return type(model).generate(model, *args, **kwargs)
 
-    def _add(self, layer, ids32, batch_shape, T):
+    def append(self, layer, ids32, batch_shape, num_tokens):
+        """Appends one forward's ids of one MoE layer (called by the patched router).
+
+        Args:
+            layer: the decoder layer's number (one of ``Patch.layers``).
+            ids32: int32 [T, K] on the CPU, the ids the forward routed.
+            batch_shape: (B, S) of the decoder layer's input, or None (taken as (1, T)).
+            num_tokens: T.
+        """
+        T = num_tokens
         if batch_shape is None or len(batch_shape) != 2 or batch_shape[0] * batch_shape[1] != T:
             batch_shape = (1, T)
         self._steps[layer].append(ids32.view(batch_shape[0], batch_shape[1], -1))
@@ -50,7 +83,7 @@ class Capture:
         return self
 
     def __exit__(self, *exc):
-        self._owner._stop_capture(self)
+        self.stop()
 
     @property
     def num_forwards(self) -> int:
@@ -119,7 +152,8 @@ class Capture:
         """switchyard route tables (int32 [num_tokens, moe_layers, K], last token -1), through the
         vLLM importer with the model's layer map. Returns (tables, report dict);
         ``attention_mask`` as ``routed_experts``."""
-        return self._owner._import_vllm(self.routed_experts(attention_mask), zero_rows="keep")
+        return self._owner.tables_from_vllm(self.routed_experts(attention_mask),
+                                            zero_rows="keep")
 
     def write(self, path: str | os.PathLike, attention_mask: torch.Tensor | None = None,
               compression_level: int = 3) -> int:

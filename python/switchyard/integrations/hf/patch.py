@@ -3,6 +3,7 @@ router of a transformers model (``_Layer``: one patched MoE layer, its replay qu
 ``Patch`` drives replay and capture and undoes the patch; the transformers version check. See the
 package docstring."""
 import contextlib
+import dataclasses
 import re
 import sys
 
@@ -13,7 +14,7 @@ import switchyard.torch as syt
 from switchyard import replay as _replay
 from switchyard import routes as syr
 
-from .._versions import check_version
+from .._adapter import check_version
 from .capture import Capture
 from .families import FAMILIES, _family_of, _gate
 
@@ -147,7 +148,7 @@ class _Layer:
         if will_recompute:
             self.owner.driver.queue_recompute(self.layer, ids32)  # for the recompute
         if self.owner._capture is not None:
-            self.owner._capture._add(self.layer, ids32, batch_shape, T)
+            self.owner._capture.append(self.layer, ids32, batch_shape, T)
 
 
 
@@ -271,6 +272,14 @@ class Patch:
         for l in self._layers:
             l.replay.action = "replay_forward"
 
+    def replay_counts(self) -> dict[int, _replay.ReplayCounts]:
+        """The forwards' rows per layer since reset_counts(), as the replay core counts them.
+
+        Returns:
+            {layer: switchyard.replay.ReplayCounts} (copies: changing them changes nothing).
+        """
+        return {l.layer: dataclasses.replace(l.counts) for l in self._layers}
+
     def counts(self) -> dict[int, dict[str, int]]:
         """{layer: {"num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
         "num_recomputed_rows", "num_calls": int}}: rows replayed / routed natively / invalid
@@ -298,7 +307,22 @@ class Patch:
         s = set(self.layers)
         return [1 if i in s else 0 for i in range(self.num_hidden_layers)]
 
-    def _import_vllm(self, arrays, zero_rows):
+    def tables_from_vllm(self, arrays, zero_rows: str = "keep") -> tuple[list, dict]:
+        """vLLM / SGLang routed_experts arrays -> switchyard route tables, through switchyard's
+        vLLM importer with this model's layer map.
+
+        Args:
+            arrays: one integer [n_b - 1, num_hidden_layers, K] array per sequence (numpy or
+                torch, dense layers 0).
+            zero_rows: "keep", "to_none" or "error" (the importer's).
+
+        Returns:
+            (tables, report): int32 [n_b, moe_layers, K] per sequence (last token -1) and the
+            import report dict.
+
+        Raises:
+            ValueError: the importer's, naming sequence, token, layer and value.
+        """
         return syr.import_vllm_arrays(arrays, self.num_experts, moe_layer_freq=self._layer_freq(),
                                       num_input_layers=self.num_hidden_layers, top_k=self.top_k,
                                       zero_rows=zero_rows)
@@ -323,7 +347,7 @@ class Patch:
         import report dict), through switchyard's vLLM importer and this model's layer map
         (``zero_rows`` as there: "keep", "to_none" or "error"). ValueError (the importer's, naming
         sequence, token, layer and value) for a wrong shape or an id outside [0, num_experts)."""
-        tables, report = self._import_vllm(list(arrays), zero_rows)
+        tables, report = self.tables_from_vllm(list(arrays), zero_rows)
         return syr.add_padding(tables, attention_mask), report
 
     def targets_from_verl(self, routed_experts: torch.Tensor, attention_mask: torch.Tensor,
@@ -338,7 +362,7 @@ class Patch:
                          "routed_experts", syt._ID_DTYPES)
         m = torch.as_tensor(attention_mask).to("cpu")
         seqs = syr.drop_padding(ids, m, self.num_experts)
-        tables, report = self._import_vllm([s[:-1] for s in seqs], zero_rows)
+        tables, report = self.tables_from_vllm([s[:-1] for s in seqs], zero_rows)
         return syr.add_padding(tables, m), report
 
     # ---- capture ----
@@ -351,30 +375,20 @@ class Patch:
         if self._capture is not None:
             raise ValueError("[hf.capture] a capture is already running")
         cap = Capture(self)
-        m = self.model
-        if callable(getattr(m, "generate", None)):
-            cap._had_generate = "generate" in m.__dict__
-            cap._orig_generate = m.__dict__.get("generate")
-            m.generate = cap._generate  # an instance attribute, removed when the capture stops
+        cap.start()
         self._capture = cap
-        cap.active = True
         return cap
+
+    @property
+    def running_capture(self) -> "Capture | None":
+        """The running Capture, or None."""
+        return self._capture
 
     def stop_capture(self) -> None:
         """Stops the running capture, if any (what leaving its ``with`` block does)."""
-        if self._capture is not None:
-            self._stop_capture(self._capture)
-
-    def _stop_capture(self, cap):
-        cap.active = False
-        m = self.model
-        if getattr(m.__dict__.get("generate"), "__self__", None) is cap:
-            if cap._had_generate:
-                m.generate = cap._orig_generate
-            else:
-                m.__dict__.pop("generate", None)
-        if self._capture is cap:
-            self._capture = None
+        cap, self._capture = self._capture, None
+        if cap is not None:
+            cap.stop()
 
     # ---- a failed forward ----
     def _install(self, stacks):
@@ -406,8 +420,7 @@ class Patch:
         for h in self._stack_hooks:
             h.remove()
         self._stack_hooks = []
-        if self._capture is not None:
-            self._stop_capture(self._capture)
+        self.stop_capture()
 
     def __enter__(self):
         return self

@@ -24,7 +24,7 @@ def _router_dtype(config):
     return _ROUTER_DTYPES[config.moe_router_dtype]
 
 
-def _topk_options(config):
+def topk_options(config):
     """Megatron's top-k selection and weight options under switchyard's names: the one option map
     of ``router_config`` and of the engine="cpu" routing (which leaves capacity, aux losses and
     the expert bias to Megatron's own functions)."""
@@ -70,7 +70,7 @@ def router_config(config, *, is_mtp_layer=False):
         kw.update(padding_for_quantization=True,
                   padding_align_size=int(get_align_size_for_quantization(config)))
     return _sy.RouterConfig(
-        **_topk_options(config),
+        **topk_options(config),
         capacity_factor=config.moe_expert_capacity_factor,
         token_drop_policy=config.moe_token_drop_policy,
         pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity),
@@ -124,7 +124,16 @@ def topk_router(router, **kwargs):
     return s
 
 
-def _make_engine_gating(orig):
+def make_engine_gating(orig):
+    """The wrapper ``apply()`` installs over Megatron-Core's Router.gating, switchyard's FP32
+    gate on CPU tensors of attached routers.
+
+    Args:
+        orig: the original function.
+
+    Returns:
+        The wrapper (functools.wraps of ``orig``).
+    """
     @functools.wraps(orig)
     def gating(self, input):
         st = getattr(self, "_sy", None)

@@ -5,9 +5,10 @@ was patched (``PatchReport``). See the package docstring."""
 import contextlib
 import dataclasses
 
-from .._versions import check_version
-from .config import _make_engine_gating
-from .fixes import _make_a2a_preprocess, _make_ep_setup_metadata, _make_layer_route
+from .._adapter import check_version, lifecycle
+from .config import make_engine_gating
+from .fixes import make_a2a_preprocess, make_ep_setup_metadata, make_layer_route
+from .replay import make_checkpoint, make_router_forward, make_router_routing
 
 SUPPORTED_VERSIONS = ((0, 16), (0, 19))
 """Supported megatron-core releases, (major, minor) oldest and newest, any patch release: 0.16
@@ -54,21 +55,16 @@ class PatchReport:
         return "\n".join(lines)
 
 
-_STATE = {"originals": [], "report": None, "engine": None}
+_LIFE = lifecycle("megatron")  # the originals, the report and the engine (shared with replay)
 
 
 def is_applied():
     """True between ``apply()`` and ``remove()``."""
-    return _STATE["report"] is not None
+    return _LIFE.is_applied
 
 
 def _patch(owner, name, make, report, why):
-    orig = owner.__dict__[name]
-    setattr(owner, name, make(orig))
-    _STATE["originals"].append((owner, name, orig))
-    where = owner.__name__ if isinstance(owner, type(contextlib)) else \
-        f"{owner.__module__}.{owner.__qualname__}"
-    report.patched.append((f"{where}.{name}", why))
+    report.patched.append(_LIFE.wrap(owner, name, make, why))
 
 
 def apply(*, engine=None):
@@ -83,12 +79,12 @@ def apply(*, engine=None):
     environment sets SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1); nothing stays patched on an error."""
     if engine not in (None, "cpu"):
         raise ValueError(f"[megatron.apply] engine must be None or 'cpu', got {engine!r}")
-    if _STATE["report"] is not None:
-        if _STATE["engine"] != engine:
-            raise ValueError(f"[megatron.apply] already applied with engine={_STATE['engine']!r}; "
-                             f"remove() first to apply with engine={engine!r}")
-        return _STATE["report"]
-    from .replay import _make_checkpoint, _make_router_forward, _make_router_routing
+    if _LIFE.is_applied:
+        if _LIFE.options["engine"] != engine:
+            raise ValueError(f"[megatron.apply] already applied with "
+                             f"engine={_LIFE.options['engine']!r}; remove() first to apply with "
+                             f"engine={engine!r}")
+        return _LIFE.report
     ver_str = _megatron_version()
     ver = check_version("megatron.apply", "megatron-core", ver_str, *SUPPORTED_VERSIONS)
     from megatron.core.transformer.moe import moe_layer, router, token_dispatcher as td
@@ -96,7 +92,7 @@ def apply(*, engine=None):
     report = PatchReport(version=ver_str, patched=[], skipped=[], engine=engine,
                          tested=".".join(map(str, ver)) in TESTED_VERSIONS)
     try:
-        _patch(td.MoEAlltoAllTokenDispatcher, "preprocess", _make_a2a_preprocess, report,
+        _patch(td.MoEAlltoAllTokenDispatcher, "preprocess", make_a2a_preprocess, report,
                "dropless output size from the routing map's pair count (was T*topk)")
         for cls_name in ("_DeepepManager", "_NCCLEPManager"):
             cls = getattr(td, cls_name, None)
@@ -104,40 +100,31 @@ def apply(*, engine=None):
                 report.skipped.append((f"{td.__name__}.{cls_name}.setup_metadata",
                                        "not in this version"))
                 continue
-            _patch(cls, "setup_metadata", _make_ep_setup_metadata, report,
+            _patch(cls, "setup_metadata", make_ep_setup_metadata, report,
                    "indices rebuilt from the routing map (-1 slots, no zero-weight experts)")
-        _patch(router.TopKRouter, "forward", _make_router_forward, report,
+        _patch(router.TopKRouter, "forward", make_router_forward, report,
                "replay/record state per call (attached routers only)")
-        _patch(router.TopKRouter, "routing", _make_router_routing, report,
+        _patch(router.TopKRouter, "routing", make_router_routing, report,
                "validated, keyed replay and record on every router path (attached routers only)")
-        _patch(moe_layer.MoELayer, "route", _make_layer_route, report,
+        _patch(moe_layer.MoELayer, "route", make_layer_route, report,
                "hands the router's host-known pair count to the dispatcher")
         import megatron.core.tensor_parallel as tensor_parallel
-        _patch(tensor_parallel, "checkpoint", _make_checkpoint, report,
+        _patch(tensor_parallel, "checkpoint", make_checkpoint, report,
                "notes whether a recompute will follow, so replay queues ids only then")
         if engine == "cpu":
-            _patch(router.Router, "gating", _make_engine_gating, report,
+            _patch(router.Router, "gating", make_engine_gating, report,
                    "CPU tensors: switchyard's FP32 batch-invariant gate (attached routers only)")
     except BaseException:
-        _restore()
+        _LIFE.restore()
         raise
-    _STATE["report"] = report
-    _STATE["engine"] = engine
+    _LIFE.applied(report, engine=engine)
     return report
-
-
-def _restore():
-    while _STATE["originals"]:
-        owner, name, orig = _STATE["originals"].pop()
-        setattr(owner, name, orig)
 
 
 def remove():
     """Puts every patched Megatron-Core function back. Replays attached to routers stay attached
     (and unused) until ``detach_replay``."""
-    _restore()
-    _STATE["report"] = None
-    _STATE["engine"] = None
+    _LIFE.removed()
 
 
 @contextlib.contextmanager

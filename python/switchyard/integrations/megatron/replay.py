@@ -11,13 +11,16 @@ import sys
 import torch
 
 import switchyard as _sy
+from switchyard import _names
 import switchyard.replay as _syr
 import switchyard.torch as _syt
 
 from switchyard.replay import ReplayCounts
 
-from .config import _topk_options
-from .patch import _STATE, is_applied
+from .._adapter import lifecycle
+from .config import topk_options
+
+_LIFE = lifecycle("megatron")  # patch.apply() / remove() set it
 
 
 # --------------------------------------------------------------------------------------------------
@@ -63,7 +66,16 @@ def _checkpoint_says():
     return any(_CKPT_STACK) if _CKPT_STACK else None
 
 
-def _make_checkpoint(orig):
+def make_checkpoint(orig):
+    """The wrapper ``apply()`` installs over Megatron-Core's tensor_parallel.checkpoint, noting
+    whether a recompute will follow the call.
+
+    Args:
+        orig: the original function.
+
+    Returns:
+        The wrapper (functools.wraps of ``orig``).
+    """
     @functools.wraps(orig)
     def checkpoint(function, distribute_saved_activations, *args):
         will = torch.is_grad_enabled() and any(torch.is_tensor(a) and a.requires_grad
@@ -114,7 +126,16 @@ def _ids_for_forward(st, T):
 # --------------------------------------------------------------------------------------------------
 # Router patches
 # --------------------------------------------------------------------------------------------------
-def _make_router_forward(orig):
+def make_router_forward(orig):
+    """The wrapper ``apply()`` installs over Megatron-Core's TopKRouter.forward, noting the
+    attached router's input for replay.
+
+    Args:
+        orig: the original function.
+
+    Returns:
+        The wrapper (functools.wraps of ``orig``).
+    """
     @functools.wraps(orig)
     def forward(self, input, padding_mask=None):
         st = getattr(self, "_sy", None)
@@ -196,7 +217,16 @@ def _replayed(self, logits, ids):
     return probs, routing_map
 
 
-def _make_router_routing(orig):
+def make_router_routing(orig):
+    """The wrapper ``apply()`` installs over Megatron-Core's TopKRouter.routing, validated keyed
+    replay and record on attached routers.
+
+    Args:
+        orig: the original function.
+
+    Returns:
+        The wrapper (functools.wraps of ``orig``).
+    """
     @functools.wraps(orig)
     def routing(self, logits, padding_mask=None):
         st = getattr(self, "_sy", None)
@@ -208,7 +238,7 @@ def _make_router_routing(orig):
         T = logits.numel() // E
         tgt = _ids_for_forward(st, T)
         action = st.replay.action
-        if _STATE["engine"] == "cpu" and not logits.is_cuda and \
+        if _LIFE.options.get("engine") == "cpu" and not logits.is_cuda and \
                 self.routing_type not in ("sinkhorn", "quantile_balancing"):
             return _engine_routing(self, st, tgt, logits, padding_mask)
         if tgt is None and action is None:  # native: Megatron's routing, unchanged
@@ -293,7 +323,7 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
     if padding_mask is not None:
         padding_mask = padding_mask.reshape(-1)
     logits = self.apply_z_loss(logits, padding_mask=padding_mask)
-    rc = _sy.RouterConfig(**_topk_options(cfg))  # the one option map (config.py)
+    rc = _sy.RouterConfig(**topk_options(cfg))  # the one option map (config.py)
     # bf16 logits (moe_router_dtype=None with bf16 activations) route as Megatron routes them.
     lg = logits if logits.dtype in (torch.bfloat16, torch.float32, torch.float64) else \
         logits.float()
@@ -359,7 +389,8 @@ def attach_replay(model, *, invalid_replay_rows="error", aux_loss_routes="used",
     layer, token and row), "merge" (a row whose only fault is a repeated id sends that pair once,
     its weights summed: what zero-filled padding rows from a rollout become; other invalid rows
     are errors) or "native" (every invalid row -- repeated id, -1 mixed with ids, id outside
-    [0, E) -- routed natively and counted). ``repeated_ids`` is its deprecated old name.
+    [0, E) -- routed natively and counted). ``repeated_ids`` (its name before 0.3.0) is a
+    TypeError naming it.
     ``aux_loss_routes``: "used" (default: replayed rows
     count their replayed experts in the load-balancing loss) or "native" (Megatron's own map).
     ``max_pending_backward``: bound on checkpointed forwards waiting for their recompute.
@@ -367,16 +398,13 @@ def attach_replay(model, *, invalid_replay_rows="error", aux_loss_routes="used",
     Raises RuntimeError before ``apply()``, ValueError for another policy or aux_loss_routes, a
     TopKRouter without layer_number, or two routers with one key (attaching again replaces the
     earlier replays)."""
-    if repeated_ids is not None:
-        import warnings
-        warnings.warn("megatron.attach_replay(repeated_ids=...) is now invalid_replay_rows=... "
-                      "(same values)", DeprecationWarning, stacklevel=2)
-        invalid_replay_rows = repeated_ids
+    if repeated_ids is not None:  # removed in 0.3.0: the error names the new keyword
+        _names.check_kwargs("megatron.attach_replay", {"repeated_ids": repeated_ids})
     _syr.check_policy(invalid_replay_rows, "megatron.attach_replay")
     if aux_loss_routes not in ("used", "native"):
         raise ValueError("[megatron.attach_replay] aux_loss_routes must be 'used' or 'native', "
                          f"got {aux_loss_routes!r}")
-    if not is_applied():
+    if not _LIFE.is_applied:
         raise RuntimeError("[megatron.attach_replay] call switchyard.integrations.megatron.apply() "
                            "first")
     routers = _routers(model)
