@@ -16,9 +16,13 @@ TRL and verl adapters). It holds
 Row kinds (``ReplayRows.kind``, uint8): ``NATIVE`` = 0 (all -1: routed natively), ``REPLAYED`` = 1,
 ``INVALID`` = 3 (routed natively under policy "native"), ``MERGED`` = 4 (a repeated id merged).
 """
+from __future__ import annotations
+
 import collections
 import dataclasses
 import itertools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -36,7 +40,8 @@ POLICIES = ("error", "native", "merge")
 _OLD_POLICIES = {"to_none": "native"}
 
 
-def check_policy(policy, op, name="invalid_replay_rows", allowed=POLICIES):
+def check_policy(policy: object, op: str, name: str = "invalid_replay_rows",
+                 allowed: tuple[str, ...] = POLICIES) -> str:
     """Checks an invalid-replay-row policy.
 
     Args:
@@ -78,8 +83,13 @@ class ReplayRows:
     """
     _COUNTS = ("num_replayed", "num_merged", "num_native", "num_invalid", "num_pairs")
     __slots__ = ("ids", "kind", "group") + _COUNTS
+    num_replayed: int
+    num_merged: int
+    num_native: int
+    num_invalid: int
+    num_pairs: int
 
-    def __init__(self, ids, core):
+    def __init__(self, ids: torch.Tensor, core: Any) -> None:
         self.ids = ids
         """int32 [T, K] on the CPU: the ids as given (-1 = no route)."""
         self.kind = core.kind
@@ -90,21 +100,21 @@ class ReplayRows:
             setattr(self, f, getattr(core, f))
 
     @property
-    def num_tokens(self):
+    def num_tokens(self) -> int:
         """T, the rows of ``ids``."""
         return self.ids.shape[0]
 
     @property
-    def replayed(self):
+    def replayed(self) -> torch.Tensor:
         """[T] bool: rows that take their ids (merged included)."""
         return (self.kind == REPLAYED) | (self.kind == MERGED)
 
     @property
-    def merged(self):
+    def merged(self) -> torch.Tensor:
         """[T] bool: rows whose repeated id was merged (policy "merge")."""
         return self.kind == MERGED
 
-    def resolved_ids(self):
+    def resolved_ids(self) -> torch.Tensor:
         """The ids a recompute replays.
 
         Returns:
@@ -118,7 +128,8 @@ class ReplayRows:
 _ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.uint16)
 
 
-def classify_rows(ids, num_experts, policy="error", layer=None, op="replay"):
+def classify_rows(ids: torch.Tensor, num_experts: int, policy: str = "error",
+                  layer: int | None = None, op: str = "replay") -> ReplayRows:
     """The replay row rule (the engine's): sorts every row of a replay table by kind.
 
     Args:
@@ -159,7 +170,7 @@ def classify_rows(ids, num_experts, policy="error", layer=None, op="replay"):
     return ReplayRows(ids, core)
 
 
-def recompute_kind():
+def recompute_kind() -> str | None:
     """The one recompute detector of switchyard: which activation-checkpoint recompute runs now.
 
     torch has no public API for it, so this reads torch.utils.checkpoint's own private state
@@ -180,7 +191,7 @@ def recompute_kind():
     return "reentrant"
 
 
-def will_recompute(input_requires_grad=False, checkpoint=None):
+def will_recompute(input_requires_grad: bool = False, checkpoint: bool | None = None) -> bool:
     """Whether a forward running now will be recomputed inside backward (so its replay ids must be
     queued for that recompute): the one decision every router path (``switchyard.torch``, the HF
     and Megatron adapters) takes it from.
@@ -212,7 +223,7 @@ def will_recompute(input_requires_grad=False, checkpoint=None):
     return bool(input_requires_grad)
 
 
-def in_recompute():
+def in_recompute() -> bool:
     """Whether the running forward is an activation-checkpoint recompute.
 
     Returns:
@@ -222,7 +233,7 @@ def in_recompute():
     return torch._C._current_graph_task_id() != -1
 
 
-def raise_on_every_rank(err, group):
+def raise_on_every_rank(err: str | None, group: Any) -> None:
     """Raises the same error on every rank of ``group`` when any rank has one.
 
     Collective over ``group``: the ranks exchange their errors and all raise the lowest failing
@@ -237,7 +248,7 @@ def raise_on_every_rank(err, group):
     """
     if group is not None:
         import torch.distributed as dist
-        errors = [None] * dist.get_world_size(group)
+        errors: list[str | None] = [None] * dist.get_world_size(group)
         dist.all_gather_object(errors, err, group=group)
         for rank, e in enumerate(errors):
             if e is not None:
@@ -269,7 +280,7 @@ class ReplayCounts:
     """Native rows that were invalid replay rows."""
 
     @classmethod
-    def of_rows(cls, rows):
+    def of_rows(cls, rows: ReplayRows) -> ReplayCounts:
         """The counts of one forward replaying ``rows``.
 
         Args:
@@ -282,7 +293,7 @@ class ReplayCounts:
                    merged=rows.num_merged, native=rows.num_native, invalid=rows.num_invalid)
 
     @classmethod
-    def of_native(cls, num_tokens):
+    def of_native(cls, num_tokens: int) -> ReplayCounts:
         """The counts of one forward that routed all its ``num_tokens`` rows natively.
 
         Args:
@@ -294,7 +305,7 @@ class ReplayCounts:
         return cls(calls=1, tokens=int(num_tokens), native=int(num_tokens))
 
     @classmethod
-    def summed(cls, counts):
+    def summed(cls, counts: Iterable[ReplayCounts]) -> ReplayCounts:
         """The sum of several counts (e.g. over a model's layers).
 
         Args:
@@ -308,7 +319,7 @@ class ReplayCounts:
             total.add(c)
         return total
 
-    def add(self, other):
+    def add(self, other: ReplayCounts) -> None:
         """Adds ``other``'s counts to these, in place.
 
         Args:
@@ -352,7 +363,8 @@ class RouterReplay:
     ACTIONS = (None, "record", "replay_forward", "recompute")
     """The values of ``action``."""
 
-    def __init__(self, top_k, layer=None, invalid_replay_rows="error", num_experts=None):
+    def __init__(self, top_k: int, layer: int | None = None, invalid_replay_rows: str = "error",
+                 num_experts: int | None = None) -> None:
         check_policy(invalid_replay_rows, "replay")
         self._c = _C.RouterReplayCore(int(top_k), -1 if layer is None else int(layer))
         self.top_k = int(top_k)
@@ -361,17 +373,19 @@ class RouterReplay:
         """E (ids in [0, E)), or None: targets are then classified at the forward."""
         self.invalid_replay_rows = invalid_replay_rows
         """"error", "native" or "merge"."""
-        self._action = None
-        self._targets = collections.deque()  # (step, table) of set_step_targets / set_target
+        self._action: str | None = None
+        # (step, table) of set_step_targets / set_target
+        self._targets: collections.deque[tuple[int, ReplayRows | torch.Tensor]] = \
+            collections.deque()
         self._last_step = 0  # the step of the last target a forward took
 
     @property
-    def action(self):
+    def action(self) -> str | None:
         """One of ACTIONS (default None); setting another value is a ValueError."""
         return self._action
 
     @action.setter
-    def action(self, value):
+    def action(self, value: str | None) -> None:
         if value == "replay_backward":
             raise ValueError("[replay] action 'replay_backward' was renamed 'recompute' (the old "
                              "name was removed in 0.3.0)")
@@ -380,7 +394,7 @@ class RouterReplay:
         self._action = value
 
     # Engine operations.
-    def record(self, topk_idx):
+    def record(self, topk_idx: torch.Tensor) -> None:
         """Queues a copy of ``topk_idx`` as a recorded table (R2).
 
         Args:
@@ -391,7 +405,7 @@ class RouterReplay:
         """
         self._c.record(topk_idx)
 
-    def pop_recorded(self):
+    def pop_recorded(self) -> torch.Tensor:
         """Removes and returns the oldest recorded table.
 
         Returns:
@@ -402,7 +416,7 @@ class RouterReplay:
         """
         return self._c.pop_recorded()
 
-    def peek_recorded(self):
+    def peek_recorded(self) -> torch.Tensor:
         """The table pop_recorded() would return, left queued.
 
         Returns:
@@ -413,7 +427,7 @@ class RouterReplay:
         """
         return self._c.peek_recorded()
 
-    def replay_forward(self, topk_idx):
+    def replay_forward(self, topk_idx: torch.Tensor) -> torch.Tensor:
         """Queues a copy of ``topk_idx`` for the recompute of this forward and returns it.
 
         Args:
@@ -427,7 +441,7 @@ class RouterReplay:
         """
         return self._c.replay_forward(topk_idx)
 
-    def peek_recompute(self, num_tokens):
+    def peek_recompute(self, num_tokens: int) -> torch.Tensor:
         """The table recompute(num_tokens) would return, left queued.
 
         Args:
@@ -442,7 +456,7 @@ class RouterReplay:
         """
         return self._c.peek_recompute(int(num_tokens))
 
-    def recompute(self, num_tokens):
+    def recompute(self, num_tokens: int) -> torch.Tensor:
         """Removes and returns the oldest table queued by replay_forward (for its recompute).
 
         Args:
@@ -457,7 +471,7 @@ class RouterReplay:
         """
         return self._c.recompute(int(num_tokens))
 
-    def drop_newest_recompute(self, count):
+    def drop_newest_recompute(self, count: int) -> None:
         """Drops the ``count`` newest tables queued for recompute (those of a failed forward).
 
         Args:
@@ -465,7 +479,7 @@ class RouterReplay:
         """
         self._c.drop_newest_recompute(int(count))
 
-    def set_target(self, topk_idx):
+    def set_target(self, topk_idx: torch.Tensor) -> None:
         """Queues ids for the next forward with action "replay_forward" (R3).
 
         Args:
@@ -478,7 +492,8 @@ class RouterReplay:
         self.set_step_targets([self], [topk_idx])
 
     @staticmethod
-    def set_step_targets(replays, tables):
+    def set_step_targets(replays: Iterable[RouterReplay], tables: Iterable[torch.Tensor]
+                         ) -> None:
         """Queues ``tables[i]`` on ``replays[i]`` for the next forward, all or none.
 
         ReplayDriver.set_step_targets over these replays: rows classified now when every replay
@@ -496,7 +511,7 @@ class RouterReplay:
         ReplayDriver(dict(enumerate(replays)),
                      label=lambda i: f"layer {replays[i].layer}").set_step_targets(list(tables))
 
-    def next_target(self):
+    def next_target(self) -> torch.Tensor:
         """The table the next "replay_forward" uses, left queued.
 
         Returns:
@@ -510,7 +525,7 @@ class RouterReplay:
             return t.ids if isinstance(t, ReplayRows) else t
         return self._c.peek_recorded()
 
-    def pop_next_target(self):
+    def pop_next_target(self) -> ReplayRows | torch.Tensor:
         """Removes and returns the next target: once its forward succeeded, or to drop the table
         of a forward that failed.
 
@@ -526,26 +541,26 @@ class RouterReplay:
         return self._c.pop_recorded()
 
     @property
-    def num_recorded(self):
+    def num_recorded(self) -> int:
         """Recorded tables queued."""
         return self._c.num_recorded
 
     @property
-    def num_pending_recompute(self):
+    def num_pending_recompute(self) -> int:
         """Tables queued by replay_forward, waiting for their recompute."""
         return self._c.num_pending_recompute
 
     @property
-    def num_targets(self):
+    def num_targets(self) -> int:
         """Targets queued (set_target / set_step_targets)."""
         return len(self._targets)
 
     @property
-    def layer(self):
+    def layer(self) -> int | None:
         """The layer named in messages (an int), or None."""
         return None if self._c.layer < 0 else self._c.layer
 
-    def clear(self):
+    def clear(self) -> None:
         """Drops every queued table (recorded, pending recompute and targets)."""
         self._c.clear()
         self._targets.clear()
@@ -554,7 +569,7 @@ class RouterReplay:
     # at the queues, and forward_done (called once topk_route succeeded) consumes them, so a
     # forward that fails (bad ids, a T that does not match) leaves every queue as it was for the
     # corrected retry.
-    def forward_ids(self, num_tokens):
+    def forward_ids(self, num_tokens: int) -> torch.Tensor | None:
         """The ids a router's forward replays under ``action``, left queued.
 
         Args:
@@ -574,7 +589,8 @@ class RouterReplay:
             return self.next_target()
         return self._c.peek_recompute(int(num_tokens))
 
-    def forward_done(self, topk_idx, num_tokens, will_recompute=True):
+    def forward_done(self, topk_idx: torch.Tensor, num_tokens: int,
+                     will_recompute: bool = True) -> None:
         """Consumes the queues after a router's forward succeeded: records ``topk_idx``
         ("record"), takes the target and, when ``will_recompute``, queues it for the recompute
         ("replay_forward"), or takes the recompute table ("recompute").
@@ -594,17 +610,17 @@ class RouterReplay:
             self._c.recompute(int(num_tokens))
 
     # The step bookkeeping of ReplayDriver (same module).
-    def _queue_target(self, step, rows):
+    def _queue_target(self, step: int, rows: ReplayRows | torch.Tensor) -> None:
         self._targets.append((step, rows))
 
-    def _drop_targets_through(self, step):
+    def _drop_targets_through(self, step: int) -> None:
         while self._targets and self._targets[0][0] <= step:
             self._targets.popleft()
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         raise _names.old_attribute(self, name)  # an old name says the new one
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"RouterReplay(top_k={self.top_k}, layer={self.layer}, action={self._action!r}, "
                 f"recorded={self.num_recorded}, pending_recompute={self.num_pending_recompute}, "
                 f"targets={self.num_targets})")
@@ -636,14 +652,15 @@ class ReplayDriver:
         label: key -> how messages name that layer (default "layer <key>").
     """
 
-    def __init__(self, replays, label=None):
+    def __init__(self, replays: Mapping[Any, RouterReplay],
+                 label: Callable[[Any], str] | None = None) -> None:
         self.replays = dict(replays)
         """{key: switchyard.RouterReplay}, the layers this driver queues for."""
         self._label = label or (lambda k: f"layer {k}")
-        self._taken = set()     # keys that took their target in the running step
-        self._queued = {}       # key -> recompute tables queued in the running step
+        self._taken: set[Any] = set()  # keys that took their target in the running step
+        self._queued: dict[Any, int] = {}  # key -> recompute tables queued in the running step
 
-    def label(self, key):
+    def label(self, key: Any) -> str:
         """How messages name a layer.
 
         Args:
@@ -655,7 +672,7 @@ class ReplayDriver:
         return self._label(key)
 
     # ---- targets ----
-    def classify(self, key, ids):
+    def classify(self, key: Any, ids: torch.Tensor) -> ReplayRows | torch.Tensor:
         """Classifies one layer's table by the engine's rule and the layer's policy.
 
         Args:
@@ -688,7 +705,9 @@ class ReplayDriver:
                 raise
             raise ValueError(f"{e} ({self.label(key)})") from None
 
-    def set_step_targets(self, tables, *, num_tokens=None, group=None):
+    def set_step_targets(self, tables: Mapping[Any, torch.Tensor] | Iterable[torch.Tensor], *,
+                         num_tokens: int | None = None, group: Any = None
+                         ) -> dict[Any, ReplayRows | torch.Tensor]:
         """Queues one table per named layer for its next forward, all or none.
 
         Collective over ``group`` when given: the same error on every rank.
@@ -721,8 +740,8 @@ class ReplayDriver:
                 if k not in self.replays:
                     raise ValueError(f"[replay.set_step_targets] no layer has the key {k!r} "
                                      f"(layers: {sorted(self.replays, key=str)})")
-                rows[k] = self.classify(k, ids)
-                n = rows[k].shape[0] if isinstance(rows[k], torch.Tensor) else rows[k].num_tokens
+                rows[k] = r = self.classify(k, ids)
+                n = r.shape[0] if isinstance(r, torch.Tensor) else r.num_tokens
                 if num_tokens is not None and n != int(num_tokens):
                     raise ValueError(f"[replay] {self.label(k)}: the replay tensor has "
                                      f"{n} tokens, the router gets {int(num_tokens)}")
@@ -736,7 +755,7 @@ class ReplayDriver:
             self.replays[k]._queue_target(step, r)
         return rows
 
-    def _drop_failed_steps(self):
+    def _drop_failed_steps(self) -> None:
         """A step some layers took and others did not failed between them (an error outside any
         hook the adapter has): its tables still queued are dropped, so every layer is at the same
         step again. Tables queued ahead for later steps stay."""
@@ -745,7 +764,7 @@ class ReplayDriver:
             r._drop_targets_through(last)
 
     # ---- one step ----
-    def begin_step(self, keys=None):
+    def begin_step(self, keys: Iterable[Any] | None = None) -> None:
         """Marks the start of a (chunk) forward.
 
         Args:
@@ -755,7 +774,7 @@ class ReplayDriver:
             self._taken.discard(k)
             self._queued[k] = 0
 
-    def end_step(self, keys=None, failed=False):
+    def end_step(self, keys: Iterable[Any] | None = None, failed: bool = False) -> None:
         """Marks the end of a (chunk) forward.
 
         Args:
@@ -775,7 +794,7 @@ class ReplayDriver:
             self._taken.discard(k)
             self._queued[k] = 0
 
-    def take_forward(self, key, num_tokens):
+    def take_forward(self, key: Any, num_tokens: int) -> ReplayRows | None:
         """The rows a layer's forward replays, taken from its queue now (a forward that fails
         does not leave them for the retry).
 
@@ -799,7 +818,7 @@ class ReplayDriver:
                              "target is set and nothing was recorded")
         self._taken.add(key)
         t = r.pop_next_target()
-        rows = t if isinstance(t, ReplayRows) else self.classify(key, t)
+        rows = t if isinstance(t, ReplayRows) else self._classified(key, t)
         err = None
         if rows.num_tokens != int(num_tokens):
             err = (f"[replay] {self.label(key)}: the replay tensor has {rows.num_tokens} tokens, "
@@ -807,7 +826,7 @@ class ReplayDriver:
         raise_on_every_rank(err, getattr(rows, "group", None))
         return rows
 
-    def queue_recompute(self, key, ids):
+    def queue_recompute(self, key: Any, ids: torch.Tensor) -> None:
         """Queues the ids a checkpointed forward used, for its recompute.
 
         Args:
@@ -817,7 +836,7 @@ class ReplayDriver:
         self.replays[key].replay_forward(ids)
         self._queued[key] = self._queued.get(key, 0) + 1
 
-    def take_recompute(self, key, num_tokens):
+    def take_recompute(self, key: Any, num_tokens: int) -> ReplayRows:
         """The rows the recompute of a layer's oldest checkpointed forward replays, taken from
         its queue (first in, first out).
 
@@ -837,13 +856,20 @@ class ReplayDriver:
                              "queued by its forward (the layer was checkpointed by a mechanism "
                              "the adapter does not see, so its forward did not queue them)")
         ids = r.peek_recompute(num_tokens)
-        rows = self.classify(key, ids)
+        rows = self._classified(key, ids)
         r.recompute(num_tokens)
         if self._queued.get(key):
             self._queued[key] -= 1
         return rows
 
-    def clear(self):
+    def _classified(self, key: Any, ids: torch.Tensor) -> ReplayRows:
+        rows = self.classify(key, ids)
+        if not isinstance(rows, ReplayRows):
+            raise ValueError(f"[replay] {self.label(key)}: a forward driven by a ReplayDriver "
+                             "needs the layer's num_experts (RouterReplay(num_experts=E))")
+        return rows
+
+    def clear(self) -> None:
         """Drops every queued table of every layer (recorded, targets, pending recompute)."""
         for r in self.replays.values():
             r.clear()

@@ -15,8 +15,12 @@ The framework-specific translation (layer numbers, batch layouts, the framework'
 stays in each adapter; protocol (row rule, queues, the step transaction, counts) stays in
 ``switchyard.replay``.
 """
+from __future__ import annotations
+
 import contextlib
 import enum
+from collections.abc import Callable
+from typing import Any
 
 from ._versions import check_minimum_version, check_version  # noqa: F401  (re-exported)
 
@@ -49,21 +53,22 @@ class Lifecycle:
         name: the integration's name (used in ``repr``).
     """
 
-    def __init__(self, name):
+    def __init__(self, name: str) -> None:
         self.name = name
         """The integration's name."""
-        self.report = None
+        self.report: Any = None
         """The report ``apply()`` returned (None while not applied)."""
-        self.options = {}
+        self.options: dict[str, Any] = {}
         """The options the integration was applied with (empty while not applied)."""
-        self._originals = []  # (owner, attribute, original) in the order wrapped
+        self._originals: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) in the order wrapped
 
     @property
-    def is_applied(self):
+    def is_applied(self) -> bool:
         """True between ``applied()`` and ``removed()``."""
         return self.report is not None
 
-    def wrap(self, owner, name, make, why):
+    def wrap(self, owner: Any, name: str, make: Callable[[Any], Any], why: str
+             ) -> tuple[str, str]:
         """Replaces ``owner.name`` (from ``owner.__dict__``) by ``make(original)``.
 
         Args:
@@ -85,13 +90,13 @@ class Lifecycle:
             f"{owner.__module__}.{owner.__qualname__}"
         return f"{where}.{name}", why
 
-    def restore(self):
+    def restore(self) -> None:
         """Puts every wrapped attribute back, newest first (idempotent)."""
         while self._originals:
             owner, name, orig = self._originals.pop()
             setattr(owner, name, orig)
 
-    def applied(self, report, **options):
+    def applied(self, report: Any, **options: Any) -> None:
         """Marks the integration applied.
 
         Args:
@@ -101,21 +106,21 @@ class Lifecycle:
         self.report = report
         self.options = dict(options)
 
-    def removed(self):
+    def removed(self) -> None:
         """Restores every original and marks the integration removed."""
         self.restore()
         self.report = None
         self.options = {}
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"<switchyard integration {self.name}: "
                 f"{'applied' if self.is_applied else 'not applied'}>")
 
 
-_LIFECYCLES = {}
+_LIFECYCLES: dict[str, Lifecycle] = {}
 
 
-def lifecycle(name):
+def lifecycle(name: str) -> Lifecycle:
     """The one Lifecycle of the integration ``name`` in this process (made on first use).
 
     Args:

@@ -5,18 +5,21 @@ A release above the newest supported minor is refused too: the patched functions
 math were read from the supported releases, and a newer one may have changed them silently. Setting
 ``SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1`` in the environment lets a newer release through with a
 warning naming it (never an older one)."""
+from __future__ import annotations
+
 import os
 import warnings
 
 ALLOW_ENV = "SWITCHYARD_ALLOW_UNTESTED_VERSIONS"
 
 
-def _range(oldest, newest):
+def _range(oldest: tuple[int, ...], newest: tuple[int, ...]) -> str:
     lo, hi = ".".join(map(str, oldest)), ".".join(map(str, newest))
     return f"{hi}.x" if oldest == newest else f"{lo} to {hi}.x"
 
 
-def check_version(op, package, found, oldest, newest):
+def check_version(op: str, package: str, found: str, oldest: tuple[int, ...],
+                  newest: tuple[int, ...]) -> tuple[int, ...]:
     """The supported-range rule (transformers, megatron-core).
 
     Args:
@@ -51,7 +54,7 @@ def check_version(op, package, found, oldest, newest):
     return release
 
 
-def check_minimum_version(op, package, found, minimum, why):
+def check_minimum_version(op: str, package: str, found: str, minimum: str, why: str) -> None:
     """The minimum-version rule (trl, verl: extension points that newer releases keep).
 
     Args:
