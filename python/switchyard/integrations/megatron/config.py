@@ -27,7 +27,14 @@ def _router_dtype(config):
 def topk_options(config):
     """Megatron's top-k selection and weight options under switchyard's names: the one option map
     of ``router_config`` and of the engine="cpu" routing (which leaves capacity, aux losses and
-    the expert bias to Megatron's own functions)."""
+    the expert bias to Megatron's own functions).
+
+    Args:
+        config: Megatron's TransformerConfig (or any object with its attributes).
+
+    Returns:
+        dict of RouterConfig keyword arguments.
+    """
     return dict(num_experts=config.num_moe_experts, top_k=config.moe_router_topk,
                 score_function=config.moe_router_score_function,
                 pre_softmax=bool(config.moe_router_pre_softmax),
@@ -50,7 +57,18 @@ def router_config(config, *, is_mtp_layer=False):
     (moe_router_dtype, moe_input_jitter_eps, moe_router_enable_expert_bias,
     moe_router_quantile_balancing_ema) are in ``topk_router_kwargs``. ``config``: any object with
     those attributes. ValueError (the engine's, naming the switchyard option) for a value the
-    engine refuses."""
+    engine refuses.
+
+    Args:
+        config: Megatron's TransformerConfig (or any object with its attributes).
+        is_mtp_layer: whether the router is an MTP layer's.
+
+    Returns:
+        switchyard.RouterConfig.
+
+    Raises:
+        ValueError: the engine's, naming the switchyard option.
+    """
     lb, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
     kw = {}
     if isinstance(lb, (list, tuple)):
@@ -90,7 +108,17 @@ def topk_router_kwargs(config):
     (moe_input_jitter_eps). moe_router_bias_update_rate and moe_router_quantile_balancing_ema are
     arguments of ``update_expert_bias(rate)`` / ``update_qb_beta(ema)``: pass
     ``config.moe_router_bias_update_rate`` / ``config.moe_router_quantile_balancing_ema``.
-    Returns a dict; ValueError for a moe_router_dtype other than None, "fp32" or "fp64"."""
+    Returns a dict; ValueError for a moe_router_dtype other than None, "fp32" or "fp64".
+
+    Args:
+        config: Megatron's TransformerConfig (or any object with its attributes).
+
+    Returns:
+        dict of TopKRouter keyword arguments.
+
+    Raises:
+        ValueError: for a moe_router_dtype other than None, "fp32" or "fp64".
+    """
     return dict(router_dtype=_router_dtype(config),
                 bias=bool(config.add_bias_linear), params_dtype=config.params_dtype,
                 enable_expert_bias=bool(config.moe_router_enable_expert_bias),
@@ -103,7 +131,18 @@ def topk_router(router, **kwargs):
     expert bias and its token counts, qb_beta and its accumulators, layer number). ``kwargs`` go to
     TopKRouter (e.g. loss_comm=, global_aux_loss_comm= for Megatron's tp_cp / tp_dp_cp groups).
     The copy is independent of ``router`` (its parameters are new tensors). ValueError as
-    ``router_config`` / ``topk_router_kwargs``."""
+    ``router_config`` / ``topk_router_kwargs``.
+
+    Args:
+        router: a Megatron-Core TopKRouter.
+        **kwargs: more TopKRouter keyword arguments (they win over the mapped ones).
+
+    Returns:
+        switchyard.torch.TopKRouter.
+
+    Raises:
+        ValueError: as ``router_config`` / ``topk_router_kwargs``.
+    """
     cfg = router.config
     kw = topk_router_kwargs(cfg)
     kw.update(kwargs)

@@ -34,7 +34,15 @@ def _megatron_version():
 class PatchReport:
     """What ``apply()`` patched: ``version`` of megatron-core (``tested``: one of
     TESTED_VERSIONS), ``patched`` as a list of (``"module.Class.method"``, why) and ``skipped``
-    (targets this version lacks, with why). ``str(report)`` lists them, one per line."""
+    (targets this version lacks, with why). ``str(report)`` lists them, one per line.
+
+    Args:
+        version: megatron-core's version string.
+        patched: [(target, why)] of every function wrapped.
+        skipped: [(target, why)] of the targets this version lacks.
+        engine: the ``engine`` apply() was called with.
+        tested: whether ``version`` is one of TESTED_VERSIONS.
+    """
     version: str
     """megatron-core's version string."""
     patched: list
@@ -59,7 +67,11 @@ _LIFE = lifecycle("megatron")  # the originals, the report and the engine (share
 
 
 def is_applied():
-    """True between ``apply()`` and ``remove()``."""
+    """True between ``apply()`` and ``remove()``.
+
+    Returns:
+        bool.
+    """
     return _LIFE.is_applied
 
 
@@ -76,7 +88,19 @@ def apply(*, engine=None):
     PatchReport. Raises ValueError for another ``engine`` or one that differs from the already
     applied one (remove() first), ImportError without megatron-core and RuntimeError outside
     SUPPORTED_VERSIONS (0.16 to 0.19.x; a newer release is let through, with a warning, when the
-    environment sets SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1); nothing stays patched on an error."""
+    environment sets SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1); nothing stays patched on an error.
+
+    Args:
+        engine: None or "cpu".
+
+    Returns:
+        PatchReport.
+
+    Raises:
+        ValueError: for another ``engine``, or one that differs from the applied one.
+        ImportError: without megatron-core.
+        RuntimeError: outside SUPPORTED_VERSIONS.
+    """
     if engine not in (None, "cpu"):
         raise ValueError(f"[megatron.apply] engine must be None or 'cpu', got {engine!r}")
     if _LIFE.is_applied:
@@ -130,7 +154,19 @@ def remove():
 @contextlib.contextmanager
 def patched(*, engine=None):
     """``with patched(): ...`` applies for the block and removes afterwards (only if this block
-    applied it). Yields the PatchReport; raises as ``apply``."""
+    applied it). Yields the PatchReport; raises as ``apply``.
+
+    Args:
+        engine: None or "cpu", as ``apply``.
+
+    Returns:
+        A context manager that yields the PatchReport.
+
+    Raises:
+        ValueError: as ``apply``.
+        ImportError: as ``apply``.
+        RuntimeError: as ``apply``.
+    """
     was = is_applied()
     report = apply(engine=engine)
     try:

@@ -397,7 +397,23 @@ def attach_replay(model, *, invalid_replay_rows="error", aux_loss_routes="used",
 
     Raises RuntimeError before ``apply()``, ValueError for another policy or aux_loss_routes, a
     TopKRouter without layer_number, or two routers with one key (attaching again replaces the
-    earlier replays)."""
+    earlier replays).
+
+    Args:
+        model: a module, or a list of VPP chunks.
+        invalid_replay_rows: "error", "merge" or "native".
+        aux_loss_routes: "used" or "native".
+        max_pending_backward: the bound on checkpointed forwards waiting for their recompute.
+        repeated_ids: removed in 0.3.0 (a TypeError naming invalid_replay_rows).
+
+    Returns:
+        {key: switchyard.RouterReplay}.
+
+    Raises:
+        RuntimeError: before ``apply()``.
+        ValueError: as above.
+        TypeError: for ``repeated_ids``.
+    """
     if repeated_ids is not None:  # removed in 0.3.0: the error names the new keyword
         _names.check_kwargs("megatron.attach_replay", {"repeated_ids": repeated_ids})
     _syr.check_policy(invalid_replay_rows, "megatron.attach_replay")
@@ -443,7 +459,11 @@ def _label(k):
 
 def detach_replay(model):
     """Removes the replays ``attach_replay`` gave ``model``'s routers (module or list of VPP
-    chunks): they route with Megatron's code again. Idempotent."""
+    chunks): they route with Megatron's code again. Idempotent.
+
+    Args:
+        model: a module, or a list of VPP chunks.
+    """
     for r in _routers(model):
         if getattr(r, "_sy", None) is not None:
             r._sy = None
@@ -462,7 +482,14 @@ def _states(model):
 
 
 def replays(model):
-    """{key: switchyard.RouterReplay} of ``model``'s attached routers (empty when none is)."""
+    """{key: switchyard.RouterReplay} of ``model``'s attached routers (empty when none is).
+
+    Args:
+        model: a module, or a list of VPP chunks.
+
+    Returns:
+        {key: switchyard.RouterReplay}.
+    """
     return {k: st.replay for k, st in _states(model).items()}
 
 
@@ -471,7 +498,16 @@ def set_replay_action(model, action, keys=None):
     routers named by ``keys`` (default: all). "recompute" is optional: a recompute inside
     backward is detected. A router in "replay_forward" without a target (and nothing recorded)
     raises at its forward; leave layers the rollout has no routes for (MTP) at None. ValueError
-    for a key that names no attached router, or another action."""
+    for a key that names no attached router, or another action.
+
+    Args:
+        model: a module, or a list of VPP chunks.
+        action: None, "record", "replay_forward" or "recompute".
+        keys: the routers' keys (None: all).
+
+    Raises:
+        ValueError: as above.
+    """
     states = _states(model)
     for k in (states if keys is None else keys):
         if k not in states:
@@ -480,7 +516,11 @@ def set_replay_action(model, action, keys=None):
 
 
 def clear_replay(model):
-    """Drops every queued table (targets, recorded, pending backward) and the counts."""
+    """Drops every queued table (targets, recorded, pending backward) and the counts.
+
+    Args:
+        model: a module, or a list of VPP chunks.
+    """
     for st in _states(model).values():
         st.replay.clear()
         st.last = ReplayCounts()
@@ -501,7 +541,17 @@ def set_replay_targets(model, targets, *, num_tokens=None, group=None):
     forward instead, again over ``group`` (one small exchange per layer and forward; give
     ``num_tokens`` to check here once). Returns None. ValueError (nothing queued on any layer)
     for an unknown key, a table that is not [T, K], an invalid row (by ``invalid_replay_rows``)
-    or a token count that is not ``num_tokens``, or routers attached by several calls."""
+    or a token count that is not ``num_tokens``, or routers attached by several calls.
+
+    Args:
+        model: a module, or a list of VPP chunks.
+        targets: {key: ids [T, K]}.
+        num_tokens: the tokens the routers will see, or None.
+        group: a torch.distributed group, or None.
+
+    Raises:
+        ValueError: as above, the same on every rank of ``group``.
+    """
     states = _states(model)
     unknown = [k for k in targets if k not in states]
     err = None
@@ -524,6 +574,14 @@ def set_replay_targets(model, targets, *, num_tokens=None, group=None):
 def replay_counts(model, total=False):
     """{key: ReplayCounts} of the last routing call per layer (or summed since attach / clear
     with total=True), so a replay that did nothing is visible. Copies: changing them changes
-    nothing."""
+    nothing.
+
+    Args:
+        model: a module, or a list of VPP chunks.
+        total: False: the last call's counts; True: summed since attach / clear.
+
+    Returns:
+        {key: switchyard.replay.ReplayCounts}.
+    """
     return {k: dataclasses.replace(st.total if total else st.last)
             for k, st in _states(model).items()}
