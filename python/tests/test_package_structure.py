@@ -222,7 +222,8 @@ GOOGLE_STYLE_MODULES = ("switchyard.replay", "switchyard._engine",
                         "switchyard.integrations.megatron.patch",
                         "switchyard.integrations.megatron.replay",
                         "switchyard.integrations.megatron.config",
-                        "switchyard.integrations.megatron.fixes")
+                        "switchyard.integrations.megatron.fixes",
+                        "switchyard.integrations.hf.patch", "switchyard.integrations.hf.capture")
 
 
 def _own_nodes(fn):

@@ -91,7 +91,14 @@ class Capture:
         return max((len(v) for v in self._steps.values()), default=0)
 
     def ids(self) -> torch.Tensor:
-        """[B, S_fed, num_hidden_layers, K] int32: every fed token's ids, dense layers 0."""
+        """[B, S_fed, num_hidden_layers, K] int32: every fed token's ids, dense layers 0.
+
+        Returns:
+            int32 [B, S_fed, num_hidden_layers, K].
+
+        Raises:
+            ValueError: when nothing was captured or the forwards' batch sizes differ.
+        """
         o = self._owner
         per = {}
         for layer, steps in self._steps.items():
@@ -117,7 +124,14 @@ class Capture:
         the generated sequences
         (prompt + new tokens, S_out = fed tokens + 1) or of the fed tokens; None = every token is
         real. A sequence that ended early fed its last token too: that row is dropped, as vLLM never
-        routes the last token."""
+        routes the last token.
+
+        Args:
+            attention_mask: [B, S_out] or [B, S_fed] (nonzero = real token), or None.
+
+        Returns:
+            list of int32 [num_tokens - 1, num_hidden_layers, K].
+        """
         # One implementation of vLLM's layout: switchyard.routes.routed_experts.
         return syr.routed_experts(self.ids(), attention_mask)
 
@@ -126,7 +140,14 @@ class Capture:
         generated sequences' positions (``attention_mask`` [B, S_out]), zero filled at padding, on
         dense layers and at each sequence's last token (which has no route), vLLM's routes at the
         other real tokens. ``Patch.targets_from_verl`` reads it back. ValueError when the mask's
-        real tokens do not match the captured sequences."""
+        real tokens do not match the captured sequences.
+
+        Args:
+            attention_mask: [B, S_out] (nonzero = real token).
+
+        Returns:
+            int16 [B, S_out, num_hidden_layers, K].
+        """
         m = torch.as_tensor(attention_mask).to("cpu").bool()
         tables, rep = self.tables(m)
         # One implementation of verl's layout: switchyard.routes.to_verl (from_verl's inverse).
@@ -139,7 +160,16 @@ class Capture:
         """Writes one .npy per sequence (vLLM's routed_experts, int32), the files the vLLM
         importer and ``switchyard routes import-vllm`` read (``<directory>/<prefix><i>.npy``, the
         directory created if missing); returns their paths. ``attention_mask`` as
-        ``routed_experts``."""
+        ``routed_experts``.
+
+        Args:
+            directory: where the files go (made if missing).
+            attention_mask: as ``routed_experts``.
+            prefix: the files' name prefix.
+
+        Returns:
+            list of the paths written.
+        """
         import numpy as np
         os.makedirs(directory, exist_ok=True)
         paths = []
@@ -151,14 +181,30 @@ class Capture:
     def tables(self, attention_mask: torch.Tensor | None = None) -> tuple[list[torch.Tensor], dict]:
         """switchyard route tables (int32 [num_tokens, moe_layers, K], last token -1), through the
         vLLM importer with the model's layer map. Returns (tables, report dict);
-        ``attention_mask`` as ``routed_experts``."""
+        ``attention_mask`` as ``routed_experts``.
+
+        Args:
+            attention_mask: as ``routed_experts``.
+
+        Returns:
+            (tables, report dict).
+        """
         return self._owner.tables_from_vllm(self.routed_experts(attention_mask),
                                             zero_rows="keep")
 
     def write(self, path: str | os.PathLike, attention_mask: torch.Tensor | None = None,
               compression_level: int = 3) -> int:
         """Writes the captured sequences (``tables(attention_mask)``) to a route file at ``path``,
-        committed atomically (switchyard.routes.write); returns the bytes written."""
+        committed atomically (switchyard.routes.write); returns the bytes written.
+
+        Args:
+            path: the route file.
+            attention_mask: as ``routed_experts``.
+            compression_level: zstd's level.
+
+        Returns:
+            int, the bytes written.
+        """
         tables, _ = self.tables(attention_mask)
         return syr.write(path, tables, self._owner.num_experts, moe_layers=self._owner.layers,
                          compression_level=compression_level)

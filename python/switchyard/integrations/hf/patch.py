@@ -228,7 +228,11 @@ class Patch:
         return self._layers[0].family.combine_dtype
 
     def gate_description(self) -> str:
-        """What computes the router logits, in words (shown by ``repr``)."""
+        """What computes the router logits, in words (shown by ``repr``).
+
+        Returns:
+            str.
+        """
         if self.router_dtype is None:
             return "the family's own (unchanged)"
         if self.gate == "torch":
@@ -246,7 +250,14 @@ class Patch:
     def set_action(self, action: str | None) -> None:
         """Sets every layer's RouterReplay action: None, "record" or "replay_forward" (ValueError
         for another value; "recompute" is refused at the next forward: the checkpoint recompute
-        is detected by itself)."""
+        is detected by itself).
+
+        Args:
+            action: None, "record" or "replay_forward".
+
+        Raises:
+            ValueError: for another value.
+        """
         for l in self._layers:
             l.replay.action = action
 
@@ -258,7 +269,14 @@ class Patch:
         ValueError for another rank or another moe_layers / K; every layer's rows are checked by
         the engine first (its ValueError, naming layer and token, by ``invalid_replay_rows``);
         nothing is queued unless all pass. The next forward must see T (= B * S) tokens (else its
-        ValueError)."""
+        ValueError).
+
+        Args:
+            routes: [T, moe_layers, K] or [B, S, moe_layers, K] integer ids.
+
+        Raises:
+            ValueError: nothing queued, as above.
+        """
         if not isinstance(routes, torch.Tensor) or routes.dim() not in (3, 4):
             raise ValueError("[hf.set_targets] routes must be a [T, moe_layers, K] or "
                              "[B, S, moe_layers, K] tensor, got "
@@ -284,7 +302,11 @@ class Patch:
         """{layer: {"num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
         "num_recomputed_rows", "num_calls": int}}: rows replayed / routed natively / invalid
         (routed natively, also counted as native) in forwards, rows recomputed with queued ids
-        inside backward, and forward calls, since reset_counts()."""
+        inside backward, and forward calls, since reset_counts().
+
+        Returns:
+            {layer: {name: int}}.
+        """
         return {l.layer: {"num_replayed_rows": l.counts.replayed,
                           "num_native_rows": l.counts.native,
                           "num_invalid_replay_rows": l.counts.invalid,
@@ -334,7 +356,18 @@ class Patch:
         (nonzero = real token; None: tables of one length, stacked) -> int32 [B, S, moe_layers, K]
         targets for ``set_targets``, -1 at padding (switchyard.routes.add_padding). ValueError
         for another dtype, tables of different layers / K, or a mask row whose real tokens are not
-        n_b."""
+        n_b.
+
+        Args:
+            tables: one [n_b, moe_layers, K] integer table per sequence.
+            attention_mask: [B, S] (nonzero = real token), or None (tables of one length).
+
+        Returns:
+            int32 [B, S, moe_layers, K].
+
+        Raises:
+            ValueError: as above.
+        """
         tables = [syt._idx32(torch.as_tensor(t), "hf.targets_from_tables", f"tables[{i}]",
                              syt._ID_DTYPES) for i, t in enumerate(tables)]
         return syr.add_padding(tables, attention_mask)
@@ -346,7 +379,19 @@ class Patch:
         one length) -> (int32 [B, S, moe_layers, K] targets with -1 at padding and last tokens,
         import report dict), through switchyard's vLLM importer and this model's layer map
         (``zero_rows`` as there: "keep", "to_none" or "error"). ValueError (the importer's, naming
-        sequence, token, layer and value) for a wrong shape or an id outside [0, num_experts)."""
+        sequence, token, layer and value) for a wrong shape or an id outside [0, num_experts).
+
+        Args:
+            arrays: one integer [n_b - 1, num_hidden_layers, K] array per sequence.
+            attention_mask: [B, S] (nonzero = real token), or None (sequences of one length).
+            zero_rows: "keep", "to_none" or "error".
+
+        Returns:
+            (int32 [B, S, moe_layers, K] targets, import report dict).
+
+        Raises:
+            ValueError: the importer's.
+        """
         tables, report = self.tables_from_vllm(list(arrays), zero_rows)
         return syr.add_padding(tables, attention_mask), report
 
@@ -357,7 +402,19 @@ class Patch:
         integer dtype) and its attention mask [B, S] -> (int32 [B, S, moe_layers, K] targets,
         import report dict); ValueError as ``targets_from_vllm``. Padding is dropped
         by the mask (switchyard.routes.drop_padding), the layers mapped by the vLLM importer (all
-        zero rows on MoE layers become -1 with zero_rows="to_none": routed natively, counted)."""
+        zero rows on MoE layers become -1 with zero_rows="to_none": routed natively, counted).
+
+        Args:
+            routed_experts: verl's [B, S, num_hidden_layers, K] integer batch tensor.
+            attention_mask: [B, S] (nonzero = real token).
+            zero_rows: "keep", "to_none" or "error".
+
+        Returns:
+            (int32 [B, S, moe_layers, K] targets, import report dict).
+
+        Raises:
+            ValueError: as ``targets_from_vllm``.
+        """
         ids = syt._idx32(torch.as_tensor(routed_experts), "hf.targets_from_verl",
                          "routed_experts", syt._ID_DTYPES)
         m = torch.as_tensor(attention_mask).to("cpu")
@@ -371,7 +428,14 @@ class Patch:
         or stop_capture()); recomputes inside backward are not captured. ``generate()`` with beam
         search (num_beams > 1) is refused while capturing: the beams are reordered at every step,
         so the routes of a step would not follow the returned sequences. Returns the Capture;
-        ValueError when a capture is already running."""
+        ValueError when a capture is already running.
+
+        Returns:
+            Capture (a context manager).
+
+        Raises:
+            ValueError: when a capture is already running.
+        """
         if self._capture is not None:
             raise ValueError("[hf.capture] a capture is already running")
         cap = Capture(self)
@@ -457,6 +521,19 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     earlier Patch first) or of several families, and RuntimeError for a transformers
     release outside SUPPORTED_TRANSFORMERS_VERSIONS (5.24.x; a newer one is let through, with a
     warning, when the environment sets SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
+
+    Args:
+        model: a transformers model (torch.nn.Module).
+        router_dtype: torch.float32, torch.float64 or None.
+        gate: "auto" or "torch".
+        invalid_replay_rows: "error", "native" or "merge".
+
+    Returns:
+        Patch.
+
+    Raises:
+        ValueError: as above, the model untouched.
+        RuntimeError: for an unsupported transformers release.
     """
     if router_dtype not in (None, torch.float32, torch.float64):
         raise ValueError("[hf.patch] router_dtype must be None (the family's own), torch.float32 "
@@ -516,7 +593,14 @@ def _owner_of(forward):
 def patch_of(model: torch.nn.Module) -> "Patch | None":
     """The active Patch of ``model`` (the one whose forwards its routers run), or None. After
     ``copy.deepcopy(model)`` (e.g. TRL's reference model) the copy has its own Patch: same
-    settings, its own replay queues and counts, forwards bound to its own routers."""
+    settings, its own replay queues and counts, forwards bound to its own routers.
+
+    Args:
+        model: a torch.nn.Module.
+
+    Returns:
+        Patch or None.
+    """
     for mod in model.modules():
         layer = _owner_of(mod.__dict__.get("forward"))
         if layer is not None:
