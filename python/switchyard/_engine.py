@@ -1,6 +1,8 @@
 """The engine's configuration objects with their Python faces: ``RouterConfig`` (keyword
 arguments only, old keyword names refused by name) and ``GlobalAuxLossState`` (old attribute
 names refused by name). Re-exported by ``switchyard``."""
+from typing import Any
+
 from . import _names
 from . import _switchyard as _C
 from ._switchyard import GlobalAuxLossState
@@ -23,7 +25,7 @@ class RouterConfig(_C.RouterConfig):
         TypeError: for a keyword an earlier release used, naming its new name.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, **kwargs: Any) -> None:
         _names.check_kwargs("RouterConfig", kwargs)
         super().__init__(**kwargs)
 

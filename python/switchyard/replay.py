@@ -325,8 +325,13 @@ class ReplayCounts:
         Args:
             other: a ReplayCounts.
         """
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        # Field by field, not through dataclasses.fields: this runs per layer and forward.
+        self.calls += other.calls
+        self.tokens += other.tokens
+        self.replayed += other.replayed
+        self.merged += other.merged
+        self.native += other.native
+        self.invalid += other.invalid
 
 
 class RouterReplay:

@@ -153,3 +153,19 @@ def test_replay_backward_names_say_recompute():
         r.num_pending_backward
     r.action = "recompute"
     assert r.recompute(1).tolist() == [[0, 1]] and r.num_pending_recompute == 0
+
+
+# ---------------------------------------------------------------- one count record
+def test_replay_counts_of_rows_and_sums():
+    rows = sy.replay.classify_rows(_ids([[0, 1], [-1, -1], [2, 2], [3, 4]]), 8, "merge")
+    c = sy.replay.ReplayCounts.of_rows(rows)
+    assert (c.calls, c.tokens, c.replayed, c.merged, c.native, c.invalid) == (1, 4, 3, 1, 1, 0)
+    assert c.replayed + c.native == c.tokens
+    n = sy.replay.ReplayCounts.of_native(5)
+    assert (n.calls, n.tokens, n.native, n.replayed) == (1, 5, 5, 0)
+    # Every field is summed (a field added later must be added by add() too).
+    import dataclasses
+    fields = [f.name for f in dataclasses.fields(sy.replay.ReplayCounts)]
+    a = sy.replay.ReplayCounts(*range(1, len(fields) + 1))
+    total = sy.replay.ReplayCounts.summed([a, a, a])
+    assert [getattr(total, f) for f in fields] == [3 * (i + 1) for i in range(len(fields))]

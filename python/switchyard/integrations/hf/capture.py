@@ -25,7 +25,7 @@ class Capture:
         self._had_generate = False
         self._orig_generate = None
 
-    def start(self):
+    def start(self) -> None:
         """Starts capturing: the model's ``generate()`` is wrapped (beam search refused) until
         ``stop()``. Called by ``Patch.capture()``."""
         m = self._owner.model
@@ -35,7 +35,7 @@ class Capture:
             m.generate = self._generate  # an instance attribute, removed when the capture stops
         self.active = True
 
-    def stop(self):
+    def stop(self) -> None:
         """Stops capturing (idempotent): the model's ``generate()`` is restored and the Patch
         runs no capture any more if this was its running one. What leaving the ``with`` block
         does."""
@@ -65,7 +65,8 @@ class Capture:
             return self._orig_generate(*args, **kwargs)
         return type(model).generate(model, *args, **kwargs)
 
-    def append(self, layer, ids32, batch_shape, num_tokens):
+    def append(self, layer: int, ids32: torch.Tensor, batch_shape: tuple[int, ...] | None,
+               num_tokens: int) -> None:
         """Appends one forward's ids of one MoE layer (called by the patched router).
 
         Args:

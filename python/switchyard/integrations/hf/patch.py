@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import re
 import sys
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -329,7 +331,8 @@ class Patch:
         s = set(self.layers)
         return [1 if i in s else 0 for i in range(self.num_hidden_layers)]
 
-    def tables_from_vllm(self, arrays, zero_rows: str = "keep") -> tuple[list, dict]:
+    def tables_from_vllm(self, arrays: Sequence[Any], zero_rows: str = "keep"
+                         ) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """vLLM / SGLang routed_experts arrays -> switchyard route tables, through switchyard's
         vLLM importer with this model's layer map.
 
@@ -349,7 +352,7 @@ class Patch:
                                       num_input_layers=self.num_hidden_layers, top_k=self.top_k,
                                       zero_rows=zero_rows)
 
-    def targets_from_tables(self, tables, attention_mask: torch.Tensor | None = None
+    def targets_from_tables(self, tables: Sequence[Any], attention_mask: torch.Tensor | None = None
                             ) -> torch.Tensor:
         """switchyard route tables (one [n_b, moe_layers, K] per sequence, int32 / int64 / int16 /
         int8 / uint8 / uint16, e.g. from switchyard.routes.read) and ``attention_mask`` [B, S]
@@ -372,7 +375,7 @@ class Patch:
                              syt._ID_DTYPES) for i, t in enumerate(tables)]
         return syr.add_padding(tables, attention_mask)
 
-    def targets_from_vllm(self, arrays, attention_mask: torch.Tensor | None = None,
+    def targets_from_vllm(self, arrays: Sequence[Any], attention_mask: torch.Tensor | None = None,
                           zero_rows: str = "keep") -> tuple[torch.Tensor, dict]:
         """vLLM / SGLang routed_experts arrays (one integer [n_b - 1, num_hidden_layers, K] per
         sequence, numpy or torch, dense layers 0) and ``attention_mask`` [B, S] (None: sequences of

@@ -1,7 +1,10 @@
 """switchyard.integrations.megatron.config: Megatron-Core's TransformerConfig -> switchyard's router
 options (``router_config``, ``topk_router_kwargs``, ``topk_router``), the moe_router_dtype map,
 and the engine="cpu" gate. See the package docstring."""
+from __future__ import annotations
+
 import functools
+from typing import Any
 
 import torch
 
@@ -24,7 +27,7 @@ def _router_dtype(config):
     return _ROUTER_DTYPES[config.moe_router_dtype]
 
 
-def topk_options(config):
+def topk_options(config: Any) -> dict[str, Any]:
     """Megatron's top-k selection and weight options under switchyard's names: the one option map
     of ``router_config`` and of the engine="cpu" routing (which leaves capacity, aux losses and
     the expert bias to Megatron's own functions).
@@ -42,7 +45,7 @@ def topk_options(config):
                 topk_scaling_factor=config.moe_router_topk_scaling_factor)
 
 
-def router_config(config, *, is_mtp_layer=False):
+def router_config(config: Any, *, is_mtp_layer: bool = False) -> _sy.RouterConfig:
     """A ``switchyard.RouterConfig`` with every router option switchyard has, read from Megatron-Core's
     ``TransformerConfig`` under its names: num_moe_experts, moe_router_topk,
     moe_router_score_function, moe_router_pre_softmax, moe_router_num_groups /
@@ -101,7 +104,7 @@ def router_config(config, *, is_mtp_layer=False):
         force_biased=config.moe_router_force_biased, **kw)
 
 
-def topk_router_kwargs(config):
+def topk_router_kwargs(config: Any) -> dict[str, Any]:
     """The ``switchyard.torch.TopKRouter`` keyword arguments that Megatron keeps on its router
     module: router_dtype (moe_router_dtype None / "fp32" / "fp64"), bias (add_bias_linear),
     params_dtype, enable_expert_bias (moe_router_enable_expert_bias), input_jitter_eps
@@ -125,7 +128,7 @@ def topk_router_kwargs(config):
                 input_jitter_eps=config.moe_input_jitter_eps)
 
 
-def topk_router(router, **kwargs):
+def topk_router(router: Any, **kwargs: Any) -> _syt.TopKRouter:
     """A ``switchyard.torch.TopKRouter`` equivalent to a Megatron-Core ``TopKRouter``: its config
     mapped by ``router_config`` / ``topk_router_kwargs``, and a copy of its state (weight, bias,
     expert bias and its token counts, qb_beta and its accumulators, layer number). ``kwargs`` go to

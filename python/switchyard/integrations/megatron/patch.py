@@ -2,8 +2,11 @@
 Megatron-Core's functions with the dispatcher fixes (``fixes``), the replay router patches
 (``replay``) and the engine gate (``config``), check the megatron-core version and report what
 was patched (``PatchReport``). See the package docstring."""
+from __future__ import annotations
+
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 from .._adapter import check_version, lifecycle
 from .config import make_engine_gating
@@ -66,7 +69,7 @@ class PatchReport:
 _LIFE = lifecycle("megatron")  # the originals, the report and the engine (shared with replay)
 
 
-def is_applied():
+def is_applied() -> bool:
     """True between ``apply()`` and ``remove()``.
 
     Returns:
@@ -79,7 +82,7 @@ def _patch(owner, name, make, report, why):
     report.patched.append(_LIFE.wrap(owner, name, make, why))
 
 
-def apply(*, engine=None):
+def apply(*, engine: str | None = None) -> PatchReport:
     """Patches megatron.core in place (idempotent: a second call returns the first report).
 
     ``engine``: None (Megatron's own math everywhere, plus the fixes) or ``"cpu"`` (on CPU tensors
@@ -145,14 +148,14 @@ def apply(*, engine=None):
     return report
 
 
-def remove():
+def remove() -> None:
     """Puts every patched Megatron-Core function back. Replays attached to routers stay attached
     (and unused) until ``detach_replay``."""
     _LIFE.removed()
 
 
 @contextlib.contextmanager
-def patched(*, engine=None):
+def patched(*, engine: str | None = None) -> Iterator[PatchReport]:
     """``with patched(): ...`` applies for the block and removes afterwards (only if this block
     applied it). Yields the PatchReport; raises as ``apply``.
 

@@ -4,9 +4,13 @@ owns the queues, the recompute detector) -- per-router state (``_RouterState``: 
 counts), the patched ``TopKRouter.forward`` / ``routing`` and ``tensor_parallel.checkpoint``, and the public
 replay API (attach_replay, set_replay_targets, set_replay_action, replay_counts, ...). See the
 package docstring."""
+from __future__ import annotations
+
 import dataclasses
 import functools
 import sys
+from collections.abc import Iterable, Mapping
+from typing import Any, Union
 
 import torch
 
@@ -22,6 +26,11 @@ from .config import topk_options
 
 _LIFE = lifecycle("megatron")  # patch.apply() / remove() set it
 
+
+Model = Union[torch.nn.Module, "list[torch.nn.Module]"]
+"""A Megatron model: one module, or the list of its virtual-pipeline chunks."""
+Key = Union[int, "tuple[str, int]"]
+"""A router's key: its decoder layer number, or ("mtp", n) for an MTP layer."""
 
 # --------------------------------------------------------------------------------------------------
 # Replay state per router
@@ -372,8 +381,9 @@ def _key(router):
     return ("mtp", n) if getattr(router, "is_mtp_layer", False) else n
 
 
-def attach_replay(model, *, invalid_replay_rows="error", aux_loss_routes="used",
-                  max_pending_backward=64, repeated_ids=None):
+def attach_replay(model: Model, *, invalid_replay_rows: str = "error",
+                  aux_loss_routes: str = "used", max_pending_backward: int = 64,
+                  repeated_ids: str | None = None) -> dict[Key, _sy.RouterReplay]:
     """Gives every TopKRouter of ``model`` (a module, or a list of VPP chunks) its own
     ``switchyard.RouterReplay``, keyed by layer number: ``int`` for decoder layers (Megatron's
     global 1-based ``layer_number``, so pipeline stages and VPP chunks keep their keys), ``("mtp",
@@ -457,7 +467,7 @@ def _label(k):
     return f"mtp layer {k[1]}" if isinstance(k, tuple) else f"layer {k}"
 
 
-def detach_replay(model):
+def detach_replay(model: Model) -> None:
     """Removes the replays ``attach_replay`` gave ``model``'s routers (module or list of VPP
     chunks): they route with Megatron's code again. Idempotent.
 
@@ -481,7 +491,7 @@ def _states(model):
     return out
 
 
-def replays(model):
+def replays(model: Model) -> dict[Key, _sy.RouterReplay]:
     """{key: switchyard.RouterReplay} of ``model``'s attached routers (empty when none is).
 
     Args:
@@ -493,7 +503,8 @@ def replays(model):
     return {k: st.replay for k, st in _states(model).items()}
 
 
-def set_replay_action(model, action, keys=None):
+def set_replay_action(model: Model, action: str | None, keys: Iterable[Key] | None = None
+                      ) -> None:
     """Sets ``action`` (None, "record", "replay_forward", "recompute") on the attached
     routers named by ``keys`` (default: all). "recompute" is optional: a recompute inside
     backward is detected. A router in "replay_forward" without a target (and nothing recorded)
@@ -515,7 +526,7 @@ def set_replay_action(model, action, keys=None):
         states[k].replay.action = action
 
 
-def clear_replay(model):
+def clear_replay(model: Model) -> None:
     """Drops every queued table (targets, recorded, pending backward) and the counts.
 
     Args:
@@ -527,7 +538,8 @@ def clear_replay(model):
         st.total = ReplayCounts()
 
 
-def set_replay_targets(model, targets, *, num_tokens=None, group=None):
+def set_replay_targets(model: Model, targets: Mapping[Key, torch.Tensor], *,
+                       num_tokens: int | None = None, group: Any = None) -> None:
     """Queues one replay table per layer for the next forward (R3), validated by the engine.
 
     ``targets``: {key: ids [T, K]} (keys as ``attach_replay``; int64, int32, int16, int8, uint8
@@ -571,7 +583,7 @@ def set_replay_targets(model, targets, *, num_tokens=None, group=None):
                                                         group=group)
 
 
-def replay_counts(model, total=False):
+def replay_counts(model: Model, total: bool = False) -> dict[Key, ReplayCounts]:
     """{key: ReplayCounts} of the last routing call per layer (or summed since attach / clear
     with total=True), so a replay that did nothing is visible. Copies: changing them changes
     nothing.
