@@ -90,6 +90,9 @@ else
   stage_failed+=("verl environment"); failed=$((failed + 1))
 fi
 
+stage "type check: mypy, strict on the typed public modules (pyproject.toml [tool.mypy])"
+check "type check" "$SWITCHYARD_VENV/bin/python" -m mypy --config-file pyproject.toml
+
 stage "docs: the tables in docs/ are what the tests give (bad inputs, careless and hostile use)"
 check "docs tables" bash scripts/readme_tables.sh --check
 

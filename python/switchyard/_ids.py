@@ -9,6 +9,11 @@ uint8 ... uint64); bool, float and complex are refused with the list of what is 
 
 Nothing here depends on the rest of the package (it needs torch only), so every module can use it.
 """
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 __all__ = ["ID_DTYPES", "ENGINE_ID_DTYPES", "ACCEPTED", "as_tensor", "table_list", "to_int32",
@@ -29,12 +34,12 @@ _WIDE = tuple(getattr(torch, n) for n in ("int64", "uint32", "uint64") if hasatt
 _INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
 
 
-def _dtype_names(dtypes):
+def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
     names = [str(d).replace("torch.", "") for d in dtypes]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
-def as_tensor(ids, op, name):
+def as_tensor(ids: Any, op: str, name: str) -> torch.Tensor:
     """``ids`` (a torch tensor, a numpy array, or nested lists of Python ints) as a torch tensor of
     an integer dtype, values and dtype unchanged (no copy where torch can share the memory).
     ValueError naming ``op`` and ``name`` for None, text or bytes (base64 / .npy bytes must be
@@ -60,7 +65,7 @@ def as_tensor(ids, op, name):
     return t
 
 
-def table_list(tables, op, name="tables"):
+def table_list(tables: Any, op: str, name: str = "tables") -> list[Any]:
     """``tables`` (a list, tuple or other iterable of per-sequence tables) as a list. ValueError
     naming ``op`` for one table given alone (a tensor or array, whose rows would be read as
     tables: pass ``[table]``) and for a str, bytes, dict or non-iterable."""
@@ -74,20 +79,21 @@ def table_list(tables, op, name="tables"):
     return list(tables)
 
 
-def _int64(t):
+def _int64(t: torch.Tensor) -> torch.Tensor:
     """int64 copy of an id tensor (uint64 values >= 2**63 come out negative: both are out of any
     range an id check uses, and ``_given`` recovers the value)."""
     return t.to(torch.int64)
 
 
-def _given(v, dtype):
+def _given(v: int, dtype: torch.dtype) -> int:
     """A value read from the int64 copy, as it was in ``dtype``."""
     if dtype == getattr(torch, "uint64", None) and v < 0:
         return v + 2**64
     return v
 
 
-def first_outside(ids, lo, hi, allow_none=False):
+def first_outside(ids: torch.Tensor, lo: int, hi: int, allow_none: bool = False
+                  ) -> tuple[list[int], int] | None:
     """The first position (a list of ints, row-major) of ``ids`` (an integer tensor, any dtype of
     ID_DTYPES) holding a value outside ``[lo, hi]`` (and not -1 when ``allow_none`` and the dtype
     is signed), with that value as given: ``(position, value)``, or None when there is none. One
@@ -112,7 +118,8 @@ def first_outside(ids, lo, hi, allow_none=False):
     return pos, _given(int(t[tuple(pos)]), ids.dtype)
 
 
-def to_int32(ids, op, name="topk_idx", dtypes=ID_DTYPES, saturate=False):
+def to_int32(ids: torch.Tensor, op: str, name: str = "topk_idx",
+             dtypes: Sequence[torch.dtype] = ID_DTYPES, saturate: bool = False) -> torch.Tensor:
     """``ids`` as int32 on its device, the one narrowing of id tensors: int32 as it is, int16 /
     int8 / uint8 / uint16 widened, int64 / uint32 / uint64 checked first. A value outside int32 is
     a ValueError naming op, argument, value and position (``[op] name holds 4294967301 at
@@ -139,7 +146,8 @@ def to_int32(ids, op, name="topk_idx", dtypes=ID_DTYPES, saturate=False):
     return ids.to(torch.int32)
 
 
-def check_range(ids, num_experts, op, name, axes=None, allow_none=True):
+def check_range(ids: torch.Tensor, num_experts: int, op: str, name: str,
+                axes: Sequence[str] | None = None, allow_none: bool = True) -> None:
     """ValueError unless every id of ``ids`` (an integer tensor of ID_DTYPES, any shape) is in
     ``[0, num_experts)``, or -1 ("no route") when ``allow_none`` (signed dtypes). The message names
     ``op``, ``name``, the first bad position (by ``axes``, one name per dimension, e.g.

@@ -10,6 +10,10 @@ RENAMED = {
     "recv_probs": "recv_topk_weights",
     "apply_probs": "apply_weights",
     "tokens_per_expert": "num_tokens_per_expert",
+    # removed in 0.3.0 (docs/deprecations.md)
+    "replay_backward": "recompute",
+    "num_pending_backward": "num_pending_recompute",
+    "repeated_ids": "invalid_replay_rows",
 }
 
 

@@ -799,7 +799,7 @@ class TopKRouter(torch.nn.Module):
         if isinstance(replay, torch.Tensor):
             replay_idx = replay
         elif replay is not None:
-            replay_idx = replay._ids_for_forward(T)
+            replay_idx = replay.forward_ids(T)
             invalid = replay.invalid_replay_rows
         gstate = self.global_aux_loss_state
         # Megatron-Core advances the loss state once per trained micro-batch (_trained_forward).
@@ -835,7 +835,7 @@ class TopKRouter(torch.nn.Module):
                                           if (self.config.force_biased or 0) < 0 else None)),
             RouteComms(loss=self.loss_comm, global_aux_loss=self.global_aux_loss_comm))
         if driven:
-            replay._after_forward(topk_idx, T, will_recompute)
+            replay.forward_done(topk_idx, T, will_recompute)
             if snapshot is not None:
                 # One snapshot per table still queued for recompute (the replay may have been
                 # cleared, or earlier forwards never recomputed).

@@ -32,7 +32,7 @@ def test_every_integer_dtype_in_range_gives_the_int32_table(dtype):
     want = _table(torch.int32)
     got = syr.add_padding([_table(dtype)])
     assert torch.equal(got[0], want)
-    rows = sy.classify_replay_rows(_table(dtype)[:, 0], E)
+    rows = sy.replay.classify_rows(_table(dtype)[:, 0], E)
     assert torch.equal(rows.ids, want[:, 0]) and rows.num_replayed == 3
 
 
@@ -52,7 +52,7 @@ def test_an_id_that_wraps_when_narrowed_is_an_error_in_every_dtype(dtype, big):
         syr.add_padding([t])
     with pytest.raises(ValueError, match=rf"\[replay\] layer 4, replay ids holds {big} at "
                                          r"\[2, 0\], outside int32"):
-        sy.classify_replay_rows(t[:, 1], E, layer=4)
+        sy.replay.classify_rows(t[:, 1], E, layer=4)
 
 
 @pytest.mark.hostile(tried="the replay row rule under invalid_replay_rows='native' with an id "
@@ -64,7 +64,7 @@ def test_an_id_that_wraps_when_narrowed_is_an_error_in_every_dtype(dtype, big):
 def test_native_policy_counts_an_id_outside_int32_as_an_invalid_row(dtype, big):
     a = _table(torch.int64)[:, 0].numpy().astype(_np(dtype))
     a[1, 1] = big
-    rows = sy.classify_replay_rows(torch.from_numpy(a), E, policy="native")
+    rows = sy.replay.classify_rows(torch.from_numpy(a), E, policy="native")
     assert rows.num_invalid == 1 and rows.num_replayed == 2
     assert rows.kind.tolist() == [sy.replay.REPLAYED, sy.replay.INVALID, sy.replay.REPLAYED]
     assert rows.resolved_ids()[1].tolist() == [-1, -1]
@@ -77,7 +77,7 @@ def test_a_non_integer_dtype_error_lists_what_is_accepted(dtype):
     with pytest.raises(ValueError, match=r"\[replay\] replay ids must have an integer dtype "
                                          r"\(int8, int16, int32, int64, uint8, uint16, uint32 or "
                                          rf"uint64\), got {dtype}"):
-        sy.classify_replay_rows(torch.zeros(3, K, dtype=dtype), E)
+        sy.replay.classify_rows(torch.zeros(3, K, dtype=dtype), E)
 
 
 def test_uint8_255_is_an_id_not_a_missing_route():
@@ -85,8 +85,8 @@ def test_uint8_255_is_an_id_not_a_missing_route():
     [0, E), an invalid row, never "route natively"."""
     t = torch.tensor([[0, 1], [255, 255]], dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"\[replay\] token 1: .*255"):
-        sy.classify_replay_rows(t, E)
-    rows = sy.classify_replay_rows(t, E, policy="native")
+        sy.replay.classify_rows(t, E)
+    rows = sy.replay.classify_rows(t, E, policy="native")
     assert rows.num_invalid == 1 and rows.num_native == 1
 
 

@@ -210,7 +210,8 @@ def test_megatron_set_replay_targets_names_an_id_outside_int32(big):
     r.config = type("Cfg", (), {"num_moe_experts": 8, "moe_router_topk": 2})()
     r.layer_number = 3
     rep = sy.RouterReplay(top_k=2, layer=3, num_experts=8)
-    r._sy = sym._RouterState(3, r, rep, "used", 64)
+    from switchyard.integrations.megatron.replay import _RouterState
+    r._sy = _RouterState(3, r, rep, "used", 64)
     r._sy.driver = sy.replay.ReplayDriver({3: rep})
     ids = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int64)
     sym.set_replay_targets(r, {3: ids})

@@ -79,9 +79,10 @@ def test_route_groups_are_frozen():
 
 
 def test_public_modules_hold_no_test_hooks():
+    import switchyard._switchyard as extension
     import switchyard._testing as sy_testing
     for hook in ("_borrow_device", "_borrow_info", "_clone", "_full"):
-        assert not hasattr(sy._C, hook), hook
+        assert not hasattr(extension, hook), hook
     for probe in ("borrow_device", "borrow_info", "clone", "full"):
         assert callable(getattr(sy_testing, probe)), probe
         assert not hasattr(sy, probe) and not hasattr(syt, probe), probe
@@ -111,3 +112,56 @@ def test_dispatch_handle_is_opaque_with_documented_accessors():
         h.tokens_per_expert
     with pytest.raises(AttributeError):
         h.num_recv_tokens = 3
+
+
+# ---- the deliberate list of public names (issue 31) ----------------------------------------------
+PUBLIC_NAMES = {
+    "switchyard": ["BackendError", "DataError", "GlobalAuxLossState", "RouterConfig",
+                   "RouterReplay", "built_with_cuda", "cpu_isa", "cuda_device_count",
+                   "num_threads", "set_cpu_isa", "set_num_threads", "dist", "replay", "routes"],
+    "switchyard.replay": ["POLICIES", "check_policy", "NATIVE", "REPLAYED", "INVALID", "MERGED",
+                          "ReplayRows", "classify_rows", "ReplayCounts", "RouterReplay",
+                          "ReplayDriver", "recompute_kind", "in_recompute", "will_recompute",
+                          "raise_on_every_rank"],
+    "switchyard.integrations": ["hf", "megatron", "trl", "verl"],
+}
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC_NAMES))
+def test_all_is_the_deliberate_list_and_true(module):
+    import importlib
+    import pathlib
+    mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(PUBLIC_NAMES[module])
+    here = pathlib.Path(mod.__file__).parent
+    for name in mod.__all__:  # every name is there (a submodule: its file is)
+        assert hasattr(mod, name) or (here / f"{name}.py").is_file() or \
+            (here / name / "__init__.py").is_file(), f"{module}.{name}"
+
+
+def test_each_public_object_has_one_spelling():
+    # A re-export keeps its name (switchyard.RouterReplay is switchyard.replay.RouterReplay); no
+    # object is public under two names.
+    import switchyard.integrations.hf as syhf
+    import switchyard.integrations.megatron as sym
+    names = {}
+    for mod in (sy, sy.replay, syt, sy.routes, sy.dist, syhf, sym):
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if callable(obj):
+                names.setdefault(id(obj), set()).add(name)
+    assert all(len(v) == 1 for v in names.values()), [sorted(v) for v in names.values()
+                                                      if len(v) > 1]
+
+
+@pytest.mark.hostile(tried="sy.classify_replay_rows (a second spelling of "
+                           "sy.replay.classify_rows) or megatron attach_replay(repeated_ids=) "
+                           "(removed in 0.3.0)",
+                     gets="AttributeError; TypeError naming invalid_replay_rows")
+def test_removed_spellings_are_gone_or_name_the_one_spelling():
+    assert not hasattr(sy, "classify_replay_rows")
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    import switchyard.integrations.megatron as sym
+    with pytest.raises(TypeError, match=r"\[megatron.attach_replay\] keyword argument "
+                                        r"'repeated_ids' was renamed 'invalid_replay_rows'"):
+        sym.attach_replay(torch.nn.Linear(2, 2), repeated_ids="merge")

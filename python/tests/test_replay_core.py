@@ -1,7 +1,6 @@
 """The one replay core (issue 23, items 1 and 5): the engine's row classifier bound to Python, one
 policy vocabulary, the all-or-nothing ReplayDriver, the one recompute detector and the renamed
 recompute. Engine-level here; the adapters' cases are in test_replay_conformance.py."""
-import warnings
 
 import pytest
 import torch
@@ -18,10 +17,10 @@ def _ids(rows):
 
 # ---------------------------------------------------------------- the classifier
 @pytest.mark.hostile(tried="asked which rows of a replay table are replayed, native or invalid",
-                     gets="sy.classify_replay_rows: the engine's one row rule, kinds and counts")
+                     gets="sy.replay.classify_rows: the engine's one row rule, kinds and counts")
 def test_classify_replay_rows_is_the_engines_rule():
     ids = _ids([[1, 2, 3], [-1, -1, -1], [4, -1, -1], [5, 5, 2], [1, 9, 1]])
-    rows = sy.classify_replay_rows(ids, 8, "native", layer=3)
+    rows = sy.replay.classify_rows(ids, 8, "native", layer=3)
     assert rows.kind.tolist() == [syr.REPLAYED, syr.NATIVE, syr.INVALID, syr.INVALID, syr.INVALID]
     assert (rows.num_replayed, rows.num_native, rows.num_invalid, rows.num_pairs) == (1, 4, 3, 3)
     # the same rule as topk_route's (its counts agree row for row)
@@ -32,16 +31,17 @@ def test_classify_replay_rows_is_the_engines_rule():
         (rows.num_replayed, rows.num_native, rows.num_invalid)
     with pytest.raises(ValueError, match=r"\[replay\] layer 3, token 2: topk_idx row \[4, -1, -1\] "
                                          "mixes -1 and expert ids"):
-        sy.classify_replay_rows(ids, 8, layer=3)
+        sy.replay.classify_rows(ids, 8, layer=3)
 
 
 def test_classify_merge_merges_only_repeated_ids():
-    rows = sy.classify_replay_rows(_ids([[5, 5, 2], [7, 3, 7], [4, 4, 4], [0, 1, 2]]), 8, "merge")
+    rows = sy.replay.classify_rows(_ids([[5, 5, 2], [7, 3, 7], [4, 4, 4], [0, 1, 2]]), 8,
+                                   "merge")
     assert rows.kind.tolist() == [syr.MERGED] * 3 + [syr.REPLAYED]
     assert (rows.num_replayed, rows.num_merged, rows.num_pairs) == (4, 3, 2 + 2 + 1 + 3)
     assert rows.replayed.all()
     with pytest.raises(ValueError, match=r"names expert 9 outside \[0, 8\)"):
-        sy.classify_replay_rows(_ids([[1, 9, 1]]), 8, "merge")  # out of range wins over a repeat
+        sy.replay.classify_rows(_ids([[1, 9, 1]]), 8, "merge")  # out of range wins over a repeat
 
 
 # ---------------------------------------------------------------- one policy vocabulary
@@ -56,7 +56,7 @@ def test_old_policy_spelling_names_the_new_one(where):
             syt.topk_route(torch.zeros(1, 4), sy.RouterConfig(num_experts=4, top_k=2),
                            options=syt.RouteOptions(invalid_replay_rows="to_none"))
         else:
-            sy.classify_replay_rows(_ids([[0, 1]]), 4, "to_none")
+            sy.replay.classify_rows(_ids([[0, 1]]), 4, "to_none")
 
 
 @pytest.mark.hostile(tried="topk_route(options=RouteOptions(invalid_replay_rows='merge')) with a row "
@@ -135,16 +135,37 @@ def test_recompute_kind_tells_the_checkpoint_recompute(reentrant):
 
 
 # ---------------------------------------------------------------- one word: recompute
-@pytest.mark.hostile(tried="RouterReplay action 'replay_backward' / replay_backward() (old names)",
-                     gets="DeprecationWarning; they are 'recompute' / recompute()")
-def test_replay_backward_is_a_deprecated_alias_of_recompute():
+@pytest.mark.hostile(tried="RouterReplay action 'replay_backward' / replay_backward() / "
+                           "num_pending_backward (names removed in 0.3.0)",
+                     gets="ValueError / AttributeError naming 'recompute' / recompute() / "
+                          "num_pending_recompute")
+def test_replay_backward_names_say_recompute():
     r = sy.RouterReplay(2)
     r.replay_forward(_ids([[0, 1]]))
-    with pytest.warns(DeprecationWarning, match="now 'recompute'"):
+    with pytest.raises(ValueError, match=r"\[replay\] action 'replay_backward' was renamed "
+                                         r"'recompute'"):
         r.action = "replay_backward"
-    assert r.action == "recompute"
-    with pytest.warns(DeprecationWarning, match="now RouterReplay.recompute"):
-        assert r.replay_backward(1).tolist() == [[0, 1]]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert r.num_pending_recompute == 0
+    assert r.action is None  # nothing changed
+    with pytest.raises(AttributeError, match="'replay_backward' was renamed 'recompute'"):
+        r.replay_backward(1)
+    with pytest.raises(AttributeError, match="'num_pending_backward' was renamed "
+                                             "'num_pending_recompute'"):
+        r.num_pending_backward
+    r.action = "recompute"
+    assert r.recompute(1).tolist() == [[0, 1]] and r.num_pending_recompute == 0
+
+
+# ---------------------------------------------------------------- one count record
+def test_replay_counts_of_rows_and_sums():
+    rows = sy.replay.classify_rows(_ids([[0, 1], [-1, -1], [2, 2], [3, 4]]), 8, "merge")
+    c = sy.replay.ReplayCounts.of_rows(rows)
+    assert (c.calls, c.tokens, c.replayed, c.merged, c.native, c.invalid) == (1, 4, 3, 1, 1, 0)
+    assert c.replayed + c.native == c.tokens
+    n = sy.replay.ReplayCounts.of_native(5)
+    assert (n.calls, n.tokens, n.native, n.replayed) == (1, 5, 5, 0)
+    # Every field is summed (a field added later must be added by add() too).
+    import dataclasses
+    fields = [f.name for f in dataclasses.fields(sy.replay.ReplayCounts)]
+    a = sy.replay.ReplayCounts(*range(1, len(fields) + 1))
+    total = sy.replay.ReplayCounts.summed([a, a, a])
+    assert [getattr(total, f) for f in fields] == [3 * (i + 1) for i in range(len(fields))]

@@ -19,20 +19,20 @@ def _import(rows, **kw):
                      gets="the replay core's verdict (mixes -1 and ids), not a second rule's")
 def test_importer_and_replay_core_name_the_same_problem():
     for row in ROWS:
-        rows = sy.classify_replay_rows(torch.tensor([row], dtype=torch.int32), 8, "native")
+        rows = sy.replay.classify_rows(torch.tensor([row], dtype=torch.int32), 8, "native")
         if rows.num_invalid == 0:
             tables, _ = _import([row])
             assert tables[0][0].tolist() == [row]  # (the last token has no route: -1)
             continue
         why = "mixes -1 and" if -1 in row else "repeats expert"
         with pytest.raises(ValueError, match=why):
-            sy.classify_replay_rows(torch.tensor([row], dtype=torch.int32), 8)
+            sy.replay.classify_rows(torch.tensor([row], dtype=torch.int32), 8)
         with pytest.raises(ValueError, match=why):
             _import([row])
 
 
 def test_importer_counts_invalid_rows_as_the_replay_core_does():
-    rows = sy.classify_replay_rows(torch.tensor(ROWS, dtype=torch.int32), 8, "native")
+    rows = sy.replay.classify_rows(torch.tensor(ROWS, dtype=torch.int32), 8, "native")
     _, rep = _import(ROWS, invalid_rows="native")
     assert rep["num_invalid_rows"] == rows.num_invalid == 4
 

@@ -71,6 +71,8 @@ import torch
 
 import switchyard.integrations.hf as syhf
 from switchyard import _ids
+from switchyard.integrations._adapter import TrainerPhase, check_minimum_version
+from switchyard.replay import ReplayCounts
 
 try:
     import trl as _trl
@@ -78,7 +80,7 @@ try:
 except ImportError as e:  # an optional dependency
     raise ImportError("switchyard.integrations.trl needs the `trl` package (>= 1.16)") from e
 
-__all__ = ["GRPOTrainer", "SwitchyardGRPOTrainer", "ROLLOUT_ROUTES_KEY", "R2_ROUTES_KEY",
+__all__ = ["GRPOTrainer", "ROLLOUT_ROUTES_KEY", "R2_ROUTES_KEY",
            "REPLAY_MODES", "METRIC_NAMES", "MIN_TRL_VERSION"]
 
 ROLLOUT_ROUTES_KEY = "switchyard_rollout_routes"
@@ -107,10 +109,8 @@ _MM_ARGS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mas
 
 
 def _check_version():
-    from packaging.version import Version
-    if Version(_trl.__version__) < Version(MIN_TRL_VERSION):
-        raise RuntimeError(f"{_WHO} needs trl >= {MIN_TRL_VERSION}, found {_trl.__version__} "
-                           "(its GRPOTrainer hook points were read from that release)")
+    check_minimum_version("trl.GRPOTrainer", "trl", _trl.__version__, MIN_TRL_VERSION,
+                          "its GRPOTrainer hook points were read from that release")
 
 
 def _check_args(replay, router_dtype, routes_field, gate, args, rollout_func):
@@ -208,12 +208,10 @@ class GRPOTrainer(_trl.GRPOTrainer):
         used_mismatch_rows, compared_rows, replayed_rows, native_rows, invalid_rows (kind, mode,
         split: str or None;
         the others ints)."""
-        self._sy_active = True
+        self._sy_phase = TrainerPhase.IDLE  # where the step is: the one state of the trainer
         self._sy_gen = None         # _GenState of the running _generate()
-        self._sy_phase = None       # "score" (inside _generate_and_score_completions), "policy"
         self._sy_rollout = None     # [B, P+C, M, K] rollout routes of the batch being scored
         self._sy_r2 = None          # routes of the old-log-prob pass of that batch (R2)
-        self._sy_old_done = False
         self._sy_inputs = None      # the batch _compute_loss runs on
         try:
             super().__init__(*args, **kwargs)
@@ -238,11 +236,21 @@ class GRPOTrainer(_trl.GRPOTrainer):
     def switchyard_unpatch(self) -> None:
         """Restores the original routers of the policy and reference models (idempotent); the
         trainer then trains exactly like trl's own (no capture, replay or metrics)."""
-        self._sy_active = False
+        self._sy_phase = TrainerPhase.OFF
         for m in (self.model, self.ref_model):
             p = syhf.patch_of(self.accelerator.unwrap_model(m)) if m is not None else None
             if p is not None:
                 p.unpatch()
+
+    @property
+    def _sy_active(self):
+        """False once switchyard_unpatch() ran (TrainerPhase.OFF)."""
+        return self._sy_phase is not TrainerPhase.OFF
+
+    def _sy_enter(self, phase):
+        """Moves to ``phase`` (a TrainerPhase) unless the trainer was unpatched (OFF stays)."""
+        if self._sy_phase is not TrainerPhase.OFF:
+            self._sy_phase = phase
 
     # ---- where the rollout's routes come from ------------------------------------------------
     def _sy_wrap_rollout(self, fn):
@@ -404,8 +412,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
 
     # ---- carried through TRL's batch ---------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
-        self._sy_phase, self._sy_rollout, self._sy_r2 = "score", None, None
-        self._sy_old_done = False
+        self._sy_enter(TrainerPhase.SCORING)
+        self._sy_rollout, self._sy_r2 = None, None
         try:
             out = super()._generate_and_score_completions(inputs)
             if self._sy_rollout is not None:
@@ -413,15 +421,18 @@ class GRPOTrainer(_trl.GRPOTrainer):
             if self._sy_r2 is not None:
                 out[R2_ROUTES_KEY] = self._sy_r2
         finally:
-            self._sy_phase, self._sy_rollout, self._sy_r2 = None, None, None
+            self._sy_enter(TrainerPhase.IDLE)
+            self._sy_rollout, self._sy_r2 = None, None
         return out
 
     def _compute_loss(self, model, inputs):
-        self._sy_phase, self._sy_inputs = "policy", inputs
+        self._sy_enter(TrainerPhase.POLICY)
+        self._sy_inputs = inputs
         try:
             return super()._compute_loss(model, inputs)
         finally:
-            self._sy_phase, self._sy_inputs = None, None
+            self._sy_enter(TrainerPhase.IDLE)
+            self._sy_inputs = None
 
     # ---- replayed in the log-prob forwards ---------------------------------------------------
     def _sy_old_expected(self):
@@ -430,15 +441,15 @@ class GRPOTrainer(_trl.GRPOTrainer):
                     (self.use_vllm and self.vllm_importance_sampling_correction))
 
     def _sy_kind(self, model):
-        if not self._sy_active:
-            return None
-        if self._sy_phase == "policy":
+        """The log-prob forward running now: "policy", "old", "ref", or None (not replayed)."""
+        phase = self._sy_phase
+        if phase is TrainerPhase.POLICY:
             return "policy"
-        if self._sy_phase != "score":
-            return None
+        if phase not in (TrainerPhase.SCORING, TrainerPhase.SCORED_OLD):
+            return None  # OFF, IDLE
         if self.ref_model is not None and model is self.ref_model:
             return "ref"
-        if self._sy_old_expected() and not self._sy_old_done:
+        if phase is TrainerPhase.SCORING and self._sy_old_expected():
             return "old"
         return "ref"  # PEFT: the adapter-off pass on the policy model
 
@@ -508,14 +519,14 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 raise
             finally:
                 p.set_action(None)
-            counts = p.counts()
-            if not counts or min(c["num_calls"] for c in counts.values()) < 1:
+            counts = p.replay_counts()
+            if not counts or min(c.calls for c in counts.values()) < 1:
                 p.clear()
                 raise RuntimeError(f"{_WHO} the {kind} forward did not run the patched routers")
-            for c in counts.values():
-                rec["replayed_rows"] += c["num_replayed_rows"]
-                rec["native_rows"] += c["num_native_rows"]
-                rec["invalid_rows"] += c["num_invalid_replay_rows"]
+            total = ReplayCounts.summed(counts.values())
+            rec["replayed_rows"] += total.replayed
+            rec["native_rows"] += total.native
+            rec["invalid_rows"] += total.invalid
             ids = cap.ids()[:, :, p.layers, :]  # [b, S, M, K]: what the experts received
             ids_all.append(ids)
             if rollout is not None:
@@ -536,7 +547,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             if compute_aux_loss:
                 auxs.append(ax)
         if kind == "old":
-            self._sy_old_done = True
+            self._sy_enter(TrainerPhase.SCORED_OLD)
             if mode == "R2":
                 r2 = torch.cat(ids_all).to(torch.int32)
                 r2[~attention_mask.to("cpu").bool()] = -1
@@ -554,7 +565,3 @@ class GRPOTrainer(_trl.GRPOTrainer):
                                                         rec["compared_rows"])
         m[f"switchyard/{k}/replayed_rows"].append(float(rec["replayed_rows"]))
         m[f"switchyard/{k}/native_rows"].append(float(rec["native_rows"]))
-
-
-SwitchyardGRPOTrainer = GRPOTrainer
-"""Another name of GRPOTrainer (for code that imports trl's GRPOTrainer too)."""

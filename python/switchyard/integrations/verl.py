@@ -46,6 +46,8 @@ import os
 import torch
 
 import switchyard.integrations.hf as syhf
+from switchyard.integrations._adapter import check_minimum_version
+from switchyard.replay import ReplayCounts
 
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine.base import EngineRegistry
@@ -74,10 +76,8 @@ _ROUTER_DTYPES = {"native": None, "float32": torch.float32, "fp32": torch.float3
 
 def _check_version():
     import verl
-    from packaging.version import Version
-    if Version(verl.__version__) < Version(MIN_VERL_VERSION):
-        raise RuntimeError(f"[verl] switchyard's verl plugin needs verl >= {MIN_VERL_VERSION}, "
-                           f"found {verl.__version__}")
+    check_minimum_version("verl", "verl", verl.__version__, MIN_VERL_VERSION,
+                          "switchyard's verl engine plugins were written against it")
 
 
 def _mode_of(engine_config) -> str:
@@ -204,17 +204,15 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         router_replay/native_rows (replay) or router_replay/recorded_rows (R2 recording)."""
         loss, output = super().forward_step(micro_batch, loss_function, forward_only)
         if self._call is not None:
-            c = self.router_patch.counts()
+            c = self.router_patch.replay_counts()  # {layer: ReplayCounts}
+            total = ReplayCounts.summed(c.values())
             m = output.setdefault("metrics", {})
             if self._call == "replay":
-                m["router_replay/replayed_rows"] = float(
-                    sum(v["num_replayed_rows"] for v in c.values()))
+                m["router_replay/replayed_rows"] = float(total.replayed)
                 m["router_replay/native_rows"] = float(
-                    sum(v["num_native_rows"] + v["num_invalid_replay_rows"] for v in c.values())
-                    - self._pad_rows * len(c))
+                    total.native + total.invalid - self._pad_rows * len(c))
             else:
-                m["router_replay/recorded_rows"] = float(
-                    sum(v["num_native_rows"] for v in c.values()) - self._pad_rows * len(c))
+                m["router_replay/recorded_rows"] = float(total.native - self._pad_rows * len(c))
         return loss, output
 
     def _layout(self, micro_batch):

@@ -19,8 +19,8 @@ class Capture:
 
     def __init__(self, owner):
         self._owner = owner
-        self._steps = {l.layer: [] for l in owner._layers}
-        self._native = {l.layer: [] for l in owner._layers}  # the routers' own choices
+        self._steps = {layer: [] for layer in owner.layers}
+        self._native = {layer: [] for layer in owner.layers}  # the routers' own choices
         self.active = False
         """True while capturing (between Patch.capture() and the end of the ``with`` block)."""
         self._had_generate = False
@@ -28,11 +28,35 @@ class Capture:
         self._refeed = False  # inside generate(use_cache=False): each forward re-feeds all tokens
         self._generated = False  # a generate() ran under this capture (its final token unfed)
 
+    def start(self) -> None:
+        """Starts capturing: the model's ``generate()`` is wrapped (beam search refused) until
+        ``stop()``. Called by ``Patch.capture()``."""
+        m = self._owner.model
+        if callable(getattr(m, "generate", None)):
+            self._had_generate = "generate" in m.__dict__
+            self._orig_generate = m.__dict__.get("generate")
+            m.generate = self._generate  # an instance attribute, removed when the capture stops
+        self.active = True
+
+    def stop(self) -> None:
+        """Stops capturing (idempotent): the model's ``generate()`` is restored and the Patch
+        runs no capture any more if this was its running one. What leaving the ``with`` block
+        does."""
+        self.active = False
+        m = self._owner.model
+        if getattr(m.__dict__.get("generate"), "__self__", None) is self:
+            if self._had_generate:
+                m.generate = self._orig_generate
+            else:
+                m.__dict__.pop("generate", None)
+        if self._owner.running_capture is self:
+            self._owner.stop_capture()
+
     def _generate(self, *args, **kwargs):
         """The model's generate() while capturing: beam search and the generate paths whose
         forwards do not follow the returned sequences refused before any forward; without a KV
         cache (use_cache=False) every step re-feeds the whole sequence, and only the columns it
-        adds are kept (``_add``)."""
+        adds are kept (``append``)."""
         model = self._owner.model
         cfgs = [a for a in args if hasattr(a, "num_beams")]
         cfg = kwargs.get("generation_config") or (cfgs[0] if cfgs else None) or \
@@ -65,7 +89,23 @@ class Capture:
         finally:
             self._refeed = False
 
-    def _add(self, layer, ids32, batch_shape, T, native32=None):
+    def append(self, layer: int, ids32: torch.Tensor, batch_shape: tuple[int, ...] | None,
+               num_tokens: int, native32: torch.Tensor | None = None) -> None:
+        """Appends one forward's ids of one MoE layer (called by the patched router).
+
+        Args:
+            layer: the decoder layer's number (one of ``Patch.layers``).
+            ids32: int32 [T, K] on the CPU, the ids the forward routed.
+            batch_shape: (B, S) of the decoder layer's input, or None (taken as (1, T)).
+            num_tokens: T.
+            native32: int32 [T, K], the router's own top-k where it differs from ``ids32``
+                (a replayed forward), or None (equal).
+
+        Raises:
+            ValueError: under generate(use_cache=False), for a step that does not extend the
+                captured sequences.
+        """
+        T = num_tokens
         if batch_shape is None or len(batch_shape) != 2 or batch_shape[0] * batch_shape[1] != T:
             batch_shape = (1, T)
         step = ids32.view(batch_shape[0], batch_shape[1], -1)
@@ -87,7 +127,7 @@ class Capture:
         return self
 
     def __exit__(self, *exc):
-        self._owner._stop_capture(self)
+        self.stop()
 
     @property
     def num_forwards(self) -> int:
@@ -95,16 +135,30 @@ class Capture:
         return max((len(v) for v in self._steps.values()), default=0)
 
     def ids(self) -> torch.Tensor:
-        """[B, S_fed, num_hidden_layers, K] int32: every fed token's ids, dense layers 0."""
+        """[B, S_fed, num_hidden_layers, K] int32: every fed token's ids, dense layers 0.
+
+        Returns:
+            int32 [B, S_fed, num_hidden_layers, K].
+
+        Raises:
+            ValueError: when nothing was captured or the forwards' batch sizes differ.
+        """
         return self._stacked(self._steps)
 
     def native_ids(self) -> torch.Tensor:
-        """[B, S_fed, num_hidden_layers, K] int32: the ids each router chose itself (its live
-        top-k), also where a replayed row used other ids (``ids()``); equal to ``ids()`` where
-        nothing was replayed. What a router mismatch is measured against."""
+        """The ids each router chose itself (its live top-k), also where a replayed row used other
+        ids (``ids()``); equal to ``ids()`` where nothing was replayed. What a router mismatch is
+        measured against.
+
+        Returns:
+            int32 [B, S_fed, num_hidden_layers, K], dense layers 0.
+
+        Raises:
+            ValueError: as ``ids()``.
+        """
         return self._stacked(self._native)
 
-    def _stacked(self, per_layer):
+    def _stacked(self, per_layer: dict[int, list[torch.Tensor]]) -> torch.Tensor:
         o = self._owner
         per = {}
         for layer, steps in per_layer.items():
@@ -133,7 +187,14 @@ class Capture:
         With a mask of the fed tokens, a capture over ``generate()`` keeps the last fed row of a
         sequence real at the last column (its final token was generated, never fed), and a
         capture of plain forwards drops every sequence's last real row (it was fed)
-        (switchyard.routes.routed_experts with ``final_token_fed``)."""
+        (switchyard.routes.routed_experts with ``final_token_fed``).
+
+        Args:
+            attention_mask: [B, S_out] or [B, S_fed] (nonzero = real token), or None.
+
+        Returns:
+            list of int32 [num_tokens - 1, num_hidden_layers, K].
+        """
         # One implementation of vLLM's layout: switchyard.routes.routed_experts. A capture of
         # plain forwards fed each sequence's last token; one over generate() never fed the final
         # generated token.
@@ -145,7 +206,14 @@ class Capture:
         generated sequences' positions (``attention_mask`` [B, S_out]), zero filled at padding, on
         dense layers and at each sequence's last token (which has no route), vLLM's routes at the
         other real tokens. ``Patch.targets_from_verl`` reads it back. ValueError when the mask's
-        real tokens do not match the captured sequences."""
+        real tokens do not match the captured sequences.
+
+        Args:
+            attention_mask: [B, S_out] (nonzero = real token).
+
+        Returns:
+            int16 [B, S_out, num_hidden_layers, K].
+        """
         m = torch.as_tensor(attention_mask).to("cpu").bool()
         tables, rep = self.tables(m)
         # One implementation of verl's layout: switchyard.routes.to_verl (from_verl's inverse).
@@ -158,7 +226,16 @@ class Capture:
         """Writes one .npy per sequence (vLLM's routed_experts, int32), the files the vLLM
         importer and ``switchyard routes import-vllm`` read (``<directory>/<prefix><i>.npy``, the
         directory created if missing); returns their paths. ``attention_mask`` as
-        ``routed_experts``."""
+        ``routed_experts``.
+
+        Args:
+            directory: where the files go (made if missing).
+            attention_mask: as ``routed_experts``.
+            prefix: the files' name prefix.
+
+        Returns:
+            list of the paths written.
+        """
         import numpy as np
         os.makedirs(directory, exist_ok=True)
         paths = []
@@ -170,13 +247,30 @@ class Capture:
     def tables(self, attention_mask: torch.Tensor | None = None) -> tuple[list[torch.Tensor], dict]:
         """switchyard route tables (int32 [num_tokens, moe_layers, K], last token -1), through the
         vLLM importer with the model's layer map. Returns (tables, report dict);
-        ``attention_mask`` as ``routed_experts``."""
-        return self._owner._import_vllm(self.routed_experts(attention_mask), zero_rows="keep")
+        ``attention_mask`` as ``routed_experts``.
+
+        Args:
+            attention_mask: as ``routed_experts``.
+
+        Returns:
+            (tables, report dict).
+        """
+        return self._owner.tables_from_vllm(self.routed_experts(attention_mask),
+                                            zero_rows="keep")
 
     def write(self, path: str | os.PathLike, attention_mask: torch.Tensor | None = None,
               compression_level: int = 3) -> int:
         """Writes the captured sequences (``tables(attention_mask)``) to a route file at ``path``,
-        committed atomically (switchyard.routes.write); returns the bytes written."""
+        committed atomically (switchyard.routes.write); returns the bytes written.
+
+        Args:
+            path: the route file.
+            attention_mask: as ``routed_experts``.
+            compression_level: zstd's level.
+
+        Returns:
+            int, the bytes written.
+        """
         tables, _ = self.tables(attention_mask)
         return syr.write(path, tables, self._owner.num_experts, moe_layers=self._owner.layers,
                          compression_level=compression_level)

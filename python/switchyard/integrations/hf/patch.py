@@ -4,9 +4,12 @@ router of a transformers model (``_Layer``: one patched MoE layer, its replay qu
 package docstring."""
 import collections
 import contextlib
+import dataclasses
 import re
 import sys
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -15,7 +18,7 @@ from switchyard import _ids
 from switchyard import replay as _replay
 from switchyard import routes as syr
 
-from .._versions import check_version
+from .._adapter import check_version
 from .capture import Capture
 from .families import FAMILIES, _family_of, _gate
 
@@ -46,10 +49,15 @@ class _Layer:
                                       num_experts=self.num_experts)
         self.will_recompute = False
         self.batch_shape = None
-        self.counts = collections.Counter()
+        self.counts = _replay.ReplayCounts()  # forwards (the replay core's one count record)
+        self.num_recomputed_rows = 0  # rows a recompute inside backward replayed
         self._hook = None
         self._had_instance_forward = "forward" in router.__dict__
         self._orig_forward = router.__dict__.get("forward")
+
+    def reset_counts(self):
+        self.counts = _replay.ReplayCounts()
+        self.num_recomputed_rows = 0
 
     def install(self):
         # A bound method, not a closure: copy.deepcopy of the model copies this _Layer with it (its
@@ -78,8 +86,9 @@ class _Layer:
     def _pre_hook(self, module, args, kwargs):
         # Runs in the decoder layer's __call__, outside the checkpointed forward, so once per real
         # forward: the condition under which transformers checkpoints the layer.
-        self.will_recompute = bool(getattr(module, "gradient_checkpointing", False) and
-                                   module.training and torch.is_grad_enabled())
+        self.will_recompute = _replay.will_recompute(checkpoint=bool(
+            getattr(module, "gradient_checkpointing", False) and module.training and
+            torch.is_grad_enabled()))
         h = args[0] if args else kwargs.get("hidden_states")
         self.batch_shape = tuple(h.shape[:-1]) if isinstance(h, torch.Tensor) else None
 
@@ -111,9 +120,7 @@ class _Layer:
                     if self.replay.num_pending_recompute or \
                             self.replay.action == "replay_forward":
                         rows = owner.driver.take_recompute(self.layer, T)
-                        self.counts["num_recomputed_rows"] += T
-                    else:
-                        self.counts["num_recomputed_native_rows"] += T
+                        self.num_recomputed_rows += T
                 else:
                     if self.replay.action == "recompute":
                         raise ValueError(
@@ -121,13 +128,8 @@ class _Layer:
                             "transformers models: the checkpoint recompute is detected and "
                             "replayed automatically; use 'replay_forward'")
                     rows = owner.driver.take_forward(self.layer, T)
-                    if rows is not None:
-                        self.counts["num_replayed_rows"] += rows.num_replayed
-                        self.counts["num_native_rows"] += rows.num_native
-                        self.counts["num_invalid_replay_rows"] += rows.num_invalid
-                    else:
-                        self.counts["num_native_rows"] += T
-                    self.counts["num_calls"] += 1
+                    self.counts.add(_replay.ReplayCounts.of_native(T) if rows is None else
+                                    _replay.ReplayCounts.of_rows(rows))
                 replay_ids = replay_mask = None
                 if rows is not None:  # the core's rows -> the family's (ids, mask) on the device
                     replay_ids = rows.ids.to(device=logits.device, dtype=torch.int64)
@@ -156,7 +158,7 @@ class _Layer:
         if self.owner._capture is not None:
             nat = None if native_ids is None else \
                 native_ids.detach().to(device="cpu", dtype=torch.int32).contiguous()
-            self.owner._capture._add(self.layer, ids32, batch_shape, T, nat)
+            self.owner._capture.append(self.layer, ids32, batch_shape, T, nat)
 
 
 
@@ -238,7 +240,11 @@ class Patch:
         return self._layers[0].family.combine_dtype
 
     def gate_description(self) -> str:
-        """What computes the router logits, in words (shown by ``repr``)."""
+        """What computes the router logits, in words (shown by ``repr``).
+
+        Returns:
+            str.
+        """
         if self.router_dtype is None:
             return "the family's own (unchanged)"
         if self.gate == "torch":
@@ -256,7 +262,14 @@ class Patch:
     def set_action(self, action: str | None) -> None:
         """Sets every layer's RouterReplay action: None, "record" or "replay_forward" (ValueError
         for another value; "recompute" is refused at the next forward: the checkpoint recompute
-        is detected by itself)."""
+        is detected by itself).
+
+        Args:
+            action: None, "record" or "replay_forward".
+
+        Raises:
+            ValueError: for another value.
+        """
         for l in self._layers:
             l.replay.action = action
 
@@ -275,7 +288,14 @@ class Patch:
         ``set_targets`` from another thread, and a forward started by another thread, raise
         ValueError naming both threads (nothing queued or taken); so does ``set_targets`` while
         another thread's forward is running. Give each thread its own model (e.g. a
-        ``copy.deepcopy``, which has its own Patch), or hand the batches to one thread."""
+        ``copy.deepcopy``, which has its own Patch), or hand the batches to one thread.
+
+        Args:
+            routes: [T, moe_layers, K] or [B, S, moe_layers, K] integer ids.
+
+        Raises:
+            ValueError: nothing queued, as above.
+        """
         if routes is not None and not isinstance(routes, torch.Tensor) and hasattr(routes, "dtype"):
             routes = _ids.as_tensor(routes, "hf.set_targets", "routes")  # a numpy array
         if not isinstance(routes, torch.Tensor) or routes.dim() not in (3, 4):
@@ -320,59 +340,112 @@ class Patch:
                          "(copy.deepcopy has its own Patch), or run the batches from one thread "
                          "(Patch.clear() drops targets no forward will take)")
 
+    def replay_counts(self) -> dict[int, _replay.ReplayCounts]:
+        """The forwards' rows per layer since reset_counts(), as the replay core counts them.
+
+        Returns:
+            {layer: switchyard.replay.ReplayCounts} (copies: changing them changes nothing).
+        """
+        return {l.layer: dataclasses.replace(l.counts) for l in self._layers}
+
     def counts(self) -> dict[int, dict[str, int]]:
         """{layer: {"num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
         "num_recomputed_rows", "num_calls": int}}: rows replayed / routed natively / invalid
         (routed natively, also counted as native) in forwards, rows recomputed with queued ids
-        inside backward, and forward calls, since reset_counts()."""
-        keys = ("num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
-                "num_recomputed_rows", "num_calls")
-        return {l.layer: {k: int(l.counts[k]) for k in keys} for l in self._layers}
+        inside backward, and forward calls, since reset_counts().
+
+        Returns:
+            {layer: {name: int}}.
+        """
+        return {l.layer: {"num_replayed_rows": l.counts.replayed,
+                          "num_native_rows": l.counts.native,
+                          "num_invalid_replay_rows": l.counts.invalid,
+                          "num_recomputed_rows": l.num_recomputed_rows,
+                          "num_calls": l.counts.calls} for l in self._layers}
 
     def reset_counts(self) -> None:
         """Zeroes the counts of every layer (the queues stay)."""
         for l in self._layers:
-            l.counts.clear()
+            l.reset_counts()
 
     def clear(self) -> None:
         """Drops every queued table (recorded, targets, pending recompute) and the counts."""
         self.driver.clear()
         for l in self._layers:
-            l.counts.clear()
+            l.reset_counts()
 
     # ---- route sources (R3) ----
     def _layer_freq(self):
         s = set(self.layers)
         return [1 if i in s else 0 for i in range(self.num_hidden_layers)]
 
-    def _import_vllm(self, arrays, zero_rows):
+    def tables_from_vllm(self, arrays: Sequence[Any], zero_rows: str = "keep"
+                         ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """vLLM / SGLang routed_experts arrays -> switchyard route tables, through switchyard's
+        vLLM importer with this model's layer map.
+
+        Args:
+            arrays: one integer [n_b - 1, num_hidden_layers, K] array per sequence (numpy or
+                torch, dense layers 0).
+            zero_rows: "keep", "to_none" or "error" (the importer's).
+
+        Returns:
+            (tables, report): int32 [n_b, moe_layers, K] per sequence (last token -1) and the
+            import report dict.
+
+        Raises:
+            ValueError: the importer's, naming sequence, token, layer and value.
+        """
         return syr.import_vllm_arrays(arrays, self.num_experts, moe_layer_freq=self._layer_freq(),
                                       num_input_layers=self.num_hidden_layers, top_k=self.top_k,
                                       zero_rows=zero_rows)
 
-    def targets_from_tables(self, tables, attention_mask: torch.Tensor | None = None
+    def targets_from_tables(self, tables: Sequence[Any], attention_mask: torch.Tensor | None = None
                             ) -> torch.Tensor:
         """switchyard route tables (one [n_b, moe_layers, K] per sequence, int32 / int64 / int16 /
         int8 / uint8 / uint16, e.g. from switchyard.routes.read) and ``attention_mask`` [B, S]
         (nonzero = real token; None: tables of one length, stacked) -> int32 [B, S, moe_layers, K]
         targets for ``set_targets``, -1 at padding (switchyard.routes.add_padding). ValueError
         for another dtype, tables of different layers / K, or a mask row whose real tokens are not
-        n_b."""
+        n_b.
+
+        Args:
+            tables: one [n_b, moe_layers, K] integer table per sequence.
+            attention_mask: [B, S] (nonzero = real token), or None (tables of one length).
+
+        Returns:
+            int32 [B, S, moe_layers, K].
+
+        Raises:
+            ValueError: as above.
+        """
         op = "hf.targets_from_tables"
         tables = [_ids.to_int32(_ids.as_tensor(t, op, f"tables[{i}]"), op, f"tables[{i}]")
                   for i, t in enumerate(_ids.table_list(tables, op))]
         return syr.add_padding(tables, attention_mask)
 
-    def targets_from_vllm(self, arrays, attention_mask: torch.Tensor | None = None,
+    def targets_from_vllm(self, arrays: Sequence[Any], attention_mask: torch.Tensor | None = None,
                           zero_rows: str = "keep") -> tuple[torch.Tensor, dict]:
         """vLLM / SGLang routed_experts arrays (one integer [n_b - 1, num_hidden_layers, K] per
         sequence, numpy or torch, dense layers 0) and ``attention_mask`` [B, S] (None: sequences of
         one length) -> (int32 [B, S, moe_layers, K] targets with -1 at padding and last tokens,
         import report dict), through switchyard's vLLM importer and this model's layer map
         (``zero_rows`` as there: "keep", "to_none" or "error"). ValueError (the importer's, naming
-        sequence, token, layer and value) for a wrong shape or an id outside [0, num_experts)."""
-        tables, report = self._import_vllm(_ids.table_list(arrays, "hf.targets_from_vllm",
-                                                           "arrays"), zero_rows)
+        sequence, token, layer and value) for a wrong shape or an id outside [0, num_experts).
+
+        Args:
+            arrays: one integer [n_b - 1, num_hidden_layers, K] array per sequence.
+            attention_mask: [B, S] (nonzero = real token), or None (sequences of one length).
+            zero_rows: "keep", "to_none" or "error".
+
+        Returns:
+            (int32 [B, S, moe_layers, K] targets, import report dict).
+
+        Raises:
+            ValueError: the importer's.
+        """
+        tables, report = self.tables_from_vllm(
+            _ids.table_list(arrays, "hf.targets_from_vllm", "arrays"), zero_rows)
         return syr.add_padding(tables, attention_mask), report
 
     def targets_from_verl(self, routed_experts: torch.Tensor, attention_mask: torch.Tensor,
@@ -382,13 +455,25 @@ class Patch:
         integer dtype) and its attention mask [B, S] -> (int32 [B, S, moe_layers, K] targets,
         import report dict); ValueError as ``targets_from_vllm``. Padding is dropped
         by the mask (switchyard.routes.drop_padding), the layers mapped by the vLLM importer (all
-        zero rows on MoE layers become -1 with zero_rows="to_none": routed natively, counted)."""
+        zero rows on MoE layers become -1 with zero_rows="to_none": routed natively, counted).
+
+        Args:
+            routed_experts: verl's [B, S, num_hidden_layers, K] integer batch tensor.
+            attention_mask: [B, S] (nonzero = real token).
+            zero_rows: "keep", "to_none" or "error".
+
+        Returns:
+            (int32 [B, S, moe_layers, K] targets, import report dict).
+
+        Raises:
+            ValueError: as ``targets_from_vllm``.
+        """
         op = "hf.targets_from_verl"
         ids = _ids.to_int32(_ids.as_tensor(routed_experts, op, "routed_experts"), op,
                             "routed_experts")
         m = torch.as_tensor(attention_mask).to("cpu")
         seqs = syr.drop_padding(ids, m, self.num_experts)
-        tables, report = self._import_vllm([s[:-1] for s in seqs], zero_rows)
+        tables, report = self.tables_from_vllm([s[:-1] for s in seqs], zero_rows)
         return syr.add_padding(tables, m), report
 
     # ---- capture ----
@@ -397,34 +482,31 @@ class Patch:
         or stop_capture()); recomputes inside backward are not captured. ``generate()`` with beam
         search (num_beams > 1) is refused while capturing: the beams are reordered at every step,
         so the routes of a step would not follow the returned sequences. Returns the Capture;
-        ValueError when a capture is already running."""
+        ValueError when a capture is already running.
+
+        Returns:
+            Capture (a context manager).
+
+        Raises:
+            ValueError: when a capture is already running.
+        """
         if self._capture is not None:
             raise ValueError("[hf.capture] a capture is already running")
         cap = Capture(self)
-        m = self.model
-        if callable(getattr(m, "generate", None)):
-            cap._had_generate = "generate" in m.__dict__
-            cap._orig_generate = m.__dict__.get("generate")
-            m.generate = cap._generate  # an instance attribute, removed when the capture stops
+        cap.start()
         self._capture = cap
-        cap.active = True
         return cap
+
+    @property
+    def running_capture(self) -> "Capture | None":
+        """The running Capture, or None."""
+        return self._capture
 
     def stop_capture(self) -> None:
         """Stops the running capture, if any (what leaving its ``with`` block does)."""
-        if self._capture is not None:
-            self._stop_capture(self._capture)
-
-    def _stop_capture(self, cap):
-        cap.active = False
-        m = self.model
-        if getattr(m.__dict__.get("generate"), "__self__", None) is cap:
-            if cap._had_generate:
-                m.generate = cap._orig_generate
-            else:
-                m.__dict__.pop("generate", None)
-        if self._capture is cap:
-            self._capture = None
+        cap, self._capture = self._capture, None
+        if cap is not None:
+            cap.stop()
 
     # ---- a failed forward ----
     def _install(self, stacks):
@@ -468,8 +550,7 @@ class Patch:
         for h in self._stack_hooks:
             h.remove()
         self._stack_hooks = []
-        if self._capture is not None:
-            self._stop_capture(self._capture)
+        self.stop_capture()
 
     def __enter__(self):
         return self
@@ -506,6 +587,19 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     earlier Patch first) or of several families, and RuntimeError for a transformers
     release outside SUPPORTED_TRANSFORMERS_VERSIONS (5.24.x; a newer one is let through, with a
     warning, when the environment sets SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
+
+    Args:
+        model: a transformers model (torch.nn.Module).
+        router_dtype: torch.float32, torch.float64 or None.
+        gate: "auto" or "torch".
+        invalid_replay_rows: "error", "native" or "merge".
+
+    Returns:
+        Patch.
+
+    Raises:
+        ValueError: as above, the model untouched.
+        RuntimeError: for an unsupported transformers release.
     """
     if router_dtype not in (None, torch.float32, torch.float64):
         raise ValueError("[hf.patch] router_dtype must be None (the family's own), torch.float32 "
@@ -575,7 +669,14 @@ def _owner_of(forward):
 def patch_of(model: torch.nn.Module) -> "Patch | None":
     """The active Patch of ``model`` (the one whose forwards its routers run), or None. After
     ``copy.deepcopy(model)`` (e.g. TRL's reference model) the copy has its own Patch: same
-    settings, its own replay queues and counts, forwards bound to its own routers."""
+    settings, its own replay queues and counts, forwards bound to its own routers.
+
+    Args:
+        model: a torch.nn.Module.
+
+    Returns:
+        Patch or None.
+    """
     for mod in model.modules():
         layer = _owner_of(mod.__dict__.get("forward"))
         if layer is not None:

@@ -55,8 +55,8 @@ options, the dtype map).
 from .config import router_config, topk_router, topk_router_kwargs
 from .patch import (SUPPORTED_VERSIONS, TESTED_VERSIONS, PatchReport, apply, is_applied, patched,
                     remove)
-from .replay import (ReplayCounts, _RouterState, attach_replay, clear_replay, detach_replay,
-                     replay_counts, replays, set_replay_action, set_replay_targets)  # noqa: F401
+from .replay import (ReplayCounts, attach_replay, clear_replay, detach_replay,
+                     replay_counts, replays, set_replay_action, set_replay_targets)
 
 __all__ = ["apply", "remove", "patched", "is_applied", "PatchReport", "SUPPORTED_VERSIONS",
            "router_config", "topk_router_kwargs", "topk_router",

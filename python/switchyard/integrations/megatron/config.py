@@ -1,7 +1,10 @@
 """switchyard.integrations.megatron.config: Megatron-Core's TransformerConfig -> switchyard's router
 options (``router_config``, ``topk_router_kwargs``, ``topk_router``), the moe_router_dtype map,
 and the engine="cpu" gate. See the package docstring."""
+from __future__ import annotations
+
 import functools
+from typing import Any
 
 import torch
 
@@ -24,10 +27,17 @@ def _router_dtype(config):
     return _ROUTER_DTYPES[config.moe_router_dtype]
 
 
-def _topk_options(config):
+def topk_options(config: Any) -> dict[str, Any]:
     """Megatron's top-k selection and weight options under switchyard's names: the one option map
     of ``router_config`` and of the engine="cpu" routing (which leaves capacity, aux losses and
-    the expert bias to Megatron's own functions)."""
+    the expert bias to Megatron's own functions).
+
+    Args:
+        config: Megatron's TransformerConfig (or any object with its attributes).
+
+    Returns:
+        dict of RouterConfig keyword arguments.
+    """
     return dict(num_experts=config.num_moe_experts, top_k=config.moe_router_topk,
                 score_function=config.moe_router_score_function,
                 pre_softmax=bool(config.moe_router_pre_softmax),
@@ -35,7 +45,7 @@ def _topk_options(config):
                 topk_scaling_factor=config.moe_router_topk_scaling_factor)
 
 
-def router_config(config, *, is_mtp_layer=False):
+def router_config(config: Any, *, is_mtp_layer: bool = False) -> _sy.RouterConfig:
     """A ``switchyard.RouterConfig`` with every router option switchyard has, read from Megatron-Core's
     ``TransformerConfig`` under its names: num_moe_experts, moe_router_topk,
     moe_router_score_function, moe_router_pre_softmax, moe_router_num_groups /
@@ -50,7 +60,18 @@ def router_config(config, *, is_mtp_layer=False):
     (moe_router_dtype, moe_input_jitter_eps, moe_router_enable_expert_bias,
     moe_router_quantile_balancing_ema) are in ``topk_router_kwargs``. ``config``: any object with
     those attributes. ValueError (the engine's, naming the switchyard option) for a value the
-    engine refuses."""
+    engine refuses.
+
+    Args:
+        config: Megatron's TransformerConfig (or any object with its attributes).
+        is_mtp_layer: whether the router is an MTP layer's.
+
+    Returns:
+        switchyard.RouterConfig.
+
+    Raises:
+        ValueError: the engine's, naming the switchyard option.
+    """
     lb, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
     kw = {}
     if isinstance(lb, (list, tuple)):
@@ -70,7 +91,7 @@ def router_config(config, *, is_mtp_layer=False):
         kw.update(padding_for_quantization=True,
                   padding_align_size=int(get_align_size_for_quantization(config)))
     return _sy.RouterConfig(
-        **_topk_options(config),
+        **topk_options(config),
         capacity_factor=config.moe_expert_capacity_factor,
         token_drop_policy=config.moe_token_drop_policy,
         pad_to_capacity=bool(config.moe_pad_expert_input_to_capacity),
@@ -83,27 +104,48 @@ def router_config(config, *, is_mtp_layer=False):
         force_biased=config.moe_router_force_biased, **kw)
 
 
-def topk_router_kwargs(config):
+def topk_router_kwargs(config: Any) -> dict[str, Any]:
     """The ``switchyard.torch.TopKRouter`` keyword arguments that Megatron keeps on its router
     module: router_dtype (moe_router_dtype None / "fp32" / "fp64"), bias (add_bias_linear),
     params_dtype, enable_expert_bias (moe_router_enable_expert_bias), input_jitter_eps
     (moe_input_jitter_eps). moe_router_bias_update_rate and moe_router_quantile_balancing_ema are
     arguments of ``update_expert_bias(rate)`` / ``update_qb_beta(ema)``: pass
     ``config.moe_router_bias_update_rate`` / ``config.moe_router_quantile_balancing_ema``.
-    Returns a dict; ValueError for a moe_router_dtype other than None, "fp32" or "fp64"."""
+    Returns a dict; ValueError for a moe_router_dtype other than None, "fp32" or "fp64".
+
+    Args:
+        config: Megatron's TransformerConfig (or any object with its attributes).
+
+    Returns:
+        dict of TopKRouter keyword arguments.
+
+    Raises:
+        ValueError: for a moe_router_dtype other than None, "fp32" or "fp64".
+    """
     return dict(router_dtype=_router_dtype(config),
                 bias=bool(config.add_bias_linear), params_dtype=config.params_dtype,
                 enable_expert_bias=bool(config.moe_router_enable_expert_bias),
                 input_jitter_eps=config.moe_input_jitter_eps)
 
 
-def topk_router(router, **kwargs):
+def topk_router(router: Any, **kwargs: Any) -> _syt.TopKRouter:
     """A ``switchyard.torch.TopKRouter`` equivalent to a Megatron-Core ``TopKRouter``: its config
     mapped by ``router_config`` / ``topk_router_kwargs``, and a copy of its state (weight, bias,
     expert bias and its token counts, qb_beta and its accumulators, layer number). ``kwargs`` go to
     TopKRouter (e.g. loss_comm=, global_aux_loss_comm= for Megatron's tp_cp / tp_dp_cp groups).
     The copy is independent of ``router`` (its parameters are new tensors). ValueError as
-    ``router_config`` / ``topk_router_kwargs``."""
+    ``router_config`` / ``topk_router_kwargs``.
+
+    Args:
+        router: a Megatron-Core TopKRouter.
+        **kwargs: more TopKRouter keyword arguments (they win over the mapped ones).
+
+    Returns:
+        switchyard.torch.TopKRouter.
+
+    Raises:
+        ValueError: as ``router_config`` / ``topk_router_kwargs``.
+    """
     cfg = router.config
     kw = topk_router_kwargs(cfg)
     kw.update(kwargs)
@@ -124,7 +166,16 @@ def topk_router(router, **kwargs):
     return s
 
 
-def _make_engine_gating(orig):
+def make_engine_gating(orig):
+    """The wrapper ``apply()`` installs over Megatron-Core's Router.gating, switchyard's FP32
+    gate on CPU tensors of attached routers.
+
+    Args:
+        orig: the original function.
+
+    Returns:
+        The wrapper (functools.wraps of ``orig``).
+    """
     @functools.wraps(orig)
     def gating(self, input):
         st = getattr(self, "_sy", None)

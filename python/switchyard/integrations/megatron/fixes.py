@@ -10,7 +10,16 @@ import torch
 # --------------------------------------------------------------------------------------------------
 # The seed fix: dispatcher sizes from the routing map's counts
 # --------------------------------------------------------------------------------------------------
-def _make_a2a_preprocess(orig):
+def make_a2a_preprocess(orig):
+    """The wrapper ``apply()`` installs over Megatron-Core's
+    MoEAlltoAllTokenDispatcher.preprocess, sized from the routing map's pair count.
+
+    Args:
+        orig: the original function.
+
+    Returns:
+        The wrapper (functools.wraps of ``orig``).
+    """
     @functools.wraps(orig)
     def preprocess(self, routing_map):
         num_pairs = getattr(self, "_sy_num_pairs", None)
@@ -43,7 +52,16 @@ def _make_a2a_preprocess(orig):
     return preprocess
 
 
-def _make_ep_setup_metadata(orig):
+def make_ep_setup_metadata(orig):
+    """The wrapper ``apply()`` installs over Megatron-Core's _DeepepManager /
+    _NCCLEPManager.setup_metadata, indices rebuilt from the routing map.
+
+    Args:
+        orig: the original function.
+
+    Returns:
+        The wrapper (functools.wraps of ``orig``).
+    """
     @functools.wraps(orig)
     def setup_metadata(self, routing_map, probs):
         orig(self, routing_map, probs)
@@ -61,7 +79,16 @@ def _make_ep_setup_metadata(orig):
     return setup_metadata
 
 
-def _make_layer_route(orig):
+def make_layer_route(orig):
+    """The wrapper ``apply()`` installs over Megatron-Core's MoELayer.route, handing the
+    router's host-known pair count to the dispatcher.
+
+    Args:
+        orig: the original function.
+
+    Returns:
+        The wrapper (functools.wraps of ``orig``).
+    """
     @functools.wraps(orig)
     def route(self, hidden_states, padding_mask=None):
         probs, routing_map = orig(self, hidden_states, padding_mask)

@@ -4,48 +4,37 @@ owns the queues, the recompute detector) -- per-router state (``_RouterState``: 
 counts), the patched ``TopKRouter.forward`` / ``routing`` and ``tensor_parallel.checkpoint``, and the public
 replay API (attach_replay, set_replay_targets, set_replay_action, replay_counts, ...). See the
 package docstring."""
+from __future__ import annotations
+
 import dataclasses
 import functools
 import sys
+from collections.abc import Iterable, Mapping
+from typing import Any, Union
 
 import torch
 
 import switchyard as _sy
+from switchyard import _names
 import switchyard.replay as _syr
 import switchyard.torch as _syt
 
-from .config import _topk_options
-from .patch import _STATE, is_applied
+from switchyard.replay import ReplayCounts
 
+from .._adapter import lifecycle
+from .config import topk_options
+
+_LIFE = lifecycle("megatron")  # patch.apply() / remove() set it
+
+
+Model = Union[torch.nn.Module, "list[torch.nn.Module]"]
+"""A Megatron model: one module, or the list of its virtual-pipeline chunks."""
+Key = Union[int, "tuple[str, int]"]
+"""A router's key: its decoder layer number, or ("mtp", n) for an MTP layer."""
 
 # --------------------------------------------------------------------------------------------------
 # Replay state per router
 # --------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class ReplayCounts:
-    """Rows of one routing call (or summed over calls): ``replayed`` (ids used as given, merged
-    rows included), ``merged`` (replayed rows that repeated an id, weights summed), ``native``
-    (live top-k: all -1 rows, no replay, or invalid rows with invalid_replay_rows="native"),
-    ``invalid`` (of those native rows, the invalid ones). replayed + native == tokens."""
-    calls: int = 0
-    """Routing calls counted."""
-    tokens: int = 0
-    """Tokens (rows) routed."""
-    replayed: int = 0
-    """Rows that used their replay ids (merged rows included)."""
-    merged: int = 0
-    """Replayed rows that repeated an id (one pair, weights summed)."""
-    native: int = 0
-    """Rows routed by the live top-k (all -1, no replay, or invalid under "native")."""
-    invalid: int = 0
-    """Native rows that were invalid replay rows."""
-
-    def add(self, other):
-        """Adds ``other``'s counts (a ReplayCounts) to these, in place."""
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-
 class _RouterState:
     """What the adapter keeps per router besides the core's queues: the key, the shared
     switchyard.replay.ReplayDriver, options and counts."""
@@ -68,12 +57,6 @@ class _RouterState:
         return f"mtp layer {k[1]}" if isinstance(k, tuple) else f"layer {k}"
 
 
-def _counts(rows):
-    """ReplayCounts of one forward replaying ``rows`` (a switchyard.replay.ReplayRows)."""
-    return ReplayCounts(calls=1, tokens=rows.num_tokens, replayed=rows.num_replayed,
-                        merged=rows.num_merged, native=rows.num_native, invalid=rows.num_invalid)
-
-
 def _num_pairs(rows, K):
     """(token, expert) pairs routed: the replayed rows' (merged rows count each id once) plus K
     per natively routed row."""
@@ -86,11 +69,22 @@ def _num_pairs(rows, K):
 _CKPT_STACK = []
 
 
-def _will_recompute():
-    return any(_CKPT_STACK)
+def _checkpoint_says():
+    """What the innermost active tensor_parallel.checkpoint calls said (any of them: a backward
+    follows), or None outside them (switchyard.replay.will_recompute's ``checkpoint``)."""
+    return any(_CKPT_STACK) if _CKPT_STACK else None
 
 
-def _make_checkpoint(orig):
+def make_checkpoint(orig):
+    """The wrapper ``apply()`` installs over Megatron-Core's tensor_parallel.checkpoint, noting
+    whether a recompute will follow the call.
+
+    Args:
+        orig: the original function.
+
+    Returns:
+        The wrapper (functools.wraps of ``orig``).
+    """
     @functools.wraps(orig)
     def checkpoint(function, distribute_saved_activations, *args):
         will = torch.is_grad_enabled() and any(torch.is_tensor(a) and a.requires_grad
@@ -119,7 +113,7 @@ def _ids_for_forward(st, T):
     d = st.driver
     if action == "recompute" or (_syr.in_recompute() and torch.is_grad_enabled()):
         rows = d.take_recompute(st.key, T)  # the engine's FIFO checks T against the table
-        if _will_recompute():  # a checkpoint nested in the one being recomputed: queue again
+        if _syr.will_recompute(checkpoint=_checkpoint_says()):  # a nested checkpoint: queue again
             d.queue_recompute(st.key, rows.ids)
         return rows
     rows = d.take_forward(st.key, T)  # taken whether the forward goes on or fails
@@ -128,11 +122,7 @@ def _ids_for_forward(st, T):
     # outside it, a forward under no_grad whose inputs require grad (another reentrant
     # checkpoint, e.g. Transformer Engine's). Forward-only passes, also through a checkpoint under
     # no_grad, and forwards that keep their graph queue nothing.
-    if _CKPT_STACK:
-        will = _will_recompute()
-    else:
-        will = _syr.will_recompute(st.input_requires_grad)
-    if will:
+    if _syr.will_recompute(st.input_requires_grad, checkpoint=_checkpoint_says()):
         n = st.replay.num_pending_recompute
         if n >= st.max_pending_backward:
             raise ValueError(f"[megatron.replay] {st.label()}: {n} checkpointed "
@@ -145,7 +135,16 @@ def _ids_for_forward(st, T):
 # --------------------------------------------------------------------------------------------------
 # Router patches
 # --------------------------------------------------------------------------------------------------
-def _make_router_forward(orig):
+def make_router_forward(orig):
+    """The wrapper ``apply()`` installs over Megatron-Core's TopKRouter.forward, noting the
+    attached router's input for replay.
+
+    Args:
+        orig: the original function.
+
+    Returns:
+        The wrapper (functools.wraps of ``orig``).
+    """
     @functools.wraps(orig)
     def forward(self, input, padding_mask=None):
         st = getattr(self, "_sy", None)
@@ -227,7 +226,16 @@ def _replayed(self, logits, ids):
     return probs, routing_map
 
 
-def _make_router_routing(orig):
+def make_router_routing(orig):
+    """The wrapper ``apply()`` installs over Megatron-Core's TopKRouter.routing, validated keyed
+    replay and record on attached routers.
+
+    Args:
+        orig: the original function.
+
+    Returns:
+        The wrapper (functools.wraps of ``orig``).
+    """
     @functools.wraps(orig)
     def routing(self, logits, padding_mask=None):
         st = getattr(self, "_sy", None)
@@ -239,11 +247,11 @@ def _make_router_routing(orig):
         T = logits.numel() // E
         tgt = _ids_for_forward(st, T)
         action = st.replay.action
-        if _STATE["engine"] == "cpu" and not logits.is_cuda and \
+        if _LIFE.options.get("engine") == "cpu" and not logits.is_cuda and \
                 self.routing_type not in ("sinkhorn", "quantile_balancing"):
             return _engine_routing(self, st, tgt, logits, padding_mask)
         if tgt is None and action is None:  # native: Megatron's routing, unchanged
-            st.last = ReplayCounts(calls=1, tokens=T, native=T)
+            st.last = ReplayCounts.of_native(T)
             st.total.add(st.last)
             st.last_num_pairs = T * K  # every native path selects K distinct experts per row
             return orig(self, logits, padding_mask)
@@ -259,7 +267,7 @@ def _make_router_routing(orig):
             st.replay.record(_ids_from_map(map_n, K).to("cpu", torch.int32))
         if tgt is None:
             probs, routing_map = probs_n, map_n
-            counts = ReplayCounts(calls=1, tokens=T, native=T)
+            counts = ReplayCounts.of_native(T)
             st.last_num_pairs = T * K
         else:
             dev_ids = tgt.resolved_ids().to(logits.device, torch.int64, non_blocking=True)
@@ -270,7 +278,7 @@ def _make_router_routing(orig):
             if map_n is not None:
                 probs = torch.where(native_rows[:, None], probs_n, probs)
                 routing_map = torch.where(native_rows[:, None], map_n, routing_map)
-            counts = _counts(tgt)
+            counts = ReplayCounts.of_rows(tgt)
             st.last_num_pairs = _num_pairs(tgt, K)
         return _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask,
                        seq_length, bsz)
@@ -324,7 +332,7 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
     if padding_mask is not None:
         padding_mask = padding_mask.reshape(-1)
     logits = self.apply_z_loss(logits, padding_mask=padding_mask)
-    rc = _sy.RouterConfig(**_topk_options(cfg))  # the one option map (config.py)
+    rc = _sy.RouterConfig(**topk_options(cfg))  # the one option map (config.py)
     # bf16 logits (moe_router_dtype=None with bf16 activations) route as Megatron routes them.
     lg = logits if logits.dtype in (torch.bfloat16, torch.float32, torch.float64) else \
         logits.float()
@@ -345,10 +353,10 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
         probs = torch.where(merged, p_m, probs)
         routing_map = torch.where(merged, map_m, routing_map)
     if tgt is None:
-        counts = ReplayCounts(calls=1, tokens=T, native=T)
+        counts = ReplayCounts.of_native(T)
         st.last_num_pairs = T * K
     else:
-        counts = _counts(tgt)
+        counts = ReplayCounts.of_rows(tgt)
         st.last_num_pairs = _num_pairs(tgt, K)
     return _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask, seq_length,
                    bsz)
@@ -373,8 +381,9 @@ def _key(router):
     return ("mtp", n) if getattr(router, "is_mtp_layer", False) else n
 
 
-def attach_replay(model, *, invalid_replay_rows="error", aux_loss_routes="used",
-                  max_pending_backward=64, repeated_ids=None):
+def attach_replay(model: Model, *, invalid_replay_rows: str = "error",
+                  aux_loss_routes: str = "used", max_pending_backward: int = 64,
+                  repeated_ids: str | None = None) -> dict[Key, _sy.RouterReplay]:
     """Gives every TopKRouter of ``model`` (a module, or a list of VPP chunks) its own
     ``switchyard.RouterReplay``, keyed by layer number: ``int`` for decoder layers (Megatron's
     global 1-based ``layer_number``, so pipeline stages and VPP chunks keep their keys), ``("mtp",
@@ -390,24 +399,38 @@ def attach_replay(model, *, invalid_replay_rows="error", aux_loss_routes="used",
     layer, token and row), "merge" (a row whose only fault is a repeated id sends that pair once,
     its weights summed: what zero-filled padding rows from a rollout become; other invalid rows
     are errors) or "native" (every invalid row -- repeated id, -1 mixed with ids, id outside
-    [0, E) -- routed natively and counted). ``repeated_ids`` is its deprecated old name.
+    [0, E) -- routed natively and counted). ``repeated_ids`` (its name before 0.3.0) is a
+    TypeError naming it.
     ``aux_loss_routes``: "used" (default: replayed rows
     count their replayed experts in the load-balancing loss) or "native" (Megatron's own map).
     ``max_pending_backward``: bound on checkpointed forwards waiting for their recompute.
 
     Raises RuntimeError before ``apply()``, ValueError for another policy or aux_loss_routes, a
     TopKRouter without layer_number, or two routers with one key (attaching again replaces the
-    earlier replays)."""
-    if repeated_ids is not None:
-        import warnings
-        warnings.warn("megatron.attach_replay(repeated_ids=...) is now invalid_replay_rows=... "
-                      "(same values)", DeprecationWarning, stacklevel=2)
-        invalid_replay_rows = repeated_ids
+    earlier replays).
+
+    Args:
+        model: a module, or a list of VPP chunks.
+        invalid_replay_rows: "error", "merge" or "native".
+        aux_loss_routes: "used" or "native".
+        max_pending_backward: the bound on checkpointed forwards waiting for their recompute.
+        repeated_ids: removed in 0.3.0 (a TypeError naming invalid_replay_rows).
+
+    Returns:
+        {key: switchyard.RouterReplay}.
+
+    Raises:
+        RuntimeError: before ``apply()``.
+        ValueError: as above.
+        TypeError: for ``repeated_ids``.
+    """
+    if repeated_ids is not None:  # removed in 0.3.0: the error names the new keyword
+        _names.check_kwargs("megatron.attach_replay", {"repeated_ids": repeated_ids})
     _syr.check_policy(invalid_replay_rows, "megatron.attach_replay")
     if aux_loss_routes not in ("used", "native"):
         raise ValueError("[megatron.attach_replay] aux_loss_routes must be 'used' or 'native', "
                          f"got {aux_loss_routes!r}")
-    if not is_applied():
+    if not _LIFE.is_applied:
         raise RuntimeError("[megatron.attach_replay] call switchyard.integrations.megatron.apply() "
                            "first")
     routers = _routers(model)
@@ -444,9 +467,13 @@ def _label(k):
     return f"mtp layer {k[1]}" if isinstance(k, tuple) else f"layer {k}"
 
 
-def detach_replay(model):
+def detach_replay(model: Model) -> None:
     """Removes the replays ``attach_replay`` gave ``model``'s routers (module or list of VPP
-    chunks): they route with Megatron's code again. Idempotent."""
+    chunks): they route with Megatron's code again. Idempotent.
+
+    Args:
+        model: a module, or a list of VPP chunks.
+    """
     for r in _routers(model):
         if getattr(r, "_sy", None) is not None:
             r._sy = None
@@ -464,17 +491,34 @@ def _states(model):
     return out
 
 
-def replays(model):
-    """{key: switchyard.RouterReplay} of ``model``'s attached routers (empty when none is)."""
+def replays(model: Model) -> dict[Key, _sy.RouterReplay]:
+    """{key: switchyard.RouterReplay} of ``model``'s attached routers (empty when none is).
+
+    Args:
+        model: a module, or a list of VPP chunks.
+
+    Returns:
+        {key: switchyard.RouterReplay}.
+    """
     return {k: st.replay for k, st in _states(model).items()}
 
 
-def set_replay_action(model, action, keys=None):
+def set_replay_action(model: Model, action: str | None, keys: Iterable[Key] | None = None
+                      ) -> None:
     """Sets ``action`` (None, "record", "replay_forward", "recompute") on the attached
     routers named by ``keys`` (default: all). "recompute" is optional: a recompute inside
     backward is detected. A router in "replay_forward" without a target (and nothing recorded)
     raises at its forward; leave layers the rollout has no routes for (MTP) at None. ValueError
-    for a key that names no attached router, or another action."""
+    for a key that names no attached router, or another action.
+
+    Args:
+        model: a module, or a list of VPP chunks.
+        action: None, "record", "replay_forward" or "recompute".
+        keys: the routers' keys (None: all).
+
+    Raises:
+        ValueError: as above.
+    """
     states = _states(model)
     for k in (states if keys is None else keys):
         if k not in states:
@@ -482,15 +526,20 @@ def set_replay_action(model, action, keys=None):
         states[k].replay.action = action
 
 
-def clear_replay(model):
-    """Drops every queued table (targets, recorded, pending backward) and the counts."""
+def clear_replay(model: Model) -> None:
+    """Drops every queued table (targets, recorded, pending backward) and the counts.
+
+    Args:
+        model: a module, or a list of VPP chunks.
+    """
     for st in _states(model).values():
         st.replay.clear()
         st.last = ReplayCounts()
         st.total = ReplayCounts()
 
 
-def set_replay_targets(model, targets, *, num_tokens=None, group=None):
+def set_replay_targets(model: Model, targets: Mapping[Key, torch.Tensor], *,
+                       num_tokens: int | None = None, group: Any = None) -> None:
     """Queues one replay table per layer for the next forward (R3), validated by the engine.
 
     ``targets``: {key: ids [T, K]} (keys as ``attach_replay``; int64, int32, int16, int8, uint8
@@ -504,7 +553,17 @@ def set_replay_targets(model, targets, *, num_tokens=None, group=None):
     forward instead, again over ``group`` (one small exchange per layer and forward; give
     ``num_tokens`` to check here once). Returns None. ValueError (nothing queued on any layer)
     for an unknown key, a table that is not [T, K], an invalid row (by ``invalid_replay_rows``)
-    or a token count that is not ``num_tokens``, or routers attached by several calls."""
+    or a token count that is not ``num_tokens``, or routers attached by several calls.
+
+    Args:
+        model: a module, or a list of VPP chunks.
+        targets: {key: ids [T, K]}.
+        num_tokens: the tokens the routers will see, or None.
+        group: a torch.distributed group, or None.
+
+    Raises:
+        ValueError: as above, the same on every rank of ``group``.
+    """
     states = _states(model)
     unknown = [k for k in targets if k not in states]
     err = None
@@ -524,9 +583,17 @@ def set_replay_targets(model, targets, *, num_tokens=None, group=None):
                                                         group=group)
 
 
-def replay_counts(model, total=False):
+def replay_counts(model: Model, total: bool = False) -> dict[Key, ReplayCounts]:
     """{key: ReplayCounts} of the last routing call per layer (or summed since attach / clear
     with total=True), so a replay that did nothing is visible. Copies: changing them changes
-    nothing."""
+    nothing.
+
+    Args:
+        model: a module, or a list of VPP chunks.
+        total: False: the last call's counts; True: summed since attach / clear.
+
+    Returns:
+        {key: switchyard.replay.ReplayCounts}.
+    """
     return {k: dataclasses.replace(st.total if total else st.last)
             for k, st in _states(model).items()}
