@@ -56,6 +56,8 @@ MORE_CONFIGS = {
     "exaone_moe": dict(_DSV3),
     "solar_open": dict(_DSV3, first_k_dense_replace=0),
     "nemotron_h": dict(_DSV3),
+    "axk1": dict(_DSV3),
+    "hy_v4": dict(_DSV3),
     # DeepSeek-V2 (group-limited greedy: group score = max, others 0) and Mistral-4 (softmax,
     # group score = top-2 sum, others 0)
     "deepseek_v2": dict(_DSV3, topk_method="group_limited_greedy"),
@@ -66,6 +68,7 @@ MORE_CONFIGS = {
                         layer_types=["linear_attention", "full_attention"]),
     "qwen3_vl_moe": dict(_QWEN),
     "flex_olmo": dict(_QWEN),
+    "mellum": dict(_QWEN),
     "minimax": dict(num_local_experts=8, num_experts_per_tok=2),
     "jamba": dict(_QWEN, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1,
                   expert_layer_offset=0, mamba_d_state=4, mamba_dt_rank=4, mamba_expand=2),

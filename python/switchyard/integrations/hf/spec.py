@@ -110,6 +110,7 @@ SPECS = (
     _softmax_topk("qwen3_next", "Qwen3-Next", "Qwen3NextTopKRouter", "Qwen3-Next-80B-A3B"),
     _softmax_topk("olmoe", "OLMoE", "OlmoeTopKRouter", "OLMoE-1B-7B"),
     _softmax_topk("flex_olmo", "FlexOlmo", "FlexOlmoTopKRouter", "FlexOlmo-7x7B-1T"),
+    _softmax_topk("mellum", "Mellum", "MellumTopKRouter", "Mellum2-12B-A2.5B"),
     # Qwen3.5 / Qwen3-VL-MoE / Qwen3-Omni-MoE text: always renormalised (no norm_topk_prob)
     _softmax_topk("qwen3_5_moe", "Qwen3.5-MoE", "Qwen3_5MoeTopKRouter",
                   "Qwen3.5-35B-A3B, Qwen3.6 MoE", renorm_if=None),
@@ -164,6 +165,8 @@ SPECS = (
     _deepseek_v3("dots1", "dots.llm1", "Dots1TopkRouter", "dots.llm1.inst"),
     _deepseek_v3("nemotron_h", "Nemotron-H", "NemotronHTopkRouter",
                  "NVIDIA-Nemotron-3-Nano-30B-A3B"),
+    _deepseek_v3("axk1", "A.X-K1", "AXK1TopkRouter", "A.X-K1"),
+    _deepseek_v3("hy_v4", "Hy4", "HYV4TopkRouter", "Hy4-preview"),
     _deepseek_v3("exaone_moe", "EXAONE-MoE", "ExaoneMoeTopkRouter", "K-EXAONE-236B-A23B"),
     _deepseek_v3("solar_open", "Solar-Open", "SolarOpenTopkRouter", "Solar-Open-100B"),
 )
@@ -199,7 +202,7 @@ REFUSED = {
 }
 for _pkg, _cls in (
         ("afmoe", "AfmoeTokenChoiceRouter"), ("aria", "AriaTextTopKRouter"),
-        ("axk1", "AXK1TopkRouter"), ("axk2", "AXK2TopkRouter"),
+        ("axk2", "AXK2TopkRouter"),
         ("bailing_hybrid", "BailingHybridTopkRouter"), ("beam", "BeamTopKRouter"),
         ("cohere2_moe", "Cohere2MoeTopKRouter"), ("deepseek_ocr2", "DeepseekOcr2TextTopkRouter"),
         ("diffusion_gemma", "DiffusionGemmaTextRouter"), ("doge", "its router"),
@@ -207,12 +210,12 @@ for _pkg, _cls in (
         ("ergo", "ErgoTopkRouter"), ("ernie4_5_vl_moe", "Ernie4_5_VLMoeMoeTopKRouter"),
         ("flint", "FlintTopKRouter"), ("gemma4", "Gemma4TextRouter"),
         ("glm5_next", "Glm5NextTextTopkRouter"), ("granitemoe_swa", "GraniteMoeSWATopKRouter"),
-        ("hy_v3", "HYV3TopKRouter"), ("hy_v4", "HYV4TopkRouter"), ("hy_v4_vl", "HYV4VLTopkRouter"),
+        ("hy_v3", "HYV3TopKRouter"), ("hy_v4_vl", "HYV4VLTopkRouter"),
         ("inkling", "InklingTopkRouter"), ("inkling2", "Inkling2TopKRouter"),
         ("inkling2_loop", "Inkling2LoopTopKRouter"), ("kolibri1", "Kolibri1TopKRouter"),
         ("kolibri1_1", "Kolibri1_1TopKRouter"), ("laguna", "LagunaTopKRouter"),
         ("lara_mini", "LaraMiniTopKRouter"), ("lfm2_moe", "Lfm2MoeTopKRouter"),
-        ("longcat_flash", "LongcatFlashTopkRouter"), ("mellum", "MellumTopKRouter"),
+        ("longcat_flash", "LongcatFlashTopkRouter"),
         ("minicpm5_moe", "MiniCPM5MoeTopkRouter"), ("minimax_m3_vl", "MiniMaxM3VLTopKRouter"),
         ("mistral_large4", "MistralLarge4TextTopkRouter"), ("muse_spark", "MuseSparkTopkRouter"),
         ("param2moe", "its router"), ("qwen4_exp", "Qwen4ExpTextTopKRouter"),
