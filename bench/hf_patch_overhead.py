@@ -6,6 +6,12 @@ CPU model, times and ratios (patched / unpatched: 1.00 = no overhead).
 
     PYTHONPATH=build/python python bench/hf_patch_overhead.py [--quick] [--threads N]
         [--hidden 32] [--batch 4] [--seq 64] [--families qwen3_moe,gpt_oss]
+    PYTHONPATH=build/python python bench/hf_patch_overhead.py --shapes [--quick]
+
+--shapes: one bf16 MoE layer with a real model's router shape (Qwen3-30B-A3B: H 2048, E 128, K 8;
+DeepSeek-V3: H 7168, E 256, K 8, groups 8 / 4), forward + backward of batch x seq tokens, unpatched
+against the patched fp32 router; the experts' width is cut to 16 (and attention to 4 heads of 8) so
+the layer fits the machine, which makes the router's share, and so the ratio, an upper bound.
 
 The models are the test suite's tiny configs (python/tests/hf_models.py: 2-3 layers, 8 experts),
 where the router is a large share of the work, so the ratios are an upper bound of the overhead
@@ -55,7 +61,10 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--families", default=",".join(hf_models.FAMILIES))
+    ap.add_argument("--shapes", action="store_true")
     args = ap.parse_args()
+    if args.shapes:
+        return shapes(args)
     torch.set_num_threads(args.threads)
     sy.set_num_threads(args.threads)
     reps = 3 if args.quick else 15
@@ -118,6 +127,43 @@ def main():
               f"{t_step[2] / t_step[0]:>8.2f} {1e3 * t_gen[0]:>11.2f} "
               f"{t_gen[1] / t_gen[0]:>9.2f} {t_gen[2] / t_gen[0]:>8.2f} {1e6 * t_r[0]:>10.0f} "
               f"{1e6 * t_r[1]:>7.0f} {1e6 * t_r[2]:>7.0f}", flush=True)
+
+
+SHAPES = {  # real router shapes, experts cut to width 16, one layer
+    "Qwen3-30B-A3B": ("qwen3_moe", dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8,
+                                        moe_intermediate_size=16, intermediate_size=16,
+                                        num_hidden_layers=1)),
+    "DeepSeek-V3": ("deepseek_v3", dict(hidden_size=7168, n_routed_experts=256,
+                                        num_experts_per_tok=8, n_group=8, topk_group=4,
+                                        moe_intermediate_size=16, intermediate_size=16,
+                                        first_k_dense_replace=0, num_hidden_layers=1)),
+}
+
+
+def shapes(args):
+    torch.set_num_threads(args.threads)
+    sy.set_num_threads(args.threads)
+    reps = 3 if args.quick else 10
+    print(f"{machine_line()}; threads {args.threads}; "
+          f"transformers {__import__('transformers').__version__}")
+    print(f"one bf16 MoE layer, fwd+bwd of {args.batch} x {args.seq} tokens, best of {reps}; "
+          "fp32 = patched router_dtype=torch.float32 (engine gate)")
+    print(f"{'shape':<16} {'unpatched ms':>12} {'fp32 ms':>9} {'fp32/unp':>9}")
+    ids = hf_models.tokens(args.batch, args.seq, seed=1)
+    for label, (fam, over) in SHAPES.items():
+        models = [hf_models.build(fam, torch.bfloat16, **over) for _ in range(2)]
+        syhf.patch(models[1], router_dtype=torch.float32)
+
+        def step(model):
+            def run():
+                model.zero_grad(set_to_none=True)
+                model.train()
+                model(ids, labels=ids).loss.backward()
+            return run
+        t = timed([step(m) for m in models], reps)
+        print(f"{label:<16} {1e3 * t[0]:>12.2f} {1e3 * t[1]:>9.2f} {t[1] / t[0]:>9.2f}",
+              flush=True)
+        del models
 
 
 if __name__ == "__main__":

@@ -90,6 +90,20 @@ else
   stage_failed+=("verl environment"); failed=$((failed + 1))
 fi
 
+# switchyard.integrations.hf supports a range of transformers releases (hf/patch.py
+# SUPPORTED_TRANSFORMERS_VERSIONS); the main venv has the newest, this small venv the oldest
+# (requirements/hf-oldest.lock.txt: every package but transformers hard-linked from the main venv).
+stage "hf integration on the oldest supported transformers (own venv): the hf tests"
+if HF_OLDEST_VENV=$(bash scripts/env.sh hf-oldest); then
+  PYTHONPATH="$root/build/python" OMP_NUM_THREADS=1 "$HF_OLDEST_VENV/bin/python" -m pytest -q \
+    -p no:cacheprovider python/tests/test_hf_patch.py python/tests/test_hf_replay.py \
+    python/tests/test_hf_families.py \
+    2>&1 | tee build/pytest-hf-oldest.log
+  [ "${PIPESTATUS[0]}" -eq 0 ] || stage_failed+=("hf tests on the oldest transformers")
+  count_pytest build/pytest-hf-oldest.log
+else
+  stage_failed+=("hf-oldest environment"); failed=$((failed + 1))
+fi
 stage "type check: mypy, strict on the typed public modules (pyproject.toml [tool.mypy])"
 check "type check" "$SWITCHYARD_VENV/bin/python" -m mypy --config-file pyproject.toml
 

@@ -40,14 +40,58 @@ CONFIGS = {
     "hunyuan_v1_moe": dict(num_experts=8, moe_topk=2, moe_intermediate_size=16),
 }
 FAMILIES = list(CONFIGS)
+"""The families the end-to-end tests (test_hf_patch.py, test_hf_replay.py) run on."""
+
+_DSV3 = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_group=4,
+             topk_group=2, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+             norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+             qk_nope_head_dim=8, v_head_dim=8, num_hidden_layers=3, num_key_value_heads=4)
+_QWEN = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+MORE_CONFIGS = {
+    # DeepSeek-V3's router under other names (the configs take DeepSeek-V3's arguments)
+    "deepseek_v32": dict(_DSV3),
+    "glm4_moe_lite": dict(_DSV3),
+    "glm_moe_dsa": dict(_DSV3),
+    "dots1": dict(_DSV3),
+    "exaone_moe": dict(_DSV3),
+    "solar_open": dict(_DSV3, first_k_dense_replace=0),
+    "nemotron_h": dict(_DSV3),
+    "axk1": dict(_DSV3),
+    "hy_v4": dict(_DSV3),
+    # DeepSeek-V2 (group-limited greedy: group score = max, others 0) and Mistral-4 (softmax,
+    # group score = top-2 sum, others 0)
+    "deepseek_v2": dict(_DSV3, topk_method="group_limited_greedy"),
+    "mistral4": dict(_DSV3, qk_rope_head_dim=4),
+    # softmax over all experts
+    "qwen3_5_moe": dict(_QWEN, shared_expert_intermediate_size=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                        layer_types=["linear_attention", "full_attention"]),
+    "qwen3_vl_moe": dict(_QWEN),
+    "flex_olmo": dict(_QWEN),
+    "mellum": dict(_QWEN),
+    "minimax": dict(num_local_experts=8, num_experts_per_tok=2),
+    "jamba": dict(_QWEN, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=1,
+                  expert_layer_offset=0, mamba_d_state=4, mamba_dt_rank=4, mamba_expand=2),
+    # top-k of the logits, softmax over the K selected
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=2),
+    "granitemoeshared": dict(num_local_experts=8, num_experts_per_tok=2,
+                             shared_intermediate_size=16),
+    "granitemoehybrid": dict(num_local_experts=8, num_experts_per_tok=2,
+                             layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+                             mamba_n_groups=1, mamba_d_state=8, shared_intermediate_size=16),
+}
+"""Tiny configs of the other supported families (test_hf_families.py)."""
+ALL_FAMILIES = FAMILIES + list(MORE_CONFIGS)
+_CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
+"""The config model_type of a family's text model, where it is not the family's key."""
 
 
 def config(model_type, **overrides):
     from transformers import AutoConfig
     args = dict(COMMON)
-    args.update(CONFIGS[model_type])
+    args.update(CONFIGS[model_type] if model_type in CONFIGS else MORE_CONFIGS[model_type])
     args.update(overrides)
-    return AutoConfig.for_model(model_type, **args)
+    return AutoConfig.for_model(_CONFIG_TYPE.get(model_type, model_type), **args)
 
 
 def _randomise_router_state(model, gen):
@@ -62,12 +106,16 @@ def _randomise_router_state(model, gen):
 
 
 def build(model_type, dtype=torch.float32, seed=0, **overrides):
-    """A seeded tiny causal LM of `model_type` in `dtype`, eval mode, eager attention."""
-    from transformers import AutoModelForCausalLM
+    """A seeded tiny causal LM (or text model) of `model_type` in `dtype`, eval mode, eager
+    attention."""
+    from transformers import AutoModel, AutoModelForCausalLM
     torch.manual_seed(seed)
     cfg = config(model_type, **overrides)
     cfg._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(cfg)
+    try:
+        model = AutoModelForCausalLM.from_config(cfg)
+    except ValueError:  # a text backbone without a causal-LM head class (Qwen3-VL-MoE, Mistral-4)
+        model = AutoModel.from_config(cfg)
     _randomise_router_state(model, torch.Generator().manual_seed(seed + 1))
     return model.to(dtype).eval()
 

@@ -251,7 +251,7 @@ def test_patch_refuses_an_old_transformers(monkeypatch):
     import sys
     model = build("olmoe")  # transformers replaces its lazy module in sys.modules on first use
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.12.0")
-    with pytest.raises(RuntimeError, match=r"needs transformers 5\.24\.x, found 5\.12\.0"):
+    with pytest.raises(RuntimeError, match=r"needs transformers 5\.24 to 5\.25\.x, found 5\.12\.0"):
         syhf.patch(model)
 
 

@@ -1,5 +1,6 @@
 """The integrations' supported-version ranges (issue 23), checked at patch / apply time with a
-tested upper bound: transformers 5.24.x for switchyard.integrations.hf.patch, megatron-core 0.16 to
+tested upper bound: transformers 5.24 to 5.x for switchyard.integrations.hf.patch (5.24 and 5.25
+tested; a later 5.x minor passes, its routers checked class by class), megatron-core 0.16 to
 0.19.x for switchyard.integrations.megatron.apply. The installed version is monkeypatched where
 each integration reads it (transformers.__version__, megatron.core.package_info.__version__)."""
 import sys
@@ -26,29 +27,43 @@ def hf(monkeypatch):
     return with_version
 
 
-@pytest.mark.hostile(tried="hf.patch under a transformers release newer than the supported "
-                           "5.24.x (5.25.0)",
+@pytest.mark.hostile(tried="hf.patch under a transformers release of a newer major version "
+                           "than the supported 5.24 to 5.x (6.0.0)",
                      gets="RuntimeError naming the installed version and the supported range, "
                           "before any router is touched (was: patched silently)")
 def test_hf_patch_refuses_a_transformers_newer_than_the_supported_range(hf):
-    syhf = hf("5.25.0")
+    syhf = hf("6.0.0")
     model = build("olmoe")
-    with pytest.raises(RuntimeError, match=r"\[hf.patch\] transformers 5\.25\.0 is newer than the "
-                                           r"supported 5\.24\.x .*SWITCHYARD_ALLOW_UNTESTED_VERSIONS"
-                                           r"=1"):
+    with pytest.raises(RuntimeError, match=r"\[hf.patch\] transformers 6\.0\.0 is newer than the "
+                                           r"supported 5\.24 to 5\.25\.x .*"
+                                           r"SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1"):
         syhf.patch(model)
     assert syhf.patch_of(model) is None
 
 
+@pytest.mark.hostile(tried="hf.patch under a transformers 5.x release newer than the tested ones "
+                           "(5.26.0), no environment variable",
+                     gets="patched without a warning (was: refused until "
+                          "SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1); a router class no spec covers "
+                          "is refused by name")
+def test_hf_a_later_5x_minor_is_patched_without_an_environment_variable(hf):
+    syhf = hf("5.26.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p = syhf.patch(build("olmoe"))
+    assert p.active
+    p.unpatch()
+
+
 @pytest.mark.parametrize("version", ["5.12.0", "4.57.1", "5.23.9"])
 def test_hf_patch_refuses_an_older_transformers(hf, version):
-    with pytest.raises(RuntimeError, match=rf"\[hf.patch\] needs transformers 5\.24\.x, found "
-                                           rf"{version.replace('.', r'.')}"):
+    with pytest.raises(RuntimeError, match=rf"\[hf.patch\] needs transformers 5\.24 to 5\.25\.x, "
+                                           rf"found {version.replace('.', r'.')}"):
         hf(version).patch(build("olmoe"))
 
 
-@pytest.mark.parametrize("version", ["5.24.0", "5.24.7"])
-def test_hf_patch_takes_every_patch_release_of_the_supported_minor(hf, version):
+@pytest.mark.parametrize("version", ["5.24.0", "5.24.7", "5.25.0", "5.25.2"])
+def test_hf_patch_takes_every_patch_release_of_the_supported_minors(hf, version):
     syhf = hf(version)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -60,20 +75,20 @@ def test_hf_patch_takes_every_patch_release_of_the_supported_minor(hf, version):
 def test_hf_newer_transformers_passes_with_a_warning_under_the_env_var(hf, monkeypatch):
     syhf = hf("6.0.1")
     monkeypatch.setenv(ALLOW, "1")
-    with pytest.warns(UserWarning, match=r"transformers 6\.0\.1 is newer than the supported 5\.24\.x"
-                                         r".*patching anyway"):
+    with pytest.warns(UserWarning, match=r"transformers 6\.0\.1 is newer than the supported 5\.24 "
+                                         r"to 5\.25\.x.*patching anyway"):
         p = syhf.patch(build("olmoe"))
     assert p.active
     p.unpatch()
     # Never below the range, whatever the environment says.
     syhf = hf("5.20.0")
-    with pytest.raises(RuntimeError, match=r"needs transformers 5\.24\.x, found 5\.20\.0"):
+    with pytest.raises(RuntimeError, match=r"needs transformers 5\.24 to 5\.25\.x, found 5\.20\.0"):
         syhf.patch(build("olmoe"))
 
 
 def test_hf_unreadable_version_is_named(hf):
     with pytest.raises(RuntimeError, match=r"cannot read the installed transformers version "
-                                           r"'banana'; supported: transformers 5\.24\.x"):
+                                           r"'banana'; supported: transformers 5\.24 to 5\.25\.x"):
         hf("banana").patch(build("olmoe"))
 
 

@@ -1,7 +1,9 @@
 """switchyard.integrations.hf: FP32 routers, router replay and route capture for Hugging Face MoE
-models (transformers 5.24.x, an optional dependency: it comes with the model you pass; ``patch()``
-refuses other releases, a newer one passes with a warning under
-SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1).
+models (transformers 5.24 to 5.x, an optional dependency: it comes with the model you pass; 5.24
+and 5.25 are tested, a later 5.x minor is patched and any MoE block whose router no routing spec
+covers is refused by name; ``patch()`` refuses an older release, and a newer major one unless
+SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1, with a warning). The supported families, and the refused
+ones with the reason, are in ``spec`` (SPECS, REFUSED, OUT_OF_SCOPE).
 
     import switchyard.integrations.hf as syhf
     p = syhf.patch(model, router_dtype=torch.float32)   # every MoE router of the model, in place
@@ -56,8 +58,9 @@ What the patch does, per MoE decoder layer (keyed by its absolute layer number):
   0), ``cap.tables(...)`` switchyard route tables, ``cap.write(path, ...)`` a route file. Beam
   search (``num_beams > 1``) is refused while capturing: it reorders the beams at every step.
 
-Modules: ``families`` (each family's routing math and the gate), ``patch`` (install / unpatch,
-the replay queues, ``Patch``), ``capture`` (recording during generate).
+Modules: ``spec`` (each family's routing as data: a RoutingSpec), ``families`` (the generic
+routed forward that reads a spec, and the gate), ``patch`` (install / unpatch, the replay queues,
+``Patch``), ``capture`` (recording during generate).
 """
 from .capture import Capture
 from .families import COMBINE_DTYPE, FAMILIES

@@ -21,14 +21,17 @@ from switchyard import routes as syr
 from .._adapter import check_version
 from .capture import Capture
 from .families import FAMILIES, _family_of, _gate
+from .spec import REFUSED
 
 MIN_TRANSFORMERS_VERSION = "5.24.0"
 """Oldest transformers release this integration was checked against (router classes and the exact
-routing math of every family in families.py were read from it)."""
-SUPPORTED_TRANSFORMERS_VERSIONS = ((5, 24), (5, 24))
-"""Supported transformers releases, (major, minor) oldest and newest, any patch release: 5.24.x.
-``patch()`` refuses others (a newer one passes, with a warning, under
-SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1)."""
+routing math of every family in spec.py were read from it)."""
+SUPPORTED_TRANSFORMERS_VERSIONS = ((5, 24), (5, 25))
+"""Tested transformers releases, (major, minor) oldest and newest, any patch release: 5.24 to
+5.25.x. ``patch()`` refuses an older release and another major version (which passes, with a
+warning, under SWITCHYARD_ALLOW_UNTESTED_VERSIONS=1). A later 5.x minor is patched without a
+warning: what can change there is caught per router (a router class no spec covers, in a layer
+whose experts switchyard would not route, is refused by name)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -565,8 +568,19 @@ def _transformers_version():
 
 
 def _check_version():
-    check_version("hf.patch", "transformers", _transformers_version(),
-                  *SUPPORTED_TRANSFORMERS_VERSIONS)
+    # A later 5.x minor than the newest tested passes: every MoE layer whose router no spec covers
+    # is refused by name (_refuse_unrouted_experts), so a new or renamed router never passes
+    # through silently; the router classes of 5.24 and 5.25 are the same text.
+    found = _transformers_version()
+    oldest, newest = SUPPORTED_TRANSFORMERS_VERSIONS
+    from packaging.version import InvalidVersion, Version
+    try:
+        release = Version(str(found)).release
+    except InvalidVersion:  # check_version names it
+        release = ()
+    if release and release[0] == newest[0] and release[:2] > tuple(newest):
+        newest = release[:2]
+    check_version("hf.patch", "transformers", found, oldest, newest)
 
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
@@ -629,6 +643,10 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
         dec_name = name[:mt[-1].end(1)]
         stacks.setdefault(name[:mt[-1].start()], None)  # the module that holds `layers`
         found.append((layer, name, mod, modules.get(dec_name), fam))
+    model_type = _model_type(model)
+    if model_type in REFUSED:
+        raise ValueError(f"[hf.patch] {model_type}: {REFUSED[model_type]}")
+    _refuse_unrouted_experts(modules, found, model_type)
     if not found:
         names = ", ".join(f.title for f in FAMILIES.values())
         raise ValueError(f"[hf.patch] no supported MoE router in {type(model).__name__}; "
@@ -640,6 +658,12 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     if len(set(layers)) != len(layers):
         raise ValueError(f"[hf.patch] several routers claim one decoder layer: {sorted(layers)} "
                          "(a model with several decoder stacks: patch the text model)")
+    ks = {fam.top_k(mod) for _, _, mod, _, fam in found}
+    if len(ks) != 1:
+        per_layer = {layer: fam.top_k(mod) for layer, _, mod, _, fam in sorted(found)}
+        raise ValueError(f"[hf.patch] {found[0][4].title}: top_k differs between MoE layers "
+                         f"({per_layer}); switchyard's route tables hold one K per model, so a "
+                         "per-layer top_k is refused")
     for layer, name, mod, dec, fam in sorted(found, key=lambda f: f[0]):
         if layer >= p.num_hidden_layers:
             raise ValueError(f"[hf.patch] router {name} is in layer {layer}, beyond "
@@ -657,6 +681,48 @@ _THREADS_LOCK = threading.Lock()
 def _thread(ident):
     t = next((t for t in threading.enumerate() if t.ident == ident), None)
     return repr(t.name) if t is not None else f"ident {ident}"
+def _model_type(model):
+    """The transformers.models package of the model's (text) config: the key of SPECS and
+    REFUSED (a multimodal model's text backbone is in the model's package)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    parts = type(text).__module__.split(".")
+    if len(parts) > 2 and parts[:2] == ["transformers", "models"]:
+        return parts[2]
+    return getattr(text, "model_type", None)
+
+
+def _is_experts(mod):
+    # transformers' experts interface (@use_experts_implementation, integrations/moe.py) sets these
+    # on every experts module it wraps; its forward receives the ids any router produced.
+    return all(hasattr(mod, a) for a in ("has_gate", "has_bias", "is_transposed",
+                                         "is_concatenated", "_is_expert_parallel"))
+
+
+def _refuse_unrouted_experts(modules, found, model_type):
+    """ValueError naming the router class, the model type and where a spec is registered, for
+    every experts module in a block with no router of a known family (a family a transformers
+    release added or renamed): never a silent pass-through."""
+    routed = set()
+    for _, name, *_ in found:
+        routed.add(name.rsplit(".", 1)[0])  # the MoE block holding the router
+    for name, mod in modules.items():
+        if not _is_experts(mod):
+            continue
+        block = name.rsplit(".", 1)[0] if "." in name else ""
+        if block in routed:
+            continue
+        parent = modules.get(block)
+        others = sorted({type(m).__name__ for n, m in (parent.named_children() if parent is not None
+                                                          else ()) if m is not mod})
+        raise ValueError(
+            f"[hf.patch] model type {model_type!r}: the MoE block {block or '<model>'} "
+            f"({type(parent).__name__}) routes its experts ({type(mod).__name__}) with "
+            f"{', '.join(others) or 'no router module'}, which no switchyard routing spec covers; "
+            "a spec is registered in switchyard/integrations/hf/spec.py (SPECS, or REFUSED with "
+            "the reason)")
 
 
 def _owner_of(forward):

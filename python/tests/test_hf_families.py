@@ -1,0 +1,304 @@
+"""Every MoE family of the installed transformers, from the user's side: each has a routing spec
+or a stated refusal; for each supported family (a tiny model from a config, no download) the FP32
+router picks the experts a float64 reference of the family's maths picks (rows with a clear
+margin), capture holds the ids the experts received, R3 reproduces captured ids after the router
+weights changed, router_dtype=None is the unpatched model bitwise, and unpatch restores it."""
+import glob
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import switchyard.integrations.hf as syhf  # noqa: E402
+from switchyard.integrations.hf import spec as syspec  # noqa: E402
+from hf_models import ALL_FAMILIES, build, tokens  # noqa: E402
+
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
+                "num_routed_experts", "n_experts", "ffn_config")
+
+
+def _package(cfg):
+    return type(cfg).__module__.split(".")[2]
+
+
+def _config_or_none(AutoConfig, model_type):
+    try:
+        return AutoConfig.for_model(model_type)
+    except Exception:  # a config that needs arguments: the modeling-file scan sees the family
+        return None
+
+
+def _moe_packages():
+    """The transformers.models packages of the installed transformers that route tokens to
+    experts: a config (or its text config) with an experts count, or a modeling file with an
+    experts class wrapped by transformers' experts interface."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    found = set()
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # default configs warn about their token ids
+    try:
+        configs = [_config_or_none(AutoConfig, mt) for mt in CONFIG_MAPPING_NAMES]
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    for cfg in configs:
+        for c in (cfg, getattr(cfg, "text_config", None), getattr(cfg, "thinker_config", None)):
+            if c is None or isinstance(c, dict):
+                continue
+            for k in _EXPERT_KEYS:
+                try:
+                    v = getattr(c, k, None)
+                except Exception:  # a per-layer attribute (heterogeneous configs): experts there
+                    v = "per layer"
+                if v not in (None, 0, 1, []):
+                    found.add(_package(c))
+    root = os.path.dirname(transformers.__file__)
+    for f in glob.glob(os.path.join(root, "models", "*", "modeling_*.py")):
+        with open(f, encoding="utf-8") as fh:
+            if "\n@use_experts_implementation" in fh.read():
+                found.add(os.path.basename(os.path.dirname(f)))
+    return found
+
+
+def test_every_moe_family_of_the_installed_transformers_has_a_spec_or_a_stated_refusal():
+    known = set(syhf.FAMILIES) | set(syspec.REFUSED) | set(syspec.OUT_OF_SCOPE)
+    moe = _moe_packages()
+    assert len(moe) > 60  # the scan sees transformers' MoE families at all
+    missing = sorted(moe - known)
+    assert not missing, (f"MoE families of transformers without a routing spec or a stated "
+                         f"refusal (add them to switchyard/integrations/hf/spec.py): {missing}")
+    # every spec'd family has a test model here
+    assert set(syhf.FAMILIES) <= {_key(f) for f in ALL_FAMILIES}
+
+
+# ---- a float64 reference written from each family's maths --------------------------------------
+# family -> (score, selection bias, group rule, group mask); written from the model cards / papers
+# and the families' router code, not from switchyard's spec table.
+_SOFTMAX = ("softmax", None, None, None)
+_DEEPSEEK_V3 = ("sigmoid", "e_score_correction_bias", "top2_sum", float("-inf"))
+_TOPK_LOGITS = ("logits", None, None, None)
+REFERENCE = {
+    "qwen3_moe": _SOFTMAX, "qwen2_moe": _SOFTMAX, "qwen3_next": _SOFTMAX, "olmoe": _SOFTMAX,
+    "mixtral": _SOFTMAX, "hunyuan_v1_moe": _SOFTMAX, "qwen3_5_moe": _SOFTMAX,
+    "qwen3_vl_moe": _SOFTMAX, "flex_olmo": _SOFTMAX, "mellum": _SOFTMAX, "minimax": _SOFTMAX,
+    "jamba": _SOFTMAX,
+    "ernie4_5_moe": ("softmax", "moe_statics", None, None),
+    "deepseek_v3": _DEEPSEEK_V3, "glm4_moe": _DEEPSEEK_V3, "deepseek_v32": _DEEPSEEK_V3,
+    "glm4_moe_lite": _DEEPSEEK_V3, "glm_moe_dsa": _DEEPSEEK_V3, "dots1": _DEEPSEEK_V3,
+    "exaone_moe": _DEEPSEEK_V3, "axk1": _DEEPSEEK_V3, "hy_v4": _DEEPSEEK_V3,
+    "solar_open": _DEEPSEEK_V3, "nemotron_h": _DEEPSEEK_V3,
+    "deepseek_v2": ("softmax", None, "max", 0.0),
+    "mistral4": ("softmax", None, "top2_sum", 0.0),
+    "gpt_oss": _TOPK_LOGITS, "llama4_text": _TOPK_LOGITS, "granitemoe": _TOPK_LOGITS,
+    "granitemoeshared": _TOPK_LOGITS, "granitemoehybrid": _TOPK_LOGITS,
+}
+
+
+def _gate_params(router):
+    lin = router.wg if hasattr(router, "wg") else router
+    b = getattr(lin, "bias", None)
+    return lin.weight, (b if isinstance(b, torch.Tensor) else None)
+
+
+def _reference(family, router, x, K):
+    """(ids as sorted rows [T, K], clear [T] bool): the family's selection in float64 and the rows
+    whose K-th and (K+1)-th choice (and the kept / dropped group) are 1e-4 apart. The fp32 gate's
+    error is below H·u·Σ|x_i w_i| < 1e-5 for these models (H = 32, |x w| < 1), and softmax /
+    sigmoid are 1-Lipschitz, so a 1e-4 margin cannot flip on rounding."""
+    score, bias, group, fill = REFERENCE[family]
+    w, b = _gate_params(router)
+    logits = x.double() @ w.double().t()
+    if b is not None:
+        logits = logits + b.double()
+    E = logits.shape[1]
+    if score == "softmax":
+        s = torch.exp(logits - logits.max(dim=1, keepdim=True).values)
+        s = s / s.sum(dim=1, keepdim=True)
+    elif score == "sigmoid":
+        s = 1.0 / (1.0 + torch.exp(-logits))
+    else:
+        s = logits
+    choice = s.clone()
+    if bias == "e_score_correction_bias":
+        choice = choice + router.e_score_correction_bias.double()
+    elif bias == "moe_statics":
+        choice = choice + router.moe_statics.e_score_correction_bias.double().reshape(-1)
+    clear = torch.ones(len(x), dtype=torch.bool)
+    if group is not None and (family != "deepseek_v2" or
+                              router.topk_method == "group_limited_greedy"):
+        G, keep = int(router.num_group), int(router.topk_group)
+        g = choice.view(len(x), G, E // G)
+        gs = g.topk(2, dim=-1).values.sum(-1) if group == "top2_sum" else g.max(-1).values
+        order = gs.sort(dim=1, descending=True)
+        if keep < G:
+            clear &= (order.values[:, keep - 1] - order.values[:, keep]) > 1e-4
+        kept = torch.zeros(len(x), G, dtype=torch.bool)
+        kept.scatter_(1, order.indices[:, :keep], True)
+        choice = torch.where(kept.repeat_interleave(E // G, dim=1), choice,
+                             torch.full_like(choice, fill))
+    top = choice.sort(dim=1, descending=True)
+    if K < E:
+        gap = top.values[:, K - 1] - top.values[:, K]
+        clear &= torch.nan_to_num(gap, posinf=1.0) > 1e-4
+    return top.indices[:, :K].sort(dim=1).values, clear
+
+
+# ---- hooks: what the routers saw and what the experts received ---------------------------------
+def _is_experts(m):
+    return hasattr(m, "_is_expert_parallel") and hasattr(m, "is_concatenated")
+
+
+class _Seen:
+    """Forward pre-hooks on each patched layer's router (its input) and experts module (the ids
+    it received: the experts interface's (hidden_states, top_k_index, top_k_weights))."""
+
+    def __init__(self, model, p):
+        self.x, self.ids, self._hooks = {}, {}, []
+        for layer, name in p.modules.items():
+            router = model.get_submodule(name)
+            block = model.get_submodule(name.rsplit(".", 1)[0])
+            self._hooks.append(router.register_forward_pre_hook(
+                lambda m, a, layer=layer: self.x.__setitem__(layer, a[0].detach().clone())))
+            for child in block.children():
+                if _is_experts(child):
+                    self._hooks.append(child.register_forward_pre_hook(
+                        lambda m, a, kw, layer=layer: self.ids.__setitem__(
+                            layer, (a[1] if len(a) > 1 else kw["top_k_index"]).detach().clone()),
+                        with_kwargs=True))
+
+    def remove(self):
+        for h in self._hooks:
+            h.remove()
+
+
+def _text_type(family):
+    return "llama4_text" if family == "llama4" else family
+
+
+def _families():
+    return [f for f in ALL_FAMILIES if f in syhf.FAMILIES or f == "llama4_text"]
+
+
+def _key(family):
+    return "llama4" if family == "llama4_text" else family
+
+
+@pytest.mark.parametrize("family", _families())
+def test_fp32_router_picks_the_experts_of_a_float64_reference_and_capture_is_what_experts_got(
+        family):
+    model = build(family, dtype=torch.bfloat16)
+    ids = tokens(2, 12, seed=3)
+    p = syhf.patch(model, router_dtype=torch.float32)
+    seen = _Seen(model, p)
+    try:
+        with torch.no_grad(), p.capture() as cap:
+            model(ids)
+        captured = cap.ids()
+    finally:
+        seen.remove()
+    B, S = ids.shape
+    n_clear = 0
+    for layer in p.layers:
+        router = model.get_submodule(p.modules[layer])
+        got = captured[:, :, layer, :].reshape(B * S, -1).long()
+        x = seen.x[layer].reshape(B * S, -1)
+        ref, clear = _reference(family, router, x, p.top_k)
+        n_clear += int(clear.sum())
+        bad = (got.sort(dim=1).values != ref).any(dim=1) & clear
+        assert not bad.any(), (f"{family} layer {layer}: rows {bad.nonzero().flatten().tolist()} "
+                               f"pick {got[bad].tolist()}, the float64 reference "
+                               f"{ref[bad].tolist()}")
+        if layer in seen.ids:  # the experts received exactly the captured ids, in order
+            assert torch.equal(seen.ids[layer].reshape(B * S, -1).long(), got), family
+        else:
+            assert family == "llama4_text"  # its experts take the router-scaled input only
+    assert n_clear >= len(p.layers) * B * S // 2  # the comparison covered most rows
+    p.unpatch()
+
+
+def _perturb(model, p, family, scale=0.5, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in p.layers:
+            w, _ = syhf.FAMILIES[_key(family)].params(model.get_submodule(p.modules[layer]))
+            w.add_(torch.randn(w.shape, generator=g).to(w.dtype) * scale * w.float().std())
+
+
+@pytest.mark.parametrize("family", _families())
+def test_r3_replays_captured_ids_after_the_router_weights_changed_and_unpatch_restores(family):
+    model = build(family)
+    ids = tokens(2, 10, seed=5)
+    with torch.no_grad():
+        before = model(ids)[0].clone()
+    # router_dtype=None is the unpatched model, bitwise
+    p = syhf.patch(model, router_dtype=None)
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], before), family
+    p.unpatch()
+    p = syhf.patch(model, router_dtype=torch.float32)
+    with torch.no_grad(), p.capture() as cap:
+        model(ids)
+    routes = cap.ids()[:, :, p.layers, :]  # [B, S, moe_layers, K]
+    p.unpatch()  # restores the family's own routers: the unpatched outputs, bitwise
+    assert not p.active and syhf.patch_of(model) is None
+    for name in p.modules.values():
+        assert "forward" not in model.get_submodule(name).__dict__
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], before), family
+    p = syhf.patch(model, router_dtype=torch.float32)
+    _perturb(model, p, family)
+    seen = _Seen(model, p)
+    try:
+        with torch.no_grad(), p.capture() as cap:
+            model(ids)
+        live = cap.ids()[:, :, p.layers, :]
+        assert not torch.equal(live, routes), f"{family}: the perturbation changed no route"
+        p.set_targets(routes)
+        with torch.no_grad(), p.capture() as cap:
+            model(ids)
+        assert torch.equal(cap.ids()[:, :, p.layers, :], routes), family
+        for m, layer in enumerate(p.layers):
+            if layer in seen.ids:  # the experts received the replayed ids
+                assert torch.equal(seen.ids[layer].reshape(routes.shape[0], routes.shape[1], -1)
+                                   .to(routes.dtype), routes[:, :, m, :]), (family, layer)
+        assert all(c["num_replayed_rows"] == ids.numel() for c in p.counts().values())
+    finally:
+        seen.remove()
+        p.unpatch()
+
+
+def test_a_per_layer_top_k_is_refused_by_name():
+    model = build("hunyuan_v1_moe", moe_topk=[2, 3])
+    with pytest.raises(ValueError, match=r"\[hf.patch\] HunYuan-MoE-V1: top_k differs between MoE "
+                                         r"layers \(\{0: 2, 1: 3\}\).*per-layer top_k is refused"):
+        syhf.patch(model)
+    assert syhf.patch_of(model) is None
+
+
+def test_a_router_class_no_spec_covers_is_refused_naming_it(monkeypatch):
+    # A release that renames Qwen3-MoE's router: its experts would run unrouted by switchyard.
+    model = build("qwen3_moe")
+    fam = syhf.FAMILIES["qwen3_moe"]
+    monkeypatch.setattr(fam, "router_class", "Qwen3MoeRenamedRouter")
+    with pytest.raises(ValueError, match=r"\[hf.patch\] model type 'qwen3_moe': the MoE block "
+                                         r"model\.layers\.0\.mlp \(Qwen3MoeSparseMoeBlock\) routes "
+                                         r"its experts \(Qwen3MoeExperts\) with "
+                                         r"Qwen3MoeTopKRouter, which no switchyard routing spec "
+                                         r"covers.*spec\.py"):
+        syhf.patch(model)
+    assert syhf.patch_of(model) is None
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "minimax_m2", "jetmoe", "phimoe"])
+def test_a_refused_family_names_itself_and_the_reason(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    assert family in syspec.REFUSED
+    cfg = AutoConfig.for_model(family, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match=rf"\[hf.patch\] {family}: .*(not supported|refused)"):
+        syhf.patch(model)
