@@ -122,8 +122,9 @@ def recompute_kind():
     forward ran with grad and was counted) or "reentrant" (any other: torch's reentrant
     checkpoint, Megatron's CheckpointFunction, Transformer Engine's; their forward ran under
     no_grad). The one recompute detector of switchyard: torch has no public API for it, so this
-    reads torch.utils.checkpoint's own private state (pinned by the tests)."""
-    if torch._C._current_graph_task_id() == -1:
+    reads torch.utils.checkpoint's own private state (pinned by the tests). Inside a region
+    torch.compile / torch.export traces: None (see in_recompute)."""
+    if _traced() or torch._C._current_graph_task_id() == -1:
         return None
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False)):
@@ -137,7 +138,11 @@ def will_recompute(input_requires_grad):
     (exact: its saved-tensor hooks), or, with grad disabled, a forward whose input requires grad
     (a reentrant checkpoint's forward: torch's, Megatron's, Transformer Engine's; the layers of a
     reentrant block after its first see inputs that do not require grad, so checkpoint them one by
-    one or non-reentrantly). A forward that keeps its graph, or a forward-only pass, is not."""
+    one or non-reentrantly). A forward that keeps its graph, or a forward-only pass, is not.
+    Inside a traced region: False (a compiled forward's recompute is its compiled backward's, fed
+    the same graph inputs, so nothing is queued for it; see in_recompute)."""
+    if _traced():
+        return False
     if torch._C._current_graph_task_id() != -1:
         return False  # a recompute itself (an adapter that nests checkpoints queues again)
     if torch.is_grad_enabled():
@@ -146,9 +151,22 @@ def will_recompute(input_requires_grad):
     return bool(input_requires_grad)
 
 
+def _traced():
+    """Whether torch.compile (dynamo) or torch.export is tracing this call: dynamo folds it to a
+    constant, so the autograd-engine queries below are never traced (dynamo cannot trace
+    torch._C._current_graph_task_id)."""
+    return torch.compiler.is_compiling()
+
+
 def in_recompute():
-    """True inside an activation-checkpoint recompute (recompute_kind() is not None)."""
-    return torch._C._current_graph_task_id() != -1
+    """True inside an activation-checkpoint recompute (recompute_kind() is not None).
+
+    Inside a region that torch.compile or torch.export traces the answer is fixed when it is
+    traced: False. A compiled forward is never re-run in Python by a checkpoint: the checkpoint
+    traced inside the region becomes part of the compiled graph, and its recompute runs in the
+    compiled backward from the same graph inputs (the replay tensors staged before the forward
+    included), so it routes exactly as the forward did without any detection."""
+    return not _traced() and torch._C._current_graph_task_id() != -1
 
 
 def raise_on_every_rank(err, group):

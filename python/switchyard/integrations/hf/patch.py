@@ -46,6 +46,12 @@ class _Layer:
         self.will_recompute = False
         self.batch_shape = None
         self.counts = collections.Counter()
+        # Compiled forwards (see _traced_state): the head of the replay queue as tensors, staged
+        # before the forward by Patch._sync_traced, and the counts of natively routed compiled
+        # forwards kept as a tensor (no symbolic size enters Python state).
+        self.staged_rows = None        # the ReplayRows staged (None: nothing staged)
+        self.staged_replay = None      # (ids int64 [T, K], replayed bool [T]) on the router's device
+        self.traced_counts = torch.zeros(len(_TRACED_COUNTS), dtype=torch.int64)
         self._hook = None
         self._had_instance_forward = "forward" in router.__dict__
         self._orig_forward = router.__dict__.get("forward")
@@ -76,7 +82,11 @@ class _Layer:
 
     def _pre_hook(self, module, args, kwargs):
         # Runs in the decoder layer's __call__, outside the checkpointed forward, so once per real
-        # forward: the condition under which transformers checkpoints the layer.
+        # forward: the condition under which transformers checkpoints the layer. A traced forward
+        # queues nothing for its recompute (switchyard.replay.in_recompute).
+        if torch.compiler.is_compiling() and self.replay.action != "record" and \
+                self.owner._capture is None:
+            return
         self.will_recompute = bool(getattr(module, "gradient_checkpointing", False) and
                                    module.training and torch.is_grad_enabled())
         h = args[0] if args else kwargs.get("hidden_states")
@@ -96,6 +106,7 @@ class _Layer:
             weights, ids = fam.route(r, logits, None, None)
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
         recompute = _replay.in_recompute()  # the checkpoint recompute of this forward
+        traced = torch.compiler.is_compiling()  # torch.compile / torch.export: see _traced_state
         ctx = (contextlib.nullcontext() if native
                else torch.autocast(device_type=x.device.type, enabled=False))
         with ctx:
@@ -106,7 +117,10 @@ class _Layer:
                     w, b = fam.params(r)
                     logits = _gate(x, w, b, owner.router_dtype, owner.gate)
                 rows = None
-                if recompute:
+                replay_ids = replay_mask = None
+                if traced:
+                    replay_ids, replay_mask = self._traced_state(T)
+                elif recompute:
                     if self.replay.num_pending_recompute or \
                             self.replay.action == "replay_forward":
                         rows = owner.driver.take_recompute(self.layer, T)
@@ -120,6 +134,7 @@ class _Layer:
                             "transformers models: the checkpoint recompute is detected and "
                             "replayed automatically; use 'replay_forward'")
                     rows = owner.driver.take_forward(self.layer, T)
+                    self.staged_rows = self.staged_replay = None  # taken here: restaged later
                     if rows is not None:
                         self.counts["num_replayed_rows"] += rows.num_replayed
                         self.counts["num_native_rows"] += rows.num_native
@@ -127,7 +142,6 @@ class _Layer:
                     else:
                         self.counts["num_native_rows"] += T
                     self.counts["num_calls"] += 1
-                replay_ids = replay_mask = None
                 if rows is not None:  # the core's rows -> the family's (ids, mask) on the device
                     replay_ids = rows.ids.to(device=logits.device, dtype=torch.int64)
                     replay_mask = rows.replayed.to(logits.device)
@@ -136,10 +150,35 @@ class _Layer:
                 self._after_forward(ids, T)
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
 
+    def _traced_state(self, T):
+        # The replay state of a forward that torch.compile / torch.export traces: no Python queue
+        # is read inside the traced region. The target was staged before the forward as tensors
+        # (Patch._sync_traced: the head of this layer's queue), so a new step's targets of the same
+        # shape reuse the compiled graph; taking it is a constant attribute store that dynamo
+        # replays after the graph ran, and Patch._sync_traced takes the table from the queue and
+        # counts it outside the traced region. Natively routed forwards count into a tensor.
+        staged = self.staged_replay
+        exporting = torch.compiler.is_exporting()
+        if staged is not None and not exporting:
+            ids, mask = staged
+            torch._check(ids.shape[0] == T, lambda: (
+                f"[replay] {self.owner.driver.label(self.layer)}: the replay tensor has "
+                f"{ids.shape[0]} tokens, the router got {T}"))
+            self.staged_replay = None
+            return ids, mask
+        if not exporting:  # an exported program keeps no Patch state
+            self.traced_counts[_TRACED_COUNTS.index("num_native_rows")] += T
+            self.traced_counts[_TRACED_COUNTS.index("num_calls")] += 1
+        return None, None
+
     def _after_forward(self, ids, T):
         # The decoder layer's pre-hook state belongs to this one router call.
         will_recompute, batch_shape = self.will_recompute, self.batch_shape
         self.will_recompute, self.batch_shape = False, None
+        if torch.compiler.is_compiling():
+            # A compiled forward's recompute runs in its compiled backward: nothing to queue.
+            # Record and capture still leave the graph here (a graph break).
+            will_recompute = False
         if not (self.replay.action == "record" or will_recompute or
                 self.owner._capture is not None):
             return
@@ -250,6 +289,7 @@ class Patch:
         is detected by itself)."""
         for l in self._layers:
             l.replay.action = action
+        self._sync_traced()
 
     def set_targets(self, routes: torch.Tensor) -> None:
         """Queues replay targets for the next forward of every MoE layer and sets the action to
@@ -272,6 +312,7 @@ class Patch:
         self.driver.set_step_targets([t[:, m, :] for m in range(M)])  # all or none
         for l in self._layers:
             l.replay.action = "replay_forward"
+        self._sync_traced()
 
     def counts(self) -> dict[int, dict[str, int]]:
         """{layer: {"num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
@@ -280,18 +321,59 @@ class Patch:
         inside backward, and forward calls, since reset_counts()."""
         keys = ("num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
                 "num_recomputed_rows", "num_calls")
-        return {l.layer: {k: int(l.counts[k]) for k in keys} for l in self._layers}
+        self._sync_traced()
+        out = {}
+        for l in self._layers:
+            traced = dict(zip(_TRACED_COUNTS, l.traced_counts.tolist()))
+            out[l.layer] = {k: int(l.counts[k]) + traced.get(k, 0) for k in keys}
+        return out
 
     def reset_counts(self) -> None:
         """Zeroes the counts of every layer (the queues stay)."""
+        self._sync_traced()
         for l in self._layers:
             l.counts.clear()
+            l.traced_counts.zero_()
 
     def clear(self) -> None:
         """Drops every queued table (recorded, targets, pending recompute) and the counts."""
         self.driver.clear()
         for l in self._layers:
             l.counts.clear()
+            l.traced_counts.zero_()
+            l.staged_rows = l.staged_replay = None
+
+    def _sync_traced(self):
+        """Outside any traced region: settles what compiled forwards did and stages the next
+        targets for them. A layer whose staged target a compiled forward took (its staged_replay
+        was cleared) takes that table from the replay queue and counts it, as an eager forward
+        would; then every layer in "replay_forward" with a table queued gets the head of its queue
+        staged as tensors (ids int64 [T, K], replayed rows bool [T]) on the router's device.
+        Under torch.compile set the targets before every forward (one step is staged at a time)."""
+        if torch.compiler.is_compiling():
+            return
+        for l in self._layers:
+            rows, r = l.staged_rows, l.replay
+            if rows is not None and l.staged_replay is not None and not (
+                    r.action == "replay_forward" and (r.num_targets or r.num_recorded) and
+                    torch.equal(r.next_target(), rows.ids)):
+                l.staged_rows = rows = None  # the queue changed under it (cleared, dropped)
+            if rows is not None and l.staged_replay is None:  # a compiled forward took it
+                self.driver.take_forward(l.layer, rows.num_tokens)
+                l.counts["num_replayed_rows"] += rows.num_replayed
+                l.counts["num_native_rows"] += rows.num_native
+                l.counts["num_invalid_replay_rows"] += rows.num_invalid
+                l.counts["num_calls"] += 1
+                l.staged_rows = None
+            if l.staged_rows is None and r.action == "replay_forward" and \
+                    (r.num_targets or r.num_recorded):
+                rows = self.driver.classify(l.layer, r.next_target())
+                if not isinstance(rows, _replay.ReplayRows):
+                    continue  # a layer without num_experts: eager only
+                dev = l.family.params(l.router)[0].device
+                l.staged_rows = rows
+                l.staged_replay = (rows.ids.to(device=dev, dtype=torch.int64),
+                                   rows.replayed.to(dev))
 
     # ---- route sources (R3) ----
     def _layer_freq(self):
@@ -392,9 +474,14 @@ class Patch:
             self._stack_hooks.append(m.register_forward_hook(self._step_ends, always_call=True))
 
     def _step_begins(self, module, args):
+        if torch.compiler.is_compiling():
+            return  # the compiled forward reads the state staged before it (_sync_traced)
+        self._sync_traced()
         self.driver.begin_step()
 
     def _step_ends(self, module, args, output):
+        if torch.compiler.is_compiling():
+            return
         self.driver.end_step(failed=output is None and sys.exc_info()[1] is not None)
 
     # ---- lifetime ----
@@ -425,6 +512,9 @@ def _check_version():
     check_version("hf.patch", "transformers", _transformers_version(),
                   *SUPPORTED_TRANSFORMERS_VERSIONS)
 
+
+_TRACED_COUNTS = ("num_native_rows", "num_calls")
+"""The counts a traced (compiled) forward keeps in _Layer.traced_counts (int64 tensor)."""
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
