@@ -154,21 +154,17 @@ class _Layer:
         # The replay state of a forward that torch.compile / torch.export traces: no Python queue
         # is read inside the traced region. The target was staged before the forward as tensors
         # (Patch._sync_traced: the head of this layer's queue), so a new step's targets of the same
-        # shape reuse the compiled graph; taking it is a constant attribute store that dynamo
-        # replays after the graph ran, and Patch._sync_traced takes the table from the queue and
-        # counts it outside the traced region. Natively routed forwards count into a tensor.
+        # shape reuse the compiled graph. Nothing is mutated here (the router may run inside a
+        # checkpoint, which dynamo traces as one operator without side effects): the model's
+        # forward hook takes the staged tables and counts (Patch._traced_step_ends).
         staged = self.staged_replay
-        exporting = torch.compiler.is_exporting()
-        if staged is not None and not exporting:
+        if staged is not None and not torch.compiler.is_exporting():
             ids, mask = staged
-            torch._check(ids.shape[0] == T, lambda: (
-                f"[replay] {self.owner.driver.label(self.layer)}: the replay tensor has "
-                f"{ids.shape[0]} tokens, the router got {T}"))
-            self.staged_replay = None
+            # (dynamo takes a message built from constants only: the counts are not in it)
+            msg = (f"[replay] {self.owner.driver.label(self.layer)}: the replay tensor's token "
+                   "count is not the router's (set the targets of this forward before it)")
+            torch._check(ids.shape[0] == T, lambda: msg)
             return ids, mask
-        if not exporting:  # an exported program keeps no Patch state
-            self.traced_counts[_TRACED_COUNTS.index("num_native_rows")] += T
-            self.traced_counts[_TRACED_COUNTS.index("num_calls")] += 1
         return None, None
 
     def _after_forward(self, ids, T):
@@ -343,6 +339,24 @@ class Patch:
             l.traced_counts.zero_()
             l.staged_rows = l.staged_replay = None
 
+    def _traced_step_ends(self, output):
+        # The end of a traced forward of the decoder stack (outside any checkpoint): each layer's
+        # staged target is taken (a constant attribute store dynamo replays after the graph runs;
+        # _sync_traced then takes the table from the queue and counts it, outside the traced
+        # region), and a natively routed layer counts its rows into a tensor, so no symbolic size
+        # enters Python state. An exported program keeps no Patch state.
+        if torch.compiler.is_exporting():
+            return
+        h = output[0] if isinstance(output, (tuple, list)) else getattr(
+            output, "last_hidden_state", None)
+        T = h.shape[:-1].numel() if isinstance(h, torch.Tensor) else None
+        for l in self._layers:
+            if l.staged_replay is not None:
+                l.staged_replay = None
+            elif T is not None:
+                l.traced_counts[_TRACED_COUNTS.index("num_native_rows")] += T
+                l.traced_counts[_TRACED_COUNTS.index("num_calls")] += 1
+
     def _sync_traced(self):
         """Outside any traced region: settles what compiled forwards did and stages the next
         targets for them. A layer whose staged target a compiled forward took (its staged_replay
@@ -481,6 +495,7 @@ class Patch:
 
     def _step_ends(self, module, args, output):
         if torch.compiler.is_compiling():
+            self._traced_step_ends(output)
             return
         self.driver.end_step(failed=output is None and sys.exc_info()[1] is not None)
 
