@@ -16,12 +16,16 @@ with ``torch.ops.switchyard.<op>`` 's ``register_kernel("cuda", fn)``
 The public functions (switchyard.torch.router_gating_linear, input_jitter, permute, unpermute)
 validate their arguments and call these operators; use those.
 """
+import itertools
+import weakref
+
 import torch
 from torch import Tensor
 
 from . import _switchyard as _C
 
-__all__ = ["router_gating_linear", "router_gating_linear_backward", "input_jitter", "OPERATORS"]
+__all__ = ["router_gating_linear", "router_gating_linear_backward", "input_jitter", "route_sink",
+           "add_route_sink", "route_sink_owner", "OPERATORS"]
 
 
 def _no_autocast():
@@ -117,6 +121,47 @@ def _jitter_backward(ctx, grad):
 input_jitter.register_autograd(_jitter_backward, setup_context=_jitter_setup_context)
 
 
-OPERATORS = ("router_gating_linear", "router_gating_linear_backward", "input_jitter")
+# --------------------------------------------------------------------------------------------------
+# Route sink: hands the ids a compiled forward computed to Python (record, capture) at run time.
+# --------------------------------------------------------------------------------------------------
+_SINKS = {}  # key -> weakref.WeakMethod of the receiver
+_SINK_KEYS = itertools.count(1)
+
+
+def add_route_sink(receiver) -> int:
+    """Registers ``receiver`` (a bound method ``(ids [T, K], batch, seq)``, held weakly) and
+    returns the key a ``route_sink`` call names it by."""
+    key = next(_SINK_KEYS)
+    _SINKS[key] = weakref.WeakMethod(receiver)
+    return key
+
+
+def route_sink_owner(key):
+    """The object whose method the key ``key`` names (None: unknown or collected)."""
+    ref = _SINKS.get(key)
+    fn = None if ref is None else ref()
+    return None if fn is None else fn.__self__
+
+
+@torch.library.custom_op("switchyard::route_sink", mutates_args=("token",))
+def route_sink(ids: Tensor, token: Tensor, key: int, batch: int, seq: int) -> None:
+    """Calls the receiver registered under ``key`` with a copy of ``ids`` [T, K] and the forward's
+    batch shape (batch, seq; T = batch * seq, or batch 0 when unknown). Inside a compiled graph it
+    runs where the forward computed the ids, at every call, without a graph break: the graph
+    treats it as writing ``token`` (an empty tensor of the receiver), so it is never dropped or
+    reordered past its inputs. Not differentiable; a key with no live receiver does nothing."""
+    ref = _SINKS.get(key)
+    fn = None if ref is None else ref()
+    if fn is not None:
+        fn(ids.detach().clone(), batch, seq)
+
+
+@route_sink.register_fake
+def _(ids, token, key, batch, seq):
+    return None
+
+
+OPERATORS = ("router_gating_linear", "router_gating_linear_backward", "input_jitter",
+             "route_sink")
 """The names of switchyard's operators under torch.ops.switchyard (every one passes
 torch.library.opcheck in python/tests/test_torch_ops.py)."""

@@ -17,6 +17,15 @@ FAMILIES = ["qwen3_moe", "deepseek_v3"]  # softmax top-k; sigmoid + groups, a de
 DTYPES = {"native": None, "fp32": torch.float32}
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # Each test compiles new model instances of the same code: without a reset their cache
+    # entries add up to dynamo's recompile limit (8 per code object).
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _ids_by_hook(model, p):
     """Router ids of the last forward, per MoE layer, from forward hooks on the routers (hooks
     that dynamo traces into the compiled graph)."""
@@ -75,7 +84,7 @@ def _targets(p, B, S, seed):
     return t
 
 
-@pytest.mark.parametrize("router_dtype", DTYPES, ids=list(DTYPES))
+@pytest.mark.parametrize("router_dtype", ["fp32"])  # the family's own math: the capture test
 def test_compiled_r3_replay_equals_eager_over_steps_without_recompiling(router_dtype):
     from torch._dynamo.testing import CompileCounterWithBackend
     family = "deepseek_v3"
@@ -86,7 +95,7 @@ def test_compiled_r3_replay_equals_eager_over_steps_without_recompiling(router_d
     ids_e, ids_c = _ids_by_hook(eager_model, pe), _ids_by_hook(model, pc)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, fullgraph=True, backend=counter)
-    lengths = [5, 8, 6, 11, 7, 9]  # the first two warm up (static, then dynamic lengths)
+    lengths = [5, 8, 6, 11, 7]  # the first two warm up (static, then dynamic lengths)
     frames = []
     for step, S in enumerate(lengths):
         x = tokens(2, S, seed=step)
@@ -120,7 +129,7 @@ def test_compiled_training_step_with_checkpointing_replays_exactly():
     eager_model, model = build(family), build(family)
     for m in (eager_model, model):
         m.train()
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     pe = syhf.patch(eager_model, router_dtype=torch.float32)
     pc = syhf.patch(model, router_dtype=torch.float32)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -133,7 +142,7 @@ def test_compiled_training_step_with_checkpointing_replays_exactly():
         lc = compiled(x, labels=x, use_cache=False).loss
         le.backward()
         lc.backward()
-        assert abs(float(lc) - float(le)) <= _tol(le.detach())
+        assert abs(float(lc.detach()) - float(le.detach())) <= _tol(le.detach())
         for (n, a), (_, b) in zip(eager_model.named_parameters(), model.named_parameters()):
             if a.grad is not None:
                 assert (a.grad - b.grad).abs().max() <= _tol(a.grad) + 1e-7, n
@@ -143,3 +152,93 @@ def test_compiled_training_step_with_checkpointing_replays_exactly():
     for layer in pc.layers:
         assert cc[layer]["num_replayed_rows"] == ce[layer]["num_replayed_rows"]
         assert cc[layer]["num_calls"] == ce[layer]["num_calls"] == 2
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("family,router_dtype", [("qwen3_moe", "fp32"), ("deepseek_v3", "native")])
+def test_export_of_patched_model_matches_eager_static_and_dynamic(family, router_dtype):
+    from torch.export import Dim
+    model = build(family)
+    p = syhf.patch(model, router_dtype=DTYPES[router_dtype])
+    m = _Logits(model)
+    prompt = tokens(2, 7)
+    with torch.no_grad():
+        m(prompt)  # an eager prefill first: its counts are Python ints, kept as they are
+        static = torch.export.export(m, (prompt,))
+        ref = m(prompt)
+        assert (static.module()(prompt) - ref).abs().max() <= _tol(ref)
+        # A prefill program with a dynamic length, and a decode program (one token per sequence)
+        # with a dynamic batch, exported after the prefill.
+        prefill = torch.export.export(m, (prompt,), dynamic_shapes=({1: Dim("S", min=2, max=64)},))
+        decode = torch.export.export(m, (tokens(3, 1, seed=1),),
+                                     dynamic_shapes=({0: Dim("B", min=2, max=16)},))
+        for x, ep in ((tokens(2, 12, seed=4), prefill), (tokens(2, 5, seed=5), prefill),
+                      (tokens(5, 1, seed=6), decode), (tokens(2, 1, seed=7), decode)):
+            ref = m(x)
+            assert (ep.module()(x) - ref).abs().max() <= _tol(ref), list(x.shape)
+    after = p.counts()
+    assert all(type(v) is int for c in after.values() for v in c.values())
+    eager_calls = 1 + 1 + 4  # the exports' traces count nothing; the eager calls count
+    assert all(after[l]["num_calls"] == eager_calls for l in p.layers), after
+
+
+@pytest.mark.parametrize("router_dtype", DTYPES, ids=list(DTYPES))
+def test_capture_and_record_under_fullgraph_compile_equal_eager(router_dtype):
+    family = "deepseek_v3"
+    eager_model, model = build(family), build(family)
+    pe = syhf.patch(eager_model, router_dtype=DTYPES[router_dtype])
+    pc = syhf.patch(model, router_dtype=DTYPES[router_dtype])
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        with pe.capture() as ce, pc.capture() as cc:
+            for step, S in enumerate([7, 4, 9]):
+                x = tokens(2, S, seed=step)
+                eager_model(x)
+                compiled(x)
+        assert cc.num_forwards == 3
+        assert torch.equal(cc.ids(), ce.ids())
+        pe.set_action("record")
+        pc.set_action("record")
+        x = tokens(2, 6, seed=9)
+        eager_model(x)
+        compiled(x)
+    for layer in pc.layers:
+        assert torch.equal(pc.replays[layer].next_target(), pe.replays[layer].next_target())
+    assert pc.counts() == pe.counts()
+
+
+def test_generate_with_a_compiled_forward_captures_as_eager():
+    # transformers compiles the decode steps' forward itself (static cache + compile_config).
+    from transformers import CompileConfig
+    family = "qwen3_moe"
+    eager_model, model = build(family), build(family)
+    pe = syhf.patch(eager_model, router_dtype=torch.float32)
+    pc = syhf.patch(model, router_dtype=torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs, **options):  # aot_eager, counting (options: CompileConfig's)
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    cfg = CompileConfig(fullgraph=True, backend=backend)
+    cfg._compile_all_devices = True  # transformers compiles on accelerators only by default
+    model.generation_config.compile_config = cfg
+    x = tokens(2, 7)
+    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
+    with pe.capture() as ce:
+        out_e = eager_model.generate(x, **kw)
+    with pc.capture() as cc:
+        out_c = model.generate(x, **kw)
+    assert graphs  # the decode steps ran the compiled forward
+    assert torch.equal(out_c, out_e)
+    assert cc.num_forwards == 5
+    assert torch.equal(cc.ids(), ce.ids())
+    assert pc.counts() == pe.counts()

@@ -48,7 +48,41 @@ def test_every_operator_is_registered_under_the_switchyard_namespace():
         op = getattr(torch.ops.switchyard, name).default
         assert op.namespace == "switchyard"
     assert set(ops.OPERATORS) == {"router_gating_linear", "router_gating_linear_backward",
-                                  "input_jitter"}
+                                  "input_jitter", "route_sink"}
+
+
+class _Receiver:
+    def __init__(self):
+        self.got = []
+
+    def take(self, ids, batch, seq):
+        self.got.append((ids, batch, seq))
+
+
+def test_route_sink_passes_opcheck_and_hands_ids_out_of_a_compiled_graph():
+    r = _Receiver()
+    key = ops.add_route_sink(r.take)
+    assert ops.route_sink_owner(key) is r
+    ids = torch.tensor([[3, 1], [0, 2], [5, 4]])
+    token = torch.empty(0)
+    torch.library.opcheck(torch.ops.switchyard.route_sink.default, (ids, token, key, 1, 3))
+    r.got.clear()
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(logits):
+        top = logits.topk(2, dim=-1).indices
+        ops.route_sink(top, token, key, 1, logits.shape[0])
+        return top + 0
+
+    for T in (3, 5, 4):
+        logits = torch.randn(T, 6)
+        out = f(logits)
+        got, batch, seq = r.got[-1]
+        assert torch.equal(got, out) and (batch, seq) == (1, T)
+    assert len(r.got) == 3
+    del r  # held weakly: a collected receiver is skipped
+    ops.route_sink(ids, token, key, 1, 3)
+    assert ops.route_sink_owner(key) is None
 
 
 def test_gate_operator_fake_kernel_gives_shapes_and_router_dtype():

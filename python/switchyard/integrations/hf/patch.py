@@ -11,6 +11,7 @@ import torch
 
 import switchyard as sy
 import switchyard.torch as syt
+from switchyard import _torch_ops as _ops
 from switchyard import replay as _replay
 from switchyard import routes as syr
 
@@ -52,6 +53,10 @@ class _Layer:
         self.staged_rows = None        # the ReplayRows staged (None: nothing staged)
         self.staged_replay = None      # (ids int64 [T, K], replayed bool [T]) on the router's device
         self.traced_counts = torch.zeros(len(_TRACED_COUNTS), dtype=torch.int64)
+        # Record and capture in compiled forwards: the ids leave the graph through the
+        # switchyard::route_sink operator to _on_traced_ids (registered by ensure_sink).
+        self.sink_key = None
+        self.sink_token = torch.empty(0)
         self._hook = None
         self._had_instance_forward = "forward" in router.__dict__
         self._orig_forward = router.__dict__.get("forward")
@@ -146,7 +151,9 @@ class _Layer:
                     replay_ids = rows.ids.to(device=logits.device, dtype=torch.int64)
                     replay_mask = rows.replayed.to(logits.device)
                 weights, ids = fam.route(r, logits, replay_ids, replay_mask)
-            if not recompute:
+            if traced:
+                self._traced_after_forward(ids, T)
+            elif not recompute:
                 self._after_forward(ids, T)
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
 
@@ -167,14 +174,35 @@ class _Layer:
             return ids, mask
         return None, None
 
+    def ensure_sink(self):
+        """Registers this layer's receiver of compiled forwards' ids (again after copy.deepcopy,
+        whose copy must not feed the original's capture)."""
+        if self.sink_key is None or _ops.route_sink_owner(self.sink_key) is not self:
+            self.sink_key = _ops.add_route_sink(self._on_traced_ids)
+
+    def _traced_after_forward(self, ids, T):
+        # Record and capture of a traced forward: the ids leave the graph through an operator that
+        # runs at every call (no graph break); nothing is queued for a recompute (see
+        # switchyard.replay.in_recompute). An exported program keeps no Patch state.
+        if not (self.replay.action == "record" or self.owner._capture is not None) or \
+                torch.compiler.is_exporting() or self.sink_key is None:
+            return
+        batch_shape = self.batch_shape
+        self.will_recompute, self.batch_shape = False, None
+        b, s = batch_shape if batch_shape is not None and len(batch_shape) == 2 else (0, T)
+        _ops.route_sink(ids, self.sink_token, self.sink_key, b, s)
+
+    def _on_traced_ids(self, ids, batch, seq):
+        ids32 = ids.to(device="cpu", dtype=torch.int32).contiguous()
+        if self.replay.action == "record":
+            self.replay.record(ids32)
+        if self.owner._capture is not None:
+            self.owner._capture._add(self.layer, ids32, (batch, seq), ids32.shape[0])
+
     def _after_forward(self, ids, T):
         # The decoder layer's pre-hook state belongs to this one router call.
         will_recompute, batch_shape = self.will_recompute, self.batch_shape
         self.will_recompute, self.batch_shape = False, None
-        if torch.compiler.is_compiling():
-            # A compiled forward's recompute runs in its compiled backward: nothing to queue.
-            # Record and capture still leave the graph here (a graph break).
-            will_recompute = False
         if not (self.replay.action == "record" or will_recompute or
                 self.owner._capture is not None):
             return
@@ -367,6 +395,7 @@ class Patch:
         if torch.compiler.is_compiling():
             return
         for l in self._layers:
+            l.ensure_sink()
             rows, r = l.staged_rows, l.replay
             if rows is not None and l.staged_replay is not None and not (
                     r.action == "replay_forward" and (r.num_targets or r.num_recorded) and
@@ -454,6 +483,7 @@ class Patch:
             m.generate = cap._generate  # an instance attribute, removed when the capture stops
         self._capture = cap
         cap.active = True
+        self._sync_traced()  # compiled forwards hand their ids to the capture (ensure_sink)
         return cap
 
     def stop_capture(self) -> None:
