@@ -184,9 +184,10 @@ def recompute_kind() -> str | None:
         autograd engine during backward) "non_reentrant" for
         torch.utils.checkpoint(use_reentrant=False) (its forward ran with grad and was counted)
         or "reentrant" (any other: torch's reentrant checkpoint, Megatron's CheckpointFunction,
-        Transformer Engine's; their forward ran under no_grad).
+        Transformer Engine's; their forward ran under no_grad). Inside a region torch.compile /
+        torch.export traces: None (see in_recompute).
     """
-    if torch._C._current_graph_task_id() == -1:
+    if _traced() or torch._C._current_graph_task_id() == -1:
         return None
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False)):
@@ -214,8 +215,13 @@ def will_recompute(input_requires_grad: bool = False, checkpoint: bool | None = 
         hooks); with grad disabled, ``input_requires_grad`` (a reentrant checkpoint's forward:
         torch's, Megatron's, Transformer Engine's; the layers of a reentrant block after its first
         see inputs that do not require grad, so checkpoint them one by one or non-reentrantly). A
-        forward that keeps its graph, or a forward-only pass, is not recomputed.
+        forward that keeps its graph, or a forward-only pass, is not recomputed. Inside a traced
+        region: False, whatever ``checkpoint`` says (a compiled forward's recompute is its
+        compiled backward's, fed the same graph inputs, so nothing is queued for it; see
+        in_recompute).
     """
+    if _traced():
+        return False
     if checkpoint is not None:
         return bool(checkpoint)
     if torch._C._current_graph_task_id() != -1:
@@ -226,14 +232,27 @@ def will_recompute(input_requires_grad: bool = False, checkpoint: bool | None = 
     return bool(input_requires_grad)
 
 
+def _traced() -> bool:
+    """Whether torch.compile (dynamo) or torch.export is tracing this call: dynamo folds it to a
+    constant, so the autograd-engine queries below are never traced (dynamo cannot trace
+    torch._C._current_graph_task_id)."""
+    return bool(torch.compiler.is_compiling())
+
+
 def in_recompute() -> bool:
     """Whether the running forward is an activation-checkpoint recompute.
+
+    Inside a region that torch.compile or torch.export traces the answer is fixed when it is
+    traced: False. A compiled forward is never re-run in Python by a checkpoint: the checkpoint
+    traced inside the region becomes part of the compiled graph, and its recompute runs in the
+    compiled backward from the same graph inputs (the replay tensors staged before the forward
+    included), so it routes exactly as the forward did without any detection.
 
     Returns:
         bool: ``recompute_kind() is not None`` (a forward run by the autograd engine during
         backward).
     """
-    return torch._C._current_graph_task_id() != -1
+    return not _traced() and torch._C._current_graph_task_id() != -1
 
 
 def raise_on_every_rank(err: str | None, group: Any) -> None:

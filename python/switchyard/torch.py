@@ -15,6 +15,7 @@ import torch
 
 from . import _ids
 from . import _names
+from . import _torch_ops as _ops
 from . import _switchyard as _C
 from . import replay as _replay
 
@@ -32,37 +33,6 @@ def _no_autocast():
 # --------------------------------------------------------------------------------------------------
 # Router gate
 # --------------------------------------------------------------------------------------------------
-class _RouterGatingLinear(torch.autograd.Function):
-    """logits = x·Wᵀ (+ b) accumulated and returned in router_dtype (fp32 or fp64), whatever the
-    dtypes of x and W; gradients come back in the inputs' dtypes (Megatron-Core's
-    RouterGatingLinearFunction contract)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, router_dtype):
-        with _no_autocast():
-            lead = x.shape[:-1]
-            x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-            logits = _C.router_gating_linear(x2, weight, bias, router_dtype)
-        ctx.save_for_backward(x2, weight, bias)
-        ctx.router_dtype = router_dtype
-        ctx.lead = lead
-        # A 2-D input gets the engine's tensor itself: a view output would be flagged by FSDP2
-        # (an in-place op on it would skip its pre-backward hook).
-        return logits if x.dim() == 2 else logits.view(*lead, logits.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_logits):
-        x2, weight, bias = ctx.saved_tensors
-        with _no_autocast():
-            g = grad_logits.reshape(-1, grad_logits.shape[-1]).to(ctx.router_dtype)
-            grad_x, grad_w, grad_b = _C.router_gating_linear_backward(
-                g, x2, weight, bias, ctx.router_dtype)
-        grad_x = grad_x.view(*ctx.lead, x2.shape[-1]) if ctx.needs_input_grad[0] else None
-        grad_w = grad_w if ctx.needs_input_grad[1] else None
-        grad_b = grad_b.to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None
-
-
 def router_gating_linear(x, weight, bias=None, router_dtype=torch.float32):
     """The router gate: ``logits = x @ weight.T (+ bias)`` in ``router_dtype``.
 
@@ -78,7 +48,13 @@ def router_gating_linear(x, weight, bias=None, router_dtype=torch.float32):
         raise ValueError(f"[router_gating_linear] x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1:
         raise ValueError("[router_gating_linear] x must be [..., hidden], got a 0-d tensor")
-    return _RouterGatingLinear.apply(x, weight, bias, router_dtype)
+    # The operator takes [T, H]; a view restores the leading dims (a 2-D input gets the operator's
+    # tensor itself: a view output would be flagged by FSDP2, an in-place op on it skipping its
+    # pre-backward hook).
+    if x.dim() == 2:
+        return _ops.router_gating_linear(x, weight, bias, router_dtype)
+    logits = _ops.router_gating_linear(x.reshape(-1, x.shape[-1]), weight, bias, router_dtype)
+    return logits.view(*x.shape[:-1], logits.shape[-1])
 
 
 def _router_logits(x, weight, bias, router_dtype):
@@ -92,17 +68,6 @@ def _router_logits(x, weight, bias, router_dtype):
     return router_gating_linear(x, weight, bias, router_dtype=rd)
 
 
-class _InputJitter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, eps, seed):
-        ctx.eps, ctx.seed = eps, seed
-        return _C.input_jitter(x.detach().contiguous(), eps, seed)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _C.input_jitter(grad.contiguous(), ctx.eps, ctx.seed, backward=True), None, None
-
-
 def input_jitter(x, eps, seed=None):
     """Input jitter (Megatron-Core ``moe_input_jitter_eps``): ``x * u``, u ~ U(1-eps, 1+eps) per
     element, in x's dtype (bf16/fp32/fp64), differentiable (grad * u). ``seed`` None draws one from
@@ -110,7 +75,7 @@ def input_jitter(x, eps, seed=None):
     restored RNG state makes a recompute draw the same noise."""
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
-    return _InputJitter.apply(x, float(eps), int(seed))
+    return _ops.input_jitter(x, float(eps), int(seed), False)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ def _ids(select, replay_ids, replay_mask):
     """The final ids: the family's live selection (run without autograd: ids are never
     differentiable, and the recompute of a replayed forward must save the same tensors as the
     forward did) for the rows not replayed, replay_ids for the replayed rows."""
-    if replay_ids is not None and bool(replay_mask.all()):
+    # (Traced by torch.compile: no data-dependent branch; where() gives the same ids.)
+    if replay_ids is not None and not torch.compiler.is_compiling() and bool(replay_mask.all()):
         return replay_ids
     with torch.no_grad():
         ids = select()

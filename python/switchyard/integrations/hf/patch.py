@@ -15,6 +15,7 @@ import torch
 
 import switchyard as sy
 from switchyard import _ids
+from switchyard import _torch_ops as _ops
 from switchyard import replay as _replay
 from switchyard import routes as syr
 
@@ -54,6 +55,16 @@ class _Layer:
         self.batch_shape = None
         self.counts = _replay.ReplayCounts()  # forwards (the replay core's one count record)
         self.num_recomputed_rows = 0  # rows a recompute inside backward replayed
+        # Compiled forwards (see _traced_state): the head of the replay queue as tensors, staged
+        # before the forward by Patch._sync_traced, and the counts of natively routed compiled
+        # forwards kept as a tensor (no symbolic size enters Python state).
+        self.staged_rows = None        # the ReplayRows staged (None: nothing staged)
+        self.staged_replay = None      # (ids int64 [T, K], replayed bool [T]) on the router's device
+        self.traced_counts = torch.zeros(len(_TRACED_COUNTS), dtype=torch.int64)
+        # Record and capture in compiled forwards: the ids leave the graph through the
+        # switchyard::route_sink operator to _on_traced_ids (registered by ensure_sink).
+        self.sink_key = None
+        self.sink_token = torch.empty(0)
         self._hook = None
         self._had_instance_forward = "forward" in router.__dict__
         self._orig_forward = router.__dict__.get("forward")
@@ -61,6 +72,14 @@ class _Layer:
     def reset_counts(self):
         self.counts = _replay.ReplayCounts()
         self.num_recomputed_rows = 0
+        self.traced_counts.zero_()
+
+    def all_counts(self):
+        """The counts of eager and compiled forwards together (a ReplayCounts)."""
+        c = dataclasses.replace(self.counts)
+        native, calls = self.traced_counts.tolist()
+        c.add(_replay.ReplayCounts(calls=calls, tokens=native, native=native))
+        return c
 
     def install(self):
         # A bound method, not a closure: copy.deepcopy of the model copies this _Layer with it (its
@@ -88,7 +107,11 @@ class _Layer:
 
     def _pre_hook(self, module, args, kwargs):
         # Runs in the decoder layer's __call__, outside the checkpointed forward, so once per real
-        # forward: the condition under which transformers checkpoints the layer.
+        # forward: the condition under which transformers checkpoints the layer. A traced forward
+        # queues nothing for its recompute (switchyard.replay.in_recompute).
+        if torch.compiler.is_compiling() and self.replay.action != "record" and \
+                self.owner._capture is None:
+            return
         self.will_recompute = _replay.will_recompute(checkpoint=bool(
             getattr(module, "gradient_checkpointing", False) and module.training and
             torch.is_grad_enabled()))
@@ -109,6 +132,7 @@ class _Layer:
             weights, ids = fam.route(r, logits, None, None)
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
         recompute = _replay.in_recompute()  # the checkpoint recompute of this forward
+        traced = torch.compiler.is_compiling()  # torch.compile / torch.export: see _traced_state
         ctx = (contextlib.nullcontext() if native
                else torch.autocast(device_type=x.device.type, enabled=False))
         with ctx:
@@ -119,7 +143,10 @@ class _Layer:
                     w, b = fam.params(r)
                     logits = _gate(x, w, b, owner.router_dtype, owner.gate)
                 rows = None
-                if recompute:
+                replay_ids = replay_mask = None
+                if traced:
+                    replay_ids, replay_mask = self._traced_state(T)
+                elif recompute:
                     if self.replay.num_pending_recompute or \
                             self.replay.action == "replay_forward":
                         rows = owner.driver.take_recompute(self.layer, T)
@@ -131,20 +158,65 @@ class _Layer:
                             "transformers models: the checkpoint recompute is detected and "
                             "replayed automatically; use 'replay_forward'")
                     rows = owner.driver.take_forward(self.layer, T)
+                    self.staged_rows = self.staged_replay = None  # taken here: restaged later
                     self.counts.add(_replay.ReplayCounts.of_native(T) if rows is None else
                                     _replay.ReplayCounts.of_rows(rows))
-                replay_ids = replay_mask = None
                 if rows is not None:  # the core's rows -> the family's (ids, mask) on the device
                     replay_ids = rows.ids.to(device=logits.device, dtype=torch.int64)
                     replay_mask = rows.replayed.to(logits.device)
                 weights, ids = fam.route(r, logits, replay_ids, replay_mask)
                 native_ids = None
-                if rows is not None and not recompute and owner._capture is not None:
+                if rows is not None and not recompute and not traced and \
+                        owner._capture is not None:
                     with torch.no_grad():  # the router's own choice, for the mismatch metric
                         native_ids = fam.route(r, logits.detach(), None, None)[1]
-            if not recompute:
+            if traced:
+                self._traced_after_forward(ids, T)
+            elif not recompute:
                 self._after_forward(ids, T, native_ids)
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
+
+    def _traced_state(self, T):
+        # The replay state of a forward that torch.compile / torch.export traces: no Python queue
+        # is read inside the traced region. The target was staged before the forward as tensors
+        # (Patch._sync_traced: the head of this layer's queue), so a new step's targets of the same
+        # shape reuse the compiled graph. Nothing is mutated here (the router may run inside a
+        # checkpoint, which dynamo traces as one operator without side effects): the model's
+        # forward hook takes the staged tables and counts (Patch._traced_step_ends).
+        staged = self.staged_replay
+        if staged is not None and not torch.compiler.is_exporting():
+            ids, mask = staged
+            # (dynamo takes a message built from constants only: the counts are not in it)
+            msg = (f"[replay] {self.owner.driver.label(self.layer)}: the replay tensor's token "
+                   "count is not the router's (set the targets of this forward before it)")
+            torch._check(ids.shape[0] == T, lambda: msg)
+            return ids, mask
+        return None, None
+
+    def ensure_sink(self):
+        """Registers this layer's receiver of compiled forwards' ids (again after copy.deepcopy,
+        whose copy must not feed the original's capture)."""
+        if self.sink_key is None or _ops.route_sink_owner(self.sink_key) is not self:
+            self.sink_key = _ops.add_route_sink(self._on_traced_ids)
+
+    def _traced_after_forward(self, ids, T):
+        # Record and capture of a traced forward: the ids leave the graph through an operator that
+        # runs at every call (no graph break); nothing is queued for a recompute (see
+        # switchyard.replay.in_recompute). An exported program keeps no Patch state.
+        if not (self.replay.action == "record" or self.owner._capture is not None) or \
+                torch.compiler.is_exporting() or self.sink_key is None:
+            return
+        batch_shape = self.batch_shape
+        self.will_recompute, self.batch_shape = False, None
+        b, s = batch_shape if batch_shape is not None and len(batch_shape) == 2 else (0, T)
+        _ops.route_sink(ids, self.sink_token, self.sink_key, b, s)
+
+    def _on_traced_ids(self, ids, batch, seq):
+        ids32 = ids.to(device="cpu", dtype=torch.int32).contiguous()
+        if self.replay.action == "record":
+            self.replay.record(ids32)
+        if self.owner._capture is not None:
+            self.owner._capture.append(self.layer, ids32, (batch, seq), ids32.shape[0])
 
     def _after_forward(self, ids, T, native_ids=None):
         # The decoder layer's pre-hook state belongs to this one router call.
@@ -275,6 +347,7 @@ class Patch:
         """
         for l in self._layers:
             l.replay.action = action
+        self._sync_traced()
 
     def set_targets(self, routes: torch.Tensor) -> None:
         """Queues replay targets for the next forward of every MoE layer and sets the action to
@@ -326,6 +399,7 @@ class Patch:
             self._targets_thread = (me.ident, me.name)
             for l in self._layers:
                 l.replay.action = "replay_forward"
+        self._sync_traced()
 
     def _check_thread(self, me, who):
         """ValueError when targets another thread set are still queued (called under
@@ -349,7 +423,8 @@ class Patch:
         Returns:
             {layer: switchyard.replay.ReplayCounts} (copies: changing them changes nothing).
         """
-        return {l.layer: dataclasses.replace(l.counts) for l in self._layers}
+        self._sync_traced()
+        return {l.layer: l.all_counts() for l in self._layers}
 
     def counts(self) -> dict[int, dict[str, int]]:
         """{layer: {"num_replayed_rows", "num_native_rows", "num_invalid_replay_rows",
@@ -360,14 +435,16 @@ class Patch:
         Returns:
             {layer: {name: int}}.
         """
-        return {l.layer: {"num_replayed_rows": l.counts.replayed,
-                          "num_native_rows": l.counts.native,
-                          "num_invalid_replay_rows": l.counts.invalid,
+        counts = self.replay_counts()
+        return {l.layer: {"num_replayed_rows": counts[l.layer].replayed,
+                          "num_native_rows": counts[l.layer].native,
+                          "num_invalid_replay_rows": counts[l.layer].invalid,
                           "num_recomputed_rows": l.num_recomputed_rows,
-                          "num_calls": l.counts.calls} for l in self._layers}
+                          "num_calls": counts[l.layer].calls} for l in self._layers}
 
     def reset_counts(self) -> None:
         """Zeroes the counts of every layer (the queues stay)."""
+        self._sync_traced()
         for l in self._layers:
             l.reset_counts()
 
@@ -376,6 +453,55 @@ class Patch:
         self.driver.clear()
         for l in self._layers:
             l.reset_counts()
+            l.staged_rows = l.staged_replay = None
+
+    def _traced_step_ends(self, output):
+        # The end of a traced forward of the decoder stack (outside any checkpoint): each layer's
+        # staged target is taken (a constant attribute store dynamo replays after the graph runs;
+        # _sync_traced then takes the table from the queue and counts it, outside the traced
+        # region), and a natively routed layer counts its rows into a tensor, so no symbolic size
+        # enters Python state. An exported program keeps no Patch state.
+        if torch.compiler.is_exporting():
+            return
+        h = output[0] if isinstance(output, (tuple, list)) else getattr(
+            output, "last_hidden_state", None)
+        T = h.shape[:-1].numel() if isinstance(h, torch.Tensor) else None
+        for l in self._layers:
+            if l.staged_replay is not None:
+                l.staged_replay = None
+            elif T is not None:
+                l.traced_counts[_TRACED_COUNTS.index("num_native_rows")] += T
+                l.traced_counts[_TRACED_COUNTS.index("num_calls")] += 1
+
+    def _sync_traced(self):
+        """Outside any traced region: settles what compiled forwards did and stages the next
+        targets for them. A layer whose staged target a compiled forward took (its staged_replay
+        was cleared) takes that table from the replay queue and counts it, as an eager forward
+        would; then every layer in "replay_forward" with a table queued gets the head of its queue
+        staged as tensors (ids int64 [T, K], replayed rows bool [T]) on the router's device.
+        Under torch.compile set the targets before every forward (one step is staged at a time)."""
+        if torch.compiler.is_compiling():
+            return
+        for l in self._layers:
+            l.ensure_sink()
+            rows, r = l.staged_rows, l.replay
+            if rows is not None and l.staged_replay is not None and not (
+                    r.action == "replay_forward" and (r.num_targets or r.num_recorded) and
+                    torch.equal(r.next_target(), rows.ids)):
+                l.staged_rows = rows = None  # the queue changed under it (cleared, dropped)
+            if rows is not None and l.staged_replay is None:  # a compiled forward took it
+                self.driver.take_forward(l.layer, rows.num_tokens)
+                l.counts.add(_replay.ReplayCounts.of_rows(rows))
+                l.staged_rows = None
+            if l.staged_rows is None and r.action == "replay_forward" and \
+                    (r.num_targets or r.num_recorded):
+                rows = self.driver.classify(l.layer, r.next_target())
+                if not isinstance(rows, _replay.ReplayRows):
+                    continue  # a layer without num_experts: eager only
+                dev = l.family.params(l.router)[0].device
+                l.staged_rows = rows
+                l.staged_replay = (rows.ids.to(device=dev, dtype=torch.int64),
+                                   rows.replayed.to(dev))
 
     # ---- route sources (R3) ----
     def _layer_freq(self):
@@ -498,6 +624,7 @@ class Patch:
         cap = Capture(self)
         cap.start()
         self._capture = cap
+        self._sync_traced()  # compiled forwards hand their ids to the capture (ensure_sink)
         return cap
 
     @property
@@ -527,6 +654,9 @@ class Patch:
             self._stack_hooks.append(m.register_forward_hook(self._step_ends, always_call=True))
 
     def _step_begins(self, module, args):
+        if torch.compiler.is_compiling():
+            return  # the compiled forward reads the state staged before it (_sync_traced)
+        self._sync_traced()
         me = threading.current_thread()
         with _THREADS_LOCK:
             self._check_thread(me, "[hf] a forward from")
@@ -534,6 +664,9 @@ class Patch:
         self.driver.begin_step()
 
     def _step_ends(self, module, args, output):
+        if torch.compiler.is_compiling():
+            self._traced_step_ends(output)
+            return
         with _THREADS_LOCK:
             me = threading.get_ident()
             if not self._running[me]:  # _step_begins refused this forward: it took nothing
@@ -582,6 +715,9 @@ def _check_version():
         newest = release[:2]
     check_version("hf.patch", "transformers", found, oldest, newest)
 
+
+_TRACED_COUNTS = ("num_native_rows", "num_calls")
+"""The counts a traced (compiled) forward keeps in _Layer.traced_counts (int64 tensor)."""
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
