@@ -42,7 +42,8 @@ from . import _switchyard as _C
 __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "decode", "import_vllm",
            "import_vllm_arrays", "import_vllm_response", "from_verl", "to_verl", "layer_targets", "import_sglang",
            "import_sglang_text", "import_trtllm", "import_trtllm_arrays",
-           "import_flashinfer_replay", "VllmRouteStream", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
+           "import_flashinfer_replay", "VllmRouteStream", "moe_layer_indices", "moe_layer_freq_from_config",
+           "parse_moe_layer_freq", "drop_padding",
            "add_padding", "routed_experts",
            "pack_thd", "unpack_thd", "cp_zigzag_split", "cp_zigzag_gather", "sp_split",
            "sp_gather", "slice_layers", "concat_layers", "concat_tokens", "pp_moe_layer_range",
@@ -616,6 +617,63 @@ def moe_layer_indices(num_input_layers, first_k_dense=0, moe_layer_freq=None, nu
     hidden layer, or "3x0,45x1") says 1, else when its index is >= ``first_k_dense``."""
     return _C.routes_moe_layer_indices(int(first_k_dense), _freq(moe_layer_freq),
                                        int(num_mtp_layers), int(num_input_layers))
+
+
+def moe_layer_freq_from_config(config):
+    """A model config -> ``moe_layer_freq``: one 0 (dense MLP) or 1 (MoE) per hidden layer, the
+    layer map every importer takes. ``config``: a transformers ``PretrainedConfig`` (its text
+    config is used for multimodal models) or a dict of its fields. Read, first found:
+    ``mlp_layer_types`` ("sparse" / "moe" = 1; transformers 5's per-layer list); ``moe_layers``
+    (a list of MoE layer indices, Llama 4);
+    ``first_k_dense_replace`` with ``moe_layer_freq`` (DeepSeek-V2/V3, GLM-4.5, Kimi: layer i is
+    MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0, or the list's entry);
+    ``mlp_only_layers`` with ``decoder_sparse_step`` (Qwen2/3-MoE: MoE unless listed, and when
+    (i + 1) % step == 0); ``interleave_moe_layer_step`` (Llama 4: MoE when (i + 1) % step == 0);
+    else every layer is MoE. ValueError when the config has no ``num_hidden_layers``, a per-layer
+    list of another length or a layer index out of range.
+
+    The one place switchyard reads the MoE / dense layer pattern of a config: pass the result as
+    ``moe_layer_freq`` to the importers (routes with every hidden layer on their layer axis, as
+    vLLM and SGLang return them) or to ``moe_layer_indices``."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    if not isinstance(config, dict) and callable(getattr(config, "get_text_config", None)):
+        text = config.get_text_config()
+        get = lambda k, d=None: getattr(text, k, d)  # noqa: E731
+    n = get("num_hidden_layers")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError("[routes.moe_layer_freq_from_config] config.num_hidden_layers must be an "
+                         f"int >= 1, got {n!r}")
+
+    def per_layer(name, values):
+        if len(values) != n:
+            raise ValueError(f"[routes.moe_layer_freq_from_config] config.{name} has {len(values)} "
+                             f"entries, expected num_hidden_layers={n}")
+        return values
+
+    if get("mlp_layer_types") is not None:
+        kinds = per_layer("mlp_layer_types", list(get("mlp_layer_types")))
+        return [1 if str(k).lower() in ("sparse", "moe") else 0 for k in kinds]
+    if isinstance(get("moe_layers"), (list, tuple)):
+        moe = {int(i) for i in get("moe_layers")}
+        if any(i < 0 or i >= n for i in moe):
+            raise ValueError("[routes.moe_layer_freq_from_config] config.moe_layers "
+                             f"{sorted(moe)} names a layer outside [0, num_hidden_layers={n})")
+        return [1 if i in moe else 0 for i in range(n)]
+    if get("first_k_dense_replace") is not None:
+        k = int(get("first_k_dense_replace"))
+        freq = get("moe_layer_freq", 1)
+        if isinstance(freq, (list, tuple)):
+            freq = per_layer("moe_layer_freq", [int(v) for v in freq])
+            return [1 if i >= k and freq[i] else 0 for i in range(n)]
+        return [1 if i >= k and i % int(freq or 1) == 0 else 0 for i in range(n)]
+    if get("mlp_only_layers") is not None or get("decoder_sparse_step") is not None:
+        dense = set(int(i) for i in (get("mlp_only_layers") or ()))
+        step = int(get("decoder_sparse_step") or 1)
+        return [1 if i not in dense and (i + 1) % step == 0 else 0 for i in range(n)]
+    if get("interleave_moe_layer_step") is not None:
+        step = int(get("interleave_moe_layer_step") or 1)
+        return [1 if (i + 1) % step == 0 else 0 for i in range(n)]
+    return [1] * n
 
 
 def parse_moe_layer_freq(text):
