@@ -40,7 +40,7 @@ import warnings
 from . import _switchyard as _C
 
 __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "decode", "import_vllm",
-           "import_vllm_arrays", "import_vllm_response", "from_verl", "to_verl", "layer_targets", "import_sglang",
+           "import_vllm_arrays", "import_vllm_response", "import_vllm_slot_buffer", "from_verl", "to_verl", "layer_targets", "import_sglang",
            "import_sglang_text", "import_trtllm", "import_trtllm_arrays",
            "import_flashinfer_replay", "VllmRouteStream", "moe_layer_indices", "moe_layer_freq_from_config",
            "parse_moe_layer_freq", "drop_padding",
@@ -338,6 +338,53 @@ def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None
                                         _freq(moe_layer_freq), int(num_mtp_layers),
                                         int(num_input_layers), int(top_k), zero_rows,
                                         _invalid_rows(invalid_rows), int(prompt_start))
+
+
+def import_vllm_slot_buffer(buffer, requests, block_size, num_experts, **options):
+    """vLLM's per-KV-slot route buffer (vLLM 0.30's ``RoutedExpertsManager.routed_experts_by_slot``,
+    [num_blocks * block_size, num_hidden_layers, K], uint8 up to 256 experts else uint16, zero
+    where no token was forwarded) -> (tables, report), one table per request.
+
+    ``requests``: one (block_ids, num_tokens) or (block_ids, num_tokens, token_start) per request,
+    as the engine's scheduler holds them: the request's KV blocks of its attention group, the
+    tokens forwarded (``request.num_tokens - 1``: the last sampled token has none) and the rows to
+    skip (``routed_experts_prompt_start``). Token t of a request lives in slot
+    ``block_ids[t // block_size] * block_size + t % block_size`` (prefix-cached tokens share the
+    slots of the request that filled them, so they carry its ids). The gathered rows go through
+    ``import_vllm_arrays`` with ``options`` (the layer map, policies; ``prompt_start`` is taken from
+    each request's token_start). ValueError naming the request when its blocks cannot hold its
+    tokens or a block id is outside the buffer."""
+    import numpy as np
+    buf = buffer.numpy() if hasattr(buffer, "numpy") and not isinstance(buffer, np.ndarray) \
+        else np.asarray(buffer)
+    if buf.ndim != 3:
+        raise ValueError("[routes.import_vllm_slot_buffer] buffer must be [slots, layers, K], got "
+                         f"shape {list(buf.shape)}")
+    if int(block_size) < 1 or buf.shape[0] % int(block_size):
+        raise ValueError(f"[routes.import_vllm_slot_buffer] block_size must be >= 1 and divide "
+                         f"the buffer's {buf.shape[0]} slots, got {block_size}")
+    bs, num_blocks = int(block_size), buf.shape[0] // int(block_size)
+    options.pop("prompt_start", None)
+    tables, report = [], None
+    for i, req in enumerate(requests):
+        blocks, n = np.asarray(req[0], dtype=np.int64), int(req[1])
+        start = int(req[2]) if len(req) > 2 else 0
+        if n < 0 or not 0 <= start <= n or n > blocks.size * bs:
+            raise ValueError(f"[routes.import_vllm_slot_buffer] request {i}: {n} tokens from "
+                             f"token_start {start} do not fit its {blocks.size} blocks of {bs}")
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
+            raise ValueError(f"[routes.import_vllm_slot_buffer] request {i}: block id "
+                             f"{int(blocks.max() if blocks.max() >= num_blocks else blocks.min())}"
+                             f" is outside the buffer's [0, {num_blocks}) blocks")
+        slots = (blocks[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)[start:n]
+        (t,), rep = import_vllm_arrays([buf[slots]], num_experts, prompt_start=start, **options)
+        tables.append(t)
+        if report is None:
+            report = rep
+        else:
+            for k in ("num_sequences", "num_tokens", "num_zero_rows", "num_invalid_rows"):
+                report[k] += rep[k]
+    return tables, report
 
 
 def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_layer_freq=None,

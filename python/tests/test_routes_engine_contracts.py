@@ -69,3 +69,29 @@ def test_a_payload_with_another_layer_count_or_k_is_refused_before_anything_is_s
         syr.import_vllm_arrays([a], E, moe_layer_freq=FREQ + [1], num_input_layers=4)
     with pytest.raises(ValueError, match=r"expected top_k=4, got 2"):
         syr.import_vllm_arrays([a], E, moe_layer_freq=FREQ, top_k=4)
+
+
+def test_the_slot_buffer_dump_gives_each_request_its_tokens_rows_by_kv_block():
+    """vLLM 0.30 keeps routes per KV-cache slot ([blocks * block_size, layers, K], uint8); a request
+    reads its tokens through its block ids, so a prefix-cached block carries the ids of the
+    request that filled it."""
+    bs, blocks = 4, 6
+    buf = np.zeros((blocks * bs, 3, K), np.uint8)
+    a = _payload(10, np.uint8)           # request 0: 9 forwarded tokens in blocks 2, 0, 5
+    b_own = _payload(7, np.uint8)[:2]    # request 1: shares block 2 (4 cached tokens), then block 4
+    for t in range(9):
+        buf[[2, 0, 5][t // bs] * bs + t % bs] = a[t]
+    for t in range(2):
+        buf[4 * bs + t] = b_own[t]
+    tables, rep = syr.import_vllm_slot_buffer(buf, [([2, 0, 5], 9), ([2, 4], 6), ([2, 0, 5], 9, 3)],
+                                              bs, E, moe_layer_freq=FREQ)
+    assert tables[0][:-1].tolist() == a[:, 1:].astype(np.int64).tolist()
+    assert tables[1][:4].tolist() == a[:4, 1:].astype(np.int64).tolist()  # the cached block
+    assert tables[1][4:6].tolist() == b_own[:, 1:].astype(np.int64).tolist()
+    assert (tables[2][:3] == -1).all() and torch.equal(tables[2][3:], tables[0][3:])
+    assert rep["num_sequences"] == 3 and rep["num_zero_rows"] == 0
+    with pytest.raises(ValueError, match=r"request 0: block id 6 is outside the buffer's \[0, 6\)"):
+        syr.import_vllm_slot_buffer(buf, [([6], 3)], bs, E, moe_layer_freq=FREQ)
+    with pytest.raises(ValueError, match=r"request 0: 9 tokens from token_start 0 do not fit its "
+                                         r"2 blocks of 4"):
+        syr.import_vllm_slot_buffer(buf, [([2, 0], 9)], bs, E, moe_layer_freq=FREQ)
