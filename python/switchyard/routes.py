@@ -40,7 +40,8 @@ import warnings
 from . import _switchyard as _C
 
 __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "decode", "import_vllm",
-           "import_vllm_arrays", "import_vllm_response", "import_vllm_slot_buffer", "from_verl", "to_verl", "layer_targets", "import_sglang",
+           "import_vllm_arrays", "import_vllm_response", "import_vllm_slot_buffer",
+           "import_vllm_aux_blocks", "from_verl", "to_verl", "layer_targets", "import_sglang",
            "import_sglang_text", "import_trtllm", "import_trtllm_arrays",
            "import_flashinfer_replay", "VllmRouteStream", "moe_layer_indices", "moe_layer_freq_from_config",
            "parse_moe_layer_freq", "drop_padding",
@@ -385,6 +386,50 @@ def import_vllm_slot_buffer(buffer, requests, block_size, num_experts, **options
             for k in ("num_sequences", "num_tokens", "num_zero_rows", "num_invalid_rows"):
                 report[k] += rep[k]
     return tables, report
+
+
+def import_vllm_aux_blocks(blocks, num_tokens, num_input_layers, top_k, num_experts,
+                           dtype="uint8", token_start=0, **options):
+    """vLLM >= 0.31's aux-output connector payloads of one request -> (tables, report).
+
+    Written from vLLM's source (``vllm/distributed/aux_output_connector``), untested against a
+    live engine (it needs Model Runner V2, which does not run on the CPU: docs/guides/vllm.md).
+    There the capture is stored per full KV hash block under ``vllm-artifact/<namespace>/<block
+    hash hex>``: each object is the C-order bytes of ``[block_size, num_input_layers, top_k]`` ids
+    (uint8 up to 256 experts, else uint16); a request's routes are its blocks' payloads
+    concatenated in block order, the first ``num_tokens`` rows. ``blocks``: those payloads (bytes
+    or numpy arrays), in the request's block order; ``token_start``: rows to skip
+    (``routed_experts_prompt_start``; those tokens get -1 rows). The rows then go through
+    ``import_vllm_arrays`` (layer map and policies in ``options``). ValueError naming the
+    expected and actual contract when a payload's size is not whole rows of that shape and dtype,
+    or the blocks hold fewer than num_tokens rows."""
+    import numpy as np
+    dt = np.dtype(dtype)
+    if dt not in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        raise ValueError("[routes.import_vllm_aux_blocks] dtype must be uint8 or uint16 (the "
+                         f"capturer's output dtype), got {dt.name}")
+    row = int(num_input_layers) * int(top_k) * dt.itemsize
+    if row < 1:
+        raise ValueError("[routes.import_vllm_aux_blocks] num_input_layers and top_k must be >= 1,"
+                         f" got {num_input_layers} and {top_k}")
+    parts = []
+    for i, b in enumerate(blocks):
+        raw = b.tobytes(order="C") if isinstance(b, np.ndarray) else bytes(b)
+        if len(raw) == 0 or len(raw) % row:
+            raise ValueError(f"[routes.import_vllm_aux_blocks] block {i}: {len(raw)} bytes is not "
+                             f"whole rows of [{num_input_layers} layers, top_k {top_k}] {dt.name} "
+                             f"({row} bytes a row)")
+        parts.append(raw)
+    # a bytearray, so the array is writable (torch.from_numpy warns on read-only memory)
+    rows = np.frombuffer(bytearray().join(parts), dtype=dt)
+    rows = rows.reshape(-1, int(num_input_layers), int(top_k))
+    n, start = int(num_tokens), int(token_start)
+    if not 0 <= start <= n <= rows.shape[0]:
+        raise ValueError(f"[routes.import_vllm_aux_blocks] expected {n} token rows from "
+                         f"token_start {start}, the blocks hold {rows.shape[0]}")
+    options.pop("prompt_start", None)
+    return import_vllm_arrays([rows[start:n]], num_experts, num_input_layers=num_input_layers,
+                              top_k=top_k, prompt_start=start, **options)
 
 
 def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_layer_freq=None,

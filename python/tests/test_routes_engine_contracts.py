@@ -95,3 +95,21 @@ def test_the_slot_buffer_dump_gives_each_request_its_tokens_rows_by_kv_block():
     with pytest.raises(ValueError, match=r"request 0: 9 tokens from token_start 0 do not fit its "
                                          r"2 blocks of 4"):
         syr.import_vllm_slot_buffer(buf, [([2, 0], 9)], bs, E, moe_layer_freq=FREQ)
+
+
+def test_the_aux_output_connector_blocks_of_a_request_import_as_its_table():
+    """vLLM >= 0.31 (fixture written from vLLM's source, untested against a live engine): one
+    object per full KV hash block, the C-order bytes of [block_size, layers, K] uint8."""
+    bs = 4
+    a = _payload(9, np.uint8)                                  # 8 routed tokens: 2 full blocks
+    blocks = [a[i:i + bs].tobytes(order="C") for i in range(0, 8, bs)]
+    (t,), rep = syr.import_vllm_aux_blocks(blocks, 8, 3, K, E, moe_layer_freq=FREQ)
+    assert t[:-1].tolist() == a[:, 1:].astype(np.int64).tolist() and (t[-1] == -1).all()
+    (t2,), _ = syr.import_vllm_aux_blocks(blocks, 8, 3, K, E, token_start=2, moe_layer_freq=FREQ)
+    assert (t2[:2] == -1).all() and torch.equal(t2[2:], t[2:])
+    with pytest.raises(ValueError, match=r"block 1: 23 bytes is not whole rows of \[3 layers, "
+                                         r"top_k 2\] uint8 \(6 bytes a row\)"):
+        syr.import_vllm_aux_blocks([blocks[0], blocks[1][:-1]], 8, 3, K, E, moe_layer_freq=FREQ)
+    with pytest.raises(ValueError, match=r"expected 9 token rows from token_start 0, the blocks "
+                                         r"hold 8"):
+        syr.import_vllm_aux_blocks(blocks, 9, 3, K, E, moe_layer_freq=FREQ)
