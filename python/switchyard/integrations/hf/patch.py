@@ -597,12 +597,19 @@ class Patch:
         Raises:
             ValueError: as ``targets_from_vllm``.
         """
-        op = "hf.targets_from_verl"
-        ids = _ids.to_int32(_ids.as_tensor(routed_experts, op, "routed_experts"), op,
-                            "routed_experts")
         m = torch.as_tensor(attention_mask).to("cpu")
-        seqs = syr.drop_padding(ids, m, self.num_experts)
-        tables, report = self.tables_from_vllm([s[:-1] for s in seqs], zero_rows)
+        # verl's layout has one reader, routes.from_verl; the last real token of each row (no
+        # route in the rollout) is masked out there and gets its -1 row back here.
+        real = m != 0
+        has = real.any(dim=1)
+        last = real.shape[1] - 1 - real.flip(1).to(torch.int8).argmax(dim=1)
+        routed = real.clone()
+        routed[has, last[has]] = False
+        tables, report = syr.from_verl(_ids.as_tensor(routed_experts, "hf.targets_from_verl",
+                                                      "routed_experts"), routed, self.num_experts,
+                                       moe_layer_freq=self._layer_freq(), zero_rows=zero_rows)
+        tables = [torch.cat([t, t.new_full((1, *t.shape[1:]), -1)]) if h else t
+                  for t, h in zip(tables, has.tolist())]
         return syr.add_padding(tables, m), report
 
     # ---- capture ----
