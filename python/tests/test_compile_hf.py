@@ -133,6 +133,20 @@ def test_compiled_training_step_with_checkpointing_replays_exactly():
     pe = syhf.patch(eager_model, router_dtype=torch.float32)
     pc = syhf.patch(model, router_dtype=torch.float32)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    # transformers (5.25) records hidden states through a context variable set inside each
+    # decoder layer; dynamo refuses that mutation inside the checkpoint operator unless it may
+    # skip replaying it in the backward. Skipping is right for an output recorder, and replay
+    # itself holds no such side effect: its targets reach the graph as operator inputs, which
+    # the gradient comparison with eager below checks.
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        _checkpoint_steps(eager_model, model, compiled, pe, pc)
+    ce, cc = pe.counts(), pc.counts()
+    for layer in pc.layers:
+        assert cc[layer]["num_replayed_rows"] == ce[layer]["num_replayed_rows"]
+        assert cc[layer]["num_calls"] == ce[layer]["num_calls"] == 2
+
+
+def _checkpoint_steps(eager_model, model, compiled, pe, pc):
     for step, S in enumerate([6, 9]):
         x = tokens(2, S, seed=step)
         t = _targets(pc, 2, S, seed=7 + step)
@@ -148,10 +162,6 @@ def test_compiled_training_step_with_checkpointing_replays_exactly():
                 assert (a.grad - b.grad).abs().max() <= _tol(a.grad) + 1e-7, n
         eager_model.zero_grad()
         model.zero_grad()
-    ce, cc = pe.counts(), pc.counts()
-    for layer in pc.layers:
-        assert cc[layer]["num_replayed_rows"] == ce[layer]["num_replayed_rows"]
-        assert cc[layer]["num_calls"] == ce[layer]["num_calls"] == 2
 
 
 class _Logits(torch.nn.Module):
