@@ -52,11 +52,13 @@ Modules: ``patch`` (apply / remove, version check, PatchReport), ``fixes`` (disp
 ``replay`` (replay inside TopKRouter and its API), ``config`` (TransformerConfig -> switchyard
 options, the dtype map).
 """
+from switchyard.replay import ReplayCounts
+
 from .config import router_config, topk_router, topk_router_kwargs
 from .patch import (SUPPORTED_VERSIONS, TESTED_VERSIONS, PatchReport, apply, is_applied, patched,
                     remove)
-from .replay import (ReplayCounts, attach_replay, clear_replay, detach_replay,
-                     replay_counts, replays, set_replay_action, set_replay_targets)
+from .replay import (attach_replay, clear_replay, detach_replay, replay_counts, replays,
+                     set_replay_action, set_replay_targets)
 
 __all__ = ["apply", "remove", "patched", "is_applied", "PatchReport", "SUPPORTED_VERSIONS",
            "router_config", "topk_router_kwargs", "topk_router",

@@ -4,6 +4,7 @@ and the engine="cpu" gate. See the package docstring."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ import switchyard.torch as _syt
 _ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
 
-def _router_dtype(config):
+def _router_dtype(config: Any) -> torch.dtype | None:
     if config.moe_router_dtype not in _ROUTER_DTYPES:
         raise ValueError("[megatron.router_config] moe_router_dtype must be None, 'fp32' or "
                          f"'fp64', got {config.moe_router_dtype!r}")
@@ -73,7 +74,7 @@ def router_config(config: Any, *, is_mtp_layer: bool = False) -> _sy.RouterConfi
         ValueError: the engine's, naming the switchyard option.
     """
     lb, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
-    kw = {}
+    kw: dict[str, Any] = {}
     if isinstance(lb, (list, tuple)):
         coeffs = coeff if isinstance(coeff, (list, tuple)) else [coeff] * len(lb)
         pairs = [(t, float(c)) for t, c in zip(lb, coeffs) if t != "none"]
@@ -154,19 +155,16 @@ def topk_router(router: Any, **kwargs: Any) -> _syt.TopKRouter:
                         layer_number=router.layer_number, **kw)
     with torch.no_grad():
         s.weight.copy_(router.weight)
-        if s.bias is not None and getattr(router, "bias", None) is not None:
-            s.bias.copy_(router.bias)
-        if s.expert_bias is not None and router.expert_bias is not None:
-            s.expert_bias.copy_(router.expert_bias)
-            s.local_tokens_per_expert.copy_(router.local_tokens_per_expert)
-        if s.qb_beta is not None and getattr(router, "qb_beta", None) is not None:
-            s.qb_beta.copy_(router.qb_beta)
-            s.qb_beta_accum.copy_(router.qb_beta_accum)
-            s.qb_beta_count.copy_(router.qb_beta_count)
+        # Each group of state is copied when both routers hold its first tensor.
+        for group in (("bias",), ("expert_bias", "local_tokens_per_expert"),
+                      ("qb_beta", "qb_beta_accum", "qb_beta_count")):
+            if getattr(s, group[0]) is not None and getattr(router, group[0], None) is not None:
+                for name in group:
+                    getattr(s, name).copy_(getattr(router, name))
     return s
 
 
-def make_engine_gating(orig):
+def make_engine_gating(orig: Callable[..., Any]) -> Callable[..., Any]:
     """The wrapper ``apply()`` installs over Megatron-Core's Router.gating, switchyard's FP32
     gate on CPU tensors of attached routers.
 
@@ -177,7 +175,7 @@ def make_engine_gating(orig):
         The wrapper (functools.wraps of ``orig``).
     """
     @functools.wraps(orig)
-    def gating(self, input):
+    def gating(self: Any, input: torch.Tensor) -> torch.Tensor:
         st = getattr(self, "_sy", None)
         if st is None or input.is_cuda or self.weight.is_cuda:
             return orig(self, input)

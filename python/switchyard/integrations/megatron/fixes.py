@@ -2,15 +2,21 @@
 indexed from the routing map (the all-to-all's dropless output size, DeepEP / NCCL-EP metadata),
 and the MoE layer handing the router's host-known pair count to the dispatcher. Installed by
 ``apply()``; see the package docstring."""
+from __future__ import annotations
+
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
+_Fn = Callable[..., Any]
 
 
 # --------------------------------------------------------------------------------------------------
 # The seed fix: dispatcher sizes from the routing map's counts
 # --------------------------------------------------------------------------------------------------
-def make_a2a_preprocess(orig):
+def make_a2a_preprocess(orig: _Fn) -> _Fn:
     """The wrapper ``apply()`` installs over Megatron-Core's
     MoEAlltoAllTokenDispatcher.preprocess, sized from the routing map's pair count.
 
@@ -21,7 +27,7 @@ def make_a2a_preprocess(orig):
         The wrapper (functools.wraps of ``orig``).
     """
     @functools.wraps(orig)
-    def preprocess(self, routing_map):
+    def preprocess(self: Any, routing_map: torch.Tensor) -> Any:
         num_pairs = getattr(self, "_sy_num_pairs", None)
         self._sy_num_pairs = None
         out = orig(self, routing_map)
@@ -52,7 +58,7 @@ def make_a2a_preprocess(orig):
     return preprocess
 
 
-def make_ep_setup_metadata(orig):
+def make_ep_setup_metadata(orig: _Fn) -> _Fn:
     """The wrapper ``apply()`` installs over Megatron-Core's _DeepepManager /
     _NCCLEPManager.setup_metadata, indices rebuilt from the routing map.
 
@@ -63,7 +69,7 @@ def make_ep_setup_metadata(orig):
         The wrapper (functools.wraps of ``orig``).
     """
     @functools.wraps(orig)
-    def setup_metadata(self, routing_map, probs):
+    def setup_metadata(self: Any, routing_map: torch.Tensor, probs: torch.Tensor) -> None:
         orig(self, routing_map, probs)
         if getattr(self, "drop_and_pad", False):
             return  # padded-to-capacity maps hold more than K entries per row by design
@@ -79,7 +85,7 @@ def make_ep_setup_metadata(orig):
     return setup_metadata
 
 
-def make_layer_route(orig):
+def make_layer_route(orig: _Fn) -> _Fn:
     """The wrapper ``apply()`` installs over Megatron-Core's MoELayer.route, handing the
     router's host-known pair count to the dispatcher.
 
@@ -90,7 +96,8 @@ def make_layer_route(orig):
         The wrapper (functools.wraps of ``orig``).
     """
     @functools.wraps(orig)
-    def route(self, hidden_states, padding_mask=None):
+    def route(self: Any, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         probs, routing_map = orig(self, hidden_states, padding_mask)
         st = getattr(self.router, "_sy", None)
         self.token_dispatcher._sy_num_pairs = None if st is None else st.last_num_pairs

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from .._adapter import check_version, lifecycle
+from .._adapter import lifecycle
+from .._versions import check_version
 from .config import make_engine_gating
 from .fixes import make_a2a_preprocess, make_ep_setup_metadata, make_layer_route
 from .replay import make_checkpoint, make_router_forward, make_router_routing
@@ -24,13 +26,13 @@ TESTED_VERSIONS = ("0.19.2",)
 # --------------------------------------------------------------------------------------------------
 # Version and patch bookkeeping
 # --------------------------------------------------------------------------------------------------
-def _megatron_version():
+def _megatron_version() -> str:
     try:
         from megatron.core import package_info
     except ImportError as e:  # optional dependency
         raise ImportError("[megatron.apply] megatron-core is not installed (pip install "
                           "megatron-core)") from e
-    return package_info.__version__
+    return str(package_info.__version__)
 
 
 @dataclasses.dataclass
@@ -48,16 +50,16 @@ class PatchReport:
     """
     version: str
     """megatron-core's version string."""
-    patched: list
+    patched: list[tuple[str, str]]
     """[(``"module.Class.method"``, why)] of every function wrapped."""
-    skipped: list
+    skipped: list[tuple[str, str]]
     """[(target, why)] of the targets this version lacks."""
-    engine: str
+    engine: str | None
     """The ``engine`` apply() was called with: None or "cpu"."""
     tested: bool = False
     """Whether ``version`` is one of TESTED_VERSIONS."""
 
-    def __str__(self):
+    def __str__(self) -> str:
         lines = [f"switchyard.integrations.megatron on megatron-core {self.version} "
                  f"({'tested' if self.tested else 'supported, not tested'}; "
                  f"engine={self.engine!r}):"]
@@ -78,7 +80,8 @@ def is_applied() -> bool:
     return _LIFE.is_applied
 
 
-def _patch(owner, name, make, report, why):
+def _patch(owner: Any, name: str, make: Callable[[Any], Any], report: PatchReport,
+           why: str) -> None:
     report.patched.append(_LIFE.wrap(owner, name, make, why))
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
 import torch
@@ -19,13 +19,15 @@ from switchyard import _names
 import switchyard.replay as _syr
 import switchyard.torch as _syt
 
-from switchyard.replay import ReplayCounts
+from switchyard.replay import ReplayCounts, ReplayRows
 
 from .._adapter import lifecycle
 from .config import topk_options
 
 _LIFE = lifecycle("megatron")  # patch.apply() / remove() set it
 
+
+_Fn = Callable[..., Any]
 
 Model = Union[torch.nn.Module, "list[torch.nn.Module]"]
 """A Megatron model: one module, or the list of its virtual-pipeline chunks."""
@@ -39,25 +41,26 @@ class _RouterState:
     """What the adapter keeps per router besides the core's queues: the key, the shared
     switchyard.replay.ReplayDriver, options and counts."""
 
-    def __init__(self, key, router, replay, aux_loss_routes, max_pending_backward):
+    def __init__(self, key: Key, router: Any, replay: _sy.RouterReplay, aux_loss_routes: str,
+                 max_pending_backward: int) -> None:
         self.key = key
         self.replay = replay
-        self.driver = None  # set by attach_replay: one driver for the model's routers
-        self.num_experts = router.config.num_moe_experts
-        self.top_k = router.config.moe_router_topk
+        self.driver: Any = None  # set by attach_replay: one driver for the model's routers
+        self.num_experts: int = router.config.num_moe_experts
+        self.top_k: int = router.config.moe_router_topk
         self.aux_loss_routes = aux_loss_routes
         self.max_pending_backward = max_pending_backward
         self.last = ReplayCounts()
         self.total = ReplayCounts()
-        self.last_num_pairs = None
+        self.last_num_pairs: int | None = None
         self.input_requires_grad = False
 
-    def label(self):
+    def label(self) -> str:
         k = self.key
         return f"mtp layer {k[1]}" if isinstance(k, tuple) else f"layer {k}"
 
 
-def _num_pairs(rows, K):
+def _num_pairs(rows: ReplayRows, K: int) -> int:
     """(token, expert) pairs routed: the replayed rows' (merged rows count each id once) plus K
     per natively routed row."""
     return rows.num_pairs + K * rows.num_native
@@ -66,16 +69,16 @@ def _num_pairs(rows, K):
 # One entry per active call of Megatron's tensor_parallel.checkpoint: whether a backward (and so
 # a recompute) will follow it (grad enabled at the call, an input that requires grad, no CUDA-graph
 # capture, where Megatron runs the function without checkpointing).
-_CKPT_STACK = []
+_CKPT_STACK: list[bool] = []
 
 
-def _checkpoint_says():
+def _checkpoint_says() -> bool | None:
     """What the innermost active tensor_parallel.checkpoint calls said (any of them: a backward
     follows), or None outside them (switchyard.replay.will_recompute's ``checkpoint``)."""
     return any(_CKPT_STACK) if _CKPT_STACK else None
 
 
-def make_checkpoint(orig):
+def make_checkpoint(orig: _Fn) -> _Fn:
     """The wrapper ``apply()`` installs over Megatron-Core's tensor_parallel.checkpoint, noting
     whether a recompute will follow the call.
 
@@ -86,7 +89,7 @@ def make_checkpoint(orig):
         The wrapper (functools.wraps of ``orig``).
     """
     @functools.wraps(orig)
-    def checkpoint(function, distribute_saved_activations, *args):
+    def checkpoint(function: _Fn, distribute_saved_activations: bool, *args: Any) -> Any:
         will = torch.is_grad_enabled() and any(torch.is_tensor(a) and a.requires_grad
                                                for a in args)
         if will:
@@ -104,7 +107,7 @@ def make_checkpoint(orig):
     return checkpoint
 
 
-def _ids_for_forward(st, T):
+def _ids_for_forward(st: _RouterState, T: int) -> ReplayRows | None:
     """The ReplayRows this forward replays (None: route natively), from the replay core: queued
     for the recompute when one will follow, taken back when this forward is that recompute."""
     action = st.replay.action
@@ -112,7 +115,7 @@ def _ids_for_forward(st, T):
         return None
     d = st.driver
     if action == "recompute" or (_syr.in_recompute() and torch.is_grad_enabled()):
-        rows = d.take_recompute(st.key, T)  # the engine's FIFO checks T against the table
+        rows: ReplayRows = d.take_recompute(st.key, T)  # the engine's FIFO checks T against the table
         if _syr.will_recompute(checkpoint=_checkpoint_says()):  # a nested checkpoint: queue again
             d.queue_recompute(st.key, rows.ids)
         return rows
@@ -135,7 +138,7 @@ def _ids_for_forward(st, T):
 # --------------------------------------------------------------------------------------------------
 # Router patches
 # --------------------------------------------------------------------------------------------------
-def make_router_forward(orig):
+def make_router_forward(orig: _Fn) -> _Fn:
     """The wrapper ``apply()`` installs over Megatron-Core's TopKRouter.forward, noting the
     attached router's input for replay.
 
@@ -146,7 +149,7 @@ def make_router_forward(orig):
         The wrapper (functools.wraps of ``orig``).
     """
     @functools.wraps(orig)
-    def forward(self, input, padding_mask=None):
+    def forward(self: Any, input: torch.Tensor, padding_mask: torch.Tensor | None = None) -> Any:
         st = getattr(self, "_sy", None)
         if st is not None:
             st.input_requires_grad = bool(input.requires_grad)
@@ -155,14 +158,14 @@ def make_router_forward(orig):
     return forward
 
 
-def _ids_from_map(routing_map, K):
+def _ids_from_map(routing_map: torch.Tensor, K: int) -> torch.Tensor:
     """[T, E] bool with K True per row -> [T, K] ids ascending, without a host sync."""
     E = routing_map.shape[1]
     ar = torch.arange(E, device=routing_map.device, dtype=torch.int64)
     return torch.where(routing_map, ar, E).sort(dim=1).values[:, :K]
 
 
-def _native(self, logits):
+def _native(self: Any, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron's own native routing of this router (any path: fused, sinkhorn, QB)."""
     cfg = self.config
     if self.routing_type == "sinkhorn":
@@ -187,16 +190,18 @@ class _GivenIds:
     nothing is overwritten, and the scatter's backward hands each slot its own gradient). A row
     that repeats an id keeps all its slots; ``_replayed`` adds them up at their experts."""
 
-    def __init__(self, ids):
+    def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids
 
-    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None,
-                        default_compute_topk=None):
+    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
+                        group_topk: int | None = None, default_compute_topk: Any = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         slots = torch.arange(self.ids.shape[1], device=self.ids.device).expand_as(self.ids)
         return scores.gather(1, self.ids), slots
 
 
-def _replayed(self, logits, ids):
+def _replayed(self: Any, logits: torch.Tensor, ids: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(probs [T, E], routing_map [T, E]) at given ids [T, K] with Megatron's score function
     (unfused math: the fused kernel cannot take given ids). A repeated id is one pair whose
     weight is the sum over its slots: the K slot weights are scatter-added into [T, E], so the
@@ -226,7 +231,7 @@ def _replayed(self, logits, ids):
     return probs, routing_map
 
 
-def make_router_routing(orig):
+def make_router_routing(orig: _Fn) -> _Fn:
     """The wrapper ``apply()`` installs over Megatron-Core's TopKRouter.routing, validated keyed
     replay and record on attached routers.
 
@@ -237,7 +242,8 @@ def make_router_routing(orig):
         The wrapper (functools.wraps of ``orig``).
     """
     @functools.wraps(orig)
-    def routing(self, logits, padding_mask=None):
+    def routing(self: Any, logits: torch.Tensor, padding_mask: torch.Tensor | None = None
+                ) -> Any:
         st = getattr(self, "_sy", None)
         if st is None:
             return orig(self, logits, padding_mask)
@@ -259,25 +265,22 @@ def make_router_routing(orig):
         if padding_mask is not None:
             padding_mask = padding_mask.reshape(-1)
         logits = self.apply_z_loss(logits, padding_mask=padding_mask)
-        need_native = tgt is None or tgt.num_native > 0 or action == "record"
-        probs_n = map_n = None
-        if need_native:
-            probs_n, map_n = _native(self, logits)
-        if action == "record" and not _syr.in_recompute():  # a recompute does not record twice
-            st.replay.record(_ids_from_map(map_n, K).to("cpu", torch.int32))
-        if tgt is None:
-            probs, routing_map = probs_n, map_n
+        if tgt is None:  # "record" (_ids_for_forward gives no target then), or no target
+            probs, routing_map = _native(self, logits)
+            if action == "record" and not _syr.in_recompute():  # a recompute records nothing
+                st.replay.record(_ids_from_map(routing_map, K).to("cpu", torch.int32))
             counts = ReplayCounts.of_native(T)
             st.last_num_pairs = T * K
         else:
             dev_ids = tgt.resolved_ids().to(logits.device, torch.int64, non_blocking=True)
             native_rows = (~tgt.replayed).to(logits.device, non_blocking=True)
-            if map_n is not None:  # native rows take the native ids, so weights are defined
-                dev_ids = torch.where(native_rows[:, None], _ids_from_map(map_n, K), dev_ids)
+            native = _native(self, logits) if tgt.num_native > 0 else None
+            if native is not None:  # native rows take the native ids, so weights are defined
+                dev_ids = torch.where(native_rows[:, None], _ids_from_map(native[1], K), dev_ids)
             probs, routing_map = _replayed(self, logits, dev_ids)
-            if map_n is not None:
-                probs = torch.where(native_rows[:, None], probs_n, probs)
-                routing_map = torch.where(native_rows[:, None], map_n, routing_map)
+            if native is not None:
+                probs = torch.where(native_rows[:, None], native[0], probs)
+                routing_map = torch.where(native_rows[:, None], native[1], routing_map)
             counts = ReplayCounts.of_rows(tgt)
             st.last_num_pairs = _num_pairs(tgt, K)
         return _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask,
@@ -285,7 +288,10 @@ def make_router_routing(orig):
     return routing
 
 
-def _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask, seq_length, bsz):
+def _finish(self: Any, st: _RouterState, tgt: ReplayRows | None, logits: torch.Tensor,
+            probs: torch.Tensor, routing_map: torch.Tensor, counts: ReplayCounts,
+            padding_mask: torch.Tensor | None, seq_length: int, bsz: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron's steps after top-k, on the routes used: capacity, aux losses, expert bias."""
     from megatron.core.transformer.moe.moe_utils import (
         apply_router_token_dropping, compute_routing_scores_for_aux_loss)
@@ -320,7 +326,8 @@ def _finish(self, st, tgt, logits, probs, routing_map, counts, padding_mask, seq
     return probs, routing_map
 
 
-def _engine_routing(self, st, tgt, logits, padding_mask):
+def _engine_routing(self: Any, st: _RouterState, tgt: ReplayRows | None, logits: torch.Tensor,
+                    padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU tensors with apply(engine="cpu"): switchyard's topk_route (Megatron's score functions
     and option names mapped; weights differentiable to the logits) for native and replayed rows;
     rows that repeat an id (merged) take Megatron's math at their ids, as on CUDA."""
@@ -366,14 +373,14 @@ def _engine_routing(self, st, tgt, logits, padding_mask):
 # --------------------------------------------------------------------------------------------------
 # Attaching replays to a model
 # --------------------------------------------------------------------------------------------------
-def _routers(model):
+def _routers(model: Model) -> list[Any]:
     from megatron.core.transformer.moe.router import TopKRouter
     modules = model.modules() if isinstance(model, torch.nn.Module) else \
         (m for part in model for m in part.modules())
     return [m for m in modules if isinstance(m, TopKRouter)]
 
 
-def _key(router):
+def _key(router: Any) -> Key:
     if router.layer_number is None:
         raise ValueError("[megatron.attach_replay] a TopKRouter has no layer_number (build the "
                          "model through TransformerLayer, or call set_layer_number)")
@@ -434,7 +441,8 @@ def attach_replay(model: Model, *, invalid_replay_rows: str = "error",
         raise RuntimeError("[megatron.attach_replay] call switchyard.integrations.megatron.apply() "
                            "first")
     routers = _routers(model)
-    out, states = {}, {}
+    out: dict[Key, _sy.RouterReplay] = {}
+    states: dict[Key, _RouterState] = {}
     for r in routers:
         k = _key(r)
         if k in out:
@@ -454,7 +462,8 @@ def attach_replay(model: Model, *, invalid_replay_rows: str = "error",
     chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
     for c in chunks:
         keys = [_key(r) for r in _routers(c)]
-        c._sy_step_hooks = (
+        # (a plain attribute on the module: nn.Module's __setattr__ types it as a submodule)
+        c._sy_step_hooks = (  # type: ignore[assignment]
             c.register_forward_pre_hook(lambda m, a, keys=keys: driver.begin_step(keys)),
             c.register_forward_hook(
                 lambda m, a, out, keys=keys: driver.end_step(
@@ -463,7 +472,7 @@ def attach_replay(model: Model, *, invalid_replay_rows: str = "error",
     return out
 
 
-def _label(k):
+def _label(k: Key) -> str:
     return f"mtp layer {k[1]}" if isinstance(k, tuple) else f"layer {k}"
 
 
@@ -482,8 +491,8 @@ def detach_replay(model: Model) -> None:
             h.remove()
 
 
-def _states(model):
-    out = {}
+def _states(model: Model) -> dict[Key, _RouterState]:
+    out: dict[Key, _RouterState] = {}
     for r in _routers(model):
         st = getattr(r, "_sy", None)
         if st is not None:
