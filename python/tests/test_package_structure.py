@@ -207,7 +207,7 @@ def test_the_allowed_private_uses_still_exist():
 # read them with docstring_style: google). A module joins the list once it is converted.
 GOOGLE_STYLE_MODULES = ("switchyard.replay", "switchyard._engine",
                         "switchyard.integrations._adapter", "switchyard.integrations._versions",
-                        "switchyard.integrations._ranks",
+                        "switchyard.integrations._ranks", "switchyard.dist",
                         "switchyard.integrations.megatron.patch",
                         "switchyard.integrations.megatron.replay",
                         "switchyard.integrations.megatron.config",
