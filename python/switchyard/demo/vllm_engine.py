@@ -109,6 +109,7 @@ class VLLMServer:
         self.names = set(_checkpoint_state(model))
         self.log_path = os.path.join(self.dir, "worker.log")
         self.sync_seconds, self.generate_seconds, self.syncs = [], [], 0
+        self.prompt_tokens = self.cached_tokens = self.sequences = 0
         parent, child = socket.socketpair()
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # vLLM's own packages
         worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
@@ -207,6 +208,9 @@ class VLLMServer:
             lps.append(list(o["logprobs"]))
             routes.append(r.copy())
             cached.append(o["num_cached_tokens"])
+        self.sequences += len(prompts)
+        self.prompt_tokens += sum(len(p) for p in prompts)
+        self.cached_tokens += sum(cached)
         return comps, lps, routes, cached
 
     def session(self, max_new_tokens, temperature, seed):
@@ -227,6 +231,8 @@ class VLLMServer:
         return {"vllm": self.version, "start_seconds": self.start_seconds, "syncs": self.syncs,
                 "sync_seconds_mean": mean(self.sync_seconds),
                 "generate_seconds_mean": mean(self.generate_seconds),
+                "sequences": self.sequences, "prompt_tokens": self.prompt_tokens,
+                "prefix_cached_prompt_tokens": self.cached_tokens,
                 "checkpoint": self.ckpt, "log": self.log_path}
 
 
