@@ -59,15 +59,17 @@ def _venv_of(root):
 
 
 def find_python(explicit: "str | None" = None) -> str:
-    """The vllm side environment's Python: ``explicit`` (--vllm-python), else $SWITCHYARD_VLLM_PYTHON,
-    else the venv ``scripts/env.sh vllm`` makes for the checkout this runs from (found from the
-    current folder or this file's). VLLMUnavailable naming the command that makes it."""
+    """The vllm side environment's Python: ``explicit`` (--vllm-python), else
+    $SWITCHYARD_VLLM_PYTHON, else the venv ``scripts/env.sh vllm`` makes for the checkout this
+    runs from (found from the current folder or this file's). VLLMUnavailable naming the command
+    that makes it."""
     given = explicit or os.environ.get(PYTHON_ENV)
     if given:
         who = "--vllm-python" if explicit else f"${PYTHON_ENV}"
         if not (os.path.isfile(given) and os.access(given, os.X_OK)):
             raise VLLMUnavailable(f"{who}={given!r} is not an executable file (the vllm venv's "
-                                  f"bin/python; `{MAKE_VENV}` makes the venv and prints its folder)")
+                                  f"bin/python; `{MAKE_VENV}` makes the venv and prints its "
+                                  "folder)")
         return given
     roots = _repo_roots()
     if not roots:
@@ -123,9 +125,9 @@ class VLLMServer:
         child.close()
         self.conn = Connection(os.dup(parent.fileno()))
         parent.close()
-        log(f"[demo] vllm: starting the engine ({os.path.basename(os.path.dirname(os.path.dirname(python)))}"
-            f", bf16, routed experts and prefix caching on; 25-60 s on 2 cores; log "
-            f"{self.log_path})")
+        venv_name = os.path.basename(os.path.dirname(os.path.dirname(python)))
+        log(f"[demo] vllm: starting the engine ({venv_name}, bf16, routed experts and prefix "
+            f"caching on; 15-60 s on 2 cores, minutes under load; log {self.log_path})")
         msg = None
         while msg is None:
             if self.conn.poll(10.0):

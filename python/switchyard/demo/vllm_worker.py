@@ -19,7 +19,8 @@ worker sends ``{"ready": True, ...}``; then per request one reply:
   and their routes were computed with the old weights.
 * ``{"op": "close"}``: exits.
 
-A request that fails gets ``{"error": traceback}`` and the worker keeps serving; the parent raises."""
+A request that fails gets ``{"error": traceback}`` and the worker keeps serving; the parent
+raises."""
 import argparse
 import os
 import sys
