@@ -100,6 +100,14 @@ def test_without_replay_the_mismatch_is_measured_and_nothing_is_replayed(tmp_pat
     (r,) = tr.switchyard_records
     assert r["kind"] == "policy" and r["replayed_rows"] == 0 and r["compared_rows"] > 0
     assert r["native_rows"] > r["compared_rows"]
+    # one rank: the counts "over all ranks" are this rank's, its share the largest rank's
+    assert r["world_size"] == 1
+    assert all(r["ranks"][n] == r["ranks"][n + "/max_rank"] == r["ranks"][n + "/min_rank"] ==
+               r[n] for n in ("mismatch_rows", "compared_rows", "native_rows"))
+    (h,) = [h for h in tr.state.log_history if "switchyard/policy/router_mismatch" in h]
+    share = r["mismatch_rows"] / r["compared_rows"]
+    assert h["switchyard/policy/router_mismatch"] == share
+    assert h["switchyard/policy/router_mismatch/max_rank"] == pytest.approx(share, abs=1e-9)
 
 
 def test_r3_in_evaluation_and_with_gradient_accumulation(tmp_path):

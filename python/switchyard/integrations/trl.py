@@ -41,23 +41,40 @@ rows ([left-padded prompt | right-padded completion]; -1 at padding and at each 
 token, which are routed natively), under the keys ``ROLLOUT_ROUTES_KEY`` and (R2) ``R2_ROUTES_KEY``,
 so TRL's shuffling and splitting move them with their sequences.
 
-Metrics (TRL's ``_metrics``, logged with TRL's own; ``kind`` is ``old``, ``ref`` or ``policy``):
+Metrics (TRL's ``_metrics``, logged with TRL's own; ``kind`` is ``old``, ``ref`` or ``policy``).
+At more than one rank (``accelerator.num_processes > 1``) every metric speaks for all ranks, the
+way TRL reduces its own (a masked mean is TRL's ``accelerator.reduce`` of (sum, count)): each
+forward's counts are summed over the ranks before the share is taken, so every rank logs the
+same values:
 
 * ``switchyard/{kind}/router_mismatch``: share of the (token, MoE layer) rows that have a rollout
   route where the expert set the router chooses itself in this forward (its live top-k, also when
   the row is replayed) differs from the rollout's route at that token: the train / rollout router
   mismatch that R3 removes (the replayed rows use the rollout's ids whatever this says; see
   ``replayed_rows``). Routes placed at the wrong tokens show as a large mismatch, never as 0.
-  Absent when there are no rollout routes.
+  Summed mismatch rows over summed compared rows of all ranks. Absent when no rank has rollout
+  routes.
+* ``switchyard/{kind}/router_mismatch/max_rank``: the largest single rank's share (to 1e-9), so
+  one misaligned rank cannot hide in the average (equal to the share at one rank).
 * ``switchyard/{kind}/replayed_rows`` and ``switchyard/{kind}/native_rows``: rows routed with
-  replayed ids / natively in that forward, summed over MoE layers (padding and last tokens are
-  native).
+  replayed ids / natively in that forward, summed over MoE layers and ranks (padding and last
+  tokens are native).
 * ``trainer.switchyard_records``: one dict per forward pass (kind, mode, split ("train" or
   "eval"), global_step, mismatch_rows, used_mismatch_rows, compared_rows, replayed_rows,
-  native_rows, invalid_rows). ``mismatch_rows`` is the router mismatch above (rows of
+  native_rows, invalid_rows: this rank's; ``ranks``: the same counts summed over the ranks, each
+  with its largest and smallest single rank's value under ``name/max_rank`` and
+  ``name/min_rank``, and ``world_size``). ``mismatch_rows`` is the router mismatch above (rows of
   ``compared_rows``); ``used_mismatch_rows`` compares the ids the experts received instead (0
   under R3, the old pass's drift under R2, ``mismatch_rows`` without replay).
   In evaluation TRL prefixes the metrics with ``eval_``.
+
+At more than one rank each log-prob forward first checks that the ranks agree on what is replayed
+(global step, forward kind, split, replay mode, MoE layer set, K, E, whether routes are carried
+and replayed): a disagreement raises the same ValueError on every rank, naming the field and each
+rank's value, instead of a hang or a silent misalignment in a later collective. Both the check
+and the counts' reduction are collectives over the default process group (every rank runs the
+same log-prob forwards in the same order, as TRL does). Layouts tested (docs/guides/trl.md): DDP
+at 2 ranks over gloo on the CPU; accelerate's FSDP does not run on the CPU (it falls back to DDP).
 
 ``trainer.switchyard_patch`` is the policy model's ``hf.Patch``; ``trainer.switchyard_unpatch()``
 restores the original routers of both models, after which the trainer is trl's own.
@@ -65,12 +82,14 @@ restores the original routers of both models, after which the trainer is trl's o
 Not covered: vision-language models (refused with replay), PEFT reference models (the adapter-off
 pass is told from the old pass by order), Liger kernels (their loss runs its own forward: refused).
 """
+import hashlib
 import inspect
 
 import torch
 
 import switchyard.integrations.hf as syhf
 from switchyard import _ids
+from switchyard.integrations import _ranks
 from switchyard.integrations._adapter import TrainerPhase, check_minimum_version
 from switchyard.replay import ReplayCounts
 
@@ -94,15 +113,21 @@ MIN_TRL_VERSION = "1.16.0"
 """Oldest trl release whose GRPOTrainer internals (_generate_single_turn, _tool_call_loop,
 _generate, _generate_and_score_completions, _get_per_token_logps_and_entropies, _compute_loss)
 this subclass was written against."""
-METRIC_NAMES = ("switchyard/{kind}/router_mismatch", "switchyard/{kind}/replayed_rows",
-                "switchyard/{kind}/native_rows")
-"""Metric names, per forward kind (old, ref, policy); floats, logged with TRL's own."""
+METRIC_NAMES = ("switchyard/{kind}/router_mismatch", "switchyard/{kind}/router_mismatch/max_rank",
+                "switchyard/{kind}/replayed_rows", "switchyard/{kind}/native_rows")
+"""Metric names, per forward kind (old, ref, policy); floats over every rank, logged with TRL's
+own."""
 
 _WHO = "[trl.GRPOTrainer]"
 _OP = "trl.GRPOTrainer"
 # Keys of rollout_func's output that TRL reads itself: routes_field must not take one of them.
 _TRL_ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs", "env_mask")
 _INT32_MAX = 2**31 - 1  # an id outside [0, E) for every E: a counted invalid row under "native"
+_COUNTS = ("mismatch_rows", "used_mismatch_rows", "compared_rows", "replayed_rows",
+           "native_rows", "invalid_rows")  # the integer counts of a record, reduced over ranks
+_PPB = 10**9  # a rank's mismatch share travels as an integer count of parts per billion
+_KIND_CODE = {"old": 0, "ref": 1, "policy": 2}
+_MODE_CODE = {None: 0, "R2": 2, "R3": 3}
 _MM_ARGS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask",
             "spatial_shapes", "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids",
             "image_position_ids")
@@ -473,23 +498,24 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **mm)
         given = sorted(k for k in _MM_ARGS if mm.get(k) is not None)
-        if given:
-            raise ValueError(f"{_WHO} multimodal inputs ({given}) are not supported with "
-                             "switchyard")
         if kind == "policy":
             rollout = self._sy_inputs.get(ROLLOUT_ROUTES_KEY)
             r2 = self._sy_inputs.get(R2_ROUTES_KEY)
         else:
             rollout, r2 = self._sy_rollout, None
         mode = self.switchyard_replay
-        target = None
-        if mode == "R3":
-            if rollout is None:
-                raise RuntimeError(f"{_WHO} replay='R3': the {kind} forward's batch carries no "
-                                   f"rollout routes ({ROLLOUT_ROUTES_KEY!r} missing)")
-            target = rollout
-        elif mode == "R2" and kind == "policy":
-            target = r2  # None when TRL ran no old-log-prob pass: the first forward routes
+        target = rollout if mode == "R3" else r2 if mode == "R2" and kind == "policy" else None
+        # R2: None when TRL ran no old-log-prob pass (the first forward routes)
+        multi = self.accelerator.num_processes > 1
+        if multi:
+            # before anything this rank alone could refuse: every rank raises, none waits
+            self._sy_check_ranks(model, kind, mode, rollout, target, given)
+        if given:
+            raise ValueError(f"{_WHO} multimodal inputs ({given}) are not supported with "
+                             "switchyard")
+        if mode == "R3" and rollout is None:
+            raise RuntimeError(f"{_WHO} replay='R3': the {kind} forward's batch carries no "
+                               f"rollout routes ({ROLLOUT_ROUTES_KEY!r} missing)")
         for name, t in (("rollout routes", rollout), ("R2 routes", target)):
             if t is not None and tuple(t.shape[:2]) != tuple(input_ids.shape):
                 raise RuntimeError(f"{_WHO} the {kind} forward's {name} are "
@@ -552,16 +578,46 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 r2 = torch.cat(ids_all).to(torch.int32)
                 r2[~attention_mask.to("cpu").bool()] = -1
                 self._sy_r2 = r2.to(input_ids.device)
+        local = {n: rec[n] for n in _COUNTS}
+        local["mismatch_share_ppb"] = (rec["mismatch_rows"] * _PPB + rec["compared_rows"] // 2) \
+            // rec["compared_rows"] if rec["compared_rows"] else 0
+        rec["world_size"] = self.accelerator.num_processes
+        rec["ranks"] = _ranks.reduce_counts(local) if multi else {
+            n + sfx: v for n, v in local.items()
+            for sfx in ("", _ranks.MAX_RANK_SUFFIX, _ranks.MIN_RANK_SUFFIX)}
         self._sy_log(rec)
         return (torch.cat(logps), torch.cat(ents) if compute_entropy else None,
                 torch.stack(auxs).mean() if compute_aux_loss else None)
 
+    def _sy_check_ranks(self, model, kind, mode, rollout, target, multimodal):
+        """Raises the same ValueError on every rank when the ranks disagree on this log-prob
+        forward (a collective: every rank calls it for each forward, in the same order)."""
+        p = syhf.patch_of(self.accelerator.unwrap_model(model))
+        layers = p.layers if p is not None else []
+        _ranks.check_ranks_agree(f"the routes of the {kind} log-prob forward {_WHO}", dict(
+            global_step=int(self.state.global_step), kind=_KIND_CODE[kind],
+            eval=int(not self.model.training), replay=_MODE_CODE[mode],
+            patched=int(p is not None), moe_layers=len(layers),
+            moe_layer_set=_layer_set_hash(layers), top_k=p.top_k if p is not None else -1,
+            num_experts=p.num_experts if p is not None else -1,
+            rollout_routes=int(rollout is not None), replayed=int(target is not None),
+            multimodal=int(bool(multimodal))))
+
     def _sy_log(self, rec):
+        """Appends one forward's metrics (the counts summed over the ranks in rec["ranks"])."""
         self.switchyard_records.append(rec)
         m = self._metrics[rec["split"]]
-        k = rec["kind"]
-        if rec["compared_rows"]:
-            m[f"switchyard/{k}/router_mismatch"].append(rec["mismatch_rows"] /
-                                                        rec["compared_rows"])
-        m[f"switchyard/{k}/replayed_rows"].append(float(rec["replayed_rows"]))
-        m[f"switchyard/{k}/native_rows"].append(float(rec["native_rows"]))
+        k, tot = rec["kind"], rec["ranks"]
+        if tot["compared_rows"]:
+            m[f"switchyard/{k}/router_mismatch"].append(tot["mismatch_rows"] /
+                                                        tot["compared_rows"])
+            m[f"switchyard/{k}/router_mismatch/max_rank"].append(
+                tot["mismatch_share_ppb" + _ranks.MAX_RANK_SUFFIX] / _PPB)
+        m[f"switchyard/{k}/replayed_rows"].append(float(tot["replayed_rows"]))
+        m[f"switchyard/{k}/native_rows"].append(float(tot["native_rows"]))
+
+
+def _layer_set_hash(layers):
+    """A 62-bit integer that differs between (almost all) different MoE layer sets."""
+    digest = hashlib.blake2b(",".join(map(str, layers)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
