@@ -1,6 +1,8 @@
 """switchyard.integrations.verl at 2 ranks: verl's FSDP engine (fsdp2 over gloo, on the CPU) with
-data parallel 2 ("dp2") and Ulysses sequence parallel 2 ("sp2"), two processes started the way
-torchrun starts them (verl_ranks.py, once per rank; its results are what these tests read).
+data parallel 2 ("dp2") and Ulysses sequence parallel 2 ("sp2"), then verl's Megatron engine
+with expert parallel 2 and what runs of TP 2 + sequence parallel (verl_megatron_ranks.py); two
+processes started the way torchrun starts them (verl_ranks.py, once per rank; its results are
+what these tests read).
 
 Each rank's routes are checked by an observer independent of switchyard's counters: forward
 pre-hooks on every MoE layer's experts module record the ids dispatched, compared with the rows
@@ -190,3 +192,39 @@ def test_after_the_errors_nothing_is_queued_and_the_next_call_replays(ranks, lay
         assert after["observer"]["mismatch"] == 0
         assert after["observer"] == res[layout]["r3_infer"]["observer"]
         assert after["metrics"] == res[layout]["r3_infer"]["metrics"]
+
+
+# ---- verl's Megatron engine (verl_megatron_ranks.py) ------------------------------------------
+def test_megatron_engine_ep2_replays_on_every_rank(ranks):
+    """SwitchyardMegatronEngine from verl's registry, EP 2 (= DP 2) on gloo: each rank holds 4 of
+    the 8 experts and its own sequences; verl's infer_batch (its schedule, BSHD preprocessing,
+    the GPT forward, Megatron's all-to-all dispatcher sized by switchyard's patch) routes every
+    routed token to the given experts (Megatron's routing_map, mismatch 0) and, with replay off,
+    elsewhere; verl's own replay patch is never applied; nothing stays queued."""
+    m0, m1 = (res["megatron"] for res in ranks)
+    assert (m0["ep_size"], m0["ep_rank"], m1["ep_rank"]) == (2, 0, 1)
+    assert m0["dp_size"] == 2 and m0["data"] != m1["data"]
+    assert m0["local_experts"] == [0, 1, 2, 3] and m1["local_experts"] == [4, 5, 6, 7]
+    for m in (m0, m1):
+        assert m["r3"]["replayed"] > 0 and m["r3"]["mismatch"] == 0
+        assert m["off"]["mismatch"] > 0
+        assert m["verl_patch_applied"] is False and m["counts_cleared"] is True
+
+
+def test_megatron_tp2_sequence_parallel_blocker_and_the_part_that_runs(ranks):
+    """TP 2 + sequence parallel: Megatron-Core refuses to build a TransformerLayer on the CPU
+    (torch LayerNorm, without Apex / Transformer Engine, has no SP); the exact error is pinned
+    so that a Megatron release that lifts it shows up here. What runs: the engine, its parallel
+    state TP 2, sets each micro-batch's targets for its TP rank's SP block on Megatron-Core MoE
+    layers built alone, and their routers, gathered over the TP group, took the given routes."""
+    for r, res in enumerate(ranks):
+        m = res["megatron"]
+        assert m["tp2_sp"] == {"type": "AssertionError", "message": "sequence parallel not "
+                               "supported by torch LayerNorm when instantiating TransformerLayer",
+                               "where": "torch_norm.py:50"}
+        t = m["tp2_sp_targets"]
+        assert (t["tp"], t["tp_rank"]) == (2, r)
+        assert t["replayed"] > 0 and t["mismatch"] == 0
+    # each TP rank replayed its own block: together, every routed row once
+    assert sum(res["megatron"]["tp2_sp_targets"]["replayed_here"] for res in ranks) == \
+        ranks[0]["megatron"]["tp2_sp_targets"]["replayed"]

@@ -1,5 +1,6 @@
 """Worker for test_verl_two_ranks.py: verl's FSDP engine (fsdp2, gloo) with switchyard's router
-replay at 2 ranks on the CPU, data parallel 2 ("dp2") and Ulysses sequence parallel 2 ("sp2").
+replay at 2 ranks on the CPU, data parallel 2 ("dp2") and Ulysses sequence parallel 2 ("sp2");
+then verl_megatron_ranks.py's Megatron engine cases ("megatron": EP 2, TP 2 + SP).
 
 Launched once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
 ``python -m torch.distributed.run --nproc_per_node 2 verl_ranks.py OUT_DIR``, torchrun, works
@@ -274,10 +275,14 @@ def main():
         verl_cpu.tiny_qwen3_moe(model_path, num_hidden_layers=NUM_LAYERS)
     dist.barrier()
     result = {"rank": rank, "world": world}
-    for layout in sys.argv[2:] or ("dp2", "sp2"):
+    for layout in sys.argv[2:] or ("dp2", "sp2", "megatron"):
         t = time.perf_counter()
         # an error ends the process (its traceback on stderr); the peer's next collective fails
-        result[layout] = run_layout(layout, model_path, rank, world)
+        if layout == "megatron":  # last: its CPU shims replace torch.cuda functions
+            import verl_megatron_ranks
+            result[layout] = verl_megatron_ranks.run(out_dir, rank)
+        else:
+            result[layout] = run_layout(layout, model_path, rank, world)
         result[layout + "_seconds"] = time.perf_counter() - t
         dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
