@@ -107,7 +107,7 @@ def run(eng, variant, infer, update, routed_rows, steps):
     dt = (time.perf_counter() - t, time.process_time() - c)
     if variant != "verl":  # every routed row of both passes replayed the rollout's ids
         for out in (old, upd):
-            assert sum(out["metrics"]["router_replay/replayed_rows"]) == routed_rows
+            assert out["metrics"]["router_replay/replayed_rows"].aggregate() == routed_rows
     return dt
 
 

@@ -76,8 +76,8 @@ for b, p in enumerate(prompts):
     mismatch += int((seq[r].sort(-1).values != want[r].sort(-1).values.to(seq.dtype)).any(-1).sum())
     total += seq[r].shape[0] * seq.shape[1]
 m = out["metrics"]
-print(f"log-prob pass: {int(sum(m['router_replay/replayed_rows']))} rows replayed, "
-      f"{int(sum(m['router_replay/native_rows']))} native (last tokens); router mismatch vs "
+print(f"log-prob pass: {int(m['router_replay/replayed_rows'].aggregate())} rows replayed, "
+      f"{int(m['router_replay/native_rows'].aggregate())} native (last tokens); router mismatch vs "
       f"rollout {mismatch} of {total}; max |trainer - rollout log-prob| {diff:.2e}")
 assert mismatch == 0
 
@@ -89,5 +89,5 @@ def pg_loss(model_output, data, dp_group=None):  # a stand-in for verl's ppo_los
 with engine.train_mode():
     upd = engine.train_batch(td, loss_function=pg_loss)
 m = upd["metrics"]
-print(f"update: {int(sum(m['router_replay/replayed_rows']))} rows replayed, "
+print(f"update: {int(m['router_replay/replayed_rows'].aggregate())} rows replayed, "
       f"grad_norm {float(m['grad_norm']):.3f}")

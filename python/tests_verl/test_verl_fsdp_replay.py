@@ -136,8 +136,8 @@ def test_r3_log_probs_equal_plain_hf_with_the_same_forced_routes(model_path, use
     assert torch.equal(used[routed_rows].sort(-1).values.to(torch.int64),
                        want[routed_rows].sort(-1).values.to(torch.int64))
     mets = out["metrics"]
-    assert sum(mets["router_replay/replayed_rows"]) == int(routed_rows.sum()) * NUM_LAYERS
-    assert sum(mets["router_replay/native_rows"]) == len(PROMPTS) * NUM_LAYERS  # last tokens
+    assert mets["router_replay/replayed_rows"].aggregate() == int(routed_rows.sum()) * NUM_LAYERS
+    assert mets["router_replay/native_rows"].aggregate() == len(PROMPTS) * NUM_LAYERS  # last tokens
 
     # ...and replay changed the result: verl's own engine (native routing) differs.
     plain = make_engine(model_path, None, use_remove_padding=use_remove_padding)
@@ -170,7 +170,7 @@ def test_r3_update_forward_replays_and_trains(model_path, use_remove_padding):
         out = eng.train_batch(td, loss_function=_loss)
     assert_close_lists(engine_log_probs(out), ref, ATOL)
     routed_rows = int((m & ~last).sum())
-    assert sum(out["metrics"]["router_replay/replayed_rows"]) == routed_rows * NUM_LAYERS
+    assert out["metrics"]["router_replay/replayed_rows"].aggregate() == routed_rows * NUM_LAYERS
     # verl's default activation checkpointing: the last micro-batch's backward recomputed every
     # row it fed with the ids its forward used (switchyard.integrations.hf's recompute queue).
     lens = [len(p) + len(r) for p, r in zip(PROMPTS[2:], RESPONSES[2:])]
@@ -199,7 +199,7 @@ def test_r2_log_prob_pass_returns_its_routes_and_the_update_replays_them(model_p
     assert torch.equal(rec.values().to(torch.int64).sort(-1).values,
                        native.to(torch.int64).sort(-1).values)
     assert_close_lists(engine_log_probs(out), ref, ATOL)
-    assert sum(out["metrics"]["router_replay/recorded_rows"]) == TOKENS * NUM_LAYERS
+    assert out["metrics"]["router_replay/recorded_rows"].aggregate() == TOKENS * NUM_LAYERS
 
     # The trainer merges model_output["routed_experts"] into the batch; the update replays them.
     td, _ = verl_batch(use_remove_padding=use_remove_padding, return_model_output=True)
@@ -207,7 +207,7 @@ def test_r2_log_prob_pass_returns_its_routes_and_the_update_replays_them(model_p
     with eng.train_mode():
         upd = eng.train_batch(td, loss_function=_loss)
     n_rows = TOKENS - len(PROMPTS)  # each sequence's last token: no route in verl's layout
-    assert sum(upd["metrics"]["router_replay/replayed_rows"]) == n_rows * NUM_LAYERS
+    assert upd["metrics"]["router_replay/replayed_rows"].aggregate() == n_rows * NUM_LAYERS
     assert_close_lists(engine_log_probs(upd), engine_log_probs(out), 1e-5)
 
 
@@ -355,7 +355,8 @@ def test_dynamic_batch_size_reorders_sequences_and_routes_together(model_path):
     tu.assign_non_tensor(td, use_dynamic_bsz=True, max_token_len_per_gpu=12)
     with eng.eval_mode():
         out = eng.infer_batch(td)
-    assert len(out["metrics"]["router_replay/replayed_rows"]) > 2  # more, reordered micro-batches
+    # more, reordered micro-batches
+    assert len(out["metrics"]["router_replay/replayed_rows"].values) > 2
     assert_close_lists(engine_log_probs(out), hf_log_probs(model_path, routed)[0], ATOL)
 
     r2 = make_engine(model_path, "switchyard", mode="R2", cache=False)

@@ -63,20 +63,23 @@ def _unpinned_cpu_offload():
 
 
 def init_process_group():
-    # The FSDP engine calls torch.distributed.get_rank() and builds a device mesh: a one-process
-    # gloo group (what torchrun / Ray would set up on a real cluster).
+    # The FSDP engine calls torch.distributed.get_rank() and builds a device mesh: a gloo group of
+    # the processes torchrun (or python/tests_verl/verl_ranks.py) started, from RANK / WORLD_SIZE /
+    # MASTER_ADDR / MASTER_PORT, or else a one-process group (what torchrun / Ray would set up on a
+    # real cluster).
     import torch.distributed as dist
     if dist.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
     os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def tiny_qwen3_moe(path, seed=0, num_hidden_layers=2, **overrides):
@@ -118,9 +121,10 @@ def env(**variables):
 
 
 def engine(model_path, *, use_remove_padding=True, micro_batch_size=2, lr=1e-2, forward_only=False,
-           router_replay_mode=None, gradient_checkpointing=True):
+           router_replay_mode=None, gradient_checkpointing=True, ulysses_sequence_parallel_size=1):
     """verl's language-model engine for ``model_path``, chosen by verl's EngineRegistry (so by
-    VERL_ENGINE_VENDOR), built and initialised: fsdp2, fp32, sdpa attention."""
+    VERL_ENGINE_VENDOR), built and initialised: fsdp2, fp32, sdpa attention; over every process
+    of the group, data parallel (world / ulysses_sequence_parallel_size) x Ulysses SP."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -142,7 +146,8 @@ def engine(model_path, *, use_remove_padding=True, micro_batch_size=2, lr=1e-2, 
         mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
         use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch_size,
         infer_micro_batch_size_per_gpu=micro_batch_size, use_torch_compile=False,
-        use_remove_padding=use_remove_padding, **kw)
+        use_remove_padding=use_remove_padding,
+        ulysses_sequence_parallel_size=ulysses_sequence_parallel_size, **kw)
     optim_config = FSDPOptimizerConfig(lr=lr, lr_warmup_steps=0, total_training_steps=10,
                                        weight_decay=0.0, clip_grad=1e9)
     eng = EngineRegistry.new(model_type="language_model", backend="fsdp2",

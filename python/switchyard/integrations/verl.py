@@ -29,10 +29,25 @@ The reference model's engine (``forward_only``) and calls whose batch says
 (``use_remove_padding=True``, the (1, total_tokens) forward, with verl's static pad routed natively)
 and padded (right-padded [B, max_len]). ``SWITCHYARD_VERL_ROUTER_DTYPE=float32`` also runs the
 routers in fp32 (switchyard.integrations.hf's FP32 router); the default keeps the model's own.
-Per forward, the metrics get ``router_replay/replayed_rows``, ``router_replay/native_rows`` (real
-tokens routed natively: each sequence's last token, all-zero rows; padding not counted) and
-``router_replay/recorded_rows`` (R2's log-prob pass), summed over MoE layers. Not supported (refused when replay is on):
-Ulysses sequence parallelism (untested on CPU).
+
+Ulysses sequence parallelism (``ulysses_sequence_parallel_size`` > 1, packed layout): each SP
+rank's targets are the rows of the packed micro-batch (verl's static pad included) that verl's own
+``ulysses_pad_and_slice_inputs`` gives that rank, SP padding -1 (routed natively, not counted);
+R2's records are gathered over the SP group back into the whole micro-batch. Vision-language
+models under SP (verl slices them after the embedding) are refused with replay on.
+
+More than one rank: every micro-batch, the ranks check they agree (``_ranks.check_ranks_agree``:
+the call's kind and number, the micro-batch's index, the routes' layer count and K and whether
+each rank's routes were valid; over the SP group also the micro-batch's sequences, tokens, the
+rows each rank feeds and a checksum of the routes) and a disagreement, or bad routes on one rank,
+raises a ValueError on every rank before any forward instead of a hang in the next collective.
+Per micro-batch, the metrics get verl ``Metric``s: ``router_replay/replayed_rows``,
+``router_replay/native_rows`` (real tokens routed natively: each sequence's last token, all-zero
+rows; padding not counted) and ``router_replay/recorded_rows`` (R2's log-prob pass), summed over
+MoE layers and over every rank of the engine (``_ranks.reduce_counts``; aggregation "sum", so
+verl's DP aggregation logs the step's total over all ranks), each with ``/max_rank`` and
+``/min_rank`` (aggregation "max" / "min": the largest and smallest single rank's count of a
+micro-batch, so one misaligned rank does not hide in a sum).
 
 With megatron-core installed the same vendor also gives :class:`SwitchyardMegatronEngine` for
 verl's ``megatron`` backend: verl's own router_replay_patch stays off, Megatron-Core is patched by
@@ -46,10 +61,13 @@ import os
 import torch
 
 import switchyard.integrations.hf as syhf
+from switchyard.integrations import _ranks
 from switchyard.integrations._adapter import check_minimum_version
 from switchyard.replay import ReplayCounts
 
 from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
+from verl.utils.ulysses import ulysses_pad_and_slice_inputs
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
@@ -72,6 +90,26 @@ ENV_ROUTER_DTYPE = "SWITCHYARD_VERL_ROUTER_DTYPE"
 another value: ValueError when the engine is built."""
 
 _ROUTER_DTYPES = {"native": None, "float32": torch.float32, "fp32": torch.float32}
+_CALLS = {None: 0, "replay": 1, "record": 2}  # a call's kind, as the ranks compare it
+
+
+def replay_metrics(counts, group=None) -> dict:
+    """``counts`` (name -> this rank's int count of a micro-batch) summed over the ranks of
+    ``group`` (``_ranks.reduce_counts``; a collective), as verl Metrics: the sum with aggregation
+    "sum" (verl averages a "sum" metric over DP ranks, which all hold the same total, then sums
+    the micro-batches: the step's total over every rank) and the per-rank extremes
+    ``name/max_rank`` / ``name/min_rank`` with aggregation "max" / "min"."""
+    reduced = _ranks.reduce_counts(counts, group)
+    out = {}
+    for name, value in reduced.items():
+        if name.endswith(_ranks.MAX_RANK_SUFFIX):
+            agg = AggregationType.MAX
+        elif name.endswith(_ranks.MIN_RANK_SUFFIX):
+            agg = AggregationType.MIN
+        else:
+            agg = AggregationType.SUM
+        out[name] = Metric(aggregation=agg, value=value)
+    return out
 
 
 def _check_version():
@@ -106,8 +144,9 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
 
     Built by verl (same arguments as FSDPEngineWithLMHead). Raises RuntimeError for verl <
     MIN_VERL_VERSION, ValueError for a mode or router dtype outside MODES / ENV_ROUTER_DTYPE's
-    values, and for replay with Ulysses sequence parallelism. The methods below are verl's engine
-    hooks, called by verl."""
+    values, and (at ``initialize()``) for replay on a vision-language model under Ulysses SP or
+    ranks built with different modes. The methods below are verl's engine hooks, called by
+    verl."""
 
     def __init__(self, *args, **kwargs):
         _check_version()
@@ -118,10 +157,6 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         """"R3", "R2" or "disabled" (always "disabled" for a forward-only engine: the reference)."""
         self.router_dtype = _router_dtype()
         """torch.float32, or None (the model's own router dtype), from ENV_ROUTER_DTYPE."""
-        if self.router_replay_mode != "disabled" and self.use_ulysses_sp:
-            raise ValueError("[verl] switchyard router replay does not support Ulysses sequence "
-                             "parallelism yet, got ulysses_sequence_parallel_size="
-                             f"{self.engine_config.ulysses_sequence_parallel_size}")
         self.router_patch = None  # switchyard.integrations.hf.Patch, once the model is built
         """The model's switchyard.integrations.hf.Patch once ``initialize()`` built it (None while
         replay is disabled and the router dtype is the model's own)."""
@@ -129,14 +164,28 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         self._capture = None
         self._packed = True
         self._pad_rows = 0
+        self._total = 0
+        self._calls = 0  # forward_backward_batch calls with the patch on (compared over ranks)
+        self._micro = 0  # the running call's micro-batch index
 
     # ---- the model ----
     def initialize(self):
         """verl's initialize(), then patches the model's MoE routers (hf.patch; its ValueError /
         RuntimeError for a model without a supported router or another transformers)."""
         super().initialize()
+        # every rank of the engine must replay alike (the per-micro-batch checks are collectives)
+        _ranks.check_ranks_agree("the verl engine's router replay setup", {
+            "mode": MODES.index(self.router_replay_mode),
+            "router dtype": 0 if self.router_dtype is None else 1})
         if self.router_replay_mode == "disabled" and self.router_dtype is None:
             return
+        if self.router_replay_mode != "disabled" and self.use_ulysses_sp and hasattr(
+                getattr(self.module, "module", self.module).config, "vision_config"):
+            raise ValueError("[verl] switchyard router replay under Ulysses sequence parallelism "
+                             "serves text models; a vision-language model (sliced after its "
+                             "embedding by verl) is not supported yet, got "
+                             "ulysses_sequence_parallel_size="
+                             f"{self.engine_config.ulysses_sequence_parallel_size}")
         self.router_patch = syhf.patch_of(self.module) or \
             syhf.patch(self.module, router_dtype=self.router_dtype)
 
@@ -153,6 +202,9 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         else:
             call = "replay"
         self._call = call
+        self._micro = 0
+        if self.router_patch is not None:
+            self._calls += 1
         try:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         except BaseException:
@@ -174,21 +226,85 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
     def prepare_model_inputs(self, micro_batch):
         """verl's model inputs; when replaying, the micro-batch's ``routed_experts`` (jagged
         integer [B, tokens, num_hidden_layers, K], the lengths of input_ids) become the forward's
-        targets: ValueError when they are missing, not jagged, of another shape or lengths, not
-        integers, or hold invalid rows (hf.Patch.set_targets), before anything is queued."""
+        targets (this SP rank's rows under Ulysses): ValueError when they are missing, not jagged,
+        of another shape or lengths, not integers, or hold invalid rows (hf.Patch.set_targets),
+        before anything is queued; at more than one rank also when the ranks disagree (on every
+        rank: see the module)."""
         model_inputs, output_args = super().prepare_model_inputs(micro_batch)
-        # rows the forward feeds beyond the real tokens (padded layout, verl's static pad)
-        self._pad_rows = model_inputs["input_ids"].numel() - int(
-            micro_batch["input_ids"].offsets()[-1])
-        if self._call == "replay":
-            targets = self._targets(micro_batch, model_inputs)  # every check before any state
+        if self.router_patch is None:
+            return model_inputs, output_args
+        self._total = int(micro_batch["input_ids"].offsets()[-1])
+        self._packed = model_inputs.get("attention_mask") is None
+        error = None
+        try:
+            rows = self._rows(model_inputs)  # this rank's forward rows -> packed token (-1: pad)
+            # rows the forward feeds beyond the real tokens (padded layout, static and SP pad)
+            self._pad_rows = model_inputs["input_ids"].numel() - (
+                int((rows >= 0).sum()) if rows is not None else self._total)
+            if self._call == "replay":
+                targets = self._targets(micro_batch, model_inputs, rows)
+                self.router_patch.reset_counts()
+                # every row checked, all or nothing queued (forward_backward_batch clears the
+                # queue when the ranks' check below fails)
+                self.router_patch.set_targets(targets)
+        except (ValueError, RuntimeError) as e:  # raised below, after the ranks compared notes
+            error = e
+        try:
+            self._check_ranks(micro_batch, model_inputs, ok=error is None)
+        except ValueError as disagree:
+            if error is not None:
+                raise error from disagree
+            raise
+        if error is not None:
+            raise error
+        self._micro += 1
+        if self._call == "record":
             self.router_patch.reset_counts()
-            self.router_patch.set_targets(targets)
-        elif self._call == "record":
-            self.router_patch.reset_counts()
-            self._packed = model_inputs.get("attention_mask") is None
             self._capture = self.router_patch.capture()
         return model_inputs, output_args
+
+    def _rows(self, model_inputs):
+        """Packed layout: [rows this rank feeds] int64, the packed token each row is (-1: verl's
+        static pad or Ulysses pad), cut by verl's own ulysses_pad_and_slice_inputs under SP. None
+        for the padded layout."""
+        if not self._packed:
+            return None
+        total = self._total
+        glob = torch.arange(total + self._get_packed_pad_size(total)).unsqueeze(0)
+        if self.use_ulysses_sp:
+            glob, _, _ = ulysses_pad_and_slice_inputs(
+                glob, sp_size=self.ulysses_sequence_parallel_size, pad_value=-1)
+        rows = glob[0]
+        rows[rows >= total] = -1
+        if rows.numel() != model_inputs["input_ids"].shape[-1]:
+            raise RuntimeError(f"[verl] switchyard expected the forward to feed {rows.numel()} "
+                               f"rows of the packed micro-batch ({total} tokens), verl feeds "
+                               f"{list(model_inputs['input_ids'].shape)}")
+        return rows
+
+    def _check_ranks(self, micro_batch, model_inputs, ok):
+        """Collective: the ranks agree on the call and the micro-batch (every rank), and the SP
+        ranks on its tokens and routes; ValueError on every rank otherwise."""
+        routed = micro_batch.get("routed_experts", None) if self._call == "replay" else None
+        values = routed.values() if isinstance(routed, torch.Tensor) and routed.is_nested \
+            else None
+        shape = list(values.shape) if values is not None and values.dim() == 3 else [-1, -1, -1]
+        _ranks.check_ranks_agree("the verl micro-batch's routes", {
+            "call kind (0 native, 1 replay, 2 record)": _CALLS[self._call],
+            "call": self._calls, "micro-batch": self._micro,
+            "routes' layers": shape[1], "routes' K": shape[2], "routes valid": int(ok)})
+        if self.use_ulysses_sp:
+            checksum = 0
+            if values is not None and values.numel() and not values.is_floating_point():
+                v = values.reshape(-1).to(torch.int64)
+                w = torch.arange(1, v.numel() + 1, device=v.device, dtype=torch.int64) % 1009
+                checksum = int((v * w).sum())
+            _ranks.check_ranks_agree(
+                "the verl micro-batch across the Ulysses sequence-parallel group", {
+                    "sequences": micro_batch["input_ids"].offsets().numel() - 1,
+                    "tokens": self._total, "forward rows": model_inputs["input_ids"].numel(),
+                    "routes' rows": shape[0], "routes checksum": checksum},
+                group=self.ulysses_parallel_group)
 
     def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
         """verl's model outputs; when recording (R2), plus ``model_output["routed_experts"]``:
@@ -200,19 +316,21 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         return model_output
 
     def forward_step(self, micro_batch, loss_function, forward_only):
-        """verl's forward_step, plus the float metrics router_replay/replayed_rows and
-        router_replay/native_rows (replay) or router_replay/recorded_rows (R2 recording)."""
+        """verl's forward_step, plus the metrics router_replay/replayed_rows and
+        router_replay/native_rows (replay) or router_replay/recorded_rows (R2 recording), summed
+        over the ranks, with their per-rank extremes (``replay_metrics``; a collective)."""
         loss, output = super().forward_step(micro_batch, loss_function, forward_only)
         if self._call is not None:
             c = self.router_patch.replay_counts()  # {layer: ReplayCounts}
             total = ReplayCounts.summed(c.values())
-            m = output.setdefault("metrics", {})
             if self._call == "replay":
-                m["router_replay/replayed_rows"] = float(total.replayed)
-                m["router_replay/native_rows"] = float(
-                    total.native + total.invalid - self._pad_rows * len(c))
+                counts = {"router_replay/replayed_rows": int(total.replayed),
+                          "router_replay/native_rows": int(
+                              total.native + total.invalid - self._pad_rows * len(c))}
             else:
-                m["router_replay/recorded_rows"] = float(total.native - self._pad_rows * len(c))
+                counts = {"router_replay/recorded_rows": int(
+                    total.native - self._pad_rows * len(c))}
+            output.setdefault("metrics", {}).update(replay_metrics(counts))
         return loss, output
 
     def _layout(self, micro_batch):
@@ -223,8 +341,9 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         mask = torch.arange(max_len).unsqueeze(0) < lengths.unsqueeze(1)
         return offsets, lengths, mask
 
-    def _targets(self, micro_batch, model_inputs) -> torch.Tensor:
-        """The micro-batch's routed_experts as replay targets in the forward's token order."""
+    def _targets(self, micro_batch, model_inputs, rows) -> torch.Tensor:
+        """The micro-batch's routed_experts as replay targets in the forward's token order (the
+        rows of this rank: ``rows``, packed layout)."""
         p = self.router_patch
         routed = micro_batch.get("routed_experts", None)
         if routed is None:
@@ -257,11 +376,10 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         dense[mask.to(values.device)] = values
         t, _ = p.targets_from_verl(dense.to("cpu"), mask)  # [B, max_len, M, K], -1 at padding
         ids = model_inputs["input_ids"]
-        if model_inputs.get("attention_mask") is None:  # packed: (1, total + verl's static pad)
+        if rows is not None:  # packed: this rank's rows of (total + static pad [+ SP pad])
             t = t[mask]
-            pad = ids.shape[-1] - total
-            if pad:
-                t = torch.cat([t, t.new_full((pad, *t.shape[1:]), -1)])
+            t = torch.where((rows >= 0)[:, None, None], t[rows.clamp(min=0)], -1) \
+                if t.shape[0] else t.new_full((rows.numel(), *t.shape[1:]), -1)
         if t.shape[0] * (t.shape[1] if t.dim() == 4 else 1) != ids.numel():
             raise ValueError(f"[verl] routed_experts cover {total} tokens but the forward feeds "
                              f"{list(ids.shape)}")
@@ -271,6 +389,11 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         """This forward's routes in verl's layout: jagged int16 [B, tokens, num_hidden_layers, K]."""
         ids = self._capture.ids()  # [b, S, L, K] int32 of the one forward, dense layers 0
         self._stop_capture()
+        if self.use_ulysses_sp:  # each SP rank fed its slice: the whole packed micro-batch
+            parts = [torch.empty_like(ids) for _ in range(self.ulysses_sequence_parallel_size)]
+            torch.distributed.all_gather(parts, ids.contiguous(),
+                                         group=self.ulysses_parallel_group)
+            ids = torch.cat(parts, dim=1)
         offsets, lengths, mask = self._layout(micro_batch)
         total = int(offsets[-1])
         # packed: (1, total + verl's static pad, dropped); padded: [B, max_len]
