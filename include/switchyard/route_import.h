@@ -55,6 +55,10 @@ struct RouteImportOptions {
   int64_t top_k = 0;
   ZeroRowPolicy zero_rows = ZeroRowPolicy::keep;
   ReplayRowPolicy invalid_rows = ReplayRowPolicy::error;
+  /// SGLang only: the element type of the base64 payload, int32 (what SGLang returns today),
+  /// uint8 or uint16 (the narrow widths proposed in sgl-project/sglang#31219). An unsigned id
+  /// never holds -1: a wrapped -1 (255 / 65535) is an id outside [0, E) and refused.
+  DType routed_experts_dtype = DType::int32;
 };
 
 /// The spelling of RouteImportOptions before it was bound to Python under that name.
@@ -64,7 +68,8 @@ using ImportOptions = RouteImportOptions;
 /// std::invalid_argument ("[import] FIELD ... got VALUE") naming the first bad field and its value:
 /// num_experts < 1, num_input_layers < 0, top_k < 0, prompt_start outside [0, 2^24], a negative
 /// first_k_dense or num_mtp_layers, a moe_layer_freq entry other than 0/1, invalid_rows merge (a
-/// table keeps K ids per row) or a policy value outside its enum.
+/// table keeps K ids per row), a policy value outside its enum, or a routed_experts_dtype other
+/// than int32, uint8 or uint16.
 void check_import_options(const RouteImportOptions& options);
 
 /// Counts and findings of an import.

@@ -128,6 +128,15 @@ const char* invalid_policy_name(ReplayRowPolicy p) {
   return "merge";
 }
 
+DType routed_dtype(const std::string& s) {
+  if (s == "int32") return DType::int32;
+  if (s == "uint8") return DType::uint8;
+  if (s == "uint16") return DType::uint16;
+  throw py::value_error(
+      "[routes.import] routed_experts_dtype must be 'int32', 'uint8' or 'uint16', got '" + s +
+      "'");
+}
+
 /// The import options as a Python dict (the constructor's keywords): round trips.
 py::dict options_dict(const RouteImportOptions& o) {
   py::dict d;
@@ -140,6 +149,7 @@ py::dict options_dict(const RouteImportOptions& o) {
   d["zero_rows"] = zero_policy_name(o.zero_rows);
   d["invalid_rows"] = invalid_policy_name(o.invalid_rows);
   d["prompt_start"] = o.prompt_start;
+  d["routed_experts_dtype"] = dtype_name(o.routed_experts_dtype);
   return d;
 }
 
@@ -151,7 +161,8 @@ void bind_import_options(py::module_& m) {
       .def(py::init([](int64_t num_experts, int64_t first_k_dense,
                        const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
                        int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-                       const std::string& invalid_rows, int64_t prompt_start) {
+                       const std::string& invalid_rows, int64_t prompt_start,
+                       const std::string& routed_experts_dtype) {
              O o;
              o.num_experts = num_experts;
              o.layer_map.first_k_dense = first_k_dense;
@@ -162,12 +173,14 @@ void bind_import_options(py::module_& m) {
              o.zero_rows = zero_policy(zero_rows);
              o.invalid_rows = invalid_policy(invalid_rows);
              o.prompt_start = prompt_start;
+             o.routed_experts_dtype = routed_dtype(routed_experts_dtype);
              return o;
            }),
            py::arg("num_experts") = 0, py::arg("first_k_dense") = 0,
            py::arg("moe_layer_freq") = std::vector<int64_t>{}, py::arg("num_mtp_layers") = 0,
            py::arg("num_input_layers") = 0, py::arg("top_k") = 0, py::arg("zero_rows") = "keep",
-           py::arg("invalid_rows") = "error", py::arg("prompt_start") = 0)
+           py::arg("invalid_rows") = "error", py::arg("prompt_start") = 0,
+           py::arg("routed_experts_dtype") = "int32")
       .def_readwrite("num_experts", &O::num_experts)
       .def_property(
           "first_k_dense", [](const O& o) { return o.layer_map.first_k_dense; },
@@ -187,6 +200,9 @@ void bind_import_options(py::module_& m) {
           "invalid_rows", [](const O& o) { return invalid_policy_name(o.invalid_rows); },
           [](O& o, const std::string& v) { o.invalid_rows = invalid_policy(v); })
       .def_readwrite("prompt_start", &O::prompt_start)
+      .def_property(
+          "routed_experts_dtype", [](const O& o) { return dtype_name(o.routed_experts_dtype); },
+          [](O& o, const std::string& v) { o.routed_experts_dtype = routed_dtype(v); })
       .def("as_dict", &options_dict)
       .def("__eq__",
            [](const O& a, const O& b) {

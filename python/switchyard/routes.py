@@ -292,14 +292,16 @@ def _invalid_rows(policy):
 
 
 def _options(num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
-             num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error", prompt_start=0):
+             num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error", prompt_start=0,
+             routed_experts_dtype="int32"):
     """The one place the importers' keyword arguments become the engine's options object
     (``_switchyard.RouteImportOptions``, include/switchyard/route_import.h). Every importer checks
     it in the engine first (``check_import_options``: a ValueError naming the field and its value),
     so the checks are not repeated here."""
     return _C.RouteImportOptions(int(num_experts), int(first_k_dense), _freq(moe_layer_freq),
                                  int(num_mtp_layers), int(num_input_layers), int(top_k),
-                                 str(zero_rows), _invalid_rows(invalid_rows), int(prompt_start))
+                                 str(zero_rows), _invalid_rows(invalid_rows), int(prompt_start),
+                                 str(routed_experts_dtype))
 
 
 def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
@@ -553,27 +555,30 @@ def layer_targets(table, moe_layers, keys, batch_size=None):
 
 def import_sglang(paths, num_experts, num_input_layers, top_k, first_k_dense=0,
                   moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep", invalid_rows="error",
-                  start_len=0):
+                  start_len=0, routed_experts_dtype="int32"):
     """SGLang responses (JSON / JSONL with meta_info.routed_experts, base64) -> (tables, report).
     A response with ``meta_info.routed_experts_start_len`` covers tokens [start_len, seq_len - 1):
     the tokens before it get -1 rows (one row per token); ``start_len`` is used for records
     without that field. OpenAI-compatible /v1/completions and /v1/chat/completions responses
     (``choices[i].sgl_ext.routed_experts``, or ``choices[i].routed_experts`` on older servers) give
     one table per choice; their ``routed_experts_start_len`` is the request's (saved next to the
-    response as a top-level field, else ``start_len``)."""
+    response as a top-level field, else ``start_len``). ``routed_experts_dtype``: the payload's
+    id width, "int32" (SGLang today) or the narrow "uint8" / "uint16" proposed in
+    sgl-project/sglang#31219 (a wrapped -1 is an id outside [0, num_experts) and refused)."""
     return _C.routes_import_sglang([str(p) for p in paths],
                                    _options(num_experts, first_k_dense, moe_layer_freq,
                                             num_mtp_layers, num_input_layers, top_k, zero_rows,
-                                            invalid_rows, start_len))
+                                            invalid_rows, start_len, routed_experts_dtype))
 
 
 def import_sglang_text(text, num_experts, num_input_layers, top_k, first_k_dense=0,
                        moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep",
-                       invalid_rows="error", start_len=0):
+                       invalid_rows="error", start_len=0, routed_experts_dtype="int32"):
     """The same as import_sglang over a string."""
     return _C.routes_import_sglang_text(text, _options(num_experts, first_k_dense, moe_layer_freq,
                                                        num_mtp_layers, num_input_layers, top_k,
-                                                       zero_rows, invalid_rows, start_len))
+                                                       zero_rows, invalid_rows, start_len,
+                                                       routed_experts_dtype))
 
 
 # ---- engine layouts beyond vLLM / SGLang (notes/routes.md, "Engine layouts") ---------------------

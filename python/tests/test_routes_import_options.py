@@ -15,7 +15,7 @@ from switchyard import routes
 
 FIELDS = dict(num_experts=8, first_k_dense=1, moe_layer_freq=[], num_mtp_layers=0,
               num_input_layers=3, top_k=2, zero_rows="to_none", invalid_rows="native",
-              prompt_start=2)
+              prompt_start=2, routed_experts_dtype="uint16")
 
 
 def test_options_round_trip_through_their_fields_and_as_dict():
@@ -35,7 +35,8 @@ def test_options_round_trip_through_their_fields_and_as_dict():
 def test_defaults_are_the_importers_defaults():
     assert _C.RouteImportOptions().as_dict() == dict(
         num_experts=0, first_k_dense=0, moe_layer_freq=[], num_mtp_layers=0, num_input_layers=0,
-        top_k=0, zero_rows="keep", invalid_rows="error", prompt_start=0)
+        top_k=0, zero_rows="keep", invalid_rows="error", prompt_start=0,
+        routed_experts_dtype="int32")
     assert routes._options(8).as_dict() == dict(_C.RouteImportOptions(num_experts=8).as_dict())
 
 
@@ -45,7 +46,8 @@ def test_the_routes_builder_maps_the_keyword_arguments_in_one_place():
                         prompt_start=5)
     assert o.as_dict() == dict(num_experts=8, first_k_dense=1, moe_layer_freq=[0, 1, 1],
                                num_mtp_layers=1, num_input_layers=4, top_k=2, zero_rows="error",
-                               invalid_rows="native", prompt_start=5)
+                               invalid_rows="native", prompt_start=5,
+                               routed_experts_dtype="int32")
     with pytest.warns(DeprecationWarning, match="'native'"):
         assert routes._options(8, invalid_rows="to_none").invalid_rows == "native"
 
@@ -70,7 +72,8 @@ def test_check_import_options_names_the_bad_field_and_its_value(field, value, me
         _C.check_import_options(o)
 
 
-@pytest.mark.parametrize("field,value", [("zero_rows", "drop"), ("invalid_rows", "skip")])
+@pytest.mark.parametrize("field,value", [("zero_rows", "drop"), ("invalid_rows", "skip"),
+                                         ("routed_experts_dtype", "int16")])
 def test_an_unknown_policy_word_is_refused_when_set(field, value):
     with pytest.raises(ValueError, match=rf"{field} must be .*got '{value}'"):
         _C.RouteImportOptions(**{field: value})

@@ -118,6 +118,9 @@ void check_import_options(const RouteImportOptions& opt) {
   const auto z = static_cast<int>(opt.zero_rows);
   if (z > static_cast<int>(ZeroRowPolicy::error))
     fail_arg(kOp, "zero_rows must be keep, to_none or error, got ", z);
+  const DType dt = opt.routed_experts_dtype;
+  if (dt != DType::int32 && dt != DType::uint8 && dt != DType::uint16)
+    fail_arg(kOp, "routed_experts_dtype must be int32, uint8 or uint16, got ", dtype_name(dt));
 }
 
 namespace detail {

@@ -32,17 +32,23 @@ ImportResult import_sglang_payload(const nlohmann::json& value, const std::strin
     fail_arg(kOp, name, ": ", field, ": ", e.what());
   }
   const int64_t row = options.num_input_layers * options.top_k;
-  if (raw.size() % 4 != 0 || (raw.size() / 4) % size_t(row) != 0) {
+  // The id width on the wire: int32 today, uint8 / uint16 as proposed in sgl-project/sglang#31219
+  // (options.routed_experts_dtype; check_import_options admits only these three).
+  const DType dt = options.routed_experts_dtype;
+  const Elem elem = dt == DType::uint8 ? Elem::u1 : dt == DType::uint16 ? Elem::u2 : Elem::i4;
+  const size_t es = elem_size(elem);
+  if (raw.size() % es != 0 || (raw.size() / es) % size_t(row) != 0) {
     fail_arg(kOp, name, ": routed_experts holds ", raw.size(), " bytes, not a whole number of ",
-             "int32 rows of num_input_layers*top_k=", row);
+             dtype_name(dt), " rows of num_input_layers*top_k=", row,
+             " (routed_experts_dtype=", dtype_name(dt), ")");
   }
   if (prompt >= 0 && start > prompt) {
     fail_arg(kOp, name, ": ", start_field, "=", start,
              " is past the prompt (prompt_tokens=", prompt, "); SGLang allows [0, prompt_tokens]");
   }
-  const int64_t rows = static_cast<int64_t>(raw.size() / 4) / row;
+  const int64_t rows = static_cast<int64_t>(raw.size() / es) / row;
   ImportResult part;
-  import_array(raw.data(), Elem::i4, rows, options.num_input_layers, options.top_k, name, options,
+  import_array(raw.data(), elem, rows, options.num_input_layers, options.top_k, name, options,
                part);
   prepend_none_rows(part, start, name, "routed_experts_start_len");
   if (prompt >= 0 && completion >= 0 && prompt + completion != start + rows + 1) {
