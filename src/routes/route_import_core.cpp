@@ -57,12 +57,12 @@ std::vector<int64_t> moe_only_hidden(const LayerMap& map, int64_t layers_in,
 // multiversioning, resolved once at load time): for AVX2 and for the baseline ISA the rest of the
 // library targets. The AVX2 build widens and compares a K = 8 row in one register (uint8 input,
 // one thread: 0.97 -> 1.76 GB/s in bench/py_routes_rl_scale.py).
-#define SY_IMPORT_ROWS_CONTIGUOUS(T)                                                           \
-  __attribute__((target_clones("avx2", "default"))) bool import_rows_contiguous(               \
-      const T* in, int64_t row_elems, int64_t rows, const detail::RowPlan& plan, int32_t* out, \
-      detail::RowFindings& f) {                                                                \
-    return detail::import_rows<T>([&](int64_t r) { return in + r * row_elems; }, rows, plan,   \
-                                  out, f);                                                     \
+#define SY_IMPORT_ROWS_CONTIGUOUS(T)                                                              \
+  __attribute__((target_clones("avx2", "default"))) bool import_rows_contiguous(                  \
+      const T* in, int64_t row_elems, int64_t rows, const detail::RowPlan& plan, int32_t* out,    \
+      detail::RowFindings& f) {                                                                   \
+    return detail::import_rows<T>([&](int64_t r) { return in + r * row_elems; }, rows, plan, out, \
+                                  f);                                                             \
   }
 SY_IMPORT_ROWS_CONTIGUOUS(int8_t)
 SY_IMPORT_ROWS_CONTIGUOUS(uint8_t)
@@ -268,7 +268,6 @@ std::string read_import_file(const std::string& path) {
   return ss.str();
 }
 
-
 // Puts `start` rows of -1 before the last sequence of `result`: the tokens before the engine's
 // first returned route. The report's token count and zero-row positions move with them.
 void prepend_none_rows(ImportResult& result, int64_t start, const std::string& source,
@@ -282,8 +281,8 @@ void prepend_none_rows(ImportResult& result, int64_t start, const std::string& s
   RouteTable& t = result.sequences.back();
   const int64_t T = t.num_tokens(), M = t.num_moe_layers(), K = t.top_k();
   if (static_cast<double>(start + T) * double(M) * double(K) > double(int64_t{1} << 31)) {
-    fail_arg(kOp, source, " (sequence ", seq, "): ", field, "=", start, " plus ", T,
-             " rows of ", M, "x", K, " ids is more than 2^31 ids");
+    fail_arg(kOp, source, " (sequence ", seq, "): ", field, "=", start, " plus ", T, " rows of ", M,
+             "x", K, " ids is more than 2^31 ids");
   }
   RouteTable u = RouteTable::none(start + T, M, K, t.num_experts);
   std::memcpy(u.topk_idx.data<int32_t>() + start * M * K, t.topk_idx.data<int32_t>(),
@@ -337,7 +336,8 @@ std::vector<std::pair<std::string, nlohmann::json>> json_records(std::string_vie
     pos = end + 1;
     if (l.find_first_not_of(" \t\r") == std::string_view::npos) continue;
     json j = json::parse(l.begin(), l.end(), nullptr, false);
-    if (j.is_discarded()) fail_arg(kOp, source, ":", line, ": not valid JSON (nor is the whole file)");
+    if (j.is_discarded())
+      fail_arg(kOp, source, ":", line, ": not valid JSON (nor is the whole file)");
     records.emplace_back(cat(source, ":", line), std::move(j));
   }
   return records;
@@ -551,8 +551,8 @@ std::string base64_encode(std::string_view bytes) {
   return out;
 }
 
-std::string encode_npy(std::string_view descr, const std::vector<int64_t>& shape,
-                       const void* data, size_t nbytes) {
+std::string encode_npy(std::string_view descr, const std::vector<int64_t>& shape, const void* data,
+                       size_t nbytes) {
   std::string header = "{'descr': '" + std::string(descr) + "', 'fortran_order': False, 'shape': (";
   for (size_t d = 0; d < shape.size(); ++d) {
     header += std::to_string(shape[d]) + (shape.size() == 1 || d + 1 < shape.size() ? ", " : "");

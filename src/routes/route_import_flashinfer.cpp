@@ -140,9 +140,9 @@ ImportResult import_flashinfer(const std::vector<std::string>& paths,
   for (size_t i = 0; i < paths.size(); ++i) {
     const std::vector<int64_t> none;
     merge_import(all,
-          import_flashinfer_npy_bytes(read_import_file(paths[i]), paths[i],
-                                      cu_seqlens.empty() ? none : cu_seqlens[i], options),
-          paths[i]);
+                 import_flashinfer_npy_bytes(read_import_file(paths[i]), paths[i],
+                                             cu_seqlens.empty() ? none : cu_seqlens[i], options),
+                 paths[i]);
   }
   return all;
 }

@@ -1,4 +1,5 @@
-// SGLang: JSON / JSONL responses with base64 int32 routes (meta_info, or OpenAI-compatible choices).
+// SGLang: JSON / JSONL responses with base64 int32 routes (meta_info, or OpenAI-compatible
+// choices).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -106,9 +107,9 @@ ImportResult import_sglang_text(std::string_view text, const std::string& source
         const int64_t completion =
             choices.size() == 1 ? loose_count(usage, "completion_tokens") : int64_t{-1};
         merge_import(all,
-              import_sglang_payload(*re, where, field, "routed_experts_start_len", start, prompt,
-                                    completion, options),
-              where);
+                     import_sglang_payload(*re, where, field, "routed_experts_start_len", start,
+                                           prompt, completion, options),
+                     where);
       }
       continue;
     }
@@ -124,10 +125,10 @@ ImportResult import_sglang_text(std::string_view text, const std::string& source
                                      "meta_info.routed_experts_start_len");
     const int64_t prompt = json_count(meta, "prompt_tokens", -1, name, "meta_info.prompt_tokens");
     merge_import(all,
-          import_sglang_payload(meta["routed_experts"], name, "meta_info.routed_experts",
-                                "meta_info.routed_experts_start_len", start, prompt,
-                                loose_count(meta, "completion_tokens"), options),
-          name);
+                 import_sglang_payload(meta["routed_experts"], name, "meta_info.routed_experts",
+                                       "meta_info.routed_experts_start_len", start, prompt,
+                                       loose_count(meta, "completion_tokens"), options),
+                 name);
   }
   return all;
 }

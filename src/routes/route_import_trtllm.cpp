@@ -16,7 +16,6 @@ namespace {
 constexpr const char* kOp = kImportOp;
 }  // namespace
 
-
 ImportResult import_trtllm_arrays(const std::vector<Tensor>& arrays, const ImportOptions& options) {
   check_import_options(options);
   ImportResult r;
@@ -52,7 +51,8 @@ ImportResult import_trtllm_npy_bytes(std::string_view bytes, const std::string& 
 ImportResult import_trtllm(const std::vector<std::string>& paths, const ImportOptions& options) {
   check_import_options(options);
   ImportResult all;
-  for (const auto& p : paths) merge_import(all, import_trtllm_npy_bytes(read_import_file(p), p, options), p);
+  for (const auto& p : paths)
+    merge_import(all, import_trtllm_npy_bytes(read_import_file(p), p, options), p);
   return all;
 }
 

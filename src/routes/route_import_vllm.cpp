@@ -1,9 +1,9 @@
 // vLLM: .npy arrays (files, bytes, memory) and HTTP responses (base64 .npy), told apart by content.
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-
-#include <omp.h>
 
 #include "route_import_core.h"
 #include "switchyard/error.h"
@@ -53,7 +53,8 @@ ImportResult import_vllm_npy_bytes(std::string_view bytes, const std::string& so
 ImportResult import_vllm(const std::vector<std::string>& paths, const ImportOptions& options) {
   check_import_options(options);
   ImportResult all;
-  for (const auto& p : paths) merge_import(all, import_vllm_npy_bytes(read_import_file(p), p, options), p);
+  for (const auto& p : paths)
+    merge_import(all, import_vllm_npy_bytes(read_import_file(p), p, options), p);
   return all;
 }
 
@@ -125,7 +126,8 @@ ImportResult import_vllm_http_text(std::string_view text, const std::string& sou
   for (auto& [name, j] : json_records(text, source)) {
     if (!j.is_object() || !j.contains("choices") || !j["choices"].is_array() ||
         j["choices"].empty()) {
-      fail_arg(kOp, name, ": record has no choices array (a vLLM completion, chat completion or "
+      fail_arg(kOp, name,
+               ": record has no choices array (a vLLM completion, chat completion or "
                "generate response)");
     }
     // The request's routed_experts_prompt_start, where the caller saved it with the response.
@@ -133,8 +135,8 @@ ImportResult import_vllm_http_text(std::string_view text, const std::string& sou
     if (j.contains("sampling_params"))
       start = json_count(j["sampling_params"], "routed_experts_prompt_start", start, name,
                          "sampling_params.routed_experts_prompt_start");
-    start = json_count(j, "routed_experts_prompt_start", start, name,
-                       "routed_experts_prompt_start");
+    start =
+        json_count(j, "routed_experts_prompt_start", start, name, "routed_experts_prompt_start");
     const json& usage = j.contains("usage") ? j["usage"] : json();
     const int64_t prompt = json_count(usage, "prompt_tokens", -1, name, "usage.prompt_tokens");
     if (prompt >= 0 && start > 0 && start >= prompt) {
@@ -148,13 +150,16 @@ ImportResult import_vllm_http_text(std::string_view text, const std::string& sou
       const std::string where = cat(name, " ", field);
       const json& ch = choices[c];
       if (!ch.is_object() || !ch.contains("routed_experts") || ch["routed_experts"].is_null()) {
-        fail_arg(kOp, name, ": ", field, " is missing or null (the server needs "
+        fail_arg(kOp, name, ": ", field,
+                 " is missing or null (the server needs "
                  "--enable-return-routed-experts; null also means the request was aborted before "
                  "any forward pass)");
       }
       if (!ch["routed_experts"].is_string()) {
-        fail_arg(kOp, name, ": ", field, " must be a base64 string of .npy bytes (vLLM >= 0.22), "
-                 "got JSON ", ch["routed_experts"].type_name());
+        fail_arg(kOp, name, ": ", field,
+                 " must be a base64 string of .npy bytes (vLLM >= 0.22), "
+                 "got JSON ",
+                 ch["routed_experts"].type_name());
       }
       ImportOptions o = options;
       o.prompt_start = start;
@@ -165,10 +170,11 @@ ImportResult import_vllm_http_text(std::string_view text, const std::string& sou
             json_count(usage, "completion_tokens", -1, name, "usage.completion_tokens");
         const int64_t covered = part.report.num_tokens;
         if (completion >= 0 && prompt + completion != covered) {
-          part.report.warnings.push_back(cat(where, ": usage.prompt_tokens + completion_tokens = ",
-                                             prompt + completion, " but routed_experts with "
-                                             "prompt_start ", start, " covers ", covered,
-                                             " tokens (is the prompt start right?)"));
+          part.report.warnings.push_back(
+              cat(where, ": usage.prompt_tokens + completion_tokens = ", prompt + completion,
+                  " but routed_experts with "
+                  "prompt_start ",
+                  start, " covers ", covered, " tokens (is the prompt start right?)"));
         }
       }
       merge_import(all, std::move(part), where);
@@ -187,10 +193,10 @@ ImportResult import_vllm_files(const std::vector<std::string>& paths,
     const size_t first = bytes.find_first_not_of(" \t\r\n");
     const bool sse = !npy && first != std::string::npos && bytes.compare(first, 5, "data:") == 0;
     merge_import(all,
-          npy   ? import_vllm_npy_bytes(bytes, p, options)
-          : sse ? import_vllm_stream_text(bytes, p, options)
-                : import_vllm_http_text(bytes, p, options),
-          p);
+                 npy   ? import_vllm_npy_bytes(bytes, p, options)
+                 : sse ? import_vllm_stream_text(bytes, p, options)
+                       : import_vllm_http_text(bytes, p, options),
+                 p);
   }
   return all;
 }
