@@ -178,17 +178,25 @@ def contracts(re, maskb, rep):
     row("vllm http (b64 .npy)", len(resp),
         lambda: routes.import_vllm_response(resp, E, zero_rows="to_none"),
         "json + b64decode + np.load + astype(int32)", numpy_http, rep)
-    # SGLang: meta_info.routed_experts = base64 of flat int32
+    print(f"  {'':<22} {nrows / WALL['vllm http (b64 .npy)'] / 1e6:9.2f} M rows/s (wall)")
+    # SGLang: meta_info.routed_experts = base64 of flat int32 (today) or uint8 / uint16 (proposed
+    # in sgl-project/sglang#31219, read with routed_experts_dtype)
     L, K = seqs[0].shape[1], seqs[0].shape[2]
-    text = "\n".join(json.dumps({"meta_info": {"routed_experts": base64.b64encode(
-        a.astype("<i4").tobytes()).decode()}}) for a in seqs)
+    for wire in ("<i4", "u1", "<u2"):
+        dt = np.dtype(wire)
+        text = "\n".join(json.dumps({"meta_info": {"routed_experts": base64.b64encode(
+            a.astype(dt).tobytes()).decode()}}) for a in seqs)
 
-    def numpy_sglang():
-        return [np.frombuffer(base64.b64decode(json.loads(line)["meta_info"]["routed_experts"]),
-                              "<i4").reshape(-1, L, K) for line in text.splitlines()]
-    row("sglang (b64 int32)", len(text),
-        lambda: routes.import_sglang_text(text, E, L, K, zero_rows="to_none"),
-        "json + b64decode + np.frombuffer", numpy_sglang, rep)
+        def numpy_sglang(text=text, dt=dt):
+            return [np.frombuffer(base64.b64decode(json.loads(line)["meta_info"]["routed_experts"]),
+                                  dt).reshape(-1, L, K).astype(np.int32)
+                    for line in text.splitlines()]
+        name = f"sglang (b64 {dt.name})"
+        row(name, len(text),
+            lambda text=text, dt=dt: routes.import_sglang_text(
+                text, E, L, K, zero_rows="to_none", routed_experts_dtype=dt.name),
+            "json + b64decode + np.frombuffer + astype(int32)", numpy_sglang, rep)
+        print(f"  {'':<22} {nrows / WALL[name] / 1e6:9.2f} M rows/s (wall)")
 
 
 def decode_peak_rss(blob_path):

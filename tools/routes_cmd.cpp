@@ -77,6 +77,7 @@ struct ImportArgs {
   int64_t top_k = 0;
   std::string zero_rows = "keep";
   std::string invalid_rows = "error";
+  std::string routed_experts_dtype = "int32";  // sglang: the payload's id width
   std::vector<std::string> cu_seqlens;  // flashinfer: one list per input
   std::string output;
   int level = 1;
@@ -122,6 +123,9 @@ void run_import(const ImportArgs& a, std::ostream& out, std::ostream& err) {
   opt.zero_rows = a.zero_rows == "none"    ? ZeroRowPolicy::to_none
                   : a.zero_rows == "error" ? ZeroRowPolicy::error
                                            : ZeroRowPolicy::keep;
+  opt.routed_experts_dtype = a.routed_experts_dtype == "uint8"    ? DType::uint8
+                             : a.routed_experts_dtype == "uint16" ? DType::uint16
+                                                                  : DType::int32;
   if (a.format == "sglang" && (a.num_layers < 1 || a.top_k < 1)) {
     throw std::invalid_argument(
         "[routes import] --format sglang needs --num-layers and --top-k "
@@ -693,6 +697,10 @@ void register_routes_commands(CLI::App& app, std::ostream& out, std::ostream& er
                   "Rows that repeat an id or mix -1 with ids: error, or native (store -1: replay "
                   "routes them natively); none is a deprecated spelling of native")
       ->check(CLI::IsMember({"error", "native", "none"}));
+  imp->add_option("--routed-experts-dtype", ia->routed_experts_dtype,
+                  "sglang: the payload's id width, int32 (SGLang today), uint8 or uint16 "
+                  "(proposed in sgl-project/sglang#31219)")
+      ->check(CLI::IsMember({"int32", "uint8", "uint16"}));
   imp->add_option("--cu-seqlens", ia->cu_seqlens,
                   "flashinfer: token offsets of the sequences in the batch (0,5,12), once per "
                   "input; left out, each input is one sequence");

@@ -38,8 +38,9 @@ enum class ZeroRowPolicy : uint8_t {
 // so a merged row could not be stored; keep repeated rows with error/native and replay them with
 // merge. An id outside [-1, num_experts) is refused under every policy.
 
-/// Options of the importers.
-struct ImportOptions {
+/// Options of the importers: one object every importer takes (bound once to Python as
+/// `_switchyard.RouteImportOptions`; switchyard.routes builds it in one place).
+struct RouteImportOptions {
   int64_t num_experts = 0;  ///< E; every id must be -1 or in [0, E)
   LayerMap layer_map;
   /// Tokens of each sequence before its first returned route: vLLM's request parameter
@@ -54,7 +55,22 @@ struct ImportOptions {
   int64_t top_k = 0;
   ZeroRowPolicy zero_rows = ZeroRowPolicy::keep;
   ReplayRowPolicy invalid_rows = ReplayRowPolicy::error;
+  /// SGLang only: the element type of the base64 payload, int32 (what SGLang returns today),
+  /// uint8 or uint16 (the narrow widths proposed in sgl-project/sglang#31219). An unsigned id
+  /// never holds -1: a wrapped -1 (255 / 65535) is an id outside [0, E) and refused.
+  DType routed_experts_dtype = DType::int32;
 };
+
+/// The spelling of RouteImportOptions before it was bound to Python under that name.
+using ImportOptions = RouteImportOptions;
+
+/// Checks every field of `options` (what each importer checks first): throws
+/// std::invalid_argument ("[import] FIELD ... got VALUE") naming the first bad field and its value:
+/// num_experts < 1, num_input_layers < 0, top_k < 0, prompt_start outside [0, 2^24], a negative
+/// first_k_dense or num_mtp_layers, a moe_layer_freq entry other than 0/1, invalid_rows merge (a
+/// table keeps K ids per row), a policy value outside its enum, or a routed_experts_dtype other
+/// than int32, uint8 or uint16.
+void check_import_options(const RouteImportOptions& options);
 
 /// Counts and findings of an import.
 struct ImportReport {
@@ -220,7 +236,7 @@ class VllmRouteStream {
   /// Requests with chunks not yet finished, in order of their first chunk.
   std::vector<std::string> pending() const;
 
-  struct State;  // the requests in flight (route_import.cpp)
+  struct State;  // the requests in flight (route_import_vllm_stream.cpp)
 
  private:
   std::shared_ptr<State> state_;

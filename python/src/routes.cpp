@@ -104,22 +104,121 @@ ReplayRowPolicy invalid_policy(const std::string& s) {
                         "'");
 }
 
-ImportOptions import_options(int64_t num_experts, int64_t first_k_dense,
-                             const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-                             int64_t num_input_layers, int64_t top_k,
-                             const std::string& zero_rows, const std::string& invalid_rows,
-                             int64_t prompt_start = 0) {
-  ImportOptions o;
-  o.prompt_start = prompt_start;
-  o.num_experts = num_experts;
-  o.layer_map.first_k_dense = first_k_dense;
-  o.layer_map.moe_layer_freq = moe_layer_freq;
-  o.layer_map.num_mtp_layers = num_mtp_layers;
-  o.num_input_layers = num_input_layers;
-  o.top_k = top_k;
-  o.zero_rows = zero_policy(zero_rows);
-  o.invalid_rows = invalid_policy(invalid_rows);
-  return o;
+const char* zero_policy_name(ZeroRowPolicy p) {
+  switch (p) {
+    case ZeroRowPolicy::keep:
+      return "keep";
+    case ZeroRowPolicy::to_none:
+      return "to_none";
+    case ZeroRowPolicy::error:
+      break;
+  }
+  return "error";
+}
+
+const char* invalid_policy_name(ReplayRowPolicy p) {
+  switch (p) {
+    case ReplayRowPolicy::error:
+      return "error";
+    case ReplayRowPolicy::native:
+      return "native";
+    case ReplayRowPolicy::merge:
+      break;
+  }
+  return "merge";
+}
+
+DType routed_dtype(const std::string& s) {
+  if (s == "int32") return DType::int32;
+  if (s == "uint8") return DType::uint8;
+  if (s == "uint16") return DType::uint16;
+  throw py::value_error(
+      "[routes.import] routed_experts_dtype must be 'int32', 'uint8' or 'uint16', got '" + s +
+      "'");
+}
+
+/// The import options as a Python dict (the constructor's keywords): round trips.
+py::dict options_dict(const RouteImportOptions& o) {
+  py::dict d;
+  d["num_experts"] = o.num_experts;
+  d["first_k_dense"] = o.layer_map.first_k_dense;
+  d["moe_layer_freq"] = o.layer_map.moe_layer_freq;
+  d["num_mtp_layers"] = o.layer_map.num_mtp_layers;
+  d["num_input_layers"] = o.num_input_layers;
+  d["top_k"] = o.top_k;
+  d["zero_rows"] = zero_policy_name(o.zero_rows);
+  d["invalid_rows"] = invalid_policy_name(o.invalid_rows);
+  d["prompt_start"] = o.prompt_start;
+  d["routed_experts_dtype"] = dtype_name(o.routed_experts_dtype);
+  return d;
+}
+
+/// The one binding of the importers' options (include/switchyard/route_import.h): every import
+/// function and VllmRouteStream take it; switchyard/routes.py builds it in one place.
+void bind_import_options(py::module_& m) {
+  using O = RouteImportOptions;
+  py::class_<O>(m, "RouteImportOptions")
+      .def(py::init([](int64_t num_experts, int64_t first_k_dense,
+                       const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
+                       int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
+                       const std::string& invalid_rows, int64_t prompt_start,
+                       const std::string& routed_experts_dtype) {
+             O o;
+             o.num_experts = num_experts;
+             o.layer_map.first_k_dense = first_k_dense;
+             o.layer_map.moe_layer_freq = moe_layer_freq;
+             o.layer_map.num_mtp_layers = num_mtp_layers;
+             o.num_input_layers = num_input_layers;
+             o.top_k = top_k;
+             o.zero_rows = zero_policy(zero_rows);
+             o.invalid_rows = invalid_policy(invalid_rows);
+             o.prompt_start = prompt_start;
+             o.routed_experts_dtype = routed_dtype(routed_experts_dtype);
+             return o;
+           }),
+           py::arg("num_experts") = 0, py::arg("first_k_dense") = 0,
+           py::arg("moe_layer_freq") = std::vector<int64_t>{}, py::arg("num_mtp_layers") = 0,
+           py::arg("num_input_layers") = 0, py::arg("top_k") = 0, py::arg("zero_rows") = "keep",
+           py::arg("invalid_rows") = "error", py::arg("prompt_start") = 0,
+           py::arg("routed_experts_dtype") = "int32")
+      .def_readwrite("num_experts", &O::num_experts)
+      .def_property(
+          "first_k_dense", [](const O& o) { return o.layer_map.first_k_dense; },
+          [](O& o, int64_t v) { o.layer_map.first_k_dense = v; })
+      .def_property(
+          "moe_layer_freq", [](const O& o) { return o.layer_map.moe_layer_freq; },
+          [](O& o, const std::vector<int64_t>& v) { o.layer_map.moe_layer_freq = v; })
+      .def_property(
+          "num_mtp_layers", [](const O& o) { return o.layer_map.num_mtp_layers; },
+          [](O& o, int64_t v) { o.layer_map.num_mtp_layers = v; })
+      .def_readwrite("num_input_layers", &O::num_input_layers)
+      .def_readwrite("top_k", &O::top_k)
+      .def_property(
+          "zero_rows", [](const O& o) { return zero_policy_name(o.zero_rows); },
+          [](O& o, const std::string& v) { o.zero_rows = zero_policy(v); })
+      .def_property(
+          "invalid_rows", [](const O& o) { return invalid_policy_name(o.invalid_rows); },
+          [](O& o, const std::string& v) { o.invalid_rows = invalid_policy(v); })
+      .def_readwrite("prompt_start", &O::prompt_start)
+      .def_property(
+          "routed_experts_dtype", [](const O& o) { return dtype_name(o.routed_experts_dtype); },
+          [](O& o, const std::string& v) { o.routed_experts_dtype = routed_dtype(v); })
+      .def("as_dict", &options_dict)
+      .def("__eq__",
+           [](const O& a, const O& b) {
+             return options_dict(a).equal(options_dict(b));
+           })
+      .def("__repr__", [](const O& o) {
+        std::string r = "RouteImportOptions(";
+        bool first = true;
+        for (auto item : options_dict(o)) {
+          r += (first ? "" : ", ") + py::str(item.first).cast<std::string>() + "=" +
+               py::repr(item.second).cast<std::string>();
+          first = false;
+        }
+        return r + ")";
+      });
+  m.def("check_import_options", &check_import_options, py::arg("options"));
 }
 
 py::tuple import_result(const ImportResult& r) {
@@ -298,110 +397,60 @@ void bind_routes(py::module_& m) {
     return d;
   }, py::arg("path"), py::arg("max_decoded_bytes") = 0);
 
-  // ---- import ----
-  m.def("routes_import_vllm",
-        [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
-           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           const std::string& invalid_rows, int64_t prompt_start) {
-          return import_result(import_vllm_files(
-              paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                    num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
-        });
-  m.def("routes_import_vllm_arrays",
-        [](const py::sequence& arrays, int64_t num_experts, int64_t first_k_dense,
-           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           const std::string& invalid_rows, int64_t prompt_start) {
-          std::vector<py_bridge::Arg> args;
-          std::vector<Tensor> ts;
-          args.reserve(arrays.size());
-          for (size_t i = 0; i < arrays.size(); ++i) {
-            const std::string name = "arrays[" + std::to_string(i) + "]";
-            args.push_back(py_bridge::borrow(
-                arrays[i], "import", name.c_str(),
-                {DType::int32, DType::int64, DType::uint8, DType::int16, DType::uint16}));
-            ts.push_back(args.back().t);
-          }
-          const ImportOptions o =
-              import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                             num_input_layers, top_k, zero_rows, invalid_rows, prompt_start);
-          ImportResult r;
-          {
-            py::gil_scoped_release nogil;
-            r = import_vllm_arrays(ts, o);
-          }
-          return import_result(r);
-        });
-  m.def("routes_from_verl", [](py::handle routed_experts, py::handle attention_mask,
-                               int64_t num_experts, int64_t first_k_dense,
-                               const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-                               const std::string& zero_rows, const std::string& invalid_rows) {
-    py_bridge::Arg re =
-        py_bridge::borrow(routed_experts, "from_verl", "routed_experts",
-                          {DType::int16, DType::uint16, DType::uint8, DType::int32, DType::int64});
-    py_bridge::Arg am = py_bridge::borrow(attention_mask, "from_verl", "attention_mask");
-    const ImportOptions o = import_options(num_experts, first_k_dense, moe_layer_freq,
-                                           num_mtp_layers, 0, 0, zero_rows, invalid_rows);
+  // ---- import: every importer takes one RouteImportOptions ----
+  bind_import_options(m);
+  m.def("routes_import_vllm", [](const std::vector<std::string>& paths, const ImportOptions& o) {
+    return import_result(import_vllm_files(paths, o));
+  });
+  m.def("routes_import_vllm_arrays", [](const py::sequence& arrays, const ImportOptions& o) {
+    std::vector<py_bridge::Arg> args;
+    std::vector<Tensor> ts;
+    args.reserve(arrays.size());
+    for (size_t i = 0; i < arrays.size(); ++i) {
+      const std::string name = "arrays[" + std::to_string(i) + "]";
+      args.push_back(py_bridge::borrow(
+          arrays[i], "import", name.c_str(),
+          {DType::int32, DType::int64, DType::uint8, DType::int16, DType::uint16}));
+      ts.push_back(args.back().t);
+    }
     ImportResult r;
     {
       py::gil_scoped_release nogil;
-      r = from_verl(re.t, am.t, o);
+      r = import_vllm_arrays(ts, o);
     }
     return import_result(r);
   });
-  m.def("routes_import_sglang",
-        [](const std::vector<std::string>& paths, int64_t num_experts, int64_t first_k_dense,
-           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           const std::string& invalid_rows, int64_t prompt_start) {
-          return import_result(import_sglang(
-              paths, import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                                    num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
+  m.def("routes_from_verl",
+        [](py::handle routed_experts, py::handle attention_mask, const ImportOptions& o) {
+          py_bridge::Arg re = py_bridge::borrow(
+              routed_experts, "from_verl", "routed_experts",
+              {DType::int16, DType::uint16, DType::uint8, DType::int32, DType::int64});
+          py_bridge::Arg am = py_bridge::borrow(attention_mask, "from_verl", "attention_mask");
+          ImportResult r;
+          {
+            py::gil_scoped_release nogil;
+            r = from_verl(re.t, am.t, o);
+          }
+          return import_result(r);
         });
-  m.def("routes_import_sglang_text",
-        [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
-           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           const std::string& invalid_rows, int64_t prompt_start) {
-          return import_result(import_sglang_text(
-              text, "<text>",
-              import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                             num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
-        });
-  // ---- route data from the newest engines (vLLM >= 0.22 HTTP) and verl's batch layout ----
-  m.def("routes_import_vllm_http_text",
-        [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
-           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           const std::string& invalid_rows, int64_t prompt_start) {
-          return import_result(import_vllm_http_text(
-              text, "<text>",
-              import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                             num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
-        });
-  m.def("routes_import_vllm_npy_base64",
-        [](const std::string& text, int64_t num_experts, int64_t first_k_dense,
-           const std::vector<int64_t>& moe_layer_freq, int64_t num_mtp_layers,
-           int64_t num_input_layers, int64_t top_k, const std::string& zero_rows,
-           const std::string& invalid_rows, int64_t prompt_start) {
-          return import_result(import_vllm_npy_base64(
-              text, "routed_experts",
-              import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers,
-                             num_input_layers, top_k, zero_rows, invalid_rows, prompt_start)));
-        });
-  // ---- engine layouts beyond vLLM / SGLang (issue 25) ----
-#define SY_IMPORT_ARGS                                                                   \
-  int64_t num_experts, int64_t first_k_dense, const std::vector<int64_t>&moe_layer_freq, \
-      int64_t num_mtp_layers, int64_t num_input_layers, int64_t top_k,                   \
-      const std::string &zero_rows, const std::string &invalid_rows, int64_t prompt_start
-#define SY_IMPORT_OPTIONS                                                                      \
-  import_options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers, num_input_layers, \
-                 top_k, zero_rows, invalid_rows, prompt_start)
-  m.def("routes_import_trtllm", [](const std::vector<std::string>& paths, SY_IMPORT_ARGS) {
-    return import_result(import_trtllm(paths, SY_IMPORT_OPTIONS));
+  m.def("routes_import_sglang", [](const std::vector<std::string>& paths, const ImportOptions& o) {
+    return import_result(import_sglang(paths, o));
   });
-  m.def("routes_import_trtllm_arrays", [](const py::sequence& arrays, SY_IMPORT_ARGS) {
+  m.def("routes_import_sglang_text", [](const std::string& text, const ImportOptions& o) {
+    return import_result(import_sglang_text(text, "<text>", o));
+  });
+  // ---- route data from the newest engines (vLLM >= 0.22 HTTP) and verl's batch layout ----
+  m.def("routes_import_vllm_http_text", [](const std::string& text, const ImportOptions& o) {
+    return import_result(import_vllm_http_text(text, "<text>", o));
+  });
+  m.def("routes_import_vllm_npy_base64", [](const std::string& text, const ImportOptions& o) {
+    return import_result(import_vllm_npy_base64(text, "routed_experts", o));
+  });
+  // ---- engine layouts beyond vLLM / SGLang (issue 25) ----
+  m.def("routes_import_trtllm", [](const std::vector<std::string>& paths, const ImportOptions& o) {
+    return import_result(import_trtllm(paths, o));
+  });
+  m.def("routes_import_trtllm_arrays", [](const py::sequence& arrays, const ImportOptions& o) {
     std::vector<py_bridge::Arg> args;
     std::vector<Tensor> ts;
     args.reserve(arrays.size());
@@ -411,26 +460,27 @@ void bind_routes(py::module_& m) {
                                        {DType::int32, DType::int64, DType::uint8}));
       ts.push_back(args.back().t);
     }
-    return import_result(import_trtllm_arrays(ts, SY_IMPORT_OPTIONS));
+    return import_result(import_trtllm_arrays(ts, o));
   });
-  m.def("routes_import_flashinfer_replay",
-        [](const py::sequence& layers, const std::vector<int64_t>& cu_seqlens, SY_IMPORT_ARGS) {
-          std::vector<py_bridge::Arg> args;
-          std::vector<Tensor> ts;
-          args.reserve(layers.size());
-          for (size_t i = 0; i < layers.size(); ++i) {
-            const std::string name = "layers[" + std::to_string(i) + "]";
-            args.push_back(py_bridge::borrow(layers[i], "import", name.c_str(),
-                                             {DType::int32, DType::int64, DType::uint8}));
-            ts.push_back(args.back().t);
-          }
-          return import_result(import_flashinfer_replay(ts, cu_seqlens, SY_IMPORT_OPTIONS));
-        });
-  m.def("routes_import_vllm_stream_text", [](const std::string& text, SY_IMPORT_ARGS) {
-    return import_result(import_vllm_stream_text(text, "<text>", SY_IMPORT_OPTIONS));
+  m.def("routes_import_flashinfer_replay", [](const py::sequence& layers,
+                                              const std::vector<int64_t>& cu_seqlens,
+                                              const ImportOptions& o) {
+    std::vector<py_bridge::Arg> args;
+    std::vector<Tensor> ts;
+    args.reserve(layers.size());
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const std::string name = "layers[" + std::to_string(i) + "]";
+      args.push_back(py_bridge::borrow(layers[i], "import", name.c_str(),
+                                       {DType::int32, DType::int64, DType::uint8}));
+      ts.push_back(args.back().t);
+    }
+    return import_result(import_flashinfer_replay(ts, cu_seqlens, o));
+  });
+  m.def("routes_import_vllm_stream_text", [](const std::string& text, const ImportOptions& o) {
+    return import_result(import_vllm_stream_text(text, "<text>", o));
   });
   py::class_<VllmRouteStream>(m, "VllmRouteStream")
-      .def(py::init([](SY_IMPORT_ARGS) { return VllmRouteStream(SY_IMPORT_OPTIONS); }))
+      .def(py::init([](const ImportOptions& o) { return VllmRouteStream(o); }), py::arg("options"))
       .def("add",
            [](VllmRouteStream& s, const std::string& id, py::handle routes, int64_t start,
               int64_t new_tokens, int64_t prompt_tokens) {
@@ -449,8 +499,6 @@ void bind_routes(py::module_& m) {
       .def("finish",
            [](VllmRouteStream& s, const std::string& id) { return import_result(s.finish(id)); })
       .def("pending", &VllmRouteStream::pending);
-#undef SY_IMPORT_OPTIONS
-#undef SY_IMPORT_ARGS
   m.def("routes_to_verl",
         [](const py::sequence& tables, int64_t num_experts, const std::vector<int64_t>& moe_layers,
            int64_t num_hidden_layers, py::object attention_mask, const std::string& padding_side,

@@ -286,9 +286,22 @@ def _invalid_rows(policy):
     if policy == "to_none":
         warnings.warn("invalid_rows='to_none' is deprecated, spell it 'native' (the same meaning: "
                       "the row is stored as -1 and replay routes it natively)", DeprecationWarning,
-                      stacklevel=3)
+                      stacklevel=4)
         return "native"
     return policy
+
+
+def _options(num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
+             num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error", prompt_start=0,
+             routed_experts_dtype="int32"):
+    """The one place the importers' keyword arguments become the engine's options object
+    (``_switchyard.RouteImportOptions``, include/switchyard/route_import.h). Every importer checks
+    it in the engine first (``check_import_options``: a ValueError naming the field and its value),
+    so the checks are not repeated here."""
+    return _C.RouteImportOptions(int(num_experts), int(first_k_dense), _freq(moe_layer_freq),
+                                 int(num_mtp_layers), int(num_input_layers), int(top_k),
+                                 str(zero_rows), _invalid_rows(invalid_rows), int(prompt_start),
+                                 str(routed_experts_dtype))
 
 
 def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
@@ -304,10 +317,10 @@ def import_vllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_mt
     Returns (tables, report): one int32 tensor [seq_len, moe_layers, K] per sequence (-1 = no
     route) and a dict of counts; options (layer map, zero_rows, invalid_rows, prompt_start) as in
     the module docstring."""
-    return _C.routes_import_vllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
-                                 _freq(moe_layer_freq), int(num_mtp_layers),
-                                 int(num_input_layers), int(top_k), zero_rows,
-                                 _invalid_rows(invalid_rows), int(prompt_start))
+    return _C.routes_import_vllm([str(p) for p in paths],
+                                 _options(num_experts, first_k_dense, moe_layer_freq,
+                                          num_mtp_layers, num_input_layers, top_k, zero_rows,
+                                          invalid_rows, prompt_start))
 
 
 def import_vllm_response(response, num_experts, first_k_dense=0, moe_layer_freq=None,
@@ -323,11 +336,10 @@ def import_vllm_response(response, num_experts, first_k_dense=0, moe_layer_freq=
     route) and a dict of counts; options (layer map, zero_rows, invalid_rows, prompt_start) as in
     the module docstring."""
     import json
-    args = (int(num_experts), int(first_k_dense), _freq(moe_layer_freq), int(num_mtp_layers),
-            int(num_input_layers), int(top_k), zero_rows, _invalid_rows(invalid_rows),
-            int(prompt_start))
+    o = _options(num_experts, first_k_dense, moe_layer_freq, num_mtp_layers, num_input_layers,
+                 top_k, zero_rows, invalid_rows, prompt_start)
     if isinstance(response, (dict, list, tuple)):
-        return _C.routes_import_vllm_http_text(json.dumps(response), *args)
+        return _C.routes_import_vllm_http_text(json.dumps(response), o)
     if isinstance(response, (bytes, bytearray)):
         response = bytes(response).decode()
     if not isinstance(response, str):
@@ -335,10 +347,10 @@ def import_vllm_response(response, num_experts, first_k_dense=0, moe_layer_freq=
                          f"or a base64 routed_experts string, got {type(response).__name__}")
     head = response.lstrip()
     if head[:1] in ("{", "["):
-        return _C.routes_import_vllm_http_text(response, *args)
+        return _C.routes_import_vllm_http_text(response, o)
     if not head or head.startswith("data:"):  # a recorded stream (empty: nothing recorded)
-        return _C.routes_import_vllm_stream_text(response, *args)
-    return _C.routes_import_vllm_npy_base64(response, *args)
+        return _C.routes_import_vllm_stream_text(response, o)
+    return _C.routes_import_vllm_npy_base64(response, o)
 
 
 def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None,
@@ -361,10 +373,9 @@ def import_vllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None
         if t.dtype not in _ENGINE_ID_DTYPES and t.dtype != torch.int64:
             t = _ids.to_int32(t, "import", f"arrays[{i}]")
         ts.append(t.contiguous())
-    return _C.routes_import_vllm_arrays(ts, int(num_experts), int(first_k_dense),
-                                        _freq(moe_layer_freq), int(num_mtp_layers),
-                                        int(num_input_layers), int(top_k), zero_rows,
-                                        _invalid_rows(invalid_rows), int(prompt_start))
+    return _C.routes_import_vllm_arrays(ts, _options(num_experts, first_k_dense, moe_layer_freq,
+                                                     num_mtp_layers, num_input_layers, top_k,
+                                                     zero_rows, invalid_rows, prompt_start))
 
 
 def import_vllm_slot_buffer(buffer, requests, block_size, num_experts, **options):
@@ -484,9 +495,10 @@ def from_verl(routed_experts, attention_mask, num_experts, first_k_dense=0, moe_
         ids = ids.to(torch.int32)
     # One engine call for the batch: padding dropped by the mask, MoE layers kept, every row
     # checked (drop_padding + the vLLM importer's rules, without its appended last-token row).
-    return _C.routes_from_verl(ids.contiguous(), attention_mask, int(num_experts),
-                               int(first_k_dense), _freq(moe_layer_freq), int(num_mtp_layers),
-                               zero_rows, _invalid_rows(invalid_rows))
+    return _C.routes_from_verl(ids.contiguous(), attention_mask,
+                               _options(num_experts, first_k_dense, moe_layer_freq,
+                                        num_mtp_layers, zero_rows=zero_rows,
+                                        invalid_rows=invalid_rows))
 
 
 def to_verl(tables, moe_layers, num_hidden_layers, attention_mask=None, padding_side="left",
@@ -543,28 +555,30 @@ def layer_targets(table, moe_layers, keys, batch_size=None):
 
 def import_sglang(paths, num_experts, num_input_layers, top_k, first_k_dense=0,
                   moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep", invalid_rows="error",
-                  start_len=0):
+                  start_len=0, routed_experts_dtype="int32"):
     """SGLang responses (JSON / JSONL with meta_info.routed_experts, base64) -> (tables, report).
     A response with ``meta_info.routed_experts_start_len`` covers tokens [start_len, seq_len - 1):
     the tokens before it get -1 rows (one row per token); ``start_len`` is used for records
     without that field. OpenAI-compatible /v1/completions and /v1/chat/completions responses
     (``choices[i].sgl_ext.routed_experts``, or ``choices[i].routed_experts`` on older servers) give
     one table per choice; their ``routed_experts_start_len`` is the request's (saved next to the
-    response as a top-level field, else ``start_len``)."""
-    return _C.routes_import_sglang([str(p) for p in paths], int(num_experts), int(first_k_dense),
-                                   _freq(moe_layer_freq), int(num_mtp_layers),
-                                   int(num_input_layers), int(top_k), zero_rows, _invalid_rows(invalid_rows),
-                                   int(start_len))
+    response as a top-level field, else ``start_len``). ``routed_experts_dtype``: the payload's
+    id width, "int32" (SGLang today) or the narrow "uint8" / "uint16" proposed in
+    sgl-project/sglang#31219 (a wrapped -1 is an id outside [0, num_experts) and refused)."""
+    return _C.routes_import_sglang([str(p) for p in paths],
+                                   _options(num_experts, first_k_dense, moe_layer_freq,
+                                            num_mtp_layers, num_input_layers, top_k, zero_rows,
+                                            invalid_rows, start_len, routed_experts_dtype))
 
 
 def import_sglang_text(text, num_experts, num_input_layers, top_k, first_k_dense=0,
                        moe_layer_freq=None, num_mtp_layers=0, zero_rows="keep",
-                       invalid_rows="error", start_len=0):
+                       invalid_rows="error", start_len=0, routed_experts_dtype="int32"):
     """The same as import_sglang over a string."""
-    return _C.routes_import_sglang_text(text, int(num_experts), int(first_k_dense),
-                                        _freq(moe_layer_freq), int(num_mtp_layers),
-                                        int(num_input_layers), int(top_k), zero_rows,
-                                        _invalid_rows(invalid_rows), int(start_len))
+    return _C.routes_import_sglang_text(text, _options(num_experts, first_k_dense, moe_layer_freq,
+                                                       num_mtp_layers, num_input_layers, top_k,
+                                                       zero_rows, invalid_rows, start_len,
+                                                       routed_experts_dtype))
 
 
 # ---- engine layouts beyond vLLM / SGLang (notes/routes.md, "Engine layouts") ---------------------
@@ -587,10 +601,10 @@ def import_trtllm(paths, num_experts, first_k_dense=0, moe_layer_freq=None, num_
     the layer axis holds only MoE layers, so nothing is dropped; the layer map (first_k_dense or
     moe_layer_freq) only names each column's hidden layer (report["moe_layers"]), and
     num_mtp_layers trailing columns are left out. A -1 row is appended for the last token."""
-    return _C.routes_import_trtllm([str(p) for p in paths], int(num_experts), int(first_k_dense),
-                                   _freq(moe_layer_freq), int(num_mtp_layers),
-                                   int(num_input_layers), int(top_k), zero_rows, _invalid_rows(invalid_rows),
-                                   int(prompt_start))
+    return _C.routes_import_trtllm([str(p) for p in paths],
+                                   _options(num_experts, first_k_dense, moe_layer_freq,
+                                            num_mtp_layers, num_input_layers, top_k, zero_rows,
+                                            invalid_rows, prompt_start))
 
 
 def import_trtllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=None,
@@ -599,10 +613,10 @@ def import_trtllm_arrays(arrays, num_experts, first_k_dense=0, moe_layer_freq=No
     """The same as import_trtllm over arrays in memory (torch or numpy, any integer dtype; int16
     is widened), e.g. ``[o.routed_experts for o in request_output.outputs]``."""
     ts = [_widened(a, f"arrays[{i}]") for i, a in enumerate(arrays)]
-    return _C.routes_import_trtllm_arrays(ts, int(num_experts), int(first_k_dense),
-                                          _freq(moe_layer_freq), int(num_mtp_layers),
-                                          int(num_input_layers), int(top_k), zero_rows,
-                                          _invalid_rows(invalid_rows), int(prompt_start))
+    return _C.routes_import_trtllm_arrays(ts, _options(num_experts, first_k_dense,
+                                                       moe_layer_freq, num_mtp_layers,
+                                                       num_input_layers, top_k, zero_rows,
+                                                       invalid_rows, prompt_start))
 
 
 def import_flashinfer_replay(layers, cu_seqlens, num_experts, first_k_dense=0,
@@ -621,9 +635,10 @@ def import_flashinfer_replay(layers, cu_seqlens, num_experts, first_k_dense=0,
         layers = list(layers.unbind(0))
     ts = [_widened(a, f"layers[{i}]") for i, a in enumerate(layers)]
     cu = [int(v) for v in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
-    return _C.routes_import_flashinfer_replay(ts, cu, int(num_experts), int(first_k_dense),
-                                              _freq(moe_layer_freq), int(num_mtp_layers),
-                                              len(ts), int(top_k), zero_rows, _invalid_rows(invalid_rows), 0)
+    return _C.routes_import_flashinfer_replay(ts, cu, _options(num_experts, first_k_dense,
+                                                               moe_layer_freq, num_mtp_layers,
+                                                               len(ts), top_k, zero_rows,
+                                                               invalid_rows))
 
 
 class VllmRouteStream:
@@ -647,9 +662,9 @@ class VllmRouteStream:
     def __init__(self, num_experts, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0,
                  num_input_layers=0, top_k=0, zero_rows="keep", invalid_rows="error",
                  prompt_start=0):
-        self._s = _C.VllmRouteStream(int(num_experts), int(first_k_dense), _freq(moe_layer_freq),
-                                     int(num_mtp_layers), int(num_input_layers), int(top_k),
-                                     zero_rows, _invalid_rows(invalid_rows), int(prompt_start))
+        self._s = _C.VllmRouteStream(_options(num_experts, first_k_dense, moe_layer_freq,
+                                              num_mtp_layers, num_input_layers, top_k, zero_rows,
+                                              invalid_rows, prompt_start))
 
     def add(self, request_id, routes, start=None, new_tokens=None, prompt_tokens=None):
         """One piece of ``request_id``: routes ``[rows, layers, K]`` (tensor / ndarray, or a base64
@@ -717,12 +732,7 @@ def import_vllm_stream(source, num_experts, **options):
         return import_vllm([source], num_experts, **options)
     if isinstance(source, (bytes, bytearray)):
         source = bytes(source).decode()
-    args = (int(num_experts), int(options.get("first_k_dense", 0)),
-            _freq(options.get("moe_layer_freq")), int(options.get("num_mtp_layers", 0)),
-            int(options.get("num_input_layers", 0)), int(options.get("top_k", 0)),
-            options.get("zero_rows", "keep"), _invalid_rows(options.get("invalid_rows", "error")),
-            int(options.get("prompt_start", 0)))
-    return _C.routes_import_vllm_stream_text(source, *args)
+    return _C.routes_import_vllm_stream_text(source, _options(num_experts, **options))
 
 
 def moe_layer_indices(num_input_layers, first_k_dense=0, moe_layer_freq=None, num_mtp_layers=0):

@@ -113,3 +113,52 @@ def test_the_aux_output_connector_blocks_of_a_request_import_as_its_table():
     with pytest.raises(ValueError, match=r"expected 9 token rows from token_start 0, the blocks "
                                          r"hold 8"):
         syr.import_vllm_aux_blocks(blocks, 9, 3, K, E, moe_layer_freq=FREQ)
+
+
+# ---- SGLang: base64 of the flat [rows, layers, K] ids; int32 today, uint8 / uint16 proposed
+# (sgl-project/sglang#31219), read with routed_experts_dtype --------------------------------------
+def _sglang_record(a, start=None):
+    import base64
+    import json
+    meta = {"routed_experts": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
+    if start is not None:
+        meta["routed_experts_start_len"] = start
+    return json.dumps({"meta_info": meta})
+
+
+@pytest.mark.parametrize("dtype, name", [(np.int32, "int32"), (np.uint8, "uint8"),
+                                         (np.uint16, "uint16")])
+def test_sglang_each_id_width_imports_the_same_table(dtype, name):
+    a = _payload(7, dtype)
+    (t,), rep = syr.import_sglang_text(_sglang_record(a, start=2), E, 3, K, moe_layer_freq=FREQ,
+                                       routed_experts_dtype=name)
+    assert t.shape == (2 + 6 + 1, 2, K)  # -1 before start_len, the routes, -1 for the last token
+    assert (t[:2] == -1).all() and (t[-1] == -1).all()
+    assert t[2:-1].tolist() == a[:, 1:].astype(np.int64).tolist()
+    assert rep["moe_layers"] == [1, 2]
+
+
+@pytest.mark.parametrize("dtype, name, wrapped", [(np.uint8, "uint8", 255),
+                                                  (np.uint16, "uint16", 65535)])
+def test_sglang_a_wrapped_minus_one_in_a_narrow_payload_is_refused(dtype, name, wrapped):
+    a = _payload(6, dtype)
+    a[3, 2, 1] = wrapped
+    with pytest.raises(ValueError, match=rf"expert id {wrapped} at token 3, hidden layer 2, slot 1 "
+                                         r"is outside \[0, num_experts=8\)"):
+        syr.import_sglang_text(_sglang_record(a), E, 3, K, moe_layer_freq=FREQ,
+                               routed_experts_dtype=name)
+
+
+def test_sglang_a_payload_read_with_the_wrong_width_is_refused_naming_the_width():
+    a = _payload(6, np.uint8)  # 5 rows of 3x2 uint8 = 30 bytes: not whole int32 rows of 6 ids
+    with pytest.raises(ValueError, match=r"routed_experts holds 30 bytes, not a whole number of "
+                                         r"int32 rows of num_input_layers\*top_k=6 "
+                                         r"\(routed_experts_dtype=int32\)"):
+        syr.import_sglang_text(_sglang_record(a), E, 3, K, moe_layer_freq=FREQ)
+
+
+def test_sglang_routed_experts_dtype_outside_the_contract_is_refused():
+    with pytest.raises(ValueError, match=r"routed_experts_dtype must be 'int32', 'uint8' or "
+                                         r"'uint16', got 'int16'"):
+        syr.import_sglang_text(_sglang_record(_payload(4, np.int32)), E, 3, K,
+                               routed_experts_dtype="int16")

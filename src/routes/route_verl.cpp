@@ -210,6 +210,7 @@ ImportResult from_verl(const Tensor& routed_experts, const Tensor& attention_mas
     fail_arg(op, "prompt_start must be 0 (verl's tensor has a row for every token), got ",
              options.prompt_start);
   }
+  check_import_options(options);  // the rest of the options (layer map, policies)
   const int64_t B = re.size(0), S = re.size(1), H = re.size(2), K = re.size(3);
   if (options.num_input_layers > 0 && H != options.num_input_layers) {
     fail_arg(op, "routed_experts has ", H,
