@@ -248,7 +248,7 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   const int Kc = int(K);
   const uint32_t full = (1u << Kc) - 1;
   uint32_t* cnt = count.data();
-  const auto push = [&](int64_t model, uint32_t sym) {
+  const auto push = [&](int64_t model, uint32_t sym) __attribute__((always_inline)) {
     ++cnt[models.m[size_t(model)].first + sym];
     *sp++ = uint32_t(model) << kSymBits | sym;
   };
@@ -368,7 +368,7 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   uint32_t x0 = kRansL, x1 = kRansL;
   const EncSym* esp = es.data();
   const int64_t* mf = model_first.data();
-  const auto put = [&](uint32_t& st, uint32_t sy) {
+  const auto put = [&](uint32_t& st, uint32_t sy) __attribute__((always_inline)) {
     const EncSym& e = esp[mf[sy >> kSymBits] + (sy & ((1u << kSymBits) - 1))];
     if (st >= e.x_max) {
       *--wp = static_cast<uint16_t>(st & 0xffffu);
@@ -503,7 +503,7 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
   bool under = false;
   // One symbol (state x0, then the states swap: symbol i is state i % 2's). The bucket scan
   // stays in the table: its frequencies sum to M, so some symbol's range holds the slot.
-  const auto dec = [&](size_t mi) -> uint32_t {
+  const auto dec = [&](size_t mi) __attribute__((always_inline)) -> uint32_t {
     const uint32_t* tb = tab[mi];
     const uint32_t slot = x0 & (M - 1);
     uint32_t sym = bkt[mi][slot >> kBucketShift];
