@@ -57,6 +57,9 @@ inline constexpr int64_t kZstdMinBlockBytes = 4;
 inline constexpr int64_t kSetMaxTopK = 16;
 inline constexpr int64_t kSetMaxExperts = 4096;
 inline constexpr int kSetScaleBits = 12;  // rANS frequency precision (tables sum to 2^12)
+// The automatic coding picks set coding for a block whose first 256 tokens repeat the previous
+// token's id (same layer and slot) for fewer than this share of ids (see encode_payload).
+inline constexpr int64_t kSetMaxMatchPercent = 25;
 
 /// Bytes per stored id for num_experts experts.
 inline int64_t id_width_for(int64_t num_experts) {
