@@ -237,9 +237,11 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   const Models models(L, K, E);
   thread_local std::vector<uint32_t> count;
   count.assign(static_cast<size_t>(models.total), 0);
-  // Every symbol in row order (at most 2 + K + K/2 per row), then coded last to first.
+  // Every symbol in row order (at most 2 + K + K/2 per row, ~2 on correlated tokens), then coded
+  // last to first. Grown as needed (checked per token), so the scratch is what the block uses.
   thread_local std::vector<uint32_t> syms;
-  syms.resize(static_cast<size_t>(T * L * (3 + K + K / 2)));
+  const int64_t token_max = L * (3 + K + K / 2);
+  syms.resize(static_cast<size_t>(std::max<int64_t>(T * L * 3, token_max)));
   uint32_t* sp = syms.data();
   std::string raw;  // raw bit stream: escaped rows
   Bits rawbits{raw};
@@ -254,6 +256,11 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   };
   bool any_none = false;
   for (int64_t t = 0; t < T; ++t) {
+    if (syms.data() + syms.size() - sp < token_max) {
+      const int64_t at = sp - syms.data();
+      syms.resize(syms.size() * 2);
+      sp = syms.data() + at;
+    }
     const int32_t* tok = idx + t * row;
     const int32_t* prev = t > 0 ? tok - row : nullptr;
     uint32_t bad = 0;
@@ -398,6 +405,10 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   put_u32(out, x1);
   out.append(reinterpret_cast<const char*>(wp), size_t(2 * n_words));
   out += raw;
+  if (syms.capacity() > (size_t{64} << 20) / sizeof(uint32_t)) {  // keep no large scratch
+    std::vector<uint32_t>().swap(syms);
+    std::vector<uint16_t>().swap(words);
+  }
   return kBlockSetDelta | (ranked ? kBlockRanked : 0u) | (any_none ? kBlockHasNone : 0u);
 }
 
