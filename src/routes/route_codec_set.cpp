@@ -558,7 +558,6 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
   const int Kc = int(K);
   const bool has_m1 = K > 8;
   if (T > 0 && !tab[0]) return "set-coded payload: the mask table is empty";
-  if (T > 0 && has_m1 && !tab[1]) return "set-coded payload: the high mask table is empty";
   for (int64_t t = 0; t < T; ++t) {
     int32_t* tok = idx + t * row;
     const int32_t* prev = t > 0 ? tok - row : nullptr;
@@ -581,7 +580,10 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
         if (rb.over) return cat("token ", t, ", layer ", l, ": raw bits end inside a row");
         continue;
       }
-      if (has_m1) mask |= dec(1) << 8;
+      if (has_m1) {  // unused (empty) when every row is escaped or -1
+        if (!tab[1]) return cat("token ", t, ", layer ", l, ": the high mask table is empty");
+        mask |= dec(1) << 8;
+      }
       if (!prev && mask != 0) {
         return cat("token 0, layer ", l, ": match bits with no previous token");
       }

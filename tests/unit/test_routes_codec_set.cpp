@@ -117,6 +117,19 @@ TEST(RouteCodecSet, EveryIdPatternRoundTripsExactlySlotOrderIncluded) {
   }
 }
 
+TEST(RouteCodecSet, EveryRowEscapedLeavesTheHighMaskTableUnusedAndStillDecodes) {
+  // K > 8 with no mask row at all (every row repeats an id: escaped raw): the high mask table is
+  // empty, and the decoder must not ask for it (found by a sanitizer run of random tables).
+  for (int64_t K : {9, 16}) {
+    const Shape s{5, 2, K, 64};
+    std::vector<int32_t> v(size_t(s.T * s.L * s.K));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = int32_t((i * 7) % 5);  // repeats in every row
+    std::vector<int32_t> out;
+    ASSERT_TRUE(round_trip(v, s, PayloadCoding::set_delta, out) & detail::kBlockSetDelta);
+    EXPECT_EQ(out, v) << "K " << K;
+  }
+}
+
 TEST(RouteCodecSet, ShapesOutsideSetCodingFallBackToTokenDelta) {
   std::mt19937_64 rng(7);
   for (Shape s : {Shape{50, 2, 17, 64}, Shape{50, 2, 8, 5000}, Shape{0, 2, 8, 128}}) {
