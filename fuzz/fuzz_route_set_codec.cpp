@@ -31,8 +31,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::unique_ptr<char[]> b(new char[raw.size()]);
     std::memcpy(b.get(), raw.data(), raw.size());
     std::vector<int32_t> out(v.size());
-    const std::string err =
-        decode_payload(b.get(), int64_t(raw.size()), T, L, K, E, f, out.data());
+    const std::string err = decode_payload(b.get(), int64_t(raw.size()), T, L, K, E, f, out.data());
     if (!err.empty() || out != v) std::abort();
   }
   // (2) the bytes as a payload for a table of up to 16 tokens.

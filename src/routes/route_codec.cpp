@@ -597,8 +597,8 @@ std::string decode_delta(const char* raw, int64_t n_lit, int64_t T, int64_t L, i
 }  // namespace
 
 uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num_layers,
-                        int64_t top_k, int64_t num_experts, std::string& out,
-                        PayloadPieces& pieces, PayloadCoding coding) {
+                        int64_t top_k, int64_t num_experts, std::string& out, PayloadPieces& pieces,
+                        PayloadCoding coding) {
   const int64_t T = num_tokens, L = num_layers, K = top_k, E = num_experts;
   const int64_t numel = T * L * K, w = id_width_for(E), nb = (numel + 7) / 8;
   const bool ranked = T * K >= kRankMinIdsPerExpert * E;

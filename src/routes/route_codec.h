@@ -19,16 +19,15 @@ inline constexpr uint32_t kFormatVersionMin = 1;
 inline constexpr int64_t kBlockHeaderSize = 56;
 inline constexpr int64_t kFooterSize = 24;
 inline constexpr int64_t kIndexEntrySize = 24;
-inline constexpr uint32_t kBlockHasNone = 1u;  // payload carries a bitmap of -1 entries
-inline constexpr uint32_t kBlockRanked = 2u;   // ids stored as per-layer popularity ranks + perm
+inline constexpr uint32_t kBlockHasNone = 1u;     // payload carries a bitmap of -1 entries
+inline constexpr uint32_t kBlockRanked = 2u;      // ids stored as per-layer popularity ranks + perm
 inline constexpr uint32_t kBlockTokenDelta = 4u;  // version 2: match bits + literals (see below)
 inline constexpr uint32_t kBlockSetDelta = 8u;    // version 3: rANS-coded sets (see below)
 /// Whether a block of a file of `version` may carry `flags`: version 1 blocks no delta flag,
 /// version 2 blocks kBlockTokenDelta, version 3 blocks exactly one of the two delta flags.
 inline bool block_flags_valid(uint32_t version, uint32_t flags) {
-  const uint32_t known =
-      kBlockHasNone | kBlockRanked | (version >= 2 ? kBlockTokenDelta : 0u) |
-      (version >= 3 ? kBlockSetDelta : 0u);
+  const uint32_t known = kBlockHasNone | kBlockRanked | (version >= 2 ? kBlockTokenDelta : 0u) |
+                         (version >= 3 ? kBlockSetDelta : 0u);
   if ((flags & ~known) != 0) return false;
   const uint32_t delta = flags & (kBlockTokenDelta | kBlockSetDelta);
   if (version <= 1) return delta == 0;
@@ -129,8 +128,8 @@ enum class PayloadCoding { automatic, token_delta, set_delta };
 /// their own; check_route_table names the bad one). `set_delta` falls back to token delta where
 /// set coding does not fit.
 uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num_layers,
-                        int64_t top_k, int64_t num_experts, std::string& out,
-                        PayloadPieces& pieces, PayloadCoding coding = PayloadCoding::automatic);
+                        int64_t top_k, int64_t num_experts, std::string& out, PayloadPieces& pieces,
+                        PayloadCoding coding = PayloadCoding::automatic);
 // The pieces of route_codec.cpp the set coder shares: the rank tables (uint16 ids, E <= 65536;
 // rank indexed by id + 1, [L, E + 1]; perm_out gets L*E uint16) and the set coder itself.
 bool build_ranks_u16(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, bool ranked,

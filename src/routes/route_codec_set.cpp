@@ -221,8 +221,8 @@ inline void sort_small(uint16_t* v, int m) {
 }  // namespace
 
 bool set_coding_fits(int64_t num_layers, int64_t top_k, int64_t num_experts) {
-  return top_k >= 1 && top_k <= kSetMaxTopK && num_experts >= 1 &&
-         num_experts <= kSetMaxExperts && num_layers >= 1;
+  return top_k >= 1 && top_k <= kSetMaxTopK && num_experts >= 1 && num_experts <= kSetMaxExperts &&
+         num_layers >= 1;
 }
 
 uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
@@ -325,7 +325,8 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
         int64_t om = models.order_model[size_t(m)];
         for (const OrderGroup& g : models.groups[size_t(m)]) {
           uint32_t sym = 0;
-          for (int j = g.first; j < g.first + g.count; ++j) sym = sym * uint32_t(m - j) + d[size_t(j)];
+          for (int j = g.first; j < g.first + g.count; ++j)
+            sym = sym * uint32_t(m - j) + d[size_t(j)];
           push(om++, sym);
         }
       }
@@ -375,7 +376,7 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   uint32_t x0 = kRansL, x1 = kRansL;
   const EncSym* esp = es.data();
   const int64_t* mf = model_first.data();
-  const auto put = [&](uint32_t& st, uint32_t sy) __attribute__((always_inline)) {
+  const auto put = [&](uint32_t & st, uint32_t sy) __attribute__((always_inline)) {
     const EncSym& e = esp[mf[sy >> kSymBits] + (sy & ((1u << kSymBits) - 1))];
     if (st >= e.x_max) {
       *--wp = static_cast<uint16_t>(st & 0xffffu);
@@ -412,11 +413,12 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   return kBlockSetDelta | (ranked ? kBlockRanked : 0u) | (any_none ? kBlockHasNone : 0u);
 }
 
-std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, int64_t L,
-                               int64_t K, int64_t E, uint32_t flags, int32_t* idx) {
+std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, int64_t L, int64_t K,
+                               int64_t E, uint32_t flags, int32_t* idx) {
   if (!set_coding_fits(L, K, E)) {
-    return cat("set-coded block for num_experts=", E, ", top_k=", K, " (set coding covers top_k <= ",
-               kSetMaxTopK, ", num_experts <= ", kSetMaxExperts, ")");
+    return cat("set-coded block for num_experts=", E, ", top_k=", K,
+               " (set coding covers top_k <= ", kSetMaxTopK, ", num_experts <= ", kSetMaxExperts,
+               ")");
   }
   const auto* raw = reinterpret_cast<const uint8_t*>(raw_c);
   if (raw_size < kFixedHeader) return cat("set-coded payload of ", raw_size, " bytes is too short");
@@ -514,7 +516,7 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
   bool under = false;
   // One symbol (state x0, then the states swap: symbol i is state i % 2's). The bucket scan
   // stays in the table: its frequencies sum to M, so some symbol's range holds the slot.
-  const auto dec = [&](size_t mi) __attribute__((always_inline)) -> uint32_t {
+  const auto dec = [&](size_t mi) __attribute__((always_inline))->uint32_t {
     const uint32_t* tb = tab[mi];
     const uint32_t slot = x0 & (M - 1);
     uint32_t sym = bkt[mi][slot >> kBucketShift];

@@ -795,9 +795,9 @@ RouteTable RouteFileReader::read(int64_t sequence) const {
   t.num_experts = s.info.num_experts;
   if ((flags & detail::kBlockSetDelta) != 0) {  // stored as is: decoded in place
     t.topk_idx = Tensor::empty({e.num_tokens, s.info.num_moe_layers, s.info.top_k}, DType::int32);
-    err = detail::decode_payload(comp.data(), raw_size, e.num_tokens, s.info.num_moe_layers,
-                                 s.info.top_k, s.info.num_experts, flags,
-                                 t.topk_idx.data<int32_t>());
+    err =
+        detail::decode_payload(comp.data(), raw_size, e.num_tokens, s.info.num_moe_layers,
+                               s.info.top_k, s.info.num_experts, flags, t.topk_idx.data<int32_t>());
     if (!err.empty()) s.fail(where() + err);
     return t;
   }

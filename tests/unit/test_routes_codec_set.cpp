@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -38,8 +38,8 @@ std::vector<int32_t> make_table(std::mt19937_64& rng, Shape s, double repeat, do
   for (int64_t r = 0; r < s.E; ++r) cdf[size_t(r)] = (acc += 1.0 / std::pow(double(r + 1), 1.1));
   const auto draw = [&] {
     const double x = u(rng) * acc;
-    return int32_t(std::min<int64_t>(std::lower_bound(cdf.begin(), cdf.end(), x) - cdf.begin(),
-                                     s.E - 1));
+    return int32_t(
+        std::min<int64_t>(std::lower_bound(cdf.begin(), cdf.end(), x) - cdf.begin(), s.E - 1));
   };
   for (int64_t t = 0; t < s.T; ++t) {
     for (int64_t l = 0; l < s.L; ++l) {
@@ -79,17 +79,17 @@ uint32_t round_trip(const std::vector<int32_t>& v, Shape s, PayloadCoding coding
   std::unique_ptr<char[]> buf(new char[raw.size()]);
   std::memcpy(buf.get(), raw.data(), raw.size());
   out.assign(v.size(), 7);
-  const std::string err = detail::decode_payload(buf.get(), int64_t(raw.size()), s.T, s.L, s.K,
-                                                 s.E, flags, out.data());
+  const std::string err =
+      detail::decode_payload(buf.get(), int64_t(raw.size()), s.T, s.L, s.K, s.E, flags, out.data());
   EXPECT_EQ(err, "");
   if (payload) *payload = raw;
   return flags;
 }
 
 TEST(RouteCodecSet, EveryIdPatternRoundTripsExactlySlotOrderIncluded) {
-  const Shape shapes[] = {{1, 1, 1, 1},     {1, 3, 8, 128},   {7, 2, 2, 2},      {33, 4, 8, 8},
-                          {1031, 3, 8, 128}, {200, 2, 8, 256}, {100, 2, 6, 300},  {64, 2, 9, 64},
-                          {50, 2, 16, 4096}, {300, 1, 1, 1000}, {40, 3, 16, 16}, {20, 2, 4, 65}};
+  const Shape shapes[] = {{1, 1, 1, 1},      {1, 3, 8, 128},    {7, 2, 2, 2},     {33, 4, 8, 8},
+                          {1031, 3, 8, 128}, {200, 2, 8, 256},  {100, 2, 6, 300}, {64, 2, 9, 64},
+                          {50, 2, 16, 4096}, {300, 1, 1, 1000}, {40, 3, 16, 16},  {20, 2, 4, 65}};
   const double repeats[] = {0.0, 0.6, 1.0};
   int n = 0;
   for (const Shape& s : shapes) {
@@ -161,7 +161,8 @@ TEST(RouteCodecSet, PopularityOrderedRowsPayLittleForTheirOrder) {
   auto v = make_table(rng, s, 0.0, 0.0, 0.0, 0.0);
   std::vector<int32_t> sorted = v;
   std::vector<int64_t> count(size_t(s.L * s.E), 0);
-  for (int64_t i = 0; i < int64_t(v.size()); ++i) ++count[size_t((i / s.K) % s.L * s.E + v[size_t(i)])];
+  for (int64_t i = 0; i < int64_t(v.size()); ++i)
+    ++count[size_t((i / s.K) % s.L * s.E + v[size_t(i)])];
   for (int64_t r = 0; r < s.T * s.L; ++r) {
     const int64_t l = r % s.L;
     std::sort(sorted.begin() + r * s.K, sorted.begin() + (r + 1) * s.K, [&](int32_t a, int32_t b) {
