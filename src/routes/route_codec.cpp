@@ -42,6 +42,13 @@ int64_t payload_bytes(int64_t num_tokens, int64_t num_layers, int64_t top_k, int
 
 bool payload_size_ok(int64_t num_tokens, int64_t num_layers, int64_t top_k, int64_t num_experts,
                      uint32_t flags, int64_t raw_size) {
+  // Set-coded: three stream sizes after a 13-byte header, checked by the decoder; an upper bound
+  // per row (mask symbols, raw escapes of K ids) keeps a header from declaring absurd sizes.
+  if (flags & kBlockSetDelta) {
+    const int64_t rows = num_tokens * num_layers;
+    return raw_size >= 21 &&
+           raw_size <= 64 + num_layers * num_experts * 8 + rows * (8 + top_k * 8) + (1 << 20);
+  }
   const int64_t numel = num_tokens * num_layers * top_k;
   const int64_t w = id_width_for(num_experts);
   const int64_t fixed = payload_bytes(num_tokens, num_layers, top_k, num_experts, flags, 0);
@@ -184,6 +191,15 @@ bool build_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
   }
   return true;
 }
+
+}  // namespace
+
+bool build_ranks_u16(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, bool ranked,
+                     char* perm_out, std::vector<uint16_t>& rank) {
+  return build_ranks<uint16_t>(idx, T, L, K, E, ranked, perm_out, rank);
+}
+
+namespace {
 
 // encode_delta's loop for one-byte ranks, K a multiple of 4 and whole bytes of match bits per
 // token (K = 8: every model we know of): 8 ids at a time, their compare and range check in SSE2
@@ -581,11 +597,32 @@ std::string decode_delta(const char* raw, int64_t n_lit, int64_t T, int64_t L, i
 }  // namespace
 
 uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num_layers,
-                        int64_t top_k, int64_t num_experts, std::string& out,
-                        PayloadPieces& pieces) {
+                        int64_t top_k, int64_t num_experts, std::string& out, PayloadPieces& pieces,
+                        PayloadCoding coding) {
   const int64_t T = num_tokens, L = num_layers, K = top_k, E = num_experts;
   const int64_t numel = T * L * K, w = id_width_for(E), nb = (numel + 7) / 8;
   const bool ranked = T * K >= kRankMinIdsPerExpert * E;
+  // Set coding pays for its tables (and its permutation) once the block is as large as the rank
+  // rule asks, and beats token delta + zstd only where the token delta removes little: on
+  // bench/py_routes_rl_scale.py's correlated batch (about half the ids match the previous token)
+  // token delta is smaller (3.88 against 4.07 bits per routed id) and 6-10x faster; on
+  // uncorrelated tokens (bench_routes, ~10% matches) set coding is 13% smaller. A forced set
+  // coding of a small block is unranked.
+  bool set = T > 0 && set_coding_fits(L, K, E) &&
+             (coding == PayloadCoding::set_delta || (coding == PayloadCoding::automatic && ranked));
+  if (set && coding == PayloadCoding::automatic) {
+    const int64_t sample = std::min<int64_t>(T, 256), row = L * K;
+    int64_t hits = 0;
+    for (int64_t i = row; i < sample * row; ++i) hits += topk_idx[i] == topk_idx[i - row];
+    set = hits * 100 < kSetMaxMatchPercent * std::max<int64_t>(1, (sample - 1) * row);
+  }
+  if (set) {
+    const uint32_t flags = encode_payload_set(topk_idx, T, L, K, E, ranked, out);
+    pieces = PayloadPieces{};
+    pieces.stored = true;
+    pieces.head_size = static_cast<int64_t>(out.size());
+    return flags;
+  }
   const uint32_t base = kBlockTokenDelta | (ranked ? kBlockRanked : 0u);
   // Room for every id as a literal, then the -1 bitmap (its own frame: it need not follow the
   // literals in memory, so their count need not be known first).
@@ -628,6 +665,7 @@ std::string decode_payload(const char* raw, int64_t raw_size, int64_t num_tokens
   if (!payload_size_ok(T, L, K, E, flags, raw_size)) {
     return cat("payload of ", raw_size, " bytes does not fit the block's dimensions");
   }
+  if (flags & kBlockSetDelta) return decode_payload_set(raw, raw_size, T, L, K, E, flags, topk_idx);
   const int64_t numel = T * L * K;
   const uint8_t* bits = (flags & kBlockHasNone)
                             ? reinterpret_cast<const uint8_t*>(raw + raw_size - (numel + 7) / 8)

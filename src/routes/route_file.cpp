@@ -91,10 +91,15 @@ void encode_block(const RouteTable& table, int64_t seq, const RouteFileInfo& inf
   const auto head = static_cast<size_t>(pc.head_size);
   const auto lits = static_cast<size_t>(pc.lit_size);
   const auto none = static_cast<size_t>(pc.none_size);
-  comp.resize(ZSTD_compressBound(head) + ZSTD_compressBound(lits) + ZSTD_compressBound(none));
-  size_t c = compress_frame(cctx, raw.data(), head, level, comp, 0);
-  if (lits) c = compress_frame(cctx, raw.data() + pc.lit_offset, lits, level, comp, c);
-  if (none) c = compress_frame(cctx, raw.data() + pc.none_offset, none, level, comp, c);
+  size_t c = head;
+  const std::string* stored = &raw;  // a set-coded payload is stored as is (its own entropy code)
+  if (!pc.stored) {
+    comp.resize(ZSTD_compressBound(head) + ZSTD_compressBound(lits) + ZSTD_compressBound(none));
+    c = compress_frame(cctx, raw.data(), head, level, comp, 0);
+    if (lits) c = compress_frame(cctx, raw.data() + pc.lit_offset, lits, level, comp, c);
+    if (none) c = compress_frame(cctx, raw.data() + pc.none_offset, none, level, comp, c);
+    stored = &comp;
+  }
   const size_t at = out.size();
   put_u32(out, detail::kBlockMagic);
   put_u32(out, flags);
@@ -102,9 +107,9 @@ void encode_block(const RouteTable& table, int64_t seq, const RouteFileInfo& inf
   put_u64(out, static_cast<uint64_t>(T));
   put_u64(out, static_cast<uint64_t>(head + lits + none));
   put_u64(out, static_cast<uint64_t>(c));
-  put_u64(out, detail::checksum(comp.data(), c));
+  put_u64(out, detail::checksum(stored->data(), c));
   put_u64(out, detail::checksum(out.data() + at, out.size() - at));
-  out.append(comp.data(), c);
+  out.append(stored->data(), c);
 }
 
 // The trailing index (offset, tokens and size of every block) and the footer, for blocks that
@@ -573,9 +578,7 @@ struct RouteFileReader::Impl {
     if (seq != static_cast<uint64_t>(expected_seq)) {
       return cat("block holds sequence ", seq, ", expected ", expected_seq);
     }
-    if ((flags & ~detail::block_flags_known(info.version)) != 0 ||
-        (flags & detail::block_flags_required(info.version)) !=
-            detail::block_flags_required(info.version)) {
+    if (!detail::block_flags_valid(static_cast<uint32_t>(info.version), flags)) {
       return cat("unknown block flags ", flags, " for format version ", info.version);
     }
     const uint64_t row = static_cast<uint64_t>(info.num_moe_layers * info.top_k);
@@ -597,7 +600,12 @@ struct RouteFileReader::Impl {
     const uint64_t min_comp = static_cast<uint64_t>(detail::kZstdMinBlockBytes) *
                               ((static_cast<uint64_t>(raw_size) + detail::kZstdMaxBlock - 1) /
                                detail::kZstdMaxBlock);
-    if (comp < min_comp) {
+    if ((flags & detail::kBlockSetDelta) != 0) {
+      if (comp != static_cast<uint64_t>(raw_size)) {  // stored as is
+        return cat("inconsistent sizes: a set-coded payload of ", raw_size, " bytes stored in ",
+                   comp, " bytes");
+      }
+    } else if (comp < min_comp) {
       return cat("inconsistent sizes: a payload of ", raw_size, " bytes cannot come from ", comp,
                  " compressed bytes (zstd needs at least ", min_comp, ")");
     }
@@ -783,6 +791,16 @@ RouteTable RouteFileReader::read(int64_t sequence) const {
     s.fail(where() + cat("payload checksum mismatch (bytes ", e.offset + detail::kBlockHeaderSize,
                          "..", e.offset + e.stored_bytes, ")"));
   }
+  RouteTable t;
+  t.num_experts = s.info.num_experts;
+  if ((flags & detail::kBlockSetDelta) != 0) {  // stored as is: decoded in place
+    t.topk_idx = Tensor::empty({e.num_tokens, s.info.num_moe_layers, s.info.top_k}, DType::int32);
+    err =
+        detail::decode_payload(comp.data(), raw_size, e.num_tokens, s.info.num_moe_layers,
+                               s.info.top_k, s.info.num_experts, flags, t.topk_idx.data<int32_t>());
+    if (!err.empty()) s.fail(where() + err);
+    return t;
+  }
   // Version 2 payloads are several frames: their declared sizes must add up to the block's.
   const unsigned long long content = ZSTD_findDecompressedSize(comp.data(), comp.size());
   if (content != static_cast<unsigned long long>(raw_size)) {
@@ -797,8 +815,6 @@ RouteTable RouteFileReader::read(int64_t sequence) const {
   if (ZSTD_isError(got)) s.fail(where() + cat("zstd: ", ZSTD_getErrorName(got)));
   if (static_cast<int64_t>(got) != raw_size)
     s.fail(where() + "payload decompressed to the wrong size");
-  RouteTable t;
-  t.num_experts = s.info.num_experts;
   t.topk_idx = Tensor::empty({e.num_tokens, s.info.num_moe_layers, s.info.top_k}, DType::int32);
   err = detail::decode_payload(raw.get(), raw_size, e.num_tokens, s.info.num_moe_layers,
                                s.info.top_k, s.info.num_experts, flags, t.topk_idx.data<int32_t>());

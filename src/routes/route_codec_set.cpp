@@ -1,0 +1,642 @@
+// Version 3 block payload: rows coded as a token-delta match mask plus the unmatched ids as a SET
+// (sorted popularity ranks: the first, then the gaps) and the slot order of that set (its Lehmer
+// code), every symbol coded by a static rANS coder with the block's own frequency tables (per
+// layer for ranks and gaps). Why this split (measured on bench/py_routes_rl_scale.py's batch):
+// consecutive tokens share most experts slot for slot, so the mask removes most ids for ~0.6
+// bits/id; what is left is a set whose sorted ranks cost about the per-layer order-0 entropy less
+// log2(m!) per row; the order of those m ids is coded on its own, so a table whose slots follow
+// popularity (a top-k's order) pays almost nothing for it and a random order pays log2(m!). The
+// order is kept: a replayed row is used as given and combine sums its slots in slot order, so a
+// lossy order would change the trainer's bits.
+#include <algorithm>
+#include <array>
+#include <numeric>
+
+#include "check.h"
+#include "route_codec.h"
+
+namespace switchyard::detail {
+
+namespace {
+
+// rANS state interval [L, 2^31) with 16-bit words out: below 2^31 the encoder's reciprocal
+// division (multiply and shift) is exact, and one renormalisation step always suffices.
+constexpr uint32_t kRansL = 1u << 15;
+constexpr int kFixedHeader = 13;  // scale (1 byte), then u32 sizes of the head, rans, raw streams
+constexpr int kBucketShift = 4;   // decode: 16 slots -> the first symbol in them, then a short scan
+constexpr int kSymBits = 13;      // a buffered symbol: model << 13 | symbol (symbols < 4098)
+constexpr int64_t kOrderAlphabet = 256;  // an order symbol packs Lehmer digits up to this product
+
+int bit_width_of(uint64_t v) { return v == 0 ? 0 : 64 - __builtin_clzll(v); }
+
+// Appends bits (LSB first) to a byte string; up to 57 bits per put.
+struct Bits {
+  std::string& out;
+  uint64_t acc = 0;
+  int n = 0;
+  void put(uint64_t v, int bits) {
+    if (bits > 32) {
+      put(v & 0xffffffffu, 32);
+      put(v >> 32, bits - 32);
+      return;
+    }
+    acc |= (v & ((uint64_t{1} << bits) - 1)) << n;
+    n += bits;
+    while (n >= 8) {
+      out.push_back(static_cast<char>(acc & 255));
+      acc >>= 8;
+      n -= 8;
+    }
+  }
+  void gamma(uint32_t v) {  // v >= 1: (width - 1) zeros, a one, then v's lower width - 1 bits
+    const int w = bit_width_of(v);
+    put(0, w - 1);
+    put(1, 1);
+    put(v, w - 1);
+  }
+  void flush() {
+    if (n > 0) out.push_back(static_cast<char>(acc & 255));
+    acc = 0;
+    n = 0;
+  }
+};
+
+// Reads bits back; past the end it reads zeros and sets `over` (the caller reports corruption).
+struct BitsIn {
+  const uint8_t* p;
+  int64_t size;
+  int64_t pos = 0;  // in bits
+  bool over = false;
+  uint64_t get(int bits) {  // bits <= 32
+    if (bits == 0) return 0;
+    if (pos + bits > size * 8) {
+      over = true;
+      pos = size * 8;
+      return 0;
+    }
+    uint64_t w = 0;
+    const int64_t byte = pos >> 3;
+    if (byte + 8 <= size) {
+      std::memcpy(&w, p + byte, 8);
+    } else {
+      std::memcpy(&w, p + byte, size_t(size - byte));
+    }
+    const uint64_t v = (w >> (pos & 7)) & ((uint64_t{1} << bits) - 1);
+    pos += bits;
+    return v;
+  }
+  uint32_t gamma() {  // 0 on a malformed code (more than 31 leading zeros)
+    int z = 0;
+    while (get(1) == 0) {
+      if (over || ++z > 31) {
+        over = true;
+        return 0;
+      }
+    }
+    return uint32_t((uint64_t{1} << z) | get(z));
+  }
+  // Whole stream consumed: only the last byte's padding left, and it is zero.
+  bool done() const {
+    if (over || (pos + 7) / 8 != size) return false;
+    return (pos & 7) == 0 || (p[size - 1] >> (pos & 7)) == 0;
+  }
+};
+
+// The Lehmer digits of m slots (digit j in [0, m - j)) in groups of consecutive digits whose
+// radix product is at most kOrderAlphabet: one symbol per group (the last digit, radix 1, is
+// always 0 and is not coded).
+struct OrderGroup {
+  int first = 0, count = 0;  // digits first .. first + count - 1
+  int64_t alphabet = 1;
+};
+std::vector<OrderGroup> order_groups(int m) {
+  std::vector<OrderGroup> g;
+  for (int j = 0; j < m - 1; ++j) {
+    const int64_t radix = m - j;
+    if (g.empty() || g.back().alphabet * radix > kOrderAlphabet) g.push_back({j, 0, 1});
+    g.back().count += 1;
+    g.back().alphabet *= radix;
+  }
+  return g;
+}
+
+// A static model: `n` symbols, at `first` in the flat per-symbol arrays.
+struct Model {
+  int64_t n = 0;
+  int64_t first = 0;
+  bool empty = true;
+};
+
+// The block's models, in header order: M0 (mask low 8 bits + escape + all-none), M1 (mask high
+// bits, K > 8), the order groups of m = 2..K unmatched slots, then per layer F (smallest rank of
+// the unmatched set) and G (gap - 1 to the next rank).
+struct Models {
+  std::vector<Model> m;
+  std::vector<std::vector<OrderGroup>> groups;  // [m]
+  std::vector<int64_t> order_model;             // [m]: model of the first group
+  int64_t total = 0;
+  int64_t layer0 = 0;  // model of F[0]
+  Models(int64_t L, int64_t K, int64_t E) {
+    const auto add = [&](int64_t n) {
+      m.push_back({n, total, true});
+      total += n;
+    };
+    add((int64_t{1} << std::min<int64_t>(K, 8)) + 2);
+    add(K > 8 ? (int64_t{1} << (K - 8)) : 0);
+    groups.resize(size_t(K + 1));
+    order_model.assign(size_t(K + 1), -1);
+    for (int mm = 2; mm <= K; ++mm) {
+      groups[size_t(mm)] = order_groups(mm);
+      order_model[size_t(mm)] = static_cast<int64_t>(m.size());
+      for (const OrderGroup& g : groups[size_t(mm)]) add(g.alphabet);
+    }
+    layer0 = static_cast<int64_t>(m.size());
+    for (int64_t l = 0; l < L; ++l) {
+      add(E);
+      add(std::max<int64_t>(E - 1, 1));
+    }
+  }
+};
+
+// Frequencies normalised to sum 2^S: every used symbol at least 1, the rest by share, the
+// rounding remainder to the most used symbol.
+void normalise(const uint32_t* count, int64_t n, int S, uint16_t* freq, bool& empty) {
+  uint64_t total = 0;
+  int64_t used = 0, top = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    total += count[i];
+    used += count[i] > 0;
+    if (count[i] > count[top]) top = i;
+  }
+  empty = total == 0;
+  if (empty) {
+    std::fill(freq, freq + n, uint16_t{0});
+    return;
+  }
+  const uint64_t spare = (uint64_t{1} << S) - uint64_t(used);  // used <= n <= 2^S
+  uint64_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    freq[i] = count[i] ? static_cast<uint16_t>(1 + count[i] * spare / total) : uint16_t{0};
+    sum += freq[i];
+  }
+  freq[top] = static_cast<uint16_t>(freq[top] + ((uint64_t{1} << S) - sum));
+}
+
+// Encoder form of a symbol (the reciprocal division of ryg_rans, exact for states below 2^31).
+struct EncSym {
+  uint32_t x_max = 0, rcp_freq = 0, bias = 0;
+  uint16_t cmpl_freq = 0, rcp_shift = 0;
+};
+EncSym enc_sym(uint32_t start, uint32_t freq, int S) {
+  EncSym e;
+  e.x_max = ((kRansL >> S) << 16) * freq;  // <= 2^31
+  e.cmpl_freq = static_cast<uint16_t>((1u << S) - freq);
+  if (freq < 2) {
+    e.rcp_freq = ~0u;
+    e.rcp_shift = 0;
+    e.bias = start + (1u << S) - 1;
+  } else {
+    uint32_t shift = 0;
+    while (freq > (1u << shift)) ++shift;
+    e.rcp_freq = static_cast<uint32_t>(((uint64_t{1} << (shift + 31)) + freq - 1) / freq);
+    e.rcp_shift = static_cast<uint16_t>(shift - 1);
+    e.bias = start;
+  }
+  return e;
+}
+
+// Sorts a short row in place (m <= 16: insertion sort).
+inline void sort_small(uint16_t* v, int m) {
+  for (int i = 1; i < m; ++i) {
+    const uint16_t x = v[i];
+    int j = i - 1;
+    while (j >= 0 && v[j] > x) {
+      v[j + 1] = v[j];
+      --j;
+    }
+    v[j + 1] = x;
+  }
+}
+
+}  // namespace
+
+bool set_coding_fits(int64_t num_layers, int64_t top_k, int64_t num_experts) {
+  return top_k >= 1 && top_k <= kSetMaxTopK && num_experts >= 1 && num_experts <= kSetMaxExperts &&
+         num_layers >= 1;
+}
+
+uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
+                            bool ranked, std::string& out) {
+  const int64_t row = L * K, E1 = E + 1;
+  const int S = kSetScaleBits;
+  // Ranks (popularity per layer, from the block's first tokens) and the permutation.
+  thread_local std::string perm_bytes;
+  perm_bytes.resize(static_cast<size_t>(ranked ? L * E * 2 : 0));
+  thread_local std::vector<uint16_t> rank;
+  if (!build_ranks_u16(idx, T, L, K, E, ranked, perm_bytes.data(), rank)) return kBadIds;
+  const Models models(L, K, E);
+  thread_local std::vector<uint32_t> count;
+  count.assign(static_cast<size_t>(models.total), 0);
+  // Every symbol in row order (at most 2 + K + K/2 per row, ~2 on correlated tokens), then coded
+  // last to first. Grown as needed (checked per token), so the scratch is what the block uses.
+  thread_local std::vector<uint32_t> syms;
+  const int64_t token_max = L * (3 + K + K / 2);
+  syms.resize(static_cast<size_t>(std::max<int64_t>(T * L * 3, token_max)));
+  uint32_t* sp = syms.data();
+  std::string raw;  // raw bit stream: escaped rows
+  Bits rawbits{raw};
+  const int id_bits = bit_width_of(uint64_t(E));  // an escaped id + 1 in [0, E]
+  const uint32_t esc = 1u << std::min<int64_t>(K, 8), none_sym = esc + 1;
+  const int Kc = int(K);
+  const uint32_t full = (1u << Kc) - 1;
+  uint32_t* cnt = count.data();
+  const auto push = [&](int64_t model, uint32_t sym) __attribute__((always_inline)) {
+    ++cnt[models.m[size_t(model)].first + sym];
+    *sp++ = uint32_t(model) << kSymBits | sym;
+  };
+  bool any_none = false;
+  for (int64_t t = 0; t < T; ++t) {
+    if (syms.data() + syms.size() - sp < token_max) {
+      const int64_t at = sp - syms.data();
+      syms.resize(syms.size() * 2);
+      sp = syms.data() + at;
+    }
+    const int32_t* tok = idx + t * row;
+    const int32_t* prev = t > 0 ? tok - row : nullptr;
+    uint32_t bad = 0;
+    int32_t neg_any = 0;
+    for (int64_t j = 0; j < row; ++j) {
+      bad |= uint32_t(uint32_t(tok[j] + 1) > uint32_t(E));
+      neg_any |= tok[j];
+    }
+    if (bad) return kBadIds;
+    any_none = any_none || neg_any < 0;
+    for (int64_t l = 0; l < L; ++l) {
+      const int32_t* x = tok + l * K;
+      const uint16_t* rk = rank.data() + l * E1 + 1;  // rk[-1] == 0
+      uint32_t mask = 0;
+      if (prev) {
+        const int32_t* p = prev + l * K;
+        for (int k = 0; k < Kc; ++k) mask |= uint32_t(x[k] == p[k]) << k;
+      }
+      if (mask == full) {  // the previous token's row again
+        push(0, mask & 255u);
+        if (K > 8) push(1, mask >> 8);
+        continue;
+      }
+      // The unmatched slots' ranks in slot order (v) and sorted (s); a -1 or a repeated rank
+      // among them escapes the row (raw ids), a row of -1 is one symbol.
+      std::array<uint16_t, kSetMaxTopK> v, s;
+      int m = 0;
+      bool neg = false, all_neg = true;
+      for (int k = 0; k < Kc; ++k) {
+        all_neg &= x[k] < 0;
+        if (!((mask >> k) & 1u)) {
+          neg |= x[k] < 0;
+          v[size_t(m++)] = rk[x[k]];
+        }
+      }
+      if (all_neg) {
+        push(0, none_sym);
+        continue;
+      }
+      std::copy(v.begin(), v.begin() + m, s.begin());
+      sort_small(s.data(), m);
+      bool regular = !neg;
+      for (int i = 1; i < m && regular; ++i) regular = s[size_t(i)] != s[size_t(i - 1)];
+      if (!regular) {
+        push(0, esc);
+        for (int k = 0; k < Kc; ++k) rawbits.put(uint64_t(x[k] + 1), id_bits);
+        continue;
+      }
+      push(0, mask & 255u);
+      if (K > 8) push(1, mask >> 8);
+      const int64_t fm = models.layer0 + 2 * l;
+      push(fm, s[0]);
+      for (int i = 1; i < m; ++i) push(fm + 1, uint32_t(s[size_t(i)] - s[size_t(i - 1)] - 1));
+      if (m > 1) {
+        // Lehmer digit j: how many later unmatched slots hold a smaller rank.
+        std::array<uint32_t, kSetMaxTopK> d{};
+        for (int j = 0; j < m; ++j) {
+          uint32_t c = 0;
+          for (int i = j + 1; i < m; ++i) c += v[size_t(i)] < v[size_t(j)];
+          d[size_t(j)] = c;
+        }
+        int64_t om = models.order_model[size_t(m)];
+        for (const OrderGroup& g : models.groups[size_t(m)]) {
+          uint32_t sym = 0;
+          for (int j = g.first; j < g.first + g.count; ++j)
+            sym = sym * uint32_t(m - j) + d[size_t(j)];
+          push(om++, sym);
+        }
+      }
+    }
+  }
+  rawbits.flush();
+  const int64_t n_syms = sp - syms.data();
+  // Models: normalised frequencies, written as Elias-gamma codes of f + 1 after an "empty" bit.
+  std::string head;
+  Bits hb{head};
+  if (ranked) {
+    const int pb = bit_width_of(uint64_t(E - 1));
+    for (int64_t i = 0; i < L * E; ++i) {
+      uint16_t p;
+      std::memcpy(&p, perm_bytes.data() + 2 * i, 2);
+      hb.put(p, pb);
+    }
+  }
+  thread_local std::vector<uint16_t> freq;
+  freq.assign(static_cast<size_t>(models.total), 0);
+  thread_local std::vector<EncSym> es;
+  es.resize(static_cast<size_t>(models.total));
+  for (const Model& md : models.m) {
+    if (md.n == 0) continue;
+    bool empty = true;
+    normalise(count.data() + md.first, md.n, S, freq.data() + md.first, empty);
+    hb.put(empty ? 1 : 0, 1);
+    if (empty) continue;
+    uint32_t start = 0;
+    for (int64_t i = 0; i < md.n; ++i) {
+      const uint32_t f = freq[size_t(md.first + i)];
+      hb.gamma(f + 1);
+      if (f) es[size_t(md.first + i)] = enc_sym(start, f, S);
+      start += f;
+    }
+  }
+  hb.flush();
+  // rANS, two interleaved states (symbol i by state i % 2), coded last to first; words are
+  // written backwards (at most one per symbol).
+  thread_local std::vector<int64_t> model_first;
+  model_first.resize(models.m.size());
+  for (size_t i = 0; i < models.m.size(); ++i) model_first[i] = models.m[i].first;
+  thread_local std::vector<uint16_t> words;
+  words.resize(static_cast<size_t>(n_syms + 1));
+  uint16_t* wend = words.data() + words.size();
+  uint16_t* wp = wend;
+  uint32_t x0 = kRansL, x1 = kRansL;
+  const EncSym* esp = es.data();
+  const int64_t* mf = model_first.data();
+  const auto put = [&](uint32_t & st, uint32_t sy) __attribute__((always_inline)) {
+    const EncSym& e = esp[mf[sy >> kSymBits] + (sy & ((1u << kSymBits) - 1))];
+    if (st >= e.x_max) {
+      *--wp = static_cast<uint16_t>(st & 0xffffu);
+      st >>= 16;
+    }
+    const uint32_t q = static_cast<uint32_t>((uint64_t(st) * e.rcp_freq) >> 32) >> e.rcp_shift;
+    st = st + e.bias + q * e.cmpl_freq;
+  };
+  int64_t i = n_syms - 1;
+  if (i >= 0 && (i & 1)) put(x1, syms[size_t(i--)]);
+  for (; i >= 1; i -= 2) {
+    put(x0, syms[size_t(i)]);
+    put(x1, syms[size_t(i - 1)]);
+  }
+  if (i == 0) put(x0, syms[0]);
+  // Output: fixed header, head bits, rans (states x0 x1, then the words), raw bits.
+  const int64_t n_words = wend - wp;
+  const int64_t rans_bytes = 8 + 2 * n_words;
+  out.clear();
+  out.reserve(size_t(kFixedHeader + int64_t(head.size()) + rans_bytes + int64_t(raw.size())));
+  out.push_back(static_cast<char>(S));
+  put_u32(out, static_cast<uint32_t>(head.size()));
+  put_u32(out, static_cast<uint32_t>(rans_bytes));
+  put_u32(out, static_cast<uint32_t>(raw.size()));
+  out += head;
+  put_u32(out, x0);
+  put_u32(out, x1);
+  out.append(reinterpret_cast<const char*>(wp), size_t(2 * n_words));
+  out += raw;
+  if (syms.capacity() > (size_t{64} << 20) / sizeof(uint32_t)) {  // keep no large scratch
+    std::vector<uint32_t>().swap(syms);
+    std::vector<uint16_t>().swap(words);
+  }
+  return kBlockSetDelta | (ranked ? kBlockRanked : 0u) | (any_none ? kBlockHasNone : 0u);
+}
+
+std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, int64_t L, int64_t K,
+                               int64_t E, uint32_t flags, int32_t* idx) {
+  if (!set_coding_fits(L, K, E)) {
+    return cat("set-coded block for num_experts=", E, ", top_k=", K,
+               " (set coding covers top_k <= ", kSetMaxTopK, ", num_experts <= ", kSetMaxExperts,
+               ")");
+  }
+  const auto* raw = reinterpret_cast<const uint8_t*>(raw_c);
+  if (raw_size < kFixedHeader) return cat("set-coded payload of ", raw_size, " bytes is too short");
+  const int S = raw[0];
+  if (S != kSetScaleBits) {
+    return cat("set-coded payload: scale ", S, " bits (this build reads ", kSetScaleBits, ")");
+  }
+  const int64_t head_n = get_u32(raw_c + 1), rans_n = get_u32(raw_c + 5);
+  const int64_t raw_n = get_u32(raw_c + 9);
+  if (kFixedHeader + head_n + rans_n + raw_n != raw_size || rans_n < 8 || rans_n % 2 != 0) {
+    return cat("set-coded payload: stream sizes ", head_n, " + ", rans_n, " + ", raw_n,
+               " do not fill its ", raw_size, " bytes");
+  }
+  const bool ranked = (flags & kBlockRanked) != 0;
+  const int64_t row = L * K;
+  BitsIn hb{raw + kFixedHeader, head_n};
+  // Every allocation below is paid for by header bits: a permutation entry by >= 1 bit, a table
+  // symbol by >= 1 bit (its gamma code), a table's bucket index (512 bytes) by >= 2 bits.
+  std::vector<int32_t> perm;
+  if (ranked) {
+    const int pb = bit_width_of(uint64_t(E - 1));
+    if (pb > 0 && L * E > head_n * 8 / pb) {
+      return "set-coded payload: header too short for the expert permutation";
+    }
+    perm.resize(static_cast<size_t>(L * E));
+    std::vector<uint8_t> seen(static_cast<size_t>(E));
+    for (int64_t l = 0; l < L; ++l) {
+      std::fill(seen.begin(), seen.end(), 0);
+      for (int64_t r = 0; r < E; ++r) {
+        const uint64_t p = hb.get(pb);
+        if (int64_t(p) >= E || seen[size_t(p)]) {
+          return cat("layer ", l, " expert permutation is invalid at rank ", r);
+        }
+        seen[size_t(p)] = 1;
+        perm[size_t(l * E + r)] = static_cast<int32_t>(p);
+      }
+    }
+  }
+  Models models(L, K, E);
+  const uint32_t M = 1u << S;
+  std::vector<uint32_t> sf;   // start | freq << 16 of every used table's symbols
+  std::vector<uint16_t> lut;  // per used table, M >> kBucketShift first symbols
+  std::vector<int64_t> lut_at(models.m.size(), -1);
+  for (size_t mi = 0; mi < models.m.size(); ++mi) {
+    Model& md = models.m[mi];
+    if (md.n == 0) continue;
+    md.empty = hb.get(1) != 0;
+    if (hb.over) return "set-coded payload: header ends inside the frequency tables";
+    if (md.empty) continue;
+    if (md.n > head_n * 8 - hb.pos) {
+      return cat("set-coded payload: header too short for frequency table ", mi);
+    }
+    md.first = static_cast<int64_t>(sf.size());
+    sf.resize(sf.size() + size_t(md.n));
+    lut_at[mi] = static_cast<int64_t>(lut.size());
+    lut.resize(lut.size() + (M >> kBucketShift));
+    uint16_t* bucket = lut.data() + lut_at[mi];
+    uint32_t start = 0;
+    for (int64_t i = 0; i < md.n; ++i) {
+      const uint32_t g = hb.gamma();
+      if (hb.over || g == 0 || g - 1 > M - start) {
+        return cat("set-coded payload: frequency table ", mi, " is corrupt at symbol ", i);
+      }
+      const uint32_t f = g - 1;
+      sf[size_t(md.first + i)] = start | (f << 16);
+      // Buckets whose first slot falls in [start, start + f) begin their scan at symbol i.
+      for (uint32_t b = (start + (1u << kBucketShift) - 1) >> kBucketShift;
+           (b << kBucketShift) < start + f; ++b) {
+        bucket[b] = static_cast<uint16_t>(i);
+      }
+      start += f;
+    }
+    if (start != M) {
+      return cat("set-coded payload: frequency table ", mi, " sums to ", start, ", not ", M);
+    }
+  }
+  if (!hb.done()) return "set-coded payload: header has bytes past its tables";
+  // Per model: its symbols and bucket index (null for an unused model: a row needing it is an
+  // error, checked where the row's kind is known).
+  std::vector<const uint32_t*> tab(models.m.size(), nullptr);
+  std::vector<const uint16_t*> bkt(models.m.size(), nullptr);
+  for (size_t mi = 0; mi < models.m.size(); ++mi) {
+    if (lut_at[mi] < 0) continue;
+    tab[mi] = sf.data() + models.m[mi].first;
+    bkt[mi] = lut.data() + lut_at[mi];
+  }
+  const uint8_t* rp = raw + kFixedHeader + head_n;
+  uint32_t x0 = get_u32(raw_c + kFixedHeader + head_n);
+  uint32_t x1 = get_u32(raw_c + kFixedHeader + head_n + 4);
+  if (x0 < kRansL || x1 < kRansL || x0 >= (1u << 31) || x1 >= (1u << 31)) {
+    return "set-coded payload: rANS state out of range";
+  }
+  const uint8_t* wp = rp + 8;
+  const uint8_t* wend = rp + rans_n;
+  bool under = false;
+  // One symbol (state x0, then the states swap: symbol i is state i % 2's). The bucket scan
+  // stays in the table: its frequencies sum to M, so some symbol's range holds the slot.
+  const auto dec = [&](size_t mi) __attribute__((always_inline))->uint32_t {
+    const uint32_t* tb = tab[mi];
+    const uint32_t slot = x0 & (M - 1);
+    uint32_t sym = bkt[mi][slot >> kBucketShift];
+    uint32_t e = tb[sym];
+    while (slot >= (e & 0xffffu) + (e >> 16)) e = tb[++sym];
+    uint32_t nx = (e >> 16) * (x0 >> S) + slot - (e & 0xffffu);
+    if (nx < kRansL) {
+      uint16_t wd = 0;
+      if (wp < wend) {
+        std::memcpy(&wd, wp, 2);
+        wp += 2;
+      } else {
+        under = true;
+      }
+      nx = (nx << 16) | wd;
+    }
+    x0 = x1;
+    x1 = nx;
+    return sym;
+  };
+  // Digits of every order symbol: [m][group] -> value -> 4-bit digits, first digit lowest.
+  std::vector<std::vector<std::vector<uint64_t>>> digits(size_t(K + 1));
+  for (int m = 2; m <= K; ++m) {
+    for (const OrderGroup& g : models.groups[size_t(m)]) {
+      std::vector<uint64_t> dv(size_t(g.alphabet));
+      for (int64_t val = 0; val < g.alphabet; ++val) {
+        int64_t rest = val;
+        uint64_t packed = 0;
+        for (int j = g.first + g.count - 1; j >= g.first; --j) {
+          packed |= uint64_t(rest % (m - j)) << (4 * (j - g.first));
+          rest /= (m - j);
+        }
+        dv[size_t(val)] = packed;
+      }
+      digits[size_t(m)].push_back(std::move(dv));
+    }
+  }
+  BitsIn rb{raw + kFixedHeader + head_n + rans_n, raw_n};
+  const int id_bits = bit_width_of(uint64_t(E));
+  const uint32_t esc = 1u << std::min<int64_t>(K, 8), none_sym = esc + 1;
+  const int Kc = int(K);
+  const bool has_m1 = K > 8;
+  if (T > 0 && !tab[0]) return "set-coded payload: the mask table is empty";
+  for (int64_t t = 0; t < T; ++t) {
+    int32_t* tok = idx + t * row;
+    const int32_t* prev = t > 0 ? tok - row : nullptr;
+    for (int64_t l = 0; l < L; ++l) {
+      int32_t* out = tok + l * K;
+      uint32_t mask = dec(0);
+      if (mask == none_sym) {
+        for (int k = 0; k < Kc; ++k) out[k] = -1;
+        continue;
+      }
+      if (mask == esc) {
+        for (int k = 0; k < Kc; ++k) {
+          const uint64_t v = rb.get(id_bits);
+          if (int64_t(v) > E) {
+            return cat("token ", t, ", layer ", l, ": escaped id ", int64_t(v) - 1,
+                       " >= num_experts");
+          }
+          out[k] = int32_t(v) - 1;
+        }
+        if (rb.over) return cat("token ", t, ", layer ", l, ": raw bits end inside a row");
+        continue;
+      }
+      if (has_m1) {  // unused (empty) when every row is escaped or -1
+        if (!tab[1]) return cat("token ", t, ", layer ", l, ": the high mask table is empty");
+        mask |= dec(1) << 8;
+      }
+      if (!prev && mask != 0) {
+        return cat("token 0, layer ", l, ": match bits with no previous token");
+      }
+      if (prev) std::memcpy(out, prev + l * K, size_t(K) * 4);
+      const int m = Kc - __builtin_popcount(mask);
+      if (m == 0) continue;
+      const size_t fm = size_t(models.layer0 + 2 * l);
+      if (!tab[fm] || (m > 1 && !tab[fm + 1])) {
+        return cat("token ", t, ", layer ", l, ": a row needs an empty frequency table");
+      }
+      std::array<uint32_t, kSetMaxTopK> s;
+      s[0] = dec(fm);
+      for (int i = 1; i < m; ++i) s[size_t(i)] = s[size_t(i - 1)] + 1 + dec(fm + 1);
+      if (int64_t(s[size_t(m - 1)]) >= E) {
+        return cat("token ", t, ", layer ", l, ": rank ", s[size_t(m - 1)], " >= num_experts");
+      }
+      const int32_t* pl = ranked ? perm.data() + l * E : nullptr;
+      if (m == 1) {
+        const int k = __builtin_ctz(~mask);
+        out[k] = pl ? pl[s[0]] : int32_t(s[0]);
+        continue;
+      }
+      // The order: per group one symbol, split into its digits.
+      std::array<int, kSetMaxTopK> d{};
+      size_t om = size_t(models.order_model[size_t(m)]);
+      const auto& groups = models.groups[size_t(m)];
+      for (size_t gi = 0; gi < groups.size(); ++gi, ++om) {
+        if (!tab[om]) return cat("token ", t, ", layer ", l, ": an order table is empty");
+        const uint64_t packed = digits[size_t(m)][gi][dec(om)];
+        for (int c = 0; c < groups[gi].count; ++c) {
+          d[size_t(groups[gi].first + c)] = int((packed >> (4 * c)) & 15u);
+        }
+      }
+      uint32_t free_bits = (1u << m) - 1;  // sorted ranks not placed yet
+      int j = 0;
+      for (int k = 0; k < Kc; ++k) {
+        if ((mask >> k) & 1u) continue;
+        uint32_t f = free_bits;  // the d-th lowest still free
+        for (int q = 0; q < d[size_t(j)]; ++q) f &= f - 1;
+        const int i = __builtin_ctz(f);
+        free_bits &= ~(1u << i);
+        out[k] = pl ? pl[s[size_t(i)]] : int32_t(s[size_t(i)]);
+        ++j;
+      }
+    }
+  }
+  if (under || wp != wend || x0 != kRansL || x1 != kRansL) {
+    return "set-coded payload: the rANS stream does not end where its symbols do";
+  }
+  if (!rb.done()) return "set-coded payload: raw bits do not end where the rows do";
+  return {};
+}
+
+}  // namespace switchyard::detail
