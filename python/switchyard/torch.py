@@ -340,7 +340,23 @@ class RouteInfo:
                  "num_replayed_rows", "num_native_rows", "num_padded_rows",
                  "num_invalid_replay_rows")
 
-    def __init__(self, res):
+    def __init__(self, res, stats=None, qb_beta_local=None):
+        if stats is not None:
+            # From the topk_route operator: res is num_tokens_per_expert, stats its [13] fp64
+            # values (switchyard._torch_ops.ROUTE_STATS; the integers exact in fp64).
+            v = stats.tolist()
+            self.num_tokens_per_expert = res
+            self.qb_beta_local = qb_beta_local if qb_beta_local.numel() else None
+            self.aux_loss = v[0]
+            self.aux_loss_parts = {"aux_loss": v[1], "seq_aux_loss": v[2],
+                                   "global_aux_loss": v[3]}
+            self.z_loss = v[4]
+            self.expert_capacity = None if v[5] < 0 else int(v[5])
+            self.pad_to_capacity = bool(v[6])
+            self.expert_alignment, self.num_dropped = int(v[7]), int(v[8])
+            (self.num_replayed_rows, self.num_native_rows, self.num_padded_rows,
+             self.num_invalid_replay_rows) = (int(x) for x in v[9:13])
+            return
         self.aux_loss = res.aux_loss
         self.aux_loss_parts = res.aux_loss_parts  # {"aux_loss": .., "seq_aux_loss": .., ...}
         self.qb_beta_local = res.qb_beta_local  # [E] fp32 (quantile_balancing, training) or None
@@ -567,20 +583,32 @@ def topk_route(logits, config, inputs=None, options=None, comms=None, **old):
     lead = logits.shape[:-1]
     if logits.dim() != 2:
         logits = logits.reshape(-1, logits.shape[-1])
-    box = []
-    layer, seq_length = options.layer, options.seq_length
-    topk_weights, topk_idx = _TopKRoute.apply(
-        logits, config, expert_bias, inputs.replay_idx, inputs.padding_mask,
-        inputs.global_aux_loss_state, options.invalid_replay_rows,
-        -1 if layer is None else int(layer), 0 if seq_length is None else int(seq_length),
-        float(options.aux_loss_grad_scale), bool(accumulate),
-        _force_seeds(config, options.force_seed, options.force_bias_seed) + (
-            bool(options.training), loss_comm, global_aux_loss_comm),
-        qb_beta, box)
+    layer = -1 if options.layer is None else int(options.layer)
+    seq_length = 0 if options.seq_length is None else int(options.seq_length)
+    seeds = _force_seeds(config, options.force_seed, options.force_bias_seed)
+    if inputs.global_aux_loss_state is None and loss_comm is None and \
+            global_aux_loss_comm is None:
+        # The operator (torch.ops.switchyard.topk_route): functional, traceable, exportable.
+        key = config if isinstance(config, str) else _ops.config_key(config)
+        topk_weights, topk_idx, counts, stats, qb_local = _ops.topk_route(
+            logits, key, expert_bias, inputs.replay_idx, inputs.padding_mask, qb_beta,
+            options.invalid_replay_rows, layer, seq_length, bool(options.training), *seeds,
+            float(options.aux_loss_grad_scale))
+        info = RouteInfo(counts, stats, qb_local)
+    else:
+        # A global aux-loss state (engine state it updates) or loss communicators (collective):
+        # the stateful path.
+        box = []
+        topk_weights, topk_idx = _TopKRoute.apply(
+            logits, config, expert_bias, inputs.replay_idx, inputs.padding_mask,
+            inputs.global_aux_loss_state, options.invalid_replay_rows, layer, seq_length,
+            float(options.aux_loss_grad_scale), bool(accumulate),
+            seeds + (bool(options.training), loss_comm, global_aux_loss_comm), qb_beta, box)
+        info = RouteInfo(box[0])
     if len(lead) != 1:
         topk_weights = topk_weights.view(*lead, topk_weights.shape[-1])
         topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
-    return TopKRoute(topk_weights, topk_idx, RouteInfo(box[0]))
+    return TopKRoute(topk_weights, topk_idx, info)
 
 
 def routing_plan(topk_idx, topk_weights, num_experts, *, expert_alignment=1, capacity_factor=None,
@@ -605,39 +633,10 @@ def routing_plan(topk_idx, topk_weights, num_experts, *, expert_alignment=1, cap
         bool(pad_to_capacity))
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, plan):
-        ctx.plan = plan
-        ctx.dtype = x.dtype
-        with _no_autocast():
-            return _C.permute(x.detach(), plan)
-
-    @staticmethod
-    def backward(ctx, grad):
-        with _no_autocast():
-            g = _C.permute_backward(grad.to(ctx.dtype).contiguous(), ctx.plan)
-        return g, None
-
-
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, permuted, topk_weights, plan):
-        apply = topk_weights is not None
-        ctx.plan, ctx.apply_weights = plan, apply
-        ctx.w_dtype = None if topk_weights is None else topk_weights.dtype
-        ctx.save_for_backward(permuted)
-        with _no_autocast():
-            return _C.unpermute(permuted.detach(), plan, apply)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        (permuted,) = ctx.saved_tensors
-        with _no_autocast():
-            gp, gw = _C.unpermute_backward(grad_y.to(permuted.dtype).contiguous(),
-                                           permuted.detach(), ctx.plan, ctx.apply_weights)
-        gw = gw.to(ctx.w_dtype) if ctx.apply_weights and ctx.needs_input_grad[1] else None
-        return gp, gw, None
+def _plan_rows(plan):
+    """The row maps torch.ops.switchyard.permute / unpermute take (copies, [R] / [T, K] / [T+1] /
+    [P] int64 and [R] fp32)."""
+    return (plan.row_token, plan.row_weight, plan.slot_row, plan.token_offsets, plan.token_rows)
 
 
 def permute(x, plan):
@@ -646,7 +645,7 @@ def permute(x, plan):
     [plan.num_rows, H], differentiable (the backward sums a token's rows in the plan's order)."""
     if not isinstance(plan, _C.RoutingPlan):
         raise ValueError(f"[permute] plan must come from syt.routing_plan, got {type(plan).__name__}")
-    return _Permute.apply(x, plan)
+    return _ops.permute(x, *_plan_rows(plan))
 
 
 def unpermute(expert_out, plan, topk_weights=None):
@@ -657,7 +656,7 @@ def unpermute(expert_out, plan, topk_weights=None):
     if not isinstance(plan, _C.RoutingPlan):
         raise ValueError("[unpermute] plan must come from syt.routing_plan, got "
                          f"{type(plan).__name__}")
-    return _Unpermute.apply(expert_out, topk_weights, plan)
+    return _ops.unpermute(expert_out, topk_weights, *_plan_rows(plan))
 
 
 def update_expert_bias(expert_bias, num_tokens_per_expert, rate, comm=None):
