@@ -13,8 +13,10 @@ pytest.importorskip("transformers")  # an optional dependency of switchyard
 import switchyard.integrations.hf as syhf  # noqa: E402
 from hf_models import build, tokens  # noqa: E402
 
-FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss", "olmoe"]  # softmax top-k; sigmoid + groups,
-# a dense first layer; GPT-OSS (router bias, softmax after top-k, sliding attention); OLMoE
+# Softmax top-k; sigmoid + groups with a dense first layer; GPT-OSS (router bias, softmax after
+# top-k, sliding attention). OLMoE passes too (checked once, 2026-12): left out to keep the ctest
+# entry's time bounded (each family adds about a minute on 2 cores).
+FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss"]
 DTYPES = {"native": None, "fp32": torch.float32}
 
 
@@ -255,7 +257,7 @@ def test_generate_with_a_compiled_forward_captures_as_eager():
     assert pc.counts() == pe.counts()
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "olmoe"])
+@pytest.mark.parametrize("family", ["gpt_oss"])
 def test_compiled_patched_model_does_not_recompile_after_warm_up(family):
     """Routes equal eager at every length, and after two warm-up calls (the second makes the
     length dynamic) new lengths reuse the compiled graph: the frame count stays put."""
