@@ -34,7 +34,6 @@ UnpermuteOptions weight_mode(bool apply_weights) {
   return o;
 }
 
-
 /// The five row maps of a plan given as tensors (torch.ops.switchyard.permute / unpermute carry a
 /// plan as tensors, so a compiled graph and torch.export can hold it), as a RoutingPlan that
 /// borrows them. The kernels trust a plan, so every value that indexes memory is checked here:
@@ -137,13 +136,12 @@ void bind_plan(py::module_& m) {
           [](const RoutingPlan& p) { return py_bridge::to_torch(p.row_weight.clone()); })
       .def_property_readonly(
           "slot_row", [](const RoutingPlan& p) { return py_bridge::to_torch(p.slot_row.clone()); })
-      .def_property_readonly("token_offsets",
-                             [](const RoutingPlan& p) {
-                               return py_bridge::to_torch(p.token_offsets.clone());
-                             })
       .def_property_readonly(
-          "token_rows",
-          [](const RoutingPlan& p) { return py_bridge::to_torch(p.token_rows.clone()); });
+          "token_offsets",
+          [](const RoutingPlan& p) { return py_bridge::to_torch(p.token_offsets.clone()); })
+      .def_property_readonly("token_rows", [](const RoutingPlan& p) {
+        return py_bridge::to_torch(p.token_rows.clone());
+      });
   m.def(
       "build_routing_plan",
       [](py::handle topk_idx, py::handle topk_weights, int64_t num_experts,
