@@ -16,7 +16,9 @@ with ``torch.ops.switchyard.<op>`` 's ``register_kernel("cuda", fn)``
 The public functions (switchyard.torch.router_gating_linear, input_jitter, permute, unpermute)
 validate their arguments and call these operators; use those.
 """
+import functools
 import itertools
+import json
 import weakref
 
 import torch
@@ -25,7 +27,9 @@ from torch import Tensor
 from . import _switchyard as _C
 
 __all__ = ["router_gating_linear", "router_gating_linear_backward", "input_jitter", "route_sink",
-           "add_route_sink", "route_sink_owner", "OPERATORS"]
+           "add_route_sink", "route_sink_owner", "topk_route", "topk_route_backward",
+           "config_key", "ROUTE_STATS", "permute", "permute_backward", "unpermute",
+           "unpermute_backward", "OPERATORS"]
 
 
 def _no_autocast():
@@ -161,7 +165,239 @@ def _(ids, token, key, batch, seq):
     return None
 
 
+# --------------------------------------------------------------------------------------------------
+# Top-k routing: weights and ids of T tokens from router logits (the engine's topk_route).
+# --------------------------------------------------------------------------------------------------
+# An operator's schema holds tensors and scalars, so the RouterConfig crosses as its fields in a
+# JSON string (a constant of the graph, readable in an exported program), rebuilt once per string.
+_CONFIG_FIELDS = ("num_experts", "top_k", "score_function", "pre_softmax", "num_groups",
+                  "group_topk", "topk_scaling_factor", "capacity_factor", "token_drop_policy",
+                  "pad_to_capacity", "aux_loss_type", "aux_loss_coeff", "z_loss_coeff",
+                  "calculate_per_token_loss", "is_mtp_layer", "mtp_use_repeated_layer",
+                  "mtp_num_layers", "force_load_balancing", "force_biased",
+                  "padding_for_quantization", "padding_align_size")
+
+ROUTE_STATS = ("aux_loss", "aux_loss_parts.aux_loss", "aux_loss_parts.seq_aux_loss",
+               "aux_loss_parts.global_aux_loss", "z_loss", "expert_capacity", "pad_to_capacity",
+               "expert_alignment", "num_dropped", "num_replayed_rows", "num_native_rows",
+               "num_padded_rows", "num_invalid_replay_rows")
+"""The entries of topk_route's ``stats`` output ([13] fp64; the integers are exact)."""
+
+
+def config_key(config) -> str:
+    """The string that names ``config`` (a switchyard.RouterConfig) in topk_route's schema."""
+    return json.dumps({f: getattr(config, f) for f in _CONFIG_FIELDS}, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _config(key: str):
+    try:
+        fields = json.loads(key)
+    except ValueError as e:
+        raise ValueError(f"[topk_route] config must be switchyard._torch_ops.config_key(config), "
+                         f"got {key!r}") from e
+    if not fields.get("padding_for_quantization"):
+        fields.pop("padding_align_size", None)  # the engine default, not a user setting
+    return _C.RouterConfig(**fields)
+
+
+def _route(logits, config, expert_bias, replay_idx, padding_mask, qb_beta, invalid_replay_rows,
+           layer, seq_length, training, force_seed, force_bias_seed):
+    with _no_autocast():
+        return _C.topk_route(logits, _config(config), expert_bias, replay_idx, padding_mask, None,
+                             invalid_replay_rows, layer, seq_length, False, force_seed,
+                             force_bias_seed, training, qb_beta=qb_beta)
+
+
+def _qb_local_size(config: str, training: bool) -> int:
+    cfg = _config(config)
+    return cfg.num_experts if training and cfg.aux_loss_type == "quantile_balancing" else 0
+
+
+@torch.library.custom_op("switchyard::topk_route", mutates_args=())
+def topk_route(logits: Tensor, config: str, expert_bias: Tensor | None,
+               replay_idx: Tensor | None, padding_mask: Tensor | None, qb_beta: Tensor | None,
+               invalid_replay_rows: str, layer: int, seq_length: int, training: bool,
+               force_seed: int, force_bias_seed: int, loss_grad_scale: float
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Routes logits [T, E] (bf16/fp32/fp64) with the RouterConfig named by ``config``
+    (config_key). Returns (topk_weights [T, K] in the logits' dtype, topk_idx [T, K] int64 (-1 =
+    none), num_tokens_per_expert [E] int64, stats [13] fp64 (ROUTE_STATS), qb_beta_local [E] fp32
+    while training with quantile_balancing, else [0]). Deterministic: the same inputs give the same
+    bits, which is what lets the backward route again instead of holding engine state. No global
+    aux-loss state and no communicators (those calls keep switchyard.torch's stateful path).
+    ``loss_grad_scale`` multiplies the aux- and z-loss gradients in the backward only."""
+    res = _route(logits, config, expert_bias, replay_idx, padding_mask, qb_beta,
+                 invalid_replay_rows, layer, seq_length, training, force_seed, force_bias_seed)
+    stats = torch.tensor([res.aux_loss, *(res.aux_loss_parts[k] for k in
+                                          ("aux_loss", "seq_aux_loss", "global_aux_loss")),
+                          res.z_loss, res.expert_capacity, res.pad_to_capacity,
+                          res.expert_alignment, res.num_dropped, res.num_replayed_rows,
+                          res.num_native_rows, res.num_padded_rows,
+                          res.num_invalid_replay_rows], dtype=torch.float64)
+    qb = res.qb_beta_local
+    if qb is None:
+        qb = torch.empty(0, dtype=torch.float32)
+    return res.topk_weights, res.topk_idx.to(torch.int64), res.num_tokens_per_expert, stats, qb
+
+
+@topk_route.register_fake
+def _(logits, config, expert_bias, replay_idx, padding_mask, qb_beta, invalid_replay_rows, layer,
+      seq_length, training, force_seed, force_bias_seed, loss_grad_scale):
+    cfg = _config(config)
+    T, K, E = logits.shape[0], cfg.top_k, cfg.num_experts
+    return (logits.new_empty((T, K)), logits.new_empty((T, K), dtype=torch.int64),
+            logits.new_empty((E,), dtype=torch.int64),
+            logits.new_empty((len(ROUTE_STATS),), dtype=torch.float64),
+            logits.new_empty((_qb_local_size(config, training),), dtype=torch.float32))
+
+
+@torch.library.custom_op("switchyard::topk_route_backward", mutates_args=())
+def topk_route_backward(grad_topk_weights: Tensor, logits: Tensor, config: str,
+                        expert_bias: Tensor | None, replay_idx: Tensor | None,
+                        padding_mask: Tensor | None, qb_beta: Tensor | None,
+                        invalid_replay_rows: str, layer: int, seq_length: int, training: bool,
+                        force_seed: int, force_bias_seed: int, loss_grad_scale: float) -> Tensor:
+    """grad_logits [T, E] in the logits' dtype: the gradient through the weights plus the aux- and
+    z-loss gradients (x loss_grad_scale). Routes the forward's inputs again (deterministic, so the
+    engine's saved state is the forward's, bit for bit) and runs the engine's backward on it."""
+    res = _route(logits, config, expert_bias, replay_idx, padding_mask, qb_beta,
+                 invalid_replay_rows, layer, seq_length, training, force_seed, force_bias_seed)
+    with _no_autocast():
+        g = grad_topk_weights.to(res.topk_weights.dtype).contiguous()
+        return _C.topk_route_backward(g, res, loss_grad_scale)
+
+
+@topk_route_backward.register_fake
+def _(grad_topk_weights, logits, config, *rest):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _route_setup_context(ctx, inputs, output):
+    (logits, config, expert_bias, replay_idx, padding_mask, qb_beta, *scalars) = inputs
+    # The router updates expert_bias and qb_beta in place between steps: the backward routes on
+    # the forward's values (copies, [E] each), as the engine's saved state did.
+    ctx.save_for_backward(logits, None if expert_bias is None else expert_bias.detach().clone(),
+                          replay_idx, padding_mask,
+                          None if qb_beta is None else qb_beta.detach().clone())
+    ctx.config, ctx.scalars = config, tuple(scalars)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _route_backward(ctx, grad_topk_weights, *_):
+    logits, expert_bias, replay_idx, padding_mask, qb_beta = ctx.saved_tensors
+    grad = torch.ops.switchyard.topk_route_backward(
+        grad_topk_weights, logits, ctx.config, expert_bias, replay_idx, padding_mask, qb_beta,
+        *ctx.scalars)
+    return (grad,) + (None,) * 12
+
+
+topk_route.register_autograd(_route_backward, setup_context=_route_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------
+# Permute / unpermute over a routing plan given as its five row maps (RoutingPlan.row_token
+# [R] int64, row_weight [R] fp32, slot_row [T, K] int64, token_offsets [T+1] int64, token_rows [P]
+# int64): the bindings check every index before a kernel reads it.
+# --------------------------------------------------------------------------------------------------
+@torch.library.custom_op("switchyard::permute", mutates_args=())
+def permute(x: Tensor, row_token: Tensor, row_weight: Tensor, slot_row: Tensor,
+            token_offsets: Tensor, token_rows: Tensor) -> Tensor:
+    """x [T, H] fp32/bf16 -> [R, H]: row r is x[row_token[r]] (zeros for a padding row, -1)."""
+    with _no_autocast():
+        return _C.permute_rows(x, row_token, row_weight, slot_row, token_offsets, token_rows)
+
+
+@permute.register_fake
+def _(x, row_token, row_weight, slot_row, token_offsets, token_rows):
+    return x.new_empty((row_token.shape[0], x.shape[1]))
+
+
+@torch.library.custom_op("switchyard::permute_backward", mutates_args=())
+def permute_backward(grad_permuted: Tensor, row_token: Tensor, row_weight: Tensor,
+                     slot_row: Tensor, token_offsets: Tensor, token_rows: Tensor) -> Tensor:
+    """grad_permuted [R, H] -> grad_x [T, H]: each token's rows summed in the plan's order."""
+    with _no_autocast():
+        return _C.permute_rows(grad_permuted, row_token, row_weight, slot_row, token_offsets,
+                               token_rows, backward=True)
+
+
+@permute_backward.register_fake
+def _(grad_permuted, row_token, row_weight, slot_row, token_offsets, token_rows):
+    return grad_permuted.new_empty((slot_row.shape[0], grad_permuted.shape[1]))
+
+
+def _permute_setup_context(ctx, inputs, output):
+    x, *plan = inputs
+    ctx.save_for_backward(*plan)
+    ctx.dtype = x.dtype
+
+
+def _permute_backward(ctx, grad):
+    return (torch.ops.switchyard.permute_backward(grad.to(ctx.dtype), *ctx.saved_tensors),
+            None, None, None, None, None)
+
+
+permute.register_autograd(_permute_backward, setup_context=_permute_setup_context)
+
+
+@torch.library.custom_op("switchyard::unpermute", mutates_args=())
+def unpermute(permuted: Tensor, topk_weights: Tensor | None, row_token: Tensor,
+              row_weight: Tensor, slot_row: Tensor, token_offsets: Tensor,
+              token_rows: Tensor) -> Tensor:
+    """permuted [R, H] fp32/bf16 -> y [T, H]: y[t] = sum over t's rows of w_row * permuted[row]
+    in fp32 in the plan's order, w_row = row_weight (the merged ``topk_weights`` [T, K] the plan
+    was built from) when ``topk_weights`` is given, else 1. Differentiable in permuted and
+    topk_weights."""
+    with _no_autocast():
+        return _C.unpermute_rows(permuted, row_token, row_weight, slot_row, token_offsets,
+                                 token_rows, topk_weights is not None)
+
+
+@unpermute.register_fake
+def _(permuted, topk_weights, row_token, row_weight, slot_row, token_offsets, token_rows):
+    return permuted.new_empty((slot_row.shape[0], permuted.shape[1]))
+
+
+@torch.library.custom_op("switchyard::unpermute_backward", mutates_args=())
+def unpermute_backward(grad_y: Tensor, permuted: Tensor, row_token: Tensor, row_weight: Tensor,
+                       slot_row: Tensor, token_offsets: Tensor, token_rows: Tensor,
+                       apply_weights: bool) -> tuple[Tensor, Tensor]:
+    """(grad_permuted [R, H] in grad_y's dtype, grad_topk_weights [T, K] fp32: the dot of each
+    slot's row with its token's gradient, zeros without apply_weights)."""
+    with _no_autocast():
+        return tuple(_C.unpermute_rows_backward(grad_y, permuted, row_token, row_weight,
+                                                slot_row, token_offsets, token_rows,
+                                                apply_weights))
+
+
+@unpermute_backward.register_fake
+def _(grad_y, permuted, row_token, row_weight, slot_row, token_offsets, token_rows,
+      apply_weights):
+    return (grad_y.new_empty((row_token.shape[0], grad_y.shape[1])),
+            grad_y.new_empty(tuple(slot_row.shape), dtype=torch.float32))
+
+
+def _unpermute_setup_context(ctx, inputs, output):
+    permuted, topk_weights, *plan = inputs
+    ctx.save_for_backward(permuted, *plan)
+    ctx.apply_weights = topk_weights is not None
+    ctx.w_dtype = None if topk_weights is None else topk_weights.dtype
+
+
+def _unpermute_backward(ctx, grad_y):
+    permuted, *plan = ctx.saved_tensors
+    gp, gw = torch.ops.switchyard.unpermute_backward(grad_y.to(permuted.dtype), permuted, *plan,
+                                                     ctx.apply_weights)
+    gw = gw.to(ctx.w_dtype) if ctx.apply_weights and ctx.needs_input_grad[1] else None
+    return (gp, gw) + (None,) * 5
+
+
+unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup_context)
+
+
 OPERATORS = ("router_gating_linear", "router_gating_linear_backward", "input_jitter",
-             "route_sink")
+             "route_sink", "topk_route", "topk_route_backward", "permute", "permute_backward",
+             "unpermute", "unpermute_backward")
 """The names of switchyard's operators under torch.ops.switchyard (every one passes
 torch.library.opcheck in python/tests/test_torch_ops.py)."""

@@ -335,27 +335,48 @@ class RouteInfo:
     capacity, and the replayed / native / padded row counts (replayed + native + padded == T), so
     replay can never silently do nothing."""
 
-    __slots__ = ("aux_loss", "aux_loss_parts", "z_loss", "num_tokens_per_expert", "qb_beta_local",
-                 "expert_capacity", "pad_to_capacity", "expert_alignment", "num_dropped",
-                 "num_replayed_rows", "num_native_rows", "num_padded_rows",
-                 "num_invalid_replay_rows")
+    _FIELDS = ("aux_loss", "aux_loss_parts", "z_loss", "qb_beta_local", "expert_capacity",
+               "pad_to_capacity", "expert_alignment", "num_dropped", "num_replayed_rows",
+               "num_native_rows", "num_padded_rows", "num_invalid_replay_rows")
+    __slots__ = ("num_tokens_per_expert", "_stats", "_qb", "_vals")
 
-    def __init__(self, res):
-        self.aux_loss = res.aux_loss
-        self.aux_loss_parts = res.aux_loss_parts  # {"aux_loss": .., "seq_aux_loss": .., ...}
-        self.qb_beta_local = res.qb_beta_local  # [E] fp32 (quantile_balancing, training) or None
-        self.z_loss = res.z_loss
+    def __init__(self, res, stats=None, qb_beta_local=None):
+        if stats is not None:
+            # From the topk_route operator: res is num_tokens_per_expert, stats its [13] fp64
+            # values (switchyard._torch_ops.ROUTE_STATS, the integers exact), read when a field is
+            # first read (so a compiled forward that keeps a RouteInfo needs no host sync).
+            self.num_tokens_per_expert = res
+            self._stats, self._qb, self._vals = stats, qb_beta_local, None
+            return
         self.num_tokens_per_expert = res.num_tokens_per_expert
-        self.expert_capacity = None if res.expert_capacity < 0 else res.expert_capacity
-        # Padding the routing plan applies (moe_pad_expert_input_to_capacity, padding for
-        # quantization): see routing_plan_options.
-        self.pad_to_capacity = res.pad_to_capacity
-        self.expert_alignment = res.expert_alignment
-        self.num_dropped = res.num_dropped
-        self.num_replayed_rows = res.num_replayed_rows
-        self.num_native_rows = res.num_native_rows
-        self.num_padded_rows = res.num_padded_rows
-        self.num_invalid_replay_rows = res.num_invalid_replay_rows
+        self._stats = self._qb = None
+        self._vals = {
+            "aux_loss": res.aux_loss,
+            "aux_loss_parts": res.aux_loss_parts,  # {"aux_loss": .., "seq_aux_loss": .., ...}
+            "z_loss": res.z_loss,
+            "qb_beta_local": res.qb_beta_local,  # [E] fp32 (quantile_balancing, training) or None
+            "expert_capacity": None if res.expert_capacity < 0 else res.expert_capacity,
+            # Padding the routing plan applies (moe_pad_expert_input_to_capacity, padding for
+            # quantization): see routing_plan_options.
+            "pad_to_capacity": res.pad_to_capacity, "expert_alignment": res.expert_alignment,
+            "num_dropped": res.num_dropped, "num_replayed_rows": res.num_replayed_rows,
+            "num_native_rows": res.num_native_rows, "num_padded_rows": res.num_padded_rows,
+            "num_invalid_replay_rows": res.num_invalid_replay_rows}
+
+    def _field(self, name):
+        if self._vals is None:
+            v = self._stats.tolist()
+            self._vals = {
+                "aux_loss": v[0],
+                "aux_loss_parts": {"aux_loss": v[1], "seq_aux_loss": v[2],
+                                   "global_aux_loss": v[3]},
+                "z_loss": v[4], "qb_beta_local": self._qb if self._qb.numel() else None,
+                "expert_capacity": None if v[5] < 0 else int(v[5]),
+                "pad_to_capacity": bool(v[6]), "expert_alignment": int(v[7]),
+                "num_dropped": int(v[8]), "num_replayed_rows": int(v[9]),
+                "num_native_rows": int(v[10]), "num_padded_rows": int(v[11]),
+                "num_invalid_replay_rows": int(v[12])}
+        return self._vals[name]
 
     @property
     def routing_plan_options(self):
@@ -366,10 +387,15 @@ class RouteInfo:
 
     def __repr__(self):
         return "RouteInfo(" + ", ".join(
-            f"{k}={getattr(self, k)!r}" for k in self.__slots__ if k != "num_tokens_per_expert") + ")"
+            f"{k}={getattr(self, k)!r}" for k in self._FIELDS) + ")"
 
     def __getattr__(self, name):
         raise _names.old_attribute(self, name)
+
+
+for _f in RouteInfo._FIELDS:
+    setattr(RouteInfo, _f, property(lambda self, _f=_f: self._field(_f)))
+del _f
 
 
 class _TopKRoute(torch.autograd.Function):
@@ -539,6 +565,12 @@ def topk_route(logits, config, inputs=None, options=None, comms=None, **old):
     err = _old_route_call(old, (("inputs", inputs), ("options", options), ("comms", comms)))
     if err is not None:
         raise err
+    return _topk_route(logits, config, inputs, options, comms)
+
+
+def _topk_route(logits, config, inputs, options, comms, config_key=None):
+    """topk_route; ``config_key``: _ops.config_key(config) when the caller keeps it (TopKRouter:
+    computed once, so a traced forward reads a constant string instead of tracing json)."""
     inputs = RouteInputs() if inputs is None else inputs
     options = RouteOptions() if options is None else options
     comms = RouteComms() if comms is None else comms
@@ -567,20 +599,32 @@ def topk_route(logits, config, inputs=None, options=None, comms=None, **old):
     lead = logits.shape[:-1]
     if logits.dim() != 2:
         logits = logits.reshape(-1, logits.shape[-1])
-    box = []
-    layer, seq_length = options.layer, options.seq_length
-    topk_weights, topk_idx = _TopKRoute.apply(
-        logits, config, expert_bias, inputs.replay_idx, inputs.padding_mask,
-        inputs.global_aux_loss_state, options.invalid_replay_rows,
-        -1 if layer is None else int(layer), 0 if seq_length is None else int(seq_length),
-        float(options.aux_loss_grad_scale), bool(accumulate),
-        _force_seeds(config, options.force_seed, options.force_bias_seed) + (
-            bool(options.training), loss_comm, global_aux_loss_comm),
-        qb_beta, box)
+    layer = -1 if options.layer is None else int(options.layer)
+    seq_length = 0 if options.seq_length is None else int(options.seq_length)
+    seeds = _force_seeds(config, options.force_seed, options.force_bias_seed)
+    if inputs.global_aux_loss_state is None and loss_comm is None and \
+            global_aux_loss_comm is None:
+        # The operator (torch.ops.switchyard.topk_route): functional, traceable, exportable.
+        key = _ops.config_key(config) if config_key is None else config_key
+        topk_weights, topk_idx, counts, stats, qb_local = _ops.topk_route(
+            logits, key, expert_bias, inputs.replay_idx, inputs.padding_mask, qb_beta,
+            options.invalid_replay_rows, layer, seq_length, bool(options.training), *seeds,
+            float(options.aux_loss_grad_scale))
+        info = RouteInfo(counts, stats, qb_local)
+    else:
+        # A global aux-loss state (engine state it updates) or loss communicators (collective):
+        # the stateful path.
+        box = []
+        topk_weights, topk_idx = _TopKRoute.apply(
+            logits, config, expert_bias, inputs.replay_idx, inputs.padding_mask,
+            inputs.global_aux_loss_state, options.invalid_replay_rows, layer, seq_length,
+            float(options.aux_loss_grad_scale), bool(accumulate),
+            seeds + (bool(options.training), loss_comm, global_aux_loss_comm), qb_beta, box)
+        info = RouteInfo(box[0])
     if len(lead) != 1:
         topk_weights = topk_weights.view(*lead, topk_weights.shape[-1])
         topk_idx = topk_idx.view(*lead, topk_idx.shape[-1])
-    return TopKRoute(topk_weights, topk_idx, RouteInfo(box[0]))
+    return TopKRoute(topk_weights, topk_idx, info)
 
 
 def routing_plan(topk_idx, topk_weights, num_experts, *, expert_alignment=1, capacity_factor=None,
@@ -605,39 +649,10 @@ def routing_plan(topk_idx, topk_weights, num_experts, *, expert_alignment=1, cap
         bool(pad_to_capacity))
 
 
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, plan):
-        ctx.plan = plan
-        ctx.dtype = x.dtype
-        with _no_autocast():
-            return _C.permute(x.detach(), plan)
-
-    @staticmethod
-    def backward(ctx, grad):
-        with _no_autocast():
-            g = _C.permute_backward(grad.to(ctx.dtype).contiguous(), ctx.plan)
-        return g, None
-
-
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, permuted, topk_weights, plan):
-        apply = topk_weights is not None
-        ctx.plan, ctx.apply_weights = plan, apply
-        ctx.w_dtype = None if topk_weights is None else topk_weights.dtype
-        ctx.save_for_backward(permuted)
-        with _no_autocast():
-            return _C.unpermute(permuted.detach(), plan, apply)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        (permuted,) = ctx.saved_tensors
-        with _no_autocast():
-            gp, gw = _C.unpermute_backward(grad_y.to(permuted.dtype).contiguous(),
-                                           permuted.detach(), ctx.plan, ctx.apply_weights)
-        gw = gw.to(ctx.w_dtype) if ctx.apply_weights and ctx.needs_input_grad[1] else None
-        return gp, gw, None
+def _plan_rows(plan):
+    """The row maps torch.ops.switchyard.permute / unpermute take (copies, [R] / [T, K] / [T+1] /
+    [P] int64 and [R] fp32)."""
+    return (plan.row_token, plan.row_weight, plan.slot_row, plan.token_offsets, plan.token_rows)
 
 
 def permute(x, plan):
@@ -646,7 +661,7 @@ def permute(x, plan):
     [plan.num_rows, H], differentiable (the backward sums a token's rows in the plan's order)."""
     if not isinstance(plan, _C.RoutingPlan):
         raise ValueError(f"[permute] plan must come from syt.routing_plan, got {type(plan).__name__}")
-    return _Permute.apply(x, plan)
+    return _ops.permute(x, *_plan_rows(plan))
 
 
 def unpermute(expert_out, plan, topk_weights=None):
@@ -657,7 +672,7 @@ def unpermute(expert_out, plan, topk_weights=None):
     if not isinstance(plan, _C.RoutingPlan):
         raise ValueError("[unpermute] plan must come from syt.routing_plan, got "
                          f"{type(plan).__name__}")
-    return _Unpermute.apply(expert_out, topk_weights, plan)
+    return _ops.unpermute(expert_out, topk_weights, *_plan_rows(plan))
 
 
 def update_expert_bias(expert_bias, num_tokens_per_expert, rate, comm=None):
@@ -708,6 +723,7 @@ class TopKRouter(torch.nn.Module):
                              "Megatron's default), torch.bfloat16, torch.float32 or "
                              f"torch.float64, got {router_dtype}")
         self.config = config
+        self._config_key = _ops.config_key(config)
         self.hidden_size = int(hidden_size)
         self.router_dtype = router_dtype
         self.layer_number = layer_number
@@ -786,7 +802,7 @@ class TopKRouter(torch.nn.Module):
                 if counted:
                     gstate = snap.copy()  # the queued one stays intact if routing fails
                     accumulate = True  # on the private copy
-        topk_weights, topk_idx, info = topk_route(
+        topk_weights, topk_idx, info = _topk_route(
             logits, self.config,
             RouteInputs(expert_bias=self.expert_bias, replay_idx=replay_idx,
                         padding_mask=padding_mask, qb_beta=self.qb_beta,
@@ -798,7 +814,8 @@ class TopKRouter(torch.nn.Module):
                          # force_biased < 0: Megatron draws the bias once per layer and reuses it.
                          force_bias_seed=((0x5EED0000 + (self.layer_number or 0)) & (2**62 - 1)
                                           if (self.config.force_biased or 0) < 0 else None)),
-            RouteComms(loss=self.loss_comm, global_aux_loss=self.global_aux_loss_comm))
+            RouteComms(loss=self.loss_comm, global_aux_loss=self.global_aux_loss_comm),
+            self._config_key)
         if driven:
             replay.forward_done(topk_idx, T, will_recompute)
             if snapshot is not None:
