@@ -62,10 +62,10 @@ Modules: ``spec`` (each family's routing as data: a RoutingSpec), ``families`` (
 routed forward that reads a spec, and the gate), ``patch`` (install / unpatch, the replay queues,
 ``Patch``), ``capture`` (recording during generate).
 """
-from .capture import Capture
+from .capture import Capture, ExpertsCapture, capture_experts
 from .families import COMBINE_DTYPE, FAMILIES
 from .patch import (MIN_TRANSFORMERS_VERSION, SUPPORTED_TRANSFORMERS_VERSIONS, Patch, patch,
                     patch_of)
 
-__all__ = ["patch", "patch_of", "Patch", "Capture", "MIN_TRANSFORMERS_VERSION",
+__all__ = ["patch", "patch_of", "Patch", "Capture", "ExpertsCapture", "capture_experts", "MIN_TRANSFORMERS_VERSION",
            "SUPPORTED_TRANSFORMERS_VERSIONS", "FAMILIES", "COMBINE_DTYPE"]
