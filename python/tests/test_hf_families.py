@@ -351,3 +351,60 @@ def test_a_refused_family_names_itself_and_the_reason(family):
         model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ValueError, match=rf"\[hf.patch\] {family}: .*(not supported|refused)"):
         syhf.patch(model)
+
+
+def test_phimoe_routes_in_eval_mode_and_refuses_training_mode_by_name():
+    model = build("phimoe")
+    p = syhf.patch(model, router_dtype=torch.float32)
+    with torch.no_grad():
+        model(tokens(1, 5))  # eval: the sparse mixer's deterministic top-2
+    model.train()
+    with pytest.raises(ValueError, match=r"\[hf\] phimoe: PhiMoE's sparse mixer samples the "
+                                         r"experts .* eval mode only"):
+        model(tokens(1, 5))
+    p.unpatch()
+
+
+def test_dbrx_patches_the_blocks_route_method_and_unpatch_restores_it():
+    model = build("dbrx")
+    ids = tokens(2, 6, seed=2)
+    with torch.no_grad():
+        before = model(ids)[0].clone()
+    p = syhf.patch(model, router_dtype=torch.float32)
+    blocks = [model.get_submodule(n.rsplit(".", 1)[0]) for n in p.modules.values()]
+    assert all("route_tokens_to_experts" in b.__dict__ for b in blocks)
+    p.unpatch()
+    assert not any("route_tokens_to_experts" in b.__dict__ for b in blocks)
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], before)
+
+
+def test_capture_experts_observes_any_model_and_equals_the_patched_capture():
+    # The experts interface sees the ids whatever routed them: an unpatched model's experts get
+    # the family's own choice, which the patched router (router_dtype=None) reproduces.
+    model = build("qwen3_moe")
+    ids = tokens(2, 7, seed=4)
+    with torch.no_grad(), syhf.capture_experts(model) as seen:
+        model(ids)
+    p = syhf.patch(model, router_dtype=None)
+    with torch.no_grad(), p.capture() as cap:
+        model(ids)
+    p.unpatch()
+    assert seen.layers == p.layers
+    assert torch.equal(seen.ids(), cap.ids()) and torch.equal(cap.expert_ids(), cap.ids())
+    with pytest.raises(ValueError, match=r"\[hf.capture_experts\] no experts module"):
+        syhf.capture_experts(torch.nn.Linear(2, 2))
+
+
+def test_a_moe_block_running_a_replaced_kernel_forward_is_refused(monkeypatch):
+    # transformers' kernels integration replaces a decorated block's forward with a hub kernel
+    # (e.g. a MegaBlocks MoE MLP) that may route inside the kernel, never calling the router.
+    model = build("gpt_oss")
+    block = model.get_submodule("model.layers.0.mlp")
+    monkeypatch.setattr(type(block), "kernel_layer_name", "MegaBlocksMoeMLP", raising=False)
+    block.forward = lambda hidden_states: hidden_states
+    with pytest.raises(ValueError, match=r"\[hf.patch\] model type 'gpt_oss': the MoE block of "
+                                         r"model\.layers\.0\.mlp\.router \(GptOssMLP\) runs a "
+                                         r"replaced forward \(hub kernel 'MegaBlocksMoeMLP'\)"):
+        syhf.patch(model)
+    assert syhf.patch_of(model) is None

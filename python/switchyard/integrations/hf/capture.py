@@ -59,9 +59,6 @@ class ExpertsCapture:
 
     def __init__(self, model, layers=None):
         self._model = model
-        cfg = model.config
-        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        self.num_hidden_layers = int(cfg.num_hidden_layers)
         self._steps = {}
         self._shape = {}
         self._hooks = []
@@ -87,8 +84,13 @@ class ExpertsCapture:
                     lambda m, a, kw, layer=layer: self._on_layer(layer, a, kw),
                     with_kwargs=True))
         if not self._steps:
+            self.remove()
             raise ValueError(f"[hf.capture_experts] no experts module of transformers' experts "
                              f"interface in {type(model).__name__} (under 'layers.<n>')")
+        cfg = getattr(model, "config", None)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.num_hidden_layers = int(getattr(cfg, "num_hidden_layers", max(self._steps) + 1))
+        """The layer dimension of ``ids()`` (the config's num_hidden_layers)."""
 
     @property
     def layers(self) -> list[int]:
