@@ -126,7 +126,12 @@ _CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe
 
 
 def config(model_type, **overrides):
+    import transformers
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    if _CONFIG_TYPE.get(model_type, model_type) not in CONFIG_MAPPING_NAMES:
+        import pytest  # a family a later transformers release added (ergo, kolibri1_1, ...)
+        pytest.skip(f"{model_type} is not in transformers {transformers.__version__}")
     args = dict(COMMON)
     args.update(CONFIGS[model_type] if model_type in CONFIGS else MORE_CONFIGS[model_type])
     args.update(overrides)
