@@ -103,6 +103,7 @@ MORE_CONFIGS = {
                        head_dim=16, index_num_heads=1, mlp_only_layers=[0]),
     "kolibri1": dict(_QWEN),
     # softmax
+    "qwen3_omni_moe": dict(_QWEN),
     "lara_mini": dict(_QWEN),
     "mistral_large4": dict(_DSV3, qk_rope_head_dim=4),
     "phimoe": dict(num_local_experts=8, num_experts_per_tok=2),
@@ -123,6 +124,9 @@ _CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe
                 "mistral_large4": "mistral_large4_text", "deepseek_ocr2": "deepseek_ocr2_text",
                 "unlimited_ocr": "unlimited_ocr_text", "aria": "aria_text"}
 """The config model_type of a family's text model, where it is not the family's key."""
+_MODEL_CLASS = {"qwen3_omni_moe": "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe."
+                                  "Qwen3OmniMoeThinkerTextModel"}
+"""The text model's class, where no Auto class builds it from its config."""
 
 
 def config(model_type, **overrides):
@@ -165,7 +169,12 @@ def build(model_type, dtype=torch.float32, seed=0, **overrides):
     cfg = config(model_type, **overrides)
     cfg._attn_implementation = "eager"
     try:
-        model = AutoModelForCausalLM.from_config(cfg)
+        if model_type in _MODEL_CLASS:  # a text model no Auto class maps its config to
+            import importlib
+            mod, _, cls = _MODEL_CLASS[model_type].rpartition(".")
+            model = getattr(importlib.import_module(mod), cls)(cfg)
+        else:
+            model = AutoModelForCausalLM.from_config(cfg)
     except ValueError:  # a text backbone without a causal-LM head class (Qwen3-VL-MoE, Mistral-4)
         model = AutoModel.from_config(cfg)
     _randomise_router_state(model, torch.Generator().manual_seed(seed + 1))

@@ -104,7 +104,7 @@ REFERENCE = {
     "deepseek_v4": ("sqrtsoftplus", "e_score_correction_bias", None, None),
     "kolibri1_1": ("logits", "e_score_correction_bias", None, None),
     "kolibri1": ("logits", "e_score_correction_bias", None, None),
-    "lara_mini": _SOFTMAX, "dbrx": _SOFTMAX,
+    "lara_mini": _SOFTMAX, "dbrx": _SOFTMAX, "qwen3_omni_moe": _SOFTMAX,
     "mistral_large4": ("softmax", None, "top2_sum", 0.0),
     "phimoe": _TOPK_LOGITS, "aria": _TOPK_LOGITS, "granitemoe_swa": _TOPK_LOGITS,
 }
@@ -324,6 +324,9 @@ def test_a_per_layer_top_k_routes_captures_and_replays_each_layer_with_its_own_k
     with pytest.raises(ValueError, match=r"\[hf.set_targets\] layer 0 routes to K=2 experts: "
                                          r"routes\[\.\.\., 0, 2:\] must be -1"):
         p.set_targets(bad)
+    with pytest.raises(ValueError, match=r"\[hf.Capture\] the MoE layers route to different K "
+                                         r"\(\{0: 2, 1: 3\}\)"):
+        cap.tables()
     p.unpatch()
 
 

@@ -421,6 +421,11 @@ class Capture:
         Returns:
             (tables, report dict).
         """
+        ks = self._owner.top_ks
+        if len(set(ks.values())) > 1:
+            raise ValueError(f"[hf.Capture] the MoE layers route to different K ({ks}): route "
+                             "tables and files hold one K per layer stack with no -1 beside "
+                             "ids; use ids() (-1 past a layer's own K) with Patch.set_targets")
         return self._owner.tables_from_vllm(self.routed_experts(attention_mask),
                                             zero_rows="keep")
 

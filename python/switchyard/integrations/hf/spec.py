@@ -257,6 +257,11 @@ SPECS = (
                 score="sigmoid_topk", select_bias="e_score_correction_bias", renorm="sum",
                 renorm_if="norm_topk_prob", combine_dtype="router_dtype (fp32 unpatched too)"),
     # ---- more softmax routers ----
+    # Qwen3-Omni-MoE: the thinker's text model (and the talker's, same maths)
+    _softmax_topk("qwen3_omni_moe", "Qwen3-Omni-MoE", "Qwen3OmniMoeThinkerTextTopKRouter",
+                  "Qwen3-Omni-30B-A3B (thinker text model)"),
+    _softmax_topk("qwen3_omni_moe", "Qwen3-Omni-MoE", "Qwen3OmniMoeTalkerTextTopKRouter",
+                  "Qwen3-Omni-30B-A3B (talker text model)"),
     RoutingSpec("lara_mini", "Lara-Mini", "LaraMiniTopKRouter", gate_cast="fp32", renorm="sum",
                 renorm_if="norm_topk_prob", weights_dtype="hidden", combine_dtype="hidden dtype"),
     RoutingSpec("mistral_large4", "Mistral-Large-4", "MistralLarge4TextTopkRouter",
@@ -346,10 +351,6 @@ REFUSED = {
     "qwen4_exp": _UNTESTED.format(cls="Qwen4ExpTextTopKRouter", math="Qwen3-MoE's"),
     "deepseek_ocr2": _UNTESTED.format(cls="DeepseekOcr2TextTopkRouter", math="DeepSeek-V2's"),
     "unlimited_ocr": _UNTESTED.format(cls="UnlimitedOcrTextTopkRouter", math="DeepSeek-V2's"),
-    "qwen3_omni_moe": _UNTESTED.format(cls="Qwen3OmniMoeThinkerTextTopKRouter, "
-                                       "Qwen3OmniMoeTalkerTextTopKRouter",
-                                       math="Qwen3-MoE's (the thinker's and the talker's text "
-                                       "models)"),
 }
 """{transformers.models package: why patch() refuses it} (ValueError before any router is
 touched)."""
