@@ -104,6 +104,8 @@ MORE_CONFIGS = {
     "kolibri1": dict(_QWEN),
     # softmax
     "qwen3_omni_moe": dict(_QWEN),
+    "bailing_hybrid": dict(_DSV3, num_experts=8, layer_types=["full_attention", "linear_attention",
+                                               "full_attention"]),
     "lara_mini": dict(_QWEN),
     "mistral_large4": dict(_DSV3, qk_rope_head_dim=4),
     "phimoe": dict(num_local_experts=8, num_experts_per_tok=2),

@@ -97,6 +97,7 @@ REFERENCE = {
     "gpt_oss": _TOPK_LOGITS, "llama4_text": _TOPK_LOGITS, "granitemoe": _TOPK_LOGITS,
     "granitemoeshared": _TOPK_LOGITS, "granitemoehybrid": _TOPK_LOGITS,
     "kimi_linear": _DEEPSEEK_V3, "minicpm5_moe": _DEEPSEEK_V3, "beam": _DEEPSEEK_V3,
+    "bailing_hybrid": _DEEPSEEK_V3,
     "axk2": ("sigmoid", "e_score_correction_bias", "top2_sum", 0.0),
     "minimax_m2": _SIGMOID_BLOCK_BIAS, "hy_v3": _SIGMOID_BLOCK_BIAS, "afmoe": _SIGMOID_BLOCK_BIAS,
     "lfm2_moe": _SIGMOID_BLOCK_BIAS, "minimax_m3_vl": _SIGMOID_BIAS, "laguna": _SIGMOID_BIAS,

@@ -262,6 +262,7 @@ SPECS = (
                   "Qwen3-Omni-30B-A3B (thinker text model)"),
     _softmax_topk("qwen3_omni_moe", "Qwen3-Omni-MoE", "Qwen3OmniMoeTalkerTextTopKRouter",
                   "Qwen3-Omni-30B-A3B (talker text model)"),
+    _deepseek_v3("bailing_hybrid", "Bailing-Hybrid", "BailingHybridTopkRouter"),
     RoutingSpec("lara_mini", "Lara-Mini", "LaraMiniTopKRouter", gate_cast="fp32", renorm="sum",
                 renorm_if="norm_topk_prob", weights_dtype="hidden", combine_dtype="hidden dtype"),
     RoutingSpec("mistral_large4", "Mistral-Large-4", "MistralLarge4TextTopkRouter",
@@ -342,13 +343,12 @@ REFUSED = {
                      "experts module receives are not the router's ids; not modelled",
     "mimo_v2_flash": _UNTESTED.format(cls="MiMoV2FlashTopkRouter", math="DeepSeek-V3's"),
     "glm4v_moe": _UNTESTED.format(cls="Glm4vMoeTextTopkRouter", math="DeepSeek-V3's"),
-    "bailing_hybrid": _UNTESTED.format(cls="BailingHybridTopkRouter", math="DeepSeek-V3's"),
     "glm5_next": _UNTESTED.format(cls="Glm5NextTextTopkRouter", math="DeepSeek-V3's"),
     "hy_v4_vl": _UNTESTED.format(cls="HYV4VLTopkRouter", math="DeepSeek-V3's"),
+    "qwen4_exp": _UNTESTED.format(cls="Qwen4ExpTextTopKRouter", math="Qwen3-MoE's"),
     "step3p7": _UNTESTED.format(cls="Step3p7TopKRouter", math="MiniMax-M3-VL's"),
     "muse_spark": _UNTESTED.format(cls="MuseSparkTopkRouter", math="sigmoid with a correction "
                                    "bias and a logit multiplier"),
-    "qwen4_exp": _UNTESTED.format(cls="Qwen4ExpTextTopKRouter", math="Qwen3-MoE's"),
     "deepseek_ocr2": _UNTESTED.format(cls="DeepseekOcr2TextTopkRouter", math="DeepSeek-V2's"),
     "unlimited_ocr": _UNTESTED.format(cls="UnlimitedOcrTextTopkRouter", math="DeepSeek-V2's"),
 }
