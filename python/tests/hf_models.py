@@ -79,15 +79,65 @@ MORE_CONFIGS = {
     "granitemoehybrid": dict(num_local_experts=8, num_experts_per_tok=2,
                              layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
                              mamba_n_groups=1, mamba_d_state=8, shared_intermediate_size=16),
+    # DeepSeek-V3's router under more names
+    "kimi_linear": dict(_DSV3, num_experts=8, linear_num_heads=2, linear_head_dim=8,
+                        layer_types=["full_attention", "linear_attention", "full_attention"]),
+    "minicpm5_moe": dict(_DSV3),
+    "axk2": dict(_DSV3),
+    "beam": dict(_QWEN, n_group=4, topk_group=2, mlp_layer_types=["dense", "sparse"]),
+    # sigmoid + correction bias (held, or passed in by the block)
+    "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2),
+    "minimax_m3_vl": dict(num_local_experts=8, num_experts_per_tok=2),
+    "hy_v3": dict(num_local_experts=8, num_experts_per_tok=2),
+    "afmoe": dict(_QWEN),
+    "lfm2_moe": dict(_QWEN, use_expert_bias=True, num_dense_layers=1,
+                     layer_types=["conv", "full_attention"]),
+    "laguna": dict(_QWEN, moe_router_logit_softcapping=3.0),
+    "ergo": dict(_QWEN),
+    "flint": dict(_QWEN, mlp_only_layers=[0]),
+    "deepseek_v4": dict(num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=3,
+                        mlp_layer_types=["hash_moe", "moe", "moe"]),
+    "inkling2": dict(num_local_experts=8, num_experts_per_tok=2),
+    "kolibri1_1": dict(_QWEN, layer_types=["sliding_attention", "sliding_attention"],
+                       sliding_window=16, index_layers=[], kv_source_layers=[0, 1],
+                       head_dim=16, index_num_heads=1, mlp_only_layers=[0]),
+    "kolibri1": dict(_QWEN),
+    # softmax
+    "qwen3_omni_moe": dict(_QWEN),
+    "bailing_hybrid": dict(_DSV3, num_experts=8, layer_types=["full_attention", "linear_attention",
+                                               "full_attention"]),
+    "lara_mini": dict(_QWEN),
+    "mistral_large4": dict(_DSV3, qk_rope_head_dim=4),
+    "phimoe": dict(num_local_experts=8, num_experts_per_tok=2),
+    "dbrx": dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=128,
+                 attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=16, moe_num_experts=8, moe_top_k=2,
+                                 moe_normalize_expert_weights=1.0)),
+    "aria": dict(moe_num_experts=8, moe_topk=2),
+    "granitemoe_swa": dict(num_local_experts=8, num_experts_per_tok=2),
 }
 """Tiny configs of the other supported families (test_hf_families.py)."""
 ALL_FAMILIES = FAMILIES + list(MORE_CONFIGS)
-_CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
+_CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text",
+                "glm4v_moe": "glm4v_moe_text", "glm5_next": "glm5_next_text",
+                "hy_v4_vl": "hy_v4_vl_text", "minimax_m3_vl": "minimax_m3_vl_text",
+                "muse_spark": "muse_spark_text", "inkling2": "inkling2_text",
+                "qwen3_omni_moe": "qwen3_omni_moe_text", "qwen4_exp": "qwen4_exp_text",
+                "mistral_large4": "mistral_large4_text", "deepseek_ocr2": "deepseek_ocr2_text",
+                "unlimited_ocr": "unlimited_ocr_text", "aria": "aria_text"}
 """The config model_type of a family's text model, where it is not the family's key."""
+_MODEL_CLASS = {"qwen3_omni_moe": "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe."
+                                  "Qwen3OmniMoeThinkerTextModel"}
+"""The text model's class, where no Auto class builds it from its config."""
 
 
 def config(model_type, **overrides):
+    import transformers
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    if _CONFIG_TYPE.get(model_type, model_type) not in CONFIG_MAPPING_NAMES:
+        import pytest  # a family a later transformers release added (ergo, kolibri1_1, ...)
+        pytest.skip(f"{model_type} is not in transformers {transformers.__version__}")
     args = dict(COMMON)
     args.update(CONFIGS[model_type] if model_type in CONFIGS else MORE_CONFIGS[model_type])
     args.update(overrides)
@@ -101,6 +151,14 @@ def _randomise_router_state(model, gen):
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if "e_score_correction_bias" in name:
                 t.copy_(torch.randn(t.shape, generator=gen) * 0.05)
+            elif "router" in name and name.endswith("weight") and not t.abs().sum():
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.1)  # AFMoE's gate starts at 0
+            elif name.endswith("expert_bias"):  # AFMoE, LFM2-MoE: held by the block
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.05)
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash layers: K distinct experts
+                E = model.config.get_text_config().num_local_experts
+                t.copy_(torch.stack([torch.randperm(E, generator=gen)[:t.shape[1]]
+                                     for _ in range(t.shape[0])]))
             elif name.endswith("router.bias"):
                 t.copy_(torch.randn(t.shape, generator=gen) * 0.1)
 
@@ -113,7 +171,12 @@ def build(model_type, dtype=torch.float32, seed=0, **overrides):
     cfg = config(model_type, **overrides)
     cfg._attn_implementation = "eager"
     try:
-        model = AutoModelForCausalLM.from_config(cfg)
+        if model_type in _MODEL_CLASS:  # a text model no Auto class maps its config to
+            import importlib
+            mod, _, cls = _MODEL_CLASS[model_type].rpartition(".")
+            model = getattr(importlib.import_module(mod), cls)(cfg)
+        else:
+            model = AutoModelForCausalLM.from_config(cfg)
     except ValueError:  # a text backbone without a causal-LM head class (Qwen3-VL-MoE, Mistral-4)
         model = AutoModel.from_config(cfg)
     _randomise_router_state(model, torch.Generator().manual_seed(seed + 1))

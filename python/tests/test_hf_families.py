@@ -80,6 +80,8 @@ def test_every_moe_family_of_the_installed_transformers_has_a_spec_or_a_stated_r
 _SOFTMAX = ("softmax", None, None, None)
 _DEEPSEEK_V3 = ("sigmoid", "e_score_correction_bias", "top2_sum", float("-inf"))
 _TOPK_LOGITS = ("logits", None, None, None)
+_SIGMOID_BIAS = ("sigmoid", "e_score_correction_bias", None, None)
+_SIGMOID_BLOCK_BIAS = ("sigmoid", "block", None, None)
 REFERENCE = {
     "qwen3_moe": _SOFTMAX, "qwen2_moe": _SOFTMAX, "qwen3_next": _SOFTMAX, "olmoe": _SOFTMAX,
     "mixtral": _SOFTMAX, "hunyuan_v1_moe": _SOFTMAX, "qwen3_5_moe": _SOFTMAX,
@@ -94,16 +96,29 @@ REFERENCE = {
     "mistral4": ("softmax", None, "top2_sum", 0.0),
     "gpt_oss": _TOPK_LOGITS, "llama4_text": _TOPK_LOGITS, "granitemoe": _TOPK_LOGITS,
     "granitemoeshared": _TOPK_LOGITS, "granitemoehybrid": _TOPK_LOGITS,
+    "kimi_linear": _DEEPSEEK_V3, "minicpm5_moe": _DEEPSEEK_V3, "beam": _DEEPSEEK_V3,
+    "bailing_hybrid": _DEEPSEEK_V3,
+    "axk2": ("sigmoid", "e_score_correction_bias", "top2_sum", 0.0),
+    "minimax_m2": _SIGMOID_BLOCK_BIAS, "hy_v3": _SIGMOID_BLOCK_BIAS, "afmoe": _SIGMOID_BLOCK_BIAS,
+    "lfm2_moe": _SIGMOID_BLOCK_BIAS, "minimax_m3_vl": _SIGMOID_BIAS, "laguna": _SIGMOID_BIAS,
+    "ergo": _SIGMOID_BIAS, "inkling2": _SIGMOID_BIAS, "flint": ("sigmoid", None, None, None),
+    "deepseek_v4": ("sqrtsoftplus", "e_score_correction_bias", None, None),
+    "kolibri1_1": ("logits", "e_score_correction_bias", None, None),
+    "kolibri1": ("logits", "e_score_correction_bias", None, None),
+    "lara_mini": _SOFTMAX, "dbrx": _SOFTMAX, "qwen3_omni_moe": _SOFTMAX,
+    "mistral_large4": ("softmax", None, "top2_sum", 0.0),
+    "phimoe": _TOPK_LOGITS, "aria": _TOPK_LOGITS, "granitemoe_swa": _TOPK_LOGITS,
 }
 
 
 def _gate_params(router):
-    lin = router.wg if hasattr(router, "wg") else router
+    lin = next((getattr(router, a) for a in ("wg", "layer", "linear", "gate")
+                if isinstance(getattr(router, a, None), torch.nn.Linear)), router)
     b = getattr(lin, "bias", None)
     return lin.weight, (b if isinstance(b, torch.Tensor) else None)
 
 
-def _reference(family, router, x, K):
+def _reference(family, router, x, K, block=None, input_ids=None):
     """(ids as sorted rows [T, K], clear [T] bool): the family's selection in float64 and the rows
     whose K-th and (K+1)-th choice (and the kept / dropped group) are 1e-4 apart. The fp32 gate's
     error is below H·u·Σ|x_i w_i| < 1e-5 for these models (H = 32, |x w| < 1), and softmax /
@@ -113,17 +128,29 @@ def _reference(family, router, x, K):
     logits = x.double() @ w.double().t()
     if b is not None:
         logits = logits + b.double()
+    cap = float(getattr(router, "router_logit_softcapping", 0.0) or 0.0)
+    if cap > 0:  # Laguna: c·tanh(z/c)
+        logits = torch.tanh(logits / cap) * cap
     E = logits.shape[1]
+    if hasattr(router, "tid2eid"):  # DeepSeek-V4's hash layer: the token's fixed experts
+        return (router.tid2eid[input_ids.reshape(-1)].long().sort(dim=1).values,
+                torch.ones(len(x), dtype=torch.bool))
     if score == "softmax":
         s = torch.exp(logits - logits.max(dim=1, keepdim=True).values)
         s = s / s.sum(dim=1, keepdim=True)
     elif score == "sigmoid":
         s = 1.0 / (1.0 + torch.exp(-logits))
+    elif score == "sqrtsoftplus":
+        s = torch.sqrt(torch.log1p(torch.exp(logits)))
     else:
         s = logits
     choice = s.clone()
     if bias == "e_score_correction_bias":
         choice = choice + router.e_score_correction_bias.double()
+    elif bias == "block":  # held by the MoE block, passed to the router's forward
+        held = getattr(block, "e_score_correction_bias", None)
+        held = getattr(block, "expert_bias", None) if held is None else held
+        choice = choice + held.double()
     elif bias == "moe_statics":
         choice = choice + router.moe_statics.e_score_correction_bias.double().reshape(-1)
     clear = torch.ones(len(x), dtype=torch.bool)
@@ -205,7 +232,8 @@ def test_fp32_router_picks_the_experts_of_a_float64_reference_and_capture_is_wha
         router = model.get_submodule(p.modules[layer])
         got = captured[:, :, layer, :].reshape(B * S, -1).long()
         x = seen.x[layer].reshape(B * S, -1)
-        ref, clear = _reference(family, router, x, p.top_k)
+        block = model.get_submodule(p.modules[layer].rsplit(".", 1)[0])
+        ref, clear = _reference(family, router, x, p.top_k, block, ids)
         n_clear += int(clear.sum())
         bad = (got.sort(dim=1).values != ref).any(dim=1) & clear
         assert not bad.any(), (f"{family} layer {layer}: rows {bad.nonzero().flatten().tolist()} "
@@ -214,7 +242,9 @@ def test_fp32_router_picks_the_experts_of_a_float64_reference_and_capture_is_wha
         if layer in seen.ids:  # the experts received exactly the captured ids, in order
             assert torch.equal(seen.ids[layer].reshape(B * S, -1).long(), got), family
         else:
-            assert family == "llama4_text"  # its experts take the router-scaled input only
+            # Llama-4's experts take the router-scaled input only; DBRX's are not transformers'
+            # experts interface
+            assert family in ("llama4_text", "dbrx")
     assert n_clear >= len(p.layers) * B * S // 2  # the comparison covered most rows
     p.unpatch()
 
@@ -270,12 +300,35 @@ def test_r3_replays_captured_ids_after_the_router_weights_changed_and_unpatch_re
         p.unpatch()
 
 
-def test_a_per_layer_top_k_is_refused_by_name():
+def test_a_per_layer_top_k_routes_captures_and_replays_each_layer_with_its_own_k(tmp_path):
+    # HunYuan's moe_topk may be a list: K differs per MoE layer. Route tables are as wide as the
+    # largest K; a layer with a smaller K holds -1 past its own.
     model = build("hunyuan_v1_moe", moe_topk=[2, 3])
-    with pytest.raises(ValueError, match=r"\[hf.patch\] HunYuan-MoE-V1: top_k differs between MoE "
-                                         r"layers \(\{0: 2, 1: 3\}\).*per-layer top_k is refused"):
-        syhf.patch(model)
-    assert syhf.patch_of(model) is None
+    p = syhf.patch(model, router_dtype=torch.float32)
+    assert p.top_ks == {0: 2, 1: 3} and p.top_k == 3
+    ids = tokens(2, 6, seed=1)
+    with torch.no_grad(), p.capture() as cap:
+        model(ids)
+    got = cap.ids()
+    assert got.shape == (2, 6, 2, 3)
+    assert (got[:, :, 0, 2] == -1).all() and (got[:, :, 0, :2] >= 0).all()
+    assert (got[:, :, 1, :] >= 0).all()
+    assert torch.equal(cap.expert_ids(), got)  # what the experts received, K per layer
+    routes = got[:, :, p.layers, :]
+    _perturb(model, p, "hunyuan_v1_moe")
+    p.set_targets(routes)
+    with torch.no_grad(), p.capture() as cap:
+        model(ids)
+    assert torch.equal(cap.ids(), got) and torch.equal(cap.expert_ids(), got)
+    bad = routes.clone()
+    bad[0, 0, 0, 2] = 5
+    with pytest.raises(ValueError, match=r"\[hf.set_targets\] layer 0 routes to K=2 experts: "
+                                         r"routes\[\.\.\., 0, 2:\] must be -1"):
+        p.set_targets(bad)
+    with pytest.raises(ValueError, match=r"\[hf.Capture\] the MoE layers route to different K "
+                                         r"\(\{0: 2, 1: 3\}\)"):
+        cap.tables()
+    p.unpatch()
 
 
 def test_a_router_class_no_spec_covers_is_refused_naming_it(monkeypatch):
@@ -292,7 +345,7 @@ def test_a_router_class_no_spec_covers_is_refused_naming_it(monkeypatch):
     assert syhf.patch_of(model) is None
 
 
-@pytest.mark.parametrize("family", ["deepseek_v4", "minimax_m2", "jetmoe", "phimoe"])
+@pytest.mark.parametrize("family", ["jetmoe", "longcat_flash", "cohere2_moe"])
 def test_a_refused_family_names_itself_and_the_reason(family):
     from transformers import AutoConfig, AutoModelForCausalLM
     assert family in syspec.REFUSED
@@ -302,3 +355,60 @@ def test_a_refused_family_names_itself_and_the_reason(family):
         model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ValueError, match=rf"\[hf.patch\] {family}: .*(not supported|refused)"):
         syhf.patch(model)
+
+
+def test_phimoe_routes_in_eval_mode_and_refuses_training_mode_by_name():
+    model = build("phimoe")
+    p = syhf.patch(model, router_dtype=torch.float32)
+    with torch.no_grad():
+        model(tokens(1, 5))  # eval: the sparse mixer's deterministic top-2
+    model.train()
+    with pytest.raises(ValueError, match=r"\[hf\] phimoe: PhiMoE's sparse mixer samples the "
+                                         r"experts .* eval mode only"):
+        model(tokens(1, 5))
+    p.unpatch()
+
+
+def test_dbrx_patches_the_blocks_route_method_and_unpatch_restores_it():
+    model = build("dbrx")
+    ids = tokens(2, 6, seed=2)
+    with torch.no_grad():
+        before = model(ids)[0].clone()
+    p = syhf.patch(model, router_dtype=torch.float32)
+    blocks = [model.get_submodule(n.rsplit(".", 1)[0]) for n in p.modules.values()]
+    assert all("route_tokens_to_experts" in b.__dict__ for b in blocks)
+    p.unpatch()
+    assert not any("route_tokens_to_experts" in b.__dict__ for b in blocks)
+    with torch.no_grad():
+        assert torch.equal(model(ids)[0], before)
+
+
+def test_capture_experts_observes_any_model_and_equals_the_patched_capture():
+    # The experts interface sees the ids whatever routed them: an unpatched model's experts get
+    # the family's own choice, which the patched router (router_dtype=None) reproduces.
+    model = build("qwen3_moe")
+    ids = tokens(2, 7, seed=4)
+    with torch.no_grad(), syhf.capture_experts(model) as seen:
+        model(ids)
+    p = syhf.patch(model, router_dtype=None)
+    with torch.no_grad(), p.capture() as cap:
+        model(ids)
+    p.unpatch()
+    assert seen.layers == p.layers
+    assert torch.equal(seen.ids(), cap.ids()) and torch.equal(cap.expert_ids(), cap.ids())
+    with pytest.raises(ValueError, match=r"\[hf.capture_experts\] no experts module"):
+        syhf.capture_experts(torch.nn.Linear(2, 2))
+
+
+def test_a_moe_block_running_a_replaced_kernel_forward_is_refused(monkeypatch):
+    # transformers' kernels integration replaces a decorated block's forward with a hub kernel
+    # (e.g. a MegaBlocks MoE MLP) that may route inside the kernel, never calling the router.
+    model = build("gpt_oss")
+    block = model.get_submodule("model.layers.0.mlp")
+    monkeypatch.setattr(type(block), "kernel_layer_name", "MegaBlocksMoeMLP", raising=False)
+    block.forward = lambda hidden_states: hidden_states
+    with pytest.raises(ValueError, match=r"\[hf.patch\] model type 'gpt_oss': the MoE block of "
+                                         r"model\.layers\.0\.mlp\.router \(GptOssMLP\) runs a "
+                                         r"replaced forward \(hub kernel 'MegaBlocksMoeMLP'\)"):
+        syhf.patch(model)
+    assert syhf.patch_of(model) is None

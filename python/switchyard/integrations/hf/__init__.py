@@ -58,14 +58,20 @@ What the patch does, per MoE decoder layer (keyed by its absolute layer number):
   0), ``cap.tables(...)`` switchyard route tables, ``cap.write(path, ...)`` a route file. Beam
   search (``num_beams > 1``) is refused while capturing: it reorders the beams at every step.
 
+* Per-layer K (HunYuan's ``moe_topk`` list): ``p.top_ks`` gives each layer's K; route tables in
+  and out are ``p.top_k`` (the largest) wide, -1 past a layer's own K.
+* Experts-side capture: ``cap.expert_ids()`` holds the ids the experts modules received
+  (transformers' experts interface), and ``syhf.capture_experts(model)`` observes them on any
+  model, patched or not (refused families too).
+
 Modules: ``spec`` (each family's routing as data: a RoutingSpec), ``families`` (the generic
 routed forward that reads a spec, and the gate), ``patch`` (install / unpatch, the replay queues,
 ``Patch``), ``capture`` (recording during generate).
 """
-from .capture import Capture
+from .capture import Capture, ExpertsCapture, capture_experts
 from .families import COMBINE_DTYPE, FAMILIES
 from .patch import (MIN_TRANSFORMERS_VERSION, SUPPORTED_TRANSFORMERS_VERSIONS, Patch, patch,
                     patch_of)
 
-__all__ = ["patch", "patch_of", "Patch", "Capture", "MIN_TRANSFORMERS_VERSION",
+__all__ = ["patch", "patch_of", "Patch", "Capture", "ExpertsCapture", "capture_experts", "MIN_TRANSFORMERS_VERSION",
            "SUPPORTED_TRANSFORMERS_VERSIONS", "FAMILIES", "COMBINE_DTYPE"]

@@ -2,10 +2,163 @@
 (a whole ``generate()``: prefill and every decode step), and turning them into vLLM's
 ``routed_experts``, switchyard route tables, route files or verl's batch layout."""
 import os
+import re
 
 import torch
 
 from switchyard import routes as syr
+
+LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)(?:\.|$)")
+"""A module name's decoder layer: the last ``layers.<n>`` (DBRX: ``blocks.<n>``) in it."""
+
+
+def is_experts(mod) -> bool:
+    """Whether ``mod`` is an experts module of transformers' experts interface
+    (``@use_experts_implementation``, integrations/moe.py): its forward receives
+    ``(hidden_states, top_k_index, top_k_weights)``, the ids whichever router produced."""
+    return all(hasattr(mod, a) for a in ("has_gate", "has_bias", "is_transposed",
+                                         "is_concatenated", "_is_expert_parallel"))
+
+
+def _received_ids(args, kwargs):
+    ids = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+    return ids if isinstance(ids, torch.Tensor) else None
+
+
+def _stack(per_layer, num_hidden_layers, K):
+    """{layer: [B, S_step, K_layer] steps} -> int32 [B, S, num_hidden_layers, K]: dense layers 0,
+    the columns past a layer's own K -1."""
+    per = {}
+    for layer, steps in per_layer.items():
+        if not steps:
+            raise ValueError("[hf.Capture] nothing was captured (no forward ran while "
+                             "capturing)")
+        if len({s.shape[0] for s in steps}) != 1:
+            raise ValueError("[hf.Capture] the captured forwards have different batch sizes "
+                             f"{sorted({s.shape[0] for s in steps})}: capture one generate() "
+                             "call at a time")
+        per[layer] = torch.cat(steps, dim=1)
+    if not per:
+        raise ValueError("[hf.Capture] nothing was captured (no MoE layer ran while capturing)")
+    B, S, _ = next(iter(per.values())).shape
+    out = torch.zeros(B, S, num_hidden_layers, K, dtype=torch.int32)
+    for layer, t in per.items():
+        if t.shape[:2] != (B, S):
+            raise ValueError(f"[hf.Capture] layer {layer} captured {list(t.shape[:2])} tokens, "
+                             f"another layer {[B, S]}")
+        out[:, :, layer, :] = -1 if t.shape[2] < K else 0
+        out[:, :, layer, :t.shape[2]] = t
+    return out
+
+
+class ExpertsCapture:
+    """The ids every experts module of a model received, per forward, whatever computed them
+    (patched or not, any family: forward pre-hooks on transformers' experts interface and on the
+    decoder layers, for the batch shape). Made by ``capture_experts(model)`` or
+    ``Capture.expert_ids()``; a context manager. ``ids()``: int32 [B, S, num_hidden_layers, K]."""
+
+    def __init__(self, model, layers=None):
+        self._model = model
+        self._steps = {}
+        self._shape = {}
+        self._hooks = []
+        self.refeed = False  # set by Capture under generate(use_cache=False)
+        for name, mod in model.named_modules():
+            mt = list(LAYER_RE.finditer(name))
+            if not mt:
+                continue
+            layer = int(mt[-1].group(1))
+            if layers is not None and layer not in layers:
+                continue
+            if is_experts(mod):
+                if layer in self._steps:
+                    raise ValueError(f"[hf.capture_experts] several experts modules in decoder "
+                                     f"layer {layer} (several decoder stacks: capture the text "
+                                     "model)")
+                self._steps[layer] = []
+                self._hooks.append(mod.register_forward_pre_hook(
+                    lambda m, a, kw, layer=layer: self._on_experts(layer, a, kw),
+                    with_kwargs=True))
+            elif name == name[:mt[-1].end(1)]:  # the decoder layer itself
+                self._hooks.append(mod.register_forward_pre_hook(
+                    lambda m, a, kw, layer=layer: self._on_layer(layer, a, kw),
+                    with_kwargs=True))
+        if not self._steps:
+            self.remove()
+            raise ValueError(f"[hf.capture_experts] no experts module of transformers' experts "
+                             f"interface in {type(model).__name__} (under 'layers.<n>')")
+        cfg = getattr(model, "config", None)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.num_hidden_layers = int(getattr(cfg, "num_hidden_layers", max(self._steps) + 1))
+        """The layer dimension of ``ids()`` (the config's num_hidden_layers)."""
+
+    @property
+    def layers(self) -> list[int]:
+        """The decoder layers whose experts are observed, ascending."""
+        return sorted(self._steps)
+
+    def _on_layer(self, layer, args, kwargs):
+        h = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(h, torch.Tensor) and not torch.compiler.is_compiling():
+            self._shape[layer] = tuple(h.shape[:-1])
+
+    def _on_experts(self, layer, args, kwargs):
+        ids = _received_ids(args, kwargs)
+        if ids is None or torch.compiler.is_compiling():
+            return
+        from switchyard import replay as _replay
+        if _replay.in_recompute():
+            return  # a checkpoint recompute inside backward: not a new forward
+        ids = ids.detach().to(device="cpu", dtype=torch.int32).reshape(-1, ids.shape[-1])
+        shape = self._shape.pop(layer, None)
+        T = ids.shape[0]
+        if shape is None or len(shape) != 2 or shape[0] * shape[1] != T:
+            shape = (1, T)
+        step = ids.view(shape[0], shape[1], -1)
+        steps = self._steps[layer]
+        if self.refeed and steps:
+            have = sum(s.shape[1] for s in steps)
+            step = step[:, have:]
+        steps.append(step)
+
+    def ids(self) -> torch.Tensor:
+        """int32 [B, S_fed, num_hidden_layers, K]: the ids each observed layer's experts received
+        for every fed token (dense layers 0; K the largest, -1 past a layer's own).
+
+        Raises:
+            ValueError: when nothing was captured or the forwards' batch sizes differ.
+        """
+        K = max((s.shape[2] for v in self._steps.values() for s in v), default=0)
+        return _stack(self._steps, self.num_hidden_layers, K)
+
+    def remove(self) -> None:
+        """Removes the hooks (idempotent); the captured ids stay."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+
+def capture_experts(model: torch.nn.Module) -> ExpertsCapture:
+    """Starts observing the ids every experts module of ``model`` receives (transformers' experts
+    interface), for any MoE family, patched or not (refused ones too). Use as a context manager;
+    ``ids()`` gives int32 [B, S_fed, num_hidden_layers, K].
+
+    Args:
+        model: a transformers model.
+
+    Returns:
+        ExpertsCapture.
+
+    Raises:
+        ValueError: when the model has no experts module of the interface.
+    """
+    return ExpertsCapture(model)
 
 
 class Capture:
@@ -27,6 +180,7 @@ class Capture:
         self._orig_generate = None
         self._refeed = False  # inside generate(use_cache=False): each forward re-feeds all tokens
         self._generated = False  # a generate() ran under this capture (its final token unfed)
+        self._experts = None  # ExpertsCapture over the patched layers (start)
 
     def start(self) -> None:
         """Starts capturing: the model's ``generate()`` is wrapped (beam search refused) until
@@ -36,6 +190,10 @@ class Capture:
             self._had_generate = "generate" in m.__dict__
             self._orig_generate = m.__dict__.get("generate")
             m.generate = self._generate  # an instance attribute, removed when the capture stops
+        try:
+            self._experts = ExpertsCapture(m, layers=set(self._owner.layers))
+        except ValueError:  # a family whose experts are not transformers' interface (Llama-4)
+            self._experts = None
         self.active = True
 
     def stop(self) -> None:
@@ -43,6 +201,8 @@ class Capture:
         runs no capture any more if this was its running one. What leaving the ``with`` block
         does."""
         self.active = False
+        if self._experts is not None:
+            self._experts.remove()
         m = self._owner.model
         if getattr(m.__dict__.get("generate"), "__self__", None) is self:
             if self._had_generate:
@@ -81,6 +241,8 @@ class Capture:
                                  "sequences; capture supports greedy search and sampling, with "
                                  "or without a KV cache (use_cache)")
         self._refeed = setting("use_cache", True) is False
+        if self._experts is not None:
+            self._experts.refeed = self._refeed
         self._generated = True
         try:
             if self._orig_generate is not None:
@@ -88,6 +250,8 @@ class Capture:
             return type(model).generate(model, *args, **kwargs)
         finally:
             self._refeed = False
+            if self._experts is not None:
+                self._experts.refeed = False
 
     def append(self, layer: int, ids32: torch.Tensor, batch_shape: tuple[int, ...] | None,
                num_tokens: int, native32: torch.Tensor | None = None) -> None:
@@ -158,24 +322,26 @@ class Capture:
         """
         return self._stacked(self._native)
 
+    def expert_ids(self) -> torch.Tensor:
+        """The ids the experts modules of the patched layers received (transformers' experts
+        interface), laid out as ``ids()``: equal to it wherever the experts ran the patched
+        router's choice (a replayed forward included).
+
+        Returns:
+            int32 [B, S_fed, num_hidden_layers, K], dense layers 0.
+
+        Raises:
+            ValueError: as ``ids()``; also for a family whose experts are not transformers'
+                experts interface (Llama-4's take the router-scaled input only).
+        """
+        if self._experts is None:
+            raise ValueError(f"[hf.Capture] the experts of {self._owner.family} are not "
+                             "transformers' experts interface: their ids cannot be observed")
+        return _stack(self._experts._steps, self._owner.num_hidden_layers, self._owner.top_k)
+
     def _stacked(self, per_layer: dict[int, list[torch.Tensor]]) -> torch.Tensor:
         o = self._owner
-        per = {}
-        for layer, steps in per_layer.items():
-            if not steps:
-                raise ValueError("[hf.Capture] nothing was captured (no forward ran while "
-                                 "capturing)")
-            if len({s.shape[0] for s in steps}) != 1:
-                raise ValueError("[hf.Capture] the captured forwards have different batch sizes "
-                                 f"{sorted({s.shape[0] for s in steps})}: capture one generate() "
-                                 "call at a time")
-            per[layer] = torch.cat(steps, dim=1)
-        first = next(iter(per.values()))
-        B, S, K = first.shape
-        out = torch.zeros(B, S, o.num_hidden_layers, K, dtype=torch.int32)
-        for layer, t in per.items():
-            out[:, :, layer, :] = t
-        return out
+        return _stack(per_layer, o.num_hidden_layers, o.top_k)
 
     def routed_experts(self, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """vLLM's ``routed_experts`` per sequence: a list of int32 tensors
@@ -255,6 +421,11 @@ class Capture:
         Returns:
             (tables, report dict).
         """
+        ks = self._owner.top_ks
+        if len(set(ks.values())) > 1:
+            raise ValueError(f"[hf.Capture] the MoE layers route to different K ({ks}): route "
+                             "tables and files hold one K per layer stack with no -1 beside "
+                             "ids; use ids() (-1 past a layer's own K) with Patch.set_targets")
         return self._owner.tables_from_vllm(self.routed_experts(attention_mask),
                                             zero_rows="keep")
 

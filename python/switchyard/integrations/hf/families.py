@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import switchyard.torch as syt
 
-from .spec import SPECS, RoutingSpec
+from .spec import SET, SPECS, RoutingSpec
 
 
 def _sdt(logits):
@@ -35,7 +35,10 @@ def _ids(select, replay_ids, replay_mask):
 # scores gathered at the final ids, which for live rows is bitwise the family's top-k values (and
 # the gradient of a gather is the gradient of a top-k), so live and replayed rows share one graph.
 # --------------------------------------------------------------------------------------------------
-def _attr(r, path):
+def _attr(r, path, block=None):
+    """r.<path> (dotted); a path starting with "block." is read on the MoE block instead."""
+    if path.startswith("block."):
+        r, path = block, path[len("block."):]
     for a in path.split("."):
         r = getattr(r, a)
     return r
@@ -43,7 +46,9 @@ def _attr(r, path):
 
 class Family:
     """A family's router, read from its RoutingSpec: where the gate is, the family's own gate
-    (router_dtype=None), its selection and its weights. Called by patch's router forward."""
+    (router_dtype=None), its selection and its weights. Called by patch's router forward. ``block``
+    is the MoE block that holds the router (the parent module), ``passed`` the router forward's
+    arguments after the hidden states (a correction bias, input_ids)."""
 
     def __init__(self, spec: RoutingSpec):
         self.spec = spec
@@ -60,11 +65,11 @@ class Family:
         s = self.spec
         return _attr(r, s.weight), (None if s.bias is None else _attr(r, s.bias))
 
-    def num_experts(self, r):
-        return int(getattr(r, self.spec.num_experts))
+    def num_experts(self, r, block=None):
+        return int(_attr(r, self.spec.num_experts, block))
 
-    def top_k(self, r):
-        return int(getattr(r, self.spec.top_k))
+    def top_k(self, r, block=None):
+        return int(_attr(r, self.spec.top_k, block))
 
     def native_context(self, r, x):
         if self.spec.autocast_off:
@@ -78,20 +83,38 @@ class Family:
             return F.linear(x.float(), w.float(), None if b is None else b.float())
         if cast == "fp32_after":
             return F.linear(x, w, b).float()
+        if cast == "fp32_weight_as_x":
+            return F.linear(x.float(), w.to(x.dtype).float(), None if b is None else b.float())
+        if cast == "weight_dtype":
+            x = x.to(w.dtype)
         if cast == "fp32_if_weight_fp32" and w.dtype == torch.float32:
             x = x.float()
         return F.linear(x, w, b)
 
-    def _select(self, r, choice):
-        """The family's selection on detached scores -> ids [T, K] int64."""
-        s, K = self.spec, self.top_k(r)
+    def check_mode(self, r):
+        """ValueError for a forward the family's router cannot route faithfully (PhiMoE in
+        training mode)."""
+        if self.spec.train_refused is not None and r.training:
+            raise ValueError(f"[hf] {self.name}: {self.spec.train_refused}")
+
+    def _bias(self, r, passed):
+        """The selection-only bias (a tensor added to the scores for the choice), or None."""
+        s = self.spec
+        if s.select_bias_if is not None and not getattr(r, s.select_bias_if):
+            return None
         if s.select_bias == "e_score_correction_bias":
-            choice = choice + r.e_score_correction_bias
-        elif s.select_bias == "moe_statics":
+            return r.e_score_correction_bias
+        if s.select_bias == "passed":
+            return passed[0] if passed else None
+        return None
+
+    def _select(self, r, choice, K, block):
+        """The family's selection on detached scores (bias added) -> ids [T, K] int64."""
+        s = self.spec
+        if s.select_bias == "moe_statics":
             choice = r.moe_statics(choice)
-        if s.group is not None and (s.group_if is None or
-                                    getattr(r, s.group_if[0]) == s.group_if[1]):
-            E, G = self.num_experts(r), int(r.num_group)
+        if s.group is not None and self._grouped(r):
+            E, G = self.num_experts(r, block), int(r.num_group)
             grouped = choice.view(-1, G, E // G)
             if s.group == "top2_sum":
                 group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
@@ -104,28 +127,82 @@ class Family:
             choice = choice.masked_fill(~score_mask.bool(), s.group_mask)
         return torch.topk(choice, K, dim=-1, sorted=s.sorted_topk)[1]
 
-    def route(self, r, logits, replay_ids, replay_mask):
+    def _grouped(self, r):
+        if self.spec.group_if is None:
+            return True
+        attr, value = self.spec.group_if
+        return getattr(r, attr) is not None if value == SET else getattr(r, attr) == value
+
+    def _sparsemixer(self, r, z, replay_ids, replay_mask):
+        """PhiMoE's sparse mixer in eval mode (K = 2): slot 1 is the best expert, slot 2 the best
+        of the others; each slot's weight is a softmax over the experts whose logit is within a
+        relative 2·eps of the slot's own (the others, and slot 1's expert for slot 2, masked).
+        Replayed ids take the same formula with their own logits as the thresholds."""
+        def live():
+            first = z.max(dim=-1, keepdim=True)[1]
+            second = z.scatter(-1, first, float("-inf")).max(dim=-1, keepdim=True)[1]
+            return torch.cat((first, second), dim=-1)
+        ids = _ids(lambda: live(), replay_ids, replay_mask)
+        eps2 = 2 * float(r.router_jitter_noise)
+        weights = []
+        masked_before = z
+        for k in range(ids.shape[1]):
+            i = ids[:, k:k + 1]
+            with torch.no_grad():
+                t = z.gather(-1, i)
+                drop = ((t - z) / z.abs().clamp(min=t)) > eps2
+            gates = torch.softmax(masked_before.masked_fill(drop, float("-inf")), dim=-1)
+            weights.append(gates.gather(-1, i))
+            masked_before = torch.scatter(masked_before, -1, i, float("-inf"))
+        return torch.cat(weights, dim=-1), ids
+
+    def route(self, r, logits, replay_ids, replay_mask, passed=(), block=None):
         """-> (weights [T, K], ids [T, K] int64); replayed rows take replay_ids."""
         s = self.spec
         sd = _sdt(logits)
-        if s.score in ("softmax_topk", "sigmoid_dense"):
-            ids = _ids(lambda: torch.topk(logits.detach(), self.top_k(r), dim=-1,
-                                          sorted=s.sorted_topk)[1], replay_ids, replay_mask)
-            weights = logits.gather(1, ids)
+        K = self.top_k(r, block)
+        z = logits
+        if s.logit_scale is not None:
+            z = z * getattr(r, s.logit_scale)
+        if s.softcap is not None and getattr(r, s.softcap) > 0.0:
+            c = getattr(r, s.softcap)
+            z = torch.tanh(z / c) * c
+        if s.score == "sparsemixer":
+            return self._sparsemixer(r, z, replay_ids, replay_mask)
+        bias = self._bias(r, passed)
+        if s.score in ("softmax_topk", "sigmoid_dense", "sigmoid_topk"):
+            choice = z if bias is None else z + bias
+            ids = _ids(lambda: torch.topk(choice.detach(), K, dim=-1, sorted=s.sorted_topk)[1],
+                       replay_ids, replay_mask)
+            weights = z.gather(1, ids)
             if s.score == "softmax_topk":
                 weights = F.softmax(weights, dim=-1,
                                     dtype=sd if s.score_in_fp32 else weights.dtype)
+            elif s.score == "sigmoid_topk":
+                weights = weights.sigmoid()
         else:
             if s.score == "sigmoid":
-                scores = logits.sigmoid()
+                scores = (z.to(sd) if s.score_in_fp32 else z).sigmoid()
+            elif s.score == "fn":
+                scores = r.score_fn(z)
             elif s.score_in_fp32:
-                scores = F.softmax(logits, dim=-1, dtype=sd)
+                scores = F.softmax(z, dim=-1, dtype=sd)
             else:
-                scores = logits.softmax(-1)
-            ids = _ids(lambda: self._select(r, scores.detach()), replay_ids, replay_mask)
+                scores = z.softmax(-1)
+            if s.select == "hash":
+                ids = _ids(lambda: r.tid2eid[passed[0].reshape(-1)].long(), replay_ids,
+                           replay_mask)
+            else:
+                ids = _ids(lambda: self._select(
+                    r, scores.detach() if bias is None else scores.detach() + bias, K, block),
+                    replay_ids, replay_mask)
             weights = scores.gather(1, ids)
-        if s.renorm != "none" and (s.renorm_if is None or bool(getattr(r, s.renorm_if))):
-            total = weights.sum(dim=-1, keepdim=True)
+        if s.renorm != "none" and (s.renorm_if is None or
+                                   _attr(r, s.renorm_if, block) not in (None, False, 0)):
+            if s.renorm == "pnorm":
+                total = torch.norm(weights, p=_attr(r, s.renorm_if, block), dim=-1, keepdim=True)
+            else:
+                total = weights.sum(dim=-1, keepdim=True)
             if s.renorm == "sum_eps":
                 total = total + s.renorm_eps
             elif s.renorm == "clamp":
@@ -148,11 +225,20 @@ class Family:
             return torch.sigmoid(scores.to(_sdt(scores))).to(out_dtype), logits
         if s.weights_dtype == "hidden":
             weights = weights.to(x.dtype)
+        elif s.weights_dtype == "hidden_fp32" and native:
+            weights = weights.to(x.dtype).float()
+        if s.returns == "logits":
+            return weights, ids
         return logits, weights, ids
 
 
-FAMILIES = {s.model_type: Family(s) for s in SPECS}
-"""The supported families: {transformers model_type: Family} (each reads its RoutingSpec)."""
+_ALL = [Family(s) for s in SPECS]
+FAMILIES = {}
+for _f in _ALL:  # a family with several router classes (variants) is keyed by its first spec
+    FAMILIES.setdefault(_f.name, _f)
+"""The supported families: {transformers model_type: Family} (each reads its RoutingSpec; a
+family whose model has several router classes has one spec per class, e.g. DeepSeek-V4's hash
+layers, found by ``_family_of``)."""
 COMBINE_DTYPE = {f.title: f.combine_dtype for f in FAMILIES.values()}
 """Dtype of the combine weights each family's patched router returns (router_dtype set):
 {family name: "router_dtype", "router_dtype (fp32 unpatched too)" or "hidden dtype"}."""
@@ -160,7 +246,7 @@ COMBINE_DTYPE = {f.title: f.combine_dtype for f in FAMILIES.values()}
 
 def _family_of(module):
     for cls in type(module).__mro__:  # FSDP2 subclasses the module's class: look through it
-        for fam in FAMILIES.values():
+        for fam in _ALL:
             if cls.__name__ == fam.router_class and cls.__module__ == fam.module:
                 return fam
     return None

@@ -5,7 +5,6 @@ package docstring."""
 import collections
 import contextlib
 import dataclasses
-import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ from switchyard import replay as _replay
 from switchyard import routes as syr
 
 from .._adapter import check_version
-from .capture import Capture
+from .capture import LAYER_RE, Capture, is_experts
 from .families import FAMILIES, _family_of, _gate
 from .spec import REFUSED
 
@@ -39,15 +38,16 @@ whose experts switchyard would not route, is refused by name)."""
 # One patched MoE layer
 # --------------------------------------------------------------------------------------------------
 class _Layer:
-    def __init__(self, owner, layer, name, router, decoder_layer, family):
+    def __init__(self, owner, layer, name, router, decoder_layer, family, block=None):
         self.owner = owner
         self.layer = layer
         self.name = name
         self.router = router
         self.decoder_layer = decoder_layer
         self.family = family
-        self.num_experts = family.num_experts(router)
-        self.top_k = family.top_k(router)
+        self.block = block  # the MoE block holding the router
+        self.num_experts = family.num_experts(router, block)
+        self.top_k = family.top_k(router, block)  # this layer's K (HunYuan's differs per layer)
         self.replay = sy.RouterReplay(self.top_k, layer=layer,
                                       invalid_replay_rows=owner.invalid_replay_rows,
                                       num_experts=self.num_experts)
@@ -68,6 +68,11 @@ class _Layer:
         self._hook = None
         self._had_instance_forward = "forward" in router.__dict__
         self._orig_forward = router.__dict__.get("forward")
+        # A family whose router returns logits only (DBRX): the block's route method is patched too.
+        self._route_method = family.spec.route_method
+        self._had_route = self._route_method is not None and self._route_method in block.__dict__
+        self._orig_route = block.__dict__.get(self._route_method) if self._route_method else None
+        self._hidden_dtype = None  # the router's last input dtype (for the route method)
 
     def reset_counts(self):
         self.counts = _replay.ReplayCounts()
@@ -85,6 +90,8 @@ class _Layer:
         # A bound method, not a closure: copy.deepcopy of the model copies this _Layer with it (its
         # router, replay and Patch), so the copy's router runs its own forward.
         self.router.forward = self.forward
+        if self._route_method is not None:
+            setattr(self.block, self._route_method, self.route_logits)
         if self.decoder_layer is not None:
             self._hook = self.decoder_layer.register_forward_pre_hook(self._pre_hook,
                                                                       with_kwargs=True)
@@ -101,6 +108,11 @@ class _Layer:
                 self.router.forward = self._orig_forward
             else:
                 self.router.__dict__.pop("forward", None)
+            if self._route_method is not None:
+                if self._had_route:
+                    setattr(self.block, self._route_method, self._orig_route)
+                else:
+                    self.block.__dict__.pop(self._route_method, None)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -119,29 +131,55 @@ class _Layer:
         self.batch_shape = tuple(h.shape[:-1]) if isinstance(h, torch.Tensor) else None
 
     # ---- the patched router forward ----
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, *passed):
+        """The router's forward: the gate (router_dtype, or the family's own), then the family's
+        routing with replay, record and capture. ``passed``: what the block passes after the hidden
+        states (a correction bias, input_ids)."""
         owner, fam, r = self.owner, self.family, self.router
+        fam.check_mode(r)
+        jitter = fam.spec.input_jitter
+        if jitter is not None and r.training and getattr(r, jitter) is not None:
+            eps = getattr(r, jitter)  # the family's own training jitter, in place as it does
+            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - eps, 1.0 + eps)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        T = x.shape[0]
         native = owner.router_dtype is None
-        if x.device.type == "meta":
+        self._hidden_dtype = hidden_states.dtype
+        meta = x.device.type == "meta"  # shape inference: autocast has no meta device
+        ctx = (contextlib.nullcontext() if native or meta
+               else torch.autocast(device_type=x.device.type, enabled=False))
+        with ctx:
+            with fam.native_context(r, x) if native and not meta else contextlib.nullcontext():
+                if native or meta:
+                    logits = (fam.native_logits(r, x) if native else
+                              _gate(x, *fam.params(r), owner.router_dtype, "torch"))
+                else:
+                    w, b = fam.params(r)
+                    logits = _gate(x, w, b, owner.router_dtype, owner.gate)
+        if fam.spec.returns == "logits":
+            return logits  # the block's route method (route_logits) routes them
+        return self._route(logits, hidden_states, passed)
+
+    def route_logits(self, router_logits):
+        """The block's route method of a family whose router returns logits only (DBRX):
+        (weights, ids) from the patched router's logits."""
+        dtype = self._hidden_dtype or router_logits.dtype
+        return self._route(router_logits, router_logits.new_empty((0,), dtype=dtype), ())
+
+    def _route(self, logits, hidden_states, passed):
+        owner, fam, r = self.owner, self.family, self.router
+        T = logits.shape[0]
+        native = owner.router_dtype is None
+        if logits.device.type == "meta":
             # Shape inference / deferred init: the family's math on meta tensors (autocast has no
             # meta device, the engine needs data); no replay, record or capture.
-            logits = (fam.native_logits(r, x) if native else
-                      _gate(x, *fam.params(r), owner.router_dtype, "torch"))
-            weights, ids = fam.route(r, logits, None, None)
+            weights, ids = fam.route(r, logits, None, None, passed, self.block)
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
         recompute = _replay.in_recompute()  # the checkpoint recompute of this forward
         traced = torch.compiler.is_compiling()  # torch.compile / torch.export: see _traced_state
         ctx = (contextlib.nullcontext() if native
-               else torch.autocast(device_type=x.device.type, enabled=False))
+               else torch.autocast(device_type=logits.device.type, enabled=False))
         with ctx:
-            with fam.native_context(r, x) if native else contextlib.nullcontext():
-                if native:
-                    logits = fam.native_logits(r, x)
-                else:
-                    w, b = fam.params(r)
-                    logits = _gate(x, w, b, owner.router_dtype, owner.gate)
+            with fam.native_context(r, logits) if native else contextlib.nullcontext():
                 rows = None
                 replay_ids = replay_mask = None
                 if traced:
@@ -164,12 +202,13 @@ class _Layer:
                 if rows is not None:  # the core's rows -> the family's (ids, mask) on the device
                     replay_ids = rows.ids.to(device=logits.device, dtype=torch.int64)
                     replay_mask = rows.replayed.to(logits.device)
-                weights, ids = fam.route(r, logits, replay_ids, replay_mask)
+                weights, ids = fam.route(r, logits, replay_ids, replay_mask, passed, self.block)
                 native_ids = None
                 if rows is not None and not recompute and not traced and \
                         owner._capture is not None:
                     with torch.no_grad():  # the router's own choice, for the mismatch metric
-                        native_ids = fam.route(r, logits.detach(), None, None)[1]
+                        native_ids = fam.route(r, logits.detach(), None, None, passed,
+                                               self.block)[1]
             if traced:
                 self._traced_after_forward(ids, T)
             elif not recompute:
@@ -304,8 +343,14 @@ class Patch:
 
     @property
     def top_k(self) -> int:
-        """K, the experts each token is routed to."""
-        return self._layers[0].top_k
+        """K, the experts each token is routed to: the largest over the MoE layers, the width of
+        route tables in and out (a layer with a smaller K has -1 in the columns past its own)."""
+        return max(l.top_k for l in self._layers)
+
+    @property
+    def top_ks(self) -> dict[int, int]:
+        """{layer: K} of each patched MoE layer (HunYuan's ``moe_topk`` may differ per layer)."""
+        return {l.layer: l.top_k for l in self._layers}
 
     @property
     def combine_dtype(self) -> str:
@@ -384,6 +429,11 @@ class Patch:
         if t.shape[1] != M or t.shape[2] != K:
             raise ValueError(f"[hf.set_targets] routes must hold {M} MoE layers and K={K}, got "
                              f"shape {list(routes.shape)}")
+        for m, l in enumerate(self._layers):  # a layer with a smaller K: -1 past its own
+            if l.top_k < K and bool((t[:, m, l.top_k:] != -1).any()):
+                raise ValueError(f"[hf.set_targets] layer {l.layer} routes to K={l.top_k} "
+                                 f"experts: routes[..., {m}, {l.top_k}:] must be -1 (the table is "
+                                 f"K={K} wide for the model's largest K)")
         me = threading.current_thread()
         with _THREADS_LOCK:
             self._check_thread(me, "[hf.set_targets] from")
@@ -395,7 +445,7 @@ class Patch:
                                  f"it; one patched model replays for one thread at a time (give "
                                  f"each thread its own model, or set the targets from the thread "
                                  f"that runs the forwards)")
-            self.driver.set_step_targets([t[:, m, :] for m in range(M)])  # all or none
+            self.driver.set_step_targets([t[:, m, :l.top_k] for m, l in enumerate(self._layers)])
             self._targets_thread = (me.ident, me.name)
             for l in self._layers:
                 l.replay.action = "replay_forward"
@@ -726,8 +776,6 @@ def _check_version():
 _TRACED_COUNTS = ("num_native_rows", "num_calls")
 """The counts a traced (compiled) forward keeps in _Layer.traced_counts (int64 tensor)."""
 
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
 
 def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float32, *,
           gate: str = "auto", invalid_replay_rows: str = "error") -> Patch:
@@ -778,10 +826,10 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
         if _owner_of(mod.__dict__.get("forward")) is not None:
             raise ValueError(f"[hf.patch] {name} is already patched by switchyard: unpatch() the "
                              "earlier Patch first")
-        mt = list(_LAYER_RE.finditer(name))
+        mt = list(LAYER_RE.finditer(name))
         if not mt:
             raise ValueError(f"[hf.patch] cannot tell the decoder layer of router {name} (no "
-                             "'layers.<n>' in its name)")
+                             "'layers.<n>' or 'blocks.<n>' in its name)")
         layer = int(mt[-1].group(1))
         dec_name = name[:mt[-1].end(1)]
         stacks.setdefault(name[:mt[-1].start()], None)  # the module that holds `layers`
@@ -801,17 +849,13 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     if len(set(layers)) != len(layers):
         raise ValueError(f"[hf.patch] several routers claim one decoder layer: {sorted(layers)} "
                          "(a model with several decoder stacks: patch the text model)")
-    ks = {fam.top_k(mod) for _, _, mod, _, fam in found}
-    if len(ks) != 1:
-        per_layer = {layer: fam.top_k(mod) for layer, _, mod, _, fam in sorted(found)}
-        raise ValueError(f"[hf.patch] {found[0][4].title}: top_k differs between MoE layers "
-                         f"({per_layer}); switchyard's route tables hold one K per model, so a "
-                         "per-layer top_k is refused")
+    for layer, name, mod, dec, fam in found:
+        _refuse_kernelized(modules.get(name.rsplit(".", 1)[0]), name, model_type)
     for layer, name, mod, dec, fam in sorted(found, key=lambda f: f[0]):
         if layer >= p.num_hidden_layers:
             raise ValueError(f"[hf.patch] router {name} is in layer {layer}, beyond "
                              f"num_hidden_layers={p.num_hidden_layers}")
-        p._layers.append(_Layer(p, layer, name, mod, dec, fam))
+        p._layers.append(_Layer(p, layer, name, mod, dec, fam, modules.get(name.rsplit(".", 1)[0])))
     p._install([modules[s] for s in stacks if s in modules])
     return p
 
@@ -837,13 +881,6 @@ def _model_type(model):
     return getattr(text, "model_type", None)
 
 
-def _is_experts(mod):
-    # transformers' experts interface (@use_experts_implementation, integrations/moe.py) sets these
-    # on every experts module it wraps; its forward receives the ids any router produced.
-    return all(hasattr(mod, a) for a in ("has_gate", "has_bias", "is_transposed",
-                                         "is_concatenated", "_is_expert_parallel"))
-
-
 def _refuse_unrouted_experts(modules, found, model_type):
     """ValueError naming the router class, the model type and where a spec is registered, for
     every experts module in a block with no router of a known family (a family a transformers
@@ -852,7 +889,7 @@ def _refuse_unrouted_experts(modules, found, model_type):
     for _, name, *_ in found:
         routed.add(name.rsplit(".", 1)[0])  # the MoE block holding the router
     for name, mod in modules.items():
-        if not _is_experts(mod):
+        if not is_experts(mod):
             continue
         block = name.rsplit(".", 1)[0] if "." in name else ""
         if block in routed:
@@ -866,6 +903,25 @@ def _refuse_unrouted_experts(modules, found, model_type):
             f"{', '.join(others) or 'no router module'}, which no switchyard routing spec covers; "
             "a spec is registered in switchyard/integrations/hf/spec.py (SPECS, or REFUSED with "
             "the reason)")
+
+
+def _refuse_kernelized(block, router_name, model_type):
+    """ValueError when the MoE block holding a router runs another forward than its class's
+    (transformers' ``kernels`` hub integration replaces a decorated block's forward, e.g. a
+    MegaBlocks MoE MLP that routes inside its kernel and never calls the router)."""
+    if block is None:
+        return
+    cls_forward = type(block).forward
+    own = "forward" in block.__dict__ or getattr(cls_forward, "__module__", None) not in (
+        type(block).__module__, *(c.__module__ for c in type(block).__mro__))
+    kernel = getattr(block, "kernel_layer_name", None)
+    if own:
+        raise ValueError(
+            f"[hf.patch] model type {model_type!r}: the MoE block of {router_name} "
+            f"({type(block).__name__}) runs a replaced forward"
+            f"{f' (hub kernel {kernel!r})' if kernel else ''}, which may route inside its kernel "
+            "without calling the router: switchyard cannot guarantee the patched router is what "
+            "runs; load the model without kernels (use_kernels=False, or model.reset_kernels())")
 
 
 def _owner_of(forward):

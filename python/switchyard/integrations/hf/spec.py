@@ -14,6 +14,8 @@ so ``router_dtype=None`` reproduces the unpatched outputs bitwise.
 from dataclasses import dataclass
 
 NEG_INF = float("-inf")
+SET = "<set>"
+"""group_if value: the attribute is not None."""
 
 
 @dataclass(frozen=True)
@@ -38,31 +40,48 @@ class RoutingSpec:
     gate_cast: str = "none"
     """The family's own gate (router_dtype=None): "none" (F.linear in the model's dtype),
     "fp32" (x and W cast to fp32), "fp32_after" (F.linear, then the logits cast to fp32),
-    "fp32_if_weight_fp32" (x cast to fp32 when W is; HunYuan)."""
+    "fp32_if_weight_fp32" (x cast to fp32 when W is; HunYuan), "weight_dtype" (x cast to W's
+    dtype; MiniMax-M2), "fp32_weight_as_x" (W rounded to x's dtype, both cast to fp32; Ergo)."""
     autocast_off: bool = False
     """The family's router runs with autocast off (ERNIE)."""
+    logit_scale: str | None = None
+    """Router attribute the logits are multiplied by before scoring (MuseSpark's output_multiplier)."""
+    softcap: str | None = None
+    """Router attribute c of a tanh softcap of the logits, c·tanh(z/c), when c > 0 (Laguna)."""
     score: str = "softmax"
-    """"softmax" (over all experts), "sigmoid", "softmax_topk" (top-k of the logits, then softmax
-    over the K selected logits) or "sigmoid_dense" (top-k of the logits, dense [T, E] scores:
-    sigmoid of the selected logits, 0 elsewhere; Llama-4)."""
+    """"softmax" (over all experts), "sigmoid", "fn" (the router's own ``score_fn`` module, e.g.
+    ACT2FN[config.scoring_func]: sigmoid or sqrtsoftplus; DeepSeek-V4), "softmax_topk" (top-k of the
+    logits, then softmax over the K selected logits), "sigmoid_topk" (top-k of the logits plus the
+    selection bias, then sigmoid of the K selected logits; Kolibri), "sigmoid_dense" (top-k of the
+    logits, dense [T, E] scores: sigmoid of the selected logits, 0 elsewhere; Llama-4) or
+    "sparsemixer" (PhiMoE's two-stage masked softmax, eval mode)."""
     score_in_fp32: bool = True
-    """softmax in fp32 (``dtype=torch.float``) rather than in the logits' dtype."""
+    """softmax / sigmoid in fp32 (``dtype=torch.float``, ``logits.float()``) rather than in the
+    logits' dtype."""
+    select: str = "topk"
+    """"topk" (the best scores) or "hash" (a fixed table ``r.tid2eid[input_ids]``: the experts are a
+    function of the token id, the block passes input_ids to the router; DeepSeek-V4's hash layers).
+    Replay forces the ids in both."""
     select_bias: str | None = None
-    """A selection-only bias held by the router: "e_score_correction_bias" (added to the scores
-    for the choice of experts, not to the weights), "moe_statics" (ERNIE: a module applied to the
-    scores), or None."""
+    """A selection-only bias: "e_score_correction_bias" (held by the router, added to the scores
+    for the choice of experts, not to the weights), "passed" (the same, passed in by the block as
+    the router forward's second argument; MiniMax-M2, AFMoE, LFM2-MoE), "moe_statics" (ERNIE: a
+    module applied to the scores), or None."""
+    select_bias_if: str | None = None
+    """Router attribute that switches the selection bias on (LFM2's use_expert_bias)."""
     group: str | None = None
     """Group-limited selection: "top2_sum" (a group scores the sum of its 2 best experts), "max",
     or None; the best ``topk_group`` of ``num_group`` groups are kept."""
     group_mask: float = NEG_INF
     """What the experts of the other groups score (-inf or 0.0)."""
     group_if: tuple | None = None
-    """(attribute, value): group-limited only when r.<attribute> == value (DeepSeek-V2)."""
+    """(attribute, value): group-limited only when r.<attribute> == value (DeepSeek-V2), or
+    (attribute, SET): only when r.<attribute> is not None (A.X-K2)."""
     sorted_topk: bool = True
     """torch.topk(sorted=...) of the family's selection (the order of the ids in a row)."""
     renorm: str = "none"
-    """"none", "sum" (weights / their sum), "sum_eps" (/ (sum + eps)) or "clamp" (/ clamp(sum,
-    min=r.norm_min); ERNIE)."""
+    """"none", "sum" (weights / their sum), "sum_eps" (/ (sum + renorm_eps)), "clamp" (/ clamp(sum,
+    min=r.norm_min); ERNIE) or "pnorm" (/ their p-norm, p = the renorm_if attribute; DBRX)."""
     renorm_eps: float = 1e-20
     renorm_if: str | None = None
     """Router attribute that switches the renormalisation on (norm_topk_prob); None = always."""
@@ -70,12 +89,24 @@ class RoutingSpec:
     """Router attribute of a factor the weights are multiplied by (routed_scaling_factor)."""
     weights_dtype: str = "scores"
     """Dtype of the weights the family returns: "scores" (as computed), "logits" (cast to the
-    logits' dtype) or "hidden" (cast to the hidden states' dtype)."""
+    logits' dtype), "hidden" (cast to the hidden states' dtype) or "hidden_fp32" (rounded to the
+    hidden states' dtype, then fp32; Ergo, unpatched only)."""
     combine_dtype: str = "router_dtype"
     """What the patched router's weights are (COMBINE_DTYPE): "router_dtype", "router_dtype (fp32
     unpatched too)" or "hidden dtype"."""
     num_experts: str = "num_experts"
     top_k: str = "top_k"
+    """Attribute paths of E and K (``block.`` = the MoE block holding the router)."""
+    returns: str = "route"
+    """"route" (the router returns (logits, weights, ids)) or "logits" (the router returns the
+    logits and the MoE block's ``route_method`` turns them into (weights, ids); DBRX): both are
+    patched."""
+    route_method: str | None = None
+    input_jitter: str | None = None
+    """Router attribute eps of a training-mode multiplicative jitter U(1-eps, 1+eps) of the
+    router's input, applied in place as the family does (DBRX's moe_jitter_eps)."""
+    train_refused: str | None = None
+    """Why a forward in training mode is refused (PhiMoE's sampling sparse mixer), or None."""
 
     @property
     def module_name(self) -> str:
@@ -96,10 +127,11 @@ def _deepseek_v3(model_type, title, router_class, models="", **kw):
     e_score_correction_bias restricted to the topk_group best of n_group groups (a group scores
     the sum of its top 2; the others -inf); weights = scores at the ids, / (sum + 1e-20) when
     norm_topk_prob, × routed_scaling_factor."""
-    return RoutingSpec(model_type, title, router_class, models, gate_cast="fp32", score="sigmoid",
-                       select_bias="e_score_correction_bias", group="top2_sum", sorted_topk=False,
-                       renorm="sum_eps", renorm_if="norm_topk_prob", scale="routed_scaling_factor",
-                       combine_dtype="router_dtype (fp32 unpatched too)", **kw)
+    args = dict(gate_cast="fp32", score="sigmoid", select_bias="e_score_correction_bias",
+                group="top2_sum", sorted_topk=False, renorm="sum_eps", renorm_if="norm_topk_prob",
+                scale="routed_scaling_factor", combine_dtype="router_dtype (fp32 unpatched too)")
+    args.update(kw)
+    return RoutingSpec(model_type, title, router_class, models, **args)
 
 
 SPECS = (
@@ -169,60 +201,157 @@ SPECS = (
     _deepseek_v3("hy_v4", "Hy4", "HYV4TopkRouter", "Hy4-preview"),
     _deepseek_v3("exaone_moe", "EXAONE-MoE", "ExaoneMoeTopkRouter", "K-EXAONE-236B-A23B"),
     _deepseek_v3("solar_open", "Solar-Open", "SolarOpenTopkRouter", "Solar-Open-100B"),
+    _deepseek_v3("kimi_linear", "Kimi-Linear", "KimiLinearTopkRouter", "Kimi-Linear-48B-A3B"),
+    # MiniCPM5-MoE: DeepSeek-V3's router with autocast off around the gate
+    _deepseek_v3("minicpm5_moe", "MiniCPM5-MoE", "MiniCPM5MoeTopkRouter", autocast_off=True),
+    # A.X-K2: group-limited only when n_group is set, the other groups score 0
+    _deepseek_v3("axk2", "A.X-K2", "AXK2TopkRouter", group_mask=0.0, group_if=("num_group", SET)),
+    # Beam: sorted top-k, routed_scaling_factor applied by the block after the experts
+    _deepseek_v3("beam", "Beam", "BeamTopKRouter", sorted_topk=True, scale=None),
+    # ---- sigmoid + a correction bias, no groups ----
+    # MiniMax-M2: the block holds the correction bias and passes it to the router's forward
+    RoutingSpec("minimax_m2", "MiniMax-M2", "MiniMaxM2TopKRouter", "MiniMax-M2",
+                gate_cast="weight_dtype", score="sigmoid", select_bias="passed",
+                sorted_topk=False, renorm="sum"),
+    RoutingSpec("minimax_m3_vl", "MiniMax-M3-VL", "MiniMaxM3VLTopKRouter",
+                gate_cast="weight_dtype", score="sigmoid",
+                select_bias="e_score_correction_bias", sorted_topk=False, renorm="sum"),
+    RoutingSpec("hy_v3", "Hy3", "HYV3TopKRouter", gate_cast="fp32", score="sigmoid",
+                select_bias="passed", sorted_topk=False, renorm="sum_eps",
+                scale="router_scaling_factor", combine_dtype="router_dtype (fp32 unpatched too)"),
+    RoutingSpec("afmoe", "AFMoE", "AfmoeTokenChoiceRouter", weight="gate.weight",
+                gate_cast="fp32_after", score="sigmoid", select_bias="passed", renorm="sum_eps",
+                scale="route_scale", combine_dtype="router_dtype (fp32 unpatched too)"),
+    RoutingSpec("lfm2_moe", "LFM2-MoE", "Lfm2MoeTopKRouter", "LFM2-8B-A1B", score="sigmoid",
+                score_in_fp32=False, select_bias="passed", select_bias_if="use_expert_bias",
+                renorm="sum_eps", renorm_eps=1e-6, renorm_if="norm_topk_prob",
+                scale="routed_scaling_factor", weights_dtype="logits"),
+    RoutingSpec("laguna", "Laguna", "LagunaTopKRouter", gate_cast="fp32_after",
+                softcap="router_logit_softcapping", score="sigmoid",
+                select_bias="e_score_correction_bias", renorm="sum", weights_dtype="hidden",
+                combine_dtype="hidden dtype"),
+    RoutingSpec("ergo", "Ergo", "ErgoTopkRouter", weight="linear.weight",
+                gate_cast="fp32_weight_as_x", score="sigmoid",
+                select_bias="e_score_correction_bias", sorted_topk=False, renorm="sum_eps",
+                scale="routed_scaling_factor", weights_dtype="hidden_fp32",
+                num_experts="linear.out_features",
+                combine_dtype="router_dtype (fp32 unpatched too)"),
+    RoutingSpec("flint", "Flint", "FlintTopKRouter", gate_cast="fp32", autocast_off=True,
+                score="sigmoid", renorm="sum", renorm_if="norm_topk_prob",
+                combine_dtype="router_dtype (fp32 unpatched too)"),
+    # DeepSeek-V4: score_fn (sigmoid or sqrtsoftplus) + correction bias; its hash layers take the
+    # experts from a token-id table (r.tid2eid[input_ids]) and weight them with the same scores
+    RoutingSpec("deepseek_v4", "DeepSeek-V4", "DeepseekV4TopKRouter", "DeepSeek-V4",
+                score="fn", select_bias="e_score_correction_bias", sorted_topk=False,
+                renorm="sum_eps", scale="routed_scaling_factor"),
+    RoutingSpec("deepseek_v4", "DeepSeek-V4", "DeepseekV4HashRouter", "DeepSeek-V4",
+                score="fn", select="hash", renorm="sum_eps", scale="routed_scaling_factor"),
+    RoutingSpec("inkling2", "Inkling2", "Inkling2TopKRouter", gate_cast="fp32", score="fn",
+                select_bias="e_score_correction_bias", sorted_topk=False, renorm="sum_eps",
+                scale="routed_scaling_factor", combine_dtype="router_dtype (fp32 unpatched too)"),
+    # Kolibri: top-k of logits + correction bias, sigmoid of the K selected logits
+    RoutingSpec("kolibri1_1", "Kolibri-1.1", "Kolibri1_1TopKRouter", gate_cast="fp32",
+                score="sigmoid_topk", select_bias="e_score_correction_bias", renorm="sum",
+                renorm_if="norm_topk_prob", combine_dtype="router_dtype (fp32 unpatched too)"),
+    RoutingSpec("kolibri1", "Kolibri-1", "Kolibri1TopKRouter", gate_cast="fp32",
+                score="sigmoid_topk", select_bias="e_score_correction_bias", renorm="sum",
+                renorm_if="norm_topk_prob", combine_dtype="router_dtype (fp32 unpatched too)"),
+    # ---- more softmax routers ----
+    # Qwen3-Omni-MoE: the thinker's text model (and the talker's, same maths)
+    _softmax_topk("qwen3_omni_moe", "Qwen3-Omni-MoE", "Qwen3OmniMoeThinkerTextTopKRouter",
+                  "Qwen3-Omni-30B-A3B (thinker text model)"),
+    _softmax_topk("qwen3_omni_moe", "Qwen3-Omni-MoE", "Qwen3OmniMoeTalkerTextTopKRouter",
+                  "Qwen3-Omni-30B-A3B (talker text model)"),
+    _deepseek_v3("bailing_hybrid", "Bailing-Hybrid", "BailingHybridTopkRouter"),
+    RoutingSpec("lara_mini", "Lara-Mini", "LaraMiniTopKRouter", gate_cast="fp32", renorm="sum",
+                renorm_if="norm_topk_prob", weights_dtype="hidden", combine_dtype="hidden dtype"),
+    RoutingSpec("mistral_large4", "Mistral-Large-4", "MistralLarge4TextTopkRouter",
+                gate_cast="fp32", score_in_fp32=False, group="top2_sum", group_mask=0.0,
+                sorted_topk=False, renorm="sum_eps", scale="routed_scaling_factor",
+                combine_dtype="router_dtype (fp32 unpatched too)"),
+    # PhiMoE: sparse mixer (eval mode); training samples experts with a custom gradient
+    RoutingSpec("phimoe", "PhiMoE", "PhimoeTopKRouter", "Phi-3.5-MoE-instruct", bias=None,
+                score="sparsemixer",
+                train_refused="PhiMoE's sparse mixer samples the experts (Gumbel noise) and "
+                "replaces their gradient with its own estimator in training mode; switchyard "
+                "routes it in eval mode only (model.eval(): generation, log-probs, R3 capture)"),
+    # DBRX: the router returns the logits, the block's route_tokens_to_experts selects (softmax
+    # in the logits' dtype, top-k, optional p-norm renormalisation)
+    RoutingSpec("dbrx", "DBRX", "DbrxRouter", "dbrx-base, dbrx-instruct", weight="layer.weight",
+                score_in_fp32=False, renorm="pnorm",
+                renorm_if="block.moe_normalize_expert_weights", weights_dtype="hidden",
+                combine_dtype="hidden dtype", num_experts="layer.out_features",
+                top_k="block.top_k", returns="logits", route_method="route_tokens_to_experts",
+                input_jitter="moe_jitter_eps"),
+    # ---- top-k of the logits, softmax over the K selected ----
+    RoutingSpec("aria", "Aria", "AriaTextTopKRouter", "Aria (text backbone)",
+                score="softmax_topk", score_in_fp32=False),
+    RoutingSpec("granitemoe_swa", "Granite-MoE-SWA", "GraniteMoeSWATopKRouter",
+                gate_cast="fp32_after", score="softmax_topk", weights_dtype="hidden",
+                combine_dtype="hidden dtype"),
 )
+
 """The supported families, one spec each."""
 
 
-_NOT_YET = ("not supported yet: its router ({cls}) has not been read into a routing spec; until it "
-            "is, patch() refuses the model rather than route it with another family's math")
+_UNTESTED = ("not supported yet: its router ({cls}) is {math}, but no tiny model of it is built "
+             "in switchyard's tests yet (its config needs more than the common arguments), so "
+             "patch() refuses it rather than route it untested")
 REFUSED = {
-    # Families or features switchyard refuses, with the reason patch() gives.
-    "deepseek_v4": "DeepSeek-V4 is not supported yet: its hash-routed layers "
-                   "(DeepseekV4HashRouter) pick experts as a function of the token id (no "
-                   "logits to compute in fp32, nothing for R3 to replay), and its "
-                   "DeepseekV4TopKRouter has not been read into a spec",
-    "minimax_m2": "MiniMax-M2 is not supported yet: its MoE block passes the correction bias into "
-                  "the router's forward (MiniMaxM2TopKRouter.forward(hidden_states, "
-                  "e_score_correction_bias)), which the patched forward does not take",
-    "jetmoe": "JetMoE is not supported: JetMoeTopKGating returns expert-sorted groups and the "
+    # Families switchyard refuses, with the reason patch() gives (ValueError before any router is
+    # touched). Each reason names what has no faithful [T, K] route to compute, replay or capture.
+    "jetmoe": "JetMoE is not supported: JetMoeTopKGating returns expert-sorted groups, and its "
               "attention layers route too (mixture of attention heads); neither is a [T, K] "
-              "top-k route table",
-    "dbrx": _NOT_YET.format(cls="DbrxRouter"),
-    "phimoe": "PhiMoE is not supported yet: its sparse mixer (PhimoeTopKRouter) selects with "
-              "jittered, masked two-stage sampling in training; not read into a spec",
-    "kimi_linear": _NOT_YET.format(cls="KimiLinearTopkRouter, DeepSeek-V3's math; its hybrid "
-                                   "linear-attention tiny config is not built in the tests yet"),
-    "mimo_v2_flash": _NOT_YET.format(cls="MiMoV2FlashTopkRouter, DeepSeek-V3's math; no tiny "
-                                     "config in the tests yet"),
-    "glm4v_moe": _NOT_YET.format(cls="Glm4vMoeTextTopkRouter, DeepSeek-V3's math; no tiny config "
-                                 "in the tests yet"),
-    "qwen3_omni_moe": _NOT_YET.format(cls="Qwen3OmniMoeThinkerTextTopKRouter / "
-                                      "Qwen3OmniMoeTalkerTextTopKRouter; no tiny config in the "
-                                      "tests yet"),
+              "top-k route of the MLP experts",
+    "inkling": "Inkling is not supported: InklingTopkRouter normalises the selected experts' "
+               "scores together with its shared experts' (a log-sigmoid softmax over K + shared "
+               "slots) and returns the shared experts' gammas beside the route: the router's "
+               "contract is not (logits, weights, ids)",
+    "inkling2_loop": "Inkling2-Loop is not supported: its decoder loops over the same layers "
+                     "several times per forward, so one router runs several times per token and "
+                     "a per-layer route table has no single row to record or replay",
+    "zaya": "Zaya is not supported: ZayaRouter carries router state from one layer to the next "
+            "(router_states), scores with an MLP over a down-projection instead of a gate "
+            "matrix, and has a skip expert (ids masked to 0 after selection): replaying a "
+            "layer's ids would not reproduce the next layer's router input",
+    "gemma4": "Gemma-4 is not supported yet: Gemma4TextRouter normalises and scales the hidden "
+              "states inside the router before its projection and returns probabilities, not "
+              "logits; not read into a routing spec",
+    "diffusion_gemma": "DiffusionGemma is not supported yet: its router is Gemma-4's "
+                       "(normalisation and scaling inside the router before its projection, "
+                       "probabilities returned, not logits); not read into a routing spec",
+    "doge": "Doge is not supported: its cross-domain MoE retrieves experts by a product-key "
+            "search (two sub-key top-k's over sqrt(E) keys each) into embedding tables; no "
+            "[T, E] gate to compute in fp32",
+    "cohere2_moe": "Cohere2-MoE is not supported yet: Cohere2MoeTopKRouter picks its score "
+                   "function (softmax or sigmoid of the selected logits) from "
+                   "config.expert_selection_fn at run time; not read into a routing spec",
+    "dots3_note": "dots3-note is not supported yet: its vision tower routes too "
+                  "(Dots3NoteVisionTopKRouter, with a block-passed correction bias) beside the "
+                  "text model's DeepSeek-V3 router; patch() would have to route two stacks",
+    "ernie4_5_vl_moe": "ERNIE-4.5-VL-MoE is not supported yet: each MoE layer has modality-"
+                       "isolated text and vision expert sets, two routers per decoder layer "
+                       "chosen per token by modality; a per-layer route table holds one",
+    "param2moe": "param2moe has no modeling file in this transformers release (configuration "
+                 "only): nothing to patch",
+    "sarvam_mla": "sarvam_mla has no modeling file in this transformers release (configuration "
+                  "only): nothing to patch",
+    "sarvam_moe": "sarvam_moe has no modeling file in this transformers release (configuration "
+                  "only): nothing to patch",
+    "longcat_flash": "LongCat-Flash is not supported yet: its router selects among routed and "
+                     "zero-compute experts (n_routed_experts + zero_expert_num), and the ids its "
+                     "experts module receives are not the router's ids; not modelled",
+    "mimo_v2_flash": _UNTESTED.format(cls="MiMoV2FlashTopkRouter", math="DeepSeek-V3's"),
+    "glm4v_moe": _UNTESTED.format(cls="Glm4vMoeTextTopkRouter", math="DeepSeek-V3's"),
+    "glm5_next": _UNTESTED.format(cls="Glm5NextTextTopkRouter", math="DeepSeek-V3's"),
+    "hy_v4_vl": _UNTESTED.format(cls="HYV4VLTopkRouter", math="DeepSeek-V3's"),
+    "qwen4_exp": _UNTESTED.format(cls="Qwen4ExpTextTopKRouter", math="Qwen3-MoE's"),
+    "step3p7": _UNTESTED.format(cls="Step3p7TopKRouter", math="MiniMax-M3-VL's"),
+    "muse_spark": _UNTESTED.format(cls="MuseSparkTopkRouter", math="sigmoid with a correction "
+                                   "bias and a logit multiplier"),
+    "deepseek_ocr2": _UNTESTED.format(cls="DeepseekOcr2TextTopkRouter", math="DeepSeek-V2's"),
+    "unlimited_ocr": _UNTESTED.format(cls="UnlimitedOcrTextTopkRouter", math="DeepSeek-V2's"),
 }
-for _pkg, _cls in (
-        ("afmoe", "AfmoeTokenChoiceRouter"), ("aria", "AriaTextTopKRouter"),
-        ("axk2", "AXK2TopkRouter"),
-        ("bailing_hybrid", "BailingHybridTopkRouter"), ("beam", "BeamTopKRouter"),
-        ("cohere2_moe", "Cohere2MoeTopKRouter"), ("deepseek_ocr2", "DeepseekOcr2TextTopkRouter"),
-        ("diffusion_gemma", "DiffusionGemmaTextRouter"), ("doge", "its router"),
-        ("dots3_note", "Dots3NoteTextTopkRouter, Dots3NoteVisionTopKRouter"),
-        ("ergo", "ErgoTopkRouter"), ("ernie4_5_vl_moe", "Ernie4_5_VLMoeMoeTopKRouter"),
-        ("flint", "FlintTopKRouter"), ("gemma4", "Gemma4TextRouter"),
-        ("glm5_next", "Glm5NextTextTopkRouter"), ("granitemoe_swa", "GraniteMoeSWATopKRouter"),
-        ("hy_v3", "HYV3TopKRouter"), ("hy_v4_vl", "HYV4VLTopkRouter"),
-        ("inkling", "InklingTopkRouter"), ("inkling2", "Inkling2TopKRouter"),
-        ("inkling2_loop", "Inkling2LoopTopKRouter"), ("kolibri1", "Kolibri1TopKRouter"),
-        ("kolibri1_1", "Kolibri1_1TopKRouter"), ("laguna", "LagunaTopKRouter"),
-        ("lara_mini", "LaraMiniTopKRouter"), ("lfm2_moe", "Lfm2MoeTopKRouter"),
-        ("longcat_flash", "LongcatFlashTopkRouter"),
-        ("minicpm5_moe", "MiniCPM5MoeTopkRouter"), ("minimax_m3_vl", "MiniMaxM3VLTopKRouter"),
-        ("mistral_large4", "MistralLarge4TextTopkRouter"), ("muse_spark", "MuseSparkTopkRouter"),
-        ("param2moe", "its router"), ("qwen4_exp", "Qwen4ExpTextTopKRouter"),
-        ("sarvam_mla", "its router"), ("sarvam_moe", "its router"),
-        ("step3p7", "Step3p7TopKRouter"), ("unlimited_ocr", "UnlimitedOcrTextTopkRouter"),
-        ("zaya", "ZayaRouter")):
-    REFUSED.setdefault(_pkg, _NOT_YET.format(cls=_cls))
 """{transformers.models package: why patch() refuses it} (ValueError before any router is
 touched)."""
 
