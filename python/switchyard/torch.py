@@ -568,9 +568,21 @@ def topk_route(logits, config, inputs=None, options=None, comms=None, **old):
     return _topk_route(logits, config, inputs, options, comms)
 
 
-def _topk_route(logits, config, inputs, options, comms, config_key=None):
+def _traced():
+    """Whether a tracer runs this call: dynamo (torch.compile, torch.export) or a dispatch mode
+    (make_fx, AOT autograd, fake tensors)."""
+    return torch.compiler.is_compiling() or \
+        torch.utils._python_dispatch._get_current_dispatch_mode() is not None
+
+
+def _topk_route(logits, config, inputs, options, comms, config_key=None, operator=None):
     """topk_route; ``config_key``: _ops.config_key(config) when the caller keeps it (TopKRouter:
-    computed once, so a traced forward reads a constant string instead of tracing json)."""
+    computed once, so a traced forward reads a constant string instead of tracing json).
+    ``operator``: True takes the operator, False the engine's autograd.Function, None (default)
+    the operator when traced and the Function in eager mode. Both give bitwise the same ids,
+    weights, counts and gradients (test_torch_ops); the Function is cheaper per eager call
+    (bench/py_torch_ops.py: the operator's dispatch and the routing pass its functional backward
+    repeats cost about 3x at small T), the operator is what a tracer can see."""
     inputs = RouteInputs() if inputs is None else inputs
     options = RouteOptions() if options is None else options
     comms = RouteComms() if comms is None else comms
@@ -602,8 +614,11 @@ def _topk_route(logits, config, inputs, options, comms, config_key=None):
     layer = -1 if options.layer is None else int(options.layer)
     seq_length = 0 if options.seq_length is None else int(options.seq_length)
     seeds = _force_seeds(config, options.force_seed, options.force_bias_seed)
-    if inputs.global_aux_loss_state is None and loss_comm is None and \
-            global_aux_loss_comm is None:
+    stateful = inputs.global_aux_loss_state is not None or loss_comm is not None or \
+        global_aux_loss_comm is not None
+    if operator is None:
+        operator = _traced()
+    if operator and not stateful:
         # The operator (torch.ops.switchyard.topk_route): functional, traceable, exportable.
         key = _ops.config_key(config) if config_key is None else config_key
         topk_weights, topk_idx, counts, stats, qb_local = _ops.topk_route(
@@ -612,8 +627,8 @@ def _topk_route(logits, config, inputs, options, comms, config_key=None):
             float(options.aux_loss_grad_scale))
         info = RouteInfo(counts, stats, qb_local)
     else:
-        # A global aux-loss state (engine state it updates) or loss communicators (collective):
-        # the stateful path.
+        # Eager calls, and a global aux-loss state (engine state it updates) or loss
+        # communicators (collective): the engine's stateful autograd.Function.
         box = []
         topk_weights, topk_idx = _TopKRoute.apply(
             logits, config, expert_bias, inputs.replay_idx, inputs.padding_mask,

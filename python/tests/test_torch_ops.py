@@ -209,7 +209,7 @@ def test_topk_route_operator_equals_the_engine_autograd_path(case):
     opts = syt.RouteOptions(layer=layer, seq_length=seq or None, training=training,
                             aux_loss_grad_scale=0.5)
     x1 = logits.detach().clone().requires_grad_()
-    w1, i1, info1 = syt.topk_route(x1, cfg, inputs, opts)
+    w1, i1, info1 = syt._topk_route(x1, cfg, inputs, opts, None, operator=True)
     box = []
     x2 = logits.detach().clone().requires_grad_()
     w2, i2 = syt._TopKRoute.apply(x2, cfg, bias, replay_idx, mask, None, "error", layer, seq, 0.5,
@@ -229,16 +229,21 @@ def test_topk_route_operator_equals_the_engine_autograd_path(case):
         assert torch.equal(x1.grad, x2.grad)
 
 
-def test_topk_route_backward_uses_the_forwards_expert_bias_after_an_in_place_update():
+@pytest.mark.parametrize("operator", [True, False], ids=["operator", "eager-function"])
+def test_topk_route_backward_uses_the_forwards_expert_bias_after_an_in_place_update(operator):
     from switchyard import RouterConfig
     cfg = RouterConfig(num_experts=8, top_k=2)
     logits = torch.randn(6, 8, requires_grad=True)
     bias = torch.zeros(8)
-    w, _, _ = syt.topk_route(logits, cfg, syt.RouteInputs(expert_bias=bias))
+
+    def route():
+        return syt._topk_route(logits, cfg, syt.RouteInputs(expert_bias=bias), None, None,
+                               operator=operator)
+    w, _, _ = route()
     w.sum().backward()
     ref = logits.grad.clone()
     logits.grad = None
-    w, _, _ = syt.topk_route(logits, cfg, syt.RouteInputs(expert_bias=bias))
+    w, _, _ = route()
     bias.add_(torch.linspace(-5, 5, 8))  # would change the selection if the backward read it
     w.sum().backward()
     assert torch.equal(logits.grad, ref)
