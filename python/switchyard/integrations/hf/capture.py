@@ -12,10 +12,17 @@ LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)(?:\.|$)")
 """A module name's decoder layer: the last ``layers.<n>`` (DBRX: ``blocks.<n>``) in it."""
 
 
-def is_experts(mod) -> bool:
+def is_experts(mod: torch.nn.Module) -> bool:
     """Whether ``mod`` is an experts module of transformers' experts interface
     (``@use_experts_implementation``, integrations/moe.py): its forward receives
-    ``(hidden_states, top_k_index, top_k_weights)``, the ids whichever router produced."""
+    ``(hidden_states, top_k_index, top_k_weights)``, the ids whichever router produced.
+
+    Args:
+        mod: a module.
+
+    Returns:
+        bool.
+    """
     return all(hasattr(mod, a) for a in ("has_gate", "has_bias", "is_transposed",
                                          "is_concatenated", "_is_expert_parallel"))
 
@@ -124,6 +131,9 @@ class ExpertsCapture:
     def ids(self) -> torch.Tensor:
         """int32 [B, S_fed, num_hidden_layers, K]: the ids each observed layer's experts received
         for every fed token (dense layers 0; K the largest, -1 past a layer's own).
+
+        Returns:
+            int32 [B, S_fed, num_hidden_layers, K].
 
         Raises:
             ValueError: when nothing was captured or the forwards' batch sizes differ.
@@ -420,6 +430,10 @@ class Capture:
 
         Returns:
             (tables, report dict).
+
+        Raises:
+            ValueError: when the MoE layers route to different K (use ``ids()``), or as
+                ``routed_experts``.
         """
         ks = self._owner.top_ks
         if len(set(ks.values())) > 1:
