@@ -12,4 +12,13 @@ bash scripts/deps.sh
 venv=$(bash scripts/env.sh)
 SWITCHYARD_VENV="$venv" bash scripts/build.sh _switchyard
 export HF_HUB_OFFLINE=1
+# --engine vllm: the rollouts come from a real vLLM in its own venv (made here once, reused).
+prev=""
+for a in "$@"; do
+  if [ "$a" = "--engine=vllm" ] || { [ "$prev" = "--engine" ] && [ "$a" = "vllm" ]; }; then
+    SWITCHYARD_VLLM_PYTHON="$(bash scripts/env.sh vllm)/bin/python"
+    export SWITCHYARD_VLLM_PYTHON
+  fi
+  prev=$a
+done
 PYTHONPATH="$root/build/python${PYTHONPATH:+:$PYTHONPATH}" exec "$venv/bin/python" -m switchyard.demo "$@"
