@@ -25,7 +25,9 @@ constexpr uint32_t kRansL = 1u << 15;
 constexpr int kFixedHeader = 13;  // scale (1 byte), then u32 sizes of the head, rans, raw streams
 constexpr int kBucketShift = 4;   // decode: 16 slots -> the first symbol in them, then a short scan
 constexpr int kSymBits = 13;      // a buffered symbol: model << 13 | symbol (symbols < 4098)
-constexpr int64_t kOrderAlphabet = 256;  // an order symbol packs Lehmer digits up to this product
+constexpr int64_t kOrderAlphabet = 256;
+constexpr uint8_t kZeroWord[2] = {0, 0};  // what the decoder reads past the end of its words  // an
+                                          // order symbol packs Lehmer digits up to this product
 
 int bit_width_of(uint64_t v) { return v == 0 ? 0 : 64 - __builtin_clzll(v); }
 
@@ -526,10 +528,13 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   const int64_t* mf = model_first.data();
   const auto put = [&](uint32_t & st, uint32_t sy) __attribute__((always_inline)) {
     const EncSym& e = esp[mf[sy >> kSymBits] + (sy & ((1u << kSymBits) - 1))];
-    if (st >= e.x_max) {
-      *--wp = static_cast<uint16_t>(st & 0xffffu);
-      st >>= 16;
-    }
+    // Branch-free renormalisation (a word out for about one symbol in three: a branch on it
+    // mispredicted): the word is always stored, the pointer moves only when it is kept. wp > words
+    // here: at most one word per symbol, and the buffer has one to spare.
+    const uint32_t out_word = st >= e.x_max;
+    wp[-1] = static_cast<uint16_t>(st & 0xffffu);
+    wp -= out_word;
+    st >>= 16 * out_word;
     const uint32_t q = static_cast<uint32_t>((uint64_t(st) * e.rcp_freq) >> 32) >> e.rcp_shift;
     st = st + e.bias + q * e.cmpl_freq;
   };
@@ -671,16 +676,14 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
     uint32_t e = tb[sym];
     while (slot >= (e & 0xffffu) + (e >> 16)) e = tb[++sym];
     uint32_t nx = (e >> 16) * (x0 >> S) + slot - (e & 0xffffu);
-    if (nx < kRansL) {
-      uint16_t wd = 0;
-      if (wp < wend) {
-        std::memcpy(&wd, wp, 2);
-        wp += 2;
-      } else {
-        under = true;
-      }
-      nx = (nx << 16) | wd;
-    }
+    // Branch-free renormalisation (see the encoder); past the end a zero word is read and the
+    // stream flagged short.
+    const bool in_word = nx < kRansL, have = wp < wend;
+    uint16_t wd;
+    std::memcpy(&wd, have ? wp : kZeroWord, 2);
+    under |= in_word & !have;
+    wp += 2 * int(in_word & have);
+    nx = in_word ? (nx << 16) | wd : nx;
     x0 = x1;
     x1 = nx;
     return sym;
