@@ -19,6 +19,7 @@
 // SIMD-interleaved states).
 #include <algorithm>
 #include <array>
+#include <memory>
 #include <numeric>
 
 #include "check.h"
@@ -390,10 +391,17 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   count.assign(static_cast<size_t>(models.total), 0);
   // Every symbol in row order (at most 2 + K + K/2 per row, ~2 on correlated tokens), then coded
   // last to first. Grown as needed (checked per token), so the scratch is what the block uses.
-  thread_local std::vector<uint32_t> syms;
+  // Uninitialised scratch (a vector's growth zero-filled megabytes per block), sized for ~3
+  // symbols per row when tokens match (correlated), for every row's worst case when they do not.
+  thread_local std::unique_ptr<uint32_t[]> syms;
+  thread_local int64_t syms_cap = 0;
   const int64_t token_max = L * (3 + K + K / 2);
-  syms.resize(static_cast<size_t>(std::max<int64_t>(T * L * 3, token_max)));
-  uint32_t* sp = syms.data();
+  const int64_t want = std::max<int64_t>(match ? T * L * 3 : T * token_max, token_max);
+  if (syms_cap < want) {
+    syms.reset(new uint32_t[size_t(want)]);
+    syms_cap = want;
+  }
+  uint32_t* sp = syms.get();
   std::string raw;  // raw bit stream: escaped rows
   Bits rawbits{raw};
   const int id_bits = bit_width_of(uint64_t(E));  // an escaped id + 1 in [0, E]
@@ -407,10 +415,13 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   };
   bool any_none = false;
   for (int64_t t = 0; t < T; ++t) {
-    if (syms.data() + syms.size() - sp < token_max) {
-      const int64_t at = sp - syms.data();
-      syms.resize(syms.size() * 2);
-      sp = syms.data() + at;
+    if (syms.get() + syms_cap - sp < token_max) {
+      const int64_t at = sp - syms.get();
+      std::unique_ptr<uint32_t[]> more(new uint32_t[size_t(2 * syms_cap)]);
+      std::memcpy(more.get(), syms.get(), size_t(at) * sizeof(uint32_t));
+      syms = std::move(more);
+      syms_cap *= 2;
+      sp = syms.get() + at;
     }
     const int32_t* tok = idx + t * row;
     const int32_t* prev = t > 0 ? tok - row : nullptr;
@@ -496,7 +507,7 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
     }
   }
   rawbits.flush();
-  const int64_t n_syms = sp - syms.data();
+  const int64_t n_syms = sp - syms.get();
   // Models: normalised frequencies, written as Elias-gamma codes of f + 1 after an "empty" bit.
   std::string head;
   Bits hb{head};
@@ -548,12 +559,13 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
     st = st + e.bias + q * e.cmpl_freq;
   };
   int64_t i = n_syms - 1;
-  if (i >= 0 && (i & 1)) put(x1, syms[size_t(i--)]);
+  const uint32_t* sy = syms.get();
+  if (i >= 0 && (i & 1)) put(x1, sy[i--]);
   for (; i >= 1; i -= 2) {
-    put(x0, syms[size_t(i)]);
-    put(x1, syms[size_t(i - 1)]);
+    put(x0, sy[i]);
+    put(x1, sy[i - 1]);
   }
-  if (i == 0) put(x0, syms[0]);
+  if (i == 0) put(x0, sy[0]);
   // Output: fixed header, head bits, rans (states x0 x1, then the words), raw bits.
   const int64_t n_words = wend - wp;
   const int64_t rans_bytes = 8 + 2 * n_words;
@@ -568,8 +580,9 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   put_u32(out, x1);
   out.append(reinterpret_cast<const char*>(wp), size_t(2 * n_words));
   out += raw;
-  if (syms.capacity() > (size_t{64} << 20) / sizeof(uint32_t)) {  // keep no large scratch
-    std::vector<uint32_t>().swap(syms);
+  if (syms_cap > int64_t{64 << 20} / int64_t(sizeof(uint32_t))) {  // keep no large scratch
+    syms.reset();
+    syms_cap = 0;
     std::vector<uint16_t>().swap(words);
   }
   return kBlockSetDelta | (ranked ? kBlockRanked : 0u) | (any_none ? kBlockHasNone : 0u);
