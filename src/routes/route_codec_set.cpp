@@ -8,8 +8,18 @@
 // popularity (a top-k's order) pays almost nothing for it and a random order pays log2(m!). The
 // order is kept: a replayed row is used as given and combine sums its slots in slot order, so a
 // lossy order would change the trainer's bits.
+// Speed (bench_routes, Zipf s 1.0, E 128, K 8, 48 layers: 0.25-0.3 GB/s of int32 per core either
+// way) is bounded by this layout, not by the code: a row costs 12 rANS symbols (mask, 8 set
+// symbols, 3 order groups even when the order is free), 1.5 per routed id, on two interleaved
+// states. Measured per block (CPU time, load ~4 on 2 cores): the encoder's rANS loop alone takes
+// 2.7 ns per symbol, 4.1 ns per id (1 GB/s is 4 ns per id), the rows' modelling 6 ns per id and
+// the ranks 3 ns per id; a bare static rANS decoder with one L1-resident lookup table takes 5 ns
+// per symbol (17 ns with 96 per-layer full lookup tables, hence the bucket index). 1 GB/s needs
+// another layout (notes/routes.md: fewer symbols per row, tables shared across layers, 16-32
+// SIMD-interleaved states).
 #include <algorithm>
 #include <array>
+#include <memory>
 #include <numeric>
 
 #include "check.h"
@@ -25,7 +35,9 @@ constexpr uint32_t kRansL = 1u << 15;
 constexpr int kFixedHeader = 13;  // scale (1 byte), then u32 sizes of the head, rans, raw streams
 constexpr int kBucketShift = 4;   // decode: 16 slots -> the first symbol in them, then a short scan
 constexpr int kSymBits = 13;      // a buffered symbol: model << 13 | symbol (symbols < 4098)
-constexpr int64_t kOrderAlphabet = 256;  // an order symbol packs Lehmer digits up to this product
+constexpr int64_t kOrderAlphabet = 256;
+constexpr uint8_t kZeroWord[2] = {0, 0};  // what the decoder reads past the end of its words  // an
+                                          // order symbol packs Lehmer digits up to this product
 
 int bit_width_of(uint64_t v) { return v == 0 ? 0 : 64 - __builtin_clzll(v); }
 
@@ -205,6 +217,15 @@ EncSym enc_sym(uint32_t start, uint32_t freq, int S) {
   return e;
 }
 
+// Bits set in a mask of at most 16 bits (the portable build has no popcnt instruction, and
+// __builtin_popcount became a library call per row).
+inline int popcount16(uint32_t v) {
+  v = v - ((v >> 1) & 0x5555u);
+  v = (v & 0x3333u) + ((v >> 2) & 0x3333u);
+  v = (v + (v >> 4)) & 0x0f0fu;
+  return int((v + (v >> 8)) & 0x1fu);
+}
+
 // Sorts a short row in place (m <= 16: insertion sort).
 inline void sort_small(uint16_t* v, int m) {
   for (int i = 1; i < m; ++i) {
@@ -218,6 +239,132 @@ inline void sort_small(uint16_t* v, int m) {
   }
 }
 
+// log2(x) for x >= 1 within 0.09 (the float's exponent and mantissa read as a fixed-point number):
+// deterministic on every machine, unlike libm's, so the encoder's choices below are too.
+inline float approx_log2(float x) {
+  uint32_t i;
+  std::memcpy(&i, &x, 4);
+  return float(i) * (1.0f / float(1u << 23)) - 127.0f;
+}
+
+// Whether a ranked block should mark slots that repeat the previous token's id (the match mask)
+// or code every row as a whole set (mask 0: a valid choice, since the decoder takes a 0 bit as
+// "coded in the set"). A match saves its id's share of the set, about log2(n_l / use(id)) bits,
+// and costs the mask's entropy, about H(q) bits per slot for a match rate q; estimated on the
+// block's first 256 tokens. Why: uncorrelated Zipf routes (bench_routes) match 10-20% of the time
+// by chance alone, on the hot experts that the set codes cheaply, and the masks cost 0.15 bits
+// per routed id more than they save (s 0.8-1.2); correlated tokens save far more than they pay.
+bool matches_pay(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
+                 const std::vector<uint32_t>& used) {
+  const int64_t row = L * K, sample = std::min<int64_t>(T, 256);
+  if (sample < 2) return false;
+  std::vector<float> log_n(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    uint64_t n = 0;
+    for (int64_t e = 0; e < E; ++e) n += used[size_t(l * E + e)];
+    log_n[size_t(l)] = approx_log2(float(std::max<uint64_t>(n, 1)));
+  }
+  double saved = 0;
+  int64_t hits = 0;
+  for (int64_t t = 1; t < sample; ++t) {
+    const int32_t* tok = idx + t * row;
+    for (int64_t j = 0; j < row; ++j) {
+      if (tok[j] < 0 || tok[j] != tok[j - row]) continue;
+      const int64_t l = j / K;
+      ++hits;
+      saved += log_n[size_t(l)] - approx_log2(float(used[size_t(l * E + tok[j])]));
+    }
+  }
+  // A set of K ids does not pay for their order: log2(K!)/K bits less per id.
+  double log2_kfact = 0;
+  for (int64_t k = 2; k <= K; ++k) log2_kfact += double(approx_log2(float(k)));
+  saved -= double(hits) * log2_kfact / double(K);
+  const double slots = double((sample - 1) * row), q = double(hits) / slots;
+  if (hits == 0) return false;
+  if (q >= 1.0) return true;
+  const double h = q * double(approx_log2(float(1.0 / q))) +
+                   (1.0 - q) * double(approx_log2(float(1.0 / (1.0 - q))));
+  return saved > h * slots;
+}
+
+// The per-layer rank order of a ranked set-coded block (perm: rank -> id, [L, E]; rank: [L, E + 1]
+// indexed by id + 1, slot 0 for -1). Experts by use over the whole block, most used first, ties to
+// the lower id; then, for E <= kSetOrderMaxExperts, adjacent ranks are swapped wherever the
+// block's rows put the lower-ranked expert in the earlier of two consecutive slots more often
+// than the other way round (bounded bubble passes). Why: a set costs its slot order's Lehmer
+// code, which is zero when the slots follow the rank order; counts from the block's first 256
+// tokens (build_ranks' sample) order the tail experts by noise, and even exact counts tie experts
+// of near-equal use that a top-k orders consistently. Measured on bench_routes' Zipf s 0.8 batch:
+// 5.70 bits per routed id (sampled counts) -> 5.27 (whole-block counts) -> 5.14 (with the swaps).
+// Returns false on an id outside [-1, E) (checked before it indexes anything).
+constexpr int64_t kSetOrderMaxExperts = 256;
+constexpr int kSetOrderPasses = 16;
+constexpr int64_t kSetOrderSample = 512;
+bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, uint16_t* perm,
+               std::vector<uint16_t>& rank, std::vector<uint32_t>& used) {
+  const int64_t E1 = E + 1, row = L * K;
+  for (int64_t t = 0; t < T; ++t) {  // range first: the passes below index by id
+    const int32_t* tok = idx + t * row;
+    uint32_t bad = 0;
+    for (int64_t j = 0; j < row; ++j) bad |= uint32_t(uint32_t(tok[j] + 1) > uint32_t(E));
+    if (bad) return false;
+  }
+  rank.assign(static_cast<size_t>(L * E1), 0);
+  used.resize(static_cast<size_t>(L * E));
+  thread_local std::vector<uint32_t> count, pre;
+  const bool order = E <= kSetOrderMaxExperts && K > 1;
+  // Uses, token by token (the [L, E + 1] counters stay in L1; -1 lands in slot 0).
+  count.assign(static_cast<size_t>(L * E1), 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t* tok = idx + t * row;
+    for (int64_t l = 0; l < L; ++l) {
+      uint32_t* c = count.data() + l * E1 + 1;
+      for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
+    }
+  }
+  // Consecutive-slot pairs from the first kSetOrderSample tokens (a bounded cost per block; on
+  // bench_routes' 1024-token blocks the whole block orders the ranks no better).
+  const int64_t pairs = std::min<int64_t>(T, kSetOrderSample);
+  if (order) pre.assign(static_cast<size_t>(E1 * E1), 0);  // [a + 1][b + 1]: a just before b
+  std::vector<uint16_t> ord(static_cast<size_t>(E));
+  for (int64_t l = 0; l < L; ++l) {
+    if (order) {
+      for (int64_t t = 0; t < pairs; ++t) {
+        const int32_t* x = idx + t * row + l * K;
+        for (int64_t k = 0; k + 1 < K; ++k) ++pre[size_t((x[k] + 1) * E1 + x[k + 1] + 1)];
+      }
+    }
+    const uint32_t* c = count.data() + l * E1 + 1;
+    std::copy(c, c + E, used.begin() + l * E);
+    std::iota(ord.begin(), ord.end(), uint16_t{0});
+    std::sort(ord.begin(), ord.end(),
+              [&](uint16_t a, uint16_t b) { return c[a] != c[b] ? c[a] > c[b] : a < b; });
+    if (order) {
+      const auto before = [&](uint16_t a, uint16_t b) { return pre[size_t((a + 1) * E1 + b + 1)]; };
+      for (int pass = 0; pass < kSetOrderPasses; ++pass) {
+        bool swapped = false;
+        for (int64_t r = 0; r + 1 < E; ++r) {
+          if (before(ord[size_t(r + 1)], ord[size_t(r)]) >
+              before(ord[size_t(r)], ord[size_t(r + 1)])) {
+            std::swap(ord[size_t(r)], ord[size_t(r + 1)]);
+            swapped = true;
+          }
+        }
+        if (!swapped) break;
+      }
+      for (int64_t t = 0; t < pairs; ++t) {  // zero what this layer counted, for the next one
+        const int32_t* x = idx + t * row + l * K;
+        for (int64_t k = 0; k + 1 < K; ++k) pre[size_t((x[k] + 1) * E1 + x[k + 1] + 1)] = 0;
+      }
+    }
+    for (int64_t r = 0; r < E; ++r) {
+      perm[l * E + r] = ord[size_t(r)];
+      rank[size_t(l * E1 + 1 + ord[size_t(r)])] = static_cast<uint16_t>(r);
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 bool set_coding_fits(int64_t num_layers, int64_t top_k, int64_t num_experts) {
@@ -229,20 +376,32 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
                             bool ranked, std::string& out) {
   const int64_t row = L * K, E1 = E + 1;
   const int S = kSetScaleBits;
-  // Ranks (popularity per layer, from the block's first tokens) and the permutation.
-  thread_local std::string perm_bytes;
-  perm_bytes.resize(static_cast<size_t>(ranked ? L * E * 2 : 0));
-  thread_local std::vector<uint16_t> rank;
-  if (!build_ranks_u16(idx, T, L, K, E, ranked, perm_bytes.data(), rank)) return kBadIds;
+  // Ranks (per layer, see set_ranks) and the permutation.
+  thread_local std::vector<uint16_t> perm, rank;
+  thread_local std::vector<uint32_t> used;
+  perm.resize(static_cast<size_t>(ranked ? L * E : 0));
+  if (ranked ? !set_ranks(idx, T, L, K, E, perm.data(), rank, used)
+             : !build_ranks_u16(idx, T, L, K, E, false, nullptr, rank)) {
+    return kBadIds;
+  }
+  // Unranked (small) blocks keep the matches: no counts to weigh them with.
+  const bool match = !ranked || matches_pay(idx, T, L, K, E, used);
   const Models models(L, K, E);
   thread_local std::vector<uint32_t> count;
   count.assign(static_cast<size_t>(models.total), 0);
   // Every symbol in row order (at most 2 + K + K/2 per row, ~2 on correlated tokens), then coded
   // last to first. Grown as needed (checked per token), so the scratch is what the block uses.
-  thread_local std::vector<uint32_t> syms;
+  // Uninitialised scratch (a vector's growth zero-filled megabytes per block), sized for ~3
+  // symbols per row when tokens match (correlated), for every row's worst case when they do not.
+  thread_local std::unique_ptr<uint32_t[]> syms;
+  thread_local int64_t syms_cap = 0;
   const int64_t token_max = L * (3 + K + K / 2);
-  syms.resize(static_cast<size_t>(std::max<int64_t>(T * L * 3, token_max)));
-  uint32_t* sp = syms.data();
+  const int64_t want = std::max<int64_t>(match ? T * L * 3 : T * token_max, token_max);
+  if (syms_cap < want) {
+    syms.reset(new uint32_t[size_t(want)]);
+    syms_cap = want;
+  }
+  uint32_t* sp = syms.get();
   std::string raw;  // raw bit stream: escaped rows
   Bits rawbits{raw};
   const int id_bits = bit_width_of(uint64_t(E));  // an escaped id + 1 in [0, E]
@@ -256,10 +415,13 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   };
   bool any_none = false;
   for (int64_t t = 0; t < T; ++t) {
-    if (syms.data() + syms.size() - sp < token_max) {
-      const int64_t at = sp - syms.data();
-      syms.resize(syms.size() * 2);
-      sp = syms.data() + at;
+    if (syms.get() + syms_cap - sp < token_max) {
+      const int64_t at = sp - syms.get();
+      std::unique_ptr<uint32_t[]> more(new uint32_t[size_t(2 * syms_cap)]);
+      std::memcpy(more.get(), syms.get(), size_t(at) * sizeof(uint32_t));
+      syms = std::move(more);
+      syms_cap *= 2;
+      sp = syms.get() + at;
     }
     const int32_t* tok = idx + t * row;
     const int32_t* prev = t > 0 ? tok - row : nullptr;
@@ -275,7 +437,7 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
       const int32_t* x = tok + l * K;
       const uint16_t* rk = rank.data() + l * E1 + 1;  // rk[-1] == 0
       uint32_t mask = 0;
-      if (prev) {
+      if (prev && match) {
         const int32_t* p = prev + l * K;
         for (int k = 0; k < Kc; ++k) mask |= uint32_t(x[k] == p[k]) << k;
       }
@@ -300,21 +462,34 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
         push(0, none_sym);
         continue;
       }
-      std::copy(v.begin(), v.begin() + m, s.begin());
-      sort_small(s.data(), m);
-      bool regular = !neg;
-      for (int i = 1; i < m && regular; ++i) regular = s[size_t(i)] != s[size_t(i - 1)];
-      if (!regular) {
-        push(0, esc);
-        for (int k = 0; k < Kc; ++k) rawbits.put(uint64_t(x[k] + 1), id_bits);
-        continue;
+      // Slots already in rank order (the common case once the ranks follow the rows' order, see
+      // set_ranks): the set is v itself and every Lehmer digit is 0, no sort needed.
+      bool sorted = !neg;
+      for (int i = 1; i < m; ++i) sorted &= v[size_t(i)] > v[size_t(i - 1)];
+      const uint16_t* sv = v.data();
+      if (!sorted) {
+        std::copy(v.begin(), v.begin() + m, s.begin());
+        sort_small(s.data(), m);
+        bool regular = !neg;
+        for (int i = 1; i < m && regular; ++i) regular = s[size_t(i)] != s[size_t(i - 1)];
+        if (!regular) {
+          push(0, esc);
+          for (int k = 0; k < Kc; ++k) rawbits.put(uint64_t(x[k] + 1), id_bits);
+          continue;
+        }
+        sv = s.data();
       }
       push(0, mask & 255u);
       if (K > 8) push(1, mask >> 8);
       const int64_t fm = models.layer0 + 2 * l;
-      push(fm, s[0]);
-      for (int i = 1; i < m; ++i) push(fm + 1, uint32_t(s[size_t(i)] - s[size_t(i - 1)] - 1));
+      push(fm, sv[0]);
+      for (int i = 1; i < m; ++i) push(fm + 1, uint32_t(sv[i] - sv[i - 1] - 1));
       if (m > 1) {
+        int64_t om = models.order_model[size_t(m)];
+        if (sorted) {
+          for (size_t g = 0; g < models.groups[size_t(m)].size(); ++g) push(om++, 0);
+          continue;
+        }
         // Lehmer digit j: how many later unmatched slots hold a smaller rank.
         std::array<uint32_t, kSetMaxTopK> d{};
         for (int j = 0; j < m; ++j) {
@@ -322,7 +497,6 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
           for (int i = j + 1; i < m; ++i) c += v[size_t(i)] < v[size_t(j)];
           d[size_t(j)] = c;
         }
-        int64_t om = models.order_model[size_t(m)];
         for (const OrderGroup& g : models.groups[size_t(m)]) {
           uint32_t sym = 0;
           for (int j = g.first; j < g.first + g.count; ++j)
@@ -333,17 +507,13 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
     }
   }
   rawbits.flush();
-  const int64_t n_syms = sp - syms.data();
+  const int64_t n_syms = sp - syms.get();
   // Models: normalised frequencies, written as Elias-gamma codes of f + 1 after an "empty" bit.
   std::string head;
   Bits hb{head};
   if (ranked) {
     const int pb = bit_width_of(uint64_t(E - 1));
-    for (int64_t i = 0; i < L * E; ++i) {
-      uint16_t p;
-      std::memcpy(&p, perm_bytes.data() + 2 * i, 2);
-      hb.put(p, pb);
-    }
+    for (int64_t i = 0; i < L * E; ++i) hb.put(perm[size_t(i)], pb);
   }
   thread_local std::vector<uint16_t> freq;
   freq.assign(static_cast<size_t>(models.total), 0);
@@ -378,20 +548,24 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   const int64_t* mf = model_first.data();
   const auto put = [&](uint32_t & st, uint32_t sy) __attribute__((always_inline)) {
     const EncSym& e = esp[mf[sy >> kSymBits] + (sy & ((1u << kSymBits) - 1))];
-    if (st >= e.x_max) {
-      *--wp = static_cast<uint16_t>(st & 0xffffu);
-      st >>= 16;
-    }
+    // Branch-free renormalisation (a word out for about one symbol in three: a branch on it
+    // mispredicted): the word is always stored, the pointer moves only when it is kept. wp > words
+    // here: at most one word per symbol, and the buffer has one to spare.
+    const uint32_t out_word = st >= e.x_max;
+    wp[-1] = static_cast<uint16_t>(st & 0xffffu);
+    wp -= out_word;
+    st >>= 16 * out_word;
     const uint32_t q = static_cast<uint32_t>((uint64_t(st) * e.rcp_freq) >> 32) >> e.rcp_shift;
     st = st + e.bias + q * e.cmpl_freq;
   };
   int64_t i = n_syms - 1;
-  if (i >= 0 && (i & 1)) put(x1, syms[size_t(i--)]);
+  const uint32_t* sy = syms.get();
+  if (i >= 0 && (i & 1)) put(x1, sy[i--]);
   for (; i >= 1; i -= 2) {
-    put(x0, syms[size_t(i)]);
-    put(x1, syms[size_t(i - 1)]);
+    put(x0, sy[i]);
+    put(x1, sy[i - 1]);
   }
-  if (i == 0) put(x0, syms[0]);
+  if (i == 0) put(x0, sy[0]);
   // Output: fixed header, head bits, rans (states x0 x1, then the words), raw bits.
   const int64_t n_words = wend - wp;
   const int64_t rans_bytes = 8 + 2 * n_words;
@@ -406,8 +580,9 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   put_u32(out, x1);
   out.append(reinterpret_cast<const char*>(wp), size_t(2 * n_words));
   out += raw;
-  if (syms.capacity() > (size_t{64} << 20) / sizeof(uint32_t)) {  // keep no large scratch
-    std::vector<uint32_t>().swap(syms);
+  if (syms_cap > int64_t{64 << 20} / int64_t(sizeof(uint32_t))) {  // keep no large scratch
+    syms.reset();
+    syms_cap = 0;
     std::vector<uint16_t>().swap(words);
   }
   return kBlockSetDelta | (ranked ? kBlockRanked : 0u) | (any_none ? kBlockHasNone : 0u);
@@ -523,16 +698,14 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
     uint32_t e = tb[sym];
     while (slot >= (e & 0xffffu) + (e >> 16)) e = tb[++sym];
     uint32_t nx = (e >> 16) * (x0 >> S) + slot - (e & 0xffffu);
-    if (nx < kRansL) {
-      uint16_t wd = 0;
-      if (wp < wend) {
-        std::memcpy(&wd, wp, 2);
-        wp += 2;
-      } else {
-        under = true;
-      }
-      nx = (nx << 16) | wd;
-    }
+    // Branch-free renormalisation (see the encoder); past the end a zero word is read and the
+    // stream flagged short.
+    const bool in_word = nx < kRansL, have = wp < wend;
+    uint16_t wd;
+    std::memcpy(&wd, have ? wp : kZeroWord, 2);
+    under |= in_word & !have;
+    wp += 2 * int(in_word & have);
+    nx = in_word ? (nx << 16) | wd : nx;
     x0 = x1;
     x1 = nx;
     return sym;
@@ -590,7 +763,7 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
         return cat("token 0, layer ", l, ": match bits with no previous token");
       }
       if (prev) std::memcpy(out, prev + l * K, size_t(K) * 4);
-      const int m = Kc - __builtin_popcount(mask);
+      const int m = Kc - popcount16(mask);
       if (m == 0) continue;
       const size_t fm = size_t(models.layer0 + 2 * l);
       if (!tab[fm] || (m > 1 && !tab[fm + 1])) {
@@ -608,17 +781,30 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
         out[k] = pl ? pl[s[0]] : int32_t(s[0]);
         continue;
       }
-      // The order: per group one symbol, split into its digits.
-      std::array<int, kSetMaxTopK> d{};
+      // The order: per group one symbol, split into its digits. All zero (slots in rank order,
+      // the common case: see set_ranks) places the sorted ranks as they are.
+      std::array<int, kSetMaxTopK> d;
       size_t om = size_t(models.order_model[size_t(m)]);
       const auto& groups = models.groups[size_t(m)];
+      uint64_t any = 0;
       for (size_t gi = 0; gi < groups.size(); ++gi, ++om) {
         if (!tab[om]) return cat("token ", t, ", layer ", l, ": an order table is empty");
         const uint64_t packed = digits[size_t(m)][gi][dec(om)];
+        any |= packed;
         for (int c = 0; c < groups[gi].count; ++c) {
           d[size_t(groups[gi].first + c)] = int((packed >> (4 * c)) & 15u);
         }
       }
+      if (any == 0) {
+        int j = 0;
+        for (int k = 0; k < Kc; ++k) {
+          if ((mask >> k) & 1u) continue;
+          out[k] = pl ? pl[s[size_t(j)]] : int32_t(s[size_t(j)]);
+          ++j;
+        }
+        continue;
+      }
+      d[size_t(m - 1)] = 0;                // the last digit (radix 1) is not coded
       uint32_t free_bits = (1u << m) - 1;  // sorted ranks not placed yet
       int j = 0;
       for (int k = 0; k < Kc; ++k) {
