@@ -115,6 +115,25 @@ MORE_CONFIGS = {
                                  moe_normalize_expert_weights=1.0)),
     "aria": dict(moe_num_experts=8, moe_topk=2),
     "granitemoe_swa": dict(num_local_experts=8, num_experts_per_tok=2),
+    # Gemma-4: the MoE block beside the dense MLP in every layer (enable_moe_block), no per-layer
+    # input embeddings; DiffusionGemma's encoder text stack (its decoder's layers are the same)
+    "gemma4": dict(enable_moe_block=True, num_experts=8, top_k_experts=2,
+                   moe_intermediate_size=16, hidden_size_per_layer_input=0,
+                   layer_types=["sliding_attention", "full_attention"], sliding_window=16),
+    "diffusion_gemma": dict(num_experts=8, top_k_experts=2, moe_intermediate_size=16,
+                            layer_types=["sliding_attention", "full_attention"],
+                            sliding_window=16),
+    # Cohere2-MoE, both score functions of config.expert_selection_fn
+    "cohere2_moe": dict(num_experts=8, num_experts_per_tok=2, expert_selection_fn="softmax"),
+    "cohere2_moe_sigmoid": dict(num_experts=8, num_experts_per_tok=2,
+                                expert_selection_fn="sigmoid", norm_topk_prob=True),
+    # LongCat-Flash: 8 routed + 4 zero-compute experts; two decoder layers (num_hidden_layers
+    # counts the two attention sublayers of each); wider router init so that the scores, not the
+    # correction bias alone, pick the experts
+    "longcat_flash": dict(n_routed_experts=8, zero_expert_num=4, moe_topk=2,
+                          expert_ffn_hidden_size=16, kv_lora_rank=16, q_lora_rank=16,
+                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                          num_key_value_heads=4, num_hidden_layers=4, initializer_range=0.2),
 }
 """Tiny configs of the other supported families (test_hf_families.py)."""
 ALL_FAMILIES = FAMILIES + list(MORE_CONFIGS)
@@ -124,11 +143,17 @@ _CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe
                 "muse_spark": "muse_spark_text", "inkling2": "inkling2_text",
                 "qwen3_omni_moe": "qwen3_omni_moe_text", "qwen4_exp": "qwen4_exp_text",
                 "mistral_large4": "mistral_large4_text", "deepseek_ocr2": "deepseek_ocr2_text",
-                "unlimited_ocr": "unlimited_ocr_text", "aria": "aria_text"}
+                "unlimited_ocr": "unlimited_ocr_text", "aria": "aria_text",
+                "gemma4": "gemma4_text", "diffusion_gemma": "diffusion_gemma_text",
+                "cohere2_moe_sigmoid": "cohere2_moe"}
 """The config model_type of a family's text model, where it is not the family's key."""
 _MODEL_CLASS = {"qwen3_omni_moe": "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe."
-                                  "Qwen3OmniMoeThinkerTextModel"}
+                                  "Qwen3OmniMoeThinkerTextModel",
+               "diffusion_gemma": "transformers.models.diffusion_gemma.modeling_diffusion_gemma."
+                                  "DiffusionGemmaEncoderTextModel"}
 """The text model's class, where no Auto class builds it from its config."""
+VARIANT_OF = {"cohere2_moe_sigmoid": "cohere2_moe"}
+"""A test model that is another configuration of a family: {its key: the family's}."""
 
 
 def config(model_type, **overrides):
@@ -161,6 +186,8 @@ def _randomise_router_state(model, gen):
                                      for _ in range(t.shape[0])]))
             elif name.endswith("router.bias"):
                 t.copy_(torch.randn(t.shape, generator=gen) * 0.1)
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma-4: ones
+                t.copy_(1.0 + torch.randn(t.shape, generator=gen) * 0.2)
 
 
 def build(model_type, dtype=torch.float32, seed=0, **overrides):

@@ -46,6 +46,7 @@ class _Layer:
         self.decoder_layer = decoder_layer
         self.family = family
         self.block = block  # the MoE block holding the router
+        family.spec_for(router)  # a variant the spec does not list: refused before any change
         self.num_experts = family.num_experts(router, block)
         self.top_k = family.top_k(router, block)  # this layer's K (HunYuan's differs per layer)
         self.replay = sy.RouterReplay(self.top_k, layer=layer,
@@ -141,7 +142,7 @@ class _Layer:
         if jitter is not None and r.training and getattr(r, jitter) is not None:
             eps = getattr(r, jitter)  # the family's own training jitter, in place as it does
             hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - eps, 1.0 + eps)
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        x = fam.gate_input(r, hidden_states)  # [T, H], after the family's own ops (Gemma-4's norm)
         native = owner.router_dtype is None
         self._hidden_dtype = hidden_states.dtype
         meta = x.device.type == "meta"  # shape inference: autocast has no meta device
