@@ -130,7 +130,7 @@ def _gemma_input(router, x):
     logit by eps·|x̂_i w_ei| each."""
     xd = x.double()
     n = xd / torch.sqrt((xd * xd).mean(dim=1, keepdim=True) + router.eps)
-    if x.dtype == torch.float32:  # rounded in fp32 only: far below the 1e-4 margin
+    if x.dtype in (torch.float32, torch.float64):  # fp32 roundings: far below the 1e-4 margin
         return n * router.scale.double() * x.shape[1] ** -0.5, torch.zeros(len(x),
                                                                          dtype=torch.float64)
 
@@ -468,3 +468,152 @@ def test_a_moe_block_running_a_replaced_kernel_forward_is_refused(monkeypatch):
                                          r"replaced forward \(hub kernel 'MegaBlocksMoeMLP'\)"):
         syhf.patch(model)
     assert syhf.patch_of(model) is None
+
+
+# ---- Gemma-4 / DiffusionGemma, Cohere2-MoE, LongCat-Flash --------------------------------------
+def _train_step(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids)[0]
+    out.float().pow(2).mean().backward()
+    return out.detach(), {n: q.grad.clone() for n, q in model.named_parameters()
+                          if q.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("family", ["gemma4", "diffusion_gemma", "cohere2_moe",
+                                    "cohere2_moe_sigmoid", "longcat_flash"])
+def test_router_dtype_none_keeps_outputs_and_gradients_bitwise_in_training(family, dtype):
+    # Gemma-4's router normalises its (already flat) input itself: the patched forward adds no
+    # reshape node, so the gradients reach the hidden states in the family's order.
+    model = build(family, dtype).train()
+    ids = tokens(2, 9, seed=1)
+    out, grads = _train_step(model, ids)
+    with syhf.patch(model, router_dtype=None):
+        got, got_grads = _train_step(model, ids)
+    assert torch.equal(got, out)
+    assert got_grads.keys() == grads.keys()
+    for n in grads:
+        assert torch.equal(got_grads[n], grads[n]), n
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemma4_fp32_router_returns_probabilities_and_its_gradients_match_float64(param_dtype):
+    # The patched router returns (probabilities over all experts, weights, ids) as Gemma-4's
+    # does; its gradients reach the router's input, projection, scale and per-expert scale.
+    import copy
+    model = build("gemma4", param_dtype)
+    ref = copy.deepcopy(model).double()
+    p = syhf.patch(model, router_dtype=torch.float32)
+    p64 = syhf.patch(ref, router_dtype=torch.float64)
+    layer = p.layers[-1]
+    r, r64 = model.get_submodule(p.modules[layer]), ref.get_submodule(p64.modules[layer])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 32, generator=gen).to(param_dtype).requires_grad_()
+    p.replays[layer].action = "record"
+    probs, weights, ids = r(x)
+    assert probs.dtype == weights.dtype == torch.float32 and probs.shape == (37, 8)
+    torch.testing.assert_close(probs.sum(dim=1), torch.ones(37), rtol=0, atol=1e-6)
+    g = torch.randn(weights.shape, generator=gen, dtype=torch.float64)
+    (weights.double() * g).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    p64.replays[layer].set_target(p.replays[layer].pop_recorded())
+    p64.replays[layer].action = "replay_forward"
+    _, weights64, ids64 = r64(x64)
+    (weights64 * g).sum().backward()
+    assert torch.equal(ids64, ids)
+    # float64 of the family's maths: probabilities at the ids, renormalised, × per_expert_scale
+    xh, _ = _gemma_input(r64, x64.detach())
+    pr = torch.softmax(xh @ r64.proj.weight.detach().t(), dim=1).gather(1, ids)
+    want = pr / pr.sum(dim=1, keepdim=True) * r64.per_expert_scale.detach()[ids]
+    # (the family's RMSNorm computes in fp32 whatever the model's dtype: fp32 rounding)
+    torch.testing.assert_close(weights64.detach(), want, rtol=1e-6, atol=0)
+    tol = dict(rtol=1e-5, atol=1e-6) if param_dtype == torch.float32 else \
+        dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(weights.double(), weights64, **tol)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
+    for name in ("proj.weight", "scale", "per_expert_scale"):
+        got, want = r.get_parameter(name).grad, r64.get_parameter(name).grad
+        assert got is not None and got.dtype == param_dtype, name
+        torch.testing.assert_close(got.double(), want, **tol, msg=name)
+    p.unpatch()
+    p64.unpatch()
+
+
+def test_diffusion_gemma_routes_its_encoder_and_decoder_stacks_with_one_patch_each():
+    from transformers import AutoConfig
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma as dg
+    from hf_models import config
+    cfg = AutoConfig.for_model("diffusion_gemma", text_config=config("diffusion_gemma").to_dict())
+    cfg.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = dg.DiffusionGemmaForBlockDiffusion(cfg).eval()
+    with pytest.raises(ValueError, match=r"several decoder stacks: model\.encoder\."
+                                         r"language_model, model\.decoder; patch each one"):
+        syhf.patch(model)
+    assert syhf.patch_of(model) is None
+    ids = tokens(2, 8, seed=2)
+    stacks = [model.model.encoder.language_model, model.model.decoder]
+    patches = [syhf.patch(s) for s in stacks]
+    with torch.no_grad(), patches[0].capture() as c0, patches[1].capture() as c1:
+        model(input_ids=ids)
+    routes = [c.ids()[:, :, q.layers, :] for c, q in ((c0, patches[0]), (c1, patches[1]))]
+    for c in (c0, c1):
+        assert torch.equal(c.expert_ids(), c.ids())
+    _perturb(stacks[0], patches[0], "diffusion_gemma")
+    _perturb(stacks[1], patches[1], "diffusion_gemma")
+    for q, t in zip(patches, routes):
+        q.set_targets(t)
+    with torch.no_grad(), patches[0].capture() as c0, patches[1].capture() as c1:
+        model(input_ids=ids)
+    for c, q, t in ((c0, patches[0], routes[0]), (c1, patches[1], routes[1])):
+        assert torch.equal(c.ids()[:, :, q.layers, :], t)
+        assert torch.equal(c.expert_ids(), c.ids())
+        q.unpatch()
+
+
+def test_cohere2_moe_refuses_an_expert_selection_fn_it_does_not_know_by_name():
+    model = build("cohere2_moe")
+    for layer in model.model.layers:
+        layer.mlp.gate.expert_selection_fn = "relu"
+    with pytest.raises(ValueError, match=r"\[hf\] cohere2_moe: Cohere2MoeTopKRouter\."
+                                         r"expert_selection_fn='relu' is not one of "
+                                         r"\['sigmoid', 'softmax'\]"):
+        syhf.patch(model)
+    assert syhf.patch_of(model) is None
+
+
+def test_longcat_flash_routes_replays_and_captures_its_zero_compute_experts():
+    # The route is the router's [T, K] ids over n_routed_experts + zero_expert_num; the experts
+    # module receives a zero expert's slot as a dummy routed id with weight 0 (the block adds the
+    # token's own hidden state × that weight itself): Capture.expert_ids() shows those dummies.
+    model = build("longcat_flash")
+    ids = tokens(2, 10, seed=6)
+    p = syhf.patch(model, router_dtype=torch.float32)
+    n, Z = model.config.n_routed_experts, model.config.zero_expert_num
+    assert p.num_experts == n + Z
+    got_w = {}
+    hooks = [model.get_submodule(name.rsplit(".", 1)[0]).experts.register_forward_pre_hook(
+        lambda m, a, layer=layer: got_w.__setitem__(layer, (a[1].clone(), a[2].clone())))
+        for layer, name in p.modules.items()]
+    with torch.no_grad(), p.capture() as cap:
+        model(ids)
+    live = cap.ids()
+    assert (live[:, :, p.layers] >= n).any() and (live[:, :, p.layers] < n).any()
+    block = model.get_submodule(p.modules[p.layers[0]].rsplit(".", 1)[0])
+    assert torch.equal(cap.expert_ids(), _experts_get("longcat_flash", live, block))
+    for layer, (eids, w) in got_w.items():
+        zero = live[:, :, layer, :].reshape(eids.shape) >= n
+        assert (w[zero] == 0).all() and (w[~zero] != 0).all()
+    # replay: every token's first slot forced to zero expert n + Z - 1, the second to expert 0
+    routes = torch.zeros_like(live[:, :, p.layers, :])
+    routes[..., 0] = n + Z - 1
+    p.set_targets(routes)
+    with torch.no_grad(), p.capture() as cap:
+        model(ids)
+    assert torch.equal(cap.ids()[:, :, p.layers, :], routes)
+    for layer, (eids, w) in got_w.items():
+        assert (eids[:, 0] == (Z - 1) * n // Z).all() and (w[:, 0] == 0).all()
+        assert (eids[:, 1] == 0).all() and (w[:, 1] > 0).all()
+    for h in hooks:
+        h.remove()
+    p.unpatch()

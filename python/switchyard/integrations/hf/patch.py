@@ -849,7 +849,8 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     layers = [f[0] for f in found]
     if len(set(layers)) != len(layers):
         raise ValueError(f"[hf.patch] several routers claim one decoder layer: {sorted(layers)} "
-                         "(a model with several decoder stacks: patch the text model)")
+                         f"(a model with several decoder stacks: {', '.join(stacks)}; patch each "
+                         "one on its own, patch(model.get_submodule(name)), or the text model)")
     for layer, name, mod, dec, fam in found:
         _refuse_kernelized(modules.get(name.rsplit(".", 1)[0]), name, model_type)
     for layer, name, mod, dec, fam in sorted(found, key=lambda f: f[0]):
