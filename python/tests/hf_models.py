@@ -134,6 +134,8 @@ MORE_CONFIGS = {
                           expert_ffn_hidden_size=16, kv_lora_rank=16, q_lora_rank=16,
                           qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                           num_key_value_heads=4, num_hidden_layers=4, initializer_range=0.2),
+    # dots3-note's text model (DeepSeek-V3's router)
+    "dots3_note": dict(_DSV3),
 }
 """Tiny configs of the other supported families (test_hf_families.py)."""
 ALL_FAMILIES = FAMILIES + list(MORE_CONFIGS)
@@ -145,7 +147,7 @@ _CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe
                 "mistral_large4": "mistral_large4_text", "deepseek_ocr2": "deepseek_ocr2_text",
                 "unlimited_ocr": "unlimited_ocr_text", "aria": "aria_text",
                 "gemma4": "gemma4_text", "diffusion_gemma": "diffusion_gemma_text",
-                "cohere2_moe_sigmoid": "cohere2_moe"}
+                "cohere2_moe_sigmoid": "cohere2_moe", "dots3_note": "dots3_note_text"}
 """The config model_type of a family's text model, where it is not the family's key."""
 _MODEL_CLASS = {"qwen3_omni_moe": "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe."
                                   "Qwen3OmniMoeThinkerTextModel",

@@ -114,6 +114,7 @@ REFERENCE = {
     "cohere2_moe": _TOPK_LOGITS, "cohere2_moe_sigmoid": _TOPK_LOGITS,
     # LongCat-Flash: softmax over routed + zero experts, correction bias for the choice
     "longcat_flash": ("softmax", "e_score_correction_bias", None, None),
+    "dots3_note": _DEEPSEEK_V3,
 }
 _INPUT_NORMED = {"gemma4", "diffusion_gemma"}
 """Families whose router normalises and scales its input before the projection."""
@@ -616,4 +617,38 @@ def test_longcat_flash_routes_replays_and_captures_its_zero_compute_experts():
         assert (eids[:, 1] == 0).all() and (w[:, 1] > 0).all()
     for h in hooks:
         h.remove()
+    p.unpatch()
+
+
+def test_dots3_note_routes_its_text_model_and_refuses_the_vision_tower_by_name():
+    from transformers import AutoConfig, AutoModel
+    from hf_models import config
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  moe_intermediate_size=16, num_experts_per_tok=2, pyramid_num_routed=[-1, 4],
+                  adapter_in_dim=32, adapter_out_dim=32)
+    audio = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 adapter_input_size=32, adapter_out_dim=32, downsample_hidden_size=16)
+    cfg = AutoConfig.for_model("dots3_note", text_config=config("dots3_note").to_dict(),
+                               vision_config=vision, audio_config=audio)
+    cfg.get_text_config()._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModel.from_config(cfg).eval()
+    assert any(type(m).__name__ == "Dots3NoteVisionTopKRouter" for m in model.modules())
+    with pytest.raises(ValueError, match=r"\[hf.patch\] dots3_note: dots3-note's vision tower "
+                                         r"routes .* patch\(model\.model\.language_model\)"):
+        syhf.patch(model)
+    assert syhf.patch_of(model) is None
+    text = model.language_model
+    ids = tokens(2, 7, seed=4)
+    p = syhf.patch(text, router_dtype=torch.float32)
+    assert p.family == "dots3-note" and p.layers == [1, 2]
+    with torch.no_grad(), p.capture() as cap:
+        model(input_ids=ids)
+    routes = cap.ids()[:, :, p.layers, :]
+    assert torch.equal(cap.expert_ids(), cap.ids())
+    _perturb(text, p, "dots3_note")
+    p.set_targets(routes)
+    with torch.no_grad(), p.capture() as cap:
+        model(input_ids=ids)
+    assert torch.equal(cap.ids()[:, :, p.layers, :], routes)
     p.unpatch()

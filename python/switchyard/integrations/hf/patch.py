@@ -21,7 +21,7 @@ from switchyard import routes as syr
 from .._adapter import check_version
 from .capture import LAYER_RE, Capture, is_experts
 from .families import FAMILIES, _family_of, _gate
-from .spec import REFUSED
+from .spec import REFUSED, REFUSED_ROUTERS
 
 MIN_TRANSFORMERS_VERSION = "5.24.0"
 """Oldest transformers release this integration was checked against (router classes and the exact
@@ -899,6 +899,9 @@ def _refuse_unrouted_experts(modules, found, model_type):
         parent = modules.get(block)
         others = sorted({type(m).__name__ for n, m in (parent.named_children() if parent is not None
                                                           else ()) if m is not mod})
+        refused = [REFUSED_ROUTERS[c] for c in others if c in REFUSED_ROUTERS]
+        if refused:
+            raise ValueError(f"[hf.patch] {model_type}: {refused[0]}")
         raise ValueError(
             f"[hf.patch] model type {model_type!r}: the MoE block {block or '<model>'} "
             f"({type(parent).__name__}) routes its experts ({type(mod).__name__}) with "

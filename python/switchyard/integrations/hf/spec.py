@@ -327,6 +327,8 @@ SPECS = (
     _gemma4("gemma4", "Gemma-4", "Gemma4TextRouter", "gemma-4-26B-A4B (text model)"),
     _gemma4("diffusion_gemma", "DiffusionGemma", "DiffusionGemmaTextRouter",
             "DiffusionGemma (its encoder and decoder text stacks, one Patch each)"),
+    # dots3-note's text model: DeepSeek-V3's router (its vision tower's router: REFUSED_ROUTERS)
+    _deepseek_v3("dots3_note", "dots3-note", "Dots3NoteTextTopkRouter", "dots3-note (text model)"),
     # Cohere2-MoE: top-k of the logits; config.expert_selection_fn picks softmax over the K
     # selected (fp32) or their sigmoid (renormalised when norm_topk_prob); cast to the input dtype
     RoutingSpec("cohere2_moe", "Cohere2-MoE", "Cohere2MoeTopKRouter", score="softmax_topk",
@@ -373,9 +375,6 @@ REFUSED = {
     "doge": "Doge is not supported: its cross-domain MoE retrieves experts by a product-key "
             "search (two sub-key top-k's over sqrt(E) keys each) into embedding tables; no "
             "[T, E] gate to compute in fp32",
-    "dots3_note": "dots3-note is not supported yet: its vision tower routes too "
-                  "(Dots3NoteVisionTopKRouter, with a block-passed correction bias) beside the "
-                  "text model's DeepSeek-V3 router; patch() would have to route two stacks",
     "ernie4_5_vl_moe": "ERNIE-4.5-VL-MoE is not supported yet: each MoE layer has modality-"
                        "isolated text and vision expert sets, two routers per decoder layer "
                        "chosen per token by modality; a per-layer route table holds one",
@@ -398,6 +397,18 @@ REFUSED = {
 }
 """{transformers.models package: why patch() refuses it} (ValueError before any router is
 touched)."""
+
+REFUSED_ROUTERS = {
+    "Dots3NoteVisionTopKRouter": "dots3-note's vision tower routes its image patches too "
+                                 "(Dots3NoteVisionTopKRouter in vision_tower.blocks.<n>, a second "
+                                 "stack numbered like the text layers, its tokens the image "
+                                 "patches); switchyard routes, replays and captures the text "
+                                 "model's experts only: patch the text model, "
+                                 "patch(model.model.language_model), whose routes then hold the "
+                                 "text stack and whose vision experts route natively",
+}
+"""{router class: why a model holding it is refused} (a router no spec covers whose experts
+patch() would otherwise leave unrouted: the reason names what to patch instead)."""
 
 OUT_OF_SCOPE = {
     "switch_transformers": "encoder-decoder MoE (Switch Transformers): outside RL post-training "
