@@ -136,6 +136,11 @@ MORE_CONFIGS = {
                           num_key_value_heads=4, num_hidden_layers=4, initializer_range=0.2),
     # dots3-note's text model (DeepSeek-V3's router)
     "dots3_note": dict(_DSV3),
+    # ERNIE-4.5-VL-MoE's text model: text and vision expert sets in every MoE layer
+    "ernie4_5_vl_moe": dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=[16, 16],
+                            moe_num_shared_experts=1,
+                            rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                 mrope_section=[1, 1, 2])),
 }
 """Tiny configs of the other supported families (test_hf_families.py)."""
 ALL_FAMILIES = FAMILIES + list(MORE_CONFIGS)
@@ -147,12 +152,15 @@ _CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe
                 "mistral_large4": "mistral_large4_text", "deepseek_ocr2": "deepseek_ocr2_text",
                 "unlimited_ocr": "unlimited_ocr_text", "aria": "aria_text",
                 "gemma4": "gemma4_text", "diffusion_gemma": "diffusion_gemma_text",
-                "cohere2_moe_sigmoid": "cohere2_moe", "dots3_note": "dots3_note_text"}
+                "cohere2_moe_sigmoid": "cohere2_moe", "dots3_note": "dots3_note_text",
+                "ernie4_5_vl_moe": "ernie4_5_vl_moe_text"}
 """The config model_type of a family's text model, where it is not the family's key."""
 _MODEL_CLASS = {"qwen3_omni_moe": "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe."
                                   "Qwen3OmniMoeThinkerTextModel",
                "diffusion_gemma": "transformers.models.diffusion_gemma.modeling_diffusion_gemma."
-                                  "DiffusionGemmaEncoderTextModel"}
+                                  "DiffusionGemmaEncoderTextModel",
+               "ernie4_5_vl_moe": "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe."
+                                  "Ernie4_5_VLMoeTextModel"}
 """The text model's class, where no Auto class builds it from its config."""
 VARIANT_OF = {"cohere2_moe_sigmoid": "cohere2_moe"}
 """A test model that is another configuration of a family: {its key: the family's}."""

@@ -115,6 +115,7 @@ REFERENCE = {
     # LongCat-Flash: softmax over routed + zero experts, correction bias for the choice
     "longcat_flash": ("softmax", "e_score_correction_bias", None, None),
     "dots3_note": _DEEPSEEK_V3,
+    "ernie4_5_vl_moe": ("softmax", "moe_statics", None, None),
 }
 _INPUT_NORMED = {"gemma4", "diffusion_gemma"}
 """Families whose router normalises and scales its input before the projection."""
@@ -664,4 +665,32 @@ def test_dots3_note_routes_its_text_model_and_refuses_the_vision_tower_by_name()
     with torch.no_grad(), p.capture() as cap:
         model(input_ids=ids)
     assert torch.equal(cap.ids()[:, :, p.layers, :], routes)
+    p.unpatch()
+
+
+def test_ernie4_5_vl_moe_routes_text_only_forwards_and_refuses_vision_tokens_by_name():
+    # Each MoE layer holds a text and a vision expert set, each with its own router of one class:
+    # the text experts' router is patched (it routes every token of a text-only forward), the
+    # vision experts' is not, and a forward with vision tokens is refused before any layer runs.
+    model = build("ernie4_5_vl_moe")
+    p = syhf.patch(model, router_dtype=torch.float32)
+    assert all(name.endswith("mlp.text_moe.gate") for name in p.modules.values())
+    ids = tokens(2, 6, seed=8)
+    with torch.no_grad(), p.capture() as cap:
+        model(ids, moe_mm_token_type_ids=torch.zeros(2, 6, dtype=torch.long))
+    assert torch.equal(cap.expert_ids(), cap.ids())  # the text experts' ids only
+    types = torch.zeros(2, 6, dtype=torch.long)
+    types[0, 2:4] = 1
+    p.set_targets(cap.ids()[:, :, p.layers, :])
+    with pytest.raises(ValueError, match=r"\[hf\] ernie4_5_vl_moe: a forward with image or video "
+                                         r"tokens .* text-only forwards of ERNIE-4.5-VL-MoE"):
+        model(ids, moe_mm_token_type_ids=types)
+    assert p.counts()[p.layers[0]]["num_replayed_rows"] == 0  # refused before any router ran
+    # the failed step dropped its targets (switchyard.replay: no step's targets outlive it);
+    # the text-only retry, targets set again, replays them
+    p.set_targets(cap.ids()[:, :, p.layers, :])
+    with torch.no_grad(), p.capture() as again:
+        model(ids)
+    assert torch.equal(again.ids(), cap.ids())
+    assert p.counts()[p.layers[0]]["num_replayed_rows"] == ids.numel()
     p.unpatch()

@@ -122,6 +122,10 @@ class _Layer:
         # Runs in the decoder layer's __call__, outside the checkpointed forward, so once per real
         # forward: the condition under which transformers checkpoints the layer. A traced forward
         # queues nothing for its recompute (switchyard.replay.in_recompute).
+        refused = self.family.spec.refused_if
+        if refused is not None and isinstance(kwargs.get(refused[0]), torch.Tensor) and \
+                bool(kwargs[refused[0]].any()):
+            raise ValueError(f"[hf] {self.family.name}: {refused[1]}")
         if torch.compiler.is_compiling() and self.replay.action != "record" and \
                 self.owner._capture is None:
             return
@@ -819,10 +823,14 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     p = Patch(model, router_dtype, gate, invalid_replay_rows)
     modules = dict(model.named_modules())
     found = []
+    unpatched = set()  # the blocks of a family's routers it does not patch (spec.router_name)
     stacks = {}
     for name, mod in modules.items():
         fam = _family_of(mod)
         if fam is None:
+            continue
+        if fam.spec.router_name is not None and not name.endswith("." + fam.spec.router_name):
+            unpatched.add(name.rsplit(".", 1)[0])  # another modality's router: not patched
             continue
         if _owner_of(mod.__dict__.get("forward")) is not None:
             raise ValueError(f"[hf.patch] {name} is already patched by switchyard: unpatch() the "
@@ -838,7 +846,7 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     model_type = _model_type(model)
     if model_type in REFUSED:
         raise ValueError(f"[hf.patch] {model_type}: {REFUSED[model_type]}")
-    _refuse_unrouted_experts(modules, found, model_type)
+    _refuse_unrouted_experts(modules, found, model_type, unpatched)
     if not found:
         names = ", ".join(f.title for f in FAMILIES.values())
         raise ValueError(f"[hf.patch] no supported MoE router in {type(model).__name__}; "
@@ -883,11 +891,12 @@ def _model_type(model):
     return getattr(text, "model_type", None)
 
 
-def _refuse_unrouted_experts(modules, found, model_type):
+def _refuse_unrouted_experts(modules, found, model_type, unpatched=()):
     """ValueError naming the router class, the model type and where a spec is registered, for
     every experts module in a block with no router of a known family (a family a transformers
-    release added or renamed): never a silent pass-through."""
-    routed = set()
+    release added or renamed): never a silent pass-through. ``unpatched``: the blocks of a
+    family's routers of another modality, whose forwards the family's spec refuses."""
+    routed = set(unpatched)
     for _, name, *_ in found:
         routed.add(name.rsplit(".", 1)[0])  # the MoE block holding the router
     for name, mod in modules.items():

@@ -121,6 +121,14 @@ class RoutingSpec:
     expert_scale: str | None = None
     """Router attribute, [E], gathered at the ids and multiplied into the weights after the
     renormalisation (Gemma-4's per_expert_scale), or None."""
+    router_name: str | None = None
+    """The end of the router's module name where the family's router class also routes another
+    modality in the same decoder layer (ERNIE-4.5-VL's "text_moe.gate"; its "vision_moe.gate" is
+    not patched, see refused_if), or None: every router of the class."""
+    refused_if: tuple | None = None
+    """(decoder-layer keyword argument, reason): a forward where that argument holds a nonzero
+    value is refused before the layer runs (ERNIE-4.5-VL's moe_mm_token_type_ids: vision
+    tokens), or None."""
     variant_by: str | None = None
     """Router attribute whose value picks one of ``variants`` at run time (Cohere2-MoE's
     expert_selection_fn), or None."""
@@ -329,6 +337,18 @@ SPECS = (
             "DiffusionGemma (its encoder and decoder text stacks, one Patch each)"),
     # dots3-note's text model: DeepSeek-V3's router (its vision tower's router: REFUSED_ROUTERS)
     _deepseek_v3("dots3_note", "dots3-note", "Dots3NoteTextTopkRouter", "dots3-note (text model)"),
+    # ERNIE-4.5-VL-MoE: ERNIE-4.5-MoE's router in each modality's expert set; the text experts'
+    # router routes every token of a text-only forward (vision tokens are refused by name)
+    RoutingSpec("ernie4_5_vl_moe", "ERNIE-4.5-VL-MoE", "Ernie4_5_VLMoeMoeTopKRouter",
+                "ERNIE-4.5-VL-28B-A3B, ERNIE-4.5-VL-424B-A47B (text-only forwards)",
+                gate_cast="fp32", autocast_off=True, select_bias="moe_statics", renorm="clamp",
+                weights_dtype="hidden", combine_dtype="hidden dtype", router_name="text_moe.gate",
+                refused_if=("moe_mm_token_type_ids",
+                            "a forward with image or video tokens (moe_mm_token_type_ids) routes "
+                            "them through the vision experts' own router (vision_moe.gate) and "
+                            "the text tokens alone through the text experts' router, so a "
+                            "layer's tokens have no single [T, K] route in order; switchyard "
+                            "routes text-only forwards of ERNIE-4.5-VL-MoE")),
     # Cohere2-MoE: top-k of the logits; config.expert_selection_fn picks softmax over the K
     # selected (fp32) or their sigmoid (renormalised when norm_topk_prob); cast to the input dtype
     RoutingSpec("cohere2_moe", "Cohere2-MoE", "Cohere2MoeTopKRouter", score="softmax_topk",
@@ -375,9 +395,6 @@ REFUSED = {
     "doge": "Doge is not supported: its cross-domain MoE retrieves experts by a product-key "
             "search (two sub-key top-k's over sqrt(E) keys each) into embedding tables; no "
             "[T, E] gate to compute in fp32",
-    "ernie4_5_vl_moe": "ERNIE-4.5-VL-MoE is not supported yet: each MoE layer has modality-"
-                       "isolated text and vision expert sets, two routers per decoder layer "
-                       "chosen per token by modality; a per-layer route table holds one",
     "param2moe": "param2moe has no modeling file in this transformers release (configuration "
                  "only): nothing to patch",
     "sarvam_mla": "sarvam_mla has no modeling file in this transformers release (configuration "
