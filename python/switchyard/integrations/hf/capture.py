@@ -339,7 +339,9 @@ class Capture:
     def expert_ids(self) -> torch.Tensor:
         """The ids the experts modules of the patched layers received (transformers' experts
         interface), laid out as ``ids()``: equal to it wherever the experts ran the patched
-        router's choice (a replayed forward included).
+        router's choice (a replayed forward included), except where the family's block rewrites
+        the ids (LongCat-Flash hands a zero-compute expert's slot to its experts as a dummy routed
+        id with weight 0).
 
         Returns:
             int32 [B, S_fed, num_hidden_layers, K], dense layers 0.
