@@ -115,6 +115,40 @@ MORE_CONFIGS = {
                                  moe_normalize_expert_weights=1.0)),
     "aria": dict(moe_num_experts=8, moe_topk=2),
     "granitemoe_swa": dict(num_local_experts=8, num_experts_per_tok=2),
+    # DeepSeek-V3's router in newer families (MiMo: SWA layers double the KV heads, partial RoPE;
+    # GLM-4.5V / Hy4-VL: 3-axis mRoPE; GLM-5.3: hyper-connections, NoPE DSA + linear attention)
+    "mimo_v2_flash": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                          n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                          num_hidden_layers=3, v_head_dim=8, sliding_window=16,
+                          rope_parameters={t: dict(rope_type="default", rope_theta=10000.0,
+                                                   partial_rotary_factor=0.5)
+                                           for t in ("full_attention", "sliding_attention")}),
+    "glm4v_moe": dict(_DSV3, head_dim=16,
+                      rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                           mrope_section=[2, 1, 1], partial_rotary_factor=0.5)),
+    "glm5_next": dict(_DSV3, qk_rope_head_dim=0, mlp_layer_types=["dense", "sparse", "sparse"],
+                      layer_types=["linear_attention", "indexed_attention", "linear_attention"],
+                      index_topk=4, index_head_dim=8, index_n_heads=2, index_kpool=2,
+                      linear_head_dim=8, linear_num_heads=4, hc_mult=2),
+    "hy_v4_vl": dict(_DSV3, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                 mrope_section=[2, 1, 1])),
+    # Qwen3-MoE's router (Qwen4-Exp: hyper-connections, gated delta net + QSA-indexed attention)
+    "qwen4_exp": dict(_QWEN, shared_expert_intermediate_size=16, hc_lowrank=8,
+                      layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                      indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
+                      indexer_compress_ratio=2),
+    # MiniMax-M3-VL's router; the block scales the experts' output
+    "step3p7": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                    share_expert_dim=16, num_hidden_layers=3, sliding_window=16,
+                    mlp_layer_types=["dense", "sparse", "sparse"], moe_router_scaling_factor=2.0),
+    # sigmoid + correction bias of the logits × output_multiplier (its default 0.177)
+    "muse_spark": dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                       moe_hidden_size=16, routed_scaling_factor=2.5),
+    # DeepSeek-V2's router: group-limited greedy in one, greedy (the configs' default) in the other
+    "deepseek_ocr2": dict(_DSV3, topk_method="group_limited_greedy",
+                          mlp_layer_types=["dense", "sparse", "sparse"]),
+    "unlimited_ocr": dict(_DSV3, mlp_layer_types=["dense", "sparse", "sparse"]),
     # Gemma-4: the MoE block beside the dense MLP in every layer (enable_moe_block), no per-layer
     # input embeddings; DiffusionGemma's encoder text stack (its decoder's layers are the same)
     "gemma4": dict(enable_moe_block=True, num_experts=8, top_k_experts=2,
@@ -157,11 +191,19 @@ _CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe
 """The config model_type of a family's text model, where it is not the family's key."""
 _MODEL_CLASS = {"qwen3_omni_moe": "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe."
                                   "Qwen3OmniMoeThinkerTextModel",
-               "diffusion_gemma": "transformers.models.diffusion_gemma.modeling_diffusion_gemma."
-                                  "DiffusionGemmaEncoderTextModel",
-               "ernie4_5_vl_moe": "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe."
-                                  "Ernie4_5_VLMoeTextModel"}
+                "deepseek_ocr2": "transformers.models.deepseek_ocr2.modeling_deepseek_ocr2."
+                                 "DeepseekOcr2TextModel",
+                "unlimited_ocr": "transformers.models.unlimited_ocr.modeling_unlimited_ocr."
+                                 "UnlimitedOcrTextModel",
+                "step3p7": "transformers.models.step3p7.modeling_step3p7.Step3p7TextModel",
+                "diffusion_gemma": "transformers.models.diffusion_gemma.modeling_diffusion_gemma."
+                                   "DiffusionGemmaEncoderTextModel",
+                "ernie4_5_vl_moe": "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe."
+                                   "Ernie4_5_VLMoeTextModel"}
 """The text model's class, where no Auto class builds it from its config."""
+_CONFIG_CLASS = {"step3p7": "transformers.models.step3p7.configuration_step3p7.Step3p7TextConfig"}
+"""The text config's class, where no Auto class maps a model_type to it (Step-3.7's text config
+says model_type "step3p5", which transformers does not register)."""
 VARIANT_OF = {"cohere2_moe_sigmoid": "cohere2_moe"}
 """A test model that is another configuration of a family: {its key: the family's}."""
 
@@ -176,6 +218,10 @@ def config(model_type, **overrides):
     args = dict(COMMON)
     args.update(CONFIGS[model_type] if model_type in CONFIGS else MORE_CONFIGS[model_type])
     args.update(overrides)
+    if model_type in _CONFIG_CLASS:
+        import importlib
+        mod, _, cls = _CONFIG_CLASS[model_type].rpartition(".")
+        return getattr(importlib.import_module(mod), cls)(**args)
     return AutoConfig.for_model(_CONFIG_TYPE.get(model_type, model_type), **args)
 
 

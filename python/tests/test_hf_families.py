@@ -4,6 +4,7 @@ router picks the experts a float64 reference of the family's maths picks (rows w
 margin), capture holds the ids the experts received, R3 reproduces captured ids after the router
 weights changed, router_dtype=None is the unpatched model bitwise, and unpatch restores it."""
 import glob
+import inspect
 import os
 
 import pytest
@@ -108,6 +109,10 @@ REFERENCE = {
     "lara_mini": _SOFTMAX, "dbrx": _SOFTMAX, "qwen3_omni_moe": _SOFTMAX,
     "mistral_large4": ("softmax", None, "top2_sum", 0.0),
     "phimoe": _TOPK_LOGITS, "aria": _TOPK_LOGITS, "granitemoe_swa": _TOPK_LOGITS,
+    "mimo_v2_flash": _DEEPSEEK_V3, "glm4v_moe": _DEEPSEEK_V3, "glm5_next": _DEEPSEEK_V3,
+    "hy_v4_vl": _DEEPSEEK_V3, "qwen4_exp": _SOFTMAX, "step3p7": _SIGMOID_BIAS,
+    "muse_spark": _SIGMOID_BIAS,  # of the logits × output_multiplier
+    "deepseek_ocr2": ("softmax", None, "max", 0.0), "unlimited_ocr": ("softmax", None, "max", 0.0),
     # Gemma-4: softmax of the projection of RMSNorm(x) · scale · H^-1/2 (see _gemma_input)
     "gemma4": _SOFTMAX, "diffusion_gemma": _SOFTMAX,
     # Cohere2-MoE: the K best logits (softmax or sigmoid of them: the same experts)
@@ -117,6 +122,8 @@ REFERENCE = {
     "dots3_note": _DEEPSEEK_V3,
     "ernie4_5_vl_moe": ("softmax", "moe_statics", None, None),
 }
+_TOPK_METHOD = ("deepseek_v2", "deepseek_ocr2", "unlimited_ocr")
+"""DeepSeek-V2's router: group-limited only when its topk_method is group_limited_greedy."""
 _INPUT_NORMED = {"gemma4", "diffusion_gemma"}
 """Families whose router normalises and scales its input before the projection."""
 
@@ -182,6 +189,7 @@ def _reference(family, router, x, K, block=None, input_ids=None):
     logits = x.double() @ w.double().t()
     if b is not None:
         logits = logits + b.double()
+    logits = logits * float(getattr(router, "output_multiplier", 1.0))  # MuseSpark
     cap = float(getattr(router, "router_logit_softcapping", 0.0) or 0.0)
     if cap > 0:  # Laguna: c·tanh(z/c)
         logits = torch.tanh(logits / cap) * cap
@@ -208,7 +216,7 @@ def _reference(family, router, x, K, block=None, input_ids=None):
     elif bias == "moe_statics":
         choice = choice + router.moe_statics.e_score_correction_bias.double().reshape(-1)
     clear = torch.ones(len(x), dtype=torch.bool)
-    if group is not None and (family != "deepseek_v2" or
+    if group is not None and (family not in _TOPK_METHOD or
                               router.topk_method == "group_limited_greedy"):
         G, keep = int(router.num_group), int(router.topk_group)
         g = choice.view(len(x), G, E // G)
@@ -229,7 +237,10 @@ def _reference(family, router, x, K, block=None, input_ids=None):
 
 # ---- hooks: what the routers saw and what the experts received ---------------------------------
 def _is_experts(m):
-    return hasattr(m, "_is_expert_parallel") and hasattr(m, "is_concatenated")
+    # transformers' experts interface, or an experts module of the same signature that a release
+    # does not wrap yet (Step-3.7 in 5.24)
+    return (hasattr(m, "_is_expert_parallel") and hasattr(m, "is_concatenated")) or \
+        "top_k_index" in inspect.signature(m.forward).parameters
 
 
 class _Seen:
@@ -313,16 +324,38 @@ def _perturb(model, p, family, scale=0.5, seed=11):
             w.add_(torch.randn(w.shape, generator=g).to(w.dtype) * scale * w.float().std())
 
 
+def _forward_seeing_routers(model, names, ids):
+    """(the model's first output, {router name: what the router returned}) of one forward."""
+    outs = {}
+    hooks = [model.get_submodule(n).register_forward_hook(
+        lambda m, a, o, n=n: outs.__setitem__(n, o)) for n in names]
+    try:
+        with torch.no_grad():
+            y = model(ids)[0].clone()
+    finally:
+        for h in hooks:
+            h.remove()
+    return y, outs
+
+
 @pytest.mark.parametrize("family", _families())
 def test_r3_replays_captured_ids_after_the_router_weights_changed_and_unpatch_restores(family):
     model = build(family)
     ids = tokens(2, 10, seed=5)
-    with torch.no_grad():
-        before = model(ids)[0].clone()
-    # router_dtype=None is the unpatched model, bitwise
     p = syhf.patch(model, router_dtype=None)
-    with torch.no_grad():
-        assert torch.equal(model(ids)[0], before), family
+    names = list(p.modules.values())
+    p.unpatch()
+    before, native = _forward_seeing_routers(model, names, ids)
+    # router_dtype=None is the unpatched model bitwise, and each router returns what the family's
+    # returns (its logits too: transformers records them for the auxiliary loss)
+    p = syhf.patch(model, router_dtype=None)
+    got, routed = _forward_seeing_routers(model, names, ids)
+    assert torch.equal(got, before), family
+    for n in names:
+        a, b = native[n], routed[n]
+        a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+        assert len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y)
+                                        for x, y in zip(a, b)), (family, n)
     p.unpatch()
     p = syhf.patch(model, router_dtype=torch.float32)
     with torch.no_grad(), p.capture() as cap:

@@ -117,6 +117,18 @@ class Family:
             x = x.float()
         return F.linear(x, w, b)
 
+    def logits(self, r, z):
+        """The router's logits from its gate's output z: the family's logit multiplier and tanh
+        softcap (MuseSpark, Laguna), in z's dtype. They are what the router returns as its logits
+        (transformers records them for the auxiliary loss) and what its scores are computed from."""
+        s = self.spec
+        if s.logit_scale is not None:
+            z = z * getattr(r, s.logit_scale)
+        if s.softcap is not None and getattr(r, s.softcap) > 0.0:
+            c = getattr(r, s.softcap)
+            z = torch.tanh(z / c) * c
+        return z
+
     def check_mode(self, r):
         """ValueError for a forward the family's router cannot route faithfully (PhiMoE in
         training mode)."""
@@ -186,11 +198,6 @@ class Family:
         sd = _sdt(logits)
         K = self.top_k(r, block)
         z = logits
-        if s.logit_scale is not None:
-            z = z * getattr(r, s.logit_scale)
-        if s.softcap is not None and getattr(r, s.softcap) > 0.0:
-            c = getattr(r, s.softcap)
-            z = torch.tanh(z / c) * c
         if s.score == "sparsemixer":
             return self._sparsemixer(r, z, replay_ids, replay_mask)
         bias = self._bias(s, r, passed)

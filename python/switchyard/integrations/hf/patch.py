@@ -160,6 +160,7 @@ class _Layer:
                 else:
                     w, b = fam.params(r)
                     logits = _gate(x, w, b, owner.router_dtype, owner.gate)
+            logits = fam.logits(r, logits)
         if fam.spec.returns == "logits":
             return logits  # the block's route method (route_logits) routes them
         return self._route(logits, hidden_states, passed)

@@ -45,9 +45,10 @@ class RoutingSpec:
     autocast_off: bool = False
     """The family's router runs with autocast off (ERNIE)."""
     logit_scale: str | None = None
-    """Router attribute the logits are multiplied by before scoring (MuseSpark's output_multiplier)."""
+    """Router attribute the gate's output is multiplied by (MuseSpark's output_multiplier)."""
     softcap: str | None = None
-    """Router attribute c of a tanh softcap of the logits, c·tanh(z/c), when c > 0 (Laguna)."""
+    """Router attribute c of a tanh softcap of the gate's output, c·tanh(z/c), when c > 0
+    (Laguna). Both are part of the logits the router returns and scores (Family.logits)."""
     score: str = "softmax"
     """"softmax" (over all experts), "sigmoid", "fn" (the router's own ``score_fn`` module, e.g.
     ACT2FN[config.scoring_func]: sigmoid or sqrtsoftplus; DeepSeek-V4), "softmax_topk" (top-k of the
@@ -162,6 +163,18 @@ def _deepseek_v3(model_type, title, router_class, models="", **kw):
     return RoutingSpec(model_type, title, router_class, models, **args)
 
 
+def _deepseek_v2(model_type, title, router_class, models="", **kw):
+    """DeepSeek-V2's router: fp32 gate; softmax over all experts in fp32; top-k (unsorted),
+    restricted to the topk_group best of n_group groups (a group scores its max; the others 0)
+    when r.topk_method is "group_limited_greedy"; weights = the scores at the ids (no
+    renormalisation) × routed_scaling_factor."""
+    args = dict(gate_cast="fp32", group="max", group_mask=0.0,
+                group_if=("topk_method", "group_limited_greedy"), sorted_topk=False,
+                scale="routed_scaling_factor", combine_dtype="router_dtype (fp32 unpatched too)")
+    args.update(kw)
+    return RoutingSpec(model_type, title, router_class, models, **args)
+
+
 def _gemma4(model_type, title, router_class, models=""):
     """Gemma-4's router: RMSNorm (no scale) of the (already flat) hidden states, × scale ×
     hidden_size**-0.5, then the projection; softmax over all in fp32, top-k, renormalised,
@@ -206,11 +219,8 @@ SPECS = (
     RoutingSpec("mistral4", "Mistral-4", "Mistral4TopkRouter", "Mistral-Small-4-119B",
                 score_in_fp32=False, group="top2_sum", group_mask=0.0, sorted_topk=False,
                 renorm="sum_eps", renorm_if="norm_topk_prob", scale="routed_scaling_factor"),
-    RoutingSpec("deepseek_v2", "DeepSeek-V2", "DeepseekV2TopkRouter",
-                "DeepSeek-V2, DeepSeek-V2-Lite, DeepSeek-Coder-V2", gate_cast="fp32",
-                group="max", group_mask=0.0, group_if=("topk_method", "group_limited_greedy"),
-                sorted_topk=False, scale="routed_scaling_factor",
-                combine_dtype="router_dtype (fp32 unpatched too)"),
+    _deepseek_v2("deepseek_v2", "DeepSeek-V2", "DeepseekV2TopkRouter",
+                 "DeepSeek-V2, DeepSeek-V2-Lite, DeepSeek-Coder-V2"),
     # ---- top-k of the logits, then softmax over the K selected ----
     RoutingSpec("gpt_oss", "GPT-OSS", "GptOssTopKRouter", "gpt-oss-20b, gpt-oss-120b",
                 bias="bias", score="softmax_topk", score_in_fp32=False),
@@ -329,6 +339,31 @@ SPECS = (
     RoutingSpec("granitemoe_swa", "Granite-MoE-SWA", "GraniteMoeSWATopKRouter",
                 gate_cast="fp32_after", score="softmax_topk", weights_dtype="hidden",
                 combine_dtype="hidden dtype"),
+    # ---- known routers in newer families (each router's text read in 5.24 and 5.25) ----
+    _deepseek_v3("mimo_v2_flash", "MiMo-V2-Flash", "MiMoV2FlashTopkRouter", "MiMo-V2-Flash"),
+    _deepseek_v3("glm4v_moe", "GLM4V-MoE", "Glm4vMoeTextTopkRouter",
+                 "GLM-4.5V, GLM-4.6V (text backbone)"),
+    _deepseek_v3("glm5_next", "GLM5-Next", "Glm5NextTextTopkRouter",
+                 "GLM-5.3-Flash (text backbone)"),
+    _deepseek_v3("hy_v4_vl", "Hy4-VL", "HYV4VLTopkRouter", "Hy4 (text backbone)"),
+    _softmax_topk("qwen4_exp", "Qwen4-Exp", "Qwen4ExpTextTopKRouter", "Qwen4-Exp"),
+    # Step-3.7: MiniMax-M3-VL's router; the block scales the experts' output by
+    # moe_router_scaling_factor after the experts (not the router's weights)
+    RoutingSpec("step3p7", "Step-3.7", "Step3p7TopKRouter", "Step-3.7-Flash",
+                gate_cast="weight_dtype", score="sigmoid",
+                select_bias="e_score_correction_bias", sorted_topk=False, renorm="sum"),
+    # Muse-Spark: fp32 gate, logits × output_multiplier (returned so), sigmoid + correction bias,
+    # / (sum + 1e-15), × routed_scaling_factor
+    RoutingSpec("muse_spark", "Muse-Spark", "MuseSparkTopkRouter",
+                "Muse-Spark-Open-816B-A42B (text backbone)", gate_cast="fp32",
+                logit_scale="output_multiplier", score="sigmoid",
+                select_bias="e_score_correction_bias", sorted_topk=False, renorm="sum_eps",
+                renorm_eps=1e-15, scale="routed_scaling_factor",
+                combine_dtype="router_dtype (fp32 unpatched too)"),
+    _deepseek_v2("deepseek_ocr2", "DeepSeek-OCR-2", "DeepseekOcr2TextTopkRouter",
+                 "DeepSeek-OCR-2 (text backbone)"),
+    _deepseek_v2("unlimited_ocr", "Unlimited-OCR", "UnlimitedOcrTextTopkRouter",
+                 "Unlimited-OCR (text backbone)"),
     # Gemma-4 (and DiffusionGemma's encoder and decoder): RMSNorm (no scale) of the hidden states,
     # × scale × hidden_size**-0.5, then the projection; softmax in fp32, top-k, renormalised,
     # × per_expert_scale at the ids; the router returns the probabilities, not the logits
@@ -372,9 +407,6 @@ SPECS = (
 """The supported families, one spec each."""
 
 
-_UNTESTED = ("not supported yet: its router ({cls}) is {math}, but no tiny model of it is built "
-             "in switchyard's tests yet (its config needs more than the common arguments), so "
-             "patch() refuses it rather than route it untested")
 REFUSED = {
     # Families switchyard refuses, with the reason patch() gives (ValueError before any router is
     # touched). Each reason names what has no faithful [T, K] route to compute, replay or capture.
@@ -401,16 +433,6 @@ REFUSED = {
                   "only): nothing to patch",
     "sarvam_moe": "sarvam_moe has no modeling file in this transformers release (configuration "
                   "only): nothing to patch",
-    "mimo_v2_flash": _UNTESTED.format(cls="MiMoV2FlashTopkRouter", math="DeepSeek-V3's"),
-    "glm4v_moe": _UNTESTED.format(cls="Glm4vMoeTextTopkRouter", math="DeepSeek-V3's"),
-    "glm5_next": _UNTESTED.format(cls="Glm5NextTextTopkRouter", math="DeepSeek-V3's"),
-    "hy_v4_vl": _UNTESTED.format(cls="HYV4VLTopkRouter", math="DeepSeek-V3's"),
-    "qwen4_exp": _UNTESTED.format(cls="Qwen4ExpTextTopKRouter", math="Qwen3-MoE's"),
-    "step3p7": _UNTESTED.format(cls="Step3p7TopKRouter", math="MiniMax-M3-VL's"),
-    "muse_spark": _UNTESTED.format(cls="MuseSparkTopkRouter", math="sigmoid with a correction "
-                                   "bias and a logit multiplier"),
-    "deepseek_ocr2": _UNTESTED.format(cls="DeepseekOcr2TextTopkRouter", math="DeepSeek-V2's"),
-    "unlimited_ocr": _UNTESTED.format(cls="UnlimitedOcrTextTopkRouter", math="DeepSeek-V2's"),
 }
 """{transformers.models package: why patch() refuses it} (ValueError before any router is
 touched)."""
