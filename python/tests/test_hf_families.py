@@ -158,8 +158,10 @@ def _experts_get(family, ids, block):
     """The ids a family's MoE block hands its experts for the router's ids [T, K]: the same ids,
     except LongCat-Flash's zero-compute experts (ids n + j, j < Z): the block gives their slots
     weight 0 and the dummy routed id j·n // Z (spread over the routed experts) and adds the
-    token's own hidden state × the zero slots' weight (the identity path) itself."""
-    if family == "longcat_flash":
+    token's own hidden state × the zero slots' weight (the identity path) itself (transformers
+    5.25; before, its experts module took the router's ids and ran a zero expert as the
+    identity)."""
+    if family == "longcat_flash" and hasattr(block, "num_routed_experts"):
         n, Z = block.num_routed_experts, block.zero_expert_num
         return torch.where(ids >= n, (ids - n) * n // Z, ids)
     return ids
@@ -309,9 +311,8 @@ def test_fp32_router_picks_the_experts_of_a_float64_reference_and_capture_is_wha
                                _experts_get(family, got, block)), family
         else:
             # Llama-4's experts take the router-scaled input only; DBRX's are not transformers'
-            # experts interface, nor LongCat-Flash's before transformers 5.25 (its experts module
-            # took the router's ids, zero experts included, and ran those as the identity)
-            assert family in ("llama4_text", "dbrx", "longcat_flash")
+            # experts interface
+            assert family in ("llama4_text", "dbrx")
     assert n_clear >= len(p.layers) * B * S // 2  # the comparison covered most rows
     p.unpatch()
 
