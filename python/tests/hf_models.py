@@ -149,6 +149,32 @@ MORE_CONFIGS = {
     "deepseek_ocr2": dict(_DSV3, topk_method="group_limited_greedy",
                           mlp_layer_types=["dense", "sparse", "sparse"]),
     "unlimited_ocr": dict(_DSV3, mlp_layer_types=["dense", "sparse", "sparse"]),
+    # Gemma-4: the MoE block beside the dense MLP in every layer (enable_moe_block), no per-layer
+    # input embeddings; DiffusionGemma's encoder text stack (its decoder's layers are the same)
+    "gemma4": dict(enable_moe_block=True, num_experts=8, top_k_experts=2,
+                   moe_intermediate_size=16, hidden_size_per_layer_input=0,
+                   layer_types=["sliding_attention", "full_attention"], sliding_window=16),
+    "diffusion_gemma": dict(num_experts=8, top_k_experts=2, moe_intermediate_size=16,
+                            layer_types=["sliding_attention", "full_attention"],
+                            sliding_window=16),
+    # Cohere2-MoE, both score functions of config.expert_selection_fn
+    "cohere2_moe": dict(num_experts=8, num_experts_per_tok=2, expert_selection_fn="softmax"),
+    "cohere2_moe_sigmoid": dict(num_experts=8, num_experts_per_tok=2,
+                                expert_selection_fn="sigmoid", norm_topk_prob=True),
+    # LongCat-Flash: 8 routed + 4 zero-compute experts; two decoder layers (num_hidden_layers
+    # counts the two attention sublayers of each); wider router init so that the scores, not the
+    # correction bias alone, pick the experts
+    "longcat_flash": dict(n_routed_experts=8, zero_expert_num=4, moe_topk=2,
+                          expert_ffn_hidden_size=16, kv_lora_rank=16, q_lora_rank=16,
+                          qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                          num_key_value_heads=4, num_hidden_layers=4, initializer_range=0.2),
+    # dots3-note's text model (DeepSeek-V3's router)
+    "dots3_note": dict(_DSV3),
+    # ERNIE-4.5-VL-MoE's text model: text and vision expert sets in every MoE layer
+    "ernie4_5_vl_moe": dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=[16, 16],
+                            moe_num_shared_experts=1,
+                            rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                 mrope_section=[1, 1, 2])),
 }
 """Tiny configs of the other supported families (test_hf_families.py)."""
 ALL_FAMILIES = FAMILIES + list(MORE_CONFIGS)
@@ -158,7 +184,10 @@ _CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe
                 "muse_spark": "muse_spark_text", "inkling2": "inkling2_text",
                 "qwen3_omni_moe": "qwen3_omni_moe_text", "qwen4_exp": "qwen4_exp_text",
                 "mistral_large4": "mistral_large4_text", "deepseek_ocr2": "deepseek_ocr2_text",
-                "unlimited_ocr": "unlimited_ocr_text", "aria": "aria_text"}
+                "unlimited_ocr": "unlimited_ocr_text", "aria": "aria_text",
+                "gemma4": "gemma4_text", "diffusion_gemma": "diffusion_gemma_text",
+                "cohere2_moe_sigmoid": "cohere2_moe", "dots3_note": "dots3_note_text",
+                "ernie4_5_vl_moe": "ernie4_5_vl_moe_text"}
 """The config model_type of a family's text model, where it is not the family's key."""
 _MODEL_CLASS = {"qwen3_omni_moe": "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe."
                                   "Qwen3OmniMoeThinkerTextModel",
@@ -166,11 +195,17 @@ _MODEL_CLASS = {"qwen3_omni_moe": "transformers.models.qwen3_omni_moe.modeling_q
                                  "DeepseekOcr2TextModel",
                 "unlimited_ocr": "transformers.models.unlimited_ocr.modeling_unlimited_ocr."
                                  "UnlimitedOcrTextModel",
-                "step3p7": "transformers.models.step3p7.modeling_step3p7.Step3p7TextModel"}
+                "step3p7": "transformers.models.step3p7.modeling_step3p7.Step3p7TextModel",
+                "diffusion_gemma": "transformers.models.diffusion_gemma.modeling_diffusion_gemma."
+                                   "DiffusionGemmaEncoderTextModel",
+                "ernie4_5_vl_moe": "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe."
+                                   "Ernie4_5_VLMoeTextModel"}
 """The text model's class, where no Auto class builds it from its config."""
 _CONFIG_CLASS = {"step3p7": "transformers.models.step3p7.configuration_step3p7.Step3p7TextConfig"}
 """The text config's class, where no Auto class maps a model_type to it (Step-3.7's text config
 says model_type "step3p5", which transformers does not register)."""
+VARIANT_OF = {"cohere2_moe_sigmoid": "cohere2_moe"}
+"""A test model that is another configuration of a family: {its key: the family's}."""
 
 
 def config(model_type, **overrides):
@@ -207,6 +242,8 @@ def _randomise_router_state(model, gen):
                                      for _ in range(t.shape[0])]))
             elif name.endswith("router.bias"):
                 t.copy_(torch.randn(t.shape, generator=gen) * 0.1)
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma-4: ones
+                t.copy_(1.0 + torch.randn(t.shape, generator=gen) * 0.2)
 
 
 def build(model_type, dtype=torch.float32, seed=0, **overrides):

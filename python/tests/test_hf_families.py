@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 import switchyard.integrations.hf as syhf  # noqa: E402
 from switchyard.integrations.hf import spec as syspec  # noqa: E402
-from hf_models import ALL_FAMILIES, build, tokens  # noqa: E402
+from hf_models import ALL_FAMILIES, VARIANT_OF, build, tokens  # noqa: E402
 
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
                 "num_routed_experts", "n_experts", "ffn_config")
@@ -113,13 +113,63 @@ REFERENCE = {
     "hy_v4_vl": _DEEPSEEK_V3, "qwen4_exp": _SOFTMAX, "step3p7": _SIGMOID_BIAS,
     "muse_spark": _SIGMOID_BIAS,  # of the logits × output_multiplier
     "deepseek_ocr2": ("softmax", None, "max", 0.0), "unlimited_ocr": ("softmax", None, "max", 0.0),
+    # Gemma-4: softmax of the projection of RMSNorm(x) · scale · H^-1/2 (see _gemma_input)
+    "gemma4": _SOFTMAX, "diffusion_gemma": _SOFTMAX,
+    # Cohere2-MoE: the K best logits (softmax or sigmoid of them: the same experts)
+    "cohere2_moe": _TOPK_LOGITS, "cohere2_moe_sigmoid": _TOPK_LOGITS,
+    # LongCat-Flash: softmax over routed + zero experts, correction bias for the choice
+    "longcat_flash": ("softmax", "e_score_correction_bias", None, None),
+    "dots3_note": _DEEPSEEK_V3,
+    "ernie4_5_vl_moe": ("softmax", "moe_statics", None, None),
 }
 _TOPK_METHOD = ("deepseek_v2", "deepseek_ocr2", "unlimited_ocr")
 """DeepSeek-V2's router: group-limited only when its topk_method is group_limited_greedy."""
+_INPUT_NORMED = {"gemma4", "diffusion_gemma"}
+"""Families whose router normalises and scales its input before the projection."""
+
+
+def _gemma_input(router, x):
+    """(Gemma-4's gate input in float64, a bound [T] on how far the family's logits can be from
+    the reference's): RMSNorm without a scale (x / sqrt(mean(x²) + eps)), × the router's scale
+    vector, × hidden_size**-0.5, each rounded to x's dtype as the family's ops do (the norm
+    computed in fp32 and rounded once; the products exact in float64, rounded to fp32 then to x's
+    dtype as a reduced-precision multiply is). The family's fp32 norm is within 1e-5 (relative)
+    of the float64 one, so its rounding can differ from the reference's by one ulp only where the
+    exact value lies within 1e-5 of a rounding midpoint: those elements (ambiguous) may move a
+    logit by eps·|x̂_i w_ei| each."""
+    xd = x.double()
+    n = xd / torch.sqrt((xd * xd).mean(dim=1, keepdim=True) + router.eps)
+    if x.dtype in (torch.float32, torch.float64):  # fp32 roundings: far below the 1e-4 margin
+        return n * router.scale.double() * x.shape[1] ** -0.5, torch.zeros(len(x),
+                                                                         dtype=torch.float64)
+
+    def rnd(v):
+        return v.float().to(x.dtype).double()
+    amb = rnd(n * (1 - 1e-5)) != rnd(n * (1 + 1e-5))
+    xh = rnd(rnd(n) * router.scale.double())
+    xh = rnd(xh * torch.tensor(x.shape[1] ** -0.5, dtype=torch.float32).double())
+    w = router.proj.weight.double()
+    eps = torch.finfo(x.dtype).eps
+    bound = 2 * eps * ((xh.abs() * amb) @ w.abs().t()).max(dim=1).values
+    return xh, bound
+
+
+def _experts_get(family, ids, block):
+    """The ids a family's MoE block hands its experts for the router's ids [T, K]: the same ids,
+    except LongCat-Flash's zero-compute experts (ids n + j, j < Z): the block gives their slots
+    weight 0 and the dummy routed id j·n // Z (spread over the routed experts) and adds the
+    token's own hidden state × the zero slots' weight (the identity path) itself (transformers
+    5.25; before, its experts module took the router's ids and ran a zero expert as the
+    identity)."""
+    if family == "longcat_flash" and hasattr(block, "num_routed_experts"):
+        n, Z = block.num_routed_experts, block.zero_expert_num
+        return torch.where(ids >= n, (ids - n) * n // Z, ids)
+    return ids
 
 
 def _gate_params(router):
-    lin = next((getattr(router, a) for a in ("wg", "layer", "linear", "gate")
+    lin = next((getattr(router, a) for a in ("wg", "layer", "linear", "gate", "proj",
+                                              "classifier")
                 if isinstance(getattr(router, a, None), torch.nn.Linear)), router)
     b = getattr(lin, "bias", None)
     return lin.weight, (b if isinstance(b, torch.Tensor) else None)
@@ -129,9 +179,15 @@ def _reference(family, router, x, K, block=None, input_ids=None):
     """(ids as sorted rows [T, K], clear [T] bool): the family's selection in float64 and the rows
     whose K-th and (K+1)-th choice (and the kept / dropped group) are 1e-4 apart. The fp32 gate's
     error is below H·u·Σ|x_i w_i| < 1e-5 for these models (H = 32, |x w| < 1), and softmax /
-    sigmoid are 1-Lipschitz, so a 1e-4 margin cannot flip on rounding."""
+    sigmoid are 1-Lipschitz, so a 1e-4 margin cannot flip on rounding. A family that rounds its
+    own ops before the projection (Gemma-4) widens the margin by twice their bound."""
     score, bias, group, fill = REFERENCE[family]
     w, b = _gate_params(router)
+    tol = torch.zeros(len(x), dtype=torch.float64)
+    if family in _INPUT_NORMED:
+        x, tol = _gemma_input(router, x)
+    if family == "longcat_flash":
+        b = None  # its router's F.linear takes the classifier's weight only
     logits = x.double() @ w.double().t()
     if b is not None:
         logits = logits + b.double()
@@ -169,7 +225,7 @@ def _reference(family, router, x, K, block=None, input_ids=None):
         gs = g.topk(2, dim=-1).values.sum(-1) if group == "top2_sum" else g.max(-1).values
         order = gs.sort(dim=1, descending=True)
         if keep < G:
-            clear &= (order.values[:, keep - 1] - order.values[:, keep]) > 1e-4
+            clear &= (order.values[:, keep - 1] - order.values[:, keep]) > 1e-4 + 2 * tol
         kept = torch.zeros(len(x), G, dtype=torch.bool)
         kept.scatter_(1, order.indices[:, :keep], True)
         choice = torch.where(kept.repeat_interleave(E // G, dim=1), choice,
@@ -177,7 +233,7 @@ def _reference(family, router, x, K, block=None, input_ids=None):
     top = choice.sort(dim=1, descending=True)
     if K < E:
         gap = top.values[:, K - 1] - top.values[:, K]
-        clear &= torch.nan_to_num(gap, posinf=1.0) > 1e-4
+        clear &= torch.nan_to_num(gap, posinf=1.0) > 1e-4 + 2 * tol
     return top.indices[:, :K].sort(dim=1).values, clear
 
 
@@ -217,11 +273,11 @@ def _text_type(family):
 
 
 def _families():
-    return [f for f in ALL_FAMILIES if f in syhf.FAMILIES or f == "llama4_text"]
+    return [f for f in ALL_FAMILIES if _key(f) in syhf.FAMILIES]
 
 
 def _key(family):
-    return "llama4" if family == "llama4_text" else family
+    return "llama4" if family == "llama4_text" else VARIANT_OF.get(family, family)
 
 
 @pytest.mark.parametrize("family", _families())
@@ -251,7 +307,8 @@ def test_fp32_router_picks_the_experts_of_a_float64_reference_and_capture_is_wha
                                f"pick {got[bad].tolist()}, the float64 reference "
                                f"{ref[bad].tolist()}")
         if layer in seen.ids:  # the experts received exactly the captured ids, in order
-            assert torch.equal(seen.ids[layer].reshape(B * S, -1).long(), got), family
+            assert torch.equal(seen.ids[layer].reshape(B * S, -1).long(),
+                               _experts_get(family, got, block)), family
         else:
             # Llama-4's experts take the router-scaled input only; DBRX's are not transformers'
             # experts interface
@@ -325,8 +382,11 @@ def test_r3_replays_captured_ids_after_the_router_weights_changed_and_unpatch_re
         assert torch.equal(cap.ids()[:, :, p.layers, :], routes), family
         for m, layer in enumerate(p.layers):
             if layer in seen.ids:  # the experts received the replayed ids
+                block = model.get_submodule(p.modules[layer].rsplit(".", 1)[0])
                 assert torch.equal(seen.ids[layer].reshape(routes.shape[0], routes.shape[1], -1)
-                                   .to(routes.dtype), routes[:, :, m, :]), (family, layer)
+                                   .to(routes.dtype),
+                                   _experts_get(family, routes[:, :, m, :], block)), (family,
+                                                                                     layer)
         assert all(c["num_replayed_rows"] == ids.numel() for c in p.counts().values())
     finally:
         seen.remove()
@@ -378,7 +438,7 @@ def test_a_router_class_no_spec_covers_is_refused_naming_it(monkeypatch):
     assert syhf.patch_of(model) is None
 
 
-@pytest.mark.parametrize("family", ["jetmoe", "longcat_flash", "cohere2_moe"])
+@pytest.mark.parametrize("family", ["jetmoe", "zaya", "doge"])
 def test_a_refused_family_names_itself_and_the_reason(family):
     from transformers import AutoConfig, AutoModelForCausalLM
     assert family in syspec.REFUSED
@@ -445,3 +505,226 @@ def test_a_moe_block_running_a_replaced_kernel_forward_is_refused(monkeypatch):
                                          r"replaced forward \(hub kernel 'MegaBlocksMoeMLP'\)"):
         syhf.patch(model)
     assert syhf.patch_of(model) is None
+
+
+# ---- Gemma-4 / DiffusionGemma, Cohere2-MoE, LongCat-Flash --------------------------------------
+def _train_step(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids)[0]
+    out.float().pow(2).mean().backward()
+    return out.detach(), {n: q.grad.clone() for n, q in model.named_parameters()
+                          if q.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("family", ["gemma4", "diffusion_gemma", "cohere2_moe",
+                                    "cohere2_moe_sigmoid", "longcat_flash"])
+def test_router_dtype_none_keeps_outputs_and_gradients_bitwise_in_training(family, dtype):
+    # Gemma-4's router normalises its (already flat) input itself: the patched forward adds no
+    # reshape node, so the gradients reach the hidden states in the family's order.
+    model = build(family, dtype).train()
+    ids = tokens(2, 9, seed=1)
+    out, grads = _train_step(model, ids)
+    with syhf.patch(model, router_dtype=None):
+        got, got_grads = _train_step(model, ids)
+    assert torch.equal(got, out)
+    assert got_grads.keys() == grads.keys()
+    for n in grads:
+        assert torch.equal(got_grads[n], grads[n]), n
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemma4_fp32_router_returns_probabilities_and_its_gradients_match_float64(param_dtype):
+    # The patched router returns (probabilities over all experts, weights, ids) as Gemma-4's
+    # does; its gradients reach the router's input, projection, scale and per-expert scale.
+    import copy
+    model = build("gemma4", param_dtype)
+    ref = copy.deepcopy(model).double()
+    p = syhf.patch(model, router_dtype=torch.float32)
+    p64 = syhf.patch(ref, router_dtype=torch.float64)
+    layer = p.layers[-1]
+    r, r64 = model.get_submodule(p.modules[layer]), ref.get_submodule(p64.modules[layer])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 32, generator=gen).to(param_dtype).requires_grad_()
+    p.replays[layer].action = "record"
+    probs, weights, ids = r(x)
+    assert probs.dtype == weights.dtype == torch.float32 and probs.shape == (37, 8)
+    torch.testing.assert_close(probs.sum(dim=1), torch.ones(37), rtol=0, atol=1e-6)
+    g = torch.randn(weights.shape, generator=gen, dtype=torch.float64)
+    (weights.double() * g).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    p64.replays[layer].set_target(p.replays[layer].pop_recorded())
+    p64.replays[layer].action = "replay_forward"
+    _, weights64, ids64 = r64(x64)
+    (weights64 * g).sum().backward()
+    assert torch.equal(ids64, ids)
+    # float64 of the family's maths: probabilities at the ids, renormalised, × per_expert_scale
+    xh, _ = _gemma_input(r64, x64.detach())
+    pr = torch.softmax(xh @ r64.proj.weight.detach().t(), dim=1).gather(1, ids)
+    want = pr / pr.sum(dim=1, keepdim=True) * r64.per_expert_scale.detach()[ids]
+    # (the family's RMSNorm computes in fp32 whatever the model's dtype: fp32 rounding)
+    torch.testing.assert_close(weights64.detach(), want, rtol=1e-6, atol=0)
+    tol = dict(rtol=1e-5, atol=1e-6) if param_dtype == torch.float32 else \
+        dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(weights.double(), weights64, **tol)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
+    for name in ("proj.weight", "scale", "per_expert_scale"):
+        got, want = r.get_parameter(name).grad, r64.get_parameter(name).grad
+        assert got is not None and got.dtype == param_dtype, name
+        torch.testing.assert_close(got.double(), want, **tol, msg=name)
+    p.unpatch()
+    p64.unpatch()
+
+
+def test_diffusion_gemma_routes_its_encoder_and_decoder_stacks_with_one_patch_each():
+    from transformers import AutoConfig
+    from hf_models import config
+    text = config("diffusion_gemma").to_dict()  # (skips where transformers has no DiffusionGemma)
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma as dg
+    cfg = AutoConfig.for_model("diffusion_gemma", text_config=text)
+    cfg.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = dg.DiffusionGemmaForBlockDiffusion(cfg).eval()
+    with pytest.raises(ValueError, match=r"several decoder stacks: model\.encoder\."
+                                         r"language_model, model\.decoder; patch each one"):
+        syhf.patch(model)
+    assert syhf.patch_of(model) is None
+    ids = tokens(2, 8, seed=2)
+    stacks = [model.model.encoder.language_model, model.model.decoder]
+    patches = [syhf.patch(s) for s in stacks]
+    with torch.no_grad(), patches[0].capture() as c0, patches[1].capture() as c1:
+        model(input_ids=ids)
+    routes = [c.ids()[:, :, q.layers, :] for c, q in ((c0, patches[0]), (c1, patches[1]))]
+    for c in (c0, c1):
+        assert torch.equal(c.expert_ids(), c.ids())
+    _perturb(stacks[0], patches[0], "diffusion_gemma")
+    _perturb(stacks[1], patches[1], "diffusion_gemma")
+    for q, t in zip(patches, routes):
+        q.set_targets(t)
+    with torch.no_grad(), patches[0].capture() as c0, patches[1].capture() as c1:
+        model(input_ids=ids)
+    for c, q, t in ((c0, patches[0], routes[0]), (c1, patches[1], routes[1])):
+        assert torch.equal(c.ids()[:, :, q.layers, :], t)
+        assert torch.equal(c.expert_ids(), c.ids())
+        q.unpatch()
+
+
+def test_cohere2_moe_refuses_an_expert_selection_fn_it_does_not_know_by_name():
+    model = build("cohere2_moe")
+    for layer in model.model.layers:
+        layer.mlp.gate.expert_selection_fn = "relu"
+    with pytest.raises(ValueError, match=r"\[hf\] cohere2_moe: Cohere2MoeTopKRouter\."
+                                         r"expert_selection_fn='relu' is not one of "
+                                         r"\['sigmoid', 'softmax'\]"):
+        syhf.patch(model)
+    assert syhf.patch_of(model) is None
+
+
+def test_longcat_flash_routes_replays_and_captures_its_zero_compute_experts():
+    # The route is the router's [T, K] ids over n_routed_experts + zero_expert_num; the experts
+    # module receives a zero expert's slot as a dummy routed id with weight 0 (the block adds the
+    # token's own hidden state × that weight itself): Capture.expert_ids() shows those dummies.
+    # (Before transformers 5.25 its own experts module took the router's ids and ran a zero
+    # expert as the identity: what the experts received is then the route itself.)
+    from switchyard.integrations.hf.capture import is_experts
+    model = build("longcat_flash")
+    ids = tokens(2, 10, seed=6)
+    p = syhf.patch(model, router_dtype=torch.float32)
+    n, Z = model.config.n_routed_experts, model.config.zero_expert_num
+    assert p.num_experts == n + Z
+    block = model.get_submodule(p.modules[p.layers[0]].rsplit(".", 1)[0])
+    interface = is_experts(block.experts)
+    got_w = {}
+    hooks = [model.get_submodule(name.rsplit(".", 1)[0]).experts.register_forward_pre_hook(
+        lambda m, a, layer=layer: got_w.__setitem__(layer, (a[1].clone(), a[2].clone())))
+        for layer, name in p.modules.items()]
+    with torch.no_grad(), p.capture() as cap:
+        model(ids)
+    live = cap.ids()
+    assert (live[:, :, p.layers] >= n).any() and (live[:, :, p.layers] < n).any()
+    if interface:
+        assert torch.equal(cap.expert_ids(), _experts_get("longcat_flash", live, block))
+    for layer, (eids, w) in got_w.items():
+        zero = live[:, :, layer, :].reshape(eids.shape) >= n
+        if interface:
+            assert (w[zero] == 0).all() and (w[~zero] != 0).all()
+        else:
+            assert torch.equal(eids, live[:, :, layer, :].reshape(eids.shape).long())
+    # replay: every token's first slot forced to zero expert n + Z - 1, the second to expert 0
+    routes = torch.zeros_like(live[:, :, p.layers, :])
+    routes[..., 0] = n + Z - 1
+    p.set_targets(routes)
+    with torch.no_grad(), p.capture() as cap:
+        model(ids)
+    assert torch.equal(cap.ids()[:, :, p.layers, :], routes)
+    for layer, (eids, w) in got_w.items():
+        if interface:
+            assert (eids[:, 0] == (Z - 1) * n // Z).all() and (w[:, 0] == 0).all()
+        else:
+            assert (eids[:, 0] == n + Z - 1).all()
+        assert (eids[:, 1] == 0).all() and (w[:, 1] > 0).all()
+    for h in hooks:
+        h.remove()
+    p.unpatch()
+
+
+def test_dots3_note_routes_its_text_model_and_refuses_the_vision_tower_by_name():
+    from transformers import AutoConfig, AutoModel
+    from hf_models import config
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  moe_intermediate_size=16, num_experts_per_tok=2, pyramid_num_routed=[-1, 4],
+                  adapter_in_dim=32, adapter_out_dim=32)
+    audio = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 adapter_input_size=32, adapter_out_dim=32, downsample_hidden_size=16)
+    cfg = AutoConfig.for_model("dots3_note", text_config=config("dots3_note").to_dict(),
+                               vision_config=vision, audio_config=audio)
+    cfg.get_text_config()._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModel.from_config(cfg).eval()
+    assert any(type(m).__name__ == "Dots3NoteVisionTopKRouter" for m in model.modules())
+    with pytest.raises(ValueError, match=r"\[hf.patch\] dots3_note: dots3-note's vision tower "
+                                         r"routes .* patch\(model\.model\.language_model\)"):
+        syhf.patch(model)
+    assert syhf.patch_of(model) is None
+    text = model.language_model
+    ids = tokens(2, 7, seed=4)
+    p = syhf.patch(text, router_dtype=torch.float32)
+    assert p.family == "dots3-note" and p.layers == [1, 2]
+    with torch.no_grad(), p.capture() as cap:
+        model(input_ids=ids)
+    routes = cap.ids()[:, :, p.layers, :]
+    assert torch.equal(cap.expert_ids(), cap.ids())
+    _perturb(text, p, "dots3_note")
+    p.set_targets(routes)
+    with torch.no_grad(), p.capture() as cap:
+        model(input_ids=ids)
+    assert torch.equal(cap.ids()[:, :, p.layers, :], routes)
+    p.unpatch()
+
+
+def test_ernie4_5_vl_moe_routes_text_only_forwards_and_refuses_vision_tokens_by_name():
+    # Each MoE layer holds a text and a vision expert set, each with its own router of one class:
+    # the text experts' router is patched (it routes every token of a text-only forward), the
+    # vision experts' is not, and a forward with vision tokens is refused before any layer runs.
+    model = build("ernie4_5_vl_moe")
+    p = syhf.patch(model, router_dtype=torch.float32)
+    assert all(name.endswith("mlp.text_moe.gate") for name in p.modules.values())
+    ids = tokens(2, 6, seed=8)
+    with torch.no_grad(), p.capture() as cap:
+        model(ids, moe_mm_token_type_ids=torch.zeros(2, 6, dtype=torch.long))
+    assert torch.equal(cap.expert_ids(), cap.ids())  # the text experts' ids only
+    types = torch.zeros(2, 6, dtype=torch.long)
+    types[0, 2:4] = 1
+    p.set_targets(cap.ids()[:, :, p.layers, :])
+    with pytest.raises(ValueError, match=r"\[hf\] ernie4_5_vl_moe: a forward with image or video "
+                                         r"tokens .* text-only forwards of ERNIE-4.5-VL-MoE"):
+        model(ids, moe_mm_token_type_ids=types)
+    assert p.counts()[p.layers[0]]["num_replayed_rows"] == 0  # refused before any router ran
+    # the failed step dropped its targets (switchyard.replay: no step's targets outlive it);
+    # the text-only retry, targets set again, replays them
+    p.set_targets(cap.ids()[:, :, p.layers, :])
+    with torch.no_grad(), p.capture() as again:
+        model(ids)
+    assert torch.equal(again.ids(), cap.ids())
+    assert p.counts()[p.layers[0]]["num_replayed_rows"] == ids.numel()
+    p.unpatch()

@@ -64,7 +64,7 @@ class ExpertsCapture:
     decoder layers, for the batch shape). Made by ``capture_experts(model)`` or
     ``Capture.expert_ids()``; a context manager. ``ids()``: int32 [B, S, num_hidden_layers, K]."""
 
-    def __init__(self, model, layers=None):
+    def __init__(self, model, layers=None, blocks=None):
         self._model = model
         self._steps = {}
         self._shape = {}
@@ -78,6 +78,8 @@ class ExpertsCapture:
             if layers is not None and layer not in layers:
                 continue
             if is_experts(mod):
+                if blocks is not None and name.rsplit(".", 1)[0] not in blocks:
+                    continue  # another modality's experts, beside the patched router's
                 if layer in self._steps:
                     raise ValueError(f"[hf.capture_experts] several experts modules in decoder "
                                      f"layer {layer} (several decoder stacks: capture the text "
@@ -201,7 +203,9 @@ class Capture:
             self._orig_generate = m.__dict__.get("generate")
             m.generate = self._generate  # an instance attribute, removed when the capture stops
         try:
-            self._experts = ExpertsCapture(m, layers=set(self._owner.layers))
+            self._experts = ExpertsCapture(m, layers=set(self._owner.layers),
+                                           blocks={n.rsplit(".", 1)[0]
+                                                   for n in self._owner.modules.values()})
         except ValueError:  # a family whose experts are not transformers' interface (Llama-4)
             self._experts = None
         self.active = True
@@ -335,7 +339,9 @@ class Capture:
     def expert_ids(self) -> torch.Tensor:
         """The ids the experts modules of the patched layers received (transformers' experts
         interface), laid out as ``ids()``: equal to it wherever the experts ran the patched
-        router's choice (a replayed forward included).
+        router's choice (a replayed forward included), except where the family's block rewrites
+        the ids (LongCat-Flash hands a zero-compute expert's slot to its experts as a dummy routed
+        id with weight 0).
 
         Returns:
             int32 [B, S_fed, num_hidden_layers, K], dense layers 0.

@@ -3,6 +3,7 @@ family's RoutingSpec (spec.py) -- its gate parameters, its own gate, its selecti
 and the gate (switchyard's engine or a torch GEMM in router_dtype). Used by ``patch`` (the patched
 router forward); see the package docstring."""
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +58,34 @@ class Family:
         self.router_class = spec.router_class
         self.module = spec.module_name
         self.combine_dtype = spec.combine_dtype
+        self._variants = {v: dataclasses.replace(spec, **dict(o)) for v, o in spec.variants}
 
     def __repr__(self):
         return f"<hf family {self.title} ({self.name}): {self.router_class}>"
+
+    def spec_for(self, r):
+        """The RoutingSpec router ``r`` runs: the spec, or the variant its ``variant_by``
+        attribute picks (ValueError for a value the spec does not list)."""
+        if self.spec.variant_by is None:
+            return self.spec
+        v = _attr(r, self.spec.variant_by)
+        if v not in self._variants:
+            raise ValueError(f"[hf] {self.name}: {self.router_class}.{self.spec.variant_by}="
+                             f"{v!r} is not one of {sorted(self._variants)}")
+        return self._variants[v]
+
+    def gate_input(self, r, hidden_states):
+        """The gate's input [T, H] (native or router_dtype): the hidden states flattened as the
+        family's router does, then its own ops before the projection, in its own dtypes."""
+        s = self.spec
+        x = hidden_states
+        if s.flatten_input or x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1])
+        if s.input_norm is not None:
+            x = getattr(r, s.input_norm)(x)
+        for a in s.input_scale:
+            x = x * getattr(r, a)
+        return x
 
     def params(self, r):
         s = self.spec
@@ -109,9 +135,8 @@ class Family:
         if self.spec.train_refused is not None and r.training:
             raise ValueError(f"[hf] {self.name}: {self.spec.train_refused}")
 
-    def _bias(self, r, passed):
+    def _bias(self, s, r, passed):
         """The selection-only bias (a tensor added to the scores for the choice), or None."""
-        s = self.spec
         if s.select_bias_if is not None and not getattr(r, s.select_bias_if):
             return None
         if s.select_bias == "e_score_correction_bias":
@@ -120,9 +145,8 @@ class Family:
             return passed[0] if passed else None
         return None
 
-    def _select(self, r, choice, K, block):
+    def _select(self, s, r, choice, K, block):
         """The family's selection on detached scores (bias added) -> ids [T, K] int64."""
-        s = self.spec
         if s.select_bias == "moe_statics":
             choice = r.moe_statics(choice)
         if s.group is not None and self._grouped(r):
@@ -170,13 +194,13 @@ class Family:
 
     def route(self, r, logits, replay_ids, replay_mask, passed=(), block=None):
         """-> (weights [T, K], ids [T, K] int64); replayed rows take replay_ids."""
-        s = self.spec
+        s = self.spec_for(r)
         sd = _sdt(logits)
         K = self.top_k(r, block)
         z = logits
         if s.score == "sparsemixer":
             return self._sparsemixer(r, z, replay_ids, replay_mask)
-        bias = self._bias(r, passed)
+        bias = self._bias(s, r, passed)
         if s.score in ("softmax_topk", "sigmoid_dense", "sigmoid_topk"):
             choice = z if bias is None else z + bias
             ids = _ids(lambda: torch.topk(choice.detach(), K, dim=-1, sorted=s.sorted_topk)[1],
@@ -188,20 +212,13 @@ class Family:
             elif s.score == "sigmoid_topk":
                 weights = weights.sigmoid()
         else:
-            if s.score == "sigmoid":
-                scores = (z.to(sd) if s.score_in_fp32 else z).sigmoid()
-            elif s.score == "fn":
-                scores = r.score_fn(z)
-            elif s.score_in_fp32:
-                scores = F.softmax(z, dim=-1, dtype=sd)
-            else:
-                scores = z.softmax(-1)
+            scores = self._scores(s, r, z, sd)
             if s.select == "hash":
                 ids = _ids(lambda: r.tid2eid[passed[0].reshape(-1)].long(), replay_ids,
                            replay_mask)
             else:
                 ids = _ids(lambda: self._select(
-                    r, scores.detach() if bias is None else scores.detach() + bias, K, block),
+                    s, r, scores.detach() if bias is None else scores.detach() + bias, K, block),
                     replay_ids, replay_mask)
             weights = scores.gather(1, ids)
         if s.renorm != "none" and (s.renorm_if is None or
@@ -215,14 +232,27 @@ class Family:
             elif s.renorm == "clamp":
                 total = torch.clamp(total, min=r.norm_min)
             weights = weights / total
+        if s.expert_scale is not None:
+            weights = weights * getattr(r, s.expert_scale)[ids]
         if s.scale is not None:
             weights = weights * getattr(r, s.scale)
         if s.weights_dtype == "logits":
             weights = weights.to(logits.dtype)
         return weights, ids
 
+    @staticmethod
+    def _scores(s, r, z, sd):
+        """The scores over all experts [T, E] of the (scaled, capped) logits."""
+        if s.score == "sigmoid":
+            return (z.to(sd) if s.score_in_fp32 else z).sigmoid()
+        if s.score == "fn":
+            return r.score_fn(z)
+        if s.score_in_fp32:
+            return F.softmax(z, dim=-1, dtype=sd)
+        return z.softmax(-1)
+
     def outputs(self, r, logits, weights, ids, x, native):
-        s = self.spec
+        s = self.spec_for(r)
         if s.score == "sigmoid_dense":
             # Llama-4: dense scores [T, E], sigmoid of the selected logits, 0 elsewhere (sigmoid
             # of -inf), and the logits. Unpatched: sigmoid in fp32, back to the logits' dtype;
@@ -236,6 +266,8 @@ class Family:
             weights = weights.to(x.dtype).float()
         if s.returns == "logits":
             return weights, ids
+        if s.returns == "scores":  # the same ops as route's: bitwise its scores
+            return self._scores(s, r, logits, _sdt(logits)), weights, ids
         return logits, weights, ids
 
 

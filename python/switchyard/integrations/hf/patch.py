@@ -21,7 +21,7 @@ from switchyard import routes as syr
 from .._adapter import check_version
 from .capture import LAYER_RE, Capture, is_experts
 from .families import FAMILIES, _family_of, _gate
-from .spec import REFUSED
+from .spec import REFUSED, REFUSED_ROUTERS
 
 MIN_TRANSFORMERS_VERSION = "5.24.0"
 """Oldest transformers release this integration was checked against (router classes and the exact
@@ -46,6 +46,7 @@ class _Layer:
         self.decoder_layer = decoder_layer
         self.family = family
         self.block = block  # the MoE block holding the router
+        family.spec_for(router)  # a variant the spec does not list: refused before any change
         self.num_experts = family.num_experts(router, block)
         self.top_k = family.top_k(router, block)  # this layer's K (HunYuan's differs per layer)
         self.replay = sy.RouterReplay(self.top_k, layer=layer,
@@ -121,6 +122,10 @@ class _Layer:
         # Runs in the decoder layer's __call__, outside the checkpointed forward, so once per real
         # forward: the condition under which transformers checkpoints the layer. A traced forward
         # queues nothing for its recompute (switchyard.replay.in_recompute).
+        refused = self.family.spec.refused_if
+        if refused is not None and isinstance(kwargs.get(refused[0]), torch.Tensor) and \
+                bool(kwargs[refused[0]].any()):
+            raise ValueError(f"[hf] {self.family.name}: {refused[1]}")
         if torch.compiler.is_compiling() and self.replay.action != "record" and \
                 self.owner._capture is None:
             return
@@ -141,7 +146,7 @@ class _Layer:
         if jitter is not None and r.training and getattr(r, jitter) is not None:
             eps = getattr(r, jitter)  # the family's own training jitter, in place as it does
             hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - eps, 1.0 + eps)
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        x = fam.gate_input(r, hidden_states)  # [T, H], after the family's own ops (Gemma-4's norm)
         native = owner.router_dtype is None
         self._hidden_dtype = hidden_states.dtype
         meta = x.device.type == "meta"  # shape inference: autocast has no meta device
@@ -819,10 +824,14 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     p = Patch(model, router_dtype, gate, invalid_replay_rows)
     modules = dict(model.named_modules())
     found = []
+    unpatched = set()  # the blocks of a family's routers it does not patch (spec.router_name)
     stacks = {}
     for name, mod in modules.items():
         fam = _family_of(mod)
         if fam is None:
+            continue
+        if fam.spec.router_name is not None and not name.endswith("." + fam.spec.router_name):
+            unpatched.add(name.rsplit(".", 1)[0])  # another modality's router: not patched
             continue
         if _owner_of(mod.__dict__.get("forward")) is not None:
             raise ValueError(f"[hf.patch] {name} is already patched by switchyard: unpatch() the "
@@ -838,7 +847,7 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     model_type = _model_type(model)
     if model_type in REFUSED:
         raise ValueError(f"[hf.patch] {model_type}: {REFUSED[model_type]}")
-    _refuse_unrouted_experts(modules, found, model_type)
+    _refuse_unrouted_experts(modules, found, model_type, unpatched)
     if not found:
         names = ", ".join(f.title for f in FAMILIES.values())
         raise ValueError(f"[hf.patch] no supported MoE router in {type(model).__name__}; "
@@ -849,7 +858,8 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     layers = [f[0] for f in found]
     if len(set(layers)) != len(layers):
         raise ValueError(f"[hf.patch] several routers claim one decoder layer: {sorted(layers)} "
-                         "(a model with several decoder stacks: patch the text model)")
+                         f"(a model with several decoder stacks: {', '.join(stacks)}; patch each "
+                         "one on its own, patch(model.get_submodule(name)), or the text model)")
     for layer, name, mod, dec, fam in found:
         _refuse_kernelized(modules.get(name.rsplit(".", 1)[0]), name, model_type)
     for layer, name, mod, dec, fam in sorted(found, key=lambda f: f[0]):
@@ -882,11 +892,12 @@ def _model_type(model):
     return getattr(text, "model_type", None)
 
 
-def _refuse_unrouted_experts(modules, found, model_type):
+def _refuse_unrouted_experts(modules, found, model_type, unpatched=()):
     """ValueError naming the router class, the model type and where a spec is registered, for
     every experts module in a block with no router of a known family (a family a transformers
-    release added or renamed): never a silent pass-through."""
-    routed = set()
+    release added or renamed): never a silent pass-through. ``unpatched``: the blocks of a
+    family's routers of another modality, whose forwards the family's spec refuses."""
+    routed = set(unpatched)
     for _, name, *_ in found:
         routed.add(name.rsplit(".", 1)[0])  # the MoE block holding the router
     for name, mod in modules.items():
@@ -898,6 +909,9 @@ def _refuse_unrouted_experts(modules, found, model_type):
         parent = modules.get(block)
         others = sorted({type(m).__name__ for n, m in (parent.named_children() if parent is not None
                                                           else ()) if m is not mod})
+        refused = [REFUSED_ROUTERS[c] for c in others if c in REFUSED_ROUTERS]
+        if refused:
+            raise ValueError(f"[hf.patch] {model_type}: {refused[0]}")
         raise ValueError(
             f"[hf.patch] model type {model_type!r}: the MoE block {block or '<model>'} "
             f"({type(parent).__name__}) routes its experts ({type(mod).__name__}) with "

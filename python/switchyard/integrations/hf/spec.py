@@ -99,15 +99,43 @@ class RoutingSpec:
     top_k: str = "top_k"
     """Attribute paths of E and K (``block.`` = the MoE block holding the router)."""
     returns: str = "route"
-    """"route" (the router returns (logits, weights, ids)) or "logits" (the router returns the
-    logits and the MoE block's ``route_method`` turns them into (weights, ids); DBRX): both are
-    patched."""
+    """"route" (the router returns (logits, weights, ids)), "scores" (it returns (the scores over
+    all experts, weights, ids); Gemma-4's probabilities) or "logits" (the router returns the
+    logits and the MoE block's ``route_method`` turns them into (weights, ids); DBRX: the router
+    and the route method are patched)."""
     route_method: str | None = None
     input_jitter: str | None = None
     """Router attribute eps of a training-mode multiplicative jitter U(1-eps, 1+eps) of the
     router's input, applied in place as the family does (DBRX's moe_jitter_eps)."""
     train_refused: str | None = None
     """Why a forward in training mode is refused (PhiMoE's sampling sparse mixer), or None."""
+    flatten_input: bool = True
+    """The router reshapes its input to [T, H] even when it is 2-D already (an autograd view node:
+    where the family's router has none, as Gemma-4's, the patched forward adds none either, so
+    that gradients reach the hidden states in the family's order, bitwise)."""
+    input_norm: str | None = None
+    """Router attribute of a module the hidden states pass through before the projection, the
+    family's own op in its own dtypes (Gemma-4's RMSNorm without a scale), or None."""
+    input_scale: tuple[str, ...] = ()
+    """Router attributes the (normalised) hidden states are multiplied by, in order, before the
+    projection (Gemma-4's ``scale`` vector, then ``scalar_root_size`` = hidden_size**-0.5)."""
+    expert_scale: str | None = None
+    """Router attribute, [E], gathered at the ids and multiplied into the weights after the
+    renormalisation (Gemma-4's per_expert_scale), or None."""
+    router_name: str | None = None
+    """The end of the router's module name where the family's router class also routes another
+    modality in the same decoder layer (ERNIE-4.5-VL's "text_moe.gate"; its "vision_moe.gate" is
+    not patched, see refused_if), or None: every router of the class."""
+    refused_if: tuple | None = None
+    """(decoder-layer keyword argument, reason): a forward where that argument holds a nonzero
+    value is refused before the layer runs (ERNIE-4.5-VL's moe_mm_token_type_ids: vision
+    tokens), or None."""
+    variant_by: str | None = None
+    """Router attribute whose value picks one of ``variants`` at run time (Cohere2-MoE's
+    expert_selection_fn), or None."""
+    variants: tuple = ()
+    """((value, ((field, value), ...)), ...): the spec fields each value of ``variant_by``
+    overrides; a value not listed is refused (ValueError naming the family and the value)."""
 
     @property
     def module_name(self) -> str:
@@ -145,6 +173,18 @@ def _deepseek_v2(model_type, title, router_class, models="", **kw):
                 scale="routed_scaling_factor", combine_dtype="router_dtype (fp32 unpatched too)")
     args.update(kw)
     return RoutingSpec(model_type, title, router_class, models, **args)
+
+
+def _gemma4(model_type, title, router_class, models=""):
+    """Gemma-4's router: RMSNorm (no scale) of the (already flat) hidden states, × scale ×
+    hidden_size**-0.5, then the projection; softmax over all in fp32, top-k, renormalised,
+    × per_expert_scale at the ids; returns the probabilities, not the logits."""
+    return RoutingSpec(model_type, title, router_class, models, weight="proj.weight",
+                       num_experts="proj.out_features", top_k="config.top_k_experts",
+                       flatten_input=False, input_norm="norm",
+                       input_scale=("scale", "scalar_root_size"), renorm="sum",
+                       expert_scale="per_expert_scale", returns="scores",
+                       combine_dtype="router_dtype (fp32 unpatched too)")
 
 
 SPECS = (
@@ -324,6 +364,44 @@ SPECS = (
                  "DeepSeek-OCR-2 (text backbone)"),
     _deepseek_v2("unlimited_ocr", "Unlimited-OCR", "UnlimitedOcrTextTopkRouter",
                  "Unlimited-OCR (text backbone)"),
+    # Gemma-4 (and DiffusionGemma's encoder and decoder): RMSNorm (no scale) of the hidden states,
+    # × scale × hidden_size**-0.5, then the projection; softmax in fp32, top-k, renormalised,
+    # × per_expert_scale at the ids; the router returns the probabilities, not the logits
+    _gemma4("gemma4", "Gemma-4", "Gemma4TextRouter", "gemma-4-26B-A4B (text model)"),
+    _gemma4("diffusion_gemma", "DiffusionGemma", "DiffusionGemmaTextRouter",
+            "DiffusionGemma (its encoder and decoder text stacks, one Patch each)"),
+    # dots3-note's text model: DeepSeek-V3's router (its vision tower's router: REFUSED_ROUTERS)
+    _deepseek_v3("dots3_note", "dots3-note", "Dots3NoteTextTopkRouter", "dots3-note (text model)"),
+    # ERNIE-4.5-VL-MoE: ERNIE-4.5-MoE's router in each modality's expert set; the text experts'
+    # router routes every token of a text-only forward (vision tokens are refused by name)
+    RoutingSpec("ernie4_5_vl_moe", "ERNIE-4.5-VL-MoE", "Ernie4_5_VLMoeMoeTopKRouter",
+                "ERNIE-4.5-VL-28B-A3B, ERNIE-4.5-VL-424B-A47B (text-only forwards)",
+                gate_cast="fp32", autocast_off=True, select_bias="moe_statics", renorm="clamp",
+                weights_dtype="hidden", combine_dtype="hidden dtype", router_name="text_moe.gate",
+                refused_if=("moe_mm_token_type_ids",
+                            "a forward with image or video tokens (moe_mm_token_type_ids) routes "
+                            "them through the vision experts' own router (vision_moe.gate) and "
+                            "the text tokens alone through the text experts' router, so a "
+                            "layer's tokens have no single [T, K] route in order; switchyard "
+                            "routes text-only forwards of ERNIE-4.5-VL-MoE")),
+    # Cohere2-MoE: top-k of the logits; config.expert_selection_fn picks softmax over the K
+    # selected (fp32) or their sigmoid (renormalised when norm_topk_prob); cast to the input dtype
+    RoutingSpec("cohere2_moe", "Cohere2-MoE", "Cohere2MoeTopKRouter", score="softmax_topk",
+                weights_dtype="hidden", combine_dtype="hidden dtype",
+                variant_by="expert_selection_fn",
+                variants=(("softmax", ()),
+                          ("sigmoid", (("score", "sigmoid_topk"), ("renorm", "sum"),
+                                       ("renorm_if", "norm_topk_prob"))))),
+    # LongCat-Flash: fp32 gate (the classifier's bias unused), softmax over the n_routed_experts
+    # routed + zero_expert_num zero-compute experts, DeepSeek-style correction bias for the choice,
+    # × routed_scaling_factor. The route is the router's ids over all E + Z; the block hands a
+    # zero expert's slot to the experts as a dummy routed id with weight 0 (identity path)
+    RoutingSpec("longcat_flash", "LongCat-Flash", "LongcatFlashTopkRouter",
+                "LongCat-Flash-Chat, LongCat-Flash-Thinking", weight="classifier.weight",
+                gate_cast="fp32", select_bias="e_score_correction_bias", sorted_topk=False,
+                scale="routed_scaling_factor", weights_dtype="logits",
+                num_experts="n_routed_experts",
+                combine_dtype="router_dtype (fp32 unpatched too)"),
 )
 
 """The supported families, one spec each."""
@@ -346,36 +424,30 @@ REFUSED = {
             "(router_states), scores with an MLP over a down-projection instead of a gate "
             "matrix, and has a skip expert (ids masked to 0 after selection): replaying a "
             "layer's ids would not reproduce the next layer's router input",
-    "gemma4": "Gemma-4 is not supported yet: Gemma4TextRouter normalises and scales the hidden "
-              "states inside the router before its projection and returns probabilities, not "
-              "logits; not read into a routing spec",
-    "diffusion_gemma": "DiffusionGemma is not supported yet: its router is Gemma-4's "
-                       "(normalisation and scaling inside the router before its projection, "
-                       "probabilities returned, not logits); not read into a routing spec",
     "doge": "Doge is not supported: its cross-domain MoE retrieves experts by a product-key "
             "search (two sub-key top-k's over sqrt(E) keys each) into embedding tables; no "
             "[T, E] gate to compute in fp32",
-    "cohere2_moe": "Cohere2-MoE is not supported yet: Cohere2MoeTopKRouter picks its score "
-                   "function (softmax or sigmoid of the selected logits) from "
-                   "config.expert_selection_fn at run time; not read into a routing spec",
-    "dots3_note": "dots3-note is not supported yet: its vision tower routes too "
-                  "(Dots3NoteVisionTopKRouter, with a block-passed correction bias) beside the "
-                  "text model's DeepSeek-V3 router; patch() would have to route two stacks",
-    "ernie4_5_vl_moe": "ERNIE-4.5-VL-MoE is not supported yet: each MoE layer has modality-"
-                       "isolated text and vision expert sets, two routers per decoder layer "
-                       "chosen per token by modality; a per-layer route table holds one",
     "param2moe": "param2moe has no modeling file in this transformers release (configuration "
                  "only): nothing to patch",
     "sarvam_mla": "sarvam_mla has no modeling file in this transformers release (configuration "
                   "only): nothing to patch",
     "sarvam_moe": "sarvam_moe has no modeling file in this transformers release (configuration "
                   "only): nothing to patch",
-    "longcat_flash": "LongCat-Flash is not supported yet: its router selects among routed and "
-                     "zero-compute experts (n_routed_experts + zero_expert_num), and the ids its "
-                     "experts module receives are not the router's ids; not modelled",
 }
 """{transformers.models package: why patch() refuses it} (ValueError before any router is
 touched)."""
+
+REFUSED_ROUTERS = {
+    "Dots3NoteVisionTopKRouter": "dots3-note's vision tower routes its image patches too "
+                                 "(Dots3NoteVisionTopKRouter in vision_tower.blocks.<n>, a second "
+                                 "stack numbered like the text layers, its tokens the image "
+                                 "patches); switchyard routes, replays and captures the text "
+                                 "model's experts only: patch the text model, "
+                                 "patch(model.model.language_model), whose routes then hold the "
+                                 "text stack and whose vision experts route natively",
+}
+"""{router class: why a model holding it is refused} (a router no spec covers whose experts
+patch() would otherwise leave unrouted: the reason names what to patch instead)."""
 
 OUT_OF_SCOPE = {
     "switch_transformers": "encoder-decoder MoE (Switch Transformers): outside RL post-training "
