@@ -121,6 +121,8 @@ REFERENCE = {
     "longcat_flash": ("softmax", "e_score_correction_bias", None, None),
     "dots3_note": _DEEPSEEK_V3,
     "ernie4_5_vl_moe": ("softmax", "moe_statics", None, None),
+    # JetMoE's MLP experts: the K best logits (softmax over them: the same experts)
+    "jetmoe": _TOPK_LOGITS,
 }
 _TOPK_METHOD = ("deepseek_v2", "deepseek_ocr2", "unlimited_ocr")
 """DeepSeek-V2's router: group-limited only when its topk_method is group_limited_greedy."""
@@ -245,9 +247,22 @@ def _is_experts(m):
         "top_k_index" in inspect.signature(m.forward).parameters
 
 
+def _grouped_ids(out):
+    """The ids [T, K] a block that runs its experts on expert-sorted groups (JetMoE) hands its
+    experts: the router's (slot order, token, weight, slots per expert, logits); the j-th sorted
+    slot goes to the expert whose group holds position j."""
+    order, token, _, sizes, _ = out
+    experts = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    flat = torch.empty_like(order)
+    flat[order] = experts
+    return flat.view(int(token.max()) + 1 if len(token) else 0, -1)
+
+
 class _Seen:
     """Forward pre-hooks on each patched layer's router (its input) and experts module (the ids
-    it received: the experts interface's (hidden_states, top_k_index, top_k_weights))."""
+    it received: the experts interface's (hidden_states, top_k_index, top_k_weights)); for a
+    block that runs its experts on the router's expert-sorted groups (JetMoE), the ids those
+    groups hold, from the router's output."""
 
     def __init__(self, model, p):
         self.x, self.ids, self._hooks = {}, {}, []
@@ -256,6 +271,9 @@ class _Seen:
             block = model.get_submodule(name.rsplit(".", 1)[0])
             self._hooks.append(router.register_forward_pre_hook(
                 lambda m, a, layer=layer: self.x.__setitem__(layer, a[0].detach().clone())))
+            if type(router).__name__ == "JetMoeTopKGating":
+                self._hooks.append(router.register_forward_hook(
+                    lambda m, a, o, layer=layer: self.ids.__setitem__(layer, _grouped_ids(o))))
             for child in block.children():
                 if _is_experts(child):
                     self._hooks.append(child.register_forward_pre_hook(
@@ -355,7 +373,8 @@ def test_r3_replays_captured_ids_after_the_router_weights_changed_and_unpatch_re
     for n in names:
         a, b = native[n], routed[n]
         a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
-        assert len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y)
+        assert len(a) == len(b) and all(x == y if isinstance(x, list) else  # JetMoE's sizes
+                                        x.dtype == y.dtype and torch.equal(x, y)
                                         for x, y in zip(a, b)), (family, n)
     p.unpatch()
     p = syhf.patch(model, router_dtype=torch.float32)
@@ -438,7 +457,7 @@ def test_a_router_class_no_spec_covers_is_refused_naming_it(monkeypatch):
     assert syhf.patch_of(model) is None
 
 
-@pytest.mark.parametrize("family", ["jetmoe", "zaya", "doge"])
+@pytest.mark.parametrize("family", ["zaya", "doge"])
 def test_a_refused_family_names_itself_and_the_reason(family):
     from transformers import AutoConfig, AutoModelForCausalLM
     assert family in syspec.REFUSED
@@ -518,7 +537,7 @@ def _train_step(model, ids):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", ["gemma4", "diffusion_gemma", "cohere2_moe",
-                                    "cohere2_moe_sigmoid", "longcat_flash"])
+                                    "cohere2_moe_sigmoid", "longcat_flash", "jetmoe"])
 def test_router_dtype_none_keeps_outputs_and_gradients_bitwise_in_training(family, dtype):
     # Gemma-4's router normalises its (already flat) input itself: the patched forward adds no
     # reshape node, so the gradients reach the hidden states in the family's order.

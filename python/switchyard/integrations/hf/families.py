@@ -240,6 +240,18 @@ class Family:
             weights = weights.to(logits.dtype)
         return weights, ids
 
+    def _expert_groups(self, r, logits, weights, ids):
+        """The route as the family's block takes it when its experts run on contiguous groups
+        (JetMoE): the T·K slots sorted by expert (the slot order), the token of each sorted slot,
+        its weight, the number of slots per expert (a list, the experts' split sizes) and the
+        logits; the family's own ops, so bitwise its outputs for the same (weights, ids)."""
+        E, K = self.num_experts(r), ids.shape[1]
+        counts = torch.zeros([weights.size(0), E], dtype=weights.dtype, device=weights.device)
+        expert_size = counts.scatter(1, ids, 1).long().sum(0).tolist()
+        _, slot_order = ids.flatten().sort(0)
+        token = slot_order.div(K, rounding_mode="trunc")
+        return slot_order, token, weights.flatten()[slot_order], expert_size, logits
+
     @staticmethod
     def _scores(s, r, z, sd):
         """The scores over all experts [T, E] of the (scaled, capped) logits."""
@@ -266,6 +278,8 @@ class Family:
             weights = weights.to(x.dtype).float()
         if s.returns == "logits":
             return weights, ids
+        if s.returns == "expert_groups":
+            return self._expert_groups(r, logits, weights, ids)
         if s.returns == "scores":  # the same ops as route's: bitwise its scores
             return self._scores(s, r, logits, _sdt(logits)), weights, ids
         return logits, weights, ids

@@ -100,9 +100,11 @@ class RoutingSpec:
     """Attribute paths of E and K (``block.`` = the MoE block holding the router)."""
     returns: str = "route"
     """"route" (the router returns (logits, weights, ids)), "scores" (it returns (the scores over
-    all experts, weights, ids); Gemma-4's probabilities) or "logits" (the router returns the
+    all experts, weights, ids); Gemma-4's probabilities), "logits" (the router returns the
     logits and the MoE block's ``route_method`` turns them into (weights, ids); DBRX: the router
-    and the route method are patched)."""
+    and the route method are patched) or "expert_groups" (the route handed over as the T·K slots
+    sorted by expert: (slot order, token of each sorted slot, its weight, the experts' slot
+    counts as a list, logits); JetMoE, whose block runs its experts on contiguous groups)."""
     route_method: str | None = None
     input_jitter: str | None = None
     """Router attribute eps of a training-mode multiplicative jitter U(1-eps, 1+eps) of the
@@ -392,6 +394,15 @@ SPECS = (
                 variants=(("softmax", ()),
                           ("sigmoid", (("score", "sigmoid_topk"), ("renorm", "sum"),
                                        ("renorm_if", "norm_topk_prob"))))),
+    # JetMoE: its MLP experts' router (logits cast to fp32, top-k, softmax over the K selected,
+    # cast to the input dtype) hands the route over as expert-sorted groups. The same class
+    # routes the attention experts (mixture of attention heads, self_attention.experts.router):
+    # those routers are not patched (their route stays the family's own, not captured or
+    # replayed); the docs say so
+    RoutingSpec("jetmoe", "JetMoE", "JetMoeTopKGating", "JetMoE-8B (MLP experts)",
+                weight="layer.weight", gate_cast="fp32_after", score="softmax_topk",
+                weights_dtype="hidden", combine_dtype="hidden dtype", flatten_input=False,
+                returns="expert_groups", router_name="mlp.router"),
     # LongCat-Flash: fp32 gate (the classifier's bias unused), softmax over the n_routed_experts
     # routed + zero_expert_num zero-compute experts, DeepSeek-style correction bias for the choice,
     # × routed_scaling_factor. The route is the router's ids over all E + Z; the block hands a
@@ -410,9 +421,6 @@ SPECS = (
 REFUSED = {
     # Families switchyard refuses, with the reason patch() gives (ValueError before any router is
     # touched). Each reason names what has no faithful [T, K] route to compute, replay or capture.
-    "jetmoe": "JetMoE is not supported: JetMoeTopKGating returns expert-sorted groups, and its "
-              "attention layers route too (mixture of attention heads); neither is a [T, K] "
-              "top-k route of the MLP experts",
     "inkling": "Inkling is not supported: InklingTopkRouter normalises the selected experts' "
                "scores together with its shared experts' (a log-sigmoid softmax over K + shared "
                "slots) and returns the shared experts' gammas beside the route: the router's "
