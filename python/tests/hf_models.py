@@ -179,6 +179,12 @@ MORE_CONFIGS = {
     # init so that the router's logits have margins
     "jetmoe": dict(num_local_experts=8, num_experts_per_tok=2, kv_channels=8,
                    initializer_range=0.2),
+    # Inkling: 8 routed + 2 shared experts (the shared ones' weights normalised with the routed
+    # slots'); wider init so that the scores, not the correction bias alone, pick the experts
+    "inkling": dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+                    moe_intermediate_size=16, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                    swa_head_dim=8, sliding_window_size=16, rel_extent=16, d_rel=4,
+                    initializer_range=0.2),
 }
 """Tiny configs of the other supported families (test_hf_families.py)."""
 ALL_FAMILIES = FAMILIES + list(MORE_CONFIGS)
@@ -191,7 +197,7 @@ _CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe
                 "unlimited_ocr": "unlimited_ocr_text", "aria": "aria_text",
                 "gemma4": "gemma4_text", "diffusion_gemma": "diffusion_gemma_text",
                 "cohere2_moe_sigmoid": "cohere2_moe", "dots3_note": "dots3_note_text",
-                "ernie4_5_vl_moe": "ernie4_5_vl_moe_text"}
+                "ernie4_5_vl_moe": "ernie4_5_vl_moe_text", "inkling": "inkling_text"}
 """The config model_type of a family's text model, where it is not the family's key."""
 _MODEL_CLASS = {"qwen3_omni_moe": "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe."
                                   "Qwen3OmniMoeThinkerTextModel",

@@ -123,6 +123,9 @@ REFERENCE = {
     "ernie4_5_vl_moe": ("softmax", "moe_statics", None, None),
     # JetMoE's MLP experts: the K best logits (softmax over them: the same experts)
     "jetmoe": _TOPK_LOGITS,
+    # Inkling: sigmoid scores of the routed experts + correction bias (its gate's last
+    # n_shared_experts rows are the shared experts', never selected)
+    "inkling": _SIGMOID_BIAS,
 }
 _TOPK_METHOD = ("deepseek_v2", "deepseek_ocr2", "unlimited_ocr")
 """DeepSeek-V2's router: group-limited only when its topk_method is group_limited_greedy."""
@@ -193,6 +196,8 @@ def _reference(family, router, x, K, block=None, input_ids=None):
     logits = x.double() @ w.double().t()
     if b is not None:
         logits = logits + b.double()
+    if family == "inkling":  # the shared experts' rows: in every route, never selected
+        logits = logits[:, :logits.shape[1] - router.n_shared_experts]
     logits = logits * float(getattr(router, "output_multiplier", 1.0))  # MuseSpark
     cap = float(getattr(router, "router_logit_softcapping", 0.0) or 0.0)
     if cap > 0:  # Laguna: c·tanh(z/c)
@@ -537,7 +542,8 @@ def _train_step(model, ids):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", ["gemma4", "diffusion_gemma", "cohere2_moe",
-                                    "cohere2_moe_sigmoid", "longcat_flash", "jetmoe"])
+                                    "cohere2_moe_sigmoid", "longcat_flash", "jetmoe",
+                                    "inkling"])
 def test_router_dtype_none_keeps_outputs_and_gradients_bitwise_in_training(family, dtype):
     # Gemma-4's router normalises its (already flat) input itself: the patched forward adds no
     # reshape node, so the gradients reach the hidden states in the family's order.
@@ -746,4 +752,60 @@ def test_ernie4_5_vl_moe_routes_text_only_forwards_and_refuses_vision_tokens_by_
         model(ids)
     assert torch.equal(again.ids(), cap.ids())
     assert p.counts()[p.layers[0]]["num_replayed_rows"] == ids.numel()
+    p.unpatch()
+
+
+# ---- JetMoE, Inkling ---------------------------------------------------------------------------
+def _weights64(family, router, x, ids):
+    """The float64 weights of the experts at ids [T, K] (and Inkling's shared experts'), from the
+    family's maths: JetMoE, a softmax over the K selected logits; Inkling, each slot's
+    sigmoid(logit) over the sum of the K selected and the S shared slots' sigmoids (a softmax of
+    log-sigmoids), × route_scale × global_scale."""
+    w, _ = _gate_params(router)
+    z = x.double() @ w.double().t()
+    if family == "jetmoe":
+        e = torch.exp(z.gather(1, ids))
+        return e / e.sum(dim=1, keepdim=True), None
+    S = router.n_shared_experts
+    s = torch.sigmoid(torch.cat([z[:, :-S].gather(1, ids), z[:, -S:]], dim=1))
+    s = s / s.sum(dim=1, keepdim=True) * router.route_scale * float(router.global_scale.detach())
+    return s[:, :ids.shape[1]], s[:, ids.shape[1]:]
+
+
+@pytest.mark.parametrize("family", ["jetmoe", "inkling"])
+def test_replayed_ids_take_the_familys_weights_from_live_logits_and_gradients_reach_the_router(
+        family):
+    # Replay forces the ids; the weights are the family's formula at those ids from the live
+    # logits (float64 reference from the maths), differentiable w.r.t. the gate and the input.
+    model = build(family)
+    p = syhf.patch(model, router_dtype=torch.float32)
+    layer = p.layers[-1]
+    r = model.get_submodule(p.modules[layer])
+    gen = torch.Generator().manual_seed(0)
+    T, E, K = 23, p.num_experts, p.top_k
+    x = torch.randn(T, 32, generator=gen).requires_grad_()
+    forced = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    p.replays[layer].set_target(forced)
+    p.replays[layer].action = "replay_forward"
+    out = r(x)
+    ref, shared = _weights64(family, r, x.detach(), forced)
+    if family == "jetmoe":  # expert-sorted groups: slot order, token, weight, sizes, logits
+        order, token, gates, sizes, _ = out
+        assert sizes == torch.bincount(forced.flatten(), minlength=E).tolist()
+        assert torch.equal(forced.flatten()[order], torch.repeat_interleave(
+            torch.arange(E), torch.tensor(sizes)))
+        assert torch.equal(token, order // K)
+        weights = torch.empty_like(gates).index_put((order,), gates).view(T, K)
+    else:
+        logits, weights, ids, gammas = out
+        assert torch.equal(ids, forced) and logits.shape == (T, E)
+        assert gammas.shape == (T, r.n_shared_experts)
+        torch.testing.assert_close(gammas.double(), shared, rtol=1e-5, atol=1e-6)
+    # fp32 gate and normalisation of O(1) values: a few ulp of fp32
+    torch.testing.assert_close(weights.double(), ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn(weights.shape, generator=gen)  # (the weights of a row sum to a constant)
+    (weights * g).sum().backward()
+    w, _ = _gate_params(r)
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert w.grad is not None and w.grad.abs().sum() > 0
     p.unpatch()

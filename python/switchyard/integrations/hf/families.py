@@ -201,6 +201,8 @@ class Family:
         if s.score == "sparsemixer":
             return self._sparsemixer(r, z, replay_ids, replay_mask)
         bias = self._bias(s, r, passed)
+        if s.score == "logsigmoid_topk":
+            return self._logsigmoid_topk(s, r, z, bias, K, replay_ids, replay_mask)
         if s.score in ("softmax_topk", "sigmoid_dense", "sigmoid_topk"):
             choice = z if bias is None else z + bias
             ids = _ids(lambda: torch.topk(choice.detach(), K, dim=-1, sorted=s.sorted_topk)[1],
@@ -236,8 +238,37 @@ class Family:
             weights = weights * getattr(r, s.expert_scale)[ids]
         if s.scale is not None:
             weights = weights * getattr(r, s.scale)
+        if s.scale_param is not None:
+            weights = weights * getattr(r, s.scale_param).to(sd)
         if s.weights_dtype == "logits":
             weights = weights.to(logits.dtype)
+        return weights, ids
+
+    @staticmethod
+    def _shared(s, r):
+        """The number of shared slots S (the gate's last S rows), 0 without."""
+        return 0 if s.shared_slots is None else int(getattr(r, s.shared_slots))
+
+    def _logsigmoid_topk(self, s, r, z, bias, K, replay_ids, replay_mask):
+        """Inkling: the K best sigmoid scores of the routed experts (+ bias) are selected; the
+        weights are a softmax over the K selected and the S shared slots of their log-sigmoid
+        logits, × scale × scale_param -> (weights [T, K + S], ids [T, K])."""
+        sd = _sdt(z)
+        S = self._shared(s, r)
+        routed = z[..., :z.shape[-1] - S]
+
+        def select():
+            choice = z.sigmoid()[..., :z.shape[-1] - S]
+            choice = choice if bias is None else choice + bias.to(sd)
+            return torch.topk(choice, K, dim=-1, sorted=s.sorted_topk)[1]
+        ids = _ids(select, replay_ids, replay_mask)
+        slots = torch.cat([routed.gather(-1, ids), z[..., z.shape[-1] - S:]], dim=-1)
+        log_probs = F.logsigmoid(slots)
+        weights = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))
+        if s.scale is not None:
+            weights = weights * getattr(r, s.scale)
+        if s.scale_param is not None:
+            weights = weights * getattr(r, s.scale_param).to(sd)
         return weights, ids
 
     def _expert_groups(self, r, logits, weights, ids):
@@ -280,6 +311,11 @@ class Family:
             return weights, ids
         if s.returns == "expert_groups":
             return self._expert_groups(r, logits, weights, ids)
+        S = self._shared(s, r)
+        if S:  # (routed logits, K routed weights, ids, S shared weights)
+            K = ids.shape[1]
+            return (logits[..., :logits.shape[-1] - S], weights[..., :K].contiguous(), ids,
+                    weights[..., K:].contiguous())
         if s.returns == "scores":  # the same ops as route's: bitwise its scores
             return self._scores(s, r, logits, _sdt(logits)), weights, ids
         return logits, weights, ids

@@ -54,7 +54,9 @@ class RoutingSpec:
     ACT2FN[config.scoring_func]: sigmoid or sqrtsoftplus; DeepSeek-V4), "softmax_topk" (top-k of the
     logits, then softmax over the K selected logits), "sigmoid_topk" (top-k of the logits plus the
     selection bias, then sigmoid of the K selected logits; Kolibri), "sigmoid_dense" (top-k of the
-    logits, dense [T, E] scores: sigmoid of the selected logits, 0 elsewhere; Llama-4) or
+    logits, dense [T, E] scores: sigmoid of the selected logits, 0 elsewhere; Llama-4), "logsigmoid_topk" (top-k of the
+    sigmoid of the logits plus the selection bias; the weights a softmax over the selected slots
+    of their log-sigmoid logits, exp(ls - logsumexp(ls)), the shared slots included; Inkling) or
     "sparsemixer" (PhiMoE's two-stage masked softmax, eval mode)."""
     score_in_fp32: bool = True
     """softmax / sigmoid in fp32 (``dtype=torch.float``, ``logits.float()``) rather than in the
@@ -88,6 +90,14 @@ class RoutingSpec:
     """Router attribute that switches the renormalisation on (norm_topk_prob); None = always."""
     scale: str | None = None
     """Router attribute of a factor the weights are multiplied by (routed_scaling_factor)."""
+    scale_param: str | None = None
+    """Router parameter (a tensor) the weights are multiplied by after ``scale``, cast to the
+    routing dtype (Inkling's learned global_scale), or None."""
+    shared_slots: str | None = None
+    """Router attribute S: the gate's last S rows are shared experts' logits, in every token's
+    route beside the K selected (not selectable, not in the route table); the weights are
+    normalised over the K + S slots and the router returns (the routed experts' logits, the K
+    routed weights, ids, the S shared experts' weights); Inkling's n_shared_experts. Or None."""
     weights_dtype: str = "scores"
     """Dtype of the weights the family returns: "scores" (as computed), "logits" (cast to the
     logits' dtype), "hidden" (cast to the hidden states' dtype) or "hidden_fp32" (rounded to the
@@ -104,7 +114,8 @@ class RoutingSpec:
     logits and the MoE block's ``route_method`` turns them into (weights, ids); DBRX: the router
     and the route method are patched) or "expert_groups" (the route handed over as the T·K slots
     sorted by expert: (slot order, token of each sorted slot, its weight, the experts' slot
-    counts as a list, logits); JetMoE, whose block runs its experts on contiguous groups)."""
+    counts as a list, logits); JetMoE, whose block runs its experts on contiguous groups).
+    With ``shared_slots``, "route" is (routed logits, weights, ids, shared weights)."""
     route_method: str | None = None
     input_jitter: str | None = None
     """Router attribute eps of a training-mode multiplicative jitter U(1-eps, 1+eps) of the
@@ -394,6 +405,15 @@ SPECS = (
                 variants=(("softmax", ()),
                           ("sigmoid", (("score", "sigmoid_topk"), ("renorm", "sum"),
                                        ("renorm_if", "norm_topk_prob"))))),
+    # Inkling: fp32 gate over the routed and the shared experts (autocast off); sigmoid scores of
+    # the routed ones + correction bias pick K (unsorted); the K selected and the S shared slots'
+    # log-sigmoid logits are softmax-normalised together, × route_scale × global_scale, cast to
+    # the input dtype; the shared slots' weights (gammas) are returned beside the route
+    RoutingSpec("inkling", "Inkling", "InklingTopkRouter", gate_cast="fp32", autocast_off=True,
+                score="logsigmoid_topk", select_bias="e_score_correction_bias",
+                sorted_topk=False, scale="route_scale", scale_param="global_scale",
+                shared_slots="n_shared_experts", weights_dtype="hidden",
+                combine_dtype="hidden dtype"),
     # JetMoE: its MLP experts' router (logits cast to fp32, top-k, softmax over the K selected,
     # cast to the input dtype) hands the route over as expert-sorted groups. The same class
     # routes the attention experts (mixture of attention heads, self_attention.experts.router):
@@ -421,10 +441,6 @@ SPECS = (
 REFUSED = {
     # Families switchyard refuses, with the reason patch() gives (ValueError before any router is
     # touched). Each reason names what has no faithful [T, K] route to compute, replay or capture.
-    "inkling": "Inkling is not supported: InklingTopkRouter normalises the selected experts' "
-               "scores together with its shared experts' (a log-sigmoid softmax over K + shared "
-               "slots) and returns the shared experts' gammas beside the route: the router's "
-               "contract is not (logits, weights, ids)",
     "inkling2_loop": "Inkling2-Loop is not supported: its decoder loops over the same layers "
                      "several times per forward, so one router runs several times per token and "
                      "a per-layer route table has no single row to record or replay",
