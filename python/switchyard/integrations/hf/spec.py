@@ -54,10 +54,11 @@ class RoutingSpec:
     ACT2FN[config.scoring_func]: sigmoid or sqrtsoftplus; DeepSeek-V4), "softmax_topk" (top-k of the
     logits, then softmax over the K selected logits), "sigmoid_topk" (top-k of the logits plus the
     selection bias, then sigmoid of the K selected logits; Kolibri), "sigmoid_dense" (top-k of the
-    logits, dense [T, E] scores: sigmoid of the selected logits, 0 elsewhere; Llama-4), "logsigmoid_topk" (top-k of the
-    sigmoid of the logits plus the selection bias; the weights a softmax over the selected slots
-    of their log-sigmoid logits, exp(ls - logsumexp(ls)), the shared slots included; Inkling) or
-    "sparsemixer" (PhiMoE's two-stage masked softmax, eval mode)."""
+    logits, dense [T, E] scores: sigmoid of the selected logits, 0 elsewhere; Llama-4),
+    "logsigmoid_topk" (top-k of the sigmoid of the logits plus the selection bias; the weights a
+    softmax over the selected slots of their log-sigmoid logits, exp(ls - logsumexp(ls)), the
+    shared slots included; Inkling) or "sparsemixer" (PhiMoE's two-stage masked softmax, eval
+    mode)."""
     score_in_fp32: bool = True
     """softmax / sigmoid in fp32 (``dtype=torch.float``, ``logits.float()``) rather than in the
     logits' dtype."""
@@ -441,16 +442,19 @@ SPECS = (
 REFUSED = {
     # Families switchyard refuses, with the reason patch() gives (ValueError before any router is
     # touched). Each reason names what has no faithful [T, K] route to compute, replay or capture.
-    "inkling2_loop": "Inkling2-Loop is not supported: its decoder loops over the same layers "
-                     "several times per forward, so one router runs several times per token and "
-                     "a per-layer route table has no single row to record or replay",
-    "zaya": "Zaya is not supported: ZayaRouter carries router state from one layer to the next "
-            "(router_states), scores with an MLP over a down-projection instead of a gate "
-            "matrix, and has a skip expert (ids masked to 0 after selection): replaying a "
-            "layer's ids would not reproduce the next layer's router input",
-    "doge": "Doge is not supported: its cross-domain MoE retrieves experts by a product-key "
-            "search (two sub-key top-k's over sqrt(E) keys each) into embedding tables; no "
-            "[T, E] gate to compute in fp32",
+    "inkling2_loop": "Inkling2-Loop is not supported: its loop layers (loop_layer_index_start "
+                     "to loop_layer_index_end) run loop_num_passes times per forward, each pass "
+                     "routing every token again from other inputs, so a loop layer's router "
+                     "gives several routes per token where a per-layer route table holds one",
+    "zaya": "Zaya is not supported: ZayaRouter's logits are an MLP (router_mlp: RMSNorm, two GELU "
+            "layers, an output projection) over a down-projection plus the router state "
+            "carried from the previous layer (the keyword argument router_states), over E + 1 "
+            "classes with a skip expert: there is no [T, E] gate matrix to compute in fp32",
+    "doge": "Doge is not supported: DogeCDMoE routes inline in its forward (router_gate is a "
+            "bare nn.Linear, no router module returns a route to patch), and its product-key "
+            "scores take the two sub-key halves from other tokens' logits (a view(2, B*S, "
+            "sqrt(E)) of the [B, S, 2*sqrt(E)] logits): a token's expert scores are not a "
+            "function of its own hidden state in a forward of several tokens",
     "param2moe": "param2moe has no modeling file in this transformers release (configuration "
                  "only): nothing to patch",
     "sarvam_mla": "sarvam_mla has no modeling file in this transformers release (configuration "
