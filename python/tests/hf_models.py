@@ -185,6 +185,10 @@ MORE_CONFIGS = {
                     moe_intermediate_size=16, swa_num_attention_heads=4, swa_num_key_value_heads=2,
                     swa_head_dim=8, sliding_window_size=16, rel_extent=16, d_rel=4,
                     initializer_range=0.2),
+    # Zaya: 8 experts + the skip class, top-1 (its only K), an MLP router over a 16-wide
+    # down-projection, the router state carried from layer 0 to layer 1
+    "zaya": dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=16,
+                 router_hidden_size=16, initializer_range=0.2),
 }
 """Tiny configs of the other supported families (test_hf_families.py)."""
 ALL_FAMILIES = FAMILIES + list(MORE_CONFIGS)
@@ -252,6 +256,9 @@ def _randomise_router_state(model, gen):
                                      for _ in range(t.shape[0])]))
             elif name.endswith("router.bias"):
                 t.copy_(torch.randn(t.shape, generator=gen) * 0.1)
+            elif name.endswith("balancing_biases"):  # Zaya: 0 (the skip class -1) at init;
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.05)  # the skip class at 0.02
+                t[-1] = 0.02  # so that the tests route some tokens to it
             elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma-4: ones
                 t.copy_(1.0 + torch.randn(t.shape, generator=gen) * 0.2)
 

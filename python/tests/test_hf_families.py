@@ -126,6 +126,9 @@ REFERENCE = {
     # Inkling: sigmoid scores of the routed experts + correction bias (its gate's last
     # n_shared_experts rows are the shared experts', never selected)
     "inkling": _SIGMOID_BIAS,
+    # Zaya: softmax over E + 1 classes (the last a skip expert) of its router MLP's logits +
+    # balancing_biases for the choice (see _zaya_logits)
+    "zaya": ("softmax", "balancing_biases", None, None),
 }
 _TOPK_METHOD = ("deepseek_v2", "deepseek_ocr2", "unlimited_ocr")
 """DeepSeek-V2's router: group-limited only when its topk_method is group_limited_greedy."""
@@ -169,6 +172,8 @@ def _experts_get(family, ids, block):
     if family == "longcat_flash" and hasattr(block, "num_routed_experts"):
         n, Z = block.num_routed_experts, block.zero_expert_num
         return torch.where(ids >= n, (ids - n) * n // Z, ids)
+    if family == "zaya":  # the skip class (id E): id 0 with weight 0
+        return torch.where(ids == block.experts.num_experts, 0, ids)
     return ids
 
 
@@ -180,22 +185,44 @@ def _gate_params(router):
     return lin.weight, (b if isinstance(b, torch.Tensor) else None)
 
 
-def _reference(family, router, x, K, block=None, input_ids=None):
+def _zaya_logits(router, x, state):
+    """Zaya's router logits in float64: h = down_proj(x) (+ the previous layer's router state ×
+    router_states_scale from layer 1), then RMSNorm (× its weight), two GELU (erf) layers and the
+    output projection to E + 1 classes."""
+    def lin(m, v):
+        out = v @ m.weight.double().t()
+        return out if m.bias is None else out + m.bias.double()
+
+    def gelu(v):
+        return 0.5 * v * (1.0 + torch.erf(v / 2 ** 0.5))
+    h = lin(router.down_proj, x.double())
+    if router.use_eda and state is not None:
+        h = h + state.reshape(h.shape).double() * router.router_states_scale.double()
+    mlp = router.router_mlp
+    n = h / torch.sqrt((h * h).mean(dim=1, keepdim=True) + mlp.norm.variance_epsilon)
+    n = n * mlp.norm.weight.double()
+    return lin(mlp.out_proj, gelu(lin(mlp.fc2, gelu(lin(mlp.fc1, n)))))
+
+
+def _reference(family, router, x, K, block=None, input_ids=None, state=None):
     """(ids as sorted rows [T, K], clear [T] bool): the family's selection in float64 and the rows
     whose K-th and (K+1)-th choice (and the kept / dropped group) are 1e-4 apart. The fp32 gate's
     error is below H·u·Σ|x_i w_i| < 1e-5 for these models (H = 32, |x w| < 1), and softmax /
     sigmoid are 1-Lipschitz, so a 1e-4 margin cannot flip on rounding. A family that rounds its
     own ops before the projection (Gemma-4) widens the margin by twice their bound."""
     score, bias, group, fill = REFERENCE[family]
-    w, b = _gate_params(router)
     tol = torch.zeros(len(x), dtype=torch.float64)
-    if family in _INPUT_NORMED:
-        x, tol = _gemma_input(router, x)
-    if family == "longcat_flash":
-        b = None  # its router's F.linear takes the classifier's weight only
-    logits = x.double() @ w.double().t()
-    if b is not None:
-        logits = logits + b.double()
+    if family == "zaya":
+        logits = _zaya_logits(router, x, state)
+    else:
+        w, b = _gate_params(router)
+        if family in _INPUT_NORMED:
+            x, tol = _gemma_input(router, x)
+        if family == "longcat_flash":
+            b = None  # its router's F.linear takes the classifier's weight only
+        logits = x.double() @ w.double().t()
+        if b is not None:
+            logits = logits + b.double()
     if family == "inkling":  # the shared experts' rows: in every route, never selected
         logits = logits[:, :logits.shape[1] - router.n_shared_experts]
     logits = logits * float(getattr(router, "output_multiplier", 1.0))  # MuseSpark
@@ -222,6 +249,8 @@ def _reference(family, router, x, K, block=None, input_ids=None):
         held = getattr(block, "e_score_correction_bias", None)
         held = getattr(block, "expert_bias", None) if held is None else held
         choice = choice + held.double()
+    elif bias == "balancing_biases":
+        choice = choice + router.balancing_biases.double()
     elif bias == "moe_statics":
         choice = choice + router.moe_statics.e_score_correction_bias.double().reshape(-1)
     clear = torch.ones(len(x), dtype=torch.bool)
@@ -270,12 +299,12 @@ class _Seen:
     groups hold, from the router's output."""
 
     def __init__(self, model, p):
-        self.x, self.ids, self._hooks = {}, {}, []
+        self.x, self.ids, self.state, self._hooks = {}, {}, {}, []
         for layer, name in p.modules.items():
             router = model.get_submodule(name)
             block = model.get_submodule(name.rsplit(".", 1)[0])
             self._hooks.append(router.register_forward_pre_hook(
-                lambda m, a, layer=layer: self.x.__setitem__(layer, a[0].detach().clone())))
+                lambda m, a, kw, layer=layer: self._saw(layer, a, kw), with_kwargs=True))
             if type(router).__name__ == "JetMoeTopKGating":
                 self._hooks.append(router.register_forward_hook(
                     lambda m, a, o, layer=layer: self.ids.__setitem__(layer, _grouped_ids(o))))
@@ -285,6 +314,11 @@ class _Seen:
                         lambda m, a, kw, layer=layer: self.ids.__setitem__(
                             layer, (a[1] if len(a) > 1 else kw["top_k_index"]).detach().clone()),
                         with_kwargs=True))
+
+    def _saw(self, layer, a, kw):
+        self.x[layer] = a[0].detach().clone()
+        state = kw.get("router_states")  # Zaya: the router state from the previous layer
+        self.state[layer] = None if state is None else state.detach().clone()
 
     def remove(self):
         for h in self._hooks:
@@ -323,7 +357,7 @@ def test_fp32_router_picks_the_experts_of_a_float64_reference_and_capture_is_wha
         got = captured[:, :, layer, :].reshape(B * S, -1).long()
         x = seen.x[layer].reshape(B * S, -1)
         block = model.get_submodule(p.modules[layer].rsplit(".", 1)[0])
-        ref, clear = _reference(family, router, x, p.top_k, block, ids)
+        ref, clear = _reference(family, router, x, p.top_k, block, ids, seen.state[layer])
         n_clear += int(clear.sum())
         bad = (got.sort(dim=1).values != ref).any(dim=1) & clear
         assert not bad.any(), (f"{family} layer {layer}: rows {bad.nonzero().flatten().tolist()} "
@@ -462,7 +496,7 @@ def test_a_router_class_no_spec_covers_is_refused_naming_it(monkeypatch):
     assert syhf.patch_of(model) is None
 
 
-@pytest.mark.parametrize("family", ["zaya", "doge"])
+@pytest.mark.parametrize("family", ["doge"])
 def test_a_refused_family_names_itself_and_the_reason(family):
     from transformers import AutoConfig, AutoModelForCausalLM
     assert family in syspec.REFUSED
@@ -543,7 +577,7 @@ def _train_step(model, ids):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", ["gemma4", "diffusion_gemma", "cohere2_moe",
                                     "cohere2_moe_sigmoid", "longcat_flash", "jetmoe",
-                                    "inkling"])
+                                    "inkling", "zaya"])
 def test_router_dtype_none_keeps_outputs_and_gradients_bitwise_in_training(family, dtype):
     # Gemma-4's router normalises its (already flat) input itself: the patched forward adds no
     # reshape node, so the gradients reach the hidden states in the family's order.
@@ -758,21 +792,28 @@ def test_ernie4_5_vl_moe_routes_text_only_forwards_and_refuses_vision_tokens_by_
 # ---- JetMoE, Inkling ---------------------------------------------------------------------------
 def _weights64(family, router, x, ids):
     """The float64 weights of the experts at ids [T, K] (and Inkling's shared experts'), from the
-    family's maths: JetMoE, a softmax over the K selected logits; Inkling, each slot's
+    family's maths: JetMoE, a softmax over the K selected logits; Zaya, the softmax over all
+    classes at the ids (0 at the skip class); Inkling, each slot's
     sigmoid(logit) over the sum of the K selected and the S shared slots' sigmoids (a softmax of
     log-sigmoids), × route_scale × global_scale."""
-    w, _ = _gate_params(router)
-    z = x.double() @ w.double().t()
+    if family != "zaya":
+        w, _ = _gate_params(router)
+        z = x.double() @ w.double().t()
     if family == "jetmoe":
         e = torch.exp(z.gather(1, ids))
         return e / e.sum(dim=1, keepdim=True), None
+    if family == "zaya":  # softmax over the E + 1 classes; the skip class's slot weighs 0
+        z = _zaya_logits(router, x, None)
+        p = torch.exp(z - z.max(dim=1, keepdim=True).values)
+        p = (p / p.sum(dim=1, keepdim=True)).gather(1, ids)
+        return torch.where(ids == router.num_experts, 0.0, p), None
     S = router.n_shared_experts
     s = torch.sigmoid(torch.cat([z[:, :-S].gather(1, ids), z[:, -S:]], dim=1))
     s = s / s.sum(dim=1, keepdim=True) * router.route_scale * float(router.global_scale.detach())
     return s[:, :ids.shape[1]], s[:, ids.shape[1]:]
 
 
-@pytest.mark.parametrize("family", ["jetmoe", "inkling"])
+@pytest.mark.parametrize("family", ["jetmoe", "inkling", "zaya"])
 def test_replayed_ids_take_the_familys_weights_from_live_logits_and_gradients_reach_the_router(
         family):
     # Replay forces the ids; the weights are the family's formula at those ids from the live
@@ -785,6 +826,8 @@ def test_replayed_ids_take_the_familys_weights_from_live_logits_and_gradients_re
     T, E, K = 23, p.num_experts, p.top_k
     x = torch.randn(T, 32, generator=gen).requires_grad_()
     forced = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    if family == "zaya":  # the skip class too (E counts it); layer 1 carries no state here
+        forced[::3] = E - 1
     p.replays[layer].set_target(forced)
     p.replays[layer].action = "replay_forward"
     out = r(x)
@@ -796,6 +839,10 @@ def test_replayed_ids_take_the_familys_weights_from_live_logits_and_gradients_re
             torch.arange(E), torch.tensor(sizes)))
         assert torch.equal(token, order // K)
         weights = torch.empty_like(gates).index_put((order,), gates).view(T, K)
+    elif family == "zaya":  # logits, weights, ids (skip: id 0, weight 0), the next state
+        logits, weights, ids, state = out
+        assert torch.equal(ids, forced.masked_fill(forced == E - 1, 0))
+        assert logits.shape == (T, E) and state.shape == (T, r.router_hidden_size)
     else:
         logits, weights, ids, gammas = out
         assert torch.equal(ids, forced) and logits.shape == (T, E)
@@ -805,7 +852,7 @@ def test_replayed_ids_take_the_familys_weights_from_live_logits_and_gradients_re
     torch.testing.assert_close(weights.double(), ref, rtol=1e-5, atol=1e-6)
     g = torch.randn(weights.shape, generator=gen)  # (the weights of a row sum to a constant)
     (weights * g).sum().backward()
-    w, _ = _gate_params(r)
+    w = r.down_proj.weight if family == "zaya" else _gate_params(r)[0]
     assert x.grad is not None and x.grad.abs().sum() > 0
     assert w.grad is not None and w.grad.abs().sum() > 0
     p.unpatch()

@@ -139,8 +139,8 @@ class Family:
         """The selection-only bias (a tensor added to the scores for the choice), or None."""
         if s.select_bias_if is not None and not getattr(r, s.select_bias_if):
             return None
-        if s.select_bias == "e_score_correction_bias":
-            return r.e_score_correction_bias
+        if s.select_bias in ("e_score_correction_bias", "balancing_biases"):
+            return getattr(r, s.select_bias)
         if s.select_bias == "passed":
             return passed[0] if passed else None
         return None
@@ -219,9 +219,11 @@ class Family:
                 ids = _ids(lambda: r.tid2eid[passed[0].reshape(-1)].long(), replay_ids,
                            replay_mask)
             else:
-                ids = _ids(lambda: self._select(
-                    s, r, scores.detach() if bias is None else scores.detach() + bias, K, block),
-                    replay_ids, replay_mask)
+                def choice():
+                    c = scores.detach().to(sd) if s.select_in_fp32 else scores.detach()
+                    return c if bias is None else c + bias
+                ids = _ids(lambda: self._select(s, r, choice(), K, block), replay_ids,
+                           replay_mask)
             weights = scores.gather(1, ids)
         if s.renorm != "none" and (s.renorm_if is None or
                                    _attr(r, s.renorm_if, block) not in (None, False, 0)):
@@ -294,8 +296,30 @@ class Family:
             return F.softmax(z, dim=-1, dtype=sd)
         return z.softmax(-1)
 
+    def module_logits(self, r, h, hidden_states, passed, named, native):
+        """(logits, state or None) of a family whose gate's output h [T, D] passes through a
+        module (gate_module): + the carried state × scale (carried_state), the module run on it
+        (its parameters cast to h's dtype when patched); the state returned per token,
+        [..., D] as the hidden states' leading dimensions."""
+        s = self.spec
+        state_in = named.get("router_states", passed[0] if passed else None)
+        if s.carried_state is not None and state_in is not None and \
+                getattr(r, s.carried_state_if):
+            h = h + state_in.reshape(h.shape) * getattr(r, s.carried_state)
+        state = None
+        if s.carried_state is not None:
+            state = h.view(*hidden_states.shape[:-1], h.shape[-1]).clone()
+        mod = _attr(r, s.gate_module)
+        if native:
+            return mod(h), state
+        params = {n: q.to(h.dtype) for n, q in mod.named_parameters()}
+        return torch.func.functional_call(mod, params, (h,)), state
+
     def outputs(self, r, logits, weights, ids, x, native):
         s = self.spec_for(r)
+        if s.skip_expert:  # the skip class's slots: id 0, weight 0 for the experts
+            skip = ids == self.num_experts(r) - 1
+            weights, ids = weights.masked_fill(skip, 0), ids.masked_fill(skip, 0)
         if s.score == "sigmoid_dense":
             # Llama-4: dense scores [T, E], sigmoid of the selected logits, 0 elsewhere (sigmoid
             # of -inf), and the logits. Unpatched: sigmoid in fp32, back to the logits' dtype;

@@ -136,10 +136,11 @@ class _Layer:
         self.batch_shape = tuple(h.shape[:-1]) if isinstance(h, torch.Tensor) else None
 
     # ---- the patched router forward ----
-    def forward(self, hidden_states, *passed):
+    def forward(self, hidden_states, *passed, **named):
         """The router's forward: the gate (router_dtype, or the family's own), then the family's
         routing with replay, record and capture. ``passed``: what the block passes after the hidden
-        states (a correction bias, input_ids)."""
+        states (a correction bias, input_ids); ``named``: its keyword arguments (a carried router
+        state)."""
         owner, fam, r = self.owner, self.family, self.router
         fam.check_mode(r)
         jitter = fam.spec.input_jitter
@@ -161,8 +162,13 @@ class _Layer:
                     w, b = fam.params(r)
                     logits = _gate(x, w, b, owner.router_dtype, owner.gate)
             logits = fam.logits(r, logits)
+            state = None
+            if fam.spec.gate_module is not None:  # the gate's output through the family's module
+                logits, state = fam.module_logits(r, logits, hidden_states, passed, named, native)
         if fam.spec.returns == "logits":
             return logits  # the block's route method (route_logits) routes them
+        if fam.spec.carried_state is not None:  # the next layer's router state, after the route
+            return (*self._route(logits, hidden_states, passed), state)
         return self._route(logits, hidden_states, passed)
 
     def route_logits(self, router_logits):

@@ -67,10 +67,12 @@ class RoutingSpec:
     function of the token id, the block passes input_ids to the router; DeepSeek-V4's hash layers).
     Replay forces the ids in both."""
     select_bias: str | None = None
-    """A selection-only bias: "e_score_correction_bias" (held by the router, added to the scores
-    for the choice of experts, not to the weights), "passed" (the same, passed in by the block as
-    the router forward's second argument; MiniMax-M2, AFMoE, LFM2-MoE), "moe_statics" (ERNIE: a
-    module applied to the scores), or None."""
+    """A selection-only bias: "e_score_correction_bias" or "balancing_biases" (Zaya) (held by the
+    router, added to the scores for the choice of experts, not to the weights), "passed" (the
+    same, passed in by the block as the router forward's second argument; MiniMax-M2, AFMoE,
+    LFM2-MoE), "moe_statics" (ERNIE: a module applied to the scores), or None."""
+    select_in_fp32: bool = False
+    """The selection adds the bias to the (detached) scores cast to fp32 (Zaya)."""
     select_bias_if: str | None = None
     """Router attribute that switches the selection bias on (LFM2's use_expert_bias)."""
     group: str | None = None
@@ -144,6 +146,23 @@ class RoutingSpec:
     """(decoder-layer keyword argument, reason): a forward where that argument holds a nonzero
     value is refused before the layer runs (ERNIE-4.5-VL's moe_mm_token_type_ids: vision
     tokens), or None."""
+    gate_module: str | None = None
+    """Router attribute of a module the gate's output passes through to give the logits (Zaya's
+    router_mlp: RMSNorm, two GELU layers, an output projection over the classes); the gate
+    (``weight``, ``bias``) is then the router's input projection. Patched, the module runs with
+    its parameters cast to router_dtype (differentiable casts), so the whole router is in fp32.
+    Or None."""
+    carried_state: str | None = None
+    """Router attribute of the scale of a router state carried from the previous MoE layer's
+    router (the block passes it as ``router_states``): the gate's output + state × scale, when
+    the ``carried_state_if`` attribute is true and a state is passed, goes to gate_module, and
+    is returned (per token) as the router's fourth output, the next layer's state. The state
+    does not depend on the selection. Or None."""
+    carried_state_if: str | None = None
+    skip_expert: bool = False
+    """The router's last class is a skip expert (no compute): the route (capture, replay,
+    ``num_experts``: the classes) holds it as id E; the block's experts receive its slot as id 0
+    with weight 0 (Zaya)."""
     variant_by: str | None = None
     """Router attribute whose value picks one of ``variants`` at run time (Cohere2-MoE's
     expert_selection_fn), or None."""
@@ -410,11 +429,21 @@ SPECS = (
     # the routed ones + correction bias pick K (unsorted); the K selected and the S shared slots'
     # log-sigmoid logits are softmax-normalised together, × route_scale × global_scale, cast to
     # the input dtype; the shared slots' weights (gammas) are returned beside the route
-    RoutingSpec("inkling", "Inkling", "InklingTopkRouter", gate_cast="fp32", autocast_off=True,
-                score="logsigmoid_topk", select_bias="e_score_correction_bias",
-                sorted_topk=False, scale="route_scale", scale_param="global_scale",
-                shared_slots="n_shared_experts", weights_dtype="hidden",
-                combine_dtype="hidden dtype"),
+    RoutingSpec("inkling", "Inkling", "InklingTopkRouter", "Inkling, Inkling-NVFP4",
+                gate_cast="fp32", autocast_off=True, score="logsigmoid_topk",
+                select_bias="e_score_correction_bias", sorted_topk=False, scale="route_scale",
+                scale_param="global_scale", shared_slots="n_shared_experts",
+                weights_dtype="hidden", combine_dtype="hidden dtype"),
+    # Zaya: the down-projection of the input (+ the previous layer's router state × scale, from
+    # layer 1), an MLP to E + 1 classes (the last a skip expert), softmax in the logits' dtype,
+    # balancing_biases added in fp32 for the choice, top-k; a skip slot goes to the experts as
+    # id 0 with weight 0; the state (the projection, before the MLP) is returned for the next
+    # layer's router
+    RoutingSpec("zaya", "Zaya", "ZayaRouter", "ZAYA1-8B", weight="down_proj.weight",
+                bias="down_proj.bias", score_in_fp32=False, select_bias="balancing_biases",
+                select_in_fp32=True, num_experts="num_router_classes", gate_module="router_mlp",
+                carried_state="router_states_scale", carried_state_if="use_eda",
+                skip_expert=True),
     # JetMoE: its MLP experts' router (logits cast to fp32, top-k, softmax over the K selected,
     # cast to the input dtype) hands the route over as expert-sorted groups. The same class
     # routes the attention experts (mixture of attention heads, self_attention.experts.router):
@@ -446,10 +475,6 @@ REFUSED = {
                      "to loop_layer_index_end) run loop_num_passes times per forward, each pass "
                      "routing every token again from other inputs, so a loop layer's router "
                      "gives several routes per token where a per-layer route table holds one",
-    "zaya": "Zaya is not supported: ZayaRouter's logits are an MLP (router_mlp: RMSNorm, two GELU "
-            "layers, an output projection) over a down-projection plus the router state "
-            "carried from the previous layer (the keyword argument router_states), over E + 1 "
-            "classes with a skip expert: there is no [T, E] gate matrix to compute in fp32",
     "doge": "Doge is not supported: DogeCDMoE routes inline in its forward (router_gate is a "
             "bare nn.Linear, no router module returns a route to patch), and its product-key "
             "scores take the two sub-key halves from other tokens' logits (a view(2, B*S, "
