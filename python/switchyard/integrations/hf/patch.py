@@ -142,6 +142,9 @@ class _Layer:
         states (a correction bias, input_ids); ``named``: its keyword arguments (a carried router
         state)."""
         owner, fam, r = self.owner, self.family, self.router
+        if named and fam.spec.carried_state is None:
+            raise TypeError(f"[hf] {fam.name}: {fam.router_class}.forward() got unexpected keyword "
+                            f"arguments {sorted(named)}")
         fam.check_mode(r)
         jitter = fam.spec.input_jitter
         if jitter is not None and r.training and getattr(r, jitter) is not None:
