@@ -18,16 +18,24 @@ def _sdt(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _ids(select, replay_ids, replay_mask):
+def _ids(select, replay_ids, replay_mask, live=None):
     """The final ids: the family's live selection (run without autograd: ids are never
     differentiable, and the recompute of a replayed forward must save the same tensors as the
-    forward did) for the rows not replayed, replay_ids for the replayed rows."""
+    forward did) for the rows not replayed, replay_ids for the replayed rows (replay_mask None:
+    every row). ``live``: a list that receives the live selection, computed also when every row
+    is replayed (the router's own choice, for the mismatch metric), or None."""
     # (Traced by torch.compile: no data-dependent branch; where() gives the same ids.)
-    if replay_ids is not None and not torch.compiler.is_compiling() and bool(replay_mask.all()):
+    every = replay_ids is not None and (replay_mask is None or (
+        not torch.compiler.is_compiling() and bool(replay_mask.all())))
+    if every and live is None:
         return replay_ids
     with torch.no_grad():
         ids = select()
-    return ids if replay_ids is None else torch.where(replay_mask[:, None], replay_ids, ids)
+    if live is not None:
+        live.append(ids)
+    if replay_ids is None:
+        return ids
+    return replay_ids if every else torch.where(replay_mask[:, None], replay_ids, ids)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -133,16 +141,16 @@ class Family:
         attr, value = self.spec.group_if
         return getattr(r, attr) is not None if value == SET else getattr(r, attr) == value
 
-    def _sparsemixer(self, r, z, replay_ids, replay_mask):
+    def _sparsemixer(self, r, z, replay_ids, replay_mask, live=None):
         """PhiMoE's sparse mixer in eval mode (K = 2): slot 1 is the best expert, slot 2 the best
         of the others; each slot's weight is a softmax over the experts whose logit is within a
         relative 2·eps of the slot's own (the others, and slot 1's expert for slot 2, masked).
         Replayed ids take the same formula with their own logits as the thresholds."""
-        def live():
+        def own():
             first = z.max(dim=-1, keepdim=True)[1]
             second = z.scatter(-1, first, float("-inf")).max(dim=-1, keepdim=True)[1]
             return torch.cat((first, second), dim=-1)
-        ids = _ids(lambda: live(), replay_ids, replay_mask)
+        ids = _ids(lambda: own(), replay_ids, replay_mask, live)
         eps2 = 2 * float(r.router_jitter_noise)
         weights = []
         masked_before = z
@@ -156,8 +164,9 @@ class Family:
             masked_before = torch.scatter(masked_before, -1, i, float("-inf"))
         return torch.cat(weights, dim=-1), ids
 
-    def route(self, r, logits, replay_ids, replay_mask, passed=(), block=None):
-        """-> (weights [T, K], ids [T, K] int64); replayed rows take replay_ids."""
+    def route(self, r, logits, replay_ids, replay_mask, passed=(), block=None, live=None):
+        """-> (weights [T, K], ids [T, K] int64); replayed rows take replay_ids (replay_mask
+        None: every row); ``live``: None, or a list that receives the family's own ids (``_ids``)."""
         s = self.spec
         sd = _sdt(logits)
         K = self.top_k(r, block)
@@ -168,12 +177,12 @@ class Family:
             c = getattr(r, s.softcap)
             z = torch.tanh(z / c) * c
         if s.score == "sparsemixer":
-            return self._sparsemixer(r, z, replay_ids, replay_mask)
+            return self._sparsemixer(r, z, replay_ids, replay_mask, live)
         bias = self._bias(r, passed)
         if s.score in ("softmax_topk", "sigmoid_dense", "sigmoid_topk"):
             choice = z if bias is None else z + bias
             ids = _ids(lambda: torch.topk(choice.detach(), K, dim=-1, sorted=s.sorted_topk)[1],
-                       replay_ids, replay_mask)
+                       replay_ids, replay_mask, live)
             weights = z.gather(1, ids)
             if s.score == "softmax_topk":
                 weights = F.softmax(weights, dim=-1,
@@ -191,11 +200,11 @@ class Family:
                 scores = z.softmax(-1)
             if s.select == "hash":
                 ids = _ids(lambda: r.tid2eid[passed[0].reshape(-1)].long(), replay_ids,
-                           replay_mask)
+                           replay_mask, live)
             else:
                 ids = _ids(lambda: self._select(
                     r, scores.detach() if bias is None else scores.detach() + bias, K, block),
-                    replay_ids, replay_mask)
+                    replay_ids, replay_mask, live)
             weights = scores.gather(1, ids)
         if s.renorm != "none" and (s.renorm_if is None or
                                    _attr(r, s.renorm_if, block) not in (None, False, 0)):
