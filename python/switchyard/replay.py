@@ -349,6 +349,30 @@ class ReplayCounts:
             total.add(c)
         return total
 
+    def add_rows(self, rows: ReplayRows) -> None:
+        """Adds the counts of one forward replaying ``rows`` (``of_rows``), in place.
+
+        Args:
+            rows: a ReplayRows.
+        """
+        self.calls += 1
+        self.tokens += rows.num_tokens
+        self.replayed += rows.num_replayed
+        self.merged += rows.num_merged
+        self.native += rows.num_native
+        self.invalid += rows.num_invalid
+
+    def add_native(self, num_tokens: int) -> None:
+        """Adds one forward that routed all its ``num_tokens`` rows natively (``of_native``), in
+        place.
+
+        Args:
+            num_tokens: T, the rows routed.
+        """
+        self.calls += 1
+        self.tokens += int(num_tokens)
+        self.native += int(num_tokens)
+
     def add(self, other: ReplayCounts) -> None:
         """Adds ``other``'s counts to these, in place.
 

@@ -19,7 +19,7 @@ from switchyard import replay as _replay
 from switchyard import routes as syr
 
 from .._adapter import check_version
-from .capture import LAYER_RE, Capture, is_experts
+from .capture import LAYER_RE, Capture, experts_modules, is_experts
 from .families import FAMILIES, _family_of, _gate
 from .spec import REFUSED
 
@@ -195,8 +195,10 @@ class _Layer:
                     if rows is not None and rows is self.staged_rows:
                         staged = self.staged_replay  # staged for a compiled forward: the same
                     self.staged_rows = self.staged_replay = None  # taken here: restaged later
-                    self.counts.add(_replay.ReplayCounts.of_native(T) if rows is None else
-                                    _replay.ReplayCounts.of_rows(rows))
+                    if rows is None:  # (in place: no count record made per layer and forward)
+                        self.counts.add_native(T)
+                    else:
+                        self.counts.add_rows(rows)
                 if rows is not None:  # the core's rows -> the family's (ids, mask) on the device
                     replay_ids, replay_mask = (
                         staged if staged is not None and staged[0].device == logits.device else
@@ -308,6 +310,7 @@ class Patch:
         """The replay policy of every layer: "error", "native" or "merge"."""
         self._layers = []
         self._capture = None
+        self._experts_scan = None  # capture.experts_modules of the patched layers (capture())
         self._stack_hooks = []  # on the modules that run the decoder layers (see _install)
         self._targets_thread = None  # (ident, name) of the thread whose targets are queued
         self._running = collections.Counter()  # thread ident -> forwards of it in progress
@@ -690,7 +693,12 @@ class Patch:
         """
         if self._capture is not None:
             raise ValueError("[hf.capture] a capture is already running")
-        cap = Capture(self)
+        if self._experts_scan is None:  # the model's experts modules, found once (not per capture)
+            try:
+                self._experts_scan = experts_modules(self.model, set(self.layers))
+            except ValueError:  # a family whose experts are not transformers' interface (Llama-4)
+                self._experts_scan = False
+        cap = Capture(self, self._experts_scan)
         cap.start()
         self._capture = cap
         self._sync_traced()  # compiled forwards hand their ids to the capture (ensure_sink)
