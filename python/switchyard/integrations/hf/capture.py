@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from switchyard import replay as _replay
 from switchyard import routes as syr
 
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)(?:\.|$)")
@@ -96,7 +97,6 @@ class ExpertsCapture:
         ids = _received_ids(args, kwargs)
         if ids is None or torch.compiler.is_compiling():
             return
-        from switchyard import replay as _replay
         if _replay.in_recompute():
             return  # a checkpoint recompute inside backward: not a new forward
         ids = ids.detach().to(device="cpu", dtype=torch.int32).reshape(-1, ids.shape[-1])

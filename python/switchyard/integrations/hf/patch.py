@@ -145,8 +145,8 @@ class _Layer:
         native = owner.router_dtype is None
         self._hidden_dtype = hidden_states.dtype
         meta = x.device.type == "meta"  # shape inference: autocast has no meta device
-        with contextlib.nullcontext() if native or meta else _autocast_off(x.device.type):
-            with fam.native_context(r, x) if native and not meta else contextlib.nullcontext():
+        with _NULL if native or meta else _autocast_off(x.device.type):
+            with fam.native_context(r, x) if native and not meta else _NULL:
                 if native or meta:
                     logits = (fam.native_logits(r, x) if native else
                               _gate(x, *fam.params(r), owner.router_dtype, "torch"))
@@ -174,8 +174,8 @@ class _Layer:
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
         recompute = _replay.in_recompute()  # the checkpoint recompute of this forward
         traced = torch.compiler.is_compiling()  # torch.compile / torch.export: see _traced_state
-        with contextlib.nullcontext() if native else _autocast_off(logits.device.type):
-            with fam.native_context(r, logits) if native else contextlib.nullcontext():
+        with _NULL if native else _autocast_off(logits.device.type):
+            with fam.native_context(r, logits) if native else _NULL:
                 rows = staged = None
                 replay_ids = replay_mask = None
                 if traced:
@@ -285,7 +285,10 @@ def _autocast_off(device_type):
     (entering and leaving an autocast context costs about 3 us; the router runs it per layer)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
+    return _NULL
+
+
+_NULL = contextlib.nullcontext()  # reentrant and stateless: one for every call that needs none
 
 
 # --------------------------------------------------------------------------------------------------
