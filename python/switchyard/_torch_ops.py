@@ -16,6 +16,7 @@ with ``torch.ops.switchyard.<op>`` 's ``register_kernel("cuda", fn)``
 The public functions (switchyard.torch.router_gating_linear, input_jitter, permute, unpermute)
 validate their arguments and call these operators; use those.
 """
+import contextlib
 import functools
 import itertools
 import json
@@ -26,28 +27,40 @@ from torch import Tensor
 
 from . import _switchyard as _C
 
-__all__ = ["router_gating_linear", "router_gating_linear_backward", "input_jitter", "route_sink",
+__all__ = ["router_gating_linear", "router_gating_linear_backward", "RouterGatingLinear",
+           "no_autocast", "input_jitter", "route_sink",
            "add_route_sink", "route_sink_owner", "topk_route", "topk_route_backward",
            "config_key", "ROUTE_STATS", "permute", "permute_backward", "unpermute",
            "unpermute_backward", "OPERATORS"]
 
 
-def _no_autocast():
-    # The engine computes in the dtypes it is given; autocast must not re-cast anything around it.
-    return torch.autocast(device_type="cpu", enabled=False)
+def no_autocast():
+    """The context every engine call runs in: CPU autocast off (the engine computes in the dtypes
+    it is given; autocast must not re-cast anything around it).
+
+    Returns:
+        torch.autocast(device_type="cpu", enabled=False) while CPU autocast is on, else a no-op
+        context (entering and leaving an autocast context costs about 3 us, a tenth of a small
+        gate's kernel).
+    """
+    if torch.is_autocast_enabled("cpu"):
+        return torch.autocast(device_type="cpu", enabled=False)
+    return contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------------------
 # Router gate: logits [T, E] = x [T, H] · weight [E, H]ᵀ (+ bias [E]) in router_dtype.
 # --------------------------------------------------------------------------------------------------
-@torch.library.custom_op("switchyard::router_gating_linear", mutates_args=())
-def router_gating_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
-                         router_dtype: torch.dtype) -> Tensor:
+def _gate(x: Tensor, weight: Tensor, bias: Tensor | None, router_dtype: torch.dtype) -> Tensor:
     """x [T, H] bf16/fp32 (fp64 with router_dtype fp64), weight [E, H], bias [E] or None ->
     logits [T, E] in router_dtype (torch.float32 / torch.float64). Deterministic and batch
     invariant (the engine's fixed accumulation order)."""
-    with _no_autocast():
+    with no_autocast():
         return _C.router_gating_linear(x, weight, bias, router_dtype)
+
+
+router_gating_linear = torch.library.custom_op("switchyard::router_gating_linear", _gate,
+                                               mutates_args=())
 
 
 @router_gating_linear.register_fake
@@ -55,14 +68,12 @@ def _(x, weight, bias, router_dtype):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=router_dtype)
 
 
-@torch.library.custom_op("switchyard::router_gating_linear_backward", mutates_args=())
-def router_gating_linear_backward(grad_logits: Tensor, x: Tensor, weight: Tensor,
-                                  bias: Tensor | None, router_dtype: torch.dtype
-                                  ) -> tuple[Tensor, Tensor, Tensor]:
+def _gate_grads(grad_logits: Tensor, x: Tensor, weight: Tensor, bias: Tensor | None,
+                router_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x [T, H] in x's dtype, grad_weight [E, H] in weight's dtype, grad_bias [E] in
     bias's dtype, or an empty [0] tensor without bias), all accumulated in router_dtype in a fixed
     order. ``grad_logits`` [T, E] in router_dtype."""
-    with _no_autocast():
+    with no_autocast():
         grad_x, grad_w, grad_b = _C.router_gating_linear_backward(
             grad_logits.contiguous(), x, weight, bias, router_dtype)
     if bias is None:
@@ -70,6 +81,10 @@ def router_gating_linear_backward(grad_logits: Tensor, x: Tensor, weight: Tensor
     elif grad_b.dtype != bias.dtype:
         grad_b = grad_b.to(bias.dtype)
     return grad_x, grad_w, grad_b
+
+
+router_gating_linear_backward = torch.library.custom_op(
+    "switchyard::router_gating_linear_backward", _gate_grads, mutates_args=())
 
 
 @router_gating_linear_backward.register_fake
@@ -84,17 +99,45 @@ def _gate_setup_context(ctx, inputs, output):
     ctx.router_dtype = router_dtype
 
 
-def _gate_backward(ctx, grad_logits):
+def _gate_backward_with(backward, ctx, grad_logits):
     x, weight, bias = ctx.saved_tensors
-    grad_x, grad_w, grad_b = torch.ops.switchyard.router_gating_linear_backward(
-        grad_logits.to(ctx.router_dtype), x, weight, bias, ctx.router_dtype)
+    grad_x, grad_w, grad_b = backward(grad_logits.to(ctx.router_dtype), x, weight, bias,
+                                      ctx.router_dtype)
     return (grad_x if ctx.needs_input_grad[0] else None,
             grad_w if ctx.needs_input_grad[1] else None,
             grad_b if bias is not None and ctx.needs_input_grad[2] else None,
             None)
 
 
+def _gate_backward(ctx, grad_logits):
+    # The operator's backward is the backward operator (a compiled graph holds both).
+    return _gate_backward_with(torch.ops.switchyard.router_gating_linear_backward, ctx,
+                               grad_logits)
+
+
 router_gating_linear.register_autograd(_gate_backward, setup_context=_gate_setup_context)
+
+
+class RouterGatingLinear(torch.autograd.Function):
+    """The gate operator's eager twin: the same kernels (``_gate`` / ``_gate_grads``), the same
+    saved tensors and gradients, called without the operator's dispatch (a Python frame through
+    the dispatcher and its autograd wrapper on each side: about 30 us per forward and 150 us per
+    backward at T <= 256, several times the kernels' own time; bench/py_torch_ops.py).
+    switchyard.torch.router_gating_linear takes it for eager calls on plain CPU tensors and the
+    operator for everything a tracer, a tensor subclass or another device's kernel must see."""
+
+    # (forward takes ctx: an autograd.Function with a separate setup_context costs about 50 us
+    # more per call in torch 2.15's apply; functorch transforms, which need that form, take the
+    # operator.)
+    @staticmethod
+    def forward(ctx, x, weight, bias, router_dtype):
+        _gate_setup_context(ctx, (x, weight, bias, router_dtype), None)
+        return _gate(x, weight, bias, router_dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logits):
+        return _gate_backward_with(_gate_grads, ctx, grad_logits)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,7 +246,7 @@ def _config(key: str):
 
 def _route(logits, config, expert_bias, replay_idx, padding_mask, qb_beta, invalid_replay_rows,
            layer, seq_length, training, force_seed, force_bias_seed):
-    with _no_autocast():
+    with no_autocast():
         return _C.topk_route(logits, _config(config), expert_bias, replay_idx, padding_mask, None,
                              invalid_replay_rows, layer, seq_length, False, force_seed,
                              force_bias_seed, training, qb_beta=qb_beta)
@@ -263,7 +306,7 @@ def topk_route_backward(grad_topk_weights: Tensor, logits: Tensor, config: str,
     engine's saved state is the forward's, bit for bit) and runs the engine's backward on it."""
     res = _route(logits, config, expert_bias, replay_idx, padding_mask, qb_beta,
                  invalid_replay_rows, layer, seq_length, training, force_seed, force_bias_seed)
-    with _no_autocast():
+    with no_autocast():
         g = grad_topk_weights.to(res.topk_weights.dtype).contiguous()
         return _C.topk_route_backward(g, res, loss_grad_scale)
 
@@ -304,7 +347,7 @@ topk_route.register_autograd(_route_backward, setup_context=_route_setup_context
 def permute(x: Tensor, row_token: Tensor, row_weight: Tensor, slot_row: Tensor,
             token_offsets: Tensor, token_rows: Tensor) -> Tensor:
     """x [T, H] fp32/bf16 -> [R, H]: row r is x[row_token[r]] (zeros for a padding row, -1)."""
-    with _no_autocast():
+    with no_autocast():
         return _C.permute_rows(x, row_token, row_weight, slot_row, token_offsets, token_rows)
 
 
@@ -317,7 +360,7 @@ def _(x, row_token, row_weight, slot_row, token_offsets, token_rows):
 def permute_backward(grad_permuted: Tensor, row_token: Tensor, row_weight: Tensor,
                      slot_row: Tensor, token_offsets: Tensor, token_rows: Tensor) -> Tensor:
     """grad_permuted [R, H] -> grad_x [T, H]: each token's rows summed in the plan's order."""
-    with _no_autocast():
+    with no_autocast():
         return _C.permute_rows(grad_permuted, row_token, row_weight, slot_row, token_offsets,
                                token_rows, backward=True)
 
@@ -349,7 +392,7 @@ def unpermute(permuted: Tensor, topk_weights: Tensor | None, row_token: Tensor,
     in fp32 in the plan's order, w_row = row_weight (the merged ``topk_weights`` [T, K] the plan
     was built from) when ``topk_weights`` is given, else 1. Differentiable in permuted and
     topk_weights."""
-    with _no_autocast():
+    with no_autocast():
         return _C.unpermute_rows(permuted, row_token, row_weight, slot_row, token_offsets,
                                  token_rows, topk_weights is not None)
 
@@ -365,7 +408,7 @@ def unpermute_backward(grad_y: Tensor, permuted: Tensor, row_token: Tensor, row_
                        apply_weights: bool) -> tuple[Tensor, Tensor]:
     """(grad_permuted [R, H] in grad_y's dtype, grad_topk_weights [T, K] fp32: the dot of each
     slot's row with its token's gradient, zeros without apply_weights)."""
-    with _no_autocast():
+    with no_autocast():
         return tuple(_C.unpermute_rows_backward(grad_y, permuted, row_token, row_weight,
                                                 slot_row, token_offsets, token_rows,
                                                 apply_weights))

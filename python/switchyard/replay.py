@@ -83,7 +83,7 @@ class ReplayRows:
         core: the engine's classification of ``ids`` (kinds and counts).
     """
     _COUNTS = ("num_replayed", "num_merged", "num_native", "num_invalid", "num_pairs")
-    __slots__ = ("ids", "kind", "group") + _COUNTS
+    __slots__ = ("ids", "kind", "group", "_replayed") + _COUNTS
     num_replayed: int
     num_merged: int
     num_native: int
@@ -97,6 +97,7 @@ class ReplayRows:
         """uint8 [T]: each row's kind (NATIVE, REPLAYED, INVALID, MERGED)."""
         self.group = None  # the torch.distributed group a forward checks the token count over
         """The torch.distributed group a forward checks the token count over (None: local)."""
+        self._replayed: torch.Tensor | None = None  # the mask, made once (a forward reads it)
         for f in self._COUNTS:
             setattr(self, f, getattr(core, f))
 
@@ -107,8 +108,15 @@ class ReplayRows:
 
     @property
     def replayed(self) -> torch.Tensor:
-        """[T] bool: rows that take their ids (merged included)."""
-        return (self.kind == REPLAYED) | (self.kind == MERGED)
+        """[T] bool: rows that take their ids (merged included); computed once, do not modify."""
+        if self._replayed is None:
+            self._replayed = (self.kind == REPLAYED) | (self.kind == MERGED)
+        return self._replayed
+
+    @property
+    def all_replayed(self) -> bool:
+        """Whether every row takes its ids (from the counts: no tensor is read)."""
+        return self.num_replayed == self.num_tokens
 
     @property
     def merged(self) -> torch.Tensor:
@@ -340,6 +348,30 @@ class ReplayCounts:
         for c in counts:
             total.add(c)
         return total
+
+    def add_rows(self, rows: ReplayRows) -> None:
+        """Adds the counts of one forward replaying ``rows`` (``of_rows``), in place.
+
+        Args:
+            rows: a ReplayRows.
+        """
+        self.calls += 1
+        self.tokens += rows.num_tokens
+        self.replayed += rows.num_replayed
+        self.merged += rows.num_merged
+        self.native += rows.num_native
+        self.invalid += rows.num_invalid
+
+    def add_native(self, num_tokens: int) -> None:
+        """Adds one forward that routed all its ``num_tokens`` rows natively (``of_native``), in
+        place.
+
+        Args:
+            num_tokens: T, the rows routed.
+        """
+        self.calls += 1
+        self.tokens += int(num_tokens)
+        self.native += int(num_tokens)
 
     def add(self, other: ReplayCounts) -> None:
         """Adds ``other``'s counts to these, in place.
@@ -854,6 +886,28 @@ class ReplayDriver:
                    f"the router got {int(num_tokens)}")
         raise_on_every_rank(err, getattr(rows, "group", None))
         return rows
+
+    def peek_forward(self, key: Any) -> ReplayRows | None:
+        """The rows a layer's next ``take_forward`` would return, left queued.
+
+        Args:
+            key: the layer's key.
+
+        Returns:
+            None unless the action is "replay_forward" with a table queued and the layer knows
+            num_experts; else the queued target's ReplayRows itself (classified as it was set:
+            the same object the forward takes), or the oldest recorded table classified now.
+
+        Raises:
+            ValueError: classify's, for a recorded table.
+        """
+        r = self.replays[key]
+        if r.action != "replay_forward" or r.num_experts is None:
+            return None
+        if r._targets:
+            t = r._targets[0][1]
+            return t if isinstance(t, ReplayRows) else self._classified(key, t)
+        return self._classified(key, r.peek_recorded()) if r.num_recorded else None
 
     def queue_recompute(self, key: Any, ids: torch.Tensor) -> None:
         """Queues the ids a checkpointed forward used, for its recompute.

@@ -25,11 +25,6 @@ __all__ = ["router_gating_linear", "input_jitter", "topk_route", "TopKRoute", "R
            "update_expert_bias", "AlltoAllDispatcher", "AllGatherDispatcher", "DispatchHandle"]
 
 
-def _no_autocast():
-    # The engine computes in the dtypes it is given; autocast must not re-cast anything around it.
-    return torch.autocast(device_type="cpu", enabled=False)
-
-
 # --------------------------------------------------------------------------------------------------
 # Router gate
 # --------------------------------------------------------------------------------------------------
@@ -48,13 +43,27 @@ def router_gating_linear(x, weight, bias=None, router_dtype=torch.float32):
         raise ValueError(f"[router_gating_linear] x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1:
         raise ValueError("[router_gating_linear] x must be [..., hidden], got a 0-d tensor")
+    # Eager calls on plain CPU tensors take the operator's autograd.Function twin (the same
+    # kernels and gradients without the operator's dispatch, as topk_route does); a tracer, a
+    # tensor subclass or another device (its registered kernel, meta's fake one) gets the operator.
+    gate = _ops.RouterGatingLinear.apply if _plain_cpu(x, weight, bias) and not _traced() \
+        else _ops.router_gating_linear
     # The operator takes [T, H]; a view restores the leading dims (a 2-D input gets the operator's
     # tensor itself: a view output would be flagged by FSDP2, an in-place op on it skipping its
     # pre-backward hook).
     if x.dim() == 2:
-        return _ops.router_gating_linear(x, weight, bias, router_dtype)
-    logits = _ops.router_gating_linear(x.reshape(-1, x.shape[-1]), weight, bias, router_dtype)
+        return gate(x, weight, bias, router_dtype)
+    logits = gate(x.reshape(-1, x.shape[-1]), weight, bias, router_dtype)
     return logits.view(*x.shape[:-1], logits.shape[-1])
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_cpu(*tensors):
+    """Whether every tensor given (None skipped) is a plain torch.Tensor / Parameter (no
+    subclass) on the CPU."""
+    return all(t is None or (type(t) in _PLAIN and t.device.type == "cpu") for t in tensors)
 
 
 def _router_logits(x, weight, bias, router_dtype):
@@ -170,7 +179,7 @@ class DispatchHandle:
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, topk_idx32, disp, box):
-        with _no_autocast():
+        with _ops.no_autocast():
             w = topk_weights.detach().to(torch.float32)
             recv_x, recv_w, h = _C.dispatch(x.detach(), topk_idx32, w, disp.num_experts, disp.kind,
                                             disp._capacity_factor, disp.token_drop_policy,
@@ -203,7 +212,7 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, topk_weights, handle, apply_weights):
-        with _no_autocast():
+        with _ops.no_autocast():
             y = _C.combine(expert_out.detach(), handle._c, apply_weights, handle._comm)
         ctx.save_for_backward(expert_out)
         ctx.handle = handle
@@ -404,7 +413,7 @@ class _TopKRoute(torch.autograd.Function):
                 invalid_replay_rows, layer, seq_length, loss_grad_scale, accumulate, extra,
                 qb_beta, info_box):
         # extra: (force_seed, force_bias_seed, training, loss_comm, global_aux_loss_comm).
-        with _no_autocast():
+        with _ops.no_autocast():
             res = _C.topk_route(logits.detach(), config,
                                 None if expert_bias is None else expert_bias.detach(),
                                 replay_idx, padding_mask, global_state, invalid_replay_rows,
@@ -422,7 +431,7 @@ class _TopKRoute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_topk_weights, _grad_idx):
         ctx.saved_tensors  # raises if the logits were modified in place since the forward
-        with _no_autocast():
+        with _ops.no_autocast():
             g = grad_topk_weights.to(ctx.res.topk_weights.dtype).contiguous()
             grad_logits = _C.topk_route_backward(g, ctx.res, ctx.loss_grad_scale)
         return (grad_logits,) + (None,) * 13
@@ -569,10 +578,12 @@ def topk_route(logits, config, inputs=None, options=None, comms=None, **old):
 
 
 def _traced():
-    """Whether a tracer runs this call: dynamo (torch.compile, torch.export) or a dispatch mode
-    (make_fx, AOT autograd, fake tensors)."""
+    """Whether a tracer or a transform runs this call: dynamo (torch.compile, torch.export), a
+    dispatch mode (make_fx, AOT autograd, fake tensors) or a torch.func transform (the operators
+    serve them; the eager autograd.Functions, whose forward takes ctx, do not)."""
     return torch.compiler.is_compiling() or \
-        torch.utils._python_dispatch._get_current_dispatch_mode() is not None
+        torch.utils._python_dispatch._get_current_dispatch_mode() is not None or \
+        torch._C._are_functorch_transforms_active()
 
 
 def _topk_route(logits, config, inputs, options, comms, config_key=None, operator=None):

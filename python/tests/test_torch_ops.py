@@ -121,6 +121,41 @@ def test_compiled_gate_forward_and_backward_equal_eager_bitwise(dtype):
         assert e.dtype == c.dtype and torch.equal(e, c)
 
 
+@pytest.mark.parametrize("dtype,router_dtype,bias", [
+    (torch.float32, torch.float32, True), (torch.bfloat16, torch.float32, False),
+    (torch.float64, torch.float64, True)], ids=["fp32-bias", "bf16", "fp64-bias"])
+def test_eager_gate_function_equals_the_operator_bitwise(dtype, router_dtype, bias):
+    # An eager call on CPU tensors takes the operator's autograd.Function twin (no dispatch
+    # cost): the same kernels, so the same logits and gradients bit for bit, in the same dtypes.
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 7, 24, generator=g).to(dtype)
+    w = torch.randn(8, 24, generator=g).to(torch.float32 if dtype == torch.float64 else dtype)
+    b = torch.randn(8, generator=g).to(w.dtype) if bias else None
+    grad = torch.randn(2, 7, 8, generator=g, dtype=torch.float64)
+
+    def run(gate):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        bs = None if b is None else b.clone().requires_grad_()
+        y = gate(xs.reshape(-1, 24), ws, bs, router_dtype).view(2, 7, 8)
+        y.backward(grad.to(y.dtype))
+        return y.detach(), xs.grad, ws.grad, None if bs is None else bs.grad, y.grad_fn
+
+    eager = run(lambda *a: syt.router_gating_linear(*a[:3], router_dtype=a[3]))
+    op = run(ops.router_gating_linear)
+    assert "RouterGatingLinear" in type(eager[4].next_functions[0][0]).__name__
+    assert "RouterGatingLinear" not in type(op[4].next_functions[0][0]).__name__
+    for e, o in zip(eager[:4], op[:4]):
+        assert (e is None) == (o is None)
+        if e is not None:
+            assert e.dtype == o.dtype and torch.equal(e, o)
+    for gate in (syt.router_gating_linear, ops.router_gating_linear):  # no double backward
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = gate(xs.reshape(-1, 24), ws, b, router_dtype)
+        (gx,) = torch.autograd.grad((y ** 2).sum(), xs, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice|no autograd formula"):
+            gx.sum().backward()
+
+
 def test_gate_under_autocast_stays_in_router_dtype_when_compiled():
     x = torch.randn(4, 16)
     w = torch.randn(8, 16)

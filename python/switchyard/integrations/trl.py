@@ -562,9 +562,10 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 own = cap.native_ids()[:, :, p.layers, :]
                 r = rollout[s:e].to("cpu")
                 valid = (r >= 0).all(-1) & attention_mask[s:e].to("cpu").bool()[:, :, None]
-                differ = (own.sort(-1).values != r.sort(-1).values).any(-1) & valid
+                rs = r.sort(-1).values
+                differ = (own.sort(-1).values != rs).any(-1) & valid
                 rec["mismatch_rows"] += int(differ.sum())
-                used = (ids.sort(-1).values != r.sort(-1).values).any(-1) & valid
+                used = (ids.sort(-1).values != rs).any(-1) & valid
                 rec["used_mismatch_rows"] += int(used.sum())
                 rec["compared_rows"] += int(valid.sum())
             logps.append(lp)

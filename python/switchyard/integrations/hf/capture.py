@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from switchyard import replay as _replay
 from switchyard import routes as syr
 
 LAYER_RE = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)(?:\.|$)")
@@ -64,41 +65,22 @@ class ExpertsCapture:
     decoder layers, for the batch shape). Made by ``capture_experts(model)`` or
     ``Capture.expert_ids()``; a context manager. ``ids()``: int32 [B, S, num_hidden_layers, K]."""
 
-    def __init__(self, model, layers=None, blocks=None):
+    def __init__(self, model, layers=None, scan=None, blocks=None):
         self._model = model
         self._steps = {}
         self._shape = {}
         self._hooks = []
         self.refeed = False  # set by Capture under generate(use_cache=False)
-        for name, mod in model.named_modules():
-            mt = list(LAYER_RE.finditer(name))
-            if not mt:
-                continue
-            layer = int(mt[-1].group(1))
-            if layers is not None and layer not in layers:
-                continue
-            if is_experts(mod):
-                if blocks is not None and name.rsplit(".", 1)[0] not in blocks:
-                    continue  # another modality's experts, beside the patched router's
-                if layer in self._steps:
-                    raise ValueError(f"[hf.capture_experts] several experts modules in decoder "
-                                     f"layer {layer} (several decoder stacks: capture the text "
-                                     "model)")
-                self._steps[layer] = []
-                self._hooks.append(mod.register_forward_pre_hook(
-                    lambda m, a, kw, layer=layer: self._on_experts(layer, a, kw),
-                    with_kwargs=True))
-            elif name == name[:mt[-1].end(1)]:  # the decoder layer itself
-                self._hooks.append(mod.register_forward_pre_hook(
-                    lambda m, a, kw, layer=layer: self._on_layer(layer, a, kw),
-                    with_kwargs=True))
-        if not self._steps:
-            self.remove()
-            raise ValueError(f"[hf.capture_experts] no experts module of transformers' experts "
-                             f"interface in {type(model).__name__} (under 'layers.<n>')")
-        cfg = getattr(model, "config", None)
-        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        self.num_hidden_layers = int(getattr(cfg, "num_hidden_layers", max(self._steps) + 1))
+        experts, decoders, num_hidden_layers = scan if scan is not None else \
+            experts_modules(model, layers, blocks)
+        for layer, mod in experts.items():
+            self._steps[layer] = []
+            self._hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, kw, layer=layer: self._on_experts(layer, a, kw), with_kwargs=True))
+        for layer, mod in decoders.items():
+            self._hooks.append(mod.register_forward_pre_hook(
+                lambda m, a, kw, layer=layer: self._on_layer(layer, a, kw), with_kwargs=True))
+        self.num_hidden_layers = num_hidden_layers
         """The layer dimension of ``ids()`` (the config's num_hidden_layers)."""
 
     @property
@@ -115,7 +97,6 @@ class ExpertsCapture:
         ids = _received_ids(args, kwargs)
         if ids is None or torch.compiler.is_compiling():
             return
-        from switchyard import replay as _replay
         if _replay.in_recompute():
             return  # a checkpoint recompute inside backward: not a new forward
         ids = ids.detach().to(device="cpu", dtype=torch.int32).reshape(-1, ids.shape[-1])
@@ -156,6 +137,51 @@ class ExpertsCapture:
         self.remove()
 
 
+def experts_modules(model: torch.nn.Module, layers=None, blocks=None
+                    ) -> tuple[dict[int, torch.nn.Module], dict[int, torch.nn.Module], int]:
+    """The modules an ExpertsCapture hooks: the experts module (transformers' experts interface)
+    and the decoder layer of each decoder layer that has one, found once by name
+    (``layers.<n>``) so that a Patch capturing at every forward scans its model once.
+
+    Args:
+        model: a transformers model.
+        layers: the decoder layers to take (None: all).
+        blocks: the names of the modules whose experts to take (the MoE blocks of the patched
+            routers; another modality's experts beside them are left out), or None: all.
+
+    Returns:
+        ({layer: experts module}, {layer: decoder layer module}, num_hidden_layers of the
+        config).
+
+    Raises:
+        ValueError: for several experts modules in one decoder layer, or none in the model.
+    """
+    experts, decoders = {}, {}
+    for name, mod in model.named_modules():
+        mt = list(LAYER_RE.finditer(name))
+        if not mt:
+            continue
+        layer = int(mt[-1].group(1))
+        if layers is not None and layer not in layers:
+            continue
+        if is_experts(mod):
+            if blocks is not None and name.rsplit(".", 1)[0] not in blocks:
+                continue  # another modality's experts, beside the patched router's
+            if layer in experts:
+                raise ValueError(f"[hf.capture_experts] several experts modules in decoder "
+                                 f"layer {layer} (several decoder stacks: capture the text "
+                                 "model)")
+            experts[layer] = mod
+        elif name == name[:mt[-1].end(1)]:  # the decoder layer itself
+            decoders[layer] = mod
+    if not experts:
+        raise ValueError(f"[hf.capture_experts] no experts module of transformers' experts "
+                         f"interface in {type(model).__name__} (under 'layers.<n>')")
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return experts, decoders, int(getattr(cfg, "num_hidden_layers", max(experts) + 1))
+
+
 def capture_experts(model: torch.nn.Module) -> ExpertsCapture:
     """Starts observing the ids every experts module of ``model`` receives (transformers' experts
     interface), for any MoE family, patched or not (refused ones too). Use as a context manager;
@@ -182,8 +208,9 @@ class Capture:
     ValueError when nothing was captured or the captured forwards have different batch sizes (capture one
     ``generate()`` call at a time)."""
 
-    def __init__(self, owner):
+    def __init__(self, owner, experts=None):
         self._owner = owner
+        self._experts_scan = experts  # experts_modules(...) of the owner's layers, False: none
         self._steps = {layer: [] for layer in owner.layers}
         self._native = {layer: [] for layer in owner.layers}  # the routers' own choices
         self.active = False
@@ -202,12 +229,16 @@ class Capture:
             self._had_generate = "generate" in m.__dict__
             self._orig_generate = m.__dict__.get("generate")
             m.generate = self._generate  # an instance attribute, removed when the capture stops
-        try:
-            self._experts = ExpertsCapture(m, layers=set(self._owner.layers),
-                                           blocks={n.rsplit(".", 1)[0]
-                                                   for n in self._owner.modules.values()})
-        except ValueError:  # a family whose experts are not transformers' interface (Llama-4)
+        if self._experts_scan is False:  # a family whose experts are not transformers' interface
             self._experts = None
+        elif self._experts_scan is not None:
+            self._experts = ExpertsCapture(m, scan=self._experts_scan)
+        else:
+            try:
+                self._experts = ExpertsCapture(m, layers=set(self._owner.layers),
+                                               blocks=self._owner.router_blocks())
+            except ValueError:  # (Llama-4)
+                self._experts = None
         self.active = True
 
     def stop(self) -> None:

@@ -19,16 +19,27 @@ def _sdt(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _ids(select, replay_ids, replay_mask):
+def _ids(select, replay_ids, replay_mask, live=None):
     """The final ids: the family's live selection (run without autograd: ids are never
     differentiable, and the recompute of a replayed forward must save the same tensors as the
-    forward did) for the rows not replayed, replay_ids for the replayed rows."""
+    forward did) for the rows not replayed, replay_ids for the replayed rows (replay_mask None:
+    every row). ``live``: a list that receives the live selection, computed also when every row
+    is replayed (the router's own choice, for the mismatch metric), or None."""
     # (Traced by torch.compile: no data-dependent branch; where() gives the same ids.)
-    if replay_ids is not None and not torch.compiler.is_compiling() and bool(replay_mask.all()):
+    every = replay_ids is not None and (replay_mask is None or (
+        not torch.compiler.is_compiling() and bool(replay_mask.all())))
+    if every and live is None:
         return replay_ids
-    with torch.no_grad():
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            ids = select()
+    else:  # (no_grad's context is three Python calls per layer and forward for nothing)
         ids = select()
-    return ids if replay_ids is None else torch.where(replay_mask[:, None], replay_ids, ids)
+    if live is not None:
+        live.append(ids)
+    if replay_ids is None:
+        return ids
+    return replay_ids if every else torch.where(replay_mask[:, None], replay_ids, ids)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,16 +180,16 @@ class Family:
         attr, value = self.spec.group_if
         return getattr(r, attr) is not None if value == SET else getattr(r, attr) == value
 
-    def _sparsemixer(self, r, z, replay_ids, replay_mask):
+    def _sparsemixer(self, r, z, replay_ids, replay_mask, live=None):
         """PhiMoE's sparse mixer in eval mode (K = 2): slot 1 is the best expert, slot 2 the best
         of the others; each slot's weight is a softmax over the experts whose logit is within a
         relative 2·eps of the slot's own (the others, and slot 1's expert for slot 2, masked).
         Replayed ids take the same formula with their own logits as the thresholds."""
-        def live():
+        def own():
             first = z.max(dim=-1, keepdim=True)[1]
             second = z.scatter(-1, first, float("-inf")).max(dim=-1, keepdim=True)[1]
             return torch.cat((first, second), dim=-1)
-        ids = _ids(lambda: live(), replay_ids, replay_mask)
+        ids = _ids(lambda: own(), replay_ids, replay_mask, live)
         eps2 = 2 * float(r.router_jitter_noise)
         weights = []
         masked_before = z
@@ -192,21 +203,22 @@ class Family:
             masked_before = torch.scatter(masked_before, -1, i, float("-inf"))
         return torch.cat(weights, dim=-1), ids
 
-    def route(self, r, logits, replay_ids, replay_mask, passed=(), block=None):
-        """-> (weights [T, K], ids [T, K] int64); replayed rows take replay_ids."""
+    def route(self, r, logits, replay_ids, replay_mask, passed=(), block=None, live=None):
+        """-> (weights [T, K], ids [T, K] int64); replayed rows take replay_ids (replay_mask
+        None: every row); ``live``: None, or a list that receives the family's own ids (``_ids``)."""
         s = self.spec_for(r)
         sd = _sdt(logits)
         K = self.top_k(r, block)
         z = logits
         if s.score == "sparsemixer":
-            return self._sparsemixer(r, z, replay_ids, replay_mask)
+            return self._sparsemixer(r, z, replay_ids, replay_mask, live)
         bias = self._bias(s, r, passed)
         if s.score == "logsigmoid_topk":
-            return self._logsigmoid_topk(s, r, z, bias, K, replay_ids, replay_mask)
+            return self._logsigmoid_topk(s, r, z, bias, K, replay_ids, replay_mask, live)
         if s.score in ("softmax_topk", "sigmoid_dense", "sigmoid_topk"):
             choice = z if bias is None else z + bias
             ids = _ids(lambda: torch.topk(choice.detach(), K, dim=-1, sorted=s.sorted_topk)[1],
-                       replay_ids, replay_mask)
+                       replay_ids, replay_mask, live)
             weights = z.gather(1, ids)
             if s.score == "softmax_topk":
                 weights = F.softmax(weights, dim=-1,
@@ -217,13 +229,13 @@ class Family:
             scores = self._scores(s, r, z, sd)
             if s.select == "hash":
                 ids = _ids(lambda: r.tid2eid[passed[0].reshape(-1)].long(), replay_ids,
-                           replay_mask)
+                           replay_mask, live)
             else:
                 def choice():
                     c = scores.detach().to(sd) if s.select_in_fp32 else scores.detach()
                     return c if bias is None else c + bias
                 ids = _ids(lambda: self._select(s, r, choice(), K, block), replay_ids,
-                           replay_mask)
+                           replay_mask, live)
             weights = scores.gather(1, ids)
         if s.renorm != "none" and (s.renorm_if is None or
                                    _attr(r, s.renorm_if, block) not in (None, False, 0)):
@@ -251,7 +263,7 @@ class Family:
         """The number of shared slots S (the gate's last S rows), 0 without."""
         return 0 if s.shared_slots is None else int(getattr(r, s.shared_slots))
 
-    def _logsigmoid_topk(self, s, r, z, bias, K, replay_ids, replay_mask):
+    def _logsigmoid_topk(self, s, r, z, bias, K, replay_ids, replay_mask, live=None):
         """Inkling: the K best sigmoid scores of the routed experts (+ bias) are selected; the
         weights are a softmax over the K selected and the S shared slots of their log-sigmoid
         logits, × scale × scale_param -> (weights [T, K + S], ids [T, K])."""
@@ -263,7 +275,7 @@ class Family:
             choice = z.sigmoid()[..., :z.shape[-1] - S]
             choice = choice if bias is None else choice + bias.to(sd)
             return torch.topk(choice, K, dim=-1, sorted=s.sorted_topk)[1]
-        ids = _ids(select, replay_ids, replay_mask)
+        ids = _ids(select, replay_ids, replay_mask, live)
         slots = torch.cat([routed.gather(-1, ids), z[..., z.shape[-1] - S:]], dim=-1)
         log_probs = F.logsigmoid(slots)
         weights = torch.exp(log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True))

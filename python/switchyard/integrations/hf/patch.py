@@ -19,7 +19,7 @@ from switchyard import replay as _replay
 from switchyard import routes as syr
 
 from .._adapter import check_version
-from .capture import LAYER_RE, Capture, is_experts
+from .capture import LAYER_RE, Capture, experts_modules, is_experts
 from .families import FAMILIES, _family_of, _gate
 from .spec import REFUSED, REFUSED_ROUTERS
 
@@ -154,10 +154,8 @@ class _Layer:
         native = owner.router_dtype is None
         self._hidden_dtype = hidden_states.dtype
         meta = x.device.type == "meta"  # shape inference: autocast has no meta device
-        ctx = (contextlib.nullcontext() if native or meta
-               else torch.autocast(device_type=x.device.type, enabled=False))
-        with ctx:
-            with fam.native_context(r, x) if native and not meta else contextlib.nullcontext():
+        with _NULL if native or meta else _autocast_off(x.device.type):
+            with fam.native_context(r, x) if native and not meta else _NULL:
                 if native or meta:
                     logits = (fam.native_logits(r, x) if native else
                               _gate(x, *fam.params(r), owner.router_dtype, "torch"))
@@ -191,11 +189,9 @@ class _Layer:
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
         recompute = _replay.in_recompute()  # the checkpoint recompute of this forward
         traced = torch.compiler.is_compiling()  # torch.compile / torch.export: see _traced_state
-        ctx = (contextlib.nullcontext() if native
-               else torch.autocast(device_type=logits.device.type, enabled=False))
-        with ctx:
-            with fam.native_context(r, logits) if native else contextlib.nullcontext():
-                rows = None
+        with _NULL if native else _autocast_off(logits.device.type):
+            with fam.native_context(r, logits) if native else _NULL:
+                rows = staged = None
                 replay_ids = replay_mask = None
                 if traced:
                     replay_ids, replay_mask = self._traced_state(T)
@@ -211,19 +207,27 @@ class _Layer:
                             "transformers models: the checkpoint recompute is detected and "
                             "replayed automatically; use 'replay_forward'")
                     rows = owner.driver.take_forward(self.layer, T)
+                    if rows is not None and rows is self.staged_rows:
+                        staged = self.staged_replay  # staged for a compiled forward: the same
                     self.staged_rows = self.staged_replay = None  # taken here: restaged later
-                    self.counts.add(_replay.ReplayCounts.of_native(T) if rows is None else
-                                    _replay.ReplayCounts.of_rows(rows))
+                    if rows is None:  # (in place: no count record made per layer and forward)
+                        self.counts.add_native(T)
+                    else:
+                        self.counts.add_rows(rows)
                 if rows is not None:  # the core's rows -> the family's (ids, mask) on the device
-                    replay_ids = rows.ids.to(device=logits.device, dtype=torch.int64)
-                    replay_mask = rows.replayed.to(logits.device)
-                weights, ids = fam.route(r, logits, replay_ids, replay_mask, passed, self.block)
-                native_ids = None
-                if rows is not None and not recompute and not traced and \
-                        owner._capture is not None:
-                    with torch.no_grad():  # the router's own choice, for the mismatch metric
-                        native_ids = fam.route(r, logits.detach(), None, None, passed,
-                                               self.block)[1]
+                    replay_ids, replay_mask = (
+                        staged if staged is not None and staged[0].device == logits.device else
+                        (rows.ids.to(device=logits.device, dtype=torch.int64),
+                         rows.replayed.to(logits.device)))
+                    if rows.all_replayed:
+                        replay_mask = None  # every row (known from the counts: no tensor read)
+                # The router's own choice (its live top-k), for the mismatch metric of a replayed
+                # forward under capture: taken from the routing itself, not routed again.
+                live = [] if rows is not None and not recompute and not traced and \
+                    owner._capture is not None else None
+                weights, ids = fam.route(r, logits, replay_ids, replay_mask, passed, self.block,
+                                         live=live)
+                native_ids = live[0] if live else None
             if traced:
                 self._traced_after_forward(ids, T)
             elif not recompute:
@@ -291,6 +295,17 @@ class _Layer:
 
 
 
+def _autocast_off(device_type):
+    """autocast(enabled=False) for ``device_type`` while its autocast is on, else a no-op context
+    (entering and leaving an autocast context costs about 3 us; the router runs it per layer)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return _NULL
+
+
+_NULL = contextlib.nullcontext()  # reentrant and stateless: one for every call that needs none
+
+
 # --------------------------------------------------------------------------------------------------
 # The patch
 # --------------------------------------------------------------------------------------------------
@@ -313,6 +328,7 @@ class Patch:
         """The replay policy of every layer: "error", "native" or "merge"."""
         self._layers = []
         self._capture = None
+        self._experts_scan = None  # capture.experts_modules of the patched layers (capture())
         self._stack_hooks = []  # on the modules that run the decoder layers (see _install)
         self._targets_thread = None  # (ident, name) of the thread whose targets are queued
         self._running = collections.Counter()  # thread ident -> forwards of it in progress
@@ -344,6 +360,16 @@ class Patch:
     def modules(self) -> dict[int, str]:
         """{layer: qualified name of its router module}."""
         return {l.layer: l.name for l in self._layers}
+
+    def router_blocks(self) -> set[str]:
+        """The qualified names of the modules holding the patched routers (the MoE blocks): the
+        experts captured beside them are these blocks' (another modality's experts in the same
+        decoder layer are not).
+
+        Returns:
+            {qualified name of each patched router's parent module}.
+        """
+        return {n.rsplit(".", 1)[0] for n in self.modules.values()}
 
     @property
     def replays(self) -> dict[int, sy.RouterReplay]:
@@ -552,7 +578,7 @@ class Patch:
             rows, r = l.staged_rows, l.replay
             if rows is not None and l.staged_replay is not None and not (
                     r.action == "replay_forward" and (r.num_targets or r.num_recorded) and
-                    torch.equal(r.next_target(), rows.ids)):
+                    ((t := r.next_target()) is rows.ids or torch.equal(t, rows.ids))):
                 l.staged_rows = rows = None  # the queue changed under it (cleared, dropped)
             if rows is not None and l.staged_replay is None:  # a compiled forward took it
                 self.driver.take_forward(l.layer, rows.num_tokens)
@@ -560,8 +586,10 @@ class Patch:
                 l.staged_rows = None
             if l.staged_rows is None and r.action == "replay_forward" and \
                     (r.num_targets or r.num_recorded):
-                rows = self.driver.classify(l.layer, r.next_target())
-                if not isinstance(rows, _replay.ReplayRows):
+                # The queued ReplayRows itself (classified as it was set), so the eager forward
+                # that takes it uses these tensors instead of converting them again.
+                rows = self.driver.peek_forward(l.layer)
+                if rows is None:
                     continue  # a layer without num_experts: eager only
                 dev = l.family.params(l.router)[0].device
                 l.staged_rows = rows
@@ -693,7 +721,13 @@ class Patch:
         """
         if self._capture is not None:
             raise ValueError("[hf.capture] a capture is already running")
-        cap = Capture(self)
+        if self._experts_scan is None:  # the model's experts modules, found once (not per capture)
+            try:
+                self._experts_scan = experts_modules(self.model, set(self.layers),
+                                                      self.router_blocks())
+            except ValueError:  # a family whose experts are not transformers' interface (Llama-4)
+                self._experts_scan = False
+        cap = Capture(self, self._experts_scan)
         cap.start()
         self._capture = cap
         self._sync_traced()  # compiled forwards hand their ids to the capture (ensure_sink)

@@ -1,0 +1,104 @@
+"""Where switchyard's time goes in a TRL GRPOTrainer step: the per-step CPU time of the patched
+router's pieces (gate, routing, capture, hooks) and of the TRL adapter's per-forward work (targets,
+capture, metrics), against the router TRL runs without switchyard, in the same run as
+bench/py_trl_overhead.py (same tiny router-heavy Qwen3-MoE, same steps). Each piece is wrapped
+with a process-CPU-time counter (about 1 us per call, so pieces called thousands of times per step
+read a little high); nested pieces are included in their callers.
+
+    PYTHONPATH=build/python python bench/py_trl_step_profile.py [--quick] [--variant fp32+R3]
+
+Prints, per variant, ms per step and calls per step of every piece, best of the rounds.
+"""
+import collections
+import functools
+import importlib
+import os
+import sys
+import tempfile
+import time
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, here)
+import py_trl_overhead as b  # noqa: E402  (sets the threads, imports trl and the model)
+
+import torch  # noqa: E402
+import trl  # noqa: E402
+
+_acc = collections.defaultdict(float)
+_cnt = collections.Counter()
+_ORDER = ["step (total)"]  # the pieces in the order they are listed (callers before callees)
+
+
+def _wrap(owner, name, label):
+    orig = getattr(owner, name)
+    _ORDER.append(label)
+
+    @functools.wraps(orig)
+    def timed(*args, **kwargs):
+        t = time.process_time()
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            _acc[label] += time.process_time() - t
+            _cnt[label] += 1
+    setattr(owner, name, timed)
+
+
+def _instrument():
+    patch = importlib.import_module("switchyard.integrations.hf.patch")
+    fams = importlib.import_module("switchyard.integrations.hf.families")
+    cap = importlib.import_module("switchyard.integrations.hf.capture")
+    sytrl = importlib.import_module("switchyard.integrations.trl")
+    qwen = importlib.import_module("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    for owner, name, label in [
+            (qwen.Qwen3MoeTopKRouter, "forward", "router forward (trl's own)"),
+            (patch._Layer, "forward", "router forward (patched)"),
+            (patch, "_gate", "  gate"),
+            (patch._Layer, "_route", "  routing + replay + capture"),
+            (fams.Family, "route", "    family routing"),
+            (patch._Layer, "_after_forward", "    capture / record / recompute queue"),
+            (patch._Layer, "_pre_hook", "decoder-layer pre-hook"),
+            (cap.ExpertsCapture, "_on_experts", "experts capture hook"),
+            (patch.Patch, "_step_begins", "model forward begin hook"),
+            (patch.Patch, "_step_ends", "model forward end hook"),
+            (trl.GRPOTrainer, "_generate_single_turn", "generation (whole)"),
+            (sytrl.GRPOTrainer, "_get_per_token_logps_and_entropies",
+             "adapter: log-prob forward (whole)"),
+            (trl.GRPOTrainer, "_get_per_token_logps_and_entropies", "  trl's log-prob forward"),
+            (patch.Patch, "set_targets", "  adapter: set_targets"),
+            (patch.Patch, "capture", "adapter: capture start"),
+            (sytrl.GRPOTrainer, "_sy_record_generation", "adapter: routes of a generation"),
+            (sytrl.GRPOTrainer, "_sy_batch_routes", "adapter: rollout routes -> batch")]:
+        _wrap(owner, name, label)
+
+
+def main():
+    ap = b.trainer_step_parser(completion=16)
+    ap.add_argument("--variant", default="fp32+R3", choices=["patch", "fp32", "fp32+R3"])
+    a = b.trainer_step_args(ap)
+    torch.set_num_threads(int(a.threads))
+    print(b.machine_line())
+    _instrument()
+    best = {}
+    with tempfile.TemporaryDirectory() as out:
+        b.run("trl", a, out)  # warm-up
+        for r in range(a.rounds):
+            for v in (["trl", a.variant] if r % 2 == 0 else [a.variant, "trl"]):
+                _acc.clear()
+                _cnt.clear()
+                _, cpu = b.run(v, a, out)
+                _acc["step (total)"] = cpu
+                _cnt["step (total)"] = a.steps
+                for k, x in _acc.items():
+                    if x < best.get((v, k), (float("inf"),))[0]:
+                        best[(v, k)] = (x, _cnt[k])
+    for v in ("trl", a.variant):
+        print(f"{v}: ms/step, calls/step (best of {a.rounds} rounds)")
+        for k in _ORDER:
+            if (v, k) in best:
+                x, n = best[(v, k)]
+                print(f"  {k:42s} {x / a.steps * 1e3:8.2f} {n / a.steps:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
