@@ -1,0 +1,151 @@
+"""Every supported family (switchyard.integrations.hf.FAMILIES, so a family added to spec.py is
+swept here without an edit) under torch.compile(fullgraph=True): the patched model, with the
+family's own router math (router_dtype=None) and with the fp32 engine gate, compiles to one graph
+(a graph break fails fullgraph), routes and captures the ids eager routes, and replays a step's R3
+targets as eager does (replayed rows take the targets, the others the family's own choice), with
+the same counts.
+
+backend="eager" (dynamo's trace, run by the eager kernels: no AOT or code generation) keeps the
+sweep at about 3 traces per family; test_compile_hf.py compiles the representative families with
+aot_eager (the operators' fake kernels and registered autograd), exports them and generates.
+SWITCHYARD_COMPILE_SHARD="i/n" runs every n-th family from the i-th (the ctest entries split the
+sweep so each stays well inside its timeout); unset, all families run."""
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")  # an optional dependency of switchyard
+
+import switchyard.integrations.hf as syhf  # noqa: E402
+from hf_models import build, tokens  # noqa: E402
+
+_MODEL = {"llama4": "llama4_text"}
+"""The tiny model (hf_models) of a family whose key is not its model_type."""
+
+TRANSFORMERS_BREAKS = {
+    "dbrx": "transformers' DbrxExperts loops over torch.nonzero() of the experts hit (a "
+            "data-dependent length): the unpatched model breaks the graph there too (10 breaks in "
+            "2 layers, transformers 5.25); the patched router adds none (test_dbrx_breaks_are_"
+            "transformers_own)",
+}
+"""Families whose unpatched model does not compile to one graph: transformers' own code, not
+switchyard's; skipped by the sweep with the reason."""
+
+
+def _families():
+    fams = sorted(syhf.FAMILIES)
+    shard = os.environ.get("SWITCHYARD_COMPILE_SHARD")
+    if shard:
+        i, n = (int(v) for v in shard.split("/"))
+        fams = fams[i::n]
+    return fams
+
+
+DTYPES = {"native": None, "fp32": torch.float32}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # each test compiles new models of the same code (recompile limit)
+    yield
+    torch._dynamo.reset()
+
+
+def _targets(p, B, S, seed):
+    # R3 targets: K distinct experts per row (a layer with a smaller K: -1 past its own), every
+    # 3rd token -1 (routed by the family itself).
+    g = torch.Generator().manual_seed(seed)
+    M, K, E = len(p.layers), p.top_k, p.num_experts
+    t = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * S * M)])
+    t = t.view(B, S, M, K)
+    for m, k in enumerate(p.top_ks.values()):
+        t[..., m, k:] = -1
+    t[:, ::3] = -1
+    return t
+
+
+def _halves(cap, p):
+    # The captured ids of the two forwards (eager, then compiled), each [T, moe_layers, K] in
+    # token order: the capture lays forwards out along the sequence ([B, 2S]), or, where the
+    # decoder layer's input is not [B, S, H] (DeepSeek-V4's hyper-connection streams), along
+    # one row ([1, 2T]).
+    ids = cap.ids()[:, :, p.layers]
+    n = ids.shape[1] // 2
+    return (ids[:, :n].reshape(-1, *ids.shape[2:]), ids[:, n:].reshape(-1, *ids.shape[2:]))
+
+
+def _first(out):
+    return out[0]  # logits (a causal LM) or last_hidden_state (a text backbone)
+
+
+def _tol(ref):
+    # backend="eager" runs the same kernels in the same order; allow the few-ulp reorderings a
+    # traced graph may still make (n·eps of the largest magnitude, n = 64), far below a change
+    # of route.
+    return 64 * torch.finfo(torch.float32).eps * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("router_dtype", DTYPES, ids=list(DTYPES))
+@pytest.mark.parametrize("family", _families())
+def test_every_family_compiles_fullgraph_routes_replays_and_captures_as_eager(family,
+                                                                               router_dtype):
+    from torch._dynamo.testing import CompileCounterWithBackend
+    if family in TRANSFORMERS_BREAKS:
+        pytest.skip(TRANSFORMERS_BREAKS[family])
+    model = build(_MODEL.get(family, family))
+    p = syhf.patch(model, router_dtype=DTYPES[router_dtype])
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    B, S = 2, 7
+    x = tokens(B, S, seed=1)
+    with torch.no_grad():
+        # Natively routed, captured: one forward eager, one compiled.
+        with p.capture() as cap:
+            ye = _first(model(x))
+            yc = _first(compiled(x))
+        # (fullgraph=True: a graph break raises. A text backbone, the outermost module, runs its
+        # step hooks as a second frame, also fullgraph.)
+        assert 1 <= counter.frame_count <= 2
+        eager_ids, compiled_ids = _halves(cap, p)
+        assert torch.equal(compiled_ids, eager_ids)
+        assert (yc - ye).abs().max() <= _tol(ye)
+        c = p.counts()  # the compiled forward counted as its eager twin
+        assert all(c[l]["num_calls"] == 2 and c[l]["num_native_rows"] == 2 * B * S
+                   for l in p.layers), c
+        if router_dtype != "fp32":  # R3 runs with the fp32 router (the RL setting)
+            return
+        # R3: the same targets replayed eager, then compiled, captured.
+        t = _targets(p, B, S, seed=2)
+        with p.capture() as cap:
+            p.set_targets(t)
+            ye = _first(model(x))
+            p.set_targets(t)
+            yc = _first(compiled(x))
+        eager_ids, compiled_ids = _halves(cap, p)
+        assert torch.equal(compiled_ids, eager_ids)
+        t = t.view(-1, *t.shape[2:])
+        rows = t[..., 0] >= 0
+        assert torch.equal(compiled_ids[rows], t[rows].to(compiled_ids.dtype))
+        assert (yc - ye).abs().max() <= _tol(ye)
+    c = p.counts()
+    replayed = int(rows[:, 0].sum())  # per layer (the same tokens in every layer)
+    assert all(c[l]["num_calls"] == 4 and c[l]["num_replayed_rows"] == 2 * replayed and
+               c[l]["num_native_rows"] == 2 * B * S + 2 * (B * S - replayed)
+               for l in p.layers), c
+
+
+def test_dbrx_breaks_are_transformers_own():
+    """DBRX's graph breaks are all in transformers' DbrxExperts (its nonzero() loop): the patched
+    model, capturing, breaks nowhere else."""
+    if "dbrx" not in _families():
+        pytest.skip("DBRX is in another shard")
+    model = build("dbrx")
+    p = syhf.patch(model, router_dtype=torch.float32)
+    with torch.no_grad(), p.capture():
+        ex = torch._dynamo.explain(model)(tokens(2, 7))
+    assert ex.graph_break_count > 0  # transformers fixed it: drop dbrx from TRANSFORMERS_BREAKS
+    for b in ex.break_reasons:  # the innermost frame of each break: DBRX's experts loop
+        frame = b.user_stack[-1]
+        assert frame.filename.endswith("modeling_dbrx.py") and frame.name == "forward", \
+            (str(b.reason), frame)
