@@ -149,3 +149,80 @@ def test_dbrx_breaks_are_transformers_own():
         frame = b.user_stack[-1]
         assert frame.filename.endswith("modeling_dbrx.py") and frame.name == "forward", \
             (str(b.reason), frame)
+
+
+# ---- representative families beyond test_compile_hf.py's (one shard runs them) ----
+def _representative():
+    shard = os.environ.get("SWITCHYARD_COMPILE_SHARD")
+    if shard and not shard.startswith("1/"):
+        pytest.skip("the representative families run in shard 1")
+
+
+# Sigmoid + group-limited selection, top-k of the logits then softmax (with a router bias), PhiMoE's
+# sparse mixer. (DeepSeek-V4's hash layers: transformers' static cache does not build for its
+# attention, KeyError 'heavily_compressed_attention', so generate() compiles no forward there; its
+# compile is swept above and exported below.)
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "phimoe"])
+def test_generate_with_a_compiled_forward_captures_as_eager_across_families(family):
+    from transformers import CompileConfig
+    _representative()
+    eager_model, model = build(family), build(family)
+    pe = syhf.patch(eager_model, router_dtype=torch.float32)
+    pc = syhf.patch(model, router_dtype=torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs, **options):  # eager, counting (options: CompileConfig's)
+        graphs.append(gm)
+        return gm.forward
+
+    cfg = CompileConfig(fullgraph=True, backend=backend)
+    cfg._compile_all_devices = True  # transformers compiles on accelerators only by default
+    model.generation_config.compile_config = cfg
+    x = tokens(2, 7)
+    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
+    with pe.capture() as ce:
+        out_e = eager_model.generate(x, **kw)
+    with pc.capture() as cc:
+        out_c = model.generate(x, **kw)
+    assert graphs  # the decode steps ran the compiled forward
+    assert torch.equal(out_c, out_e)
+    assert cc.num_forwards == 5
+    assert torch.equal(cc.ids(), ce.ids())
+    assert pc.counts() == pe.counts()
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids, use_cache=False)[0]
+
+
+# Top-k of the logits then softmax (router bias); DeepSeek-V4 (hash layers: the experts indexed by
+# the input ids, score_fn + correction bias in the others); PhiMoE's sparse mixer.
+@pytest.mark.parametrize("family,router_dtype", [("gpt_oss", "fp32"), ("deepseek_v4", "native"),
+                                                 ("phimoe", "fp32")])
+def test_export_static_and_dynamic_prefill_and_decode_across_families(family, router_dtype):
+    from torch.export import Dim
+    _representative()
+    model = build(family)
+    p = syhf.patch(model, router_dtype=DTYPES[router_dtype])
+    m = _Logits(model)
+    prompt = tokens(2, 7)
+    with torch.no_grad():
+        m(prompt)  # an eager prefill first (its counts stay Python ints)
+        static = torch.export.export(m, (prompt,))
+        ref = m(prompt)
+        assert (static.module()(prompt) - ref).abs().max() <= _tol(ref)
+        prefill = torch.export.export(m, (prompt,), dynamic_shapes=({1: Dim("S", min=2, max=64)},))
+        decode = torch.export.export(m, (tokens(3, 1, seed=1),),
+                                     dynamic_shapes=({0: Dim("B", min=2, max=16)},))
+        for x, ep in ((tokens(2, 12, seed=4), prefill), (tokens(5, 1, seed=6), decode),
+                      (tokens(2, 1, seed=7), decode)):
+            ref = m(x)
+            assert (ep.module()(x) - ref).abs().max() <= _tol(ref), list(x.shape)
+    c = p.counts()
+    assert all(type(v) is int for cl in c.values() for v in cl.values())
+    assert all(c[l]["num_calls"] == 1 + 1 + 3 for l in p.layers), c  # eager calls only
