@@ -33,13 +33,18 @@ TRANSFORMERS_BREAKS = {
 switchyard's; skipped by the sweep with the reason."""
 
 
-def _families():
-    fams = sorted(syhf.FAMILIES)
+def _shard():
+    """(i, n) from SWITCHYARD_COMPILE_SHARD="i/n", or (0, 1)."""
     shard = os.environ.get("SWITCHYARD_COMPILE_SHARD")
-    if shard:
-        i, n = (int(v) for v in shard.split("/"))
-        fams = fams[i::n]
-    return fams
+    if not shard:
+        return 0, 1
+    i, n = (int(v) for v in shard.split("/"))
+    return i, n
+
+
+def _families():
+    i, n = _shard()
+    return sorted(syhf.FAMILIES)[i::n]
 
 
 DTYPES = {"native": None, "fp32": torch.float32}
@@ -153,9 +158,9 @@ def test_dbrx_breaks_are_transformers_own():
 
 # ---- representative families beyond test_compile_hf.py's (one shard runs them) ----
 def _representative():
-    shard = os.environ.get("SWITCHYARD_COMPILE_SHARD")
-    if shard and not shard.startswith("1/"):
-        pytest.skip("the representative families run in shard 1")
+    i, n = _shard()
+    if i != n - 1:
+        pytest.skip("the representative families run in the last shard")
 
 
 # Sigmoid + group-limited selection, top-k of the logits then softmax (with a router bias), PhiMoE's
