@@ -1,9 +1,10 @@
 """Every supported family (switchyard.integrations.hf.FAMILIES, so a family added to spec.py is
 swept here without an edit) under torch.compile(fullgraph=True): the patched model, with the
 family's own router math (router_dtype=None) and with the fp32 engine gate, compiles to one graph
-(a graph break fails fullgraph), routes and captures the ids eager routes, and replays a step's R3
-targets as eager does (replayed rows take the targets, the others the family's own choice), with
-the same counts.
+(a graph break fails fullgraph) and routes and captures the ids eager routes; with the fp32 router
+(R3's setting) it also replays a step's targets as eager does (replayed rows take the targets, the
+others the family's own choice); counts as eager. The representative families' generate() with a
+compiled forward and torch.export beyond test_compile_hf.py's are at the end.
 
 backend="eager" (dynamo's trace, run by the eager kernels: no AOT or code generation) keeps the
 sweep at about 3 traces per family; test_compile_hf.py compiles the representative families with
