@@ -73,9 +73,7 @@ def _targets(p, B, S, seed):
 
 def _halves(cap, p):
     # The captured ids of the two forwards (eager, then compiled), each [T, moe_layers, K] in
-    # token order: the capture lays forwards out along the sequence ([B, 2S]), or, where the
-    # decoder layer's input is not [B, S, H] (DeepSeek-V4's hyper-connection streams), along
-    # one row ([1, 2T]).
+    # token order (the capture lays forwards out along the sequence, [B, 2S]).
     ids = cap.ids()[:, :, p.layers]
     n = ids.shape[1] // 2
     return (ids[:, :n].reshape(-1, *ids.shape[2:]), ids[:, n:].reshape(-1, *ids.shape[2:]))
@@ -232,3 +230,20 @@ def test_export_static_and_dynamic_prefill_and_decode_across_families(family, ro
     c = p.counts()
     assert all(type(v) is int for cl in c.values() for v in cl.values())
     assert all(c[l]["num_calls"] == 1 + 1 + 3 for l in p.layers), c  # eager calls only
+
+
+def test_capture_keeps_the_batch_of_decoder_inputs_with_streams_eager_and_compiled():
+    # DeepSeek-V4's decoder layers take [B, S, hc, H] (hyper-connection streams) and route B * S
+    # tokens: the capture lays them out [B, S] as for any family, eager and compiled.
+    _representative()
+    model = build("deepseek_v4")
+    p = syhf.patch(model, router_dtype=torch.float32)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    x = tokens(2, 7, seed=5)
+    with torch.no_grad(), p.capture() as cap:
+        model(x)
+        compiled(x)
+    ids = cap.ids()
+    assert list(ids.shape) == [2, 14, p.num_hidden_layers, p.top_k]
+    assert torch.equal(ids[:, 7:], ids[:, :7])
+    assert torch.equal(cap.expert_ids(), ids[:, :7])  # the experts hooks observe eager forwards

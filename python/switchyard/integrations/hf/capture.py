@@ -28,6 +28,15 @@ def is_experts(mod: torch.nn.Module) -> bool:
                                          "is_concatenated", "_is_expert_parallel"))
 
 
+def _batch_shape(shape, T):
+    """(B, S) of a decoder layer's input shape (without its hidden dimension) whose T = B * S
+    tokens the router routed: the leading two dimensions, also of an input with more (DeepSeek-V4's
+    hyper-connection streams, [B, S, hc, H]); (1, T) when they are not B * S = T."""
+    if shape is None or len(shape) < 2 or shape[0] * shape[1] != T:
+        return (1, T)
+    return (shape[0], shape[1])
+
+
 def _received_ids(args, kwargs):
     ids = args[1] if len(args) > 1 else kwargs.get("top_k_index")
     return ids if isinstance(ids, torch.Tensor) else None
@@ -102,8 +111,7 @@ class ExpertsCapture:
         ids = ids.detach().to(device="cpu", dtype=torch.int32).reshape(-1, ids.shape[-1])
         shape = self._shape.pop(layer, None)
         T = ids.shape[0]
-        if shape is None or len(shape) != 2 or shape[0] * shape[1] != T:
-            shape = (1, T)
+        shape = _batch_shape(shape, T)
         step = ids.view(shape[0], shape[1], -1)
         steps = self._steps[layer]
         if self.refeed and steps:
@@ -305,7 +313,8 @@ class Capture:
         Args:
             layer: the decoder layer's number (one of ``Patch.layers``).
             ids32: int32 [T, K] on the CPU, the ids the forward routed.
-            batch_shape: (B, S) of the decoder layer's input, or None (taken as (1, T)).
+            batch_shape: the decoder layer's input shape without its hidden dimension ((B, S),
+                or (B, S, streams)), or None (taken as (1, T)).
             num_tokens: T.
             native32: int32 [T, K], the router's own top-k where it differs from ``ids32``
                 (a replayed forward), or None (equal).
@@ -315,8 +324,7 @@ class Capture:
                 captured sequences.
         """
         T = num_tokens
-        if batch_shape is None or len(batch_shape) != 2 or batch_shape[0] * batch_shape[1] != T:
-            batch_shape = (1, T)
+        batch_shape = _batch_shape(batch_shape, T)
         step = ids32.view(batch_shape[0], batch_shape[1], -1)
         nat = step if native32 is None else native32.view(step.shape)
         steps = self._steps[layer]

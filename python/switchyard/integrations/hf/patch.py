@@ -266,7 +266,7 @@ class _Layer:
             return
         batch_shape = self.batch_shape
         self.will_recompute, self.batch_shape = False, None
-        b, s = batch_shape if batch_shape is not None and len(batch_shape) == 2 else (0, T)
+        b, s = batch_shape[:2] if batch_shape is not None and len(batch_shape) >= 2 else (0, T)
         _ops.route_sink(ids, self.sink_token, self.sink_key, b, s)
 
     def _on_traced_ids(self, ids, batch, seq):
