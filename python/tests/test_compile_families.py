@@ -27,8 +27,12 @@ _MODEL = {"llama4": "llama4_text"}
 TRANSFORMERS_BREAKS = {
     "dbrx": "transformers' DbrxExperts loops over torch.nonzero() of the experts hit (a "
             "data-dependent length): the unpatched model breaks the graph there too (10 breaks in "
-            "2 layers, transformers 5.25); the patched router adds none (test_dbrx_breaks_are_"
-            "transformers_own)",
+            "2 layers, transformers 5.25); the patched router adds none "
+            "(test_transformers_breaks_are_its_own)",
+    "qwen4_exp": "transformers' Qwen4-Exp selects tokens with torch.nonzero() in its "
+                 "_select_tokens (a data-dependent length): the unpatched model breaks the graph "
+                 "there too (13 breaks, transformers 5.25); the patched router adds none "
+                 "(test_transformers_breaks_are_its_own)",
 }
 """Families whose unpatched model does not compile to one graph: transformers' own code, not
 switchyard's; skipped by the sweep with the reason."""
@@ -139,20 +143,20 @@ def test_every_family_compiles_fullgraph_routes_replays_and_captures_as_eager(fa
                for l in p.layers), c
 
 
-def test_dbrx_breaks_are_transformers_own():
-    """DBRX's graph breaks are all in transformers' DbrxExperts (its nonzero() loop): the patched
-    model, capturing, breaks nowhere else."""
-    if "dbrx" not in _families():
-        pytest.skip("DBRX is in another shard")
-    model = build("dbrx")
+@pytest.mark.parametrize("family", sorted(TRANSFORMERS_BREAKS))
+def test_transformers_breaks_are_its_own(family):
+    """A skipped family's graph breaks are all in its transformers modeling file (DBRX's experts
+    loop, Qwen4-Exp's token selection): the patched model, capturing, breaks nowhere else."""
+    if family not in _families():
+        pytest.skip(f"{family} is in another shard")
+    model = build(_MODEL.get(family, family))
     p = syhf.patch(model, router_dtype=torch.float32)
     with torch.no_grad(), p.capture():
         ex = torch._dynamo.explain(model)(tokens(2, 7))
-    assert ex.graph_break_count > 0  # transformers fixed it: drop dbrx from TRANSFORMERS_BREAKS
-    for b in ex.break_reasons:  # the innermost frame of each break: DBRX's experts loop
+    assert ex.graph_break_count > 0, f"transformers fixed it: drop {family} from the skips"
+    for b in ex.break_reasons:  # the innermost frame of each break: the family's own code
         frame = b.user_stack[-1]
-        assert frame.filename.endswith("modeling_dbrx.py") and frame.name == "forward", \
-            (str(b.reason), frame)
+        assert frame.filename.endswith(f"modeling_{family}.py"), (str(b.reason), frame)
 
 
 # ---- representative families beyond test_compile_hf.py's (one shard runs them) ----
