@@ -70,3 +70,19 @@ def trainer_step_args(ap):
     if a.quick:
         a.hidden, a.layers, a.steps, a.rounds = 64, 2, 2, 2
     return a
+
+
+def trl_trainer_kwargs(a, out):
+    """GRPOTrainer keyword arguments of the TRL overhead benches: the TRL tests' tiny Qwen3-MoE
+    (python/tests_trl/trl_models.py, on sys.path) in ``a``'s shape (trainer_step_args), its
+    tokenizer, dataset and length reward, num_iterations 2 (an old log-prob pass per step), output
+    to ``out``. The caller seeds torch first."""
+    import trl_models as tm
+    model = tm.model(hidden_size=a.hidden, num_hidden_layers=a.layers, num_experts=a.experts,
+                     moe_intermediate_size=a.hidden // 2, intermediate_size=2 * a.hidden,
+                     head_dim=a.hidden // 4)
+    args = tm.config(out, per_device_train_batch_size=a.batch, num_generations=a.batch // 2,
+                     max_completion_length=a.completion, max_steps=a.steps, num_iterations=2,
+                     logging_steps=10**6)
+    return dict(model=model, reward_funcs=tm.reward_len, args=args, train_dataset=tm.dataset(64),
+                processing_class=tm.tokenizer())

@@ -33,24 +33,17 @@ import torch  # noqa: E402
 import trl  # noqa: E402
 
 from bench_machine import (best_of_rotated_rounds, machine_line, print_step_ratios,  # noqa: E402
-                           trainer_step_args, trainer_step_parser)
+                           trainer_step_args, trainer_step_parser, trl_trainer_kwargs)
 import switchyard.integrations.hf as syhf  # noqa: E402
 import switchyard.integrations.trl as sytrl  # noqa: E402
-import trl_models as tm  # noqa: E402  (the TRL tests' tiny model, tokenizer and dataset)
 
 
 def run(variant, a, out):
     """(wall, process CPU) seconds for a.steps training steps of a fresh trainer (construction
     not timed)."""
     torch.manual_seed(0)
-    model = tm.model(hidden_size=a.hidden, num_hidden_layers=a.layers, num_experts=a.experts,
-                     moe_intermediate_size=a.hidden // 2, intermediate_size=2 * a.hidden,
-                     head_dim=a.hidden // 4)
-    args = tm.config(out, per_device_train_batch_size=a.batch, num_generations=a.batch // 2,
-                     max_completion_length=a.completion, max_steps=a.steps, num_iterations=2,
-                     logging_steps=10**6)
-    kw = dict(model=model, reward_funcs=tm.reward_len, args=args, train_dataset=tm.dataset(64),
-              processing_class=tm.tokenizer())
+    kw = trl_trainer_kwargs(a, out)
+    model = kw["model"]
     if variant in ("trl", "patch"):
         if variant == "patch":  # the routers alone: hf.patch, no capture, replay or metrics
             syhf.patch(model, router_dtype=torch.float32)

@@ -30,7 +30,7 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "..", "python", "tests_trl"))
 
 from bench_machine import (best_of_rotated_rounds, machine_line, print_step_ratios,  # noqa: E402
-                           trainer_step_args, trainer_step_parser)
+                           trainer_step_args, trainer_step_parser, trl_trainer_kwargs)
 
 
 def _parser():
@@ -47,16 +47,8 @@ def run(variant, a, out):
     import transformers
     import trl
     import switchyard.integrations.trl as sytrl
-    import trl_models as tm  # the TRL tests' tiny model, tokenizer and dataset
     torch.manual_seed(0)
-    model = tm.model(hidden_size=a.hidden, num_hidden_layers=a.layers, num_experts=a.experts,
-                     moe_intermediate_size=a.hidden // 2, intermediate_size=2 * a.hidden,
-                     head_dim=a.hidden // 4)
-    args = tm.config(out, per_device_train_batch_size=a.batch, num_generations=a.batch // 2,
-                     max_completion_length=a.completion, max_steps=a.steps, num_iterations=2,
-                     logging_steps=10**6)
-    kw = dict(model=model, reward_funcs=tm.reward_len, args=args, train_dataset=tm.dataset(64),
-              processing_class=tm.tokenizer())
+    kw = trl_trainer_kwargs(a, out)
     if variant == "trl":
         tr = trl.GRPOTrainer(**kw)
     else:

@@ -298,3 +298,34 @@ def unpack(family, out):
     if family == "llama4_text":
         return out[1], out[0], None
     return out[0], out[1], out[2]
+
+
+def check_generate_with_a_compiled_forward(family, backend_name):
+    """generate() of a patched fp32-router model whose decode steps transformers compiles itself
+    (static cache + compile_config, fullgraph, dynamo backend ``backend_name``) equals eager's:
+    tokens, the captured ids of every forward, and the counts."""
+    import switchyard.integrations.hf as syhf
+    from transformers import CompileConfig
+    eager_model, model = build(family), build(family)
+    pe = syhf.patch(eager_model, router_dtype=torch.float32)
+    pc = syhf.patch(model, router_dtype=torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs, **options):  # counting (options: CompileConfig's)
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(backend_name)(gm, example_inputs)
+
+    cfg = CompileConfig(fullgraph=True, backend=backend)
+    cfg._compile_all_devices = True  # transformers compiles on accelerators only by default
+    model.generation_config.compile_config = cfg
+    x = tokens(2, 7)
+    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
+    with pe.capture() as ce:
+        out_e = eager_model.generate(x, **kw)
+    with pc.capture() as cc:
+        out_c = model.generate(x, **kw)
+    assert graphs  # the decode steps ran the compiled forward
+    assert torch.equal(out_c, out_e)
+    assert cc.num_forwards == 5
+    assert torch.equal(cc.ids(), ce.ids())
+    assert pc.counts() == pe.counts()

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers")  # an optional dependency of switchyard
 
 import switchyard.integrations.hf as syhf  # noqa: E402
-from hf_models import build, tokens  # noqa: E402
+from hf_models import build, check_generate_with_a_compiled_forward, tokens  # noqa: E402
 
 _MODEL = {"llama4": "llama4_text"}
 """The tiny model (hf_models) of a family whose key is not its model_type."""
@@ -172,31 +172,8 @@ def _representative():
 # compile is swept above and exported below.)
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "phimoe"])
 def test_generate_with_a_compiled_forward_captures_as_eager_across_families(family):
-    from transformers import CompileConfig
     _representative()
-    eager_model, model = build(family), build(family)
-    pe = syhf.patch(eager_model, router_dtype=torch.float32)
-    pc = syhf.patch(model, router_dtype=torch.float32)
-    graphs = []
-
-    def backend(gm, example_inputs, **options):  # eager, counting (options: CompileConfig's)
-        graphs.append(gm)
-        return gm.forward
-
-    cfg = CompileConfig(fullgraph=True, backend=backend)
-    cfg._compile_all_devices = True  # transformers compiles on accelerators only by default
-    model.generation_config.compile_config = cfg
-    x = tokens(2, 7)
-    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
-    with pe.capture() as ce:
-        out_e = eager_model.generate(x, **kw)
-    with pc.capture() as cc:
-        out_c = model.generate(x, **kw)
-    assert graphs  # the decode steps ran the compiled forward
-    assert torch.equal(out_c, out_e)
-    assert cc.num_forwards == 5
-    assert torch.equal(cc.ids(), ce.ids())
-    assert pc.counts() == pe.counts()
+    check_generate_with_a_compiled_forward(family, "eager")
 
 
 class _Logits(torch.nn.Module):

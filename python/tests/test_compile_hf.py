@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")  # an optional dependency of switchyard
 
 import switchyard.integrations.hf as syhf  # noqa: E402
-from hf_models import build, tokens  # noqa: E402
+from hf_models import build, check_generate_with_a_compiled_forward, tokens  # noqa: E402
 
 # Softmax top-k; sigmoid + groups with a dense first layer; GPT-OSS (router bias, softmax after
 # top-k, sliding attention). OLMoE passes too (checked once, 2026-12): left out to keep the ctest
@@ -230,31 +230,7 @@ def test_capture_and_record_under_fullgraph_compile_equal_eager(router_dtype):
 
 def test_generate_with_a_compiled_forward_captures_as_eager():
     # transformers compiles the decode steps' forward itself (static cache + compile_config).
-    from transformers import CompileConfig
-    family = "qwen3_moe"
-    eager_model, model = build(family), build(family)
-    pe = syhf.patch(eager_model, router_dtype=torch.float32)
-    pc = syhf.patch(model, router_dtype=torch.float32)
-    graphs = []
-
-    def backend(gm, example_inputs, **options):  # aot_eager, counting (options: CompileConfig's)
-        graphs.append(gm)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-    cfg = CompileConfig(fullgraph=True, backend=backend)
-    cfg._compile_all_devices = True  # transformers compiles on accelerators only by default
-    model.generation_config.compile_config = cfg
-    x = tokens(2, 7)
-    kw = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
-    with pe.capture() as ce:
-        out_e = eager_model.generate(x, **kw)
-    with pc.capture() as cc:
-        out_c = model.generate(x, **kw)
-    assert graphs  # the decode steps ran the compiled forward
-    assert torch.equal(out_c, out_e)
-    assert cc.num_forwards == 5
-    assert torch.equal(cc.ids(), ce.ids())
-    assert pc.counts() == pe.counts()
+    check_generate_with_a_compiled_forward("qwen3_moe", "aot_eager")
 
 
 @pytest.mark.parametrize("family", ["gpt_oss"])
