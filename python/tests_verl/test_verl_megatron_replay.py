@@ -212,69 +212,13 @@ NL, HID, VOCAB = 2, 32, 97
 
 
 def _cpu_engine(tmp_path, monkeypatch):
-    """SwitchyardMegatronEngine from verl's registry (R3, padded layout), with a Megatron-Core
-    GPT MoE model built here in place of initialize() (which needs Megatron-Bridge). Shims, each
-    needed on the CPU only: the schedule's token counter is allocated on "cuda"; the model turns
-    verl's [B, S] padding mask (read by TE's attention) into the [B, 1, S, S] mask Megatron-Core's
-    local attention takes; a tokenizer-less config gets the pad id verl reads from a tokenizer."""
-    import types
-
-    import megatron.core.pipeline_parallel.schedules as schedules
+    """SwitchyardMegatronEngine from verl's registry (R3, padded layout) on a Megatron-Core GPT MoE
+    model built in place of initialize() (verl_cpu.megatron_engine: its CPU shims undone after
+    the test) -> (engine, {router key: its last routing map})."""
     import verl_cpu
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import (EngineRouterReplayConfig, HFModelConfig, McoreEngineConfig,
-                                     McoreOptimizerConfig)
-    from verl.workers.engine import EngineRegistry
-
-    class _CpuTorch:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        def zeros(self, *a, **k):
-            if k.get("device") == "cuda":
-                k["device"] = "cpu"
-            return torch.zeros(*a, **k)
-    monkeypatch.setattr(schedules, "torch", _CpuTorch())
-    megatron_shims.install()  # the engine's __init__ seeds Megatron's CUDA RNG tracker
-
-    class CpuGPT(GPTModel):
-        def forward(self, input_ids, position_ids, attention_mask, **kw):
-            S = attention_mask.shape[1]
-            causal = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
-            mask = causal[None, None] | ~attention_mask[:, None, None, :].bool()
-            return super().forward(input_ids, position_ids, mask, **kw)
-
-    monkeypatch.setenv("VERL_ENGINE_VENDOR", "switchyard")
     path = verl_cpu.tiny_qwen3_moe(tmp_path / "m", num_hidden_layers=NL)
-    mc = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=False)
-    eng = EngineRegistry.new(
-        model_type="language_model", backend="megatron", model_config=mc,
-        engine_config=McoreEngineConfig(strategy="megatron", use_remove_padding=False,
-                                        router_replay=EngineRouterReplayConfig(mode="R3")),
-        optimizer_config=McoreOptimizerConfig(lr=1e-2), checkpoint_config=CheckpointConfig())
-    object.__setattr__(mc, "tokenizer", types.SimpleNamespace(pad_token_id=0))
-    cfg = TransformerConfig(
-        num_layers=NL, hidden_size=HID, num_attention_heads=4, num_query_groups=2, kv_channels=8,
-        ffn_hidden_size=64, moe_ffn_hidden_size=16, num_moe_experts=E, moe_router_topk=K,
-        moe_token_dispatcher_type="alltoall", add_bias_linear=False, use_cpu_initialization=True,
-        moe_permute_fusion=False, params_dtype=torch.float32, moe_router_dtype="fp32",
-        moe_aux_loss_coeff=0.0, normalization="RMSNorm", gated_linear_unit=True,
-        qk_layernorm=True, init_method_std=0.2)
-    torch.manual_seed(0)
-    model = CpuGPT(cfg, get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False,
-                                                 qk_layernorm=True),
-                   vocab_size=VOCAB, max_sequence_length=128, position_embedding_type="rope")
-    model.eval()
-    eng.tf_config, eng.module, eng.is_value_model = cfg, [model], False
-    eng.router_replays = sym.attach_replay(eng.module, invalid_replay_rows="merge")
-    maps = {}
-    for r in sym.replays(eng.module):
-        router = next(m for m in model.modules() if getattr(m, "_sy", None) is not None and
-                      m._sy.key == r)
-        router.register_forward_hook(lambda m, a, out, r=r: maps.__setitem__(r, out[1].clone()))
+    eng, maps, _ = verl_cpu.megatron_engine(path, num_layers=NL, hidden=HID, vocab=VOCAB,
+                                            num_experts=E, top_k=K, monkeypatch=monkeypatch)
     return eng, maps
 
 

@@ -157,6 +157,93 @@ def engine(model_path, *, use_remove_padding=True, micro_batch_size=2, lr=1e-2, 
     return eng
 
 
+
+def megatron_engine(path, *, ep=1, tp=1, num_layers=2, hidden=32, vocab=128, num_experts=8,
+                    top_k=2, holder=None, monkeypatch=None):
+    """SwitchyardMegatronEngine from verl's registry (R3, padded layout) with a Megatron-Core GPT
+    MoE model built here in place of initialize() (which needs Megatron-Bridge), expert parallel
+    ``ep`` and tensor parallel ``tp`` (sequence parallel when tp > 1) over the process group.
+    Shims, each needed on the CPU only: the schedule's token counter is allocated on "cuda"; the
+    model turns verl's [B, S] padding mask (read by TE's attention) into the [B, 1, S, S] mask
+    Megatron-Core's local attention takes; a tokenizer-less config gets the pad id verl reads from
+    a tokenizer. ``monkeypatch`` (pytest's): the shims and VERL_ENGINE_VENDOR undone after the
+    test; None: set for the process. ``holder``: receives the engine as "eng" before the model
+    is built (whose build may fail). Returns (engine, {router key: its last routing map}, model).
+    """
+    import sys
+    import types
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import megatron_shims  # (python/tests)
+    import megatron.core.pipeline_parallel.schedules as schedules
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import (EngineRouterReplayConfig, HFModelConfig, McoreEngineConfig,
+                                     McoreOptimizerConfig)
+    from verl.workers.engine import EngineRegistry
+
+    import switchyard.integrations.megatron as sym
+
+    class _CpuTorch:  # Megatron's schedule allocates its token counter on "cuda"
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def zeros(self, *a, **k):
+            if k.get("device") == "cuda":
+                k["device"] = "cpu"
+            return torch.zeros(*a, **k)
+    if monkeypatch is None:
+        schedules.torch = _CpuTorch()
+        os.environ["VERL_ENGINE_VENDOR"] = "switchyard"
+    else:
+        monkeypatch.setattr(schedules, "torch", _CpuTorch())
+        monkeypatch.setenv("VERL_ENGINE_VENDOR", "switchyard")
+    megatron_shims.install()
+
+    class CpuGPT(GPTModel):  # verl's [B, S] padding mask -> local attention's [B, 1, S, S]
+        def forward(self, input_ids, position_ids, attention_mask, **kw):
+            S = attention_mask.shape[1]
+            causal = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
+            mask = causal[None, None] | ~attention_mask[:, None, None, :].bool()
+            return super().forward(input_ids, position_ids, mask, **kw)
+
+    mc = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=False)
+    eng = EngineRegistry.new(
+        model_type="language_model", backend="megatron", model_config=mc,
+        engine_config=McoreEngineConfig(strategy="megatron", use_remove_padding=False,
+                                        expert_model_parallel_size=ep,
+                                        tensor_model_parallel_size=tp,
+                                        router_replay=EngineRouterReplayConfig(mode="R3")),
+        optimizer_config=McoreOptimizerConfig(lr=1e-2), checkpoint_config=CheckpointConfig())
+    object.__setattr__(mc, "tokenizer", types.SimpleNamespace(pad_token_id=0))
+    if holder is not None:
+        holder["eng"] = eng
+    cfg = TransformerConfig(
+        num_layers=num_layers, hidden_size=hidden, num_attention_heads=4, num_query_groups=2,
+        kv_channels=8, ffn_hidden_size=64, moe_ffn_hidden_size=16, num_moe_experts=num_experts,
+        moe_router_topk=top_k,
+        moe_token_dispatcher_type="alltoall", add_bias_linear=False, use_cpu_initialization=True,
+        moe_permute_fusion=False, params_dtype=torch.float32, moe_router_dtype="fp32",
+        moe_aux_loss_coeff=0.0, normalization="RMSNorm", gated_linear_unit=True,
+        qk_layernorm=True, init_method_std=0.2, expert_model_parallel_size=ep,
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    torch.manual_seed(0)
+    model = CpuGPT(cfg, get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                 qk_layernorm=True),
+                   vocab_size=vocab, max_sequence_length=128, position_embedding_type="rope")
+    model.eval()
+    eng.tf_config, eng.module, eng.is_value_model = cfg, [model], False
+    eng.router_replays = sym.attach_replay(eng.module, invalid_replay_rows="merge")
+    maps = {}
+    for r in sym.replays(eng.module):
+        router = next(m for m in model.modules() if getattr(m, "_sy", None) is not None and
+                      m._sy.key == r)
+        router.register_forward_hook(lambda m, a, out, r=r: maps.__setitem__(r, out[1].clone()))
+    return eng, maps, model
+
+
 def batch(prompts, responses, *, num_hidden_layers, top_k, routed_experts=None, pad_id=0,
           micro_batch_size=2, use_remove_padding=True, temperature=1.0, **non_tensor):
     """A verl batch as the PPO trainer hands it to the engine: DataProto's layout (left-padded
