@@ -28,6 +28,40 @@ py::module_& torch_module();
 
 namespace {
 
+// The Python names and torch objects every borrow reads, made once: an attribute looked up by a C
+// string builds and hashes a new str per call, and torch's dtypes and Tensor type are singletons.
+// Leaked on purpose (nothing may be released after the interpreter shuts down). Measured with
+// bench/py_bridge_overhead.py: the borrow of a small tensor is mostly these lookups.
+py::handle interned(const char* s) { return PyUnicode_InternFromString(s); }
+
+struct Names {
+  py::handle dtype = interned("dtype"), is_cpu = interned("is_cpu"),
+             is_contiguous = interned("is_contiguous"), contiguous = interned("contiguous"),
+             shape = interned("shape"), data_ptr = interned("data_ptr");
+};
+const Names& names() {
+  static const Names* n = new Names();
+  return *n;
+}
+
+// torch's dtypes in DType order (none where this torch lacks one: uint16 before torch 2.3).
+constexpr DType kDTypes[] = {DType::fp32,  DType::fp64,    DType::bf16,  DType::int32, DType::int64,
+                             DType::uint8, DType::boolean, DType::int16, DType::uint16};
+constexpr const char* kDTypeNames[] = {"float32", "float64", "bfloat16", "int32", "int64",
+                                       "uint8",   "bool",    "int16",    "uint16"};
+constexpr size_t kNumDTypes = sizeof(kDTypes) / sizeof(kDTypes[0]);
+const std::vector<py::handle>& torch_dtypes() {
+  static const std::vector<py::handle>* d = [] {
+    auto* v = new std::vector<py::handle>();
+    for (const char* n : kDTypeNames) {
+      v->push_back(py::hasattr(torch_module(), n) ? py::object(torch_module().attr(n)).release()
+                                                  : py::handle());
+    }
+    return v;
+  }();
+  return *d;
+}
+
 // DLPack device codes (dlpack.h DLDeviceType).
 constexpr int32_t kDLCPU = 1;
 constexpr int32_t kDLCUDA = 2;
@@ -37,8 +71,7 @@ Device device_of(py::handle obj, const std::string& where) {
   // Fast path: a plain torch.Tensor on the CPU. torch's own __dlpack_device__ derives kDLCPU from
   // exactly this, but through a Python-level method (measured: 1.3 us of a 2 us borrow).
   static py::handle* tensor_type = new py::handle(torch_module().attr("Tensor"));
-  if (py::type::handle_of(obj).is(*tensor_type) &&
-      obj.attr("device").attr("type").cast<std::string>() == "cpu") {
+  if (py::type::handle_of(obj).is(*tensor_type) && obj.attr(names().is_cpu).ptr() == Py_True) {
     return kCpu;
   }
   // Otherwise the DLPack protocol says where the memory is (torch.device spells every backend its
@@ -77,15 +110,10 @@ py::module_& torch_module() {
 
 DType dtype_from_torch(py::handle torch_dtype, const char* op, const char* name) {
   py::module_& torch = torch_module();
-  if (torch_dtype.is(torch.attr("float32"))) return DType::fp32;
-  if (torch_dtype.is(torch.attr("float64"))) return DType::fp64;
-  if (torch_dtype.is(torch.attr("bfloat16"))) return DType::bf16;
-  if (torch_dtype.is(torch.attr("int32"))) return DType::int32;
-  if (torch_dtype.is(torch.attr("int64"))) return DType::int64;
-  if (torch_dtype.is(torch.attr("uint8"))) return DType::uint8;
-  if (torch_dtype.is(torch.attr("bool"))) return DType::boolean;
-  if (torch_dtype.is(torch.attr("int16"))) return DType::int16;
-  if (py::hasattr(torch, "uint16") && torch_dtype.is(torch.attr("uint16"))) return DType::uint16;
+  const std::vector<py::handle>& dtypes = torch_dtypes();
+  for (size_t i = 0; i < kNumDTypes; ++i) {
+    if (dtypes[i] && torch_dtype.is(dtypes[i])) return kDTypes[i];
+  }
   if (torch_dtype.is(torch.attr("float16"))) {
     // Decided: no fp16 kernels. Its range differs from bf16's, so it cannot be reinterpreted, and
     // a silent conversion would hide a copy; the caller casts (fp16 -> fp32 is exact).
@@ -100,6 +128,10 @@ DType dtype_from_torch(py::handle torch_dtype, const char* op, const char* name)
 }
 
 py::object torch_dtype(DType dtype) {
+  const std::vector<py::handle>& dtypes = torch_dtypes();
+  for (size_t i = 0; i < kNumDTypes; ++i) {
+    if (kDTypes[i] == dtype && dtypes[i]) return py::reinterpret_borrow<py::object>(dtypes[i]);
+  }
   py::module_& torch = torch_module();
   switch (dtype) {
     case DType::bf16:
@@ -125,14 +157,15 @@ py::object torch_dtype(DType dtype) {
 }
 
 Arg borrow(py::handle obj, const char* op, const char* name, std::initializer_list<DType> allowed) {
-  py::module_& torch = torch_module();
+  static py::handle* tensor_type = new py::handle(torch_module().attr("Tensor"));
   const std::string where = "[" + std::string(op) + "] " + name;
-  if (!py::isinstance(obj, torch.attr("Tensor"))) {
+  if (!py::isinstance(obj, *tensor_type)) {
     value_error(where + " must be a torch.Tensor, got " +
                 py::str(py::type::of(obj).attr("__name__")).cast<std::string>());
   }
+  const Names& n = names();
   const Device device = device_of(obj, where);
-  const DType dtype = dtype_from_torch(obj.attr("dtype"), op, name);
+  const DType dtype = dtype_from_torch(obj.attr(n.dtype), op, name);
   if (allowed.size() != 0) {
     bool ok = false;
     for (DType d : allowed) ok = ok || d == dtype;
@@ -143,10 +176,10 @@ Arg borrow(py::handle obj, const char* op, const char* name, std::initializer_li
   }
   Arg arg;
   arg.keep = py::reinterpret_borrow<py::object>(obj);
-  if (!arg.keep.attr("is_contiguous")().cast<bool>()) arg.keep = arg.keep.attr("contiguous")();
+  if (arg.keep.attr(n.is_contiguous)().ptr() != Py_True) arg.keep = arg.keep.attr(n.contiguous)();
   Shape shape;
-  for (py::handle s : arg.keep.attr("shape")) shape.push_back(s.cast<int64_t>());
-  const auto ptr = arg.keep.attr("data_ptr")().cast<uintptr_t>();
+  for (py::handle s : arg.keep.attr(n.shape)) shape.push_back(s.cast<int64_t>());
+  const auto ptr = arg.keep.attr(n.data_ptr)().cast<uintptr_t>();
   arg.t = Tensor::borrow(reinterpret_cast<void*>(ptr), shape, dtype, device);
   return arg;
 }
@@ -256,8 +289,13 @@ py::object to_torch(Tensor t) {
   });
   if (!cap) throw py::error_already_set();
   owner.release();
-  static py::object* from_dlpack =
-      new py::object(torch_module().attr("from_dlpack"));
+  // torch.from_dlpack is a Python function that hands a capsule to torch._C._from_dlpack: call
+  // that directly where this torch has it (a Python frame less per result).
+  static py::object* from_dlpack = [] {
+    py::object c = torch_module().attr("_C");
+    return new py::object(py::hasattr(c, "_from_dlpack") ? c.attr("_from_dlpack")
+                                                         : torch_module().attr("from_dlpack"));
+  }();
   return (*from_dlpack)(py::reinterpret_steal<py::object>(cap));
 }
 
