@@ -28,7 +28,7 @@ from torch import Tensor
 from . import _switchyard as _C
 
 __all__ = ["router_gating_linear", "router_gating_linear_backward", "RouterGatingLinear",
-           "no_autocast", "input_jitter", "route_sink",
+           "gate_kernel", "no_autocast", "input_jitter", "route_sink",
            "add_route_sink", "route_sink_owner", "topk_route", "topk_route_backward",
            "config_key", "ROUTE_STATS", "permute", "permute_backward", "unpermute",
            "unpermute_backward", "OPERATORS"]
@@ -51,7 +51,8 @@ def no_autocast():
 # --------------------------------------------------------------------------------------------------
 # Router gate: logits [T, E] = x [T, H] · weight [E, H]ᵀ (+ bias [E]) in router_dtype.
 # --------------------------------------------------------------------------------------------------
-def _gate(x: Tensor, weight: Tensor, bias: Tensor | None, router_dtype: torch.dtype) -> Tensor:
+def gate_kernel(x: Tensor, weight: Tensor, bias: Tensor | None,
+                router_dtype: torch.dtype) -> Tensor:
     """x [T, H] bf16/fp32 (fp64 with router_dtype fp64), weight [E, H], bias [E] or None ->
     logits [T, E] in router_dtype (torch.float32 / torch.float64). Deterministic and batch
     invariant (the engine's fixed accumulation order)."""
@@ -59,7 +60,7 @@ def _gate(x: Tensor, weight: Tensor, bias: Tensor | None, router_dtype: torch.dt
         return _C.router_gating_linear(x, weight, bias, router_dtype)
 
 
-router_gating_linear = torch.library.custom_op("switchyard::router_gating_linear", _gate,
+router_gating_linear = torch.library.custom_op("switchyard::router_gating_linear", gate_kernel,
                                                mutates_args=())
 
 
@@ -132,7 +133,7 @@ class RouterGatingLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, router_dtype):
         _gate_setup_context(ctx, (x, weight, bias, router_dtype), None)
-        return _gate(x, weight, bias, router_dtype)
+        return gate_kernel(x, weight, bias, router_dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -46,8 +46,14 @@ def router_gating_linear(x, weight, bias=None, router_dtype=torch.float32):
     # Eager calls on plain CPU tensors take the operator's autograd.Function twin (the same
     # kernels and gradients without the operator's dispatch, as topk_route does); a tracer, a
     # tensor subclass or another device (its registered kernel, meta's fake one) gets the operator.
-    gate = _ops.RouterGatingLinear.apply if _plain_cpu(x, weight, bias) and not _traced() \
-        else _ops.router_gating_linear
+    if _plain_cpu(x, weight, bias) and not _traced():
+        # Nothing to differentiate (generation, an old log-prob pass, frozen inputs): the kernel
+        # alone, no autograd node (the Function's apply is ~30 us, twice a small gate's kernel).
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                                  (bias is not None and bias.requires_grad))
+        gate = _ops.RouterGatingLinear.apply if needs_grad else _ops.gate_kernel
+    else:
+        gate = _ops.router_gating_linear
     # The operator takes [T, H]; a view restores the leading dims (a 2-D input gets the operator's
     # tensor itself: a view output would be flagged by FSDP2, an in-place op on it skipping its
     # pre-backward hook).
