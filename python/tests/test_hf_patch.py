@@ -299,3 +299,23 @@ def test_patch_under_fsdp2_keeps_outputs_and_gradients(tmp_path):
         p.unpatch()
     finally:
         dist.destroy_process_group()
+
+
+def test_capture_without_the_experts_hooks_keeps_the_routes_and_refuses_expert_ids():
+    # capture(experts=False), what the trainer adapters use: the same routes, no hooks on the
+    # experts or decoder layers, and expert_ids() says why it has nothing.
+    model = build("qwen3_moe")
+    p = syhf.patch(model, router_dtype=torch.float32)
+    ids = tokens(2, 6, seed=3)
+    hooks = lambda: sum(len(m._forward_pre_hooks) for m in model.modules())  # noqa: E731
+    idle = hooks()
+    with torch.no_grad(), p.capture() as full:
+        assert hooks() > idle  # the experts capture's hooks
+        model(ids)
+    with torch.no_grad(), p.capture(experts=False) as lean:
+        assert hooks() == idle  # none
+        model(ids)
+    assert torch.equal(lean.ids(), full.ids()) and torch.equal(full.expert_ids(), full.ids())
+    with pytest.raises(ValueError, match=r"capture\(experts=False\)"):
+        lean.expert_ids()
+    p.unpatch()

@@ -354,7 +354,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 or not self._sy_active:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields,
                                                  num_generations, has_tool_images)
-        with self.switchyard_patch.capture() as cap:
+        with self.switchyard_patch.capture(experts=False) as cap:
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         self._sy_record_generation(cap, prompt_ids, completion_ids)
@@ -536,7 +536,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             try:
                 if target is not None:
                     p.set_targets(target[s:e])
-                with p.capture() as cap:
+                with p.capture(experts=False) as cap:
                     lp, en, ax = super()._get_per_token_logps_and_entropies(
                         model, input_ids[s:e], attention_mask[s:e], logits_to_keep, e - s,
                         compute_entropy, compute_aux_loss)

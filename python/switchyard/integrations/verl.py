@@ -260,7 +260,7 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         self._micro += 1
         if self._call == "record":
             self.router_patch.reset_counts()
-            self._capture = self.router_patch.capture()
+            self._capture = self.router_patch.capture(experts=False)
         return model_inputs, output_args
 
     def _rows(self, model_inputs):

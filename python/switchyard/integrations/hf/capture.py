@@ -216,9 +216,10 @@ class Capture:
     ValueError when nothing was captured or the captured forwards have different batch sizes (capture one
     ``generate()`` call at a time)."""
 
-    def __init__(self, owner, experts=None):
+    def __init__(self, owner, experts=None, experts_off=False):
         self._owner = owner
         self._experts_scan = experts  # experts_modules(...) of the owner's layers, False: none
+        self._experts_off = experts_off  # Patch.capture(experts=False)
         self._steps = {layer: [] for layer in owner.layers}
         self._native = {layer: [] for layer in owner.layers}  # the routers' own choices
         self.active = False
@@ -389,6 +390,9 @@ class Capture:
             ValueError: as ``ids()``; also for a family whose experts are not transformers'
                 experts interface (Llama-4's take the router-scaled input only).
         """
+        if self._experts_off:
+            raise ValueError("[hf.Capture] this capture was started with capture(experts=False): "
+                             "the experts modules were not observed")
         if self._experts is None:
             raise ValueError(f"[hf.Capture] the experts of {self._owner.family} are not "
                              "transformers' experts interface: their ids cannot be observed")

@@ -706,12 +706,18 @@ class Patch:
         return syr.add_padding(tables, m), report
 
     # ---- capture ----
-    def capture(self) -> "Capture":
+    def capture(self, experts: bool = True) -> "Capture":
         """Starts capturing the ids of every forward (until the returned Capture's context exits
         or stop_capture()); recomputes inside backward are not captured. ``generate()`` with beam
         search (num_beams > 1) is refused while capturing: the beams are reordered at every step,
         so the routes of a step would not follow the returned sequences. Returns the Capture;
         ValueError when a capture is already running.
+
+        Args:
+            experts: also observe the ids the experts modules receive (``Capture.expert_ids()``,
+                forward pre-hooks on the experts and decoder layers, about 20 us per MoE layer
+                and forward); False leaves them out (the trainer adapters, which read ``ids()``
+                only).
 
         Returns:
             Capture (a context manager).
@@ -721,13 +727,18 @@ class Patch:
         """
         if self._capture is not None:
             raise ValueError("[hf.capture] a capture is already running")
-        if self._experts_scan is None:  # the model's experts modules, found once (not per capture)
+        if not experts:
+            cap = Capture(self, False, experts_off=True)
+        else:
+            cap = None
+        if cap is None and self._experts_scan is None:  # the experts modules, found once
             try:
                 self._experts_scan = experts_modules(self.model, set(self.layers),
                                                       self.router_blocks())
             except ValueError:  # a family whose experts are not transformers' interface (Llama-4)
                 self._experts_scan = False
-        cap = Capture(self, self._experts_scan)
+        if cap is None:
+            cap = Capture(self, self._experts_scan)
         cap.start()
         self._capture = cap
         self._sync_traced()  # compiled forwards hand their ids to the capture (ensure_sink)
