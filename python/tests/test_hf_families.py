@@ -813,14 +813,16 @@ def _weights64(family, router, x, ids):
     return s[:, :ids.shape[1]], s[:, ids.shape[1]:]
 
 
-@pytest.mark.parametrize("family", ["jetmoe", "inkling", "zaya"])
+@pytest.mark.parametrize("family", ["jetmoe", "jetmoe_attention", "inkling", "zaya"])
 def test_replayed_ids_take_the_familys_weights_from_live_logits_and_gradients_reach_the_router(
         family):
     # Replay forces the ids; the weights are the family's formula at those ids from the live
     # logits (float64 reference from the maths), differentiable w.r.t. the gate and the input.
-    model = build(family)
+    # (jetmoe_attention: JetMoE's attention experts' router, the route layer before the last.)
+    model = build(family.replace("_attention", ""))
     p = syhf.patch(model, router_dtype=torch.float32)
-    layer = p.layers[-1]
+    layer = p.layers[-2] if family == "jetmoe_attention" else p.layers[-1]
+    family = family.replace("_attention", "")
     r = model.get_submodule(p.modules[layer])
     gen = torch.Generator().manual_seed(0)
     T, E, K = 23, p.num_experts, p.top_k
@@ -856,3 +858,88 @@ def test_replayed_ids_take_the_familys_weights_from_live_logits_and_gradients_re
     assert x.grad is not None and x.grad.abs().sum() > 0
     assert w.grad is not None and w.grad.abs().sum() > 0
     p.unpatch()
+
+
+def test_jetmoe_routes_its_attention_and_mlp_experts_as_two_route_layers_per_decoder_layer():
+    # Every JetMoE decoder layer routes each token twice, with one router class and the same E and
+    # K (config.num_local_experts, num_experts_per_tok): its attention experts (mixture of
+    # attention heads), then its MLP experts. Each router is a route layer of its own, in forward
+    # order: decoder layer i's attention router is route layer 2i, its MLP router 2i + 1.
+    model = build("jetmoe")
+    cfg = model.config
+    N, E, K = cfg.num_hidden_layers, cfg.num_local_experts, cfg.num_experts_per_tok
+    p = syhf.patch(model, router_dtype=torch.float32)
+    sites = ("self_attention.experts.router", "mlp.router")
+    assert p.routes_per_layer == 2 and p.num_route_layers == 2 * N and p.num_hidden_layers == N
+    assert p.layers == list(range(2 * N))
+    assert p.modules == {2 * i + s: f"model.layers.{i}.{site}" for i in range(N)
+                         for s, site in enumerate(sites)}
+    assert p.num_experts == E and p.top_k == K
+    assert f"of {2 * N} route layers (2 per decoder layer)" in repr(p)
+    called, got = [], {}
+
+    def saw(k, out):
+        called.append(k)
+        got[k] = _grouped_ids(out)
+    hooks = [model.get_submodule(n).register_forward_hook(lambda m, a, o, k=k: saw(k, o))
+             for k, n in p.modules.items()]
+    ids = tokens(2, 8, seed=3)
+    T = ids.numel()
+    try:
+        with torch.no_grad(), p.capture() as cap:
+            model(ids)
+        assert called == p.layers  # the route layers are the forward's order
+        live = cap.ids()
+        assert live.shape == (2, 8, 2 * N, K)
+        for k in p.layers:  # each router's groups held the captured ids
+            assert torch.equal(got[k], live[:, :, k].reshape(T, K).long()), k
+        with pytest.raises(ValueError, match=r"the experts of JetMoE are not transformers' "
+                                             r"experts interface"):
+            cap.expert_ids()
+        # Replay of the attention routers alone: their experts get the targets, the MLP routers
+        # (rows of -1) route natively, each counted on its own route layer.
+        g = torch.Generator().manual_seed(4)
+        forced = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * N)])
+        targets = torch.full((2, 8, 2 * N, K), -1, dtype=torch.int64)
+        targets[:, :, 0::2] = forced.view(2, 8, N, K)
+        p.reset_counts()
+        p.set_targets(targets)
+        called.clear()
+        with torch.no_grad(), p.capture() as cap:
+            model(ids)
+        assert called == p.layers
+        for k in p.layers:
+            c = p.counts()[k]
+            if k % 2 == 0:
+                assert torch.equal(got[k], targets[:, :, k].reshape(T, K)), k
+                assert c["num_replayed_rows"] == T and c["num_native_rows"] == 0, (k, c)
+            else:
+                assert c["num_replayed_rows"] == 0 and c["num_native_rows"] == T, (k, c)
+            assert torch.equal(cap.ids()[:, :, k].reshape(T, K).long(), got[k]), k
+    finally:
+        for h in hooks:
+            h.remove()
+    # The route data over all layers holds the 2N route layers; an engine's over the N hidden
+    # layers (one route each) is refused naming the family and the count.
+    mask = torch.ones(2, 8, dtype=torch.long)
+    arrays = cap.routed_experts(mask)  # (a plain forward: each last real token has no route)
+    assert all(a.shape == (7, 2 * N, K) for a in arrays)
+    t, _ = p.targets_from_vllm(arrays, mask)
+    assert torch.equal(t[:, :-1], cap.ids()[:, :-1]) and bool((t[:, -1] == -1).all())
+    verl = cap.to_verl(mask)
+    assert verl.shape == (2, 8, 2 * N, K)
+    assert torch.equal(p.targets_from_verl(verl, mask)[0], t)
+    msg = (r"JetMoE routes every token 2 times per decoder layer \(self_attention\.experts\."
+           rf"router, then mlp\.router\): {{}} must hold its num_route_layers={2 * N} route "
+           rf"layers .* got shape {{}}; an engine's routes over the {N} hidden layers")
+    with pytest.raises(ValueError, match=r"\[hf\.targets_from_vllm\] " + msg.format(
+            "routed_experts arrays", rf"\[7, {N}, {K}\] at \[0\]")):
+        p.targets_from_vllm([a[:, 1::2] for a in arrays])
+    with pytest.raises(ValueError, match=r"\[hf\.tables_from_vllm\] " + msg.format(
+            "routed_experts arrays", rf"\[7, {N}, {K}\] at \[0\]")):
+        p.tables_from_vllm([a[:, 1::2] for a in arrays])
+    with pytest.raises(ValueError, match=r"\[hf\.targets_from_verl\] " + msg.format(
+            "routed_experts", rf"\[2, 8, {N}, {K}\]")):
+        p.targets_from_verl(verl[:, :, 1::2], mask)
+    p.unpatch()
+    assert not any("forward" in model.get_submodule(n).__dict__ for n in p.modules.values())

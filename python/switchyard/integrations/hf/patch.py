@@ -311,11 +311,13 @@ _NULL = contextlib.nullcontext()  # reentrant and stateless: one for every call 
 # --------------------------------------------------------------------------------------------------
 class Patch:
     """What ``patch()`` did, and the handle to drive replay and capture. ``family`` (the family's
-    name), ``layers`` (absolute decoder-layer numbers of the patched MoE layers, ascending),
-    ``modules`` (layer -> router module name), ``replays`` (layer -> switchyard.RouterReplay).
-    Made by ``patch()`` (and found again by ``patch_of``), not directly. Route tensors in and out
-    are laid out per MoE layer in the order of ``layers`` (``moe_layers`` = len(layers)) with
-    K = ``top_k``; -1 = no route (routed natively)."""
+    name), ``layers`` (the route layers of the patched routers, ascending: absolute decoder-layer
+    numbers; for a family that routes several times per decoder layer, JetMoE, R·layer + site,
+    see ``routes_per_layer``), ``modules`` (layer -> router module name), ``replays`` (layer ->
+    switchyard.RouterReplay). Made by ``patch()`` (and found again by ``patch_of``), not
+    directly. Route tensors in and out are laid out per MoE layer in the order of ``layers``
+    (``moe_layers`` = len(layers)) with K = ``top_k``; -1 = no route (routed natively); data over
+    all layers (vLLM's and verl's layouts, ``Capture.ids()``) has ``num_route_layers``."""
 
     def __init__(self, model, router_dtype, gate, invalid_replay_rows):
         self.model = model
@@ -337,7 +339,12 @@ class Patch:
         cfg = model.config
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.num_hidden_layers = int(cfg.num_hidden_layers)
-        """The model's decoder layers (dense and MoE): the layer dimension of vLLM / verl data."""
+        """The model's decoder layers (dense and MoE)."""
+        self.routes_per_layer = 1
+        """R, the routers each token passes per decoder layer: 1, or for a family whose decoder
+        layer routes several times (spec.route_sites) their number (JetMoE: 2, its attention
+        experts' router, then its MLP experts' router). Route layer R·layer + site; set by
+        ``patch()``."""
 
     # ---- what was patched ----
     @property
@@ -352,8 +359,16 @@ class Patch:
         return self._layers[0].family.title
 
     @property
+    def num_route_layers(self) -> int:
+        """The layer dimension of route data over all layers (vLLM's ``routed_experts``, verl's
+        layout, ``Capture.ids()``): num_hidden_layers × routes_per_layer, in forward order
+        (JetMoE: decoder layer i's attention router at 2i, its MLP router at 2i + 1)."""
+        return self.num_hidden_layers * self.routes_per_layer
+
+    @property
     def layers(self) -> list[int]:
-        """Absolute decoder-layer numbers of the patched MoE layers, ascending."""
+        """The route layers of the patched routers, ascending: absolute decoder-layer numbers,
+        or R·layer + site where a decoder layer routes R times (``routes_per_layer``)."""
         return [l.layer for l in self._layers]
 
     @property
@@ -414,8 +429,11 @@ class Patch:
                 f"GEMM in {self.router_dtype} on CUDA tensors (not batch invariant)")
 
     def __repr__(self):
+        per = "" if self.routes_per_layer == 1 else \
+            f" route layers ({self.routes_per_layer} per decoder layer)"
         return (f"<switchyard.hf.Patch {self.family}: {len(self._layers)} MoE layers "
-                f"{self.layers} of {self.num_hidden_layers}, router_dtype={self.router_dtype}, "
+                f"{self.layers} of {self.num_route_layers}{per}, "
+                f"router_dtype={self.router_dtype}, "
                 f"gate: {self.gate_description()}, combine weights: {self.combine_dtype}"
                 f"{'' if self.active else ' (unpatched)'}>")
 
@@ -599,7 +617,26 @@ class Patch:
     # ---- route sources (R3) ----
     def _layer_freq(self):
         s = set(self.layers)
-        return [1 if i in s else 0 for i in range(self.num_hidden_layers)]
+        return [1 if i in s else 0 for i in range(self.num_route_layers)]
+
+    def _check_route_layers(self, shapes, op, what):
+        """ValueError, for a family with several routes per decoder layer (JetMoE), naming the
+        family and its route layer count when route data's layer dimension (the second last of
+        each shape) is not num_route_layers; an engine's arrays over the hidden layers (one route
+        per layer, MLP experts only) are refused here rather than read as the wrong routers."""
+        R = self.routes_per_layer
+        if R == 1:
+            return
+        for i, shape in enumerate(shapes):
+            if len(shape) >= 2 and int(shape[-2]) != self.num_route_layers:
+                sites = ", then ".join(self._layers[0].family.spec.route_sites)
+                raise ValueError(
+                    f"[{op}] {self.family} routes every token {R} times per decoder layer "
+                    f"({sites}): {what} must hold its num_route_layers={self.num_route_layers} "
+                    f"route layers (decoder layer i's routes at {R}i to {R}i + {R - 1}, as "
+                    f"Capture.routed_experts() lays them out), got shape {list(shape)}"
+                    f"{f' at [{i}]' if len(shapes) > 1 else ''}; an engine's routes over the "
+                    f"{self.num_hidden_layers} hidden layers do not hold every router's ids")
 
     def tables_from_vllm(self, arrays: Sequence[Any], zero_rows: str = "keep"
                          ) -> tuple[list[torch.Tensor], dict[str, Any]]:
@@ -607,8 +644,8 @@ class Patch:
         vLLM importer with this model's layer map.
 
         Args:
-            arrays: one integer [n_b - 1, num_hidden_layers, K] array per sequence (numpy or
-                torch, dense layers 0).
+            arrays: one integer [n_b - 1, num_route_layers, K] array per sequence (numpy or
+                torch, dense layers 0; num_route_layers is num_hidden_layers except for JetMoE).
             zero_rows: "keep", "to_none" or "error" (the importer's).
 
         Returns:
@@ -616,10 +653,16 @@ class Patch:
             import report dict.
 
         Raises:
-            ValueError: the importer's, naming sequence, token, layer and value.
+            ValueError: the importer's, naming sequence, token, layer and value; for JetMoE,
+                arrays whose layer dimension is not num_route_layers (naming the family).
         """
+        return self._import_vllm(arrays, zero_rows, "hf.tables_from_vllm")
+
+    def _import_vllm(self, arrays, zero_rows, op):
+        self._check_route_layers([a.shape for a in arrays if hasattr(a, "shape")], op,
+                                 "routed_experts arrays")
         return syr.import_vllm_arrays(arrays, self.num_experts, moe_layer_freq=self._layer_freq(),
-                                      num_input_layers=self.num_hidden_layers, top_k=self.top_k,
+                                      num_input_layers=self.num_route_layers, top_k=self.top_k,
                                       zero_rows=zero_rows)
 
     def targets_from_tables(self, tables: Sequence[Any], attention_mask: torch.Tensor | None = None
@@ -648,7 +691,7 @@ class Patch:
 
     def targets_from_vllm(self, arrays: Sequence[Any], attention_mask: torch.Tensor | None = None,
                           zero_rows: str = "keep") -> tuple[torch.Tensor, dict]:
-        """vLLM / SGLang routed_experts arrays (one integer [n_b - 1, num_hidden_layers, K] per
+        """vLLM / SGLang routed_experts arrays (one integer [n_b - 1, num_route_layers, K] per
         sequence, numpy or torch, dense layers 0) and ``attention_mask`` [B, S] (None: sequences of
         one length) -> (int32 [B, S, moe_layers, K] targets with -1 at padding and last tokens,
         import report dict), through switchyard's vLLM importer and this model's layer map
@@ -656,7 +699,7 @@ class Patch:
         sequence, token, layer and value) for a wrong shape or an id outside [0, num_experts).
 
         Args:
-            arrays: one integer [n_b - 1, num_hidden_layers, K] array per sequence.
+            arrays: one integer [n_b - 1, num_route_layers, K] array per sequence.
             attention_mask: [B, S] (nonzero = real token), or None (sequences of one length).
             zero_rows: "keep", "to_none" or "error".
 
@@ -666,13 +709,14 @@ class Patch:
         Raises:
             ValueError: the importer's.
         """
-        tables, report = self.tables_from_vllm(
-            _ids.table_list(arrays, "hf.targets_from_vllm", "arrays"), zero_rows)
+        tables, report = self._import_vllm(
+            _ids.table_list(arrays, "hf.targets_from_vllm", "arrays"), zero_rows,
+            "hf.targets_from_vllm")
         return syr.add_padding(tables, attention_mask), report
 
     def targets_from_verl(self, routed_experts: torch.Tensor, attention_mask: torch.Tensor,
                           zero_rows: str = "to_none") -> tuple[torch.Tensor, dict]:
-        """verl's ``routed_experts`` ([B, S, num_hidden_layers, K], int16, padded, zero filled;
+        """verl's ``routed_experts`` ([B, S, num_route_layers, K], int16, padded, zero filled;
         each row holds vLLM's routes of its real tokens, the last real token having none; any
         integer dtype) and its attention mask [B, S] -> (int32 [B, S, moe_layers, K] targets,
         import report dict); ValueError as ``targets_from_vllm``. Padding is dropped
@@ -680,7 +724,8 @@ class Patch:
         zero rows on MoE layers become -1 with zero_rows="to_none": routed natively, counted).
 
         Args:
-            routed_experts: verl's [B, S, num_hidden_layers, K] integer batch tensor.
+            routed_experts: verl's [B, S, num_route_layers, K] integer batch tensor
+                (num_route_layers is num_hidden_layers except for JetMoE).
             attention_mask: [B, S] (nonzero = real token).
             zero_rows: "keep", "to_none" or "error".
 
@@ -698,8 +743,9 @@ class Patch:
         last = real.shape[1] - 1 - real.flip(1).to(torch.int8).argmax(dim=1)
         routed = real.clone()
         routed[has, last[has]] = False
-        tables, report = syr.from_verl(_ids.as_tensor(routed_experts, "hf.targets_from_verl",
-                                                      "routed_experts"), routed, self.num_experts,
+        routed_experts = _ids.as_tensor(routed_experts, "hf.targets_from_verl", "routed_experts")
+        self._check_route_layers([routed_experts.shape], "hf.targets_from_verl", "routed_experts")
+        tables, report = syr.from_verl(routed_experts, routed, self.num_experts,
                                        moe_layer_freq=self._layer_freq(), zero_rows=zero_rows)
         tables = [torch.cat([t, t.new_full((1, *t.shape[1:]), -1)]) if h else t
                   for t, h in zip(tables, has.tolist())]
@@ -721,6 +767,10 @@ class Patch:
         """
         if self._capture is not None:
             raise ValueError("[hf.capture] a capture is already running")
+        if self._experts_scan is None and self.routes_per_layer > 1:
+            # (JetMoE: its experts run on the routers' expert-sorted groups, not transformers'
+            # experts interface; an ExpertsCapture holds one route per decoder layer)
+            self._experts_scan = False
         if self._experts_scan is None:  # the model's experts modules, found once (not per capture)
             try:
                 self._experts_scan = experts_modules(self.model, set(self.layers),
@@ -886,7 +936,7 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
         layer = int(mt[-1].group(1))
         dec_name = name[:mt[-1].end(1)]
         stacks.setdefault(name[:mt[-1].start()], None)  # the module that holds `layers`
-        found.append((layer, name, mod, modules.get(dec_name), fam))
+        found.append((layer, name, mod, modules.get(dec_name), fam, _site(fam, name)))
     model_type = _model_type(model)
     if model_type in REFUSED:
         raise ValueError(f"[hf.patch] {model_type}: {REFUSED[model_type]}")
@@ -898,18 +948,21 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     fams = {f[4].title for f in found}
     if len(fams) != 1:
         raise ValueError(f"[hf.patch] routers of several families in one model: {sorted(fams)}")
-    layers = [f[0] for f in found]
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"[hf.patch] several routers claim one decoder layer: {sorted(layers)} "
+    # A family that routes several times per decoder layer (spec.route_sites, JetMoE) has R
+    # route layers per decoder layer, in forward order: route layer R·layer + site.
+    p.routes_per_layer = max(len(found[0][4].spec.route_sites), 1)
+    keys = [f[0] * p.routes_per_layer + f[5] for f in found]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"[hf.patch] several routers claim one decoder layer: {sorted(keys)} "
                          f"(a model with several decoder stacks: {', '.join(stacks)}; patch each "
                          "one on its own, patch(model.get_submodule(name)), or the text model)")
-    for layer, name, mod, dec, fam in found:
+    for layer, name, mod, dec, fam, site in found:
         _refuse_kernelized(modules.get(name.rsplit(".", 1)[0]), name, model_type)
-    for layer, name, mod, dec, fam in sorted(found, key=lambda f: f[0]):
+    for key, (layer, name, mod, dec, fam, site) in sorted(zip(keys, found), key=lambda f: f[0]):
         if layer >= p.num_hidden_layers:
             raise ValueError(f"[hf.patch] router {name} is in layer {layer}, beyond "
                              f"num_hidden_layers={p.num_hidden_layers}")
-        p._layers.append(_Layer(p, layer, name, mod, dec, fam, modules.get(name.rsplit(".", 1)[0])))
+        p._layers.append(_Layer(p, key, name, mod, dec, fam, modules.get(name.rsplit(".", 1)[0])))
     p._install([modules[s] for s in stacks if s in modules])
     return p
 
@@ -922,6 +975,22 @@ _THREADS_LOCK = threading.Lock()
 def _thread(ident):
     t = next((t for t in threading.enumerate() if t.ident == ident), None)
     return repr(t.name) if t is not None else f"ident {ident}"
+
+
+def _site(fam, name):
+    """The route site of router ``name`` among its family's spec.route_sites (0 without);
+    ValueError for a router of the class at none of them (patch() refuses it by name)."""
+    sites = fam.spec.route_sites
+    if not sites:
+        return 0
+    for i, end in enumerate(sites):
+        if name.endswith("." + end):
+            return i
+    raise ValueError(f"[hf.patch] {fam.name}: router {name} ({fam.router_class}) is at none of "
+                     f"the family's route sites ({', '.join(sites)}): its route cannot be placed "
+                     "in the route tables")
+
+
 def _model_type(model):
     """The transformers.models package of the model's (text) config: the key of SPECS and
     REFUSED (a multimodal model's text backbone is in the model's package)."""

@@ -142,6 +142,13 @@ class RoutingSpec:
     """The end of the router's module name where the family's router class also routes another
     modality in the same decoder layer (ERNIE-4.5-VL's "text_moe.gate"; its "vision_moe.gate" is
     not patched, see refused_if), or None: every router of the class."""
+    route_sites: tuple[str, ...] = ()
+    """The ends of the router module names of a family whose decoder layer routes every token
+    through several routers of its class, in the order its forward calls them (JetMoE's attention
+    experts' router, then its MLP experts' router: ("self_attention.experts.router",
+    "mlp.router")). Each is a route layer of its own: route layer R·layer + site (R sites), so the
+    route tables hold R·num_hidden_layers layers in forward order (``Patch.num_route_layers``).
+    () = one router per decoder layer, the route layer the decoder layer's number."""
     refused_if: tuple | None = None
     """(decoder-layer keyword argument, reason): a forward where that argument holds a nonzero
     value is refused before the layer runs (ERNIE-4.5-VL's moe_mm_token_type_ids: vision
@@ -444,15 +451,16 @@ SPECS = (
                 select_in_fp32=True, num_experts="num_router_classes", gate_module="router_mlp",
                 carried_state="router_states_scale", carried_state_if="use_eda",
                 skip_expert=True),
-    # JetMoE: its MLP experts' router (logits cast to fp32, top-k, softmax over the K selected,
-    # cast to the input dtype) hands the route over as expert-sorted groups. The same class
-    # routes the attention experts (mixture of attention heads, self_attention.experts.router):
-    # those routers are not patched (their route stays the family's own, not captured or
-    # replayed); the docs say so
-    RoutingSpec("jetmoe", "JetMoE", "JetMoeTopKGating", "JetMoE-8B (MLP experts)",
+    # JetMoE: one router class (logits cast to fp32, top-k, softmax over the K selected, cast to
+    # the input dtype) routes its attention experts (mixture of attention heads,
+    # self_attention.experts.router) and then its MLP experts (mlp.router) in every decoder
+    # layer, with the same E and K (config.num_local_experts, num_experts_per_tok); each hands
+    # the route over as expert-sorted groups. Two route layers per decoder layer
+    RoutingSpec("jetmoe", "JetMoE", "JetMoeTopKGating", "JetMoE-8B",
                 weight="layer.weight", gate_cast="fp32_after", score="softmax_topk",
                 weights_dtype="hidden", combine_dtype="hidden dtype", flatten_input=False,
-                returns="expert_groups", router_name="mlp.router"),
+                returns="expert_groups",
+                route_sites=("self_attention.experts.router", "mlp.router")),
     # LongCat-Flash: fp32 gate (the classifier's bias unused), softmax over the n_routed_experts
     # routed + zero_expert_num zero-compute experts, DeepSeek-style correction bias for the choice,
     # × routed_scaling_factor. The route is the router's ids over all E + Z; the block hands a
