@@ -761,31 +761,168 @@ def test_dots3_note_routes_its_text_model_and_refuses_the_vision_tower_by_name()
     p.unpatch()
 
 
-def test_ernie4_5_vl_moe_routes_text_only_forwards_and_refuses_vision_tokens_by_name():
-    # Each MoE layer holds a text and a vision expert set, each with its own router of one class:
-    # the text experts' router is patched (it routes every token of a text-only forward), the
-    # vision experts' is not, and a forward with vision tokens is refused before any layer runs.
-    model = build("ernie4_5_vl_moe")
+def _ernie_types(B, S):
+    """moe_mm_token_type_ids [B, S]: text tokens 0, an image run (1) in row 0, video (2) at the
+    end of row 1."""
+    types = torch.zeros(B, S, dtype=torch.long)
+    types[0, 2:5] = 1
+    types[1, S - 3:] = 2
+    return types
+
+
+class _ErnieSeen:
+    """Forward pre-hooks on both routers of every ERNIE-4.5-VL MoE layer (their inputs) and both
+    experts modules (the ids they received), keyed (layer, "text_moe" / "vision_moe")."""
+
+    def __init__(self, model, p):
+        self.x, self.ids, self._hooks = {}, {}, []
+        for layer, name in p.modules.items():
+            mlp = name[:-len(".text_moe.gate")]
+            for part in ("text_moe", "vision_moe"):
+                key = (layer, part)
+                self._hooks.append(model.get_submodule(f"{mlp}.{part}.gate").register_forward_pre_hook(
+                    lambda m, a, key=key: self.x.__setitem__(key, a[0].detach().clone())))
+                self._hooks.append(model.get_submodule(f"{mlp}.{part}.experts")
+                                   .register_forward_pre_hook(
+                    lambda m, a, key=key: self.ids.__setitem__(key, a[1].detach().clone())))
+
+    def remove(self):
+        for h in self._hooks:
+            h.remove()
+
+
+def test_ernie4_5_vl_moe_routes_each_token_through_its_modalitys_router():
+    # Each MoE layer holds a text and a vision expert set, each with its own router of one class
+    # and the same E and K; the block sends the text tokens (moe_mm_token_type_ids 0) through the
+    # text experts' router and the image / video tokens through the vision experts'. Both routers
+    # are patched and share one route layer: a row holds the ids of the router of its token.
+    model = build("ernie4_5_vl_moe", dtype=torch.bfloat16)
+    B, S = 2, 9
+    ids, types = tokens(B, S, seed=8), _ernie_types(B, S)
+    vision = types.reshape(-1) != 0
+    T = B * S
     p = syhf.patch(model, router_dtype=torch.float32)
     assert all(name.endswith("mlp.text_moe.gate") for name in p.modules.values())
-    ids = tokens(2, 6, seed=8)
-    with torch.no_grad(), p.capture() as cap:
-        model(ids, moe_mm_token_type_ids=torch.zeros(2, 6, dtype=torch.long))
-    assert torch.equal(cap.expert_ids(), cap.ids())  # the text experts' ids only
-    types = torch.zeros(2, 6, dtype=torch.long)
-    types[0, 2:4] = 1
-    p.set_targets(cap.ids()[:, :, p.layers, :])
-    with pytest.raises(ValueError, match=r"\[hf\] ernie4_5_vl_moe: a forward with image or video "
-                                         r"tokens .* text-only forwards of ERNIE-4.5-VL-MoE"):
-        model(ids, moe_mm_token_type_ids=types)
-    assert p.counts()[p.layers[0]]["num_replayed_rows"] == 0  # refused before any router ran
-    # the failed step dropped its targets (switchyard.replay: no step's targets outlive it);
-    # the text-only retry, targets set again, replays them
-    p.set_targets(cap.ids()[:, :, p.layers, :])
-    with torch.no_grad(), p.capture() as again:
-        model(ids)
-    assert torch.equal(again.ids(), cap.ids())
-    assert p.counts()[p.layers[0]]["num_replayed_rows"] == ids.numel()
+    seconds = [n.replace("text_moe", "vision_moe") for n in p.modules.values()]
+    assert all("forward" in model.get_submodule(n).__dict__ for n in seconds)
+    K = p.top_k
+    seen = _ErnieSeen(model, p)
+    try:
+        with torch.no_grad(), p.capture() as cap:
+            model(ids, moe_mm_token_type_ids=types)
+        captured = cap.ids()
+        n_clear = 0
+        for layer in p.layers:  # each modality's rows: its router's float64 reference
+            route = captured[:, :, layer].reshape(T, K).long()
+            for part, rows in (("text_moe", ~vision), ("vision_moe", vision)):
+                router = model.get_submodule(p.modules[layer].replace("text_moe", part))
+                x = seen.x[(layer, part)]
+                assert x.shape[0] == int(rows.sum())  # the block sent the router its tokens
+                ref, clear = _reference("ernie4_5_vl_moe", router, x, K)
+                bad = (route[rows].sort(dim=1).values != ref).any(dim=1) & clear
+                assert not bad.any(), (layer, part, route[rows][bad].tolist(), ref[bad].tolist())
+                assert torch.equal(seen.ids[(layer, part)], route[rows]), (layer, part)
+                n_clear += int(clear.sum())
+        assert n_clear >= len(p.layers) * T // 2
+        assert cap.num_split_forwards == len(p.layers)
+        with pytest.raises(ValueError, match=r"\[hf.Capture\] ERNIE-4.5-VL-MoE: 1 captured MoE "
+                                             r"layer forwards split their tokens between two "
+                                             r"expert sets"):
+            cap.expert_ids()
+        # R3 after both routers' weights changed: every token replays its captured ids, each
+        # through its own modality's experts; the step is counted once per layer.
+        routes = captured[:, :, p.layers]
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for name in list(p.modules.values()) + seconds:
+                w = model.get_submodule(name).weight
+                w.add_(torch.randn(w.shape, generator=g).to(w.dtype) * 0.5 * w.float().std())
+        with torch.no_grad(), p.capture() as cap:
+            model(ids, moe_mm_token_type_ids=types)
+        assert not torch.equal(cap.ids()[:, :, p.layers], routes)
+        p.reset_counts()
+        p.set_targets(routes)
+        with torch.no_grad(), p.capture() as cap:
+            model(ids, moe_mm_token_type_ids=types)
+        assert torch.equal(cap.ids()[:, :, p.layers], routes)
+        for m, layer in enumerate(p.layers):
+            route = routes[:, :, m].reshape(T, K).long()
+            assert torch.equal(seen.ids[(layer, "text_moe")], route[~vision])
+            assert torch.equal(seen.ids[(layer, "vision_moe")], route[vision])
+            c = p.counts()[layer]
+            assert c["num_replayed_rows"] == T and c["num_calls"] == 1, c
+        # a text-only forward (no token types, or all 0) routes through the text router alone
+        p.set_targets(routes)
+        with torch.no_grad(), p.capture() as cap:
+            model(ids, moe_mm_token_type_ids=torch.zeros_like(types))
+        assert torch.equal(cap.ids()[:, :, p.layers], routes) and cap.num_split_forwards == 0
+        assert torch.equal(cap.expert_ids(), cap.ids())
+    finally:
+        seen.remove()
+    p.unpatch()
+    assert not p.active
+    for n in list(p.modules.values()) + seconds:
+        assert "forward" not in model.get_submodule(n).__dict__
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_ernie4_5_vl_moe_with_vision_tokens_router_dtype_none_is_bitwise_in_training(dtype):
+    model = build("ernie4_5_vl_moe", dtype).train()
+    ids, types = tokens(2, 9, seed=1), _ernie_types(2, 9)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(ids, moe_mm_token_type_ids=types)[0]
+        out.float().pow(2).mean().backward()
+        return out.detach(), {n: q.grad.clone() for n, q in model.named_parameters()
+                              if q.grad is not None}
+    out, grads = step()
+    assert any("vision_moe.gate" in n for n in grads)  # the vision router is trained
+    with syhf.patch(model, router_dtype=None):
+        got, got_grads = step()
+    assert torch.equal(got, out)
+    assert got_grads.keys() == grads.keys()
+    for n in grads:
+        assert torch.equal(got_grads[n], grads[n]), n
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_ernie4_5_vl_moe_checkpoint_recompute_splits_the_tokens_as_its_forward(reentrant):
+    # The recompute inside backward runs the block again (its pre-hook sees the same token types)
+    # and replays the ids its forward used, each router its own rows: gradients bitwise those of
+    # the step without checkpointing.
+    import functools
+    from torch.utils.checkpoint import checkpoint
+    model = build("ernie4_5_vl_moe").train()
+    ids, types = tokens(2, 9, seed=2), _ernie_types(2, 9)
+    p = syhf.patch(model)
+    T, E, K, M = ids.numel(), p.num_experts, p.top_k, len(p.layers)
+    g = torch.Generator().manual_seed(3)
+    targets = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * M)]).view(
+        T, M, K)
+    targets[4] = -1  # one token (a text token) routed natively
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        p.reset_counts()
+        p.set_targets(targets)
+        with p.capture() as cap:
+            out = model(ids, moe_mm_token_type_ids=types)[0]
+            out.float().pow(2).mean().backward()
+        return {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}, cap
+    ref, _ = step()
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(
+        checkpoint, use_reentrant=reentrant))
+    if reentrant:
+        model.enable_input_require_grads()
+    got, cap = step()
+    assert cap.num_forwards == 1
+    for layer, c in p.counts().items():
+        assert (c["num_replayed_rows"], c["num_native_rows"], c["num_recomputed_rows"]) == \
+            (T - 1, 1, T), c
+    assert ref.keys() == got.keys()
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
     p.unpatch()
 
 

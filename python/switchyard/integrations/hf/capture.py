@@ -231,6 +231,9 @@ class Capture:
         self._refeed = False  # inside generate(use_cache=False): each forward re-feeds all tokens
         self._generated = False  # a generate() ran under this capture (its final token unfed)
         self._experts = None  # ExpertsCapture over the patched layers (start)
+        self.num_split_forwards = 0
+        """MoE layer forwards whose block split the tokens between two routers (spec.split_by:
+        ERNIE-4.5-VL's vision tokens), counted by the patched routers."""
 
     def start(self) -> None:
         """Starts capturing: the model's ``generate()`` is wrapped (beam search refused) until
@@ -391,11 +394,18 @@ class Capture:
 
         Raises:
             ValueError: as ``ids()``; also for a family whose experts are not transformers'
-                experts interface (Llama-4's take the router-scaled input only).
+                experts interface (Llama-4's take the router-scaled input only), and after a
+                forward that split its tokens between two expert sets (ERNIE-4.5-VL's vision
+                tokens).
         """
         if self._experts is None:
             raise ValueError(f"[hf.Capture] the experts of {self._owner.family} are not "
                              "transformers' experts interface: their ids cannot be observed")
+        if self.num_split_forwards:
+            raise ValueError(f"[hf.Capture] {self._owner.family}: {self.num_split_forwards} "
+                             "captured MoE layer forwards split their tokens between two expert "
+                             "sets (vision tokens); expert_ids() observes the first set's "
+                             "experts only, ids() holds every token's route")
         return _stack(self._experts._steps, self._owner.num_hidden_layers, self._owner.top_k)
 
     def _stacked(self, per_layer: dict[int, list[torch.Tensor]]) -> torch.Tensor:
