@@ -138,11 +138,17 @@ class _Layer:
         if not isinstance(t, torch.Tensor):
             self.split_mask = None
             return
-        if torch.compiler.is_compiling():
-            raise ValueError(f"[hf] {self.family.name}: a forward with {arg} under torch.compile / "
-                             "torch.export: the block splits the tokens between its routers by a "
-                             "data-dependent mask (transformers' own code breaks the graph there "
-                             "too); run forwards with token types eagerly")
+        # Under torch.compile the split is refused: traced, or run eagerly after a graph break
+        # (dynamo's fallback for this frame: no eager step of the model began, the step's queue
+        # and counts are the compiled forward's).
+        if torch.compiler.is_compiling() or not (
+                _replay.in_recompute() or self.owner._running.get(threading.get_ident())):
+            raise ValueError(f"[hf] {self.family.name}: a forward with {arg} whose MoE block runs "
+                             "outside an eager forward of the model (torch.compile / "
+                             "torch.export, or a decoder layer called on its own): the block "
+                             "splits the tokens between its routers by a data-dependent mask "
+                             "(transformers' own code breaks the graph there too); run forwards "
+                             "with token types eagerly")
         self.split_mask = t.bool().reshape(-1) if bool(t.any()) else None
 
     @property
