@@ -780,10 +780,11 @@ class _ErnieSeen:
             mlp = name[:-len(".text_moe.gate")]
             for part in ("text_moe", "vision_moe"):
                 key = (layer, part)
-                self._hooks.append(model.get_submodule(f"{mlp}.{part}.gate").register_forward_pre_hook(
+                gate = model.get_submodule(f"{mlp}.{part}.gate")
+                experts = model.get_submodule(f"{mlp}.{part}.experts")
+                self._hooks.append(gate.register_forward_pre_hook(
                     lambda m, a, key=key: self.x.__setitem__(key, a[0].detach().clone())))
-                self._hooks.append(model.get_submodule(f"{mlp}.{part}.experts")
-                                   .register_forward_pre_hook(
+                self._hooks.append(experts.register_forward_pre_hook(
                     lambda m, a, key=key: self.ids.__setitem__(key, a[1].detach().clone())))
 
     def remove(self):

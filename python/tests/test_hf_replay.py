@@ -289,8 +289,9 @@ def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
         # recompute of both its routers per decoder layer (attention and MLP experts) runs.
         import functools
         from torch.utils.checkpoint import checkpoint
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(
-            checkpoint, use_reentrant=reentrant))
+        model._set_gradient_checkpointing(
+            enable=True, gradient_checkpointing_func=functools.partial(checkpoint,
+                                                                       use_reentrant=reentrant))
         model.enable_input_require_grads()
     got, cap = step()
     assert cap.num_forwards == 1  # the recompute is not captured
