@@ -175,7 +175,7 @@ MORE_CONFIGS = {
                             moe_num_shared_experts=1,
                             rope_parameters=dict(rope_type="default", rope_theta=10000.0,
                                                  mrope_section=[1, 1, 2])),
-    # JetMoE: 8 MLP experts and 8 attention experts (the latter's router is not patched); wider
+    # JetMoE: 8 MLP experts and 8 attention experts (a router each, both patched); wider
     # init so that the router's logits have margins
     "jetmoe": dict(num_local_experts=8, num_experts_per_tok=2, kv_channels=8,
                    initializer_range=0.2),

@@ -228,3 +228,26 @@ def test_capture_keeps_the_batch_of_decoder_inputs_with_streams_eager_and_compil
     assert list(ids.shape) == [2, 14, p.num_hidden_layers, p.top_k]
     assert torch.equal(ids[:, 7:], ids[:, :7])
     assert torch.equal(cap.expert_ids(), ids[:, :7])  # the experts hooks observe eager forwards
+
+
+def test_ernie4_5_vl_moe_refuses_vision_tokens_under_compile_and_routes_them_eagerly():
+    # The block splits the tokens between the text and the vision experts' routers by a
+    # data-dependent mask: a compiled forward given token types is refused (dynamo's fallback
+    # that runs the block eagerly inside the compiled forward too), the eager forward routes it.
+    _representative()
+    model = build("ernie4_5_vl_moe")
+    p = syhf.patch(model, router_dtype=torch.float32)
+    compiled = torch.compile(model, backend="eager")
+    x = tokens(2, 7, seed=3)
+    types = torch.zeros(2, 7, dtype=torch.long)
+    types[0, 2:5] = 1
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"\[hf\] ernie4_5_vl_moe: a forward with "
+                                             r"moe_mm_token_type_ids whose MoE block runs outside "
+                                             r"an eager forward of the model"):
+            compiled(x, moe_mm_token_type_ids=types)
+        with p.capture() as cap:
+            model(x, moe_mm_token_type_ids=types)
+    assert cap.num_split_forwards == len(p.layers)
+    assert all(c["num_calls"] == 1 and c["num_native_rows"] == x.numel()
+               for c in p.counts().values()), p.counts()

@@ -761,31 +761,169 @@ def test_dots3_note_routes_its_text_model_and_refuses_the_vision_tower_by_name()
     p.unpatch()
 
 
-def test_ernie4_5_vl_moe_routes_text_only_forwards_and_refuses_vision_tokens_by_name():
-    # Each MoE layer holds a text and a vision expert set, each with its own router of one class:
-    # the text experts' router is patched (it routes every token of a text-only forward), the
-    # vision experts' is not, and a forward with vision tokens is refused before any layer runs.
-    model = build("ernie4_5_vl_moe")
+def _ernie_types(B, S):
+    """moe_mm_token_type_ids [B, S]: text tokens 0, an image run (1) in row 0, video (2) at the
+    end of row 1."""
+    types = torch.zeros(B, S, dtype=torch.long)
+    types[0, 2:5] = 1
+    types[1, S - 3:] = 2
+    return types
+
+
+class _ErnieSeen:
+    """Forward pre-hooks on both routers of every ERNIE-4.5-VL MoE layer (their inputs) and both
+    experts modules (the ids they received), keyed (layer, "text_moe" / "vision_moe")."""
+
+    def __init__(self, model, p):
+        self.x, self.ids, self._hooks = {}, {}, []
+        for layer, name in p.modules.items():
+            mlp = name[:-len(".text_moe.gate")]
+            for part in ("text_moe", "vision_moe"):
+                key = (layer, part)
+                gate = model.get_submodule(f"{mlp}.{part}.gate")
+                experts = model.get_submodule(f"{mlp}.{part}.experts")
+                self._hooks.append(gate.register_forward_pre_hook(
+                    lambda m, a, key=key: self.x.__setitem__(key, a[0].detach().clone())))
+                self._hooks.append(experts.register_forward_pre_hook(
+                    lambda m, a, key=key: self.ids.__setitem__(key, a[1].detach().clone())))
+
+    def remove(self):
+        for h in self._hooks:
+            h.remove()
+
+
+def test_ernie4_5_vl_moe_routes_each_token_through_its_modalitys_router():
+    # Each MoE layer holds a text and a vision expert set, each with its own router of one class
+    # and the same E and K; the block sends the text tokens (moe_mm_token_type_ids 0) through the
+    # text experts' router and the image / video tokens through the vision experts'. Both routers
+    # are patched and share one route layer: a row holds the ids of the router of its token.
+    model = build("ernie4_5_vl_moe", dtype=torch.bfloat16)
+    B, S = 2, 9
+    ids, types = tokens(B, S, seed=8), _ernie_types(B, S)
+    vision = types.reshape(-1) != 0
+    T = B * S
     p = syhf.patch(model, router_dtype=torch.float32)
     assert all(name.endswith("mlp.text_moe.gate") for name in p.modules.values())
-    ids = tokens(2, 6, seed=8)
-    with torch.no_grad(), p.capture() as cap:
-        model(ids, moe_mm_token_type_ids=torch.zeros(2, 6, dtype=torch.long))
-    assert torch.equal(cap.expert_ids(), cap.ids())  # the text experts' ids only
-    types = torch.zeros(2, 6, dtype=torch.long)
-    types[0, 2:4] = 1
-    p.set_targets(cap.ids()[:, :, p.layers, :])
-    with pytest.raises(ValueError, match=r"\[hf\] ernie4_5_vl_moe: a forward with image or video "
-                                         r"tokens .* text-only forwards of ERNIE-4.5-VL-MoE"):
-        model(ids, moe_mm_token_type_ids=types)
-    assert p.counts()[p.layers[0]]["num_replayed_rows"] == 0  # refused before any router ran
-    # the failed step dropped its targets (switchyard.replay: no step's targets outlive it);
-    # the text-only retry, targets set again, replays them
-    p.set_targets(cap.ids()[:, :, p.layers, :])
-    with torch.no_grad(), p.capture() as again:
-        model(ids)
-    assert torch.equal(again.ids(), cap.ids())
-    assert p.counts()[p.layers[0]]["num_replayed_rows"] == ids.numel()
+    seconds = [n.replace("text_moe", "vision_moe") for n in p.modules.values()]
+    assert all("forward" in model.get_submodule(n).__dict__ for n in seconds)
+    K = p.top_k
+    seen = _ErnieSeen(model, p)
+    try:
+        with torch.no_grad(), p.capture() as cap:
+            model(ids, moe_mm_token_type_ids=types)
+        captured = cap.ids()
+        n_clear = 0
+        for layer in p.layers:  # each modality's rows: its router's float64 reference
+            route = captured[:, :, layer].reshape(T, K).long()
+            for part, rows in (("text_moe", ~vision), ("vision_moe", vision)):
+                router = model.get_submodule(p.modules[layer].replace("text_moe", part))
+                x = seen.x[(layer, part)]
+                assert x.shape[0] == int(rows.sum())  # the block sent the router its tokens
+                ref, clear = _reference("ernie4_5_vl_moe", router, x, K)
+                bad = (route[rows].sort(dim=1).values != ref).any(dim=1) & clear
+                assert not bad.any(), (layer, part, route[rows][bad].tolist(), ref[bad].tolist())
+                assert torch.equal(seen.ids[(layer, part)], route[rows]), (layer, part)
+                n_clear += int(clear.sum())
+        assert n_clear >= len(p.layers) * T // 2
+        assert cap.num_split_forwards == len(p.layers)
+        with pytest.raises(ValueError, match=r"\[hf.Capture\] ERNIE-4.5-VL-MoE: 1 captured MoE "
+                                             r"layer forwards split their tokens between two "
+                                             r"expert sets"):
+            cap.expert_ids()
+        # R3 after both routers' weights changed: every token replays its captured ids, each
+        # through its own modality's experts; the step is counted once per layer.
+        routes = captured[:, :, p.layers]
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for name in list(p.modules.values()) + seconds:
+                w = model.get_submodule(name).weight
+                w.add_(torch.randn(w.shape, generator=g).to(w.dtype) * 0.5 * w.float().std())
+        with torch.no_grad(), p.capture() as cap:
+            model(ids, moe_mm_token_type_ids=types)
+        assert not torch.equal(cap.ids()[:, :, p.layers], routes)
+        p.reset_counts()
+        p.set_targets(routes)
+        with torch.no_grad(), p.capture() as cap:
+            model(ids, moe_mm_token_type_ids=types)
+        assert torch.equal(cap.ids()[:, :, p.layers], routes)
+        for m, layer in enumerate(p.layers):
+            route = routes[:, :, m].reshape(T, K).long()
+            assert torch.equal(seen.ids[(layer, "text_moe")], route[~vision])
+            assert torch.equal(seen.ids[(layer, "vision_moe")], route[vision])
+            c = p.counts()[layer]
+            assert c["num_replayed_rows"] == T and c["num_calls"] == 1, c
+        # a text-only forward (no token types, or all 0) routes through the text router alone
+        p.set_targets(routes)
+        with torch.no_grad(), p.capture() as cap:
+            model(ids, moe_mm_token_type_ids=torch.zeros_like(types))
+        assert torch.equal(cap.ids()[:, :, p.layers], routes) and cap.num_split_forwards == 0
+        assert torch.equal(cap.expert_ids(), cap.ids())
+    finally:
+        seen.remove()
+    p.unpatch()
+    assert not p.active
+    for n in list(p.modules.values()) + seconds:
+        assert "forward" not in model.get_submodule(n).__dict__
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_ernie4_5_vl_moe_with_vision_tokens_router_dtype_none_is_bitwise_in_training(dtype):
+    model = build("ernie4_5_vl_moe", dtype).train()
+    ids, types = tokens(2, 9, seed=1), _ernie_types(2, 9)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(ids, moe_mm_token_type_ids=types)[0]
+        out.float().pow(2).mean().backward()
+        return out.detach(), {n: q.grad.clone() for n, q in model.named_parameters()
+                              if q.grad is not None}
+    out, grads = step()
+    assert any("vision_moe.gate" in n for n in grads)  # the vision router is trained
+    with syhf.patch(model, router_dtype=None):
+        got, got_grads = step()
+    assert torch.equal(got, out)
+    assert got_grads.keys() == grads.keys()
+    for n in grads:
+        assert torch.equal(got_grads[n], grads[n]), n
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_ernie4_5_vl_moe_checkpoint_recompute_splits_the_tokens_as_its_forward(reentrant):
+    # The recompute inside backward runs the block again (its pre-hook sees the same token types)
+    # and replays the ids its forward used, each router its own rows: gradients bitwise those of
+    # the step without checkpointing.
+    import functools
+    from torch.utils.checkpoint import checkpoint
+    model = build("ernie4_5_vl_moe").train()
+    ids, types = tokens(2, 9, seed=2), _ernie_types(2, 9)
+    p = syhf.patch(model)
+    T, E, K, M = ids.numel(), p.num_experts, p.top_k, len(p.layers)
+    g = torch.Generator().manual_seed(3)
+    targets = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * M)]).view(
+        T, M, K)
+    targets[4] = -1  # one token (a text token) routed natively
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        p.reset_counts()
+        p.set_targets(targets)
+        with p.capture() as cap:
+            out = model(ids, moe_mm_token_type_ids=types)[0]
+            out.float().pow(2).mean().backward()
+        return {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}, cap
+    ref, _ = step()
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(
+        checkpoint, use_reentrant=reentrant))
+    if reentrant:
+        model.enable_input_require_grads()
+    got, cap = step()
+    assert cap.num_forwards == 1
+    for layer, c in p.counts().items():
+        assert (c["num_replayed_rows"], c["num_native_rows"], c["num_recomputed_rows"]) == \
+            (T - 1, 1, T), c
+    assert ref.keys() == got.keys()
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
     p.unpatch()
 
 
@@ -813,14 +951,16 @@ def _weights64(family, router, x, ids):
     return s[:, :ids.shape[1]], s[:, ids.shape[1]:]
 
 
-@pytest.mark.parametrize("family", ["jetmoe", "inkling", "zaya"])
+@pytest.mark.parametrize("family", ["jetmoe", "jetmoe_attention", "inkling", "zaya"])
 def test_replayed_ids_take_the_familys_weights_from_live_logits_and_gradients_reach_the_router(
         family):
     # Replay forces the ids; the weights are the family's formula at those ids from the live
     # logits (float64 reference from the maths), differentiable w.r.t. the gate and the input.
-    model = build(family)
+    # (jetmoe_attention: JetMoE's attention experts' router, the route layer before the last.)
+    model = build(family.replace("_attention", ""))
     p = syhf.patch(model, router_dtype=torch.float32)
-    layer = p.layers[-1]
+    layer = p.layers[-2] if family == "jetmoe_attention" else p.layers[-1]
+    family = family.replace("_attention", "")
     r = model.get_submodule(p.modules[layer])
     gen = torch.Generator().manual_seed(0)
     T, E, K = 23, p.num_experts, p.top_k
@@ -856,3 +996,88 @@ def test_replayed_ids_take_the_familys_weights_from_live_logits_and_gradients_re
     assert x.grad is not None and x.grad.abs().sum() > 0
     assert w.grad is not None and w.grad.abs().sum() > 0
     p.unpatch()
+
+
+def test_jetmoe_routes_its_attention_and_mlp_experts_as_two_route_layers_per_decoder_layer():
+    # Every JetMoE decoder layer routes each token twice, with one router class and the same E and
+    # K (config.num_local_experts, num_experts_per_tok): its attention experts (mixture of
+    # attention heads), then its MLP experts. Each router is a route layer of its own, in forward
+    # order: decoder layer i's attention router is route layer 2i, its MLP router 2i + 1.
+    model = build("jetmoe")
+    cfg = model.config
+    N, E, K = cfg.num_hidden_layers, cfg.num_local_experts, cfg.num_experts_per_tok
+    p = syhf.patch(model, router_dtype=torch.float32)
+    sites = ("self_attention.experts.router", "mlp.router")
+    assert p.routes_per_layer == 2 and p.num_route_layers == 2 * N and p.num_hidden_layers == N
+    assert p.layers == list(range(2 * N))
+    assert p.modules == {2 * i + s: f"model.layers.{i}.{site}" for i in range(N)
+                         for s, site in enumerate(sites)}
+    assert p.num_experts == E and p.top_k == K
+    assert f"of {2 * N} route layers (2 per decoder layer)" in repr(p)
+    called, got = [], {}
+
+    def saw(k, out):
+        called.append(k)
+        got[k] = _grouped_ids(out)
+    hooks = [model.get_submodule(n).register_forward_hook(lambda m, a, o, k=k: saw(k, o))
+             for k, n in p.modules.items()]
+    ids = tokens(2, 8, seed=3)
+    T = ids.numel()
+    try:
+        with torch.no_grad(), p.capture() as cap:
+            model(ids)
+        assert called == p.layers  # the route layers are the forward's order
+        live = cap.ids()
+        assert live.shape == (2, 8, 2 * N, K)
+        for k in p.layers:  # each router's groups held the captured ids
+            assert torch.equal(got[k], live[:, :, k].reshape(T, K).long()), k
+        with pytest.raises(ValueError, match=r"the experts of JetMoE are not transformers' "
+                                             r"experts interface"):
+            cap.expert_ids()
+        # Replay of the attention routers alone: their experts get the targets, the MLP routers
+        # (rows of -1) route natively, each counted on its own route layer.
+        g = torch.Generator().manual_seed(4)
+        forced = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * N)])
+        targets = torch.full((2, 8, 2 * N, K), -1, dtype=torch.int64)
+        targets[:, :, 0::2] = forced.view(2, 8, N, K)
+        p.reset_counts()
+        p.set_targets(targets)
+        called.clear()
+        with torch.no_grad(), p.capture() as cap:
+            model(ids)
+        assert called == p.layers
+        for k in p.layers:
+            c = p.counts()[k]
+            if k % 2 == 0:
+                assert torch.equal(got[k], targets[:, :, k].reshape(T, K)), k
+                assert c["num_replayed_rows"] == T and c["num_native_rows"] == 0, (k, c)
+            else:
+                assert c["num_replayed_rows"] == 0 and c["num_native_rows"] == T, (k, c)
+            assert torch.equal(cap.ids()[:, :, k].reshape(T, K).long(), got[k]), k
+    finally:
+        for h in hooks:
+            h.remove()
+    # The route data over all layers holds the 2N route layers; an engine's over the N hidden
+    # layers (one route each) is refused naming the family and the count.
+    mask = torch.ones(2, 8, dtype=torch.long)
+    arrays = cap.routed_experts(mask)  # (a plain forward: each last real token has no route)
+    assert all(a.shape == (7, 2 * N, K) for a in arrays)
+    t, _ = p.targets_from_vllm(arrays, mask)
+    assert torch.equal(t[:, :-1], cap.ids()[:, :-1]) and bool((t[:, -1] == -1).all())
+    verl = cap.to_verl(mask)
+    assert verl.shape == (2, 8, 2 * N, K)
+    assert torch.equal(p.targets_from_verl(verl, mask)[0], t)
+    msg = (r"JetMoE routes every token 2 times per decoder layer \(self_attention\.experts\."
+           rf"router, then mlp\.router\): {{}} must hold its num_route_layers={2 * N} route "
+           rf"layers .* got shape {{}}; an engine's routes over the {N} hidden layers")
+    with pytest.raises(ValueError, match=r"\[hf\.targets_from_vllm\] " + msg.format(
+            "routed_experts arrays", rf"\[7, {N}, {K}\] at \[0\]")):
+        p.targets_from_vllm([a[:, 1::2] for a in arrays])
+    with pytest.raises(ValueError, match=r"\[hf\.tables_from_vllm\] " + msg.format(
+            "routed_experts arrays", rf"\[7, {N}, {K}\] at \[0\]")):
+        p.tables_from_vllm([a[:, 1::2] for a in arrays])
+    with pytest.raises(ValueError, match=r"\[hf\.targets_from_verl\] " + msg.format(
+            "routed_experts", rf"\[2, 8, {N}, {K}\]")):
+        p.targets_from_verl(verl[:, :, 1::2], mask)
+    p.unpatch()
+    assert not any("forward" in model.get_submodule(n).__dict__ for n in p.modules.values())

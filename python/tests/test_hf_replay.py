@@ -176,11 +176,12 @@ def test_capture_prefill_matches_a_plain_forward_and_decode_a_full_forward(famil
     p.unpatch()
 
 
-@pytest.mark.parametrize("family", E2E)
+@pytest.mark.parametrize("family", [*E2E, "jetmoe"])
 def test_r3_targets_from_vllm_verl_and_route_files_replay_the_rollout(family, tmp_path):
     """R3: routes captured during generate() (the rollout) replayed in a training forward over the
     generated sequences, from vLLM arrays, from verl's padded int16 routed_experts and from a route
-    file: the replayed ids are the rollout's; padding and each last token route natively."""
+    file: the replayed ids are the rollout's; padding and each last token route natively. (JetMoE:
+    two route layers per decoder layer, its attention experts' and its MLP experts' routers.)"""
     model = build(family)
     p = syhf.patch(model)
     cap, seq, full_mask = _generate_with_capture(model, p)
@@ -188,8 +189,10 @@ def test_r3_targets_from_vllm_verl_and_route_files_replay_the_rollout(family, tm
     targets, report = p.targets_from_vllm(arrays, full_mask)
     B, S = seq.shape
     assert tuple(targets.shape) == (B, S, len(p.layers), p.top_k)
-    # verl: [B, S, num_hidden_layers, K] int16, left padded, zero filled, the last token zero.
-    L = model.config.num_hidden_layers
+    # verl: [B, S, num_hidden_layers, K] int16, left padded, zero filled, the last token zero
+    # (JetMoE: num_route_layers = 2 × num_hidden_layers)
+    L = model.config.num_hidden_layers * (2 if family == "jetmoe" else 1)
+    assert p.num_route_layers == L
     verl = torch.zeros(B, S, L, p.top_k, dtype=torch.int16)
     for b, a in enumerate(arrays):
         pos = full_mask[b].nonzero().flatten()
@@ -249,7 +252,7 @@ def test_all_none_rows_route_natively_and_invalid_rows_are_errors_or_counted():
 
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "native"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "llama4_text"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "llama4_text", "jetmoe"])
 def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
     """Under activation (gradient) checkpointing the recompute inside backward routes with the ids
     its forward used (replayed targets, native rows included), records and captures nothing, and the
@@ -276,9 +279,20 @@ def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
         return {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}, cap
 
     ref, _ = step()
-    # transformers 5.x's name for gradient_checkpointing_enable (deprecated, the same switch).
-    model.activation_checkpointing_enable(
-        activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    if model.supports_gradient_checkpointing:
+        # transformers 5.x's name for gradient_checkpointing_enable (deprecated, the same switch).
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": reentrant})
+    else:
+        # JetMoE does not declare checkpointing support, but its decoder layers are checkpointing
+        # layers: switched on there as activation_checkpointing_enable does, so that the
+        # recompute of both its routers per decoder layer (attention and MLP experts) runs.
+        import functools
+        from torch.utils.checkpoint import checkpoint
+        model._set_gradient_checkpointing(
+            enable=True, gradient_checkpointing_func=functools.partial(checkpoint,
+                                                                       use_reentrant=reentrant))
+        model.enable_input_require_grads()
     got, cap = step()
     assert cap.num_forwards == 1  # the recompute is not captured
     for layer, c in p.counts().items():
@@ -288,7 +302,8 @@ def test_checkpoint_recompute_reuses_the_forward_ids(family, reentrant, replay):
     assert ref.keys() == got.keys()
     for n in ref:
         assert torch.equal(got[n], ref[n]), n
-    model.activation_checkpointing_disable()
+    if model.supports_gradient_checkpointing:
+        model.activation_checkpointing_disable()
     p.unpatch()
 
 

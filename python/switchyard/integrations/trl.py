@@ -324,7 +324,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
                     seqs.append((list(pi) + list(ci), None))  # nothing to route: no row
                     continue
             t = _ids.as_tensor(r, _OP, name)
-            want = [max(n - 1, 0), p.num_hidden_layers, p.top_k]
+            want = [max(n - 1, 0), p.num_route_layers, p.top_k]
             if list(t.shape) != want:
                 raise ValueError(f"{_WHO} {name} must be an integer array "
                                  f"[len(prompt_ids[{i}]) + len(completion_ids[{i}]) - 1, "
@@ -402,7 +402,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             tokens, r = st.seqs[i]
             full = list(pi) + list(ci)
             if r is None:  # a sequence of fewer than 2 tokens: no routed token
-                r = torch.zeros(0, self.switchyard_patch.num_hidden_layers,
+                r = torch.zeros(0, self.switchyard_patch.num_route_layers,
                                 self.switchyard_patch.top_k, dtype=torch.int32)
             if tokens[:len(full)] != full or r.shape[0] < len(full) - 1:
                 raise RuntimeError(f"{_WHO} sequence {i}: the routes were taken for other tokens "

@@ -353,7 +353,7 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
                              "the log-prob pass of this engine records them)")
         offsets, lengths, mask = self._layout(micro_batch)
         B, total = len(lengths), int(offsets[-1]) if len(offsets) else 0
-        L, K = p.num_hidden_layers, p.top_k
+        L, K = p.num_route_layers, p.top_k
         want = f"[B={B}, tokens (as input_ids), num_hidden_layers={L}, K={K}]"
         if not isinstance(routed, torch.Tensor) or not routed.is_nested:
             raise ValueError(f"[verl] routed_experts must be a jagged nested tensor {want} (verl's "

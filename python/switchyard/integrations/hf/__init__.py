@@ -58,6 +58,10 @@ What the patch does, per MoE decoder layer (keyed by its absolute layer number):
   0), ``cap.tables(...)`` switchyard route tables, ``cap.write(path, ...)`` a route file. Beam
   search (``num_beams > 1``) is refused while capturing: it reorders the beams at every step.
 
+* Several routers per decoder layer (JetMoE: its attention experts' router, then its MLP
+  experts'): each is a route layer of its own, decoder layer i's at 2i and 2i + 1
+  (``p.routes_per_layer``); ``p.layers`` and route data over all layers
+  (``p.num_route_layers`` = 2 × num_hidden_layers) follow that order.
 * Per-layer K (HunYuan's ``moe_topk`` list): ``p.top_ks`` gives each layer's K; route tables in
   and out are ``p.top_k`` (the largest) wide, -1 past a layer's own K.
 * Experts-side capture: ``cap.expert_ids()`` holds the ids the experts modules received

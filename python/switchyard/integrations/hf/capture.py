@@ -211,7 +211,10 @@ class Capture:
     """Route capture over forwards (a whole ``generate()``: prefill and every decode step).
 
     Every forward of a MoE layer appends its ids as [B, S, K]; the steps are concatenated along S,
-    so token s of row b is the s-th token that row fed to the model. Made by ``Patch.capture()``
+    so token s of row b is the s-th token that row fed to the model. The layer dimension of what it
+    returns is the Patch's ``num_route_layers``: num_hidden_layers, except for a family whose
+    decoder layer routes several times (JetMoE: decoder layer i's attention experts' router at 2i,
+    its MLP experts' router at 2i + 1). Made by ``Patch.capture()``
     (use it as a context manager), not directly. ``ids()`` and the methods built on it raise
     ValueError when nothing was captured or the captured forwards have different batch sizes (capture one
     ``generate()`` call at a time)."""
@@ -229,6 +232,9 @@ class Capture:
         self._refeed = False  # inside generate(use_cache=False): each forward re-feeds all tokens
         self._generated = False  # a generate() ran under this capture (its final token unfed)
         self._experts = None  # ExpertsCapture over the patched layers (start)
+        self.num_split_forwards = 0
+        """MoE layer forwards whose block split the tokens between two routers (spec.split_by:
+        ERNIE-4.5-VL's vision tokens), counted by the patched routers."""
 
     def start(self) -> None:
         """Starts capturing: the model's ``generate()`` is wrapped (beam search refused) until
@@ -312,7 +318,8 @@ class Capture:
         """Appends one forward's ids of one MoE layer (called by the patched router).
 
         Args:
-            layer: the decoder layer's number (one of ``Patch.layers``).
+            layer: the route layer (one of ``Patch.layers``: the decoder layer's number, or
+                R·layer + site for JetMoE).
             ids32: int32 [T, K] on the CPU, the ids the forward routed.
             batch_shape: the decoder layer's input shape without its hidden dimension ((B, S),
                 or (B, S, streams)), or None (taken as (1, T)).
@@ -353,10 +360,10 @@ class Capture:
         return max((len(v) for v in self._steps.values()), default=0)
 
     def ids(self) -> torch.Tensor:
-        """[B, S_fed, num_hidden_layers, K] int32: every fed token's ids, dense layers 0.
+        """[B, S_fed, num_route_layers, K] int32: every fed token's ids, dense layers 0.
 
         Returns:
-            int32 [B, S_fed, num_hidden_layers, K].
+            int32 [B, S_fed, num_route_layers, K].
 
         Raises:
             ValueError: when nothing was captured or the forwards' batch sizes differ.
@@ -369,7 +376,7 @@ class Capture:
         measured against.
 
         Returns:
-            int32 [B, S_fed, num_hidden_layers, K], dense layers 0.
+            int32 [B, S_fed, num_route_layers, K], dense layers 0.
 
         Raises:
             ValueError: as ``ids()``.
@@ -388,7 +395,9 @@ class Capture:
 
         Raises:
             ValueError: as ``ids()``; also for a family whose experts are not transformers'
-                experts interface (Llama-4's take the router-scaled input only).
+                experts interface (Llama-4's take the router-scaled input only), and after a
+                forward that split its tokens between two expert sets (ERNIE-4.5-VL's vision
+                tokens).
         """
         if self._experts_off:
             raise ValueError("[hf.Capture] this capture was started with capture(experts=False): "
@@ -396,15 +405,20 @@ class Capture:
         if self._experts is None:
             raise ValueError(f"[hf.Capture] the experts of {self._owner.family} are not "
                              "transformers' experts interface: their ids cannot be observed")
+        if self.num_split_forwards:
+            raise ValueError(f"[hf.Capture] {self._owner.family}: {self.num_split_forwards} "
+                             "captured MoE layer forwards split their tokens between two expert "
+                             "sets (vision tokens); expert_ids() observes the first set's "
+                             "experts only, ids() holds every token's route")
         return _stack(self._experts._steps, self._owner.num_hidden_layers, self._owner.top_k)
 
     def _stacked(self, per_layer: dict[int, list[torch.Tensor]]) -> torch.Tensor:
         o = self._owner
-        return _stack(per_layer, o.num_hidden_layers, o.top_k)
+        return _stack(per_layer, o.num_route_layers, o.top_k)
 
     def routed_experts(self, attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
         """vLLM's ``routed_experts`` per sequence: a list of int32 tensors
-        [num_tokens - 1, num_hidden_layers, K] (dense layers 0; the last token, never fed, has no
+        [num_tokens - 1, num_route_layers, K] (dense layers 0; the last token, never fed, has no
         route). ``attention_mask`` [B, S_out] (any integer / bool dtype, nonzero = real token) of
         the generated sequences (prompt + new tokens, S_out = fed tokens + 1) or of the fed tokens
         (S_out = fed tokens); None = every fed token is real, all rows kept. A sequence that ended
@@ -418,7 +432,7 @@ class Capture:
             attention_mask: [B, S_out] or [B, S_fed] (nonzero = real token), or None.
 
         Returns:
-            list of int32 [num_tokens - 1, num_hidden_layers, K].
+            list of int32 [num_tokens - 1, num_route_layers, K].
         """
         # One implementation of vLLM's layout: switchyard.routes.routed_experts. A capture of
         # plain forwards fed each sequence's last token; one over generate() never fed the final
@@ -427,7 +441,7 @@ class Capture:
                                   final_token_fed=not self._generated)
 
     def to_verl(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        """verl's ``routed_experts`` batch layout: int16 [B, S_out, num_hidden_layers, K] over the
+        """verl's ``routed_experts`` batch layout: int16 [B, S_out, num_route_layers, K] over the
         generated sequences' positions (``attention_mask`` [B, S_out]), zero filled at padding, on
         dense layers and at each sequence's last token (which has no route), vLLM's routes at the
         other real tokens. ``Patch.targets_from_verl`` reads it back. ValueError when the mask's
@@ -437,12 +451,12 @@ class Capture:
             attention_mask: [B, S_out] (nonzero = real token).
 
         Returns:
-            int16 [B, S_out, num_hidden_layers, K].
+            int16 [B, S_out, num_route_layers, K].
         """
         m = torch.as_tensor(attention_mask).to("cpu").bool()
         tables, rep = self.tables(m)
         # One implementation of verl's layout: switchyard.routes.to_verl (from_verl's inverse).
-        out, _ = syr.to_verl(tables, rep["moe_layers"], self._owner.num_hidden_layers,
+        out, _ = syr.to_verl(tables, rep["moe_layers"], self._owner.num_route_layers,
                              attention_mask=m, num_experts=self._owner.num_experts)
         return out
 

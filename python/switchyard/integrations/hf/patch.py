@@ -5,6 +5,7 @@ package docstring."""
 import collections
 import contextlib
 import dataclasses
+import inspect
 import sys
 import threading
 from collections.abc import Sequence
@@ -54,6 +55,17 @@ class _Layer:
                                       num_experts=self.num_experts)
         self.will_recompute = False
         self.batch_shape = None
+        # spec.split_by (ERNIE-4.5-VL): the layer's other router (a _Layer of the same route
+        # layer), which one this is (0: the first, 1: the second); on the first, the tokens of the
+        # second in this forward ([T] bool, set by the block's pre-hook; None: all the first's)
+        # and the state of a forward split between them (_route_split).
+        self.pair = None
+        self.part = 0
+        self.split_mask = None
+        self._split = None
+        self._split_arg = None  # (argument name, its position in the block's forward)
+        self._split_block = None  # the module whose forward splits the tokens
+        self._split_hook = None
         self.counts = _replay.ReplayCounts()  # forwards (the replay core's one count record)
         self.num_recomputed_rows = 0  # rows a recompute inside backward replayed
         # Compiled forwards (see _traced_state): the head of the replay queue as tensors, staged
@@ -96,6 +108,48 @@ class _Layer:
         if self.decoder_layer is not None:
             self._hook = self.decoder_layer.register_forward_pre_hook(self._pre_hook,
                                                                       with_kwargs=True)
+        if self.pair is not None and not self.part:
+            self.pair.install()
+            self._split_hook = self._split_block.register_forward_pre_hook(self._split_pre_hook,
+                                                                           with_kwargs=True)
+
+    def pair_with(self, name, router, split_block, block):
+        """Makes router ``name`` the second router of this route layer (spec.split_by): a _Layer
+        of the same key that routes the tokens ``split_block``'s argument sends it. ValueError
+        when its E or K differ from this router's (one route table holds both)."""
+        arg = self.family.spec.split_by[0]
+        second = _Layer(self.owner, self.layer, name, router, None, self.family, block)
+        if (second.num_experts, second.top_k) != (self.num_experts, self.top_k):
+            raise ValueError(f"[hf.patch] {self.family.name}: routers {self.name} and {name} share "
+                             f"route layer {self.layer} but route to E={self.num_experts}, "
+                             f"K={self.top_k} and E={second.num_experts}, K={second.top_k}")
+        params = list(inspect.signature(type(split_block).forward).parameters)[1:]
+        second.pair, second.part, self.pair = self, 1, second
+        self._split_arg = (arg, params.index(arg) if arg in params else None)
+        self._split_block = split_block
+
+    def _split_pre_hook(self, module, args, kwargs):
+        # The block's forward is called inside the decoder layer's, so this runs in a checkpoint
+        # recompute too: the recompute splits its tokens as its forward did. Where the argument
+        # holds a nonzero value the block routes those tokens through the second router (the
+        # family's own test: the argument given and any() of it).
+        arg, i = self._split_arg
+        t = args[i] if i is not None and len(args) > i else kwargs.get(arg)
+        if not isinstance(t, torch.Tensor):
+            self.split_mask = None
+            return
+        # Under torch.compile the split is refused: traced, or run eagerly after a graph break
+        # (dynamo's fallback for this frame: no eager step of the model began, the step's queue
+        # and counts are the compiled forward's).
+        if torch.compiler.is_compiling() or not (
+                _replay.in_recompute() or self.owner._running.get(threading.get_ident())):
+            raise ValueError(f"[hf] {self.family.name}: a forward with {arg} whose MoE block runs "
+                             "outside an eager forward of the model (torch.compile / "
+                             "torch.export, or a decoder layer called on its own): the block "
+                             "splits the tokens between its routers by a data-dependent mask "
+                             "(transformers' own code breaks the graph there too); run forwards "
+                             "with token types eagerly")
+        self.split_mask = t.bool().reshape(-1) if bool(t.any()) else None
 
     @property
     def installed(self) -> bool:
@@ -117,15 +171,16 @@ class _Layer:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        if self.pair is not None and not self.part:
+            self.pair.uninstall()
+            if self._split_hook is not None:
+                self._split_hook.remove()
+                self._split_hook = None
 
     def _pre_hook(self, module, args, kwargs):
         # Runs in the decoder layer's __call__, outside the checkpointed forward, so once per real
         # forward: the condition under which transformers checkpoints the layer. A traced forward
         # queues nothing for its recompute (switchyard.replay.in_recompute).
-        refused = self.family.spec.refused_if
-        if refused is not None and isinstance(kwargs.get(refused[0]), torch.Tensor) and \
-                bool(kwargs[refused[0]].any()):
-            raise ValueError(f"[hf] {self.family.name}: {refused[1]}")
         if torch.compiler.is_compiling() and self.replay.action != "record" and \
                 self.owner._capture is None:
             return
@@ -187,40 +242,17 @@ class _Layer:
             # meta device, the engine needs data); no replay, record or capture.
             weights, ids = fam.route(r, logits, None, None, passed, self.block)
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
+        if self.pair is not None and (self.part or self.split_mask is not None):
+            return self._route_split(logits, hidden_states, passed)  # (ERNIE-4.5-VL's vision)
         recompute = _replay.in_recompute()  # the checkpoint recompute of this forward
         traced = torch.compiler.is_compiling()  # torch.compile / torch.export: see _traced_state
         with _NULL if native else _autocast_off(logits.device.type):
             with fam.native_context(r, logits) if native else _NULL:
-                rows = staged = None
-                replay_ids = replay_mask = None
                 if traced:
+                    rows = None
                     replay_ids, replay_mask = self._traced_state(T)
-                elif recompute:
-                    if self.replay.num_pending_recompute or \
-                            self.replay.action == "replay_forward":
-                        rows = owner.driver.take_recompute(self.layer, T)
-                        self.num_recomputed_rows += T
                 else:
-                    if self.replay.action == "recompute":
-                        raise ValueError(
-                            f"[hf] layer {self.layer}: action 'recompute' is not used with "
-                            "transformers models: the checkpoint recompute is detected and "
-                            "replayed automatically; use 'replay_forward'")
-                    rows = owner.driver.take_forward(self.layer, T)
-                    if rows is not None and rows is self.staged_rows:
-                        staged = self.staged_replay  # staged for a compiled forward: the same
-                    self.staged_rows = self.staged_replay = None  # taken here: restaged later
-                    if rows is None:  # (in place: no count record made per layer and forward)
-                        self.counts.add_native(T)
-                    else:
-                        self.counts.add_rows(rows)
-                if rows is not None:  # the core's rows -> the family's (ids, mask) on the device
-                    replay_ids, replay_mask = (
-                        staged if staged is not None and staged[0].device == logits.device else
-                        (rows.ids.to(device=logits.device, dtype=torch.int64),
-                         rows.replayed.to(logits.device)))
-                    if rows.all_replayed:
-                        replay_mask = None  # every row (known from the counts: no tensor read)
+                    rows, replay_ids, replay_mask = self._take(T, recompute, logits.device)
                 # The router's own choice (its live top-k), for the mismatch metric of a replayed
                 # forward under capture: taken from the routing itself, not routed again.
                 live = [] if rows is not None and not recompute and not traced and \
@@ -233,6 +265,80 @@ class _Layer:
             elif not recompute:
                 self._after_forward(ids, T, native_ids)
             return fam.outputs(r, logits, weights, ids, hidden_states, native)
+
+    def _take(self, T, recompute, device):
+        """(rows, replay ids int64 [T, K], replayed rows bool [T] or None: every row) an eager
+        forward (or its checkpoint recompute) of T tokens replays, taken from the layer's queue
+        and counted; (None, None, None) where it routes natively."""
+        rows = staged = None
+        if recompute:
+            if self.replay.num_pending_recompute or self.replay.action == "replay_forward":
+                rows = self.owner.driver.take_recompute(self.layer, T)
+                self.num_recomputed_rows += T
+        else:
+            if self.replay.action == "recompute":
+                raise ValueError(
+                    f"[hf] layer {self.layer}: action 'recompute' is not used with "
+                    "transformers models: the checkpoint recompute is detected and "
+                    "replayed automatically; use 'replay_forward'")
+            rows = self.owner.driver.take_forward(self.layer, T)
+            if rows is not None and rows is self.staged_rows:
+                staged = self.staged_replay  # staged for a compiled forward: the same
+            self.staged_rows = self.staged_replay = None  # taken here: restaged later
+            if rows is None:  # (in place: no count record made per layer and forward)
+                self.counts.add_native(T)
+            else:
+                self.counts.add_rows(rows)
+        if rows is None:
+            return None, None, None
+        # the core's rows -> the family's (ids, mask) on the device
+        replay_ids, replay_mask = (
+            staged if staged is not None and staged[0].device == device else
+            (rows.ids.to(device=device, dtype=torch.int64), rows.replayed.to(device)))
+        if rows.all_replayed:
+            replay_mask = None  # every row (known from the counts: no tensor read)
+        return rows, replay_ids, replay_mask
+
+    def _route_split(self, logits, hidden_states, passed):
+        """One router's route in a forward whose block split the tokens between the two routers
+        of this route layer (spec.split_by): the first router's call takes the layer's table of
+        all T tokens (replay or recompute, counted once) and routes its rows of it; the second's
+        routes the others, then hands the layer's ids of all T tokens, in token order, to record,
+        capture and the recompute queue, as one router's forward would."""
+        owner, fam, r = self.owner, self.family, self.router
+        first = self.pair if self.part else self
+        mask = first.split_mask
+        if mask is None or (self.part and first._split is None):
+            raise ValueError(f"[hf] {fam.name}: router {self.name} ran outside its MoE block's "
+                             f"split of the tokens ({fam.spec.split_by[0]}): its rows of the "
+                             "route layer are unknown")
+        native = owner.router_dtype is None
+        recompute = _replay.in_recompute()
+        T = mask.numel()
+        sel = mask if self.part else ~mask
+        with _NULL if native else _autocast_off(logits.device.type):
+            with fam.native_context(r, logits) if native else _NULL:
+                if not self.part:
+                    rows, ids_all, replayed_all = self._take(T, recompute, logits.device)
+                    live = rows is not None and not recompute and owner._capture is not None
+                    first._split = (ids_all, replayed_all, live, [None, None], [None, None])
+                ids_all, replayed_all, live, parts, lives = first._split
+                own = [] if live else None
+                weights, ids = fam.route(r, logits, None if ids_all is None else ids_all[sel],
+                                         None if replayed_all is None else replayed_all[sel],
+                                         passed, self.block, live=own)
+                parts[self.part], lives[self.part] = ids, own[0] if own else None
+        if self.part:
+            first._split = first.split_mask = None
+            if not recompute:
+                def whole(a, b):  # the two routers' rows back in token order
+                    out = a.new_empty((T, a.shape[1]))
+                    out[~mask], out[mask] = a, b
+                    return out
+                first._after_forward(whole(*parts), T, whole(*lives) if live else None)
+                if owner._capture is not None:
+                    owner._capture.num_split_forwards += 1
+        return fam.outputs(r, logits, weights, ids, hidden_states, native)
 
     def _traced_state(self, T):
         # The replay state of a forward that torch.compile / torch.export traces: no Python queue
@@ -311,11 +417,13 @@ _NULL = contextlib.nullcontext()  # reentrant and stateless: one for every call 
 # --------------------------------------------------------------------------------------------------
 class Patch:
     """What ``patch()`` did, and the handle to drive replay and capture. ``family`` (the family's
-    name), ``layers`` (absolute decoder-layer numbers of the patched MoE layers, ascending),
-    ``modules`` (layer -> router module name), ``replays`` (layer -> switchyard.RouterReplay).
-    Made by ``patch()`` (and found again by ``patch_of``), not directly. Route tensors in and out
-    are laid out per MoE layer in the order of ``layers`` (``moe_layers`` = len(layers)) with
-    K = ``top_k``; -1 = no route (routed natively)."""
+    name), ``layers`` (the route layers of the patched routers, ascending: absolute decoder-layer
+    numbers; for a family that routes several times per decoder layer, JetMoE, R·layer + site,
+    see ``routes_per_layer``), ``modules`` (layer -> router module name), ``replays`` (layer ->
+    switchyard.RouterReplay). Made by ``patch()`` (and found again by ``patch_of``), not
+    directly. Route tensors in and out are laid out per MoE layer in the order of ``layers``
+    (``moe_layers`` = len(layers)) with K = ``top_k``; -1 = no route (routed natively); data over
+    all layers (vLLM's and verl's layouts, ``Capture.ids()``) has ``num_route_layers``."""
 
     def __init__(self, model, router_dtype, gate, invalid_replay_rows):
         self.model = model
@@ -337,14 +445,20 @@ class Patch:
         cfg = model.config
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.num_hidden_layers = int(cfg.num_hidden_layers)
-        """The model's decoder layers (dense and MoE): the layer dimension of vLLM / verl data."""
+        """The model's decoder layers (dense and MoE)."""
+        self.routes_per_layer = 1
+        """R, the routers each token passes per decoder layer: 1, or for a family whose decoder
+        layer routes several times (spec.route_sites) their number (JetMoE: 2, its attention
+        experts' router, then its MLP experts' router). Route layer R·layer + site; set by
+        ``patch()``."""
 
     # ---- what was patched ----
     @property
     def active(self) -> bool:
         """Whether every patched router still runs this Patch's forward (False once unpatched,
         also when a newer Patch took the routers over)."""
-        return bool(self._layers) and all(l.installed for l in self._layers)
+        return bool(self._layers) and all(l.installed and (l.pair is None or l.pair.installed)
+                                          for l in self._layers)
 
     @property
     def family(self) -> str:
@@ -352,8 +466,16 @@ class Patch:
         return self._layers[0].family.title
 
     @property
+    def num_route_layers(self) -> int:
+        """The layer dimension of route data over all layers (vLLM's ``routed_experts``, verl's
+        layout, ``Capture.ids()``): num_hidden_layers × routes_per_layer, in forward order
+        (JetMoE: decoder layer i's attention router at 2i, its MLP router at 2i + 1)."""
+        return self.num_hidden_layers * self.routes_per_layer
+
+    @property
     def layers(self) -> list[int]:
-        """Absolute decoder-layer numbers of the patched MoE layers, ascending."""
+        """The route layers of the patched routers, ascending: absolute decoder-layer numbers,
+        or R·layer + site where a decoder layer routes R times (``routes_per_layer``)."""
         return [l.layer for l in self._layers]
 
     @property
@@ -414,8 +536,11 @@ class Patch:
                 f"GEMM in {self.router_dtype} on CUDA tensors (not batch invariant)")
 
     def __repr__(self):
+        per = "" if self.routes_per_layer == 1 else \
+            f" route layers ({self.routes_per_layer} per decoder layer)"
         return (f"<switchyard.hf.Patch {self.family}: {len(self._layers)} MoE layers "
-                f"{self.layers} of {self.num_hidden_layers}, router_dtype={self.router_dtype}, "
+                f"{self.layers} of {self.num_route_layers}{per}, "
+                f"router_dtype={self.router_dtype}, "
                 f"gate: {self.gate_description()}, combine weights: {self.combine_dtype}"
                 f"{'' if self.active else ' (unpatched)'}>")
 
@@ -599,7 +724,26 @@ class Patch:
     # ---- route sources (R3) ----
     def _layer_freq(self):
         s = set(self.layers)
-        return [1 if i in s else 0 for i in range(self.num_hidden_layers)]
+        return [1 if i in s else 0 for i in range(self.num_route_layers)]
+
+    def _check_route_layers(self, shapes, op, what):
+        """ValueError, for a family with several routes per decoder layer (JetMoE), naming the
+        family and its route layer count when route data's layer dimension (the second last of
+        each shape) is not num_route_layers; an engine's arrays over the hidden layers (one route
+        per layer, MLP experts only) are refused here rather than read as the wrong routers."""
+        R = self.routes_per_layer
+        if R == 1:
+            return
+        for i, shape in enumerate(shapes):
+            if len(shape) >= 2 and int(shape[-2]) != self.num_route_layers:
+                sites = ", then ".join(self._layers[0].family.spec.route_sites)
+                raise ValueError(
+                    f"[{op}] {self.family} routes every token {R} times per decoder layer "
+                    f"({sites}): {what} must hold its num_route_layers={self.num_route_layers} "
+                    f"route layers (decoder layer i's routes at {R}i to {R}i + {R - 1}, as "
+                    f"Capture.routed_experts() lays them out), got shape {list(shape)}"
+                    f"{f' at [{i}]' if len(shapes) > 1 else ''}; an engine's routes over the "
+                    f"{self.num_hidden_layers} hidden layers do not hold every router's ids")
 
     def tables_from_vllm(self, arrays: Sequence[Any], zero_rows: str = "keep"
                          ) -> tuple[list[torch.Tensor], dict[str, Any]]:
@@ -607,8 +751,8 @@ class Patch:
         vLLM importer with this model's layer map.
 
         Args:
-            arrays: one integer [n_b - 1, num_hidden_layers, K] array per sequence (numpy or
-                torch, dense layers 0).
+            arrays: one integer [n_b - 1, num_route_layers, K] array per sequence (numpy or
+                torch, dense layers 0; num_route_layers is num_hidden_layers except for JetMoE).
             zero_rows: "keep", "to_none" or "error" (the importer's).
 
         Returns:
@@ -616,10 +760,16 @@ class Patch:
             import report dict.
 
         Raises:
-            ValueError: the importer's, naming sequence, token, layer and value.
+            ValueError: the importer's, naming sequence, token, layer and value; for JetMoE,
+                arrays whose layer dimension is not num_route_layers (naming the family).
         """
+        return self._import_vllm(arrays, zero_rows, "hf.tables_from_vllm")
+
+    def _import_vllm(self, arrays, zero_rows, op):
+        self._check_route_layers([a.shape for a in arrays if hasattr(a, "shape")], op,
+                                 "routed_experts arrays")
         return syr.import_vllm_arrays(arrays, self.num_experts, moe_layer_freq=self._layer_freq(),
-                                      num_input_layers=self.num_hidden_layers, top_k=self.top_k,
+                                      num_input_layers=self.num_route_layers, top_k=self.top_k,
                                       zero_rows=zero_rows)
 
     def targets_from_tables(self, tables: Sequence[Any], attention_mask: torch.Tensor | None = None
@@ -648,7 +798,7 @@ class Patch:
 
     def targets_from_vllm(self, arrays: Sequence[Any], attention_mask: torch.Tensor | None = None,
                           zero_rows: str = "keep") -> tuple[torch.Tensor, dict]:
-        """vLLM / SGLang routed_experts arrays (one integer [n_b - 1, num_hidden_layers, K] per
+        """vLLM / SGLang routed_experts arrays (one integer [n_b - 1, num_route_layers, K] per
         sequence, numpy or torch, dense layers 0) and ``attention_mask`` [B, S] (None: sequences of
         one length) -> (int32 [B, S, moe_layers, K] targets with -1 at padding and last tokens,
         import report dict), through switchyard's vLLM importer and this model's layer map
@@ -656,7 +806,7 @@ class Patch:
         sequence, token, layer and value) for a wrong shape or an id outside [0, num_experts).
 
         Args:
-            arrays: one integer [n_b - 1, num_hidden_layers, K] array per sequence.
+            arrays: one integer [n_b - 1, num_route_layers, K] array per sequence.
             attention_mask: [B, S] (nonzero = real token), or None (sequences of one length).
             zero_rows: "keep", "to_none" or "error".
 
@@ -666,13 +816,14 @@ class Patch:
         Raises:
             ValueError: the importer's.
         """
-        tables, report = self.tables_from_vllm(
-            _ids.table_list(arrays, "hf.targets_from_vllm", "arrays"), zero_rows)
+        tables, report = self._import_vllm(
+            _ids.table_list(arrays, "hf.targets_from_vllm", "arrays"), zero_rows,
+            "hf.targets_from_vllm")
         return syr.add_padding(tables, attention_mask), report
 
     def targets_from_verl(self, routed_experts: torch.Tensor, attention_mask: torch.Tensor,
                           zero_rows: str = "to_none") -> tuple[torch.Tensor, dict]:
-        """verl's ``routed_experts`` ([B, S, num_hidden_layers, K], int16, padded, zero filled;
+        """verl's ``routed_experts`` ([B, S, num_route_layers, K], int16, padded, zero filled;
         each row holds vLLM's routes of its real tokens, the last real token having none; any
         integer dtype) and its attention mask [B, S] -> (int32 [B, S, moe_layers, K] targets,
         import report dict); ValueError as ``targets_from_vllm``. Padding is dropped
@@ -680,7 +831,8 @@ class Patch:
         zero rows on MoE layers become -1 with zero_rows="to_none": routed natively, counted).
 
         Args:
-            routed_experts: verl's [B, S, num_hidden_layers, K] integer batch tensor.
+            routed_experts: verl's [B, S, num_route_layers, K] integer batch tensor
+                (num_route_layers is num_hidden_layers except for JetMoE).
             attention_mask: [B, S] (nonzero = real token).
             zero_rows: "keep", "to_none" or "error".
 
@@ -698,8 +850,9 @@ class Patch:
         last = real.shape[1] - 1 - real.flip(1).to(torch.int8).argmax(dim=1)
         routed = real.clone()
         routed[has, last[has]] = False
-        tables, report = syr.from_verl(_ids.as_tensor(routed_experts, "hf.targets_from_verl",
-                                                      "routed_experts"), routed, self.num_experts,
+        routed_experts = _ids.as_tensor(routed_experts, "hf.targets_from_verl", "routed_experts")
+        self._check_route_layers([routed_experts.shape], "hf.targets_from_verl", "routed_experts")
+        tables, report = syr.from_verl(routed_experts, routed, self.num_experts,
                                        moe_layer_freq=self._layer_freq(), zero_rows=zero_rows)
         tables = [torch.cat([t, t.new_full((1, *t.shape[1:]), -1)]) if h else t
                   for t, h in zip(tables, has.tolist())]
@@ -727,10 +880,11 @@ class Patch:
         """
         if self._capture is not None:
             raise ValueError("[hf.capture] a capture is already running")
-        if not experts:
-            cap = Capture(self, False, experts_off=True)
-        else:
-            cap = None
+        cap = Capture(self, False, experts_off=True) if not experts else None
+        if self._experts_scan is None and self.routes_per_layer > 1:
+            # (JetMoE: its experts run on the routers' expert-sorted groups, not transformers'
+            # experts interface; an ExpertsCapture holds one route per decoder layer)
+            self._experts_scan = False
         if cap is None and self._experts_scan is None:  # the experts modules, found once
             try:
                 self._experts_scan = experts_modules(self.model, set(self.layers),
@@ -878,18 +1032,21 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     p = Patch(model, router_dtype, gate, invalid_replay_rows)
     modules = dict(model.named_modules())
     found = []
-    unpatched = set()  # the blocks of a family's routers it does not patch (spec.router_name)
+    seconds = {}  # spec.split_by: {the splitting block: (name, router)} of each second router
     stacks = {}
     for name, mod in modules.items():
         fam = _family_of(mod)
         if fam is None:
             continue
-        if fam.spec.router_name is not None and not name.endswith("." + fam.spec.router_name):
-            unpatched.add(name.rsplit(".", 1)[0])  # another modality's router: not patched
-            continue
         if _owner_of(mod.__dict__.get("forward")) is not None:
             raise ValueError(f"[hf.patch] {name} is already patched by switchyard: unpatch() the "
                              "earlier Patch first")
+        split = fam.spec.split_by
+        if split is not None:
+            end = _split_end(fam, name)
+            if end == split[1][1]:  # paired with the first router of its block below
+                seconds[name[:-len(end) - 1]] = (name, mod)
+                continue
         mt = list(LAYER_RE.finditer(name))
         if not mt:
             raise ValueError(f"[hf.patch] cannot tell the decoder layer of router {name} (no "
@@ -897,11 +1054,12 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
         layer = int(mt[-1].group(1))
         dec_name = name[:mt[-1].end(1)]
         stacks.setdefault(name[:mt[-1].start()], None)  # the module that holds `layers`
-        found.append((layer, name, mod, modules.get(dec_name), fam))
+        found.append((layer, name, mod, modules.get(dec_name), fam, _site(fam, name)))
     model_type = _model_type(model)
     if model_type in REFUSED:
         raise ValueError(f"[hf.patch] {model_type}: {REFUSED[model_type]}")
-    _refuse_unrouted_experts(modules, found, model_type, unpatched)
+    _refuse_unrouted_experts(modules, found, model_type,
+                             {n.rsplit(".", 1)[0] for n, _ in seconds.values()})
     if not found:
         names = ", ".join(f.title for f in FAMILIES.values())
         raise ValueError(f"[hf.patch] no supported MoE router in {type(model).__name__}; "
@@ -909,18 +1067,34 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     fams = {f[4].title for f in found}
     if len(fams) != 1:
         raise ValueError(f"[hf.patch] routers of several families in one model: {sorted(fams)}")
-    layers = [f[0] for f in found]
-    if len(set(layers)) != len(layers):
-        raise ValueError(f"[hf.patch] several routers claim one decoder layer: {sorted(layers)} "
+    # A family that routes several times per decoder layer (spec.route_sites, JetMoE) has R
+    # route layers per decoder layer, in forward order: route layer R·layer + site.
+    p.routes_per_layer = max(len(found[0][4].spec.route_sites), 1)
+    keys = [f[0] * p.routes_per_layer + f[5] for f in found]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"[hf.patch] several routers claim one decoder layer: {sorted(keys)} "
                          f"(a model with several decoder stacks: {', '.join(stacks)}; patch each "
                          "one on its own, patch(model.get_submodule(name)), or the text model)")
-    for layer, name, mod, dec, fam in found:
+    for layer, name, mod, dec, fam, site in found:
         _refuse_kernelized(modules.get(name.rsplit(".", 1)[0]), name, model_type)
-    for layer, name, mod, dec, fam in sorted(found, key=lambda f: f[0]):
+    for key, (layer, name, mod, dec, fam, site) in sorted(zip(keys, found), key=lambda f: f[0]):
         if layer >= p.num_hidden_layers:
             raise ValueError(f"[hf.patch] router {name} is in layer {layer}, beyond "
                              f"num_hidden_layers={p.num_hidden_layers}")
-        p._layers.append(_Layer(p, layer, name, mod, dec, fam, modules.get(name.rsplit(".", 1)[0])))
+        p._layers.append(_Layer(p, key, name, mod, dec, fam, modules.get(name.rsplit(".", 1)[0])))
+        if fam.spec.split_by is not None:
+            split_block = name[:-len(fam.spec.split_by[1][0]) - 1]
+            if split_block not in seconds:
+                raise ValueError(f"[hf.patch] {fam.name}: the MoE block {split_block} holds "
+                                 f"{fam.spec.split_by[1][0]} without {fam.spec.split_by[1][1]}")
+            second, router = seconds.pop(split_block)
+            _refuse_kernelized(modules.get(second.rsplit(".", 1)[0]), second, model_type)
+            p._layers[-1].pair_with(second, router, modules[split_block],
+                                    modules.get(second.rsplit(".", 1)[0]))
+    if seconds:
+        name = next(iter(seconds.values()))[0]
+        raise ValueError(f"[hf.patch] router {name} has no first router of its MoE block to share "
+                         "a route layer with")
     p._install([modules[s] for s in stacks if s in modules])
     return p
 
@@ -933,6 +1107,34 @@ _THREADS_LOCK = threading.Lock()
 def _thread(ident):
     t = next((t for t in threading.enumerate() if t.ident == ident), None)
     return repr(t.name) if t is not None else f"ident {ident}"
+
+
+def _split_end(fam, name):
+    """Which of its family's spec.split_by routers ``name`` is (the module name's end); ValueError
+    for a router of the class at neither."""
+    ends = fam.spec.split_by[1]
+    for end in ends:
+        if name.endswith("." + end):
+            return end
+    raise ValueError(f"[hf.patch] {fam.name}: router {name} ({fam.router_class}) is neither of the "
+                     f"family's routers ({', '.join(ends)}): its tokens cannot be placed in the "
+                     "route tables")
+
+
+def _site(fam, name):
+    """The route site of router ``name`` among its family's spec.route_sites (0 without);
+    ValueError for a router of the class at none of them (patch() refuses it by name)."""
+    sites = fam.spec.route_sites
+    if not sites:
+        return 0
+    for i, end in enumerate(sites):
+        if name.endswith("." + end):
+            return i
+    raise ValueError(f"[hf.patch] {fam.name}: router {name} ({fam.router_class}) is at none of "
+                     f"the family's route sites ({', '.join(sites)}): its route cannot be placed "
+                     "in the route tables")
+
+
 def _model_type(model):
     """The transformers.models package of the model's (text) config: the key of SPECS and
     REFUSED (a multimodal model's text backbone is in the model's package)."""

@@ -138,14 +138,23 @@ class RoutingSpec:
     expert_scale: str | None = None
     """Router attribute, [E], gathered at the ids and multiplied into the weights after the
     renormalisation (Gemma-4's per_expert_scale), or None."""
-    router_name: str | None = None
-    """The end of the router's module name where the family's router class also routes another
-    modality in the same decoder layer (ERNIE-4.5-VL's "text_moe.gate"; its "vision_moe.gate" is
-    not patched, see refused_if), or None: every router of the class."""
-    refused_if: tuple | None = None
-    """(decoder-layer keyword argument, reason): a forward where that argument holds a nonzero
-    value is refused before the layer runs (ERNIE-4.5-VL's moe_mm_token_type_ids: vision
-    tokens), or None."""
+    route_sites: tuple[str, ...] = ()
+    """The ends of the router module names of a family whose decoder layer routes every token
+    through several routers of its class, in the order its forward calls them (JetMoE's attention
+    experts' router, then its MLP experts' router: ("self_attention.experts.router",
+    "mlp.router")). Each is a route layer of its own: route layer R·layer + site (R sites), so the
+    route tables hold R·num_hidden_layers layers in forward order (``Patch.num_route_layers``).
+    () = one router per decoder layer, the route layer the decoder layer's number."""
+    split_by: tuple | None = None
+    """(block argument, (first router, second router)): a family whose MoE block (the common
+    parent of the two routers' blocks) routes each token through one of two routers of its
+    class, picked per token by an argument of the block's forward: the first router (its module
+    name's end) routes the tokens where the argument is 0, the second those where it is nonzero,
+    each receiving its tokens in order, the first called first (ERNIE-4.5-VL:
+    ("moe_mm_token_type_ids", ("text_moe.gate", "vision_moe.gate")), text tokens through the text
+    experts' router, image and video tokens through the vision experts'). Both are patched and
+    make one route layer per decoder layer (keyed, named and counted by the first router): a row
+    holds the ids of the router that routed its token. Or None."""
     gate_module: str | None = None
     """Router attribute of a module the gate's output passes through to give the logits (Zaya's
     router_mlp: RMSNorm, two GELU layers, an output projection over the classes); the gate
@@ -405,18 +414,15 @@ SPECS = (
             "DiffusionGemma (its encoder and decoder text stacks, one Patch each)"),
     # dots3-note's text model: DeepSeek-V3's router (its vision tower's router: REFUSED_ROUTERS)
     _deepseek_v3("dots3_note", "dots3-note", "Dots3NoteTextTopkRouter", "dots3-note (text model)"),
-    # ERNIE-4.5-VL-MoE: ERNIE-4.5-MoE's router in each modality's expert set; the text experts'
-    # router routes every token of a text-only forward (vision tokens are refused by name)
+    # ERNIE-4.5-VL-MoE: ERNIE-4.5-MoE's router in each modality's expert set (the same E and K,
+    # config.num_experts and num_experts_per_tok); the MoE block sends the text tokens
+    # (moe_mm_token_type_ids 0, or no token types) through the text experts' router, the image
+    # and video tokens through the vision experts' router: one route per token and layer
     RoutingSpec("ernie4_5_vl_moe", "ERNIE-4.5-VL-MoE", "Ernie4_5_VLMoeMoeTopKRouter",
-                "ERNIE-4.5-VL-28B-A3B, ERNIE-4.5-VL-424B-A47B (text-only forwards)",
+                "ERNIE-4.5-VL-28B-A3B, ERNIE-4.5-VL-424B-A47B (text and vision tokens)",
                 gate_cast="fp32", autocast_off=True, select_bias="moe_statics", renorm="clamp",
-                weights_dtype="hidden", combine_dtype="hidden dtype", router_name="text_moe.gate",
-                refused_if=("moe_mm_token_type_ids",
-                            "a forward with image or video tokens (moe_mm_token_type_ids) routes "
-                            "them through the vision experts' own router (vision_moe.gate) and "
-                            "the text tokens alone through the text experts' router, so a "
-                            "layer's tokens have no single [T, K] route in order; switchyard "
-                            "routes text-only forwards of ERNIE-4.5-VL-MoE")),
+                weights_dtype="hidden", combine_dtype="hidden dtype",
+                split_by=("moe_mm_token_type_ids", ("text_moe.gate", "vision_moe.gate"))),
     # Cohere2-MoE: top-k of the logits; config.expert_selection_fn picks softmax over the K
     # selected (fp32) or their sigmoid (renormalised when norm_topk_prob); cast to the input dtype
     RoutingSpec("cohere2_moe", "Cohere2-MoE", "Cohere2MoeTopKRouter", score="softmax_topk",
@@ -444,15 +450,16 @@ SPECS = (
                 select_in_fp32=True, num_experts="num_router_classes", gate_module="router_mlp",
                 carried_state="router_states_scale", carried_state_if="use_eda",
                 skip_expert=True),
-    # JetMoE: its MLP experts' router (logits cast to fp32, top-k, softmax over the K selected,
-    # cast to the input dtype) hands the route over as expert-sorted groups. The same class
-    # routes the attention experts (mixture of attention heads, self_attention.experts.router):
-    # those routers are not patched (their route stays the family's own, not captured or
-    # replayed); the docs say so
-    RoutingSpec("jetmoe", "JetMoE", "JetMoeTopKGating", "JetMoE-8B (MLP experts)",
+    # JetMoE: one router class (logits cast to fp32, top-k, softmax over the K selected, cast to
+    # the input dtype) routes its attention experts (mixture of attention heads,
+    # self_attention.experts.router) and then its MLP experts (mlp.router) in every decoder
+    # layer, with the same E and K (config.num_local_experts, num_experts_per_tok); each hands
+    # the route over as expert-sorted groups. Two route layers per decoder layer
+    RoutingSpec("jetmoe", "JetMoE", "JetMoeTopKGating", "JetMoE-8B",
                 weight="layer.weight", gate_cast="fp32_after", score="softmax_topk",
                 weights_dtype="hidden", combine_dtype="hidden dtype", flatten_input=False,
-                returns="expert_groups", router_name="mlp.router"),
+                returns="expert_groups",
+                route_sites=("self_attention.experts.router", "mlp.router")),
     # LongCat-Flash: fp32 gate (the classifier's bias unused), softmax over the n_routed_experts
     # routed + zero_expert_num zero-compute experts, DeepSeek-style correction bias for the choice,
     # × routed_scaling_factor. The route is the router's ids over all E + Z; the block hands a
