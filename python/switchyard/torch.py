@@ -69,7 +69,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def _plain_cpu(*tensors):
     """Whether every tensor given (None skipped) is a plain torch.Tensor / Parameter (no
     subclass) on the CPU."""
-    return all(t is None or (type(t) in _PLAIN and t.device.type == "cpu") for t in tensors)
+    for t in tensors:  # (a loop and is_cpu: no generator frame, no torch.device per tensor)
+        if t is not None and (type(t) not in _PLAIN or not t.is_cpu):
+            return False
+    return True
 
 
 def _router_logits(x, weight, bias, router_dtype):
