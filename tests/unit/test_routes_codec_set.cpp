@@ -74,7 +74,7 @@ uint32_t round_trip(const std::vector<int32_t>& v, Shape s, PayloadCoding coding
   detail::PayloadPieces pc;
   const uint32_t flags = detail::encode_payload(v.data(), s.T, s.L, s.K, s.E, raw, pc, coding);
   EXPECT_NE(flags, detail::kBadIds);
-  if (!(flags & detail::kBlockSetDelta)) return flags;  // token delta: route_file's tests
+  if (!detail::block_is_set_coded(flags)) return flags;  // token delta: route_file's tests
   EXPECT_TRUE(pc.stored);
   std::unique_ptr<char[]> buf(new char[raw.size()]);
   std::memcpy(buf.get(), raw.data(), raw.size());
@@ -105,9 +105,9 @@ TEST(RouteCodecSet, EveryIdPatternRoundTripsExactlySlotOrderIncluded) {
           std::vector<int32_t> out;
           const uint32_t flags = round_trip(v, s, c, out);
           if (c == PayloadCoding::set_delta) {
-            ASSERT_TRUE(flags & detail::kBlockSetDelta) << "seed " << seed;
+            ASSERT_TRUE(detail::block_is_set_coded(flags)) << "seed " << seed;
           }
-          if (flags & detail::kBlockSetDelta) {
+          if (detail::block_is_set_coded(flags)) {
             ASSERT_EQ(out, v) << "seed " << seed << " T " << s.T << " L " << s.L << " K " << s.K
                               << " E " << s.E << " repeat " << repeat << " variant " << variant;
           }
@@ -125,7 +125,7 @@ TEST(RouteCodecSet, EveryRowEscapedLeavesTheHighMaskTableUnusedAndStillDecodes) 
     std::vector<int32_t> v(size_t(s.T * s.L * s.K));
     for (size_t i = 0; i < v.size(); ++i) v[i] = int32_t((i * 7) % 5);  // repeats in every row
     std::vector<int32_t> out;
-    ASSERT_TRUE(round_trip(v, s, PayloadCoding::set_delta, out) & detail::kBlockSetDelta);
+    ASSERT_TRUE(detail::block_is_set_coded(round_trip(v, s, PayloadCoding::set_delta, out)));
     EXPECT_EQ(out, v) << "K " << K;
   }
 }
@@ -137,7 +137,7 @@ TEST(RouteCodecSet, ShapesOutsideSetCodingFallBackToTokenDelta) {
     std::vector<int32_t> out;
     const uint32_t flags = round_trip(v, s, PayloadCoding::set_delta, out);
     EXPECT_TRUE(flags & detail::kBlockTokenDelta) << s.K << " " << s.E;
-    EXPECT_FALSE(flags & detail::kBlockSetDelta);
+    EXPECT_FALSE(detail::block_is_set_coded(flags));
   }
 }
 
@@ -257,7 +257,7 @@ TEST(RouteCodecSet, EveryTopKAndExpertCountRoundTripsDegenerateTablesIncluded) {
             EXPECT_EQ(any_round_trip(v, s, c, &flags), v)
                 << "seed " << seed << " T " << T << " K " << K << " E " << E << " kind " << kind;
             if (c == PayloadCoding::set_delta) {
-              EXPECT_EQ(bool(flags & detail::kBlockSetDelta), K <= 16 && E <= 4096)
+              EXPECT_EQ(detail::block_is_set_coded(flags), K <= 16 && E <= 4096)
                   << "K " << K << " E " << E;
             }
           }
@@ -285,7 +285,7 @@ TEST(RouteCodecSet, UncorrelatedTopKRowsCodeWithin1_2xOfTheSetBoundAndRepeatsUse
   std::vector<int32_t> out;
   std::string p;
   const uint32_t flags = round_trip(v, s, PayloadCoding::automatic, out, &p);
-  ASSERT_TRUE(flags & detail::kBlockSetDelta);
+  ASSERT_TRUE(detail::block_is_set_coded(flags));
   ASSERT_EQ(out, v);
   const double got = 8.0 * double(p.size()) / ids;
   EXPECT_LT(got, 1.2 * bound) << "bits per id " << got << ", bound " << bound;
@@ -314,7 +314,7 @@ TEST(RouteCodecSet, CorruptPayloadsAreErrorsOrInRangeTables) {
   std::vector<int32_t> out;
   std::string p;
   const uint32_t flags = round_trip(v, s, PayloadCoding::set_delta, out, &p);
-  ASSERT_TRUE(flags & detail::kBlockSetDelta);
+  ASSERT_TRUE(detail::block_is_set_coded(flags));
   ASSERT_EQ(out, v);
   const auto decode = [&](const std::string& bad, uint32_t f) {
     std::unique_ptr<char[]> buf(new char[std::max<size_t>(bad.size(), 1)]);
