@@ -22,6 +22,10 @@
 #include <memory>
 #include <numeric>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "check.h"
 #include "cpu/isa.h"
 #include "route_codec.h"
@@ -1303,169 +1307,45 @@ struct V4Dec {
   bool under = false;
 };
 
-template <bool Wide>
-[[gnu::always_inline]] inline std::string v4_decode_rows(V4Dec& d, int32_t* idx) {
-  const int64_t T = d.T, L = d.L, K = d.K, E = d.E, row = L * K;
-  const int Kc = int(K), lowb = std::min(Kc, 8), W = v4_lanes(K);
-  const uint32_t M = kV4Slots, low_mask = (1u << lowb) - 1, unsorted = 1u << lowb,
-                 esc = 2u << lowb, none_sym = esc + 1;
-  const int id_bits = bit_width_of(uint64_t(E));
-  const std::vector<const uint32_t*>& tab = *d.tab;
-  const std::vector<const uint16_t*>& bkt = *d.bkt;
-  const uint8_t* rwp = d.rwp;
-  const uint8_t* const rwend = d.rwend;
-  const uint8_t* swp = d.swp;
-  const uint8_t* const swend = d.swend;
-  uint32_t x0 = d.rx0, x1 = d.rx1;
-  bool under = false;
-  // Row stream symbol: state x0, then the states swap (symbol i is state i % 2's).
-  const auto dec = [&](size_t mi) __attribute__((always_inline))->uint32_t {
-    const uint32_t* tb = tab[mi];
-    const uint32_t slot = x0 & (M - 1);
-    uint32_t sym = bkt[mi][slot >> kBucketShift];
-    uint32_t e = tb[sym];
-    while (slot >= (e & 0xffffu) + (e >> 16)) e = tb[++sym];
-    uint32_t nx = (e >> 16) * (x0 >> kSetScaleBits) + slot - (e & 0xffffu);
-    const bool in_word = nx < kRansL, have = rwp < rwend;
-    uint16_t wd;
-    std::memcpy(&wd, have ? rwp : kZeroWord, 2);
-    under |= in_word & !have;
-    rwp += 2 * int(in_word & have);
-    nx = in_word ? (nx << 16) | wd : nx;
-    x0 = x1;
-    x1 = nx;
-    return sym;
-  };
-  // Set stream symbol of one lane (full slot lookup).
-  const auto lane = [&](uint32_t& x, const uint32_t* ent,
-                        const uint8_t* h) __attribute__((always_inline))->uint32_t {
-    const uint32_t slot = x & (M - 1);
-    const uint32_t e = ent[slot];
-    uint32_t nx = ((e & 4095u) + 1) * (x >> kSetScaleBits) + ((e >> 12) & 4095u);
-    uint32_t sym = e >> 24;
-    if constexpr (Wide) sym |= uint32_t(h[slot]) << 8;
-    const bool in_word = nx < kRansL, have = swp < swend;
-    uint16_t wd;
-    std::memcpy(&wd, have ? swp : kZeroWord, 2);
-    under |= in_word & !have;
-    swp += 2 * int(in_word & have);
-    x = in_word ? (nx << 16) | wd : nx;
-    return sym;
-  };
-  const bool has_m1 = K > 8;
-  for (int64_t t = 0; t < T; ++t) {
-    int32_t* tok = idx + t * row;
-    const int32_t* prev = t > 0 ? tok - row : nullptr;
-    for (int64_t l = 0; l < L; ++l) {
-      int32_t* out = tok + l * K;
-      const uint32_t r0 = dec(0);
-      if (r0 == none_sym) {
-        for (int k = 0; k < Kc; ++k) out[k] = -1;
-        continue;
-      }
-      if (r0 == esc) {
-        for (int k = 0; k < Kc; ++k) {
-          const uint64_t v = d.rb->get(id_bits);
-          if (int64_t(v) > E) {
-            return cat("token ", t, ", layer ", l, ": escaped id ", int64_t(v) - 1,
-                       " >= num_experts");
-          }
-          out[k] = int32_t(v) - 1;
-        }
-        if (d.rb->over) return cat("token ", t, ", layer ", l, ": raw bits end inside a row");
-        continue;
-      }
-      uint32_t mask = r0 & low_mask;
-      const bool is_unsorted = (r0 & unsorted) != 0;
-      if (has_m1) {
-        if (!tab[1]) return cat("token ", t, ", layer ", l, ": the high mask table is empty");
-        mask |= dec(1) << 8;
-      }
-      if (!prev && mask != 0) {
-        return cat("token 0, layer ", l, ": match bits with no previous token");
-      }
-      if (mask != 0) std::memcpy(out, prev + l * K, size_t(K) * 4);
-      const int m = Kc - popcount16(mask);
-      if (m == 0) {
-        if (is_unsorted) return cat("token ", t, ", layer ", l, ": an empty set marked unsorted");
-        continue;
-      }
-      // The order (row stream) before the set (its own stream).
-      std::array<int, kSetMaxTopK> dg;
-      if (is_unsorted) {
-        if (m < 2) return cat("token ", t, ", layer ", l, ": a one-id set marked unsorted");
-        size_t om = size_t(d.rows->order_model[size_t(m)]);
-        const auto& groups = d.rows->groups[size_t(m)];
-        for (size_t gi = 0; gi < groups.size(); ++gi, ++om) {
-          if (!tab[om]) return cat("token ", t, ", layer ", l, ": an order table is empty");
-          const uint64_t packed = (*d.digits)[size_t(m)][gi][dec(om)];
-          for (int c = 0; c < groups[gi].count; ++c) {
-            dg[size_t(groups[gi].first + c)] = int((packed >> (4 * c)) & 15u);
-          }
-        }
-        dg[size_t(m - 1)] = 0;
-      }
-      const uint32_t c = d.cmap[l];
-      const uint32_t* ef = d.lut[2 * c];
-      const uint32_t* eg = d.lut[2 * c + 1];
-      if (!ef || (m > 1 && !eg)) {
-        return cat("token ", t, ", layer ", l, ": a row needs an empty frequency table");
-      }
-      const uint8_t* hf = Wide ? d.hi[2 * c] : nullptr;
-      const uint8_t* hg = Wide ? d.hi[2 * c + 1] : nullptr;
-      uint32_t* st = d.st + ((t * L + l) & 1) * W;
-      std::array<uint32_t, kSetMaxTopK> s;
-      s[0] = lane(st[0], ef, hf);
-      for (int i = 1; i < m; ++i) s[size_t(i)] = s[size_t(i - 1)] + 1 + lane(st[i], eg, hg);
-      if (int64_t(s[size_t(m - 1)]) >= E) {
-        return cat("token ", t, ", layer ", l, ": rank ", s[size_t(m - 1)], " >= num_experts");
-      }
-      const int32_t* pl = d.perm ? d.perm + l * E : nullptr;
-      if (!is_unsorted) {
-        if (mask == 0) {  // the common row: every slot, in rank order
-          if (pl) {
-            for (int k = 0; k < Kc; ++k) out[k] = pl[s[size_t(k)]];
-          } else {
-            for (int k = 0; k < Kc; ++k) out[k] = int32_t(s[size_t(k)]);
-          }
-          continue;
-        }
-        int j = 0;
-        for (int k = 0; k < Kc; ++k) {
-          if ((mask >> k) & 1u) continue;
-          out[k] = pl ? pl[s[size_t(j)]] : int32_t(s[size_t(j)]);
-          ++j;
-        }
-        continue;
-      }
-      uint32_t free_bits = (1u << m) - 1;  // sorted ranks not placed yet
-      int j = 0;
-      for (int k = 0; k < Kc; ++k) {
-        if ((mask >> k) & 1u) continue;
-        uint32_t f = free_bits;  // the dg-th lowest still free
-        for (int q = 0; q < dg[size_t(j)]; ++q) f &= f - 1;
-        const int i = __builtin_ctz(f);
-        free_bits &= ~(1u << i);
-        out[k] = pl ? pl[s[size_t(i)]] : int32_t(s[size_t(i)]);
-        ++j;
+// For the AVX2 fast row: lane j of a row's renormalisation takes word number popcount(need &
+// ((1 << j) - 1)) of the 8 words at the stream position (need: the lanes that read one).
+struct WordSpread {
+  uint32_t at[256][8];
+  constexpr WordSpread() : at{} {
+    for (unsigned n = 0; n < 256; ++n) {
+      unsigned c = 0;
+      for (unsigned j = 0; j < 8; ++j) {
+        at[n][j] = c;
+        c += (n >> j) & 1u;
       }
     }
   }
-  d.rwp = rwp;
-  d.swp = swp;
-  d.rx0 = x0;
-  d.rx1 = x1;
-  d.under = under;
-  return {};
-}
+};
+constexpr WordSpread kWordSpreadTable{};
+constexpr const uint32_t (&kWordSpread)[256][8] = kWordSpreadTable.at;
+
+// The row loop, built twice: for the baseline ISA and, with its AVX2 fast row, for AVX2.
+namespace v4base {
+#define SY_V4_SIMD 0
+#include "route_codec_set4_rows.inc"
+#undef SY_V4_SIMD
+}  // namespace v4base
+#pragma GCC push_options
+#pragma GCC target("avx2,bmi,bmi2,popcnt")
+namespace v4avx2 {
+#define SY_V4_SIMD 1
+#include "route_codec_set4_rows.inc"
+#undef SY_V4_SIMD
+}  // namespace v4avx2
+#pragma GCC pop_options
 
 std::string v4_decode_base(V4Dec& d, int32_t* idx, bool wide) {
-  return wide ? v4_decode_rows<true>(d, idx) : v4_decode_rows<false>(d, idx);
+  return wide ? v4base::v4_decode_rows<true>(d, idx) : v4base::v4_decode_rows<false>(d, idx);
 }
 __attribute__((target("avx2,bmi,bmi2,popcnt"))) std::string v4_decode_avx2(V4Dec& d,
                                                                            int32_t* idx,
                                                                            bool wide) {
-  return wide ? v4_decode_rows<true>(d, idx) : v4_decode_rows<false>(d, idx);
+  return wide ? v4avx2::v4_decode_rows<true>(d, idx) : v4avx2::v4_decode_rows<false>(d, idx);
 }
 
 // The expert permutation of a ranked block (L * E values of bit_width(E - 1) bits), checked to
