@@ -850,6 +850,8 @@ namespace {
 constexpr int kV4Header = 21;  // scale (u8), u32 sizes: clusters, head, row, set, raw streams
 constexpr int64_t kV4MaxClusters = 32;
 constexpr uint32_t kV4Slots = 1u << kSetScaleBits;
+constexpr int kV4SetStates = 32;  // set stream: 32 / W banks of W lanes
+constexpr int kV4RowStates = 4;   // row stream: symbol i by state i % 4
 
 int v4_lanes(int64_t K) { return K <= 8 ? 8 : 16; }
 
@@ -1097,7 +1099,7 @@ struct V4Rows {
       if (m == 0) continue;
       const EncSym* ef = es + int64_t(cmap[l]) * 2 * E;
       const EncSym* eg = ef + E;
-      uint32_t* s = st + (r & 1) * W;
+      uint32_t* s = st + (r % (kV4SetStates / W)) * W;
       pos -= m;
       const uint16_t* sy = ss + pos;
       for (int j = m - 1; j >= 1; --j) rans_put(s[j], eg[sy[j]], wp);
@@ -1246,23 +1248,24 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
   grow(rwords, a.n_rsyms + 1);
   uint16_t* rend = rwords.data() + a.n_rsyms + 1;
   uint16_t* rwp = rend;
-  uint32_t x0 = kRansL, x1 = kRansL;
+  std::array<uint32_t, kV4RowStates> rx;
+  rx.fill(kRansL);
   {
     const uint32_t* sy = rsyms.data();
-    const auto put = [&](uint32_t& x, uint32_t s) __attribute__((always_inline)) {
-      rans_put(x, es_row[size_t(rows.m[s >> kSymBits].first + (s & ((1u << kSymBits) - 1)))],
-               rwp);
-    };
-    int64_t i = a.n_rsyms - 1;
-    if (i >= 0 && (i & 1)) put(x1, sy[i--]);
-    for (; i >= 1; i -= 2) {
-      put(x0, sy[i]);
-      put(x1, sy[i - 1]);
+    thread_local std::vector<int64_t> model_first;
+    model_first.resize(rows.m.size());
+    for (size_t i = 0; i < rows.m.size(); ++i) model_first[i] = rows.m[i].first;
+    const int64_t* mf = model_first.data();
+    const EncSym* esr = es_row.data();
+    for (int64_t i = a.n_rsyms - 1; i >= 0; --i) {
+      const uint32_t sv = sy[i];
+      rans_put(rx[size_t(i % kV4RowStates)],
+               esr[mf[sv >> kSymBits] + (sv & ((1u << kSymBits) - 1))], rwp);
     }
-    if (i == 0) put(x0, sy[0]);
   }
   const int64_t row_words = rend - rwp;
-  const int64_t row_bytes = 8 + 2 * row_words, set_bytes = int64_t(8 * W) + 2 * set_words;
+  const int64_t row_bytes = 4 * kV4RowStates + 2 * row_words,
+                set_bytes = 4 * kV4SetStates + 2 * set_words;
   out.clear();
   out.reserve(size_t(kV4Header + int64_t(head.size()) + row_bytes + set_bytes +
                      int64_t(raw.size())));
@@ -1273,10 +1276,9 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
   put_u32(out, static_cast<uint32_t>(set_bytes));
   put_u32(out, static_cast<uint32_t>(raw.size()));
   out += head;
-  put_u32(out, x0);
-  put_u32(out, x1);
+  for (uint32_t x : rx) put_u32(out, x);
   out.append(reinterpret_cast<const char*>(rwp), size_t(2 * row_words));
-  for (int j = 0; j < 2 * W; ++j) put_u32(out, st[size_t(j)]);
+  for (int j = 0; j < kV4SetStates; ++j) put_u32(out, st[size_t(j)]);
   out.append(reinterpret_cast<const char*>(wp), size_t(2 * set_words));
   out += raw;
   return kBlockSetRows | (ranked ? kBlockRanked : 0u) | (a.any_none ? kBlockHasNone : 0u);
@@ -1295,7 +1297,7 @@ struct V4Dec {
   const Models* rows;
   const std::vector<std::vector<std::vector<uint64_t>>>* digits;
   const uint8_t *rwp, *rwend;
-  uint32_t rx0, rx1;
+  uint32_t rx[kV4RowStates];
   // Set stream: per cluster the full slot lookups of F and G (entry: f - 1 | (slot - start) << 12
   // | low 8 bits of the symbol << 24; `hi`: the symbol's high bits when E > 256), null when empty.
   const uint32_t* const* lut;  // [C][2]
@@ -1386,11 +1388,10 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
     return cat("set-coded payload: scale ", int(raw[0]), " bits (this build reads ",
                kSetScaleBits, ")");
   }
-  const int W = v4_lanes(K);
   const int64_t C = get_u32(raw_c + 1), head_n = get_u32(raw_c + 5), row_n = get_u32(raw_c + 9),
                 set_n = get_u32(raw_c + 13), raw_n = get_u32(raw_c + 17);
-  if (kV4Header + head_n + row_n + set_n + raw_n != raw_size || row_n < 8 || row_n % 2 != 0 ||
-      set_n < 8 * W || set_n % 2 != 0) {
+  if (kV4Header + head_n + row_n + set_n + raw_n != raw_size || row_n < 4 * kV4RowStates ||
+      row_n % 2 != 0 || set_n < 4 * kV4SetStates || set_n % 2 != 0) {
     return cat("set-coded payload: stream sizes ", head_n, " + ", row_n, " + ", set_n, " + ",
                raw_n, " do not fill its ", raw_size, " bytes");
   }
@@ -1506,29 +1507,31 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
   d.bkt = &bkt;
   d.rows = &rows;
   d.digits = &digits;
-  d.rx0 = get_u32(raw_c + (rp - raw));
-  d.rx1 = get_u32(raw_c + (rp - raw) + 4);
-  d.rwp = rp + 8;
+  bool states_ok = true;
+  for (int j = 0; j < kV4RowStates; ++j) {
+    d.rx[j] = get_u32(raw_c + (rp - raw) + 4 * j);
+    states_ok &= d.rx[j] >= kRansL && d.rx[j] < (1u << 31);
+  }
+  d.rwp = rp + 4 * kV4RowStates;
   d.rwend = rp + row_n;
   d.lut = lut.data();
   d.hi = hi.data();
   d.cmap = cmap.data();
-  bool states_ok = d.rx0 >= kRansL && d.rx1 >= kRansL && d.rx0 < (1u << 31) && d.rx1 < (1u << 31);
-  for (int j = 0; j < 2 * W; ++j) {
+  for (int j = 0; j < kV4SetStates; ++j) {
     d.st[j] = get_u32(raw_c + (sp - raw) + 4 * j);
     states_ok &= d.st[j] >= kRansL && d.st[j] < (1u << 31);
   }
   if (!states_ok) return "set-coded payload: rANS state out of range";
-  d.swp = sp + 8 * W;
+  d.swp = sp + 4 * kV4SetStates;
   d.swend = sp + set_n;
   BitsIn rb{sp + set_n, raw_n};
   d.rb = &rb;
   if (T > 0 && !tab[0]) return "set-coded payload: the mask table is empty";
   std::string err = v4_simd() ? v4_decode_avx2(d, idx, wide) : v4_decode_base(d, idx, wide);
   if (!err.empty()) return err;
-  bool ends = !d.under && d.rwp == d.rwend && d.rx0 == kRansL && d.rx1 == kRansL &&
-              d.swp == d.swend;
-  for (int j = 0; j < 2 * W; ++j) ends &= d.st[j] == kRansL;
+  bool ends = !d.under && d.rwp == d.rwend && d.swp == d.swend;
+  for (int j = 0; j < kV4RowStates; ++j) ends &= d.rx[j] == kRansL;
+  for (int j = 0; j < kV4SetStates; ++j) ends &= d.st[j] == kRansL;
   if (!ends) return "set-coded payload: the rANS streams do not end where their symbols do";
   if (!rb.done()) return "set-coded payload: raw bits do not end where the rows do";
   return {};
