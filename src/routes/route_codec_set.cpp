@@ -1332,14 +1332,22 @@ namespace v4base {
 #include "route_codec_set4_rows.inc"
 #undef SY_V4_SIMD
 }  // namespace v4base
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,bmi,bmi2,popcnt"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2,bmi,bmi2,popcnt")
+#endif
 namespace v4avx2 {
 #define SY_V4_SIMD 1
 #include "route_codec_set4_rows.inc"
 #undef SY_V4_SIMD
 }  // namespace v4avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 std::string v4_decode_base(V4Dec& d, int32_t* idx, bool wide) {
   return wide ? v4base::v4_decode_rows<true>(d, idx) : v4base::v4_decode_rows<false>(d, idx);
