@@ -16,7 +16,9 @@
 // the ranks 3 ns per id; a bare static rANS decoder with one L1-resident lookup table takes 5 ns
 // per symbol (17 ns with 96 per-layer full lookup tables, hence the bucket index). 1 GB/s needs
 // another layout (notes/routes.md: fewer symbols per row, tables shared across layers, 16-32
-// SIMD-interleaved states).
+// SIMD-interleaved states). Version 4 (kBlockSetRows, the second half of this file) is that layout:
+// the order-free case folded into the mask symbol, tables shared by clusters of layers, the set
+// symbols in 32 states with an AVX2 row step in the decoder (notes/routes.md, "Format version 4").
 #include <algorithm>
 #include <array>
 #include <memory>
@@ -177,6 +179,50 @@ struct Models {
   }
 };
 
+// The expert permutation of a ranked block (L * E values of bit_width(E - 1) bits), checked to
+// be one per layer.
+std::string read_perm(BitsIn& hb, int64_t head_n, int64_t L, int64_t E, std::vector<int32_t>& perm) {
+  const int pb = bit_width_of(uint64_t(E - 1));
+  if (pb > 0 && L * E > head_n * 8 / pb) {
+    return "set-coded payload: header too short for the expert permutation";
+  }
+  perm.resize(static_cast<size_t>(L * E));
+  std::vector<uint8_t> seen(static_cast<size_t>(E));
+  for (int64_t l = 0; l < L; ++l) {
+    std::fill(seen.begin(), seen.end(), 0);
+    for (int64_t r = 0; r < E; ++r) {
+      const uint64_t p = hb.get(pb);
+      if (int64_t(p) >= E || seen[size_t(p)]) {
+        return cat("layer ", l, " expert permutation is invalid at rank ", r);
+      }
+      seen[size_t(p)] = 1;
+      perm[size_t(l * E + r)] = static_cast<int32_t>(p);
+    }
+  }
+  return {};
+}
+
+// Digits of every order symbol: [m][group] -> value -> 4-bit Lehmer digits, first digit lowest.
+std::vector<std::vector<std::vector<uint64_t>>> order_digits(const Models& models, int64_t K) {
+  std::vector<std::vector<std::vector<uint64_t>>> digits(size_t(K + 1));
+  for (int m = 2; m <= K; ++m) {
+    for (const OrderGroup& g : models.groups[size_t(m)]) {
+      std::vector<uint64_t> dv(size_t(g.alphabet));
+      for (int64_t val = 0; val < g.alphabet; ++val) {
+        int64_t rest = val;
+        uint64_t packed = 0;
+        for (int j = g.first + g.count - 1; j >= g.first; --j) {
+          packed |= uint64_t(rest % (m - j)) << (4 * (j - g.first));
+          rest /= (m - j);
+        }
+        dv[size_t(val)] = packed;
+      }
+      digits[size_t(m)].push_back(std::move(dv));
+    }
+  }
+  return digits;
+}
+
 // Frequencies normalised to sum 2^S: every used symbol at least 1, the rest by share, the
 // rounding remainder to the most used symbol.
 void normalise(const uint32_t* count, int64_t n, int S, uint16_t* freq, bool& empty) {
@@ -222,6 +268,17 @@ EncSym enc_sym(uint32_t start, uint32_t freq, int S) {
     e.bias = start;
   }
   return e;
+}
+
+// One rANS encoder step (ryg_rans' reciprocal form): a word out when the state would leave
+// [kRansL, 2^31), written at wp[-1] always and kept only then (no branch to mispredict).
+[[gnu::always_inline]] inline void rans_put(uint32_t& st, const EncSym& e, uint16_t*& wp) {
+  const uint32_t out_word = st >= e.x_max;
+  wp[-1] = static_cast<uint16_t>(st & 0xffffu);
+  wp -= out_word;
+  st >>= 16 * out_word;
+  const uint32_t q = static_cast<uint32_t>((uint64_t(st) * e.rcp_freq) >> 32) >> e.rcp_shift;
+  st = st + e.bias + q * e.cmpl_freq;
 }
 
 // Bits set in a mask of at most 16 bits (the portable build has no popcnt instruction, and
@@ -554,16 +611,7 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   const EncSym* esp = es.data();
   const int64_t* mf = model_first.data();
   const auto put = [&](uint32_t & st, uint32_t sy) __attribute__((always_inline)) {
-    const EncSym& e = esp[mf[sy >> kSymBits] + (sy & ((1u << kSymBits) - 1))];
-    // Branch-free renormalisation (a word out for about one symbol in three: a branch on it
-    // mispredicted): the word is always stored, the pointer moves only when it is kept. wp > words
-    // here: at most one word per symbol, and the buffer has one to spare.
-    const uint32_t out_word = st >= e.x_max;
-    wp[-1] = static_cast<uint16_t>(st & 0xffffu);
-    wp -= out_word;
-    st >>= 16 * out_word;
-    const uint32_t q = static_cast<uint32_t>((uint64_t(st) * e.rcp_freq) >> 32) >> e.rcp_shift;
-    st = st + e.bias + q * e.cmpl_freq;
+    rans_put(st, esp[mf[sy >> kSymBits] + (sy & ((1u << kSymBits) - 1))], wp);
   };
   int64_t i = n_syms - 1;
   const uint32_t* sy = syms.get();
@@ -621,23 +669,8 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
   // symbol by >= 1 bit (its gamma code), a table's bucket index (512 bytes) by >= 2 bits.
   std::vector<int32_t> perm;
   if (ranked) {
-    const int pb = bit_width_of(uint64_t(E - 1));
-    if (pb > 0 && L * E > head_n * 8 / pb) {
-      return "set-coded payload: header too short for the expert permutation";
-    }
-    perm.resize(static_cast<size_t>(L * E));
-    std::vector<uint8_t> seen(static_cast<size_t>(E));
-    for (int64_t l = 0; l < L; ++l) {
-      std::fill(seen.begin(), seen.end(), 0);
-      for (int64_t r = 0; r < E; ++r) {
-        const uint64_t p = hb.get(pb);
-        if (int64_t(p) >= E || seen[size_t(p)]) {
-          return cat("layer ", l, " expert permutation is invalid at rank ", r);
-        }
-        seen[size_t(p)] = 1;
-        perm[size_t(l * E + r)] = static_cast<int32_t>(p);
-      }
-    }
+    std::string err = read_perm(hb, head_n, L, E, perm);
+    if (!err.empty()) return err;
   }
   Models models(L, K, E);
   const uint32_t M = 1u << S;
@@ -717,23 +750,7 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
     x1 = nx;
     return sym;
   };
-  // Digits of every order symbol: [m][group] -> value -> 4-bit digits, first digit lowest.
-  std::vector<std::vector<std::vector<uint64_t>>> digits(size_t(K + 1));
-  for (int m = 2; m <= K; ++m) {
-    for (const OrderGroup& g : models.groups[size_t(m)]) {
-      std::vector<uint64_t> dv(size_t(g.alphabet));
-      for (int64_t val = 0; val < g.alphabet; ++val) {
-        int64_t rest = val;
-        uint64_t packed = 0;
-        for (int j = g.first + g.count - 1; j >= g.first; --j) {
-          packed |= uint64_t(rest % (m - j)) << (4 * (j - g.first));
-          rest /= (m - j);
-        }
-        dv[size_t(val)] = packed;
-      }
-      digits[size_t(m)].push_back(std::move(dv));
-    }
-  }
+  const auto digits = order_digits(models, K);
   BitsIn rb{raw + kFixedHeader + head_n + rans_n, raw_n};
   const int id_bits = bit_width_of(uint64_t(E));
   const uint32_t esc = 1u << std::min<int64_t>(K, 8), none_sym = esc + 1;
@@ -1075,17 +1092,6 @@ struct V4Rows {
   return true;
 }
 
-// One rANS encoder step (ryg_rans' reciprocal form): a word out when the state would leave
-// [kRansL, 2^31), written at wp[-1] always and kept only then (no branch to mispredict).
-[[gnu::always_inline]] inline void rans_put(uint32_t& st, const EncSym& e, uint16_t*& wp) {
-  const uint32_t out_word = st >= e.x_max;
-  wp[-1] = static_cast<uint16_t>(st & 0xffffu);
-  wp -= out_word;
-  st >>= 16 * out_word;
-  const uint32_t q = static_cast<uint32_t>((uint64_t(st) * e.rcp_freq) >> 32) >> e.rcp_shift;
-  st = st + e.bias + q * e.cmpl_freq;
-}
-
 // The set stream, coded last row first (each row's lanes last to first). es: [C][F E, G E].
 [[gnu::always_inline]] inline void v4_encode_sets(const uint16_t* ss, int64_t n_ss,
                                                   const uint8_t* rm, int64_t T, int64_t L,
@@ -1358,29 +1364,6 @@ __attribute__((target("avx2,bmi,bmi2,popcnt"))) std::string v4_decode_avx2(V4Dec
   return wide ? v4avx2::v4_decode_rows<true>(d, idx) : v4avx2::v4_decode_rows<false>(d, idx);
 }
 
-// The expert permutation of a ranked block (L * E values of bit_width(E - 1) bits), checked to
-// be one per layer.
-std::string read_perm(BitsIn& hb, int64_t head_n, int64_t L, int64_t E, std::vector<int32_t>& perm) {
-  const int pb = bit_width_of(uint64_t(E - 1));
-  if (pb > 0 && L * E > head_n * 8 / pb) {
-    return "set-coded payload: header too short for the expert permutation";
-  }
-  perm.resize(static_cast<size_t>(L * E));
-  std::vector<uint8_t> seen(static_cast<size_t>(E));
-  for (int64_t l = 0; l < L; ++l) {
-    std::fill(seen.begin(), seen.end(), 0);
-    for (int64_t r = 0; r < E; ++r) {
-      const uint64_t p = hb.get(pb);
-      if (int64_t(p) >= E || seen[size_t(p)]) {
-        return cat("layer ", l, " expert permutation is invalid at rank ", r);
-      }
-      seen[size_t(p)] = 1;
-      perm[size_t(l * E + r)] = static_cast<int32_t>(p);
-    }
-  }
-  return {};
-}
-
 }  // namespace
 
 std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, int64_t L,
@@ -1486,23 +1469,7 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
     }
   }
   if (!hb.done()) return "set-coded payload: header has bytes past its tables";
-  // Digits of every order symbol, as version 3.
-  std::vector<std::vector<std::vector<uint64_t>>> digits(size_t(K + 1));
-  for (int m = 2; m <= K; ++m) {
-    for (const OrderGroup& g : rows.groups[size_t(m)]) {
-      std::vector<uint64_t> dv(size_t(g.alphabet));
-      for (int64_t val = 0; val < g.alphabet; ++val) {
-        int64_t rest = val;
-        uint64_t packed = 0;
-        for (int j = g.first + g.count - 1; j >= g.first; --j) {
-          packed |= uint64_t(rest % (m - j)) << (4 * (j - g.first));
-          rest /= (m - j);
-        }
-        dv[size_t(val)] = packed;
-      }
-      digits[size_t(m)].push_back(std::move(dv));
-    }
-  }
+  const auto digits = order_digits(rows, K);
   const uint8_t* rp = raw + kV4Header + head_n;
   const uint8_t* sp = rp + row_n;
   V4Dec d{};
