@@ -1098,6 +1098,7 @@ struct V4Rows {
                                                   int64_t E, int W, const uint32_t* cmap,
                                                   const EncSym* es, uint32_t* st, uint16_t*& wp) {
   int64_t pos = n_ss;
+  const int64_t bank_mask = kV4SetStates / W - 1;  // banks: a power of two
   for (int64_t t = T - 1; t >= 0; --t) {
     for (int64_t l = L - 1; l >= 0; --l) {
       const int64_t r = t * L + l;
@@ -1105,7 +1106,7 @@ struct V4Rows {
       if (m == 0) continue;
       const EncSym* ef = es + int64_t(cmap[l]) * 2 * E;
       const EncSym* eg = ef + E;
-      uint32_t* s = st + (r % (kV4SetStates / W)) * W;
+      uint32_t* s = st + (r & bank_mask) * W;
       pos -= m;
       const uint16_t* sy = ss + pos;
       for (int j = m - 1; j >= 1; --j) rans_put(s[j], eg[sy[j]], wp);
