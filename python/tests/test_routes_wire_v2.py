@@ -82,7 +82,7 @@ def _zstd_raw_frames(raw, pieces=1):
 
 
 def _header(E, M, K, version=2):
-    """The encoder's header, relabelled as a file of `version` (the writer writes version 3)."""
+    """The encoder's header, relabelled as a file of `version` (the writer writes version 4)."""
     blob = routes.encode([], E, top_k=K, num_moe_layers=M).numpy().tobytes()
     h = bytearray(blob[:struct.unpack_from("<I", blob, 12)[0]])
     struct.pack_into("<I", h, 8, version)
