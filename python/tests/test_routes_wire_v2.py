@@ -82,7 +82,7 @@ def _zstd_raw_frames(raw, pieces=1):
 
 
 def _header(E, M, K, version=2):
-    """The encoder's header, relabelled as a file of `version` (the writer writes version 3)."""
+    """The encoder's header, relabelled as a file of `version` (the writer writes version 4)."""
     blob = routes.encode([], E, top_k=K, num_moe_layers=M).numpy().tobytes()
     h = bytearray(blob[:struct.unpack_from("<I", blob, 12)[0]])
     struct.pack_into("<I", h, 8, version)
@@ -105,7 +105,7 @@ def test_token_delta_round_trip_for_any_shape_and_correlation(seed, lengths, M, 
     tables = [torch.from_numpy(_correlated(g, n, M, K, E, repeat, none_share)) for n in lengths]
     blob = routes.encode(tables, E, compression_level=level, top_k=K, num_moe_layers=M)
     out, meta = routes.decode(blob)
-    assert meta["version"] == 3  # the writer's version: token-delta or set-coded blocks
+    assert meta["version"] == 4  # the writer's version: token-delta or set-coded blocks
     assert len(out) == len(tables) and all(torch.equal(a, b) for a, b in zip(out, tables))
 
 
@@ -209,9 +209,9 @@ def test_version_1_messages_of_the_previous_build_still_decode(tmp_path):
         path.write_bytes(blob.tobytes())
         assert [o.numpy().tolist() for o in routes.read(path)] == [t.tolist() for t in tables]
         assert routes.verify(path)["ok"]
-        # Re-encoding writes version 3, and the same tables.
+        # Re-encoding writes version 4, and the same tables.
         again, meta2 = routes.decode(routes.encode([torch.from_numpy(t) for t in tables], E))
-        assert meta2["version"] == 3 and all(np.array_equal(a.numpy(), b)
+        assert meta2["version"] == 4 and all(np.array_equal(a.numpy(), b)
                                              for a, b in zip(again, tables))
 
 

@@ -1,6 +1,6 @@
-"""Format version 3 of route files and the wire format: set-coded blocks (flag 8; a match-mask symbol
-per row, the unmatched ids as a set of per-layer ranks plus their slot order, rANS-coded, stored
-without zstd). decode(encode(x)) == x for any table, slot order included; a set-coded payload with
+"""Formats version 3 and 4 of route files and the wire format: set-coded blocks (flag 8, version 3;
+flag 16, version 4, what the writer now writes: a match-mask symbol per row, the unmatched ids as a
+set of ranks plus their slot order, rANS-coded, stored without zstd). decode(encode(x)) == x for any table, slot order included; a set-coded payload with
 valid checksums but damaged bytes is a DataError or some in-range table; a version 2 file may not
 carry set-coded blocks."""
 import struct
@@ -17,7 +17,7 @@ from helpers import route_message as _message
 
 xxhash = pytest.importorskip("xxhash")
 
-SET = 8
+SET = 8 | 16  # version 3 or version 4 set coding
 
 
 def _zipf_rows(g, T, M, K, E, none_rows=0.0, none_ids=0.0, dup_rows=0.0):
@@ -72,7 +72,7 @@ def test_set_coded_round_trip_for_any_table(seed, lengths, M, K, E, none_rows, n
     tables = [_zipf_rows(g, n, M, K, E, none_rows, none_ids, dup_rows) for n in lengths]
     blob = routes.encode([torch.from_numpy(t) for t in tables], E, top_k=K, num_moe_layers=M)
     out, meta = routes.decode(blob)
-    assert meta["version"] == 3
+    assert meta["version"] == 4
     assert len(out) == len(tables)
     for a, b in zip(out, tables):
         assert np.array_equal(a.numpy(), b), f"seed {seed}"
@@ -131,4 +131,4 @@ def test_set_coded_payload_errors_name_the_problem():
         routes.decode(_message(_header(blob, 2), [(flags, tokens, len(comp), comp)]))
     # intact: the table
     out, meta = routes.decode(_message(_header(blob), [(flags, tokens, len(comp), comp)]))
-    assert meta["version"] == 3 and np.array_equal(out[0].numpy(), t)
+    assert meta["version"] == 4 and np.array_equal(out[0].numpy(), t)

@@ -42,9 +42,10 @@ int64_t payload_bytes(int64_t num_tokens, int64_t num_layers, int64_t top_k, int
 
 bool payload_size_ok(int64_t num_tokens, int64_t num_layers, int64_t top_k, int64_t num_experts,
                      uint32_t flags, int64_t raw_size) {
-  // Set-coded: three stream sizes after a 13-byte header, checked by the decoder; an upper bound
-  // per row (mask symbols, raw escapes of K ids) keeps a header from declaring absurd sizes.
-  if (flags & kBlockSetDelta) {
+  // Set-coded: stream sizes after a 13-byte (version 3) or 21-byte (version 4) header, checked by
+  // the decoder; an upper bound per row (mask symbols, raw escapes of K ids) keeps a header from
+  // declaring absurd sizes.
+  if (block_is_set_coded(flags)) {
     const int64_t rows = num_tokens * num_layers;
     return raw_size >= 21 &&
            raw_size <= 64 + num_layers * num_experts * 8 + rows * (8 + top_k * 8) + (1 << 20);
@@ -609,7 +610,8 @@ uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num
   // uncorrelated tokens (bench_routes, ~10% matches) set coding is 13% smaller. A forced set
   // coding of a small block is unranked.
   bool set = T > 0 && set_coding_fits(L, K, E) &&
-             (coding == PayloadCoding::set_delta || (coding == PayloadCoding::automatic && ranked));
+             (coding == PayloadCoding::set_delta || coding == PayloadCoding::set_delta_v3 ||
+              (coding == PayloadCoding::automatic && ranked));
   if (set && coding == PayloadCoding::automatic) {
     const int64_t sample = std::min<int64_t>(T, 256), row = L * K;
     int64_t hits = 0;
@@ -617,7 +619,9 @@ uint32_t encode_payload(const int32_t* topk_idx, int64_t num_tokens, int64_t num
     set = hits * 100 < kSetMaxMatchPercent * std::max<int64_t>(1, (sample - 1) * row);
   }
   if (set) {
-    const uint32_t flags = encode_payload_set(topk_idx, T, L, K, E, ranked, out);
+    const uint32_t flags = coding == PayloadCoding::set_delta_v3
+                               ? encode_payload_set(topk_idx, T, L, K, E, ranked, out)
+                               : encode_payload_set4(topk_idx, T, L, K, E, ranked, out);
     pieces = PayloadPieces{};
     pieces.stored = true;
     pieces.head_size = static_cast<int64_t>(out.size());
@@ -666,6 +670,7 @@ std::string decode_payload(const char* raw, int64_t raw_size, int64_t num_tokens
     return cat("payload of ", raw_size, " bytes does not fit the block's dimensions");
   }
   if (flags & kBlockSetDelta) return decode_payload_set(raw, raw_size, T, L, K, E, flags, topk_idx);
+  if (flags & kBlockSetRows) return decode_payload_set4(raw, raw_size, T, L, K, E, flags, topk_idx);
   const int64_t numel = T * L * K;
   const uint8_t* bits = (flags & kBlockHasNone)
                             ? reinterpret_cast<const uint8_t*>(raw + raw_size - (numel + 7) / 8)

@@ -13,8 +13,9 @@ inline constexpr char kFooterMagic[8] = {'S', 'Y', 'R', 'T', 'E', 'N', 'D', '1'}
 inline constexpr uint32_t kBlockMagic = 0x4b425953u;  // "SYBK"
 inline constexpr uint32_t kIndexMagic = 0x58495953u;  // "SYIX"
 // Version 2: token-delta blocks (kBlockTokenDelta). Version 3 adds set-coded blocks
-// (kBlockSetDelta; a version 3 file holds either kind). Versions 1 and 2 still read.
-inline constexpr uint32_t kFormatVersion = 3;
+// (kBlockSetDelta; a version 3 file holds either kind). Version 4 adds the two-stream set coding
+// (kBlockSetRows, what the writer now uses for set coding). Versions 1 to 3 still read.
+inline constexpr uint32_t kFormatVersion = 4;
 inline constexpr uint32_t kFormatVersionMin = 1;
 inline constexpr int64_t kBlockHeaderSize = 56;
 inline constexpr int64_t kFooterSize = 24;
@@ -23,15 +24,21 @@ inline constexpr uint32_t kBlockHasNone = 1u;     // payload carries a bitmap of
 inline constexpr uint32_t kBlockRanked = 2u;      // ids stored as per-layer popularity ranks + perm
 inline constexpr uint32_t kBlockTokenDelta = 4u;  // version 2: match bits + literals (see below)
 inline constexpr uint32_t kBlockSetDelta = 8u;    // version 3: rANS-coded sets (see below)
+inline constexpr uint32_t kBlockSetRows = 16u;    // version 4: two-stream set coding (see below)
 /// Whether a block of a file of `version` may carry `flags`: version 1 blocks no delta flag,
-/// version 2 blocks kBlockTokenDelta, version 3 blocks exactly one of the two delta flags.
+/// version 2 blocks kBlockTokenDelta, version 3 blocks exactly one of the two delta flags,
+/// version 4 blocks exactly one of the three.
 inline bool block_flags_valid(uint32_t version, uint32_t flags) {
   const uint32_t known = kBlockHasNone | kBlockRanked | (version >= 2 ? kBlockTokenDelta : 0u) |
-                         (version >= 3 ? kBlockSetDelta : 0u);
+                         (version >= 3 ? kBlockSetDelta : 0u) | (version >= 4 ? kBlockSetRows : 0u);
   if ((flags & ~known) != 0) return false;
-  const uint32_t delta = flags & (kBlockTokenDelta | kBlockSetDelta);
+  const uint32_t delta = flags & (kBlockTokenDelta | kBlockSetDelta | kBlockSetRows);
   if (version <= 1) return delta == 0;
-  return delta == kBlockTokenDelta || delta == kBlockSetDelta;
+  return delta == kBlockTokenDelta || delta == kBlockSetDelta || delta == kBlockSetRows;
+}
+/// Whether a block is set-coded (either version): stored without zstd, decoded in place.
+inline bool block_is_set_coded(uint32_t flags) {
+  return (flags & (kBlockSetDelta | kBlockSetRows)) != 0;
 }
 // The rank transform pays for its permutation (num_experts ids per layer) once a layer holds about
 // this many ids per expert (bench_routes, short sequences); below it ids are stored as they are.
@@ -119,10 +126,28 @@ struct PayloadPieces {
 /// the slot order (digit j = place of slot j's rank among the unplaced, radix m - j) in
 /// ceil(log2(m!)) raw bits. Rows whose unmatched slots hold -1 or repeat a rank are escaped, so
 /// every table round-trips exactly, slot order included.
+/// Version 4 set coding (kBlockSetRows), stored without zstd. Layout: u8 scale bits (12), u32 C
+/// (table clusters, 1..min(L, 32)), u32 sizes of the head, row, set and raw streams, then the
+/// streams.
+/// - head (bits, LSB first): when ranked, the permutation as version 3; the cluster of each layer
+///   (bit_width(C - 1) bits); the row tables M0, [M1 when K > 8], the order groups of m = 2..K;
+///   then per cluster F (E symbols) and G (max(E - 1, 1) symbols); each table coded as version 3.
+/// - row stream: two 32-bit final states, then 16-bit words (symbol i by state i % 2, as version
+///   3). Per (token, layer) row, in flat order: M0 = mask low bits | u << min(K, 8), u = 1 when the
+///   unmatched slots are not in rank order; 2 << min(K, 8) escapes the row (raw ids, as version
+///   3), that + 1 is a row of -1. M1 = mask >> 8 (K > 8, mask rows). For u = 1, the Lehmer
+///   groups of version 3 (nothing for u = 0: the slots are in rank order).
+/// - set stream: 2W final states (W = 8 for K <= 8, else 16), then 16-bit words. Row r = t * L +
+///   l with m unmatched slots codes its sorted ranks s_0 < ... < s_{m-1}: s_j by state (r & 1) * W
+///   + j, s_0 from F[cluster(l)], s_j - s_{j-1} - 1 from G[cluster(l)]; the decoder decodes the
+///   lanes in order, each followed by its renormalisation (a word when the state is below 2^15).
+///   Every state ends at 2^15.
+/// - raw (bits): escaped rows, as version 3.
 bool set_coding_fits(int64_t num_layers, int64_t top_k, int64_t num_experts);
-/// How encode_payload codes a table: `automatic` picks set coding when it fits and the block is
-/// large enough to pay for its tables (the kRankMinIdsPerExpert rule), else token delta.
-enum class PayloadCoding { automatic, token_delta, set_delta };
+/// How encode_payload codes a table: `automatic` picks set coding (version 4) when it fits and
+/// the block is large enough to pay for its tables (the kRankMinIdsPerExpert rule), else token
+/// delta. `set_delta_v3` writes version 3's set coding (files written before version 4; tests).
+enum class PayloadCoding { automatic, token_delta, set_delta, set_delta_v3 };
 /// Encodes one table as a version 2 or 3 payload into `out` (scratch, pieces as described by
 /// `pieces`). Returns the flags, or kBadIds (checking every id on the way: callers need no pass of
 /// their own; check_route_table names the bad one). `set_delta` falls back to token delta where
@@ -138,6 +163,10 @@ uint32_t encode_payload_set(const int32_t* topk_idx, int64_t T, int64_t L, int64
                             bool ranked, std::string& out);
 std::string decode_payload_set(const char* raw, int64_t raw_size, int64_t T, int64_t L, int64_t K,
                                int64_t E, uint32_t flags, int32_t* topk_idx);
+uint32_t encode_payload_set4(const int32_t* topk_idx, int64_t T, int64_t L, int64_t K, int64_t E,
+                             bool ranked, std::string& out);
+std::string decode_payload_set4(const char* raw, int64_t raw_size, int64_t T, int64_t L,
+                                int64_t K, int64_t E, uint32_t flags, int32_t* topk_idx);
 /// Whether `raw_size` is a possible payload size for a block of these dimensions and flags
 /// (version 2: any literal count in [0, tokens*layers*K]).
 bool payload_size_ok(int64_t num_tokens, int64_t num_layers, int64_t top_k, int64_t num_experts,

@@ -16,13 +16,20 @@
 // the ranks 3 ns per id; a bare static rANS decoder with one L1-resident lookup table takes 5 ns
 // per symbol (17 ns with 96 per-layer full lookup tables, hence the bucket index). 1 GB/s needs
 // another layout (notes/routes.md: fewer symbols per row, tables shared across layers, 16-32
-// SIMD-interleaved states).
+// SIMD-interleaved states). Version 4 (kBlockSetRows, the second half of this file) is that layout:
+// the order-free case folded into the mask symbol, tables shared by clusters of layers, the set
+// symbols in 32 states with an AVX2 row step in the decoder (notes/routes.md, "Format version 4").
 #include <algorithm>
 #include <array>
 #include <memory>
 #include <numeric>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "check.h"
+#include "cpu/isa.h"
 #include "route_codec.h"
 
 namespace switchyard::detail {
@@ -148,12 +155,14 @@ struct Models {
   std::vector<int64_t> order_model;             // [m]: model of the first group
   int64_t total = 0;
   int64_t layer0 = 0;  // model of F[0]
-  Models(int64_t L, int64_t K, int64_t E) {
+  // Version 4 (v4): M0 also carries the "unsorted" flag (twice the mask symbols) and the per
+  // layer F, G tables are not here (L = 0; see the v4 coder below).
+  Models(int64_t L, int64_t K, int64_t E, bool v4 = false) {
     const auto add = [&](int64_t n) {
       m.push_back({n, total, true});
       total += n;
     };
-    add((int64_t{1} << std::min<int64_t>(K, 8)) + 2);
+    add((int64_t{v4 ? 2 : 1} << std::min<int64_t>(K, 8)) + 2);
     add(K > 8 ? (int64_t{1} << (K - 8)) : 0);
     groups.resize(size_t(K + 1));
     order_model.assign(size_t(K + 1), -1);
@@ -169,6 +178,50 @@ struct Models {
     }
   }
 };
+
+// The expert permutation of a ranked block (L * E values of bit_width(E - 1) bits), checked to
+// be one per layer.
+std::string read_perm(BitsIn& hb, int64_t head_n, int64_t L, int64_t E, std::vector<int32_t>& perm) {
+  const int pb = bit_width_of(uint64_t(E - 1));
+  if (pb > 0 && L * E > head_n * 8 / pb) {
+    return "set-coded payload: header too short for the expert permutation";
+  }
+  perm.resize(static_cast<size_t>(L * E));
+  std::vector<uint8_t> seen(static_cast<size_t>(E));
+  for (int64_t l = 0; l < L; ++l) {
+    std::fill(seen.begin(), seen.end(), 0);
+    for (int64_t r = 0; r < E; ++r) {
+      const uint64_t p = hb.get(pb);
+      if (int64_t(p) >= E || seen[size_t(p)]) {
+        return cat("layer ", l, " expert permutation is invalid at rank ", r);
+      }
+      seen[size_t(p)] = 1;
+      perm[size_t(l * E + r)] = static_cast<int32_t>(p);
+    }
+  }
+  return {};
+}
+
+// Digits of every order symbol: [m][group] -> value -> 4-bit Lehmer digits, first digit lowest.
+std::vector<std::vector<std::vector<uint64_t>>> order_digits(const Models& models, int64_t K) {
+  std::vector<std::vector<std::vector<uint64_t>>> digits(size_t(K + 1));
+  for (int m = 2; m <= K; ++m) {
+    for (const OrderGroup& g : models.groups[size_t(m)]) {
+      std::vector<uint64_t> dv(size_t(g.alphabet));
+      for (int64_t val = 0; val < g.alphabet; ++val) {
+        int64_t rest = val;
+        uint64_t packed = 0;
+        for (int j = g.first + g.count - 1; j >= g.first; --j) {
+          packed |= uint64_t(rest % (m - j)) << (4 * (j - g.first));
+          rest /= (m - j);
+        }
+        dv[size_t(val)] = packed;
+      }
+      digits[size_t(m)].push_back(std::move(dv));
+    }
+  }
+  return digits;
+}
 
 // Frequencies normalised to sum 2^S: every used symbol at least 1, the rest by share, the
 // rounding remainder to the most used symbol.
@@ -215,6 +268,17 @@ EncSym enc_sym(uint32_t start, uint32_t freq, int S) {
     e.bias = start;
   }
   return e;
+}
+
+// One rANS encoder step (ryg_rans' reciprocal form): a word out when the state would leave
+// [kRansL, 2^31), written at wp[-1] always and kept only then (no branch to mispredict).
+[[gnu::always_inline]] inline void rans_put(uint32_t& st, const EncSym& e, uint16_t*& wp) {
+  const uint32_t out_word = st >= e.x_max;
+  wp[-1] = static_cast<uint16_t>(st & 0xffffu);
+  wp -= out_word;
+  st >>= 16 * out_word;
+  const uint32_t q = static_cast<uint32_t>((uint64_t(st) * e.rcp_freq) >> 32) >> e.rcp_shift;
+  st = st + e.bias + q * e.cmpl_freq;
 }
 
 // Bits set in a mask of at most 16 bits (the portable build has no popcnt instruction, and
@@ -547,16 +611,7 @@ uint32_t encode_payload_set(const int32_t* idx, int64_t T, int64_t L, int64_t K,
   const EncSym* esp = es.data();
   const int64_t* mf = model_first.data();
   const auto put = [&](uint32_t & st, uint32_t sy) __attribute__((always_inline)) {
-    const EncSym& e = esp[mf[sy >> kSymBits] + (sy & ((1u << kSymBits) - 1))];
-    // Branch-free renormalisation (a word out for about one symbol in three: a branch on it
-    // mispredicted): the word is always stored, the pointer moves only when it is kept. wp > words
-    // here: at most one word per symbol, and the buffer has one to spare.
-    const uint32_t out_word = st >= e.x_max;
-    wp[-1] = static_cast<uint16_t>(st & 0xffffu);
-    wp -= out_word;
-    st >>= 16 * out_word;
-    const uint32_t q = static_cast<uint32_t>((uint64_t(st) * e.rcp_freq) >> 32) >> e.rcp_shift;
-    st = st + e.bias + q * e.cmpl_freq;
+    rans_put(st, esp[mf[sy >> kSymBits] + (sy & ((1u << kSymBits) - 1))], wp);
   };
   int64_t i = n_syms - 1;
   const uint32_t* sy = syms.get();
@@ -614,23 +669,8 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
   // symbol by >= 1 bit (its gamma code), a table's bucket index (512 bytes) by >= 2 bits.
   std::vector<int32_t> perm;
   if (ranked) {
-    const int pb = bit_width_of(uint64_t(E - 1));
-    if (pb > 0 && L * E > head_n * 8 / pb) {
-      return "set-coded payload: header too short for the expert permutation";
-    }
-    perm.resize(static_cast<size_t>(L * E));
-    std::vector<uint8_t> seen(static_cast<size_t>(E));
-    for (int64_t l = 0; l < L; ++l) {
-      std::fill(seen.begin(), seen.end(), 0);
-      for (int64_t r = 0; r < E; ++r) {
-        const uint64_t p = hb.get(pb);
-        if (int64_t(p) >= E || seen[size_t(p)]) {
-          return cat("layer ", l, " expert permutation is invalid at rank ", r);
-        }
-        seen[size_t(p)] = 1;
-        perm[size_t(l * E + r)] = static_cast<int32_t>(p);
-      }
-    }
+    std::string err = read_perm(hb, head_n, L, E, perm);
+    if (!err.empty()) return err;
   }
   Models models(L, K, E);
   const uint32_t M = 1u << S;
@@ -710,23 +750,7 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
     x1 = nx;
     return sym;
   };
-  // Digits of every order symbol: [m][group] -> value -> 4-bit digits, first digit lowest.
-  std::vector<std::vector<std::vector<uint64_t>>> digits(size_t(K + 1));
-  for (int m = 2; m <= K; ++m) {
-    for (const OrderGroup& g : models.groups[size_t(m)]) {
-      std::vector<uint64_t> dv(size_t(g.alphabet));
-      for (int64_t val = 0; val < g.alphabet; ++val) {
-        int64_t rest = val;
-        uint64_t packed = 0;
-        for (int j = g.first + g.count - 1; j >= g.first; --j) {
-          packed |= uint64_t(rest % (m - j)) << (4 * (j - g.first));
-          rest /= (m - j);
-        }
-        dv[size_t(val)] = packed;
-      }
-      digits[size_t(m)].push_back(std::move(dv));
-    }
-  }
+  const auto digits = order_digits(models, K);
   BitsIn rb{raw + kFixedHeader + head_n + rans_n, raw_n};
   const int id_bits = bit_width_of(uint64_t(E));
   const uint32_t esc = 1u << std::min<int64_t>(K, 8), none_sym = esc + 1;
@@ -821,6 +845,670 @@ std::string decode_payload_set(const char* raw_c, int64_t raw_size, int64_t T, i
   if (under || wp != wend || x0 != kRansL || x1 != kRansL) {
     return "set-coded payload: the rANS stream does not end where its symbols do";
   }
+  if (!rb.done()) return "set-coded payload: raw bits do not end where the rows do";
+  return {};
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Version 4 (kBlockSetRows): the symbols of version 3 split into two rANS streams so that the hot
+// one has no data-dependent model choice and many independent states. The row stream (2 states,
+// as version 3) carries per row the mask symbol, with the "order free" case folded in (M0 = mask
+// low bits | unsorted << min(K, 8); escape and all -1 after them), M1 when K > 8 and the Lehmer
+// order symbols only for rows whose slots are not in rank order. The set stream carries the
+// sorted ranks: the j-th smallest of row r (flat t * L + l) by state (r & 1) * W + j (W = 8 for
+// K <= 8, else 16), the smallest from F, the others as gap - 1 from G, where F and G are the
+// tables of the layer's cluster (layers whose rank statistics agree share one pair of tables:
+// fewer header bits, and the decoder's full slot lookups stay in L1). A row's lanes are
+// independent states, so the decoder overlaps them, and two rows in flight use different banks.
+// ---------------------------------------------------------------------------------------------
+namespace {
+
+constexpr int kV4Header = 21;  // scale (u8), u32 sizes: clusters, head, row, set, raw streams
+constexpr int64_t kV4MaxClusters = 32;
+constexpr uint32_t kV4Slots = 1u << kSetScaleBits;
+constexpr int kV4SetStates = 32;  // set stream: 32 / W banks of W lanes
+constexpr int kV4RowStates = 4;   // row stream: symbol i by state i % 4
+
+int v4_lanes(int64_t K) { return K <= 8 ? 8 : 16; }
+
+// log2(x) for x >= 1 within 0.008 (exponent plus a quadratic of the mantissa): deterministic on
+// every machine, like approx_log2, and close enough to weigh tables against their header bits.
+inline float fine_log2(float x) {
+  uint32_t i;
+  std::memcpy(&i, &x, 4);
+  const float e = float(int32_t(i >> 23) - 127);
+  const uint32_t mi = (i & 0x7fffffu) | 0x3f800000u;
+  float m;
+  std::memcpy(&m, &mi, 4);
+  const float f = m - 1.0f;
+  return e + f * (1.3465f - 0.3465f * f);
+}
+// x log2 x summed over counts, and the total's: the bits of coding them with their own table is
+// total log2 total - this.
+inline float xlogx(float x) { return x > 0 ? x * fine_log2(x) : 0.0f; }
+
+// Layer -> cluster (numbered by first layer). A layer joins the cluster whose merged counts cost
+// the fewest extra bits when that is less than its own tables' header bits (about 9 bits per used
+// symbol, 1 per unused one), else starts a new cluster (at most kV4MaxClusters). cnt: [L, 2E]
+// (F counts, then G counts); ccnt gets [C, 2E].
+int64_t v4_clusters(const uint32_t* cnt, int64_t L, int64_t E, std::vector<uint32_t>& map,
+                    std::vector<uint32_t>& ccnt) {
+  const int64_t E2 = 2 * E;
+  map.assign(size_t(L), 0);
+  ccnt.clear();
+  std::vector<float> own_s;  // per cluster: sum x log x of F, of G, and the totals
+  std::vector<uint64_t> tot;
+  int64_t C = 0;
+  const auto stats = [&](const uint32_t* c, uint64_t* t2, float* s2) {
+    t2[0] = t2[1] = 0;
+    s2[0] = s2[1] = 0;
+    for (int h = 0; h < 2; ++h) {
+      for (int64_t i = 0; i < E; ++i) {
+        t2[h] += c[h * E + i];
+        s2[h] += xlogx(float(c[h * E + i]));
+      }
+    }
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    const uint32_t* c = cnt + l * E2;
+    uint64_t t2[2];
+    float s2[2];
+    stats(c, t2, s2);
+    int64_t best = -1;
+    float best_cost = 0;
+    for (int64_t k = 0; k < C; ++k) {
+      const uint32_t* cc = ccnt.data() + k * E2;
+      float cost = 0;
+      for (int h = 0; h < 2; ++h) {
+        if (t2[h] == 0) continue;
+        float merged = 0;
+        for (int64_t i = 0; i < E; ++i) {
+          if (c[h * E + i]) merged += xlogx(float(cc[h * E + i] + c[h * E + i]));
+          else merged += xlogx(float(cc[h * E + i]));
+        }
+        // H(merged) - H(cluster) - H(layer), with H = n log n - sum x log x
+        const float n = float(tot[size_t(2 * k + h)] + t2[h]);
+        cost += (xlogx(n) - merged) - (xlogx(float(tot[size_t(2 * k + h)])) -
+                                       own_s[size_t(2 * k + h)]) -
+                (xlogx(float(t2[h])) - s2[h]);
+      }
+      if (best < 0 || cost < best_cost) {
+        best = k;
+        best_cost = cost;
+      }
+    }
+    float table_bits = 0;
+    for (int h = 0; h < 2; ++h) {
+      if (t2[h] == 0) continue;
+      for (int64_t i = 0; i < E; ++i) table_bits += c[h * E + i] ? 9.0f : 1.0f;
+    }
+    if (best < 0 || (best_cost > table_bits && C < kV4MaxClusters)) {
+      best = C++;
+      ccnt.resize(size_t(C * E2), 0);
+      own_s.resize(size_t(2 * C), 0.0f);
+      tot.resize(size_t(2 * C), 0);
+    }
+    map[size_t(l)] = uint32_t(best);
+    uint32_t* cc = ccnt.data() + best * E2;
+    for (int64_t i = 0; i < E2; ++i) cc[i] += c[i];
+    uint64_t ct[2];
+    float cs[2];
+    stats(cc, ct, cs);
+    for (int h = 0; h < 2; ++h) {
+      tot[size_t(2 * best + h)] = ct[h];
+      own_s[size_t(2 * best + h)] = cs[h];
+    }
+  }
+  return C;
+}
+
+// Inputs and outputs of the v4 modelling pass (one pass over the block in row order).
+struct V4Rows {
+  const int32_t* idx;
+  int64_t T, L, K, E;
+  bool match;
+  const uint16_t* rank;  // [L, E + 1]
+  const Models* rows;    // the row stream's models
+  uint32_t* rsyms;       // out: row stream symbols, model << kSymBits | symbol
+  uint16_t* ss;          // out: set symbols in row order
+  uint8_t* rm;           // out: per row, its number of set symbols
+  uint32_t* cnt_row;     // counts of the row models
+  uint32_t* cnt_set;     // [L, 2E]: F then G counts per layer
+  int64_t n_rsyms = 0, n_ss = 0;
+  bool any_none = false;
+};
+
+// Returns false on an id outside [-1, E) (every token is checked before it indexes anything).
+[[gnu::always_inline]] inline bool v4_model_rows(V4Rows& a, Bits& rawbits) {
+  const int64_t T = a.T, L = a.L, K = a.K, E = a.E, row = L * K, E1 = E + 1;
+  const int Kc = int(K), lowb = std::min(Kc, 8);
+  const uint32_t full = (1u << Kc) - 1, unsorted = 1u << lowb, esc = 2u << lowb,
+                 none_sym = esc + 1;
+  const int id_bits = bit_width_of(uint64_t(E));
+  uint32_t* rp = a.rsyms;
+  uint16_t* sp = a.ss;
+  uint8_t* mp = a.rm;
+  uint32_t* crow = a.cnt_row;
+  const Models& md = *a.rows;
+  const int64_t m1_first = md.m[1].first;
+  const auto push = [&](int64_t model, uint32_t sym) __attribute__((always_inline)) {
+    ++crow[md.m[size_t(model)].first + sym];
+    *rp++ = uint32_t(model) << kSymBits | sym;
+  };
+  bool any_none = false;
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t* tok = a.idx + t * row;
+    const int32_t* prev = t > 0 ? tok - row : nullptr;
+    uint32_t bad = 0;
+    int32_t neg_any = 0;
+    for (int64_t j = 0; j < row; ++j) {
+      bad |= uint32_t(uint32_t(tok[j] + 1) > uint32_t(E));
+      neg_any |= tok[j];
+    }
+    if (bad) return false;
+    any_none = any_none || neg_any < 0;
+    for (int64_t l = 0; l < L; ++l) {
+      const int32_t* x = tok + l * K;
+      const uint16_t* rk = a.rank + l * E1 + 1;  // rk[-1] == 0
+      uint32_t mask = 0;
+      if (prev && a.match) {
+        const int32_t* p = prev + l * K;
+        for (int k = 0; k < Kc; ++k) mask |= uint32_t(x[k] == p[k]) << k;
+      }
+      if (mask == full) {
+        push(0, mask & 255u);
+        if (K > 8) {
+          ++crow[m1_first + (mask >> 8)];
+          *rp++ = 1u << kSymBits | (mask >> 8);
+        }
+        *mp++ = 0;
+        continue;
+      }
+      std::array<uint16_t, kSetMaxTopK> v, s;
+      int m = 0;
+      bool neg = false, all_neg = true;
+      for (int k = 0; k < Kc; ++k) {
+        all_neg &= x[k] < 0;
+        if (!((mask >> k) & 1u)) {
+          neg |= x[k] < 0;
+          v[size_t(m++)] = rk[x[k]];
+        }
+      }
+      if (all_neg) {
+        push(0, none_sym);
+        *mp++ = 0;
+        continue;
+      }
+      bool sorted = !neg;
+      for (int i = 1; i < m; ++i) sorted &= v[size_t(i)] > v[size_t(i - 1)];
+      const uint16_t* sv = v.data();
+      if (!sorted) {
+        std::copy(v.begin(), v.begin() + m, s.begin());
+        sort_small(s.data(), m);
+        bool regular = !neg;
+        for (int i = 1; i < m && regular; ++i) regular = s[size_t(i)] != s[size_t(i - 1)];
+        if (!regular) {
+          push(0, esc);
+          for (int k = 0; k < Kc; ++k) rawbits.put(uint64_t(x[k] + 1), id_bits);
+          *mp++ = 0;
+          continue;
+        }
+        sv = s.data();
+      }
+      push(0, (mask & 255u) | (sorted ? 0u : unsorted));
+      if (K > 8) push(1, mask >> 8);
+      uint32_t* cf = a.cnt_set + l * 2 * E;
+      uint32_t* cg = cf + E;
+      sp[0] = sv[0];
+      ++cf[sv[0]];
+      for (int i = 1; i < m; ++i) {
+        const uint32_t g = uint32_t(sv[i] - sv[i - 1] - 1);
+        sp[i] = uint16_t(g);
+        ++cg[g];
+      }
+      sp += m;
+      *mp++ = uint8_t(m);
+      if (!sorted) {
+        std::array<uint32_t, kSetMaxTopK> d{};
+        for (int j = 0; j < m; ++j) {
+          uint32_t c = 0;
+          for (int i = j + 1; i < m; ++i) c += v[size_t(i)] < v[size_t(j)];
+          d[size_t(j)] = c;
+        }
+        int64_t om = md.order_model[size_t(m)];
+        for (const OrderGroup& g : md.groups[size_t(m)]) {
+          uint32_t sym = 0;
+          for (int j = g.first; j < g.first + g.count; ++j)
+            sym = sym * uint32_t(m - j) + d[size_t(j)];
+          push(om++, sym);
+        }
+      }
+    }
+  }
+  a.n_rsyms = rp - a.rsyms;
+  a.n_ss = sp - a.ss;
+  a.any_none = any_none;
+  return true;
+}
+
+// The set stream, coded last row first (each row's lanes last to first). es: [C][F E, G E].
+[[gnu::always_inline]] inline void v4_encode_sets(const uint16_t* ss, int64_t n_ss,
+                                                  const uint8_t* rm, int64_t T, int64_t L,
+                                                  int64_t E, int W, const uint32_t* cmap,
+                                                  const EncSym* es, uint32_t* st, uint16_t*& wp) {
+  int64_t pos = n_ss;
+  const int64_t bank_mask = kV4SetStates / W - 1;  // banks: a power of two
+  for (int64_t t = T - 1; t >= 0; --t) {
+    for (int64_t l = L - 1; l >= 0; --l) {
+      const int64_t r = t * L + l;
+      const int m = rm[r];
+      if (m == 0) continue;
+      const EncSym* ef = es + int64_t(cmap[l]) * 2 * E;
+      const EncSym* eg = ef + E;
+      uint32_t* s = st + (r & bank_mask) * W;
+      pos -= m;
+      const uint16_t* sy = ss + pos;
+      for (int j = m - 1; j >= 1; --j) rans_put(s[j], eg[sy[j]], wp);
+      rans_put(s[0], ef[sy[0]], wp);
+    }
+  }
+}
+
+// The hot passes, built for the baseline ISA and for AVX2 (the same integer code, so both write
+// the same bytes: test_routes_codec_set compares them); picked by switchyard::cpu_isa().
+bool v4_model_rows_base(V4Rows& a, Bits& b) { return v4_model_rows(a, b); }
+__attribute__((target("avx2,bmi,bmi2,popcnt"))) bool v4_model_rows_avx2(V4Rows& a, Bits& b) {
+  return v4_model_rows(a, b);
+}
+void v4_encode_sets_base(const uint16_t* ss, int64_t n_ss, const uint8_t* rm, int64_t T,
+                         int64_t L, int64_t E, int W, const uint32_t* cmap, const EncSym* es,
+                         uint32_t* st, uint16_t*& wp) {
+  v4_encode_sets(ss, n_ss, rm, T, L, E, W, cmap, es, st, wp);
+}
+__attribute__((target("avx2,bmi,bmi2,popcnt"))) void v4_encode_sets_avx2(
+    const uint16_t* ss, int64_t n_ss, const uint8_t* rm, int64_t T, int64_t L, int64_t E, int W,
+    const uint32_t* cmap, const EncSym* es, uint32_t* st, uint16_t*& wp) {
+  v4_encode_sets(ss, n_ss, rm, T, L, E, W, cmap, es, st, wp);
+}
+bool v4_simd() { return cpu_isa() != CpuIsa::scalar; }
+
+// Normalises one table, writes it (empty bit, then Elias-gamma of f + 1 per symbol) and its
+// encoder symbols.
+void write_table(Bits& hb, const uint32_t* count, int64_t n, uint16_t* freq, EncSym* es) {
+  bool empty = true;
+  normalise(count, n, kSetScaleBits, freq, empty);
+  hb.put(empty ? 1 : 0, 1);
+  if (empty) return;
+  uint32_t start = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t f = freq[i];
+    hb.gamma(f + 1);
+    if (f) es[i] = enc_sym(start, f, kSetScaleBits);
+    start += f;
+  }
+}
+
+// Reads one table written by write_table: calls put(i, start, f) per symbol; returns "" or what is
+// wrong (`what` names the table). `empty` is set for an unused table.
+template <class Put>
+std::string read_table(BitsIn& hb, int64_t n, int64_t head_bits, bool& empty, const char* what,
+                       int64_t which, Put&& put) {
+  empty = hb.get(1) != 0;
+  if (hb.over) return "set-coded payload: header ends inside the frequency tables";
+  if (empty) return {};
+  if (n > head_bits - hb.pos) return cat("set-coded payload: header too short for ", what, which);
+  const uint32_t M = kV4Slots;
+  uint32_t start = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t g = hb.gamma();
+    if (hb.over || g == 0 || g - 1 > M - start) {
+      return cat("set-coded payload: ", what, which, " is corrupt at symbol ", i);
+    }
+    put(i, start, g - 1);
+    start += g - 1;
+  }
+  if (start != M) return cat("set-coded payload: ", what, which, " sums to ", start, ", not ", M);
+  return {};
+}
+
+}  // namespace
+
+uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
+                             bool ranked, std::string& out) {
+  const int64_t R = T * L;
+  const int W = v4_lanes(K);
+  thread_local std::vector<uint16_t> perm, rank;
+  thread_local std::vector<uint32_t> used;
+  perm.resize(static_cast<size_t>(ranked ? L * E : 0));
+  if (ranked ? !set_ranks(idx, T, L, K, E, perm.data(), rank, used)
+             : !build_ranks_u16(idx, T, L, K, E, false, nullptr, rank)) {
+    return kBadIds;
+  }
+  const bool match = !ranked || matches_pay(idx, T, L, K, E, used);
+  const Models rows(0, K, E, true);
+  // Scratch, grown and never shrunk below what a block of this size needs (no zero fill per
+  // block): row symbols (at most 2 + K / 2 per row), set symbols (K per row), m per row.
+  thread_local std::vector<uint32_t> rsyms, cnt_row, cnt_set;
+  thread_local std::vector<uint16_t> ss;
+  thread_local std::vector<uint8_t> rm;
+  const auto grow = [](auto& v, int64_t n) {
+    if (int64_t(v.size()) < n) v.resize(size_t(n));
+  };
+  grow(rsyms, R * (3 + K / 2));
+  grow(ss, R * K);
+  grow(rm, R);
+  cnt_row.assign(size_t(rows.total), 0);
+  cnt_set.assign(size_t(L * 2 * E), 0);
+  std::string raw;
+  Bits rawbits{raw};
+  V4Rows a{idx,          T,          L,           K,       E, match, rank.data(), &rows,
+           rsyms.data(), ss.data(),  rm.data(),   cnt_row.data(), cnt_set.data()};
+  if (!(v4_simd() ? v4_model_rows_avx2(a, rawbits) : v4_model_rows_base(a, rawbits))) {
+    return kBadIds;
+  }
+  rawbits.flush();
+  thread_local std::vector<uint32_t> cmap, ccnt;
+  const int64_t C = v4_clusters(cnt_set.data(), L, E, cmap, ccnt);
+  // Header: permutation, cluster map, row tables, then per cluster F and G.
+  std::string head;
+  Bits hb{head};
+  if (ranked) {
+    const int pb = bit_width_of(uint64_t(E - 1));
+    for (int64_t i = 0; i < L * E; ++i) hb.put(perm[size_t(i)], pb);
+  }
+  const int cb = bit_width_of(uint64_t(C - 1));
+  for (int64_t l = 0; l < L; ++l) hb.put(cmap[size_t(l)], cb);
+  thread_local std::vector<uint16_t> freq;
+  thread_local std::vector<EncSym> es_row, es_set;
+  freq.assign(size_t(std::max<int64_t>(rows.total, 2 * E)), 0);
+  es_row.resize(size_t(rows.total));
+  es_set.resize(size_t(C * 2 * E));
+  for (const Model& md : rows.m) {
+    if (md.n == 0) continue;
+    write_table(hb, cnt_row.data() + md.first, md.n, freq.data() + md.first,
+                es_row.data() + md.first);
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    const uint32_t* cc = ccnt.data() + c * 2 * E;
+    write_table(hb, cc, E, freq.data(), es_set.data() + c * 2 * E);
+    write_table(hb, cc + E, std::max<int64_t>(E - 1, 1), freq.data(), es_set.data() + c * 2 * E + E);
+  }
+  hb.flush();
+  // Set stream.
+  thread_local std::vector<uint16_t> words;
+  grow(words, a.n_ss + 1);
+  uint16_t* wend = words.data() + a.n_ss + 1;
+  uint16_t* wp = wend;
+  std::array<uint32_t, 32> st;
+  st.fill(kRansL);
+  if (v4_simd()) {
+    v4_encode_sets_avx2(ss.data(), a.n_ss, rm.data(), T, L, E, W, cmap.data(), es_set.data(),
+                        st.data(), wp);
+  } else {
+    v4_encode_sets_base(ss.data(), a.n_ss, rm.data(), T, L, E, W, cmap.data(), es_set.data(),
+                        st.data(), wp);
+  }
+  const int64_t set_words = wend - wp;
+  // Row stream: two interleaved states (symbol i by state i % 2), last to first.
+  thread_local std::vector<uint16_t> rwords;
+  grow(rwords, a.n_rsyms + 1);
+  uint16_t* rend = rwords.data() + a.n_rsyms + 1;
+  uint16_t* rwp = rend;
+  std::array<uint32_t, kV4RowStates> rx;
+  rx.fill(kRansL);
+  {
+    const uint32_t* sy = rsyms.data();
+    thread_local std::vector<int64_t> model_first;
+    model_first.resize(rows.m.size());
+    for (size_t i = 0; i < rows.m.size(); ++i) model_first[i] = rows.m[i].first;
+    const int64_t* mf = model_first.data();
+    const EncSym* esr = es_row.data();
+    for (int64_t i = a.n_rsyms - 1; i >= 0; --i) {
+      const uint32_t sv = sy[i];
+      rans_put(rx[size_t(i % kV4RowStates)],
+               esr[mf[sv >> kSymBits] + (sv & ((1u << kSymBits) - 1))], rwp);
+    }
+  }
+  const int64_t row_words = rend - rwp;
+  const int64_t row_bytes = 4 * kV4RowStates + 2 * row_words,
+                set_bytes = 4 * kV4SetStates + 2 * set_words;
+  out.clear();
+  out.reserve(size_t(kV4Header + int64_t(head.size()) + row_bytes + set_bytes +
+                     int64_t(raw.size())));
+  out.push_back(static_cast<char>(kSetScaleBits));
+  put_u32(out, static_cast<uint32_t>(C));
+  put_u32(out, static_cast<uint32_t>(head.size()));
+  put_u32(out, static_cast<uint32_t>(row_bytes));
+  put_u32(out, static_cast<uint32_t>(set_bytes));
+  put_u32(out, static_cast<uint32_t>(raw.size()));
+  out += head;
+  for (uint32_t x : rx) put_u32(out, x);
+  out.append(reinterpret_cast<const char*>(rwp), size_t(2 * row_words));
+  for (int j = 0; j < kV4SetStates; ++j) put_u32(out, st[size_t(j)]);
+  out.append(reinterpret_cast<const char*>(wp), size_t(2 * set_words));
+  out += raw;
+  return kBlockSetRows | (ranked ? kBlockRanked : 0u) | (a.any_none ? kBlockHasNone : 0u);
+}
+
+
+namespace {
+
+// What the v4 row loop reads (built and checked by decode_payload_set4).
+struct V4Dec {
+  int64_t T, L, K, E;
+  const int32_t* perm;  // [L, E] or null (unranked)
+  // Row stream: per model its symbols (start | freq << 16) and bucket index, null when unused.
+  const std::vector<const uint32_t*>* tab;
+  const std::vector<const uint16_t*>* bkt;
+  const Models* rows;
+  const std::vector<std::vector<std::vector<uint64_t>>>* digits;
+  const uint8_t *rwp, *rwend;
+  uint32_t rx[kV4RowStates];
+  // Set stream: per cluster the full slot lookups of F and G (entry: f - 1 | (slot - start) << 12
+  // | low 8 bits of the symbol << 24; `hi`: the symbol's high bits when E > 256), null when empty.
+  const uint32_t* const* lut;  // [C][2]
+  const uint8_t* const* hi;    // [C][2]
+  const uint32_t* cmap;
+  uint32_t st[32];
+  const uint8_t *swp, *swend;
+  BitsIn* rb;
+  bool under = false;
+};
+
+// For the AVX2 fast row: lane j of a row's renormalisation takes word number popcount(need &
+// ((1 << j) - 1)) of the 8 words at the stream position (need: the lanes that read one).
+struct WordSpread {
+  uint32_t at[256][8];
+  constexpr WordSpread() : at{} {
+    for (unsigned n = 0; n < 256; ++n) {
+      unsigned c = 0;
+      for (unsigned j = 0; j < 8; ++j) {
+        at[n][j] = c;
+        c += (n >> j) & 1u;
+      }
+    }
+  }
+};
+constexpr WordSpread kWordSpreadTable{};
+constexpr const uint32_t (&kWordSpread)[256][8] = kWordSpreadTable.at;
+
+// The row loop, built twice: for the baseline ISA and, with its AVX2 fast row, for AVX2.
+namespace v4base {
+#define SY_V4_SIMD 0
+#include "route_codec_set4_rows.inc"
+#undef SY_V4_SIMD
+}  // namespace v4base
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,bmi,bmi2,popcnt"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,bmi,bmi2,popcnt")
+#endif
+namespace v4avx2 {
+#define SY_V4_SIMD 1
+#include "route_codec_set4_rows.inc"
+#undef SY_V4_SIMD
+}  // namespace v4avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+std::string v4_decode_base(V4Dec& d, int32_t* idx, bool wide) {
+  return wide ? v4base::v4_decode_rows<true>(d, idx) : v4base::v4_decode_rows<false>(d, idx);
+}
+__attribute__((target("avx2,bmi,bmi2,popcnt"))) std::string v4_decode_avx2(V4Dec& d,
+                                                                           int32_t* idx,
+                                                                           bool wide) {
+  return wide ? v4avx2::v4_decode_rows<true>(d, idx) : v4avx2::v4_decode_rows<false>(d, idx);
+}
+
+}  // namespace
+
+std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, int64_t L,
+                                int64_t K, int64_t E, uint32_t flags, int32_t* idx) {
+  if (!set_coding_fits(L, K, E)) {
+    return cat("set-coded block for num_experts=", E, ", top_k=", K,
+               " (set coding covers top_k <= ", kSetMaxTopK, ", num_experts <= ", kSetMaxExperts,
+               ")");
+  }
+  const auto* raw = reinterpret_cast<const uint8_t*>(raw_c);
+  if (raw_size < kV4Header) return cat("set-coded payload of ", raw_size, " bytes is too short");
+  if (raw[0] != kSetScaleBits) {
+    return cat("set-coded payload: scale ", int(raw[0]), " bits (this build reads ",
+               kSetScaleBits, ")");
+  }
+  const int64_t C = get_u32(raw_c + 1), head_n = get_u32(raw_c + 5), row_n = get_u32(raw_c + 9),
+                set_n = get_u32(raw_c + 13), raw_n = get_u32(raw_c + 17);
+  if (kV4Header + head_n + row_n + set_n + raw_n != raw_size || row_n < 4 * kV4RowStates ||
+      row_n % 2 != 0 || set_n < 4 * kV4SetStates || set_n % 2 != 0) {
+    return cat("set-coded payload: stream sizes ", head_n, " + ", row_n, " + ", set_n, " + ",
+               raw_n, " do not fill its ", raw_size, " bytes");
+  }
+  if (C < 1 || C > std::min<int64_t>(L, kV4MaxClusters)) {
+    return cat("set-coded payload: ", C, " table clusters for ", L, " layers (at most ",
+               kV4MaxClusters, ")");
+  }
+  BitsIn hb{raw + kV4Header, head_n};
+  std::vector<int32_t> perm;
+  if (flags & kBlockRanked) {
+    std::string err = read_perm(hb, head_n, L, E, perm);
+    if (!err.empty()) return err;
+  }
+  const int cb = bit_width_of(uint64_t(C - 1));
+  std::vector<uint32_t> cmap(static_cast<size_t>(L));
+  if (L * cb > head_n * 8) return "set-coded payload: header too short for the cluster map";
+  for (int64_t l = 0; l < L; ++l) {
+    cmap[size_t(l)] = uint32_t(hb.get(cb));
+    if (cmap[size_t(l)] >= C) {
+      return cat("set-coded payload: layer ", l, " in cluster ", cmap[size_t(l)], " of ", C);
+    }
+  }
+  // Row tables: symbols and bucket index, as version 3.
+  Models rows(0, K, E, true);
+  const uint32_t M = kV4Slots;
+  std::vector<uint32_t> sf;
+  std::vector<uint16_t> bl;
+  std::vector<int64_t> bl_at(rows.m.size(), -1);
+  for (size_t mi = 0; mi < rows.m.size(); ++mi) {
+    Model& md = rows.m[mi];
+    if (md.n == 0) continue;
+    const int64_t first = static_cast<int64_t>(sf.size());
+    const int64_t at = static_cast<int64_t>(bl.size());
+    bool empty = true;
+    std::string err = read_table(
+        hb, md.n, head_n * 8, empty, "frequency table ", int64_t(mi),
+        [&](int64_t i, uint32_t start, uint32_t f) {
+          if (i == 0) {
+            sf.resize(sf.size() + size_t(md.n));
+            bl.resize(bl.size() + (M >> kBucketShift));
+          }
+          sf[size_t(first + i)] = start | (f << 16);
+          for (uint32_t b = (start + (1u << kBucketShift) - 1) >> kBucketShift;
+               (b << kBucketShift) < start + f; ++b) {
+            bl[size_t(at + b)] = static_cast<uint16_t>(i);
+          }
+        });
+    if (!err.empty()) return err;
+    md.empty = empty;
+    if (!empty) {
+      md.first = first;
+      bl_at[mi] = at;
+    }
+  }
+  std::vector<const uint32_t*> tab(rows.m.size(), nullptr);
+  std::vector<const uint16_t*> bkt(rows.m.size(), nullptr);
+  for (size_t mi = 0; mi < rows.m.size(); ++mi) {
+    if (bl_at[mi] < 0) continue;
+    tab[mi] = sf.data() + rows.m[mi].first;
+    bkt[mi] = bl.data() + bl_at[mi];
+  }
+  // Set tables: full slot lookups (at most kV4MaxClusters * 2 * 16 KiB).
+  const bool wide = E > 256;
+  std::vector<uint32_t> lut_mem(size_t(C * 2 * M));
+  std::vector<uint8_t> hi_mem(wide ? size_t(C * 2 * M) : 0);
+  std::vector<const uint32_t*> lut(size_t(2 * C), nullptr);
+  std::vector<const uint8_t*> hi(size_t(2 * C), nullptr);
+  for (int64_t c = 0; c < 2 * C; ++c) {
+    uint32_t* ent = lut_mem.data() + c * M;
+    uint8_t* h = wide ? hi_mem.data() + c * M : nullptr;
+    bool empty = true;
+    const int64_t n = (c & 1) ? std::max<int64_t>(E - 1, 1) : E;
+    std::string err = read_table(hb, n, head_n * 8, empty, (c & 1) ? "gap table " : "first table ",
+                                 c / 2, [&](int64_t i, uint32_t start, uint32_t f) {
+                                   for (uint32_t q = 0; q < f; ++q) {
+                                     ent[start + q] = (f - 1) | (q << 12) | (uint32_t(i) << 24);
+                                     if (h) h[start + q] = uint8_t(i >> 8);
+                                   }
+                                 });
+    if (!err.empty()) return err;
+    if (!empty) {
+      lut[size_t(c)] = ent;
+      hi[size_t(c)] = h;
+    }
+  }
+  if (!hb.done()) return "set-coded payload: header has bytes past its tables";
+  const auto digits = order_digits(rows, K);
+  const uint8_t* rp = raw + kV4Header + head_n;
+  const uint8_t* sp = rp + row_n;
+  V4Dec d{};
+  d.T = T;
+  d.L = L;
+  d.K = K;
+  d.E = E;
+  d.perm = perm.empty() ? nullptr : perm.data();
+  d.tab = &tab;
+  d.bkt = &bkt;
+  d.rows = &rows;
+  d.digits = &digits;
+  bool states_ok = true;
+  for (int j = 0; j < kV4RowStates; ++j) {
+    d.rx[j] = get_u32(raw_c + (rp - raw) + 4 * j);
+    states_ok &= d.rx[j] >= kRansL && d.rx[j] < (1u << 31);
+  }
+  d.rwp = rp + 4 * kV4RowStates;
+  d.rwend = rp + row_n;
+  d.lut = lut.data();
+  d.hi = hi.data();
+  d.cmap = cmap.data();
+  for (int j = 0; j < kV4SetStates; ++j) {
+    d.st[j] = get_u32(raw_c + (sp - raw) + 4 * j);
+    states_ok &= d.st[j] >= kRansL && d.st[j] < (1u << 31);
+  }
+  if (!states_ok) return "set-coded payload: rANS state out of range";
+  d.swp = sp + 4 * kV4SetStates;
+  d.swend = sp + set_n;
+  BitsIn rb{sp + set_n, raw_n};
+  d.rb = &rb;
+  if (T > 0 && !tab[0]) return "set-coded payload: the mask table is empty";
+  std::string err = v4_simd() ? v4_decode_avx2(d, idx, wide) : v4_decode_base(d, idx, wide);
+  if (!err.empty()) return err;
+  bool ends = !d.under && d.rwp == d.rwend && d.swp == d.swend;
+  for (int j = 0; j < kV4RowStates; ++j) ends &= d.rx[j] == kRansL;
+  for (int j = 0; j < kV4SetStates; ++j) ends &= d.st[j] == kRansL;
+  if (!ends) return "set-coded payload: the rANS streams do not end where their symbols do";
   if (!rb.done()) return "set-coded payload: raw bits do not end where the rows do";
   return {};
 }

@@ -600,7 +600,7 @@ struct RouteFileReader::Impl {
     const uint64_t min_comp = static_cast<uint64_t>(detail::kZstdMinBlockBytes) *
                               ((static_cast<uint64_t>(raw_size) + detail::kZstdMaxBlock - 1) /
                                detail::kZstdMaxBlock);
-    if ((flags & detail::kBlockSetDelta) != 0) {
+    if (detail::block_is_set_coded(flags)) {
       if (comp != static_cast<uint64_t>(raw_size)) {  // stored as is
         return cat("inconsistent sizes: a set-coded payload of ", raw_size, " bytes stored in ",
                    comp, " bytes");
@@ -793,7 +793,7 @@ RouteTable RouteFileReader::read(int64_t sequence) const {
   }
   RouteTable t;
   t.num_experts = s.info.num_experts;
-  if ((flags & detail::kBlockSetDelta) != 0) {  // stored as is: decoded in place
+  if (detail::block_is_set_coded(flags)) {  // stored as is: decoded in place
     t.topk_idx = Tensor::empty({e.num_tokens, s.info.num_moe_layers, s.info.top_k}, DType::int32);
     err =
         detail::decode_payload(comp.data(), raw_size, e.num_tokens, s.info.num_moe_layers,

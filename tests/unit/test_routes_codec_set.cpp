@@ -1,5 +1,5 @@
-// Format version 3's set-coded blocks (src/routes/route_codec_set.cpp): every id pattern round
-// trips exactly, slot order included; shapes set coding does not cover fall back to token delta;
+// Set-coded blocks of format versions 4 (written now) and 3 (still read) (src/routes/
+// route_codec_set.cpp): every id pattern round trips exactly, slot order included, in both; shapes set coding does not cover fall back to token delta;
 // corrupt payloads are errors (or some in-range table), never reads outside the payload (the
 // payload is copied into an exactly sized buffer, so ASan in the sanitizer build sees any).
 #include <gtest/gtest.h>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "routes/route_codec.h"
+#include "switchyard/cpu.h"
 #include "switchyard/route_file.h"
 
 namespace {
@@ -74,7 +75,7 @@ uint32_t round_trip(const std::vector<int32_t>& v, Shape s, PayloadCoding coding
   detail::PayloadPieces pc;
   const uint32_t flags = detail::encode_payload(v.data(), s.T, s.L, s.K, s.E, raw, pc, coding);
   EXPECT_NE(flags, detail::kBadIds);
-  if (!(flags & detail::kBlockSetDelta)) return flags;  // token delta: route_file's tests
+  if (!detail::block_is_set_coded(flags)) return flags;  // token delta: route_file's tests
   EXPECT_TRUE(pc.stored);
   std::unique_ptr<char[]> buf(new char[raw.size()]);
   std::memcpy(buf.get(), raw.data(), raw.size());
@@ -101,13 +102,17 @@ TEST(RouteCodecSet, EveryIdPatternRoundTripsExactlySlotOrderIncluded) {
         const double none_ids = variant == 2 ? 0.1 : 0.0;
         const double dups = variant == 2 ? 0.2 : 0.0;
         const auto v = make_table(rng, s, repeat, none_rows, none_ids, dups);
-        for (PayloadCoding c : {PayloadCoding::set_delta, PayloadCoding::automatic}) {
+        for (PayloadCoding c : {PayloadCoding::set_delta, PayloadCoding::set_delta_v3,
+                                PayloadCoding::automatic}) {
           std::vector<int32_t> out;
           const uint32_t flags = round_trip(v, s, c, out);
           if (c == PayloadCoding::set_delta) {
+            ASSERT_TRUE(flags & detail::kBlockSetRows) << "seed " << seed;
+          }
+          if (c == PayloadCoding::set_delta_v3) {
             ASSERT_TRUE(flags & detail::kBlockSetDelta) << "seed " << seed;
           }
-          if (flags & detail::kBlockSetDelta) {
+          if (detail::block_is_set_coded(flags)) {
             ASSERT_EQ(out, v) << "seed " << seed << " T " << s.T << " L " << s.L << " K " << s.K
                               << " E " << s.E << " repeat " << repeat << " variant " << variant;
           }
@@ -125,7 +130,7 @@ TEST(RouteCodecSet, EveryRowEscapedLeavesTheHighMaskTableUnusedAndStillDecodes) 
     std::vector<int32_t> v(size_t(s.T * s.L * s.K));
     for (size_t i = 0; i < v.size(); ++i) v[i] = int32_t((i * 7) % 5);  // repeats in every row
     std::vector<int32_t> out;
-    ASSERT_TRUE(round_trip(v, s, PayloadCoding::set_delta, out) & detail::kBlockSetDelta);
+    ASSERT_TRUE(detail::block_is_set_coded(round_trip(v, s, PayloadCoding::set_delta, out)));
     EXPECT_EQ(out, v) << "K " << K;
   }
 }
@@ -137,7 +142,7 @@ TEST(RouteCodecSet, ShapesOutsideSetCodingFallBackToTokenDelta) {
     std::vector<int32_t> out;
     const uint32_t flags = round_trip(v, s, PayloadCoding::set_delta, out);
     EXPECT_TRUE(flags & detail::kBlockTokenDelta) << s.K << " " << s.E;
-    EXPECT_FALSE(flags & detail::kBlockSetDelta);
+    EXPECT_FALSE(detail::block_is_set_coded(flags));
   }
 }
 
@@ -257,7 +262,7 @@ TEST(RouteCodecSet, EveryTopKAndExpertCountRoundTripsDegenerateTablesIncluded) {
             EXPECT_EQ(any_round_trip(v, s, c, &flags), v)
                 << "seed " << seed << " T " << T << " K " << K << " E " << E << " kind " << kind;
             if (c == PayloadCoding::set_delta) {
-              EXPECT_EQ(bool(flags & detail::kBlockSetDelta), K <= 16 && E <= 4096)
+              EXPECT_EQ(detail::block_is_set_coded(flags), K <= 16 && E <= 4096)
                   << "K " << K << " E " << E;
             }
           }
@@ -285,7 +290,7 @@ TEST(RouteCodecSet, UncorrelatedTopKRowsCodeWithin1_2xOfTheSetBoundAndRepeatsUse
   std::vector<int32_t> out;
   std::string p;
   const uint32_t flags = round_trip(v, s, PayloadCoding::automatic, out, &p);
-  ASSERT_TRUE(flags & detail::kBlockSetDelta);
+  ASSERT_TRUE(detail::block_is_set_coded(flags));
   ASSERT_EQ(out, v);
   const double got = 8.0 * double(p.size()) / ids;
   EXPECT_LT(got, 1.2 * bound) << "bits per id " << got << ", bound " << bound;
@@ -308,13 +313,15 @@ TEST(RouteCodecSet, UncorrelatedTopKRowsCodeWithin1_2xOfTheSetBoundAndRepeatsUse
 }
 
 TEST(RouteCodecSet, CorruptPayloadsAreErrorsOrInRangeTables) {
+  for (PayloadCoding coding : {PayloadCoding::set_delta, PayloadCoding::set_delta_v3}) {
+  SCOPED_TRACE(coding == PayloadCoding::set_delta ? "version 4" : "version 3");
   std::mt19937_64 rng(5);
   const Shape s{60, 3, 8, 128};
   const auto v = make_table(rng, s, 0.6, 0.05, 0.02, 0.05);
   std::vector<int32_t> out;
   std::string p;
-  const uint32_t flags = round_trip(v, s, PayloadCoding::set_delta, out, &p);
-  ASSERT_TRUE(flags & detail::kBlockSetDelta);
+  const uint32_t flags = round_trip(v, s, coding, out, &p);
+  ASSERT_TRUE(detail::block_is_set_coded(flags));
   ASSERT_EQ(out, v);
   const auto decode = [&](const std::string& bad, uint32_t f) {
     std::unique_ptr<char[]> buf(new char[std::max<size_t>(bad.size(), 1)]);
@@ -344,14 +351,27 @@ TEST(RouteCodecSet, CorruptPayloadsAreErrorsOrInRangeTables) {
   bad[0] = 11;
   EXPECT_NE(decode(bad, flags).find("scale 11 bits"), std::string::npos);
   bad = p;
-  bad[1] = static_cast<char>(bad[1] + 1);
+  const size_t head_size_at = coding == PayloadCoding::set_delta ? 5 : 1;  // u32 after the scale
+  bad[head_size_at] = static_cast<char>(bad[head_size_at] + 1);
   EXPECT_NE(decode(bad, flags).find("do not fill"), std::string::npos);
   (void)decode(p, flags & ~detail::kBlockRanked);  // read as unranked: error or in-range ids
   EXPECT_NE(decode(p + std::string(1, '\0'), flags), "");
+  if (coding == PayloadCoding::set_delta) {  // version 4: the cluster count is checked
+    bad = p;
+    bad[1] = 0;
+    EXPECT_NE(decode(bad, flags).find("table clusters"), std::string::npos);
+    bad[1] = 33;
+    EXPECT_NE(decode(bad, flags).find("table clusters"), std::string::npos);
+  }
+  }
 }
 
-TEST(RouteCodecSet, WriterWritesVersion3AndSetBlocksOnlyInVersion3Files) {
-  EXPECT_EQ(detail::kFormatVersion, 3u);
+TEST(RouteCodecSet, WriterWritesVersion4AndSetBlocksOnlyInTheirVersions) {
+  EXPECT_EQ(detail::kFormatVersion, 4u);
+  EXPECT_TRUE(detail::block_flags_valid(4, detail::kBlockSetRows | detail::kBlockRanked));
+  EXPECT_TRUE(detail::block_flags_valid(4, detail::kBlockSetDelta | detail::kBlockRanked));
+  EXPECT_FALSE(detail::block_flags_valid(3, detail::kBlockSetRows));
+  EXPECT_FALSE(detail::block_flags_valid(4, detail::kBlockSetRows | detail::kBlockSetDelta));
   EXPECT_TRUE(detail::block_flags_valid(3, detail::kBlockSetDelta | detail::kBlockRanked));
   EXPECT_TRUE(detail::block_flags_valid(3, detail::kBlockTokenDelta));
   EXPECT_FALSE(detail::block_flags_valid(2, detail::kBlockSetDelta));
@@ -375,11 +395,155 @@ TEST(RouteCodecSet, WriterWritesVersion3AndSetBlocksOnlyInVersion3Files) {
   const auto back = decode_route_file(
       std::string_view(static_cast<const char*>(blob.raw()), size_t(blob.nbytes())), &got, {});
   ASSERT_EQ(back.size(), 1u);
-  EXPECT_EQ(got.version, 3);
+  EXPECT_EQ(got.version, 4);
   EXPECT_TRUE(route_tables_equal(back[0], t));
   const auto* p = static_cast<const char*>(blob.raw());
   const int64_t hsize = detail::get_u32(p + 12);
-  EXPECT_TRUE(detail::get_u32(p + hsize + 4) & detail::kBlockSetDelta);
+  EXPECT_TRUE(detail::get_u32(p + hsize + 4) & detail::kBlockSetRows);
+}
+
+// A version 3 file written by main at de0ea3a (before version 4): one sequence of 200 tokens, 2
+// layers, K 8, E 16, ids from v3_fixture_ids (token 7 layer 1 all -1); block flags 11 (set-coded
+// version 3, ranked, -1 bitmap).
+constexpr const char* kV3FixtureHex =
+    "5359524f555445530300000030000000100000000800000002000000010000000000000000000000ff35043233ebf352"
+    "5359424b0b0000000000000000000000c800000000000000eb06000000000000eb06000000000000a7ffe89f0111d1c0"
+    "e5e324d9d0887ee70c520100008c050000000000001072846395cbeafd75a986fbed20134c00d0feffffffffffffffff"
+    "ffffffffffffffffffffffffffffffffffffffffffffffffc87f803840266006500e3c8131600138013be00444800834"
+    "68c0130952600744400502c00c100101a8000b400488003ea0811454a0074e400418831ea4a0022948410af800eea042"
+    "22410552200202102041007a688007d8e183133ed8c10926b0030fb08313ecc0039c60023b7c1c7cf8c008ec381c9860"
+    "e1c0091f167cf8f0c10926f8f071018be0042798e0c3c2c1870526e0010becf061c102132c1c0e4cc003167c30e170b0"
+    "e083093e0e9c38f8b0e08309162c30c1878f033b98608113ec60c2c18285033b0e3e7c58f0e1c382053cc0091f87c381"
+    "1d070b78c082051f561c2c00a606b00680bb00f402205080cf00b0f04014daff07806e00703d4060801dc01cfc7008f9"
+    "0120dc0125ff3f004c0180ea016400500148030550f03f41348c00940a09002cfa38707639121ca0b7015255b573859e"
+    "fa6bf7a7db8af8fb51300d4a35425e269d4dc47d986d0a70004b90f8b81b53311ce79ed05f8dc38b58a8da392b04d7aa"
+    "7be3de7dc9b2f1c06462d572140742c89c401899d59000ca4948502ee02daa282ae7eddca231f02d80d7c23447b380a0"
+    "a57392cf24693498b43152b136fd78a73aa3729600c23e8c7d078385df7b9051970dfeafebe83264f4bb721c25d0115b"
+    "a6e1e823e9d74c023dbc9fbe93fff879063cebc34d973ac01781f9714395fdb804a09b47971b007a8c41a4c477f6235a"
+    "48f8f7b4895f4c2eac7387ea50e7316d0f05622fd5871e51ee7717a290d50931cc7098417fd35b19ade71d34acd2984e"
+    "644400eb550622f6a9f82df7f93fcaeff1759f4f619a3c42be3f91fca16dfc21d6f4b321bf81c2cab04eb7c0996cab21"
+    "6cd7885ac9b134c5ffb692791ca64c384bf4eddc93ceb3d34fb271aac75fe8d83286a03250b8da7505f3fac635fbdcb9"
+    "f614e2e636a4cafffbaafb1dd0c918c8dc6a25f7ca8891c2c619d6dc98d620a86e0c9526795e2dd1d765e128da700576"
+    "1456dd30af3603959a8b5ec2d4dc7350a4bcfe0e6f91cad4bc60693011f37eb26065d3da7007959ffe1337aaf35dac89"
+    "1c17568e1c357d9bedf8523f2ee2924918e6d5687bdced07897eac6f902e7cd4e0a961195080776500ce8a7d3463201a"
+    "5ef7fb3b7388279858f008eb925a03292862784dab7413a5ec6d18f4ab94e12c51acf99237ceaf776b430961d695434d"
+    "ede886d58d387329329de97a50780294cdab2e36afdd686a7ab090bdf9fdb975db0b6954021c4587c6cc1ffe91a22b11"
+    "ee33ed85098680fa2f5d310a44116c12c477680d453f5e94aeec99e490273c58dd4906c6c840c6e36eab489b73ffd8ed"
+    "8def34799aaf342a3e0214809fb3838336ea07bf01a54b4dfadbcaeb6e9606a6400a0090d784f46ef2378e69a34de8d9"
+    "9a4b1bba1dcb0e904d7d7671ac7a27780ecffb47d74750bd8eee737ed0463bd8117e22c75c57b6b418845b701ec716b2"
+    "cdd5c930df226f7b6e583dc27cfe8cee49b4e8eefac4430b8c457a6e7577c984978bbbd3a65c31411b1e8c9ae3771d0a"
+    "25bb30497e01aa30f232ee73de2ede4f9992e87ab732021dd64112be29e9d25b57b58c8d49a4c226f3d5a5b9f1280634"
+    "c378cecd98b3b626fd34ab2c9fb77c6b85201fc50f23658a47c57a4471ea261ec31fd071ebac15074661358e35ea8e45"
+    "c186cc1ad072cfa8d8ccc1497c98ab6903a1fea10825c414a53d6b2ca1418bd2f52e219bed847455d94e6bd81a3b6fc0"
+    "a94ff6a4ebdb51356af15669a91e2448fc4024ebdf50174c86c3b3d2a525da13e9942f20bea0c52933b8f50b42c54546"
+    "90b411c4da63a20ad5837aeaeff25a2c86f232e433edfaf25e0a956475a9484c768deaa1fcda1c63a6113905e800df84"
+    "223f5b0cde2f13c478c9578ae5e2ac168d2f73061fdf21bc79f353ae3399da2f437254d9e304145c80e7c25c4d6ec202"
+    "ada29258d38d72551976273ec8237457c36cfb02dc77601996f884fd2d8a742ef54e69b24030fa4dd3b3bb21742841a9"
+    "e7a57280ed0f7faa834bfe017ea39a7126ec58e241a8bc0296c62520e0791a27acec4b438750052f57f4b3b1e0081b29"
+    "4bb202e7f6411c245b5d1946da06144993ddbe7f872912dd35a9c877f82e5d25396759c60ac27d69a4f1fb76ff4af2ce"
+    "6b92dd9d441c2e14b64c87474d45bb015796219fdd200dd48987ae5ed8a78a7f502b038f7184d98a44bb88d02bc73e6c"
+    "bec4fadc79a14b10fd37d7260f722ae1fdeb1f98cfd1f01f7a01e8c7e0e3f862a783714de17b9e41851c55f8938ae638"
+    "b0880af150826f4c7cd221ed0c07086ccfc304f85964fdf5288f9010f01eec27dfb0c28d573c6be17dcde4c3a009f57d"
+    "9a94a444a5a5ccae463b73f392401f44d41c8c54acd3edad64bfc71dfe7c81cf4d0fceb03ab226571499e9d0d38a88f3"
+    "f33944535949580000000001000000000000003000000000000000c8000000000000002307000000000000ede2998b65"
+    "f8720e5307000000000000e82b78c6f58a9a0253595254454e4431";
+
+// The ids of the fixture (the generator that wrote it, in numpy): an LCG's high bits squared,
+// so low ids are popular; layer l shifts ids by 5 l; K distinct ids per row.
+std::vector<int32_t> v3_fixture_ids() {
+  const int64_t T = 200, L = 2, K = 8, E = 16;
+  std::vector<int32_t> v(size_t(T * L * K), -1);
+  uint64_t x = 1;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t l = 0; l < L; ++l) {
+      int32_t* row = v.data() + (t * L + l) * K;
+      int n = 0;
+      while (n < K) {
+        x = (x * 1103515245u + 12345u) % (uint64_t{1} << 31);
+        const uint64_t u = x >> 16;
+        const int32_t e = int32_t((((u * u) >> 26) % E + 5 * l) % E);
+        if (std::find(row, row + n, e) == row + n) row[n++] = e;
+      }
+    }
+  }
+  std::fill_n(v.begin() + (7 * L + 1) * K, K, -1);
+  return v;
+}
+
+TEST(RouteCodecSet, AVersion3FileWrittenBeforeVersion4StillReads) {
+  const std::string hex = kV3FixtureHex;
+  std::string blob(hex.size() / 2, '\0');
+  for (size_t i = 0; i < blob.size(); ++i) blob[i] = char(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  EXPECT_EQ(detail::get_u32(blob.data() + 8), 3u);
+  const int64_t hsize = detail::get_u32(blob.data() + 12);
+  EXPECT_EQ(detail::get_u32(blob.data() + hsize + 4),
+            detail::kBlockSetDelta | detail::kBlockRanked | detail::kBlockHasNone);
+  RouteFileInfo got;
+  const auto back = decode_route_file(blob, &got, {});
+  ASSERT_EQ(back.size(), 1u);
+  EXPECT_EQ(got.version, 3);
+  const auto want = v3_fixture_ids();
+  ASSERT_EQ(back[0].topk_idx.numel(), int64_t(want.size()));
+  EXPECT_TRUE(std::equal(want.begin(), want.end(), back[0].topk_idx.data<int32_t>()));
+}
+
+// The hot passes are built for the baseline ISA and for AVX2 (picked by cpu_isa()): both write the
+// same bytes and read each other's.
+TEST(RouteCodecSet, BaselineAndAvx2PathsWriteTheSameBytes) {
+  if (!cpu_supports(CpuIsa::avx2)) GTEST_SKIP() << "this CPU has no AVX2 (only one path to run)";
+  const CpuIsa was = cpu_isa();
+  const Shape shapes[] = {{1031, 3, 8, 128}, {300, 2, 16, 300}, {200, 2, 6, 64}, {50, 2, 9, 4096}};
+  int n = 0;
+  for (const Shape& s : shapes) {
+    for (double repeat : {0.0, 0.6}) {
+      std::mt19937_64 rng(77 + uint64_t(n++));
+      const auto v = make_table(rng, s, repeat, 0.05, 0.02, 0.05);
+      std::string p[2];
+      uint32_t flags[2];
+      std::vector<int32_t> out;
+      for (int i = 0; i < 2; ++i) {
+        set_cpu_isa(i == 0 ? CpuIsa::scalar : CpuIsa::avx2);
+        flags[i] = round_trip(v, s, PayloadCoding::set_delta, out, &p[i]);
+        ASSERT_TRUE(flags[i] & detail::kBlockSetRows);
+        ASSERT_EQ(out, v);
+      }
+      EXPECT_EQ(flags[0], flags[1]);
+      EXPECT_EQ(p[0], p[1]) << "K " << s.K << " E " << s.E << " repeat " << repeat;
+      set_cpu_isa(CpuIsa::scalar);  // the scalar decoder reads the AVX2 encoder's bytes
+      std::vector<int32_t> o(v.size());
+      EXPECT_EQ(detail::decode_payload(p[1].data(), int64_t(p[1].size()), s.T, s.L, s.K, s.E,
+                                       flags[1], o.data()),
+                "");
+      EXPECT_EQ(o, v);
+    }
+  }
+  set_cpu_isa(was);
+}
+
+// Version 4 shares one pair of tables among layers whose rank statistics agree: the same skew in
+// every layer is one cluster; a near-uniform layer among skewed ones gets its own.
+TEST(RouteCodecSet, LayersWithTheSameStatisticsShareTheirTables) {
+  const Shape s{2000, 4, 8, 128};
+  std::mt19937_64 rng(9);
+  auto v = make_table(rng, s, 0.0, 0.0, 0.0, 0.0);
+  std::vector<int32_t> out;
+  std::string p;
+  ASSERT_TRUE(round_trip(v, s, PayloadCoding::set_delta, out, &p) & detail::kBlockSetRows);
+  ASSERT_EQ(out, v);
+  EXPECT_EQ(detail::get_u32(p.data() + 1), 1u);
+  // Layer 2 uniform: 8 distinct ids drawn evenly.
+  std::uniform_int_distribution<int32_t> any(0, int32_t(s.E - 1));
+  for (int64_t t = 0; t < s.T; ++t) {
+    int32_t* row = v.data() + (t * s.L + 2) * s.K;
+    for (int64_t k = 0; k < s.K; ++k) {
+      int32_t id = any(rng);
+      while (std::find(row, row + k, id) != row + k) id = any(rng);
+      row[k] = id;
+    }
+  }
+  ASSERT_TRUE(round_trip(v, s, PayloadCoding::set_delta, out, &p) & detail::kBlockSetRows);
+  ASSERT_EQ(out, v);
+  EXPECT_EQ(detail::get_u32(p.data() + 1), 2u);
 }
 
 }  // namespace
