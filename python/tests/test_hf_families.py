@@ -102,7 +102,8 @@ REFERENCE = {
     "axk2": ("sigmoid", "e_score_correction_bias", "top2_sum", 0.0),
     "minimax_m2": _SIGMOID_BLOCK_BIAS, "hy_v3": _SIGMOID_BLOCK_BIAS, "afmoe": _SIGMOID_BLOCK_BIAS,
     "lfm2_moe": _SIGMOID_BLOCK_BIAS, "minimax_m3_vl": _SIGMOID_BIAS, "laguna": _SIGMOID_BIAS,
-    "ergo": _SIGMOID_BIAS, "inkling2": _SIGMOID_BIAS, "flint": ("sigmoid", None, None, None),
+    "ergo": _SIGMOID_BIAS, "inkling2": _SIGMOID_BIAS, "inkling2_loop": _SIGMOID_BIAS,
+    "flint": ("sigmoid", None, None, None),
     "deepseek_v4": ("sqrtsoftplus", "e_score_correction_bias", None, None),
     "kolibri1_1": ("logits", "e_score_correction_bias", None, None),
     "kolibri1": ("logits", "e_score_correction_bias", None, None),
@@ -300,19 +301,31 @@ class _Seen:
 
     def __init__(self, model, p):
         self.x, self.ids, self.state, self._hooks = {}, {}, {}, []
-        for layer, name in p.modules.items():
+        # A router of several route layers (Inkling2-Loop's loop layers: one per pass) serves
+        # them in call order: the n-th call of a forward is its n-th route layer.
+        layers_of = {}
+        for layer, name in sorted(p.modules.items()):
+            layers_of.setdefault(name, []).append(layer)
+        for name, layers in layers_of.items():
             router = model.get_submodule(name)
             block = model.get_submodule(name.rsplit(".", 1)[0])
+            calls = {"router": 0, "experts": 0}
+
+            def at(kind, layers=layers, calls=calls):
+                calls[kind] += 1
+                return layers[(calls[kind] - 1) % len(layers)]
             self._hooks.append(router.register_forward_pre_hook(
-                lambda m, a, kw, layer=layer: self._saw(layer, a, kw), with_kwargs=True))
+                lambda m, a, kw, at=at: self._saw(at("router"), a, kw), with_kwargs=True))
             if type(router).__name__ == "JetMoeTopKGating":
                 self._hooks.append(router.register_forward_hook(
-                    lambda m, a, o, layer=layer: self.ids.__setitem__(layer, _grouped_ids(o))))
+                    lambda m, a, o, layer=layers[0]: self.ids.__setitem__(layer,
+                                                                           _grouped_ids(o))))
             for child in block.children():
                 if _is_experts(child):
                     self._hooks.append(child.register_forward_pre_hook(
-                        lambda m, a, kw, layer=layer: self.ids.__setitem__(
-                            layer, (a[1] if len(a) > 1 else kw["top_k_index"]).detach().clone()),
+                        lambda m, a, kw, at=at: self.ids.__setitem__(
+                            at("experts"),
+                            (a[1] if len(a) > 1 else kw["top_k_index"]).detach().clone()),
                         with_kwargs=True))
 
     def _saw(self, layer, a, kw):
@@ -577,7 +590,7 @@ def _train_step(model, ids):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", ["gemma4", "diffusion_gemma", "cohere2_moe",
                                     "cohere2_moe_sigmoid", "longcat_flash", "jetmoe",
-                                    "inkling", "zaya"])
+                                    "inkling", "zaya", "inkling2_loop"])
 def test_router_dtype_none_keeps_outputs_and_gradients_bitwise_in_training(family, dtype):
     # Gemma-4's router normalises its (already flat) input itself: the patched forward adds no
     # reshape node, so the gradients reach the hidden states in the family's order.
