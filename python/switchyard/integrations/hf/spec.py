@@ -505,10 +505,12 @@ REFUSED = {
     # Families switchyard refuses, with the reason patch() gives (ValueError before any router is
     # touched). Each reason names what has no faithful [T, K] route to compute, replay or capture.
     "doge": "Doge is not supported: DogeCDMoE routes inline in its forward (router_gate is a "
-            "bare nn.Linear, no router module returns a route to patch), and its product-key "
-            "scores take the two sub-key halves from other tokens' logits (a view(2, B*S, "
-            "sqrt(E)) of the [B, S, 2*sqrt(E)] logits): a token's expert scores are not a "
-            "function of its own hidden state in a forward of several tokens",
+            "bare nn.Linear: no router module or route method returns a route to patch), and its "
+            "product-key scores mix tokens: the [B, S, 2*sqrt(E)] logits are viewed as (2, B*S, "
+            "sqrt(E)), so row t's two sub-key score halves are the logits of tokens t // 2 and "
+            "(B*S + t) // 2 (transformers 5.24 and 5.25; its own comment says the split mixes "
+            "tokens): a token's experts are its own product-key choice only in a forward of one "
+            "token, so neither an FP32 router nor a replayed route has a per-token meaning",
     "param2moe": "param2moe has no modeling file in this transformers release (configuration "
                  "only): nothing to patch",
     "sarvam_mla": "sarvam_mla has no modeling file in this transformers release (configuration "
