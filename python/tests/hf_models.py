@@ -185,6 +185,16 @@ MORE_CONFIGS = {
                     moe_intermediate_size=16, swa_num_attention_heads=4, swa_num_key_value_heads=2,
                     swa_head_dim=8, sliding_window_size=16, rel_extent=16, d_rel=4,
                     initializer_range=0.2),
+    # Inkling2-Loop: layers 1 and 2 (one sliding, one full attention) looped in 3 passes per
+    # forward, so 4 decoder layers route 8 times (route layers 0, 1-2, 3-4, 5-6, 7)
+    "inkling2_loop": dict(num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+                          layer_types=["hybrid_sliding", "hybrid_sliding", "hybrid",
+                                       "hybrid_sliding"],
+                          n_layers_per_attn_res_block=1, loop_layer_index_start=1,
+                          loop_layer_index_end=3, loop_num_passes=3, loop_gate_rank=8,
+                          unpadded_vocab_size=97, swa_num_attention_heads=4,
+                          swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=16,
+                          rel_extent=16, d_rel=4, initializer_range=0.2),
     # Zaya: 8 experts + the skip class, top-1 (its only K), an MLP router over a 16-wide
     # down-projection, the router state carried from layer 0 to layer 1
     "zaya": dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=16,
@@ -201,7 +211,8 @@ _CONFIG_TYPE = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe
                 "unlimited_ocr": "unlimited_ocr_text", "aria": "aria_text",
                 "gemma4": "gemma4_text", "diffusion_gemma": "diffusion_gemma_text",
                 "cohere2_moe_sigmoid": "cohere2_moe", "dots3_note": "dots3_note_text",
-                "ernie4_5_vl_moe": "ernie4_5_vl_moe_text", "inkling": "inkling_text"}
+                "ernie4_5_vl_moe": "ernie4_5_vl_moe_text", "inkling": "inkling_text",
+                "inkling2_loop": "inkling2_loop_text"}
 """The config model_type of a family's text model, where it is not the family's key."""
 _MODEL_CLASS = {"qwen3_omni_moe": "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe."
                                   "Qwen3OmniMoeThinkerTextModel",
@@ -218,6 +229,10 @@ _MODEL_CLASS = {"qwen3_omni_moe": "transformers.models.qwen3_omni_moe.modeling_q
 _CONFIG_CLASS = {"step3p7": "transformers.models.step3p7.configuration_step3p7.Step3p7TextConfig"}
 """The text config's class, where no Auto class maps a model_type to it (Step-3.7's text config
 says model_type "step3p5", which transformers does not register)."""
+_KEEP_FP32 = {"inkling2_loop"}
+"""Families whose forward needs the modules of ``_keep_in_fp32_modules_strict`` in fp32 (kept so
+by from_pretrained; Inkling2-Loop's message gates compute in fp32): build() restores them to fp32
+after casting the model."""
 VARIANT_OF = {"cohere2_moe_sigmoid": "cohere2_moe"}
 """A test model that is another configuration of a family: {its key: the family's}."""
 
@@ -280,7 +295,15 @@ def build(model_type, dtype=torch.float32, seed=0, **overrides):
     except ValueError:  # a text backbone without a causal-LM head class (Qwen3-VL-MoE, Mistral-4)
         model = AutoModel.from_config(cfg)
     _randomise_router_state(model, torch.Generator().manual_seed(seed + 1))
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if model_type in _KEEP_FP32:  # what from_pretrained does for the family
+        import re
+        keep = [re.compile(rf"(^|\.){re.escape(k)}(\.|$)")
+                for k in model._keep_in_fp32_modules_strict]
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.is_floating_point() and any(k.search(name) for k in keep):
+                t.data = t.data.float()
+    return model
 
 
 def tokens(batch, seq, seed=0, vocab=97):

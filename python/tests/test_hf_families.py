@@ -102,7 +102,8 @@ REFERENCE = {
     "axk2": ("sigmoid", "e_score_correction_bias", "top2_sum", 0.0),
     "minimax_m2": _SIGMOID_BLOCK_BIAS, "hy_v3": _SIGMOID_BLOCK_BIAS, "afmoe": _SIGMOID_BLOCK_BIAS,
     "lfm2_moe": _SIGMOID_BLOCK_BIAS, "minimax_m3_vl": _SIGMOID_BIAS, "laguna": _SIGMOID_BIAS,
-    "ergo": _SIGMOID_BIAS, "inkling2": _SIGMOID_BIAS, "flint": ("sigmoid", None, None, None),
+    "ergo": _SIGMOID_BIAS, "inkling2": _SIGMOID_BIAS, "inkling2_loop": _SIGMOID_BIAS,
+    "flint": ("sigmoid", None, None, None),
     "deepseek_v4": ("sqrtsoftplus", "e_score_correction_bias", None, None),
     "kolibri1_1": ("logits", "e_score_correction_bias", None, None),
     "kolibri1": ("logits", "e_score_correction_bias", None, None),
@@ -300,19 +301,31 @@ class _Seen:
 
     def __init__(self, model, p):
         self.x, self.ids, self.state, self._hooks = {}, {}, {}, []
-        for layer, name in p.modules.items():
+        # A router of several route layers (Inkling2-Loop's loop layers: one per pass) serves
+        # them in call order: the n-th call of a forward is its n-th route layer.
+        layers_of = {}
+        for layer, name in sorted(p.modules.items()):
+            layers_of.setdefault(name, []).append(layer)
+        for name, layers in layers_of.items():
             router = model.get_submodule(name)
             block = model.get_submodule(name.rsplit(".", 1)[0])
+            calls = {"router": 0, "experts": 0}
+
+            def at(kind, layers=layers, calls=calls):
+                calls[kind] += 1
+                return layers[(calls[kind] - 1) % len(layers)]
             self._hooks.append(router.register_forward_pre_hook(
-                lambda m, a, kw, layer=layer: self._saw(layer, a, kw), with_kwargs=True))
+                lambda m, a, kw, at=at: self._saw(at("router"), a, kw), with_kwargs=True))
             if type(router).__name__ == "JetMoeTopKGating":
                 self._hooks.append(router.register_forward_hook(
-                    lambda m, a, o, layer=layer: self.ids.__setitem__(layer, _grouped_ids(o))))
+                    lambda m, a, o, layer=layers[0]: self.ids.__setitem__(layer,
+                                                                           _grouped_ids(o))))
             for child in block.children():
                 if _is_experts(child):
                     self._hooks.append(child.register_forward_pre_hook(
-                        lambda m, a, kw, layer=layer: self.ids.__setitem__(
-                            layer, (a[1] if len(a) > 1 else kw["top_k_index"]).detach().clone()),
+                        lambda m, a, kw, at=at: self.ids.__setitem__(
+                            at("experts"),
+                            (a[1] if len(a) > 1 else kw["top_k_index"]).detach().clone()),
                         with_kwargs=True))
 
     def _saw(self, layer, a, kw):
@@ -577,7 +590,7 @@ def _train_step(model, ids):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", ["gemma4", "diffusion_gemma", "cohere2_moe",
                                     "cohere2_moe_sigmoid", "longcat_flash", "jetmoe",
-                                    "inkling", "zaya"])
+                                    "inkling", "zaya", "inkling2_loop"])
 def test_router_dtype_none_keeps_outputs_and_gradients_bitwise_in_training(family, dtype):
     # Gemma-4's router normalises its (already flat) input itself: the patched forward adds no
     # reshape node, so the gradients reach the hidden states in the family's order.
@@ -1081,3 +1094,229 @@ def test_jetmoe_routes_its_attention_and_mlp_experts_as_two_route_layers_per_dec
         p.targets_from_verl(verl[:, :, 1::2], mask)
     p.unpatch()
     assert not any("forward" in model.get_submodule(n).__dict__ for n in p.modules.values())
+
+
+# ---- Inkling2-Loop -----------------------------------------------------------------------------
+def _loop_layout(cfg):
+    """{route layer: (decoder layer, pass)} of Inkling2-Loop in the order its forward runs them:
+    the layers before the loop, each pass over the loop layers, the layers after it."""
+    first, end, P = cfg.loop_layer_index_start, cfg.loop_layer_index_end, cfg.loop_num_passes
+    order = [(i, 0) for i in range(first)]
+    order += [(i, q) for q in range(P) for i in range(first, end)]
+    order += [(i, 0) for i in range(end, cfg.num_hidden_layers)]
+    return dict(enumerate(order))
+
+
+def test_inkling2_loop_routes_each_pass_of_its_loop_layers_as_a_route_layer_in_forward_order():
+    model = build("inkling2_loop")
+    cfg = model.config
+    N, K, E = cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_local_experts
+    layout = _loop_layout(cfg)
+    R = cfg.total_num_hidden_layers
+    assert len(layout) == R == 8
+    p = syhf.patch(model, router_dtype=torch.float32)
+    assert p.num_route_layers == R and p.num_hidden_layers == N and p.routes_per_layer == 1
+    assert p.layers == list(range(R))
+    assert p.modules == {k: f"model.layers.{i}.mlp.gate" for k, (i, _) in layout.items()}
+    assert "of 8 route layers (decoder layers 1..2 in 3 passes)" in repr(p)
+    ids = tokens(2, 8, seed=3)
+    B, S = ids.shape
+    T = B * S
+    # What each router call received and returned, in call order (the pass under way).
+    calls = []
+    hooks = [model.get_submodule(f"model.layers.{i}.mlp.gate").register_forward_hook(
+        lambda m, a, o, i=i: calls.append((i, o[2].detach().clone()))) for i in range(N)]
+    try:
+        with torch.no_grad(), p.capture() as cap:
+            model(ids)
+        assert [i for i, _ in calls] == [i for i, _ in layout.values()]
+        live = cap.ids()
+        assert live.shape == (B, S, R, K)
+        for k, (_, out) in enumerate(calls):  # each call's ids are its route layer's
+            assert torch.equal(live[:, :, k].reshape(T, K).long(), out), k
+        # each pass routes from other inputs: the passes of a loop layer differ
+        assert not torch.equal(live[:, :, 1], live[:, :, 3])
+        with pytest.raises(ValueError, match=r"\[hf.Capture\] Inkling2-Loop: the experts of "
+                                             r"decoder layers 1\.\.2 run once per pass"):
+            cap.expert_ids()
+        # Replay of the second pass alone: its calls get the targets, the others route natively,
+        # each counted on its own route layer.
+        g = torch.Generator().manual_seed(4)
+        targets = torch.full((B, S, R, K), -1, dtype=torch.int64)
+        second = [k for k, (_, q) in layout.items() if q == 1]
+        targets[:, :, second] = torch.stack([torch.randperm(E, generator=g)[:K]
+                                             for _ in range(T * len(second))]).view(
+            B, S, len(second), K)
+        p.reset_counts()
+        p.set_targets(targets)
+        calls.clear()
+        with torch.no_grad(), p.capture() as cap:
+            model(ids)
+        for k, (_, out) in enumerate(calls):
+            c = p.counts()[k]
+            if k in second:
+                assert torch.equal(out, targets[:, :, k].reshape(T, K)), k
+                assert (c["num_replayed_rows"], c["num_native_rows"]) == (T, 0), (k, c)
+            else:
+                assert (c["num_replayed_rows"], c["num_native_rows"]) == (0, T), (k, c)
+            assert torch.equal(cap.ids()[:, :, k].reshape(T, K).long(), out), k
+        # R2: recorded in one forward, replayed pass by pass in the next
+        p.set_action("record")
+        with torch.no_grad():
+            model(ids)
+        recorded = [out for _, out in calls[-R:]]
+        _perturb(model, p, "inkling2_loop")
+        p.set_action("replay_forward")
+        calls.clear()
+        with torch.no_grad():
+            model(ids)
+        assert all(torch.equal(out, r) for (_, out), r in zip(calls, recorded))
+    finally:
+        for h in hooks:
+            h.remove()
+    # The route data over all layers holds the R route layers; an engine's over the N hidden
+    # layers is refused naming the family and the count.
+    mask = torch.ones(B, S, dtype=torch.long)
+    arrays = cap.routed_experts(mask)
+    assert all(a.shape == (S - 1, R, K) for a in arrays)
+    t, _ = p.targets_from_vllm(arrays, mask)
+    assert torch.equal(t[:, :-1], cap.ids()[:, :-1]) and bool((t[:, -1] == -1).all())
+    verl = cap.to_verl(mask)
+    assert verl.shape == (B, S, R, K)
+    assert torch.equal(p.targets_from_verl(verl, mask)[0], t)
+    msg = (r"Inkling2-Loop runs its decoder layers 1\.\.2 3 times per forward, routing every "
+           rf"token in each pass: {{}} must hold its num_route_layers={R} route layers .* got "
+           rf"shape {{}}; an engine's routes over the {N} hidden layers")
+    first_pass = [k for k, (_, q) in layout.items() if q == 0]
+    with pytest.raises(ValueError, match=r"\[hf\.targets_from_vllm\] " + msg.format(
+            "routed_experts arrays", rf"\[{S - 1}, {N}, {K}\] at \[0\]")):
+        p.targets_from_vllm([a[:, first_pass] for a in arrays])
+    with pytest.raises(ValueError, match=r"\[hf\.targets_from_verl\] " + msg.format(
+            "routed_experts", rf"\[{B}, {S}, {N}, {K}\]")):
+        p.targets_from_verl(verl[:, :, first_pass], mask)
+    p.unpatch()
+    assert not p.active and syhf.patch_of(model) is None
+    for i in range(N):
+        layer = model.get_submodule(f"model.layers.{i}")
+        assert "forward" not in layer.mlp.gate.__dict__
+        assert not layer.self_attn._forward_pre_hooks and not layer._forward_pre_hooks
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_inkling2_loop_checkpoint_recompute_replays_each_passs_own_ids(reentrant):
+    # Backward recomputes the passes of a loop layer last first; each recompute reads its pass
+    # from the call and routes with the ids that pass's forward used (replayed or routed
+    # natively): every recomputed router call, found by its input (the recompute's is the
+    # forward's, bitwise), returns its forward's ids; without reentrancy the gradients are those
+    # of the step without checkpointing, bitwise (transformers' reentrant checkpoint sums this
+    # family's gradients in another order, the unpatched model's too: ~5e-7 apart).
+    import functools
+    from torch.utils.checkpoint import checkpoint
+    from switchyard import replay as sr
+    model = build("inkling2_loop").train()
+    ids = tokens(2, 9, seed=2)
+    p = syhf.patch(model)
+    T, E, K, M = ids.numel(), p.num_experts, p.top_k, len(p.layers)
+    g = torch.Generator().manual_seed(3)
+    targets = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * M)]).view(
+        T, M, K)
+    targets[4] = -1  # one token routed natively
+    calls = []
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda m, a, o, i=i: calls.append((i, sr.in_recompute(), a[0].detach().clone(),
+                                           o[2].detach().clone())))
+        for i, layer in enumerate(model.model.layers)]
+
+    def step(replay):
+        model.zero_grad(set_to_none=True)
+        p.reset_counts()
+        calls.clear()
+        if replay:
+            p.set_targets(targets)
+        else:
+            p.set_action(None)
+        with p.capture() as cap:
+            out = model(ids)[0]
+            out.float().pow(2).mean().backward()
+        return {n: q.grad.clone() for n, q in model.named_parameters()
+                if q.grad is not None}, cap.ids()
+    try:
+        refs = [step(False), step(True)]
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=(
+            functools.partial(checkpoint, use_reentrant=reentrant)))
+        if reentrant:
+            model.enable_input_require_grads()
+        for replay, (ref, ref_ids) in zip((False, True), refs):
+            got, got_ids = step(replay)
+            assert torch.equal(got_ids, ref_ids)
+            for layer, c in p.counts().items():
+                assert c["num_recomputed_rows"] == T and c["num_calls"] == 1, (layer, c)
+                assert c["num_replayed_rows"] == (T - 1 if replay else 0), (layer, c)
+            forward = [c for c in calls if not c[1]]
+            recomputed = [c for c in calls if c[1]]
+            assert len(forward) == len(recomputed) == M
+            for i, _, x, out in recomputed:
+                twin = [f for f in forward if f[0] == i and torch.equal(f[2], x)]
+                assert len(twin) == 1 and torch.equal(twin[0][3], out), (replay, i)
+            if not reentrant:
+                assert ref.keys() == got.keys()
+                for n in ref:
+                    assert torch.equal(got[n], ref[n]), (replay, n)
+    finally:
+        for h in hooks:
+            h.remove()
+    # the passes' routes differ, so a recompute with another pass's ids would have shown
+    assert not torch.equal(refs[0][1][:, :, 1], refs[0][1][:, :, 3])
+    p.unpatch()
+
+
+def test_inkling2_loop_capture_during_generate_is_replayed_by_r3():
+    # generate() with the KV cache (the loop layers' later passes use cache layers of their own):
+    # the prefill and every decode step captured per route layer; R3 of those routes in a
+    # training forward over the sequence forces them pass by pass.
+    model = build("inkling2_loop")
+    p = syhf.patch(model)
+    ids = tokens(2, 6, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    with p.capture() as cap:
+        seq = model.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                             do_sample=False, pad_token_id=0)
+    assert cap.num_forwards == 4
+    full = torch.cat([mask, torch.ones(2, 4, dtype=mask.dtype)], dim=1)
+    arrays = cap.routed_experts(full)
+    assert [tuple(a.shape) for a in arrays] == [(9, 8, 2), (7, 8, 2)]
+    targets, _ = p.targets_from_vllm(arrays, full)
+    p.set_targets(targets)
+    with torch.no_grad(), p.capture() as cap2:
+        model(seq, attention_mask=full)
+    rows = targets[..., 0] >= 0  # [B, S, route layers]
+    assert int(rows.sum()) == (9 + 7) * 8
+    assert torch.equal(cap2.ids()[rows], targets[rows])
+    # the teacher-forced forward without replay routes as generate() did, up to rounding (the
+    # cached and the full attention differ in the last bits); a pass mapped to another pass's
+    # route layer would agree on few rows
+    p.set_action(None)
+    with torch.no_grad(), p.capture() as cap3:
+        model(seq, attention_mask=full)
+    same = (cap3.ids() == targets).all(-1)[rows]
+    assert float(same.float().mean()) > 0.9
+    p.unpatch()
+
+
+def test_inkling2_loop_a_pass_it_cannot_read_is_refused_by_name():
+    model = build("inkling2_loop")
+    p = syhf.patch(model)
+    attn = model.model.layers[2].self_attn
+    first = p._layers[2]
+    # decoder layer 2 of N = 4, loop 1..2 (L = 2): its cache layers 2, then 4 + (pass - 1)·2 + 1
+    with pytest.raises(ValueError, match=r"\[hf\] inkling2_loop: loop layer 2's self_attn call "
+                                         r"got cache_offset=4, which is none of its 3 passes'"):
+        first._pass_pre_hook(attn, (), {"cache_offset": 4})
+    with pytest.raises(ValueError, match=r"got cache_offset=None"):
+        first._pass_pre_hook(attn, (), {})
+    first._pass_pre_hook(attn, (), {"cache_offset": 7 - 2})  # the third pass: cache layer 7
+    assert first.current_pass == 2
+    first._pass_pre_hook(attn, (), {"cache_offset": 0})
+    assert first.current_pass == 0
+    p.unpatch()

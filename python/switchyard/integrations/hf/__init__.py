@@ -62,6 +62,10 @@ What the patch does, per MoE decoder layer (keyed by its absolute layer number):
   experts'): each is a route layer of its own, decoder layer i's at 2i and 2i + 1
   (``p.routes_per_layer``); ``p.layers`` and route data over all layers
   (``p.num_route_layers`` = 2 × num_hidden_layers) follow that order.
+* Layers run in several passes (Inkling2-Loop's loop layers, ``loop_num_passes`` per forward):
+  each (pass, layer) is a route layer of its own, in forward order (``p.num_route_layers`` = the
+  config's ``total_num_hidden_layers``); the router reads its pass from the call, so the
+  checkpoint recompute replays its own pass's ids.
 * Per-layer K (HunYuan's ``moe_topk`` list): ``p.top_ks`` gives each layer's K; route tables in
   and out are ``p.top_k`` (the largest) wide, -1 past a layer's own K.
 * Experts-side capture: ``cap.expert_ids()`` holds the ids the experts modules received

@@ -214,7 +214,8 @@ class Capture:
     so token s of row b is the s-th token that row fed to the model. The layer dimension of what it
     returns is the Patch's ``num_route_layers``: num_hidden_layers, except for a family whose
     decoder layer routes several times (JetMoE: decoder layer i's attention experts' router at 2i,
-    its MLP experts' router at 2i + 1). Made by ``Patch.capture()``
+    its MLP experts' router at 2i + 1) or that runs layers in several passes (Inkling2-Loop: each
+    (pass, layer) in forward order). Made by ``Patch.capture()``
     (use it as a context manager), not directly. ``ids()`` and the methods built on it raise
     ValueError when nothing was captured or the captured forwards have different batch sizes (capture one
     ``generate()`` call at a time)."""
@@ -402,6 +403,12 @@ class Capture:
         if self._experts_off:
             raise ValueError("[hf.Capture] this capture was started with capture(experts=False): "
                              "the experts modules were not observed")
+        if self._experts is None and self._owner._loop is not None:
+            first, end, passes = self._owner._loop
+            raise ValueError(f"[hf.Capture] {self._owner.family}: the experts of decoder layers "
+                             f"{first}..{end - 1} run once per pass ({passes} per forward), "
+                             "observed per decoder layer: their ids cannot be placed in the "
+                             "route layers; ids() holds every pass's route")
         if self._experts is None:
             raise ValueError(f"[hf.Capture] the experts of {self._owner.family} are not "
                              "transformers' experts interface: their ids cannot be observed")

@@ -66,6 +66,15 @@ class _Layer:
         self._split_arg = None  # (argument name, its position in the block's forward)
         self._split_block = None  # the module whose forward splits the tokens
         self._split_hook = None
+        # spec.loop (Inkling2-Loop): a loop layer's router routes once per pass, each pass a
+        # _Layer of its own route layer sharing the router. The first pass's _Layer installs the
+        # forward and the hooks; its ``passes`` lists every pass's _Layer, ``current_pass`` is
+        # the pass of the call under way (set by _pass_pre_hook); the others' ``loop_first`` is
+        # the first's.
+        self.passes = None
+        self.loop_first = None
+        self.current_pass = 0
+        self._pass_hook = None
         self.counts = _replay.ReplayCounts()  # forwards (the replay core's one count record)
         self.num_recomputed_rows = 0  # rows a recompute inside backward replayed
         # Compiled forwards (see _traced_state): the head of the replay queue as tensors, staged
@@ -102,12 +111,18 @@ class _Layer:
     def install(self):
         # A bound method, not a closure: copy.deepcopy of the model copies this _Layer with it (its
         # router, replay and Patch), so the copy's router runs its own forward.
+        if self.loop_first is not None:
+            return  # a later pass of a loop layer: its first pass's _Layer patched the router
         self.router.forward = self.forward
         if self._route_method is not None:
             setattr(self.block, self._route_method, self.route_logits)
         if self.decoder_layer is not None:
             self._hook = self.decoder_layer.register_forward_pre_hook(self._pre_hook,
                                                                       with_kwargs=True)
+        if self.passes is not None:
+            module, _ = self.family.spec.loop_pass_arg
+            self._pass_hook = self.decoder_layer.get_submodule(module).register_forward_pre_hook(
+                self._pass_pre_hook, with_kwargs=True)
         if self.pair is not None and not self.part:
             self.pair.install()
             self._split_hook = self._split_block.register_forward_pre_hook(self._split_pre_hook,
@@ -127,6 +142,42 @@ class _Layer:
         second.pair, second.part, self.pair = self, 1, second
         self._split_arg = (arg, params.index(arg) if arg in params else None)
         self._split_block = split_block
+
+    def add_passes(self, keys):
+        """Makes this loop layer's router (spec.loop) route once per pass: a _Layer of route
+        layer ``keys[q - 1]`` for each later pass q, sharing the router (its forward dispatches
+        by the pass, _pass_pre_hook)."""
+        later = [_Layer(self.owner, k, self.name, self.router, None, self.family, self.block)
+                 for k in keys]
+        for l in later:
+            l.loop_first = self
+        self.passes = [self, *later]
+        return later
+
+    def _pass_pre_hook(self, module, args, kwargs):
+        # Runs inside the loop decoder layer's forward, before its router, so also in the
+        # checkpoint recompute (whose decoder-layer hooks do not run): the pass is read from the
+        # call's own argument, the offset of the pass's cache layer (layer + offset: the layer in
+        # the first pass, num_hidden_layers + (pass - 1)·L + (layer - first) after), not from the
+        # order of the calls (backward recomputes the passes last first).
+        module_name, arg = self.family.spec.loop_pass_arg
+        off = kwargs.get(arg)
+        first, end, P = self.owner._loop
+        L, N, i = end - first, self.owner.num_hidden_layers, self.layer
+        c = i + off if isinstance(off, int) else None
+        q = None if c is None else 0 if c == i else (c - N - (i - first)) // L + 1
+        if q is None or not 0 <= q < P or (q and c != N + (q - 1) * L + (i - first)):
+            raise ValueError(f"[hf] {self.family.name}: loop layer {i}'s {module_name} call got "
+                             f"{arg}={off!r}, which is none of its {P} passes' (layer + {arg} = "
+                             f"{i}, or {N} + (pass - 1)·{L} + {i - first}): the pass it routes "
+                             "in is unknown (a transformers release that runs its loop "
+                             "otherwise)")
+        self.current_pass = q
+        target = self.passes[q]
+        if target is not self and not _replay.in_recompute():
+            # the decoder layer's pre-hook state (outside the checkpoint) goes to this pass
+            target.will_recompute, target.batch_shape = self.will_recompute, self.batch_shape
+            self.will_recompute, self.batch_shape = False, None
 
     def _split_pre_hook(self, module, args, kwargs):
         # The block's forward is called inside the decoder layer's, so this runs in a checkpoint
@@ -155,9 +206,15 @@ class _Layer:
     def installed(self) -> bool:
         """Whether the router's forward is still this layer's (not unpatched, not replaced by a
         newer Patch)."""
-        return _owner_of(self.router.__dict__.get("forward")) is self
+        first = self.loop_first or self  # a later pass runs its first pass's forward
+        return _owner_of(self.router.__dict__.get("forward")) is first
 
     def uninstall(self):
+        if self.loop_first is not None:
+            return  # its first pass's _Layer restores the router
+        if self._pass_hook is not None:
+            self._pass_hook.remove()
+            self._pass_hook = None
         if self.installed:  # a newer Patch's forward stays where it is
             if self._had_instance_forward:
                 self.router.forward = self._orig_forward
@@ -196,6 +253,10 @@ class _Layer:
         routing with replay, record and capture. ``passed``: what the block passes after the hidden
         states (a correction bias, input_ids); ``named``: its keyword arguments (a carried router
         state)."""
+        if self.passes is not None:  # a loop layer: the _Layer of the pass under way routes
+            q, self.current_pass = self.current_pass, 0
+            if q:
+                return self.passes[q].forward(hidden_states, *passed, **named)
         owner, fam, r = self.owner, self.family, self.router
         if named and fam.spec.carried_state is None:
             raise TypeError(f"[hf] {fam.name}: {fam.router_class}.forward() got unexpected keyword "
@@ -446,6 +507,8 @@ class Patch:
         cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.num_hidden_layers = int(cfg.num_hidden_layers)
         """The model's decoder layers (dense and MoE)."""
+        self._text_config = cfg
+        self._loop = None  # spec.loop: (first looped layer, end, passes), set by patch()
         self.routes_per_layer = 1
         """R, the routers each token passes per decoder layer: 1, or for a family whose decoder
         layer routes several times (spec.route_sites) their number (JetMoE: 2, its attention
@@ -469,13 +532,35 @@ class Patch:
     def num_route_layers(self) -> int:
         """The layer dimension of route data over all layers (vLLM's ``routed_experts``, verl's
         layout, ``Capture.ids()``): num_hidden_layers × routes_per_layer, in forward order
-        (JetMoE: decoder layer i's attention router at 2i, its MLP router at 2i + 1)."""
-        return self.num_hidden_layers * self.routes_per_layer
+        (JetMoE: decoder layer i's attention router at 2i, its MLP router at 2i + 1), plus
+        (passes - 1)·L for a family that loops L of its layers (Inkling2-Loop, spec.loop: its
+        config's total_num_hidden_layers)."""
+        n = self.num_hidden_layers * self.routes_per_layer
+        if self._loop is not None:
+            first, end, passes = self._loop
+            n += (passes - 1) * (end - first)
+        return n
+
+    def _route_layer(self, layer, site=0, pass_=0):
+        """The route layer of decoder layer ``layer``'s router at route site ``site`` in pass
+        ``pass_``: R·layer + site; for a looping family (spec.loop) its place in forward order:
+        layer before the loop, first + pass·L + (layer - first) in it, layer + (passes - 1)·L
+        after it."""
+        if self._loop is None:
+            return self.routes_per_layer * layer + site
+        first, end, passes = self._loop
+        if layer < first:
+            return layer
+        if layer < end:
+            return first + pass_ * (end - first) + (layer - first)
+        return layer + (passes - 1) * (end - first)
 
     @property
     def layers(self) -> list[int]:
         """The route layers of the patched routers, ascending: absolute decoder-layer numbers,
-        or R·layer + site where a decoder layer routes R times (``routes_per_layer``)."""
+        or R·layer + site where a decoder layer routes R times (``routes_per_layer``), or each
+        (pass, layer) in forward order for a looping family (Inkling2-Loop, ``num_route_layers``).
+        """
         return [l.layer for l in self._layers]
 
     @property
@@ -538,6 +623,9 @@ class Patch:
     def __repr__(self):
         per = "" if self.routes_per_layer == 1 else \
             f" route layers ({self.routes_per_layer} per decoder layer)"
+        if self._loop is not None:
+            first, end, passes = self._loop
+            per = f" route layers (decoder layers {first}..{end - 1} in {passes} passes)"
         return (f"<switchyard.hf.Patch {self.family}: {len(self._layers)} MoE layers "
                 f"{self.layers} of {self.num_route_layers}{per}, "
                 f"router_dtype={self.router_dtype}, "
@@ -732,15 +820,23 @@ class Patch:
         each shape) is not num_route_layers; an engine's arrays over the hidden layers (one route
         per layer, MLP experts only) are refused here rather than read as the wrong routers."""
         R = self.routes_per_layer
-        if R == 1:
+        if self.num_route_layers == self.num_hidden_layers:
             return
+        if self._loop is not None:
+            first, end, passes = self._loop
+            how = (f"runs its decoder layers {first}..{end - 1} {passes} times per forward, "
+                   "routing every token in each pass")
+            where = (f"pass p of loop layer i at {first} + p·{end - first} + (i - {first}), the "
+                     f"layers after the loop at i + {(passes - 1) * (end - first)}")
+        else:
+            sites = ", then ".join(self._layers[0].family.spec.route_sites)
+            how = f"routes every token {R} times per decoder layer ({sites})"
+            where = f"decoder layer i's routes at {R}i to {R}i + {R - 1}"
         for i, shape in enumerate(shapes):
             if len(shape) >= 2 and int(shape[-2]) != self.num_route_layers:
-                sites = ", then ".join(self._layers[0].family.spec.route_sites)
                 raise ValueError(
-                    f"[{op}] {self.family} routes every token {R} times per decoder layer "
-                    f"({sites}): {what} must hold its num_route_layers={self.num_route_layers} "
-                    f"route layers (decoder layer i's routes at {R}i to {R}i + {R - 1}, as "
+                    f"[{op}] {self.family} {how}: {what} must hold its "
+                    f"num_route_layers={self.num_route_layers} route layers ({where}, as "
                     f"Capture.routed_experts() lays them out), got shape {list(shape)}"
                     f"{f' at [{i}]' if len(shapes) > 1 else ''}; an engine's routes over the "
                     f"{self.num_hidden_layers} hidden layers do not hold every router's ids")
@@ -881,9 +977,10 @@ class Patch:
         if self._capture is not None:
             raise ValueError("[hf.capture] a capture is already running")
         cap = Capture(self, False, experts_off=True) if not experts else None
-        if self._experts_scan is None and self.routes_per_layer > 1:
+        if self._experts_scan is None and self.num_route_layers != self.num_hidden_layers:
             # (JetMoE: its experts run on the routers' expert-sorted groups, not transformers'
-            # experts interface; an ExpertsCapture holds one route per decoder layer)
+            # experts interface; Inkling2-Loop's loop layers' experts run once per pass; an
+            # ExpertsCapture holds one route per decoder layer)
             self._experts_scan = False
         if cap is None and self._experts_scan is None:  # the experts modules, found once
             try:
@@ -1070,7 +1167,12 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
     # A family that routes several times per decoder layer (spec.route_sites, JetMoE) has R
     # route layers per decoder layer, in forward order: route layer R·layer + site.
     p.routes_per_layer = max(len(found[0][4].spec.route_sites), 1)
-    keys = [f[0] * p.routes_per_layer + f[5] for f in found]
+    # A family that runs a range of its layers several times per forward (spec.loop,
+    # Inkling2-Loop): one route layer per (pass, layer), in forward order (Patch._route_layer).
+    loop = found[0][4].spec.loop
+    if loop is not None:
+        p._loop = tuple(int(getattr(p._text_config, a)) for a in loop)
+    keys = [p._route_layer(f[0], f[5]) for f in found]
     if len(set(keys)) != len(keys):
         raise ValueError(f"[hf.patch] several routers claim one decoder layer: {sorted(keys)} "
                          f"(a model with several decoder stacks: {', '.join(stacks)}; patch each "
@@ -1082,6 +1184,12 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
             raise ValueError(f"[hf.patch] router {name} is in layer {layer}, beyond "
                              f"num_hidden_layers={p.num_hidden_layers}")
         p._layers.append(_Layer(p, key, name, mod, dec, fam, modules.get(name.rsplit(".", 1)[0])))
+        if p._loop is not None and p._loop[0] <= layer < p._loop[1]:
+            if dec is None:
+                raise ValueError(f"[hf.patch] {fam.name}: loop layer {layer}'s router {name} is "
+                                 "outside a decoder layer module: its pass cannot be read")
+            p._layers += p._layers[-1].add_passes(
+                [p._route_layer(layer, pass_=q) for q in range(1, p._loop[2])])
         if fam.spec.split_by is not None:
             split_block = name[:-len(fam.spec.split_by[1][0]) - 1]
             if split_block not in seconds:
@@ -1095,6 +1203,7 @@ def patch(model: torch.nn.Module, router_dtype: torch.dtype | None = torch.float
         name = next(iter(seconds.values()))[0]
         raise ValueError(f"[hf.patch] router {name} has no first router of its MoE block to share "
                          "a route layer with")
+    p._layers.sort(key=lambda l: l.layer)  # (a loop layer's later passes come after the loop)
     p._install([modules[s] for s in stacks if s in modules])
     return p
 

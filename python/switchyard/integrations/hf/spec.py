@@ -145,6 +145,22 @@ class RoutingSpec:
     "mlp.router")). Each is a route layer of its own: route layer R·layer + site (R sites), so the
     route tables hold R·num_hidden_layers layers in forward order (``Patch.num_route_layers``).
     () = one router per decoder layer, the route layer the decoder layer's number."""
+    loop: tuple[str, str, str] | None = None
+    """(first looped layer, end, passes): text-config attributes of a family whose decoder stack
+    runs its layers first .. end - 1 ``passes`` times per forward, each pass routing every token
+    again from other inputs (Inkling2-Loop: ("loop_layer_index_start", "loop_layer_index_end",
+    "loop_num_passes")). Each (pass, layer) routing is a route layer of its own, in the order the
+    forward runs them: layer i < first is route layer i, pass p of loop layer i is first + p·L +
+    (i - first) (L = end - first), layer i >= end is i + (passes - 1)·L; the route tables hold
+    num_hidden_layers + (passes - 1)·L layers (``Patch.num_route_layers``, the config's
+    ``total_num_hidden_layers``). Or None."""
+    loop_pass_arg: tuple[str, str] | None = None
+    """(submodule of a loop decoder layer, its keyword argument): the call inside the decoder
+    layer's forward, before its router, whose argument tells the pass, also in a checkpoint
+    recompute (whose forward re-runs inside the decoder layer while its hooks do not): the offset
+    of the pass's cache layer, layer + offset = the layer itself in the first pass,
+    num_hidden_layers + (pass - 1)·L + (layer - first) after (Inkling2-Loop: ("self_attn",
+    "cache_offset")). With ``loop``."""
     split_by: tuple | None = None
     """(block argument, (first router, second router)): a family whose MoE block (the common
     parent of the two routers' blocks) routes each token through one of two routers of its
@@ -341,6 +357,16 @@ SPECS = (
     RoutingSpec("inkling2", "Inkling2", "Inkling2TopKRouter", gate_cast="fp32", score="fn",
                 select_bias="e_score_correction_bias", sorted_topk=False, renorm="sum_eps",
                 scale="routed_scaling_factor", combine_dtype="router_dtype (fp32 unpatched too)"),
+    # Inkling2-Loop: Inkling2's router; the layers loop_layer_index_start .. end - 1 run
+    # loop_num_passes times per forward (each pass from the pre-loop states and the previous
+    # pass's messages): one route layer per (pass, layer), in forward order; the pass is read
+    # from the cache_offset the loop layer hands its attention (in the recompute too)
+    RoutingSpec("inkling2_loop", "Inkling2-Loop", "Inkling2LoopTopKRouter", gate_cast="fp32",
+                score="fn", select_bias="e_score_correction_bias", sorted_topk=False,
+                renorm="sum_eps", scale="routed_scaling_factor",
+                combine_dtype="router_dtype (fp32 unpatched too)",
+                loop=("loop_layer_index_start", "loop_layer_index_end", "loop_num_passes"),
+                loop_pass_arg=("self_attn", "cache_offset")),
     # Kolibri: top-k of logits + correction bias, sigmoid of the K selected logits
     RoutingSpec("kolibri1_1", "Kolibri-1.1", "Kolibri1_1TopKRouter", gate_cast="fp32",
                 score="sigmoid_topk", select_bias="e_score_correction_bias", renorm="sum",
@@ -478,15 +504,13 @@ SPECS = (
 REFUSED = {
     # Families switchyard refuses, with the reason patch() gives (ValueError before any router is
     # touched). Each reason names what has no faithful [T, K] route to compute, replay or capture.
-    "inkling2_loop": "Inkling2-Loop is not supported: its loop layers (loop_layer_index_start "
-                     "to loop_layer_index_end) run loop_num_passes times per forward, each pass "
-                     "routing every token again from other inputs, so a loop layer's router "
-                     "gives several routes per token where a per-layer route table holds one",
     "doge": "Doge is not supported: DogeCDMoE routes inline in its forward (router_gate is a "
-            "bare nn.Linear, no router module returns a route to patch), and its product-key "
-            "scores take the two sub-key halves from other tokens' logits (a view(2, B*S, "
-            "sqrt(E)) of the [B, S, 2*sqrt(E)] logits): a token's expert scores are not a "
-            "function of its own hidden state in a forward of several tokens",
+            "bare nn.Linear: no router module or route method returns a route to patch), and its "
+            "product-key scores mix tokens: the [B, S, 2*sqrt(E)] logits are viewed as (2, B*S, "
+            "sqrt(E)), so row t's two sub-key score halves are the logits of tokens t // 2 and "
+            "(B*S + t) // 2 (transformers 5.24 and 5.25; its own comment says the split mixes "
+            "tokens): a token's experts are its own product-key choice only in a forward of one "
+            "token, so neither an FP32 router nor a replayed route has a per-token meaning",
     "param2moe": "param2moe has no modeling file in this transformers release (configuration "
                  "only): nothing to patch",
     "sarvam_mla": "sarvam_mla has no modeling file in this transformers release (configuration "
