@@ -403,8 +403,8 @@ class Capture:
         if self._experts_off:
             raise ValueError("[hf.Capture] this capture was started with capture(experts=False): "
                              "the experts modules were not observed")
-        if self._experts is None and self._owner._loop is not None:
-            first, end, passes = self._owner._loop
+        if self._experts is None and self._owner.loop is not None:
+            first, end, passes = self._owner.loop
             raise ValueError(f"[hf.Capture] {self._owner.family}: the experts of decoder layers "
                              f"{first}..{end - 1} run once per pass ({passes} per forward), "
                              "observed per decoder layer: their ids cannot be placed in the "

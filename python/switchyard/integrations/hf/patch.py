@@ -529,6 +529,13 @@ class Patch:
         return self._layers[0].family.title
 
     @property
+    def loop(self) -> tuple[int, int, int] | None:
+        """For a family that runs some decoder layers more than once per forward (spec.loop:
+        Inkling2-Loop), ``(first, end, passes)``: decoder layers ``first..end - 1`` run
+        ``passes`` times; None for every other family."""
+        return self._loop
+
+    @property
     def num_route_layers(self) -> int:
         """The layer dimension of route data over all layers (vLLM's ``routed_experts``, verl's
         layout, ``Capture.ids()``): num_hidden_layers × routes_per_layer, in forward order
