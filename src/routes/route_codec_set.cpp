@@ -1301,6 +1301,7 @@ struct V4Dec {
   // Row stream: per model its symbols (start | freq << 16) and bucket index, null when unused.
   const std::vector<const uint32_t*>* tab;
   const std::vector<const uint16_t*>* bkt;
+  const uint16_t* m0_sym;  // M0's full slot lookup: slot -> symbol (tab[0][symbol] for the rest)
   const Models* rows;
   const std::vector<std::vector<std::vector<uint64_t>>>* digits;
   const uint8_t *rwp, *rwend;
@@ -1412,6 +1413,9 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
   std::vector<uint32_t> sf;
   std::vector<uint16_t> bl;
   std::vector<int64_t> bl_at(rows.m.size(), -1);
+  // M0 (one symbol per row) gets a full slot -> symbol lookup (8 KiB): no bucket scan, whose
+  // data-dependent trip count was a branch miss per row in the decoder's hottest loop.
+  std::vector<uint16_t> m0_sym(M);
   for (size_t mi = 0; mi < rows.m.size(); ++mi) {
     Model& md = rows.m[mi];
     if (md.n == 0) continue;
@@ -1426,6 +1430,7 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
             bl.resize(bl.size() + (M >> kBucketShift));
           }
           sf[size_t(first + i)] = start | (f << 16);
+          if (mi == 0) std::fill_n(m0_sym.data() + start, f, static_cast<uint16_t>(i));
           for (uint32_t b = (start + (1u << kBucketShift) - 1) >> kBucketShift;
                (b << kBucketShift) < start + f; ++b) {
             bl[size_t(at + b)] = static_cast<uint16_t>(i);
@@ -1481,6 +1486,7 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
   d.perm = perm.empty() ? nullptr : perm.data();
   d.tab = &tab;
   d.bkt = &bkt;
+  d.m0_sym = m0_sym.data();
   d.rows = &rows;
   d.digits = &digits;
   bool states_ok = true;
