@@ -367,20 +367,19 @@ constexpr int64_t kSetOrderSample = 512;
 bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, uint16_t* perm,
                std::vector<uint16_t>& rank, std::vector<uint32_t>& used) {
   const int64_t E1 = E + 1, row = L * K;
-  for (int64_t t = 0; t < T; ++t) {  // range first: the passes below index by id
+  rank.assign(static_cast<size_t>(L * E1), 0);
+  used.resize(static_cast<size_t>(L * E));
+  thread_local std::vector<uint32_t> count;
+  thread_local std::vector<uint16_t> pre;
+  const bool order = E <= kSetOrderMaxExperts && K > 1;
+  // Uses, token by token (the [L, E + 1] counters stay in L1; -1 lands in slot 0), each token's
+  // range checked before it is counted (one read of the block, not a range pass of its own).
+  count.assign(static_cast<size_t>(L * E1), 0);
+  for (int64_t t = 0; t < T; ++t) {
     const int32_t* tok = idx + t * row;
     uint32_t bad = 0;
     for (int64_t j = 0; j < row; ++j) bad |= uint32_t(uint32_t(tok[j] + 1) > uint32_t(E));
     if (bad) return false;
-  }
-  rank.assign(static_cast<size_t>(L * E1), 0);
-  used.resize(static_cast<size_t>(L * E));
-  thread_local std::vector<uint32_t> count, pre;
-  const bool order = E <= kSetOrderMaxExperts && K > 1;
-  // Uses, token by token (the [L, E + 1] counters stay in L1; -1 lands in slot 0).
-  count.assign(static_cast<size_t>(L * E1), 0);
-  for (int64_t t = 0; t < T; ++t) {
-    const int32_t* tok = idx + t * row;
     for (int64_t l = 0; l < L; ++l) {
       uint32_t* c = count.data() + l * E1 + 1;
       for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
@@ -389,13 +388,19 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
   // Consecutive-slot pairs from the first kSetOrderSample tokens (a bounded cost per block; on
   // bench_routes' 1024-token blocks the whole block orders the ranks no better).
   const int64_t pairs = std::min<int64_t>(T, kSetOrderSample);
-  if (order) pre.assign(static_cast<size_t>(E1 * E1), 0);  // [a + 1][b + 1]: a just before b
+  // [a + 1][b + 1]: a just before b; u16 (at most kSetOrderSample * (K - 1) < 2^16 pairs) so the
+  // table of E 128 (33 KiB) stays near L1
+  static_assert(kSetOrderSample * (kSetMaxTopK - 1) < 65536);
+  if (order) pre.assign(static_cast<size_t>(E1 * E1), 0);
   std::vector<uint16_t> ord(static_cast<size_t>(E));
   for (int64_t l = 0; l < L; ++l) {
     if (order) {
       for (int64_t t = 0; t < pairs; ++t) {
         const int32_t* x = idx + t * row + l * K;
-        for (int64_t k = 0; k + 1 < K; ++k) ++pre[size_t((x[k] + 1) * E1 + x[k + 1] + 1)];
+        for (int64_t k = 0; k + 1 < K; ++k) {
+          uint16_t& c = pre[size_t((x[k] + 1) * E1 + x[k + 1] + 1)];
+          c = uint16_t(c + 1);
+        }
       }
     }
     const uint32_t* c = count.data() + l * E1 + 1;
@@ -416,10 +421,7 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
         }
         if (!swapped) break;
       }
-      for (int64_t t = 0; t < pairs; ++t) {  // zero what this layer counted, for the next one
-        const int32_t* x = idx + t * row + l * K;
-        for (int64_t k = 0; k + 1 < K; ++k) pre[size_t((x[k] + 1) * E1 + x[k + 1] + 1)] = 0;
-      }
+      std::fill(pre.begin(), pre.end(), uint16_t{0});  // for the next layer (faster than a re-walk)
     }
     for (int64_t r = 0; r < E; ++r) {
       perm[l * E + r] = ord[size_t(r)];
