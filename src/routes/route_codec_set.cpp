@@ -252,6 +252,7 @@ struct EncSym {
   uint32_t x_max = 0, rcp_freq = 0, bias = 0;
   uint16_t cmpl_freq = 0, rcp_shift = 0;
 };
+static_assert(sizeof(EncSym) == 16, "the AVX2 set encoder loads an EncSym as 16 bytes");
 EncSym enc_sym(uint32_t start, uint32_t freq, int S) {
   EncSym e;
   e.x_max = ((kRansL >> S) << 16) * freq;  // <= 2^31
@@ -984,6 +985,25 @@ struct V4Rows {
 
 // The hot passes, built for the baseline ISA and for AVX2 (the same symbols, so both write the
 // same bytes: test_routes_codec_set compares them); picked by switchyard::cpu_isa().
+// For the AVX2 set-stream encoder: the lanes set in an 8-bit mask, in order, in the top lanes
+// (lane 8 - c + i holds the i-th set lane of c), so a row's words, compressed, end at the write
+// position.
+struct WordCompress {
+  uint32_t at[256][8];
+  constexpr WordCompress() : at{} {
+    for (unsigned n = 0; n < 256; ++n) {
+      unsigned c = 0;
+      for (unsigned j = 0; j < 8; ++j) c += (n >> j) & 1u;
+      unsigned i = 8 - c;
+      for (unsigned j = 0; j < 8; ++j) {
+        if ((n >> j) & 1u) at[n][i++] = j;
+      }
+    }
+  }
+};
+constexpr WordCompress kWordCompressTable{};
+constexpr const uint32_t (&kWordCompress)[256][8] = kWordCompressTable.at;
+
 namespace v4enc_base {
 #define SY_V4_SIMD 0
 #include "route_codec_set4_model.inc"
@@ -1125,9 +1145,12 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
   }
   hb.flush();
   // Set stream.
+  // 8 words of slack below the stream (the AVX2 encoder stores a row's 8 words ending at the
+  // write position), and 8 zero symbols past the last row (it loads 8 symbols per row).
+  std::fill_n(ss.begin() + a.n_ss, 8, uint16_t{0});
   thread_local std::vector<uint16_t> words;
-  grow(words, a.n_ss + 1);
-  uint16_t* wend = words.data() + a.n_ss + 1;
+  grow(words, 8 + a.n_ss + 1);
+  uint16_t* wend = words.data() + 8 + a.n_ss + 1;
   uint16_t* wp = wend;
   std::array<uint32_t, 32> st;
   st.fill(kRansL);
