@@ -252,6 +252,7 @@ struct EncSym {
   uint32_t x_max = 0, rcp_freq = 0, bias = 0;
   uint16_t cmpl_freq = 0, rcp_shift = 0;
 };
+static_assert(sizeof(EncSym) == 16, "the AVX2 set encoder loads an EncSym as 16 bytes");
 EncSym enc_sym(uint32_t start, uint32_t freq, int S) {
   EncSym e;
   e.x_max = ((kRansL >> S) << 16) * freq;  // <= 2^31
@@ -367,20 +368,19 @@ constexpr int64_t kSetOrderSample = 512;
 bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, uint16_t* perm,
                std::vector<uint16_t>& rank, std::vector<uint32_t>& used) {
   const int64_t E1 = E + 1, row = L * K;
-  for (int64_t t = 0; t < T; ++t) {  // range first: the passes below index by id
+  rank.assign(static_cast<size_t>(L * E1), 0);
+  used.resize(static_cast<size_t>(L * E));
+  thread_local std::vector<uint32_t> count;
+  thread_local std::vector<uint16_t> pre;
+  const bool order = E <= kSetOrderMaxExperts && K > 1;
+  // Uses, token by token (the [L, E + 1] counters stay in L1; -1 lands in slot 0), each token's
+  // range checked before it is counted (one read of the block, not a range pass of its own).
+  count.assign(static_cast<size_t>(L * E1), 0);
+  for (int64_t t = 0; t < T; ++t) {
     const int32_t* tok = idx + t * row;
     uint32_t bad = 0;
     for (int64_t j = 0; j < row; ++j) bad |= uint32_t(uint32_t(tok[j] + 1) > uint32_t(E));
     if (bad) return false;
-  }
-  rank.assign(static_cast<size_t>(L * E1), 0);
-  used.resize(static_cast<size_t>(L * E));
-  thread_local std::vector<uint32_t> count, pre;
-  const bool order = E <= kSetOrderMaxExperts && K > 1;
-  // Uses, token by token (the [L, E + 1] counters stay in L1; -1 lands in slot 0).
-  count.assign(static_cast<size_t>(L * E1), 0);
-  for (int64_t t = 0; t < T; ++t) {
-    const int32_t* tok = idx + t * row;
     for (int64_t l = 0; l < L; ++l) {
       uint32_t* c = count.data() + l * E1 + 1;
       for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
@@ -389,13 +389,19 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
   // Consecutive-slot pairs from the first kSetOrderSample tokens (a bounded cost per block; on
   // bench_routes' 1024-token blocks the whole block orders the ranks no better).
   const int64_t pairs = std::min<int64_t>(T, kSetOrderSample);
-  if (order) pre.assign(static_cast<size_t>(E1 * E1), 0);  // [a + 1][b + 1]: a just before b
+  // [a + 1][b + 1]: a just before b; u16 (at most kSetOrderSample * (K - 1) < 2^16 pairs) so the
+  // table of E 128 (33 KiB) stays near L1
+  static_assert(kSetOrderSample * (kSetMaxTopK - 1) < 65536);
+  if (order) pre.assign(static_cast<size_t>(E1 * E1), 0);
   std::vector<uint16_t> ord(static_cast<size_t>(E));
   for (int64_t l = 0; l < L; ++l) {
     if (order) {
       for (int64_t t = 0; t < pairs; ++t) {
         const int32_t* x = idx + t * row + l * K;
-        for (int64_t k = 0; k + 1 < K; ++k) ++pre[size_t((x[k] + 1) * E1 + x[k + 1] + 1)];
+        for (int64_t k = 0; k + 1 < K; ++k) {
+          uint16_t& c = pre[size_t((x[k] + 1) * E1 + x[k + 1] + 1)];
+          c = uint16_t(c + 1);
+        }
       }
     }
     const uint32_t* c = count.data() + l * E1 + 1;
@@ -416,10 +422,7 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
         }
         if (!swapped) break;
       }
-      for (int64_t t = 0; t < pairs; ++t) {  // zero what this layer counted, for the next one
-        const int32_t* x = idx + t * row + l * K;
-        for (int64_t k = 0; k + 1 < K; ++k) pre[size_t((x[k] + 1) * E1 + x[k + 1] + 1)] = 0;
-      }
+      std::fill(pre.begin(), pre.end(), uint16_t{0});  // for the next layer (faster than a re-walk)
     }
     for (int64_t r = 0; r < E; ++r) {
       perm[l * E + r] = ord[size_t(r)];
@@ -975,161 +978,66 @@ struct V4Rows {
   uint8_t* rm;           // out: per row, its number of set symbols
   uint32_t* cnt_row;     // counts of the row models
   uint32_t* cnt_set;     // [L, 2E]: F then G counts per layer
+  bool rank_padded;      // rank has one readable entry past [L, E + 1] (the AVX2 row's gather)
   int64_t n_rsyms = 0, n_ss = 0;
   bool any_none = false;
 };
 
-// Returns false on an id outside [-1, E) (every token is checked before it indexes anything).
-[[gnu::always_inline]] inline bool v4_model_rows(V4Rows& a, Bits& rawbits) {
-  const int64_t T = a.T, L = a.L, K = a.K, E = a.E, row = L * K, E1 = E + 1;
-  const int Kc = int(K), lowb = std::min(Kc, 8);
-  const uint32_t full = (1u << Kc) - 1, unsorted = 1u << lowb, esc = 2u << lowb,
-                 none_sym = esc + 1;
-  const int id_bits = bit_width_of(uint64_t(E));
-  uint32_t* rp = a.rsyms;
-  uint16_t* sp = a.ss;
-  uint8_t* mp = a.rm;
-  uint32_t* crow = a.cnt_row;
-  const Models& md = *a.rows;
-  const int64_t m1_first = md.m[1].first;
-  const auto push = [&](int64_t model, uint32_t sym) __attribute__((always_inline)) {
-    ++crow[md.m[size_t(model)].first + sym];
-    *rp++ = uint32_t(model) << kSymBits | sym;
-  };
-  bool any_none = false;
-  for (int64_t t = 0; t < T; ++t) {
-    const int32_t* tok = a.idx + t * row;
-    const int32_t* prev = t > 0 ? tok - row : nullptr;
-    uint32_t bad = 0;
-    int32_t neg_any = 0;
-    for (int64_t j = 0; j < row; ++j) {
-      bad |= uint32_t(uint32_t(tok[j] + 1) > uint32_t(E));
-      neg_any |= tok[j];
-    }
-    if (bad) return false;
-    any_none = any_none || neg_any < 0;
-    for (int64_t l = 0; l < L; ++l) {
-      const int32_t* x = tok + l * K;
-      const uint16_t* rk = a.rank + l * E1 + 1;  // rk[-1] == 0
-      uint32_t mask = 0;
-      if (prev && a.match) {
-        const int32_t* p = prev + l * K;
-        for (int k = 0; k < Kc; ++k) mask |= uint32_t(x[k] == p[k]) << k;
-      }
-      if (mask == full) {
-        push(0, mask & 255u);
-        if (K > 8) {
-          ++crow[m1_first + (mask >> 8)];
-          *rp++ = 1u << kSymBits | (mask >> 8);
-        }
-        *mp++ = 0;
-        continue;
-      }
-      std::array<uint16_t, kSetMaxTopK> v, s;
-      int m = 0;
-      bool neg = false, all_neg = true;
-      for (int k = 0; k < Kc; ++k) {
-        all_neg &= x[k] < 0;
-        if (!((mask >> k) & 1u)) {
-          neg |= x[k] < 0;
-          v[size_t(m++)] = rk[x[k]];
-        }
-      }
-      if (all_neg) {
-        push(0, none_sym);
-        *mp++ = 0;
-        continue;
-      }
-      bool sorted = !neg;
-      for (int i = 1; i < m; ++i) sorted &= v[size_t(i)] > v[size_t(i - 1)];
-      const uint16_t* sv = v.data();
-      if (!sorted) {
-        std::copy(v.begin(), v.begin() + m, s.begin());
-        sort_small(s.data(), m);
-        bool regular = !neg;
-        for (int i = 1; i < m && regular; ++i) regular = s[size_t(i)] != s[size_t(i - 1)];
-        if (!regular) {
-          push(0, esc);
-          for (int k = 0; k < Kc; ++k) rawbits.put(uint64_t(x[k] + 1), id_bits);
-          *mp++ = 0;
-          continue;
-        }
-        sv = s.data();
-      }
-      push(0, (mask & 255u) | (sorted ? 0u : unsorted));
-      if (K > 8) push(1, mask >> 8);
-      uint32_t* cf = a.cnt_set + l * 2 * E;
-      uint32_t* cg = cf + E;
-      sp[0] = sv[0];
-      ++cf[sv[0]];
-      for (int i = 1; i < m; ++i) {
-        const uint32_t g = uint32_t(sv[i] - sv[i - 1] - 1);
-        sp[i] = uint16_t(g);
-        ++cg[g];
-      }
-      sp += m;
-      *mp++ = uint8_t(m);
-      if (!sorted) {
-        std::array<uint32_t, kSetMaxTopK> d{};
-        for (int j = 0; j < m; ++j) {
-          uint32_t c = 0;
-          for (int i = j + 1; i < m; ++i) c += v[size_t(i)] < v[size_t(j)];
-          d[size_t(j)] = c;
-        }
-        int64_t om = md.order_model[size_t(m)];
-        for (const OrderGroup& g : md.groups[size_t(m)]) {
-          uint32_t sym = 0;
-          for (int j = g.first; j < g.first + g.count; ++j)
-            sym = sym * uint32_t(m - j) + d[size_t(j)];
-          push(om++, sym);
-        }
+// The hot passes, built for the baseline ISA and for AVX2 (the same symbols, so both write the
+// same bytes: test_routes_codec_set compares them); picked by switchyard::cpu_isa().
+// For the AVX2 set-stream encoder: the lanes set in an 8-bit mask, in order, in the top lanes
+// (lane 8 - c + i holds the i-th set lane of c), so a row's words, compressed, end at the write
+// position.
+struct WordCompress {
+  uint32_t at[256][8];
+  constexpr WordCompress() : at{} {
+    for (unsigned n = 0; n < 256; ++n) {
+      unsigned c = 0;
+      for (unsigned j = 0; j < 8; ++j) c += (n >> j) & 1u;
+      unsigned i = 8 - c;
+      for (unsigned j = 0; j < 8; ++j) {
+        if ((n >> j) & 1u) at[n][i++] = j;
       }
     }
   }
-  a.n_rsyms = rp - a.rsyms;
-  a.n_ss = sp - a.ss;
-  a.any_none = any_none;
-  return true;
-}
+};
+constexpr WordCompress kWordCompressTable{};
+constexpr const uint32_t (&kWordCompress)[256][8] = kWordCompressTable.at;
 
-// The set stream, coded last row first (each row's lanes last to first). es: [C][F E, G E].
-[[gnu::always_inline]] inline void v4_encode_sets(const uint16_t* ss, int64_t n_ss,
-                                                  const uint8_t* rm, int64_t T, int64_t L,
-                                                  int64_t E, int W, const uint32_t* cmap,
-                                                  const EncSym* es, uint32_t* st, uint16_t*& wp) {
-  int64_t pos = n_ss;
-  const int64_t bank_mask = kV4SetStates / W - 1;  // banks: a power of two
-  for (int64_t t = T - 1; t >= 0; --t) {
-    for (int64_t l = L - 1; l >= 0; --l) {
-      const int64_t r = t * L + l;
-      const int m = rm[r];
-      if (m == 0) continue;
-      const EncSym* ef = es + int64_t(cmap[l]) * 2 * E;
-      const EncSym* eg = ef + E;
-      uint32_t* s = st + (r & bank_mask) * W;
-      pos -= m;
-      const uint16_t* sy = ss + pos;
-      for (int j = m - 1; j >= 1; --j) rans_put(s[j], eg[sy[j]], wp);
-      rans_put(s[0], ef[sy[0]], wp);
-    }
-  }
-}
-
-// The hot passes, built for the baseline ISA and for AVX2 (the same integer code, so both write
-// the same bytes: test_routes_codec_set compares them); picked by switchyard::cpu_isa().
-bool v4_model_rows_base(V4Rows& a, Bits& b) { return v4_model_rows(a, b); }
+namespace v4enc_base {
+#define SY_V4_SIMD 0
+#include "route_codec_set4_model.inc"
+#undef SY_V4_SIMD
+}  // namespace v4enc_base
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,bmi,bmi2,popcnt"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,bmi,bmi2,popcnt")
+#endif
+namespace v4enc_avx2 {
+#define SY_V4_SIMD 1
+#include "route_codec_set4_model.inc"
+#undef SY_V4_SIMD
+}  // namespace v4enc_avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+bool v4_model_rows_base(V4Rows& a, Bits& b) { return v4enc_base::v4_model_rows(a, b); }
 __attribute__((target("avx2,bmi,bmi2,popcnt"))) bool v4_model_rows_avx2(V4Rows& a, Bits& b) {
-  return v4_model_rows(a, b);
+  return v4enc_avx2::v4_model_rows(a, b);
 }
 void v4_encode_sets_base(const uint16_t* ss, int64_t n_ss, const uint8_t* rm, int64_t T,
                          int64_t L, int64_t E, int W, const uint32_t* cmap, const EncSym* es,
                          uint32_t* st, uint16_t*& wp) {
-  v4_encode_sets(ss, n_ss, rm, T, L, E, W, cmap, es, st, wp);
+  v4enc_base::v4_encode_sets(ss, n_ss, rm, T, L, E, W, cmap, es, st, wp);
 }
 __attribute__((target("avx2,bmi,bmi2,popcnt"))) void v4_encode_sets_avx2(
     const uint16_t* ss, int64_t n_ss, const uint8_t* rm, int64_t T, int64_t L, int64_t E, int W,
     const uint32_t* cmap, const EncSym* es, uint32_t* st, uint16_t*& wp) {
-  v4_encode_sets(ss, n_ss, rm, T, L, E, W, cmap, es, st, wp);
+  v4enc_avx2::v4_encode_sets(ss, n_ss, rm, T, L, E, W, cmap, es, st, wp);
 }
 bool v4_simd() { return cpu_isa() != CpuIsa::scalar; }
 
@@ -1196,14 +1104,15 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
     if (int64_t(v.size()) < n) v.resize(size_t(n));
   };
   grow(rsyms, R * (3 + K / 2));
-  grow(ss, R * K);
+  grow(ss, R * K + 8);  // + 8: the AVX2 row stores 8 symbols and keeps K
   grow(rm, R);
   cnt_row.assign(size_t(rows.total), 0);
-  cnt_set.assign(size_t(L * 2 * E), 0);
+  cnt_set.assign(size_t(L * 2 * E + 8), 0);  // + 8: per-lane dummy counters of the AVX2 row
   std::string raw;
   Bits rawbits{raw};
+  rank.push_back(0);  // read (and ignored) by the AVX2 row's 4-byte gathers of rk[E - 1]
   V4Rows a{idx,          T,          L,           K,       E, match, rank.data(), &rows,
-           rsyms.data(), ss.data(),  rm.data(),   cnt_row.data(), cnt_set.data()};
+           rsyms.data(), ss.data(),  rm.data(),   cnt_row.data(), cnt_set.data(), true};
   if (!(v4_simd() ? v4_model_rows_avx2(a, rawbits) : v4_model_rows_base(a, rawbits))) {
     return kBadIds;
   }
@@ -1236,9 +1145,12 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
   }
   hb.flush();
   // Set stream.
+  // 8 words of slack below the stream (the AVX2 encoder stores a row's 8 words ending at the
+  // write position), and 8 zero symbols past the last row (it loads 8 symbols per row).
+  std::fill_n(ss.begin() + a.n_ss, 8, uint16_t{0});
   thread_local std::vector<uint16_t> words;
-  grow(words, a.n_ss + 1);
-  uint16_t* wend = words.data() + a.n_ss + 1;
+  grow(words, 8 + a.n_ss + 1);
+  uint16_t* wend = words.data() + 8 + a.n_ss + 1;
   uint16_t* wp = wend;
   std::array<uint32_t, 32> st;
   st.fill(kRansL);
@@ -1301,6 +1213,7 @@ struct V4Dec {
   // Row stream: per model its symbols (start | freq << 16) and bucket index, null when unused.
   const std::vector<const uint32_t*>* tab;
   const std::vector<const uint16_t*>* bkt;
+  const uint16_t* m0_sym;  // M0's full slot lookup: slot -> symbol (tab[0][symbol] for the rest)
   const Models* rows;
   const std::vector<std::vector<std::vector<uint64_t>>>* digits;
   const uint8_t *rwp, *rwend;
@@ -1412,6 +1325,9 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
   std::vector<uint32_t> sf;
   std::vector<uint16_t> bl;
   std::vector<int64_t> bl_at(rows.m.size(), -1);
+  // M0 (one symbol per row) gets a full slot -> symbol lookup (8 KiB): no bucket scan, whose
+  // data-dependent trip count was a branch miss per row in the decoder's hottest loop.
+  std::vector<uint16_t> m0_sym(M);
   for (size_t mi = 0; mi < rows.m.size(); ++mi) {
     Model& md = rows.m[mi];
     if (md.n == 0) continue;
@@ -1426,6 +1342,7 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
             bl.resize(bl.size() + (M >> kBucketShift));
           }
           sf[size_t(first + i)] = start | (f << 16);
+          if (mi == 0) std::fill_n(m0_sym.data() + start, f, static_cast<uint16_t>(i));
           for (uint32_t b = (start + (1u << kBucketShift) - 1) >> kBucketShift;
                (b << kBucketShift) < start + f; ++b) {
             bl[size_t(at + b)] = static_cast<uint16_t>(i);
@@ -1481,6 +1398,7 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
   d.perm = perm.empty() ? nullptr : perm.data();
   d.tab = &tab;
   d.bkt = &bkt;
+  d.m0_sym = m0_sym.data();
   d.rows = &rows;
   d.digits = &digits;
   bool states_ok = true;

@@ -488,16 +488,22 @@ TEST(RouteCodecSet, AVersion3FileWrittenBeforeVersion4StillReads) {
 }
 
 // The hot passes are built for the baseline ISA and for AVX2 (picked by cpu_isa()): both write the
-// same bytes and read each other's.
+// same bytes and read each other's. Rows in id order (the table's popularity order, so mostly rank
+// order) exercise the AVX2 rows' in-order step, shuffled ones their sort and Lehmer digits.
 TEST(RouteCodecSet, BaselineAndAvx2PathsWriteTheSameBytes) {
   if (!cpu_supports(CpuIsa::avx2)) GTEST_SKIP() << "this CPU has no AVX2 (only one path to run)";
   const CpuIsa was = cpu_isa();
-  const Shape shapes[] = {{1031, 3, 8, 128}, {300, 2, 16, 300}, {200, 2, 6, 64}, {50, 2, 9, 4096}};
+  const Shape shapes[] = {{1031, 3, 8, 128}, {300, 2, 16, 300}, {200, 2, 6, 64}, {50, 2, 9, 4096},
+                          {400, 3, 1, 16},   {400, 2, 4, 300},  {300, 2, 8, 4096}};
   int n = 0;
   for (const Shape& s : shapes) {
-    for (double repeat : {0.0, 0.6}) {
+    for (const auto& [repeat, in_order] : {std::pair{0.0, 0.0}, {0.6, 0.0}, {0.0, 0.8}, {0.3, 0.8}}) {
       std::mt19937_64 rng(77 + uint64_t(n++));
-      const auto v = make_table(rng, s, repeat, 0.05, 0.02, 0.05);
+      auto v = make_table(rng, s, repeat, 0.05, 0.02, 0.05);
+      std::uniform_real_distribution<double> u(0, 1);
+      for (int64_t r = 0; r < s.T * s.L; ++r) {
+        if (u(rng) < in_order) std::sort(v.begin() + r * s.K, v.begin() + (r + 1) * s.K);
+      }
       std::string p[2];
       uint32_t flags[2];
       std::vector<int32_t> out;
@@ -508,7 +514,8 @@ TEST(RouteCodecSet, BaselineAndAvx2PathsWriteTheSameBytes) {
         ASSERT_EQ(out, v);
       }
       EXPECT_EQ(flags[0], flags[1]);
-      EXPECT_EQ(p[0], p[1]) << "K " << s.K << " E " << s.E << " repeat " << repeat;
+      EXPECT_EQ(p[0], p[1]) << "K " << s.K << " E " << s.E << " repeat " << repeat
+                            << " in order " << in_order;
       set_cpu_isa(CpuIsa::scalar);  // the scalar decoder reads the AVX2 encoder's bytes
       std::vector<int32_t> o(v.size());
       EXPECT_EQ(detail::decode_payload(p[1].data(), int64_t(p[1].size()), s.T, s.L, s.K, s.E,
