@@ -317,8 +317,13 @@ std::vector<std::pair<std::string, nlohmann::json>> json_records(std::string_vie
                                                                  const std::string& source) {
   using nlohmann::json;
   std::vector<std::pair<std::string, json>> records;
-  json whole = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (!whole.is_discarded()) {
+  json whole;
+  bool one_document = false;
+  {
+    JsonReader reader;  // sized to the whole text: gone before the lines are read
+    one_document = reader.parse(text, whole);
+  }
+  if (one_document) {
     if (whole.is_array()) {
       for (size_t i = 0; i < whole.size(); ++i)
         records.emplace_back(cat(source, "[", i, "]"), std::move(whole[i]));
@@ -327,6 +332,7 @@ std::vector<std::pair<std::string, nlohmann::json>> json_records(std::string_vie
     }
     return records;
   }
+  JsonReader reader;
   size_t pos = 0, line = 0;
   while (pos < text.size()) {
     size_t end = text.find('\n', pos);
@@ -335,8 +341,8 @@ std::vector<std::pair<std::string, nlohmann::json>> json_records(std::string_vie
     std::string_view l = text.substr(pos, end - pos);
     pos = end + 1;
     if (l.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-    json j = json::parse(l.begin(), l.end(), nullptr, false);
-    if (j.is_discarded())
+    json j;
+    if (!reader.parse(l, j))
       fail_arg(kOp, source, ":", line, ": not valid JSON (nor is the whole file)");
     records.emplace_back(cat(source, ":", line), std::move(j));
   }
