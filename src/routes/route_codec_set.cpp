@@ -1004,27 +1004,32 @@ struct WordCompress {
 constexpr WordCompress kWordCompressTable{};
 constexpr const uint32_t (&kWordCompress)[256][8] = kWordCompressTable.at;
 
+// The functions between SY_AVX2_REGION_BEGIN and SY_AVX2_REGION_END are compiled for AVX2 (the
+// .inc row loops built a second time; callers check the CPU first).
+#define SY_PRAGMA(x) _Pragma(#x)
+#if defined(__clang__)
+#define SY_AVX2_REGION_BEGIN                                                \
+  SY_PRAGMA(clang attribute push(__attribute__((target("avx2,bmi,bmi2,popcnt"))), \
+                                 apply_to = function))
+#define SY_AVX2_REGION_END SY_PRAGMA(clang attribute pop)
+#else
+#define SY_AVX2_REGION_BEGIN \
+  SY_PRAGMA(GCC push_options) SY_PRAGMA(GCC target("avx2,bmi,bmi2,popcnt"))
+#define SY_AVX2_REGION_END SY_PRAGMA(GCC pop_options)
+#endif
+
 namespace v4enc_base {
 #define SY_V4_SIMD 0
 #include "route_codec_set4_model.inc"
 #undef SY_V4_SIMD
 }  // namespace v4enc_base
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,bmi,bmi2,popcnt"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,bmi,bmi2,popcnt")
-#endif
+SY_AVX2_REGION_BEGIN
 namespace v4enc_avx2 {
 #define SY_V4_SIMD 1
 #include "route_codec_set4_model.inc"
 #undef SY_V4_SIMD
 }  // namespace v4enc_avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+SY_AVX2_REGION_END
 bool v4_model_rows_base(V4Rows& a, Bits& b) { return v4enc_base::v4_model_rows(a, b); }
 __attribute__((target("avx2,bmi,bmi2,popcnt"))) bool v4_model_rows_avx2(V4Rows& a, Bits& b) {
   return v4enc_avx2::v4_model_rows(a, b);
@@ -1252,22 +1257,13 @@ namespace v4base {
 #include "route_codec_set4_rows.inc"
 #undef SY_V4_SIMD
 }  // namespace v4base
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,bmi,bmi2,popcnt"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,bmi,bmi2,popcnt")
-#endif
+SY_AVX2_REGION_BEGIN
 namespace v4avx2 {
 #define SY_V4_SIMD 1
 #include "route_codec_set4_rows.inc"
 #undef SY_V4_SIMD
 }  // namespace v4avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+SY_AVX2_REGION_END
 
 std::string v4_decode_base(V4Dec& d, int32_t* idx, bool wide) {
   return wide ? v4base::v4_decode_rows<true>(d, idx) : v4base::v4_decode_rows<false>(d, idx);
