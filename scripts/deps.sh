@@ -5,7 +5,7 @@ set -euo pipefail
 PKGS=(g++ cmake make pkg-config
       libgtest-dev libgmock-dev libbenchmark-dev
       libopenblas-dev libopenmpi-dev openmpi-bin
-      libzstd-dev libxxhash-dev nlohmann-json3-dev libcli11-dev
+      libzstd-dev libxxhash-dev nlohmann-json3-dev libsimdjson-dev libcli11-dev
       clang libomp-dev libclang-rt-14-dev ccache)
 missing=()
 for p in "${PKGS[@]}"; do

@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bindings.h"
@@ -436,14 +437,16 @@ void bind_routes(py::module_& m) {
   m.def("routes_import_sglang", [](const std::vector<std::string>& paths, const ImportOptions& o) {
     return import_result(import_sglang(paths, o));
   });
-  m.def("routes_import_sglang_text", [](const std::string& text, const ImportOptions& o) {
+  // Text arrives as a view of the Python str (or bytes): its UTF-8 is the str's own buffer for
+  // ASCII text, so a response of hundreds of MB is not copied before the parse.
+  m.def("routes_import_sglang_text", [](std::string_view text, const ImportOptions& o) {
     return import_result(import_sglang_text(text, "<text>", o));
   });
   // ---- route data from the newest engines (vLLM >= 0.22 HTTP) and verl's batch layout ----
-  m.def("routes_import_vllm_http_text", [](const std::string& text, const ImportOptions& o) {
+  m.def("routes_import_vllm_http_text", [](std::string_view text, const ImportOptions& o) {
     return import_result(import_vllm_http_text(text, "<text>", o));
   });
-  m.def("routes_import_vllm_npy_base64", [](const std::string& text, const ImportOptions& o) {
+  m.def("routes_import_vllm_npy_base64", [](std::string_view text, const ImportOptions& o) {
     return import_result(import_vllm_npy_base64(text, "routed_experts", o));
   });
   // ---- engine layouts beyond vLLM / SGLang (issue 25) ----
@@ -476,7 +479,7 @@ void bind_routes(py::module_& m) {
     }
     return import_result(import_flashinfer_replay(ts, cu_seqlens, o));
   });
-  m.def("routes_import_vllm_stream_text", [](const std::string& text, const ImportOptions& o) {
+  m.def("routes_import_vllm_stream_text", [](std::string_view text, const ImportOptions& o) {
     return import_result(import_vllm_stream_text(text, "<text>", o));
   });
   py::class_<VllmRouteStream>(m, "VllmRouteStream")

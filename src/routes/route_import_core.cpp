@@ -317,8 +317,31 @@ std::vector<std::pair<std::string, nlohmann::json>> json_records(std::string_vie
                                                                  const std::string& source) {
   using nlohmann::json;
   std::vector<std::pair<std::string, json>> records;
-  json whole = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (!whole.is_discarded()) {
+  JsonReader reader;
+  // JSONL without parsing the whole text first: when the first non-blank line is a JSON value
+  // and non-blank text follows it, the whole text is not one value (a value closes where its
+  // line ends: '\n' is whitespace, outside strings). Else the whole text decides, as before.
+  size_t first = 0, first_end = 0;
+  json first_value;
+  bool jsonl = false;
+  while (first < text.size()) {
+    first_end = std::min(text.find('\n', first), text.size());
+    const std::string_view l = text.substr(first, first_end - first);
+    if (l.find_first_not_of(" \t\r") != std::string_view::npos) {
+      jsonl = first_end < text.size() &&
+              text.find_first_not_of(" \t\r\n", first_end) != std::string_view::npos &&
+              reader.parse(l, first_value);
+      break;
+    }
+    first = first_end + 1;
+  }
+  json whole;
+  bool one_document = false;
+  if (!jsonl) {
+    JsonReader whole_reader;  // sized to the whole text: gone before the lines are read
+    one_document = whole_reader.parse(text, whole);
+  }
+  if (one_document) {
     if (whole.is_array()) {
       for (size_t i = 0; i < whole.size(); ++i)
         records.emplace_back(cat(source, "[", i, "]"), std::move(whole[i]));
@@ -333,11 +356,15 @@ std::vector<std::pair<std::string, nlohmann::json>> json_records(std::string_vie
     if (end == std::string_view::npos) end = text.size();
     ++line;
     std::string_view l = text.substr(pos, end - pos);
+    const size_t at = pos;
     pos = end + 1;
     if (l.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-    json j = json::parse(l.begin(), l.end(), nullptr, false);
-    if (j.is_discarded())
+    json j;
+    if (jsonl && at == first) {
+      j = std::move(first_value);
+    } else if (!reader.parse(l, j)) {
       fail_arg(kOp, source, ":", line, ": not valid JSON (nor is the whole file)");
+    }
     records.emplace_back(cat(source, ":", line), std::move(j));
   }
   return records;

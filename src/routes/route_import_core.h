@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
@@ -96,6 +97,25 @@ int64_t json_count(const nlohmann::json& obj, const char* key, int64_t fallback,
                    const std::string& source, const std::string& field);
 /// A count field that may be absent, null or (from outside) absurd: -1 unless a sane integer.
 int64_t loose_count(const nlohmann::json& obj, const char* key);
+/// A JSON parser for documents that carry megabytes of base64 in a string (route_import_json.cpp:
+/// simdjson; nlohmann's lexer reads a character at a time). One reader per thread; its buffers
+/// are reused from one document to the next.
+class JsonReader {
+ public:
+  JsonReader();
+  ~JsonReader();
+  JsonReader(const JsonReader&) = delete;
+  JsonReader& operator=(const JsonReader&) = delete;
+  /// Parses `text` into `out`: false when it is not one JSON value, exactly where
+  /// nlohmann::json::parse(text, nullptr, false) is discarded (RFC 8259, a leading UTF-8 BOM
+  /// skipped), and `out` the value nlohmann would build.
+  bool parse(std::string_view text, nlohmann::json& out);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 /// Records of a JSON document: one object, a JSON array of objects, or JSONL (one per line),
 /// each named "source", "source[i]" or "source:line".
 std::vector<std::pair<std::string, nlohmann::json>> json_records(std::string_view text,

@@ -40,6 +40,7 @@ struct VllmRouteStream::State {
   std::map<std::string, Request> requests;
   std::vector<std::string> order;
   std::set<std::string> finished;  // ids already finished: a later chunk for one is an error
+  JsonReader json;                 // add_sse's events, its buffers reused from one to the next
 
   void check_open(const std::string& id) const {
     if (finished.count(id)) {
@@ -224,8 +225,8 @@ std::vector<std::string> VllmRouteStream::add_sse(std::string_view event) {
   const size_t e = event.find_last_not_of(" \t\r\n");
   event = event.substr(0, e + 1);
   if (event == "[DONE]") return {};
-  json j = json::parse(event.begin(), event.end(), nullptr, false);
-  if (j.is_discarded() || !j.is_object())
+  json j;
+  if (!state_->json.parse(event, j) || !j.is_object())
     fail_arg(kOp, "stream chunk: not a JSON object: ", std::string(event.substr(0, 80)));
   std::string id;
   for (const char* k : {"request_id", "id"})
