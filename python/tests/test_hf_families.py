@@ -689,6 +689,48 @@ def test_doge_captures_the_ids_its_embeddings_are_gathered_at_and_refuses_expert
     p.unpatch()
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_doge_checkpoint_recompute_replays_the_ids_of_its_forward(reentrant):
+    # The patched block is the checkpointed decoder layer's MLP: the recompute inside backward
+    # replays the ids its forward used (replayed and native rows), gradients bitwise those of the
+    # step without checkpointing, nothing captured twice.
+    import functools
+    from torch.utils.checkpoint import checkpoint
+    model = build("doge").train()
+    ids = tokens(2, 9, seed=2)
+    p = syhf.patch(model)
+    T, E, K, M = ids.numel(), p.num_experts, p.top_k, len(p.layers)
+    g = torch.Generator().manual_seed(3)
+    targets = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * M)]).view(
+        T, M, K)
+    targets[4] = -1  # one token routed natively
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        p.reset_counts()
+        p.set_targets(targets)
+        with p.capture() as cap:
+            out = model(ids)[0]
+            out.float().pow(2).mean().backward()
+        return {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}, cap
+    ref, _ = step()
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(
+        checkpoint, use_reentrant=reentrant))
+    if reentrant:
+        model.enable_input_require_grads()
+    got, cap = step()
+    assert cap.num_forwards == 1
+    rows = targets[:, :, 0] >= 0
+    assert torch.equal(cap.ids().view(T, M, K)[rows], targets[rows].to(torch.int32))
+    for layer, c in p.counts().items():
+        assert (c["num_replayed_rows"], c["num_native_rows"], c["num_recomputed_rows"]) == \
+            (T - 1, 1, T), c
+    assert ref.keys() == got.keys() and any("router_gate" in n for n in got)
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
+    p.unpatch()
+
+
 # ---- Gemma-4 / DiffusionGemma, Cohere2-MoE, LongCat-Flash --------------------------------------
 def _train_step(model, ids):
     model.zero_grad(set_to_none=True)
