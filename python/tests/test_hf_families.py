@@ -689,6 +689,33 @@ def test_doge_captures_the_ids_its_embeddings_are_gathered_at_and_refuses_expert
     p.unpatch()
 
 
+def test_doge_block_experts_run_under_the_callers_autocast_and_only_the_router_in_fp32():
+    # The patched forward is the whole block: its router part runs in fp32 with autocast off, its
+    # experts (the shared MLP, the embeddings' products) under the caller's autocast, as
+    # unpatched; router_dtype=None under autocast is the unpatched model bitwise.
+    model = build("doge")
+    ids = tokens(2, 6, seed=4)
+    block = model.get_submodule("model.layers.0.mlp")
+    seen = {}
+    hooks = [block.gate_proj.register_forward_hook(
+                 lambda m, a, o: seen.__setitem__("shared", o.dtype)),
+             block.register_forward_hook(lambda m, a, o: seen.__setitem__("block", o[0].dtype)),
+             block.register_forward_hook(lambda m, a, o: seen.__setitem__("logits", o[1].dtype))]
+
+    def run():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(ids)[0].clone()
+    before = run()
+    assert seen == {"shared": torch.bfloat16, "block": torch.bfloat16, "logits": torch.bfloat16}
+    with syhf.patch(model, router_dtype=None):
+        assert torch.equal(run(), before)
+    with syhf.patch(model, router_dtype=torch.float32):
+        run()
+    assert seen == {"shared": torch.bfloat16, "block": torch.bfloat16, "logits": torch.float32}
+    for h in hooks:
+        h.remove()
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_doge_checkpoint_recompute_replays_the_ids_of_its_forward(reentrant):
     # The patched block is the checkpointed decoder layer's MLP: the recompute inside backward
