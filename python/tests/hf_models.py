@@ -199,6 +199,10 @@ MORE_CONFIGS = {
     # down-projection, the router state carried from layer 0 to layer 1
     "zaya": dict(num_experts=8, num_experts_per_tok=1, moe_intermediate_size=16,
                  router_hidden_size=16, initializer_range=0.2),
+    # Doge: the CDMoE block (is_moe) in every layer, product keys over 4 sub-keys (16 experts),
+    # K = 2; not renormalised (the family's default: with norm_topk_prob=True transformers' block
+    # divides its softmax's output in place, which its backward needs, so it does not train)
+    "doge": dict(is_moe=True, num_experts=16, num_experts_per_tok=2),
 }
 """Tiny configs of the other supported families (test_hf_families.py)."""
 ALL_FAMILIES = FAMILIES + list(MORE_CONFIGS)

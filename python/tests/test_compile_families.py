@@ -9,7 +9,7 @@ compiled forward and torch.export beyond test_compile_hf.py's are at the end.
 backend="eager" (dynamo's trace, run by the eager kernels: no AOT or code generation) keeps the
 sweep at about 3 traces per family. The native variant (router_dtype=None: the family's own router
 math, traced through switchyard's routed forward) runs once per distinct routing spec (a lead family
-or the first by name: 40 of 74 with transformers 5.25); the fp32 variant traces every family's
+or the first by name: 41 of 75 with transformers 5.25); the fp32 variant traces every family's
 modeling around the same patch, so a second family of a spec adds nothing its fp32 trace and the
 spec's native trace do not already cover (about 2 min of CPU saved). test_compile_hf.py compiles
 the representative families with aot_eager (the operators' fake kernels and registered autograd),

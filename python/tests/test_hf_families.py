@@ -130,6 +130,8 @@ REFERENCE = {
     # Zaya: softmax over E + 1 classes (the last a skip expert) of its router MLP's logits +
     # balancing_biases for the choice (see _zaya_logits)
     "zaya": ("softmax", "balancing_biases", None, None),
+    # Doge: product keys over the token-mixed halves of the logits (see _product_key_scores)
+    "doge": ("product_key", None, None, None),
 }
 _TOPK_METHOD = ("deepseek_v2", "deepseek_ocr2", "unlimited_ocr")
 """DeepSeek-V2's router: group-limited only when its topk_method is group_limited_greedy."""
@@ -205,6 +207,24 @@ def _zaya_logits(router, x, state):
     return lin(mlp.out_proj, gelu(lin(mlp.fc2, gelu(lin(mlp.fc1, n)))))
 
 
+def _product_key_scores(router, x, weight=None):
+    """Doge's scores over its n² experts in float64, from DogeCDMoE's maths: logits = x W^T
+    ([T, 2n], router_gate, no bias) of the T = B·S tokens in row order; the block views them as
+    (2, T, n), so row t's x sub-key scores are the n logits at flat position t·n, i.e. token
+    t // 2's half t % 2, and its y sub-key scores those at flat position (T + t)·n, token
+    (T + t) // 2's half (T + t) % 2 (the token mixing); expert i·n + j scores x_i + y_j."""
+    n = int(router.num_keys)
+    weight = router.router_gate.weight.double() if weight is None else weight
+    logits = x.double() @ weight.t()
+    T = len(x)
+
+    def half(u):
+        return logits[u // 2, (u % 2) * n:(u % 2 + 1) * n]
+    xs = torch.stack([half(t) for t in range(T)])
+    ys = torch.stack([half(T + t) for t in range(T)])
+    return (xs[:, :, None] + ys[:, None, :]).reshape(T, n * n)
+
+
 def _reference(family, router, x, K, block=None, input_ids=None, state=None):
     """(ids as sorted rows [T, K], clear [T] bool): the family's selection in float64 and the rows
     whose K-th and (K+1)-th choice (and the kept / dropped group) are 1e-4 apart. The fp32 gate's
@@ -215,6 +235,8 @@ def _reference(family, router, x, K, block=None, input_ids=None, state=None):
     tol = torch.zeros(len(x), dtype=torch.float64)
     if family == "zaya":
         logits = _zaya_logits(router, x, state)
+    elif family == "doge":
+        logits = _product_key_scores(router, x)
     else:
         w, b = _gate_params(router)
         if family in _INPUT_NORMED:
@@ -320,6 +342,15 @@ class _Seen:
                 self._hooks.append(router.register_forward_hook(
                     lambda m, a, o, layer=layers[0]: self.ids.__setitem__(layer,
                                                                            _grouped_ids(o))))
+            if isinstance(getattr(router, "down_embed", None), torch.nn.Embedding):
+                # Doge: the router is the block, its experts are the rows of down_embed and
+                # up_embed gathered at the ids: what down_embed received, kept where up_embed
+                # received the same (else a mismatch the tests' comparisons fail on)
+                layer = layers[0]
+                self._hooks.append(router.down_embed.register_forward_pre_hook(
+                    lambda m, a, layer=layer: self.ids.__setitem__(layer, a[0].detach().clone())))
+                self._hooks.append(router.up_embed.register_forward_pre_hook(
+                    lambda m, a, layer=layer: self._same(layer, a[0])))
             for child in block.children():
                 if _is_experts(child):
                     self._hooks.append(child.register_forward_pre_hook(
@@ -327,6 +358,10 @@ class _Seen:
                             at("experts"),
                             (a[1] if len(a) > 1 else kw["top_k_index"]).detach().clone()),
                         with_kwargs=True))
+
+    def _same(self, layer, ids):
+        if not torch.equal(self.ids.get(layer, ids.new_empty(0)), ids):
+            self.ids[layer] = torch.full_like(ids, -2)  # not what the other experts received
 
     def _saw(self, layer, a, kw):
         self.x[layer] = a[0].detach().clone()
@@ -509,16 +544,18 @@ def test_a_router_class_no_spec_covers_is_refused_naming_it(monkeypatch):
     assert syhf.patch_of(model) is None
 
 
-@pytest.mark.parametrize("family", ["doge"])
-def test_a_refused_family_names_itself_and_the_reason(family):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    assert family in syspec.REFUSED
-    cfg = AutoConfig.for_model(family, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match=rf"\[hf.patch\] {family}: .*(not supported|refused)"):
+def test_a_refused_family_names_itself_and_the_reason(monkeypatch):
+    # The families REFUSED lists today have no modeling file (nothing to build): the refusal is
+    # checked on a model whose family is made refused here; patch() names it and the reason and
+    # leaves the model untouched.
+    assert "doge" not in syspec.REFUSED and "doge" in syhf.FAMILIES  # supported (issue 32)
+    model = build("qwen3_moe")
+    monkeypatch.setitem(syspec.REFUSED, "qwen3_moe", "Qwen3-MoE is not supported: a reason")
+    with pytest.raises(ValueError, match=r"\[hf.patch\] qwen3_moe: Qwen3-MoE is not supported: "
+                                         r"a reason"):
         syhf.patch(model)
+    assert syhf.patch_of(model) is None
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def test_phimoe_routes_in_eval_mode_and_refuses_training_mode_by_name():
@@ -578,6 +615,149 @@ def test_a_moe_block_running_a_replaced_kernel_forward_is_refused(monkeypatch):
     assert syhf.patch_of(model) is None
 
 
+# ---- Doge ------------------------------------------------------------------------------------------
+def _cdmoe_reference(block, x, ids, weight):
+    """DogeCDMoE's output in float64 from its maths with the experts ``ids`` [T, K] (T = B·S in
+    row order) and gate ``weight``: the weights a softmax over the K ids' product-key scores
+    (_product_key_scores), / their sum when norm_topk_prob; token t's output is the shared MLP's
+    plus Σ_k silu(down[e_k]·x_t)·w_tk·up[e_k] (down, up: the rows of down_embed, up_embed)."""
+    B, S, H = x.shape
+    xf = x.reshape(B * S, H).double()
+    w = torch.softmax(_product_key_scores(block, xf, weight).gather(1, ids), dim=1)
+    if block.norm_topk_prob:
+        w = w / w.sum(dim=1, keepdim=True)
+    silu = torch.nn.functional.silu
+    down, up = block.down_embed.weight.double()[ids], block.up_embed.weight.double()[ids]
+    routed = ((silu((down * xf[:, None, :]).sum(-1)) * w)[:, :, None] * up).sum(1)
+    lin = [m.weight.double() for m in (block.gate_proj, block.up_proj, block.down_proj)]
+    shared = (silu(xf @ lin[0].t()) * (xf @ lin[1].t())) @ lin[2].t()
+    return (shared + routed).view(B, S, H)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm_topk_prob"])
+def test_doge_replayed_ids_take_their_weights_from_the_live_logits_and_train_the_gate(norm):
+    # R2 / R3 on a product-key block: the recorded ids are forced after the gate changed, the
+    # weights are the family's formula at those ids from the live logits (x_i + y_j of the
+    # token-mixed rows), and the gradients reach router_gate: all against float64 from the maths.
+    model = build("doge", norm_topk_prob=norm)
+    p = syhf.patch(model, router_dtype=torch.float32)
+    layer = p.layers[-1]
+    block = model.get_submodule(p.modules[layer])
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(0))
+    p.replays[layer].action = "record"
+    with torch.no_grad():
+        block(x)
+    recorded = p.replays[layer].pop_recorded()
+    ids = recorded.long()
+    _perturb(model, p, "doge")
+    live, _ = _reference("doge", block, x.reshape(18, 32), p.top_k)
+    assert (live != ids.sort(dim=1).values).any()  # the replay forces other ids than the live
+    p.replays[layer].set_target(recorded)
+    p.replays[layer].action = "replay_forward"
+    out, logits = block(x)
+    assert logits.shape == (2, 18, 4) and logits.dtype == torch.float32
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out * g).sum().backward()
+    w64 = block.router_gate.weight.detach().double().requires_grad_()
+    want = _cdmoe_reference(block, x, ids, w64)
+    (want * g.double()).sum().backward()
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    got = block.router_gate.weight.grad
+    assert got is not None and got.abs().sum() > 0
+    torch.testing.assert_close(got.double(), w64.grad, rtol=1e-4, atol=1e-6)
+    p.unpatch()
+
+
+def test_doge_captures_the_ids_its_embeddings_are_gathered_at_and_refuses_expert_ids():
+    # Doge's experts are embedding rows inside the block, not transformers' experts interface:
+    # ids() are the ids the patched block gathers down_embed / up_embed at (the generic tests
+    # compare them with what the embeddings received); expert_ids() is refused by name.
+    model = build("doge")
+    p = syhf.patch(model, router_dtype=torch.float32)
+    x = tokens(2, 5, seed=2)
+    seen = _Seen(model, p)
+    try:
+        with torch.no_grad(), p.capture() as cap:
+            model(x)
+    finally:
+        seen.remove()
+    for layer in p.layers:
+        assert torch.equal(cap.ids()[:, :, layer].long(), seen.ids[layer].view(2, 5, -1))
+    with pytest.raises(ValueError, match=r"\[hf.Capture\] the experts of Doge are not "
+                                         r"transformers' experts interface"):
+        cap.expert_ids()
+    p.unpatch()
+
+
+def test_doge_block_experts_run_under_the_callers_autocast_and_only_the_router_in_fp32():
+    # The patched forward is the whole block: its router part runs in fp32 with autocast off, its
+    # experts (the shared MLP, the embeddings' products) under the caller's autocast, as
+    # unpatched; router_dtype=None under autocast is the unpatched model bitwise.
+    model = build("doge")
+    ids = tokens(2, 6, seed=4)
+    block = model.get_submodule("model.layers.0.mlp")
+    seen = {}
+    hooks = [block.gate_proj.register_forward_hook(
+                 lambda m, a, o: seen.__setitem__("shared", o.dtype)),
+             block.register_forward_hook(lambda m, a, o: seen.__setitem__("block", o[0].dtype)),
+             block.register_forward_hook(lambda m, a, o: seen.__setitem__("logits", o[1].dtype))]
+
+    def run():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(ids)[0].clone()
+    before = run()
+    assert seen == {"shared": torch.bfloat16, "block": torch.bfloat16, "logits": torch.bfloat16}
+    with syhf.patch(model, router_dtype=None):
+        assert torch.equal(run(), before)
+    with syhf.patch(model, router_dtype=torch.float32):
+        run()
+    assert seen == {"shared": torch.bfloat16, "block": torch.bfloat16, "logits": torch.float32}
+    for h in hooks:
+        h.remove()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_doge_checkpoint_recompute_replays_the_ids_of_its_forward(reentrant):
+    # The patched block is the checkpointed decoder layer's MLP: the recompute inside backward
+    # replays the ids its forward used (replayed and native rows), gradients bitwise those of the
+    # step without checkpointing, nothing captured twice.
+    import functools
+    from torch.utils.checkpoint import checkpoint
+    model = build("doge").train()
+    ids = tokens(2, 9, seed=2)
+    p = syhf.patch(model)
+    T, E, K, M = ids.numel(), p.num_experts, p.top_k, len(p.layers)
+    g = torch.Generator().manual_seed(3)
+    targets = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * M)]).view(
+        T, M, K)
+    targets[4] = -1  # one token routed natively
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        p.reset_counts()
+        p.set_targets(targets)
+        with p.capture() as cap:
+            out = model(ids)[0]
+            out.float().pow(2).mean().backward()
+        return {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}, cap
+    ref, _ = step()
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(
+        checkpoint, use_reentrant=reentrant))
+    if reentrant:
+        model.enable_input_require_grads()
+    got, cap = step()
+    assert cap.num_forwards == 1
+    rows = targets[:, :, 0] >= 0
+    assert torch.equal(cap.ids().view(T, M, K)[rows], targets[rows].to(torch.int32))
+    for layer, c in p.counts().items():
+        assert (c["num_replayed_rows"], c["num_native_rows"], c["num_recomputed_rows"]) == \
+            (T - 1, 1, T), c
+    assert ref.keys() == got.keys() and any("router_gate" in n for n in got)
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
+    p.unpatch()
+
+
 # ---- Gemma-4 / DiffusionGemma, Cohere2-MoE, LongCat-Flash --------------------------------------
 def _train_step(model, ids):
     model.zero_grad(set_to_none=True)
@@ -590,7 +770,7 @@ def _train_step(model, ids):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", ["gemma4", "diffusion_gemma", "cohere2_moe",
                                     "cohere2_moe_sigmoid", "longcat_flash", "jetmoe",
-                                    "inkling", "zaya", "inkling2_loop"])
+                                    "inkling", "zaya", "inkling2_loop", "doge"])
 def test_router_dtype_none_keeps_outputs_and_gradients_bitwise_in_training(family, dtype):
     # Gemma-4's router normalises its (already flat) input itself: the patched forward adds no
     # reshape node, so the gradients reach the hidden states in the family's order.

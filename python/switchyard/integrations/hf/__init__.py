@@ -14,7 +14,9 @@ ones with the reason, are in ``spec`` (SPECS, REFUSED, OUT_OF_SCOPE).
 What the patch does, per MoE decoder layer (keyed by its absolute layer number):
 
 * It replaces the router module's ``forward`` on the instance (``mlp.gate``, ``mlp.router`` for
-  GPT-OSS, ``feed_forward.router`` for Llama-4). Module structure, parameter names, state-dict keys,
+  GPT-OSS, ``feed_forward.router`` for Llama-4; for a family that routes inline in its MoE block,
+  with no router module, the block's: Doge's ``mlp``, spec ``inline``, whose experts then run
+  under the caller's autocast as unpatched). Module structure, parameter names, state-dict keys,
   FSDP wrapping, forward hooks (``output_router_logits``) and the router's return contract stay as
   they are; ``unpatch()`` restores the original forward (the handle of an earlier Patch whose
   routers were patched again changes nothing; ``active`` says whether the routers run this Patch).

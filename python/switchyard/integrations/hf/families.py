@@ -103,6 +103,8 @@ class Family:
         return _attr(r, s.weight), (None if s.bias is None else _attr(r, s.bias))
 
     def num_experts(self, r, block=None):
+        if self.spec.score == "product_key":  # the ids a product key reaches: n²
+            return int(_attr(r, self.spec.keys)) ** 2
         return int(_attr(r, self.spec.num_experts, block))
 
     def top_k(self, r, block=None):
@@ -215,7 +217,9 @@ class Family:
         bias = self._bias(s, r, passed)
         if s.score == "logsigmoid_topk":
             return self._logsigmoid_topk(s, r, z, bias, K, replay_ids, replay_mask, live)
-        if s.score in ("softmax_topk", "sigmoid_dense", "sigmoid_topk"):
+        if s.score == "product_key":
+            weights, ids = self._product_key(s, r, z, K, replay_ids, replay_mask, live)
+        elif s.score in ("softmax_topk", "sigmoid_dense", "sigmoid_topk"):
             choice = z if bias is None else z + bias
             ids = _ids(lambda: torch.topk(choice.detach(), K, dim=-1, sorted=s.sorted_topk)[1],
                        replay_ids, replay_mask, live)
@@ -285,6 +289,42 @@ class Family:
             weights = weights * getattr(r, s.scale_param).to(sd)
         return weights, ids
 
+    def _product_key(self, s, r, z, K, replay_ids, replay_mask, live=None):
+        """Product-key routing (Doge's DogeCDMoE): the [T, 2n] logits viewed as (2, T, n) as the
+        family's block views its [B, S, 2n] logits, so row t's x and y sub-key scores are rows t
+        of the two halves of the flat logits (tokens t // 2 and (T + t) // 2: the choice mixes
+        tokens, as the family's does); the family's selection (all n sub-keys sorted per half,
+        the n² sums x_i + y_j at ids i·n + j, the K best) for the rows not replayed; the weights
+        are the sums at the final ids, recomputed from these live logits (so replayed rows'
+        gradients reach the gate), softmax over the K -> (weights [T, K], ids [T, K])."""
+        n = int(_attr(r, s.keys))
+        T = z.shape[0]
+        xy = z.view(2, T, n)
+
+        def select():
+            (sx, sy), (ix, iy) = xy.topk(n, dim=-1)
+            sums = (sx.unsqueeze(-1) + sy.unsqueeze(-2)).view(T, -1)
+            keyed = (ix.unsqueeze(-1) * n + iy.unsqueeze(-2)).view(T, -1)
+            return keyed.gather(-1, sums.topk(K, dim=-1)[1])
+        ids = _ids(select, replay_ids, replay_mask, live)
+        scores = xy[0].gather(1, ids // n) + xy[1].gather(1, ids % n)
+        return F.softmax(scores, dim=-1, dtype=_sdt(z) if s.score_in_fp32 else scores.dtype), ids
+
+    def _cdmoe(self, r, logits, weights, ids, x):
+        """Doge's DogeCDMoE after its route, its ops in its order: the experts are the rows of
+        down_embed and up_embed at the ids (token t's row t), act(down·x) × weights combined over
+        up, plus the shared MLP -> (hidden states [B, S, H], the (2, T, n) logits)."""
+        bsz, seq_len, _ = x.shape
+        T = bsz * seq_len
+        down_embed = r.down_embed(ids)
+        up_embed = r.up_embed(ids)
+        experts_weights = torch.matmul(down_embed, x.view(T, -1, 1)).view(T, -1)
+        experts_weights = r.act_fn(experts_weights) * weights
+        experts_states = torch.matmul(experts_weights.view(T, 1, -1), up_embed).view(
+            bsz, seq_len, -1)
+        hidden_states = r.down_proj(r.act_fn(r.gate_proj(x)) * r.up_proj(x))
+        return hidden_states + experts_states, logits.view(2, T, -1)
+
     def _expert_groups(self, r, logits, weights, ids):
         """The route as the family's block takes it when its experts run on contiguous groups
         (JetMoE): the T·K slots sorted by expert (the slot order), the token of each sorted slot,
@@ -343,6 +383,8 @@ class Family:
             weights = weights.to(x.dtype)
         elif s.weights_dtype == "hidden_fp32" and native:
             weights = weights.to(x.dtype).float()
+        if s.inline == "cdmoe":  # the block's own experts (the patched forward is the block's)
+            return self._cdmoe(r, logits, weights, ids, x)
         if s.returns == "logits":
             return weights, ids
         if s.returns == "expert_groups":

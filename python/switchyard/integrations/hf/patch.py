@@ -325,7 +325,9 @@ class _Layer:
                 self._traced_after_forward(ids, T)
             elif not recompute:
                 self._after_forward(ids, T, native_ids)
-            return fam.outputs(r, logits, weights, ids, hidden_states, native)
+        # Outside the router's autocast-off (as _route_split): what the router hands on runs under
+        # the caller's autocast, which matters where it runs the block's experts (spec.inline).
+        return fam.outputs(r, logits, weights, ids, hidden_states, native)
 
     def _take(self, T, recompute, device):
         """(rows, replay ids int64 [T, K], replayed rows bool [T] or None: every row) an eager

@@ -57,8 +57,13 @@ class RoutingSpec:
     logits, dense [T, E] scores: sigmoid of the selected logits, 0 elsewhere; Llama-4),
     "logsigmoid_topk" (top-k of the sigmoid of the logits plus the selection bias; the weights a
     softmax over the selected slots of their log-sigmoid logits, exp(ls - logsumexp(ls)), the
-    shared slots included; Inkling) or "sparsemixer" (PhiMoE's two-stage masked softmax, eval
-    mode)."""
+    shared slots included; Inkling), "sparsemixer" (PhiMoE's two-stage masked softmax, eval
+    mode) or "product_key" (product-key routing over n = r.<keys> sub-keys, Doge: the [T, 2n]
+    logits viewed as (2, T, n) as the family's block does, so row t's x sub-key scores are the
+    first half's row t and its y scores the second half's row t (rows of the flat logits: they
+    mix tokens' halves, token t // 2's and token (T + t) // 2's); expert i·n + j scores
+    x[t, i] + y[t, j]; the K best of the n² sums; the weights a softmax over the K selected
+    sums. E = n², the experts a product key reaches)."""
     score_in_fp32: bool = True
     """softmax / sigmoid in fp32 (``dtype=torch.float``, ``logits.float()``) rather than in the
     logits' dtype."""
@@ -188,6 +193,17 @@ class RoutingSpec:
     """The router's last class is a skip expert (no compute): the route (capture, replay,
     ``num_experts``: the classes) holds it as id E; the block's experts receive its slot as id 0
     with weight 0 (Zaya)."""
+    keys: str = "num_keys"
+    """Router attribute n, the sub-keys of score "product_key" (Doge's num_keys)."""
+    inline: str | None = None
+    """A family that routes inline in its MoE block's forward, with no router module or route
+    method (its gate a bare nn.Linear): ``router_class`` is then the block, ``weight`` its gate's
+    weight, and the patched forward is the whole block's: the gate and the route (replay, record,
+    capture as for any router), then the block's own experts at the route's ids, written in
+    Family with the family's ops in its order (router_dtype=None: its outputs bitwise); it
+    returns what the block returns. "cdmoe" (Doge's DogeCDMoE: the experts are the rows of
+    down_embed and up_embed gathered at the ids, act(down·x) × weights combined over up, plus the
+    shared MLP; returns (hidden states, the (2, T, n) logits)), or None."""
     variant_by: str | None = None
     """Router attribute whose value picks one of ``variants`` at run time (Cohere2-MoE's
     expert_selection_fn), or None."""
@@ -486,6 +502,15 @@ SPECS = (
                 weights_dtype="hidden", combine_dtype="hidden dtype", flatten_input=False,
                 returns="expert_groups",
                 route_sites=("self_attention.experts.router", "mlp.router")),
+    # Doge: DogeCDMoE routes inline (router_gate a bare nn.Linear, no router module): the block is
+    # patched whole. Product keys over num_keys = floor(sqrt(num_experts)) sub-keys; the logits'
+    # (2, B·S, n) view mixes tokens' halves in the choice (as transformers does, kept), while the
+    # ids applied to token t are row t's; softmax over the K selected sums in the logits' dtype,
+    # renormalised when norm_topk_prob; the experts are embeddings gathered at the ids
+    RoutingSpec("doge", "Doge", "DogeCDMoE", "Doge with is_moe=True (SmallDoge's CDMoE)",
+                weight="router_gate.weight", score="product_key", score_in_fp32=False,
+                renorm="sum", renorm_if="norm_topk_prob", weights_dtype="hidden",
+                combine_dtype="hidden dtype", inline="cdmoe"),
     # LongCat-Flash: fp32 gate (the classifier's bias unused), softmax over the n_routed_experts
     # routed + zero_expert_num zero-compute experts, DeepSeek-style correction bias for the choice,
     # × routed_scaling_factor. The route is the router's ids over all E + Z; the block hands a
@@ -504,13 +529,6 @@ SPECS = (
 REFUSED = {
     # Families switchyard refuses, with the reason patch() gives (ValueError before any router is
     # touched). Each reason names what has no faithful [T, K] route to compute, replay or capture.
-    "doge": "Doge is not supported: DogeCDMoE routes inline in its forward (router_gate is a "
-            "bare nn.Linear: no router module or route method returns a route to patch), and its "
-            "product-key scores mix tokens: the [B, S, 2*sqrt(E)] logits are viewed as (2, B*S, "
-            "sqrt(E)), so row t's two sub-key score halves are the logits of tokens t // 2 and "
-            "(B*S + t) // 2 (transformers 5.24 and 5.25; its own comment says the split mixes "
-            "tokens): a token's experts are its own product-key choice only in a forward of one "
-            "token, so neither an FP32 router nor a replayed route has a per-token meaning",
     "param2moe": "param2moe has no modeling file in this transformers release (configuration "
                  "only): nothing to patch",
     "sarvam_mla": "sarvam_mla has no modeling file in this transformers release (configuration "
