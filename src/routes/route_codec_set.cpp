@@ -1215,6 +1215,10 @@ namespace {
 struct V4Dec {
   int64_t T, L, K, E;
   const int32_t* perm;  // [L, E] or null (unranked)
+  // For E <= 128 (ranked): each layer's permutation as 128 bytes, the 16-byte tables of ranks
+  // [16i, 16i + 16) ordered T0 T4 T1 T5 T2 T6 T3 T7 (one 32-byte load gives the AVX2 row two of
+  // them, one per 128-bit lane), null otherwise.
+  const uint8_t* perm8;
   // Row stream: per model its symbols (start | freq << 16) and bucket index, null when unused.
   const std::vector<const uint32_t*>* tab;
   const std::vector<const uint16_t*>* bkt;
@@ -1392,6 +1396,18 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
   d.K = K;
   d.E = E;
   d.perm = perm.empty() ? nullptr : perm.data();
+  std::vector<uint8_t> perm8;
+  if (!perm.empty() && E <= 128) {
+    perm8.assign(size_t(L * 128), 0);
+    for (int64_t l = 0; l < L; ++l) {
+      for (int64_t r = 0; r < E; ++r) {
+        const int64_t i = r >> 4;  // table i sits at 32 (i mod 4) + 16 (i / 4)
+        perm8[size_t(l * 128 + 32 * (i & 3) + 16 * (i >> 2) + (r & 15))] =
+            uint8_t(perm[size_t(l * E + r)]);
+      }
+    }
+    d.perm8 = perm8.data();
+  }
   d.tab = &tab;
   d.bkt = &bkt;
   d.m0_sym = m0_sym.data();
