@@ -1215,10 +1215,19 @@ namespace {
 struct V4Dec {
   int64_t T, L, K, E;
   const int32_t* perm;  // [L, E] or null (unranked)
+  // For E <= 128 (ranked): each layer's permutation as 128 bytes, the 16-byte tables of ranks
+  // [16i, 16i + 16) ordered T0 T4 T1 T5 T2 T6 T3 T7 (one 32-byte load gives the AVX2 row two of
+  // them, one per 128-bit lane), null otherwise.
+  const uint8_t* perm8;
   // Row stream: per model its symbols (start | freq << 16) and bucket index, null when unused.
   const std::vector<const uint32_t*>* tab;
   const std::vector<const uint16_t*>* bkt;
   const uint16_t* m0_sym;  // M0's full slot lookup: slot -> symbol (tab[0][symbol] for the rest)
+  // Per order model (null for the others and empty ones): the full slot lookup, entries as the
+  // set stream's (f - 1 | (slot - start) << 12 | symbol << 24; order alphabets are <= 256), and
+  // its symbols' packed digits.
+  const uint32_t* const* ofull;
+  const uint64_t* const* odig;
   const Models* rows;
   const std::vector<std::vector<std::vector<uint64_t>>>* digits;
   const uint8_t *rwp, *rwend;
@@ -1384,6 +1393,30 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
   }
   if (!hb.done()) return "set-coded payload: header has bytes past its tables";
   const auto digits = order_digits(rows, K);
+  // Order models: full slot lookups (16 KiB each, only for the tables present), in place of the
+  // bucket scan whose data-dependent trip count missed in the decoder's unsorted rows.
+  std::vector<const uint32_t*> ofull(rows.m.size(), nullptr);
+  std::vector<const uint64_t*> odig(rows.m.size(), nullptr);
+  int64_t n_ofull = 0;
+  for (size_t mi = 2; mi < rows.m.size(); ++mi) n_ofull += tab[mi] ? 1 : 0;
+  std::vector<uint32_t> ofull_mem(size_t(n_ofull * M));
+  {
+    uint32_t* at = ofull_mem.data();
+    for (int64_t mm = 2; mm <= K; ++mm) {
+      const auto& groups = rows.groups[size_t(mm)];
+      for (size_t gi = 0; gi < groups.size(); ++gi) {
+        const size_t mi = size_t(rows.order_model[size_t(mm)]) + gi;
+        odig[mi] = digits[size_t(mm)][gi].data();
+        if (!tab[mi]) continue;
+        for (int64_t i = 0; i < rows.m[mi].n; ++i) {
+          const uint32_t start = tab[mi][i] & 0xffffu, f = tab[mi][i] >> 16;
+          for (uint32_t q = 0; q < f; ++q) at[start + q] = (f - 1) | (q << 12) | uint32_t(i) << 24;
+        }
+        ofull[mi] = at;
+        at += M;
+      }
+    }
+  }
   const uint8_t* rp = raw + kV4Header + head_n;
   const uint8_t* sp = rp + row_n;
   V4Dec d{};
@@ -1392,9 +1425,23 @@ std::string decode_payload_set4(const char* raw_c, int64_t raw_size, int64_t T, 
   d.K = K;
   d.E = E;
   d.perm = perm.empty() ? nullptr : perm.data();
+  std::vector<uint8_t> perm8;
+  if (!perm.empty() && E <= 128) {
+    perm8.assign(size_t(L * 128), 0);
+    for (int64_t l = 0; l < L; ++l) {
+      for (int64_t r = 0; r < E; ++r) {
+        const int64_t i = r >> 4;  // table i sits at 32 (i mod 4) + 16 (i / 4)
+        perm8[size_t(l * 128 + 32 * (i & 3) + 16 * (i >> 2) + (r & 15))] =
+            uint8_t(perm[size_t(l * E + r)]);
+      }
+    }
+    d.perm8 = perm8.data();
+  }
   d.tab = &tab;
   d.bkt = &bkt;
   d.m0_sym = m0_sym.data();
+  d.ofull = ofull.data();
+  d.odig = odig.data();
   d.rows = &rows;
   d.digits = &digits;
   bool states_ok = true;
