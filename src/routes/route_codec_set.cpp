@@ -973,7 +973,7 @@ struct V4Rows {
   bool match;
   const uint16_t* rank;  // [L, E + 1]
   const Models* rows;    // the row stream's models
-  uint32_t* rsyms;       // out: row stream symbols, model << kSymBits | symbol
+  uint32_t* rsyms;       // out: row stream symbols, as indices into the row models' counts
   uint16_t* ss;          // out: set symbols in row order
   uint8_t* rm;           // out: per row, its number of set symbols
   uint32_t* cnt_row;     // counts of the row models
@@ -1175,17 +1175,21 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
   std::array<uint32_t, kV4RowStates> rx;
   rx.fill(kRansL);
   {
+    // Symbol i by state i % 4, last first: the top n % 4 symbols one by one, then groups of 4
+    // with the states in registers (an indexed array kept them in memory, a store-to-load
+    // round trip on each state's chain).
     const uint32_t* sy = rsyms.data();
-    thread_local std::vector<int64_t> model_first;
-    model_first.resize(rows.m.size());
-    for (size_t i = 0; i < rows.m.size(); ++i) model_first[i] = rows.m[i].first;
-    const int64_t* mf = model_first.data();
     const EncSym* esr = es_row.data();
-    for (int64_t i = a.n_rsyms - 1; i >= 0; --i) {
-      const uint32_t sv = sy[i];
-      rans_put(rx[size_t(i % kV4RowStates)],
-               esr[mf[sv >> kSymBits] + (sv & ((1u << kSymBits) - 1))], rwp);
+    int64_t i = a.n_rsyms - 1;
+    for (; i >= 0 && ((i + 1) & 3) != 0; --i) rans_put(rx[size_t(i & 3)], esr[sy[i]], rwp);
+    uint32_t x0 = rx[0], x1 = rx[1], x2 = rx[2], x3 = rx[3];
+    for (; i >= 3; i -= 4) {
+      rans_put(x3, esr[sy[i]], rwp);
+      rans_put(x2, esr[sy[i - 1]], rwp);
+      rans_put(x1, esr[sy[i - 2]], rwp);
+      rans_put(x0, esr[sy[i - 3]], rwp);
     }
+    rx = {x0, x1, x2, x3};
   }
   const int64_t row_words = rend - rwp;
   const int64_t row_bytes = 4 * kV4RowStates + 2 * row_words,
