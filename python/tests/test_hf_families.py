@@ -716,21 +716,36 @@ def test_doge_block_experts_run_under_the_callers_autocast_and_only_the_router_i
         h.remove()
 
 
+def _recompute_targets(T, M, K, E, seed=3):
+    """[T, M, K] replay targets of the checkpoint-recompute tests: K distinct random experts per
+    row, token 4 routed natively (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    targets = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * M)]).view(
+        T, M, K)
+    targets[4] = -1
+    return targets
+
+
+def _checkpoint_layers(model, reentrant):
+    """Checkpoint every decoder layer of a transformers model (reentrant or not)."""
+    import functools
+    from torch.utils.checkpoint import checkpoint
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(
+        checkpoint, use_reentrant=reentrant))
+    if reentrant:
+        model.enable_input_require_grads()
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_doge_checkpoint_recompute_replays_the_ids_of_its_forward(reentrant):
     # The patched block is the checkpointed decoder layer's MLP: the recompute inside backward
     # replays the ids its forward used (replayed and native rows), gradients bitwise those of the
     # step without checkpointing, nothing captured twice.
-    import functools
-    from torch.utils.checkpoint import checkpoint
     model = build("doge").train()
     ids = tokens(2, 9, seed=2)
     p = syhf.patch(model)
     T, E, K, M = ids.numel(), p.num_experts, p.top_k, len(p.layers)
-    g = torch.Generator().manual_seed(3)
-    targets = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * M)]).view(
-        T, M, K)
-    targets[4] = -1  # one token routed natively
+    targets = _recompute_targets(T, M, K, E)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -741,10 +756,7 @@ def test_doge_checkpoint_recompute_replays_the_ids_of_its_forward(reentrant):
             out.float().pow(2).mean().backward()
         return {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}, cap
     ref, _ = step()
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(
-        checkpoint, use_reentrant=reentrant))
-    if reentrant:
-        model.enable_input_require_grads()
+    _checkpoint_layers(model, reentrant)
     got, cap = step()
     assert cap.num_forwards == 1
     rows = targets[:, :, 0] >= 0
@@ -1085,16 +1097,11 @@ def test_ernie4_5_vl_moe_checkpoint_recompute_splits_the_tokens_as_its_forward(r
     # The recompute inside backward runs the block again (its pre-hook sees the same token types)
     # and replays the ids its forward used, each router its own rows: gradients bitwise those of
     # the step without checkpointing.
-    import functools
-    from torch.utils.checkpoint import checkpoint
     model = build("ernie4_5_vl_moe").train()
     ids, types = tokens(2, 9, seed=2), _ernie_types(2, 9)
     p = syhf.patch(model)
     T, E, K, M = ids.numel(), p.num_experts, p.top_k, len(p.layers)
-    g = torch.Generator().manual_seed(3)
-    targets = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * M)]).view(
-        T, M, K)
-    targets[4] = -1  # one token (a text token) routed natively
+    targets = _recompute_targets(T, M, K, E)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -1105,10 +1112,7 @@ def test_ernie4_5_vl_moe_checkpoint_recompute_splits_the_tokens_as_its_forward(r
             out.float().pow(2).mean().backward()
         return {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}, cap
     ref, _ = step()
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=functools.partial(
-        checkpoint, use_reentrant=reentrant))
-    if reentrant:
-        model.enable_input_require_grads()
+    _checkpoint_layers(model, reentrant)
     got, cap = step()
     assert cap.num_forwards == 1
     for layer, c in p.counts().items():
@@ -1390,17 +1394,12 @@ def test_inkling2_loop_checkpoint_recompute_replays_each_passs_own_ids(reentrant
     # forward's, bitwise), returns its forward's ids; without reentrancy the gradients are those
     # of the step without checkpointing, bitwise (transformers' reentrant checkpoint sums this
     # family's gradients in another order, the unpatched model's too: ~5e-7 apart).
-    import functools
-    from torch.utils.checkpoint import checkpoint
     from switchyard import replay as sr
     model = build("inkling2_loop").train()
     ids = tokens(2, 9, seed=2)
     p = syhf.patch(model)
     T, E, K, M = ids.numel(), p.num_experts, p.top_k, len(p.layers)
-    g = torch.Generator().manual_seed(3)
-    targets = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * M)]).view(
-        T, M, K)
-    targets[4] = -1  # one token routed natively
+    targets = _recompute_targets(T, M, K, E)
     calls = []
     hooks = [layer.mlp.gate.register_forward_hook(
         lambda m, a, o, i=i: calls.append((i, sr.in_recompute(), a[0].detach().clone(),
@@ -1422,10 +1421,7 @@ def test_inkling2_loop_checkpoint_recompute_replays_each_passs_own_ids(reentrant
                 if q.grad is not None}, cap.ids()
     try:
         refs = [step(False), step(True)]
-        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=(
-            functools.partial(checkpoint, use_reentrant=reentrant)))
-        if reentrant:
-            model.enable_input_require_grads()
+        _checkpoint_layers(model, reentrant)
         for replay, (ref, ref_ids) in zip((False, True), refs):
             got, got_ids = step(replay)
             assert torch.equal(got_ids, ref_ids)
