@@ -83,6 +83,133 @@ def trl_trainer_kwargs(a, out):
                      head_dim=a.hidden // 4)
     args = tm.config(out, per_device_train_batch_size=a.batch, num_generations=a.batch // 2,
                      max_completion_length=a.completion, max_steps=a.steps, num_iterations=2,
-                     logging_steps=10**6)
+                     logging_steps=10**6,
+                     # every completion a.completion tokens long: the same work in every step
+                     # and variant (an early EOS would differ between them)
+                     generation_kwargs={"min_new_tokens": a.completion})
     return dict(model=model, reward_funcs=tm.reward_len, args=args, train_dataset=tm.dataset(64),
                 processing_class=tm.tokenizer())
+
+
+# --------------------------------------------------------------------------------------------------
+# Step-interleaved timing (issue 31 item 6): on a shared machine a trainer run's time drifts by
+# +-7-10% between runs, more than the overheads measured. Interleaving the variants one step at a
+# time (a shuffled order each round) puts every slow period on all of them alike; the ratio of
+# each round's step times to the peer's in the same round is then paired, and its median over the
+# rounds is robust to the rounds a neighbour disturbed.
+# --------------------------------------------------------------------------------------------------
+def interleaved_rounds(variants, rounds, step, seed=0):
+    """Runs ``step(variant)`` once per variant per round, in a shuffled order each round.
+    Returns {variant: [per-round (wall, thread CPU) seconds]}."""
+    import random
+    import time
+    rng = random.Random(seed)
+    times = {v: [] for v in variants}
+    for _ in range(rounds):
+        order = list(variants)
+        rng.shuffle(order)
+        for v in order:
+            t, c = time.perf_counter(), time.thread_time()
+            step(v)
+            times[v].append((time.perf_counter() - t, time.thread_time() - c))
+    return times
+
+
+class StepBaton:
+    """Interleaves trainers that each run their own loop in a thread (TRL's ``train()``): one
+    thread runs at a time; the turn passes at each step's end to the next variant of the round (a
+    shuffled order each round), so the steps interleave as in ``interleaved_rounds``. Each thread
+    calls ``run(variant, fn)``; ``callback(variant)`` is the transformers TrainerCallback that
+    times that variant's steps and passes the turn. ``times`` as interleaved_rounds'. Each thread
+    keeps its own torch RNG stream across turns (saved when it passes the turn, restored when it
+    gets it back), so a variant draws what it would draw running alone."""
+
+    def __init__(self, variants, seed=0):
+        import random
+        import threading
+        self._rng = random.Random(seed)
+        self._seed = seed
+        self._cv = threading.Condition()
+        self._active = list(variants)
+        self._queue = []
+        self._rng_states = {}
+        self.times = {v: [] for v in variants}
+        self._refill()
+
+    def _refill(self):
+        self._queue = list(self._active)
+        self._rng.shuffle(self._queue)
+
+    def _wait(self, v):
+        import torch
+        with self._cv:
+            self._cv.wait_for(lambda: self._queue and self._queue[0] == v)
+        if v in self._rng_states:
+            torch.set_rng_state(self._rng_states[v])
+
+    def _pass(self, v, finished=False):
+        import torch
+        self._rng_states[v] = torch.get_rng_state()
+        with self._cv:
+            if finished:
+                self._active.remove(v)
+            self._queue.pop(0)
+            if not self._queue:
+                self._refill()
+            self._cv.notify_all()
+
+    def run(self, variant, fn):
+        """Runs ``fn()`` in the calling thread, holding the turn except between steps; every
+        variant's torch RNG stream starts from the same seed."""
+        import torch
+        self._wait(variant)
+        torch.manual_seed(self._seed)
+        try:
+            return fn()
+        finally:
+            self._pass(variant, finished=True)
+
+    def callback(self, variant):
+        import time
+        from transformers import TrainerCallback
+        baton = self
+
+        class _Timed(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                self.t = (time.perf_counter(), time.thread_time())
+
+            def on_step_end(self, args, state, control, **kw):
+                t, c = self.t
+                baton.times[variant].append((time.perf_counter() - t, time.thread_time() - c))
+                baton._pass(variant)
+                baton._wait(variant)
+        return _Timed()
+
+
+def print_paired_ratios(times, peer, cycle=1, skip=1):
+    """Per-step table of interleaved times ({variant: [(wall, CPU)]}, the same rounds for every
+    variant): median CPU and wall ms per step; the median over cycles of ``cycle`` rounds (TRL: 2,
+    the generation and the reuse step) of each variant's CPU time / the peer's in the same cycle,
+    with its interquartile range; and the ratio of the fastest cycles (a neighbour only ever adds
+    time, so each variant's fastest cycle is its least disturbed one). The first ``skip`` rounds
+    (first-call costs) are left out. Returns {variant: (median paired ratio, fastest-cycle
+    ratio)}."""
+    import statistics
+    n = min(len(t) for t in times.values())
+    ncyc = (n - skip) // cycle
+
+    def cyc(v, i):
+        return sum(times[v][skip + cycle * i + j][1] for j in range(cycle))
+    print(f"  variant    CPU ms/step   wall ms/step   CPU / {peer}'s: median of {ncyc} paired "
+          f"{cycle}-step cycles [IQR]   fastest cycles")
+    out = {}
+    best_peer = min(cyc(peer, i) for i in range(ncyc))
+    for v in times:
+        cpu = statistics.median(t[1] for t in times[v][skip:n]) * 1e3
+        wall = statistics.median(t[0] for t in times[v][skip:n]) * 1e3
+        r = sorted(cyc(v, i) / cyc(peer, i) for i in range(ncyc))
+        q = statistics.quantiles(r, n=4) if len(r) >= 2 else [r[0]] * 3
+        out[v] = (statistics.median(r), min(cyc(v, i) for i in range(ncyc)) / best_peer)
+        print(f"  {v:<8} {cpu:12.1f} {wall:14.1f}   {out[v][0]:6.3f} [{q[0]:.3f}, {q[2]:.3f}]"
+              f"{out[v][1]:24.3f}")
+    return out

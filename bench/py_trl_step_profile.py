@@ -54,9 +54,14 @@ def _instrument():
             (qwen.Qwen3MoeTopKRouter, "forward", "router forward (trl's own)"),
             (patch._Layer, "forward", "router forward (patched)"),
             (patch, "_gate", "  gate"),
+            (fams.Family, "native_logits", "  gate (the family's own)"),
             (patch._Layer, "_route", "  routing + replay + capture"),
+            (patch._Layer, "_take", "    replay rows taken from the queue"),
             (fams.Family, "route", "    family routing"),
+            (fams, "_ids", "      ids (live top-k, replayed merged)"),
             (patch._Layer, "_after_forward", "    capture / record / recompute queue"),
+            (cap.Capture, "append", "      capture append"),
+            (fams.Family, "outputs", "    family outputs"),
             (patch._Layer, "_pre_hook", "decoder-layer pre-hook"),
             (cap.ExpertsCapture, "_on_experts", "experts capture hook"),
             (patch.Patch, "_step_begins", "model forward begin hook"),
@@ -74,7 +79,7 @@ def _instrument():
 
 def main():
     ap = b.trainer_step_parser(completion=16)
-    ap.add_argument("--variant", default="fp32+R3", choices=["patch", "fp32", "fp32+R3"])
+    ap.add_argument("--variant", default="fp32+R3", choices=["patch", "R3", "fp32", "fp32+R3"])
     a = b.trainer_step_args(ap)
     torch.set_num_threads(int(a.threads))
     print(b.machine_line())

@@ -4,15 +4,17 @@ default activation checkpointing, optimizer) on the same micro-batches carrying 
 routed_experts, with verl's own FSDPEngineWithLMHead ("verl", native routing: routed_experts
 unused); switchyard's SwitchyardFSDPEngine with R3 ("R3": both passes replay routed_experts);
 and with SWITCHYARD_VERL_ROUTER_DTYPE=float32 too ("fp32+R3").
-Runs round-robin (order rotated each round) in one process on the CPU, verl's real engine (fsdp2,
-one gloo process) through the CPU shims of python/tests_verl/verl_cpu.py; prints the CPU model, the
-best process CPU time (the steadier measure on a shared machine: one thread) and wall time per
-variant, and the ratios (1.00 = no overhead).
+Every engine is built first; then the steps interleave, one step of each variant per round in a
+shuffled order (bench_machine.interleaved_rounds), in one process on the CPU, verl's real engine
+(fsdp2, one gloo process) through the CPU shims of python/tests_verl/verl_cpu.py; prints the CPU
+model, each variant's median step (thread CPU time, one thread, and wall) and the median over
+rounds of its CPU time / verl's in the same round (1.00 = no overhead), with the interquartile
+range.
 
     VV=$(bash scripts/env.sh verl)
     PYTHONPATH=build/python $VV/bin/python bench/py_verl_overhead.py [--quick] [--threads N]
         [--hidden 128] [--layers 4] [--experts 16] [--batch 8] [--prompt 8] [--response 24]
-        [--steps 4]
+        [--steps 40]
 
 A tiny Qwen3-MoE (no download) in fp32 (verl_cpu's engine: fp32 parameters and compute) where the
 routers are a large share of the work, so the ratio is an upper bound of the overhead on real
@@ -23,7 +25,6 @@ cast): on CPU tensors the fp32 router runs switchyard's batch-invariant gate ker
 import os
 import sys
 import tempfile
-import time
 import warnings
 
 _threads = next((a.split("=", 1)[1] if "=" in a else sys.argv[i + 2]
@@ -42,7 +43,7 @@ verl_cpu.setup(external_modules=["switchyard.integrations.verl"])  # before verl
 import torch  # noqa: E402
 import verl  # noqa: E402
 
-from bench_machine import (best_of_rotated_rounds, machine_line, print_step_ratios,  # noqa: E402
+from bench_machine import (interleaved_rounds, machine_line, print_paired_ratios,  # noqa: E402
                            trainer_step_args, trainer_step_parser)
 
 VARIANTS = {  # name: (VERL_ENGINE_VENDOR, SWITCHYARD_VERL_ROUTER_REPLAY, ..._ROUTER_DTYPE)
@@ -99,28 +100,26 @@ def step(eng, infer, update):
     return old, upd
 
 
-def run(eng, variant, infer, update, routed_rows, steps):
-    """(wall, process CPU) seconds for ``steps`` trainer steps."""
-    t, c = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        old, upd = step(eng, infer, update)
-    dt = (time.perf_counter() - t, time.process_time() - c)
-    if variant != "verl":  # every routed row of both passes replayed the rollout's ids
+def run(eng, variant, infer, update, routed_rows):
+    """One trainer step, checked: under R3 every routed row of both passes replayed the
+    rollout's ids."""
+    old, upd = step(eng, infer, update)
+    if variant != "verl":
         for out in (old, upd):
             assert out["metrics"]["router_replay/replayed_rows"].aggregate() == routed_rows
-    return dt
 
 
 def main():
-    ap = trainer_step_parser(micro=4, prompt=8, response=24)
+    ap = trainer_step_parser(micro=4, prompt=8, response=24, steps=40)
     a = trainer_step_args(ap)
+    if a.quick:
+        a.steps = 8
     torch.set_num_threads(int(a.threads))
     print(machine_line())
     print(f"verl {verl.__version__} FSDP engine (fsdp2, 1 gloo process); Qwen3-MoE hidden "
           f"{a.hidden}, {a.layers} layers, {a.experts} experts top-2, fp32; batch {a.batch} "
           f"(micro {a.micro}), prompts <= {a.prompt}, responses <= {a.response} tokens; step = "
-          f"log-prob pass + update; {a.steps} steps, {a.threads} thread(s), best of {a.rounds} "
-          "rounds")
+          f"log-prob pass + update; {a.steps} steps each, interleaved, {a.threads} thread(s)")
     tmp = tempfile.TemporaryDirectory()  # kept until the end: verl holds the model's path
     path = verl_cpu.tiny_qwen3_moe(
         tmp.name, num_hidden_layers=a.layers, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
@@ -130,10 +129,10 @@ def main():
     infer, update, routed_rows = make_batches(a)
     variants = list(VARIANTS)
     for v in variants:  # warm-up: first-call costs of each engine
-        run(engines[v], v, infer, update, routed_rows, 1)
-    best = best_of_rotated_rounds(
-        variants, a.rounds, lambda v: run(engines[v], v, infer, update, routed_rows, a.steps))
-    print_step_ratios(best, a.steps, "verl")
+        run(engines[v], v, infer, update, routed_rows)
+    times = interleaved_rounds(variants, a.steps,
+                               lambda v: run(engines[v], v, infer, update, routed_rows))
+    print_paired_ratios(times, "verl", skip=0)
     tmp.cleanup()
 
 
