@@ -95,6 +95,15 @@ class _Layer:
         self._had_route = self._route_method is not None and self._route_method in block.__dict__
         self._orig_route = block.__dict__.get(self._route_method) if self._route_method else None
         self._hidden_dtype = None  # the router's last input dtype (for the route method)
+        # Whether a natively routed forward with router_dtype=None may run the router's own
+        # forward whole (_native_forward): a family whose router returns (logits or scores,
+        # weights, ids) with the ids as the experts receive them, routing once per call.
+        s = family.spec
+        self._own_forward_ok = (
+            s.returns in ("route", "scores") and s.variant_by is None and not s.skip_expert and
+            s.shared_slots is None and s.score != "sigmoid_dense" and s.inline is None and
+            s.route_method is None and s.carried_state is None and s.gate_module is None and
+            s.split_by is None and s.loop is None and not s.route_sites)
 
     def reset_counts(self):
         self.counts = _replay.ReplayCounts()
@@ -262,6 +271,10 @@ class _Layer:
             raise TypeError(f"[hf] {fam.name}: {fam.router_class}.forward() got unexpected keyword "
                             f"arguments {sorted(named)}")
         fam.check_mode(r)
+        if owner.router_dtype is None and self._own_forward_ok and self.pair is None and \
+                self.replay.action in (None, "record") and not torch.compiler.is_compiling() \
+                and hidden_states.device.type != "meta" and not _replay.in_recompute():
+            return self._native_forward(hidden_states, passed, named)
         jitter = fam.spec.input_jitter
         if jitter is not None and r.training and getattr(r, jitter) is not None:
             eps = getattr(r, jitter)  # the family's own training jitter, in place as it does
@@ -287,6 +300,22 @@ class _Layer:
         if fam.spec.carried_state is not None:  # the next layer's router state, after the route
             return (*self._route(logits, hidden_states, passed), state)
         return self._route(logits, hidden_states, passed)
+
+    def _native_forward(self, hidden_states, passed, named):
+        """A forward that routes natively with the family's own dtypes and replays nothing: the
+        router's own forward (the output router_dtype=None must give bit for bit, by
+        construction), its ids counted, recorded, captured and queued for a checkpoint recompute
+        as _route's are. About half the Python of the generic routed forward per call, which is
+        most of a generation's router calls."""
+        own = self._orig_forward if self._had_instance_forward else \
+            type(self.router).forward.__get__(self.router)
+        out = own(hidden_states, *passed, **named)
+        ids = out[2]
+        T = ids.shape[0]
+        self.staged_rows = self.staged_replay = None  # (as _take: nothing staged is used)
+        self.counts.add_native(T)
+        self._after_forward(ids, T)
+        return out
 
     def route_logits(self, router_logits):
         """The block's route method of a family whose router returns logits only (DBRX):
