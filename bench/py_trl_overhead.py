@@ -77,10 +77,16 @@ def run(variant, a, out):
 
 def interleaved(variants, a, out):
     """{variant: [(wall, thread CPU) per step]}: the variants' trainers stepping in turn."""
+    import gc
     import threading
     baton = StepBaton(variants)
     trainers = {v: trainer(v, a, os.path.join(out, v.replace("+", "_")), [baton.callback(v)])
                 for v in variants}
+    # Python's cyclic GC runs in whichever step allocates and walks every trainer's objects:
+    # those built so far are frozen out of its generations, so a collection costs what the
+    # steps themselves allocated.
+    gc.collect()
+    gc.freeze()
     errors = []
 
     def body(v):

@@ -22,6 +22,7 @@ model sizes. The model is fp32 already, so "fp32+R3" differs from "R3" by the ga
 cast): on CPU tensors the fp32 router runs switchyard's batch-invariant gate kernel
 (switchyard.torch.router_gating_linear) where "R3" keeps the model's own torch GEMM.
 """
+import gc
 import os
 import sys
 import tempfile
@@ -130,6 +131,8 @@ def main():
     variants = list(VARIANTS)
     for v in variants:  # warm-up: first-call costs of each engine
         run(engines[v], v, infer, update, routed_rows)
+    gc.collect()  # what exists now is out of the cyclic GC's generations (as in py_trl_overhead)
+    gc.freeze()
     times = interleaved_rounds(variants, a.steps,
                                lambda v: run(engines[v], v, infer, update, routed_rows))
     print_paired_ratios(times, "verl", skip=0)
