@@ -21,6 +21,7 @@
 // symbols in 32 states with an AVX2 row step in the decoder (notes/routes.md, "Format version 4").
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <memory>
 #include <numeric>
 
@@ -361,12 +362,14 @@ bool matches_pay(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
 // tokens (build_ranks' sample) order the tail experts by noise, and even exact counts tie experts
 // of near-equal use that a top-k orders consistently. Measured on bench_routes' Zipf s 0.8 batch:
 // 5.70 bits per routed id (sampled counts) -> 5.27 (whole-block counts) -> 5.14 (with the swaps).
-// Returns false on an id outside [-1, E) (checked before it indexes anything).
+// Returns false on an id outside [-1, E) (checked before it indexes anything); sets *any_none
+// (when given) to whether the block has a -1.
 constexpr int64_t kSetOrderMaxExperts = 256;
 constexpr int kSetOrderPasses = 16;
 constexpr int64_t kSetOrderSample = 512;
 bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, uint16_t* perm,
-               std::vector<uint16_t>& rank, std::vector<uint32_t>& used) {
+               std::vector<uint16_t>& rank, std::vector<uint32_t>& used,
+               bool* any_none = nullptr) {
   const int64_t E1 = E + 1, row = L * K;
   rank.assign(static_cast<size_t>(L * E1), 0);
   used.resize(static_cast<size_t>(L * E));
@@ -386,6 +389,10 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
       for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
     }
   }
+  if (any_none) {
+    *any_none = false;
+    for (int64_t l = 0; l < L; ++l) *any_none = *any_none || count[size_t(l * E1)] != 0;
+  }
   // Consecutive-slot pairs from the first kSetOrderSample tokens (a bounded cost per block; on
   // bench_routes' 1024-token blocks the whole block orders the ranks no better).
   const int64_t pairs = std::min<int64_t>(T, kSetOrderSample);
@@ -394,6 +401,7 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
   static_assert(kSetOrderSample * (kSetMaxTopK - 1) < 65536);
   if (order) pre.assign(static_cast<size_t>(E1 * E1), 0);
   std::vector<uint16_t> ord(static_cast<size_t>(E));
+  std::vector<uint64_t> key(static_cast<size_t>(E));
   for (int64_t l = 0; l < L; ++l) {
     if (order) {
       for (int64_t t = 0; t < pairs; ++t) {
@@ -406,9 +414,12 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
     }
     const uint32_t* c = count.data() + l * E1 + 1;
     std::copy(c, c + E, used.begin() + l * E);
-    std::iota(ord.begin(), ord.end(), uint16_t{0});
-    std::sort(ord.begin(), ord.end(),
-              [&](uint16_t a, uint16_t b) { return c[a] != c[b] ? c[a] > c[b] : a < b; });
+    // By use, most used first, ties to the lower id: one u64 key per id (use, then the id's
+    // complement), sorted descending; a strict order, so the same ranks as a comparator on the
+    // counters, without its two indexed loads per comparison.
+    for (int64_t e = 0; e < E; ++e) key[size_t(e)] = uint64_t(c[e]) << 32 | uint32_t(~uint32_t(e));
+    std::sort(key.begin(), key.end(), std::greater<uint64_t>());
+    for (int64_t e = 0; e < E; ++e) ord[size_t(e)] = uint16_t(~uint32_t(key[size_t(e)]));
     if (order) {
       const auto before = [&](uint16_t a, uint16_t b) { return pre[size_t((a + 1) * E1 + b + 1)]; };
       for (int pass = 0; pass < kSetOrderPasses; ++pass) {
@@ -979,8 +990,11 @@ struct V4Rows {
   uint32_t* cnt_row;     // counts of the row models
   uint32_t* cnt_set;     // [L, 2E]: F then G counts per layer
   bool rank_padded;      // rank has one readable entry past [L, E + 1] (the AVX2 row's gather)
-  int64_t n_rsyms = 0, n_ss = 0;
+  // Every id is known to be in [-1, E) and any_none is set (set_ranks checked and counted them):
+  // the pass skips its own per-token check.
+  bool ids_checked = false;
   bool any_none = false;
+  int64_t n_rsyms = 0, n_ss = 0;
 };
 
 // The hot passes, built for the baseline ISA and for AVX2 (the same symbols, so both write the
@@ -1094,7 +1108,8 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
   thread_local std::vector<uint16_t> perm, rank;
   thread_local std::vector<uint32_t> used;
   perm.resize(static_cast<size_t>(ranked ? L * E : 0));
-  if (ranked ? !set_ranks(idx, T, L, K, E, perm.data(), rank, used)
+  bool any_none = false;
+  if (ranked ? !set_ranks(idx, T, L, K, E, perm.data(), rank, used, &any_none)
              : !build_ranks_u16(idx, T, L, K, E, false, nullptr, rank)) {
     return kBadIds;
   }
@@ -1117,7 +1132,8 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
   Bits rawbits{raw};
   rank.push_back(0);  // read (and ignored) by the AVX2 row's 4-byte gathers of rk[E - 1]
   V4Rows a{idx,          T,          L,           K,       E, match, rank.data(), &rows,
-           rsyms.data(), ss.data(),  rm.data(),   cnt_row.data(), cnt_set.data(), true};
+           rsyms.data(), ss.data(),  rm.data(),   cnt_row.data(), cnt_set.data(), true,
+           ranked,       any_none};
   if (!(v4_simd() ? v4_model_rows_avx2(a, rawbits) : v4_model_rows_base(a, rawbits))) {
     return kBadIds;
   }
