@@ -374,11 +374,18 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
   rank.assign(static_cast<size_t>(L * E1), 0);
   used.resize(static_cast<size_t>(L * E));
   thread_local std::vector<uint32_t> count;
-  thread_local std::vector<uint16_t> pre;
+  thread_local std::vector<uint16_t> pre, sample;
   const bool order = E <= kSetOrderMaxExperts && K > 1;
+  // Consecutive-slot pairs from the first kSetOrderSample tokens (a bounded cost per block; on
+  // bench_routes' 1024-token blocks the whole block orders the ranks no better).
+  const int64_t pairs = order ? std::min<int64_t>(T, kSetOrderSample) : 0;
   // Uses, token by token (the [L, E + 1] counters stay in L1; -1 lands in slot 0), each token's
   // range checked before it is counted (one read of the block, not a range pass of its own).
+  // The sampled tokens' ids + 1 are also copied layer by layer ([L, pairs, K] u16), so each
+  // layer's pair counts below read 16 bytes per token in a row, not a strided walk of the block
+  // (1.5 KiB apart at L 48, K 8: 786 KB per layer, past L2, walked once per layer).
   count.assign(static_cast<size_t>(L * E1), 0);
+  sample.resize(static_cast<size_t>(L * pairs * K));
   for (int64_t t = 0; t < T; ++t) {
     const int32_t* tok = idx + t * row;
     uint32_t bad = 0;
@@ -388,14 +395,17 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
       uint32_t* c = count.data() + l * E1 + 1;
       for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
     }
+    if (t < pairs) {
+      for (int64_t l = 0; l < L; ++l) {
+        uint16_t* y = sample.data() + (l * pairs + t) * K;
+        for (int64_t k = 0; k < K; ++k) y[k] = uint16_t(tok[l * K + k] + 1);
+      }
+    }
   }
   if (any_none) {
     *any_none = false;
     for (int64_t l = 0; l < L; ++l) *any_none = *any_none || count[size_t(l * E1)] != 0;
   }
-  // Consecutive-slot pairs from the first kSetOrderSample tokens (a bounded cost per block; on
-  // bench_routes' 1024-token blocks the whole block orders the ranks no better).
-  const int64_t pairs = std::min<int64_t>(T, kSetOrderSample);
   // [a + 1][b + 1]: a just before b; u16 (at most kSetOrderSample * (K - 1) < 2^16 pairs) so the
   // table of E 128 (33 KiB) stays near L1
   static_assert(kSetOrderSample * (kSetMaxTopK - 1) < 65536);
@@ -404,10 +414,10 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
   std::vector<uint64_t> key(static_cast<size_t>(E));
   for (int64_t l = 0; l < L; ++l) {
     if (order) {
-      for (int64_t t = 0; t < pairs; ++t) {
-        const int32_t* x = idx + t * row + l * K;
+      const uint16_t* y = sample.data() + l * pairs * K;
+      for (int64_t t = 0; t < pairs; ++t, y += K) {
         for (int64_t k = 0; k + 1 < K; ++k) {
-          uint16_t& c = pre[size_t((x[k] + 1) * E1 + x[k + 1] + 1)];
+          uint16_t& c = pre[size_t(y[k] * E1 + y[k + 1])];
           c = uint16_t(c + 1);
         }
       }
