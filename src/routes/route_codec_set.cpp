@@ -21,6 +21,7 @@
 // symbols in 32 states with an AVX2 row step in the decoder (notes/routes.md, "Format version 4").
 #include <algorithm>
 #include <array>
+#include <functional>
 #include <memory>
 #include <numeric>
 
@@ -331,12 +332,20 @@ bool matches_pay(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
   }
   double saved = 0;
   int64_t hits = 0;
+  // Per token, the matching slots' indices first (compacted without a branch: a branch per slot
+  // missed on the ~10% of chance matches), then their savings in slot order (the same sum).
+  thread_local std::vector<int32_t> at;
+  at.resize(static_cast<size_t>(row));
   for (int64_t t = 1; t < sample; ++t) {
     const int32_t* tok = idx + t * row;
+    int64_t n = 0;
     for (int64_t j = 0; j < row; ++j) {
-      if (tok[j] < 0 || tok[j] != tok[j - row]) continue;
-      const int64_t l = j / K;
-      ++hits;
+      at[size_t(n)] = int32_t(j);
+      n += int64_t((tok[j] >= 0) & (tok[j] == tok[j - row]));
+    }
+    hits += n;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = at[size_t(i)], l = j / K;
       saved += log_n[size_t(l)] - approx_log2(float(used[size_t(l * E + tok[j])]));
     }
   }
@@ -361,21 +370,30 @@ bool matches_pay(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
 // tokens (build_ranks' sample) order the tail experts by noise, and even exact counts tie experts
 // of near-equal use that a top-k orders consistently. Measured on bench_routes' Zipf s 0.8 batch:
 // 5.70 bits per routed id (sampled counts) -> 5.27 (whole-block counts) -> 5.14 (with the swaps).
-// Returns false on an id outside [-1, E) (checked before it indexes anything).
+// Returns false on an id outside [-1, E) (checked before it indexes anything); sets *any_none
+// (when given) to whether the block has a -1.
 constexpr int64_t kSetOrderMaxExperts = 256;
 constexpr int kSetOrderPasses = 16;
 constexpr int64_t kSetOrderSample = 512;
 bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, uint16_t* perm,
-               std::vector<uint16_t>& rank, std::vector<uint32_t>& used) {
+               std::vector<uint16_t>& rank, std::vector<uint32_t>& used,
+               bool* any_none = nullptr) {
   const int64_t E1 = E + 1, row = L * K;
   rank.assign(static_cast<size_t>(L * E1), 0);
   used.resize(static_cast<size_t>(L * E));
   thread_local std::vector<uint32_t> count;
-  thread_local std::vector<uint16_t> pre;
+  thread_local std::vector<uint16_t> pre, sample;
   const bool order = E <= kSetOrderMaxExperts && K > 1;
+  // Consecutive-slot pairs from the first kSetOrderSample tokens (a bounded cost per block; on
+  // bench_routes' 1024-token blocks the whole block orders the ranks no better).
+  const int64_t pairs = order ? std::min<int64_t>(T, kSetOrderSample) : 0;
   // Uses, token by token (the [L, E + 1] counters stay in L1; -1 lands in slot 0), each token's
   // range checked before it is counted (one read of the block, not a range pass of its own).
+  // The sampled tokens' ids + 1 are also copied layer by layer ([L, pairs, K] u16), so each
+  // layer's pair counts below read 16 bytes per token in a row, not a strided walk of the block
+  // (1.5 KiB apart at L 48, K 8: 786 KB per layer, past L2, walked once per layer).
   count.assign(static_cast<size_t>(L * E1), 0);
+  sample.resize(static_cast<size_t>(L * pairs * K));
   for (int64_t t = 0; t < T; ++t) {
     const int32_t* tok = idx + t * row;
     uint32_t bad = 0;
@@ -385,30 +403,41 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
       uint32_t* c = count.data() + l * E1 + 1;
       for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
     }
+    if (t < pairs) {
+      for (int64_t l = 0; l < L; ++l) {
+        uint16_t* y = sample.data() + (l * pairs + t) * K;
+        for (int64_t k = 0; k < K; ++k) y[k] = uint16_t(tok[l * K + k] + 1);
+      }
+    }
   }
-  // Consecutive-slot pairs from the first kSetOrderSample tokens (a bounded cost per block; on
-  // bench_routes' 1024-token blocks the whole block orders the ranks no better).
-  const int64_t pairs = std::min<int64_t>(T, kSetOrderSample);
+  if (any_none) {
+    *any_none = false;
+    for (int64_t l = 0; l < L; ++l) *any_none = *any_none || count[size_t(l * E1)] != 0;
+  }
   // [a + 1][b + 1]: a just before b; u16 (at most kSetOrderSample * (K - 1) < 2^16 pairs) so the
   // table of E 128 (33 KiB) stays near L1
   static_assert(kSetOrderSample * (kSetMaxTopK - 1) < 65536);
   if (order) pre.assign(static_cast<size_t>(E1 * E1), 0);
   std::vector<uint16_t> ord(static_cast<size_t>(E));
+  std::vector<uint64_t> key(static_cast<size_t>(E));
   for (int64_t l = 0; l < L; ++l) {
     if (order) {
-      for (int64_t t = 0; t < pairs; ++t) {
-        const int32_t* x = idx + t * row + l * K;
+      const uint16_t* y = sample.data() + l * pairs * K;
+      for (int64_t t = 0; t < pairs; ++t, y += K) {
         for (int64_t k = 0; k + 1 < K; ++k) {
-          uint16_t& c = pre[size_t((x[k] + 1) * E1 + x[k + 1] + 1)];
+          uint16_t& c = pre[size_t(y[k] * E1 + y[k + 1])];
           c = uint16_t(c + 1);
         }
       }
     }
     const uint32_t* c = count.data() + l * E1 + 1;
     std::copy(c, c + E, used.begin() + l * E);
-    std::iota(ord.begin(), ord.end(), uint16_t{0});
-    std::sort(ord.begin(), ord.end(),
-              [&](uint16_t a, uint16_t b) { return c[a] != c[b] ? c[a] > c[b] : a < b; });
+    // By use, most used first, ties to the lower id: one u64 key per id (use, then the id's
+    // complement), sorted descending; a strict order, so the same ranks as a comparator on the
+    // counters, without its two indexed loads per comparison.
+    for (int64_t e = 0; e < E; ++e) key[size_t(e)] = uint64_t(c[e]) << 32 | uint32_t(~uint32_t(e));
+    std::sort(key.begin(), key.end(), std::greater<uint64_t>());
+    for (int64_t e = 0; e < E; ++e) ord[size_t(e)] = uint16_t(~uint32_t(key[size_t(e)]));
     if (order) {
       const auto before = [&](uint16_t a, uint16_t b) { return pre[size_t((a + 1) * E1 + b + 1)]; };
       for (int pass = 0; pass < kSetOrderPasses; ++pass) {
@@ -979,8 +1008,11 @@ struct V4Rows {
   uint32_t* cnt_row;     // counts of the row models
   uint32_t* cnt_set;     // [L, 2E]: F then G counts per layer
   bool rank_padded;      // rank has one readable entry past [L, E + 1] (the AVX2 row's gather)
-  int64_t n_rsyms = 0, n_ss = 0;
+  // Every id is known to be in [-1, E) and any_none is set (set_ranks checked and counted them):
+  // the pass skips its own per-token check.
+  bool ids_checked = false;
   bool any_none = false;
+  int64_t n_rsyms = 0, n_ss = 0;
 };
 
 // The hot passes, built for the baseline ISA and for AVX2 (the same symbols, so both write the
@@ -1094,7 +1126,8 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
   thread_local std::vector<uint16_t> perm, rank;
   thread_local std::vector<uint32_t> used;
   perm.resize(static_cast<size_t>(ranked ? L * E : 0));
-  if (ranked ? !set_ranks(idx, T, L, K, E, perm.data(), rank, used)
+  bool any_none = false;
+  if (ranked ? !set_ranks(idx, T, L, K, E, perm.data(), rank, used, &any_none)
              : !build_ranks_u16(idx, T, L, K, E, false, nullptr, rank)) {
     return kBadIds;
   }
@@ -1117,7 +1150,8 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
   Bits rawbits{raw};
   rank.push_back(0);  // read (and ignored) by the AVX2 row's 4-byte gathers of rk[E - 1]
   V4Rows a{idx,          T,          L,           K,       E, match, rank.data(), &rows,
-           rsyms.data(), ss.data(),  rm.data(),   cnt_row.data(), cnt_set.data(), true};
+           rsyms.data(), ss.data(),  rm.data(),   cnt_row.data(), cnt_set.data(), true,
+           ranked,       any_none};
   if (!(v4_simd() ? v4_model_rows_avx2(a, rawbits) : v4_model_rows_base(a, rawbits))) {
     return kBadIds;
   }

@@ -494,7 +494,10 @@ TEST(RouteCodecSet, BaselineAndAvx2PathsWriteTheSameBytes) {
   if (!cpu_supports(CpuIsa::avx2)) GTEST_SKIP() << "this CPU has no AVX2 (only one path to run)";
   const CpuIsa was = cpu_isa();
   const Shape shapes[] = {{1031, 3, 8, 128}, {300, 2, 16, 300}, {200, 2, 6, 64}, {50, 2, 9, 4096},
-                          {400, 3, 1, 16},   {400, 2, 4, 300},  {300, 2, 8, 4096}};
+                          {400, 3, 1, 16},   {400, 2, 4, 300},  {300, 2, 8, 4096},
+                          // every K of the AVX2 row's order-symbol weights (groups per K)
+                          {200, 2, 2, 16},   {200, 2, 3, 64},   {200, 2, 5, 300},
+                          {200, 2, 7, 128}};
   int n = 0;
   for (const Shape& s : shapes) {
     for (const auto& [repeat, in_order] : {std::pair{0.0, 0.0}, {0.6, 0.0}, {0.0, 0.8}, {0.3, 0.8}}) {
