@@ -455,6 +455,30 @@ def test_router_dtype_none_captures_what_the_experts_got_and_counts_every_row_na
     p.unpatch()
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_router_dtype_none_checkpointed_training_forward_keeps_gradients_bitwise(reentrant):
+    # A checkpointed forward queues its ids for the recompute, which replays them through the
+    # generic routed forward: the forward must take that path too (not the router's own
+    # forward), or the recompute saves other tensors than the forward and backward fails.
+    import copy
+    model = build("qwen3_moe")
+    model.train()
+    _checkpoint_layers(model, reentrant)
+    ref = copy.deepcopy(model)
+    ids = tokens(2, 9, seed=7)
+    ref(ids)[0].float().square().mean().backward()
+    p = syhf.patch(model, router_dtype=None)
+    with p.capture() as cap:
+        model(ids)[0].float().square().mean().backward()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert (a.grad is None) == (b.grad is None) and (
+            a.grad is None or torch.equal(a.grad, b.grad)), name
+    c = p.counts()
+    assert all(c[l]["num_recomputed_rows"] == ids.numel() for l in p.layers), c
+    assert cap.ids().shape[:2] == ids.shape
+    p.unpatch()
+
+
 def _perturb(model, p, family, scale=0.5, seed=11):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

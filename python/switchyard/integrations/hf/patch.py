@@ -271,9 +271,12 @@ class _Layer:
             raise TypeError(f"[hf] {fam.name}: {fam.router_class}.forward() got unexpected keyword "
                             f"arguments {sorted(named)}")
         fam.check_mode(r)
+        # (Not in a forward that will be recomputed: its recompute replays the queued ids through
+        # the generic forward, which must save the same tensors as the forward did.)
         if owner.router_dtype is None and self._own_forward_ok and self.pair is None and \
-                self.replay.action in (None, "record") and not torch.compiler.is_compiling() \
-                and hidden_states.device.type != "meta" and not _replay.in_recompute():
+                self.replay.action in (None, "record") and not self.will_recompute and \
+                not torch.compiler.is_compiling() and hidden_states.device.type != "meta" and \
+                not _replay.in_recompute():
             return self._native_forward(hidden_states, passed, named)
         jitter = fam.spec.input_jitter
         if jitter is not None and r.training and getattr(r, jitter) is not None:
@@ -302,7 +305,8 @@ class _Layer:
         return self._route(logits, hidden_states, passed)
 
     def _native_forward(self, hidden_states, passed, named):
-        """A forward that routes natively with the family's own dtypes and replays nothing: the
+        """A forward that routes natively with the family's own dtypes, replays nothing and is
+        not checkpointed for a recompute: the
         router's own forward (the output router_dtype=None must give bit for bit, by
         construction), its ids counted, recorded, captured and queued for a checkpoint recompute
         as _route's are. About half the Python of the generic routed forward per call, which is
