@@ -306,11 +306,10 @@ class _Layer:
 
     def _native_forward(self, hidden_states, passed, named):
         """A forward that routes natively with the family's own dtypes, replays nothing and is
-        not checkpointed for a recompute: the
-        router's own forward (the output router_dtype=None must give bit for bit, by
-        construction), its ids counted, recorded, captured and queued for a checkpoint recompute
-        as _route's are. About half the Python of the generic routed forward per call, which is
-        most of a generation's router calls."""
+        not checkpointed for a recompute: the router's own forward (the output router_dtype=None
+        must give bit for bit, by construction), its ids counted, recorded and captured as
+        _route's are. About half the Python of the generic routed forward per call, which is most
+        of a generation's router calls."""
         own = self._orig_forward if self._had_instance_forward else \
             type(self.router).forward.__get__(self.router)
         out = own(hidden_states, *passed, **named)
