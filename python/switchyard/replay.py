@@ -110,7 +110,11 @@ class ReplayRows:
     def replayed(self) -> torch.Tensor:
         """[T] bool: rows that take their ids (merged included); computed once, do not modify."""
         if self._replayed is None:
-            self._replayed = (self.kind == REPLAYED) | (self.kind == MERGED)
+            T = self.num_tokens
+            if self.num_replayed in (0, T):  # from the counts (merged rows count as replayed)
+                self._replayed = torch.full((T,), self.num_replayed == T, dtype=torch.bool)
+            else:
+                self._replayed = (self.kind == REPLAYED) | (self.kind == MERGED)
         return self._replayed
 
     @property

@@ -70,6 +70,16 @@ class Family:
         self.module = spec.module_name
         self.combine_dtype = spec.combine_dtype
         self._variants = {v: dataclasses.replace(spec, **dict(o)) for v, o in spec.variants}
+        s = spec
+        self.own_forward_routes = (
+            s.returns in ("route", "scores") and s.variant_by is None and not s.skip_expert and
+            s.shared_slots is None and s.score != "sigmoid_dense" and s.inline is None and
+            s.route_method is None and s.carried_state is None and s.gate_module is None and
+            s.split_by is None and s.loop is None and not s.route_sites)
+        """Whether the router's own forward routes a natively routed call as the generic forward
+        does, so a patched forward with router_dtype=None that replays nothing may run it whole
+        (patch's _native_forward): it returns (logits or scores, weights, ids) with the ids as
+        the experts receive them and routes once per call."""
 
     def __repr__(self):
         return f"<hf family {self.title} ({self.name}): {self.router_class}>"

@@ -95,15 +95,7 @@ class _Layer:
         self._had_route = self._route_method is not None and self._route_method in block.__dict__
         self._orig_route = block.__dict__.get(self._route_method) if self._route_method else None
         self._hidden_dtype = None  # the router's last input dtype (for the route method)
-        # Whether a natively routed forward with router_dtype=None may run the router's own
-        # forward whole (_native_forward): a family whose router returns (logits or scores,
-        # weights, ids) with the ids as the experts receive them, routing once per call.
-        s = family.spec
-        self._own_forward_ok = (
-            s.returns in ("route", "scores") and s.variant_by is None and not s.skip_expert and
-            s.shared_slots is None and s.score != "sigmoid_dense" and s.inline is None and
-            s.route_method is None and s.carried_state is None and s.gate_module is None and
-            s.split_by is None and s.loop is None and not s.route_sites)
+        self._own_forward_ok = family.own_forward_routes  # (_native_forward)
 
     def reset_counts(self):
         self.counts = _replay.ReplayCounts()
@@ -387,9 +379,12 @@ class _Layer:
         if rows is None:
             return None, None, None
         # the core's rows -> the family's (ids, mask) on the device
-        replay_ids, replay_mask = (
-            staged if staged is not None and staged[0].device == device else
-            (rows.ids.to(device=device, dtype=torch.int64), rows.replayed.to(device)))
+        if staged is not None and staged[0].device == device:
+            replay_ids, replay_mask = staged
+        else:
+            replay_ids, replay_mask = rows.ids.to(device=device, dtype=torch.int64), None
+            if not rows.all_replayed:
+                replay_mask = rows.replayed.to(device)
         if rows.all_replayed:
             replay_mask = None  # every row (known from the counts: no tensor read)
         return rows, replay_ids, replay_mask
