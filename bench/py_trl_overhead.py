@@ -13,6 +13,7 @@ variant's median step (thread CPU time, one thread, and wall) and the median ove
 
     PYTHONPATH=build/python python bench/py_trl_overhead.py [--quick] [--threads N]
         [--hidden 128] [--layers 4] [--experts 16] [--batch 8] [--completion 16] [--steps 40]
+        [--variants R3,fp32+R3]
 
 A tiny Qwen3-MoE (no download) in fp32 where the routers are a large share of the work, so the
 ratio is an upper bound of the overhead on real model sizes.
@@ -107,7 +108,13 @@ def interleaved(variants, a, out):
 
 def main():
     ap = trainer_step_parser(completion=16, steps=40)
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="comma-separated subset of " + ",".join(VARIANTS) + " (trl is always run)")
     a = trainer_step_args(ap)
+    variants = ["trl"] + [v for v in a.variants.split(",") if v and v != "trl"]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
     if a.quick:
         a.steps = 8
     torch.set_num_threads(int(a.threads))
@@ -116,7 +123,7 @@ def main():
           f"experts top-2, fp32; batch {a.batch}, completion {a.completion} tokens, {a.steps} "
           f"steps each (num_iterations=2), interleaved, {a.threads} thread(s)")
     with tempfile.TemporaryDirectory() as out:
-        times = interleaved(VARIANTS, a, out)
+        times = interleaved(variants, a, out)
     print_paired_ratios(times, "trl", cycle=2, skip=2)
 
 
