@@ -98,8 +98,11 @@ class ReplayRows:
         self.group = None  # the torch.distributed group a forward checks the token count over
         """The torch.distributed group a forward checks the token count over (None: local)."""
         self._replayed: torch.Tensor | None = None  # the mask, made once (a forward reads it)
-        for f in self._COUNTS:
-            setattr(self, f, getattr(core, f))
+        self.num_replayed = core.num_replayed  # (_COUNTS, one by one: this runs per layer and
+        self.num_merged = core.num_merged      # forward)
+        self.num_native = core.num_native
+        self.num_invalid = core.num_invalid
+        self.num_pairs = core.num_pairs
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("transformers")  # an optional dependency of switchyard
 
+import switchyard as sy  # noqa: E402
 import switchyard.routes as syr  # noqa: E402
 import switchyard.integrations.hf as syhf  # noqa: E402
 from hf_models import FAMILIES, build, tokens  # noqa: E402
@@ -248,6 +249,44 @@ def test_all_none_rows_route_natively_and_invalid_rows_are_errors_or_counted():
     assert c[p.layers[0]] == _counts(replayed=5, native=1, invalid=1)
     assert c[layer] == _counts(replayed=4, native=2, invalid=1)
     p.unpatch()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8,
+                                   torch.uint8, torch.uint16])
+def test_set_targets_queues_each_layer_the_row_rule_of_its_slice_in_every_dtype(dtype):
+    """set_targets converts a table whose ids fit int32 once, layer-major (hf.patch._layer_tables):
+    each layer's queued rows (ids, kinds, counts) are the row rule's on that layer's slice of the
+    table as given; an int64 id outside int32 still fails naming the layer and its position in the
+    layer's table, with nothing queued."""
+    model = build("qwen3_moe")
+    p = syhf.patch(model, invalid_replay_rows="native")
+    M, K, E = len(p.layers), p.top_k, p.num_experts
+    g = torch.Generator().manual_seed(3)
+    t = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(12 * M)]).view(12, M, K)
+    t[2, 1] = -1                 # all -1: native
+    t[5, 0] = torch.tensor([3, 3])  # a repeated id: invalid (counted under "native")
+    if dtype.is_signed:
+        t[7, 1, 1] = -1          # mixes -1 and ids: invalid
+    given = t.to(dtype)
+    p.set_targets(given)
+    for m, layer in enumerate(p.layers):
+        queued = p.replays[layer]._targets[0][1]
+        want = sy.replay.classify_rows(given[:, m], E, policy="native", layer=layer)
+        assert queued.ids.dtype == torch.int32 and queued.ids.is_contiguous()
+        assert torch.equal(queued.ids, want.ids) and torch.equal(queued.kind, want.kind)
+        assert (queued.num_replayed, queued.num_native, queued.num_invalid) == \
+            (want.num_replayed, want.num_native, want.num_invalid)
+    p.unpatch()
+    if dtype == torch.int64:
+        p = syhf.patch(model)  # (policy "error")
+        big = t.clone()
+        big[5, 0], big[7, 1] = big[4, 0], big[4, 1]
+        big[4, 1, 0] = 2**32 + 5
+        with pytest.raises(ValueError, match=rf"\[replay\] layer {p.layers[1]}, replay ids holds "
+                                             rf"{2**32 + 5} at \[4, 0\], outside int32"):
+            p.set_targets(big)
+        assert all(r.num_targets == 0 for r in p.replays.values())
+        p.unpatch()
 
 
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "native"])

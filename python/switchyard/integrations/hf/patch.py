@@ -491,6 +491,23 @@ class _Layer:
 
 
 
+_NARROWED = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+def _layer_tables(t, top_ks):
+    """The per-layer tables of routes ``t`` [T, M, K]: ``t[:, m, :top_ks[m]]``. A table of ids
+    that fit int32 is converted once, layer-major on the CPU, so each layer's rows are a
+    contiguous int32 view the row rule takes as it is (one copy instead of one per layer); other
+    tables (ids outside int32) are sliced as given, so the row rule names the layer and position."""
+    if t.dtype not in _NARROWED or (t.dtype == torch.int64 and
+                                    _ids.first_outside(t, -2**31, 2**31 - 1) is not None):
+        return [t[:, m, :k] for m, k in enumerate(top_ks)]
+    tl = torch.empty((t.shape[1], t.shape[0], t.shape[2]), dtype=torch.int32)
+    tl.copy_(t.detach().permute(1, 0, 2))  # (and to the CPU)
+    K = t.shape[2]
+    return [tl[m] if k == K else tl[m, :, :k] for m, k in enumerate(top_ks)]
+
+
 def _autocast_off(device_type):
     """autocast(enabled=False) for ``device_type`` while its autocast is on, else a no-op context
     (entering and leaving an autocast context costs about 3 us; the router runs it per layer)."""
@@ -735,7 +752,7 @@ class Patch:
                                  f"it; one patched model replays for one thread at a time (give "
                                  f"each thread its own model, or set the targets from the thread "
                                  f"that runs the forwards)")
-            self.driver.set_step_targets([t[:, m, :l.top_k] for m, l in enumerate(self._layers)])
+            self.driver.set_step_targets(_layer_tables(t, [l.top_k for l in self._layers]))
             self._targets_thread = (me.ident, me.name)
             for l in self._layers:
                 l.replay.action = "replay_forward"
