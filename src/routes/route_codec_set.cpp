@@ -417,19 +417,13 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
   // [a + 1][b + 1]: a just before b; u16 (at most kSetOrderSample * (K - 1) < 2^16 pairs) so the
   // table of E 128 (33 KiB) stays near L1
   static_assert(kSetOrderSample * (kSetMaxTopK - 1) < 65536);
-  if (order) pre.assign(static_cast<size_t>(E1 * E1), 0);
+  // Two layers' pair counts at a time, a table each, token by token: on skewed routes the same
+  // hot pair repeats in consecutive tokens, 7 increments apart, a chain of read-modify-writes of
+  // one counter through memory; two layers interleaved run two such chains side by side.
+  if (order) pre.assign(static_cast<size_t>(2 * E1 * E1), 0);
   std::vector<uint16_t> ord(static_cast<size_t>(E));
   std::vector<uint64_t> key(static_cast<size_t>(E));
-  for (int64_t l = 0; l < L; ++l) {
-    if (order) {
-      const uint16_t* y = sample.data() + l * pairs * K;
-      for (int64_t t = 0; t < pairs; ++t, y += K) {
-        for (int64_t k = 0; k + 1 < K; ++k) {
-          uint16_t& c = pre[size_t(y[k] * E1 + y[k + 1])];
-          c = uint16_t(c + 1);
-        }
-      }
-    }
+  const auto finish = [&](int64_t l, uint16_t* pl) {
     const uint32_t* c = count.data() + l * E1 + 1;
     std::copy(c, c + E, used.begin() + l * E);
     // By use, most used first, ties to the lower id: one u64 key per id (use, then the id's
@@ -439,7 +433,7 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
     std::sort(key.begin(), key.end(), std::greater<uint64_t>());
     for (int64_t e = 0; e < E; ++e) ord[size_t(e)] = uint16_t(~uint32_t(key[size_t(e)]));
     if (order) {
-      const auto before = [&](uint16_t a, uint16_t b) { return pre[size_t((a + 1) * E1 + b + 1)]; };
+      const auto before = [&](uint16_t a, uint16_t b) { return pl[size_t((a + 1) * E1 + b + 1)]; };
       for (int pass = 0; pass < kSetOrderPasses; ++pass) {
         bool swapped = false;
         for (int64_t r = 0; r + 1 < E; ++r) {
@@ -451,12 +445,40 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
         }
         if (!swapped) break;
       }
-      std::fill(pre.begin(), pre.end(), uint16_t{0});  // for the next layer (faster than a re-walk)
+      std::fill(pl, pl + E1 * E1, uint16_t{0});  // for the next layer (faster than a re-walk)
     }
     for (int64_t r = 0; r < E; ++r) {
       perm[l * E + r] = ord[size_t(r)];
       rank[size_t(l * E1 + 1 + ord[size_t(r)])] = static_cast<uint16_t>(r);
     }
+  };
+  uint16_t* const p0 = order ? pre.data() : nullptr;
+  uint16_t* const p1 = order ? pre.data() + E1 * E1 : nullptr;
+  for (int64_t l = 0; l < L; l += 2) {
+    const bool two = l + 1 < L;
+    if (order) {
+      const uint16_t* y0 = sample.data() + l * pairs * K;
+      if (two) {
+        const uint16_t* y1 = y0 + pairs * K;
+        for (int64_t t = 0; t < pairs; ++t, y0 += K, y1 += K) {
+          for (int64_t k = 0; k + 1 < K; ++k) {
+            uint16_t& c0 = p0[size_t(y0[k] * E1 + y0[k + 1])];
+            c0 = uint16_t(c0 + 1);
+            uint16_t& c1 = p1[size_t(y1[k] * E1 + y1[k + 1])];
+            c1 = uint16_t(c1 + 1);
+          }
+        }
+      } else {
+        for (int64_t t = 0; t < pairs; ++t, y0 += K) {
+          for (int64_t k = 0; k + 1 < K; ++k) {
+            uint16_t& c0 = p0[size_t(y0[k] * E1 + y0[k + 1])];
+            c0 = uint16_t(c0 + 1);
+          }
+        }
+      }
+    }
+    finish(l, p0);
+    if (two) finish(l + 1, p1);
   }
   return true;
 }
