@@ -399,9 +399,25 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
     uint32_t bad = 0;
     for (int64_t j = 0; j < row; ++j) bad |= uint32_t(uint32_t(tok[j] + 1) > uint32_t(E));
     if (bad) return false;
-    for (int64_t l = 0; l < L; ++l) {
-      uint32_t* c = count.data() + l * E1 + 1;
-      for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
+    if (K == 8) {
+      // the common top-8 with its slot loop unrolled (a loop of 8 made ~5 instructions per id)
+      uint32_t* c = count.data() + 1;
+      for (int64_t l = 0; l < L; ++l, c += E1) {
+        const int32_t* x = tok + l * 8;
+        ++c[x[0]];
+        ++c[x[1]];
+        ++c[x[2]];
+        ++c[x[3]];
+        ++c[x[4]];
+        ++c[x[5]];
+        ++c[x[6]];
+        ++c[x[7]];
+      }
+    } else {
+      for (int64_t l = 0; l < L; ++l) {
+        uint32_t* c = count.data() + l * E1 + 1;
+        for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
+      }
     }
     if (t < pairs) {
       for (int64_t l = 0; l < L; ++l) {
