@@ -1114,6 +1114,14 @@ __attribute__((target("avx2,bmi,bmi2,popcnt"))) void v4_encode_sets_avx2(
     const uint32_t* cmap, const EncSym* es, uint32_t* st, uint16_t*& wp) {
   v4enc_avx2::v4_encode_sets(ss, n_ss, rm, T, L, E, W, cmap, es, st, wp);
 }
+void v4_encode_row_groups_base(const uint32_t* sy, int64_t i, const EncSym* esr, uint32_t* rx,
+                               uint16_t*& wp) {
+  v4enc_base::v4_encode_row_groups(sy, i, esr, rx, wp);
+}
+__attribute__((target("avx2,bmi,bmi2,popcnt"))) void v4_encode_row_groups_avx2(
+    const uint32_t* sy, int64_t i, const EncSym* esr, uint32_t* rx, uint16_t*& wp) {
+  v4enc_avx2::v4_encode_row_groups(sy, i, esr, rx, wp);
+}
 bool v4_simd() { return cpu_isa() != CpuIsa::scalar; }
 
 // Normalises one table, writes it (empty bit, then Elias-gamma of f + 1 per symbol) and its
@@ -1239,29 +1247,26 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
                         st.data(), wp);
   }
   const int64_t set_words = wend - wp;
-  // Row stream: two interleaved states (symbol i by state i % 2), last to first.
+  // Row stream: four interleaved states (symbol i by state i % 4), last to first. 8 words of
+  // slack below the stream (the AVX2 groups store 8 words ending at the write position).
   thread_local std::vector<uint16_t> rwords;
-  grow(rwords, a.n_rsyms + 1);
-  uint16_t* rend = rwords.data() + a.n_rsyms + 1;
+  grow(rwords, 8 + a.n_rsyms + 1);
+  uint16_t* rend = rwords.data() + 8 + a.n_rsyms + 1;
   uint16_t* rwp = rend;
   std::array<uint32_t, kV4RowStates> rx;
   rx.fill(kRansL);
   {
-    // Symbol i by state i % 4, last first: the top n % 4 symbols one by one, then groups of 4
-    // with the states in registers (an indexed array kept them in memory, a store-to-load
-    // round trip on each state's chain).
+    // The top n % 4 symbols one by one, then groups of 4 with the states in registers (an
+    // indexed array kept them in memory, a store-to-load round trip on each state's chain).
     const uint32_t* sy = rsyms.data();
     const EncSym* esr = es_row.data();
     int64_t i = a.n_rsyms - 1;
     for (; i >= 0 && ((i + 1) & 3) != 0; --i) rans_put(rx[size_t(i & 3)], esr[sy[i]], rwp);
-    uint32_t x0 = rx[0], x1 = rx[1], x2 = rx[2], x3 = rx[3];
-    for (; i >= 3; i -= 4) {
-      rans_put(x3, esr[sy[i]], rwp);
-      rans_put(x2, esr[sy[i - 1]], rwp);
-      rans_put(x1, esr[sy[i - 2]], rwp);
-      rans_put(x0, esr[sy[i - 3]], rwp);
+    if (v4_simd()) {
+      v4_encode_row_groups_avx2(sy, i, esr, rx.data(), rwp);
+    } else {
+      v4_encode_row_groups_base(sy, i, esr, rx.data(), rwp);
     }
-    rx = {x0, x1, x2, x3};
   }
   const int64_t row_words = rend - rwp;
   const int64_t row_bytes = 4 * kV4RowStates + 2 * row_words,
