@@ -399,9 +399,25 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
     uint32_t bad = 0;
     for (int64_t j = 0; j < row; ++j) bad |= uint32_t(uint32_t(tok[j] + 1) > uint32_t(E));
     if (bad) return false;
-    for (int64_t l = 0; l < L; ++l) {
-      uint32_t* c = count.data() + l * E1 + 1;
-      for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
+    if (K == 8) {
+      // the common top-8 with its slot loop unrolled (a loop of 8 made ~5 instructions per id)
+      uint32_t* c = count.data() + 1;
+      for (int64_t l = 0; l < L; ++l, c += E1) {
+        const int32_t* x = tok + l * 8;
+        ++c[x[0]];
+        ++c[x[1]];
+        ++c[x[2]];
+        ++c[x[3]];
+        ++c[x[4]];
+        ++c[x[5]];
+        ++c[x[6]];
+        ++c[x[7]];
+      }
+    } else {
+      for (int64_t l = 0; l < L; ++l) {
+        uint32_t* c = count.data() + l * E1 + 1;
+        for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
+      }
     }
     if (t < pairs) {
       for (int64_t l = 0; l < L; ++l) {
@@ -417,19 +433,13 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
   // [a + 1][b + 1]: a just before b; u16 (at most kSetOrderSample * (K - 1) < 2^16 pairs) so the
   // table of E 128 (33 KiB) stays near L1
   static_assert(kSetOrderSample * (kSetMaxTopK - 1) < 65536);
-  if (order) pre.assign(static_cast<size_t>(E1 * E1), 0);
+  // Two layers' pair counts at a time, a table each, token by token: on skewed routes the same
+  // hot pair repeats in consecutive tokens, 7 increments apart, a chain of read-modify-writes of
+  // one counter through memory; two layers interleaved run two such chains side by side.
+  if (order) pre.assign(static_cast<size_t>(2 * E1 * E1), 0);
   std::vector<uint16_t> ord(static_cast<size_t>(E));
   std::vector<uint64_t> key(static_cast<size_t>(E));
-  for (int64_t l = 0; l < L; ++l) {
-    if (order) {
-      const uint16_t* y = sample.data() + l * pairs * K;
-      for (int64_t t = 0; t < pairs; ++t, y += K) {
-        for (int64_t k = 0; k + 1 < K; ++k) {
-          uint16_t& c = pre[size_t(y[k] * E1 + y[k + 1])];
-          c = uint16_t(c + 1);
-        }
-      }
-    }
+  const auto finish = [&](int64_t l, uint16_t* pl) {
     const uint32_t* c = count.data() + l * E1 + 1;
     std::copy(c, c + E, used.begin() + l * E);
     // By use, most used first, ties to the lower id: one u64 key per id (use, then the id's
@@ -439,7 +449,7 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
     std::sort(key.begin(), key.end(), std::greater<uint64_t>());
     for (int64_t e = 0; e < E; ++e) ord[size_t(e)] = uint16_t(~uint32_t(key[size_t(e)]));
     if (order) {
-      const auto before = [&](uint16_t a, uint16_t b) { return pre[size_t((a + 1) * E1 + b + 1)]; };
+      const auto before = [&](uint16_t a, uint16_t b) { return pl[size_t((a + 1) * E1 + b + 1)]; };
       for (int pass = 0; pass < kSetOrderPasses; ++pass) {
         bool swapped = false;
         for (int64_t r = 0; r + 1 < E; ++r) {
@@ -451,12 +461,40 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
         }
         if (!swapped) break;
       }
-      std::fill(pre.begin(), pre.end(), uint16_t{0});  // for the next layer (faster than a re-walk)
+      std::fill(pl, pl + E1 * E1, uint16_t{0});  // for the next layer (faster than a re-walk)
     }
     for (int64_t r = 0; r < E; ++r) {
       perm[l * E + r] = ord[size_t(r)];
       rank[size_t(l * E1 + 1 + ord[size_t(r)])] = static_cast<uint16_t>(r);
     }
+  };
+  uint16_t* const p0 = order ? pre.data() : nullptr;
+  uint16_t* const p1 = order ? pre.data() + E1 * E1 : nullptr;
+  for (int64_t l = 0; l < L; l += 2) {
+    const bool two = l + 1 < L;
+    if (order) {
+      const uint16_t* y0 = sample.data() + l * pairs * K;
+      if (two) {
+        const uint16_t* y1 = y0 + pairs * K;
+        for (int64_t t = 0; t < pairs; ++t, y0 += K, y1 += K) {
+          for (int64_t k = 0; k + 1 < K; ++k) {
+            uint16_t& c0 = p0[size_t(y0[k] * E1 + y0[k + 1])];
+            c0 = uint16_t(c0 + 1);
+            uint16_t& c1 = p1[size_t(y1[k] * E1 + y1[k + 1])];
+            c1 = uint16_t(c1 + 1);
+          }
+        }
+      } else {
+        for (int64_t t = 0; t < pairs; ++t, y0 += K) {
+          for (int64_t k = 0; k + 1 < K; ++k) {
+            uint16_t& c0 = p0[size_t(y0[k] * E1 + y0[k + 1])];
+            c0 = uint16_t(c0 + 1);
+          }
+        }
+      }
+    }
+    finish(l, p0);
+    if (two) finish(l + 1, p1);
   }
   return true;
 }
@@ -1076,6 +1114,14 @@ __attribute__((target("avx2,bmi,bmi2,popcnt"))) void v4_encode_sets_avx2(
     const uint32_t* cmap, const EncSym* es, uint32_t* st, uint16_t*& wp) {
   v4enc_avx2::v4_encode_sets(ss, n_ss, rm, T, L, E, W, cmap, es, st, wp);
 }
+void v4_encode_row_groups_base(const uint32_t* sy, int64_t i, const EncSym* esr, uint32_t* rx,
+                               uint16_t*& wp) {
+  v4enc_base::v4_encode_row_groups(sy, i, esr, rx, wp);
+}
+__attribute__((target("avx2,bmi,bmi2,popcnt"))) void v4_encode_row_groups_avx2(
+    const uint32_t* sy, int64_t i, const EncSym* esr, uint32_t* rx, uint16_t*& wp) {
+  v4enc_avx2::v4_encode_row_groups(sy, i, esr, rx, wp);
+}
 bool v4_simd() { return cpu_isa() != CpuIsa::scalar; }
 
 // Normalises one table, writes it (empty bit, then Elias-gamma of f + 1 per symbol) and its
@@ -1201,29 +1247,26 @@ uint32_t encode_payload_set4(const int32_t* idx, int64_t T, int64_t L, int64_t K
                         st.data(), wp);
   }
   const int64_t set_words = wend - wp;
-  // Row stream: two interleaved states (symbol i by state i % 2), last to first.
+  // Row stream: four interleaved states (symbol i by state i % 4), last to first. 8 words of
+  // slack below the stream (the AVX2 groups store 8 words ending at the write position).
   thread_local std::vector<uint16_t> rwords;
-  grow(rwords, a.n_rsyms + 1);
-  uint16_t* rend = rwords.data() + a.n_rsyms + 1;
+  grow(rwords, 8 + a.n_rsyms + 1);
+  uint16_t* rend = rwords.data() + 8 + a.n_rsyms + 1;
   uint16_t* rwp = rend;
   std::array<uint32_t, kV4RowStates> rx;
   rx.fill(kRansL);
   {
-    // Symbol i by state i % 4, last first: the top n % 4 symbols one by one, then groups of 4
-    // with the states in registers (an indexed array kept them in memory, a store-to-load
-    // round trip on each state's chain).
+    // The top n % 4 symbols one by one, then groups of 4 with the states in registers (an
+    // indexed array kept them in memory, a store-to-load round trip on each state's chain).
     const uint32_t* sy = rsyms.data();
     const EncSym* esr = es_row.data();
     int64_t i = a.n_rsyms - 1;
     for (; i >= 0 && ((i + 1) & 3) != 0; --i) rans_put(rx[size_t(i & 3)], esr[sy[i]], rwp);
-    uint32_t x0 = rx[0], x1 = rx[1], x2 = rx[2], x3 = rx[3];
-    for (; i >= 3; i -= 4) {
-      rans_put(x3, esr[sy[i]], rwp);
-      rans_put(x2, esr[sy[i - 1]], rwp);
-      rans_put(x1, esr[sy[i - 2]], rwp);
-      rans_put(x0, esr[sy[i - 3]], rwp);
+    if (v4_simd()) {
+      v4_encode_row_groups_avx2(sy, i, esr, rx.data(), rwp);
+    } else {
+      v4_encode_row_groups_base(sy, i, esr, rx.data(), rwp);
     }
-    rx = {x0, x1, x2, x3};
   }
   const int64_t row_words = rend - rwp;
   const int64_t row_bytes = 4 * kV4RowStates + 2 * row_words,
