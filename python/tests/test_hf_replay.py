@@ -270,7 +270,7 @@ def test_set_targets_queues_each_layer_the_row_rule_of_its_slice_in_every_dtype(
     given = t.to(dtype)
     p.set_targets(given)
     for m, layer in enumerate(p.layers):
-        queued = p.replays[layer]._targets[0][1]
+        queued = p.driver.peek_forward(layer)  # the ReplayRows the forward will take
         want = sy.replay.classify_rows(given[:, m], E, policy="native", layer=layer)
         assert queued.ids.dtype == torch.int32 and queued.ids.is_contiguous()
         assert torch.equal(queued.ids, want.ids) and torch.equal(queued.kind, want.kind)

@@ -95,7 +95,6 @@ class _Layer:
         self._had_route = self._route_method is not None and self._route_method in block.__dict__
         self._orig_route = block.__dict__.get(self._route_method) if self._route_method else None
         self._hidden_dtype = None  # the router's last input dtype (for the route method)
-        self._own_forward_ok = family.own_forward_routes  # (_native_forward)
 
     def reset_counts(self):
         self.counts = _replay.ReplayCounts()
@@ -265,7 +264,7 @@ class _Layer:
         fam.check_mode(r)
         # (Not in a forward that will be recomputed: its recompute replays the queued ids through
         # the generic forward, which must save the same tensors as the forward did.)
-        if owner.router_dtype is None and self._own_forward_ok and self.pair is None and \
+        if owner.router_dtype is None and fam.own_forward_routes and self.pair is None and \
                 self.replay.action in (None, "record") and not self.will_recompute and \
                 not torch.compiler.is_compiling() and hidden_states.device.type != "meta" and \
                 not _replay.in_recompute():
@@ -379,15 +378,12 @@ class _Layer:
         if rows is None:
             return None, None, None
         # the core's rows -> the family's (ids, mask) on the device
-        if staged is not None and staged[0].device == device:
-            replay_ids, replay_mask = staged
-        else:
-            replay_ids, replay_mask = rows.ids.to(device=device, dtype=torch.int64), None
-            if not rows.all_replayed:
-                replay_mask = rows.replayed.to(device)
-        if rows.all_replayed:
-            replay_mask = None  # every row (known from the counts: no tensor read)
-        return rows, replay_ids, replay_mask
+        if staged is not None and staged[0].device != device:
+            staged = None  # staged on another device: converted here
+        replay_ids = rows.ids.to(device=device, dtype=torch.int64) if staged is None else staged[0]
+        if rows.all_replayed:  # every row (known from the counts: no mask made or read)
+            return rows, replay_ids, None
+        return rows, replay_ids, rows.replayed.to(device) if staged is None else staged[1]
 
     def _route_split(self, logits, hidden_states, passed):
         """One router's route in a forward whose block split the tokens between the two routers
