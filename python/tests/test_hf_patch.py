@@ -325,3 +325,44 @@ def test_capture_without_the_experts_hooks_keeps_the_routes_and_refuses_expert_i
     with pytest.raises(ValueError, match=r"capture\(experts=False\)"):
         lean.expert_ids()
     p.unpatch()
+
+
+@pytest.mark.parametrize("router_dtype", [None, torch.float32], ids=["native", "fp32"])
+def test_a_stack_forward_hands_its_layers_ids_on_in_one_host_copy(monkeypatch, router_dtype):
+    # The ids a forward of the decoder stack routed reach capture, record and the recompute queue
+    # at its end, all layers in one host copy (on a GPU: one device sync per forward, not one per
+    # MoE layer); a router called outside a stack forward hands its ids on at once. A no-grad
+    # native forward takes the fast path (the router's own forward, decided once per forward):
+    # what it captures and records is what the experts received.
+    import importlib
+    hp = importlib.import_module("switchyard.integrations.hf.patch")
+    copies = []
+    real = hp._host_ids
+    monkeypatch.setattr(hp, "_host_ids", lambda ts: copies.append(len(ts)) or real(ts))
+    model = build("qwen3_moe")
+    p = syhf.patch(model, router_dtype=router_dtype)
+    L = len(p.layers)
+    ids = tokens(2, 5, seed=4)
+    p.set_action("record")
+    with torch.no_grad(), p.capture() as cap:
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    p.set_action(None)
+    assert out.shape[1] == 8 and cap.num_forwards == 3
+    assert copies == [L] * 3  # one copy of every layer's ids per forward
+    got = cap.ids()
+    assert got.shape[:2] == (2, 7)
+    assert torch.equal(got, cap.expert_ids())  # what the experts received
+    assert torch.equal(cap.native_ids(), got)
+    for layer in p.layers:
+        rec = [p.replays[layer].pop_recorded() for _ in range(3)]
+        assert torch.equal(torch.cat([r.view(2, -1, p.top_k) for r in rec], 1),
+                           got[:, :, layer, :]), layer
+        c = p.counts()[layer]
+        assert c["num_calls"] == 3 and c["num_native_rows"] == 2 * 7, c
+    # outside a stack forward: at once, one layer's ids
+    copies.clear()
+    block = model.get_submodule(p.modules[p.layers[0]].rsplit(".", 1)[0])
+    with torch.no_grad(), p.capture(experts=False) as alone:
+        block(torch.randn(1, 4, model.config.hidden_size))
+        assert copies == [1] and alone.num_forwards == 1
+    p.unpatch()

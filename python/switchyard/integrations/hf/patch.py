@@ -75,6 +75,10 @@ class _Layer:
         self.loop_first = None
         self.current_pass = 0
         self._pass_hook = None
+        # A family whose router's own forward routes as the generic one (Family.own_forward_routes)
+        # and that routes in training mode too: its gradient-free native forwards take the fast
+        # path of forward().
+        self.fast_native = family.own_forward_routes and family.spec.train_refused is None
         self.counts = _replay.ReplayCounts()  # forwards (the replay core's one count record)
         self.num_recomputed_rows = 0  # rows a recompute inside backward replayed
         # Compiled forwards (see _traced_state): the head of the replay queue as tensors, staged
@@ -241,9 +245,10 @@ class _Layer:
         if torch.compiler.is_compiling() and self.replay.action != "record" and \
                 self.owner._capture is None:
             return
-        self.will_recompute = _replay.will_recompute(checkpoint=bool(
-            getattr(module, "gradient_checkpointing", False) and module.training and
-            torch.is_grad_enabled()))
+        # (will_recompute(checkpoint=False) is False: asked only of a checkpointing layer)
+        self.will_recompute = torch.is_grad_enabled() and module.training and \
+            bool(getattr(module, "gradient_checkpointing", False)) and \
+            _replay.will_recompute(checkpoint=True)
         h = args[0] if args else kwargs.get("hidden_states")
         self.batch_shape = tuple(h.shape[:-1]) if isinstance(h, torch.Tensor) else None
 
@@ -253,11 +258,27 @@ class _Layer:
         routing with replay, record and capture. ``passed``: what the block passes after the hidden
         states (a correction bias, input_ids); ``named``: its keyword arguments (a carried router
         state)."""
+        owner = self.owner
+        p = owner._pending
+        if p is not None and p.native and self.fast_native and not named and \
+                p.ident == threading.get_ident() and not hidden_states.is_meta:
+            # A gradient-free forward of the decoder stack that replays nothing, in the family's
+            # own dtypes (a generate() step): the router's own forward, its ids handed on with
+            # the forward's others (Patch._step_ends). What the checks below decide per call was
+            # decided once for the forward (Patch._step_begins).
+            out = self._own_forward()(hidden_states, *passed)
+            ids = out[2]
+            T = ids.shape[0]
+            self.counts.add_native(T)
+            if p.keep:
+                p.entries.append((self, ids, T, self.batch_shape, False, None))
+            self.will_recompute, self.batch_shape = False, None
+            return out
         if self.passes is not None:  # a loop layer: the _Layer of the pass under way routes
             q, self.current_pass = self.current_pass, 0
             if q:
                 return self.passes[q].forward(hidden_states, *passed, **named)
-        owner, fam, r = self.owner, self.family, self.router
+        fam, r = self.family, self.router
         if named and fam.spec.carried_state is None:
             raise TypeError(f"[hf] {fam.name}: {fam.router_class}.forward() got unexpected keyword "
                             f"arguments {sorted(named)}")
@@ -301,15 +322,19 @@ class _Layer:
         must give bit for bit, by construction), its ids counted, recorded and captured as
         _route's are. About half the Python of the generic routed forward per call, which is most
         of a generation's router calls."""
-        own = self._orig_forward if self._had_instance_forward else \
-            type(self.router).forward.__get__(self.router)
-        out = own(hidden_states, *passed, **named)
+        out = self._own_forward()(hidden_states, *passed, **named)
         ids = out[2]
         T = ids.shape[0]
         self.staged_rows = self.staged_replay = None  # (as _take: nothing staged is used)
         self.counts.add_native(T)
         self._after_forward(ids, T)
         return out
+
+    def _own_forward(self):
+        """The router's own forward (bound): its instance forward from before the patch, or its
+        class's."""
+        return self._orig_forward if self._had_instance_forward else \
+            type(self.router).forward.__get__(self.router)
 
     def route_logits(self, router_logits):
         """The block's route method of a family whose router returns logits only (DBRX):
@@ -472,18 +497,51 @@ class _Layer:
         # The decoder layer's pre-hook state belongs to this one router call.
         will_recompute, batch_shape = self.will_recompute, self.batch_shape
         self.will_recompute, self.batch_shape = False, None
-        if not (self.replay.action == "record" or will_recompute or
-                self.owner._capture is not None):
+        owner = self.owner
+        if not (will_recompute or owner._capture is not None or self.replay.action == "record"):
             return
-        ids32 = ids.detach().to(device="cpu", dtype=torch.int32).contiguous()
+        p = owner._pending
+        if p is not None and p.ident == threading.get_ident():
+            # Inside a forward of the decoder stack: handed on at its end with the other layers'
+            # ids, in one host copy (Patch._step_ends).
+            p.entries.append((self, ids, T, batch_shape, will_recompute, native_ids))
+            return
+        host = _host_ids([ids] if native_ids is None else [ids, native_ids])
+        self._hand_on(host[0], T, batch_shape, will_recompute, host[1] if native_ids is not None
+                      else None)
+
+    def _hand_on(self, ids32, T, batch_shape, will_recompute, nat32):
+        """Records, queues for the recompute and captures one forward's ids (int32 [T, K] on the
+        CPU; nat32 the router's own choice where it differs, or None)."""
         if self.replay.action == "record":
             self.replay.record(ids32)
         if will_recompute:
             self.owner.driver.queue_recompute(self.layer, ids32)  # for the recompute
         if self.owner._capture is not None:
-            nat = None if native_ids is None else \
-                native_ids.detach().to(device="cpu", dtype=torch.int32).contiguous()
-            self.owner._capture.append(self.layer, ids32, batch_shape, T, nat)
+            self.owner._capture.append(self.layer, ids32, batch_shape, T, nat32)
+
+
+def _host_ids(tensors):
+    """int32 contiguous CPU copies of the id tensors ``tensors`` (a list): one stacked copy when
+    they share shape, dtype and device (one device-to-host transfer for a forward's layers),
+    else one each."""
+    first = tensors[0]
+    if len(tensors) > 1 and all(t.shape == first.shape and t.dtype == first.dtype and
+                                t.device == first.device for t in tensors):
+        return list(torch.stack(tensors).detach().to(device="cpu", dtype=torch.int32).unbind(0))
+    return [t.detach().to(device="cpu", dtype=torch.int32).contiguous() for t in tensors]
+
+
+class _Pending:
+    """The ids of one forward of the decoder stack, handed on at its end (Patch._step_ends):
+    the thread running it; whether its routers take the gradient-free native path (``native``:
+    router_dtype None, grad disabled, no layer replaying) and whether that path keeps its ids
+    (``keep``: a capture running or a layer recording); entries (layer, ids, T, batch shape,
+    will_recompute, native ids or None)."""
+    __slots__ = ("ident", "native", "keep", "entries")
+
+    def __init__(self, ident, native, keep):
+        self.ident, self.native, self.keep, self.entries = ident, native, keep, []
 
 
 
@@ -543,6 +601,7 @@ class Patch:
         self._stack_hooks = []  # on the modules that run the decoder layers (see _install)
         self._targets_thread = None  # (ident, name) of the thread whose targets are queued
         self._running = collections.Counter()  # thread ident -> forwards of it in progress
+        self._pending = None  # _Pending: the ids of the stack forward under way (_step_ends)
         self.driver = None  # the replay core's driver over the layers' queues (_install)
         """The switchyard.replay.ReplayDriver over the layers' replay queues."""
         cfg = model.config
@@ -835,9 +894,14 @@ class Patch:
         Under torch.compile set the targets before every forward (one step is staged at a time)."""
         if torch.compiler.is_compiling():
             return
+        first = self._layers[0]
+        if first.sink_key is None or _ops.route_sink_owner(first.sink_key) is not first:
+            for l in self._layers:  # (all or none: a deep copy copies the Patch whole)
+                l.ensure_sink()
         for l in self._layers:
-            l.ensure_sink()
             rows, r = l.staged_rows, l.replay
+            if rows is None and r.action != "replay_forward":
+                continue  # nothing staged, nothing to stage
             if rows is not None and l.staged_replay is not None and not (
                     r.action == "replay_forward" and (r.num_targets or r.num_recorded) and
                     ((t := r.next_target()) is rows.ids or torch.equal(t, rows.ids))):
@@ -1078,12 +1142,22 @@ class Patch:
         with _THREADS_LOCK:
             self._check_thread(me, "[hf] a forward from")
             self._running[me.ident] += 1
+            if self._pending is None:  # the outermost stack forward: its layers' ids wait for it
+                native = self.router_dtype is None and not torch.is_grad_enabled() and \
+                    not _replay.in_recompute()
+                keep = self._capture is not None
+                for l in self._layers:
+                    a = l.replay.action
+                    native = native and a in (None, "record")
+                    keep = keep or a == "record"
+                self._pending = _Pending(me.ident, native, keep)
         self.driver.begin_step()
 
     def _step_ends(self, module, args, output):
         if torch.compiler.is_compiling():
             self._traced_step_ends(output)
             return
+        pending = None
         with _THREADS_LOCK:
             me = threading.get_ident()
             if not self._running[me]:  # _step_begins refused this forward: it took nothing
@@ -1092,7 +1166,29 @@ class Patch:
             self._running[me] -= 1
             if not self._running[me]:
                 del self._running[me]
-        self.driver.end_step(failed=output is None and sys.exc_info()[1] is not None)
+                if self._pending is not None and self._pending.ident == me:
+                    pending, self._pending = self._pending, None
+        failed = output is None and sys.exc_info()[1] is not None
+        if pending is not None and pending.entries:
+            try:
+                self._hand_on(pending.entries)
+            except BaseException:
+                # (a capture refusing a step fails the forward, as it did inside a router call;
+                # a forward that failed already keeps its own error)
+                if not failed:
+                    self.driver.end_step(failed=True)
+                    raise
+        self.driver.end_step(failed=failed)
+
+    @staticmethod
+    def _hand_on(entries):
+        """Hands on the ids a stack forward's routers produced (record, recompute queue, capture),
+        in forward order, after one host copy of all of them."""
+        tensors = [e[1] for e in entries] + [e[5] for e in entries if e[5] is not None]
+        host = iter(_host_ids(tensors))
+        ids32 = [next(host) for _ in entries]
+        for (l, _, T, batch_shape, will_recompute, nat), i32 in zip(entries, ids32):
+            l._hand_on(i32, T, batch_shape, will_recompute, None if nat is None else next(host))
 
     # ---- lifetime ----
     def unpatch(self) -> None:
