@@ -990,34 +990,52 @@ int64_t v4_clusters(const uint32_t* cnt, int64_t L, int64_t E, std::vector<uint3
   ccnt.clear();
   std::vector<float> own_s;  // per cluster: sum x log x of F, of G, and the totals
   std::vector<uint64_t> tot;
+  std::vector<float> msum;  // per cluster: the merged sums of the current layer's halves
   int64_t C = 0;
-  const auto stats = [&](const uint32_t* c, uint64_t* t2, float* s2) {
-    t2[0] = t2[1] = 0;
-    s2[0] = s2[1] = 0;
-    for (int h = 0; h < 2; ++h) {
+  // The x log x terms of E counts (a + b when b is given) into xl without a branch (so the loop
+  // vectorises), then summed one by one in order: the same floats as summing xlogx() in the loop
+  // (a zero count gives 0; counts < 2^31, as int32). The sums' chain of float adds stays serial.
+  thread_local std::vector<float> xl;
+  xl.resize(size_t(E));
+  float* const xp = xl.data();
+  const auto sum_xlogx = [&](const uint32_t* a, const uint32_t* b) {
+    if (b) {
       for (int64_t i = 0; i < E; ++i) {
-        t2[h] += c[h * E + i];
-        s2[h] += xlogx(float(c[h * E + i]));
+        const float x = float(int32_t(a[i] + b[i]));
+        xp[i] = x > 0 ? x * fine_log2(x) : 0.0f;
+      }
+    } else {
+      for (int64_t i = 0; i < E; ++i) {
+        const float x = float(int32_t(a[i]));
+        xp[i] = x > 0 ? x * fine_log2(x) : 0.0f;
       }
     }
+    float sum = 0;
+    for (int64_t i = 0; i < E; ++i) sum += xp[i];
+    return sum;
   };
   for (int64_t l = 0; l < L; ++l) {
     const uint32_t* c = cnt + l * E2;
-    uint64_t t2[2];
+    uint64_t t2[2] = {0, 0};
     float s2[2];
-    stats(c, t2, s2);
+    int64_t nz[2] = {0, 0};
+    for (int h = 0; h < 2; ++h) {
+      for (int64_t i = 0; i < E; ++i) {
+        t2[h] += c[h * E + i];
+        nz[h] += c[h * E + i] != 0;
+      }
+      s2[h] = sum_xlogx(c + h * E, nullptr);
+    }
     int64_t best = -1;
     float best_cost = 0;
+    msum.resize(size_t(2 * C));
     for (int64_t k = 0; k < C; ++k) {
       const uint32_t* cc = ccnt.data() + k * E2;
       float cost = 0;
       for (int h = 0; h < 2; ++h) {
         if (t2[h] == 0) continue;
-        float merged = 0;
-        for (int64_t i = 0; i < E; ++i) {
-          if (c[h * E + i]) merged += xlogx(float(cc[h * E + i] + c[h * E + i]));
-          else merged += xlogx(float(cc[h * E + i]));
-        }
+        const float merged = sum_xlogx(cc + h * E, c + h * E);
+        msum[size_t(2 * k + h)] = merged;
         // H(merged) - H(cluster) - H(layer), with H = n log n - sum x log x
         const float n = float(tot[size_t(2 * k + h)] + t2[h]);
         cost += (xlogx(n) - merged) - (xlogx(float(tot[size_t(2 * k + h)])) -
@@ -1029,26 +1047,30 @@ int64_t v4_clusters(const uint32_t* cnt, int64_t L, int64_t E, std::vector<uint3
         best_cost = cost;
       }
     }
+    // 9 bits per used symbol, 1 per unused one (whole numbers: exact in float in any order)
     float table_bits = 0;
     for (int h = 0; h < 2; ++h) {
       if (t2[h] == 0) continue;
-      for (int64_t i = 0; i < E; ++i) table_bits += c[h * E + i] ? 9.0f : 1.0f;
-    }
-    if (best < 0 || (best_cost > table_bits && C < kV4MaxClusters)) {
-      best = C++;
-      ccnt.resize(size_t(C * E2), 0);
-      own_s.resize(size_t(2 * C), 0.0f);
-      tot.resize(size_t(2 * C), 0);
+      table_bits += float(9 * nz[h] + (E - nz[h]));
     }
     map[size_t(l)] = uint32_t(best);
+    if (best < 0 || (best_cost > table_bits && C < kV4MaxClusters)) {
+      // a new cluster: its counts, sums and totals are the layer's own
+      best = C++;
+      map[size_t(l)] = uint32_t(best);
+      ccnt.insert(ccnt.end(), c, c + E2);
+      own_s.insert(own_s.end(), s2, s2 + 2);
+      tot.insert(tot.end(), t2, t2 + 2);
+      continue;
+    }
+    // joins `best`: its new sums are the merged sums just computed (a half the layer does not
+    // use is unchanged)
     uint32_t* cc = ccnt.data() + best * E2;
     for (int64_t i = 0; i < E2; ++i) cc[i] += c[i];
-    uint64_t ct[2];
-    float cs[2];
-    stats(cc, ct, cs);
     for (int h = 0; h < 2; ++h) {
-      tot[size_t(2 * best + h)] = ct[h];
-      own_s[size_t(2 * best + h)] = cs[h];
+      if (t2[h] == 0) continue;
+      tot[size_t(2 * best + h)] += t2[h];
+      own_s[size_t(2 * best + h)] = msum[size_t(2 * best + h)];
     }
   }
   return C;
