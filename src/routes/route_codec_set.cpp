@@ -320,6 +320,41 @@ inline float approx_log2(float x) {
 // block's first 256 tokens. Why: uncorrelated Zipf routes (bench_routes) match 10-20% of the time
 // by chance alone, on the hot experts that the set codes cheaply, and the masks cost 0.15 bits
 // per routed id more than they save (s 0.8-1.2); correlated tokens save far more than they pay.
+#if defined(__x86_64__)
+// matches_pay's scan on AVX2: per token, the slots that repeat the previous token's id (and are
+// not -1) as a bitmap, 8 compares per instruction, then their savings in slot order: the same
+// additions in the same order as the scalar scan (which compared and listed slot by slot).
+__attribute__((target("avx2,bmi"))) void match_scan_avx2(const int32_t* idx, int64_t sample,
+                                                        int64_t row, int64_t K, int64_t E,
+                                                        const float* log_n, const uint32_t* used,
+                                                        double& saved, int64_t& hits) {
+  thread_local std::vector<uint64_t> bits;
+  const int64_t nw = (row + 63) / 64;
+  bits.resize(size_t(nw));
+  uint64_t* const bw = bits.data();
+  const __m256i neg1 = _mm256_set1_epi32(-1);
+  for (int64_t t = 1; t < sample; ++t) {
+    const int32_t* tok = idx + t * row;
+    const int32_t* prv = tok - row;
+    std::fill(bw, bw + nw, uint64_t{0});
+    int64_t j = 0;
+    for (; j + 8 <= row; j += 8) {  // j % 8 == 0: a group of 8 bits never spans two words
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tok + j));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(prv + j));
+      const __m256i m = _mm256_and_si256(_mm256_cmpeq_epi32(a, b), _mm256_cmpgt_epi32(a, neg1));
+      bw[j >> 6] |= uint64_t(unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(m)))) << (j & 63);
+    }
+    for (; j < row; ++j) bw[j >> 6] |= uint64_t((tok[j] >= 0) & (tok[j] == prv[j])) << (j & 63);
+    for (int64_t w = 0; w < nw; ++w) {
+      for (uint64_t b = bw[w]; b != 0; b &= b - 1) {
+        const int64_t jj = w * 64 + int64_t(__builtin_ctzll(b)), l = jj / K;
+        ++hits;
+        saved += log_n[size_t(l)] - approx_log2(float(used[size_t(l * E + tok[jj])]));
+      }
+    }
+  }
+}
+#endif
 bool matches_pay(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
                  const std::vector<uint32_t>& used) {
   const int64_t row = L * K, sample = std::min<int64_t>(T, 256);
@@ -332,6 +367,12 @@ bool matches_pay(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
   }
   double saved = 0;
   int64_t hits = 0;
+#if defined(__x86_64__)
+  if (cpu_isa() != CpuIsa::scalar) {
+    match_scan_avx2(idx, sample, row, K, E, log_n.data(), used.data(), saved, hits);
+  } else
+#endif
+  {
   // Per token, the matching slots' indices first (compacted without a branch: a branch per slot
   // missed on the ~10% of chance matches), then their savings in slot order (the same sum).
   thread_local std::vector<int32_t> at;
@@ -348,6 +389,7 @@ bool matches_pay(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
       const int64_t j = at[size_t(i)], l = j / K;
       saved += log_n[size_t(l)] - approx_log2(float(used[size_t(l * E + tok[j])]));
     }
+  }
   }
   // A set of K ids does not pay for their order: log2(K!)/K bits less per id.
   double log2_kfact = 0;
