@@ -513,16 +513,27 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
     }
     if (order) {
       const auto before = [&](uint16_t a, uint16_t b) { return pl[size_t((a + 1) * E1 + b + 1)]; };
+      // Each pass compares again only the pairs that can have changed since the last pass
+      // compared them (the same swaps as full passes): before the last pass's first swap - 1
+      // no expert moved, and past its last swap a pair whose left expert did not just move is
+      // the pair the last pass left in place.
+      int64_t lo = 0, last = E;
       for (int pass = 0; pass < kSetOrderPasses; ++pass) {
-        bool swapped = false;
-        for (int64_t r = 0; r + 1 < E; ++r) {
-          if (before(ord[size_t(r + 1)], ord[size_t(r)]) >
-              before(ord[size_t(r)], ord[size_t(r + 1)])) {
+        int64_t first_swap = -1, last_swap = -1;
+        bool moved = false;  // whether the step before swapped
+        for (int64_t r = lo; r + 1 < E; ++r) {
+          if (r > last && !moved) break;
+          moved = before(ord[size_t(r + 1)], ord[size_t(r)]) >
+                  before(ord[size_t(r)], ord[size_t(r + 1)]);
+          if (moved) {
             std::swap(ord[size_t(r)], ord[size_t(r + 1)]);
-            swapped = true;
+            if (first_swap < 0) first_swap = r;
+            last_swap = r;
           }
         }
-        if (!swapped) break;
+        if (first_swap < 0) break;
+        lo = std::max<int64_t>(first_swap - 1, 0);
+        last = last_swap;
       }
       std::fill(pl, pl + E1 * E1, uint16_t{0});  // for the next layer (faster than a re-walk)
     }
