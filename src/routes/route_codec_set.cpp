@@ -320,6 +320,41 @@ inline float approx_log2(float x) {
 // block's first 256 tokens. Why: uncorrelated Zipf routes (bench_routes) match 10-20% of the time
 // by chance alone, on the hot experts that the set codes cheaply, and the masks cost 0.15 bits
 // per routed id more than they save (s 0.8-1.2); correlated tokens save far more than they pay.
+#if defined(__x86_64__)
+// matches_pay's scan on AVX2: per token, the slots that repeat the previous token's id (and are
+// not -1) as a bitmap, 8 compares per instruction, then their savings in slot order: the same
+// additions in the same order as the scalar scan (which compared and listed slot by slot).
+__attribute__((target("avx2,bmi"))) void match_scan_avx2(const int32_t* idx, int64_t sample,
+                                                        int64_t row, int64_t K, int64_t E,
+                                                        const float* log_n, const uint32_t* used,
+                                                        double& saved, int64_t& hits) {
+  thread_local std::vector<uint64_t> bits;
+  const int64_t nw = (row + 63) / 64;
+  bits.resize(size_t(nw));
+  uint64_t* const bw = bits.data();
+  const __m256i neg1 = _mm256_set1_epi32(-1);
+  for (int64_t t = 1; t < sample; ++t) {
+    const int32_t* tok = idx + t * row;
+    const int32_t* prv = tok - row;
+    std::fill(bw, bw + nw, uint64_t{0});
+    int64_t j = 0;
+    for (; j + 8 <= row; j += 8) {  // j % 8 == 0: a group of 8 bits never spans two words
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tok + j));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(prv + j));
+      const __m256i m = _mm256_and_si256(_mm256_cmpeq_epi32(a, b), _mm256_cmpgt_epi32(a, neg1));
+      bw[j >> 6] |= uint64_t(unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(m)))) << (j & 63);
+    }
+    for (; j < row; ++j) bw[j >> 6] |= uint64_t((tok[j] >= 0) & (tok[j] == prv[j])) << (j & 63);
+    for (int64_t w = 0; w < nw; ++w) {
+      for (uint64_t b = bw[w]; b != 0; b &= b - 1) {
+        const int64_t jj = w * 64 + int64_t(__builtin_ctzll(b)), l = jj / K;
+        ++hits;
+        saved += log_n[size_t(l)] - approx_log2(float(used[size_t(l * E + tok[jj])]));
+      }
+    }
+  }
+}
+#endif
 bool matches_pay(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
                  const std::vector<uint32_t>& used) {
   const int64_t row = L * K, sample = std::min<int64_t>(T, 256);
@@ -332,6 +367,12 @@ bool matches_pay(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
   }
   double saved = 0;
   int64_t hits = 0;
+#if defined(__x86_64__)
+  if (cpu_isa() != CpuIsa::scalar) {
+    match_scan_avx2(idx, sample, row, K, E, log_n.data(), used.data(), saved, hits);
+  } else
+#endif
+  {
   // Per token, the matching slots' indices first (compacted without a branch: a branch per slot
   // missed on the ~10% of chance matches), then their savings in slot order (the same sum).
   thread_local std::vector<int32_t> at;
@@ -348,6 +389,7 @@ bool matches_pay(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E,
       const int64_t j = at[size_t(i)], l = j / K;
       saved += log_n[size_t(l)] - approx_log2(float(used[size_t(l * E + tok[j])]));
     }
+  }
   }
   // A set of K ids does not pay for their order: log2(K!)/K bits less per id.
   double log2_kfact = 0;
@@ -437,29 +479,61 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
   // hot pair repeats in consecutive tokens, 7 increments apart, a chain of read-modify-writes of
   // one counter through memory; two layers interleaved run two such chains side by side.
   if (order) pre.assign(static_cast<size_t>(2 * E1 * E1), 0);
-  std::vector<uint16_t> ord(static_cast<size_t>(E));
-  std::vector<uint64_t> key(static_cast<size_t>(E));
+  std::vector<uint16_t> ord(static_cast<size_t>(E)), tmp(static_cast<size_t>(E));
+  std::vector<uint32_t> key(static_cast<size_t>(E));
   const auto finish = [&](int64_t l, uint16_t* pl) {
     const uint32_t* c = count.data() + l * E1 + 1;
     std::copy(c, c + E, used.begin() + l * E);
-    // By use, most used first, ties to the lower id: one u64 key per id (use, then the id's
-    // complement), sorted descending; a strict order, so the same ranks as a comparator on the
-    // counters, without its two indexed loads per comparison.
-    for (int64_t e = 0; e < E; ++e) key[size_t(e)] = uint64_t(c[e]) << 32 | uint32_t(~uint32_t(e));
-    std::sort(key.begin(), key.end(), std::greater<uint64_t>());
-    for (int64_t e = 0; e < E; ++e) ord[size_t(e)] = uint16_t(~uint32_t(key[size_t(e)]));
+    // By use, most used first, ties to the lower id: an LSD radix sort (8-bit digits, as many
+    // as the largest count has) of max - use, starting from the ids in order; stable, so ties
+    // keep the lower id first: the order a comparison sort on (use, ~id) gives, without its
+    // branches (std::sort of the u64 keys was ~6% of the encoder, mostly mispredictions).
+    uint32_t mx = 0;
+    for (int64_t e = 0; e < E; ++e) mx = std::max(mx, c[e]);
+    for (int64_t e = 0; e < E; ++e) {
+      key[size_t(e)] = mx - c[e];
+      ord[size_t(e)] = uint16_t(e);
+    }
+    for (int shift = 0; shift < 32 && (mx >> shift) != 0; shift += 8) {
+      uint32_t at[256];
+      const uint32_t nb = std::min<uint32_t>(mx >> shift, 255u) + 1;  // digits in use
+      std::fill(at, at + nb, 0u);
+      for (int64_t i = 0; i < E; ++i) ++at[(key[ord[size_t(i)]] >> shift) & 255u];
+      uint32_t sum = 0;
+      for (uint32_t d = 0; d < nb; ++d) {
+        const uint32_t n = at[d];
+        at[d] = sum;
+        sum += n;
+      }
+      for (int64_t i = 0; i < E; ++i) {
+        const uint16_t e = ord[size_t(i)];
+        tmp[at[(key[e] >> shift) & 255u]++] = e;
+      }
+      ord.swap(tmp);
+    }
     if (order) {
       const auto before = [&](uint16_t a, uint16_t b) { return pl[size_t((a + 1) * E1 + b + 1)]; };
+      // Each pass compares again only the pairs that can have changed since the last pass
+      // compared them (the same swaps as full passes): before the last pass's first swap - 1
+      // no expert moved, and past its last swap a pair whose left expert did not just move is
+      // the pair the last pass left in place.
+      int64_t lo = 0, last = E;
       for (int pass = 0; pass < kSetOrderPasses; ++pass) {
-        bool swapped = false;
-        for (int64_t r = 0; r + 1 < E; ++r) {
-          if (before(ord[size_t(r + 1)], ord[size_t(r)]) >
-              before(ord[size_t(r)], ord[size_t(r + 1)])) {
+        int64_t first_swap = -1, last_swap = -1;
+        bool moved = false;  // whether the step before swapped
+        for (int64_t r = lo; r + 1 < E; ++r) {
+          if (r > last && !moved) break;
+          moved = before(ord[size_t(r + 1)], ord[size_t(r)]) >
+                  before(ord[size_t(r)], ord[size_t(r + 1)]);
+          if (moved) {
             std::swap(ord[size_t(r)], ord[size_t(r + 1)]);
-            swapped = true;
+            if (first_swap < 0) first_swap = r;
+            last_swap = r;
           }
         }
-        if (!swapped) break;
+        if (first_swap < 0) break;
+        lo = std::max<int64_t>(first_swap - 1, 0);
+        last = last_swap;
       }
       std::fill(pl, pl + E1 * E1, uint16_t{0});  // for the next layer (faster than a re-walk)
     }
@@ -969,34 +1043,52 @@ int64_t v4_clusters(const uint32_t* cnt, int64_t L, int64_t E, std::vector<uint3
   ccnt.clear();
   std::vector<float> own_s;  // per cluster: sum x log x of F, of G, and the totals
   std::vector<uint64_t> tot;
+  std::vector<float> msum;  // per cluster: the merged sums of the current layer's halves
   int64_t C = 0;
-  const auto stats = [&](const uint32_t* c, uint64_t* t2, float* s2) {
-    t2[0] = t2[1] = 0;
-    s2[0] = s2[1] = 0;
-    for (int h = 0; h < 2; ++h) {
+  // The x log x terms of E counts (a + b when b is given) into xl without a branch (so the loop
+  // vectorises), then summed one by one in order: the same floats as summing xlogx() in the loop
+  // (a zero count gives 0; counts < 2^31, as int32). The sums' chain of float adds stays serial.
+  thread_local std::vector<float> xl;
+  xl.resize(size_t(E));
+  float* const xp = xl.data();
+  const auto sum_xlogx = [&](const uint32_t* a, const uint32_t* b) {
+    if (b) {
       for (int64_t i = 0; i < E; ++i) {
-        t2[h] += c[h * E + i];
-        s2[h] += xlogx(float(c[h * E + i]));
+        const float x = float(int32_t(a[i] + b[i]));
+        xp[i] = x > 0 ? x * fine_log2(x) : 0.0f;
+      }
+    } else {
+      for (int64_t i = 0; i < E; ++i) {
+        const float x = float(int32_t(a[i]));
+        xp[i] = x > 0 ? x * fine_log2(x) : 0.0f;
       }
     }
+    float sum = 0;
+    for (int64_t i = 0; i < E; ++i) sum += xp[i];
+    return sum;
   };
   for (int64_t l = 0; l < L; ++l) {
     const uint32_t* c = cnt + l * E2;
-    uint64_t t2[2];
+    uint64_t t2[2] = {0, 0};
     float s2[2];
-    stats(c, t2, s2);
+    int64_t nz[2] = {0, 0};
+    for (int h = 0; h < 2; ++h) {
+      for (int64_t i = 0; i < E; ++i) {
+        t2[h] += c[h * E + i];
+        nz[h] += c[h * E + i] != 0;
+      }
+      s2[h] = sum_xlogx(c + h * E, nullptr);
+    }
     int64_t best = -1;
     float best_cost = 0;
+    msum.resize(size_t(2 * C));
     for (int64_t k = 0; k < C; ++k) {
       const uint32_t* cc = ccnt.data() + k * E2;
       float cost = 0;
       for (int h = 0; h < 2; ++h) {
         if (t2[h] == 0) continue;
-        float merged = 0;
-        for (int64_t i = 0; i < E; ++i) {
-          if (c[h * E + i]) merged += xlogx(float(cc[h * E + i] + c[h * E + i]));
-          else merged += xlogx(float(cc[h * E + i]));
-        }
+        const float merged = sum_xlogx(cc + h * E, c + h * E);
+        msum[size_t(2 * k + h)] = merged;
         // H(merged) - H(cluster) - H(layer), with H = n log n - sum x log x
         const float n = float(tot[size_t(2 * k + h)] + t2[h]);
         cost += (xlogx(n) - merged) - (xlogx(float(tot[size_t(2 * k + h)])) -
@@ -1008,26 +1100,30 @@ int64_t v4_clusters(const uint32_t* cnt, int64_t L, int64_t E, std::vector<uint3
         best_cost = cost;
       }
     }
+    // 9 bits per used symbol, 1 per unused one (whole numbers: exact in float in any order)
     float table_bits = 0;
     for (int h = 0; h < 2; ++h) {
       if (t2[h] == 0) continue;
-      for (int64_t i = 0; i < E; ++i) table_bits += c[h * E + i] ? 9.0f : 1.0f;
-    }
-    if (best < 0 || (best_cost > table_bits && C < kV4MaxClusters)) {
-      best = C++;
-      ccnt.resize(size_t(C * E2), 0);
-      own_s.resize(size_t(2 * C), 0.0f);
-      tot.resize(size_t(2 * C), 0);
+      table_bits += float(9 * nz[h] + (E - nz[h]));
     }
     map[size_t(l)] = uint32_t(best);
+    if (best < 0 || (best_cost > table_bits && C < kV4MaxClusters)) {
+      // a new cluster: its counts, sums and totals are the layer's own
+      best = C++;
+      map[size_t(l)] = uint32_t(best);
+      ccnt.insert(ccnt.end(), c, c + E2);
+      own_s.insert(own_s.end(), s2, s2 + 2);
+      tot.insert(tot.end(), t2, t2 + 2);
+      continue;
+    }
+    // joins `best`: its new sums are the merged sums just computed (a half the layer does not
+    // use is unchanged)
     uint32_t* cc = ccnt.data() + best * E2;
     for (int64_t i = 0; i < E2; ++i) cc[i] += c[i];
-    uint64_t ct[2];
-    float cs[2];
-    stats(cc, ct, cs);
     for (int h = 0; h < 2; ++h) {
-      tot[size_t(2 * best + h)] = ct[h];
-      own_s[size_t(2 * best + h)] = cs[h];
+      if (t2[h] == 0) continue;
+      tot[size_t(2 * best + h)] += t2[h];
+      own_s[size_t(2 * best + h)] = msum[size_t(2 * best + h)];
     }
   }
   return C;
