@@ -79,6 +79,13 @@ class _Layer:
         # and that routes in training mode too: its gradient-free native forwards take the fast
         # path of forward().
         self.fast_native = family.own_forward_routes and family.spec.train_refused is None
+        # ... and one whose generic forward needs nothing per call beyond the gate and the route
+        # (no jitter, carried state, gate module, route method, split or loop): the fast path of
+        # a router_dtype forward.
+        sp = family.spec
+        self.fast_generic = sp.train_refused is None and sp.returns != "logits" and \
+            sp.input_jitter is None and sp.carried_state is None and sp.gate_module is None and \
+            sp.split_by is None and sp.loop is None
         self.counts = _replay.ReplayCounts()  # forwards (the replay core's one count record)
         self.num_recomputed_rows = 0  # rows a recompute inside backward replayed
         # Compiled forwards (see _traced_state): the head of the replay queue as tensors, staged
@@ -260,20 +267,17 @@ class _Layer:
         state)."""
         owner = self.owner
         p = owner._pending
-        if p is not None and p.native and self.fast_native and not named and \
-                p.ident == threading.get_ident() and not hidden_states.is_meta:
-            # A gradient-free forward of the decoder stack that replays nothing, in the family's
-            # own dtypes (a generate() step): the router's own forward, its ids handed on with
-            # the forward's others (Patch._step_ends). What the checks below decide per call was
-            # decided once for the forward (Patch._step_begins).
-            out = self._own_forward()(hidden_states, *passed)
-            ids = out[2]
-            T = ids.shape[0]
-            self.counts.add_native(T)
-            if p.keep:
-                p.entries.append((self, ids, T, self.batch_shape, False, None))
-            self.will_recompute, self.batch_shape = False, None
-            return out
+        if p is not None and p.plain and not named and p.ident == threading.get_ident() and \
+                not hidden_states.is_meta:
+            # A gradient-free forward of the decoder stack that replays nothing (a generate()
+            # step): what the checks below decide per call was decided once for the forward
+            # (Patch._step_begins); the ids are handed on with the forward's others
+            # (Patch._step_ends).
+            if owner.router_dtype is None and self.fast_native:
+                out = self._own_forward()(hidden_states, *passed)  # the family's own dtypes
+                return self._fast_done(p, out[2], out)
+            if owner.router_dtype is not None and self.fast_generic:
+                return self._fast_generic(p, hidden_states, passed)
         if self.passes is not None:  # a loop layer: the _Layer of the pass under way routes
             q, self.current_pass = self.current_pass, 0
             if q:
@@ -315,6 +319,28 @@ class _Layer:
         if fam.spec.carried_state is not None:  # the next layer's router state, after the route
             return (*self._route(logits, hidden_states, passed), state)
         return self._route(logits, hidden_states, passed)
+
+    def _fast_generic(self, p, hidden_states, passed):
+        """forward() in router_dtype of a gradient-free stack forward that replays nothing
+        (Patch._step_begins decided it): the gate, then the family's routing of every row, as
+        the generic forward does with no row replayed."""
+        owner, fam, r = self.owner, self.family, self.router
+        x = fam.gate_input(r, hidden_states)
+        self._hidden_dtype = hidden_states.dtype
+        with _autocast_off(x.device.type):
+            w, b = fam.params(r)
+            logits = fam.logits(r, _gate(x, w, b, owner.router_dtype, owner.gate))
+            weights, ids = fam.route(r, logits, None, None, passed, self.block)
+        self.staged_rows = self.staged_replay = None  # (as _take: nothing staged is used)
+        return self._fast_done(p, ids, fam.outputs(r, logits, weights, ids, hidden_states, False))
+
+    def _fast_done(self, p, ids, out):
+        T = ids.shape[0]
+        self.counts.add_native(T)
+        if p.keep:
+            p.entries.append((self, ids, T, self.batch_shape, False, None))
+        self.will_recompute, self.batch_shape = False, None
+        return out
 
     def _native_forward(self, hidden_states, passed, named):
         """A forward that routes natively with the family's own dtypes, replays nothing and is
@@ -534,14 +560,14 @@ def _host_ids(tensors):
 
 class _Pending:
     """The ids of one forward of the decoder stack, handed on at its end (Patch._step_ends):
-    the thread running it; whether its routers take the gradient-free native path (``native``:
-    router_dtype None, grad disabled, no layer replaying) and whether that path keeps its ids
-    (``keep``: a capture running or a layer recording); entries (layer, ids, T, batch shape,
-    will_recompute, native ids or None)."""
-    __slots__ = ("ident", "native", "keep", "entries")
+    the thread running it; whether its routers take the fast path (``plain``: grad disabled, not
+    a recompute, no layer replaying) and whether that path keeps its ids (``keep``: a capture
+    running or a layer recording); entries (layer, ids, T, batch shape, will_recompute, native
+    ids or None)."""
+    __slots__ = ("ident", "plain", "keep", "entries")
 
-    def __init__(self, ident, native, keep):
-        self.ident, self.native, self.keep, self.entries = ident, native, keep, []
+    def __init__(self, ident, plain, keep):
+        self.ident, self.plain, self.keep, self.entries = ident, plain, keep, []
 
 
 
@@ -1143,14 +1169,13 @@ class Patch:
             self._check_thread(me, "[hf] a forward from")
             self._running[me.ident] += 1
             if self._pending is None:  # the outermost stack forward: its layers' ids wait for it
-                native = self.router_dtype is None and not torch.is_grad_enabled() and \
-                    not _replay.in_recompute()
+                plain = not torch.is_grad_enabled() and not _replay.in_recompute()
                 keep = self._capture is not None
                 for l in self._layers:
                     a = l.replay.action
-                    native = native and a in (None, "record")
+                    plain = plain and a in (None, "record")
                     keep = keep or a == "record"
-                self._pending = _Pending(me.ident, native, keep)
+                self._pending = _Pending(me.ident, plain, keep)
         self.driver.begin_step()
 
     def _step_ends(self, module, args, output):
