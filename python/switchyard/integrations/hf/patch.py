@@ -526,15 +526,14 @@ class _Layer:
         owner = self.owner
         if not (will_recompute or owner._capture is not None or self.replay.action == "record"):
             return
+        entry = (self, ids, T, batch_shape, will_recompute, native_ids)
         p = owner._pending
         if p is not None and p.ident == threading.get_ident():
             # Inside a forward of the decoder stack: handed on at its end with the other layers'
             # ids, in one host copy (Patch._step_ends).
-            p.entries.append((self, ids, T, batch_shape, will_recompute, native_ids))
-            return
-        host = _host_ids([ids] if native_ids is None else [ids, native_ids])
-        self._hand_on(host[0], T, batch_shape, will_recompute, host[1] if native_ids is not None
-                      else None)
+            p.entries.append(entry)
+        else:  # a router called on its own: now
+            Patch._hand_on_forward([entry])
 
     def _hand_on(self, ids32, T, batch_shape, will_recompute, nat32):
         """Records, queues for the recompute and captures one forward's ids (int32 [T, K] on the
@@ -1196,7 +1195,7 @@ class Patch:
         failed = output is None and sys.exc_info()[1] is not None
         if pending is not None and pending.entries:
             try:
-                self._hand_on(pending.entries)
+                self._hand_on_forward(pending.entries)
             except BaseException:
                 # (a capture refusing a step fails the forward, as it did inside a router call;
                 # a forward that failed already keeps its own error)
@@ -1206,9 +1205,10 @@ class Patch:
         self.driver.end_step(failed=failed)
 
     @staticmethod
-    def _hand_on(entries):
-        """Hands on the ids a stack forward's routers produced (record, recompute queue, capture),
-        in forward order, after one host copy of all of them."""
+    def _hand_on_forward(entries):
+        """Hands on the ids a forward's router calls produced (record, recompute queue, capture),
+        in forward order, after one host copy of all of them. ``entries``: (layer, ids, T, batch
+        shape, will_recompute, native ids or None) per call."""
         tensors = [e[1] for e in entries] + [e[5] for e in entries if e[5] is not None]
         host = iter(_host_ids(tensors))
         ids32 = [next(host) for _ in entries]
