@@ -29,6 +29,25 @@ def test_cpu_tensors_are_borrowed_on_the_cpu():
     assert sy_testing.clone(torch.ones(2)).device.type == "cpu"
 
 
+def test_parameters_take_the_plain_tensor_path_and_their_subclasses_dlpack():
+    # A CPU nn.Parameter (every router weight) is host memory like a plain tensor; a subclass of
+    # Parameter is asked its DLPack device, as any other subclass is.
+    w = torch.nn.Parameter(torch.randn(3, 8))
+    assert sy_testing.borrow_device(w) == "cpu"
+    x = torch.randn(4, 8)
+    assert torch.equal(syt.router_gating_linear(x, w), syt.router_gating_linear(x, w.detach()))
+
+    class _CudaParam(torch.nn.Parameter):
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA
+
+    if not sy.built_with_cuda():
+        with pytest.raises(ValueError, match=r"\[borrow\] t is a CUDA tensor \(device cuda:0\)"):
+            sy_testing.borrow_device(_CudaParam(torch.randn(3, 8)))
+    with pytest.raises(ValueError, match=r"\[borrow\] t must be a CPU tensor, got device meta"):
+        sy_testing.borrow_device(torch.nn.Parameter(torch.zeros(2, device="meta")))
+
+
 def test_build_reports_its_cuda_backend():
     assert isinstance(sy.built_with_cuda(), bool)
     if not sy.built_with_cuda():

@@ -168,6 +168,30 @@ def test_a_reference_model_unpatched_after_construction_is_patched_on_first_use(
     assert ref["used_mismatch_rows"] == 0 and ref["replayed_rows"] == ref["compared_rows"] > 0
 
 
+def test_a_reference_model_unpatched_between_steps_is_patched_again_not_left_stale(tmp_path):
+    # The trainer keeps the Patch it found per model between forwards (finding it walks every
+    # module): one undone since must not be used again (its routers no longer run it).
+    import transformers
+
+    class Unpatch(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 1:
+                self.undone = syhf.patch_of(tr.ref_model)
+                self.undone.unpatch()
+
+    cb = Unpatch()
+    tr = _trainer(tmp_path, model=_save(tmp_path), beta=0.1, max_steps=2,
+                  train_kw=dict(callbacks=[cb]))
+    tr.train()
+    assert not cb.undone.active
+    again = syhf.patch_of(tr.ref_model)
+    assert again is not None and again is not cb.undone
+    refs = _kinds(tr)["ref"]
+    assert len(refs) == 2
+    for ref in refs:
+        assert ref["used_mismatch_rows"] == 0 and ref["replayed_rows"] == ref["compared_rows"] > 0
+
+
 # ---- R2 ---------------------------------------------------------------------------------------
 def test_r2_replays_the_old_pass_routes_in_every_update(tmp_path):
     # num_iterations=2, a large learning rate: the second update's native routes would drift.
