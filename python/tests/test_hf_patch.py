@@ -359,10 +359,23 @@ def test_a_stack_forward_hands_its_layers_ids_on_in_one_host_copy(monkeypatch, r
                            got[:, :, layer, :]), layer
         c = p.counts()[layer]
         assert c["num_calls"] == 3 and c["num_native_rows"] == 2 * 7, c
-    # outside a stack forward: at once, one layer's ids
+    # A capture alone keeps the routers' id tensors and takes them to the host when read: no
+    # copy per forward, the same ids.
     copies.clear()
+    with torch.no_grad(), p.capture() as only:
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert copies == [] and only.num_forwards == 3
+    assert torch.equal(only.ids(), got) and torch.equal(only.expert_ids(), got)
+    assert torch.equal(only.native_ids(), got) and only.ids().dtype == torch.int32
+    # outside a stack forward: at once, one layer's ids (kept as they are by a capture alone)
     block = model.get_submodule(p.modules[p.layers[0]].rsplit(".", 1)[0])
+    x = torch.randn(1, 4, model.config.hidden_size)
+    p.set_action("record")
     with torch.no_grad(), p.capture(experts=False) as alone:
-        block(torch.randn(1, 4, model.config.hidden_size))
+        block(x)
         assert copies == [1] and alone.num_forwards == 1
+    p.set_action(None)
+    with torch.no_grad(), p.capture(experts=False) as alone2:
+        block(x)
+        assert copies == [1] and alone2.num_forwards == 1
     p.unpatch()

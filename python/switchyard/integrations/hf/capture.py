@@ -42,6 +42,16 @@ def _received_ids(args, kwargs):
     return ids if isinstance(ids, torch.Tensor) else None
 
 
+def _host_cat(steps):
+    """The steps [B, S_step, K] concatenated over S as int32 on the CPU: one copy after the
+    concatenation where they share device and dtype (the routers' own id tensors, kept as they
+    were), else each step's first."""
+    first = steps[0]
+    if all(s.device == first.device and s.dtype == first.dtype for s in steps):
+        return torch.cat(steps, dim=1).to(device="cpu", dtype=torch.int32)
+    return torch.cat([s.to(device="cpu", dtype=torch.int32) for s in steps], dim=1)
+
+
 def _stack(per_layer, num_hidden_layers, K):
     """{layer: [B, S_step, K_layer] steps} -> int32 [B, S, num_hidden_layers, K]: dense layers 0,
     the columns past a layer's own K -1."""
@@ -54,7 +64,7 @@ def _stack(per_layer, num_hidden_layers, K):
             raise ValueError("[hf.Capture] the captured forwards have different batch sizes "
                              f"{sorted({s.shape[0] for s in steps})}: capture one generate() "
                              "call at a time")
-        per[layer] = torch.cat(steps, dim=1)
+        per[layer] = _host_cat(steps)
     if not per:
         raise ValueError("[hf.Capture] nothing was captured (no MoE layer ran while capturing)")
     B, S, _ = next(iter(per.values())).shape
@@ -321,7 +331,9 @@ class Capture:
         Args:
             layer: the route layer (one of ``Patch.layers``: the decoder layer's number, or
                 R·layer + site for JetMoE).
-            ids32: int32 [T, K] on the CPU, the ids the forward routed.
+            ids32: [T, K], the ids the forward routed: int32 on the CPU, or the router's own
+                id tensor (an integer dtype, left unchanged until the capture is read: ids()
+                converts every step to int32 on the CPU).
             batch_shape: the decoder layer's input shape without its hidden dimension ((B, S),
                 or (B, S, streams)), or None (taken as (1, T)).
             num_tokens: T.
@@ -334,8 +346,8 @@ class Capture:
         """
         T = num_tokens
         batch_shape = _batch_shape(batch_shape, T)
-        step = ids32.view(batch_shape[0], batch_shape[1], -1)
-        nat = step if native32 is None else native32.view(step.shape)
+        step = ids32.reshape(batch_shape[0], batch_shape[1], -1)  # (a router's own ids may be
+        nat = step if native32 is None else native32.view(step.shape)  # a strided view)
         steps = self._steps[layer]
         if self._refeed and steps:
             # generate(use_cache=False): this forward re-fed the whole sequence so far; its new
