@@ -424,18 +424,17 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
   rank.assign(static_cast<size_t>(L * E1), 0);
   used.resize(static_cast<size_t>(L * E));
   thread_local std::vector<uint32_t> count;
-  thread_local std::vector<uint16_t> pre, sample;
+  thread_local std::vector<uint16_t> pre;
   const bool order = E <= kSetOrderMaxExperts && K > 1;
   // Consecutive-slot pairs from the first kSetOrderSample tokens (a bounded cost per block; on
   // bench_routes' 1024-token blocks the whole block orders the ranks no better).
   const int64_t pairs = order ? std::min<int64_t>(T, kSetOrderSample) : 0;
   // Uses, token by token (the [L, E + 1] counters stay in L1; -1 lands in slot 0), each token's
   // range checked before it is counted (one read of the block, not a range pass of its own).
-  // The sampled tokens' ids + 1 are also copied layer by layer ([L, pairs, K] u16), so each
-  // layer's pair counts below read 16 bytes per token in a row, not a strided walk of the block
-  // (1.5 KiB apart at L 48, K 8: 786 KB per layer, past L2, walked once per layer).
+  // The pair counts below read the sampled tokens from the block itself, two layers per walk
+  // (K 8: 64 bytes, about one cache line, per token); a u16 copy of the sample made here ([L,
+  // pairs, K], 393 KB at L 48) cost more than the strided walks (+2-3% encode without it).
   count.assign(static_cast<size_t>(L * E1), 0);
-  sample.resize(static_cast<size_t>(L * pairs * K));
   for (int64_t t = 0; t < T; ++t) {
     const int32_t* tok = idx + t * row;
     uint32_t bad = 0;
@@ -461,12 +460,6 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
         for (int64_t k = 0; k < K; ++k) ++c[tok[l * K + k]];
       }
     }
-    if (t < pairs) {
-      for (int64_t l = 0; l < L; ++l) {
-        uint16_t* y = sample.data() + (l * pairs + t) * K;
-        for (int64_t k = 0; k < K; ++k) y[k] = uint16_t(tok[l * K + k] + 1);
-      }
-    }
   }
   if (any_none) {
     *any_none = false;
@@ -475,9 +468,10 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
   // [a + 1][b + 1]: a just before b; u16 (at most kSetOrderSample * (K - 1) < 2^16 pairs) so the
   // table of E 128 (33 KiB) stays near L1
   static_assert(kSetOrderSample * (kSetMaxTopK - 1) < 65536);
-  // Two layers' pair counts at a time, a table each, token by token: on skewed routes the same
-  // hot pair repeats in consecutive tokens, 7 increments apart, a chain of read-modify-writes of
-  // one counter through memory; two layers interleaved run two such chains side by side.
+  // Two layers' pair counts at a time, a table each, token by token (every id was range checked
+  // above): on skewed routes the same hot pair repeats in consecutive tokens, 7 increments
+  // apart, a chain of read-modify-writes of one counter through memory; two layers interleaved
+  // run two such chains side by side.
   if (order) pre.assign(static_cast<size_t>(2 * E1 * E1), 0);
   std::vector<uint16_t> ord(static_cast<size_t>(E)), tmp(static_cast<size_t>(E));
   std::vector<uint32_t> key(static_cast<size_t>(E));
@@ -547,21 +541,24 @@ bool set_ranks(const int32_t* idx, int64_t T, int64_t L, int64_t K, int64_t E, u
   for (int64_t l = 0; l < L; l += 2) {
     const bool two = l + 1 < L;
     if (order) {
-      const uint16_t* y0 = sample.data() + l * pairs * K;
+      // tables offset by one row and one column: [a + 1][b + 1] (a -1 lands in row or column 0)
+      uint16_t* const q0 = p0 + E1 + 1;
+      uint16_t* const q1 = p1 + E1 + 1;
+      const int32_t* y0 = idx + l * K;
       if (two) {
-        const uint16_t* y1 = y0 + pairs * K;
-        for (int64_t t = 0; t < pairs; ++t, y0 += K, y1 += K) {
+        const int32_t* y1 = y0 + K;
+        for (int64_t t = 0; t < pairs; ++t, y0 += row, y1 += row) {
           for (int64_t k = 0; k + 1 < K; ++k) {
-            uint16_t& c0 = p0[size_t(y0[k] * E1 + y0[k + 1])];
+            uint16_t& c0 = q0[y0[k] * E1 + y0[k + 1]];
             c0 = uint16_t(c0 + 1);
-            uint16_t& c1 = p1[size_t(y1[k] * E1 + y1[k + 1])];
+            uint16_t& c1 = q1[y1[k] * E1 + y1[k + 1]];
             c1 = uint16_t(c1 + 1);
           }
         }
       } else {
-        for (int64_t t = 0; t < pairs; ++t, y0 += K) {
+        for (int64_t t = 0; t < pairs; ++t, y0 += row) {
           for (int64_t k = 0; k + 1 < K; ++k) {
-            uint16_t& c0 = p0[size_t(y0[k] * E1 + y0[k + 1])];
+            uint16_t& c0 = q0[y0[k] * E1 + y0[k + 1]];
             c0 = uint16_t(c0 + 1);
           }
         }
