@@ -84,6 +84,9 @@ def _wrong_length_worker(rank, world, out_dir):
         res["worker_error"] = f"{type(e).__name__}: {e}"
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     try:
+        # Both ranks done before either tears gloo down: a rank that exits first closes its
+        # pairs under the other's destroy, which then aborted (SIGABRT, once in a CI run).
+        dist.barrier()
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 (a broken group after the old hang)
         pass
