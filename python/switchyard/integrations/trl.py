@@ -84,6 +84,7 @@ pass is told from the old pass by order), Liger kernels (their loss runs its own
 """
 import hashlib
 import inspect
+import weakref
 
 import torch
 
@@ -238,7 +239,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
         self._sy_rollout = None     # [B, P+C, M, K] rollout routes of the batch being scored
         self._sy_r2 = None          # routes of the old-log-prob pass of that batch (R2)
         self._sy_inputs = None      # the batch _compute_loss runs on
-        self._sy_patches = {}       # id(model) -> (model, its Patch) found by _sy_patch_for
+        self._sy_patches = {}       # id(model) -> weakrefs (model, its Patch), _sy_patch_for
         try:
             super().__init__(*args, **kwargs)
         except BaseException:
@@ -482,11 +483,13 @@ class GRPOTrainer(_trl.GRPOTrainer):
     def _sy_patch_for(self, model, kind):
         # The Patch found for this model object last time, while it is still active: finding it
         # again (accelerate's unwrap, a walk of every module) was ~0.3 ms per log-prob forward.
+        # Weak references: a reference model replaced later is not kept alive by this cache.
         hit = self._sy_patches.get(id(model))
-        if hit is not None and hit[0] is model and hit[1].active:
-            return hit[1]
+        p = hit[1]() if hit is not None and hit[0]() is model else None
+        if p is not None and p.active:
+            return p
         p = self._sy_find_patch(model, kind)
-        self._sy_patches[id(model)] = (model, p)
+        self._sy_patches[id(model)] = (weakref.ref(model), weakref.ref(p))
         return p
 
     def _sy_find_patch(self, model, kind):

@@ -346,8 +346,9 @@ class Capture:
         """
         T = num_tokens
         batch_shape = _batch_shape(batch_shape, T)
-        step = ids32.reshape(batch_shape[0], batch_shape[1], -1)  # (a router's own ids may be
-        nat = step if native32 is None else native32.view(step.shape)  # a strided view)
+        # (reshape: a router's own id tensor, kept as it is, may be a strided view)
+        step = ids32.reshape(batch_shape[0], batch_shape[1], -1)
+        nat = step if native32 is None else native32.view(step.shape)
         steps = self._steps[layer]
         if self._refeed and steps:
             # generate(use_cache=False): this forward re-fed the whole sequence so far; its new
