@@ -327,6 +327,35 @@ def test_capture_without_the_experts_hooks_keeps_the_routes_and_refuses_expert_i
     p.unpatch()
 
 
+def test_moe_ids_are_the_captured_ids_of_the_patched_layers_in_set_targets_layout():
+    # Capture.moe_ids (the trainer adapters' read): ids() / native_ids() at Patch.layers, for a
+    # model whose first layer is dense, over a generate() (several forwards per layer) and over
+    # a replayed forward whose routers' own choice differs from the replayed ids.
+    model = build("deepseek_v3")
+    p = syhf.patch(model, router_dtype=torch.float32)
+    assert p.layers == [1, 2] and p.num_route_layers == 3
+    ids = tokens(2, 5, seed=6)
+    with torch.no_grad(), p.capture(experts=False) as gen:
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert gen.num_forwards == 3
+    m = gen.moe_ids()
+    assert m.dtype == torch.int32 and m.shape == (2, 7, 2, p.top_k)
+    assert torch.equal(m, gen.ids()[:, :, p.layers]) and torch.equal(gen.moe_ids(native=True), m)
+    targets = (m[:, :5] + 1) % p.num_experts  # other experts than the routers' own
+    p.set_targets(targets)
+    with torch.no_grad(), p.capture(experts=False) as rep:
+        model(ids)
+    p.set_action(None)
+    assert torch.equal(rep.moe_ids(), targets)
+    own = rep.moe_ids(native=True)
+    assert torch.equal(own, rep.native_ids()[:, :, p.layers]) and not torch.equal(own, targets)
+    with p.capture(experts=False) as empty:
+        pass
+    with pytest.raises(ValueError, match="nothing was captured"):
+        empty.moe_ids()
+    p.unpatch()
+
+
 @pytest.mark.parametrize("router_dtype", [None, torch.float32], ids=["native", "fp32"])
 def test_a_stack_forward_hands_its_layers_ids_on_in_one_host_copy(monkeypatch, router_dtype):
     # The ids a forward of the decoder stack routed reach capture, record and the recompute queue

@@ -418,6 +418,57 @@ def test_tool_call_turns_give_each_sequence_the_routes_of_its_latest_turn(tmp_pa
     tr._sy_gen = None
 
 
+@pytest.mark.parametrize("multiple", [None, 1, 4, 5])
+def test_the_adapters_padding_masks_are_trls_pad(multiple):
+    from trl.trainer.utils import pad
+    for seqs in ([[1, 2], [3, 4, 5, 6, 7], [8]], [[1, 2, 3, 4]], [[1] * 5, [2] * 5]):
+        for side in ("left", "right"):
+            want = pad([torch.ones(len(x), dtype=torch.long) for x in seqs], 0, side, multiple)
+            got = sytrl._pad_mask(seqs, side, multiple)
+            assert got.dtype == want.dtype and torch.equal(got, want), (seqs, side, multiple)
+
+
+def test_a_single_turn_is_read_in_trls_rows_as_the_per_sequence_path_reads_it(tmp_path):
+    # _sy_batch_routes reads one captured turn straight into TRL's rows; the per-sequence path
+    # (vLLM's layout per sequence, then the importer) is the reference: equal tensors for
+    # prompts of every length, completions that ended early (their EOS and padding were fed),
+    # one that filled every generated step (its last token never fed), and rows holding an id
+    # outside [0, E) (both give the invalid-row marker).
+    tr = _trainer(tmp_path, max_steps=1)
+    g = torch.Generator().manual_seed(3)
+    prompts = [[5, 6], [7, 8, 9, 10, 11], [12], [13, 14, 15]]
+    completions = [[20, 21, 22, 23, 24, 25], [26], [27, 28, 29], [30, 31, 32, 33, 34, 35]]
+    B, P, G = len(prompts), 5, 6
+    ids = torch.stack([torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)])
+                       for _ in range(B * (P + G - 1))]).view(B, P + G - 1, L, K).to(torch.int32)
+    ids[1, 4, 0, 1] = E      # inside sequence 1's prompt (its last prompt token)
+    ids[2, 6, 1, 0] = E + 7  # sequence 2's second completion token
+    pm = torch.zeros(B, P, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        pm[b, P - len(p):] = 1
+    turn = (ids, pm, prompts, completions)
+    out = []
+    for direct in (True, False):
+        st = sytrl._GenState()
+        st.turn = turn
+        if not direct:
+            assert st.seqs is not None and st.turn is None  # the per-sequence tables, made now
+        tr._sy_gen = st
+        out.append(tr._sy_batch_routes(prompts, completions))
+        assert (st.turn is not None) == direct  # the direct read made no per-sequence tables
+    tr._sy_gen = None
+    fast, ref = out
+    assert fast.dtype == ref.dtype == torch.int32 and fast.shape == ref.shape == (B, P + G, L, K)
+    assert torch.equal(fast, ref)
+    assert int((ref == sytrl._INT32_MAX).all(-1).sum()) == 2
+    # each sequence: a row at each real token but the last one (the invalid ones included)
+    assert [int((ref[b] != -1).all(-1).all(-1).sum()) for b in range(B)] == \
+        [len(p) + len(c) - 1 for p, c in zip(prompts, completions)]
+    # a batch that is not the captured turn's sequences: left to the per-sequence path
+    assert tr._sy_turn_routes(turn, prompts, completions[:3] + [[30]], pm,
+                              torch.ones(B, P + G)) is None
+
+
 @pytest.mark.hostile(tried="TRL: switchyard's GRPOTrainer with a trl older than 1.16",
                      gets="RuntimeError naming the version needed and found")
 def test_an_older_trl_is_refused(tmp_path, monkeypatch):

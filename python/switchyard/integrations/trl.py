@@ -90,13 +90,13 @@ import torch
 
 import switchyard.integrations.hf as syhf
 from switchyard import _ids
+from switchyard import routes as _syroutes
 from switchyard.integrations import _ranks
 from switchyard.integrations._adapter import TrainerPhase, check_minimum_version
 from switchyard.replay import ReplayCounts
 
 try:
     import trl as _trl
-    from trl.trainer.utils import pad as _trl_pad
 except ImportError as e:  # an optional dependency
     raise ImportError("switchyard.integrations.trl needs the `trl` package (>= 1.16)") from e
 
@@ -185,10 +185,49 @@ def _patch_model(model, router_dtype, gate, what):
 
 
 class _GenState:
-    """The routes of one _generate() call: per sequence (tokens, routes [n - 1, L, K])."""
+    """The routes of one _generate() call: per sequence (tokens, routes [n - 1, L, K]) in
+    ``seqs``; or, after a single in-process turn, that turn as captured (``turn``: the capture's
+    ids [B, S_fed, L, K], its prompt mask, the prompts and completions), turned into ``seqs`` only
+    where a tool-call turn follows or TRL's batch is not that turn's (_sy_batch_routes reads the
+    captured turn directly in TRL's rows)."""
 
     def __init__(self):
-        self.seqs = None
+        self._seqs = None
+        self.turn = None
+
+    @property
+    def seqs(self):
+        if self._seqs is None and self.turn is not None:
+            self._seqs, self.turn = _turn_seqs(*self.turn), None
+        return self._seqs
+
+    @seqs.setter
+    def seqs(self, value):
+        self._seqs, self.turn = value, None
+
+
+def _pad_mask(seqs, side, multiple):
+    """The mask TRL's ``pad()`` gives sequences of ones (TRL pads its prompts left, its
+    completions right): long [B, W], 1 at each sequence's tokens, W the longest length rounded up
+    to ``multiple`` (pad_to_multiple_of, or None), as pad() sizes it; without a tensor per
+    sequence (a test compares it with pad())."""
+    lens = torch.tensor([len(x) for x in seqs], dtype=torch.long)
+    W = int(lens.max()) if len(seqs) else 0
+    if multiple and W % multiple:
+        W += multiple - W % multiple
+    pos = torch.arange(W)
+    return (pos >= (W - lens)[:, None] if side == "left" else pos < lens[:, None]).long()
+
+
+def _turn_seqs(ids, pm, prompt_ids, completion_ids):
+    """One captured generate() turn -> [(tokens, routes int32 [n - 1, L, K])] per sequence (the
+    capture's ids [B, S_fed, L, K] over the fed tokens; pm: the prompts' left-padded mask)."""
+    G = ids.shape[1] - pm.shape[1] + 1  # generated steps (the last token is never fed)
+    cm = torch.zeros(len(completion_ids), G, dtype=torch.long)
+    for b, c in enumerate(completion_ids):
+        cm[b, :len(c)] = 1
+    routes = _syroutes.routed_experts(ids, torch.cat([pm, cm], dim=1))
+    return [(list(p) + list(c), r) for p, c, r in zip(prompt_ids, completion_ids, routes)]
 
 
 class GRPOTrainer(_trl.GRPOTrainer):
@@ -363,22 +402,18 @@ class GRPOTrainer(_trl.GRPOTrainer):
         return completion_ids, logprobs
 
     def _sy_record_generation(self, cap, prompt_ids, completion_ids):
-        ones = [torch.ones(len(x), dtype=torch.long) for x in prompt_ids]
-        pm = _trl_pad(ones, 0, "left", self.pad_to_multiple_of)
-        S_fed = cap.ids().shape[1]
+        pm = _pad_mask(prompt_ids, "left", self.pad_to_multiple_of)
+        ids = cap.ids()
+        S_fed = ids.shape[1]
         G = S_fed - pm.shape[1] + 1  # generated steps (the last token is never fed)
         if G < max((len(c) for c in completion_ids), default=0):
             raise RuntimeError(f"{_WHO} captured {S_fed} fed tokens, fewer than the prompts "
                                f"({pm.shape[1]}) and completions need")
-        cm = torch.zeros(len(completion_ids), G, dtype=torch.long)
-        for b, c in enumerate(completion_ids):
-            cm[b, :len(c)] = 1
-        routes = cap.routed_experts(torch.cat([pm, cm], dim=1))
-        new = [(list(p) + list(c), r) for p, c, r in zip(prompt_ids, completion_ids, routes)]
         st = self._sy_gen
-        if st.seqs is None:  # the first turn: one row per sequence, in order
-            st.seqs = new
+        if st.seqs is None:  # the first turn: kept as captured (see _GenState)
+            st.turn = (ids, pm, [list(p) for p in prompt_ids], [list(c) for c in completion_ids])
             return
+        new = _turn_seqs(ids, pm, prompt_ids, completion_ids)
         # A tool-call turn: each new prompt extends one sequence's history (in batch order).
         j = 0
         for i, (tokens, _) in enumerate(st.seqs):
@@ -394,10 +429,17 @@ class GRPOTrainer(_trl.GRPOTrainer):
         st = self._sy_gen
         if not self._sy_active:
             return None
-        if st is None or st.seqs is None:
+        if st is None or (st.turn is None and st.seqs is None):
             if self.switchyard_replay == "R3":
                 raise RuntimeError(f"{_WHO} replay='R3': this generation gave no routes")
             return None
+        pm = _pad_mask(prompt_ids, "left", self.pad_to_multiple_of)
+        cm = _pad_mask(completion_ids, "right", self.pad_to_multiple_of)
+        mask = torch.cat([pm, cm], dim=1)
+        if st.turn is not None:
+            t = self._sy_turn_routes(st.turn, prompt_ids, completion_ids, pm, mask)
+            if t is not None:
+                return t.to(self.accelerator.device)
         arrays, invalid = [], []
         E = self.switchyard_patch.num_experts
         for i, (pi, ci) in enumerate(zip(prompt_ids, completion_ids)):
@@ -418,11 +460,6 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 r = r.masked_fill(bad[..., None], -1)
             invalid.append(bad)
             arrays.append(r)
-        pm = _trl_pad([torch.ones(len(x), dtype=torch.long) for x in prompt_ids], 0, "left",
-                      self.pad_to_multiple_of)
-        cm = _trl_pad([torch.ones(len(x), dtype=torch.long) for x in completion_ids], 0, "right",
-                      self.pad_to_multiple_of)
-        mask = torch.cat([pm, cm], dim=1)
         try:
             t, _ = self.switchyard_patch.targets_from_vllm(arrays, mask)
         except ValueError as e:
@@ -436,6 +473,31 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 sub[bad[:, cols]] = _INT32_MAX
                 t[b, pos] = sub
         return t.to(self.accelerator.device)
+
+    def _sy_turn_routes(self, turn, prompt_ids, completion_ids, pm, mask):
+        """[B, P+C, M, K] int32 rollout routes of TRL's batch read straight from one captured
+        turn, or None where the batch is not that turn's sequences in its layout (then the
+        per-sequence path reads it). The same tensor as that path gives (a test compares them):
+        the fed tokens' routes at their own positions (the prompts are left-padded the same way),
+        -1 at padding and at each sequence's last token (never routed), and a row holding an id
+        outside [0, E) as _INT32_MAX (replayed as an invalid row)."""
+        ids, tpm, tp, tc = turn
+        p = self.switchyard_patch
+        if len(set(p.top_ks.values())) != 1 or tuple(tpm.shape) != tuple(pm.shape) or \
+                len(tp) != len(prompt_ids) or len(tc) != len(completion_ids) or \
+                any(list(a) != b for a, b in zip(prompt_ids, tp)) or \
+                any(list(a) != b for a, b in zip(completion_ids, tc)):
+            return None
+        B, W = mask.shape
+        t = ids[:, :W, p.layers, :]
+        if t.shape[1] < W:  # the last column's token was never fed
+            t = torch.cat([t, t.new_full((B, W - t.shape[1]) + tuple(t.shape[2:]), -1)], dim=1)
+        real = mask.bool()
+        last = W - 1 - real.flip(1).to(torch.uint8).argmax(1)  # each sequence's last token
+        real[torch.arange(B), last] = False
+        bad = ((t < -1) | (t >= p.num_experts)).any(-1)
+        t = t.masked_fill(bad[..., None], _INT32_MAX)
+        return t.masked_fill(~real[:, :, None, None], -1)
 
     # ---- carried through TRL's batch ---------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
@@ -567,20 +629,20 @@ class GRPOTrainer(_trl.GRPOTrainer):
             rec["replayed_rows"] += total.replayed
             rec["native_rows"] += total.native
             rec["invalid_rows"] += total.invalid
-            ids = cap.ids()[:, :, p.layers, :]  # [b, S, M, K]: what the experts received
+            ids = cap.moe_ids()  # [b, S, M, K]: what the experts received
             ids_all.append(ids)
             if rollout is not None:
                 # The mismatch is the routers' own choice (live top-k) against the rollout's route
                 # at each token position, never the replayed ids against themselves: routes
-                # placed at the wrong tokens show up here even when they are replayed.
-                own = cap.native_ids()[:, :, p.layers, :]
+                # placed at the wrong tokens show up here even when they are replayed. Rows
+                # compare as sets; the live and the used ids in one sort.
                 r = rollout[s:e].to("cpu")
                 valid = (r >= 0).all(-1) & attention_mask[s:e].to("cpu").bool()[:, :, None]
-                rs = r.sort(-1).values
-                differ = (own.sort(-1).values != rs).any(-1) & valid
-                rec["mismatch_rows"] += int(differ.sum())
-                used = (ids.sort(-1).values != rs).any(-1) & valid
-                rec["used_mismatch_rows"] += int(used.sum())
+                both = torch.stack((cap.moe_ids(native=True), ids)).sort(-1).values
+                differ = (both != r.sort(-1).values).any(-1) & valid
+                mismatch, used = differ.view(2, -1).sum(1).tolist()
+                rec["mismatch_rows"] += mismatch
+                rec["used_mismatch_rows"] += used
                 rec["compared_rows"] += int(valid.sum())
             logps.append(lp)
             if compute_entropy:

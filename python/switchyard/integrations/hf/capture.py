@@ -52,9 +52,10 @@ def _host_cat(steps):
     return torch.cat([s.to(device="cpu", dtype=torch.int32) for s in steps], dim=1)
 
 
-def _stack(per_layer, num_hidden_layers, K):
-    """{layer: [B, S_step, K_layer] steps} -> int32 [B, S, num_hidden_layers, K]: dense layers 0,
-    the columns past a layer's own K -1."""
+def _host_layers(per_layer):
+    """{layer: [B, S_step, K_layer] steps} -> {layer: int32 [B, S, K_layer] on the CPU}, every
+    layer's steps concatenated; ValueError when nothing was captured or the steps' batch sizes
+    (or the layers' token counts) differ."""
     per = {}
     for layer, steps in per_layer.items():
         if not steps:
@@ -64,15 +65,25 @@ def _stack(per_layer, num_hidden_layers, K):
             raise ValueError("[hf.Capture] the captured forwards have different batch sizes "
                              f"{sorted({s.shape[0] for s in steps})}: capture one generate() "
                              "call at a time")
-        per[layer] = _host_cat(steps)
+        per[layer] = _host_cat(steps) if len(steps) > 1 else \
+            steps[0].to(device="cpu", dtype=torch.int32)
     if not per:
         raise ValueError("[hf.Capture] nothing was captured (no MoE layer ran while capturing)")
     B, S, _ = next(iter(per.values())).shape
-    out = torch.zeros(B, S, num_hidden_layers, K, dtype=torch.int32)
     for layer, t in per.items():
         if t.shape[:2] != (B, S):
             raise ValueError(f"[hf.Capture] layer {layer} captured {list(t.shape[:2])} tokens, "
                              f"another layer {[B, S]}")
+    return per
+
+
+def _stack(per_layer, num_hidden_layers, K):
+    """{layer: [B, S_step, K_layer] steps} -> int32 [B, S, num_hidden_layers, K]: dense layers 0,
+    the columns past a layer's own K -1."""
+    per = _host_layers(per_layer)
+    B, S, _ = next(iter(per.values())).shape
+    out = torch.zeros(B, S, num_hidden_layers, K, dtype=torch.int32)
+    for layer, t in per.items():
         out[:, :, layer, :] = -1 if t.shape[2] < K else 0
         out[:, :, layer, :t.shape[2]] = t
     return out
@@ -396,6 +407,27 @@ class Capture:
             ValueError: as ``ids()``.
         """
         return self._stacked(self._native)
+
+    def moe_ids(self, native: bool = False) -> torch.Tensor:
+        """The captured ids in ``Patch.set_targets``' layout: the patched route layers only, in
+        the order of ``Patch.layers`` (``ids()`` has every route layer, dense ones 0). Cheaper
+        than ``ids()[:, :, layers]`` (no dense table is made).
+
+        Args:
+            native: False: the ids the routers routed (``ids()``); True: each router's own choice
+                (``native_ids()``).
+
+        Returns:
+            int32 [B, S_fed, moe_layers, K], -1 past a layer's own K.
+
+        Raises:
+            ValueError: as ``ids()``.
+        """
+        per = _host_layers(self._native if native else self._steps)
+        K = self._owner.top_k
+        return torch.stack([t if t.shape[2] == K else torch.cat(
+            [t, t.new_full(t.shape[:2] + (K - t.shape[2],), -1)], dim=2)
+            for t in (per[layer] for layer in self._owner.layers)], dim=2)
 
     def expert_ids(self) -> torch.Tensor:
         """The ids the experts modules of the patched layers received (transformers' experts
