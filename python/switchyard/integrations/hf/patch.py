@@ -249,6 +249,13 @@ class _Layer:
         # Runs in the decoder layer's __call__, outside the checkpointed forward, so once per real
         # forward: the condition under which transformers checkpoints the layer. A traced forward
         # queues nothing for its recompute (switchyard.replay.in_recompute).
+        p = self.owner._pending
+        if p is not None and p.plain and p.ident == threading.get_ident():
+            # a gradient-free forward (Patch._step_begins decided it): nothing to recompute
+            self.will_recompute = False
+            h = args[0] if args else kwargs.get("hidden_states")
+            self.batch_shape = tuple(h.shape[:-1]) if isinstance(h, torch.Tensor) else None
+            return
         if torch.compiler.is_compiling() and self.replay.action != "record" and \
                 self.owner._capture is None:
             return
@@ -1175,7 +1182,14 @@ class Patch:
                     plain = plain and a in (None, "record")
                     keep = keep or a == "record"
                 self._pending = _Pending(me.ident, plain, keep)
-        self.driver.begin_step()
+            elif self._pending.ident != me.ident:
+                plain = False
+            else:
+                plain = self._pending.plain
+        if not plain:
+            # (A plain forward takes no target and queues nothing for a recompute: the driver's
+            # step would begin and end on nothing; _step_ends skips its end the same way.)
+            self.driver.begin_step()
 
     def _step_ends(self, module, args, output):
         if torch.compiler.is_compiling():
@@ -1188,9 +1202,11 @@ class Patch:
                 self._running.pop(me, None)
                 return
             self._running[me] -= 1
+            mine = self._pending is not None and self._pending.ident == me
+            plain = mine and self._pending.plain  # (as _step_begins decided it)
             if not self._running[me]:
                 del self._running[me]
-                if self._pending is not None and self._pending.ident == me:
+                if mine:
                     pending, self._pending = self._pending, None
         failed = output is None and sys.exc_info()[1] is not None
         if pending is not None and pending.entries:
@@ -1200,9 +1216,11 @@ class Patch:
                 # (a capture refusing a step fails the forward, as it did inside a router call;
                 # a forward that failed already keeps its own error)
                 if not failed:
-                    self.driver.end_step(failed=True)
+                    if not plain:
+                        self.driver.end_step(failed=True)
                     raise
-        self.driver.end_step(failed=failed)
+        if not plain:
+            self.driver.end_step(failed=failed)
 
     @staticmethod
     def _hand_on_forward(entries):
