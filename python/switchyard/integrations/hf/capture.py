@@ -348,8 +348,9 @@ class Capture:
             batch_shape: the decoder layer's input shape without its hidden dimension ((B, S),
                 or (B, S, streams)), or None (taken as (1, T)).
             num_tokens: T.
-            native32: int32 [T, K], the router's own top-k where it differs from ``ids32``
-                (a replayed forward), or None (equal).
+            native32: [T, K], the router's own top-k where it differs from ``ids32`` (a
+                replayed forward; int32 on the CPU, or the router's own id tensor, converted when
+                read as ``ids32``), or None (equal).
 
         Raises:
             ValueError: under generate(use_cache=False), for a step that does not extend the
@@ -359,7 +360,7 @@ class Capture:
         batch_shape = _batch_shape(batch_shape, T)
         # (reshape: a router's own id tensor, kept as it is, may be a strided view)
         step = ids32.reshape(batch_shape[0], batch_shape[1], -1)
-        nat = step if native32 is None else native32.view(step.shape)
+        nat = step if native32 is None else native32.reshape(step.shape)
         steps = self._steps[layer]
         if self._refeed and steps:
             # generate(use_cache=False): this forward re-fed the whole sequence so far; its new

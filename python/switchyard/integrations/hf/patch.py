@@ -1227,16 +1227,17 @@ class Patch:
         """Hands on the ids a forward's router calls produced (record, recompute queue, capture),
         in forward order, after one host copy of all of them. ``entries``: (layer, ids, T, batch
         shape, will_recompute, native ids or None) per call. Where only a capture takes CPU ids
-        (nothing recorded or queued, no native ids apart: every generate() step on the CPU), the
-        capture keeps the routers' id tensors as they are and converts them when read, one copy
-        per layer for the whole capture instead of one per forward. (Device ids still come to the
-        host per forward: kept on the device, a long generation's ids would hold device memory,
-        int64, until the capture is read.)"""
+        (nothing recorded or queued: every generate() step on the CPU, and a replayed forward's
+        ids and the routers' own choice under a trainer adapter's capture), the capture keeps the
+        routers' id tensors as they are and converts them when read, one copy per layer for the
+        whole capture instead of one per forward. (Device ids still come to the host per forward:
+        kept on the device, a long generation's ids would hold device memory, int64, until the
+        capture is read.)"""
         cap = entries[0][0].owner._capture
-        if cap is not None and all(not e[4] and e[5] is None and e[0].replay.action != "record"
-                                   and e[1].is_cpu for e in entries):
-            for l, ids, T, batch_shape, _, _ in entries:
-                cap.append(l.layer, ids, batch_shape, T)
+        if cap is not None and all(not e[4] and e[0].replay.action != "record" and e[1].is_cpu
+                                   and (e[5] is None or e[5].is_cpu) for e in entries):
+            for l, ids, T, batch_shape, _, nat in entries:
+                cap.append(l.layer, ids, batch_shape, T, nat)
             return
         tensors = [e[1] for e in entries] + [e[5] for e in entries if e[5] is not None]
         host = iter(_host_ids(tensors))
