@@ -167,6 +167,12 @@ def classify_rows(ids: torch.Tensor, num_experts: int, policy: str = "error",
             that are not 2-D, an id that does not fit int32 (never wrapped; under "native" its
             row is a counted invalid row) and an unknown policy.
     """
+    if type(ids) is torch.Tensor and ids.dtype == torch.int32 and ids.is_cpu and \
+            ids.dim() == 2 and ids.is_contiguous() and policy in POLICIES:
+        # (what every check and conversion below leaves as it is: a table set_targets made, one
+        # per layer and step; this is the replay path's per-layer Python)
+        return ReplayRows(ids, _C.classify_replay_rows(ids, int(num_experts), policy,
+                                                       -1 if layer is None else int(layer)))
     check_policy(policy, op)
     where = "" if layer is None else f"layer {layer}, "
     if not isinstance(ids, torch.Tensor):
