@@ -356,6 +356,47 @@ def test_moe_ids_are_the_captured_ids_of_the_patched_layers_in_set_targets_layou
     p.unpatch()
 
 
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
+def test_verl_targets_from_the_packed_values_are_the_padded_batchs_at_its_real_tokens(dtype):
+    # Patch.targets_from_verl_packed (the verl adapter's packed micro-batches) against
+    # targets_from_verl of the same sequences padded: the same targets at every real token, for a
+    # model with a dense first layer, sequences of 1 to 9 tokens, zero rows (no route) and rows
+    # the rollout never routed; a payload the reader refuses gets the padded path's message,
+    # naming the sequence.
+    model = build("deepseek_v3")
+    p = syhf.patch(model, router_dtype=torch.float32)
+    E, K, L = p.num_experts, p.top_k, p.num_route_layers
+    g = torch.Generator().manual_seed(9)
+    lengths = [5, 1, 9, 2, 7]
+    total = sum(lengths)
+    values = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(total * L)])
+    values = values.view(total, L, K).to(dtype)
+    values[:, 0] = 0  # the dense layer: verl's zeros
+    values[3, 1:] = 0  # a zero row on every MoE layer (routed natively)
+    values[10, 2] = 0
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    mask = torch.arange(max(lengths)).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    dense = values.new_zeros((len(lengths), max(lengths), L, K))
+    dense[mask] = values
+    ref, _ = p.targets_from_verl(dense, mask)
+    got = p.targets_from_verl_packed(values, offsets)
+    assert got.dtype == torch.int32 and got.shape == (total, len(p.layers), K)
+    assert torch.equal(got, ref[mask])
+    assert int((got == -1).all(-1).sum()) == len(lengths) * 2 + 2 + 1  # last tokens, zero rows
+    bad = values.clone()
+    bad[offsets[2] + 1, 2, 0] = E  # sequence 2's second token
+    with pytest.raises(ValueError) as packed:
+        p.targets_from_verl_packed(bad, offsets)
+    padded = dense.clone()
+    padded[mask] = bad
+    with pytest.raises(ValueError) as want:
+        p.targets_from_verl(padded, mask)
+    assert str(packed.value) == str(want.value) and "sequence 2" in str(want.value)
+    with pytest.raises(ValueError, match=r"offsets \[B \+ 1\] from 0 to total"):
+        p.targets_from_verl_packed(values, offsets[:-1])
+    p.unpatch()
+
+
 @pytest.mark.parametrize("router_dtype", [None, torch.float32], ids=["native", "fp32"])
 def test_a_stack_forward_hands_its_layers_ids_on_in_one_host_copy(monkeypatch, router_dtype):
     # The ids a forward of the decoder stack routed reach capture, record and the recompute queue

@@ -370,16 +370,18 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
             raise ValueError(f"[verl] routed_experts must hold integer expert ids, got dtype "
                              f"{values.dtype}")
-        # Right-padded [B, max_len, L, K] (zeros at padding) + its mask: verl's own batch layout,
-        # read by the hf integration's verl importer (the last token and zero rows: no route).
-        dense = values.new_zeros((B, mask.shape[1], L, K))
-        dense[mask.to(values.device)] = values
-        t, _ = p.targets_from_verl(dense.to("cpu"), mask)  # [B, max_len, M, K], -1 at padding
         ids = model_inputs["input_ids"]
         if rows is not None:  # packed: this rank's rows of (total + static pad [+ SP pad])
-            t = t[mask]
+            t = p.targets_from_verl_packed(values, offsets)  # [total, M, K], the last tokens -1
             t = torch.where((rows >= 0)[:, None, None], t[rows.clamp(min=0)], -1) \
                 if t.shape[0] else t.new_full((rows.numel(), *t.shape[1:]), -1)
+        else:
+            # Right-padded [B, max_len, L, K] (zeros at padding) + its mask: verl's own batch
+            # layout, read by the hf integration's verl importer (the last token and zero rows:
+            # no route).
+            dense = values.new_zeros((B, mask.shape[1], L, K))
+            dense[mask.to(values.device)] = values
+            t, _ = p.targets_from_verl(dense.to("cpu"), mask)  # [B, max_len, M, K], -1 at pad
         if t.shape[0] * (t.shape[1] if t.dim() == 4 else 1) != ids.numel():
             raise ValueError(f"[verl] routed_experts cover {total} tokens but the forward feeds "
                              f"{list(ids.shape)}")

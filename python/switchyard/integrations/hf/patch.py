@@ -1099,6 +1099,55 @@ class Patch:
                   for t, h in zip(tables, has.tolist())]
         return syr.add_padding(tables, m), report
 
+    def targets_from_verl_packed(self, values: torch.Tensor, offsets: torch.Tensor,
+                                 zero_rows: str = "to_none") -> torch.Tensor:
+        """``targets_from_verl`` of verl's jagged ``routed_experts`` (a nested tensor's values
+        [total, num_route_layers, K], the sequences end to end, and its offsets [B + 1]), in that
+        packed token order: the padded batch's targets at its real tokens, without making the
+        padded batch (one reader call for the micro-batch, each sequence's last token -1).
+
+        Args:
+            values: [total, num_route_layers, K] integer ids (verl stores int16).
+            offsets: [B + 1] int, the sequences' starts and the end (nondecreasing, from 0).
+            zero_rows: as ``targets_from_verl``.
+
+        Returns:
+            int32 [total, moe_layers, K] targets (no import report: the reader saw the
+            micro-batch as one sequence; ``targets_from_verl`` reports per sequence).
+
+        Raises:
+            ValueError: as ``targets_from_verl``, naming the sequence and token (a payload the
+                reader refuses is read again sequence by sequence for the message).
+        """
+        values = _ids.as_tensor(values, "hf.targets_from_verl", "routed_experts")
+        offsets = torch.as_tensor(offsets).to("cpu", torch.int64)
+        if values.dim() != 3 or offsets.dim() != 1 or offsets.numel() < 1 or \
+                int(offsets[0]) != 0 or int(offsets[-1]) != values.shape[0] or \
+                bool((offsets.diff() < 0).any()):
+            raise ValueError(f"[hf.targets_from_verl] values must be [total, num_route_layers, K] "
+                             f"and offsets [B + 1] from 0 to total, got values "
+                             f"{list(values.shape)}, offsets {offsets.tolist()}")
+        total, lengths = values.shape[0], offsets.diff()
+        routed = torch.ones(total, dtype=torch.bool)
+        routed[offsets[1:][lengths > 0] - 1] = False  # each sequence's last token: no route
+        try:
+            self._check_route_layers([(1,) + tuple(values.shape)], "hf.targets_from_verl",
+                                     "routed_experts")
+            tables, _ = syr.from_verl(values.to("cpu").unsqueeze(0), routed.unsqueeze(0),
+                                      self.num_experts, moe_layer_freq=self._layer_freq(),
+                                      zero_rows=zero_rows)
+        except ValueError:
+            # The padded batch, read per sequence: the same refusal, naming sequence and token.
+            B, width = lengths.numel(), int(lengths.max()) if lengths.numel() else 0
+            mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+            dense = values.new_zeros((B, width) + tuple(values.shape[1:]))
+            dense[mask] = values.to(dense.device)
+            self.targets_from_verl(dense.to("cpu"), mask, zero_rows=zero_rows)
+            raise
+        out = tables[0].new_full((total,) + tuple(tables[0].shape[1:]), -1)
+        out[routed] = tables[0]
+        return out
+
     # ---- capture ----
     def capture(self, experts: bool = True) -> "Capture":
         """Starts capturing the ids of every forward (until the returned Capture's context exits
