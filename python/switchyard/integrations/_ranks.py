@@ -85,13 +85,14 @@ def reduce_counts(counts: Mapping[str, int], group: Any = None, *,
             raise TypeError(f"reduce_counts: counts[{n!r}] must be an integer, got {v!r}")
     local = [int(counts[n]) for n in names]
     _, size = world(group)
-    table = (_gather(local, group) if size > 1
-             else torch.tensor([local], dtype=torch.int64).reshape(1, len(local)))
-    out = {n: int(table[:, i].sum()) for i, n in enumerate(names)}
+    # one rank: its own counts, as Python ints (no tensor per count: this runs per micro-batch)
+    cols = list(zip(*_gather(local, group).tolist())) if size > 1 and names else \
+        [(v,) for v in local]
+    out = {n: sum(c) for n, c in zip(names, cols)}
     if per_rank:
-        for i, n in enumerate(names):
-            out[n + MAX_RANK_SUFFIX] = int(table[:, i].max())
-            out[n + MIN_RANK_SUFFIX] = int(table[:, i].min())
+        for n, c in zip(names, cols):
+            out[n + MAX_RANK_SUFFIX] = max(c)
+            out[n + MIN_RANK_SUFFIX] = min(c)
     return out
 
 
