@@ -1120,16 +1120,15 @@ class Patch:
                 reader refuses is read again sequence by sequence for the message).
         """
         values = _ids.as_tensor(values, "hf.targets_from_verl", "routed_experts")
-        offsets = torch.as_tensor(offsets).to("cpu", torch.int64)
-        if values.dim() != 3 or offsets.dim() != 1 or offsets.numel() < 1 or \
-                int(offsets[0]) != 0 or int(offsets[-1]) != values.shape[0] or \
-                bool((offsets.diff() < 0).any()):
+        offs = torch.as_tensor(offsets).reshape(-1).tolist()  # (a few ints: checked in Python)
+        total = values.shape[0] if values.dim() == 3 else -1
+        if values.dim() != 3 or torch.as_tensor(offsets).dim() != 1 or not offs or \
+                offs[0] != 0 or offs[-1] != total or any(b < a for a, b in zip(offs, offs[1:])):
             raise ValueError(f"[hf.targets_from_verl] values must be [total, num_route_layers, K] "
                              f"and offsets [B + 1] from 0 to total, got values "
-                             f"{list(values.shape)}, offsets {offsets.tolist()}")
-        total, lengths = values.shape[0], offsets.diff()
+                             f"{list(values.shape)}, offsets {offs}")
         routed = torch.ones(total, dtype=torch.bool)
-        routed[offsets[1:][lengths > 0] - 1] = False  # each sequence's last token: no route
+        routed[[b - 1 for a, b in zip(offs, offs[1:]) if b > a]] = False  # each last token
         try:
             self._check_route_layers([(1,) + tuple(values.shape)], "hf.targets_from_verl",
                                      "routed_experts")
@@ -1138,6 +1137,7 @@ class Patch:
                                       zero_rows=zero_rows)
         except ValueError:
             # The padded batch, read per sequence: the same refusal, naming sequence and token.
+            lengths = torch.tensor(offs, dtype=torch.int64).diff()
             B, width = lengths.numel(), int(lengths.max()) if lengths.numel() else 0
             mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
             dense = values.new_zeros((B, width) + tuple(values.shape[1:]))
