@@ -8,6 +8,8 @@
   modules share (so none imports another for it);
 * ``TrainerPhase``: where an RL trainer is in its step, one explicit state (which log-prob forward
   is running, so which routes it replays);
+* ``routed_tokens``: which tokens of a padded batch a rollout routed (every real token but each
+  sequence's last one), the rule the verl and TRL layouts share;
 * the replay core's pieces every adapter reports and drives: ``switchyard.replay.ReplayCounts``,
   ``ReplayDriver``, ``will_recompute``.
 
@@ -21,6 +23,8 @@ import contextlib
 import enum
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from ._versions import check_minimum_version, check_version  # noqa: F401  (re-exported)
 
@@ -132,3 +136,23 @@ def lifecycle(name: str) -> Lifecycle:
     if name not in _LIFECYCLES:
         _LIFECYCLES[name] = Lifecycle(name)
     return _LIFECYCLES[name]
+
+
+def routed_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The tokens of a padded batch that a rollout routed: each row's real tokens but its last
+    one (an engine never routes a sequence's last token: it is sampled, never fed).
+
+    Args:
+        attention_mask: [B, S], nonzero = real token (any padding pattern).
+
+    Returns:
+        bool [B, S].
+    """
+    real = attention_mask != 0
+    routed = real.clone()
+    if real.shape[1] == 0:
+        return routed
+    last = real.shape[1] - 1 - real.flip(1).to(torch.int8).argmax(dim=1)
+    has = real.any(dim=1)
+    routed[torch.arange(real.shape[0])[has], last[has]] = False
+    return routed

@@ -92,7 +92,7 @@ import switchyard.integrations.hf as syhf
 from switchyard import _ids
 from switchyard import routes as _syroutes
 from switchyard.integrations import _ranks
-from switchyard.integrations._adapter import TrainerPhase, check_minimum_version
+from switchyard.integrations._adapter import TrainerPhase, check_minimum_version, routed_tokens
 from switchyard.replay import ReplayCounts
 
 try:
@@ -217,6 +217,12 @@ def _pad_mask(seqs, side, multiple):
         W += multiple - W % multiple
     pos = torch.arange(W)
     return (pos >= (W - lens)[:, None] if side == "left" else pos < lens[:, None]).long()
+
+
+def _invalid_rows(routes, num_experts):
+    """[...] bool of routes [..., K]: the rows holding an id outside [0, E) and not -1 (replayed
+    as invalid rows under invalid_replay_rows="native": marked _INT32_MAX)."""
+    return ((routes < -1) | (routes >= num_experts)).any(-1)
 
 
 def _turn_seqs(ids, pm, prompt_ids, completion_ids):
@@ -455,7 +461,7 @@ class GRPOTrainer(_trl.GRPOTrainer):
             # Under invalid_replay_rows="native" a row holding an id outside [0, E) is replayed
             # as an invalid row (routed natively, counted): kept out of the importer, put back
             # below as an id outside every range.
-            bad = ((r < -1) | (r >= E)).any(-1)  # [n - 1, H]
+            bad = _invalid_rows(r, E)  # [n - 1, H]
             if bool(bad.any()):
                 r = r.masked_fill(bad[..., None], -1)
             invalid.append(bad)
@@ -492,12 +498,8 @@ class GRPOTrainer(_trl.GRPOTrainer):
         t = ids[:, :W, p.layers, :]
         if t.shape[1] < W:  # the last column's token was never fed
             t = torch.cat([t, t.new_full((B, W - t.shape[1]) + tuple(t.shape[2:]), -1)], dim=1)
-        real = mask.bool()
-        last = W - 1 - real.flip(1).to(torch.uint8).argmax(1)  # each sequence's last token
-        real[torch.arange(B), last] = False
-        bad = ((t < -1) | (t >= p.num_experts)).any(-1)
-        t = t.masked_fill(bad[..., None], _INT32_MAX)
-        return t.masked_fill(~real[:, :, None, None], -1)
+        t = t.masked_fill(_invalid_rows(t, p.num_experts)[..., None], _INT32_MAX)
+        return t.masked_fill(~routed_tokens(mask)[:, :, None, None], -1)
 
     # ---- carried through TRL's batch ---------------------------------------------------------
     def _generate_and_score_completions(self, inputs):

@@ -19,7 +19,7 @@ from switchyard import _torch_ops as _ops
 from switchyard import replay as _replay
 from switchyard import routes as syr
 
-from .._adapter import check_version
+from .._adapter import check_version, routed_tokens
 from .capture import LAYER_RE, Capture, experts_modules, is_experts
 from .families import FAMILIES, _family_of, _gate
 from .spec import REFUSED, REFUSED_ROUTERS
@@ -251,18 +251,15 @@ class _Layer:
         # queues nothing for its recompute (switchyard.replay.in_recompute).
         p = self.owner._pending
         if p is not None and p.plain and p.ident == threading.get_ident():
-            # a gradient-free forward (Patch._step_begins decided it): nothing to recompute
-            self.will_recompute = False
-            h = args[0] if args else kwargs.get("hidden_states")
-            self.batch_shape = tuple(h.shape[:-1]) if isinstance(h, torch.Tensor) else None
-            return
-        if torch.compiler.is_compiling() and self.replay.action != "record" and \
+            self.will_recompute = False  # a gradient-free forward (Patch._step_begins decided it)
+        elif torch.compiler.is_compiling() and self.replay.action != "record" and \
                 self.owner._capture is None:
             return
-        # (will_recompute(checkpoint=False) is False: asked only of a checkpointing layer)
-        self.will_recompute = torch.is_grad_enabled() and module.training and \
-            bool(getattr(module, "gradient_checkpointing", False)) and \
-            _replay.will_recompute(checkpoint=True)
+        else:
+            # (will_recompute(checkpoint=False) is False: asked only of a checkpointing layer)
+            self.will_recompute = torch.is_grad_enabled() and module.training and \
+                bool(getattr(module, "gradient_checkpointing", False)) and \
+                _replay.will_recompute(checkpoint=True)
         h = args[0] if args else kwargs.get("hidden_states")
         self.batch_shape = tuple(h.shape[:-1]) if isinstance(h, torch.Tensor) else None
 
@@ -1086,11 +1083,8 @@ class Patch:
         m = torch.as_tensor(attention_mask).to("cpu")
         # verl's layout has one reader, routes.from_verl; the last real token of each row (no
         # route in the rollout) is masked out there and gets its -1 row back here.
-        real = m != 0
-        has = real.any(dim=1)
-        last = real.shape[1] - 1 - real.flip(1).to(torch.int8).argmax(dim=1)
-        routed = real.clone()
-        routed[has, last[has]] = False
+        routed = routed_tokens(m)
+        has = (m != 0).any(dim=1)
         routed_experts = _ids.as_tensor(routed_experts, "hf.targets_from_verl", "routed_experts")
         self._check_route_layers([routed_experts.shape], "hf.targets_from_verl", "routed_experts")
         tables, report = syr.from_verl(routed_experts, routed, self.num_experts,
@@ -1120,9 +1114,10 @@ class Patch:
                 reader refuses is read again sequence by sequence for the message).
         """
         values = _ids.as_tensor(values, "hf.targets_from_verl", "routed_experts")
-        offs = torch.as_tensor(offsets).reshape(-1).tolist()  # (a few ints: checked in Python)
+        offsets = torch.as_tensor(offsets)
+        offs = offsets.reshape(-1).tolist()  # (a few ints: checked in Python)
         total = values.shape[0] if values.dim() == 3 else -1
-        if values.dim() != 3 or torch.as_tensor(offsets).dim() != 1 or not offs or \
+        if values.dim() != 3 or offsets.dim() != 1 or not offs or \
                 offs[0] != 0 or offs[-1] != total or any(b < a for a, b in zip(offs, offs[1:])):
             raise ValueError(f"[hf.targets_from_verl] values must be [total, num_route_layers, K] "
                              f"and offsets [B + 1] from 0 to total, got values "
