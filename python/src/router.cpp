@@ -495,6 +495,21 @@ void bind_router(py::module_& m) {
   py::class_<ReplayRows>(m, "ReplayRowsCore", "Row kinds of a replay table (engine object).")
       .def_property_readonly("kind",
                              [](const ReplayRows& r) { return py_bridge::to_torch(r.kind); })
+      // [T] bool: the rows that take their ids (replayed and merged), made here in one pass
+      // (the same mask from torch comparisons of `kind` is three operators per layer and step).
+      .def_property_readonly("replayed",
+                             [](const ReplayRows& r) {
+                               const int64_t T = r.kind.numel();
+                               Tensor out = Tensor::empty({T}, DType::boolean);
+                               const uint8_t* k = r.kind.data<uint8_t>();
+                               bool* o = out.data<bool>();
+                               for (int64_t i = 0; i < T; ++i) {
+                                 const auto kind = static_cast<ReplayRowKind>(k[i]);
+                                 o[i] = kind == ReplayRowKind::replayed ||
+                                        kind == ReplayRowKind::merged;
+                               }
+                               return py_bridge::to_torch(out);
+                             })
       .def_readonly("num_replayed", &ReplayRows::num_replayed)
       .def_readonly("num_merged", &ReplayRows::num_merged)
       .def_readonly("num_native", &ReplayRows::num_native)

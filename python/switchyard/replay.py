@@ -83,7 +83,7 @@ class ReplayRows:
         core: the engine's classification of ``ids`` (kinds and counts).
     """
     _COUNTS = ("num_replayed", "num_merged", "num_native", "num_invalid", "num_pairs")
-    __slots__ = ("ids", "kind", "group", "_replayed") + _COUNTS
+    __slots__ = ("ids", "kind", "group", "_replayed", "_core") + _COUNTS
     num_replayed: int
     num_merged: int
     num_native: int
@@ -98,6 +98,7 @@ class ReplayRows:
         self.group = None  # the torch.distributed group a forward checks the token count over
         """The torch.distributed group a forward checks the token count over (None: local)."""
         self._replayed: torch.Tensor | None = None  # the mask, made once (a forward reads it)
+        self._core = core  # (makes the mask in one pass)
         self.num_replayed = core.num_replayed  # (_COUNTS, one by one: this runs per layer and
         self.num_merged = core.num_merged      # forward)
         self.num_native = core.num_native
@@ -117,7 +118,7 @@ class ReplayRows:
             if self.num_replayed in (0, T):  # from the counts (merged rows count as replayed)
                 self._replayed = torch.full((T,), self.num_replayed == T, dtype=torch.bool)
             else:
-                self._replayed = (self.kind == REPLAYED) | (self.kind == MERGED)
+                self._replayed = self._core.replayed  # (kind == REPLAYED) | (kind == MERGED)
         return self._replayed
 
     @property

@@ -397,18 +397,24 @@ def test_verl_targets_from_the_packed_values_are_the_padded_batchs_at_its_real_t
     p.unpatch()
 
 
+@pytest.mark.parametrize("host_copy", [False, True], ids=["cpu_ids", "device_ids"])
 @pytest.mark.parametrize("router_dtype", [None, torch.float32], ids=["native", "fp32"])
-def test_a_stack_forward_hands_its_layers_ids_on_in_one_host_copy(monkeypatch, router_dtype):
+def test_a_stack_forward_hands_its_layers_ids_on_at_its_end(monkeypatch, router_dtype, host_copy):
     # The ids a forward of the decoder stack routed reach capture, record and the recompute queue
-    # at its end, all layers in one host copy (on a GPU: one device sync per forward, not one per
-    # MoE layer); a router called outside a stack forward hands its ids on at once. A no-grad
-    # native forward takes the fast path (the router's own forward, decided once per forward):
-    # what it captures and records is what the experts received.
+    # at its end; a router called outside a stack forward hands its ids on at once. Ids on the
+    # CPU go on as the routers' own tensors (the core's record copies them, a capture converts
+    # them when read): no host copy per forward. Ids on a device come to the host in one copy of
+    # all layers per forward (one device sync, not one per MoE layer): that path is taken here
+    # on the CPU by declaring no id dtype the core takes as it is. A no-grad native forward takes
+    # the fast path (the router's own forward, decided once per forward): what it captures and
+    # records is what the experts received.
     import importlib
     hp = importlib.import_module("switchyard.integrations.hf.patch")
     copies = []
     real = hp._host_ids
     monkeypatch.setattr(hp, "_host_ids", lambda ts: copies.append(len(ts)) or real(ts))
+    if host_copy:
+        monkeypatch.setattr(hp, "_CORE_IDS", ())
     model = build("qwen3_moe")
     p = syhf.patch(model, router_dtype=router_dtype)
     L = len(p.layers)
@@ -418,7 +424,7 @@ def test_a_stack_forward_hands_its_layers_ids_on_in_one_host_copy(monkeypatch, r
         out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     p.set_action(None)
     assert out.shape[1] == 8 and cap.num_forwards == 3
-    assert copies == [L] * 3  # one copy of every layer's ids per forward
+    assert copies == ([L] * 3 if host_copy else [])  # one copy of every layer's ids per forward
     got = cap.ids()
     assert got.shape[:2] == (2, 7)
     assert torch.equal(got, cap.expert_ids())  # what the experts received
@@ -430,22 +436,25 @@ def test_a_stack_forward_hands_its_layers_ids_on_in_one_host_copy(monkeypatch, r
         c = p.counts()[layer]
         assert c["num_calls"] == 3 and c["num_native_rows"] == 2 * 7, c
     # A capture alone keeps the routers' id tensors and takes them to the host when read: no
-    # copy per forward, the same ids.
+    # copy per forward (device ids: one per forward, as above), the same ids.
     copies.clear()
     with torch.no_grad(), p.capture() as only:
         model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert copies == [] and only.num_forwards == 3
+    assert copies == ([L] * 3 if host_copy else []) and only.num_forwards == 3
     assert torch.equal(only.ids(), got) and torch.equal(only.expert_ids(), got)
     assert torch.equal(only.native_ids(), got) and only.ids().dtype == torch.int32
-    # outside a stack forward: at once, one layer's ids (kept as they are by a capture alone)
+    # outside a stack forward: at once, one layer's ids
+    copies.clear()
     block = model.get_submodule(p.modules[p.layers[0]].rsplit(".", 1)[0])
     x = torch.randn(1, 4, model.config.hidden_size)
     p.set_action("record")
     with torch.no_grad(), p.capture(experts=False) as alone:
         block(x)
-        assert copies == [1] and alone.num_forwards == 1
+        assert copies == ([1] if host_copy else []) and alone.num_forwards == 1
     p.set_action(None)
     with torch.no_grad(), p.capture(experts=False) as alone2:
         block(x)
-        assert copies == [1] and alone2.num_forwards == 1
+        assert copies == ([1, 1] if host_copy else []) and alone2.num_forwards == 1
+    rec = p.replays[p.layers[0]].pop_recorded()
+    assert rec.dtype == torch.int32 and rec.shape == (4, p.top_k)
     p.unpatch()

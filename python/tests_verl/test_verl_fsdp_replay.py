@@ -150,6 +150,34 @@ def test_r3_log_probs_equal_plain_hf_with_the_same_forced_routes(model_path, use
     assert max((a - b).abs().max() for a, b in zip(native, ref)) > 100 * ATOL
 
 
+def test_r3_with_verls_static_padding_replays_the_real_tokens_and_routes_the_pad_natively(
+        model_path):
+    # verl's pad_to_length: a packed micro-batch is fed padded to a multiple of the bucket (16);
+    # the rollout's routes go to the real tokens, the pad rows route natively and are not
+    # counted; the log-probs are the unpadded engine's.
+    routed, m, last = forced_routes(seed=3)
+    with verl_cpu.env(VERL_ENGINE_VENDOR="switchyard"):
+        eng = verl_cpu.engine(model_path, pad_to_length_bucket=16)
+    td, _ = verl_batch(routed)  # two micro-batches of 2
+    with eng.eval_mode():
+        out = eng.infer_batch(td)
+    ref, _ = hf_log_probs(model_path, routed)
+    assert_close_lists(engine_log_probs(out), ref, ATOL)
+    mets = out["metrics"]
+    routed_rows = int((m & ~last).sum())
+    assert mets["router_replay/replayed_rows"].aggregate() == routed_rows * NUM_LAYERS
+    assert mets["router_replay/native_rows"].aggregate() == len(PROMPTS) * NUM_LAYERS
+    # one micro-batch of 4 (TOKENS = 25 real tokens fed as 32 rows): the forward's ids
+    td, _ = verl_batch(routed, micro_batch_size=4)
+    with eng.eval_mode(), eng.router_patch.capture() as cap:
+        eng.infer_batch(td)
+    fed = cap.ids()
+    assert TOKENS == 25 and eng._get_packed_pad_size(TOKENS) == 7 and fed.shape[:2] == (1, 32)
+    real = ~last[m]
+    assert torch.equal(fed[0, :TOKENS][real].sort(-1).values.to(torch.int64),
+                       routed[m][real].sort(-1).values.to(torch.int64))
+
+
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # fsdp2 parameters are DTensors
 

@@ -121,10 +121,13 @@ def env(**variables):
 
 
 def engine(model_path, *, use_remove_padding=True, micro_batch_size=2, lr=1e-2, forward_only=False,
-           router_replay_mode=None, gradient_checkpointing=True, ulysses_sequence_parallel_size=1):
+           router_replay_mode=None, gradient_checkpointing=True, ulysses_sequence_parallel_size=1,
+           pad_to_length_bucket=None):
     """verl's language-model engine for ``model_path``, chosen by verl's EngineRegistry (so by
     VERL_ENGINE_VENDOR), built and initialised: fsdp2, fp32, sdpa attention; over every process
-    of the group, data parallel (world / ulysses_sequence_parallel_size) x Ulysses SP."""
+    of the group, data parallel (world / ulysses_sequence_parallel_size) x Ulysses SP.
+    ``pad_to_length_bucket``: verl's static padding of a packed micro-batch up to a multiple of
+    it (engine config pad_to_length), or None (off)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine import EngineRegistry
@@ -135,6 +138,8 @@ def engine(model_path, *, use_remove_padding=True, micro_batch_size=2, lr=1e-2, 
         override_config={"attn_implementation": "sdpa"},
         enable_gradient_checkpointing=gradient_checkpointing)
     kw = {}
+    if pad_to_length_bucket is not None:
+        kw.update(pad_to_length=True, pad_to_length_bucket=int(pad_to_length_bucket))
     if router_replay_mode is not None:
         from verl.workers.config import EngineRouterReplayConfig
         kw["router_replay"] = EngineRouterReplayConfig(mode=router_replay_mode)

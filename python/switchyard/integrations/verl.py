@@ -93,6 +93,16 @@ _ROUTER_DTYPES = {"native": None, "float32": torch.float32, "fp32": torch.float3
 _CALLS = {None: 0, "replay": 1, "record": 2}  # a call's kind, as the ranks compare it
 
 
+def _jagged_values(nt: torch.Tensor) -> torch.Tensor:
+    """A jagged nested tensor's values [total, ...] as ``values()`` gives them (its buffer,
+    detached). values() dispatches through the nested tensor's handlers, ~50 us per call on a
+    micro-batch's routes; the buffer itself is read where the tensor has it."""
+    buf = getattr(nt, "_values", None)
+    if type(buf) is torch.Tensor:
+        return buf.detach()
+    return nt.values()
+
+
 def replay_metrics(counts, group=None) -> dict:
     """``counts`` (name -> this rank's int count of a micro-batch) summed over the ranks of
     ``group`` (``_ranks.reduce_counts``; a collective), as verl Metrics: the sum with aggregation
@@ -240,7 +250,7 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
             rows = self._rows(model_inputs)  # this rank's forward rows -> packed token (-1: pad)
             # rows the forward feeds beyond the real tokens (padded layout, static and SP pad)
             self._pad_rows = model_inputs["input_ids"].numel() - (
-                int((rows >= 0).sum()) if rows is not None else self._total)
+                int((rows >= 0).sum()) if isinstance(rows, torch.Tensor) else self._total)
             if self._call == "replay":
                 targets = self._targets(micro_batch, model_inputs, rows)
                 self.router_patch.reset_counts()
@@ -265,18 +275,26 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
 
     def _rows(self, model_inputs):
         """Packed layout: [rows this rank feeds] int64, the packed token each row is (-1: verl's
-        static pad or Ulysses pad), cut by verl's own ulysses_pad_and_slice_inputs under SP. None
-        for the padded layout."""
+        static pad or Ulysses pad), cut by verl's own ulysses_pad_and_slice_inputs under SP;
+        without SP the int number of rows fed (the packed tokens in order, then verl's static
+        pad: no index is needed). None for the padded layout."""
         if not self._packed:
             return None
         total = self._total
+        fed = model_inputs["input_ids"].shape[-1]
+        if not self.use_ulysses_sp:
+            width = total + self._get_packed_pad_size(total)
+            if fed != width:
+                raise RuntimeError(f"[verl] switchyard expected the forward to feed {width} "
+                                   f"rows of the packed micro-batch ({total} tokens), verl feeds "
+                                   f"{list(model_inputs['input_ids'].shape)}")
+            return width
         glob = torch.arange(total + self._get_packed_pad_size(total)).unsqueeze(0)
-        if self.use_ulysses_sp:
-            glob, _, _ = ulysses_pad_and_slice_inputs(
-                glob, sp_size=self.ulysses_sequence_parallel_size, pad_value=-1)
+        glob, _, _ = ulysses_pad_and_slice_inputs(
+            glob, sp_size=self.ulysses_sequence_parallel_size, pad_value=-1)
         rows = glob[0]
         rows[rows >= total] = -1
-        if rows.numel() != model_inputs["input_ids"].shape[-1]:
+        if rows.numel() != fed:
             raise RuntimeError(f"[verl] switchyard expected the forward to feed {rows.numel()} "
                                f"rows of the packed micro-batch ({total} tokens), verl feeds "
                                f"{list(model_inputs['input_ids'].shape)}")
@@ -288,7 +306,7 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
         if _ranks.world()[1] <= 1:
             return  # (one rank: nothing to compare, not even the routes' shape read below)
         routed = micro_batch.get("routed_experts", None) if self._call == "replay" else None
-        values = routed.values() if isinstance(routed, torch.Tensor) and routed.is_nested \
+        values = _jagged_values(routed) if isinstance(routed, torch.Tensor) and routed.is_nested \
             else None
         shape = list(values.shape) if values is not None and values.dim() == 3 else [-1, -1, -1]
         _ranks.check_ranks_agree("the verl micro-batch's routes", {
@@ -353,34 +371,40 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
                              "no 'routed_experts' (R3: the rollout must return them, e.g. "
                              "actor_rollout_ref.rollout.enable_rollout_routing_replay=True; R2: "
                              "the log-prob pass of this engine records them)")
-        offsets, lengths, mask = self._layout(micro_batch)
-        B, total = len(lengths), int(offsets[-1]) if len(offsets) else 0
+        offsets = micro_batch["input_ids"].offsets()
+        values = _jagged_values(routed) if isinstance(routed, torch.Tensor) and routed.is_nested \
+            else None
         L, K = p.num_route_layers, p.top_k
+        B, total = offsets.numel() - 1, self._total
         want = f"[B={B}, tokens (as input_ids), num_hidden_layers={L}, K={K}]"
-        if not isinstance(routed, torch.Tensor) or not routed.is_nested:
+        if values is None:
             raise ValueError(f"[verl] routed_experts must be a jagged nested tensor {want} (verl's "
                              "left_right_2_no_padding layout), got "
                              f"{getattr(routed, 'shape', type(routed).__name__)}")
-        values = routed.values()
         if values.dim() != 3 or values.shape[0] != total or values.shape[1] != L or \
-                values.shape[2] != K or not torch.equal(routed.offsets().to("cpu", torch.int64),
-                                                        offsets):
+                values.shape[2] != K or not (routed.offsets() is offsets or torch.equal(
+                    routed.offsets().to("cpu", torch.int64), offsets.to("cpu", torch.int64))):
             raise ValueError(f"[verl] routed_experts must be {want}, got {routed.size(0)} "
                              f"sequences with values {list(values.shape)} (lengths "
                              f"{routed.offsets().diff().tolist()}, input_ids lengths "
-                             f"{lengths.tolist()})")
+                             f"{offsets.diff().tolist()})")
         if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
             raise ValueError(f"[verl] routed_experts must hold integer expert ids, got dtype "
                              f"{values.dtype}")
         ids = model_inputs["input_ids"]
-        if rows is not None:  # packed: this rank's rows of (total + static pad [+ SP pad])
+        if isinstance(rows, int):  # packed, no SP: the tokens in order, then the static pad
             t = p.targets_from_verl_packed(values, offsets)  # [total, M, K], the last tokens -1
+            if rows > total:
+                t = torch.cat([t, t.new_full((rows - total, *t.shape[1:]), -1)])
+        elif rows is not None:  # packed under SP: this rank's rows of (total + pads)
+            t = p.targets_from_verl_packed(values, offsets)
             t = torch.where((rows >= 0)[:, None, None], t[rows.clamp(min=0)], -1) \
                 if t.shape[0] else t.new_full((rows.numel(), *t.shape[1:]), -1)
         else:
             # Right-padded [B, max_len, L, K] (zeros at padding) + its mask: verl's own batch
             # layout, read by the hf integration's verl importer (the last token and zero rows:
             # no route).
+            _, _, mask = self._layout(micro_batch)
             dense = values.new_zeros((B, mask.shape[1], L, K))
             dense[mask.to(values.device)] = values
             t, _ = p.targets_from_verl(dense.to("cpu"), mask)  # [B, max_len, M, K], -1 at pad

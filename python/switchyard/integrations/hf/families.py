@@ -23,23 +23,31 @@ def _ids(select, replay_ids, replay_mask, live=None):
     """The final ids: the family's live selection (run without autograd: ids are never
     differentiable, and the recompute of a replayed forward must save the same tensors as the
     forward did) for the rows not replayed, replay_ids for the replayed rows (replay_mask None:
-    every row). ``live``: a list that receives the live selection, computed also when every row
-    is replayed (the router's own choice, for the mismatch metric), or None."""
-    # (Traced by torch.compile: no data-dependent branch; where() gives the same ids.)
-    every = replay_ids is not None and (replay_mask is None or (
-        not torch.compiler.is_compiling() and bool(replay_mask.all())))
-    if every and live is None:
+    every row; a mask is given only where some row is not replayed, so it is not read here: an
+    all-true one gives the same ids through where()). ``live``: a list that receives the live
+    selection, computed also when every row is replayed (the router's own choice, for the
+    mismatch metric), or None."""
+    # (Traced by torch.compile: no data-dependent branch.)
+    if replay_ids is not None and replay_mask is None and live is None:
         return replay_ids
     if torch.is_grad_enabled():
-        with torch.no_grad():
-            ids = select()
-    else:  # (no_grad's context is three Python calls per layer and forward for nothing)
+        if torch.compiler.is_compiling():
+            with torch.no_grad():
+                ids = select()
+        else:
+            torch.set_grad_enabled(False)  # (no_grad's context: ~2 us more per layer and call)
+            try:
+                ids = select()
+            finally:
+                torch.set_grad_enabled(True)
+    else:
         ids = select()
     if live is not None:
         live.append(ids)
     if replay_ids is None:
         return ids
-    return replay_ids if every else torch.where(replay_mask[:, None], replay_ids, ids)
+    return replay_ids if replay_mask is None else torch.where(replay_mask[:, None], replay_ids,
+                                                              ids)
 
 
 # --------------------------------------------------------------------------------------------------

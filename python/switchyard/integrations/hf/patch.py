@@ -540,14 +540,17 @@ class _Layer:
             Patch._hand_on_forward([entry])
 
     def _hand_on(self, ids32, T, batch_shape, will_recompute, nat32):
-        """Records, queues for the recompute and captures one forward's ids (int32 [T, K] on the
-        CPU; nat32 the router's own choice where it differs, or None)."""
+        """Records, queues for the recompute and captures one forward's ids ([T, K] int32 or
+        int64 on the CPU; nat32 the router's own choice where it differs, or None)."""
         if self.replay.action == "record":
             self.replay.record(ids32)
         if will_recompute:
             self.owner.driver.queue_recompute(self.layer, ids32)  # for the recompute
         if self.owner._capture is not None:
             self.owner._capture.append(self.layer, ids32, batch_shape, T, nat32)
+
+
+_CORE_IDS = (torch.int32, torch.int64)  # what the replay core's record / queue take as they are
 
 
 def _host_ids(tensors):
@@ -1269,19 +1272,17 @@ class Patch:
     @staticmethod
     def _hand_on_forward(entries):
         """Hands on the ids a forward's router calls produced (record, recompute queue, capture),
-        in forward order, after one host copy of all of them. ``entries``: (layer, ids, T, batch
-        shape, will_recompute, native ids or None) per call. Where only a capture takes CPU ids
-        (nothing recorded or queued: every generate() step on the CPU, and a replayed forward's
-        ids and the routers' own choice under a trainer adapter's capture), the capture keeps the
-        routers' id tensors as they are and converts them when read, one copy per layer for the
-        whole capture instead of one per forward. (Device ids still come to the host per forward:
-        kept on the device, a long generation's ids would hold device memory, int64, until the
-        capture is read.)"""
-        cap = entries[0][0].owner._capture
-        if cap is not None and all(not e[4] and e[0].replay.action != "record" and e[1].is_cpu
-                                   and (e[5] is None or e[5].is_cpu) for e in entries):
-            for l, ids, T, batch_shape, _, nat in entries:
-                cap.append(l.layer, ids, batch_shape, T, nat)
+        in forward order. ``entries``: (layer, ids, T, batch shape, will_recompute, native ids or
+        None) per call. Ids on the CPU go on as the routers' own tensors: the replay core's record
+        and recompute queue copy them (int32 or int64) into their own tables, and a capture keeps
+        them and converts them when read, one copy per layer for the whole capture instead of one
+        per forward. Ids on a device come to the host in one copy for the forward's layers first
+        (kept on the device, a long generation's ids would hold device memory, int64, until the
+        capture is read)."""
+        if all(e[1].is_cpu and e[1].dtype in _CORE_IDS and (e[5] is None or (
+                e[5].is_cpu and e[5].dtype in _CORE_IDS)) for e in entries):
+            for l, ids, T, batch_shape, will_recompute, nat in entries:
+                l._hand_on(ids, T, batch_shape, will_recompute, nat)
             return
         tensors = [e[1] for e in entries] + [e[5] for e in entries if e[5] is not None]
         host = iter(_host_ids(tensors))
