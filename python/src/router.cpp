@@ -510,6 +510,29 @@ void bind_router(py::module_& m) {
                                }
                                return py_bridge::to_torch(out);
                              })
+      // int64 [n]: the rows routed natively (native and invalid), in order: a replayed forward
+      // selects live ids for these rows alone.
+      .def_property_readonly("native_rows",
+                             [](const ReplayRows& r) {
+                               const int64_t T = r.kind.numel();
+                               const uint8_t* k = r.kind.data<uint8_t>();
+                               int64_t n = 0;
+                               for (int64_t i = 0; i < T; ++i) {
+                                 const auto kind = static_cast<ReplayRowKind>(k[i]);
+                                 n += kind != ReplayRowKind::replayed &&
+                                      kind != ReplayRowKind::merged;
+                               }
+                               Tensor out = Tensor::empty({n}, DType::int64);
+                               int64_t* o = out.data<int64_t>();
+                               for (int64_t i = 0, j = 0; i < T; ++i) {
+                                 const auto kind = static_cast<ReplayRowKind>(k[i]);
+                                 if (kind != ReplayRowKind::replayed &&
+                                     kind != ReplayRowKind::merged) {
+                                   o[j++] = i;
+                                 }
+                               }
+                               return py_bridge::to_torch(out);
+                             })
       .def_readonly("num_replayed", &ReplayRows::num_replayed)
       .def_readonly("num_merged", &ReplayRows::num_merged)
       .def_readonly("num_native", &ReplayRows::num_native)

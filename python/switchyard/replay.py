@@ -83,7 +83,7 @@ class ReplayRows:
         core: the engine's classification of ``ids`` (kinds and counts).
     """
     _COUNTS = ("num_replayed", "num_merged", "num_native", "num_invalid", "num_pairs")
-    __slots__ = ("ids", "kind", "group", "_replayed", "_core") + _COUNTS
+    __slots__ = ("ids", "kind", "group", "_replayed", "_native_rows", "_core") + _COUNTS
     num_replayed: int
     num_merged: int
     num_native: int
@@ -98,7 +98,8 @@ class ReplayRows:
         self.group = None  # the torch.distributed group a forward checks the token count over
         """The torch.distributed group a forward checks the token count over (None: local)."""
         self._replayed: torch.Tensor | None = None  # the mask, made once (a forward reads it)
-        self._core = core  # (makes the mask in one pass)
+        self._native_rows: torch.Tensor | None = None
+        self._core = core  # (makes the mask and the native rows in one pass)
         self.num_replayed = core.num_replayed  # (_COUNTS, one by one: this runs per layer and
         self.num_merged = core.num_merged      # forward)
         self.num_native = core.num_native
@@ -120,6 +121,14 @@ class ReplayRows:
             else:
                 self._replayed = self._core.replayed  # (kind == REPLAYED) | (kind == MERGED)
         return self._replayed
+
+    @property
+    def native_rows(self) -> torch.Tensor:
+        """int64 [n]: the rows routed natively (kinds NATIVE and INVALID: where ``replayed`` is
+        False), in order; computed once, do not modify."""
+        if self._native_rows is None:
+            self._native_rows = self._core.native_rows
+        return self._native_rows
 
     @property
     def all_replayed(self) -> bool:

@@ -556,6 +556,52 @@ def test_r3_replays_captured_ids_after_the_router_weights_changed_and_unpatch_re
         p.unpatch()
 
 
+@pytest.mark.parametrize("router_dtype", [None, torch.float32], ids=["native", "fp32"])
+@pytest.mark.parametrize("family", _families())
+def test_a_partly_replayed_forward_selects_its_native_rows_as_a_whole_selection_does(
+        family, router_dtype, monkeypatch):
+    # Targets with some rows -1: those rows take the router's own choice, the others the
+    # targets. A family whose selection treats each row alone selects the -1 rows alone (a
+    # top-k of a few rows); the ids and the model's output are those of selecting every row and
+    # merging, bit for bit.
+    import importlib
+    fams = importlib.import_module("switchyard.integrations.hf.families")
+    model = build(family)
+    ids = tokens(2, 10, seed=6)
+    p = syhf.patch(model, router_dtype=router_dtype)
+    try:
+        with torch.no_grad(), p.capture() as cap:
+            model(ids)
+        routes = cap.ids()[:, :, p.layers, :].clone()  # [B, S, moe_layers, K]
+        _perturb(model, p, family)
+        native = torch.zeros(routes.shape[:2], dtype=torch.bool)
+        native[0, [0, 3, 7]] = native[1, [2, 9]] = True
+        routes[native] = -1
+
+        def replayed():  # (no capture: a capture asks for every row's own choice)
+            p.reset_counts()
+            p.set_targets(routes)
+            seen = _Seen(model, p)
+            try:
+                with torch.no_grad():
+                    out = model(ids)[0]
+            finally:
+                seen.remove()
+            assert all(c["num_native_rows"] == int(native.sum()) for c in p.counts().values())
+            return out, {k: v.clone() for k, v in seen.ids.items()}
+        out, got = replayed()
+        whole = fams._ids
+        monkeypatch.setattr(fams, "_ids", lambda select, replay_ids, replay_mask, live=None,
+                            select_rows=None, native_rows=None: whole(select, replay_ids,
+                                                                      replay_mask, live))
+        out_whole, got_whole = replayed()
+        assert torch.equal(out, out_whole), family
+        assert got.keys() == got_whole.keys() and all(
+            torch.equal(got[k], got_whole[k]) for k in got), family
+    finally:
+        p.unpatch()
+
+
 def test_a_per_layer_top_k_routes_captures_and_replays_each_layer_with_its_own_k(tmp_path):
     # HunYuan's moe_topk may be a list: K differs per MoE layer. Route tables are as wide as the
     # largest K; a layer with a smaller K holds -1 past its own.

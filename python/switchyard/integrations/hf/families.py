@@ -19,17 +19,31 @@ def _sdt(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _ids(select, replay_ids, replay_mask, live=None):
+def _ids(select, replay_ids, replay_mask, live=None, select_rows=None, native_rows=None):
     """The final ids: the family's live selection (run without autograd: ids are never
     differentiable, and the recompute of a replayed forward must save the same tensors as the
     forward did) for the rows not replayed, replay_ids for the replayed rows (replay_mask None:
     every row; a mask is given only where some row is not replayed, so it is not read here: an
     all-true one gives the same ids through where()). ``live``: a list that receives the live
     selection, computed also when every row is replayed (the router's own choice, for the
-    mismatch metric), or None."""
+    mismatch metric), or None. ``select_rows``: the same selection of some rows (an int64
+    index), for a family whose selection treats every row on its own; with ``native_rows`` (the
+    rows not replayed, on the CPU) only those rows are selected (a top-k of a few rows instead of
+    every row and a merge; per row the same kernel on the same values, so the same ids)."""
     # (Traced by torch.compile: no data-dependent branch.)
     if replay_ids is not None and replay_mask is None and live is None:
         return replay_ids
+    if live is None and native_rows is not None and select_rows is not None and \
+            replay_ids.is_cpu and not torch.compiler.is_compiling():
+        if torch.is_grad_enabled():
+            torch.set_grad_enabled(False)
+            try:
+                own = select_rows(native_rows)
+            finally:
+                torch.set_grad_enabled(True)
+        else:
+            own = select_rows(native_rows)
+        return replay_ids.index_copy(0, native_rows, own)
     if torch.is_grad_enabled():
         if torch.compiler.is_compiling():
             with torch.no_grad():
@@ -223,9 +237,11 @@ class Family:
             masked_before = torch.scatter(masked_before, -1, i, float("-inf"))
         return torch.cat(weights, dim=-1), ids
 
-    def route(self, r, logits, replay_ids, replay_mask, passed=(), block=None, live=None):
+    def route(self, r, logits, replay_ids, replay_mask, passed=(), block=None, live=None,
+              native_rows=None):
         """-> (weights [T, K], ids [T, K] int64); replayed rows take replay_ids (replay_mask
-        None: every row); ``live``: None, or a list that receives the family's own ids (``_ids``)."""
+        None: every row); ``live``: None, or a list that receives the family's own ids (``_ids``);
+        ``native_rows``: None, or the rows replay_mask leaves out as an int64 index (``_ids``)."""
         s = self.spec_for(r)
         sd = _sdt(logits)
         K = self.top_k(r, block)
@@ -240,7 +256,9 @@ class Family:
         elif s.score in ("softmax_topk", "sigmoid_dense", "sigmoid_topk"):
             choice = z if bias is None else z + bias
             ids = _ids(lambda: torch.topk(choice.detach(), K, dim=-1, sorted=s.sorted_topk)[1],
-                       replay_ids, replay_mask, live)
+                       replay_ids, replay_mask, live,
+                       lambda rows: torch.topk(choice.detach()[rows], K, dim=-1,
+                                               sorted=s.sorted_topk)[1], native_rows)
             weights = z.gather(1, ids)
             if s.score == "softmax_topk":
                 weights = F.softmax(weights, dim=-1,
@@ -251,13 +269,17 @@ class Family:
             scores = self._scores(s, r, z, sd)
             if s.select == "hash":
                 ids = _ids(lambda: r.tid2eid[passed[0].reshape(-1)].long(), replay_ids,
-                           replay_mask, live)
+                           replay_mask, live,
+                           lambda rows: r.tid2eid[passed[0].reshape(-1)[rows]].long(),
+                           native_rows)
             else:
-                def choice():
+                def choice(rows=None):
                     c = scores.detach().to(sd) if s.select_in_fp32 else scores.detach()
-                    return c if bias is None else c + bias
+                    c = c if bias is None else c + bias
+                    return c if rows is None else c[rows]
                 ids = _ids(lambda: self._select(s, r, choice(), K, block), replay_ids,
-                           replay_mask, live)
+                           replay_mask, live,
+                           lambda rows: self._select(s, r, choice(rows), K, block), native_rows)
             weights = scores.gather(1, ids)
         if s.renorm != "none" and (s.renorm_if is None or
                                    _attr(r, s.renorm_if, block) not in (None, False, 0)):

@@ -397,7 +397,8 @@ class _Layer:
                 live = [] if rows is not None and not recompute and not traced and \
                     owner._capture is not None else None
                 weights, ids = fam.route(r, logits, replay_ids, replay_mask, passed, self.block,
-                                         live=live)
+                                         live=live, native_rows=None if replay_mask is None or
+                                         rows is None else rows.native_rows)
                 native_ids = live[0] if live else None
             if traced:
                 self._traced_after_forward(ids, T)
