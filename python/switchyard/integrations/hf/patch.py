@@ -4,7 +4,7 @@ router of a transformers model (``_Layer``: one patched MoE layer, its replay qu
 package docstring."""
 import collections
 import contextlib
-import dataclasses
+import copy
 import inspect
 import sys
 import threading
@@ -114,9 +114,10 @@ class _Layer:
 
     def all_counts(self):
         """The counts of eager and compiled forwards together (a ReplayCounts)."""
-        c = dataclasses.replace(self.counts)
+        c = copy.copy(self.counts)
         native, calls = self.traced_counts.tolist()
-        c.add(_replay.ReplayCounts(calls=calls, tokens=native, native=native))
+        if calls:  # (compiled forwards ran)
+            c.add(_replay.ReplayCounts(calls=calls, tokens=native, native=native))
         return c
 
     def install(self):
