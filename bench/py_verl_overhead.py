@@ -14,7 +14,7 @@ range.
     VV=$(bash scripts/env.sh verl)
     PYTHONPATH=build/python $VV/bin/python bench/py_verl_overhead.py [--quick] [--threads N]
         [--hidden 128] [--layers 4] [--experts 16] [--batch 8] [--prompt 8] [--response 24]
-        [--steps 40]
+        [--steps 40] [--routes random|own]
 
 A tiny Qwen3-MoE (no download) in fp32 (verl_cpu's engine: fp32 parameters and compute) where the
 routers are a large share of the work, so the ratio is an upper bound of the overhead on real
@@ -65,10 +65,25 @@ def make_engine(variant, model_path, a):
     return eng
 
 
-def make_batches(a):
+def own_routes(model_path, dense):
+    """verl's routed_experts [B, S, layers, 2] int16 of the model's own routing of the padded batch
+    ``dense`` (a transformers forward of the checkpoint, switchyard's capture; zeros at padding
+    and at each sequence's last token): what a rollout engine routing like the trainer returns."""
+    import switchyard.integrations.hf as syhf
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="sdpa",
+                                                 dtype=torch.float32)
+    with syhf.patch(model, router_dtype=None) as p, torch.no_grad(), p.capture() as cap:
+        model(input_ids=dense["input_ids"], attention_mask=dense["attention_mask"],
+              position_ids=dense["position_ids"], use_cache=False)
+    return cap.to_verl(dense["attention_mask"])
+
+
+def make_batches(a, model_path=None):
     """(log-prob batch, update batch): ``a.batch`` sequences of ``a.prompt`` (varied) prompt and
-    ``a.response`` (varied) response tokens, with random routed_experts as the rollout reports
-    them (distinct ids at every real token but each sequence's last, zeros elsewhere)."""
+    ``a.response`` (varied) response tokens, with routed_experts as the rollout reports them
+    (ids at every real token but each sequence's last, zeros elsewhere): random distinct ids
+    (``a.routes`` "random"), or the model's own routing of the batch ("own", ``own_routes``)."""
     g = torch.Generator().manual_seed(0)
     def seqs(longest):  # a.batch sequences of longest // 2 .. longest random tokens
         lens = torch.randint(longest // 2, longest + 1, (a.batch,), generator=g).tolist()
@@ -82,6 +97,8 @@ def make_batches(a):
     routed = ids.view(B, S, a.layers, 2).to(torch.int16)
     last = m.long().cumsum(1).eq(m.sum(1, keepdim=True)) & m
     routed[~m | last] = 0
+    if getattr(a, "routes", "random") == "own":
+        routed = own_routes(model_path, dense)
     infer, _ = verl_cpu.batch(prompts, responses, routed_experts=routed, **kw)
     update, _ = verl_cpu.batch(prompts, responses, routed_experts=routed,
                                return_model_output=True, **kw)
@@ -112,6 +129,10 @@ def run(eng, variant, infer, update, routed_rows):
 
 def main():
     ap = trainer_step_parser(micro=4, prompt=8, response=24, steps=40)
+    ap.add_argument("--routes", choices=["random", "own"], default="random",
+                    help="the rollout's routed_experts: random distinct ids (default), or the "
+                         "model's own routing of the batch (a rollout that routes like the "
+                         "trainer: the experts' load is the baseline's)")
     a = trainer_step_args(ap)
     if a.quick:
         a.steps = 8
@@ -120,14 +141,15 @@ def main():
     print(f"verl {verl.__version__} FSDP engine (fsdp2, 1 gloo process); Qwen3-MoE hidden "
           f"{a.hidden}, {a.layers} layers, {a.experts} experts top-2, fp32; batch {a.batch} "
           f"(micro {a.micro}), prompts <= {a.prompt}, responses <= {a.response} tokens; step = "
-          f"log-prob pass + update; {a.steps} steps each, interleaved, {a.threads} thread(s)")
+          f"log-prob pass + update; {a.steps} steps each, interleaved, {a.threads} thread(s); "
+          f"{a.routes} routes")
     tmp = tempfile.TemporaryDirectory()  # kept until the end: verl holds the model's path
     path = verl_cpu.tiny_qwen3_moe(
         tmp.name, num_hidden_layers=a.layers, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
         head_dim=a.hidden // 4, num_experts=a.experts, moe_intermediate_size=a.hidden // 2,
         initializer_range=0.02)
     engines = {v: make_engine(v, path, a) for v in VARIANTS}
-    infer, update, routed_rows = make_batches(a)
+    infer, update, routed_rows = make_batches(a, path)
     variants = list(VARIANTS)
     for v in variants:  # warm-up: first-call costs of each engine
         run(engines[v], v, infer, update, routed_rows)

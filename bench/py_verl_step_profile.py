@@ -8,7 +8,7 @@ are included in their callers.
 
     VV=$(bash scripts/env.sh verl)
     PYTHONPATH=build/python $VV/bin/python bench/py_verl_step_profile.py [--quick]
-        [--variant R3|fp32+R3] [--steps 20] [--rounds N]
+        [--variant R3|fp32+R3] [--steps 20] [--rounds N] [--routes random|own]
 
 Prints, per variant, ms per step and calls per step of every piece, best of the rounds (each
 round runs both engines' steps in turn).
@@ -86,6 +86,8 @@ def _instrument():
 def main():
     ap = b.trainer_step_parser(micro=4, prompt=8, response=24, steps=20)
     ap.add_argument("--variant", default="R3", choices=["R3", "fp32+R3"])
+    ap.add_argument("--routes", choices=["random", "own"], default="random",
+                    help="the rollout's routes (bench/py_verl_overhead.py's --routes)")
     a = b.trainer_step_args(ap)
     if a.quick:
         a.steps, a.rounds = 4, 2
@@ -99,7 +101,7 @@ def main():
     variants = ["verl", a.variant]
     _instrument()  # before the engines: the patch binds the router forward and hooks it installs
     engines = {v: b.make_engine(v, path, a) for v in variants}
-    infer, update, routed_rows = b.make_batches(a)
+    infer, update, routed_rows = b.make_batches(a, path)
     for v in variants:  # warm-up
         b.run(engines[v], v, infer, update, routed_rows)
     best = {}
