@@ -1,6 +1,9 @@
 """What the Python peer benchmarks print about the machine they ran on (one copy for all of them;
 bench/bench_machine.h is the C++ side): the CPU model and the switchyard kernel ISA in use."""
+import collections
+import functools
 import platform
+import time
 
 
 def cpu_model():
@@ -49,6 +52,63 @@ def print_step_ratios(best, steps, peer):
     for v, (w, c) in best.items():
         print(f"  {v:<8} {c / steps * 1e3:11.1f} {c / bc:6.2f} {w / steps * 1e3:14.1f} "
               f"{w / bw:6.2f}")
+
+
+class PieceTimes:
+    """The step-profile benches' counters (bench/py_trl_step_profile.py,
+    bench/py_verl_step_profile.py): CPU time and calls of wrapped functions per step, the best
+    round of each variant kept. ``clock``: the CPU-time clock (thread or process)."""
+
+    TOTAL = "step (total)"
+
+    def __init__(self, clock=time.thread_time):
+        self.clock = clock
+        self.acc = collections.defaultdict(float)
+        self.cnt = collections.Counter()
+        self.order = [self.TOTAL]  # the pieces as listed (callers before their callees)
+        self.best = {}  # (variant, piece) -> (seconds, calls) of the variant's best round
+
+    def wrap(self, owner, name, label):
+        """Replaces ``owner.name`` (a class's own attribute, else a module's) with a counted call
+        listed as ``label`` (about 1 us per call: pieces called thousands of times per step read
+        a little high; nested pieces are included in their callers)."""
+        own = owner.__dict__.get(name) if isinstance(owner, type) else None
+        if isinstance(own, (staticmethod, classmethod)):
+            own = None  # (wrapped as it is read: the function)
+        orig = own if own is not None else getattr(owner, name)
+        self.order.append(label)
+
+        @functools.wraps(orig)
+        def timed(*args, **kwargs):
+            t = self.clock()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.acc[label] += self.clock() - t
+                self.cnt[label] += 1
+        setattr(owner, name, timed)
+
+    def round(self, variant, steps, run):
+        """Times ``run()`` (a round of ``steps`` steps of ``variant``, CPU time by ``clock``, or
+        the seconds it returns) and keeps each piece's best round."""
+        self.acc.clear()
+        self.cnt.clear()
+        t = self.clock()
+        got = run()
+        self.acc[self.TOTAL] = got if got is not None else self.clock() - t
+        self.cnt[self.TOTAL] = steps
+        for k, x in self.acc.items():
+            if x < self.best.get((variant, k), (float("inf"),))[0]:
+                self.best[(variant, k)] = (x, self.cnt[k])
+
+    def print(self, variants, steps, how):
+        """Per variant: ms per step and calls per step of every piece (``how``: the rounds)."""
+        for v in variants:
+            print(f"{v}: ms/step, calls/step (best of {how})")
+            for k in self.order:
+                if (v, k) in self.best:
+                    x, n = self.best[(v, k)]
+                    print(f"  {k:50s} {x / steps * 1e3:8.3f} {n / steps:7.1f}")
 
 
 def trainer_step_parser(**defaults):

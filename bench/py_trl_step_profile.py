@@ -9,8 +9,6 @@ read a little high); nested pieces are included in their callers.
 
 Prints, per variant, ms per step and calls per step of every piece, best of the rounds.
 """
-import collections
-import functools
 import importlib
 import os
 import sys
@@ -24,24 +22,9 @@ import py_trl_overhead as b  # noqa: E402  (sets the threads, imports trl and th
 import torch  # noqa: E402
 import trl  # noqa: E402
 
-_acc = collections.defaultdict(float)
-_cnt = collections.Counter()
-_ORDER = ["step (total)"]  # the pieces in the order they are listed (callers before callees)
+from bench_machine import PieceTimes  # noqa: E402
 
-
-def _wrap(owner, name, label):
-    orig = getattr(owner, name)
-    _ORDER.append(label)
-
-    @functools.wraps(orig)
-    def timed(*args, **kwargs):
-        t = time.process_time()
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            _acc[label] += time.process_time() - t
-            _cnt[label] += 1
-    setattr(owner, name, timed)
+_times = PieceTimes(time.process_time)
 
 
 def _instrument():
@@ -74,7 +57,7 @@ def _instrument():
             (patch.Patch, "capture", "adapter: capture start"),
             (sytrl.GRPOTrainer, "_sy_record_generation", "adapter: routes of a generation"),
             (sytrl.GRPOTrainer, "_sy_batch_routes", "adapter: rollout routes -> batch")]:
-        _wrap(owner, name, label)
+        _times.wrap(owner, name, label)
 
 
 def main():
@@ -84,25 +67,12 @@ def main():
     torch.set_num_threads(int(a.threads))
     print(b.machine_line())
     _instrument()
-    best = {}
     with tempfile.TemporaryDirectory() as out:
         b.run("trl", a, out)  # warm-up
         for r in range(a.rounds):
             for v in (["trl", a.variant] if r % 2 == 0 else [a.variant, "trl"]):
-                _acc.clear()
-                _cnt.clear()
-                _, cpu = b.run(v, a, out)
-                _acc["step (total)"] = cpu
-                _cnt["step (total)"] = a.steps
-                for k, x in _acc.items():
-                    if x < best.get((v, k), (float("inf"),))[0]:
-                        best[(v, k)] = (x, _cnt[k])
-    for v in ("trl", a.variant):
-        print(f"{v}: ms/step, calls/step (best of {a.rounds} rounds)")
-        for k in _ORDER:
-            if (v, k) in best:
-                x, n = best[(v, k)]
-                print(f"  {k:42s} {x / a.steps * 1e3:8.2f} {n / a.steps:7.1f}")
+                _times.round(v, a.steps, lambda: b.run(v, a, out)[1])
+    _times.print(("trl", a.variant), a.steps, f"{a.rounds} rounds")
 
 
 if __name__ == "__main__":

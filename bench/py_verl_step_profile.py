@@ -13,8 +13,6 @@ are included in their callers.
 Prints, per variant, ms per step and calls per step of every piece, best of the rounds (each
 round runs both engines' steps in turn).
 """
-import collections
-import functools
 import importlib
 import os
 import sys
@@ -28,24 +26,9 @@ import py_verl_overhead as b  # noqa: E402  (sets the threads, verl's CPU shims 
 import torch  # noqa: E402
 import verl_cpu  # noqa: E402
 
-_acc = collections.defaultdict(float)
-_cnt = collections.Counter()
-_ORDER = ["step (total)"]  # the pieces in the order they are listed (callers before callees)
+from bench_machine import PieceTimes  # noqa: E402
 
-
-def _wrap(owner, name, label):
-    orig = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-    _ORDER.append(label)
-
-    @functools.wraps(orig)
-    def timed(*args, **kwargs):
-        t = time.thread_time()
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            _acc[label] += time.thread_time() - t
-            _cnt[label] += 1
-    setattr(owner, name, timed)
+_times = PieceTimes(time.thread_time)
 
 
 def _instrument():
@@ -80,7 +63,7 @@ def _instrument():
             (syverl.SwitchyardFSDPEngine, "forward_step", "adapter: forward_step (whole)"),
             (patch.Patch, "replay_counts", "  adapter: replay counts"),
             (syverl, "replay_metrics", "  adapter: replay metrics")]:
-        _wrap(owner, name, label)
+        _times.wrap(owner, name, label)
 
 
 def main():
@@ -104,25 +87,13 @@ def main():
     infer, update, routed_rows = b.make_batches(a, path)
     for v in variants:  # warm-up
         b.run(engines[v], v, infer, update, routed_rows)
-    best = {}
     for r in range(a.rounds):
         for v in (variants if r % 2 == 0 else variants[::-1]):
-            _acc.clear()
-            _cnt.clear()
-            t = time.thread_time()
-            for _ in range(a.steps):
-                b.run(engines[v], v, infer, update, routed_rows)
-            _acc["step (total)"] = time.thread_time() - t
-            _cnt["step (total)"] = a.steps
-            for k, x in _acc.items():
-                if x < best.get((v, k), (float("inf"),))[0]:
-                    best[(v, k)] = (x, _cnt[k])
-    for v in variants:
-        print(f"{v}: ms/step, calls/step (best of {a.rounds} rounds of {a.steps} steps)")
-        for k in _ORDER:
-            if (v, k) in best:
-                x, n = best[(v, k)]
-                print(f"  {k:50s} {x / a.steps * 1e3:8.3f} {n / a.steps:7.1f}")
+            def steps(v=v):
+                for _ in range(a.steps):
+                    b.run(engines[v], v, infer, update, routed_rows)
+            _times.round(v, a.steps, steps)
+    _times.print(variants, a.steps, f"{a.rounds} rounds of {a.steps} steps")
     tmp.cleanup()
 
 

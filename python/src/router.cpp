@@ -39,6 +39,13 @@ struct PyRoute {
 };
 
 /// [T, K] ids as int32: int32 borrowed as is, int64 converted once (range-checked).
+// Whether a row of this ReplayRowKind takes its ids (replayed, or merged repeats), as
+// ReplayRows' counts count it; native and invalid rows are routed natively.
+bool takes_ids(uint8_t kind) {
+  const auto k = static_cast<ReplayRowKind>(kind);
+  return k == ReplayRowKind::replayed || k == ReplayRowKind::merged;
+}
+
 Tensor ids_int32(py::handle obj, const char* op, const char* name, py_bridge::Arg& arg) {
   arg = py_bridge::borrow(obj, op, name, {DType::int32, DType::int64});
   if (arg.t.dtype() == DType::int32) return arg.t;
@@ -503,11 +510,7 @@ void bind_router(py::module_& m) {
                                Tensor out = Tensor::empty({T}, DType::boolean);
                                const uint8_t* k = r.kind.data<uint8_t>();
                                bool* o = out.data<bool>();
-                               for (int64_t i = 0; i < T; ++i) {
-                                 const auto kind = static_cast<ReplayRowKind>(k[i]);
-                                 o[i] = kind == ReplayRowKind::replayed ||
-                                        kind == ReplayRowKind::merged;
-                               }
+                               for (int64_t i = 0; i < T; ++i) o[i] = takes_ids(k[i]);
                                return py_bridge::to_torch(out);
                              })
       // int64 [n]: the rows routed natively (native and invalid), in order: a replayed forward
@@ -517,19 +520,11 @@ void bind_router(py::module_& m) {
                                const int64_t T = r.kind.numel();
                                const uint8_t* k = r.kind.data<uint8_t>();
                                int64_t n = 0;
-                               for (int64_t i = 0; i < T; ++i) {
-                                 const auto kind = static_cast<ReplayRowKind>(k[i]);
-                                 n += kind != ReplayRowKind::replayed &&
-                                      kind != ReplayRowKind::merged;
-                               }
+                               for (int64_t i = 0; i < T; ++i) n += !takes_ids(k[i]);
                                Tensor out = Tensor::empty({n}, DType::int64);
                                int64_t* o = out.data<int64_t>();
                                for (int64_t i = 0, j = 0; i < T; ++i) {
-                                 const auto kind = static_cast<ReplayRowKind>(k[i]);
-                                 if (kind != ReplayRowKind::replayed &&
-                                     kind != ReplayRowKind::merged) {
-                                   o[j++] = i;
-                                 }
+                                 if (!takes_ids(k[i])) o[j++] = i;
                                }
                                return py_bridge::to_torch(out);
                              })

@@ -392,14 +392,14 @@ class SwitchyardFSDPEngine(FSDPEngineWithLMHead):
             raise ValueError(f"[verl] routed_experts must hold integer expert ids, got dtype "
                              f"{values.dtype}")
         ids = model_inputs["input_ids"]
-        if isinstance(rows, int):  # packed, no SP: the tokens in order, then the static pad
+        if rows is not None:  # packed
             t = p.targets_from_verl_packed(values, offsets)  # [total, M, K], the last tokens -1
-            if rows > total:
-                t = torch.cat([t, t.new_full((rows - total, *t.shape[1:]), -1)])
-        elif rows is not None:  # packed under SP: this rank's rows of (total + pads)
-            t = p.targets_from_verl_packed(values, offsets)
-            t = torch.where((rows >= 0)[:, None, None], t[rows.clamp(min=0)], -1) \
-                if t.shape[0] else t.new_full((rows.numel(), *t.shape[1:]), -1)
+            if isinstance(rows, int):  # no SP: the tokens in order, then the static pad
+                if rows > total:
+                    t = torch.cat([t, t.new_full((rows - total, *t.shape[1:]), -1)])
+            else:  # under SP: this rank's rows of (total + pads)
+                t = torch.where((rows >= 0)[:, None, None], t[rows.clamp(min=0)], -1) \
+                    if t.shape[0] else t.new_full((rows.numel(), *t.shape[1:]), -1)
         else:
             # Right-padded [B, max_len, L, K] (zeros at padding) + its mask: verl's own batch
             # layout, read by the hf integration's verl importer (the last token and zero rows:

@@ -19,6 +19,21 @@ def _sdt(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
+def _without_grad(fn, *args):
+    """fn(*args) with autograd off: grad mode switched by calls (no_grad()'s context costs ~2 us
+    more per layer and call), by the context where torch.compile traces."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    if torch.compiler.is_compiling():
+        with torch.no_grad():
+            return fn(*args)
+    torch.set_grad_enabled(False)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_grad_enabled(True)
+
+
 def _ids(select, replay_ids, replay_mask, live=None, select_rows=None, native_rows=None):
     """The final ids: the family's live selection (run without autograd: ids are never
     differentiable, and the recompute of a replayed forward must save the same tensors as the
@@ -35,27 +50,8 @@ def _ids(select, replay_ids, replay_mask, live=None, select_rows=None, native_ro
         return replay_ids
     if live is None and native_rows is not None and select_rows is not None and \
             replay_ids.is_cpu and not torch.compiler.is_compiling():
-        if torch.is_grad_enabled():
-            torch.set_grad_enabled(False)
-            try:
-                own = select_rows(native_rows)
-            finally:
-                torch.set_grad_enabled(True)
-        else:
-            own = select_rows(native_rows)
-        return replay_ids.index_copy(0, native_rows, own)
-    if torch.is_grad_enabled():
-        if torch.compiler.is_compiling():
-            with torch.no_grad():
-                ids = select()
-        else:
-            torch.set_grad_enabled(False)  # (no_grad's context: ~2 us more per layer and call)
-            try:
-                ids = select()
-            finally:
-                torch.set_grad_enabled(True)
-    else:
-        ids = select()
+        return replay_ids.index_copy(0, native_rows, _without_grad(select_rows, native_rows))
+    ids = _without_grad(select)
     if live is not None:
         live.append(ids)
     if replay_ids is None:
