@@ -327,6 +327,48 @@ def test_capture_without_the_experts_hooks_keeps_the_routes_and_refuses_expert_i
     p.unpatch()
 
 
+def test_a_capture_places_gradient_free_forwards_it_keeps_as_a_capture_appending_each_would():
+    # A gradient-free forward whose ids only a capture takes hands the forward's entries to the
+    # capture in one call (Capture.add_forward), placed when the capture is next read or
+    # appended to. The same forwards with a layer recording (each layer's ids handed on and
+    # appended at the forward's end) must capture the same steps in the same order: gradient-free
+    # forwards kept between forwards with grad (appended at once), a read in between, and a
+    # generate(use_cache=False) after a kept forward (its re-fed steps are checked against the
+    # columns captured before it).
+    model = build("qwen3_moe").eval()
+    p = syhf.patch(model, router_dtype=None)
+    a, b, c = tokens(2, 3, seed=1), tokens(2, 2, seed=2), tokens(2, 4, seed=3)
+
+    def run(kept):
+        p.set_action(None if kept else "record")
+        with p.capture(experts=False) as cap:
+            with torch.no_grad():
+                model(a)
+            assert cap._forwards if kept else not cap._forwards  # (the path under test)
+            model(b)  # with grad: appended at its end, after the kept forward
+            with torch.no_grad():
+                model(c)
+            first = cap.moe_ids()  # a read places what was kept
+            with torch.no_grad():
+                model(a)
+            out = [first, cap.ids(), cap.native_ids(), cap.moe_ids(), cap.num_forwards]
+        with torch.no_grad(), p.capture(experts=False) as cap:
+            model(a)
+            model.generate(torch.cat([a, b], 1), max_new_tokens=3, do_sample=False,
+                           pad_token_id=0, use_cache=False)
+            out += [cap.ids(), cap.num_forwards]
+        p.set_action(None)
+        p.clear()  # (the recorded tables)
+        return out
+
+    kept, each = run(True), run(False)
+    assert kept[0].shape[:2] == (2, 9) and kept[4] == each[4] == 4
+    assert kept[5].shape[:2] == (2, 7) and kept[6] == each[6] == 4
+    for x, y in zip(kept, each):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    p.unpatch()
+
+
 def test_moe_ids_are_the_captured_ids_of_the_patched_layers_in_set_targets_layout():
     # Capture.moe_ids (the trainer adapters' read): ids() / native_ids() at Patch.layers, for a
     # model whose first layer is dense, over a generate() (several forwards per layer) and over

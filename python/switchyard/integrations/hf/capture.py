@@ -247,6 +247,7 @@ class Capture:
         self._experts_off = experts_off  # Patch.capture(experts=False)
         self._steps = {layer: [] for layer in owner.layers}
         self._native = {layer: [] for layer in owner.layers}  # the routers' own choices
+        self._forwards = []  # forwards' entries not yet placed in _steps (add_forward)
         self.active = False
         """True while capturing (between Patch.capture() and the end of the ``with`` block)."""
         self._had_generate = False
@@ -322,6 +323,8 @@ class Capture:
                                  "so the captured routes would not follow the returned "
                                  "sequences; capture supports greedy search and sampling, with "
                                  "or without a KV cache (use_cache)")
+        if self._forwards:  # (placed before the refeed rule applies to this call's steps)
+            self._place()
         self._refeed = setting("use_cache", True) is False
         if self._experts is not None:
             self._experts.refeed = self._refeed
@@ -334,6 +337,32 @@ class Capture:
             self._refeed = False
             if self._experts is not None:
                 self._experts.refeed = False
+
+    def add_forward(self, entries: list[tuple]) -> None:
+        """Appends one forward's ids of its MoE layers, each as ``append`` would, placed when the
+        capture is next read (a gradient-free forward's routers hand on the router's own id
+        tensors: one list append per forward instead of a reshape and two appends per layer
+        inside the forward; the layers' ids are what the experts received either way).
+
+        Args:
+            entries: one tuple per router call, in forward order, whose first four items are an
+                object with the route layer as ``layer`` (one of ``Patch.layers``), the ids [T, K]
+                (as ``append``'s ``ids32``), T and the decoder layer's input shape without its
+                hidden dimension (as ``append``'s ``batch_shape``). Kept as given until placed.
+        """
+        if self._refeed:  # (generate(use_cache=False) checks each step against the captured;
+            # _generate placed the forwards kept before it)
+            for e in entries:
+                self._append(e[0].layer, e[1], e[3], e[2], None)
+        else:
+            self._forwards.append(entries)
+
+    def _place(self) -> None:
+        """Places the forwards add_forward kept, in order, before anything reads or appends."""
+        forwards, self._forwards = self._forwards, []
+        for entries in forwards:
+            for e in entries:
+                self._append(e[0].layer, e[1], e[3], e[2], None)
 
     def append(self, layer: int, ids32: torch.Tensor, batch_shape: tuple[int, ...] | None,
                num_tokens: int, native32: torch.Tensor | None = None) -> None:
@@ -356,6 +385,11 @@ class Capture:
             ValueError: under generate(use_cache=False), for a step that does not extend the
                 captured sequences.
         """
+        if self._forwards:
+            self._place()
+        self._append(layer, ids32, batch_shape, num_tokens, native32)
+
+    def _append(self, layer, ids32, batch_shape, num_tokens, native32):
         T = num_tokens
         batch_shape = _batch_shape(batch_shape, T)
         # (reshape: a router's own id tensor, kept as it is, may be a strided view)
@@ -383,6 +417,8 @@ class Capture:
     @property
     def num_forwards(self) -> int:
         """Forwards captured so far (the prefill and each decode step of a generate())."""
+        if self._forwards:
+            self._place()
         return max((len(v) for v in self._steps.values()), default=0)
 
     def ids(self) -> torch.Tensor:
@@ -424,6 +460,8 @@ class Capture:
         Raises:
             ValueError: as ``ids()``.
         """
+        if self._forwards:
+            self._place()
         per = _host_layers(self._native if native else self._steps)
         K = self._owner.top_k
         return torch.stack([t if t.shape[2] == K else torch.cat(
@@ -466,6 +504,8 @@ class Capture:
         return _stack(self._experts._steps, self._owner.num_hidden_layers, self._owner.top_k)
 
     def _stacked(self, per_layer: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        if self._forwards:
+            self._place()
         o = self._owner
         return _stack(per_layer, o.num_route_layers, o.top_k)
 

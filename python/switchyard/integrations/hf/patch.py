@@ -570,12 +570,14 @@ class _Pending:
     """The ids of one forward of the decoder stack, handed on at its end (Patch._step_ends):
     the thread running it; whether its routers take the fast path (``plain``: grad disabled, not
     a recompute, no layer replaying) and whether that path keeps its ids (``keep``: a capture
-    running or a layer recording); entries (layer, ids, T, batch shape, will_recompute, native
-    ids or None)."""
-    __slots__ = ("ident", "plain", "keep", "entries")
+    running or a layer recording); whether only a capture takes them (``capture_only``: plain,
+    no layer recording); entries (layer, ids, T, batch shape, will_recompute, native ids or
+    None)."""
+    __slots__ = ("ident", "plain", "keep", "capture_only", "entries")
 
-    def __init__(self, ident, plain, keep):
+    def __init__(self, ident, plain, keep, capture_only):
         self.ident, self.plain, self.keep, self.entries = ident, plain, keep, []
+        self.capture_only = capture_only
 
 
 
@@ -1225,12 +1227,13 @@ class Patch:
             self._running[me.ident] += 1
             if self._pending is None:  # the outermost stack forward: its layers' ids wait for it
                 plain = not torch.is_grad_enabled() and not _replay.in_recompute()
-                keep = self._capture is not None
+                record = False
                 for l in self._layers:
                     a = l.replay.action
                     plain = plain and a in (None, "record")
-                    keep = keep or a == "record"
-                self._pending = _Pending(me.ident, plain, keep)
+                    record = record or a == "record"
+                self._pending = _Pending(me.ident, plain, record or self._capture is not None,
+                                         plain and not record)
             elif self._pending.ident != me.ident:
                 plain = False
             else:
@@ -1260,7 +1263,13 @@ class Patch:
         failed = output is None and sys.exc_info()[1] is not None
         if pending is not None and pending.entries:
             try:
-                self._hand_on_forward(pending.entries)
+                cap, entries = self._capture, pending.entries
+                if pending.capture_only and cap is not None and all(
+                        e[1].is_cpu and e[1].dtype in _CORE_IDS and not e[4] and e[5] is None
+                        for e in entries):
+                    cap.add_forward(entries)  # (nothing recorded or queued: the capture's alone)
+                else:
+                    self._hand_on_forward(entries)
             except BaseException:
                 # (a capture refusing a step fails the forward, as it did inside a router call;
                 # a forward that failed already keeps its own error)
