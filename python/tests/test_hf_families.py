@@ -602,6 +602,38 @@ def test_a_partly_replayed_forward_selects_its_native_rows_as_a_whole_selection_
         p.unpatch()
 
 
+@pytest.mark.parametrize("family", _families())
+def test_a_gradient_free_fp32_forward_returns_what_the_routers_generic_forward_does(family):
+    # A no-grad forward that replays nothing takes the fast path (Patch._step_begins decides it
+    # once; _Layer._fast_generic: the gate, the routing, the outputs, reusing the routing's scores
+    # for a family whose router returns them). Every router call must return, bit for bit, what
+    # the generic forward returns for the same hidden states (a forward with grad enabled), and
+    # the model's output must be the same.
+    model = build(family).eval()
+    ids = tokens(2, 7, seed=8)
+    p = syhf.patch(model, router_dtype=torch.float32)
+    seen = []
+    hooks = [model.get_submodule(p.modules[layer]).register_forward_hook(
+        lambda m, a, out: seen.append([t.detach().clone() for t in
+                                       (out if isinstance(out, tuple) else (out,))
+                                       if isinstance(t, torch.Tensor)]))
+        for layer in dict.fromkeys(p.layers) if p.modules.get(layer)]
+    try:
+        with torch.no_grad():
+            fast = model(ids)[0]
+        fast_seen, seen[:] = list(seen), []
+        generic = model(ids)[0].detach()
+        assert fast_seen and len(fast_seen) == len(seen), family
+        for a, b in zip(fast_seen, seen):
+            assert len(a) == len(b) and all(
+                x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b)), family
+        assert torch.equal(fast, generic), family
+    finally:
+        for h in hooks:
+            h.remove()
+        p.unpatch()
+
+
 def test_a_per_layer_top_k_routes_captures_and_replays_each_layer_with_its_own_k(tmp_path):
     # HunYuan's moe_topk may be a list: K differs per MoE layer. Route tables are as wide as the
     # largest K; a layer with a smaller K holds -1 past its own.

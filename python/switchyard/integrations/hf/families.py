@@ -234,10 +234,13 @@ class Family:
         return torch.cat(weights, dim=-1), ids
 
     def route(self, r, logits, replay_ids, replay_mask, passed=(), block=None, live=None,
-              native_rows=None):
+              native_rows=None, scores_out=None):
         """-> (weights [T, K], ids [T, K] int64); replayed rows take replay_ids (replay_mask
         None: every row); ``live``: None, or a list that receives the family's own ids (``_ids``);
-        ``native_rows``: None, or the rows replay_mask leaves out as an int64 index (``_ids``)."""
+        ``native_rows``: None, or the rows replay_mask leaves out as an int64 index (``_ids``);
+        ``scores_out``: None, or a list that receives the scores over all experts where the
+        family's weights are gathered from them (what ``outputs`` returns for a family whose
+        router returns its scores, the same op on the same logits)."""
         s = self.spec_for(r)
         sd = _sdt(logits)
         K = self.top_k(r, block)
@@ -263,6 +266,8 @@ class Family:
                 weights = weights.sigmoid()
         else:
             scores = self._scores(s, r, z, sd)
+            if scores_out is not None:
+                scores_out.append(scores)
             if s.select == "hash":
                 ids = _ids(lambda: r.tid2eid[passed[0].reshape(-1)].long(), replay_ids,
                            replay_mask, live,
@@ -270,7 +275,8 @@ class Family:
                            native_rows)
             else:
                 def choice(rows=None):
-                    c = scores.detach().to(sd) if s.select_in_fp32 else scores.detach()
+                    c = scores.detach()
+                    c = c.to(sd) if s.select_in_fp32 and c.dtype != sd else c
                     c = c if bias is None else c + bias
                     return c if rows is None else c[rows]
                 ids = _ids(lambda: self._select(s, r, choice(), K, block), replay_ids,
@@ -403,7 +409,10 @@ class Family:
         params = {n: q.to(h.dtype) for n, q in mod.named_parameters()}
         return torch.func.functional_call(mod, params, (h,)), state
 
-    def outputs(self, r, logits, weights, ids, x, native):
+    def outputs(self, r, logits, weights, ids, x, native, scores=None):
+        """What the family's router returns, from the routing's logits, weights and ids (x: the
+        hidden states; ``scores``: None, or route's scores_out, for a family that returns its
+        scores: reused instead of computed again)."""
         s = self.spec_for(r)
         if s.skip_expert:  # the skip class's slots: id 0, weight 0 for the experts
             skip = ids == self.num_experts(r) - 1
@@ -431,7 +440,9 @@ class Family:
             return (logits[..., :logits.shape[-1] - S], weights[..., :K].contiguous(), ids,
                     weights[..., K:].contiguous())
         if s.returns == "scores":  # the same ops as route's: bitwise its scores
-            return self._scores(s, r, logits, _sdt(logits)), weights, ids
+            if scores is None:
+                scores = self._scores(s, r, logits, _sdt(logits))
+            return scores, weights, ids
         return logits, weights, ids
 
 

@@ -332,12 +332,14 @@ class _Layer:
         owner, fam, r = self.owner, self.family, self.router
         x = fam.gate_input(r, hidden_states)
         self._hidden_dtype = hidden_states.dtype
+        scores = []  # (grad is off: the router's returned scores may be the routing's own)
         with _autocast_off(x.device.type):
             w, b = fam.params(r)
             logits = fam.logits(r, _gate(x, w, b, owner.router_dtype, owner.gate))
-            weights, ids = fam.route(r, logits, None, None, passed, self.block)
+            weights, ids = fam.route(r, logits, None, None, passed, self.block, scores_out=scores)
         self.staged_rows = self.staged_replay = None  # (as _take: nothing staged is used)
-        return self._fast_done(p, ids, fam.outputs(r, logits, weights, ids, hidden_states, False))
+        return self._fast_done(p, ids, fam.outputs(r, logits, weights, ids, hidden_states, False,
+                                                   scores[0] if scores else None))
 
     def _fast_done(self, p, ids, out):
         T = ids.shape[0]
