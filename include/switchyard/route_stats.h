@@ -67,4 +67,22 @@ RouteDrift route_drift(const RouteTable& a, const RouteTable& b);
 /// Adds the drift of another pair of tables into `drift` (same layer count).
 void accumulate_route_drift(const RouteTable& a, const RouteTable& b, RouteDrift& drift);
 
+/// A router mismatch metric: the rows of several routings of the same tokens whose expert sets
+/// differ from a reference routing's (a rollout's routes against the trainer routers' own choice
+/// and against the ids they used).
+struct RowMismatch {
+  int64_t num_compared_rows = 0;            ///< reference rows compared
+  std::vector<int64_t> num_differing_rows;  ///< per table: compared rows that differ
+};
+
+/// Counts, for each of `tables` (int32 [T, L, K], the reference's shape), the rows (token, layer)
+/// whose K ids differ from `reference`'s (int32 [T, L, K]) as multisets (each row sorted, then
+/// compared slot by slot). A row is compared where every one of the reference's K slots holds an
+/// id (>= 0: a row with a -1 anywhere is not a route) and `token_mask` (bool or uint8 [T],
+/// nonzero = kept; undefined = every token) keeps the token. Ids are not checked against an expert
+/// count (any int32 value compares). Throws std::invalid_argument naming the argument for another
+/// dtype or shape.
+RowMismatch row_mismatch(const Tensor& reference, const Tensor& token_mask,
+                         const std::vector<Tensor>& tables);
+
 }  // namespace switchyard

@@ -651,6 +651,26 @@ void bind_routes(py::module_& m) {
     }
     return drift_dict(d);
   });
+  m.def("routes_row_mismatch",
+        [](py::handle reference, const py::sequence& tables, py::handle token_mask) {
+          const char* op = "row_mismatch";
+          const py_bridge::Arg ref = py_bridge::borrow(reference, op, "reference", {DType::int32});
+          const py_bridge::Arg mask = py_bridge::borrow_optional(
+              token_mask, op, "token_mask", {DType::boolean, DType::uint8});
+          std::vector<py_bridge::Arg> keep;  // (alive until the engine call returns)
+          std::vector<Tensor> ts;
+          for (size_t i = 0; i < tables.size(); ++i) {
+            const std::string name = "tables[" + std::to_string(i) + "]";
+            keep.push_back(py_bridge::borrow(tables[i], op, name.c_str(), {DType::int32}));
+            ts.push_back(keep.back().t);
+          }
+          RowMismatch r;
+          {
+            py::gil_scoped_release nogil;
+            r = row_mismatch(ref.t, mask.t, ts);
+          }
+          return py::make_tuple(r.num_compared_rows, r.num_differing_rows);
+        });
   m.def("routes_expert_load", [](const py::sequence& tables, int64_t num_experts) {
     ExpertLoad load;
     const TablesArg in = to_tables(tables, num_experts, "expert_load");

@@ -49,7 +49,7 @@ __all__ = ["read", "write", "RouteFile", "RouteWriter", "verify", "encode", "dec
            "add_padding", "routed_experts",
            "pack_thd", "unpack_thd", "cp_zigzag_split", "cp_zigzag_gather", "sp_split",
            "sp_gather", "slice_layers", "concat_layers", "concat_tokens", "pp_moe_layer_range",
-           "drift", "expert_load"]
+           "drift", "row_mismatch", "expert_load"]
 
 
 # Id dtypes the engine reads as they are (verl's int16, vLLM's uint8 / uint16): no widening copy.
@@ -1020,6 +1020,61 @@ def drift(a, b, num_experts=None):
     if isinstance(a, (list, tuple)):
         return _C.routes_drift_many(list(a), list(b), _num_experts(list(a) + list(b), num_experts))
     return _C.routes_drift(a, b, _num_experts([a, b], num_experts))
+
+
+def row_mismatch(reference, tables, token_mask=None):
+    """A router mismatch metric: for each of ``tables``, the rows (token, layer) whose expert set
+    differs from ``reference``'s, in one engine pass (no sort of the tables as tensors).
+
+    A row is compared where every one of the reference's K slots holds an id (a row with any
+    negative id is not a route) and ``token_mask`` keeps its token; a compared row differs where
+    its K ids differ from the reference row's as multisets (each row sorted, then compared slot by
+    slot; the order of a top-k row does not change which experts run). Ids are not checked against
+    an expert count: any value compares (an id outside int32 saturates to int32's range, which no
+    router's id equals).
+
+    Args:
+        reference: [..., L, K] integer ids (any integer dtype and device), e.g. a rollout's routes
+            [B, S, L, K].
+        tables: a list of integer id tensors of the reference's shape, e.g. the trainer routers'
+            own choice and the ids they used (``hf.Capture.moe_ids``).
+        token_mask: None (every token), or the reference's leading dimensions ([B, S] for a
+            [B, S, L, K] reference: an attention mask), nonzero = compared.
+
+    Returns:
+        (compared rows, [differing rows per table]), ints.
+
+    Raises:
+        ValueError: for a reference that is not [..., L, K], a table of another shape, a mask of
+            another shape, or a non-integer dtype, naming the argument.
+    """
+    import torch
+    op = "row_mismatch"
+    ref = _ids.as_tensor(reference, op, "reference")
+    if ref.dim() < 2:
+        raise ValueError(f"[{op}] reference must be [..., L, K], got shape {list(ref.shape)}")
+    L, K = ref.shape[-2], ref.shape[-1]
+
+    def host32(t, name):
+        return _ids.to_int32(t.detach().to("cpu"), op, name, saturate=True).reshape(-1, L, K)
+    tabs = []
+    for i, t in enumerate(_ids.table_list(tables, op)):
+        t = _ids.as_tensor(t, op, f"tables[{i}]")
+        if t.shape != ref.shape:
+            raise ValueError(f"[{op}] tables[{i}] must have the reference's shape "
+                             f"{list(ref.shape)}, got {list(t.shape)}")
+        tabs.append(host32(t, f"tables[{i}]"))
+    mask = None
+    if token_mask is not None:
+        mask = torch.as_tensor(token_mask)
+        if mask.shape != ref.shape[:-2]:
+            raise ValueError(f"[{op}] token_mask must have the reference's leading dimensions "
+                             f"{list(ref.shape[:-2])}, got {list(mask.shape)}")
+        mask = mask.detach().to("cpu").reshape(-1)
+        if mask.dtype != torch.bool:
+            mask = mask != 0
+    compared, differing = _C.routes_row_mismatch(host32(ref, "reference"), tabs, mask)
+    return int(compared), [int(d) for d in differing]
 
 
 def expert_load(tables, num_experts=None):

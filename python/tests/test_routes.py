@@ -195,3 +195,64 @@ def test_route_errors():
         sy.routes.pack_thd([torch.zeros(3, 2, 2, dtype=torch.float32)])
     with pytest.raises(ValueError):
         sy.routes.write("/tmp/never.syr", [torch.full((2, 1, 2), 9)], num_experts=4)
+
+
+def _row_mismatch_reference(ref, tables, mask):
+    """The definition in torch (the TRL adapter's metric before the engine pass): rows whose
+    reference slots are all >= 0, on kept tokens, compared as sorted rows."""
+    ref = ref.long()
+    valid = (ref >= 0).all(-1)
+    if mask is not None:
+        valid &= (torch.as_tensor(mask) != 0)[..., None]
+    want = ref.sort(-1).values
+    return int(valid.sum()), [int(((t.long().sort(-1).values != want).any(-1) & valid).sum())
+                              for t in tables]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_mismatch_counts_the_rows_whose_expert_multisets_differ(seed):
+    # routes.row_mismatch against the definition in torch: reordered rows equal, repeated ids
+    # compare as multisets, a reference row with any negative id is not compared, masked tokens
+    # are not compared, ids outside int32 saturate (never equal a router's id), every id dtype.
+    g = torch.Generator().manual_seed(seed)
+    B, S, L, K, E = 3, 11, 4, [1, 2, 8][seed % 3], 16
+    ref = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * S * L)]).view(
+        B, S, L, K)
+    same = ref.clone()
+    flip = torch.rand(B, S, L, generator=g) < 0.3
+    same[flip] = same[flip].flip(-1)  # the same sets in another order
+    other = same.clone()
+    change = torch.rand(B, S, L, K, generator=g) < 0.1
+    other[change] = torch.randint(0, E, (int(change.sum()),), generator=g)  # repeats possible
+    ref = ref.long()
+    ref[torch.rand(B, S, L, K, generator=g) < 0.05] = -1
+    ref[0, 0, 0, 0] = -7
+    ref[1, 2, 3, 0] = 2**40  # outside int32: compared, differs from every table
+    mask = torch.rand(B, S, generator=g) < 0.8
+    for dtype in (torch.int32, torch.uint8, torch.int16):
+        tables = [same.to(dtype), other.to(dtype)]
+        for m in (None, mask, mask.long()):
+            got = sy.routes.row_mismatch(ref, tables, m)
+            assert got == _row_mismatch_reference(ref, tables, m), (dtype, m)
+    compared, differing = sy.routes.row_mismatch(ref.clamp(-1, 2**31 - 1).to(torch.int32), [ref],
+                                           mask)
+    assert differing == [0] and compared == _row_mismatch_reference(ref, [ref], mask)[0]
+    assert sy.routes.row_mismatch(ref.view(-1, L, K), [same.view(-1, L, K)]) == \
+        _row_mismatch_reference(ref, [same], None)
+
+
+def test_row_mismatch_refuses_shapes_and_dtypes_naming_the_argument():
+    ref = torch.zeros(2, 3, 4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"\[row_mismatch\] tables\[1\] must have the "
+                                         r"reference's shape \[2, 3, 4, 2\], got \[6, 4, 2\]"):
+        sy.routes.row_mismatch(ref, [ref, ref.view(6, 4, 2)])
+    with pytest.raises(ValueError, match=r"\[row_mismatch\] token_mask must have the "
+                                         r"reference's leading dimensions \[2, 3\], got \[6\]"):
+        sy.routes.row_mismatch(ref, [ref], torch.ones(6, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"\[row_mismatch\] tables\[0\] must have an integer "
+                                         r"dtype"):
+        sy.routes.row_mismatch(ref, [ref.float()])
+    with pytest.raises(ValueError, match=r"\[row_mismatch\] reference must be \[\.\.\., L, K\]"):
+        sy.routes.row_mismatch(torch.zeros(3, dtype=torch.int32), [])
+    with pytest.raises(ValueError, match=r"\[row_mismatch\] tables must be a list"):
+        sy.routes.row_mismatch(ref, ref)

@@ -2,6 +2,7 @@
 #include "switchyard/route_stats.h"
 
 #include <algorithm>
+#include <string>
 
 #include "check.h"
 
@@ -156,6 +157,71 @@ RouteDrift route_drift(const RouteTable& a, const RouteTable& b) {
   RouteDrift d;
   accumulate_route_drift(a, b, d);
   return d;
+}
+
+namespace {
+
+// A row's K ids in ascending order (insertion sort: K is a top-k, a handful of ids).
+void sorted_row(const int32_t* row, int64_t K, int32_t* out) {
+  for (int64_t k = 0; k < K; ++k) {
+    const int32_t v = row[k];
+    int64_t j = k;
+    for (; j > 0 && out[j - 1] > v; --j) out[j] = out[j - 1];
+    out[j] = v;
+  }
+}
+
+}  // namespace
+
+RowMismatch row_mismatch(const Tensor& reference, const Tensor& token_mask,
+                         const std::vector<Tensor>& tables) {
+  const char* op = "row_mismatch";
+  detail::check_defined(reference, op, "reference");
+  detail::check_dtype(reference, op, "reference", {DType::int32});
+  detail::check_dim(reference, op, "reference", 3);
+  detail::check_device(reference, op, "reference", kCpu);
+  const int64_t T = reference.size(0), L = reference.size(1), K = reference.size(2);
+  const uint8_t* mask = nullptr;  // (bool is stored as one byte, 0 or 1)
+  if (token_mask.defined()) {
+    detail::check_dtype(token_mask, op, "token_mask", {DType::boolean, DType::uint8});
+    detail::check_shape(token_mask, op, "token_mask", {T});
+    detail::check_device(token_mask, op, "token_mask", kCpu);
+    mask = static_cast<const uint8_t*>(token_mask.raw());
+  }
+  std::vector<const int32_t*> rows;
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const std::string name = "tables[" + std::to_string(i) + "]";
+    detail::check_defined(tables[i], op, name.c_str());
+    detail::check_dtype(tables[i], op, name.c_str(), {DType::int32});
+    detail::check_shape(tables[i], op, name.c_str(), reference.shape());
+    detail::check_device(tables[i], op, name.c_str(), kCpu);
+    rows.push_back(tables[i].data<int32_t>());
+  }
+  RowMismatch out;
+  out.num_differing_rows.assign(tables.size(), 0);
+  std::vector<int32_t> want(static_cast<size_t>(K)), got(static_cast<size_t>(K));
+  const int32_t* ref = reference.data<int32_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    if (mask != nullptr && mask[t] == 0) continue;
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t at = (t * L + l) * K;
+      const int32_t* r = ref + at;
+      if (std::any_of(r, r + K, [](int32_t v) { return v < 0; })) continue;
+      ++out.num_compared_rows;
+      bool sorted = false;  // (the reference row sorted once, when a row first needs it)
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const int32_t* x = rows[i] + at;
+        if (std::equal(r, r + K, x)) continue;  // the same ids in the same slots (a replayed row)
+        if (!sorted) {
+          sorted_row(r, K, want.data());
+          sorted = true;
+        }
+        sorted_row(x, K, got.data());
+        out.num_differing_rows[i] += !std::equal(want.begin(), want.end(), got.begin());
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace switchyard

@@ -246,6 +246,30 @@ TEST(RouteStats, DriftAgainstSetReference) {
   }
 }
 
+TEST(RouteStats, RowMismatchHandComputed) {
+  // 3 tokens, 2 layers, K 2; tables[0] and tables[1] against the reference.
+  // token 0: layer 0 same set reordered in table 0, another expert in table 1; layer 1 has a -1
+  //          in the reference (not compared).  token 1: identical, then a repeated id (a multiset:
+  //          {5, 5} differs from {5, 6}).  token 2: masked out (not compared).
+  const std::vector<int32_t> ref{1, 2, 3, -1, 4, 9, 5, 6, 7, 0, 1, 2};
+  const std::vector<int32_t> t0{2, 1, 3, 4, 4, 9, 5, 5, 0, 7, 8, 8};
+  const std::vector<int32_t> t1{1, 3, -1, -1, 9, 4, 6, 5, 7, 1, 1, 2};
+  Tensor r = Tensor::from_vector(ref, {3, 2, 2}), a = Tensor::from_vector(t0, {3, 2, 2}),
+         b = Tensor::from_vector(t1, {3, 2, 2});
+  Tensor mask = Tensor::from_vector(std::vector<uint8_t>{1, 1, 0}, {3});
+  RowMismatch m = row_mismatch(r, mask, {a, b});
+  EXPECT_EQ(m.num_compared_rows, 3);
+  EXPECT_EQ(m.num_differing_rows, (std::vector<int64_t>{1, 1}));
+  m = row_mismatch(r, Tensor(), {a, b});  // no mask: token 2's rows compared too
+  EXPECT_EQ(m.num_compared_rows, 5);
+  EXPECT_EQ(m.num_differing_rows, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(row_mismatch(r, Tensor(), {}).num_compared_rows, 5);
+  SY_EXPECT_THROW_MSG(row_mismatch(r, Tensor(), {Tensor::from_vector(t0, {6, 2})}),
+                      std::invalid_argument, "[row_mismatch] tables[0]");
+  SY_EXPECT_THROW_MSG(row_mismatch(r, Tensor::from_vector(std::vector<uint8_t>{1, 1}, {2}), {a}),
+                      std::invalid_argument, "[row_mismatch] token_mask");
+}
+
 TEST(RouteStats, ExpertLoadAndHotExperts) {
   RouteTable t = RouteTable::none(4, 2, 2, 4);
   const std::vector<int32_t> v{0, 1, 2, 3, 0, 2, 2, 3, 0, 3, -1, -1, -1, -1, -1, -1};

@@ -637,15 +637,13 @@ class GRPOTrainer(_trl.GRPOTrainer):
                 # The mismatch is the routers' own choice (live top-k) against the rollout's route
                 # at each token position, never the replayed ids against themselves: routes
                 # placed at the wrong tokens show up here even when they are replayed. Rows
-                # compare as sets; the live and the used ids in one sort.
-                r = rollout[s:e].to("cpu")
-                valid = (r >= 0).all(-1) & attention_mask[s:e].to("cpu").bool()[:, :, None]
-                both = torch.stack((cap.moe_ids(native=True), ids)).sort(-1).values
-                differ = (both != r.sort(-1).values).any(-1) & valid
-                mismatch, used = differ.view(2, -1).sum(1).tolist()
+                # compare as sets where the rollout routes the row and the token is attended; the
+                # live and the used ids in one engine pass.
+                compared, (mismatch, used) = _syroutes.row_mismatch(
+                    rollout[s:e], [cap.moe_ids(native=True), ids], attention_mask[s:e])
                 rec["mismatch_rows"] += mismatch
                 rec["used_mismatch_rows"] += used
-                rec["compared_rows"] += int(valid.sum())
+                rec["compared_rows"] += compared
             logps.append(lp)
             if compute_entropy:
                 ents.append(en)
