@@ -290,3 +290,25 @@ def test_update_expert_bias_any_values(data, E, cdtype):
         ref = bias.to(torch.float64) + rate * torch.sign(mean - counts.to(torch.float64))
         finite = torch.isfinite(ref)
         assert torch.allclose(out.to(torch.float64)[finite], ref[finite], rtol=1e-6, atol=1e-6)
+
+
+@FUZZ
+@given(st.data(), st.integers(1, 3), st.integers(1, 4))
+def test_row_mismatch_of_strided_equals_contiguous_and_the_sorted_rows(data, L, K):
+    # routes.row_mismatch on views (transposed, sliced, expanded) and any ids: the contiguous
+    # copy's counts, which are the sorted-row definition's (rows whose reference slots are all
+    # >= 0, on kept tokens).
+    E = 6
+    a = data.draw(tables(L, K, E))
+    b = data.draw(layouts(tuple(a.shape), torch.int32))
+    b = fill_(b, torch.tensor(data.draw(st.lists(st.integers(-2, E), min_size=a.numel(),
+                                                 max_size=a.numel())),
+                              dtype=torch.int32).reshape(a.shape))
+    mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=a.shape[0],
+                                           max_size=a.shape[0])), dtype=torch.bool)
+    ok, got = expect_ok_or_documented_error(lambda: syr.row_mismatch(b, [a], mask))
+    assert ok, got
+    assert got == syr.row_mismatch(b.contiguous(), [a.contiguous()], mask)
+    valid = (b >= 0).all(-1) & mask[:, None]
+    differ = (a.long().sort(-1).values != b.long().sort(-1).values).any(-1) & valid
+    assert got == (int(valid.sum()), [int(differ.sum())])
