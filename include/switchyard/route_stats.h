@@ -80,9 +80,12 @@ struct RowMismatch {
 /// compared slot by slot). A row is compared where every one of the reference's K slots holds an
 /// id (>= 0: a row with a -1 anywhere is not a route) and `token_mask` (bool or uint8 [T],
 /// nonzero = kept; undefined = every token) keeps the token. Ids are not checked against an expert
-/// count (any int32 value compares). Throws std::invalid_argument naming the argument for another
-/// dtype or shape.
+/// count (any int32 value compares). `top_ks`: empty (every layer uses K slots), or one K_l in
+/// [1, K] per layer: layer l's rows are its first K_l slots (a table as wide as the largest K holds
+/// -1 past a smaller layer's own). Throws std::invalid_argument naming the argument for another
+/// dtype, shape or K_l.
 RowMismatch row_mismatch(const Tensor& reference, const Tensor& token_mask,
-                         const std::vector<Tensor>& tables);
+                         const std::vector<Tensor>& tables,
+                         const std::vector<int64_t>& top_ks = {});
 
 }  // namespace switchyard

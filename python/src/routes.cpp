@@ -652,7 +652,8 @@ void bind_routes(py::module_& m) {
     return drift_dict(d);
   });
   m.def("routes_row_mismatch",
-        [](py::handle reference, const py::sequence& tables, py::handle token_mask) {
+        [](py::handle reference, const py::sequence& tables, py::handle token_mask,
+           const std::vector<int64_t>& top_ks) {
           const char* op = "row_mismatch";
           const py_bridge::Arg ref = py_bridge::borrow(reference, op, "reference", {DType::int32});
           const py_bridge::Arg mask = py_bridge::borrow_optional(
@@ -667,7 +668,7 @@ void bind_routes(py::module_& m) {
           RowMismatch r;
           {
             py::gil_scoped_release nogil;
-            r = row_mismatch(ref.t, mask.t, ts);
+            r = row_mismatch(ref.t, mask.t, ts, top_ks);
           }
           return py::make_tuple(r.num_compared_rows, r.num_differing_rows);
         });

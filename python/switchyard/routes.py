@@ -1022,7 +1022,7 @@ def drift(a, b, num_experts=None):
     return _C.routes_drift(a, b, _num_experts([a, b], num_experts))
 
 
-def row_mismatch(reference, tables, token_mask=None):
+def row_mismatch(reference, tables, token_mask=None, top_ks=None):
     """A router mismatch metric: for each of ``tables``, the rows (token, layer) whose expert set
     differs from ``reference``'s, in one engine pass (no sort of the tables as tensors).
 
@@ -1040,13 +1040,17 @@ def row_mismatch(reference, tables, token_mask=None):
             own choice and the ids they used (``hf.Capture.moe_ids``).
         token_mask: None (every token), or the reference's leading dimensions ([B, S] for a
             [B, S, L, K] reference: an attention mask), nonzero = compared.
+        top_ks: None (every layer routes to K experts), or one K_l in [1, K] per layer: layer l's
+            rows are their first K_l slots (tables as wide as the largest K hold -1 past a
+            smaller layer's own: HunYuan's per-layer ``moe_topk``).
 
     Returns:
         (compared rows, [differing rows per table]), ints.
 
     Raises:
         ValueError: for a reference that is not [..., L, K], a table of another shape, a mask of
-            another shape, or a non-integer dtype, naming the argument.
+            another shape, a non-integer dtype or top_ks of another length or outside [1, K],
+            naming the argument.
     """
     import torch
     op = "row_mismatch"
@@ -1073,7 +1077,8 @@ def row_mismatch(reference, tables, token_mask=None):
         mask = mask.detach().to("cpu").reshape(-1)
         if mask.dtype != torch.bool:
             mask = mask != 0
-    compared, differing = _C.routes_row_mismatch(host32(ref, "reference"), tabs, mask)
+    ks = [] if top_ks is None else [int(k) for k in top_ks]
+    compared, differing = _C.routes_row_mismatch(host32(ref, "reference"), tabs, mask, ks)
     return int(compared), [int(d) for d in differing]
 
 

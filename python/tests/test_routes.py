@@ -241,6 +241,33 @@ def test_row_mismatch_counts_the_rows_whose_expert_multisets_differ(seed):
         _row_mismatch_reference(ref, [same], None)
 
 
+def test_row_mismatch_with_a_k_per_layer_compares_each_layers_own_slots():
+    # HunYuan's per-layer moe_topk: tables as wide as the largest K hold -1 past a smaller
+    # layer's own K; with top_ks those rows are compared over their own slots (without, a row
+    # holding a -1 is not a route and is skipped).
+    g = torch.Generator().manual_seed(9)
+    T, L, K, E = 40, 3, 4, 12
+    ks = [2, 4, 3]
+    ref = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T * L)]).view(T, L, K)
+    tab = ref.clone()
+    change = torch.rand(T, L, generator=g) < 0.3
+    tab[change, 0] = (tab[change, 0] + 1) % E  # may collide with another slot: a repeat
+    for m, k in enumerate(ks):
+        ref[:, m, k:] = -1
+        tab[:, m, k:] = -1
+    got = sy.routes.row_mismatch(ref, [tab], top_ks=ks)
+    compared, differing = 0, 0
+    for m, k in enumerate(ks):
+        c, (d,) = _row_mismatch_reference(ref[:, m:m + 1, :k], [tab[:, m:m + 1, :k]], None)
+        compared, differing = compared + c, differing + d
+    assert got == (compared, [differing]) and compared == T * L and differing > 0
+    # without top_ks the layers with a smaller K are not compared
+    assert sy.routes.row_mismatch(ref, [tab])[0] == T
+    with pytest.raises(ValueError, match=r"\[row_mismatch\] top_ks\[0\] must be in \[1, K=4\], "
+                                         r"got 0"):
+        sy.routes.row_mismatch(ref, [tab], top_ks=[0, 4, 3])
+
+
 def test_row_mismatch_refuses_shapes_and_dtypes_naming_the_argument():
     ref = torch.zeros(2, 3, 4, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"\[row_mismatch\] tables\[1\] must have the "

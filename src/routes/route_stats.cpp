@@ -174,7 +174,7 @@ void sorted_row(const int32_t* row, int64_t K, int32_t* out) {
 }  // namespace
 
 RowMismatch row_mismatch(const Tensor& reference, const Tensor& token_mask,
-                         const std::vector<Tensor>& tables) {
+                         const std::vector<Tensor>& tables, const std::vector<int64_t>& top_ks) {
   const char* op = "row_mismatch";
   detail::check_defined(reference, op, "reference");
   detail::check_dtype(reference, op, "reference", {DType::int32});
@@ -187,6 +187,16 @@ RowMismatch row_mismatch(const Tensor& reference, const Tensor& token_mask,
     detail::check_shape(token_mask, op, "token_mask", {T});
     detail::check_device(token_mask, op, "token_mask", kCpu);
     mask = static_cast<const uint8_t*>(token_mask.raw());
+  }
+  if (!top_ks.empty()) {
+    if (static_cast<int64_t>(top_ks.size()) != L) {
+      fail_arg(op, "top_ks must hold one K per layer (", L, "), got ", top_ks.size());
+    }
+    for (size_t l = 0; l < top_ks.size(); ++l) {
+      if (top_ks[l] < 1 || top_ks[l] > K) {
+        fail_arg(op, "top_ks[", l, "] must be in [1, K=", K, "], got ", top_ks[l]);
+      }
+    }
   }
   std::vector<const int32_t*> rows;
   for (size_t i = 0; i < tables.size(); ++i) {
@@ -205,19 +215,20 @@ RowMismatch row_mismatch(const Tensor& reference, const Tensor& token_mask,
     if (mask != nullptr && mask[t] == 0) continue;
     for (int64_t l = 0; l < L; ++l) {
       const int64_t at = (t * L + l) * K;
+      const int64_t k_l = top_ks.empty() ? K : top_ks[static_cast<size_t>(l)];
       const int32_t* r = ref + at;
-      if (std::any_of(r, r + K, [](int32_t v) { return v < 0; })) continue;
+      if (std::any_of(r, r + k_l, [](int32_t v) { return v < 0; })) continue;
       ++out.num_compared_rows;
       bool sorted = false;  // (the reference row sorted once, when a row first needs it)
       for (size_t i = 0; i < rows.size(); ++i) {
         const int32_t* x = rows[i] + at;
-        if (std::equal(r, r + K, x)) continue;  // the same ids in the same slots (a replayed row)
+        if (std::equal(r, r + k_l, x)) continue;  // the same ids in the same slots (replayed)
         if (!sorted) {
-          sorted_row(r, K, want.data());
+          sorted_row(r, k_l, want.data());
           sorted = true;
         }
-        sorted_row(x, K, got.data());
-        out.num_differing_rows[i] += !std::equal(want.begin(), want.end(), got.begin());
+        sorted_row(x, k_l, got.data());
+        out.num_differing_rows[i] += !std::equal(want.begin(), want.begin() + k_l, got.begin());
       }
     }
   }

@@ -264,6 +264,14 @@ TEST(RouteStats, RowMismatchHandComputed) {
   EXPECT_EQ(m.num_compared_rows, 5);
   EXPECT_EQ(m.num_differing_rows, (std::vector<int64_t>{2, 2}));
   EXPECT_EQ(row_mismatch(r, Tensor(), {}).num_compared_rows, 5);
+  // Layer 0 routes to 1 expert (its slot 1 is not part of its rows), layer 1 to 2.
+  m = row_mismatch(r, mask, {a, b}, {1, 2});
+  EXPECT_EQ(m.num_compared_rows, 3);
+  EXPECT_EQ(m.num_differing_rows, (std::vector<int64_t>{2, 1}));
+  SY_EXPECT_THROW_MSG(row_mismatch(r, mask, {a}, {1}), std::invalid_argument,
+                      "[row_mismatch] top_ks must hold one K per layer (2), got 1");
+  SY_EXPECT_THROW_MSG(row_mismatch(r, mask, {a}, {1, 3}), std::invalid_argument,
+                      "[row_mismatch] top_ks[1] must be in [1, K=2], got 3");
   SY_EXPECT_THROW_MSG(row_mismatch(r, Tensor(), {Tensor::from_vector(t0, {6, 2})}),
                       std::invalid_argument, "[row_mismatch] tables[0]");
   SY_EXPECT_THROW_MSG(row_mismatch(r, Tensor::from_vector(std::vector<uint8_t>{1, 1}, {2}), {a}),
