@@ -36,6 +36,8 @@ moe_layers, num_zero_rows, first_zero_rows, num_invalid_rows, warnings, sources)
 ValueError naming the source, sequence, token, layer and value; nothing is returned.
 """
 import warnings
+from collections.abc import Sequence
+from typing import Any
 
 from . import _ids
 from . import _switchyard as _C
@@ -1022,7 +1024,8 @@ def drift(a, b, num_experts=None):
     return _C.routes_drift(a, b, _num_experts([a, b], num_experts))
 
 
-def row_mismatch(reference, tables, token_mask=None, top_ks=None):
+def row_mismatch(reference: Any, tables: Sequence[Any], token_mask: Any = None,
+                 top_ks: Sequence[int] | None = None) -> tuple[int, list[int]]:
     """A router mismatch metric: for each of ``tables``, the rows (token, layer) whose expert set
     differs from ``reference``'s, in one engine pass (no sort of the tables as tensors).
 
