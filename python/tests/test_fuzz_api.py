@@ -168,6 +168,15 @@ def tables(draw, L, K, E, max_T=20):
     return fill_(t, ids)
 
 
+@st.composite
+def ids_like(draw, a, lo, hi):
+    """An int32 tensor of ``a``'s shape in any layout, every id drawn from [lo, hi]."""
+    b = draw(layouts(tuple(a.shape), torch.int32))
+    return fill_(b, torch.tensor(draw(st.lists(st.integers(lo, hi), min_size=a.numel(),
+                                               max_size=a.numel())),
+                                 dtype=torch.int32).reshape(a.shape))
+
+
 @FUZZ
 @given(st.data(), st.integers(1, 3), st.integers(1, 3), st.sampled_from([1, 8, 300]))
 def test_routes_write_read_round_trip_any_layout(tmp_path_factory, data, L, K, E):
@@ -205,10 +214,7 @@ def test_pack_unpack_and_cp_split_any_layout(data, L, K, tp, cp, fp8):
 def test_drift_and_load_of_strided_equal_contiguous(data, L, K):
     E = 8
     a = data.draw(tables(L, K, E))
-    b = data.draw(layouts(tuple(a.shape), torch.int32))
-    b = fill_(b, torch.tensor(data.draw(st.lists(st.integers(-1, E - 1), min_size=a.numel(),
-                                                 max_size=a.numel())),
-                              dtype=torch.int32).reshape(a.shape))
+    b = data.draw(ids_like(a, -1, E - 1))
     ok, d = expect_ok_or_documented_error(lambda: syr.drift(a, b, num_experts=E))
     if ok:
         assert d == syr.drift(a.contiguous(), b.contiguous(), num_experts=E)
@@ -300,10 +306,7 @@ def test_row_mismatch_of_strided_equals_contiguous_and_the_sorted_rows(data, L, 
     # >= 0, on kept tokens).
     E = 6
     a = data.draw(tables(L, K, E))
-    b = data.draw(layouts(tuple(a.shape), torch.int32))
-    b = fill_(b, torch.tensor(data.draw(st.lists(st.integers(-2, E), min_size=a.numel(),
-                                                 max_size=a.numel())),
-                              dtype=torch.int32).reshape(a.shape))
+    b = data.draw(ids_like(a, -2, E))
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=a.shape[0],
                                            max_size=a.shape[0])), dtype=torch.bool)
     ok, got = expect_ok_or_documented_error(lambda: syr.row_mismatch(b, [a], mask))

@@ -323,8 +323,7 @@ class Capture:
                                  "so the captured routes would not follow the returned "
                                  "sequences; capture supports greedy search and sampling, with "
                                  "or without a KV cache (use_cache)")
-        if self._forwards:  # (placed before the refeed rule applies to this call's steps)
-            self._place()
+        self._place()  # (before the refeed rule applies to this call's steps)
         self._refeed = setting("use_cache", True) is False
         if self._experts is not None:
             self._experts.refeed = self._refeed
@@ -358,7 +357,10 @@ class Capture:
             self._forwards.append(entries)
 
     def _place(self) -> None:
-        """Places the forwards add_forward kept, in order, before anything reads or appends."""
+        """Places the forwards add_forward kept, in order, before anything reads or appends
+        (nothing when none is kept)."""
+        if not self._forwards:
+            return
         forwards, self._forwards = self._forwards, []
         for entries in forwards:
             for e in entries:
@@ -385,8 +387,7 @@ class Capture:
             ValueError: under generate(use_cache=False), for a step that does not extend the
                 captured sequences.
         """
-        if self._forwards:
-            self._place()
+        self._place()
         self._append(layer, ids32, batch_shape, num_tokens, native32)
 
     def _append(self, layer, ids32, batch_shape, num_tokens, native32):
@@ -417,8 +418,7 @@ class Capture:
     @property
     def num_forwards(self) -> int:
         """Forwards captured so far (the prefill and each decode step of a generate())."""
-        if self._forwards:
-            self._place()
+        self._place()
         return max((len(v) for v in self._steps.values()), default=0)
 
     def ids(self) -> torch.Tensor:
@@ -460,8 +460,7 @@ class Capture:
         Raises:
             ValueError: as ``ids()``.
         """
-        if self._forwards:
-            self._place()
+        self._place()
         per = _host_layers(self._native if native else self._steps)
         K = self._owner.top_k
         return torch.stack([t if t.shape[2] == K else torch.cat(
@@ -504,8 +503,7 @@ class Capture:
         return _stack(self._experts._steps, self._owner.num_hidden_layers, self._owner.top_k)
 
     def _stacked(self, per_layer: dict[int, list[torch.Tensor]]) -> torch.Tensor:
-        if self._forwards:
-            self._place()
+        self._place()
         o = self._owner
         return _stack(per_layer, o.num_route_layers, o.top_k)
 
