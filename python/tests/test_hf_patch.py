@@ -369,6 +369,49 @@ def test_a_capture_places_gradient_free_forwards_it_keeps_as_a_capture_appending
     p.unpatch()
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_forward_hands_on_nothing_and_later_forwards_run_as_if_it_never_did(error):
+    # A forward that fails in its second decoder layer: its first layer's ids reach neither the
+    # capture nor the recorded tables. A KeyboardInterrupt skips torch's always_call hooks, so
+    # the stack forward's end never runs: the next forward of the thread drops that state,
+    # instead of running as a nested forward of it forever (nothing captured or recorded again,
+    # and a later replayed forward routed natively by the interrupted no-grad forward's fast
+    # path).
+    model = build("qwen3_moe").eval()
+    p = syhf.patch(model)
+    ids = tokens(2, 5, seed=2)
+    layer = model.model.layers[1]
+
+    def interrupted():
+        layer.forward = lambda *a, **k: (_ for _ in ()).throw(error("stop"))
+        try:
+            with pytest.raises(error, match="stop"), torch.no_grad():
+                model(ids)
+        finally:
+            del layer.forward
+
+    p.set_action("record")
+    with p.capture(experts=False) as cap, torch.no_grad():
+        model(ids)
+        interrupted()
+        model(ids)
+    p.set_action(None)
+    assert cap.num_forwards == 2
+    assert torch.equal(cap.ids()[:, :5], cap.ids()[:, 5:])
+    for layer_id in p.layers:
+        assert p.replays[layer_id].num_recorded == 2
+    p.clear()
+    # a replayed forward after an interrupted gradient-free one replays
+    interrupted()
+    targets = (cap.moe_ids()[:, :5] + 1) % p.num_experts
+    p.set_targets(targets)
+    with p.capture(experts=False) as rep, torch.no_grad():
+        model(ids)
+    assert torch.equal(rep.moe_ids(), targets)
+    assert p._pending is None and not p._running
+    p.unpatch()
+
+
 def test_moe_ids_are_the_captured_ids_of_the_patched_layers_in_set_targets_layout():
     # Capture.moe_ids (the trainer adapters' read): ids() / native_ids() at Patch.layers, for a
     # model whose first layer is dense, over a generate() (several forwards per layer) and over

@@ -557,6 +557,12 @@ class _Layer:
 _CORE_IDS = (torch.int32, torch.int64)  # what the replay core's record / queue take as they are
 
 
+def _core_ids(t):
+    """Whether id tensor ``t`` goes on as it is (on the CPU, a dtype the core takes): no host
+    copy."""
+    return t.is_cpu and t.dtype in _CORE_IDS
+
+
 def _host_ids(tensors):
     """int32 contiguous CPU copies of the id tensors ``tensors`` (a list): one stacked copy when
     they share shape, dtype and device (one device-to-host transfer for a forward's layers),
@@ -574,12 +580,23 @@ class _Pending:
     a recompute, no layer replaying) and whether that path keeps its ids (``keep``: a capture
     running or a layer recording); whether only a capture takes them (``capture_only``: plain,
     no layer recording); entries (layer, ids, T, batch shape, will_recompute, native ids or
-    None)."""
-    __slots__ = ("ident", "plain", "keep", "capture_only", "entries")
+    None); the frame of the stack module's call (alive while the forward runs: _on_stack)."""
+    __slots__ = ("ident", "plain", "keep", "capture_only", "entries", "frame")
 
-    def __init__(self, ident, plain, keep, capture_only):
+    def __init__(self, ident, plain, keep, capture_only, frame):
         self.ident, self.plain, self.keep, self.entries = ident, plain, keep, []
-        self.capture_only = capture_only
+        self.capture_only, self.frame = capture_only, frame
+
+
+def _on_stack(frame):
+    """Whether ``frame`` is one of the calling thread's running frames (the outer stack forward
+    a later stack forward of the same thread runs inside)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
 
 
 
@@ -1224,8 +1241,16 @@ class Patch:
             return  # the compiled forward reads the state staged before it (_sync_traced)
         self._sync_traced()
         me = threading.current_thread()
+        stale = False
         with _THREADS_LOCK:
             self._check_thread(me, "[hf] a forward from")
+            p = self._pending
+            if p is not None and p.ident == me.ident and not _on_stack(p.frame):
+                # This thread's earlier stack forward ended without _step_ends: a BaseException
+                # (KeyboardInterrupt) skips torch's always_call hooks. Its state is dropped, as a
+                # failed forward's is, or every later forward would be taken for a nested one.
+                self._running.pop(me.ident, None)
+                self._pending, stale = None, not p.plain
             self._running[me.ident] += 1
             if self._pending is None:  # the outermost stack forward: its layers' ids wait for it
                 plain = not torch.is_grad_enabled() and not _replay.in_recompute()
@@ -1235,11 +1260,13 @@ class Patch:
                     plain = plain and a in (None, "record")
                     record = record or a == "record"
                 self._pending = _Pending(me.ident, plain, record or self._capture is not None,
-                                         plain and not record)
+                                         plain and not record, sys._getframe(1))
             elif self._pending.ident != me.ident:
                 plain = False
             else:
                 plain = self._pending.plain
+        if stale:
+            self.driver.end_step(failed=True)
         if not plain:
             # (A plain forward takes no target and queues nothing for a recompute: the driver's
             # step would begin and end on nothing; _step_ends skips its end the same way.)
@@ -1263,22 +1290,21 @@ class Patch:
                 if mine:
                     pending, self._pending = self._pending, None
         failed = output is None and sys.exc_info()[1] is not None
-        if pending is not None and pending.entries:
+        # A forward that failed hands nothing on: its layers' ids up to the failure would leave
+        # the capture's layers, and the recorded tables, at different step counts.
+        if pending is not None and pending.entries and not failed:
             try:
                 cap, entries = self._capture, pending.entries
                 if pending.capture_only and cap is not None and all(
-                        e[1].is_cpu and e[1].dtype in _CORE_IDS and not e[4] and e[5] is None
-                        for e in entries):
+                        _core_ids(e[1]) and not e[4] and e[5] is None for e in entries):
                     cap.add_forward(entries)  # (nothing recorded or queued: the capture's alone)
                 else:
                     self._hand_on_forward(entries)
             except BaseException:
-                # (a capture refusing a step fails the forward, as it did inside a router call;
-                # a forward that failed already keeps its own error)
-                if not failed:
-                    if not plain:
-                        self.driver.end_step(failed=True)
-                    raise
+                # (a capture refusing a step fails the forward, as it did inside a router call)
+                if not plain:
+                    self.driver.end_step(failed=True)
+                raise
         if not plain:
             self.driver.end_step(failed=failed)
 
@@ -1292,8 +1318,7 @@ class Patch:
         per forward. Ids on a device come to the host in one copy for the forward's layers first
         (kept on the device, a long generation's ids would hold device memory, int64, until the
         capture is read)."""
-        if all(e[1].is_cpu and e[1].dtype in _CORE_IDS and (e[5] is None or (
-                e[5].is_cpu and e[5].dtype in _CORE_IDS)) for e in entries):
+        if all(_core_ids(e[1]) and (e[5] is None or _core_ids(e[5])) for e in entries):
             for l, ids, T, batch_shape, will_recompute, nat in entries:
                 l._hand_on(ids, T, batch_shape, will_recompute, nat)
             return
